@@ -1,0 +1,49 @@
+"""megatron_core: Megatron-Core's building blocks for large-scale transformer training, installable with pip.
+
+Subpackages are imported on first use, so ``import megatron_core`` is cheap and never fails
+because an optional backend (Transformer Engine, flash-attn, tokenizer libraries) is missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from megatron_core import parallel_state
+from megatron_core.package_info import __version__
+
+mpu = parallel_state
+
+_SUBMODULES = (
+    "config",
+    "device",
+    "utils",
+    "process_groups_config",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "transformer",
+    "models",
+    "distributed",
+    "optimizer",
+    "dist_checkpointing",
+    "datasets",
+    "inference",
+)
+
+# Top-level names Megatron-Core exports, resolved lazily: name -> (module, attribute).
+_LAZY_NAMES = {
+    "DistributedDataParallel": ("megatron_core.distributed", "DistributedDataParallel"),
+    "ModelParallelConfig": ("megatron_core.model_parallel_config", "ModelParallelConfig"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"megatron_core.{name}")
+    if name in _LAZY_NAMES:
+        module, attribute = _LAZY_NAMES[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'megatron_core' has no attribute '{name}'")
+
+
+__all__ = ["__version__", "mpu", "parallel_state", *_SUBMODULES, *_LAZY_NAMES]

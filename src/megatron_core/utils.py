@@ -1,0 +1,115 @@
+"""Small helpers shared across subpackages: divisibility checks, init methods, API lifecycle.
+
+``deprecated`` and ``experimental_api`` implement the policy in ``docs/api_policy.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def ensure_divisibility(numerator: int, denominator: int, what: str = "") -> None:
+    """Raise ``ValueError`` unless ``numerator`` is divisible by ``denominator``."""
+    if denominator <= 0 or numerator % denominator != 0:
+        label = f"{what}: " if what else ""
+        raise ValueError(f"{label}{numerator} is not divisible by {denominator}")
+
+
+def divide(numerator: int, denominator: int, what: str = "") -> int:
+    """Integer division that raises ``ValueError`` when it is not exact."""
+    ensure_divisibility(numerator, denominator, what)
+    return numerator // denominator
+
+
+def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An init method that fills a tensor from N(0, sigma^2)."""
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
+
+    return init_
+
+
+def scaled_init_method_normal(
+    sigma: float, num_layers: int, multiplier: float = 2.0
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """N(0, (sigma / sqrt(multiplier * num_layers))^2), Megatron's init for output projections."""
+    return init_method_normal(sigma / math.sqrt(multiplier * num_layers))
+
+
+class ExperimentalNotEnabledError(RuntimeError):
+    """Raised when an experimental API is used without ``megatron_core.config.ENABLE_EXPERIMENTAL``."""
+
+
+def deprecated(
+    version: str, removal_version: str, alternative: str | None = None, reason: str | None = None
+) -> Callable[[F], F]:
+    """Mark a function or class deprecated: it warns on use and is removed in ``removal_version``."""
+
+    def decorate(obj: F) -> F:
+        message = f"{obj.__qualname__} is deprecated since {version} and will be removed in {removal_version}."
+        if alternative:
+            message += f" Use {alternative} instead."
+        if reason:
+            message += f" {reason}"
+
+        if isinstance(obj, type):
+            original_init = obj.__init__
+
+            @functools.wraps(original_init)
+            def init(self, *args, **kwargs):
+                warnings.warn(message, DeprecationWarning, stacklevel=2)
+                original_init(self, *args, **kwargs)
+
+            obj.__init__ = init
+            obj._deprecated = True
+            return obj
+
+        @functools.wraps(obj)
+        def wrapper(*args, **kwargs):
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            return obj(*args, **kwargs)
+
+        wrapper._deprecated = True
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def experimental_api(obj: F) -> F:
+    """Mark an API experimental: it raises unless ``config.ENABLE_EXPERIMENTAL`` is True."""
+    from megatron_core import config
+
+    if isinstance(obj, type):
+        original_init = obj.__init__
+
+        @functools.wraps(original_init)
+        def init(self, *args, **kwargs):
+            if not config.ENABLE_EXPERIMENTAL:
+                raise ExperimentalNotEnabledError(
+                    f"{obj.__qualname__} is experimental; set megatron_core.config.ENABLE_EXPERIMENTAL = True"
+                )
+            original_init(self, *args, **kwargs)
+
+        obj.__init__ = init
+        obj._experimental = True
+        return obj
+
+    @functools.wraps(obj)
+    def wrapper(*args, **kwargs):
+        if not config.ENABLE_EXPERIMENTAL:
+            raise ExperimentalNotEnabledError(
+                f"{obj.__qualname__} is experimental; set megatron_core.config.ENABLE_EXPERIMENTAL = True"
+            )
+        return obj(*args, **kwargs)
+
+    wrapper._experimental = True
+    return wrapper  # type: ignore[return-value]

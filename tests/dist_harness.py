@@ -1,0 +1,201 @@
+"""Run test functions on N CPU ranks with gloo, reusing one group of ranks across many checks.
+
+A :class:`RankPool` spawns ``world_size`` processes once, rendezvoused through a FileStore (no
+ports), with a short process-group timeout. :meth:`RankPool.run` sends a module-level function
+to every rank and returns the per-rank results. A failure on any rank raises with each failing
+rank's traceback; a hang past the per-call wall limit kills the pool (a new one is spawned on the
+next call). Workers exit when the parent dies, so no process is left behind.
+
+Usage in a test::
+
+    from tests.dist_harness import run_on_ranks
+
+    def _check(rank, world_size):          # module level, so workers can import it
+        ...
+        return value
+
+    def test_something():
+        results = run_on_ranks(4, _check)  # one result per rank
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from collections import OrderedDict
+from datetime import timedelta
+from typing import Any, Callable
+
+DEFAULT_CALL_TIMEOUT_S = float(os.environ.get("MCORE_TEST_CALL_TIMEOUT", "180"))
+PROCESS_GROUP_TIMEOUT_S = float(os.environ.get("MCORE_TEST_PG_TIMEOUT", "60"))
+FAILURE_GRACE_S = 5.0
+MAX_LIVE_POOLS = 2
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed or hung; the message holds each rank's traceback."""
+
+
+def _resolve(module_name: str, qualname: str) -> Callable[..., Any]:
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, results: mp.Queue,
+                 parent_pid: int, sys_path: list[str]) -> None:
+    sys.path[:] = sys_path
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["MCORE_TEST_RANK"] = str(rank)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+    )
+    from megatron_core import parallel_state
+
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent_pid:
+                os._exit(0)
+            continue
+        if task is None:
+            break
+        task_id, module_name, qualname, args, kwargs = task
+        try:
+            fn = _resolve(module_name, qualname)
+            value = fn(*args, **kwargs)
+            results.put((task_id, rank, True, value))
+        except BaseException:  # noqa: BLE001 - report everything, including CheckpointException
+            results.put((task_id, rank, False, traceback.format_exc()))
+        finally:
+            parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned CPU ranks in one gloo process group, fed functions through queues."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._ctx = mp.get_context("spawn")
+        self._tmpdir = tempfile.mkdtemp(prefix=f"mcore_pool{world_size}_")
+        store_path = os.path.join(self._tmpdir, "store")
+        self._results: mp.Queue = self._ctx.Queue()
+        self._tasks = [self._ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            self._ctx.Process(
+                target=_worker_main,
+                args=(r, world_size, store_path, self._tasks[r], self._results, os.getpid(), list(sys.path)),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._next_id = 0
+
+    def alive(self) -> bool:
+        """True while every rank process is running."""
+        return all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_CALL_TIMEOUT_S,
+            **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results ordered by rank."""
+        if "<locals>" in fn.__qualname__:
+            raise ValueError(f"{fn.__qualname__} must be defined at module level so ranks can import it")
+        self._next_id += 1
+        task_id = self._next_id
+        for q in self._tasks:
+            q.put((task_id, fn.__module__, fn.__qualname__, args, kwargs))
+        values: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) + len(errors) < self.world_size:
+            now = time.monotonic()
+            if errors:
+                deadline = min(deadline, now + FAILURE_GRACE_S)
+            try:
+                tid, rank, ok, value = self._results.get(timeout=max(0.05, min(1.0, deadline - now)))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if time.monotonic() >= deadline or dead:
+                    missing = sorted(set(range(self.world_size)) - set(values) - set(errors))
+                    self.close(force=True)
+                    reason = f"ranks {dead} died" if dead else f"no answer within {timeout:.0f}s"
+                    raise DistributedTestError(
+                        f"{fn.__qualname__} on {self.world_size} ranks: {reason}; ranks {missing} did not "
+                        f"return.\n" + _format_errors(errors)
+                    ) from None
+                continue
+            if tid != task_id:
+                continue
+            (values if ok else errors)[rank] = value
+        if errors:
+            raise DistributedTestError(
+                f"{fn.__qualname__} failed on ranks {sorted(errors)} of {self.world_size}:\n" + _format_errors(errors)
+            )
+        return [values[r] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        """Stop every rank (politely unless ``force``) and wait for them to exit."""
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+
+
+def _format_errors(errors: dict[int, str]) -> str:
+    return "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+
+
+_POOLS: OrderedDict[int, RankPool] = OrderedDict()
+
+
+def get_pool(world_size: int) -> RankPool:
+    """A live pool of ``world_size`` ranks, reused across tests (at most two pools stay alive)."""
+    pool = _POOLS.pop(world_size, None)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(force=True)
+        while len(_POOLS) >= MAX_LIVE_POOLS:
+            _, old = _POOLS.popitem(last=False)
+            old.close()
+        pool = RankPool(world_size)
+    _POOLS[world_size] = pool
+    return pool
+
+
+def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
+                 timeout: float = DEFAULT_CALL_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` CPU ranks; return the per-rank results."""
+    return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+
+def close_all_pools() -> None:
+    """Stop every pool (called at the end of the test session)."""
+    while _POOLS:
+        _, pool = _POOLS.popitem()
+        pool.close()
+
+
+atexit.register(close_all_pools)
