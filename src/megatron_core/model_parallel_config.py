@@ -1,0 +1,123 @@
+"""``ModelParallelConfig``: the parallelism, precision and schedule-hook settings shared by every module.
+
+Mirrors Megatron-Core's dataclass of the same name (field names and defaults). ``TransformerConfig``
+extends it. The schedule hooks (``no_sync_func``, ``grad_sync_func``, ``finalize_model_grads_func``,
+...) are set by the training loop and called by ``pipeline_parallel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ModelParallelConfig:
+    """Parallel sizes, initialization, precision, pipeline and communication-overlap settings."""
+
+    # Parallel sizes
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_comm_backend: str | None = None
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+
+    # Initialization
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = False
+
+    # Precision
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    enable_autocast: bool = False
+    autocast_dtype: torch.dtype | None = None
+    deterministic_mode: bool = False
+
+    # Training hooks, set by the training loop and called by the schedules
+    timers: Any = None
+    finalize_model_grads_func: Callable | None = None
+    grad_scale_func: Callable | None = None
+    no_sync_func: Callable | None = None
+    grad_sync_func: Callable | None = None
+    param_sync_func: Callable | None = None
+
+    # Activation checkpointing by microbatch
+    num_microbatches_with_partial_activation_checkpoints: int | None = None
+
+    # Optimizations
+    gradient_accumulation_fusion: bool = False
+    async_tensor_model_parallel_allreduce: bool = False
+    use_te_rng_tracker: bool = False
+    tp_comm_overlap: bool = False
+
+    # Loss
+    cross_entropy_loss_fusion: bool = False
+    cross_entropy_fusion_impl: str = "native"
+
+    # Pipeline
+    pipeline_dtype: torch.dtype | None = None
+    variable_seq_lengths: bool = False
+    overlap_p2p_comm: bool = False
+    batch_p2p_comm: bool = True
+    batch_p2p_sync: bool = True
+    use_ring_exchange_p2p: bool = False
+    deallocate_pipeline_outputs: bool = False
+    defer_embedding_wgrad_compute: bool = False
+    wgrad_deferral_limit: int = 0
+    overlap_p2p_comm_warmup_flush: bool = False
+    microbatch_group_size_per_vp_stage: int | None = None
+
+    # CPU offloading
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int = 0
+
+    # Timing
+    barrier_with_L1_time: bool = True
+
+    def __post_init__(self) -> None:
+        """Validate sizes and fill derived defaults; errors name the fields, values and rule."""
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
+        if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
+            raise ValueError(
+                f"Cannot use sequence parallelism without tensor parallelism: sequence_parallel=True needs "
+                f"tensor_model_parallel_size > 1 (got {self.tensor_model_parallel_size})"
+            )
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            raise ValueError(
+                f"pipeline_dtype must be set when pipeline_model_parallel_size > 1 "
+                f"(got pipeline_model_parallel_size={self.pipeline_model_parallel_size}, pipeline_dtype=None)"
+            )
+        if self.virtual_pipeline_model_parallel_size is not None and self.pipeline_model_parallel_size <= 1:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size ({self.virtual_pipeline_model_parallel_size}) needs "
+                f"pipeline_model_parallel_size > 1 (got {self.pipeline_model_parallel_size})"
+            )
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 cannot both be True")
+        if self.autocast_dtype is None:
+            self.autocast_dtype = self.params_dtype
+        if self.defer_embedding_wgrad_compute and self.pipeline_model_parallel_size <= 1:
+            raise ValueError("defer_embedding_wgrad_compute needs pipeline_model_parallel_size > 1")
+        if self.overlap_p2p_comm_warmup_flush and (not self.overlap_p2p_comm or self.batch_p2p_comm):
+            raise ValueError(
+                "overlap_p2p_comm_warmup_flush needs overlap_p2p_comm=True and batch_p2p_comm=False "
+                f"(got overlap_p2p_comm={self.overlap_p2p_comm}, batch_p2p_comm={self.batch_p2p_comm})"
+            )
