@@ -30,8 +30,9 @@ import tempfile
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 DEFAULT_CALL_TIMEOUT_S = float(os.environ.get("MCORE_TEST_CALL_TIMEOUT", "180"))
 PROCESS_GROUP_TIMEOUT_S = float(os.environ.get("MCORE_TEST_PG_TIMEOUT", "60"))

@@ -6,7 +6,11 @@ import pytest
 import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
-from megatron_core.parallel_state import ParallelConfigError, RankGenerator, generate_masked_orthogonal_rank_groups
+from megatron_core.parallel_state import (
+    ParallelConfigError,
+    RankGenerator,
+    generate_masked_orthogonal_rank_groups,
+)
 from megatron_core.process_groups_config import ProcessGroupCollection
 from tests.dist_harness import run_on_ranks
 from tests.parallel_state.rank_oracle import expected_groups

@@ -18,7 +18,9 @@ from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer
 from megatron_core.parallel_state.rank_generator import (
     ParallelConfigError,
     RankGenerator,
-    generate_masked_orthogonal_rank_groups,
+)
+from megatron_core.parallel_state.rank_generator import (
+    generate_masked_orthogonal_rank_groups as generate_masked_orthogonal_rank_groups,
 )
 
 # name -> process group of this rank, and name -> its global ranks (or the list of lists for all groups).
