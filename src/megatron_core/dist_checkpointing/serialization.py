@@ -1,0 +1,423 @@
+"""Entry points: ``save`` and ``load`` of sharded state dicts (Megatron-Core ``serialization``).
+
+A checkpoint directory holds DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files (the sharded
+tensors and objects), ``common.pt`` (the common state, written by rank 0 and read with
+``weights_only=True``) and ``metadata.json`` (backend and version; written last).
+
+Crash safety: everything is written into ``<dir>.tmp-<id>`` and renamed to ``<dir>`` only when
+every rank has finished, so ``<dir>`` is either absent, the previous checkpoint, or complete.
+Saving over a complete checkpoint raises unless ``overwrite=True``. Loading validates the
+metadata and every requested key and shape before reading, reads into fresh buffers, and fails
+on every rank if it fails on any, so a model is never loaded partially.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import logging
+import os
+import pickle
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_core.dist_checkpointing import collectives
+from megatron_core.dist_checkpointing.core import (
+    CheckpointingConfig,
+    CheckpointingException,
+    atomic_write_bytes,
+    check_is_distributed_checkpoint,
+    fsync_dir,
+    save_config,
+)
+from megatron_core.dist_checkpointing.dict_utils import (
+    dict_list_map_inplace,
+    extract_matching_values,
+    merge,
+    nested_values,
+    without_matching,
+)
+from megatron_core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+)
+from megatron_core.dist_checkpointing.safe_load import DCP_METADATA_FNAME, read_dcp_metadata, torch_load_safe
+from megatron_core.dist_checkpointing.strategies import (
+    AsyncRequest,
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    TorchDistLoadShardedStrategy,
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron_core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
+from megatron_core.dist_checkpointing.utils import extract_sharded_base
+from megatron_core.dist_checkpointing.validation import (
+    StrictHandling,
+    check_load_requests,
+    parse_strict_flag,
+    validate_common_state_consistency,
+    validate_sharding_integrity,
+)
+
+logger = logging.getLogger(__name__)
+
+COMMON_STATE_FNAME = "common.pt"
+CONTENT_METADATA_KEY = "content_metadata"
+
+
+def _resolve_save_strategy(strategy: Any) -> SaveShardedStrategy:
+    if strategy is None:
+        return get_default_save_sharded_strategy()
+    if isinstance(strategy, tuple):
+        return get_default_save_sharded_strategy(*strategy)
+    if isinstance(strategy, SaveShardedStrategy):
+        return strategy
+    raise CheckpointingException(f"sharded_strategy must be a SaveShardedStrategy or (backend, version), got {strategy!r}")
+
+
+def _check_common_strategy(common_strategy: Any) -> None:
+    if common_strategy not in (None, "torch", ("torch", 1)):
+        raise CheckpointingException(f"common_strategy {common_strategy!r} is not supported; common state is 'torch'")
+
+
+def _serialize_common(common_state: StateDict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(common_state, buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - explain which rule the common state broke
+        raise CheckpointingException(
+            "the common (non-sharded) state must be plain data (tensors, numbers, strings, lists, dicts) so it can "
+            f"be loaded with weights_only=True; {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from e
+    return data
+
+
+def _publish(tmp_dir: Path, final_dir: Path, overwrite: bool) -> None:
+    """Move a finished checkpoint from ``tmp_dir`` to ``final_dir`` (rank 0 only)."""
+    old = None
+    if final_dir.exists():
+        if check_is_distributed_checkpoint(final_dir) and not overwrite:
+            raise CheckpointingException(f"{final_dir} already holds a complete checkpoint; pass overwrite=True")
+        old = final_dir.with_name(f"{final_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final_dir, old)
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: str | os.PathLike,
+    sharded_strategy: SaveShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Callable[[StateDict], StateDict] | None = None,
+    content_metadata: dict | None = None,
+    *,
+    overwrite: bool = False,
+    process_group: Any = None,
+) -> AsyncRequest | None:
+    """Save ``sharded_state_dict`` into ``checkpoint_dir``; a collective call on ``process_group``.
+
+    Factories are applied in place, ``LocalNonpersistentObject``s are dropped, sharded leaves are
+    written by the strategy and the rest (the common state) by rank 0. With
+    ``async_sharded_save`` the returned :class:`AsyncRequest` must be scheduled on an
+    ``AsyncCallsQueue`` (or run with ``execute_sync``); the checkpoint appears under
+    ``checkpoint_dir`` only when it is finalized. ``overwrite`` (not in Megatron-Core) allows
+    replacing a complete checkpoint.
+    """
+    final_dir = Path(checkpoint_dir)
+    group = process_group
+    rank = collectives.get_rank(group)
+    _check_common_strategy(common_strategy)
+    strategy = _resolve_save_strategy(sharded_strategy)
+    refused = rank == 0 and check_is_distributed_checkpoint(final_dir) and not overwrite
+    if collectives.broadcast_object(refused, 0, group):
+        raise CheckpointingException(f"{final_dir} already holds a complete checkpoint; pass overwrite=True to replace it")
+
+    apply_factories(sharded_state_dict)
+    leaves = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedBase)]
+    sharded_part, _ = extract_sharded_base(sharded_state_dict)
+    common_state = without_matching(
+        sharded_state_dict, lambda x: isinstance(x, (ShardedBase, LocalNonpersistentObject))
+    )
+    if content_metadata is not None:
+        common_state[CONTENT_METADATA_KEY] = content_metadata
+    if validate_access_integrity:
+        validate_sharding_integrity(leaves, group)
+        checked = common_state
+        if preprocess_common_before_consistancy_check is not None:
+            checked = preprocess_common_before_consistancy_check(common_state)
+        validate_common_state_consistency(checked, group)
+
+    tmp_name = f"{final_dir.name}.tmp-{uuid.uuid4().hex[:12]}" if rank == 0 else None
+    tmp_dir = final_dir.with_name(collectives.broadcast_object(tmp_name, 0, group))
+    error = None
+    if rank == 0:
+        try:
+            for stale in glob.glob(f"{glob.escape(str(final_dir))}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp_dir.mkdir(parents=True)
+            atomic_write_bytes(tmp_dir / COMMON_STATE_FNAME, _serialize_common(common_state))
+        except Exception as e:  # noqa: BLE001 - sent to every rank below
+            error = e
+    if collectives.broadcast_object(error is not None, 0, group):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise CheckpointingException(f"saving {final_dir} failed on rank 0: {error}") from error
+
+    if isinstance(strategy, AsyncSaveShardedStrategy):
+        request = strategy.save_request(sharded_part, tmp_dir, stage=async_sharded_save)
+    elif async_sharded_save:
+        raise CheckpointingException(f"{type(strategy).__name__} cannot save asynchronously")
+    else:
+        request = AsyncRequest(strategy.save, (sharded_part, tmp_dir), [])
+
+    def finalize() -> None:
+        failure = None
+        if rank == 0:
+            try:
+                if not (tmp_dir / DCP_METADATA_FNAME).is_file():
+                    raise CheckpointingException(f"{tmp_dir / DCP_METADATA_FNAME} was not written")
+                save_config(CheckpointingConfig(strategy.backend, strategy.version), tmp_dir)
+                _publish(tmp_dir, final_dir, overwrite)
+            except Exception as e:  # noqa: BLE001 - sent to every rank below
+                failure = f"{type(e).__name__}: {e}"
+        failure = collectives.broadcast_object(failure, 0, group)
+        if failure is not None:
+            raise CheckpointingException(f"finalizing checkpoint {final_dir} failed: {failure}")
+
+    request.add_finalize_fn(finalize)
+    if async_sharded_save:
+        return request
+    _run_now(request, tmp_dir, rank, group)
+    return None
+
+
+def _run_now(request: AsyncRequest, tmp_dir: Path, rank: int, group: Any) -> None:
+    """Write, agree across ranks that every write succeeded, then finalize (a synchronous save)."""
+    error = None
+    try:
+        if request.async_fn is not None:
+            request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        error = e
+    if collectives.any_rank_true(error is not None, group):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        reason = f"{type(error).__name__}: {error}" if error else "a write failed on another rank"
+        raise CheckpointingException(f"saving {tmp_dir} failed: {reason}") from error
+    for fn in request.finalize_fns:
+        fn()
+
+
+def _resolve_load_strategy(strategy: Any, checkpoint_dir: str | os.PathLike) -> TorchDistLoadShardedStrategy:
+    if strategy is None or isinstance(strategy, tuple):
+        resolved = get_default_load_sharded_strategy(checkpoint_dir)
+    elif isinstance(strategy, LoadShardedStrategy):
+        resolved = strategy
+    else:
+        raise CheckpointingException(f"sharded_strategy must be a LoadShardedStrategy, got {strategy!r}")
+    if not isinstance(resolved, TorchDistLoadShardedStrategy):
+        raise CheckpointingException(f"{type(resolved).__name__} is not a torch_dist load strategy")
+    return resolved
+
+
+def _require_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
+    if not Path(checkpoint_dir).is_dir():
+        raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
+    if not check_is_distributed_checkpoint(checkpoint_dir):
+        raise CheckpointingException(
+            f"{checkpoint_dir} is not a complete distributed checkpoint (metadata.json missing or invalid)"
+        )
+
+
+def _storage_key(sh: ShardedBase) -> str:
+    return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: str | os.PathLike,
+    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    process_group: Any = None,
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
+    """Load the shards described by ``sharded_state_dict`` (any parallel layout) plus the common state.
+
+    Returns a state dict shaped like ``sharded_state_dict`` with loaded tensors and objects
+    (factories merged back, ``LocalNonpersistentObject``s unwrapped), merged into the saved common
+    state; feed it to ``module.load_state_dict``. ``strict`` decides what missing and unexpected
+    keys do (see :class:`StrictHandling`); ``return_*`` modes also return the two key sets.
+    Collective: if any rank fails, every rank raises ``CheckpointingException``.
+    """
+    strict = parse_strict_flag(strict)
+    _check_common_strategy(common_strategy)
+    group = process_group
+    error: BaseException | None = None
+    result: StateDict = {}
+    missing: set[str] = set()
+    requested: set[str] = set()
+    strategy: TorchDistLoadShardedStrategy | None = None
+    try:
+        _require_checkpoint(checkpoint_dir)
+        strategy = _resolve_load_strategy(sharded_strategy, checkpoint_dir)
+        common_state = load_common_state_dict(checkpoint_dir)
+        factories, _ = extract_matching_values(
+            sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
+        )
+        apply_factories(sharded_state_dict)
+        nonpersistent, _ = extract_matching_values(
+            sharded_state_dict, lambda x: isinstance(x, LocalNonpersistentObject), return_lists_as_dicts=True
+        )
+        sharded_part, _ = extract_matching_values(
+            sharded_state_dict, lambda x: isinstance(x, ShardedBase), return_lists_as_dicts=True
+        )
+        leaves = [v for v in nested_values(sharded_part) if isinstance(v, ShardedBase)]
+        requested = {_storage_key(sh) for sh in leaves}
+        missing = set(check_load_requests(leaves, strategy.metadata(checkpoint_dir), str(checkpoint_dir)))
+        if missing and not StrictHandling.tolerates_missing_keys(strict):
+            raise CheckpointingException(
+                f"{checkpoint_dir}: {len(missing)} requested keys are missing from the checkpoint: {sorted(missing)[:10]}"
+            )
+        if missing:
+            sharded_part, _ = extract_matching_values(
+                sharded_part, lambda x: isinstance(x, ShardedBase) and _storage_key(x) not in missing,
+                return_lists_as_dicts=True,
+            )
+        loaded = strategy.load(sharded_part, checkpoint_dir)
+        dict_list_map_inplace(lambda x: x.unwrap() if isinstance(x, LocalNonpersistentObject) else x, nonpersistent)
+        result = merge(merge(common_state, loaded), nonpersistent)
+        if factories:
+            result = apply_factory_merges(result, factories)
+    except Exception as e:  # noqa: BLE001 - every rank must learn about a failure on any rank
+        error = e
+    if collectives.any_rank_true(error is not None, group):
+        if error is not None:
+            if isinstance(error, CheckpointingException):
+                raise error
+            raise CheckpointingException(f"loading {checkpoint_dir} failed: {type(error).__name__}: {error}") from error
+        raise CheckpointingException(f"loading {checkpoint_dir} failed on another rank")
+
+    unexpected: set[str] = set()
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        assert strategy is not None
+        all_requested = set().union(*collectives.all_gather_object(requested, group))
+        saved = set(strategy.metadata(checkpoint_dir).state_dict_metadata)
+        unexpected = saved - all_requested
+        _report_mismatch(strict, missing, unexpected, checkpoint_dir)
+    elif missing and strict == StrictHandling.LOG_ALL:
+        _report_mismatch(strict, missing, unexpected, checkpoint_dir)
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return result, missing, unexpected
+    return result
+
+
+def _report_mismatch(strict: StrictHandling, missing: set[str], unexpected: set[str],
+                     checkpoint_dir: str | os.PathLike) -> None:
+    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL) and unexpected:
+        raise CheckpointingException(
+            f"{checkpoint_dir}: {len(unexpected)} keys in the checkpoint were not requested: {sorted(unexpected)[:10]}"
+        )
+    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and unexpected:
+        logger.warning("%s: keys in the checkpoint not requested: %s", checkpoint_dir, sorted(unexpected)[:20])
+    if strict == StrictHandling.LOG_ALL and missing:
+        logger.warning("%s: requested keys missing from the checkpoint: %s", checkpoint_dir, sorted(missing)[:20])
+
+
+def load_common_state_dict(checkpoint_dir: str | os.PathLike) -> StateDict:
+    """The common (non-sharded) state saved by rank 0, read with ``weights_only=True``."""
+    path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+    if not path.is_file():
+        raise CheckpointingException(f"{path} is missing: the checkpoint is incomplete")
+    common = torch_load_safe(path, str(path))
+    if not isinstance(common, dict):
+        raise CheckpointingException(f"{path} holds a {type(common).__name__}, expected a dict")
+    common.pop(CONTENT_METADATA_KEY, None)
+    return common
+
+
+def load_content_metadata(checkpoint_dir: str | os.PathLike | None = None, *,
+                          preloaded_state_dict: StateDict | None = None) -> dict | None:
+    """The ``content_metadata`` given to ``save`` (``None`` if none was given)."""
+    if preloaded_state_dict is not None:
+        return preloaded_state_dict.get(CONTENT_METADATA_KEY)
+    if checkpoint_dir is None:
+        raise ValueError("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
+    path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+    return torch_load_safe(path, str(path)).get(CONTENT_METADATA_KEY)
+
+
+def load_tensors_metadata(checkpoint_dir: str | os.PathLike,
+                          sharded_strategy: LoadShardedStrategy | None = None) -> ShardedStateDict:
+    """Data-less ShardedTensors (global shape, dtype) for every tensor in the checkpoint."""
+    _require_checkpoint(checkpoint_dir)
+    return _resolve_load_strategy(sharded_strategy, checkpoint_dir).load_tensors_metadata(checkpoint_dir)
+
+
+def load_sharded_metadata(checkpoint_dir: str | os.PathLike, sharded_strategy: LoadShardedStrategy | None = None,
+                          common_strategy: Any = None) -> ShardedStateDict:
+    """Data-less ShardedTensors and ShardedObjects for everything in the checkpoint."""
+    _check_common_strategy(common_strategy)
+    _require_checkpoint(checkpoint_dir)
+    return _resolve_load_strategy(sharded_strategy, checkpoint_dir).load_sharded_metadata(checkpoint_dir)
+
+
+def load_plain_tensors(checkpoint_dir: str | os.PathLike) -> StateDict:
+    """Every tensor of the checkpoint as one full (unsharded) CPU tensor on this rank; no collectives."""
+    _require_checkpoint(checkpoint_dir)
+    strategy = _resolve_load_strategy(None, checkpoint_dir)
+    sharded = strategy.load_tensors_metadata(checkpoint_dir)
+    for sh in sharded.values():
+        sh.init_data("cpu")
+    return strategy.load(sharded, checkpoint_dir)
+
+
+def remove_sharded_tensors(checkpoint_dir: str | os.PathLike, key_prefix: str) -> None:
+    """Drop every tensor whose key starts with ``key_prefix`` from the checkpoint's metadata (rank 0 only).
+
+    The bytes stay in the data files but are no longer reachable; ``.metadata`` is replaced atomically.
+    """
+    _require_checkpoint(checkpoint_dir)
+    metadata = read_dcp_metadata(checkpoint_dir)
+    metadata.state_dict_metadata = {
+        k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
+    }
+    metadata.storage_data = {
+        k: v for k, v in metadata.storage_data.items() if not k.fqn.startswith(key_prefix)
+    }
+    atomic_write_bytes(Path(checkpoint_dir) / DCP_METADATA_FNAME, pickle.dumps(metadata))
+
+
+__all__ = [
+    "CheckpointingException",
+    "StrictHandling",
+    "check_is_distributed_checkpoint",
+    "load",
+    "load_common_state_dict",
+    "load_content_metadata",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "remove_sharded_tensors",
+    "save",
+]

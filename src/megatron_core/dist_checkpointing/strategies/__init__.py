@@ -1,0 +1,48 @@
+"""Save and load strategies; ``torch_dist`` is the only sharded backend."""
+
+from __future__ import annotations
+
+import os
+
+from megatron_core.dist_checkpointing.core import CheckpointingException, maybe_load_config
+from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron_core.dist_checkpointing.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+)
+from megatron_core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron_core.dist_checkpointing.strategies.torch_dist import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
+
+
+def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
+    """The save strategy for ``backend`` (only ``torch_dist``)."""
+    return TorchDistSaveShardedStrategy(backend, version)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: str | os.PathLike) -> LoadShardedStrategy:
+    """The load strategy for the backend recorded in ``checkpoint_dir``'s ``metadata.json``."""
+    config = maybe_load_config(checkpoint_dir)
+    if config is None:
+        raise CheckpointingException(f"{checkpoint_dir} is not a distributed checkpoint (no valid metadata.json)")
+    strategy = TorchDistLoadShardedStrategy()
+    strategy.check_backend_compatibility(config.sharded_backend)
+    strategy.check_version_compatibility(config.sharded_backend_version)
+    return strategy
+
+
+__all__ = [
+    "AsyncCallsQueue",
+    "AsyncRequest",
+    "AsyncSaveShardedStrategy",
+    "FullyParallelSaveStrategyWrapper",
+    "LoadShardedStrategy",
+    "SaveShardedStrategy",
+    "TorchDistLoadShardedStrategy",
+    "TorchDistSaveShardedStrategy",
+    "get_default_load_sharded_strategy",
+    "get_default_save_sharded_strategy",
+]

@@ -1,0 +1,181 @@
+"""The ``torch_dist`` backend: shards stored as PyTorch Distributed Checkpoint (DCP) files.
+
+On disk: ``__<rank>_<n>.distcp`` data files plus DCP's ``.metadata`` (written by the
+coordinator once every rank has written its data), exactly as ``torch.distributed.checkpoint``
+lays them out, so other DCP tools can read our checkpoints. We drive DCP's planner and storage
+layers ourselves instead of calling ``dcp.save``/``dcp.load``: planning (small collectives)
+happens on the caller's thread, file writing can run in the background, and loading reads
+``.metadata`` through a restricted unpickler, reads into fresh buffers and needs no collectives.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from megatron_core.dist_checkpointing import collectives
+from megatron_core.dist_checkpointing.core import CheckpointingException
+from megatron_core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+from megatron_core.dist_checkpointing.mapping import (
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    is_main_replica,
+)
+from megatron_core.dist_checkpointing.safe_load import read_dcp_metadata
+from megatron_core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron_core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from megatron_core.dist_checkpointing.strategies.dcp_planners import McoreLoadPlanner, McoreSavePlanner
+
+BACKEND = "torch_dist"
+VERSION = 1
+
+
+def _sharded_leaves(sharded_state_dict: ShardedStateDict) -> list[ShardedBase]:
+    return [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedBase)]
+
+
+class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """Save shards with DCP. Only main replicas are written unless ``keep_only_main_replica`` is off.
+
+    With ``keep_only_main_replica=False`` every replica offers its shard and DCP's planner keeps
+    each on the rank with the fewest bytes planned so far: the fully parallel save.
+    """
+
+    def __init__(self, backend: str = BACKEND, version: int = VERSION, keep_only_main_replica: bool = True,
+                 thread_count: int = 1, process_group: Any = None) -> None:
+        super().__init__(backend, version)
+        if backend != BACKEND:
+            raise CheckpointingException(f"TorchDistSaveShardedStrategy writes backend {BACKEND!r}, not {backend!r}")
+        self.keep_only_main_replica = keep_only_main_replica
+        self.thread_count = thread_count
+        self.process_group = process_group
+        self.last_planned_bytes = 0
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike) -> AsyncRequest:
+        """Plan collectively and stage private CPU copies; the request's ``async_fn`` writes files."""
+        return self._plan(sharded_state_dict, checkpoint_dir, clone=True)
+
+    def save_request(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike,
+                     stage: bool) -> AsyncRequest:
+        """Plan collectively; with ``stage`` also copy every tensor so training may go on."""
+        return self._plan(sharded_state_dict, checkpoint_dir, clone=stage)
+
+    def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike,
+              clone: bool) -> AsyncRequest:
+        group = self.process_group
+        rank = collectives.get_rank(group)
+        shards = _sharded_leaves(sharded_state_dict)
+        if self.keep_only_main_replica:
+            shards = [sh for sh in shards if is_main_replica(sh.replica_id)]
+        planner = McoreSavePlanner(shards, clone=clone)
+        self.last_planned_bytes = planner.planned_bytes()
+        writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=True, overwrite=True)
+        coordinator = rank == 0
+        planner.set_up_planner(is_coordinator=coordinator)
+        writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
+        all_plans = collectives.all_gather_object(writer.prepare_local_plan(planner.create_local_plan()), group)
+        payload: tuple = (None, None, None)
+        if coordinator:
+            try:
+                global_plans, metadata = planner.create_global_plan(all_plans)
+                payload = (writer.prepare_global_plan(global_plans), metadata, None)
+            except Exception as e:  # noqa: BLE001 - sent to every rank below
+                payload = (None, None, f"{type(e).__name__}: {e}")
+        global_plans, metadata, error = collectives.broadcast_object(payload, 0, group)
+        if error is not None:
+            raise CheckpointingException(f"planning the save of {checkpoint_dir} failed: {error}")
+        final_plan = planner.finish_plan(global_plans[rank])
+        results: dict[str, Any] = {}
+
+        def write() -> None:
+            results["write"] = writer.write_data(final_plan, planner).wait()
+
+        def finish() -> None:
+            all_results = collectives.all_gather_object(results.get("write"), group)
+            if coordinator:
+                writer.finish(metadata, all_results)
+            collectives.barrier(group)
+
+        return AsyncRequest(write, (), [finish])
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Load shards from DCP files into fresh buffers, resharding to whatever layout is requested."""
+
+    def __init__(self) -> None:
+        self._metadata_cache: dict[str, Metadata] = {}
+
+    def metadata(self, checkpoint_dir: str | os.PathLike) -> Metadata:
+        """The checkpoint's DCP metadata (read safely, validated, cached per directory)."""
+        key = os.path.abspath(checkpoint_dir)
+        if key not in self._metadata_cache:
+            self._metadata_cache[key] = read_dcp_metadata(checkpoint_dir)
+        return self._metadata_cache[key]
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+        """Read every shard of ``sharded_state_dict``; local to this rank (no collectives)."""
+        metadata = self.metadata(checkpoint_dir)
+        planner = McoreLoadPlanner(_sharded_leaves(sharded_state_dict), metadata)
+        reader = FileSystemReader(checkpoint_dir)
+        reader.set_up_storage_reader(metadata, False, rank=collectives.get_rank(), use_collectives=False)
+        per_file: dict[str, list] = defaultdict(list)
+        for item in planner.create_local_plan().items:
+            per_file[metadata.storage_data[item.storage_index].relative_path].append(item)
+        for file_name, items in sorted(per_file.items()):
+            try:
+                reader.read_data(LoadPlan(items), planner).wait()
+            except CheckpointingException:
+                raise
+            except Exception as e:  # noqa: BLE001 - name the file and keys of any read failure
+                keys = sorted({item.storage_index.fqn for item in items})
+                raise CheckpointingException(
+                    f"reading {os.path.join(checkpoint_dir, file_name)} (keys {keys[:5]}"
+                    f"{' ...' if len(keys) > 5 else ''}) failed: {type(e).__name__}: {e}"
+                ) from e
+
+        def loaded(x: Any) -> Any:
+            if isinstance(x, ShardedTensor):
+                return planner.loaded_tensor(x)
+            if isinstance(x, ShardedObject):
+                return planner.loaded_object(x)
+            return x
+
+        return dict_list_map_outplace(loaded, sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike) -> ShardedStateDict:
+        """A data-less ShardedTensor (the whole global tensor, main replica) per stored tensor."""
+        out = {}
+        for key, md in self.metadata(checkpoint_dir).state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                shape = tuple(md.size)
+                out[key] = ShardedTensor(key, None, md.properties.dtype, shape, shape, (0,) * len(shape),
+                                         (1,) * len(shape))
+        return out
+
+    def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike) -> ShardedStateDict:
+        """:meth:`load_tensors_metadata` plus a data-less ShardedObject per stored object shard."""
+        out = self.load_tensors_metadata(checkpoint_dir)
+        for key, md in self.metadata(checkpoint_dir).state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata) and "/shard_" in key:
+                out[key] = ShardedObject.empty_from_unique_key(key)
+        return out
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Only ``torch_dist`` checkpoints are readable."""
+        if loaded_backend != BACKEND:
+            raise CheckpointingException(
+                f"checkpoint was written by backend {loaded_backend!r}; only {BACKEND!r} is supported"
+            )
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Only version 1 exists."""
+        if loaded_version != VERSION:
+            raise CheckpointingException(f"{BACKEND} checkpoint version {loaded_version} is not supported")
+

@@ -1,0 +1,88 @@
+"""Filtering sharded state dicts by leaf type and rewriting sharding keys (Megatron-Core ``utils``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_core.dist_checkpointing.core import CheckpointingException
+from megatron_core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values
+from megatron_core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+
+
+def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, Any]:
+    """(ShardedTensor leaves, everything else)."""
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedTensor))
+
+
+def extract_sharded_tensors_and_factories(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, Any]:
+    """(ShardedTensor and ShardedTensorFactory leaves, everything else)."""
+    return extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory))
+    )
+
+
+def extract_sharded_tensors_or_nonpersistent(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, Any]:
+    """(ShardedTensor, factory and LocalNonpersistentObject leaves, everything else)."""
+    return extract_matching_values(
+        sharded_state_dict,
+        lambda v: isinstance(v, (ShardedTensor, LocalNonpersistentObject, ShardedTensorFactory)),
+    )
+
+
+def extract_sharded_base(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, Any]:
+    """(ShardedTensor and ShardedObject leaves, everything else)."""
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+
+
+def extract_nonpersistent(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, Any]:
+    """(LocalNonpersistentObject leaves, everything else)."""
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+
+
+def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
+    """Prepend ``prefix`` to the key of every sharded leaf (in place)."""
+
+    def add_prefix(x: Any) -> Any:
+        if isinstance(x, (ShardedTensor, ShardedObject, ShardedTensorFactory)):
+            x.key = f"{prefix}{x.key}"
+        return x
+
+    dict_list_map_inplace(add_prefix, sharded_state_dict)
+
+
+def replace_prefix_for_sharding(sharded_state_dict: ShardedStateDict, old_prefix: str, new_prefix: str) -> None:
+    """Change the key prefix ``old_prefix`` to ``new_prefix`` on every sharded leaf (in place).
+
+    ``TransformerBlock`` uses this to turn ``decoder.layers.<local i>.`` into ``decoder.layers.``
+    once the layer index has become a prepended global axis.
+    """
+
+    def replace_prefix(x: Any) -> Any:
+        if isinstance(x, (ShardedTensor, ShardedObject, ShardedTensorFactory)):
+            if not x.key.startswith(old_prefix):
+                raise CheckpointingException(f"key {x.key!r} does not start with prefix {old_prefix!r}")
+            x.key = f"{new_prefix}{x.key[len(old_prefix):]}"
+        return x
+
+    dict_list_map_inplace(replace_prefix, sharded_state_dict)
+
+
+def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[str, str]) -> None:
+    """Rename sharded keys by the first matching ``old_prefix -> new_prefix`` entry (in place)."""
+
+    def rename(x: Any) -> Any:
+        if isinstance(x, (ShardedTensor, ShardedObject, ShardedTensorFactory)):
+            for old, new in prefix_map.items():
+                if x.key.startswith(old):
+                    x.key = f"{new}{x.key[len(old):]}"
+                    break
+        return x
+
+    dict_list_map_inplace(rename, sharded_state_dict)

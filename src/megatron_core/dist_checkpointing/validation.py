@@ -1,0 +1,210 @@
+"""Checks run before writing or reading anything (Megatron-Core ``dist_checkpointing.validation``).
+
+Save: :func:`validate_sharding_integrity` gathers every rank's shard descriptions and checks that
+the main replicas tile each global tensor exactly once (no gap, no overlap), that all ranks agree
+on shape and dtype, and that every replica matches a main shard. Load: :func:`check_load_requests`
+checks every requested key against the checkpoint metadata (existence, kind, global shape) so a
+mismatch is reported with the key and both shapes before any tensor is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from enum import Enum
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from megatron_core.dist_checkpointing import collectives
+from megatron_core.dist_checkpointing.core import CheckpointingException
+from megatron_core.dist_checkpointing.dict_utils import diff
+from megatron_core.dist_checkpointing.mapping import (
+    ShardedBase,
+    ShardedObject,
+    ShardedTensor,
+    is_main_replica,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class StrictHandling(Enum):
+    """What ``load`` does with keys missing from the checkpoint or unexpected in it.
+
+    Missing keys (requested but not saved) raise unless the mode is ``log_all``, ``return_all`` or
+    ``ignore_all``, which drop them from the result. Unexpected keys (saved but requested by no
+    rank) are ignored, logged, raised or returned as the mode's name says.
+    """
+
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
+    LOG_UNEXPECTED = "log_unexpected"
+    LOG_ALL = "log_all"
+    RAISE_UNEXPECTED = "raise_unexpected"
+    RAISE_ALL = "raise_all"
+    RETURN_UNEXPECTED = "return_unexpected"
+    RETURN_ALL = "return_all"
+    IGNORE_ALL = "ignore_all"
+
+    @staticmethod
+    def requires_explicit_ckpt_mismatch_check(val: StrictHandling) -> bool:
+        """Whether unexpected keys must be computed (a gather of every rank's requested keys)."""
+        return val not in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.IGNORE_ALL)
+
+    @staticmethod
+    def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
+        """Whether ``load`` returns ``(state_dict, missing_keys, unexpected_keys)``."""
+        return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
+    @staticmethod
+    def tolerates_missing_keys(val: StrictHandling) -> bool:
+        """Whether requested keys absent from the checkpoint are dropped instead of raising."""
+        return val in (StrictHandling.LOG_ALL, StrictHandling.RETURN_ALL, StrictHandling.IGNORE_ALL)
+
+
+def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
+    """``StrictHandling`` from an enum value or its string name."""
+    if isinstance(strict, StrictHandling):
+        return strict
+    try:
+        return StrictHandling(strict)
+    except ValueError as e:
+        valid = ", ".join(s.value for s in StrictHandling)
+        raise ValueError(f"strict={strict!r} is not one of: {valid}") from e
+
+
+def _shard_record(sh: ShardedBase) -> tuple:
+    if isinstance(sh, ShardedTensor):
+        return ("t", sh.key, tuple(sh.global_shape), str(sh.dtype), tuple(sh.global_offset),
+                tuple(sh.chunk_sizes()), is_main_replica(sh.replica_id))
+    if isinstance(sh, ShardedObject):
+        return ("o", sh.key, tuple(sh.global_shape), None, tuple(sh.global_offset), None,
+                is_main_replica(sh.replica_id))
+    raise CheckpointingException(f"unexpected sharded leaf {type(sh).__name__} for key {sh.key!r}")
+
+
+def _overlaps(a: tuple, b: tuple) -> bool:
+    (oa, sa), (ob, sb) = a, b
+    return all(x < y + ly and y < x + lx for x, lx, y, ly in zip(oa, sa, ob, sb))
+
+
+def _check_tensor_key(key: str, records: list[tuple]) -> list[str]:
+    errors = []
+    shapes = {r[2] for r in records}
+    dtypes = {r[3] for r in records}
+    if len(shapes) > 1:
+        errors.append(f"{key!r}: ranks disagree on global_shape: {sorted(shapes)}")
+    if len(dtypes) > 1:
+        errors.append(f"{key!r}: ranks disagree on dtype: {sorted(dtypes)}")
+    if errors:
+        return errors
+    main = sorted({(r[4], r[5]) for r in records if r[6]})
+    replicas = {(r[4], r[5]) for r in records}
+    global_shape = records[0][2]
+    for i in range(len(main)):
+        for j in range(i + 1, len(main)):
+            if _overlaps(main[i], main[j]):
+                errors.append(f"{key!r}: main-replica shards overlap: offset {main[i][0]} size {main[i][1]} and "
+                              f"offset {main[j][0]} size {main[j][1]}")
+    covered = sum(math.prod(size) for _, size in main)
+    if not errors and covered != math.prod(global_shape):
+        errors.append(f"{key!r}: main-replica shards cover {covered} of {math.prod(global_shape)} elements of "
+                      f"global_shape {global_shape} (a shard is missing or no rank has replica_id 0 for it)")
+    stray = replicas - set(main)
+    if stray:
+        errors.append(f"{key!r}: replica shards {sorted(stray)[:3]} match no main-replica shard")
+    return errors
+
+
+def _check_object_key(key: str, records: list[tuple]) -> list[str]:
+    shapes = {r[2] for r in records}
+    if len(shapes) > 1:
+        return [f"ShardedObject {key!r}: ranks disagree on the grid shape: {sorted(shapes)}"]
+    main_offsets = [r[4] for r in records if r[6]]
+    errors = []
+    duplicated = {o for o in main_offsets if main_offsets.count(o) > 1}
+    if duplicated:
+        errors.append(f"ShardedObject {key!r}: shards {sorted(duplicated)} have more than one main replica")
+    expected = math.prod(next(iter(shapes)))
+    if len(set(main_offsets)) != expected:
+        errors.append(f"ShardedObject {key!r}: {len(set(main_offsets))} of {expected} grid shards have a main replica")
+    return errors
+
+
+def validate_sharding_integrity(sharded_leaves: list[ShardedBase], group: Any = None) -> list[list[tuple]]:
+    """Raise ``CheckpointingException`` on every rank unless the shards of all ranks tile each key.
+
+    Returns the gathered shard records (one list per rank) for callers that need the global view.
+    """
+    local = [_shard_record(sh) for sh in sharded_leaves]
+    gathered = collectives.all_gather_object(local, group)
+    errors: list[str] = []
+    if collectives.get_rank(group) == 0:
+        by_key: dict[tuple[str, str], list[tuple]] = defaultdict(list)
+        for rank_records in gathered:
+            for rec in rank_records:
+                by_key[(rec[0], rec[1])].append(rec)
+        for (kind, key), records in sorted(by_key.items()):
+            errors += _check_tensor_key(key, records) if kind == "t" else _check_object_key(key, records)
+    errors = collectives.broadcast_object(errors, 0, group)
+    if errors:
+        shown = "\n  ".join(errors[:20])
+        more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
+        raise CheckpointingException(f"invalid sharding of the state dict:\n  {shown}{more}")
+    return gathered
+
+
+def validate_common_state_consistency(common_state: Any, group: Any = None) -> None:
+    """Log a warning on rank 0 when the common (non-sharded) state differs between ranks."""
+    gathered = collectives.all_gather_object(common_state, group)
+    if collectives.get_rank(group) != 0:
+        return
+    for rank, other in enumerate(gathered[1:], start=1):
+        only_0, only_r, mismatch = diff(gathered[0], other)
+        if only_0 or only_r or mismatch:
+            logger.warning(
+                "common state differs between rank 0 and rank %d (only on rank 0: %s, only on rank %d: %s, "
+                "different: %s); rank 0's copy is saved", rank, only_0[:5], rank, only_r[:5],
+                [m[0] for m in mismatch[:5]],
+            )
+
+
+def check_load_requests(sharded_leaves: list[ShardedBase], metadata: Metadata, checkpoint_dir: str) -> list[str]:
+    """Check requested keys against the checkpoint; return the missing storage keys.
+
+    Raises on a kind mismatch (tensor vs object) or a global shape mismatch, naming the key and
+    both shapes (``allow_shape_mismatch`` tensors may differ in shape).
+    """
+    missing = []
+    md = metadata.state_dict_metadata
+    for sh in sharded_leaves:
+        storage_key = sh.unique_key if isinstance(sh, ShardedObject) else sh.key
+        entry = md.get(storage_key)
+        if entry is None:
+            if isinstance(sh, ShardedObject):
+                saved = sorted(k for k in md if k.startswith(f"{sh.key}/shard_"))
+                if saved:
+                    raise CheckpointingException(
+                        f"{checkpoint_dir}: ShardedObject {sh.key!r} was saved as {saved[:4]} but "
+                        f"{storage_key!r} is requested (the object grid differs)"
+                    )
+            missing.append(storage_key)
+            continue
+        if isinstance(sh, ShardedTensor):
+            if not isinstance(entry, TensorStorageMetadata):
+                raise CheckpointingException(f"{checkpoint_dir}: key {sh.key!r} is not a tensor in the checkpoint")
+            saved_shape = tuple(entry.size)
+            if saved_shape != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
+                raise CheckpointingException(
+                    f"{checkpoint_dir}: shape mismatch for key {sh.key!r}: checkpoint has global shape "
+                    f"{saved_shape}, the model expects {tuple(sh.global_shape)} (local shard {sh.local_shape})"
+                )
+            if len(saved_shape) != len(sh.global_shape):
+                raise CheckpointingException(
+                    f"{checkpoint_dir}: key {sh.key!r} has {len(saved_shape)} dims {saved_shape} in the checkpoint, "
+                    f"the model expects {len(sh.global_shape)} dims {tuple(sh.global_shape)}"
+                )
+        elif not isinstance(entry, BytesStorageMetadata):
+            raise CheckpointingException(f"{checkpoint_dir}: key {storage_key!r} is a tensor, not an object")
+    return missing
