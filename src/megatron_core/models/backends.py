@@ -1,0 +1,87 @@
+"""Backend spec providers: which classes fill the linear, norm and attention slots of a layer spec.
+
+Megatron-Core's ``BackendSpecProvider`` protocol. Spec functions ask a provider for each part,
+so a different attention kernel or fused norm is chosen by passing another provider (or a
+subclass of :class:`LocalSpecProvider` overriding one method), never by editing model code::
+
+    class FlashProvider(LocalSpecProvider):
+        def core_attention(self):
+            return MyFlashAttention          # same constructor/forward as DotProductAttention
+
+    spec = get_gpt_layer_local_spec(backend=FlashProvider())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from megatron_core import tensor_parallel
+from megatron_core.transformer.dot_product_attention import DotProductAttention
+from megatron_core.transformer.torch_norm import WrappedTorchNorm
+
+__all__ = ["BackendSpecProvider", "LocalSpecProvider"]
+
+
+class BackendSpecProvider(Protocol):
+    """What a backend must name for the spec functions."""
+
+    def column_parallel_linear(self) -> type:
+        """Class for column-parallel linear layers."""
+
+    def row_parallel_linear(self) -> type:
+        """Class for row-parallel linear layers."""
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        """True when the backend fuses the pre-norm into the following linear layer."""
+
+    def column_parallel_layer_norm_linear(self) -> type | None:
+        """Class for a fused norm + column-parallel linear (when fused)."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        """Class for a norm (``rms_norm`` forces RMSNorm; ``for_qk`` is the per-head q/k norm)."""
+
+    def core_attention(self) -> type:
+        """Class for core attention (``DotProductAttention``'s interface)."""
+
+    def activation_func(self) -> Callable | None:
+        """An activation override for the MLP, or None to use ``config.activation_func``."""
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool) -> Any:
+        """Expert MLP modules (MoE)."""
+
+
+class LocalSpecProvider:
+    """Pure PyTorch + this library's tensor-parallel layers (no optional dependencies)."""
+
+    def column_parallel_linear(self) -> type:
+        """``tensor_parallel.ColumnParallelLinear``."""
+        return tensor_parallel.ColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        """``tensor_parallel.RowParallelLinear``."""
+        return tensor_parallel.RowParallelLinear
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        """Local layers keep the norm separate."""
+        return False
+
+    def column_parallel_layer_norm_linear(self) -> type | None:
+        """No fused norm + linear locally."""
+        return None
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        """``WrappedTorchNorm`` (LayerNorm or RMSNorm from ``config.normalization``)."""
+        return WrappedTorchNorm
+
+    def core_attention(self) -> type:
+        """``DotProductAttention`` on ``F.scaled_dot_product_attention``."""
+        return DotProductAttention
+
+    def activation_func(self) -> Callable | None:
+        """Use ``config.activation_func``."""
+        return None
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool) -> Any:
+        """Mixture-of-experts layers are not implemented in this library."""
+        raise ValueError("mixture-of-experts layers are not supported by this library's local backend")

@@ -1,0 +1,98 @@
+"""Rotary position embedding angles (Megatron-Core's ``RotaryEmbedding``).
+
+``RotaryEmbedding(kv_channels, rotary_percent, ...)(seq_len)`` returns the angles
+``[s, 1, 1, rot_dim]`` that ``apply_rotary_pos_emb`` consumes; ``rot_dim = kv_channels *
+rotary_percent``. ``inv_freq`` is a plain fp32 attribute, not a buffer: it is not in the state
+dict (as in Megatron-Core) and a bf16 cast of the model does not round it. Results are cached
+per (sequence length, offset, device).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from megatron_core.device import get_current_device
+from megatron_core.transformer.rope_utils import apply_rotary_pos_emb
+
+__all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
+
+
+def _llama3_scaled_inv_freq(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by ``factor``, short ones kept, smooth in between."""
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Produces rotary angles for positions ``offset .. offset + seq_len - 1``."""
+
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float,
+        rotary_interleaved: bool = False,
+        seq_len_interpolation_factor: float | None = None,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        use_cpu_initialization: bool = False,
+        cp_group: Any = None,
+    ) -> None:
+        super().__init__()
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent ({rotary_percent}) must be in (0, 1]")
+        dim = int(kv_channels * rotary_percent)
+        if dim % 2 != 0:
+            raise ValueError(f"kv_channels ({kv_channels}) * rotary_percent ({rotary_percent}) = {dim} must be even")
+        self.rotary_interleaved = rotary_interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        device = torch.device("cpu") if use_cpu_initialization else get_current_device()
+        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        if rope_scaling:
+            inv_freq = _llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
+        self.inv_freq = inv_freq
+        self._cache: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
+        """Angles ``[max_seq_len, 1, 1, rot_dim]`` (fp32)."""
+        device = get_current_device()
+        key = (max_seq_len, offset, device)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        inv_freq = self.inv_freq.to(device)
+        positions = torch.arange(max_seq_len, device=device, dtype=torch.float32) + offset
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
+        freqs = torch.outer(positions, inv_freq)
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        emb = emb[:, None, None, :]
+        self._cache[key] = emb
+        return emb
+
+    def get_rotary_seq_len(
+        self, inference_context: Any, transformer: Any, transformer_input: torch.Tensor | None,
+        transformer_config: Any, packed_seq_params: Any = None,
+    ) -> int:
+        """The full sequence length the angles must cover (undoing the sequence-parallel split)."""
+        if transformer_input is None:
+            transformer_input = transformer.input_tensor
+        seq_len = transformer_input.size(0)
+        if transformer_config.sequence_parallel:
+            seq_len *= transformer_config.tensor_model_parallel_size
+        return seq_len

@@ -1,0 +1,71 @@
+"""Base class of language models: loss and tied input/output embeddings (Megatron-Core's ``LanguageModule``).
+
+Tied embeddings with pipeline parallelism: the first stage owns ``embedding.word_embeddings.weight``;
+the last stage holds a duplicate as ``output_layer.weight``, marked ``shared=True`` and
+``shared_embedding=True``, zero-filled and then all-reduced over the embedding group at
+construction so that both copies start equal. Their gradients are summed over the same group by
+``finalize_model_grads`` every step. This file holds the models package's only collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state, tensor_parallel
+from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["LanguageModule"]
+
+
+class LanguageModule(MegatronModule):
+    """A model with a vocab-parallel cross-entropy loss and optionally tied embedding/output weights."""
+
+    def __init__(self, config: TransformerConfig, pg_collection: object = None) -> None:
+        super().__init__(config)
+        self.pg_collection = pg_collection
+        self.pre_process = True
+        self.post_process = True
+        self.share_embeddings_and_output_weights = False
+        self.fp16_lm_cross_entropy = False
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy ``[b, s]`` from ``labels`` ``[b, s]`` and vocab-parallel ``logits`` ``[s, b, V/TP]``."""
+        labels = labels.transpose(0, 1).contiguous()
+        if not self.fp16_lm_cross_entropy:
+            logits = logits.float()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        return loss.transpose(0, 1).contiguous()
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        """The word-embedding weight on the first stage, the output weight on the last stage."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        """Tag embedding/output parameters and, when tied across stages, synchronise the two copies."""
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+        if not self.share_embeddings_and_output_weights:
+            return
+        if self.pre_process and self.post_process:
+            self.shared_embedding_or_output_weight().zero_out_wgrad = True
+            return
+        if self.pre_process:
+            self.shared_embedding_or_output_weight().shared_embedding = True
+        if self.post_process:
+            weight = self.output_layer.weight
+            weight.data.fill_(0)
+            weight.shared = True
+            weight.shared_embedding = True
+        group = parallel_state.get_embedding_group(check_initialized=False)
+        if dist.is_initialized() and group is not None and parallel_state.is_rank_in_embedding_group(
+            ignore_virtual=False, vp_stage=getattr(self, "vp_stage", None)
+        ):
+            dist.all_reduce(self.shared_embedding_or_output_weight().data, group=group)

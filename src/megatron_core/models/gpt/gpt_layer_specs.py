@@ -1,0 +1,173 @@
+"""Layer specs for GPT models (Megatron-Core's ``gpt_layer_specs``).
+
+``get_gpt_layer_local_spec()`` is pure PyTorch; ``get_gpt_layer_with_transformer_engine_spec()``
+uses Transformer Engine (installed with the ``te`` extra), whose fused norm + QKV linear means the
+layer has no separate ``input_layernorm``. Both take an optional ``backend`` provider (an
+extension over Megatron-Core) to swap single parts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
+from megatron_core.transformer.enums import AttnMaskType
+from megatron_core.transformer.identity_op import IdentityOp
+from megatron_core.transformer.mlp import MLP, MLPSubmodules
+from megatron_core.transformer.pipeline_layout import get_num_layers_to_build
+from megatron_core.transformer.spec_utils import ModuleSpec
+from megatron_core.transformer.torch_norm import WrappedTorchNorm
+from megatron_core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+__all__ = [
+    "get_gpt_decoder_block_spec",
+    "get_gpt_layer_local_spec",
+    "get_gpt_layer_with_transformer_engine_spec",
+    "get_mlp_module_spec",
+    "get_mlp_module_spec_for_backend",
+]
+
+
+def _reject_unsupported(num_experts: int | None, multi_latent_attention: bool, qk_l2_norm: bool, **flags: bool) -> None:
+    if num_experts is not None:
+        raise ValueError(f"num_experts ({num_experts}): mixture-of-experts layers are not supported by this library")
+    if multi_latent_attention:
+        raise ValueError("multi_latent_attention=True is not supported by this library")
+    if qk_l2_norm:
+        raise ValueError("qk_l2_norm=True is not supported by this library")
+    enabled = sorted(name for name, value in flags.items() if value)
+    if enabled:
+        raise ValueError(f"{enabled} are not supported by this library")
+
+
+def get_mlp_module_spec_for_backend(backend: BackendSpecProvider, num_experts: int | None = None) -> ModuleSpec:
+    """The dense MLP spec built from ``backend``'s linear layers."""
+    if num_experts is not None:
+        backend.grouped_mlp_modules(False)
+    fc1 = backend.column_parallel_layer_norm_linear() if backend.fuse_layernorm_and_linear() else None
+    return ModuleSpec(
+        module=MLP,
+        submodules=MLPSubmodules(
+            linear_fc1=fc1 or backend.column_parallel_linear(),
+            linear_fc2=backend.row_parallel_linear(),
+            activation_func=backend.activation_func(),
+        ),
+    )
+
+
+def get_mlp_module_spec(
+    use_te: bool = True, num_experts: int | None = None, moe_grouped_gemm: bool = False, fp8: str | None = None,
+    moe_use_legacy_grouped_gemm: bool = False,
+) -> ModuleSpec:
+    """The dense MLP spec for the Transformer Engine (``use_te``) or local backend."""
+    if use_te:
+        from megatron_core.transformer.transformer_engine import TESpecProvider
+
+        return get_mlp_module_spec_for_backend(TESpecProvider(), num_experts)
+    return get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts)
+
+
+def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool) -> ModuleSpec:
+    fused = backend.fuse_layernorm_and_linear()
+    norm = IdentityOp if fused else backend.layer_norm()
+    linear_qkv = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
+    qk_norm = backend.layer_norm(for_qk=True) if qk_layernorm else None
+    keys_map = {} if fused else {
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    }
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=linear_qkv,
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=get_mlp_module_spec_for_backend(backend),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def get_gpt_layer_local_spec(
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool = False,
+    multi_latent_attention: bool = False,
+    fp8: str | None = None,
+    normalization: str | None = None,
+    qk_l2_norm: bool = False,
+    use_kitchen: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
+    *,
+    backend: BackendSpecProvider | None = None,
+) -> ModuleSpec:
+    """A GPT layer from PyTorch and this library's TP layers; ``normalization`` is taken from the config."""
+    _reject_unsupported(
+        num_experts, multi_latent_attention, qk_l2_norm, use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention
+    )
+    return _layer_spec(backend or LocalSpecProvider(), qk_layernorm)
+
+
+def get_gpt_layer_with_transformer_engine_spec(
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool = False,
+    multi_latent_attention: bool = False,
+    fp8: str | None = None,
+    qk_l2_norm: bool = False,
+    use_te_op_fuser: bool = False,
+    use_kitchen: bool = False,
+    use_te_activation_func: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
+    mla_down_proj_fusion: bool = False,
+    use_grouped_gemm_for_dense_mlp: bool = False,
+) -> ModuleSpec:
+    """A GPT layer on Transformer Engine modules (raises ``ImportError`` naming the ``te`` extra when missing)."""
+    _reject_unsupported(
+        num_experts, multi_latent_attention, qk_l2_norm, use_te_op_fuser=use_te_op_fuser, use_kitchen=use_kitchen,
+        use_te_activation_func=use_te_activation_func, use_kitchen_attention=use_kitchen_attention,
+        use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp,
+    )
+    from megatron_core.transformer.transformer_engine import TESpecProvider
+
+    return _layer_spec(TESpecProvider(), qk_layernorm)
+
+
+def get_gpt_decoder_block_spec(
+    config: TransformerConfig,
+    use_transformer_engine: bool,
+    normalization: str | None = None,
+    qk_l2_norm: bool | None = False,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+    **kwargs: Any,
+) -> TransformerBlockSubmodules:
+    """Per-layer specs of this pipeline chunk (dense layers only) and the final norm."""
+    if use_transformer_engine:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(
+            config.num_moe_experts, qk_layernorm=config.qk_layernorm, qk_l2_norm=bool(qk_l2_norm)
+        )
+    else:
+        layer_spec = get_gpt_layer_local_spec(
+            config.num_moe_experts, qk_layernorm=config.qk_layernorm, qk_l2_norm=bool(qk_l2_norm)
+        )
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=WrappedTorchNorm)

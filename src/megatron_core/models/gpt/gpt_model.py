@@ -1,0 +1,170 @@
+"""The GPT decoder-only language model (Megatron-Core's ``GPTModel``).
+
+``embedding`` (first pipeline stage) -> ``decoder`` (this stage's transformer layers) ->
+``output_layer`` (last stage, column-parallel over the vocabulary). ``forward`` takes ``[b, s]``
+ids and returns per-token loss ``[b, s]`` when ``labels`` are given, else logits ``[b, s, V/TP]``
+(the full vocabulary when ``parallel_output=False``); a stage without the output layer returns
+its hidden states ``[s, b, h]``. State-dict keys match Megatron-Core's GPTModel with the local spec.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_core import tensor_parallel
+from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron_core.models.common.language_module.language_module import LanguageModule
+from megatron_core.transformer.enums import ModelType
+from megatron_core.transformer.spec_utils import ModuleSpec
+from megatron_core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron_core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["GPTModel"]
+
+_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+
+
+class GPTModel(LanguageModule):
+    """A GPT language model for one pipeline chunk (``pre_process``: has the embedding, ``post_process``: the head)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        transformer_layer_spec: ModuleSpec | TransformerBlockSubmodules,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: str = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: float | None = None,
+        mtp_block_spec: ModuleSpec | None = None,
+        pg_collection: Any = None,
+        vp_stage: int | None = None,
+        logit_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(config, pg_collection=pg_collection)
+        if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"position_embedding_type ({position_embedding_type!r}) must be one of {list(_POSITION_EMBEDDING_TYPES)}"
+            )
+        if mtp_block_spec is not None:
+            raise ValueError("GPTModel: multi-token prediction (mtp_block_spec) is not supported")
+        if vocab_size % config.tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"vocab_size ({vocab_size}) must be divisible by tensor_model_parallel_size "
+                f"({config.tensor_model_parallel_size}); pad the vocabulary"
+            )
+        self.transformer_layer_spec = transformer_layer_spec
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.vp_stage = vp_stage
+        self.model_type = ModelType.encoder_or_decoder
+        self.logit_dtype = logit_dtype
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config,
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                position_embedding_type=position_embedding_type,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
+            )
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
+        self.decoder = TransformerBlock(
+            config=config,
+            spec=transformer_layer_spec,
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=not parallel_output,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+            )
+        if pre_process or post_process:
+            self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor]) -> None:
+        """Feed the previous pipeline stage's output into the decoder."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTModel.set_input_tensor expects one tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        decoder_input: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        extra_block_kwargs: dict | None = None,
+        runtime_gather_output: bool | None = None,
+        *,
+        inference_params: Any = None,
+        loss_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        rotary_pos_emb = None
+        if self.position_embedding_type == "rope":
+            seq_len = self.rotary_pos_emb.get_rotary_seq_len(
+                inference_context, self.decoder, decoder_input, self.config, packed_seq_params
+            )
+            rotary_pos_emb = self.rotary_pos_emb(seq_len)
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
+            **(extra_block_kwargs or {}),
+        )
+        if not self.post_process:
+            return hidden_states
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        if labels is None:
+            logits = logits.transpose(0, 1).contiguous()
+            return logits if self.logit_dtype is None else logits.to(self.logit_dtype)
+        return self.compute_language_model_loss(labels, logits)

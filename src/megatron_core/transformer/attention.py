@@ -1,0 +1,167 @@
+"""Self-attention (Megatron-Core's ``SelfAttention`` + ``SelfAttentionSubmodules``).
+
+``linear_qkv`` is one column-parallel GEMM whose output is grouped **per query group**:
+for each of this rank's ``ng`` key/value groups, its ``np/ng`` query heads, then one key head,
+then one value head (``[sq, b, ng * (np/ng + 2) * hn]``), not ``[Q | K | V]``. This is the
+layout checkpoints and converters must use. MHA is ``ng = np``, MQA ``ng = 1``.
+Optional q/k layernorm (per head), rotary embedding, then core attention and ``linear_proj``
+(row-parallel, bias returned separately for bias-dropout-add).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_core import tensor_parallel
+from megatron_core.transformer.enums import AttnMaskType
+from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.rope_utils import apply_rotary_pos_emb
+from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import divide
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    """The parts of self-attention: fused QKV projection, core attention, output projection, q/k norms."""
+
+    linear_qkv: ModuleSpec | type | None = None
+    core_attention: ModuleSpec | type | None = None
+    linear_proj: ModuleSpec | type | None = None
+    q_layernorm: ModuleSpec | type | None = None
+    k_layernorm: ModuleSpec | type | None = None
+
+
+class SelfAttention(MegatronModule):
+    """Multi-head / grouped-query / multi-query self-attention over ``[s, b, h]`` activations."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        pp_layer_offset: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = "self"
+        tp = config.tensor_model_parallel_size
+        self.hidden_size_per_attention_head = config.kv_channels
+        self.query_projection_size = config.kv_channels * config.num_attention_heads
+        self.kv_projection_size = config.kv_channels * config.num_query_groups
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp, "num_attention_heads / TP")
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp, "num_query_groups / TP")
+        self.heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+
+        self.linear_qkv = build_module(
+            submodules.linear_qkv,
+            config.hidden_size,
+            self.query_projection_size + 2 * self.kv_projection_size,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="qkv",
+        )
+        self.core_attention = build_module(
+            submodules.core_attention,
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type=self.attention_type,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            self.query_projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+        )
+        self.q_layernorm = self._build_qk_norm(submodules.q_layernorm)
+        self.k_layernorm = self._build_qk_norm(submodules.k_layernorm)
+        self.checkpoint_core_attention = (
+            config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
+        )
+
+    def _build_qk_norm(self, spec: Any) -> torch.nn.Module | None:
+        if spec is None:
+            return None
+        return build_module(
+            spec, config=self.config, hidden_size=self.hidden_size_per_attention_head, eps=self.config.layernorm_epsilon
+        )
+
+    def get_query_key_value_tensors(
+        self, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split the fused QKV output into query ``[sq, b, np, hn]`` and key/value ``[sq, b, ng, hn]``."""
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        sq, b = mixed_qkv.shape[:2]
+        hn, ng, per_group = self.hidden_size_per_attention_head, self.num_query_groups_per_partition, self.heads_per_group
+        mixed_qkv = mixed_qkv.view(sq, b, ng, (per_group + 2) * hn)
+        query, key, value = torch.split(mixed_qkv, [per_group * hn, hn, hn], dim=3)
+        query = query.reshape(sq, b, ng * per_group, hn)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return query, key, value
+
+    def _core_attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None, attention_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if not self.checkpoint_core_attention or not self.training:
+            return self.core_attention(
+                query, key, value, attention_mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias
+            )
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+            return self.core_attention(q, k, v, mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+
+        return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        key_value_states: torch.Tensor | None = None,
+        inference_context: Any = None,
+        rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: int | None = None,
+        *,
+        inference_params: Any = None,
+        attn_mask_type: AttnMaskType | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend over ``hidden_states`` ``[s, b, h]``; returns ``(output [s, b, h], bias)``."""
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("SelfAttention: KV-cache inference is not supported")
+        if packed_seq_params is not None:
+            raise NotImplementedError("SelfAttention: packed sequences are not supported")
+        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        if rotary_pos_emb is not None:
+            q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+            query = apply_rotary_pos_emb(query, q_emb, config=self.config)
+            key = apply_rotary_pos_emb(key, k_emb, config=self.config)
+        context = self._core_attention(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        return self.linear_proj(context)

@@ -1,0 +1,40 @@
+"""Bias-dropout-add: ``residual + dropout(x + bias)`` (Megatron-Core's ``get_bias_dropout_add``).
+
+Linear layers built with ``skip_bias_add=True`` return ``(output, bias)``; this adds the bias,
+applies dropout and adds the residual in one expression that ``torch.compile`` fuses. Dropout
+is skipped entirely (no mask, no copy) when the probability is 0 or the module is in eval mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def bias_dropout_add(
+    x_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor, prob: float, training: bool
+) -> torch.Tensor:
+    """``residual + dropout(x + bias, prob)``; the result has the residual's dtype."""
+    x, bias = x_with_bias
+    if bias is not None:
+        x = x + bias
+    if training and prob > 0.0:
+        x = F.dropout(x, p=prob, training=True)
+    return residual + x
+
+
+def get_bias_dropout_add(training: bool, fused: bool = False) -> Callable[..., torch.Tensor]:
+    """A function ``(x_with_bias, residual, prob) -> tensor`` for train or eval mode.
+
+    ``fused`` is accepted for Megatron compatibility; the same expression is used either way
+    (``torch.compile`` does the fusion).
+    """
+
+    def _bias_dropout_add(
+        x_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor, prob: float
+    ) -> torch.Tensor:
+        return bias_dropout_add(x_with_bias, residual, prob, training)
+
+    return _bias_dropout_add

@@ -1,0 +1,53 @@
+"""Enums used to describe models, layers and attention (Megatron-Core's ``transformer/enums.py``).
+
+``ModelType`` lives here too; the package root re-exports it as ``megatron_core.enums.ModelType``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ModelType(enum.Enum):
+    """Kind of model, which decides how pipeline stages exchange tensors."""
+
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2
+
+
+class LayerType(enum.Enum):
+    """Kind of layer inside a block."""
+
+    encoder = 1
+    decoder = 2
+    retro_encoder = 3
+    retro_decoder = 4
+    retro_decoder_with_retriever = 5
+
+
+class AttnType(enum.Enum):
+    """Self- or cross-attention."""
+
+    self_attn = 1
+    cross_attn = 2
+
+
+class AttnMaskType(enum.Enum):
+    """How the attention mask is formed. A mask tensor is boolean, ``True`` = masked out."""
+
+    padding = 1
+    causal = 2
+    no_mask = 3
+    padding_causal = 4
+    arbitrary = 5
+    causal_bottom_right = 6
+
+
+class AttnBackend(enum.Enum):
+    """Which attention implementation to prefer (``auto`` picks the best available)."""
+
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5

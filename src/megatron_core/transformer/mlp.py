@@ -1,0 +1,99 @@
+"""The feed-forward block (Megatron-Core's ``MLP`` + ``MLPSubmodules``).
+
+``linear_fc1`` (column-parallel) -> activation -> ``linear_fc2`` (row-parallel). With
+``gated_linear_unit`` (SwiGLU when the activation is SiLU), fc1 produces ``2 * ffn`` features
+laid out as ``[gate; up]`` **per tensor-parallel shard**: each rank's shard of the fc1 weight is
+``[gate_shard; up_shard]``, so the full TP=1 weight is ``[gate; up]`` only when TP = 1. Both
+biases are returned separately (``skip_bias_add``) so the caller fuses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_core import tensor_parallel
+from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class MLPSubmodules:
+    """The two projections of the MLP and an optional activation override."""
+
+    linear_fc1: ModuleSpec | type | None = None
+    linear_fc2: ModuleSpec | type | None = None
+    activation_func: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+class MLP(MegatronModule):
+    """``fc2(act(fc1(x)))`` with optional gating; input and output ``[s, b, h]``."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        is_expert: bool = False,
+        input_size: int | None = None,
+        ffn_hidden_size: int | None = None,
+        tp_group: Any = None,
+        name: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config)
+        self.input_size = input_size if input_size is not None else config.hidden_size
+        ffn_hidden_size = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
+        fc1_output_size = 2 * ffn_hidden_size if config.gated_linear_unit else ffn_hidden_size
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1,
+            self.input_size,
+            fc1_output_size,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=config.add_bias_linear,
+            skip_bias_add=True,
+            is_expert=is_expert,
+            tp_comm_buffer_name="fc1",
+        )
+        self.activation_func = submodules.activation_func or config.activation_func
+        self.gated = config.gated_linear_unit
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2,
+            ffn_hidden_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=is_expert,
+            tp_comm_buffer_name="fc2",
+        )
+        self.checkpoint_mlp = config.recompute_granularity == "selective" and "mlp" in config.recompute_modules
+
+    def _activate(self, intermediate: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is not None:
+            intermediate = intermediate + bias
+        if self.gated:
+            gate, up = torch.chunk(intermediate, 2, dim=-1)
+            return self.activation_func(gate) * up
+        return self.activation_func(intermediate)
+
+    def _forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        intermediate, bias = self.linear_fc1(hidden_states)
+        return self.linear_fc2(self._activate(intermediate, bias))
+
+    def forward(
+        self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns ``(output [s, b, h], output_bias)``."""
+        if per_token_scale is not None:
+            raise NotImplementedError("MLP: per_token_scale (MoE expert input scaling) is not supported")
+        if self.checkpoint_mlp and self.training:
+            return tensor_parallel.checkpoint(self._forward, False, hidden_states)
+        return self._forward(hidden_states)

@@ -1,0 +1,109 @@
+"""``MegatronModule`` (the base of every model part) and ``Float16Module`` (the bf16/fp16 wrapper).
+
+``Float16Module`` casts its wrapped module's parameters to bf16/fp16 once, casts floating inputs
+on the first pipeline stage, and returns fp32 outputs on the last stage, as Megatron-Core does.
+``sharded_state_dict`` is provided by ``megatron_core.dist_checkpointing`` when that package is present.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from megatron_core import parallel_state
+from megatron_core.model_parallel_config import ModelParallelConfig
+
+
+class MegatronModule(torch.nn.Module):
+    """A ``torch.nn.Module`` that holds its ``config`` and knows how to describe its sharded state."""
+
+    def __init__(self, config: ModelParallelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The plain ``state_dict`` (kept for Megatron-LM compatibility)."""
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """The state dict with each tensor described by its global shape and this rank's shard."""
+        try:
+            checkpointing = importlib.import_module("megatron_core.dist_checkpointing")
+        except ImportError as err:
+            raise NotImplementedError(
+                f"{type(self).__name__}.sharded_state_dict needs megatron_core.dist_checkpointing ({err})"
+            ) from err
+        default = getattr(checkpointing, "sharded_state_dict_default", None)
+        if default is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}.sharded_state_dict needs "
+                "megatron_core.dist_checkpointing.sharded_state_dict_default, which is not available"
+            )
+        return default(self, prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+
+    def set_is_first_microbatch(self) -> None:
+        """Tell every submodule that the next forward is the first microbatch (weight caches refresh)."""
+        for module in self.modules():
+            if hasattr(module, "is_first_microbatch"):
+                module.is_first_microbatch = True
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+class Float16Module(MegatronModule):
+    """Runs ``module`` in bf16 (``config.bf16``) or fp16 (``config.fp16``); outputs fp32 on the last stage."""
+
+    def __init__(self, config: ModelParallelConfig, module: torch.nn.Module) -> None:
+        super().__init__(config)
+        if config.bf16:
+            self.dtype = torch.bfloat16
+        elif config.fp16:
+            self.dtype = torch.float16
+        else:
+            raise ValueError("Float16Module needs config.fp16=True or config.bf16=True (both are False)")
+        self.add_module("module", module.to(self.dtype))
+        self.vp_stage = getattr(module, "vp_stage", None)
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """Forward the pipeline input to the wrapped module."""
+        return self.module.set_input_tensor(input_tensor)
+
+    def forward(self, *inputs: Any, fp32_output: bool = True, **kwargs: Any) -> Any:
+        """Cast floating inputs on the first stage, run, and cast outputs to fp32 on the last stage."""
+        if parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=self.vp_stage):
+            inputs = _cast_floats(inputs, self.dtype)
+            kwargs = _cast_floats(kwargs, self.dtype)
+        outputs = self.module(*inputs, **kwargs)
+        if fp32_output and parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=self.vp_stage):
+            outputs = _cast_floats(outputs, torch.float32)
+        return outputs
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict (no ``module.`` prefix), as in Megatron-Core."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The wrapped module's checkpoint state dict."""
+        return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """The wrapped module's sharded state dict."""
+        return self.module.sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Load into the wrapped module."""
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,189 @@
+"""A stack of transformer layers for one pipeline chunk (Megatron-Core's ``TransformerBlock``).
+
+The block builds only the layers of this pipeline rank / virtual stage (see
+``pipeline_layout``), numbered globally, plus the final norm on the last stage. On a stage
+that does not hold the embedding, the input comes from ``set_input_tensor`` (the pipeline
+schedule's receive buffer). Full activation recompute (``uniform``: groups of
+``recompute_num_layers``; ``block``: the first ``recompute_num_layers`` layers) goes through
+``tensor_parallel.checkpoint``, which restores the RNG states so that dropout replays exactly.
+Under sequence parallelism each rank holds different tokens, so the whole stack runs inside the
+tracker's model-parallel RNG fork (the attention does not fork again then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_core import tensor_parallel
+from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
+from megatron_core.transformer.spec_utils import ModuleSpec, build_module, get_module
+from megatron_core.transformer.torch_norm import WrappedTorchNorm
+from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.transformer.transformer_layer import TransformerLayer
+
+__all__ = ["TransformerBlock", "TransformerBlockSubmodules", "get_num_layers_to_build"]
+
+
+@dataclass
+class TransformerBlockSubmodules:
+    """Per-layer specs (all ``num_layers`` or just this chunk's) and the final norm."""
+
+    layer_specs: list[ModuleSpec] | None = None
+    layer_norm: ModuleSpec | type | None = None
+
+
+def _get_block_submodules(
+    config: TransformerConfig, spec: TransformerBlockSubmodules | ModuleSpec, num_layers_to_build: int, offset: int
+) -> TransformerBlockSubmodules:
+    """Normalize the accepted spec forms into this chunk's layer specs."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        submodules = spec
+    elif isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
+        submodules = spec.submodules
+    elif isinstance(spec, ModuleSpec) and issubclass(get_module(spec), TransformerLayer):
+        submodules = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=WrappedTorchNorm)
+    else:
+        raise TypeError(
+            f"TransformerBlock spec must be TransformerBlockSubmodules or a ModuleSpec of a TransformerLayer, got {spec!r}"
+        )
+    layer_specs = list(submodules.layer_specs or [])
+    if len(layer_specs) == config.num_layers:
+        layer_specs = layer_specs[offset : offset + num_layers_to_build]
+    elif len(layer_specs) != num_layers_to_build:
+        raise ValueError(
+            f"the block spec has {len(layer_specs)} layer specs; expected num_layers ({config.num_layers}) or this "
+            f"pipeline chunk's {num_layers_to_build} layers"
+        )
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=submodules.layer_norm)
+
+
+class TransformerBlock(MegatronModule):
+    """This pipeline chunk's transformer layers and, on the last stage, the final norm."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        spec: TransformerBlockSubmodules | ModuleSpec,
+        post_layer_norm: bool = True,
+        pre_process: bool = True,
+        post_process: bool = True,
+        pg_collection: Any = None,
+        vp_stage: int | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.post_layer_norm = post_layer_norm
+        self.vp_stage = vp_stage
+        self.input_tensor: torch.Tensor | None = None
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        self.submodules = _get_block_submodules(config, spec, num_layers, offset)
+        self.layers = torch.nn.ModuleList(
+            build_module(layer_spec, config=config, layer_number=i + 1, pg_collection=pg_collection, vp_stage=vp_stage)
+            for i, layer_spec in enumerate(self.submodules.layer_specs)
+        )
+        if post_process and post_layer_norm and self.submodules.layer_norm is not None:
+            self.final_layernorm = build_module(
+                self.submodules.layer_norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+            )
+        else:
+            self.final_layernorm = None
+
+    @property
+    def num_layers_per_pipeline_rank(self) -> int:
+        """Number of layers this chunk holds."""
+        return len(self.layers)
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        """Use ``input_tensor`` (received from the previous stage) as the block input."""
+        self.input_tensor = input_tensor
+
+    def _get_layer(self, layer_number: int) -> TransformerLayer:
+        return self.layers[layer_number]
+
+    def _run_layers(self, start: int, end: int, hidden_states: torch.Tensor, **layer_kwargs: Any) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            hidden_states, _ = layer(hidden_states, **layer_kwargs)
+        return hidden_states
+
+    def _checkpointed_forward(self, hidden_states: torch.Tensor, layer_kwargs: dict[str, Any]) -> torch.Tensor:
+        tensor_names = [k for k, v in layer_kwargs.items() if isinstance(v, torch.Tensor)]
+        others = {k: v for k, v in layer_kwargs.items() if k not in tensor_names}
+
+        def segment(start: int, end: int):
+            def run(hidden: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+                return self._run_layers(start, end, hidden, **dict(zip(tensor_names, tensors)), **others)
+
+            return run
+
+        def checkpointed(start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
+            tensors = [layer_kwargs[k] for k in tensor_names]
+            return tensor_parallel.checkpoint(
+                segment(start, end), bool(self.config.distribute_saved_activations), hidden, *tensors
+            )
+
+        n, chunk = len(self.layers), self.config.recompute_num_layers
+        if self.config.recompute_method == "uniform":
+            for start in range(0, n, chunk):
+                hidden_states = checkpointed(start, min(start + chunk, n), hidden_states)
+        else:
+            for index in range(n):
+                if index < chunk:
+                    hidden_states = checkpointed(index, index + 1, hidden_states)
+                else:
+                    hidden_states = self._run_layers(index, index + 1, hidden_states, **layer_kwargs)
+        return hidden_states
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Run this chunk's layers on ``[s, b, h]`` (or the pipeline input) and the final norm."""
+        if not self.pre_process:
+            if self.input_tensor is None:
+                raise RuntimeError(
+                    "TransformerBlock has pre_process=False but no input tensor; call set_input_tensor() first"
+                )
+            hidden_states = self.input_tensor
+        layer_kwargs = dict(
+            attention_mask=attention_mask,
+            context=context,
+            context_mask=context_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            attention_bias=attention_bias,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        rng = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if self.config.sequence_parallel and self.training
+            else contextlib.nullcontext()
+        )
+        with rng:
+            if self.config.recompute_granularity == "full" and self.training:
+                hidden_states = self._checkpointed_forward(hidden_states, layer_kwargs)
+            else:
+                hidden_states = self._run_layers(0, len(self.layers), hidden_states, **layer_kwargs)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states

@@ -1,0 +1,301 @@
+"""``TransformerConfig``: the shape, numerics, recompute and MoE settings of a transformer.
+
+Mirrors Megatron-Core's dataclass (field names and defaults) for the features this library
+implements. ``__post_init__`` derives defaults (``ffn_hidden_size = 4 * hidden_size``,
+``kv_channels = hidden_size / num_attention_heads``, ``num_query_groups = num_attention_heads``,
+init methods from ``init_method_std`` with the output projections scaled by
+``1 / sqrt(2 * num_layers)``) and validates: each rule is one small function below, and each
+error names the fields, their values and the rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_core.model_parallel_config import ModelParallelConfig
+from megatron_core.transformer.enums import AttnBackend
+from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
+from megatron_core.utils import init_method_normal, scaled_init_method_normal
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts", "mla_up_proj")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+@dataclass
+class TransformerConfig(ModelParallelConfig):
+    """Configuration of a transformer (``megatron.core.transformer.TransformerConfig``)."""
+
+    # Shape
+    num_layers: int = 0
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    kv_channels: int | None = None
+    mtp_num_layers: int | None = None
+
+    # Pipeline split
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    pipeline_model_parallel_layout: str | list | PipelineParallelLayerLayout | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+
+    # Dropout, residual, normalization
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    fp32_residual_connection: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False
+    normalization: str = "LayerNorm"
+    qk_layernorm: bool = False
+    persist_layer_norm: bool = False
+    memory_efficient_layer_norm: bool = False
+
+    # MLP and activation
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    gated_linear_unit: bool = False
+    activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
+    bias_activation_fusion: bool = False
+    bias_dropout_fusion: bool = False
+
+    # Attention
+    attention_backend: AttnBackend = AttnBackend.auto
+    softmax_scale: float | None = None
+    window_size: tuple[int, int] | None = None
+    apply_query_key_layer_scaling: bool = False
+    attention_softmax_in_fp32: bool = True
+    masked_softmax_fusion: bool = False
+    rotary_interleaved: bool = False
+    apply_rope_fusion: bool = False
+    multi_latent_attention: bool = False
+
+    # Initialization
+    init_method: Callable[[torch.Tensor], Any] | None = None
+    output_layer_init_method: Callable[[torch.Tensor], Any] | None = None
+    init_method_std: float = 0.02
+    embedding_init_method: Callable[[torch.Tensor], Any] | None = None
+    embedding_init_method_std: float | None = None
+    init_model_with_meta_device: bool = False
+
+    # Activation recompute
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    distribute_saved_activations: bool | None = None
+    recompute_modules: list[str] | None = None
+
+    # Mixture of experts
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_layer_freq: int | list[int] = 1
+    moe_router_topk: int = 2
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_input_jitter_eps: float | None = None
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_dtype: str | None = None
+    moe_token_dispatcher_type: str = "allgather"
+    moe_grouped_gemm: bool = False
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_shared_expert_intermediate_size: int | None = None
+
+    # Loss and misc
+    calculate_per_token_loss: bool = False
+    fp8: str | None = None
+    transformer_impl: str = "local"
+    clone_scatter_output_in_embedding: bool = True
+    test_mode: bool = False
+
+    def __post_init__(self) -> None:
+        """Validate (errors name fields, values and rule) and fill derived defaults."""
+        super().__post_init__()
+        _check_shape(self)
+        _derive_shape_defaults(self)
+        _check_parallel_shapes(self)
+        _check_normalization_and_activation(self)
+        _check_recompute(self)
+        _check_moe(self)
+        _check_pipeline_split(self)
+        if self.apply_query_key_layer_scaling:
+            self.attention_softmax_in_fp32 = True
+        if self.fp32_residual_connection and self.pipeline_model_parallel_size > 1:
+            self.pipeline_dtype = torch.float32
+        _derive_init_methods(self)
+
+
+def _check_shape(cfg: TransformerConfig) -> None:
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(cfg, name)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} ({value}) must be in [0, 1)")
+    if cfg.kv_channels is None and cfg.hidden_size % cfg.num_attention_heads != 0:
+        raise ValueError(
+            f"hidden_size ({cfg.hidden_size}) must be divisible by num_attention_heads ({cfg.num_attention_heads}) "
+            f"when kv_channels is not set"
+        )
+    if cfg.num_query_groups is not None and (
+        cfg.num_query_groups <= 0 or cfg.num_attention_heads % cfg.num_query_groups != 0
+    ):
+        raise ValueError(
+            f"num_attention_heads ({cfg.num_attention_heads}) must be divisible by num_query_groups "
+            f"({cfg.num_query_groups})"
+        )
+
+
+def _derive_shape_defaults(cfg: TransformerConfig) -> None:
+    if cfg.ffn_hidden_size is None:
+        cfg.ffn_hidden_size = 4 * cfg.hidden_size
+    if cfg.kv_channels is None:
+        cfg.kv_channels = cfg.hidden_size // cfg.num_attention_heads
+    if cfg.num_query_groups is None:
+        cfg.num_query_groups = cfg.num_attention_heads
+    if cfg.num_moe_experts is not None and cfg.moe_ffn_hidden_size is None:
+        cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
+    if cfg.recompute_modules is None:
+        cfg.recompute_modules = ["core_attn"]
+
+
+def _check_parallel_shapes(cfg: TransformerConfig) -> None:
+    tp = cfg.tensor_model_parallel_size
+    if cfg.num_attention_heads % tp != 0:
+        raise ValueError(
+            f"num_attention_heads ({cfg.num_attention_heads}) must be divisible by "
+            f"tensor_model_parallel_size ({tp})"
+        )
+    if cfg.num_query_groups % tp != 0:
+        raise ValueError(
+            f"num_query_groups ({cfg.num_query_groups}) must be divisible by tensor_model_parallel_size ({tp}); "
+            f"replicating key/value heads across tensor-parallel ranks is not supported"
+        )
+    if cfg.ffn_hidden_size % tp != 0:
+        raise ValueError(f"ffn_hidden_size ({cfg.ffn_hidden_size}) must be divisible by tensor_model_parallel_size ({tp})")
+    if cfg.context_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel_size ({cfg.context_parallel_size}) > 1 is not supported by this library's attention"
+        )
+
+
+def _check_normalization_and_activation(cfg: TransformerConfig) -> None:
+    if cfg.normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization ({cfg.normalization!r}) must be 'LayerNorm' or 'RMSNorm'")
+    if cfg.layernorm_epsilon <= 0:
+        raise ValueError(f"layernorm_epsilon ({cfg.layernorm_epsilon}) must be > 0")
+    if cfg.bias_activation_fusion:
+        act = cfg.activation_func
+        if act not in (F.gelu, F.silu):
+            raise ValueError(f"bias_activation_fusion=True needs activation_func F.gelu or F.silu, got {act!r}")
+        if act is F.gelu and not cfg.gated_linear_unit and not cfg.add_bias_linear:
+            raise ValueError(
+                "bias_activation_fusion=True with activation_func=F.gelu and gated_linear_unit=False needs "
+                "add_bias_linear=True"
+            )
+    if cfg.multi_latent_attention:
+        raise ValueError("multi_latent_attention=True is not supported by this library")
+    if cfg.fp8 is not None and cfg.transformer_impl != "transformer_engine":
+        raise ValueError(f"fp8 ({cfg.fp8!r}) needs transformer_impl='transformer_engine' (got {cfg.transformer_impl!r})")
+    if cfg.transformer_impl not in ("local", "transformer_engine"):
+        raise ValueError(f"transformer_impl ({cfg.transformer_impl!r}) must be 'local' or 'transformer_engine'")
+
+
+def _check_recompute(cfg: TransformerConfig) -> None:
+    granularity, method, num = cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers
+    if granularity is None:
+        if method is not None:
+            raise ValueError(f"recompute_method ({method!r}) needs recompute_granularity='full'")
+        return
+    if granularity not in ("full", "selective"):
+        raise ValueError(f"recompute_granularity ({granularity!r}) must be 'full' or 'selective'")
+    if granularity == "full":
+        if method not in ("uniform", "block"):
+            raise ValueError(
+                f"recompute_method ({method!r}) must be 'uniform' or 'block' with recompute_granularity='full'"
+            )
+        if num is None or num <= 0:
+            raise ValueError(f"recompute_num_layers ({num}) must be > 0 with recompute_granularity='full'")
+        if method == "block" and num > cfg.num_layers:
+            raise ValueError(f"recompute_num_layers ({num}) must be <= num_layers ({cfg.num_layers}) with method 'block'")
+    else:
+        if num is not None:
+            raise ValueError(f"recompute_num_layers ({num}) must be None with recompute_granularity='selective'")
+        if method is not None:
+            raise ValueError(f"recompute_method ({method!r}) must be None with recompute_granularity='selective'")
+        unknown = sorted(set(cfg.recompute_modules) - set(RECOMPUTE_MODULES))
+        if unknown:
+            raise ValueError(f"recompute_modules {unknown} not in the allowed set {list(RECOMPUTE_MODULES)}")
+        unsupported = sorted(set(cfg.recompute_modules) - {"core_attn", "mlp", "layernorm"})
+        if unsupported:
+            raise ValueError(f"recompute_modules {unsupported} are not supported by this library (dense models only)")
+    if cfg.distribute_saved_activations and cfg.sequence_parallel:
+        raise ValueError("distribute_saved_activations=True cannot be used with sequence_parallel=True")
+
+
+def _check_moe(cfg: TransformerConfig) -> None:
+    if cfg.expert_model_parallel_size > 1 and cfg.num_moe_experts is None:
+        raise ValueError(
+            f"expert_model_parallel_size ({cfg.expert_model_parallel_size}) > 1 needs num_moe_experts to be set"
+        )
+    if cfg.num_moe_experts is None:
+        return
+    if cfg.num_moe_experts <= 0:
+        raise ValueError(f"num_moe_experts ({cfg.num_moe_experts}) must be > 0")
+    if cfg.num_moe_experts % cfg.expert_model_parallel_size != 0:
+        raise ValueError(
+            f"num_moe_experts ({cfg.num_moe_experts}) must be divisible by expert_model_parallel_size "
+            f"({cfg.expert_model_parallel_size})"
+        )
+    if not 1 <= cfg.moe_router_topk <= cfg.num_moe_experts:
+        raise ValueError(f"moe_router_topk ({cfg.moe_router_topk}) must be in [1, num_moe_experts ({cfg.num_moe_experts})]")
+    if cfg.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
+        raise ValueError(
+            f"moe_router_load_balancing_type ({cfg.moe_router_load_balancing_type!r}) must be one of "
+            f"{list(MOE_LOAD_BALANCING_TYPES)}"
+        )
+    if cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is None:
+        raise ValueError("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor to be set")
+
+
+def _check_pipeline_split(cfg: TransformerConfig) -> None:
+    uneven = cfg.num_layers_in_first_pipeline_stage is not None or cfg.num_layers_in_last_pipeline_stage is not None
+    accounted = cfg.account_for_embedding_in_pipeline_split or cfg.account_for_loss_in_pipeline_split
+    if cfg.pipeline_model_parallel_layout is not None and (uneven or accounted):
+        raise ValueError(
+            "pipeline_model_parallel_layout cannot be combined with num_layers_in_first/last_pipeline_stage or "
+            "account_for_embedding/loss_in_pipeline_split"
+        )
+    if uneven and accounted:
+        raise ValueError(
+            "num_layers_in_first/last_pipeline_stage cannot be combined with account_for_embedding/loss_in_pipeline_split"
+        )
+    if isinstance(cfg.pipeline_model_parallel_layout, (str, list)):
+        layout = PipelineParallelLayerLayout(cfg.pipeline_model_parallel_layout, cfg.pipeline_model_parallel_size)
+        vpp = layout.virtual_pipeline_model_parallel_size
+        if cfg.virtual_pipeline_model_parallel_size is None and vpp > 1:
+            cfg.virtual_pipeline_model_parallel_size = vpp
+        cfg.pipeline_model_parallel_layout = layout
+    chunk_layer_counts(cfg)
+
+
+def _derive_init_methods(cfg: TransformerConfig) -> None:
+    if cfg.init_method is None:
+        cfg.init_method = init_method_normal(cfg.init_method_std)
+    if cfg.output_layer_init_method is None:
+        cfg.output_layer_init_method = scaled_init_method_normal(cfg.init_method_std, cfg.num_layers)
+    if cfg.embedding_init_method is None:
+        std = cfg.embedding_init_method_std if cfg.embedding_init_method_std is not None else cfg.init_method_std
+        cfg.embedding_init_method = init_method_normal(std)

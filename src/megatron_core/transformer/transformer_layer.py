@@ -1,0 +1,137 @@
+"""One pre-norm transformer layer (Megatron-Core's ``TransformerLayer`` + ``TransformerLayerSubmodules``).
+
+``x = x + dropout(attn(norm1(x)))``, then ``x = x + dropout(mlp(norm2(x)))`` on ``[s, b, h]``.
+Every slot is built from a spec; slots left at their defaults are identities, so the same
+forward serves layers without, say, a separate input norm (Transformer Engine fuses it into QKV).
+``layer_number`` is **global** and 1-based: the constructor adds this pipeline chunk's offset.
+The forward has no data-dependent Python branches, so ``torch.compile`` can wrap a whole layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
+from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["TransformerLayer", "TransformerLayerSubmodules", "get_transformer_layer_offset"]
+
+
+@dataclass
+class TransformerLayerSubmodules:
+    """Specs for each slot of a layer; unset slots are identities."""
+
+    input_layernorm: ModuleSpec | type = IdentityOp
+    self_attention: ModuleSpec | type = IdentityOp
+    self_attn_bda: ModuleSpec | type | Any = IdentityFuncOp
+    pre_cross_attn_layernorm: ModuleSpec | type = IdentityOp
+    cross_attention: ModuleSpec | type = IdentityOp
+    cross_attn_bda: ModuleSpec | type | Any = IdentityFuncOp
+    pre_mlp_layernorm: ModuleSpec | type = IdentityOp
+    mlp: ModuleSpec | type = IdentityOp
+    mlp_bda: ModuleSpec | type | Any = IdentityFuncOp
+    sharded_state_dict_keys_map: dict[str, str] = field(default_factory=dict)
+
+
+class TransformerLayer(MegatronModule):
+    """A transformer layer: norm, self-attention, bias-dropout-add, norm, MLP, bias-dropout-add."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int = 1,
+        hidden_dropout: float | None = None,
+        pg_collection: Any = None,
+        vp_stage: int | None = None,
+        is_mtp_layer: bool = False,
+        add_layer_offset: bool = True,
+        pp_layer_offset: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.submodules_config = submodules
+        if add_layer_offset:
+            offset = pp_layer_offset if pp_layer_offset is not None else get_transformer_layer_offset(config, vp_stage)
+        else:
+            offset = 0
+        self.layer_number = layer_number + offset
+        self.vp_stage = vp_stage
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+        norm_kwargs = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+
+        self.input_layernorm = build_module(submodules.input_layernorm, **norm_kwargs)
+        self.self_attention = build_module(
+            submodules.self_attention, config=config, layer_number=self.layer_number, pg_collection=pg_collection
+        )
+        self.self_attn_bda = build_module(submodules.self_attn_bda)
+        self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, **norm_kwargs)
+        self.cross_attention = build_module(
+            submodules.cross_attention, config=config, layer_number=self.layer_number, pg_collection=pg_collection
+        )
+        self.cross_attn_bda = build_module(submodules.cross_attn_bda, config=config)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_kwargs)
+        self.mlp = build_module(submodules.mlp, config=config, pg_collection=pg_collection)
+        self.mlp_bda = build_module(submodules.mlp_bda)
+        self.has_cross_attention = not isinstance(self.cross_attention, IdentityOp)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: int | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the layer on ``hidden_states`` ``[s, b, h]``; returns ``(hidden_states, context)``."""
+        residual = hidden_states.float() if self.config.fp32_residual_connection else hidden_states
+        input_layernorm_output = self.input_layernorm(hidden_states)
+        attention_output_with_bias = self.self_attention(
+            input_layernorm_output,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        if self.config.apply_residual_connection_post_layernorm:
+            residual = input_layernorm_output
+        hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+            attention_output_with_bias, residual, self.hidden_dropout
+        )
+
+        if self.has_cross_attention:
+            residual = hidden_states
+            pre_cross_attn_output = self.pre_cross_attn_layernorm(hidden_states)
+            cross_output_with_bias = self.cross_attention(
+                pre_cross_attn_output, attention_mask=context_mask, key_value_states=context
+            )
+            hidden_states = self.cross_attn_bda(self.training, self.config.bias_dropout_fusion)(
+                cross_output_with_bias, residual, self.hidden_dropout
+            )
+
+        residual = hidden_states
+        pre_mlp_layernorm_output = self.pre_mlp_layernorm(hidden_states)
+        mlp_output_with_bias = self.mlp(pre_mlp_layernorm_output)
+        if self.config.apply_residual_connection_post_layernorm:
+            residual = pre_mlp_layernorm_output
+        hidden_states = self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
+            mlp_output_with_bias, residual, self.hidden_dropout
+        )
+        return hidden_states, context
