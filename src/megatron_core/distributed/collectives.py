@@ -1,0 +1,127 @@
+"""Every collective used by data parallelism and the optimizers, in one place.
+
+Thin wrappers over ``torch.distributed`` that accept ``group=None`` for "no parallelism" (a
+single-rank group is also a no-op), return async work handles when asked, and coalesce many
+small tensors into one flat buffer. Both gloo (CPU) and NCCL (GPU) support every op used here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """World size of ``group``; 1 when ``group`` is None or no process group exists."""
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This rank's index in ``group``; 0 when ``group`` is None or no process group exists."""
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _is_gloo(group: dist.ProcessGroup | None) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+class _CopyOnWait:
+    """A work handle that copies a scratch result into its destination once the collective is done."""
+
+    def __init__(self, work: dist.Work | None, scratch: torch.Tensor, destination: torch.Tensor) -> None:
+        self._work, self._scratch, self._destination = work, scratch, destination
+
+    def wait(self) -> bool:
+        """Wait for the collective, then copy the result into place."""
+        if self._work is not None:
+            self._work.wait()
+        self._destination.copy_(self._scratch)
+        return True
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "sum",
+               async_op: bool = False) -> dist.Work | None:
+    """In-place all-reduce (``op`` in sum, avg, max, min); a no-op on a single rank."""
+    if group_size(group) == 1:
+        return None
+    reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+                 "min": dist.ReduceOp.MIN}[op]
+    return dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None,
+                   op: str = "sum", async_op: bool = False) -> dist.Work | None:
+    """Reduce ``input_`` (size ``n * group_size``) across ``group`` and keep this rank's ``n`` elements.
+
+    ``output`` may be a view of ``input_`` (the distributed optimizer writes into its own shard).
+    """
+    if group_size(group) == 1:
+        if output.data_ptr() != input_.data_ptr():
+            output.copy_(input_)
+        return None
+    reduce_op = dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM
+    if _is_gloo(group) and _overlaps(output, input_):
+        # Gloo may write the output while still reading the input: reduce into scratch, copy on wait.
+        scratch = torch.empty_like(output)
+        work = dist.reduce_scatter_tensor(scratch, input_, op=reduce_op, group=group, async_op=async_op)
+        pending = _CopyOnWait(work, scratch, output)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+    return dist.reduce_scatter_tensor(output, input_, op=reduce_op, group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None,
+               async_op: bool = False) -> dist.Work | None:
+    """Gather every rank's ``input_`` into ``output`` (rank order); ``input_`` may be a view of ``output``."""
+    if group_size(group) == 1:
+        if output.data_ptr() != input_.data_ptr():
+            output.copy_(input_)
+        return None
+    if _is_gloo(group) and _overlaps(output, input_):
+        # Gloo may overwrite the output before it has read an aliased input: send a copy.
+        input_ = input_.clone()
+    return dist.all_gather_into_tensor(output, input_, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup | None) -> None:
+    """Broadcast ``tensor`` from the rank with index ``src_group_rank`` in ``group``."""
+    if group_size(group) == 1:
+        return
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
+
+
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Sum-all-reduce many tensors with one collective per dtype, writing the results back in place."""
+    if group_size(group) == 1 or not tensors:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        for t, reduced in zip(same, _unflatten_dense_tensors(flat, same)):
+            t.copy_(reduced)
+
+
+def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:
+    """Every rank's ``obj`` (picklable) in group-rank order."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list[object] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,238 @@
+"""``DistributedDataParallel``: bucketed data parallel gradient reduction (Megatron-Core's DDP wrapper).
+
+Gradients accumulate into ``param.main_grad`` (views into contiguous buffers, see
+:mod:`param_and_grad_buffer`) through post-accumulate-grad hooks, which also free ``param.grad``.
+With ``overlap_grad_reduce`` a bucket's all-reduce (or reduce-scatter for the distributed
+optimizer) starts as soon as its last gradient arrives; ``finish_grad_sync`` waits for them.
+Dense params reduce over the DP x CP group; expert params (``param.allreduce == False``) over the
+expert DP group. Gradients are pre-divided by the DP x CP size unless ``average_in_collective``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state
+from megatron_core.device import get_current_device
+from megatron_core.distributed import collectives
+from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron_core.distributed.param_and_grad_buffer import (
+    _ParamAndGradBucketGroup,
+    _ParamAndGradBuffer,
+    partition_buckets,
+)
+
+
+def _ddp_groups(pg_collection: Any) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """The (DP x CP, expert DP) groups from ``pg_collection`` or from ``parallel_state``."""
+    if pg_collection is not None:
+        dp_cp = getattr(pg_collection, "dp_cp", None)
+        if dp_cp is None:
+            raise ValueError("pg_collection passed to DistributedDataParallel must set dp_cp")
+        return dp_cp, getattr(pg_collection, "expt_dp", None)
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("DistributedDataParallel needs initialize_model_parallel() or a pg_collection")
+    return (parallel_state.get_data_parallel_group(with_context_parallel=True),
+            parallel_state.get_expert_data_parallel_group(check_initialized=False))
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap ``module`` so its gradients are reduced across data parallel ranks in buckets.
+
+    ``config`` is the model's ``TransformerConfig`` (or ``ModelParallelConfig``); only
+    ``calculate_per_token_loss`` is read from it. ``disable_bucketing`` puts every param of a
+    buffer into one bucket.
+    """
+
+    def __init__(self, config: Any, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
+                 disable_bucketing: bool = False, pg_collection: Any = None) -> None:
+        super().__init__()
+        if ddp_config.num_distributed_optimizer_instances > 1:
+            raise ValueError(
+                f"num_distributed_optimizer_instances ({ddp_config.num_distributed_optimizer_instances}) > 1 "
+                "is not supported by megatron_core"
+            )
+        self.config = config
+        self.ddp_config = ddp_config
+        self.module = module
+        self.dp_cp_group, self.expt_dp_group = _ddp_groups(pg_collection)
+        dp_cp_size = collectives.group_size(self.dp_cp_group)
+        expt_dp_size = collectives.group_size(self.expt_dp_group)
+
+        self.bucket_size = ddp_config.bucket_size
+        if ddp_config.bucket_size is None and ddp_config.overlap_grad_reduce:
+            self.bucket_size = max(40_000_000, 1_000_000 * dp_cp_size)
+        if not ddp_config.overlap_grad_reduce and ddp_config.bucket_size is None:
+            self.bucket_size = None
+        if ddp_config.num_buckets is not None:
+            total = sum(p.numel() for p in module.parameters() if p.requires_grad)
+            self.bucket_size = max(1, math.ceil(total / ddp_config.num_buckets))
+        if disable_bucketing:
+            self.bucket_size = None
+
+        if getattr(config, "calculate_per_token_loss", False):
+            scaling, expert_scaling = 1.0, 1.0
+        elif ddp_config.average_in_collective:
+            scaling, expert_scaling = 1.0, expt_dp_size / dp_cp_size
+        else:
+            scaling, expert_scaling = 1.0 / dp_cp_size, 1.0 / dp_cp_size
+
+        self.param_to_name: dict[torch.nn.Parameter, str] = {}
+        dense, expert = [], []
+        for name, param in module.named_parameters():
+            if not param.requires_grad:
+                continue
+            self.param_to_name[param] = name
+            param.grad_added_to_main_grad = False
+            (dense if getattr(param, "allreduce", True) else expert).append(param)
+
+        device = get_current_device()
+        self.buffers = self._allocate_buffers(dense, self.dp_cp_group, scaling, device)
+        self.expert_parallel_buffers = self._allocate_buffers(expert, self.expt_dp_group, expert_scaling, device)
+        self.bucket_groups = partition_buckets(self.buffers, force_single_bucket_group=disable_bucketing)
+        self.expert_parallel_bucket_groups = partition_buckets(
+            self.expert_parallel_buffers, force_single_bucket_group=disable_bucketing
+        )
+        # Forward needs the buckets in reverse (creation) order: chain each group to the one before it.
+        all_groups = self.bucket_groups + self.expert_parallel_bucket_groups
+        for groups in (self.bucket_groups, self.expert_parallel_bucket_groups):
+            for i in range(len(groups) - 1, 0, -1):
+                groups[i].next_param_gather_bucket_group = groups[i - 1]
+        self.param_to_bucket_group: dict[torch.nn.Parameter, _ParamAndGradBucketGroup] = {
+            param: group for group in all_groups for param in group.params
+        }
+
+        self._grad_hook_handles = [
+            param.register_post_accumulate_grad_hook(self._make_backward_post_hook(param))
+            for param in self.param_to_name
+        ]
+        self.use_forward_hook = ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather
+        self._forward_hook_handles: list = []
+        if self.use_forward_hook:
+            self.enable_forward_pre_hook()
+
+    def _allocate_buffers(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup | None,
+                          scaling: float, device: torch.device) -> list[_ParamAndGradBuffer]:
+        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}
+        for param in params:
+            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
+            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+        return [
+            _ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, plist, group, self.bucket_size,
+                                self.param_to_name, scaling, device)
+            for (param_dtype, grad_dtype), plist in by_dtype.items()
+        ]
+
+    def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None and (not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False)):
+                p.main_grad.add_(p.grad)
+            p.grad = None
+            if self.ddp_config.overlap_grad_reduce:
+                self.param_to_bucket_group[param].register_grad_ready(param)
+
+        return hook
+
+    def _make_forward_pre_hook(self) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, *unused: Any) -> None:
+            for param in module.parameters(recurse=False):
+                group = self.param_to_bucket_group.get(param)
+                if group is not None:
+                    group.finish_param_sync(skip_next_bucket_dispatch=self.ddp_config.align_param_gather)
+
+        return hook
+
+    def enable_forward_pre_hook(self) -> None:
+        """Wait for each module's parameter all-gather just before its forward (distributed optimizer)."""
+        if not self.use_forward_hook:
+            raise RuntimeError("forward pre-hooks need use_distributed_optimizer and overlap_param_gather")
+        if not self._forward_hook_handles:
+            self._forward_hook_handles = [m.register_forward_pre_hook(self._make_forward_pre_hook())
+                                          for m in self.module.modules()]
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Remove the forward pre-hooks; with ``param_sync`` gather every parameter now."""
+        for handle in self._forward_hook_handles:
+            handle.remove()
+        self._forward_hook_handles = []
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Call the wrapped module."""
+        return self.module(*inputs, **kwargs)
+
+    def _all_bucket_groups(self) -> list[_ParamAndGradBucketGroup]:
+        return self.bucket_groups + self.expert_parallel_bucket_groups
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (all but the last microbatch)."""
+        for group in self._all_bucket_groups():
+            group.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for group in self._all_bucket_groups():
+                group.is_last_microbatch = True
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Launch the reduction of every bucket (asynchronously when ``overlap_grad_reduce``)."""
+        for group in self._all_bucket_groups():
+            group.start_grad_sync()
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Wait for (or run) every bucket's reduction; afterwards ``main_grad`` holds the reduced gradient."""
+        for group in self._all_bucket_groups():
+            group.finish_grad_sync(force_all_reduce=force_all_reduce)
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """All-gather the distributed optimizer's updated shards into the params.
+
+        Without ``overlap_param_gather`` (or with ``force_sync``) this is synchronous; otherwise it
+        dispatches the gathers and the forward pre-hooks wait for them.
+        """
+        if not self.ddp_config.use_distributed_optimizer:
+            return
+        for group in self._all_bucket_groups():
+            if force_dispatch and group.param_gather_dispatched and not force_sync:
+                continue
+            group.start_param_sync(force_sync=force_sync)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` and forget ready gradients; call before each iteration."""
+        for param in self.param_to_name:
+            param.grad_added_to_main_grad = False
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            buffer.reset()
+        for group in self._all_bucket_groups():
+            group.reset()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every ``main_grad`` by ``scaling_factor``."""
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            buffer.scale_gradients(scaling_factor)
+
+    def broadcast_params(self) -> None:
+        """Copy data parallel rank 0's parameters to every other data parallel rank."""
+        for param in self.module.parameters():
+            group = self.dp_cp_group if getattr(param, "allreduce", True) else self.expt_dp_group
+            collectives.broadcast(param.data, 0, group)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict (DDP adds no keys)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Load into the wrapped module."""
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's sharded state dict (for ``dist_checkpointing``)."""
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)

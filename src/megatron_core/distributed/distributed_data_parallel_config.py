@@ -1,0 +1,131 @@
+"""``DistributedDataParallelConfig``: how gradients are reduced and parameters gathered across data parallel ranks.
+
+Mirrors Megatron-Core's dataclass of the same name. Only the plain (non-FSDP) path is implemented:
+``use_megatron_fsdp=True`` and FP8/FP4 parameter gathers are rejected with a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """Settings of :class:`~megatron_core.distributed.DistributedDataParallel`."""
+
+    grad_reduce_in_fp32: bool = False
+    """Keep ``main_grad`` buffers (and reduce them) in fp32 whatever the parameter dtype."""
+
+    overlap_grad_reduce: bool = False
+    """Launch each bucket's reduction as soon as all of its gradients are ready during backward."""
+
+    overlap_param_gather: bool = False
+    """Distributed optimizer: all-gather updated parameters lazily, overlapped with the next forward."""
+
+    align_param_gather: bool = False
+    """Let the pipeline schedule dispatch parameter all-gathers (all stages at once)."""
+
+    use_distributed_optimizer: bool = False
+    """Reduce-scatter gradients and all-gather parameters (ZeRO-1) instead of all-reducing gradients."""
+
+    num_distributed_optimizer_instances: int = 1
+    """Shard the optimizer over DP / instances ranks and all-reduce across the instances."""
+
+    check_for_nan_in_grad: bool = False
+    """Raise before reducing a bucket whose local gradients contain NaN or Inf."""
+
+    check_for_large_grads: bool = False
+    """Raise before reducing a bucket whose local gradient norm exceeds ``large_grad_threshold``."""
+
+    large_grad_threshold: float = 1e10
+    """Threshold used by ``check_for_large_grads`` (not in Megatron-Core, which fixes it internally)."""
+
+    bucket_size: int | None = None
+    """Elements per bucket; default ``max(40_000_000, 1_000_000 * dp_size)`` when overlapping, else one bucket."""
+
+    num_buckets: int | None = None
+    """Alternative to ``bucket_size``: split each buffer into about this many buckets."""
+
+    pad_buckets_for_high_nccl_busbw: bool = False
+    """Pad each bucket to a multiple of 2**16 elements (and DP size) for better NCCL bus bandwidth."""
+
+    reduce_scatter_with_fp32_accumulation: bool = False
+    """Accept for compatibility; gloo and NCCL reduce in the buffer dtype, so set grad_reduce_in_fp32 instead."""
+
+    param_name_patterns_for_fp32_local_accumulation: tuple[str, ...] = ()
+    """Accepted for compatibility; must be empty when ``grad_reduce_in_fp32`` is set."""
+
+    average_in_collective: bool = False
+    """Average with ``ReduceOp.AVG`` in the collective instead of pre-scaling by 1/DP."""
+
+    fp8_param_gather: bool = False
+    """FP8 parameter all-gather (Transformer Engine only; rejected here)."""
+
+    fp4_param_gather: bool = False
+    """FP4 parameter all-gather (Transformer Engine only; rejected here)."""
+
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    """MXFP8 buffer reuse (Transformer Engine only; rejected here)."""
+
+    use_megatron_fsdp: bool = False
+    """Megatron-FSDP (not implemented here; rejected)."""
+
+    use_custom_fsdp: bool = False
+    """Deprecated alias of ``use_megatron_fsdp``."""
+
+    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "no_shard"
+    """FSDP sharding strategy; only meaningful with ``use_megatron_fsdp``."""
+
+    gradient_reduce_div_fusion: bool = True
+    """FSDP option, accepted for compatibility."""
+
+    nccl_ub: bool = False
+    """NCCL user buffers (rejected: needs NCCL symmetric memory)."""
+
+    delay_wgrad_compute: bool = False
+    """Accepted for compatibility; has no effect here."""
+
+    def __post_init__(self) -> None:
+        """Validate the combination of options; errors name the fields and values."""
+        if self.use_custom_fsdp:
+            self.use_megatron_fsdp = True
+        if self.use_megatron_fsdp:
+            raise ValueError("use_megatron_fsdp=True is not supported by megatron_core; use use_distributed_optimizer")
+        if self.data_parallel_sharding_strategy not in _SHARDING_STRATEGIES:
+            raise ValueError(
+                f"data_parallel_sharding_strategy ({self.data_parallel_sharding_strategy!r}) must be one of "
+                f"{_SHARDING_STRATEGIES}"
+            )
+        for name in ("fp8_param_gather", "fp4_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "nccl_ub"):
+            if getattr(self, name):
+                raise ValueError(f"{name}=True needs Transformer Engine / NCCL user buffers, not supported here")
+        if self.num_buckets is not None and self.bucket_size is not None:
+            raise ValueError(
+                f"num_buckets ({self.num_buckets}) and bucket_size ({self.bucket_size}) are exclusive; set one"
+            )
+        if self.num_buckets is not None and self.num_buckets <= 0:
+            raise ValueError(f"num_buckets ({self.num_buckets}) must be > 0")
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(f"bucket_size ({self.bucket_size}) must be > 0")
+        if self.param_name_patterns_for_fp32_local_accumulation and self.grad_reduce_in_fp32:
+            raise ValueError(
+                "param_name_patterns_for_fp32_local_accumulation "
+                f"({self.param_name_patterns_for_fp32_local_accumulation}) cannot be combined with "
+                "grad_reduce_in_fp32=True"
+            )
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather=True needs use_distributed_optimizer=True")
+        if self.align_param_gather and not self.overlap_param_gather:
+            raise ValueError("align_param_gather=True needs overlap_param_gather=True")
+        if self.num_distributed_optimizer_instances < 1:
+            raise ValueError(
+                f"num_distributed_optimizer_instances ({self.num_distributed_optimizer_instances}) must be >= 1"
+            )
+        if self.num_distributed_optimizer_instances > 1 and not self.use_distributed_optimizer:
+            raise ValueError(
+                f"num_distributed_optimizer_instances ({self.num_distributed_optimizer_instances}) > 1 needs "
+                "use_distributed_optimizer=True"
+            )

@@ -1,0 +1,139 @@
+"""``finalize_model_grads``: the gradient reductions that run after the last microbatch's backward.
+
+Megatron-Core's function of the same name, called by the pipeline schedules through
+``config.finalize_model_grads_func``. In order: finish the DP x CP reduction of every model chunk;
+all-reduce the gradients of sequence-parallel params (layernorms, row-parallel biases) over TP;
+all-reduce tied word-embedding gradients over the embedding group (first and last PP stage) and
+position-embedding gradients over the position-embedding group; optionally divide every gradient
+by the number of tokens of the global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_core import parallel_state
+from megatron_core.distributed import collectives
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / Float16Module wrappers (anything with a ``.module`` child)."""
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module
+    return module
+
+
+def _model_config(model_chunk: torch.nn.Module) -> Any:
+    """The model's config: ``.config`` of the outermost wrapper that has one."""
+    module: Any = model_chunk
+    while module is not None:
+        if getattr(module, "config", None) is not None:
+            return module.config
+        module = getattr(module, "module", None)
+    return None
+
+
+def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    grad = getattr(param, "main_grad", None)
+    return param.grad if grad is None else grad
+
+
+def _groups(pg_collection: Any) -> dict[str, Any]:
+    if pg_collection is not None:
+        for name in ("tp", "pp", "embd", "pos_embd"):
+            if not hasattr(pg_collection, name):
+                raise ValueError(f"pg_collection for finalize_model_grads must have '{name}' (set it to None if unused)")
+        dp_cp = getattr(pg_collection, "dp_cp", None)
+        return {"tp": pg_collection.tp, "pp": pg_collection.pp, "embd": pg_collection.embd,
+                "pos_embd": pg_collection.pos_embd, "dp_cp": dp_cp}
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_group(),
+        "pp": parallel_state.get_pipeline_model_parallel_group(),
+        "embd": parallel_state.get_embedding_group(check_initialized=False),
+        "pos_embd": parallel_state.get_position_embedding_group(check_initialized=False),
+        "dp_cp": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+
+
+def _in_group(group: Any) -> bool:
+    return group is not None and collectives.group_size(group) > 1
+
+
+def _tied_embedding_params(model: list[torch.nn.Module], pp_group: Any) -> list[torch.nn.Parameter]:
+    """Word-embedding weights shared between the first and the last pipeline stage, on this rank."""
+    pp_rank, pp_size = collectives.group_rank(pp_group), collectives.group_size(pp_group)
+    chunks = []
+    if pp_rank == 0:
+        chunks.append(model[0])
+    if pp_rank == pp_size - 1:
+        chunks.append(model[-1])
+    found: dict[int, torch.nn.Parameter] = {}
+    for chunk in chunks:
+        module = _unwrap(chunk)
+        if getattr(module, "share_embeddings_and_output_weights", False) and hasattr(
+            module, "shared_embedding_or_output_weight"
+        ):
+            weight = module.shared_embedding_or_output_weight()
+            if weight is not None:
+                found[id(weight)] = weight
+        for param in module.parameters():
+            if getattr(param, "shared_embedding", False):
+                found[id(param)] = param
+    return list(found.values())
+
+
+def _position_embedding_params(model: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    module = _unwrap(model[0])
+    embedding = getattr(module, "embedding", None)
+    position = getattr(embedding, "position_embeddings", None)
+    weight = getattr(position, "weight", None)
+    return [] if weight is None else [weight]
+
+
+def _allreduce_grads(params: list[torch.nn.Parameter], group: Any) -> None:
+    grads = [g for g in (_main_grad(p) for p in params) if g is not None]
+    collectives.all_reduce_coalesced(grads, group)
+
+
+def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
+                         pg_collection: Any = None, force_all_reduce: bool = False) -> None:
+    """Finish every gradient reduction of one iteration across DP, TP and PP (see module docstring).
+
+    ``model`` is the list of model chunks (usually DDP-wrapped). ``num_tokens`` (a tensor on the
+    last PP stage) switches on per-token loss normalisation.
+    """
+    groups = _groups(pg_collection)
+    config = _model_config(model[0])
+
+    for chunk in model:
+        if hasattr(chunk, "finish_grad_sync"):
+            chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
+
+    if _in_group(groups["tp"]) and getattr(config, "sequence_parallel", False):
+        params = [p for chunk in model for p in chunk.parameters()
+                  if p.requires_grad and getattr(p, "sequence_parallel", False)]
+        _allreduce_grads(params, groups["tp"])
+
+    if _in_group(groups["embd"]):
+        _allreduce_grads(_tied_embedding_params(model, groups["pp"]), groups["embd"])
+    if _in_group(groups["pos_embd"]) and collectives.group_rank(groups["pp"]) == 0:
+        _allreduce_grads(_position_embedding_params(model), groups["pos_embd"])
+
+    if num_tokens is not None:
+        pp_group = groups["pp"]
+        last = collectives.group_size(pp_group) - 1
+        num_tokens = num_tokens.clone()
+        collectives.broadcast(num_tokens, last, pp_group)
+        collectives.all_reduce(num_tokens, groups["dp_cp"])
+        if num_tokens.item() <= 0:
+            raise ValueError(f"num_tokens must be positive across the global batch, got {num_tokens.item()}")
+        for chunk in model:
+            if hasattr(chunk, "scale_gradients"):
+                chunk.scale_gradients(1.0 / num_tokens.item())
+            else:
+                for p in chunk.parameters():
+                    grad = _main_grad(p)
+                    if grad is not None:
+                        grad.div_(num_tokens)

@@ -1,0 +1,305 @@
+"""Contiguous parameter and gradient buffers, split into buckets that are reduced as one collective.
+
+Megatron-Core's ``_ParamAndGradBuffer``. Parameters of one (param dtype, grad dtype) pair are laid
+out in **reverse creation order** (roughly the order backward produces their gradients), so a
+bucket at the front of the buffer fills first. Every parameter gets ``param.main_grad``, a view
+into the gradient buffer; with the distributed optimizer ``param.data`` also becomes a view into
+the parameter buffer, and each bucket is padded so that it splits into equal per-rank shards
+(rank ``r`` owns elements ``[r * n, (r + 1) * n)`` of every bucket).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+from megatron_core.distributed import collectives
+from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+
+_PARAM_START_ALIGNMENT = 64
+_HIGH_BUSBW_PADDING = 2**16
+
+
+class BufferType(Enum):
+    """Which of the two buffers a range refers to."""
+
+    PARAM = 1
+    GRAD = 2
+
+
+def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[torch.Tensor]:
+    """Split a 1-D buffer into ``data_parallel_world_size`` equal contiguous views."""
+    if buffer.numel() % data_parallel_world_size != 0:
+        raise ValueError(f"buffer of {buffer.numel()} elements does not split into {data_parallel_world_size} shards")
+    n = buffer.numel() // data_parallel_world_size
+    return [buffer[r * n:(r + 1) * n] for r in range(data_parallel_world_size)]
+
+
+class _ParamAndGradBucket:
+    """A contiguous slice of a buffer whose gradients are reduced (and params gathered) together."""
+
+    def __init__(self, params: list[torch.nn.Parameter], param_data: torch.Tensor | None,
+                 grad_data: torch.Tensor, offset: int, numel_unpadded: int,
+                 gradient_scaling_factor: float, bucket_id: int) -> None:
+        self.params_list = params
+        self.params = set(params)
+        self.param_data = param_data
+        self.grad_data = grad_data
+        self.offset = offset
+        self.numel_unpadded = numel_unpadded
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.bucket_id = bucket_id
+
+
+class _ParamAndGradBucketGroup:
+    """Buckets whose gradient reduction and parameter all-gather are launched together.
+
+    Tracks which params reported a ready gradient (when overlapping) and owns the async handles.
+    """
+
+    def __init__(self, buckets: list[_ParamAndGradBucket], ddp_config: DistributedDataParallelConfig,
+                 collective_group: dist.ProcessGroup | None, collective_group_size: int) -> None:
+        self.buckets = buckets
+        self.ddp_config = ddp_config
+        self.data_parallel_group = collective_group
+        self.data_parallel_world_size = collective_group_size
+        self.data_parallel_rank = collectives.group_rank(collective_group)
+        self.params = set().union(*(b.params for b in buckets))
+        self.params_with_grad: set[torch.nn.Parameter] = set()
+        self.is_last_microbatch = True
+        self.grad_reduce_handles: list | None = None
+        self.param_gather_handles: list | None = None
+        self.param_gather_dispatched = False
+        self.next_param_gather_bucket_group: _ParamAndGradBucketGroup | None = None
+
+    def reset(self) -> None:
+        """Forget ready gradients before the next iteration."""
+        self.is_last_microbatch = True
+        self.params_with_grad = set()
+
+    def check_grads(self) -> None:
+        """Raise if a bucket's local gradients are non-finite (or too large), before communicating."""
+        for bucket in self.buckets:
+            norm = bucket.grad_data.float().norm(p=2)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            if self.ddp_config.check_for_nan_in_grad and not torch.isfinite(norm):
+                raise RuntimeError(
+                    f"Rank {rank}: found NaN or Inf in local gradients of bucket {bucket.bucket_id} "
+                    f"(norm {norm.item()}) before the data-parallel reduction"
+                )
+            if self.ddp_config.check_for_large_grads and norm.item() > self.ddp_config.large_grad_threshold:
+                raise RuntimeError(
+                    f"Rank {rank}: local gradient norm {norm.item():.3e} of bucket {bucket.bucket_id} exceeds "
+                    f"large_grad_threshold ({self.ddp_config.large_grad_threshold:.3e})"
+                )
+
+    def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Scale and launch the reduction of every bucket (async when ``overlap_grad_reduce``)."""
+        if self.grad_reduce_handles is not None:
+            raise RuntimeError("a gradient reduction is already outstanding for this bucket group")
+        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
+            self.check_grads()
+        op = "avg" if self.ddp_config.average_in_collective else "sum"
+        async_op = self.ddp_config.overlap_grad_reduce
+        reduce_scatter = self.ddp_config.use_distributed_optimizer and not force_all_reduce
+        handles = []
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data.mul_(bucket.gradient_scaling_factor)
+            if reduce_scatter:
+                local = shard_buffer(bucket.grad_data, self.data_parallel_world_size)[self.data_parallel_rank]
+                handles.append(collectives.reduce_scatter(local, bucket.grad_data, self.data_parallel_group,
+                                                          op=op, async_op=async_op))
+            else:
+                handles.append(collectives.all_reduce(bucket.grad_data, self.data_parallel_group, op=op,
+                                                      async_op=async_op))
+        self.grad_reduce_handles = [h for h in handles if h is not None]
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Wait for the reduction (launching it synchronously first when not overlapping)."""
+        self.param_gather_dispatched = False
+        if not self.ddp_config.overlap_grad_reduce or force_all_reduce:
+            if self.grad_reduce_handles is None:
+                self.start_grad_sync(force_all_reduce=force_all_reduce)
+        if self.grad_reduce_handles is None:
+            raise RuntimeError(
+                f"the gradient reduction of this bucket group was never launched "
+                f"({len(self.params_with_grad)}/{len(self.params)} params have their gradient ready); "
+                "does every parameter take part in the loss?"
+            )
+        for handle in self.grad_reduce_handles:
+            handle.wait()
+        self.grad_reduce_handles = None
+
+    def register_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Mark ``param``'s gradient ready; launch the reduction once every param of the group is ready."""
+        if not self.is_last_microbatch:
+            return
+        if param in self.params_with_grad:
+            raise RuntimeError("a parameter's gradient was marked ready twice in one iteration")
+        self.params_with_grad.add(param)
+        if len(self.params_with_grad) == len(self.params):
+            self.start_grad_sync()
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """All-gather every rank's updated shard into the param buffer (async with ``overlap_param_gather``)."""
+        if not self.ddp_config.use_distributed_optimizer:
+            raise RuntimeError("parameter all-gather needs use_distributed_optimizer=True")
+        if force_sync:
+            if self.param_gather_handles is not None:
+                for handle in self.param_gather_handles:
+                    handle.wait()
+                self.param_gather_handles = None
+                return
+        elif self.param_gather_dispatched:
+            raise RuntimeError("a parameter all-gather is already dispatched for this bucket group")
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        handles = []
+        for bucket in self.buckets:
+            local = shard_buffer(bucket.param_data, self.data_parallel_world_size)[self.data_parallel_rank]
+            handles.append(collectives.all_gather(bucket.param_data, local, self.data_parallel_group,
+                                                  async_op=async_op))
+        self.param_gather_handles = [h for h in handles if h is not None] if async_op else None
+        self.param_gather_dispatched = True
+
+    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
+        """Wait for this group's all-gather (dispatching it if needed), then dispatch the next group's."""
+        if not self.param_gather_dispatched:
+            self.start_param_sync()
+        if self.param_gather_handles is not None:
+            for handle in self.param_gather_handles:
+                handle.wait()
+            self.param_gather_handles = None
+            nxt = self.next_param_gather_bucket_group
+            if nxt is not None and not skip_next_bucket_dispatch and not nxt.param_gather_dispatched:
+                nxt.start_param_sync()
+
+
+class _ParamAndGradBuffer:
+    """One contiguous param buffer (distributed optimizer only) and grad buffer for params of one dtype pair."""
+
+    def __init__(self, ddp_config: DistributedDataParallelConfig, param_dtype: torch.dtype,
+                 grad_dtype: torch.dtype, params: Sequence[torch.nn.Parameter],
+                 data_parallel_group: dist.ProcessGroup | None, bucket_size: int | None,
+                 param_to_name: dict[torch.nn.Parameter, str], gradient_scaling_factor: float,
+                 device: torch.device) -> None:
+        self.ddp_config = ddp_config
+        self.params = list(params)
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = collectives.group_size(data_parallel_group)
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.param_to_name = param_to_name
+        self.param_index_map: dict[torch.nn.Parameter, tuple[int, int, int]] = {}
+        self.bucket_indices: list[tuple[int, int]] = []
+        self.per_bucket_numel_unpadded: list[int] = []
+
+        self.numel = self._layout(bucket_size)
+        self.numel_unpadded = sum(p.numel() for p in self.params)
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if ddp_config.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+
+        for param in self.params:
+            start, end, _ = self.param_index_map[param]
+            if self.param_data is not None:
+                view = self.param_data[start:end].view(param.shape)
+                view.copy_(param.data)
+                param.data = view
+            param.main_grad = self.grad_data[start:end].view(param.shape)
+
+        self.buckets: list[_ParamAndGradBucket] = []
+        self.param_to_bucket: dict[torch.nn.Parameter, _ParamAndGradBucket] = {}
+        bucket_params: list[list[torch.nn.Parameter]] = [[] for _ in self.bucket_indices]
+        for param in self.params[::-1]:
+            bucket_params[self.param_index_map[param][2]].append(param)
+        for bucket_id, ((start, end), plist) in enumerate(zip(self.bucket_indices, bucket_params)):
+            bucket = _ParamAndGradBucket(
+                plist,
+                None if self.param_data is None else self.param_data[start:end],
+                self.grad_data[start:end],
+                start,
+                self.per_bucket_numel_unpadded[bucket_id],
+                gradient_scaling_factor,
+                bucket_id,
+            )
+            self.buckets.append(bucket)
+            for param in plist:
+                self.param_to_bucket[param] = bucket
+
+    def _pad(self, index: int, multiple: int) -> int:
+        return int(math.ceil(index / multiple) * multiple)
+
+    def _bucket_end_multiple(self) -> int:
+        if not self.ddp_config.use_distributed_optimizer:
+            return 1
+        multiple = math.lcm(self.data_parallel_world_size, 128)
+        if self.ddp_config.pad_buckets_for_high_nccl_busbw:
+            multiple = math.lcm(multiple, _HIGH_BUSBW_PADDING)
+        return multiple
+
+    def _needs_own_bucket(self, param: torch.nn.Parameter) -> bool:
+        # A tied embedding is all-reduced across pipeline stages after the reduce-scatter; in a bucket of
+        # its own its shards line up on the first and the last stage.
+        return bool(getattr(param, "shared_embedding", False)) and self.ddp_config.use_distributed_optimizer
+
+    def _layout(self, bucket_size: int | None) -> int:
+        """Assign each param its ``[start, end)`` range and bucket; return the padded buffer size."""
+        distopt = self.ddp_config.use_distributed_optimizer
+        end_multiple = self._bucket_end_multiple()
+        index = 0
+        bucket_start = 0
+        unpadded = 0
+
+        def close_bucket(end_index: int) -> int:
+            nonlocal bucket_start, unpadded
+            padded_end = self._pad(end_index, end_multiple)
+            self.bucket_indices.append((bucket_start, padded_end))
+            self.per_bucket_numel_unpadded.append(unpadded)
+            bucket_start, unpadded = padded_end, 0
+            return padded_end
+
+        for param in self.params[::-1]:
+            if self._needs_own_bucket(param) and unpadded > 0:
+                index = close_bucket(index)
+            start = self._pad(index, _PARAM_START_ALIGNMENT) if distopt else index
+            end = start + param.numel()
+            self.param_index_map[param] = (start, end, len(self.bucket_indices))
+            unpadded += param.numel()
+            index = end
+            if (bucket_size is not None and end - bucket_start >= bucket_size) or self._needs_own_bucket(param):
+                index = close_bucket(end)
+        if unpadded > 0 or not self.bucket_indices:
+            index = close_bucket(index)
+        return index
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every gradient in the buffer by ``scaling_factor``."""
+        self.grad_data.mul_(scaling_factor)
+
+    def reset(self) -> None:
+        """Zero the gradient buffer."""
+        self.grad_data.zero_()
+
+
+def partition_buckets(buffers: Sequence[_ParamAndGradBuffer], force_single_bucket_group: bool = False,
+                      ) -> list[_ParamAndGradBucketGroup]:
+    """Group buckets for communication: one group per bucket, or one group for everything."""
+    if not buffers:
+        return []
+    ddp_config = buffers[0].ddp_config
+    if force_single_bucket_group:
+        buckets = [b for buffer in buffers for b in buffer.buckets]
+        return [_ParamAndGradBucketGroup(buckets, ddp_config, buffers[0].data_parallel_group,
+                                         buffers[0].data_parallel_world_size)]
+    return [
+        _ParamAndGradBucketGroup([bucket], ddp_config, buffer.data_parallel_group, buffer.data_parallel_world_size)
+        for buffer in buffers
+        for bucket in buffer.buckets
+    ]

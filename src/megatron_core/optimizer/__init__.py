@@ -1,0 +1,142 @@
+"""Optimizers for Megatron-style training: ``get_megatron_optimizer`` and the wrapper classes it builds.
+
+The factory groups params (no weight decay for biases and norms), builds torch's ``AdamW`` /
+``Adam`` / ``SGD`` (fused on CUDA, foreach on CPU), and wraps it: ``DistributedOptimizer`` when
+``use_distributed_optimizer``, ``Float16OptimizerWithFloat16Params`` for fp16/bf16, else
+``FP32Optimizer``. Expert params get a separate optimizer over the expert DP group, and the two
+are combined in a ``ChainedOptimizer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_core import parallel_state
+from megatron_core.optimizer.chained_optimizer import ChainedOptimizer
+from megatron_core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+)
+from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron_core.optimizer.optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    MixedPrecisionOptimizer,
+)
+from megatron_core.optimizer.optimizer_config import OptimizerConfig
+from megatron_core.optimizer.param_groups import ParamCondition, get_param_groups
+
+__all__ = [
+    "ChainedOptimizer",
+    "ConstantGradScaler",
+    "DistributedOptimizer",
+    "DynamicGradScaler",
+    "FP32Optimizer",
+    "Float16OptimizerWithFloat16Params",
+    "MegatronGradScaler",
+    "MegatronOptimizer",
+    "MixedPrecisionOptimizer",
+    "OptimizerConfig",
+    "Range",
+    "clip_grad_by_total_norm_fp32",
+    "count_zeros_fp32",
+    "get_grad_norm_fp32",
+    "get_megatron_optimizer",
+    "get_param_groups",
+]
+
+
+def _torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    device = param_groups[0]["params"][0].device
+    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if config.optimizer == "adam":
+        cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+        return cls(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                   betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, **kernel)
+    return torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                           momentum=config.sgd_momentum, **kernel)
+
+
+def _grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                                 growth_factor=2.0, backoff_factor=0.5, growth_interval=config.loss_scale_window,
+                                 hysteresis=config.hysteresis)
+    return None
+
+
+def _groups(pg_collection: Any, expert: bool) -> dict[str, Any]:
+    """tp, data parallel and grad-stats groups for the dense or the expert optimizer."""
+    if pg_collection is not None:
+        return {"tp": getattr(pg_collection, "tp", None),
+                "dp": getattr(pg_collection, "expt_dp" if expert else "dp_cp", None),
+                "stats": getattr(pg_collection, "tp_ep_pp" if expert else "mp", None)}
+    if not parallel_state.model_parallel_is_initialized():
+        return {"tp": None, "dp": None, "stats": None}
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_group(),
+        "dp": (parallel_state.get_expert_data_parallel_group() if expert
+               else parallel_state.get_data_parallel_group(with_context_parallel=True)),
+        "stats": (parallel_state.get_expert_tensor_model_pipeline_parallel_group() if expert
+                  else parallel_state.get_model_parallel_group()),
+    }
+
+
+def _build(config: OptimizerConfig, model_chunks: list[torch.nn.Module], param_groups: list[dict[str, Any]],
+           expert: bool, pg_collection: Any) -> MegatronOptimizer:
+    groups = _groups(pg_collection, expert)
+    optimizer = _torch_optimizer(config, param_groups)
+    if config.use_distributed_optimizer:
+        attr = "expert_parallel_buffers" if expert else "buffers"
+        per_model_buffers = {i: getattr(chunk, attr) for i, chunk in enumerate(model_chunks)}
+        wrapped: MegatronOptimizer = DistributedOptimizer(
+            optimizer, config, _grad_scaler(config), lambda opt: None, model_chunks, per_model_buffers,
+            groups["dp"],
+        )
+        wrapped.tp_group = groups["tp"]
+        return wrapped
+    if config.fp16 or config.bf16:
+        wrapped = Float16OptimizerWithFloat16Params(optimizer, config, _grad_scaler(config))
+    else:
+        wrapped = FP32Optimizer(optimizer, config)
+    wrapped.tp_group = groups["tp"]
+    wrapped.grad_stats_parallel_group = groups["stats"]
+    return wrapped
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.Module],
+                           no_weight_decay_cond: ParamCondition | None = None,
+                           scale_lr_cond: ParamCondition | None = None, lr_mult: float = 1.0,
+                           use_gloo_process_groups: bool = True,
+                           default_skip_embedding_weight_decay: bool = False,
+                           pg_collection: Any = None) -> MegatronOptimizer:
+    """Build the optimizer for ``model_chunks`` (usually DDP-wrapped) as described in the module docstring.
+
+    ``use_gloo_process_groups`` is accepted for compatibility; the optimizers here communicate on
+    the model's own groups.
+    """
+    if config.lr is None:
+        raise ValueError("OptimizerConfig.lr must be set to build an optimizer")
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                                    default_skip_embedding_weight_decay)
+    if not param_groups:
+        raise ValueError("model_chunks have no trainable parameters")
+    dense = [g for g in param_groups if not g["is_expert_parallel"]]
+    expert = [g for g in param_groups if g["is_expert_parallel"]]
+    optimizers = []
+    if dense:
+        optimizers.append(_build(config, model_chunks, dense, expert=False, pg_collection=pg_collection))
+    if expert:
+        optimizers.append(_build(config, model_chunks, expert, expert=True, pg_collection=pg_collection))
+    return optimizers[0] if len(optimizers) == 1 else ChainedOptimizer(optimizers)
+
+

@@ -1,0 +1,93 @@
+"""``ChainedOptimizer``: several optimizer wrappers stepped as one (Megatron-Core's, e.g. dense + expert).
+
+The inf/nan check, the gradient norm (combined as ``sqrt(sum(norm_i^2))``) and the clipping are
+global over all sub-optimizers, so the chain behaves like one optimizer over all parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron_core.optimizer.optimizer import MegatronOptimizer, combine_grad_norms
+
+
+class ChainedOptimizer(MegatronOptimizer):
+    """Step a list of :class:`MegatronOptimizer` together."""
+
+    def __init__(self, chained_optimizers: list[MegatronOptimizer]) -> None:
+        if not chained_optimizers:
+            raise ValueError("ChainedOptimizer needs at least one optimizer")
+        super().__init__(None, chained_optimizers[0].config)
+        self.chained_optimizers = chained_optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every sub-optimizer's param groups, concatenated."""
+        return [g for opt in self.chained_optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        """Every sub-optimizer's state, merged."""
+        merged: dict[Any, Any] = {}
+        for opt in self.chained_optimizers:
+            merged.update(opt.state)
+        return merged
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        """Every sub-optimizer's parameters."""
+        return [p for opt in self.chained_optimizers for p in opt.get_parameters()]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every sub-optimizer."""
+        for opt in self.chained_optimizers:
+            opt.zero_grad(set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The first sub-optimizer's loss scale."""
+        return self.chained_optimizers[0].get_loss_scale()
+
+    def reload_model_params(self) -> None:
+        """Reload in every sub-optimizer."""
+        for opt in self.chained_optimizers:
+            opt.reload_model_params()
+
+    def prepare_grads(self) -> bool:
+        """Prepare every sub-optimizer; True if any found inf/nan."""
+        found = [opt.prepare_grads() for opt in self.chained_optimizers]
+        return any(found)
+
+    def get_grad_norm(self) -> float:
+        """Global norm over every sub-optimizer."""
+        return combine_grad_norms([opt.get_grad_norm() for opt in self.chained_optimizers])
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip every sub-optimizer by the global norm."""
+        grad_norm = self.get_grad_norm()
+        for opt in self.chained_optimizers:
+            clip_grad_by_total_norm_fp32(opt.get_parameters(), clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self) -> float:
+        """Zero gradient elements over every sub-optimizer."""
+        return sum(opt.count_zeros() for opt in self.chained_optimizers)
+
+    def step_with_ready_grads(self) -> bool:
+        """Step every sub-optimizer."""
+        results = [opt.step_with_ready_grads() for opt in self.chained_optimizers]
+        return all(results)
+
+    def state_dict(self) -> list[dict[str, Any]] | dict[str, Any]:
+        """One state dict per sub-optimizer (a single dict when there is one, as Megatron-Core does)."""
+        states = [opt.state_dict() for opt in self.chained_optimizers]
+        return states[0] if len(states) == 1 else states
+
+    def load_state_dict(self, state_dict: list[dict[str, Any]] | dict[str, Any]) -> None:
+        """Restore every sub-optimizer."""
+        states = [state_dict] if isinstance(state_dict, dict) else list(state_dict)
+        if len(states) != len(self.chained_optimizers):
+            raise ValueError(f"got {len(states)} optimizer states for {len(self.chained_optimizers)} optimizers")
+        for opt, state in zip(self.chained_optimizers, states):
+            opt.load_state_dict(state)

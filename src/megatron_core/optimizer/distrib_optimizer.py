@@ -1,0 +1,204 @@
+"""``DistributedOptimizer``: ZeRO-1 sharding of main params and optimizer state over data parallel ranks.
+
+Megatron-Core's distributed optimizer. Each DDP bucket is split into ``dp`` equal contiguous
+shards (see :mod:`megatron_core.distributed.param_and_grad_buffer`); rank ``r`` owns shard ``r``
+of every bucket. For each param that overlaps the owned shard, this rank keeps an fp32 main
+param for just that slice (a view of the param buffer itself when params are fp32) and the inner
+optimizer's state for it. A step reads the reduce-scattered gradient slice from ``main_grad``,
+updates the slice, writes it into the param buffer and all-gathers the buffer (or lets the DDP
+forward pre-hooks do it with ``overlap_param_gather``).
+
+``state_dict`` holds this rank's shard state plus metadata (param names, shapes, flat ranges, DP
+rank and size) so a checkpointing layer can reshard it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_core.distributed import collectives
+from megatron_core.optimizer.grad_scaler import MegatronGradScaler
+from megatron_core.optimizer.optimizer import MixedPrecisionOptimizer, copy_param_attributes
+from megatron_core.optimizer.optimizer_config import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class Range:
+    """A half-open index range ``[start, end)``."""
+
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return self.end - self.start
+
+    def normalize(self, start: int = 0) -> Range:
+        """The same size, shifted to begin at ``start``."""
+        return Range(start, start + self.size)
+
+
+@dataclass
+class _ShardEntry:
+    """One model param's slice owned by this rank."""
+
+    model_param: torch.nn.Parameter
+    main_param: torch.Tensor
+    param_range: Range  # in the flattened param
+    gbuf_world_range: Range  # in the buffer
+    name: str
+    chunk_index: int
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """Shard fp32 main params and optimizer state over the data parallel group (ZeRO-1).
+
+    ``model_chunks`` are the DDP-wrapped chunks built with ``use_distributed_optimizer=True``;
+    ``per_model_buffers`` maps chunk index to the DDP buffers this optimizer covers (dense or
+    expert). ``optimizer`` is built on the model params and is re-pointed at the shards here.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 grad_scaler: MegatronGradScaler | None, init_state_fn: Callable[[torch.optim.Optimizer], None],
+                 model_chunks: list[torch.nn.Module], per_model_buffers: dict[int, list[Any]],
+                 data_parallel_group: dist.ProcessGroup | None,
+                 data_parallel_group_gloo: dist.ProcessGroup | None = None,
+                 data_parallel_group_idx: int = 0, distributed_optimizer_instance_id: int = 0) -> None:
+        super().__init__(optimizer, config, grad_scaler, init_state_fn)
+        for chunk in model_chunks:
+            if not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False):
+                raise ValueError("DistributedOptimizer needs model chunks wrapped in DistributedDataParallel "
+                                 "with use_distributed_optimizer=True")
+        self.model_chunks = model_chunks
+        self.per_model_buffers = per_model_buffers
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_group_gloo = data_parallel_group_gloo
+        self.data_parallel_rank = collectives.group_rank(data_parallel_group)
+        self.data_parallel_world_size = collectives.group_size(data_parallel_group)
+        self.grad_stats_parallel_group = dist.group.WORLD if dist.is_initialized() else None
+
+        owned = self._build_shard_entries()
+        self.shard_groups: list[list[_ShardEntry]] = []
+        for group in self.optimizer.param_groups:
+            entries = [owned[p] for p in group["params"] if p in owned]
+            self.shard_groups.append(entries)
+            group["params"] = [e.main_param for e in entries]
+        self.optimizer.state.clear()
+
+    def _build_shard_entries(self) -> dict[torch.nn.Parameter, _ShardEntry]:
+        owned: dict[torch.nn.Parameter, _ShardEntry] = {}
+        for chunk_index, buffers in self.per_model_buffers.items():
+            for buffer in buffers:
+                if buffer.data_parallel_world_size != self.data_parallel_world_size:
+                    raise ValueError(
+                        f"DDP buffer is sharded over {buffer.data_parallel_world_size} ranks but the optimizer's "
+                        f"data parallel group has {self.data_parallel_world_size}"
+                    )
+                for bucket in buffer.buckets:
+                    shard_size = bucket.grad_data.numel() // self.data_parallel_world_size
+                    shard = Range(bucket.offset + self.data_parallel_rank * shard_size,
+                                  bucket.offset + (self.data_parallel_rank + 1) * shard_size)
+                    for param in bucket.params_list:
+                        start, end, _ = buffer.param_index_map[param]
+                        lo, hi = max(start, shard.start), min(end, shard.end)
+                        if lo >= hi:
+                            continue
+                        param_range = Range(lo - start, hi - start)
+                        flat = param.detach().view(-1)[param_range.start:param_range.end]
+                        main = flat if param.dtype == torch.float32 else flat.clone().float()
+                        copy_param_attributes(main, param)
+                        owned[param] = _ShardEntry(param, main, param_range, Range(lo, hi),
+                                                   buffer.param_to_name.get(param, ""), chunk_index)
+        return owned
+
+    def _entries(self) -> list[_ShardEntry]:
+        return [e for group in self.shard_groups for e in group]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the shard gradients and any model ``.grad`` (DDP's ``zero_grad_buffer`` zeroes main_grad)."""
+        for entry in self._entries():
+            entry.main_param.grad = None
+            entry.model_param.grad = None
+
+    def _collect_main_grad_data_for_unscaling(self) -> list[torch.Tensor]:
+        return [e.main_param.grad for e in self._entries() if e.main_param.grad is not None]
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for entry in self._entries():
+            flat = entry.model_param.main_grad.view(-1)[entry.param_range.start:entry.param_range.end]
+            entry.main_param.grad = flat if flat.dtype == torch.float32 else flat.float()
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for entry in self._entries():
+            if entry.model_param.dtype != torch.float32:
+                flat = entry.model_param.detach().view(-1)[entry.param_range.start:entry.param_range.end]
+                flat.copy_(entry.main_param)
+
+    def step_with_ready_grads(self) -> bool:
+        """Update the owned shards, write them into the param buffers and all-gather (or dispatch)."""
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        for chunk in self.model_chunks:
+            if not chunk.ddp_config.overlap_param_gather:
+                chunk.start_param_sync()
+            elif self.config.overlap_param_gather_with_optimizer_step:
+                chunk.start_param_sync(force_dispatch=True)
+        return True
+
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 shard main params from the model params."""
+        for entry in self._entries():
+            flat = entry.model_param.detach().view(-1)[entry.param_range.start:entry.param_range.end]
+            if entry.main_param.data_ptr() != flat.data_ptr():
+                entry.main_param.data.copy_(flat)
+
+    def shard_metadata(self) -> dict[str, Any]:
+        """Which slice of which param each optimizer tensor holds, to reshard a checkpoint."""
+        return {
+            "data_parallel_rank": self.data_parallel_rank,
+            "data_parallel_world_size": self.data_parallel_world_size,
+            "params": [
+                [{"name": e.name, "model_chunk": e.chunk_index, "global_shape": tuple(e.model_param.shape),
+                  "param_range": (e.param_range.start, e.param_range.end),
+                  "gbuf_world_range": (e.gbuf_world_range.start, e.gbuf_world_range.end)}
+                 for e in group]
+                for group in self.shard_groups
+            ],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: inner optimizer state, fp32 main param slices, scaler and shard metadata."""
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "fp32_main_params": [[e.main_param.detach().clone() for e in group] for group in self.shard_groups],
+            "shard_metadata": self.shard_metadata(),
+        }
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore this rank's shard; the layout must match (resharding belongs to dist_checkpointing)."""
+        saved, current = state_dict["shard_metadata"], self.shard_metadata()
+        if saved != current:
+            raise ValueError(
+                f"distributed optimizer shard layout differs from the checkpoint (saved DP rank "
+                f"{saved['data_parallel_rank']} of {saved['data_parallel_world_size']}, now "
+                f"{current['data_parallel_rank']} of {current['data_parallel_world_size']}); load it through "
+                "dist_checkpointing to reshard"
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        for group, values in zip(self.shard_groups, state_dict["fp32_main_params"]):
+            for entry, value in zip(group, values):
+                entry.main_param.data.copy_(value)
+        self._copy_main_params_to_model_params()
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(force_sync=True)

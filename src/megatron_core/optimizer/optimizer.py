@@ -1,0 +1,359 @@
+"""Megatron-Core's optimizer wrappers: the base class, fp32, mixed precision and chained optimizers.
+
+A wrapper owns a torch optimizer (``AdamW``/``Adam``/``SGD``) and runs one training step as
+``prepare_grads`` (copy ``param.main_grad`` into the tensors the optimizer updates, unscale, and
+agree across ranks whether any gradient is inf/nan) -> clip by the global norm -> inner step ->
+copy updated main params back into the model. ``step()`` returns
+``(update_successful, grad_norm, num_zeros_in_grad)``; a step with an inf/nan gradient is
+skipped on every rank and returns ``(False, None, None)``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from megatron_core import parallel_state
+from megatron_core.distributed import collectives
+from megatron_core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+    param_is_not_shared,
+    param_is_not_tensor_parallel_duplicate,
+)
+from megatron_core.optimizer.grad_scaler import MegatronGradScaler
+from megatron_core.optimizer.optimizer_config import OptimizerConfig
+
+_MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+
+
+def copy_param_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy the attributes that grad-norm filtering reads (TP-sharded, tied) from a model param."""
+    for name in _MODEL_PARALLEL_ATTRIBUTES:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def _zero_grad_group(group: list[torch.Tensor], set_to_none: bool) -> None:
+    for param in group:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            param.grad.detach_().zero_()
+
+
+class MegatronOptimizer(ABC):
+    """Base of every optimizer wrapper; holds the torch optimizer and the groups for grad statistics."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, config: OptimizerConfig,
+                 init_state_fn: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.init_state_fn = init_state_fn
+        initialized = parallel_state.model_parallel_is_initialized()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if initialized else None
+        self.grad_stats_parallel_group = parallel_state.get_model_parallel_group() if initialized else None
+
+    @contextmanager
+    def _timer(self, name: str) -> Iterator[None]:
+        timers = self.config.timers
+        if timers is None:
+            yield
+            return
+        timers(name, log_level=1).start(barrier=self.config.barrier_with_L1_time)
+        try:
+            yield
+        finally:
+            timers(name).stop()
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        """The tensors the inner optimizer updates, group by group."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+        """Gradients that count towards the norm: no tied duplicates, no TP-replicated copies off TP rank 0."""
+        tp_rank = collectives.group_rank(self.tp_group)
+        return [
+            p.grad for p in self.get_parameters()
+            if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_rank)
+        ]
+
+    def get_grad_stats_parallel_group(self) -> Any:
+        """The group over which gradient norms, zero counts and inf checks are reduced."""
+        return self.grad_stats_parallel_group
+
+    def get_grad_norm(self) -> float:
+        """Global L2 norm of the gradients."""
+        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
+                                  grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip the gradients to global norm ``clip_grad``; return the norm before clipping."""
+        grad_norm = self.get_grad_norm()
+        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self) -> float:
+        """Number of zero gradient elements across the model."""
+        return count_zeros_fp32(self.get_parameters(), self.get_grad_stats_parallel_group(), tp_group=self.tp_group)
+
+    @abstractmethod
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the gradients of the model and main params."""
+
+    @abstractmethod
+    def get_loss_scale(self) -> torch.Tensor:
+        """The current loss scale (a 1-element tensor; 1.0 without a scaler)."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale``, to call before backward."""
+        return self.get_loss_scale().to(loss.device) * loss
+
+    @abstractmethod
+    def reload_model_params(self) -> None:
+        """Refresh main params from the model params (after loading a model checkpoint)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state for checkpointing."""
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups (the scheduler writes ``lr`` and ``weight_decay`` here)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's per-param state."""
+        return self.optimizer.state
+
+    @abstractmethod
+    def prepare_grads(self) -> bool:
+        """Put unscaled gradients where the inner optimizer reads them; return True if any is inf/nan."""
+
+    @abstractmethod
+    def step_with_ready_grads(self) -> bool:
+        """Run the inner step and copy the results into the model; return success."""
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, float | None]:
+        """One optimizer step: ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        with self._timer("optimizer-copy-to-main-grad"):
+            found_inf = self.prepare_grads()
+        if found_inf:
+            return False, None, None
+        grad_norm = 0.0
+        if self.config.clip_grad > 0.0:
+            with self._timer("optimizer-clip-main-grad"):
+                grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = None
+        if self.config.log_num_zeros_in_grad:
+            with self._timer("optimizer-count-zeros"):
+                num_zeros = self.count_zeros()
+        with self._timer("optimizer-inner-step"):
+            success = self.step_with_ready_grads()
+        return success, grad_norm, num_zeros
+
+
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """Shared logic of optimizers with a grad scaler: unscale, detect inf/nan across ranks, skip."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, config: OptimizerConfig,
+                 grad_scaler: MegatronGradScaler | None,
+                 init_state_fn: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None) -> None:
+        super().__init__(optimizer, config, init_state_fn)
+        if config.fp16 and grad_scaler is None:
+            raise ValueError("fp16=True needs a grad scaler (set loss_scale or keep the dynamic default)")
+        self.grad_scaler = grad_scaler
+        self._unit_scale = torch.tensor([1.0], dtype=torch.float32)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The scaler's scale, or 1.0 when there is no scaler (bf16)."""
+        return self._unit_scale if self.grad_scaler is None else self.grad_scaler.scale
+
+    @abstractmethod
+    def _collect_main_grad_data_for_unscaling(self) -> list[torch.Tensor]:
+        """The main gradients to unscale and check."""
+
+    @abstractmethod
+    def _copy_model_grads_to_main_grads(self) -> None:
+        """Fill the main params' ``.grad`` from the model params' ``main_grad``."""
+
+    @abstractmethod
+    def _copy_main_params_to_model_params(self) -> None:
+        """Write the updated main params into the model params."""
+
+    def _unscale_main_grads_and_check_for_nan(self) -> bool:
+        grads = [g for g in self._collect_main_grad_data_for_unscaling() if g is not None]
+        found_inf = torch.zeros(1, dtype=torch.float32)
+        if grads:
+            torch._foreach_mul_(grads, self.grad_scaler.inv_scale.item())
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            found_inf = (~finite).float().reshape(1).cpu()
+        device_flag = found_inf.to(grads[0].device if grads else "cpu")
+        collectives.all_reduce(device_flag, self.get_grad_stats_parallel_group(), op="max")
+        return bool(device_flag.item() > 0)
+
+    def prepare_grads(self) -> bool:
+        """Copy gradients to main grads, unscale them and check for inf/nan (updating the scaler)."""
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is None:
+            return False
+        found_inf = self._unscale_main_grads_and_check_for_nan()
+        self.grad_scaler.update(found_inf)
+        return found_inf
+
+    def step_with_ready_grads(self) -> bool:
+        """Inner optimizer step, then copy main params into the model params."""
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return True
+
+
+class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
+    """fp16/bf16 model params with fp32 main params that the inner optimizer updates."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 grad_scaler: MegatronGradScaler | None,
+                 init_state_fn: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None) -> None:
+        super().__init__(optimizer, config, grad_scaler, init_state_fn)
+        self.float16_groups: list[list[torch.nn.Parameter]] = []
+        self.fp32_from_float16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_fp32_groups: list[list[torch.nn.Parameter]] = []
+        for group in self.optimizer.param_groups:
+            float16, fp32_from_float16, fp32 = [], [], []
+            for i, param in enumerate(group["params"]):
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    main = param.detach().clone().float()
+                    main.requires_grad_(param.requires_grad)
+                    copy_param_attributes(main, param)
+                    param.main_param = main
+                    group["params"][i] = main
+                    float16.append(param)
+                    fp32_from_float16.append(main)
+                elif param.dtype == torch.float32:
+                    fp32.append(param)
+                else:
+                    raise TypeError(f"optimizer params must be fp32, fp16 or bf16; got {param.dtype}")
+            self.float16_groups.append(float16)
+            self.fp32_from_float16_groups.append(fp32_from_float16)
+            self.fp32_from_fp32_groups.append(fp32)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop model and main gradients."""
+        for groups in (self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups):
+            for group in groups:
+                _zero_grad_group(group, set_to_none)
+
+    def _collect_main_grad_data_for_unscaling(self) -> list[torch.Tensor]:
+        return [p.grad for groups in (self.fp32_from_float16_groups, self.fp32_from_fp32_groups)
+                for group in groups for p in group if p.grad is not None]
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                grad = getattr(model_param, "main_grad", None)
+                grad = model_param.grad if grad is None else grad
+                main_param.grad = None if grad is None else grad.float()
+                model_param.grad = None
+        for group in self.fp32_from_fp32_groups:
+            for param in group:
+                if hasattr(param, "main_grad"):
+                    param.grad = param.main_grad
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                model_param.data.copy_(main_param.data)
+
+    def reload_model_params(self) -> None:
+        """Copy the model params into the fp32 main params."""
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                main_param.data.copy_(model_param.data)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``optimizer``, ``grad_scaler`` (if any) and ``fp32_from_fp16_params`` (Megatron-Core's keys)."""
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "fp32_from_fp16_params": [[p.detach().clone() for p in g] for g in self.fp32_from_float16_groups]}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore inner optimizer state, scaler and fp32 main params."""
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        saved = state_dict["fp32_from_fp16_params"]
+        if [len(g) for g in saved] != [len(g) for g in self.fp32_from_float16_groups]:
+            raise ValueError(
+                f"fp32_from_fp16_params has group sizes {[len(g) for g in saved]}, expected "
+                f"{[len(g) for g in self.fp32_from_float16_groups]}"
+            )
+        for main_group, saved_group in zip(self.fp32_from_float16_groups, saved):
+            for main, value in zip(main_group, saved_group):
+                main.data.copy_(value)
+        self._copy_main_params_to_model_params()
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """fp32 params updated in place; gradients are read from ``param.main_grad`` when DDP set it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 init_state_fn: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None) -> None:
+        super().__init__(optimizer, config, init_state_fn)
+        self._scale = torch.tensor([1.0], dtype=torch.float32)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the params' gradients."""
+        for group in self.optimizer.param_groups:
+            _zero_grad_group(group["params"], set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """Always 1.0."""
+        return self._scale
+
+    def prepare_grads(self) -> bool:
+        """Point ``param.grad`` at ``param.main_grad``; fp32 never skips a step."""
+        for param in self.get_parameters():
+            if hasattr(param, "main_grad"):
+                param.grad = param.main_grad
+        return False
+
+    def step_with_ready_grads(self) -> bool:
+        """Inner optimizer step."""
+        self.optimizer.step()
+        return True
+
+    def reload_model_params(self) -> None:
+        """Nothing to do: the model params are the main params."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the inner optimizer's state dict."""
+        self.optimizer.load_state_dict(state_dict)
+
+
+def combine_grad_norms(norms: list[float]) -> float:
+    """The L2 norm of several disjoint sets of gradients, from each set's norm."""
+    return math.sqrt(sum(n * n for n in norms))

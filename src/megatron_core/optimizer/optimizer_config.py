@@ -1,0 +1,114 @@
+"""``OptimizerConfig``: optimizer choice, learning rate, precision, loss scaling and clipping settings.
+
+Mirrors Megatron-Core's dataclass of the same name (field names and defaults). The inner
+optimizer is torch's ``AdamW`` / ``Adam`` / ``SGD`` (fused on CUDA, foreach on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass
+class OptimizerConfig:
+    """Settings read by :func:`~megatron_core.optimizer.get_megatron_optimizer`."""
+
+    # Learning rate and weight decay
+    optimizer: str = "adam"
+    lr: float | None = None
+    min_lr: float | None = None
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
+    weight_decay: float = 0.01
+    apply_wd_to_qk_layernorm: bool = False
+
+    # Precision
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    use_precision_aware_optimizer: bool = False
+    store_param_remainders: bool = True
+    main_grads_dtype: torch.dtype = torch.float32
+    main_params_dtype: torch.dtype = torch.float32
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+
+    # Loss scaling (fp16)
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+
+    # Adam
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-08
+    decoupled_weight_decay: bool = True
+
+    # SGD
+    sgd_momentum: float = 0.9
+
+    # Distributed optimizer
+    use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+    overlap_param_gather_with_optimizer_step: bool = False
+
+    # CPU offload (not supported; must stay False)
+    optimizer_cpu_offload: bool = False
+
+    # Miscellaneous
+    clip_grad: float = 1.0
+    log_num_zeros_in_grad: bool = False
+    barrier_with_L1_time: bool = False
+    timers: Any = None
+    config_logger_dir: str = ""
+
+    def __post_init__(self) -> None:
+        """Validate the combination of options; errors name the fields and values."""
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(f"optimizer ({self.optimizer!r}) must be one of {_OPTIMIZERS}")
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 cannot both be True")
+        if self.lr is not None and self.lr < 0:
+            raise ValueError(f"lr ({self.lr}) must be >= 0")
+        if self.lr is not None and self.min_lr is not None and self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay ({self.weight_decay}) must be >= 0")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad ({self.clip_grad}) must be >= 0 (0 disables clipping)")
+        if not 0.0 <= self.adam_beta1 < 1.0 or not 0.0 <= self.adam_beta2 < 1.0:
+            raise ValueError(f"adam_beta1 ({self.adam_beta1}) and adam_beta2 ({self.adam_beta2}) must be in [0, 1)")
+        if self.adam_eps <= 0:
+            raise ValueError(f"adam_eps ({self.adam_eps}) must be > 0")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"loss_scale ({self.loss_scale}) must be > 0")
+        if self.min_loss_scale <= 0 or self.initial_loss_scale < self.min_loss_scale:
+            raise ValueError(
+                f"initial_loss_scale ({self.initial_loss_scale}) must be >= min_loss_scale ({self.min_loss_scale}) > 0"
+            )
+        if self.hysteresis < 1 or self.loss_scale_window < 1:
+            raise ValueError(
+                f"hysteresis ({self.hysteresis}) and loss_scale_window ({self.loss_scale_window}) must be >= 1"
+            )
+        if self.overlap_param_gather_with_optimizer_step and not (
+            self.use_distributed_optimizer and self.overlap_param_gather
+        ):
+            raise ValueError(
+                "overlap_param_gather_with_optimizer_step=True needs use_distributed_optimizer=True and "
+                f"overlap_param_gather=True (got {self.use_distributed_optimizer}, {self.overlap_param_gather})"
+            )
+        if self.use_precision_aware_optimizer:
+            raise ValueError("use_precision_aware_optimizer=True needs Transformer Engine's FusedAdam; not supported")
+        if self.optimizer_cpu_offload:
+            raise ValueError("optimizer_cpu_offload=True is not supported by megatron_core")
+        if self.fp16 and self.params_dtype != torch.float16:
+            self.params_dtype = torch.float16
+        if self.bf16 and self.params_dtype != torch.bfloat16:
+            self.params_dtype = torch.bfloat16
