@@ -1,0 +1,143 @@
+"""Index builders of Megatron's ``helpers.cpp`` in numpy: the GPT sample index and the blending indices.
+
+``build_sample_idx`` is fully vectorised: sample ``i`` starts at flat token position
+``i * sequence_length`` of the documents laid end to end in ``document_indices`` order, so every row
+comes from one ``cumsum`` and one ``searchsorted``. The results (values and dtype) equal the C++
+walk, including its two quirks: with ``add_extra_token_to_sequence`` off a boundary that falls on
+a document's end is recorded as ``(that document, its length)``, and a partial last sample (kept
+when ``drop_last_partial_sequence`` is False) ends at ``(last document, its length - extra)``; the
+sample count of that case uses float32 division as the C++ code does.
+
+The blending builders are greedy and sequential by nature (each choice depends on all earlier
+ones), so they are plain loops over Python floats, which are the same IEEE doubles as the C++
+``double`` arithmetic; ties go to the lowest dataset index as in C++.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+
+def _num_samples(total_tokens: int, sequence_length: int, drop_last_partial_sequence: bool) -> int:
+    if drop_last_partial_sequence:
+        return total_tokens // sequence_length
+    quotient = numpy.float32(total_tokens) / numpy.float32(sequence_length)
+    return int(numpy.ceil(quotient))
+
+
+def build_sample_idx(
+    sizes: numpy.ndarray,
+    document_indices: numpy.ndarray,
+    sequence_length: int,
+    num_epochs: int,
+    tokens_per_epoch: int,
+    drop_last_partial_sequence: bool = True,
+    add_extra_token_to_sequence: bool = True,
+) -> numpy.ndarray:
+    """The ``[num_samples + 1, 2]`` sample index: (position in ``document_indices``, token offset) rows.
+
+    Consecutive rows bound one sample of ``sequence_length`` tokens (plus one extra token shared
+    with the next sample when ``add_extra_token_to_sequence``). The dtype is int32 unless
+    ``max(len(document_indices), sizes.max())`` needs int64, as in Megatron.
+    """
+    if sequence_length <= 1 or num_epochs <= 0 or tokens_per_epoch <= 1:
+        raise ValueError(
+            f"build_sample_idx needs sequence_length > 1, num_epochs > 0 and tokens_per_epoch > 1; got "
+            f"{sequence_length}, {num_epochs}, {tokens_per_epoch}"
+        )
+    extra = int(bool(add_extra_token_to_sequence))
+    sizes = numpy.asarray(sizes)
+    document_indices = numpy.asarray(document_indices)
+    max_value = max(document_indices.shape[0], int(sizes.max()))
+    dtype = numpy.int32 if max_value <= numpy.iinfo(numpy.int32).max else numpy.int64
+    num_samples = _num_samples(num_epochs * tokens_per_epoch - extra, sequence_length, drop_last_partial_sequence)
+
+    document_lengths = sizes[document_indices].astype(numpy.int64)
+    document_ends = numpy.cumsum(document_lengths)
+    boundaries = numpy.arange(1, num_samples + 1, dtype=numpy.int64) * sequence_length
+    # The C++ walk stops in the first document whose end reaches boundary + extra.
+    positions = numpy.searchsorted(document_ends, boundaries + extra, side="left")
+    overflow = positions >= len(document_ends)
+    positions = numpy.minimum(positions, len(document_ends) - 1)
+    offsets = boundaries - (document_ends[positions] - document_lengths[positions])
+    if overflow.any():
+        offsets[overflow] = int(sizes[document_indices[-1]]) - extra
+
+    sample_index = numpy.empty((num_samples + 1, 2), dtype=dtype)
+    sample_index[0] = 0
+    sample_index[1:, 0] = positions
+    sample_index[1:, 1] = offsets
+    return sample_index
+
+
+def build_blending_indices(
+    dataset_index: numpy.ndarray,
+    dataset_sample_index: numpy.ndarray,
+    weights: list[float] | numpy.ndarray,
+    num_datasets: int,
+    size: int,
+    verbose: bool = False,
+) -> None:
+    """Fill ``dataset_index`` (int16) and ``dataset_sample_index`` (int64) for ``size`` blended samples.
+
+    Each sample goes to the dataset whose share is furthest behind its weight:
+    ``argmax_d(weights[d] * max(i, 1) - taken[d])``.
+    """
+    weights = [float(weight) for weight in weights][:num_datasets]
+    taken = [0] * num_datasets
+    chosen = [0] * size
+    sample_of = [0] * size
+    candidates = range(1, num_datasets)
+    first_weight = weights[0]
+    for sample in range(size):
+        sample_double = float(sample) if sample > 1 else 1.0
+        best = 0
+        best_error = first_weight * sample_double - taken[0]
+        for dataset in candidates:
+            error = weights[dataset] * sample_double - taken[dataset]
+            if error > best_error:
+                best_error = error
+                best = dataset
+        chosen[sample] = best
+        sample_of[sample] = taken[best]
+        taken[best] += 1
+    dataset_index[:size] = numpy.asarray(chosen, dtype=numpy.int16)
+    dataset_sample_index[:size] = numpy.asarray(sample_of, dtype=numpy.int64)
+    if verbose:
+        for dataset in range(num_datasets):
+            print(f"   dataset {dataset}, input: {weights[dataset]}, achieved: {taken[dataset] / max(size, 1)}")
+
+
+def build_exhaustive_blending_indices(
+    dataset_index: numpy.ndarray,
+    dataset_sample_index: numpy.ndarray,
+    sizes: list[int] | numpy.ndarray,
+    num_datasets: int,
+) -> None:
+    """Blend by drawing exactly ``sizes[d]`` samples from every dataset ``d``, in proportion to ``sizes``.
+
+    A dataset drops out once exhausted; the others keep the greedy error-minimising order.
+    """
+    sizes = [int(size) for size in sizes][:num_datasets]
+    total = sum(sizes)
+    weights = [size / float(total) for size in sizes]
+    taken = [0] * num_datasets
+    unspent = [dataset for dataset in range(num_datasets) if sizes[dataset] > 0]
+    chosen = [0] * total
+    sample_of = [0] * total
+    for sample in range(total):
+        sample_double = float(sample) if sample > 1 else 1.0
+        best = -1
+        best_error = -numpy.finfo(numpy.float64).max
+        for dataset in unspent:
+            error = weights[dataset] * sample_double - taken[dataset]
+            if error > best_error:
+                best_error = error
+                best = dataset
+        chosen[sample] = best
+        sample_of[sample] = taken[best]
+        taken[best] += 1
+        if taken[best] == sizes[best]:
+            unspent.remove(best)
+    dataset_index[:total] = numpy.asarray(chosen, dtype=numpy.int16)
+    dataset_sample_index[:total] = numpy.asarray(sample_of, dtype=numpy.int64)
