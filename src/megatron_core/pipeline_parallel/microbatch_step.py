@@ -1,0 +1,271 @@
+"""One microbatch's forward and backward on one model chunk, shared by every schedule.
+
+Megatron-Core's ``forward_step``/``backward_step`` with loss scaling (``1/num_microbatches``,
+per-token via ``num_tokens``), ``grad_scale_func``, ``custom_backward`` and
+``deallocate_output_tensor``, plus the helpers the schedules share: the P2P tensor shape and the
+``no_sync`` switch.
+
+Surprising but deliberate: after a stage sends its output, ``deallocate_output_tensor`` replaces
+the output's ``.data`` with a 1-element tensor (only the autograd graph is still needed), so its
+backward must go through ``custom_backward``, which skips autograd's shape check on the root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+
+from megatron_core import device, parallel_state
+from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model
+
+
+def deallocate_output_tensor(out: torch.Tensor | None, deallocate_pipeline_outputs: bool = False) -> None:
+    """Pseudo-free ``out``: keep its ``grad_fn`` but swap its data for one element.
+
+    Only when ``deallocate_pipeline_outputs``; ``out`` must not be a view of another tensor.
+    """
+    if out is None or not deallocate_pipeline_outputs:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"deallocate_output_tensor expects a tensor, got {type(out).__name__}")
+    if out._base is not None:
+        raise ValueError(
+            f"cannot deallocate a pipeline output that is a view of another tensor (shape {tuple(out.shape)}); "
+            "make the stage's output a fresh tensor (e.g. .contiguous() on a non-view, or .clone())"
+        )
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def custom_backward(output: torch.Tensor, grad_output: torch.Tensor | None) -> None:
+    """Run the autograd engine from ``output`` with ``grad_output`` without checking their shapes.
+
+    ``torch.autograd.backward`` insists that ``grad_output`` matches ``output``'s shape, which a
+    pseudo-freed output no longer has.
+    """
+    if output.grad_fn is None:
+        raise ValueError("custom_backward: the output tensor has no grad_fn (was it computed without autograd?)")
+    if grad_output is None:
+        if output.numel() != 1:
+            raise ValueError(f"implicit gradient needs a scalar output, got shape {tuple(output.shape)}")
+        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
+    Variable._execution_engine.run_backward(
+        tensors=(output,),
+        grad_tensors=(grad_output,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+def check_first_val_step(first_val_step: bool | None, forward_only: bool, cond: bool) -> bool:
+    """Whether this microbatch is the "first" one: ``first_val_step`` may veto it in validation."""
+    if first_val_step is not None and forward_only:
+        return first_val_step and cond
+    return cond
+
+
+def get_tensor_shapes(
+    *, seq_length: int, micro_batch_size: int, decoder_seq_length: int | None, config: Any,
+    tp_group: Any = None, cp_group: Any = None,
+) -> list[tuple[int, int, int]]:
+    """The ``[s, b, h]`` shape of the tensor passed between stages, ``s`` split by CP (and TP under SP)."""
+    cp_size = cp_group.size() if cp_group is not None else _parallel_size("context")
+    tp_size = tp_group.size() if tp_group is not None else _parallel_size("tensor_model")
+    if seq_length % cp_size != 0:
+        raise ValueError(f"seq_length ({seq_length}) must be divisible by context_parallel_size ({cp_size})")
+    seq_length //= cp_size
+    if getattr(config, "sequence_parallel", False):
+        if seq_length % tp_size != 0:
+            raise ValueError(
+                f"seq_length / context_parallel_size ({seq_length}) must be divisible by "
+                f"tensor_model_parallel_size ({tp_size}) under sequence_parallel"
+            )
+        seq_length //= tp_size
+    hidden_size = getattr(config, "hidden_size", None)
+    if hidden_size is None:
+        raise ValueError("config.hidden_size is needed to size the tensors sent between pipeline stages")
+    return [(seq_length, micro_batch_size, hidden_size)]
+
+
+def _parallel_size(kind: str) -> int:
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return getattr(parallel_state, f"get_{kind}_parallel_world_size")()
+
+
+def context_parallel_size(pg_collection: Any = None) -> int:
+    """CP size from ``pg_collection.cp`` if given, else from ``parallel_state`` (1 if uninitialised)."""
+    cp_group = getattr(pg_collection, "cp", None)
+    return cp_group.size() if cp_group is not None else _parallel_size("context")
+
+
+class GradSyncSwitch:
+    """Enters ``config.no_sync_func()`` while gradients must not be reduced, exits to allow it."""
+
+    def __init__(self, no_sync_func: Callable[[], Any] | None) -> None:
+        self._no_sync_func = no_sync_func or contextlib.nullcontext
+        self._context: Any = None
+
+    def disable(self) -> None:
+        """Stop gradient reduction (enter the no-sync context) if it is running."""
+        if self._context is None:
+            self._context = self._no_sync_func()
+            self._context.__enter__()
+
+    def enable(self) -> None:
+        """Allow gradient reduction again (leave the no-sync context)."""
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+    @property
+    def disabled(self) -> bool:
+        """True while inside the no-sync context."""
+        return self._context is not None
+
+
+def forward_step(
+    forward_step_func: Callable,
+    data_iterator: Any,
+    model: torch.nn.Module,
+    num_microbatches: int,
+    input_tensor: Any,
+    forward_data_store: list,
+    config: Any,
+    collect_non_loss_data: bool = False,
+    checkpoint_activations_microbatch: bool | None = None,
+    is_first_microbatch: bool = False,
+    current_microbatch: int | None = None,
+    is_last_stage: bool = True,
+    cp_size: int = 1,
+) -> tuple[Any, torch.Tensor]:
+    """Forward one microbatch through one chunk; on the last stage apply ``loss_func`` and scale the loss.
+
+    Returns ``(output_tensor, num_tokens)``; ``output_tensor`` is a list when ``input_tensor`` is.
+    """
+    timers = getattr(config, "timers", None)
+    if timers is not None:
+        timers("forward-compute", log_level=2).start()
+    if is_first_microbatch:
+        _call_if_wrapped_model_has(model, "set_is_first_microbatch")
+    unwrap_output = not isinstance(input_tensor, list)
+    inputs = [input_tensor] if unwrap_output else input_tensor
+    get_attr_wrapped_model(model, "set_input_tensor")(inputs)
+
+    autocast = (
+        torch.autocast(device.get_current_device().type, dtype=config.autocast_dtype)
+        if getattr(config, "enable_autocast", False)
+        else contextlib.nullcontext()
+    )
+    with autocast:
+        if checkpoint_activations_microbatch is None:
+            output_tensor, loss_func = forward_step_func(data_iterator, model)
+        else:
+            output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
+
+    num_tokens = torch.tensor(0, dtype=torch.int)
+    if is_last_stage:
+        if collect_non_loss_data:
+            forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+        else:
+            output_tensor, num_tokens, logs = _apply_loss_func(loss_func, output_tensor, num_microbatches, config, cp_size)
+            forward_data_store.append(logs)
+    if timers is not None:
+        timers("forward-compute").stop()
+    return (output_tensor if unwrap_output else [output_tensor]), num_tokens
+
+
+def _call_if_wrapped_model_has(model: torch.nn.Module, method: str) -> None:
+    try:
+        func = get_attr_wrapped_model(model, method)
+    except RuntimeError:
+        return
+    func()
+
+
+def _apply_loss_func(
+    loss_func: Callable, output_tensor: Any, num_microbatches: int, config: Any, cp_size: int
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    outputs = loss_func(output_tensor)
+    if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
+        raise ValueError(
+            "loss_func must return (loss, logging_dict) or (loss, num_tokens, logging_dict); "
+            f"got {type(outputs).__name__} of length {len(outputs) if isinstance(outputs, (tuple, list)) else '-'}"
+        )
+    if len(outputs) == 3:
+        loss, num_tokens, logs = outputs
+        num_tokens = torch.as_tensor(num_tokens)
+        if not getattr(config, "calculate_per_token_loss", False):
+            loss = loss / torch.clamp(num_tokens, min=1).to(loss.device)
+            loss = loss / num_microbatches
+        return loss, num_tokens.detach(), logs
+    loss, logs = outputs
+    loss = loss * cp_size / num_microbatches
+    return loss, torch.tensor(0, dtype=torch.int), logs
+
+
+def backward_step(input_tensor: Any, output_tensor: Any, output_tensor_grad: Any, model_type: Any, config: Any) -> Any:
+    """Backpropagate one microbatch through one chunk; returns the gradient of its input (or list)."""
+    timers = getattr(config, "timers", None)
+    if timers is not None:
+        timers("backward-compute", log_level=2).start()
+    unwrap = not isinstance(input_tensor, list)
+    inputs = [input_tensor] if unwrap else list(input_tensor)
+    outputs = output_tensor if isinstance(output_tensor, list) else [output_tensor]
+    grads = output_tensor_grad if isinstance(output_tensor_grad, list) else [output_tensor_grad]
+    for tensor in inputs:
+        if tensor is not None:
+            tensor.retain_grad()
+    if grads[0] is None and getattr(config, "grad_scale_func", None) is not None:
+        outputs = [config.grad_scale_func(outputs[0]), *outputs[1:]]
+    if getattr(config, "deallocate_pipeline_outputs", False):
+        custom_backward(outputs[0], grads[0])
+    else:
+        torch.autograd.backward(outputs[0], grad_tensors=grads[0])
+    input_grads = [None if tensor is None else tensor.grad for tensor in inputs]
+    if timers is not None:
+        timers("backward-compute").stop()
+    return input_grads[0] if unwrap else input_grads
+
+
+def resolve_communicator(config: Any, p2p_communicator: Any = None, pg_collection: Any = None) -> Any:
+    """The communicator given, else one over ``pg_collection.pp``, else over ``parallel_state``'s PP group."""
+    from megatron_core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    if p2p_communicator is not None:
+        return p2p_communicator
+    pp_group = getattr(pg_collection, "pp", None)
+    if pp_group is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+    return P2PCommunicator(pp_group, config)
+
+
+def new_token_counter() -> torch.Tensor:
+    """A zero ``int`` scalar on the current device that sums ``num_tokens`` over microbatches."""
+    return torch.zeros([], dtype=torch.int, device=device.get_current_device())
+
+
+def finalize_model_grads_if_set(
+    config: Any, model_chunks: list, total_num_tokens: torch.Tensor, pg_collection: Any, force_all_reduce: bool
+) -> None:
+    """Call ``config.finalize_model_grads_func(model_chunks, num_tokens)`` when it is set.
+
+    ``num_tokens`` is the total only under ``calculate_per_token_loss``; ``pg_collection`` and
+    ``force_all_reduce`` are passed only when given, so two-argument user functions keep working.
+    """
+    func = getattr(config, "finalize_model_grads_func", None)
+    if func is None:
+        return
+    kwargs: dict[str, Any] = {}
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    if force_all_reduce:
+        kwargs["force_all_reduce"] = True
+    num_tokens = total_num_tokens if getattr(config, "calculate_per_token_loss", False) else None
+    func(model_chunks, num_tokens, **kwargs)

@@ -1,0 +1,255 @@
+"""Forward-backward schedules over microbatches (Megatron-Core's ``pipeline_parallel.schedules``).
+
+``get_forward_backward_func()`` picks one of three functions that share one keyword-only call:
+
+- ``forward_backward_no_pipelining``: gradient accumulation over microbatches on one stage;
+- ``forward_backward_pipelining_without_interleaving``: 1F1B. Stage ``r`` of ``p`` runs
+  ``min(p - r - 1, M)`` warm-up forwards, then alternates one forward and one backward, then
+  drains the remaining backwards;
+- ``forward_backward_pipelining_with_interleaving``: 1F1B over virtual stages (see
+  ``interleaved_schedule``).
+
+Each returns the list of what ``loss_func`` logged per microbatch on the last stage, ``[]`` on
+the other stages, and (unless ``forward_only``) leaves the accumulated gradients in the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from megatron_core import parallel_state
+from megatron_core.pipeline_parallel.interleaved_schedule import (
+    forward_backward_pipelining_with_interleaving,
+    get_schedule_table,
+)
+from megatron_core.pipeline_parallel.microbatch_step import (
+    GradSyncSwitch,
+    backward_step,
+    check_first_val_step,
+    context_parallel_size,
+    custom_backward,
+    deallocate_output_tensor,
+    finalize_model_grads_if_set,
+    forward_step,
+    get_tensor_shapes,
+    new_token_counter,
+    resolve_communicator,
+)
+from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model, get_model_config
+
+__all__ = [
+    "backward_step",
+    "check_first_val_step",
+    "custom_backward",
+    "deallocate_output_tensor",
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+    "forward_step",
+    "get_attr_wrapped_model",
+    "get_forward_backward_func",
+    "get_model_config",
+    "get_schedule_table",
+    "get_tensor_shapes",
+]
+
+
+def get_forward_backward_func(
+    pp_size: int | None = None, vp_size: int | None = None, schedule_pg_collection: Any = None
+) -> Callable[..., list]:
+    """The schedule for this pipeline: interleaved if ``vp_size`` is set, 1F1B if ``pp_size > 1``, else none.
+
+    Sizes left ``None`` come from ``schedule_pg_collection.pp`` or ``parallel_state``.
+    """
+    if pp_size is None:
+        pp_group = getattr(schedule_pg_collection, "pp", None)
+        pp_size = pp_group.size() if pp_group is not None else parallel_state.get_pipeline_model_parallel_world_size()
+    if vp_size is None and schedule_pg_collection is None:
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if pp_size > 1:
+        if vp_size is not None:
+            return forward_backward_pipelining_with_interleaving
+        return forward_backward_pipelining_without_interleaving
+    return forward_backward_no_pipelining
+
+
+def _single_chunk(model: Any, data_iterator: Any, schedule: str) -> tuple[Any, Any]:
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError(f"{schedule} takes one model chunk, got {len(model)}; use the interleaved schedule")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        if len(data_iterator) != 1:
+            raise ValueError(f"{schedule} takes one data iterator, got {len(data_iterator)}")
+        data_iterator = data_iterator[0]
+    return model, data_iterator
+
+
+def _start_timer(config: Any) -> None:
+    if getattr(config, "timers", None) is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+
+
+def _stop_timer(config: Any) -> None:
+    if getattr(config, "timers", None) is not None:
+        config.timers("forward-backward").stop()
+
+
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Any,
+    model: Any,
+    num_microbatches: int,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: Any = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool = False,
+) -> list:
+    """Run ``num_microbatches`` forward (and backward) passes on the whole model, accumulating gradients.
+
+    Gradient reduction is held back (``config.no_sync_func``) for all but the last microbatch.
+    ``seq_length``, ``micro_batch_size`` and ``adjust_tensor_shapes_fn`` are unused (nothing is sent).
+    """
+    model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
+    config = get_model_config(model)
+    _start_timer(config)
+    cp_size = context_parallel_size(pg_collection)
+    forward_data_store: list = []
+    total_num_tokens = new_token_counter()
+    sync = GradSyncSwitch(getattr(config, "no_sync_func", None))
+
+    def run(microbatch: int) -> None:
+        output_tensor, num_tokens = forward_step(
+            forward_step_func, data_iterator, model, num_microbatches, None, forward_data_store, config,
+            collect_non_loss_data, None,
+            check_first_val_step(first_val_step, forward_only, microbatch == 0),
+            current_microbatch=microbatch, is_last_stage=True, cp_size=cp_size,
+        )
+        total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
+        if not forward_only:
+            backward_step(None, output_tensor, None, None, config)
+
+    sync.disable()
+    for microbatch in range(num_microbatches - 1):
+        run(microbatch)
+    sync.enable()
+    run(num_microbatches - 1)
+
+    if not forward_only:
+        finalize_model_grads_if_set(config, [model], total_num_tokens, pg_collection, force_all_reduce)
+    _stop_timer(config)
+    return forward_data_store
+
+
+def forward_backward_pipelining_without_interleaving(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Any,
+    model: Any,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: Any = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool = False,
+) -> list:
+    """The 1F1B schedule: warm-up forwards, alternating forward/backward, then the remaining backwards."""
+    model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
+    config = get_model_config(model)
+    if getattr(config, "overlap_p2p_comm", False):
+        raise ValueError("overlap_p2p_comm=True needs the interleaved schedule (virtual_pipeline_model_parallel_size)")
+    _start_timer(config)
+    comm = resolve_communicator(config, p2p_communicator, pg_collection)
+    is_first, is_last = comm.is_pp_first_stage(), comm.is_pp_last_stage()
+    cp_size = context_parallel_size(pg_collection)
+    sync = GradSyncSwitch(getattr(config, "no_sync_func", None))
+    grad_sync_func = getattr(config, "grad_sync_func", None)
+    sync.disable()
+
+    num_warmup = min(comm.total_stages - comm.current_stage - 1, num_microbatches)
+    num_remaining = num_microbatches - num_warmup
+    recv_shapes = get_tensor_shapes(
+        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+        config=config, tp_group=getattr(pg_collection, "tp", None), cp_group=getattr(pg_collection, "cp", None),
+    )
+    send_shapes = list(recv_shapes)
+    if adjust_tensor_shapes_fn is not None:
+        recv_shapes, send_shapes = adjust_tensor_shapes_fn(recv_shapes, send_shapes)
+
+    saved: list[tuple[Any, Any]] = []
+    forward_data_store: list = []
+    total_num_tokens = new_token_counter()
+
+    def forward(input_tensor: Any, microbatch: int, is_first_microbatch: bool) -> Any:
+        output_tensor, num_tokens = forward_step(
+            forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
+            collect_non_loss_data, None, check_first_val_step(first_val_step, forward_only, is_first_microbatch),
+            current_microbatch=microbatch, is_last_stage=is_last, cp_size=cp_size,
+        )
+        total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
+        return output_tensor
+
+    def release(output_tensor: Any) -> None:
+        if not is_last:
+            deallocate_output_tensor(output_tensor[0], config.deallocate_pipeline_outputs)
+
+    for i in range(num_warmup):
+        input_tensor = comm.recv_forward(recv_shapes, is_first)
+        output_tensor = forward(input_tensor, i, i == 0)
+        comm.send_forward(output_tensor, is_last)
+        if not forward_only:
+            saved.append((input_tensor, output_tensor))
+            release(output_tensor)
+
+    input_tensor = comm.recv_forward(recv_shapes, is_first) if num_remaining > 0 else None
+    for i in range(num_remaining):
+        last_iteration = i == num_remaining - 1
+        output_tensor = forward(input_tensor, i + num_warmup, i == 0 and num_warmup == 0)
+        if forward_only:
+            comm.send_forward(output_tensor, is_last)
+            if not last_iteration:
+                input_tensor = comm.recv_forward(recv_shapes, is_first)
+            continue
+        output_tensor_grad = comm.send_forward_recv_backward(output_tensor, send_shapes, is_last)
+        saved.append((input_tensor, output_tensor))
+        release(output_tensor)
+        input_tensor, output_tensor = saved.pop(0)
+        if num_warmup == 0 and last_iteration and (grad_sync_func is None or is_first):
+            sync.enable()
+        input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, None, config)
+        if last_iteration:
+            input_tensor = None
+            comm.send_backward(input_tensor_grad, is_first)
+        else:
+            input_tensor = comm.send_backward_recv_forward(input_tensor_grad, recv_shapes, is_first)
+
+    if not forward_only:
+        for i in range(num_warmup):
+            if i == num_warmup - 1 and (grad_sync_func is None or is_first):
+                sync.enable()
+            input_tensor, output_tensor = saved.pop(0)
+            output_tensor_grad = comm.recv_backward(send_shapes, is_last)
+            input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, None, config)
+            comm.send_backward(input_tensor_grad, is_first)
+        if sync.disabled:
+            sync.enable()
+            if grad_sync_func is not None:
+                grad_sync_func(model.parameters())
+        finalize_model_grads_if_set(config, [model], total_num_tokens, pg_collection, force_all_reduce)
+    else:
+        sync.enable()
+    _stop_timer(config)
+    return forward_data_store
