@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_core import parallel_state
@@ -18,6 +17,7 @@ from megatron_core.distributed import (
     finalize_model_grads,
 )
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_core.pipeline_parallel import get_forward_backward_func
 from tests.dist_harness import run_on_ranks
 from tests.distributed import tiny_models as tm
 
@@ -57,47 +57,59 @@ def _step_dp(ddp, opt, x, y, forward_backward):
     return norm
 
 
-def _train_dp_tp(mode, tp):
+def _train_dp_tp(mode, tp, sequence_parallel=False):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    model = tm.TiedNetTP(tm.make_reference())
+    model = tm.TiedNetTP(tm.make_reference(), sequence_parallel=sequence_parallel)
     ddp, opt = _wrap(model, mode)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
     def fwd_bwd(xm, ym):
-        (F.mse_loss(ddp(xm), ym) / tm.NUM_MICROBATCHES).backward()
-
-    norms = [_step_dp(ddp, opt, x, y, fwd_bwd) for x, y in tm.make_data(STEPS)]
-    ddp.start_param_sync(force_sync=True)  # overlap_param_gather defers the last gather to the next forward
-    n_buckets = len(ddp.bucket_groups)
-    return {"params": {k: v.detach().clone() for k, v in model.reference_view().items()}, "norms": norms,
-            "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "buckets": n_buckets}
-
-
-def _train_dp_pp(mode):
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
-    first = parallel_state.is_pipeline_first_stage()
-    model = tm.TiedNetStage(tm.make_reference(), first)
-    ddp, opt = _wrap(model, mode)
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    peer = parallel_state.get_pipeline_model_parallel_next_rank() if first else \
-        parallel_state.get_pipeline_model_parallel_prev_rank()
-    batch = tm.GLOBAL_BATCH // parallel_state.get_data_parallel_world_size() // tm.NUM_MICROBATCHES
-
-    def fwd_bwd(xm, ym):
-        if first:
-            h = ddp(xm)
-            dist.send(h.detach().contiguous(), peer, group=pp_group)
-            grad = torch.empty_like(h)
-            dist.recv(grad, peer, group=pp_group)
-            h.backward(grad)
+        if sequence_parallel:  # rows of the microbatch as a [tp, b / tp] "sequence"; each TP rank takes one
+            shape = (tp, xm.shape[0] // tp, -1)
+            x_local, y_local = xm.view(shape)[tp_rank:tp_rank + 1], ym.view(shape)[tp_rank:tp_rank + 1]
+            loss = ((ddp(x_local) - y_local) ** 2).sum() / ym.numel()
         else:
-            h = torch.empty(batch, tm.HIDDEN)
-            dist.recv(h, peer, group=pp_group)
-            h.requires_grad_(True)
-            (F.mse_loss(ddp(h), ym) / tm.NUM_MICROBATCHES).backward()
-            dist.send(h.grad.contiguous(), peer, group=pp_group)
+            loss = F.mse_loss(ddp(xm.unsqueeze(0)), ym.unsqueeze(0))
+        (loss / tm.NUM_MICROBATCHES).backward()
 
     norms = [_step_dp(ddp, opt, x, y, fwd_bwd) for x, y in tm.make_data(STEPS)]
     ddp.start_param_sync(force_sync=True)  # overlap_param_gather defers the last gather to the next forward
+    return {"params": {k: v.detach().clone() for k, v in model.reference_view().items()}, "norms": norms,
+            "tp_rank": tp_rank, "buckets": len(ddp.bucket_groups)}
+
+
+def _pp_forward_step(data_iterator, model):
+    xm, ym = next(data_iterator)
+    output = model(xm.unsqueeze(0))
+
+    def loss_func(output_tensor):
+        squared = ((output_tensor - ym.unsqueeze(0)) ** 2).sum()
+        return squared, torch.tensor(ym.numel()), {"sse": squared.detach()}
+
+    return output, loss_func
+
+
+def _train_dp_pp(mode, per_token):
+    """DP=2 x PP=2 with the 1F1B schedule; finalize_model_grads runs through config.finalize_model_grads_func."""
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    model = tm.TiedNetStage(tm.make_reference(), parallel_state.is_pipeline_first_stage())
+    model.config.calculate_per_token_loss = per_token
+    ddp, opt = _wrap(model, mode)
+    model.config.no_sync_func = ddp.no_sync
+    model.config.finalize_model_grads_func = finalize_model_grads
+    forward_backward = get_forward_backward_func()
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    norms = []
+    for x, y in tm.make_data(STEPS):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        mbs = tm.microbatches(x, y, dp_rank, dp_size)
+        forward_backward(forward_step_func=_pp_forward_step, data_iterator=iter(mbs), model=[ddp],
+                         num_microbatches=len(mbs), seq_length=1, micro_batch_size=mbs[0][0].shape[0])
+        ok, norm, _ = opt.step()
+        assert ok
+        norms.append(norm)
+    ddp.start_param_sync(force_sync=True)
     return {"params": {k: v.detach().clone() for k, v in model.reference_view().items()}, "norms": norms,
             "tp_rank": 0, "buckets": len(ddp.bucket_groups)}
 
@@ -136,11 +148,13 @@ def test_dp4_matches_single_process(mode):
     _check(run_on_ranks(4, _train_dp_tp, mode, 1))
 
 
-@pytest.mark.parametrize("mode", ["plain", "distopt_overlap"])
-def test_dp2_tp2_matches_single_process(mode):
-    _check(run_on_ranks(4, _train_dp_tp, mode, 2), tp=2)
+@pytest.mark.parametrize("mode,sequence_parallel", [("plain", False), ("distopt_overlap", False),
+                                                    ("overlap", True), ("distopt", True)])
+def test_dp2_tp2_matches_single_process(mode, sequence_parallel):
+    _check(run_on_ranks(4, _train_dp_tp, mode, 2, sequence_parallel), tp=2)
 
 
-@pytest.mark.parametrize("mode", ["plain", "overlap", "distopt"])
-def test_dp2_pp2_matches_single_process(mode):
-    _check(run_on_ranks(4, _train_dp_pp, mode))
+@pytest.mark.parametrize("mode,per_token", [("plain", False), ("overlap", True), ("distopt", False),
+                                            ("distopt_overlap", True)])
+def test_dp2_pp2_matches_single_process(mode, per_token):
+    _check(run_on_ranks(4, _train_dp_pp, mode, per_token))

@@ -7,12 +7,14 @@ the same weights, so every rank's parameters can be compared with the reference 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_core import parallel_state
 from megatron_core.model_parallel_config import ModelParallelConfig
+from megatron_core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 D_IN, HIDDEN = 8, 16
 GLOBAL_BATCH, NUM_MICROBATCHES = 16, 2
@@ -77,63 +79,53 @@ def train_reference(steps: int, clip: float = CLIP, optimizer: str = "adam") -> 
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
-        return grad
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        x = x.clone()
-        dist.all_reduce(x, group=parallel_state.get_tensor_model_parallel_group())
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def _tp_param(full: torch.Tensor, dim: int) -> torch.nn.Parameter:
-    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    param = torch.nn.Parameter(full.detach().chunk(tp, dim=dim)[rank].clone())
-    param.tensor_model_parallel = True
-    param.partition_dim = dim
-    return param
-
-
 class TiedNetTP(torch.nn.Module):
-    """``TiedNet`` with ``l1`` column-parallel and ``l2`` row-parallel over the TP group."""
+    """``TiedNet`` with ``l1`` column-parallel and ``l2`` row-parallel (megatron_core.tensor_parallel layers).
 
-    def __init__(self, ref: TiedNet) -> None:
+    Inputs are ``[s, b, D_IN]``. With ``sequence_parallel`` each TP rank gets its own slice of the
+    sequence; the replicated params then see only that slice, so they are tagged
+    ``sequence_parallel`` and ``finalize_model_grads`` sums their gradients over TP.
+    """
+
+    def __init__(self, ref: TiedNet, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.config = ModelParallelConfig(tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size())
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        self.config = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+                                          perform_initialization=False)
         self.embedding = torch.nn.Parameter(ref.embedding.detach().clone())
-        self.l1_weight = _tp_param(ref.l1.weight, 0)
-        self.l1_bias = _tp_param(ref.l1.bias, 0)
-        self.l2_weight = _tp_param(ref.l2.weight, 1)
-        self.l2_bias = torch.nn.Parameter(ref.l2.bias.detach().clone())
+        self.l1 = ColumnParallelLinear(HIDDEN, HIDDEN, config=self.config, init_method=torch.nn.init.zeros_)
+        self.l2 = RowParallelLinear(HIDDEN, HIDDEN, config=self.config, init_method=torch.nn.init.zeros_,
+                                    bias=True, input_is_parallel=True, skip_bias_add=False)
         self.ln = torch.nn.LayerNorm(HIDDEN)
+        with torch.no_grad():
+            self.l1.weight.copy_(ref.l1.weight.chunk(tp, dim=0)[rank])
+            self.l1.bias.copy_(ref.l1.bias.chunk(tp, dim=0)[rank])
+            self.l2.weight.copy_(ref.l2.weight.chunk(tp, dim=1)[rank])
+            self.l2.bias.copy_(ref.l2.bias)
         self.ln.load_state_dict(ref.ln.state_dict())
+        if sequence_parallel:
+            for param in (self.embedding, self.ln.weight, self.ln.bias):
+                param.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _CopyToTP.apply(x @ self.embedding.t())
-        h = F.gelu(F.linear(h, self.l1_weight, self.l1_bias))
-        h = _ReduceFromTP.apply(F.linear(h, self.l2_weight)) + self.l2_bias
+        h, _ = self.l1(x @ self.embedding.t())
+        h, _ = self.l2(F.gelu(h))
         return self.ln(h) @ self.embedding
 
     def reference_view(self) -> dict[str, torch.Tensor]:
         """This rank's params under the reference names (TP shards still sharded)."""
-        return {"embedding": self.embedding, "l1.weight": self.l1_weight, "l1.bias": self.l1_bias,
-                "l2.weight": self.l2_weight, "l2.bias": self.l2_bias, "ln.weight": self.ln.weight,
+        return {"embedding": self.embedding, "l1.weight": self.l1.weight, "l1.bias": self.l1.bias,
+                "l2.weight": self.l2.weight, "l2.bias": self.l2.bias, "ln.weight": self.ln.weight,
                 "ln.bias": self.ln.bias}
+
+
+@dataclass
+class StageConfig(ModelParallelConfig):
+    """``ModelParallelConfig`` plus the ``TransformerConfig`` fields the pipeline schedules read."""
+
+    hidden_size: int = HIDDEN
+    calculate_per_token_loss: bool = False
 
 
 class TiedNetStage(torch.nn.Module):
@@ -141,8 +133,9 @@ class TiedNetStage(torch.nn.Module):
 
     def __init__(self, ref: TiedNet, first: bool) -> None:
         super().__init__()
-        self.config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+        self.config = StageConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
         self.first = first
+        self.input_tensor: torch.Tensor | None = None
         self.share_embeddings_and_output_weights = True
         if first:
             self.embedding = torch.nn.Parameter(ref.embedding.detach().clone())
@@ -161,10 +154,14 @@ class TiedNetStage(torch.nn.Module):
         """The tied weight held by this stage."""
         return self.embedding if self.first else self.output_weight
 
+    def set_input_tensor(self, input_tensor) -> None:
+        """The activation received from the previous stage (called by the schedule)."""
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             return F.gelu(self.l1(x @ self.embedding.t()))
-        return self.ln(self.l2(x)) @ self.output_weight
+        return self.ln(self.l2(self.input_tensor)) @ self.output_weight
 
     def reference_view(self) -> dict[str, torch.Tensor]:
         """This stage's params under the reference names."""
