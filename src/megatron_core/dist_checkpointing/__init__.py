@@ -11,6 +11,10 @@ from megatron_core.dist_checkpointing.core import (
     CheckpointingException,
     check_is_distributed_checkpoint,
 )
+from megatron_core.dist_checkpointing.factories import (
+    apply_fused_chunks_sharded_factory,
+    apply_swiglu_sharded_factory,
+)
 from megatron_core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -30,6 +34,14 @@ from megatron_core.dist_checkpointing.serialization import (
     remove_sharded_tensors,
     save,
 )
+from megatron_core.dist_checkpointing.sharded_module import (
+    make_sharded_object_for_checkpoint,
+    make_sharded_tensor_for_checkpoint,
+    make_sharded_tensors_for_checkpoint,
+    make_tp_sharded_tensor_for_checkpoint,
+    sharded_state_dict_default,
+    sharded_state_dict_for_layers,
+)
 from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron_core.dist_checkpointing.validation import StrictHandling
 
@@ -46,6 +58,8 @@ __all__ = [
     "StrictHandling",
     "apply_factories",
     "apply_factory_merges",
+    "apply_fused_chunks_sharded_factory",
+    "apply_swiglu_sharded_factory",
     "check_is_distributed_checkpoint",
     "load",
     "load_common_state_dict",
@@ -53,6 +67,12 @@ __all__ = [
     "load_plain_tensors",
     "load_sharded_metadata",
     "load_tensors_metadata",
+    "make_sharded_object_for_checkpoint",
+    "make_sharded_tensor_for_checkpoint",
+    "make_sharded_tensors_for_checkpoint",
+    "make_tp_sharded_tensor_for_checkpoint",
     "remove_sharded_tensors",
     "save",
+    "sharded_state_dict_default",
+    "sharded_state_dict_for_layers",
 ]

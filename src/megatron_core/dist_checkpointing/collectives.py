@@ -64,3 +64,10 @@ def barrier(group: Any = None) -> None:
     """Wait for every rank of ``group``."""
     if _active():
         dist.barrier(group=group)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` in place (a no-op for a group of one); returns it."""
+    if _active() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor

@@ -99,7 +99,13 @@ def _check_tensor_key(key: str, records: list[tuple]) -> list[str]:
         errors.append(f"{key!r}: ranks disagree on dtype: {sorted(dtypes)}")
     if errors:
         return errors
-    main = sorted({(r[4], r[5]) for r in records if r[6]})
+    main_records = [(r[4], r[5]) for r in records if r[6]]
+    main = sorted(set(main_records))
+    for shard in main:
+        count = main_records.count(shard)
+        if count > 1:
+            errors.append(f"{key!r}: shard at offset {shard[0]} size {shard[1]} has {count} main replicas "
+                          "(replica_id 0 on more than one rank)")
     replicas = {(r[4], r[5]) for r in records}
     global_shape = records[0][2]
     for i in range(len(main)):

@@ -1,0 +1,153 @@
+"""Building a module's sharded state dict from its parameters (Megatron-Core's ``make_sharded_tensor*``).
+
+Megatron-Core keeps these helpers in ``transformer/utils.py`` and ``dist_checkpointing/utils.py``;
+they live here so that any module can use them. Replica ids follow Megatron-Core: a tuple
+``(pp_replica, tp_replica, dp_rank)``. A TP-sharded tensor is ``(0, 0, dp_rank)`` (each TP rank
+holds a distinct piece); a TP-replicated one is ``(0, tp_rank, dp_rank)``, so only TP rank 0 of
+DP rank 0 writes it. ``sharded_offsets`` are ``(axis, index, size)`` triples for leading global
+axes that do not exist locally, e.g. ``(0, global_layer_idx, num_layers)`` added by
+``TransformerBlock`` so every layer's weights form one stacked tensor and pipeline stages can
+be resharded.
+
+:func:`sharded_state_dict_default` describes a module from parameter attributes alone
+(``tensor_model_parallel`` and ``partition_dim``, set by the tensor-parallel layers), and asks
+each child with a ``sharded_state_dict`` method to describe itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_core import parallel_state
+from megatron_core.dist_checkpointing.mapping import ReplicaId, ShardedObject, ShardedStateDict, ShardedTensor
+from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+def _tp_rank_size(tp_group: Any = None) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if tp_group is not None:
+        return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _dp_rank() -> int:
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+
+def make_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, prepend_offsets: tuple = (),
+                                       replica_id: ReplicaId | None = None, tp_group: Any = None,
+                                       **kwargs: Any) -> ShardedTensor:
+    """A tensor replicated over TP and DP (one copy written), placed by ``prepend_offsets``."""
+    if replica_id is None:
+        replica_id = (0, _tp_rank_size(tp_group)[0], _dp_rank())
+    return ShardedTensor.from_rank_offsets(key, tensor, *prepend_offsets, replica_id=replica_id,
+                                           prepend_axis_num=len(prepend_offsets), **kwargs)
+
+
+def make_tp_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, tp_axis: int = 0,
+                                          replica_id: ReplicaId | None = None, prepend_offsets: tuple = (),
+                                          tp_group: Any = None, **kwargs: Any) -> ShardedTensor:
+    """A tensor split over TP along local axis ``tp_axis`` and replicated over DP."""
+    tp_rank, tp_size = _tp_rank_size(tp_group)
+    if replica_id is None:
+        replica_id = (0, 0, _dp_rank())
+    prepend_axis_num = len(prepend_offsets)
+    return ShardedTensor.from_rank_offsets(key, tensor, *prepend_offsets, (tp_axis + prepend_axis_num, tp_rank, tp_size),
+                                           replica_id=replica_id, prepend_axis_num=prepend_axis_num, **kwargs)
+
+
+def make_sharded_object_for_checkpoint(obj: Any, key: str, sharded_offsets: tuple = (),
+                                       replica_id: ReplicaId | None = None, tp_group: Any = None) -> ShardedObject:
+    """A per-layer object (e.g. ``_extra_state``) placed in the grid of the prepended axes."""
+    if replica_id is None:
+        replica_id = (0, _tp_rank_size(tp_group)[0], _dp_rank())
+    if not sharded_offsets:
+        return ShardedObject(key, obj, (1,), (0,), replica_id)
+    ordered = sorted(sharded_offsets)
+    return ShardedObject(key, obj, tuple(s for _, _, s in ordered), tuple(i for _, i, _ in ordered), replica_id)
+
+
+def make_sharded_tensors_for_checkpoint(state_dict: dict[str, Any], prefix: str,
+                                        tensor_parallel_layers_axis_map: dict[str, int] | None = None,
+                                        sharded_offsets: tuple = (), extra_state_suffix: str = EXTRA_STATE_SUFFIX,
+                                        tp_group: Any = None) -> ShardedStateDict:
+    """Wrap a plain (local) state dict: names in ``tensor_parallel_layers_axis_map`` are TP-sharded
+    along the given axis, ``*_extra_state`` entries become objects, the rest is replicated."""
+    axis_map = tensor_parallel_layers_axis_map or {}
+    out: ShardedStateDict = {}
+    for name, value in state_dict.items():
+        key = f"{prefix}{name}"
+        if name in axis_map:
+            out[key] = make_tp_sharded_tensor_for_checkpoint(value, key, axis_map[name],
+                                                            prepend_offsets=sharded_offsets, tp_group=tp_group)
+        elif name.endswith(extra_state_suffix):
+            out[key] = make_sharded_object_for_checkpoint(value, key, sharded_offsets, tp_group=tp_group)
+        else:
+            out[key] = make_sharded_tensor_for_checkpoint(value, key, sharded_offsets, tp_group=tp_group)
+    return out
+
+
+def _own_state(module: torch.nn.Module) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    module._save_to_state_dict(state, "", keep_vars=True)
+    return state
+
+
+def sharded_state_dict_default(module: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (),
+                               metadata: dict | None = None) -> ShardedStateDict:
+    """Describe ``module``'s own tensors from their attributes, then ask its children.
+
+    A tensor with ``tensor_model_parallel=True`` is split over TP along ``partition_dim``; other
+    tensors are replicated. A child that has ``sharded_state_dict`` describes itself; others are
+    walked the same way. Unlike Megatron-Core, this never calls ``module.sharded_state_dict``
+    itself, so ``MegatronModule.sharded_state_dict`` can delegate here.
+    """
+    tp_group = getattr(module, "tp_group", None)
+    local = _own_state(module)
+    axis_map = {
+        name: int(getattr(t, "partition_dim", 0))
+        for name, t in local.items()
+        if isinstance(t, torch.Tensor) and getattr(t, "tensor_model_parallel", False)
+    }
+    out = make_sharded_tensors_for_checkpoint(local, prefix, axis_map, sharded_offsets, tp_group=tp_group)
+    for name, child in module.named_children():
+        child_prefix = f"{prefix}{name}."
+        if hasattr(child, "sharded_state_dict"):
+            out.update(child.sharded_state_dict(prefix=child_prefix, sharded_offsets=sharded_offsets,
+                                                metadata=metadata))
+        else:
+            out.update(sharded_state_dict_default(child, child_prefix, sharded_offsets, metadata))
+    return out
+
+
+def sharded_state_dict_for_layers(layers: torch.nn.ModuleList, prefix: str, global_layer_indices: list[int],
+                                  num_layers: int, sharded_offsets: tuple = (),
+                                  metadata: dict | None = None) -> ShardedStateDict:
+    """Stacked-layer sharded state of a ``TransformerBlock``'s ``layers`` (keys ``<prefix><local i>.*``).
+
+    Each layer's tensors get the prepended axis ``(len(sharded_offsets), global_idx, num_layers)``
+    and their sharding key loses the local index (``decoder.layers.self_attention...``), so
+    checkpoints reshard across pipeline stages.
+    """
+    if len(global_layer_indices) != len(layers):
+        raise ValueError(f"{len(layers)} layers but {len(global_layer_indices)} global layer indices")
+    out: ShardedStateDict = {}
+    for local_idx, (layer, global_idx) in enumerate(zip(layers, global_layer_indices)):
+        layer_prefix = f"{prefix}{local_idx}."
+        offsets = (*sharded_offsets, (len(sharded_offsets), global_idx, num_layers))
+        if hasattr(layer, "sharded_state_dict"):
+            layer_sd = layer.sharded_state_dict(prefix=layer_prefix, sharded_offsets=offsets, metadata=metadata)
+        else:
+            layer_sd = sharded_state_dict_default(layer, layer_prefix, offsets, metadata)
+        replace_prefix_for_sharding(layer_sd, layer_prefix, prefix)
+        out.update(layer_sd)
+    return out
