@@ -84,6 +84,7 @@ class TransformerBlock(MegatronModule):
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         self.submodules = _get_block_submodules(config, spec, num_layers, offset)
+        self.layer_offset = offset
         self.layers = torch.nn.ModuleList(
             build_module(layer_spec, config=config, layer_number=i + 1, pg_collection=pg_collection, vp_stage=vp_stage)
             for i, layer_spec in enumerate(self.submodules.layer_specs)
@@ -99,6 +100,31 @@ class TransformerBlock(MegatronModule):
     def num_layers_per_pipeline_rank(self) -> int:
         """Number of layers this chunk holds."""
         return len(self.layers)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """Sharded state with this chunk's layers stacked on a global layer axis (``decoder.layers.*``).
+
+        Layer ``i`` of this chunk is global layer ``layer_offset + i``; the checkpoint keys carry no
+        local index, so a checkpoint reshards across pipeline layouts.
+        """
+        from megatron_core.dist_checkpointing.sharded_module import (
+            sharded_state_dict_default,
+            sharded_state_dict_for_layers,
+        )
+
+        layers_prefix = f"{prefix}layers."
+        out = sharded_state_dict_for_layers(
+            self.layers, layers_prefix, [self.layer_offset + i for i in range(len(self.layers))],
+            self.config.num_layers, sharded_offsets, metadata,
+        )
+        for name, child in self.named_children():
+            if name != "layers":
+                out.update(child.sharded_state_dict(prefix=f"{prefix}{name}.", sharded_offsets=sharded_offsets,
+                                                    metadata=metadata) if hasattr(child, "sharded_state_dict")
+                           else sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
+        return out
 
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
         """Use ``input_tensor`` (received from the previous stage) as the block input."""
