@@ -37,7 +37,7 @@ from typing import Any
 DEFAULT_CALL_TIMEOUT_S = float(os.environ.get("MCORE_TEST_CALL_TIMEOUT", "180"))
 PROCESS_GROUP_TIMEOUT_S = float(os.environ.get("MCORE_TEST_PG_TIMEOUT", "60"))
 FAILURE_GRACE_S = 5.0
-MAX_LIVE_POOLS = 2
+MAX_LIVE_POOLS = 3
 
 
 class DistributedTestError(AssertionError):
