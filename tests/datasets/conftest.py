@@ -1,0 +1,65 @@
+"""Fixtures for the dataset tests: small corpora on disk and the optional megatron-core oracle.
+
+``mcore`` imports megatron-core (``pip install --no-deps megatron-core==0.16.1`` into a separate
+directory on ``sys.path``; its distribution name clashes with ours) and skips when it is absent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+
+import numpy
+import pytest
+import torch
+
+from megatron_core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+VOCAB = 100
+EOD = VOCAB  # NullTokenizer(VOCAB).eod
+
+
+def write_corpus(prefix: str, num_documents: int, seed: int, dtype=numpy.uint16, max_length: int = 60) -> None:
+    """Random documents of 1..max_length tokens in [0, VOCAB), each ending with EOD."""
+    rng = numpy.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for _ in range(num_documents):
+        length = int(rng.integers(1, max_length))
+        builder.add_item(torch.tensor([*rng.integers(0, VOCAB, length).tolist(), EOD]))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.fixture(scope="session")
+def corpora(tmp_path_factory) -> dict[str, str]:
+    """Three small GPT corpora (200, 150 and 90 documents) as ``.bin``/``.idx`` prefixes."""
+    directory = tmp_path_factory.mktemp("corpora")
+    prefixes = {}
+    for name, count, seed in (("a", 200, 1), ("b", 150, 2), ("c", 90, 3)):
+        prefixes[name] = os.path.join(directory, name)
+        write_corpus(prefixes[name], count, seed)
+    return prefixes
+
+
+@pytest.fixture(scope="session")
+def mcore():
+    """The megatron-core package (oracle), or skip."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            module = importlib.import_module("megatron.core")
+            for name in ("indexed_dataset", "gpt_dataset", "blended_megatron_dataset_builder", "helpers"):
+                importlib.import_module(f"megatron.core.datasets.{name}")
+        except ImportError as error:
+            pytest.skip(f"megatron-core oracle not installed: {error}")
+    return module
+
+
+@pytest.fixture(autouse=True)
+def single_torch_thread():
+    """Small per-sample tensor ops are ~50x slower with intra-op threads on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
