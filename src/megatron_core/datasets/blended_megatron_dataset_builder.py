@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,10 +27,25 @@ import numpy
 from megatron_core.datasets import distributed
 from megatron_core.datasets.blended_dataset import BlendedDataset
 from megatron_core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+from megatron_core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 from megatron_core.datasets.megatron_dataset import MegatronDataset
 from megatron_core.datasets.utils import Split, log_single_rank, normalize
 
 logger = logging.getLogger(__name__)
+
+
+def _check_prefixes_exist(config: BlendedMegatronDatasetConfig) -> None:
+    """Raise ``FileNotFoundError`` naming every blend prefix without its ``.bin``/``.idx`` pair."""
+    blends = [config.blend] if config.blend_per_split is None else config.blend_per_split
+    missing: dict[str, list[str]] = {}
+    for blend in blends:
+        for prefix in [] if blend is None else blend[0]:
+            if "://" in prefix or IndexedDataset.exists(prefix):
+                continue
+            missing[prefix] = [path for path in (get_idx_path(prefix), get_bin_path(prefix)) if not os.path.exists(path)]
+    if missing:
+        details = "; ".join(f"{prefix} (missing {', '.join(paths)})" for prefix, paths in missing.items())
+        raise FileNotFoundError(f"{len(missing)} blend prefix(es) not found before building: {details}")
 
 
 class BlendedMegatronDatasetBuilder:
@@ -51,6 +67,7 @@ class BlendedMegatronDatasetBuilder:
         log_single_rank(logger, logging.INFO, f"Building {cls.__name__} splits with sizes={sizes} and config={config}")
         if config.mock:
             return
+        _check_prefixes_exist(config)
         for split in Split:
             if config.blend_per_split is None:
                 blend = config.blend

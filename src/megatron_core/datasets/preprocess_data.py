@@ -1,0 +1,259 @@
+"""Tokenise a JSONL or Parquet corpus into Megatron ``.bin``/``.idx`` files (``tools/preprocess_data.py``).
+
+Same flags and outputs as Megatron-LM's tool: for each ``--json-keys`` key it writes
+``<output-prefix>_<key>_document.{bin,idx}`` (``_sentence`` with ``--split-sentences``), one document
+per record and one sequence per document (per sentence when splitting), ``--append-eod`` adding
+the tokenizer's eod to each non-empty document, in the smallest dtype that holds the vocab (uint16
+below 65500 ids, else int32). An empty text still ends a document (with no sequences), as Megatron.
+Tokenisation runs in ``--workers`` processes; with ``--partitions N`` the records are dealt
+round-robin into N partitions, encoded one after the other and concatenated in partition order
+(Megatron's order). Additions: Parquet input, and ``--skip-bad-records`` (without it a malformed
+line stops the run with its line number). Sentence splitting uses a small built-in splitter instead
+of NLTK (see docs/datasets.md). Run as ``python -m megatron_core.datasets.preprocess_data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from megatron_core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from megatron_core.datasets.preprocess_input import BadRecordError, parse_record, read_records
+from megatron_core.datasets.tokenizers.build import TOKENIZER_TYPES, build_tokenizer
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])[ \t]+|(?<=[.!?])(?=\n)")
+
+
+def split_sentences(text: str, keep_newlines: bool) -> list[str]:
+    """Split after ``.``, ``!`` or ``?`` followed by white space, and at line breaks.
+
+    With ``keep_newlines`` a sentence keeps its trailing line break(s); otherwise they are dropped.
+    Empty sentences are removed.
+    """
+    sentences = []
+    for line in re.findall(r"[^\n]*\n*", text):
+        newline = line[len(line.rstrip("\n")) :]
+        pieces = [piece for piece in _SENTENCE_END.split(line.rstrip("\n")) if piece.strip()]
+        if keep_newlines and pieces:
+            pieces[-1] += newline
+        sentences.extend(pieces)
+    return sentences
+
+
+def _tokenizer_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "tokenizer_type": args.tokenizer_type,
+        "vocab_file": args.vocab_file,
+        "merge_file": args.merge_file,
+        "tokenizer_model": args.tokenizer_model,
+        "vocab_size": args.vocab_size,
+        "tiktoken_pattern": args.tiktoken_pattern,
+    }
+
+
+class Encoder:
+    """Turns records into token ids with one tokenizer (one instance per worker process)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tokenizer = build_tokenizer(**_tokenizer_options(args))
+
+    def encode(self, record: tuple[int, str | dict[str, Any]]) -> tuple[int, dict, dict, int, str | None]:
+        """``(number, payload)`` to ``(number, ids per key, sequence lengths per key, bytes, error or None)``."""
+        number, payload = record
+        try:
+            texts, size = parse_record(payload, self.args.json_keys)
+        except BadRecordError as error:
+            return number, {}, {}, 0, str(error)
+        ids, lengths = {}, {}
+        for key, text in texts.items():
+            pieces = split_sentences(text, self.args.keep_newlines) if self.args.split_sentences else [text]
+            document: list[int] = []
+            sentence_lengths: list[int] = []
+            for piece in pieces:
+                sentence = self.tokenizer.tokenize(piece)
+                if len(sentence) > 0:
+                    document.extend(sentence)
+                    sentence_lengths.append(len(sentence))
+            if sentence_lengths and self.args.append_eod:
+                document.append(self.tokenizer.eod)
+                sentence_lengths[-1] += 1
+            ids[key], lengths[key] = document, sentence_lengths
+        return number, ids, lengths, size, None
+
+
+_worker_encoder: Encoder | None = None
+
+
+def _init_worker(args: argparse.Namespace) -> None:
+    global _worker_encoder
+    _worker_encoder = Encoder(args)
+
+
+def _encode_in_worker(record: tuple[int, Any]) -> tuple[int, dict, dict, int, str | None]:
+    assert _worker_encoder is not None, "_init_worker must run first"
+    return _worker_encoder.encode(record)
+
+
+def _output_prefix(prefix: str, key: str, level: str) -> str:
+    return f"{prefix}_{key}_{level}"
+
+
+class _Progress:
+    """Counts documents, bytes and skipped records; prints Megatron-style progress lines."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.started = time.time()
+        self.documents = self.bytes = self.skipped = 0
+
+    def line(self) -> str:
+        elapsed = max(time.time() - self.started, 1e-9)
+        return (
+            f"Processed {self.documents} documents ({self.documents / elapsed:.1f} docs/s, "
+            f"{self.bytes / elapsed / 1024 / 1024:.2f} MB/s)."
+        )
+
+    def add(self, size: int) -> None:
+        self.documents += 1
+        self.bytes += size
+        if self.interval and self.documents % self.interval == 0:
+            print(self.line(), file=sys.stderr, flush=True)
+
+
+def _encode_partition(
+    args: argparse.Namespace, records: Iterable[tuple[int, Any]], prefix: str, progress: _Progress
+) -> None:
+    """Encode ``records`` into ``<prefix>_<key>_<level>`` files."""
+    dtype = DType.optimal_dtype(build_tokenizer(**_tokenizer_options(args)).vocab_size)
+    level = "sentence" if args.split_sentences else "document"
+    builders = {
+        key: IndexedDatasetBuilder(get_bin_path(_output_prefix(prefix, key, level)), dtype=dtype)
+        for key in args.json_keys
+    }
+    if args.workers > 1:
+        pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+        encoded: Iterator = pool.imap(_encode_in_worker, records, 32)
+    else:
+        pool = None
+        encoded = map(Encoder(args).encode, records)
+    try:
+        for number, ids, lengths, size, error in encoded:
+            if error is not None:
+                where = f"{args.input}:{number}"
+                if not args.skip_bad_records:
+                    raise BadRecordError(f"{where}: {error} (pass --skip-bad-records to skip such records)")
+                progress.skipped += 1
+                print(f"skipping {where}: {error}", file=sys.stderr)
+                continue
+            for key in args.json_keys:
+                builders[key].add_document(ids[key], lengths[key])
+            progress.add(size)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    for key in args.json_keys:
+        builders[key].finalize(get_idx_path(_output_prefix(prefix, key, level)))
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not os.path.isfile(args.input):
+        raise FileNotFoundError(f"--input {args.input} does not exist")
+    if args.partitions < 1 or args.workers < 1:
+        raise ValueError(f"--workers ({args.workers}) and --partitions ({args.partitions}) must be >= 1")
+    build_tokenizer(**_tokenizer_options(args))
+
+
+def preprocess(args: argparse.Namespace) -> list[str]:
+    """Run the conversion; returns the output prefixes written (one per JSON key).
+
+    Partitions are encoded one after the other, each with all ``--workers`` processes, and then
+    merged in partition order.
+    """
+    _check_args(args)
+    output_directory = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(output_directory, exist_ok=True)
+    level = "sentence" if args.split_sentences else "document"
+    outputs = [_output_prefix(args.output_prefix, key, level) for key in args.json_keys]
+    progress = _Progress(args.log_interval)
+    if args.partitions == 1:
+        _encode_partition(args, read_records(args.input, args.json_keys), args.output_prefix, progress)
+    else:
+        temporary = tempfile.mkdtemp(dir=output_directory, prefix=".preprocess-")
+        try:
+            parts = [os.path.join(temporary, f"part{index}") for index in range(args.partitions)]
+            for index, prefix in enumerate(parts):
+                records = read_records(args.input, args.json_keys, index, args.partitions)
+                _encode_partition(args, records, prefix, progress)
+            dtype = DType.optimal_dtype(build_tokenizer(**_tokenizer_options(args)).vocab_size)
+            for key, final in zip(args.json_keys, outputs):
+                builder = IndexedDatasetBuilder(get_bin_path(final), dtype=dtype)
+                for prefix in parts:
+                    builder.add_index(_output_prefix(prefix, key, level))
+                builder.finalize(get_idx_path(final))
+        finally:
+            shutil.rmtree(temporary, ignore_errors=True)
+    summary = progress.line()
+    if progress.skipped:
+        summary += f" Skipped {progress.skipped} bad record(s)."
+    if progress.documents == 0:
+        summary += f" Warning: {args.input} held no documents; the outputs are empty."
+    print(summary, file=sys.stderr, flush=True)
+    return outputs
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse Megatron's ``preprocess_data.py`` flags."""
+    parser = argparse.ArgumentParser(description="Tokenise a JSONL corpus into Megatron .bin/.idx files.")
+    group = parser.add_argument_group("input data")
+    group.add_argument(
+        "--input", type=str, required=True, help="JSONL file (one document per line) or .parquet file (needs pyarrow)"
+    )
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
+    group.add_argument("--split-sentences", action="store_true", help="one sequence per sentence")
+    group.add_argument("--keep-newlines", action="store_true", help="keep line breaks when splitting sentences")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--vocab-file", type=str, default=None, help="GPT-2 vocab.json")
+    group.add_argument("--merge-file", type=str, default=None, help="GPT-2 merges.txt")
+    group.add_argument("--tokenizer-model", type=str, default=None, help="tokenizer.json / tiktoken / .model file")
+    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer / TikTokenizer vocab size")
+    group.add_argument("--tiktoken-pattern", type=str, default=None, help="v1 or v2")
+    group.add_argument("--append-eod", action="store_true", help="append the eod token to every document")
+    group.add_argument("--lang", type=str, default="english", help="accepted for compatibility (no NLTK)")
+    group.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="skip malformed JSON lines / records missing a key (reported with their line number) instead of failing",
+    )
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", type=str, required=True)
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, required=True, help="tokenising processes")
+    group.add_argument(
+        "--partitions", type=int, default=1, help="deal records round-robin into this many partitions (merged in order)"
+    )
+    group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point; bad input exits with a one-line error instead of a traceback."""
+    started = time.time()
+    try:
+        prefixes = preprocess(get_args(argv))
+    except (ValueError, OSError, ImportError) as error:
+        raise SystemExit(f"preprocess_data: error: {error}") from error
+    print(f"Wrote {', '.join(prefixes)} in {time.time() - started:.1f} s", file=sys.stderr)
+
+if __name__ == "__main__":
+    main()
