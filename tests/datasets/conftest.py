@@ -7,7 +7,9 @@ directory on ``sys.path``; its distribution name clashes with ours) and skips wh
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import textwrap
 import warnings
 
 import numpy
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from megatron_core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron_core.datasets.tokenizers import train_bpe_tokenizer
 
 VOCAB = 100
 EOD = VOCAB  # NullTokenizer(VOCAB).eod
@@ -40,6 +43,14 @@ def corpora(tmp_path_factory) -> dict[str, str]:
         prefixes[name] = os.path.join(directory, name)
         write_corpus(prefixes[name], count, seed)
     return prefixes
+
+
+@pytest.fixture(scope="session")
+def bpe_files(tmp_path_factory) -> dict[str, str]:
+    """A 400-token byte-level BPE trained on two standard-library sources (offline everywhere)."""
+    pytest.importorskip("tokenizers")
+    sources = [json.__file__, textwrap.__file__]
+    return train_bpe_tokenizer(sources, 400, str(tmp_path_factory.mktemp("bpe")))
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from megatron_core.datasets import (
     Split,
 )
 from megatron_core.datasets.gpt_masks import get_ltor_masks_and_position_ids
+from megatron_core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron_core.datasets.tokenizers import NullTokenizer
 from tests.datasets.conftest import EOD, VOCAB
 
@@ -181,6 +182,18 @@ def test_default_cache_location_and_padding_sample(corpora):
     assert int(train[0]["tokens"].max()) <= EOD
 
 
+def test_zero_length_sequences_raise_instead_of_spinning(tmp_path):
+    prefix = str(tmp_path / "empty")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for _ in range(5):
+        builder.add_item(torch.tensor([], dtype=torch.int64))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    config = GPTDatasetConfig(**{**_config_kwargs({"a": prefix}, CASES[0]), "split": "1"})
+    with pytest.raises(ValueError, match="train: the split has no tokens, but 4 samples were requested"):
+        BlendedMegatronDatasetBuilder(GPTDataset, [4, None, None], lambda: True, config).build()
+
+
 def test_config_validation(corpora):
     base = _config_kwargs(corpora, CASES[0])
     with pytest.raises(ValueError, match="eod_mask_loss"):
@@ -198,6 +211,9 @@ def test_config_validation(corpora):
         BlendedMegatronDatasetBuilder(GPTDataset, [10, None, 5], lambda: True, weighted)
     mock = GPTDatasetConfig(**{**base, "blend": None, "split": None})
     assert mock.mock and mock.split == "1,1,1" and mock.token_dtype_code == 8
+    missing = GPTDatasetConfig(**{**base, "blend": ([corpora["a"], corpora["a"] + "-gone"], None)})
+    with pytest.raises(FileNotFoundError, match=r"1 blend prefix\(es\) not found.*a-gone \(missing .*a-gone\.idx"):
+        BlendedMegatronDatasetBuilder(GPTDataset, [10, 5, 5], lambda: True, missing)
     empty_test_split = GPTDatasetConfig(**{**base, "split": "99,1,0.001"})
     with pytest.raises(ValueError, match="no tokens"):
         BlendedMegatronDatasetBuilder(GPTDataset, [10, 5, 5], lambda: True, empty_test_split).build()

@@ -14,7 +14,6 @@ from megatron_core.datasets.tokenizers import (
     NullTokenizer,
     TikTokenizer,
     build_tokenizer,
-    train_bpe_tokenizer,
 )
 from megatron_core.datasets.tokenizers.optional import _require
 
@@ -24,14 +23,6 @@ TEXTS = [
     "   leading spaces and trailing   ",
     "",
 ]
-
-
-@pytest.fixture(scope="module")
-def bpe_files(tmp_path_factory) -> dict[str, str]:
-    """A 400-token byte-level BPE trained on two standard-library sources (offline everywhere)."""
-    pytest.importorskip("tokenizers")
-    sources = [json.__file__, textwrap.__file__]
-    return train_bpe_tokenizer(sources, 400, str(tmp_path_factory.mktemp("bpe")))
 
 
 def test_gpt2_bpe_matches_huggingface_and_round_trips(bpe_files):
