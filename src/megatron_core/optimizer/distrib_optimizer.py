@@ -84,6 +84,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.grad_stats_parallel_group = dist.group.WORLD if dist.is_initialized() else None
 
         owned = self._build_shard_entries()
+        self.bucket_groups = self._own_bucket_groups()
         self.shard_groups: list[list[_ShardEntry]] = []
         for group in self.optimizer.param_groups:
             entries = [owned[p] for p in group["params"] if p in owned]
@@ -117,6 +118,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                                    buffer.param_to_name.get(param, ""), chunk_index)
         return owned
 
+    def _own_bucket_groups(self) -> list[Any]:
+        """The DDP bucket groups over this optimizer's buffers (a dense and an expert optimizer split them)."""
+        buckets = {id(b) for buffers in self.per_model_buffers.values() for buffer in buffers for b in buffer.buckets}
+        groups = []
+        for chunk in self.model_chunks:
+            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                if any(id(b) in buckets for b in group.buckets):
+                    groups.append(group)
+        return groups
+
     def _entries(self) -> list[_ShardEntry]:
         return [e for group in self.shard_groups for e in group]
 
@@ -144,11 +155,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Update the owned shards, write them into the param buffers and all-gather (or dispatch)."""
         self.optimizer.step()
         self._copy_main_params_to_model_params()
-        for chunk in self.model_chunks:
-            if not chunk.ddp_config.overlap_param_gather:
-                chunk.start_param_sync()
-            elif self.config.overlap_param_gather_with_optimizer_step:
-                chunk.start_param_sync(force_dispatch=True)
+        for group in self.bucket_groups:
+            if not group.ddp_config.overlap_param_gather:
+                group.start_param_sync()
+            elif self.config.overlap_param_gather_with_optimizer_step and not group.param_gather_dispatched:
+                group.start_param_sync()
         return True
 
     def reload_model_params(self) -> None:
@@ -200,5 +211,5 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for entry, value in zip(group, values):
                 entry.main_param.data.copy_(value)
         self._copy_main_params_to_model_params()
-        for chunk in self.model_chunks:
-            chunk.start_param_sync(force_sync=True)
+        for group in self.bucket_groups:
+            group.start_param_sync(force_sync=True)
