@@ -16,6 +16,7 @@ each child with a ``sharded_state_dict`` method to describe itself.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -126,7 +127,24 @@ def sharded_state_dict_default(module: torch.nn.Module, prefix: str = "", sharde
                                                 metadata=metadata))
         else:
             out.update(sharded_state_dict_default(child, child_prefix, sharded_offsets, metadata))
+    _tie_output_layer(module, prefix, out)
     return out
+
+
+def _tie_output_layer(module: torch.nn.Module, prefix: str, out: ShardedStateDict) -> None:
+    """A last pipeline stage's copy of a tied word embedding is a replica of the first stage's tensor.
+
+    As Megatron-Core's ``GPTModel.sharded_state_dict``: ``output_layer.weight`` is stored under
+    ``embedding.word_embeddings.weight`` with pipeline replica id 1, so only the first stage writes
+    it and a checkpoint loads under any pipeline size.
+    """
+    if not getattr(module, "share_embeddings_and_output_weights", False) or getattr(module, "pre_process", True):
+        return
+    name = f"{prefix}output_layer.weight"
+    if name not in out:
+        return
+    _, tp_replica, dp_rank = out[name].replica_id
+    out[name] = replace(out[name], key=f"{prefix}embedding.word_embeddings.weight", replica_id=(1, tp_replica, dp_rank))
 
 
 def sharded_state_dict_for_layers(layers: torch.nn.ModuleList, prefix: str, global_layer_indices: list[int],

@@ -1,0 +1,180 @@
+"""``save_checkpoint`` / ``load_checkpoint``: the whole training state in Megatron-LM's layout.
+
+A checkpoint ``<save_dir>/iter_0000010/`` is one distributed checkpoint (:func:`..save`) whose
+state dict has Megatron-LM's top-level keys: ``model`` (or ``model0``, ``model1``, ... for
+virtual-pipeline chunks), ``optimizer`` (model-space states, see :mod:`.optimizer_state`),
+``opt_param_scheduler``, ``rng_state`` (see :mod:`.rng`), ``iteration``,
+``consumed_train_samples``, ``extra_state`` and ``checkpoint_version``. The tracker
+``latest_checkpointed_iteration.txt`` moves only after the checkpoint directory is complete.
+
+Model and optimizer tensors reshard on load (any TP/PP/DP layout, distributed optimizer on or
+off). RNG states are per (pp, tp, dp) rank: under another layout they are not restored and a
+warning says so, as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_core.dist_checkpointing import collectives
+from megatron_core.dist_checkpointing.core import CheckpointingException, check_is_distributed_checkpoint
+from megatron_core.dist_checkpointing.serialization import load, load_sharded_metadata, save
+from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron_core.dist_checkpointing.training.optimizer_state import (
+    load_optimizer_state,
+    optimizer_sharded_state_dict,
+)
+from megatron_core.dist_checkpointing.training.rng import (
+    RNG_KEY,
+    restore_sharded_rng_state,
+    sharded_rng_state,
+)
+from megatron_core.dist_checkpointing.training.tracker import get_checkpoint_name, read_tracker, write_tracker
+from megatron_core.dist_checkpointing.validation import StrictHandling
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 3.0
+OPTIMIZER_STATE_PREFIX = "optimizer.state."
+
+
+def unwrap_model_chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Model chunks as a list, each unwrapped (``.module``) down to one with ``sharded_state_dict``."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    out = []
+    for chunk in chunks:
+        inner = chunk
+        while not hasattr(inner, "sharded_state_dict") and hasattr(inner, "module"):
+            inner = inner.module
+        if not hasattr(inner, "sharded_state_dict"):
+            raise TypeError(f"{type(chunk).__name__} (unwrapped: {type(inner).__name__}) has no sharded_state_dict")
+        out.append(inner)
+    return out
+
+
+def _model_keys(chunks: list[torch.nn.Module]) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    return {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
+
+
+def _on_rank0(fn: Callable[[], None], what: str) -> None:
+    """Run ``fn`` on rank 0; every rank raises if it failed (no rank is left waiting)."""
+    failure = None
+    if collectives.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - sent to every rank below
+            failure = f"{type(e).__name__}: {e}"
+    failure = collectives.broadcast_object(failure, 0)
+    if failure is not None:
+        raise CheckpointingException(f"{what} failed on rank 0: {failure}")
+
+
+def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn.Module | list[torch.nn.Module],
+                    optimizer: Any, opt_param_scheduler: Any, *, consumed_train_samples: int = 0,
+                    extra_state: Any = None, async_queue: AsyncCallsQueue | None = None,
+                    overwrite: bool = False) -> None:
+    """Save the training state into ``<save_dir>/iter_<iteration:07d>`` and move the tracker; collective.
+
+    ``optimizer`` and ``opt_param_scheduler`` may be ``None``. ``extra_state`` is plain data
+    (e.g. the run's arguments). With ``async_queue`` the files are written in the background
+    and both the directory and the tracker appear when the queue finalizes the request.
+    Saving over a complete checkpoint of the same iteration raises unless ``overwrite``.
+    """
+    chunks = unwrap_model_chunks(model)
+    state: dict[str, Any] = _model_sharded_state_dict(chunks)
+    if optimizer is not None:
+        state["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(state))
+    state["opt_param_scheduler"] = opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None
+    state[RNG_KEY] = sharded_rng_state()
+    state.update(iteration=int(iteration), consumed_train_samples=int(consumed_train_samples),
+                 extra_state=extra_state, checkpoint_version=CHECKPOINT_VERSION)
+
+    checkpoint_dir = get_checkpoint_name(save_dir, iteration)
+    request = save(state, checkpoint_dir, async_sharded_save=async_queue is not None, overwrite=overwrite)
+
+    def move_tracker() -> None:
+        _on_rank0(lambda: write_tracker(save_dir, iteration), f"writing the tracker of {save_dir}")
+
+    if async_queue is None:
+        move_tracker()
+        return
+    request.add_finalize_fn(move_tracker)
+    async_queue.schedule_async_request(request)
+
+
+def _rng_compatible(checkpoint_dir: os.PathLike, request: Any) -> bool:
+    saved = {k for k in load_sharded_metadata(checkpoint_dir) if k.startswith(f"{RNG_KEY}/")}
+    return not collectives.any_rank_true(request.unique_key not in saved)
+
+
+def _saved_optimizer_state_names(checkpoint_dir: os.PathLike) -> list[str]:
+    keys = load_sharded_metadata(checkpoint_dir)
+    return sorted({k[len(OPTIMIZER_STATE_PREFIX):].split(".", 1)[0] for k in keys
+                   if k.startswith(OPTIMIZER_STATE_PREFIX)})
+
+
+def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module | list[torch.nn.Module],
+                    optimizer: Any, opt_param_scheduler: Any, *, iteration: int | None = None, strict: bool = True,
+                    load_optimizer: bool = True, load_rng: bool = True) -> dict[str, Any] | None:
+    """Load a checkpoint saved by :func:`save_checkpoint` under any parallel layout; collective.
+
+    Returns ``None`` when ``load_dir`` has no tracker (and no ``iteration`` is given); otherwise
+    restores the model chunks, the optimizer and scheduler (unless ``None`` or not
+    ``load_optimizer``) and the RNG states (when ``load_rng`` and the (pp, tp, dp) layout is
+    unchanged), and returns ``{"iteration", "consumed_train_samples", "extra_state"}``.
+    ``strict`` requires every model and optimizer key to be in the checkpoint.
+    """
+    if load_dir is None:
+        return None
+    if iteration is None:
+        found: list[Any] = [None]
+
+        def read() -> None:
+            found[0] = read_tracker(load_dir)
+
+        _on_rank0(read, f"reading the tracker of {load_dir}")
+        iteration = collectives.broadcast_object(found[0], 0)
+        if iteration is None:
+            return None
+    checkpoint_dir = get_checkpoint_name(load_dir, iteration)
+    if not check_is_distributed_checkpoint(checkpoint_dir):
+        raise CheckpointingException(f"{checkpoint_dir} is not a complete checkpoint (iteration {iteration})")
+
+    chunks = unwrap_model_chunks(model)
+    state: dict[str, Any] = _model_sharded_state_dict(chunks)
+    with_optimizer = load_optimizer and optimizer is not None
+    if with_optimizer:
+        names = _saved_optimizer_state_names(checkpoint_dir)
+        state["optimizer"] = optimizer_sharded_state_dict(
+            optimizer, _model_sharded_state_dict(chunks), is_loading=True, state_names=names)
+    restore_rng = False
+    if load_rng:
+        state[RNG_KEY] = sharded_rng_state(for_loading=True)
+        restore_rng = _rng_compatible(checkpoint_dir, state[RNG_KEY])
+        if not restore_rng:
+            del state[RNG_KEY]
+            logger.warning("%s was saved under another (pipeline, tensor) parallel layout: RNG states not restored",
+                           checkpoint_dir)
+
+    loaded = load(state, checkpoint_dir,
+                  strict=StrictHandling.ASSUME_OK_UNEXPECTED if strict else StrictHandling.LOG_ALL)
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        chunk.load_state_dict(loaded[key], strict=strict)
+    if with_optimizer:
+        load_optimizer_state(optimizer, _model_sharded_state_dict(chunks), loaded["optimizer"])
+        if opt_param_scheduler is not None and loaded.get("opt_param_scheduler") is not None:
+            opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if restore_rng and not restore_sharded_rng_state(loaded[RNG_KEY]):
+        logger.warning("%s was saved with another data-parallel size: RNG states not restored", checkpoint_dir)
+    return {"iteration": int(loaded["iteration"]),
+            "consumed_train_samples": int(loaded.get("consumed_train_samples", 0)),
+            "extra_state": loaded.get("extra_state")}

@@ -1,0 +1,119 @@
+"""A tiny GPT training setup (DDP, Megatron optimizer, scheduler, pipeline schedule) for checkpoint tests.
+
+``build`` makes this rank's model chunks under the current ``parallel_state`` layout; ``train_step``
+runs one optimizer step on a global batch that depends only on the step number, so any layout
+trains on the same data. ``logits`` runs a fixed batch through the pipeline (full vocabulary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_core import parallel_state, tensor_parallel
+from megatron_core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_core.pipeline_parallel import get_forward_backward_func
+from megatron_core.transformer import TransformerConfig
+
+VOCAB, SEQ, MBS, MAX_SEQ, NUM_MICROBATCHES = 64, 8, 2, 16, 2
+
+
+def gpt_config(tp: int, pp: int, hidden: int = 32, num_layers: int = 4, dropout: float = 0.0) -> TransformerConfig:
+    """Llama-like tiny config (RMSNorm, SwiGLU, GQA, no bias) for a (tp, pp) layout."""
+    return TransformerConfig(
+        num_layers=num_layers, hidden_size=hidden, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=2 * hidden, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=dropout,
+        attention_dropout=0.0, use_cpu_initialization=True, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, finalize_model_grads_func=finalize_model_grads,
+    )
+
+
+def build(tp: int, pp: int, *, distributed_optimizer: bool = False, seed: int = 1234, hidden: int = 32,
+          num_layers: int = 4, dropout: float = 0.0):
+    """``(ddp_chunks, optimizer, scheduler)`` for a fresh parallel_state layout (initialises it)."""
+    parallel_state.initialize_model_parallel(tp, pp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    config = gpt_config(tp, pp, hidden, num_layers, dropout)
+    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope",
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer), model)
+    config.no_sync_func = ddp.no_sync
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        lr=1e-2, min_lr=1e-3, weight_decay=0.01, clip_grad=1.0,
+        use_distributed_optimizer=distributed_optimizer), [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
+                                        lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=20, wd_incr_style="constant")
+    return [ddp], optimizer, scheduler
+
+
+def _batches(step: int) -> list[dict]:
+    """This DP rank's microbatches of global step ``step``."""
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (dp * NUM_MICROBATCHES, MBS, SEQ + 1), generator=gen)
+    mine = tokens[dp_rank * NUM_MICROBATCHES:(dp_rank + 1) * NUM_MICROBATCHES]
+    return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in mine]
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+    output = model(batch["tokens"], positions, None, labels=batch["labels"])
+
+    def loss_func(per_token):
+        loss = per_token.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def train_step(chunks, optimizer, scheduler, step: int) -> list[torch.Tensor]:
+    """One optimizer step on global batch ``step``; returns this rank's microbatch losses (last stage)."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=iter(_batches(step)), model=chunks[0],
+        num_microbatches=NUM_MICROBATCHES, seq_length=SEQ, micro_batch_size=MBS)
+    success, _, _ = optimizer.step()
+    assert success
+    scheduler.step(increment=MBS * NUM_MICROBATCHES * parallel_state.get_data_parallel_world_size())
+    return [d["lm loss"] for d in losses]
+
+
+def logits(chunks, seed: int = 99) -> torch.Tensor | None:
+    """Full-vocab logits of a fixed batch through the pipeline (last stage only, else ``None``)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=gen)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+    out: list[torch.Tensor] = []
+
+    def forward_step(data_iterator, model):
+        output = model(tokens, positions, None)
+
+        def collect(t):
+            out.append(tensor_parallel.gather_from_tensor_model_parallel_region(t).detach().clone())
+            return t.sum() * 0, {}
+
+        return output, collect
+
+    with torch.no_grad():
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=chunks[0],
+                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+    return out[0] if out else None
+
+
+def weights(chunks) -> dict[str, torch.Tensor]:
+    """This rank's parameters by local name (exact copies)."""
+    return {k: v.detach().clone() for k, v in chunks[0].module.named_parameters()}
