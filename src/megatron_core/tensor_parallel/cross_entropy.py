@@ -5,12 +5,14 @@ Each rank holds ``[s, b, V / TP]`` logits. The loss equals ``F.cross_entropy`` o
 logit and the sum of exponentials are all-reduced (the last two in one call). Label smoothing
 follows ``F.cross_entropy``: ``(1 - eps) * nll + eps * mean_v(-log p_v)``. The backward is the
 closed form ``softmax - (1 - eps) * onehot - eps / V`` on the local shard, with no communication.
+With a tensor-parallel group of one it is ``F.cross_entropy`` on fp32 logits (same result, one kernel).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_core.tensor_parallel.groups import (
     get_tensor_model_parallel_group_if_none,
@@ -157,4 +159,9 @@ def vocab_parallel_cross_entropy(
             f"{tuple(target.shape)}: expected logits [*target.shape, V / TP]"
         )
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    if group_size(tp_group) == 1:
+        # The whole vocabulary is local: torch's fused log-softmax kernel, still computed in fp32.
+        logits_2d = vocab_parallel_logits.float().reshape(-1, vocab_parallel_logits.size(-1))
+        return F.cross_entropy(logits_2d, target.reshape(-1), reduction="none",
+                               label_smoothing=label_smoothing).reshape(target.shape)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, tp_group)

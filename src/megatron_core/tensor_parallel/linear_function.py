@@ -7,14 +7,16 @@ along the sequence (sequence parallel); the weight gradient goes to ``weight.mai
 when ``gradient_accumulation_fusion`` is on and the parameter has one, as Megatron's fused wgrad
 kernel does, else to ``weight.grad`` as usual. With sequence parallelism the gathered input is
 not kept: backward gathers it again, trading a second all-gather for activation memory.
+With a tensor-parallel group of one and nothing to fuse or defer, the op is plain ``F.linear``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
+from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none, group_size
 from megatron_core.tensor_parallel.mappings import (
     _all_reduce,
     _gather_along_first_dim,
@@ -113,6 +115,10 @@ def linear_with_grad_accumulation_and_async_allreduce(
     if allreduce_dgrad and sequence_parallel:
         raise ValueError("allreduce_dgrad and sequence_parallel cannot both be True")
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    if (group_size(tp_group) == 1 and not gradient_accumulation_fusion and grad_output_buffer is None
+            and not sequence_parallel):
+        # Nothing to communicate or fuse: plain autograd, which torch.compile traces without a break.
+        return F.linear(input, weight, bias)
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
         grad_output_buffer, wgrad_deferral_limit or 0, tp_group,

@@ -294,12 +294,18 @@ class _AllToAll(torch.autograd.Function):
 # --- public API --------------------------------------------------------------------------------
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Identity in forward; all-reduce of the gradient over the TP group in backward."""
-    return _CopyToModelParallelRegion.apply(input_, _group(group))
+    group = _group(group)
+    if group_size(group) == 1:
+        return input_
+    return _CopyToModelParallelRegion.apply(input_, group)
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) over the TP group in forward; identity in backward."""
-    return _ReduceFromModelParallelRegion.apply(input_, _group(group))
+    group = _group(group)
+    if group_size(group) == 1:
+        return input_
+    return _ReduceFromModelParallelRegion.apply(input_, group)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:

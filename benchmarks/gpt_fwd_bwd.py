@@ -1,0 +1,174 @@
+"""Time GPTModel forward + backward against torch.compile'd Hugging Face Llama (protocol: BENCHMARK.md).
+
+Reference config "tinyllama-1.1b": 22 layers, hidden 2048, 32 heads, 4 query groups, FFN 5632
+(SwiGLU), RMSNorm, RoPE, no biases, untied, vocab 32000, sequence 2048, micro-batch 2, bf16.
+Each contender runs ``fwd+bwd`` (forward with labels, mean loss, backward, no optimizer):
+median step time of ``--steps`` steps after ``--warmup`` steps, with device synchronisation.
+MFU uses FLOPs/token = 6 * N + 12 * L * H * Q * T (N excludes the input embedding) and a peak
+of 989 TFLOP/s (H100 SXM dense bf16).
+
+    python benchmarks/gpt_fwd_bwd.py --compile          # GPU, reference config, + HF baseline
+    python benchmarks/gpt_fwd_bwd.py --tiny             # CPU smoke test (fp32, tiny shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron_core import device as mdevice
+from megatron_core import tensor_parallel
+from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_core.transformer import TransformerConfig
+
+PEAK_FLOPS = 989e12
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=22)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--query-groups", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each of our TransformerLayers and the loss (fused fp32 cross entropy)")
+    p.add_argument("--compile-model", action="store_true", help="torch.compile our whole GPTModel instead")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
+    args = p.parse_args()
+    if args.tiny:
+        args.layers, args.hidden, args.heads, args.query_groups, args.ffn = 2, 64, 4, 2, 128
+        args.vocab, args.seq, args.mbs, args.steps, args.warmup = 256, 32, 2, 2, 1
+    return args
+
+
+def flops_per_token(args: argparse.Namespace, n_params_no_embedding: int) -> float:
+    """PaLM / nanoGPT convention: 6 N + 12 L H Q T (attention not halved for causality)."""
+    return 6 * n_params_no_embedding + 12 * args.layers * args.hidden * args.seq
+
+
+def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    """The reference config as a GPTModel with the local spec."""
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
+    )
+    model = GPTModel(config, get_gpt_layer_local_spec(), args.vocab, args.seq, position_embedding_type="rope")
+    model = model.to(mdevice.get_current_device())
+    if args.compile or args.compile_model:
+        options = {"mode": args.compile_mode} if args.compile_mode else {}
+        if args.compile_model:
+            return torch.compile(model, **options)
+        for layer in model.decoder.layers:
+            layer.compile(**options)
+        model.compute_language_model_loss = torch.compile(model.compute_language_model_loss, **options)
+    return model
+
+
+def build_hf(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    """The same shapes as Hugging Face LlamaForCausalLM (sdpa), compiled unless ``--hf-eager``."""
+    import transformers
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.query_groups, max_position_embeddings=args.seq,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(hf_config).to(dtype=dtype, device=mdevice.get_current_device())
+    return model if args.hf_eager else torch.compile(model)
+
+
+def time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
+    """Median seconds per step over ``args.steps`` after ``args.warmup``."""
+    for _ in range(args.warmup):
+        step()
+    mdevice.synchronize()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        mdevice.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def report(name: str, seconds: float, args: argparse.Namespace, n_params_no_embedding: int) -> None:
+    tokens = args.mbs * args.seq
+    tok_s = tokens / seconds
+    tflops = tok_s * flops_per_token(args, n_params_no_embedding) / 1e12
+    peak_gb = mdevice.max_memory_allocated() / 1e9
+    print(f"{name:<34} {seconds * 1e3:9.1f} ms  {tok_s:11,.0f} tok/s  {tflops:7.1f} TFLOP/s  "
+          f"MFU {100 * tflops * 1e12 / PEAK_FLOPS:5.1f}%  peak {peak_gb:6.2f} GB")
+
+
+def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
+                  args: argparse.Namespace, n_params_no_embedding: int) -> None:
+    def step() -> None:
+        loss_fn().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    if mdevice.get_current_device().type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    report(name, time_steps(step, args), args, n_params_no_embedding)
+
+
+def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,
+                 labels: torch.Tensor) -> int:
+    """Build and time our GPTModel; returns its parameter count without the input embedding."""
+    ours = build_ours(args, dtype)
+    n_params = sum(p.numel() for p in ours.parameters())
+    n_no_embedding = n_params - ours.embedding.word_embeddings.weight.numel()
+    print(f"parameters {n_params / 1e9:.3f} B, FLOPs/token {flops_per_token(args, n_no_embedding) / 1e9:.2f} G")
+    label = "megatron_core" + (" (compiled model)" if args.compile_model else
+                               " (compiled layers)" if args.compile else " eager")
+    run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args, n_no_embedding)
+    return n_no_embedding
+
+
+def main() -> None:
+    args = parse_args()
+    dev = mdevice.get_current_device()
+    dtype = torch.float32 if args.tiny or dev.type != "cuda" else torch.bfloat16
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    ids = torch.randint(0, args.vocab, (args.mbs, args.seq), device=dev)
+    labels = torch.randint(0, args.vocab, (args.mbs, args.seq), device=dev)
+    position_ids = torch.arange(args.seq, device=dev).unsqueeze(0).expand(args.mbs, -1)
+    print(f"device {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"{dtype}, layers {args.layers}, hidden {args.hidden}, heads {args.heads}/{args.query_groups}, "
+          f"ffn {args.ffn}, vocab {args.vocab}, seq {args.seq}, mbs {args.mbs}")
+
+    n_no_embedding = measure_ours(args, dtype, ids, position_ids, labels)
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+    if not args.no_hf:
+        try:
+            hf = build_hf(args, dtype)
+        except ImportError:
+            print("transformers is not installed; skipping the Hugging Face baseline")
+            return
+        label = "HF Llama sdpa" + (" eager" if args.hf_eager else " torch.compile")
+        run_contender(label, hf, lambda: hf(input_ids=ids, labels=labels).loss, args, n_no_embedding)
+
+
+if __name__ == "__main__":
+    main()
