@@ -20,36 +20,44 @@ from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.transformer import TransformerConfig
+from megatron_core.transformer.module import Float16Module
 
 VOCAB, SEQ, MBS, MAX_SEQ, NUM_MICROBATCHES = 64, 8, 2, 16, 2
 
 
-def gpt_config(tp: int, pp: int, hidden: int = 32, num_layers: int = 4, dropout: float = 0.0) -> TransformerConfig:
+def gpt_config(tp: int, pp: int, hidden: int = 32, num_layers: int = 4, dropout: float = 0.0,
+               bf16: bool = False) -> TransformerConfig:
     """Llama-like tiny config (RMSNorm, SwiGLU, GQA, no bias) for a (tp, pp) layout."""
-    return TransformerConfig(
-        num_layers=num_layers, hidden_size=hidden, num_attention_heads=4, num_query_groups=2,
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(bf16=bf16, params_dtype=dtype,
+        num_layers=num_layers, hidden_size=hidden, num_attention_heads=8, num_query_groups=4,
         ffn_hidden_size=2 * hidden, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=dropout,
         attention_dropout=0.0, use_cpu_initialization=True, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, finalize_model_grads_func=finalize_model_grads,
+        pipeline_model_parallel_size=pp, pipeline_dtype=dtype, finalize_model_grads_func=finalize_model_grads,
     )
 
 
 def build(tp: int, pp: int, *, distributed_optimizer: bool = False, seed: int = 1234, hidden: int = 32,
-          num_layers: int = 4, dropout: float = 0.0):
-    """``(ddp_chunks, optimizer, scheduler)`` for a fresh parallel_state layout (initialises it)."""
+          num_layers: int = 4, dropout: float = 0.0, bf16: bool = False):
+    """``(ddp_chunks, optimizer, scheduler)`` for a fresh parallel_state layout (initialises it).
+
+    With ``bf16`` the model is bf16 inside a ``Float16Module`` and the optimizer keeps fp32 main params.
+    """
     parallel_state.initialize_model_parallel(tp, pp)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    config = gpt_config(tp, pp, hidden, num_layers, dropout)
+    config = gpt_config(tp, pp, hidden, num_layers, dropout, bf16)
     model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope",
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
+    if bf16:
+        model = Float16Module(config, model)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        use_distributed_optimizer=distributed_optimizer), model)
+        grad_reduce_in_fp32=bf16, use_distributed_optimizer=distributed_optimizer), model)
     config.no_sync_func = ddp.no_sync
     optimizer = get_megatron_optimizer(OptimizerConfig(
-        lr=1e-2, min_lr=1e-3, weight_decay=0.01, clip_grad=1.0,
+        lr=1e-2, min_lr=1e-3, weight_decay=0.01, clip_grad=1.0, bf16=bf16,
         use_distributed_optimizer=distributed_optimizer), [ddp])
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
                                         lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
@@ -103,7 +111,7 @@ def logits(chunks, seed: int = 99) -> torch.Tensor | None:
         output = model(tokens, positions, None)
 
         def collect(t):
-            out.append(tensor_parallel.gather_from_tensor_model_parallel_region(t).detach().clone())
+            out.append(tensor_parallel.gather_from_tensor_model_parallel_region(t).detach().float().clone())
             return t.sum() * 0, {}
 
         return output, collect
@@ -116,4 +124,4 @@ def logits(chunks, seed: int = 99) -> torch.Tensor | None:
 
 def weights(chunks) -> dict[str, torch.Tensor]:
     """This rank's parameters by local name (exact copies)."""
-    return {k: v.detach().clone() for k, v in chunks[0].module.named_parameters()}
+    return {k: v.detach().clone() for k, v in chunks[0].named_parameters()}

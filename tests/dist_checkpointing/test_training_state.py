@@ -39,8 +39,9 @@ def _straight(save_dir: str, layout: dict, use_async: bool) -> dict:
             save_checkpoint(save_dir, step, chunks, opt, sched, consumed_train_samples=40,
                             extra_state={"args": {"seed": 1234}}, async_queue=queue)
     if queue is not None:
-        assert read_tracker(save_dir) is None or queue.get_num_unfinalized_calls() == 0
+        assert read_tracker(save_dir) is None and queue.get_num_unfinalized_calls() == 1  # not finalized yet
         queue.close()
+        assert read_tracker(save_dir) == 5
     return {"losses": losses[len(losses) // 2:], "weights": weights(chunks)}
 
 

@@ -42,7 +42,7 @@ def apply_fused_chunks_sharded_factory(original_sh_ten: ShardedTensor, local_chu
         for chunk, size in zip(torch.split(data, local_chunk_sizes, dim=tp_axis), local_chunk_sizes):
             offset = list(template.global_offset)
             offset[axis] = region_start + tp_rank * size
-            shards.append(replace(template, key=key, data=chunk, local_shape=tuple(chunk.shape),
+            shards.append(replace(template, key=key, data=chunk, dtype=chunk.dtype, local_shape=tuple(chunk.shape),
                                   global_offset=tuple(offset), replica_id=replica_id))
             region_start += size * tp_size
         return shards

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state
+from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ReplicaId, ShardedObject, ShardedStateDict, ShardedTensor
 from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
 
@@ -128,7 +129,23 @@ def sharded_state_dict_default(module: torch.nn.Module, prefix: str = "", sharde
         else:
             out.update(sharded_state_dict_default(child, child_prefix, sharded_offsets, metadata))
     _tie_output_layer(module, prefix, out)
+    _swiglu_fc1(module, prefix, out)
     return out
+
+
+def _swiglu_fc1(module: torch.nn.Module, prefix: str, out: ShardedStateDict) -> None:
+    """A gated MLP's ``linear_fc1`` (``[gate_r; up_r]`` per TP rank) is stored TP-independently (a factory).
+
+    Megatron-Core's ``MLP.sharded_state_dict`` does the same with ``apply_swiglu_sharded_factory``.
+    """
+    config = getattr(module, "config", None)
+    if not getattr(config, "gated_linear_unit", False) or not all(
+            hasattr(module, n) for n in ("linear_fc1", "linear_fc2")):
+        return
+    for name in ("weight", "bias"):
+        key = f"{prefix}linear_fc1.{name}"
+        if isinstance(out.get(key), ShardedTensor):
+            out[key] = apply_swiglu_sharded_factory(out[key])
 
 
 def _tie_output_layer(module: torch.nn.Module, prefix: str, out: ShardedStateDict) -> None:

@@ -162,6 +162,7 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
         restore_rng = _rng_compatible(checkpoint_dir, state[RNG_KEY])
         if not restore_rng:
             del state[RNG_KEY]
+        if not restore_rng and collectives.get_rank() == 0:
             logger.warning("%s was saved under another (pipeline, tensor) parallel layout: RNG states not restored",
                            checkpoint_dir)
 
