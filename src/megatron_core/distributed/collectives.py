@@ -13,6 +13,10 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+# torch >= 2.13 renames the single-tensor collectives and deprecates the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """World size of ``group``; 1 when ``group`` is None or no process group exists."""
@@ -75,13 +79,13 @@ def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, group: dist.Proce
     if _is_gloo(group) and _overlaps(output, input_):
         # Gloo may write the output while still reading the input: reduce into scratch, copy on wait.
         scratch = torch.empty_like(output)
-        work = dist.reduce_scatter_tensor(scratch, input_, op=reduce_op, group=group, async_op=async_op)
+        work = _reduce_scatter_single(scratch, input_, op=reduce_op, group=group, async_op=async_op)
         pending = _CopyOnWait(work, scratch, output)
         if async_op:
             return pending
         pending.wait()
         return None
-    return dist.reduce_scatter_tensor(output, input_, op=reduce_op, group=group, async_op=async_op)
+    return _reduce_scatter_single(output, input_, op=reduce_op, group=group, async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None,
@@ -94,7 +98,7 @@ def all_gather(output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGr
     if _is_gloo(group) and _overlaps(output, input_):
         # Gloo may overwrite the output before it has read an aliased input: send a copy.
         input_ = input_.clone()
-    return dist.all_gather_into_tensor(output, input_, group=group, async_op=async_op)
+    return _all_gather_single(output, input_, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup | None) -> None:
