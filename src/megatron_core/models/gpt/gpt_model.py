@@ -63,7 +63,8 @@ class GPTModel(LanguageModule):
         if vocab_size % config.tensor_model_parallel_size != 0:
             raise ValueError(
                 f"vocab_size ({vocab_size}) must be divisible by tensor_model_parallel_size "
-                f"({config.tensor_model_parallel_size}); pad the vocabulary"
+                f"({config.tensor_model_parallel_size}); pad it with megatron_core.tensor_parallel.pad_vocab_size"
+                f"({vocab_size}, make_vocab_size_divisible_by, {config.tensor_model_parallel_size})"
             )
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size = vocab_size

@@ -1,0 +1,84 @@
+"""GPTModel's public surface on one process: Megatron-Core state-dict keys, outputs, size errors.
+
+Also a smoke run of ``benchmarks/gpt_fwd_bwd.py --tiny`` on CPU (both contenders, no compile).
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_core.transformer import TransformerConfig
+from tests.models.gpt_test_utils import BATCH, SEQ, VOCAB, batch, build, gpt2_like, llama_like
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _layer_keys(index: int, norm_params: tuple[str, ...], linear_params: tuple[str, ...]) -> list[str]:
+    prefix = f"decoder.layers.{index}."
+    keys = [f"{prefix}{norm}.{p}" for norm in ("input_layernorm", "pre_mlp_layernorm") for p in norm_params]
+    # Local linear layers keep an (empty) ``_extra_state`` entry, as Megatron-Core's do, for TE compatibility.
+    keys += [f"{prefix}{lin}.{p}" for lin in _LINEARS for p in (*linear_params, "_extra_state")]
+    return keys
+
+
+def test_state_dict_keys_match_megatron_core() -> None:
+    llama = build(llama_like())
+    expected = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
+                "output_layer.weight", "output_layer._extra_state"]
+    for i in range(2):
+        expected += _layer_keys(i, ("weight",), ("weight",))
+    assert sorted(llama.state_dict()) == sorted(expected)
+
+    gpt2 = build(gpt2_like())
+    expected = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer._extra_state"]
+    for i in range(2):
+        expected += _layer_keys(i, ("weight", "bias"), ("weight", "bias"))
+    assert sorted(gpt2.state_dict()) == sorted(expected)
+    # Tied: the output layer holds no weight of its own and uses the word embedding.
+    assert gpt2.output_layer.weight is None
+    assert gpt2.shared_embedding_or_output_weight() is gpt2.embedding.word_embeddings.weight
+
+
+def test_forward_returns_loss_or_logits() -> None:
+    torch.manual_seed(0)
+    model = build(llama_like())
+    ids, pos, labels = batch()
+    loss = model(ids, pos, None, labels=labels)
+    logits = model(ids, pos, None)
+    assert loss.shape == (BATCH, SEQ) and logits.shape == (BATCH, SEQ, VOCAB)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
+    torch.testing.assert_close(loss, expected.reshape(BATCH, SEQ), rtol=1e-5, atol=1e-5)
+
+
+def test_vocab_not_divisible_by_tp_names_sizes_and_padding_helper() -> None:
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=4,
+                               use_cpu_initialization=True)
+    with pytest.raises(ValueError, match=r"vocab_size \(50\).*tensor_model_parallel_size \(4\).*pad_vocab_size"):
+        GPTModel(config, get_gpt_layer_local_spec(), 50, 16)
+
+
+def test_hidden_size_not_divisible_by_tp_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\).*tensor_model_parallel_size \(4\)"):
+        TransformerConfig(num_layers=1, hidden_size=36, num_attention_heads=6, tensor_model_parallel_size=4)
+
+
+def test_benchmark_tiny_runs_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("transformers")
+    if torch.cuda.is_available():
+        pytest.skip("--tiny is the CPU smoke mode")
+    monkeypatch.setattr(sys, "argv", ["gpt_fwd_bwd.py", "--tiny", "--hf-eager"])
+    runpy.run_path(str(ROOT / "benchmarks" / "gpt_fwd_bwd.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("megatron_core eager", "HF Llama sdpa eager"):
+        row = next((line for line in lines if line.startswith(name)), None)
+        assert row is not None, lines
+        assert "tok/s" in row and "MFU" in row
