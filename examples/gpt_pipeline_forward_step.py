@@ -10,6 +10,11 @@ reduction and the tied-embedding all-reduce between the first and last stage)::
     torchrun --nproc-per-node 2 examples/gpt_pipeline_forward_step.py                 # PP=2, CPU gloo or GPUs
     torchrun --nproc-per-node 2 examples/gpt_pipeline_forward_step.py --vpp 2         # two virtual stages per rank
     torchrun --nproc-per-node 4 examples/gpt_pipeline_forward_step.py --pp 2          # PP=2 x DP=2
+    torchrun --nproc-per-node 2 examples/gpt_pipeline_forward_step.py --bf16          # bf16 (GPUs; CPU works, slowly)
+
+With ``--bf16`` each chunk is wrapped in ``Float16Module`` (bf16 weights, fp32 loss on the last
+stage), activations travel between stages in bf16, gradients are reduced in fp32 and the optimizer
+keeps fp32 main weights.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_core.transformer import TransformerConfig
+from megatron_core.transformer.module import Float16Module
 
 VOCAB, SEQ_LENGTH, MICRO_BATCH = 128, 16, 4
 
@@ -76,35 +82,40 @@ def synthetic_batches(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def build_model_chunks(pp: int, vpp: int | None) -> list[GPTModel]:
+def build_model_chunks(pp: int, vpp: int | None, bf16: bool = False) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual stage); each builds only its own layers."""
     config = TransformerConfig(
         num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32,
+        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         finalize_model_grads_func=finalize_model_grads,
     )
     chunks = []
     for v in range(vpp or 1):
         vp_stage = v if vpp else None
-        chunks.append(GPTModel(
+        chunk = GPTModel(
             config, get_gpt_layer_local_spec(), VOCAB, SEQ_LENGTH,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=True, vp_stage=vp_stage,
-        ).to(device.get_current_device()))
+        ).to(device.get_current_device())
+        chunks.append(Float16Module(config, chunk) if bf16 else chunk)
     return chunks
 
 
-def train(pp: int, vpp: int | None = None, num_microbatches: int = 4, iterations: int = 5) -> list[float]:
+def train(pp: int, vpp: int | None = None, num_microbatches: int = 4, iterations: int = 5,
+          bf16: bool = False) -> list[float]:
     """Train for ``iterations`` steps; returns the mean loss per step on the last stage (``[]`` elsewhere)."""
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
     model_parallel_cuda_manual_seed(1234)
-    chunks = build_model_chunks(pp, vpp)
+    chunks = build_model_chunks(pp, vpp, bf16)
     config = chunks[0].config
-    model = [DistributedDataParallel(config, DistributedDataParallelConfig(), chunk) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16)
+    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
     config.no_sync_func = [m.no_sync for m in model] if vpp else model[0].no_sync
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-3, weight_decay=0.0, clip_grad=1.0), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-3, weight_decay=0.0, clip_grad=1.0, bf16=bf16,
+                                                       params_dtype=config.params_dtype), model)
     forward_backward_func = get_forward_backward_func()
     dp_rank = parallel_state.get_data_parallel_rank()
     history = []
@@ -131,6 +142,7 @@ def main() -> None:
     parser.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--bf16", action="store_true", help="bf16 weights and activations, fp32 main weights")
     args = parser.parse_args()
     if device.cuda_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -138,7 +150,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group(device.get_default_backend(), rank=int(os.environ.get("RANK", "0")),
                             world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    history = train(args.pp or dist.get_world_size(), args.vpp, args.microbatches, args.iterations)
+    history = train(args.pp or dist.get_world_size(), args.vpp, args.microbatches, args.iterations, args.bf16)
     for step, loss in enumerate(history):
         print(f"rank {dist.get_rank()} (last stage): step {step} lm loss {loss:.4f}", flush=True)
     parallel_state.destroy_model_parallel()
