@@ -33,9 +33,9 @@ from megatron_core.datasets.tokenizers import train_bpe_tokenizer
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--documents", type=int, default=200_000)
+    parser.add_argument("--documents", type=int, default=50_000)
     parser.add_argument("--mean-document-length", type=int, default=500)
-    parser.add_argument("--corpus-mb", type=float, default=20.0)
+    parser.add_argument("--corpus-mb", type=float, default=4.0)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     return parser.parse_args()
 
