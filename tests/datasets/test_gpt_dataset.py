@@ -32,6 +32,8 @@ CASES = [
      {"drop_last_partial_validation_sequence": False, "create_attention_mask": False}),
     (2, 20, [(["a"], None), (["b", "c"], [0.5, 0.5]), (["c", "a"], None)], None, [100, 60, 30], (True, True, False), {}),
     (9, 10, (["a"], [1.0]), "1", [2000, 10, 10], (False, False, False), {}),
+    (4, 14, [(["a", "b"], [0.6, 0.4]), (["b", "c"], None), (["c"], None)], None, [120, None, 20],
+     (False, True, True), {"multiple_validation_sets": True, "num_dataset_builder_threads": 2}),
 ]
 
 
@@ -93,9 +95,12 @@ def test_builder_matches_megatron(corpora, tmp_path, mcore, case):
         if theirs[split.value] is None:
             assert ours[split.value] is None
             continue
-        checked += _assert_same(ours[split.value], theirs[split.value])
-        if isinstance(ours[split.value], GPTDataset):
-            _assert_same_indices(ours[split.value], theirs[split.value])
+        mine, ref = ours[split.value], theirs[split.value]
+        pairs = list(zip(mine, ref, strict=True)) if isinstance(ref, list) else [(mine, ref)]
+        for mine, ref in pairs:
+            checked += _assert_same(mine, ref)
+            if isinstance(mine, GPTDataset):
+                _assert_same_indices(mine, ref)
     assert checked > 0
 
 

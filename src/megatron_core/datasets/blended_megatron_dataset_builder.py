@@ -111,6 +111,10 @@ class BlendedMegatronDatasetBuilder:
             sizes_spoof[i] = self.sizes[i]
             prefixes, weights = blend
             if self.config.multiple_validation_sets and i == Split.valid.value and len(prefixes) > 1:
+                if self.config.full_validation and sizes_spoof[i] is not None:
+                    raise ValueError(
+                        f"full_validation needs the valid size None (one full epoch), got {sizes_spoof[i]}"
+                    )
                 datasets[i] = [
                     self._build_megatron_dataset_splits(prefix, split_spoof, sizes_spoof)[i] for prefix in prefixes
                 ]
