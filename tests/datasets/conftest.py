@@ -23,25 +23,34 @@ VOCAB = 100
 EOD = VOCAB  # NullTokenizer(VOCAB).eod
 
 
-def write_corpus(prefix: str, num_documents: int, seed: int, dtype=numpy.uint16, max_length: int = 60) -> None:
-    """Random documents of 1..max_length tokens in [0, VOCAB), each ending with EOD."""
+def write_corpus(
+    prefix: str, num_documents: int, seed: int, dtype=numpy.uint16, max_length: int = 60, empty_every: int = 0
+) -> None:
+    """Random documents of 1..max_length tokens in [0, VOCAB), each ending with EOD.
+
+    With ``empty_every`` > 0 every such document is a zero-length sequence instead.
+    """
     rng = numpy.random.default_rng(seed)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
-    for _ in range(num_documents):
+    for index in range(num_documents):
         length = int(rng.integers(1, max_length))
-        builder.add_item(torch.tensor([*rng.integers(0, VOCAB, length).tolist(), EOD]))
+        if empty_every and index % empty_every == 0:
+            builder.add_item(torch.tensor([], dtype=torch.int64))
+        else:
+            builder.add_item(torch.tensor([*rng.integers(0, VOCAB, length).tolist(), EOD]))
         builder.end_document()
     builder.finalize(prefix + ".idx")
 
 
 @pytest.fixture(scope="session")
 def corpora(tmp_path_factory) -> dict[str, str]:
-    """Three small GPT corpora (200, 150 and 90 documents) as ``.bin``/``.idx`` prefixes."""
+    """Small GPT corpora as ``.bin``/``.idx`` prefixes: a, b, c (200, 150, 90 documents) and z (120
+    documents, every third a zero-length sequence)."""
     directory = tmp_path_factory.mktemp("corpora")
     prefixes = {}
-    for name, count, seed in (("a", 200, 1), ("b", 150, 2), ("c", 90, 3)):
+    for name, count, seed, empty_every in (("a", 200, 1, 0), ("b", 150, 2, 0), ("c", 90, 3, 0), ("z", 120, 4, 3)):
         prefixes[name] = os.path.join(directory, name)
-        write_corpus(prefixes[name], count, seed)
+        write_corpus(prefixes[name], count, seed, empty_every=empty_every)
     return prefixes
 
 

@@ -34,6 +34,7 @@ CASES = [
     (9, 10, (["a"], [1.0]), "1", [2000, 10, 10], (False, False, False), {}),
     (4, 14, [(["a", "b"], [0.6, 0.4]), (["b", "c"], None), (["c"], None)], None, [120, None, 20],
      (False, True, True), {"multiple_validation_sets": True, "num_dataset_builder_threads": 2}),
+    (6, 9, (["z", "c"], [0.5, 0.5]), "70,20,10", [200, 40, 20], (True, True, True), {}),
 ]
 
 
