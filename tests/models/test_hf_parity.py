@@ -26,6 +26,14 @@ def _ids():
     return ids, torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
 
 
+def _perturb(model: torch.nn.Module) -> None:
+    """Random offsets on every parameter, so zero-initialised biases and unit norm weights are exercised too."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+
+
 def test_llama_logits_match():
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(
@@ -34,6 +42,7 @@ def test_llama_logits_match():
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
     )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    _perturb(hf)
     hf.config._attn_implementation = "eager"
     cfg = TransformerConfig(
         num_layers=2, hidden_size=48, num_attention_heads=6, num_query_groups=2, ffn_hidden_size=80,
@@ -61,6 +70,7 @@ def test_gpt2_logits_match():
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
     )
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    _perturb(hf)
     hf.config._attn_implementation = "eager"
     cfg = TransformerConfig(
         num_layers=2, hidden_size=48, num_attention_heads=4, activation_func=gelu_tanh, hidden_dropout=0.0,
