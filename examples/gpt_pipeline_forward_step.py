@@ -85,7 +85,7 @@ def synthetic_batches(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def build_model_chunks(pp: int, vpp: int | None, bf16: bool = False) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual stage); each builds only its own layers."""
     config = TransformerConfig(
-        num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+        num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=not device.cuda_available(),
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
