@@ -7,8 +7,11 @@ median step time of ``--steps`` steps after ``--warmup`` steps, with device sync
 MFU uses FLOPs/token = 6 * N + 12 * L * H * Q * T (N excludes the input embedding) and a peak
 of 989 TFLOP/s (H100 SXM dense bf16).
 
-    python benchmarks/gpt_fwd_bwd.py --compile          # GPU, reference config, + HF baseline
-    python benchmarks/gpt_fwd_bwd.py --tiny             # CPU smoke test (fp32, tiny shapes)
+    PYTHONPATH=src python3 benchmarks/gpt_fwd_bwd.py --compile   # GPU: reference config + HF baseline
+    PYTHONPATH=src python3 benchmarks/gpt_fwd_bwd.py --tiny      # CPU smoke test (fp32, tiny shapes)
+
+``--compile`` compiles each TransformerLayer and the loss; ``--compile-model`` the whole model.
+The last line printed is a ``RESULT`` line comparing the two MFUs.
 """
 
 from __future__ import annotations
@@ -108,17 +111,20 @@ def time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
     return statistics.median(times)
 
 
-def report(name: str, seconds: float, args: argparse.Namespace, n_params_no_embedding: int) -> None:
+def report(name: str, seconds: float, args: argparse.Namespace, n_params_no_embedding: int) -> float:
+    """Print one contender's figures; returns its MFU in percent."""
     tokens = args.mbs * args.seq
     tok_s = tokens / seconds
     tflops = tok_s * flops_per_token(args, n_params_no_embedding) / 1e12
     peak_gb = mdevice.max_memory_allocated() / 1e9
+    mfu = 100 * tflops * 1e12 / PEAK_FLOPS
     print(f"{name:<34} {seconds * 1e3:9.1f} ms  {tok_s:11,.0f} tok/s  {tflops:7.1f} TFLOP/s  "
-          f"MFU {100 * tflops * 1e12 / PEAK_FLOPS:5.1f}%  peak {peak_gb:6.2f} GB")
+          f"MFU {mfu:5.1f}%  peak {peak_gb:6.2f} GB")
+    return mfu
 
 
 def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
-                  args: argparse.Namespace, n_params_no_embedding: int) -> None:
+                  args: argparse.Namespace, n_params_no_embedding: int) -> float:
     def step() -> None:
         loss_fn().backward()
         for p in model.parameters():
@@ -126,20 +132,21 @@ def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch
 
     if mdevice.get_current_device().type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    report(name, time_steps(step, args), args, n_params_no_embedding)
+    return report(name, time_steps(step, args), args, n_params_no_embedding)
 
 
 def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,
-                 labels: torch.Tensor) -> int:
-    """Build and time our GPTModel; returns its parameter count without the input embedding."""
+                 labels: torch.Tensor) -> tuple[int, float]:
+    """Build and time our GPTModel; returns (parameter count without the input embedding, MFU %)."""
     ours = build_ours(args, dtype)
     n_params = sum(p.numel() for p in ours.parameters())
     n_no_embedding = n_params - ours.embedding.word_embeddings.weight.numel()
     print(f"parameters {n_params / 1e9:.3f} B, FLOPs/token {flops_per_token(args, n_no_embedding) / 1e9:.2f} G")
     label = "megatron_core" + (" (compiled model)" if args.compile_model else
                                " (compiled layers)" if args.compile else " eager")
-    run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args, n_no_embedding)
-    return n_no_embedding
+    mfu = run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
+                        n_no_embedding)
+    return n_no_embedding, mfu
 
 
 def main() -> None:
@@ -155,7 +162,7 @@ def main() -> None:
           f"{dtype}, layers {args.layers}, hidden {args.hidden}, heads {args.heads}/{args.query_groups}, "
           f"ffn {args.ffn}, vocab {args.vocab}, seq {args.seq}, mbs {args.mbs}")
 
-    n_no_embedding = measure_ours(args, dtype, ids, position_ids, labels)
+    n_no_embedding, ours_mfu = measure_ours(args, dtype, ids, position_ids, labels)
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -167,7 +174,9 @@ def main() -> None:
             print("transformers is not installed; skipping the Hugging Face baseline")
             return
         label = "HF Llama sdpa" + (" eager" if args.hf_eager else " torch.compile")
-        run_contender(label, hf, lambda: hf(input_ids=ids, labels=labels).loss, args, n_no_embedding)
+        hf_mfu = run_contender(label, hf, lambda: hf(input_ids=ids, labels=labels).loss, args, n_no_embedding)
+        print(f"RESULT fwd+bwd MFU: megatron_core {ours_mfu:.1f}% vs {label} {hf_mfu:.1f}% "
+              f"({ours_mfu / hf_mfu if hf_mfu else float('nan'):.2f}x)")
 
 
 if __name__ == "__main__":

@@ -82,3 +82,4 @@ def test_benchmark_tiny_runs_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pyt
         row = next((line for line in lines if line.startswith(name)), None)
         assert row is not None, lines
         assert "tok/s" in row and "MFU" in row
+    assert lines[-1].startswith("RESULT fwd+bwd MFU: megatron_core")
