@@ -153,6 +153,10 @@ class GPTModel(LanguageModule):
                 inference_context, self.decoder, decoder_input, self.config, packed_seq_params
             )
             rotary_pos_emb = self.rotary_pos_emb(seq_len)
+            # The angles follow the activations (a CPU model on a machine whose current device is a GPU).
+            hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+            if rotary_pos_emb.device != hidden.device:
+                rotary_pos_emb = rotary_pos_emb.to(hidden.device)
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
