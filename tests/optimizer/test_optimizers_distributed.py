@@ -207,3 +207,32 @@ def test_count_zeros_and_norm_count_tp_replicas_once():
     for counted, expected_zeros, norm, expected_norm in run_on_ranks(WORLD, _zeros_and_norm):
         assert counted == expected_zeros >= 2 * tm.HIDDEN // 2 + 3
         assert norm == pytest.approx(expected_norm, rel=1e-6)
+
+
+def _shard_layout():
+    parallel_state.initialize_model_parallel()
+    model, ddp, opt = _build(1, torch.bfloat16, use_distributed_optimizer=True)
+    x, y = tm.make_data(1)[0]
+    opt.zero_grad()
+    _backward(ddp, x, y, torch.bfloat16)
+    finalize_model_grads([ddp])
+    assert opt.step()[0]
+    owned = [(e.name, e.param_range.start, e.param_range.end) for e in opt._entries()]
+    main_numel = sum(e.main_param.numel() for e in opt._entries())
+    state_numel = sum(t.numel() for s in opt.optimizer.state.values() for k, t in s.items() if k != "step")
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    return owned, main_numel, state_numel, sizes, sum(b.numel for b in ddp.buffers)
+
+
+def test_distributed_optimizer_shards_cover_every_element_once():
+    """ZeRO-1 on DP=4: the ranks' fp32 main-param slices partition every parameter; Adam state is 2x a slice."""
+    per_rank = run_on_ranks(WORLD, _shard_layout)
+    sizes = per_rank[0][3]
+    covered = {name: torch.zeros(numel, dtype=torch.int) for name, numel in sizes.items()}
+    for owned, main_numel, state_numel, _, padded_numel in per_rank:
+        assert state_numel == 2 * main_numel
+        assert main_numel <= padded_numel // WORLD  # one equal shard of the (padded) buffer per rank
+        for name, start, end in owned:
+            covered[name][start:end] += 1
+    for name, count in covered.items():
+        assert bool((count == 1).all()), f"{name}: elements owned {count.tolist()} times"
