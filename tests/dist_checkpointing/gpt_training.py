@@ -26,7 +26,7 @@ VOCAB, SEQ, MBS, MAX_SEQ, NUM_MICROBATCHES = 64, 8, 2, 16, 2
 
 
 def gpt_config(tp: int, pp: int, hidden: int = 32, num_layers: int = 4, dropout: float = 0.0,
-               bf16: bool = False) -> TransformerConfig:
+               bf16: bool = False, vpp: int | None = None) -> TransformerConfig:
     """Llama-like tiny config (RMSNorm, SwiGLU, GQA, no bias) for a (tp, pp) layout."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(bf16=bf16, params_dtype=dtype,
@@ -34,35 +34,41 @@ def gpt_config(tp: int, pp: int, hidden: int = 32, num_layers: int = 4, dropout:
         ffn_hidden_size=2 * hidden, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=dropout,
         attention_dropout=0.0, use_cpu_initialization=True, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, pipeline_dtype=dtype, finalize_model_grads_func=finalize_model_grads,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=dtype, finalize_model_grads_func=finalize_model_grads,
     )
 
 
 def build(tp: int, pp: int, *, distributed_optimizer: bool = False, seed: int = 1234, hidden: int = 32,
-          num_layers: int = 4, dropout: float = 0.0, bf16: bool = False):
+          num_layers: int = 4, dropout: float = 0.0, bf16: bool = False, vpp: int | None = None):
     """``(ddp_chunks, optimizer, scheduler)`` for a fresh parallel_state layout (initialises it).
 
-    With ``bf16`` the model is bf16 inside a ``Float16Module`` and the optimizer keeps fp32 main params.
+    With ``bf16`` the model is bf16 inside a ``Float16Module`` and the optimizer keeps fp32 main params;
+    with ``vpp`` each rank holds ``vpp`` model chunks (interleaved schedule).
     """
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    config = gpt_config(tp, pp, hidden, num_layers, dropout, bf16)
-    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope",
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
-    if bf16:
-        model = Float16Module(config, model)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=bf16, use_distributed_optimizer=distributed_optimizer), model)
-    config.no_sync_func = ddp.no_sync
+    config = gpt_config(tp, pp, hidden, num_layers, dropout, bf16, vpp)
+    chunks = []
+    for v in range(vpp or 1):
+        vp_stage = v if vpp else None
+        model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope",
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         vp_stage=vp_stage)
+        if bf16:
+            model = Float16Module(config, model)
+        chunks.append(DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=bf16, use_distributed_optimizer=distributed_optimizer), model,
+            disable_bucketing=v > 0))
+    config.no_sync_func = [c.no_sync for c in chunks] if vpp else chunks[0].no_sync
     optimizer = get_megatron_optimizer(OptimizerConfig(
         lr=1e-2, min_lr=1e-3, weight_decay=0.01, clip_grad=1.0, bf16=bf16,
-        use_distributed_optimizer=distributed_optimizer), [ddp])
+        use_distributed_optimizer=distributed_optimizer), chunks)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
                                         lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
                                         wd_incr_steps=20, wd_incr_style="constant")
-    return [ddp], optimizer, scheduler
+    return chunks, optimizer, scheduler
 
 
 def _batches(step: int) -> list[dict]:
@@ -86,13 +92,22 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
+def _iterators(chunks, items: list):
+    return [iter(items) for _ in chunks] if len(chunks) > 1 else iter(items)
+
+
+def _model(chunks):
+    return chunks if len(chunks) > 1 else chunks[0]
+
+
 def train_step(chunks, optimizer, scheduler, step: int) -> list[torch.Tensor]:
     """One optimizer step on global batch ``step``; returns this rank's microbatch losses (last stage)."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    batches = _batches(step)
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iter(_batches(step)), model=chunks[0],
+        forward_step_func=_forward_step, data_iterator=_iterators(chunks, batches), model=_model(chunks),
         num_microbatches=NUM_MICROBATCHES, seq_length=SEQ, micro_batch_size=MBS)
     success, _, _ = optimizer.step()
     assert success
@@ -117,11 +132,13 @@ def logits(chunks, seed: int = 99) -> torch.Tensor | None:
         return output, collect
 
     with torch.no_grad():
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=chunks[0],
-                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+        microbatches = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=_iterators(chunks, microbatches),
+                                    model=_model(chunks), num_microbatches=len(microbatches), seq_length=SEQ,
+                                    micro_batch_size=MBS, forward_only=True)
     return out[0] if out else None
 
 
 def weights(chunks) -> dict[str, torch.Tensor]:
-    """This rank's parameters by local name (exact copies)."""
-    return {k: v.detach().clone() for k, v in chunks[0].named_parameters()}
+    """This rank's parameters by chunk and local name (exact copies)."""
+    return {f"{i}.{k}": v.detach().clone() for i, chunk in enumerate(chunks) for k, v in chunk.named_parameters()}

@@ -21,8 +21,8 @@ FP32_TARGETS = [(1, 1, True), (2, 1, False), (1, 2, True), (4, 1, False)]  # (tp
 BF16_TARGETS = [(1, 1, True)]
 
 
-def _save_source(save_dir: str, bf16: bool) -> torch.Tensor | None:
-    chunks, opt, sched = build(2, 2, bf16=bf16)
+def _save_source(save_dir: str, bf16: bool, tp: int = 2, pp: int = 2, vpp: int | None = None) -> torch.Tensor | None:
+    chunks, opt, sched = build(tp, pp, bf16=bf16, vpp=vpp)
     for step in range(1, 4):
         train_step(chunks, opt, sched, step)
     save_checkpoint(save_dir, 3, chunks, opt, sched)
@@ -30,11 +30,11 @@ def _save_source(save_dir: str, bf16: bool) -> torch.Tensor | None:
 
 
 def _load_target(save_dir: str, resave_dir: str, tp: int, pp: int, distributed_optimizer: bool,
-                 bf16: bool) -> torch.Tensor | None:
+                 bf16: bool, source_dp: int = 1) -> torch.Tensor | None:
     chunks, opt, sched = build(tp, pp, distributed_optimizer=distributed_optimizer, bf16=bf16, seed=4321)
     state = load_checkpoint(save_dir, chunks, opt, sched)
     assert state["iteration"] == 3
-    assert sched.num_steps == 3 * 4, sched.num_steps  # samples: 3 steps x (2 microbatches x 2) at DP=1
+    assert sched.num_steps == 3 * 4 * source_dp, sched.num_steps  # 3 steps x (2 microbatches x 2) x DP
     save_checkpoint(resave_dir, 3, chunks, opt, sched)
     return logits(chunks)
 
@@ -64,3 +64,17 @@ def test_gpt_reshards_model_and_optimizer(tmp_path, bf16):
         assert again.keys() == saved.keys(), sorted(again.keys() ^ saved.keys())
         for key, value in saved.items():
             assert torch.equal(again[key], value), f"{key} changed after resharding to tp={tp} pp={pp} dist={dist_opt}"
+
+
+def test_virtual_pipeline_chunks_reshard(tmp_path):
+    """Chunks ``model0``/``model1`` of PP2 x VPP2 (DP2) load as one chunk at TP2 (DP2) and vice versa."""
+    source = str(tmp_path / "vpp")
+    reference = _last_stage_logits(run_on_ranks(WORLD, _save_source, source, False, 1, 2, 2))
+    saved = load_plain_tensors(get_checkpoint_name(source, 3))
+    resave = str(tmp_path / "tp2")
+    got = _last_stage_logits(run_on_ranks(WORLD, _load_target, source, resave, 2, 1, True, False, 2))
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+    again = load_plain_tensors(get_checkpoint_name(resave, 3))
+    assert again.keys() == saved.keys(), sorted(again.keys() ^ saved.keys())
+    for key, value in saved.items():
+        assert torch.equal(again[key], value), f"{key} changed after resharding from PP2 x VPP2 to TP2"

@@ -1,4 +1,7 @@
-"""``save_checkpoint``/``load_checkpoint`` on a tiny GPT with the Megatron optimizer and scheduler (4 ranks).
+"""``save_checkpoint``/``load_checkpoint`` on a tiny GPT with the Megatron optimizer and scheduler.
+
+Round trip in one process (model, Adam states, scheduler, iteration; the tracker, explicit
+iterations, ``load_optimizer=False`` and the overwrite guard).
 
 Bit-exact resume: one run trains 5 steps, saves, trains 5 more (the straight 10 steps); a second
 call (parallel_state rebuilt, model built from another seed, every RNG reseeded) loads the
@@ -15,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_core.dist_checkpointing import AsyncCallsQueue
+from megatron_core import parallel_state
+from megatron_core.dist_checkpointing import AsyncCallsQueue, CheckpointingException
 from megatron_core.dist_checkpointing.training import (
     get_checkpoint_name,
     load_checkpoint,
@@ -77,3 +81,49 @@ def test_bit_exact_resume(tmp_path, layout, use_async):
             assert torch.equal(a["weights"][k], b["weights"][k]), f"rank {rank}: {k} differs"
     metadata = json.loads((get_checkpoint_name(save_dir, 5) / "metadata.json").read_text())
     assert metadata["sharded_backend"] == "torch_dist"
+
+
+def _adam_states(opt) -> list[torch.Tensor]:
+    return [state[name].clone() for group in opt.optimizer.param_groups for p in group["params"]
+            for state in [opt.optimizer.state.get(p, {})] for name in ("exp_avg", "exp_avg_sq") if name in state]
+
+
+def _round_trip(save_dir: str) -> bool:
+    chunks, opt, sched = build(1, 1)
+    assert load_checkpoint(save_dir, chunks, opt, sched) is None  # no tracker yet
+    for step in (1, 2):
+        train_step(chunks, opt, sched, step)
+    save_checkpoint(save_dir, 2, chunks, opt, sched, consumed_train_samples=8, extra_state=[1, "a"])
+    try:
+        save_checkpoint(save_dir, 2, chunks, opt, sched)
+    except CheckpointingException as e:
+        assert "overwrite=True" in str(e)
+    else:
+        raise AssertionError("saving over a complete checkpoint was not refused")
+    expected_weights, expected_adam, expected_steps = weights(chunks), _adam_states(opt), sched.num_steps
+    assert len(expected_adam) == 2 * len(expected_weights)
+
+    parallel_state.destroy_model_parallel()
+    chunks, opt, sched = build(1, 1, seed=5)
+    state = load_checkpoint(save_dir, chunks, opt, sched, load_optimizer=False)
+    assert state == {"iteration": 2, "consumed_train_samples": 8, "extra_state": [1, "a"]}, state
+    assert all(torch.equal(weights(chunks)[k], v) for k, v in expected_weights.items())
+    assert _adam_states(opt) == [] and sched.num_steps == 0
+
+    parallel_state.destroy_model_parallel()
+    chunks, opt, sched = build(1, 1, seed=6)
+    assert load_checkpoint(save_dir, chunks, opt, sched, iteration=2)["iteration"] == 2
+    assert all(torch.equal(weights(chunks)[k], v) for k, v in expected_weights.items())
+    assert all(torch.equal(a, b) for a, b in zip(_adam_states(opt), expected_adam, strict=True))
+    assert sched.num_steps == expected_steps
+    try:
+        load_checkpoint(save_dir, chunks, opt, sched, iteration=3)
+    except CheckpointingException as e:
+        assert "iter_0000003" in str(e)
+    else:
+        raise AssertionError("a missing iteration loaded")
+    return True
+
+
+def test_round_trip_single_process(tmp_path):
+    assert run_on_ranks(1, _round_trip, str(tmp_path / "ckpt")) == [True]
