@@ -1,7 +1,8 @@
 """GPTModel on one CUDA GPU in bf16 (skipped without a GPU).
 
 Checks that a TransformerLayer has no torch.compile graph breaks at TP=1, that the compiled model
-gives the eager model's loss and gradients, and that the bf16 loss follows the fp32 one.
+gives the eager model's loss and gradients, that the bf16 loss follows the fp32 one, and (with two
+GPUs) that TP=2 on NCCL, with and without sequence parallelism, gives the single-GPU loss.
 """
 
 from __future__ import annotations
@@ -49,3 +50,38 @@ def test_compiled_matches_eager_and_bf16_follows_fp32() -> None:
     loss_bf16 = bf16(ids, pos, None, labels=labels)
     assert loss_bf16.dtype == torch.float32
     torch.testing.assert_close(loss_bf16, loss.detach(), rtol=0.03, atol=0.03)
+
+
+def _nccl_rank(rank: int, world_size: int, store_path: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_core import parallel_state, tensor_parallel
+    from tests.models.gpt_test_utils import shard
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        reference = build(llama_like()).cuda()
+        ids, pos, labels = _cuda_batch()
+        ref_loss = reference(ids, pos, None, labels=labels).detach()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        for sp in (False, True):
+            model = build(llama_like(), tensor_model_parallel_size=world_size, sequence_parallel=sp).cuda()
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(shard(name, reference.state_dict()[name], world_size, rank, True))
+            loss = model(ids, pos, None, labels=labels)
+            loss.sum().backward()
+            torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-4, atol=1e-4)
+            assert all(p.grad is not None for p in model.parameters())
+        parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_on_nccl_matches_single_gpu(tmp_path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.multiprocessing.spawn(_nccl_rank, args=(2, str(tmp_path / "store")), nprocs=2)
