@@ -18,7 +18,7 @@ from tests.dist_harness import run_on_ranks
 
 WORLD = 4
 FP32_TARGETS = [(1, 1, True), (2, 1, False), (1, 2, True), (4, 1, False)]  # (tp, pp, distributed optimizer)
-BF16_TARGETS = [(1, 1, True)]
+BF16_TARGETS = [(1, 1, True), (2, 1, False)]
 
 
 def _save_source(save_dir: str, bf16: bool, tp: int = 2, pp: int = 2, vpp: int | None = None) -> torch.Tensor | None:

@@ -63,8 +63,8 @@ def _resumed(save_dir: str, layout: dict) -> dict:
     return {"losses": losses, "weights": weights(chunks)}
 
 
-@pytest.mark.parametrize(("layout", "use_async"), [("tp2_pp2", False), ("dp2_tp2_distopt", True)],
-                         ids=["tp2_pp2-sync", "dp2_tp2_distopt-async"])
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bit_exact_resume(tmp_path, layout, use_async):
     save_dir = str(tmp_path / "ckpt")
     straight = run_on_ranks(WORLD, _straight, save_dir, LAYOUTS[layout], use_async)

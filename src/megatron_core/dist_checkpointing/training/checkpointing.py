@@ -23,7 +23,12 @@ import torch
 
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.core import CheckpointingException, check_is_distributed_checkpoint
-from megatron_core.dist_checkpointing.serialization import load, load_sharded_metadata, save
+from megatron_core.dist_checkpointing.serialization import (
+    load,
+    load_common_state_dict,
+    load_sharded_metadata,
+    save,
+)
 from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron_core.dist_checkpointing.training.optimizer_state import (
     load_optimizer_state,
@@ -153,6 +158,8 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
     state: dict[str, Any] = _model_sharded_state_dict(chunks)
     with_optimizer = load_optimizer and optimizer is not None
     if with_optimizer:
+        if "optimizer" not in load_common_state_dict(checkpoint_dir):
+            raise CheckpointingException(f"{checkpoint_dir} holds no optimizer state; load with load_optimizer=False")
         names = _saved_optimizer_state_names(checkpoint_dir)
         state["optimizer"] = optimizer_sharded_state_dict(
             optimizer, _model_sharded_state_dict(chunks), is_loading=True, state_names=names)

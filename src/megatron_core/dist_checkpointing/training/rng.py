@@ -53,9 +53,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _layout() -> tuple[int, int, int, int, int, Any]:
-    """``(pp_rank, pp_size, tp_rank, tp_size, dp_rank, dp_group)``; a world of one without parallel_state."""
+    """``(pp_rank, pp_size, tp_rank, tp_size, dp_rank, dp_group)``; without parallel_state every rank is DP."""
     if not parallel_state.model_parallel_is_initialized():
-        return 0, 1, 0, 1, 0, None
+        return 0, 1, 0, 1, collectives.get_rank(), None
     return (parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_rank(),
