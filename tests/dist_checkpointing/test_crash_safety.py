@@ -120,3 +120,14 @@ def test_crafted_pickle_is_not_executed(tmp_path, target):
     with pytest.raises(CheckpointingException):
         load_common_state_dict(checkpoint_dir) if target == "common.pt" else load_plain_tensors(checkpoint_dir)
     assert not marker.exists()
+
+
+def test_truncated_data_file_is_reported_and_nothing_is_loaded(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    save_checkpoint(save_dir, 1, TinyModel(1.0), None, None)
+    (data_file,) = get_checkpoint_name(save_dir, 1).glob("*.distcp")
+    data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])
+    model = TinyModel(0.0)
+    with pytest.raises(CheckpointingException, match=rf"{data_file.name}.*truncated"):
+        load_checkpoint(save_dir, model, None, None)
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in model.parameters())
