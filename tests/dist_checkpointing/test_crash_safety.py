@@ -2,7 +2,8 @@
 
 - A real subprocess saving iteration 2 is killed with SIGKILL at three points of the save; the
   previous checkpoint and the tracker stay intact and loadable, and the next save succeeds.
-- A model with another hidden size or layer count fails to load with the key and both shapes.
+- A model with another hidden size or layer count fails to load with the key and both shapes; a
+  truncated data file fails with its name and nothing is copied into the model.
 - Crafted ``.metadata`` and ``common.pt`` files whose pickles would create a marker file fail to
   load, and the marker file does not exist.
 """
