@@ -204,7 +204,7 @@ class ColumnParallelLinear(torch.nn.Module):
         return output, (self.bias if self.skip_bias_add else None)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        """Weight and bias as ``ShardedTensor``s split along dim 0 over TP."""
+        """Weight and bias as sharded tensors (``ShardedTensor``) split along dim 0 over TP."""
         from megatron_core.tensor_parallel.sharded_state import make_tp_sharded_state_dict
 
         return make_tp_sharded_state_dict(self, prefix, {"weight": 0, "bias": 0}, sharded_offsets)
