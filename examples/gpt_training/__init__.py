@@ -1,0 +1,1 @@
+"""Pieces of ``examples/pretrain_gpt.py``: flags, model presets, data, logging, checkpoint glue, the loop."""

@@ -1,0 +1,167 @@
+"""Command-line flags of ``pretrain_gpt.py``, named as Megatron-LM names them, and their validation."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpt_training.presets import PRESETS, apply_preset
+
+
+def _parallel(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _model(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
+                   help="fills the model-shape flags you leave unset")
+    g.add_argument("--num-layers", dest="num_layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=None)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--vocab-size", type=int, default=None, help="vocabulary of --mock-data / NullTokenizer")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def _training(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-interval", type=int, default=None, help="exit after this iteration (for tests)")
+
+
+def _data(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="a prefix, or weight-prefix pairs: '0.7 a_text_document 0.3 b_text_document'")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--tokenizer-type", default=None,
+                   help="GPT2BPETokenizer, HuggingFaceTokenizer, TikTokenizer, SentencePieceTokenizer, NullTokenizer")
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging, evaluation and checkpoints")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--log-json", default=None, help="also append one JSON line per log interval to this file")
+    g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every flag ``pretrain_gpt.py`` accepts."""
+    parser = argparse.ArgumentParser(description="Pretrain a GPT with megatron_core.", allow_abbrev=False)
+    for add in (_parallel, _model, _training, _data, _logging_and_checkpoints):
+        add(parser)
+    return parser
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Apply the preset, derive data-parallel size and gradient accumulation, and check the flags."""
+    apply_preset(args)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _require(getattr(args, name) is not None, f"--{name.replace('_', '-')} is required (or pick --model-preset)")
+    args.position_embedding_type = args.position_embedding_type or "learned_absolute"
+    args.normalization = args.normalization or "LayerNorm"
+    args.rotary_base = args.rotary_base or 10000
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.num_query_groups is not None:
+        args.group_query_attention = True
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require(world_size % (tp * pp) == 0,
+             f"world size ({world_size}) must be divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
+    args.data_parallel_size = world_size // (tp * pp)
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    _require(args.global_batch_size % per_step == 0,
+             f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
+             f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_rank = args.num_layers // pp
+        _require(pp > 1 and per_rank % args.num_layers_per_virtual_pipeline_stage == 0,
+                 f"--num-layers-per-virtual-pipeline-stage ({args.num_layers_per_virtual_pipeline_stage}) needs "
+                 f"--pipeline-model-parallel-size > 1 and must divide num_layers / pp ({per_rank})")
+        args.virtual_pipeline_model_parallel_size = per_rank // args.num_layers_per_virtual_pipeline_stage
+    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive")
+    _require(args.mock_data or args.data_path, "give --data-path PREFIX [...] or --mock-data")
+    _require(args.mock_data or args.tokenizer_type, "--data-path needs --tokenizer-type (and its model/vocab files)")
+    if args.mock_data and args.tokenizer_type is None:
+        _require(args.vocab_size is not None, "--mock-data without --tokenizer-type needs --vocab-size")
+        args.tokenizer_type = "NullTokenizer"
+    _require(args.save_interval is None or args.save is not None, "--save-interval needs --save DIR")
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    return args

@@ -1,0 +1,73 @@
+"""Checkpoints of ``pretrain_gpt.py`` through ``megatron_core.dist_checkpointing.training``.
+
+Each save writes ``<save>/iter_0000010/`` (model chunks, optimizer, scheduler, RNG states, iteration,
+consumed samples and the run's flags) and then moves the ``latest_checkpointed_iteration.txt`` tracker.
+With ``--async-save`` the files are written in the background while training goes on; the tracker moves
+only once they are complete. A checkpoint taken under another parallel layout is resharded on load.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron_core.dist_checkpointing.training import load_checkpoint, save_checkpoint
+
+# Flags that change the trained model or the data order: a resumed run must use the same values.
+_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size", "seed")
+
+
+class Checkpointer:
+    """Saves and loads the training state of one run (model chunks, optimizer, scheduler, progress)."""
+
+    def __init__(self, args: argparse.Namespace, chunks: list, optimizer, scheduler) -> None:
+        self.args, self.chunks = args, chunks
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.async_queue = AsyncCallsQueue() if args.async_save else None
+        self.last_saved: int | None = None
+
+    def consumed_samples(self, iteration: int) -> int:
+        """Samples consumed by ``iteration`` steps (a constant global batch)."""
+        return iteration * self.args.global_batch_size
+
+    def save(self, iteration: int) -> None:
+        """Write a checkpoint of ``iteration`` (once per iteration)."""
+        if self.last_saved == iteration:
+            return
+        if self.async_queue is not None:
+            self.async_queue.maybe_finalize_async_calls(blocking=False)
+        save_checkpoint(
+            self.args.save, iteration, self.chunks, self.optimizer, self.scheduler,
+            consumed_train_samples=self.consumed_samples(iteration),
+            extra_state={"args": {k: v for k, v in vars(self.args).items() if _plain(v)}},
+            async_queue=self.async_queue,
+        )
+        self.last_saved = iteration
+
+    def load(self) -> tuple[int, int]:
+        """Resume from ``--load``; returns ``(iteration, consumed_samples)``, ``(0, 0)`` without a checkpoint."""
+        state = load_checkpoint(
+            self.args.load, self.chunks,
+            None if self.args.no_load_optim else self.optimizer,
+            None if self.args.no_load_optim else self.scheduler,
+            load_optimizer=not self.args.no_load_optim, load_rng=not self.args.no_load_rng,
+        )
+        if state is None:
+            return 0, 0
+        saved = (state.get("extra_state") or {}).get("args", {})
+        changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(self.args, k)}"
+                   for k in _MUST_MATCH if k in saved and saved[k] != getattr(self.args, k)]
+        if changed:
+            raise ValueError(f"checkpoint in {self.args.load} was trained with other flags: {'; '.join(changed)}")
+        return state["iteration"], state["consumed_train_samples"]
+
+    def finalize(self) -> None:
+        """Wait for a pending asynchronous save and move the tracker."""
+        if self.async_queue is not None:
+            self.async_queue.maybe_finalize_async_calls(blocking=True)
+            self.async_queue.close()
+
+
+def _plain(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str)) or (
+        isinstance(value, list) and all(isinstance(v, (int, float, str)) for v in value))

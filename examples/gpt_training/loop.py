@@ -1,0 +1,170 @@
+"""The training loop of ``pretrain_gpt.py``: steps, evaluation, logging, checkpoints and exit conditions."""
+
+from __future__ import annotations
+
+import signal
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from gpt_training.data import to_device
+from megatron_core import device, parallel_state
+from megatron_core.pipeline_parallel import get_forward_backward_func
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean per-token loss over the unmasked tokens of one micro-batch."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward_step_func: one micro-batch through ``model``; the loss is built on the last stage."""
+    batch = next(data_iterator) if data_iterator is not None else None
+    tokens = batch["tokens"] if batch is not None else None
+    position_ids = batch["position_ids"] if batch is not None else None
+    labels = batch["labels"] if batch is not None else None
+    output = model(tokens, position_ids, None, labels=labels)
+    loss_mask = batch["loss_mask"] if batch is not None else None
+    return output, partial(loss_func, loss_mask)
+
+
+class _DeviceIterator:
+    """Wraps a batch iterator, moving each batch to this rank's device."""
+
+    def __init__(self, iterator) -> None:
+        self.iterator = iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return to_device(next(self.iterator))
+
+
+def _mean_loss(losses: list[dict], key: str = "lm loss") -> float:
+    """Average of ``key`` over micro-batches on the last stage, then over data-parallel ranks, broadcast to all."""
+    value = torch.zeros(2, dtype=torch.float64, device=device.get_current_device())
+    if parallel_state.is_pipeline_last_stage() and losses:
+        value[0] = sum(float(d[key]) for d in losses)
+        value[1] = len(losses)
+    dist.all_reduce(value)
+    return float(value[0] / value[1].clamp(min=1))
+
+
+class Trainer:
+    """Owns the model chunks, optimizer, scheduler and data iterators of one run."""
+
+    def __init__(self, args, config, chunks, optimizer, scheduler, train_iter, valid_iter, logger, checkpointer):
+        self.args, self.config, self.chunks = args, config, chunks
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.train_iter, self.valid_iter = train_iter, valid_iter
+        self.logger, self.checkpointer = logger, checkpointer
+        self.forward_backward = get_forward_backward_func()
+        self.stop_requested = False
+        signal.signal(signal.SIGTERM, self._request_stop)
+
+    def _request_stop(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def _iterators(self, iterator):
+        wrapped = _DeviceIterator(iterator)
+        return [wrapped] * len(self.chunks) if len(self.chunks) > 1 else wrapped
+
+    def _run(self, iterator, forward_only: bool) -> list[dict]:
+        return self.forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=self._iterators(iterator),
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=self.args.num_microbatches,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over a global batch; returns loss, grad norm, skipped flag."""
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run(self.train_iter, forward_only=False)
+        success, grad_norm, num_zeros = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=self.args.global_batch_size)
+        return {
+            "lm loss": _mean_loss(losses),
+            "grad norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "skipped": 0 if success else 1,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over ``--eval-iters`` global batches."""
+        for chunk in self.chunks:
+            chunk.eval()
+        total = 0.0
+        for _ in range(self.args.eval_iters):
+            total += _mean_loss(self._run(self.valid_iter, forward_only=True))
+        for chunk in self.chunks:
+            chunk.train()
+        return total / self.args.eval_iters
+
+    def train(self, start_iteration: int, flops_per_token: float, peak: float | None) -> int:
+        """Run until ``--train-iters``, a stop signal, ``--exit-interval`` or ``--exit-duration-in-mins``."""
+        args = self.args
+        start_time = time.time()
+        iteration = start_iteration
+        window_start, window_steps, skipped = time.time(), 0, 0
+        tokens_per_step = args.global_batch_size * args.seq_length
+        while iteration < args.train_iters:
+            record = self.train_step()
+            iteration += 1
+            window_steps += 1
+            skipped += record["skipped"]
+            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                device.synchronize()
+                elapsed = time.time() - window_start
+                tokens_per_s = tokens_per_step * window_steps / elapsed
+                record.update(
+                    lr=self.optimizer.param_groups[0]["lr"],
+                    **{"loss scale": float(self.optimizer.get_loss_scale())},
+                    **{"skipped steps": skipped},
+                    **{"tokens/s": tokens_per_s, "ms/step": 1000 * elapsed / window_steps},
+                )
+                record.pop("skipped")
+                if peak is not None:
+                    record["MFU %"] = 100 * tokens_per_s * flops_per_token / (peak * dist.get_world_size())
+                    record["mem GB"] = device.max_memory_allocated() / 1e9
+                self.logger.log(iteration, record)
+                window_start, window_steps, skipped = time.time(), 0, 0
+            if args.eval_interval and iteration % args.eval_interval == 0:
+                self.logger.log(iteration, {"validation loss": self.evaluate()}, kind="valid")
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                self.checkpointer.save(iteration)
+            if self._should_exit(iteration, start_time):
+                break
+        return iteration
+
+    def _should_exit(self, iteration: int, start_time: float) -> bool:
+        args = self.args
+        flags = torch.tensor(
+            [
+                float(self.stop_requested),
+                float(args.exit_interval is not None and iteration >= args.exit_interval),
+                float(args.exit_duration_in_mins is not None
+                      and (time.time() - start_time) / 60 >= args.exit_duration_in_mins),
+            ],
+            device=device.get_current_device(),
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags.any():
+            reason = ["SIGTERM", "--exit-interval", "--exit-duration-in-mins"][int(flags.argmax())]
+            self.logger.info(f"stopping at iteration {iteration}: {reason}")
+            if args.save:
+                self.checkpointer.save(iteration)
+            return True
+        return False

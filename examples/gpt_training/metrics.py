@@ -1,0 +1,45 @@
+"""Throughput and MFU of a GPT training step (PaLM / nanoGPT convention, see shared BENCHMARK.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron_core import device
+
+# Dense bf16 peak FLOP/s by device name; MFU is reported only for devices listed here.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def non_embedding_parameters(args: argparse.Namespace, vocab_size: int) -> int:
+    """N in the MFU formula: every parameter except the input embedding (the output layer counts)."""
+    h, layers = args.hidden_size, args.num_layers
+    heads = args.num_attention_heads
+    head_dim = args.kv_channels or h // heads
+    groups = args.num_query_groups or heads
+    ffn = args.ffn_hidden_size or 4 * h
+    bias = 0 if args.disable_bias_linear else 1
+    norm = 2 * h if args.normalization == "LayerNorm" else h
+    attention = h * head_dim * (heads + 2 * groups) + heads * head_dim * h
+    attention += bias * (head_dim * (heads + 2 * groups) + h)
+    mlp_in = ffn * (2 if args.swiglu else 1)
+    mlp = h * mlp_in + ffn * h + bias * (mlp_in + h)
+    per_layer = attention + mlp + 2 * norm
+    positions = h * args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0
+    return layers * per_layer + norm + vocab_size * h + positions
+
+
+def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:
+    """6 N + 12 L H Q T: training FLOPs per token (causal attention not halved)."""
+    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    attention = 12 * args.num_layers * args.num_attention_heads * head_dim * args.seq_length
+    return 6 * non_embedding_parameters(args, vocab_size) + attention
+
+
+def peak_flops() -> float | None:
+    """The device's dense bf16 peak, or None where it is not known (CPUs)."""
+    if device.get_current_device().type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)

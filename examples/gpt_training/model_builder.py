@@ -1,0 +1,84 @@
+"""Build the GPT model chunks of this rank from the flags, wrapped for mixed precision and DDP."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from megatron_core import device, parallel_state
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_core.models.gpt import GPTModel
+from megatron_core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron_core.transformer import Float16Module, TransformerConfig
+
+
+def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
+    """The TransformerConfig the flags describe."""
+    params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype if args.pipeline_model_parallel_size > 1 else None,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        use_cpu_initialization=True,
+    )
+
+
+def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:
+    """One DDP-wrapped GPTModel per virtual pipeline stage held by this rank."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    spec = get_gpt_layer_local_spec()
+    chunks = []
+    for vp_stage in range(args.virtual_pipeline_model_parallel_size or 1):
+        vp = vp_stage if args.virtual_pipeline_model_parallel_size else None
+        model: torch.nn.Module = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            vp_stage=vp,
+        )
+        model = model.to(device.get_current_device())
+        if args.bf16 or args.fp16:
+            model = Float16Module(config, model)
+        chunks.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=vp_stage > 0))
+    return chunks
+
+
+def count_parameters(chunks: list[torch.nn.Module]) -> int:
+    """Parameters held by this rank (shards, not the global model)."""
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())

@@ -1,0 +1,39 @@
+"""Model presets for ``pretrain_gpt.py``: each fills model-shape flags the user did not set."""
+
+from __future__ import annotations
+
+PRESETS: dict[str, dict[str, object]] = {
+    "tiny": dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=128,
+        max_position_embeddings=128, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+        disable_bias_linear=True, untie_embeddings_and_output_weights=False,
+    ),
+    "gpt2-125m": dict(
+        num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072, seq_length=1024,
+        max_position_embeddings=1024, position_embedding_type="learned_absolute", normalization="LayerNorm",
+        swiglu=False, disable_bias_linear=False, untie_embeddings_and_output_weights=False,
+    ),
+    "tinyllama-1.1b": dict(
+        num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_groups=4, ffn_hidden_size=5632,
+        seq_length=2048, max_position_embeddings=2048, position_embedding_type="rope", normalization="RMSNorm",
+        swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True, vocab_size=32000,
+    ),
+    "llama-8b": dict(
+        num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
+        seq_length=8192, max_position_embeddings=8192, position_embedding_type="rope", rotary_base=500000,
+        normalization="RMSNorm", swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True,
+        vocab_size=128256,
+    ),
+}
+
+
+def apply_preset(args) -> None:
+    """Fill every model-shape flag that is still ``None`` (or default-off) from ``args.model_preset``."""
+    if args.model_preset is None:
+        return
+    if args.model_preset not in PRESETS:
+        raise ValueError(f"--model-preset {args.model_preset!r} is unknown; choose from {sorted(PRESETS)}")
+    for name, value in PRESETS[args.model_preset].items():
+        current = getattr(args, name, None)
+        if current is None or current is False:
+            setattr(args, name, value)

@@ -1,0 +1,113 @@
+"""Pretrain a GPT with megatron_core: tensor, pipeline and data parallelism, mixed precision, checkpoints.
+
+Runs on CPU (gloo) and GPUs (NCCL), as one process or under torchrun::
+
+    torchrun --nproc-per-node 4 examples/pretrain_gpt.py --model-preset tiny --mock-data --vocab-size 1024 \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --micro-batch-size 2 \\
+        --global-batch-size 8 --train-iters 50 --save /tmp/ckpt --save-interval 25
+
+Flags keep Megatron-LM's names (``python examples/pretrain_gpt.py --help``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch.distributed as dist  # noqa: E402
+
+from gpt_training.arguments import build_parser, validate_args  # noqa: E402
+from gpt_training.checkpointing import Checkpointer  # noqa: E402
+from gpt_training.data import build_datasets, build_loader, build_tokenizer_from_args, cyclic  # noqa: E402
+from gpt_training.distributed_init import init_distributed  # noqa: E402
+from gpt_training.logger import TrainingLogger  # noqa: E402
+from gpt_training.loop import Trainer  # noqa: E402
+from gpt_training.metrics import flops_per_token, peak_flops  # noqa: E402
+from gpt_training.model_builder import build_model_chunks, count_parameters, transformer_config_from_args  # noqa: E402
+from megatron_core import parallel_state  # noqa: E402
+from megatron_core.distributed import finalize_model_grads  # noqa: E402
+from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed, pad_vocab_size  # noqa: E402
+
+
+def build_optimizer(args, chunks):
+    """Megatron optimizer and LR scheduler from the flags."""
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+            sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+            loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        chunks,
+    )
+    wsd_steps = args.lr_wsd_decay_iters * args.global_batch_size if args.lr_wsd_decay_iters else None
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.lr_decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style="constant", wsd_decay_steps=wsd_steps,
+        lr_wsd_decay_style="linear" if wsd_steps else None,
+    )
+    return optimizer, scheduler
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, build everything, train, evaluate and checkpoint."""
+    args = build_parser().parse_args(argv)
+    rank, world_size = init_distributed(args.distributed_timeout_minutes)
+    args = validate_args(args, world_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+    model_parallel_cuda_manual_seed(args.seed)
+    logger = TrainingLogger(args, rank)
+
+    tokenizer = build_tokenizer_from_args(args)
+    vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    config = transformer_config_from_args(args)
+    config.finalize_model_grads_func = finalize_model_grads
+    chunks = build_model_chunks(args, config, vocab_size)
+    optimizer, scheduler = build_optimizer(args, chunks)
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+
+    checkpointer = Checkpointer(args, chunks, optimizer, scheduler)
+    iteration, consumed = checkpointer.load() if args.load else (0, 0)
+    if rank == 0:
+        datasets = build_datasets(args, tokenizer)
+    dist.barrier()
+    datasets = datasets if rank == 0 else build_datasets(args, tokenizer)
+    train_ds, valid_ds, _ = datasets
+    train_iter = iter(build_loader(train_ds, args, consumed))
+    valid_iter = cyclic(build_loader(valid_ds, args, 0))
+    checkpointer.consumed_samples = lambda it: it * args.global_batch_size
+
+    logger.info(
+        f"world {world_size} = tp {args.tensor_model_parallel_size} x pp {args.pipeline_model_parallel_size} x "
+        f"dp {args.data_parallel_size}; {args.num_microbatches} micro-batches of {args.micro_batch_size}; "
+        f"{count_parameters(chunks) / 1e6:.2f}M parameters on rank 0; vocab {vocab_size}; start at {iteration}"
+    )
+    trainer = Trainer(args, config, chunks, optimizer, scheduler, train_iter, valid_iter, logger, checkpointer)
+    final = trainer.train(iteration, flops_per_token(args, vocab_size), peak_flops())
+    if final >= args.train_iters:
+        if not args.eval_interval or final % args.eval_interval != 0:
+            logger.log(final, {"validation loss": trainer.evaluate()}, kind="valid")
+        if args.save and not (args.save_interval and final % args.save_interval == 0):
+            checkpointer.save(final)
+    checkpointer.finalize()
+    logger.close()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
