@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -78,6 +79,7 @@ def main() -> None:
     log = work / "train_log.jsonl"
     log.unlink(missing_ok=True)
     ckpt = work / "checkpoints"
+    shutil.rmtree(ckpt, ignore_errors=True)  # each run of the job trains from scratch
     run([sys.executable, "examples/pretrain_gpt.py",
          "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "352",
          "--seq-length", "256", "--max-position-embeddings", "256", "--position-embedding-type", "rope",
@@ -88,7 +90,8 @@ def main() -> None:
          "--data-path", str(prefix) + "_text_document", "--split", "95,5,0",
          "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", paths["tokenizer_json"],
          "--data-cache-path", str(work / "index_cache"),
-         "--log-interval", "10", "--eval-interval", str(args.eval_interval), "--eval-iters", "4",
+         "--log-interval", "10", "--eval-interval", str(args.eval_interval), "--eval-iters", "8",
+         "--fixed-validation-set",
          "--save", str(ckpt), "--log-json", str(log), "--no-progress", "--seed", "1234"])
 
     curve = [json.loads(line) for line in log.read_text().splitlines()]

@@ -82,13 +82,16 @@ def main(argv: list[str] | None = None) -> None:
 
     checkpointer = Checkpointer(args, chunks, optimizer, scheduler)
     iteration, consumed = checkpointer.load() if args.load else (0, 0)
+    checkpointer.check_save_dir(iteration)
     if rank == 0:
         datasets = build_datasets(args, tokenizer)
     dist.barrier()
     datasets = datasets if rank == 0 else build_datasets(args, tokenizer)
     train_ds, valid_ds, _ = datasets
     train_iter = iter(build_loader(train_ds, args, consumed))
-    valid_iter = cyclic(build_loader(valid_ds, args, 0))
+    valid_loader = build_loader(valid_ds, args, 0)
+    # A fresh iterator per evaluation (the same batches each time) or one that carries on through the split.
+    valid_iter = (lambda: iter(valid_loader)) if args.fixed_validation_set else cyclic(valid_loader)
     checkpointer.consumed_samples = lambda it: it * args.global_batch_size
 
     logger.info(

@@ -48,6 +48,8 @@ def _model(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer and the loss (GPU speed-up; first steps compile)")
 
 
 def _training(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +103,9 @@ def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=100)
     g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--fixed-validation-set", action="store_true",
+                   help="evaluate on the same --eval-iters batches every time (by default, as in Megatron, "
+                        "each evaluation draws the next batches of the validation split)")
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron_core.dist_checkpointing.training import load_checkpoint, save_checkpoint
+from megatron_core.dist_checkpointing.training import load_checkpoint, read_tracker, save_checkpoint
 
 # Flags that change the trained model or the data order: a resumed run must use the same values.
 _MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size", "seed")
@@ -30,6 +30,21 @@ class Checkpointer:
         """Samples consumed by ``iteration`` steps (a constant global batch)."""
         return iteration * self.args.global_batch_size
 
+    def check_save_dir(self, start_iteration: int) -> None:
+        """Refuse, before training, a ``--save`` directory whose published checkpoints this run would replace.
+
+        Directories newer than the tracker are leftovers of a crashed save and are overwritten; the
+        checkpoint the run resumed from is not saved again.
+        """
+        published = read_tracker(self.args.save) if self.args.save else None
+        if published is not None and published > start_iteration:
+            raise ValueError(
+                f"--save {self.args.save} already holds checkpoints up to iteration {published}; this run starts "
+                f"at iteration {start_iteration} and would replace them: resume with --load {self.args.save} "
+                f"or choose another --save directory")
+        if published is not None and published == start_iteration:
+            self.last_saved = start_iteration
+
     def save(self, iteration: int) -> None:
         """Write a checkpoint of ``iteration`` (once per iteration)."""
         if self.last_saved == iteration:
@@ -41,6 +56,7 @@ class Checkpointer:
             consumed_train_samples=self.consumed_samples(iteration),
             extra_state={"args": {k: v for k, v in vars(self.args).items() if _plain(v)}},
             async_queue=self.async_queue,
+            overwrite=True,  # only leftovers of a crashed save: check_save_dir guards published checkpoints
         )
         self.last_saved = iteration
 

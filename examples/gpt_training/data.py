@@ -33,7 +33,7 @@ def build_tokenizer_from_args(args: argparse.Namespace):
 
 def build_datasets(args: argparse.Namespace, tokenizer) -> list:
     """Train, valid and test datasets sized for the whole run (through the blended builder)."""
-    eval_runs = (args.train_iters // args.eval_interval if args.eval_interval else 0) + 1
+    eval_runs = 1 if args.fixed_validation_set else (args.train_iters // args.eval_interval if args.eval_interval else 0) + 1
     sizes = [
         args.train_iters * args.global_batch_size,
         eval_runs * args.eval_iters * args.global_batch_size,

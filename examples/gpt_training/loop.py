@@ -107,8 +107,9 @@ class Trainer:
         for chunk in self.chunks:
             chunk.eval()
         total = 0.0
+        iterator = self.valid_iter() if callable(self.valid_iter) else self.valid_iter
         for _ in range(self.args.eval_iters):
-            total += _mean_loss(self._run(self.valid_iter, forward_only=True))
+            total += _mean_loss(self._run(iterator, forward_only=True))
         for chunk in self.chunks:
             chunk.train()
         return total / self.args.eval_iters

@@ -73,10 +73,20 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
             vp_stage=vp,
         )
         model = model.to(device.get_current_device())
+        if args.compile:
+            compile_layers_and_loss(model)
         if args.bf16 or args.fp16:
             model = Float16Module(config, model)
         chunks.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=vp_stage > 0))
     return chunks
+
+
+def compile_layers_and_loss(model: GPTModel) -> None:
+    """``torch.compile`` every transformer layer and the loss in place (the model's structure is unchanged)."""
+    for layer in model.decoder.layers:
+        layer.compile()
+    if model.post_process:
+        model.compute_language_model_loss = torch.compile(model.compute_language_model_loss)
 
 
 def count_parameters(chunks: list[torch.nn.Module]) -> int:

@@ -121,3 +121,14 @@ def test_killed_run_resumes_with_identical_losses(tmp_path: Path, layout: str) -
     assert sorted(resumed) == list(range(resumed_from + 1, STOP_AT + 1))
     for iteration, loss in resumed.items():
         assert loss == straight[iteration], f"iteration {iteration}: resumed {loss!r} != straight {straight[iteration]!r}"
+
+
+def test_refuses_to_replace_published_checkpoints_before_training(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("10\n")
+    proc = subprocess.run([sys.executable, str(SCRIPT), *MODEL, "--save", str(save)], cwd=REPO, text=True,
+                          capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "already holds checkpoints up to iteration 10" in proc.stderr
+    assert "[train]" not in proc.stdout
