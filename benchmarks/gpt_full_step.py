@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="further pretrain_gpt.py flags (after --)")
     args = parser.parse_args()
 
-    model = TINY if args.tiny else ["--model-preset", "tinyllama-1.1b", "--bf16", "--vocab-size", "32000"]
+    model = TINY if args.tiny else ["--model-preset", "tinyllama-1.1b", "--bf16", "--vocab-size", "31999"]  # + EOD = 32000
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "log.jsonl"
         cmd = [sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), *model, "--mock-data",

@@ -117,6 +117,13 @@ def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--log-json", default=None, help="also append one JSON line per log interval to this file")
     g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
+    g.add_argument("--profile", action="store_true", help="record a window of steps with the PyTorch profiler")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="accepted for Megatron-LM compatibility; --profile always uses the PyTorch profiler")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--profile-dir", default="profile", help="where the Chrome traces go")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,5 +175,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _require(args.vocab_size is not None, "--mock-data without --tokenizer-type needs --vocab-size")
         args.tokenizer_type = "NullTokenizer"
     _require(args.save_interval is None or args.save is not None, "--save-interval needs --save DIR")
+    _require(not args.profile or 1 <= args.profile_step_start <= args.profile_step_end,
+             f"--profile-step-start ({args.profile_step_start}) must be >= 1 and <= --profile-step-end "
+             f"({args.profile_step_end})")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     return args

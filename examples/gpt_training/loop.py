@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gpt_training.data import to_device
+from gpt_training.profiling import StepProfiler
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
 
@@ -121,9 +122,12 @@ class Trainer:
         iteration = start_iteration
         window_start, window_steps, skipped = time.time(), 0, 0
         tokens_per_step = args.global_batch_size * args.seq_length
+        profiler = StepProfiler(args)
         while iteration < args.train_iters:
+            profiler.before_step(iteration + 1)
             record = self.train_step()
             iteration += 1
+            profiler.after_step(iteration)
             window_steps += 1
             skipped += record["skipped"]
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
