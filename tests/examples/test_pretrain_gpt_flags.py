@@ -1,0 +1,46 @@
+"""``examples/pretrain_gpt.py`` flags checked in one process: the profiler window and a fixed validation set."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "pretrain_gpt.py"
+TINY = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "127",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--log-interval", "1", "--no-progress"]
+
+
+def _run(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(SCRIPT), *TINY, *flags], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _valid_losses(log: Path) -> list[float]:
+    return [r["validation loss"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "valid"]
+
+
+def test_profile_window_prints_operators_and_writes_trace(tmp_path: Path) -> None:
+    out = _run(tmp_path, "--train-iters", "4", "--eval-interval", "0", "--eval-iters", "1", "--profile",
+               "--profile-step-start", "2", "--profile-step-end", "3", "--profile-dir", str(tmp_path / "prof"))
+    assert "[profile] rank 0, steps 2-3 (2 steps)" in out.stdout
+    assert "aten::mm" in out.stdout
+    trace = tmp_path / "prof" / "trace_rank0_steps2-3.json"
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_fixed_validation_set_repeats_the_same_batches(tmp_path: Path) -> None:
+    # With a zero learning rate the weights never change, so only the batches can change the validation loss.
+    common = ["--train-iters", "6", "--eval-interval", "2", "--eval-iters", "2", "--lr", "0", "--min-lr", "0"]
+    _run(tmp_path, *common, "--fixed-validation-set", "--log-json", str(tmp_path / "fixed.jsonl"))
+    _run(tmp_path, *common, "--log-json", str(tmp_path / "fresh.jsonl"))
+    fixed, fresh = _valid_losses(tmp_path / "fixed.jsonl"), _valid_losses(tmp_path / "fresh.jsonl")
+    assert len(fixed) == len(fresh) >= 3
+    assert len(set(fixed)) == 1, fixed
+    assert len(set(fresh)) > 1, fresh
