@@ -68,10 +68,17 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
         """Angles ``[max_seq_len, 1, 1, rot_dim]`` (fp32)."""
         device = get_current_device()
+        if torch.compiler.is_compiling():
+            # Inside a compiled graph the angles fuse into their consumers; a cached graph output would be
+            # overwritten by the next replay under CUDA graphs.
+            return self._angles(max_seq_len, offset, device)
         key = (max_seq_len, offset, device)
         cached = self._cache.get(key)
-        if cached is not None:
-            return cached
+        if cached is None:
+            cached = self._cache[key] = self._angles(max_seq_len, offset, device)
+        return cached
+
+    def _angles(self, max_seq_len: int, offset: int, device: torch.device) -> torch.Tensor:
         inv_freq = self.inv_freq.to(device)
         positions = torch.arange(max_seq_len, device=device, dtype=torch.float32) + offset
         if self.seq_len_interpolation_factor is not None:
@@ -81,9 +88,7 @@ class RotaryEmbedding(torch.nn.Module):
             emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
         else:
             emb = torch.cat((freqs, freqs), dim=-1)
-        emb = emb[:, None, None, :]
-        self._cache[key] = emb
-        return emb
+        return emb[:, None, None, :]
 
     def get_rotary_seq_len(
         self, inference_context: Any, transformer: Any, transformer_input: torch.Tensor | None,
