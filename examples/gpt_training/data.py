@@ -66,6 +66,7 @@ def build_loader(dataset, args: argparse.Namespace, consumed_samples: int):
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=parallel_state.get_data_parallel_world_size(),
         num_workers=args.num_workers,
+        pin_memory=device.get_current_device().type == "cuda",  # lets batches copy to the GPU asynchronously
     )
 
 
