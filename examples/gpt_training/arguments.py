@@ -72,6 +72,9 @@ def _training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop (RuntimeError on every rank, before the optimizer step) on a non-finite loss or "
+                        "gradient norm; --no-check-for-nan-in-loss-and-grad lets the optimizer skip such steps")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)

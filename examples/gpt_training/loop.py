@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from functools import partial
@@ -87,17 +88,30 @@ class Trainer:
             forward_only=forward_only,
         )
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over a global batch; returns loss, grad norm, skipped flag."""
+    def train_step(self, iteration: int) -> dict[str, float]:
+        """Step ``iteration`` (counted from 1): one optimizer step over a global batch; loss, grad norm, skipped.
+
+        With ``--check-for-nan-in-loss-and-grad`` (the default) a non-finite loss, or a step the optimizer
+        skipped for a non-finite gradient norm, raises ``RuntimeError`` on every rank before the weights change.
+        """
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run(self.train_iter, forward_only=False)
+        loss = _mean_loss(losses)  # averaged over all ranks, so every rank takes the same decision
+        check = self.args.check_for_nan_in_loss_and_grad
+        if check and not math.isfinite(loss):
+            raise RuntimeError(f"iteration {iteration}: the loss is {loss}; stopping before the optimizer step "
+                               "(weights unchanged)")
         success, grad_norm, num_zeros = self.optimizer.step()
+        # A grad scaler's skip (fp16 overflow) returns no norm and is routine; a non-finite norm is not.
+        if check and not success and grad_norm is not None and not math.isfinite(grad_norm):
+            raise RuntimeError(f"iteration {iteration}: the gradient norm is {grad_norm}; the optimizer skipped "
+                               "the step on every rank (weights unchanged); stopping")
         if success:
             self.scheduler.step(increment=self.args.global_batch_size)
         return {
-            "lm loss": _mean_loss(losses),
+            "lm loss": loss,
             "grad norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "skipped": 0 if success else 1,
         }
@@ -125,7 +139,7 @@ class Trainer:
         profiler = StepProfiler(args)
         while iteration < args.train_iters:
             profiler.before_step(iteration + 1)
-            record = self.train_step()
+            record = self.train_step(iteration + 1)
             iteration += 1
             profiler.after_step(iteration)
             window_steps += 1

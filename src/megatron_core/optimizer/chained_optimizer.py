@@ -1,11 +1,13 @@
 """``ChainedOptimizer``: several optimizer wrappers stepped as one (Megatron-Core's, e.g. dense + expert).
 
-The inf/nan check, the gradient norm (combined as ``sqrt(sum(norm_i^2))``) and the clipping are
-global over all sub-optimizers, so the chain behaves like one optimizer over all parameters.
+The inf/nan check, the gradient norm (combined as ``sqrt(sum(norm_i^2))``), the clipping and the
+skip on a non-finite norm are global over all sub-optimizers, so the chain behaves like one
+optimizer over all parameters.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -59,15 +61,20 @@ class ChainedOptimizer(MegatronOptimizer):
         found = [opt.prepare_grads() for opt in self.chained_optimizers]
         return any(found)
 
+    def prepare_grads_checks_for_inf(self) -> bool:
+        """True when every sub-optimizer's :meth:`prepare_grads` checks for inf/nan (all use grad scalers)."""
+        return all(opt.prepare_grads_checks_for_inf() for opt in self.chained_optimizers)
+
     def get_grad_norm(self) -> float:
         """Global norm over every sub-optimizer."""
         return combine_grad_norms([opt.get_grad_norm() for opt in self.chained_optimizers])
 
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip every sub-optimizer by the global norm."""
+        """Clip every sub-optimizer by the global norm (not when it is non-finite: ``step`` skips then)."""
         grad_norm = self.get_grad_norm()
-        for opt in self.chained_optimizers:
-            clip_grad_by_total_norm_fp32(opt.get_parameters(), clip_grad, grad_norm)
+        if math.isfinite(grad_norm):
+            for opt in self.chained_optimizers:
+                clip_grad_by_total_norm_fp32(opt.get_parameters(), clip_grad, grad_norm)
         return grad_norm
 
     def count_zeros(self) -> float:

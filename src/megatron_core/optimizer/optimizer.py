@@ -4,8 +4,12 @@ A wrapper owns a torch optimizer (``AdamW``/``Adam``/``SGD``) and runs one train
 ``prepare_grads`` (copy ``param.main_grad`` into the tensors the optimizer updates, unscale, and
 agree across ranks whether any gradient is inf/nan) -> clip by the global norm -> inner step ->
 copy updated main params back into the model. ``step()`` returns
-``(update_successful, grad_norm, num_zeros_in_grad)``; a step with an inf/nan gradient is
-skipped on every rank and returns ``(False, None, None)``.
+``(update_successful, grad_norm, num_zeros_in_grad)``. A step whose gradients hold an inf/nan is
+skipped on every rank, leaving weights and optimizer state untouched: with a grad scaler (fp16)
+``prepare_grads`` finds it and the step returns ``(False, None, None)``; without one (fp32, bf16)
+the global gradient norm is non-finite on every rank (the gradients were reduced over data parallel
+ranks, the norm is reduced over the grad-stats group) and the step returns ``(False, grad_norm, None)``. Megatron-Core's fp32/bf16 optimizers step on such a
+norm; these do not. The norm is computed for this check even with clipping off (one reduction).
 """
 
 from __future__ import annotations
@@ -96,9 +100,13 @@ class MegatronOptimizer(ABC):
                                   grad_stats_parallel_group=self.get_grad_stats_parallel_group())
 
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip the gradients to global norm ``clip_grad``; return the norm before clipping."""
+        """Clip the gradients to global norm ``clip_grad``; return the norm before clipping.
+
+        A non-finite norm leaves the gradients as they are (``step`` then skips the update).
+        """
         grad_norm = self.get_grad_norm()
-        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        if math.isfinite(grad_norm):
+            clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
         return grad_norm
 
     def count_zeros(self) -> float:
@@ -147,13 +155,25 @@ class MegatronOptimizer(ABC):
     def prepare_grads(self) -> bool:
         """Put unscaled gradients where the inner optimizer reads them; return True if any is inf/nan."""
 
+    def prepare_grads_checks_for_inf(self) -> bool:
+        """True when :meth:`prepare_grads` itself finds inf/nan gradients on any rank (a grad scaler is in use).
+
+        When False, :meth:`step` computes the global gradient norm even with clipping off, to check it.
+        """
+        return False
+
     @abstractmethod
     def step_with_ready_grads(self) -> bool:
         """Run the inner step and copy the results into the model; return success."""
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, float | None]:
-        """One optimizer step: ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        """One optimizer step: ``(update_successful, grad_norm, num_zeros_in_grad)``.
+
+        Skipped on every rank, weights and optimizer state untouched, when a grad scaler finds an
+        inf/nan gradient (``(False, None, None)``) or the global gradient norm is non-finite
+        (``(False, grad_norm, None)``). ``grad_norm`` is 0.0 when neither clipping nor the check needs it.
+        """
         with self._timer("optimizer-copy-to-main-grad"):
             found_inf = self.prepare_grads()
         if found_inf:
@@ -162,6 +182,11 @@ class MegatronOptimizer(ABC):
         if self.config.clip_grad > 0.0:
             with self._timer("optimizer-clip-main-grad"):
                 grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        elif not self.prepare_grads_checks_for_inf():
+            with self._timer("optimizer-clip-main-grad"):
+                grad_norm = self.get_grad_norm()
+        if not math.isfinite(grad_norm):
+            return False, grad_norm, None
         num_zeros = None
         if self.config.log_num_zeros_in_grad:
             with self._timer("optimizer-count-zeros"):
@@ -186,6 +211,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def get_loss_scale(self) -> torch.Tensor:
         """The scaler's scale, or 1.0 when there is no scaler (bf16)."""
         return self._unit_scale if self.grad_scaler is None else self.grad_scaler.scale
+
+    def prepare_grads_checks_for_inf(self) -> bool:
+        """True with a grad scaler: :meth:`prepare_grads` unscales and checks the gradients on every rank."""
+        return self.grad_scaler is not None
 
     @abstractmethod
     def _collect_main_grad_data_for_unscaling(self) -> list[torch.Tensor]:
@@ -331,7 +360,7 @@ class FP32Optimizer(MegatronOptimizer):
         return self._scale
 
     def prepare_grads(self) -> bool:
-        """Point ``param.grad`` at ``param.main_grad``; fp32 never skips a step."""
+        """Point ``param.grad`` at ``param.main_grad``; never finds inf/nan (``step`` checks the grad norm)."""
         for param in self.get_parameters():
             if hasattr(param, "main_grad"):
                 param.grad = param.main_grad
