@@ -1,0 +1,1 @@
+"""Reliability checks: hang bound, desync diagnosis and run-to-run determinism."""
