@@ -1,9 +1,10 @@
 """Hang bound: a rank withheld from a collective makes every other rank raise within the timeout + 10 s.
 
 Three gloo ranks from the shared pool build a subgroup with a short timeout; rank 0 never enters an
-``all_reduce`` on it that ranks 1 and 2 call. The waiting ranks must raise a ``RuntimeError`` (gloo
-raises ``DistBackendError``, a subclass) no later than the subgroup timeout + 10 s, the pool must stay
-usable afterwards, and no process may be left behind.
+``all_reduce`` on it that ranks 1 and 2 call. The waiting ranks must raise a ``RuntimeError`` (or a
+subclass such as ``DistBackendError``; torch 2.13's gloo raises a plain ``RuntimeError`` "Timed out
+waiting 5000ms for send/recv operation to complete") no later than the subgroup timeout + 10 s, the pool
+must stay usable afterwards, and no process may be left behind.
 """
 
 from __future__ import annotations
