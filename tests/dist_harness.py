@@ -10,7 +10,8 @@ Usage in a test::
 
     from tests.dist_harness import run_on_ranks
 
-    def _check(rank, world_size):          # module level, so workers can import it
+    def _check():                          # module level, so workers can import it
+        rank = torch.distributed.get_rank()
         ...
         return value
 
