@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.process_tree import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "pretrain_gpt.py"
@@ -43,41 +44,11 @@ def _launch(extra: list[str], log: Path) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (torchrun starts its ranks in their own sessions, so killpg misses them)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
-
-
-def _kill_tree(proc: subprocess.Popen) -> str:
-    """SIGKILL the launcher and all its ranks at once; return what they printed."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    out, _ = proc.communicate()
-    return out
-
-
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> None:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        out = _kill_tree(proc)
+        out = kill_tree(proc)
         pytest.fail(f"pretrain_gpt.py did not finish within {timeout}s:\n{out[-4000:]}")
     assert proc.returncode == 0, f"pretrain_gpt.py failed ({proc.returncode}):\n{out[-4000:]}"
 
@@ -109,7 +80,7 @@ def test_killed_run_resumes_with_identical_losses(tmp_path: Path, layout: str) -
     while _tracker(save) < 6 and killed.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     still_running = killed.poll() is None
-    _kill_tree(killed)
+    kill_tree(killed)
     assert still_running, "the run to be killed ended on its own"
     resumed_from = _tracker(save)
     assert 6 <= resumed_from < STOP_AT, f"kill landed at checkpoint {resumed_from}"

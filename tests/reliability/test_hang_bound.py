@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tests.dist_harness import get_pool, run_on_ranks
+from tests.process_tree import descendants
 
 WORLD_SIZE = 3
 GROUP_TIMEOUT_S = 5.0
@@ -51,34 +51,15 @@ def _rank_sum() -> float:
     return t.item()
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid``."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found.update(children)
-        todo += children
-    return found
-
-
 def test_withheld_rank_makes_others_raise_within_bound() -> None:
     """Every rank waiting on a withheld peer raises a RuntimeError within timeout + 10 s; nothing is leaked."""
     expected_sum = float(sum(range(WORLD_SIZE)))
     assert run_on_ranks(WORLD_SIZE, _rank_sum) == [expected_sum] * WORLD_SIZE  # pool up before timing anything
-    before = _descendants(os.getpid())
+    before = descendants(os.getpid())
     outcomes = run_on_ranks(WORLD_SIZE, _withhold_rank0, GROUP_TIMEOUT_S, timeout=BOUND_S + 30)
     for outcome in outcomes[1:]:
         assert outcome["is_runtime_error"], f"rank {outcome['rank']} did not raise a RuntimeError: {outcome}"
         assert outcome["elapsed"] <= BOUND_S, f"rank {outcome['rank']} raised after {outcome['elapsed']:.1f}s"
     assert run_on_ranks(WORLD_SIZE, _rank_sum, timeout=30) == [expected_sum] * WORLD_SIZE
     assert get_pool(WORLD_SIZE).alive()
-    assert _descendants(os.getpid()) == before, "processes were started or lost by the hang"
+    assert descendants(os.getpid()) == before, "processes were started or lost by the hang"
