@@ -78,8 +78,14 @@ def _weight_gradient(ctx, weight: torch.Tensor, grad_output_2d: torch.Tensor,
                      input_2d: torch.Tensor) -> torch.Tensor | None:
     """``dW = dY^T X``; accumulated into ``weight.main_grad`` when fusion is on (returning no ``.grad``)."""
     if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-        weight.main_grad.add_(grad_output_2d.t().to(weight.main_grad.dtype)
-                              .matmul(input_2d.to(weight.main_grad.dtype)))
+        main_grad = weight.main_grad
+        if main_grad.dtype == grad_output_2d.dtype:
+            main_grad.addmm_(grad_output_2d.t(), input_2d)  # one GEMM that accumulates in place
+        else:
+            # bf16/fp16 activations with an fp32 main_grad: the GEMM runs in the activation dtype (tensor
+            # cores, fp32 accumulation inside) and its result is added in fp32, as the unfused DDP hook does;
+            # upcasting the operands instead would run the GEMM in fp32, many times slower on a GPU.
+            main_grad.add_(grad_output_2d.t().matmul(input_2d))
         if hasattr(weight, "grad_added_to_main_grad"):
             # DDP's backward hook reads this flag; it then ignores the (dummy) .grad returned here.
             weight.grad_added_to_main_grad = True

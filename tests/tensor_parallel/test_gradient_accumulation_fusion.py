@@ -1,0 +1,61 @@
+"""``gradient_accumulation_fusion``: weight gradients go straight into DDP's ``main_grad`` buffers.
+
+A tiny GPT wrapped in ``DistributedDataParallel`` accumulates two micro-batches with the fusion on and
+off, on the same weights and data; every parameter's ``main_grad`` must agree (fp32 within 1e-5; bf16
+params with fp32 gradient buffers within bf16 rounding), for TP=1 and TP=2 on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_core import parallel_state, tensor_parallel
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_core.transformer import Float16Module
+from tests.dist_harness import run_on_ranks
+from tests.models.gpt_test_utils import batch, build, llama_like
+
+
+def _main_grads(tp: int, fusion: bool, bf16: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    overrides = dict(gradient_accumulation_fusion=fusion, tensor_model_parallel_size=tp)
+    if bf16:
+        overrides.update(bf16=True, params_dtype=torch.bfloat16)
+    model = build(llama_like(), **overrides)
+    module = Float16Module(model.config, model) if bf16 else model
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+    ddp.zero_grad_buffer()
+    for seed, sync in ((3, False), (4, True)):
+        ids, pos, labels = batch(seed)
+        if sync:
+            ddp(ids, pos, None, labels=labels).float().mean().backward()
+        else:
+            with ddp.no_sync():
+                ddp(ids, pos, None, labels=labels).float().mean().backward()
+    ddp.finish_grad_sync()
+    return {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _compare_fused_and_unfused() -> list[str]:
+    checked = []
+    for tp in (1, 2):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        try:
+            for bf16 in (False, True):
+                fused, unfused = _main_grads(tp, True, bf16), _main_grads(tp, False, bf16)
+                assert fused.keys() == unfused.keys()
+                tol = dict(rtol=2e-2, atol=1e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
+                for name in fused:
+                    assert fused[name].dtype == torch.float32
+                    assert fused[name].abs().sum() > 0, f"{name}: no gradient reached main_grad"
+                    torch.testing.assert_close(fused[name], unfused[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+                checked.append(f"tp{tp}-{'bf16' if bf16 else 'fp32'}")
+        finally:
+            parallel_state.destroy_model_parallel()
+    return checked
+
+
+def test_fused_weight_gradients_equal_the_unfused_ones() -> None:
+    results = run_on_ranks(2, _compare_fused_and_unfused)
+    assert results == [["tp1-fp32", "tp1-bf16", "tp2-fp32", "tp2-bf16"]] * 2
