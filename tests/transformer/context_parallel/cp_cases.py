@@ -177,3 +177,75 @@ def check_bad_input() -> list[str]:
     finally:
         parallel_state.destroy_model_parallel()
     return errors
+
+
+def _cp_forward_step(data_iterator, model):
+    """Megatron's pretrain_gpt forward step under CP: split the batch, per-token loss sum and token count."""
+    batch = get_batch_on_this_cp_rank(dict(next(data_iterator)))
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        mask = batch["loss_mask"].reshape(-1).float()
+        loss = torch.sum(output_tensor.float().reshape(-1) * mask)
+        return loss, mask.sum().to(torch.int), {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def check_training(pp: int, use_distributed_optimizer: bool, num_microbatches: int = 2) -> dict:
+    """CP=2 with PP or DP through the schedules, DDP (DP x CP reduction), finalize_model_grads and
+    (optionally) the distributed optimizer, against the CP=1 model on the same global batch."""
+    from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron_core.pipeline_parallel import get_forward_backward_func
+    from megatron_core.transformer import TransformerConfig
+    from tests.pipeline_parallel.gpt_stages import MBS, SEQ, StageChunks, make_batches, reference_state
+
+    spec = llama_like(num_layers=2)
+    cp = 2
+    dp = 4 // (cp * pp)
+    batches = make_batches(num_microbatches * dp, seed=11)
+    ref_model, state = reference_state(spec)
+    tokens = sum(b["loss_mask"].sum() for b in batches)
+    total = sum((ref_model(b["tokens"], b["position_ids"], None, labels=b["labels"]) * b["loss_mask"]).sum()
+                for b in batches)
+    (total / tokens).backward()
+    ref_grads = {k: v.grad.detach().clone() for k, v in ref_model.named_parameters()}
+    ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-3)
+    ref_opt.step()
+    ref_params = {k: v.detach().clone() for k, v in ref_model.named_parameters()}
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, context_parallel_size=cp)
+    try:
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        config = TransformerConfig(
+            **spec["config"], pipeline_model_parallel_size=pp, context_parallel_size=cp, pipeline_dtype=torch.float32,
+            calculate_per_token_loss=True, finalize_model_grads_func=finalize_model_grads,
+        )
+        stages = StageChunks(spec, config, state)
+        ddp = DistributedDataParallel(
+            config, DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer), stages.chunks[0]
+        )
+        config.no_sync_func = ddp.no_sync
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=use_distributed_optimizer),
+            [ddp],
+        )
+        dp_rank = parallel_state.get_data_parallel_rank()
+        mine = batches[dp_rank * num_microbatches:(dp_rank + 1) * num_microbatches]
+        get_forward_backward_func()(
+            forward_step_func=_cp_forward_step, data_iterator=iter(mine), model=ddp,
+            num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MBS,
+        )
+        checked = 0
+        if not use_distributed_optimizer:  # with it, each rank holds only its shard of the reduced gradient
+            for name, grad in stages.grads(use_main_grad=True).items():
+                torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"grad {n}: {m}")
+                checked += 1
+        optimizer.step()
+        for name, param in stages.params().items():
+            torch.testing.assert_close(param, ref_params[name], **TOL, msg=lambda m, n=name: f"param {n}: {m}")
+            checked += 1
+    finally:
+        parallel_state.destroy_model_parallel()
+    return {"checked": checked}

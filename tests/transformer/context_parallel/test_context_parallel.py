@@ -39,3 +39,10 @@ def test_bad_input_is_refused():
     assert "batch['tokens'] has sequence length 6 (dim 1), not divisible by 2 * context_parallel_size (4)" in errors[0]
     assert "sequence length (6) must be divisible by 2 * context_parallel_size (4)" in errors[1]
     assert "attention_dropout (0.1) is not supported with cp_comm_type 'p2p'" in errors[2]
+
+
+@pytest.mark.parametrize("pp,distopt", [(2, False), (1, True)], ids=["cp2_pp2", "cp2_dp2_distopt"])
+def test_context_parallel_training_step(pp: int, distopt: bool):
+    """CP=2 x PP=2 and CP=2 x DP=2 (distributed optimizer): gradients and the Adam step equal CP=1's."""
+    results = run_on_ranks(WORLD, cp_cases.check_training, pp, distopt)
+    assert all(r["checked"] > 0 for r in results)
