@@ -91,7 +91,7 @@ def check_cases(cases: list[dict]) -> list[str]:
             torch.testing.assert_close(loss, ref_loss[:, zigzag(cp, cp_rank)], **TOL)
             loss.sum().backward()
             for name, grad in _full_grads(model, tp, True).items():
-                torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"{case} {n}: {m}")
+                torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name, c=case: f"{c} {n}: {m}")
             done.append(str(case))
         finally:
             parallel_state.destroy_model_parallel()
@@ -195,7 +195,11 @@ def _cp_forward_step(data_iterator, model):
 def check_training(pp: int, use_distributed_optimizer: bool, num_microbatches: int = 2) -> dict:
     """CP=2 with PP or DP through the schedules, DDP (DP x CP reduction), finalize_model_grads and
     (optionally) the distributed optimizer, against the CP=1 model on the same global batch."""
-    from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron_core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron_core.pipeline_parallel import get_forward_backward_func
     from megatron_core.transformer import TransformerConfig
