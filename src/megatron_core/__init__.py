@@ -34,6 +34,7 @@ _SUBMODULES = (
 _LAZY_NAMES = {
     "DistributedDataParallel": ("megatron_core.distributed", "DistributedDataParallel"),
     "ModelParallelConfig": ("megatron_core.model_parallel_config", "ModelParallelConfig"),
+    "Timers": ("megatron_core.timers", "Timers"),
 }
 
 
