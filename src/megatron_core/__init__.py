@@ -28,6 +28,7 @@ _SUBMODULES = (
     "dist_checkpointing",
     "datasets",
     "inference",
+    "rerun_state_machine",
 )
 
 # Top-level names Megatron-Core exports, resolved lazily: name -> (module, attribute).
