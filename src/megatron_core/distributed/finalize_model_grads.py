@@ -19,10 +19,10 @@ from megatron_core.process_groups_config import resolve_process_group
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / Float16Module wrappers (anything with a ``.module`` child)."""
-    while isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = module.module
-    return module
+    """Strip DDP / Float16Module wrappers (``megatron_core.utils.unwrap_model``)."""
+    from megatron_core.utils import unwrap_model
+
+    return unwrap_model(module)
 
 
 def _model_config(model_chunk: torch.nn.Module) -> Any:
