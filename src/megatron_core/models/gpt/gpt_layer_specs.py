@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
-from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.torch_norm import WrappedTorchNorm

@@ -1,6 +1,11 @@
 """Mixture of experts (``megatron.core.transformer.moe``): router, token dispatchers, experts and the MoE layer."""
 
-from megatron_core.transformer.moe.experts import GroupedMLP, GroupedMLPSubmodules, SequentialMLP, TEGroupedMLP
+from megatron_core.transformer.moe.experts import (
+    GroupedMLP,
+    GroupedMLPSubmodules,
+    SequentialMLP,
+    TEGroupedMLP,
+)
 from megatron_core.transformer.moe.grouped_linear import ColumnParallelGroupedLinear, RowParallelGroupedLinear
 from megatron_core.transformer.moe.moe_layer import BaseMoELayer, MoELayer, MoESubmodules
 from megatron_core.transformer.moe.moe_logging import MoEMetricsTracker, get_moe_metrics_tracker

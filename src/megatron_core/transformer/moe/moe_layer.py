@@ -19,7 +19,10 @@ from megatron_core.tensor_parallel.groups import group_rank, group_size
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_core.transformer.moe.router import TopKRouter
-from megatron_core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+from megatron_core.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher,
+)
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 
