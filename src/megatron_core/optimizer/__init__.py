@@ -73,15 +73,16 @@ def _grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
 
 
 def _groups(pg_collection: Any, expert: bool) -> dict[str, Any]:
-    """tp, data parallel and grad-stats groups for the dense or the expert optimizer."""
+    """tp (expert TP for experts), data parallel and grad-stats groups for the dense or the expert optimizer."""
     if pg_collection is not None:
-        return {"tp": getattr(pg_collection, "tp", None),
+        return {"tp": getattr(pg_collection, "expt_tp" if expert else "tp", None),
                 "dp": getattr(pg_collection, "expt_dp" if expert else "dp_cp", None),
                 "stats": getattr(pg_collection, "tp_ep_pp" if expert else "mp", None)}
     if not parallel_state.model_parallel_is_initialized():
         return {"tp": None, "dp": None, "stats": None}
     return {
-        "tp": parallel_state.get_tensor_model_parallel_group(),
+        "tp": (parallel_state.get_expert_tensor_parallel_group() if expert
+               else parallel_state.get_tensor_model_parallel_group()),
         "dp": (parallel_state.get_expert_data_parallel_group() if expert
                else parallel_state.get_data_parallel_group(with_context_parallel=True)),
         "stats": (parallel_state.get_expert_tensor_model_pipeline_parallel_group() if expert

@@ -10,7 +10,10 @@ from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron_core.transformer import TransformerConfig
 from megatron_core.transformer.moe import MoEAuxLossAutoScaler, get_moe_metrics_tracker
-from megatron_core.transformer.moe.moe_utils import apply_router_token_dropping, topk_routing_with_score_function
+from megatron_core.transformer.moe.moe_utils import (
+    apply_router_token_dropping,
+    topk_routing_with_score_function,
+)
 
 H = 16
 
