@@ -103,13 +103,13 @@ def _check(cases: list) -> list[str]:
             opt.step()
             tag = f"{flavour} tp={tp} ep={ep} etp={etp} {dispatcher} dist_opt={dist_opt}"
             torch.testing.assert_close(loss.detach(), ref_losses[parallel_state.get_data_parallel_rank()],
-                                       rtol=1e-5, atol=1e-5, msg=lambda m: f"{tag} loss: {m}")
+                                       rtol=1e-5, atol=1e-5, msg=lambda m, t=tag: f"{t} loss: {m}")
             for key, local, ref in local_vs_global(model, after):
                 if key.endswith("expert_bias"):  # a buffer, checked below against the reference's update
                     continue
-                torch.testing.assert_close(local, ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{tag} {k}: {m}")
+                torch.testing.assert_close(local, ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=key, t=tag: f"{t} {k}: {m}")
             for got, want in zip(_expert_biases(model), ref_bias, strict=True):
-                torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=lambda m: f"{tag} expert_bias: {m}")
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=lambda m, t=tag: f"{t} expert_bias: {m}")
             done.append(tag)
         finally:
             parallel_state.destroy_model_parallel()
