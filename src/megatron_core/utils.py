@@ -167,5 +167,5 @@ from megatron_core._version_utils import is_fa_min_version as is_fa_min_version
 from megatron_core._version_utils import is_flashinfer_min_version as is_flashinfer_min_version
 from megatron_core._version_utils import is_te_min_version as is_te_min_version
 from megatron_core._version_utils import is_torch_min_version as is_torch_min_version
-from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model as get_attr_wrapped_model
-from megatron_core.pipeline_parallel.wrapped_model import get_model_config as get_model_config
+from megatron_core._wrapped_model import get_attr_wrapped_model as get_attr_wrapped_model
+from megatron_core._wrapped_model import get_model_config as get_model_config

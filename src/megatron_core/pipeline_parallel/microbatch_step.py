@@ -20,7 +20,7 @@ import torch
 from torch.autograd import Variable
 
 from megatron_core import device
-from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model
+from megatron_core._wrapped_model import get_attr_wrapped_model
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.utils import get_pg_size
 
