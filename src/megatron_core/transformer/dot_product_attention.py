@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state, tensor_parallel
-from megatron_core.distributed.collectives import group_rank, group_size
+from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.attention_kernels import attend, window_keep
 from megatron_core.transformer.causal_mask import is_causal_rows, is_plain_causal_mask, sdpa_mask
 from megatron_core.transformer.context_parallel import CP_COMM_TYPES, context_parallel_attention
@@ -31,10 +31,10 @@ from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.packed_sequences import thd_layout
 from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["DotProductAttention", "is_plain_causal_mask"]
 
-_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
 _WINDOW_TYPES = (AttnMaskType.causal, AttnMaskType.causal_bottom_right, AttnMaskType.padding_causal)
 
 
@@ -88,17 +88,15 @@ class DotProductAttention(MegatronModule):
         self.attention_type = attention_type
         self.window_size = _check_window(config.window_size, attn_mask_type)
         self.cp_comm_type = _resolve_comm_type(cp_comm_type, config, self.layer_number)
-        self.pg_collection = pg_collection
+        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["cp"])
+        self.cp_group = self.pg_collection.cp
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         if softmax_scale is None:
             softmax_scale = config.softmax_scale
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def _cp_group(self) -> Any:
-        group = getattr(self.pg_collection, "cp", None)
-        if group is None and parallel_state.model_parallel_is_initialized():
-            group = parallel_state.get_context_parallel_group(check_initialized=False)
-        return group
+        return self.cp_group
 
     def _hierarchical_groups(self) -> list | None:
         groups = getattr(self.pg_collection, "hcp", None)
@@ -121,7 +119,7 @@ class DotProductAttention(MegatronModule):
         sq, b, np_, hn = query.shape
         dropout_p = self.dropout_p if self.training else 0.0
         cp_group = self._cp_group()
-        cp_size = group_size(cp_group) if cp_group is not None else 1
+        cp_size = get_pg_size(cp_group)
         if packed_seq_params is not None or cp_size > 1:
             context = self._sharded_or_packed(
                 query, key, value, attention_mask, mask_type, attention_bias, packed_seq_params, cp_group,
@@ -195,7 +193,7 @@ class DotProductAttention(MegatronModule):
         """The plain causal mask (this CP rank's rows of it under CP): the causal kernels replace it."""
         if cp_size == 1:
             return is_plain_causal_mask(mask, sq, sq)
-        n, rank = cp_size, group_rank(cp_group)
+        n, rank = cp_size, get_pg_rank(cp_group)
         c = sq // 2
         rows = list(range(rank * c, (rank + 1) * c)) + list(range((2 * n - 1 - rank) * c, (2 * n - rank) * c))
         return is_causal_rows(mask, rows, sq * n)

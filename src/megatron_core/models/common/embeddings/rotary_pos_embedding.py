@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from megatron_core.device import get_current_device
+from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
 
@@ -62,24 +64,17 @@ class RotaryEmbedding(torch.nn.Module):
         if dim % 2 != 0:
             raise ValueError(f"kv_channels ({kv_channels}) * rotary_percent ({rotary_percent}) = {dim} must be even")
         self.rotary_interleaved = rotary_interleaved
+        self.cp_group = resolve_process_group("cp", group=cp_group)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         device = torch.device("cpu") if use_cpu_initialization else get_current_device()
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
         if rope_scaling:
             inv_freq = _llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
         self.inv_freq = inv_freq
-        if cp_group is None:
-            from megatron_core import parallel_state
-
-            if parallel_state.model_parallel_is_initialized():
-                cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
-        self.cp_group = cp_group
         self._cache: dict[tuple, torch.Tensor] = {}
 
     def _cp(self) -> tuple[int, int]:
-        if self.cp_group is None:
-            return 1, 0
-        return self.cp_group.size(), self.cp_group.rank()
+        return get_pg_size(self.cp_group), get_pg_rank(self.cp_group)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
         """Angles ``[max_seq_len, 1, 1, rot_dim]`` (fp32); this CP rank's ``max_seq_len / cp`` rows under CP."""
@@ -126,5 +121,7 @@ class RotaryEmbedding(torch.nn.Module):
             transformer_input = transformer.input_tensor
         seq_len = transformer_input.size(0)
         if transformer_config.sequence_parallel:
-            seq_len *= transformer_config.tensor_model_parallel_size
+            # The TP group's size (the block's group, else parallel_state's), not the config field.
+            tp_group = transformer.tp_group if hasattr(transformer, "tp_group") else resolve_process_group("tp")
+            seq_len *= get_pg_size(tp_group)
         return seq_len * self._cp()[0]
