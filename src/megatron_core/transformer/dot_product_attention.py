@@ -91,9 +91,24 @@ class DotProductAttention(MegatronModule):
         self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["cp"])
         self.cp_group = self.pg_collection.cp
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if self.dropout_p > 0.0 and self._uses_ring():
+            raise ValueError(
+                f"attention_dropout ({self.dropout_p}) is not supported with cp_comm_type {self.cp_comm_type!r} "
+                f"(ring attention over {get_pg_size(self.cp_group)} CP ranks); use 'all_gather' or 'a2a', "
+                "or attention_dropout=0"
+            )
         if softmax_scale is None:
             softmax_scale = config.softmax_scale
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def _uses_ring(self) -> bool:
+        """Whether this layer's CP attention passes key/value blocks around a ring (no dropout there)."""
+        if get_pg_size(self.cp_group) == 1 or self.cp_comm_type in ("all_gather", "a2a"):
+            return False
+        if self.cp_comm_type == "a2a+p2p":
+            groups = self._hierarchical_groups()
+            return bool(groups) and len(groups) == 2 and get_pg_size(groups[1]) > 1
+        return True
 
     def _cp_group(self) -> Any:
         return self.cp_group

@@ -169,9 +169,8 @@ def check_bad_input() -> list[str]:
             model(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], None)
         except ValueError as exc:
             errors.append(str(exc))
-        model = build(llama_like(attention_dropout=0.1), context_parallel_size=2, cp_comm_type="p2p").train()
         try:
-            model(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], None)
+            build(llama_like(attention_dropout=0.1), context_parallel_size=2, cp_comm_type="p2p")
         except ValueError as exc:
             errors.append(str(exc))
     finally:
