@@ -96,58 +96,68 @@ def _report(rows: list[dict]) -> None:
             print("| " + " | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in keys) + " |")
 
 
-def run_single(args: argparse.Namespace) -> None:
-    """Activation memory of the model at CP=1 and attention time against plain SDPA."""
+def _memory_rows(args: argparse.Namespace, device: torch.device, seq: int) -> list[dict]:
+    model = _build(args, device)
+    ids = torch.randint(0, args.vocab, (1, seq), device=device)
+    pos = torch.arange(seq, device=device)[None]
+    labels = torch.randint(0, args.vocab, (1, seq), device=device)
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
+    rows = []
+    for label, m in (("no mask tensor", None), ("causal mask tensor", mask)):
+        def forward(m: torch.Tensor | None = m) -> None:
+            model(ids, pos, m, labels=labels).float().mean().backward()
+
+        forward()
+        model.zero_grad(set_to_none=True)
+        peak = _peak_bytes(forward, device)
+        model.zero_grad(set_to_none=True)
+        rows.append({"what": f"GPT fwd+bwd peak activations ({label})", "seq": seq, "layers": args.layers,
+                     "GiB": peak / 2**30, "MiB/token": peak / 2**20 / seq, "ms": float("nan")})
+    return rows
+
+
+def _attention_rows(args: argparse.Namespace, device: torch.device, seq: int) -> list[dict]:
     from megatron_core.transformer import TransformerConfig
     from megatron_core.transformer.dot_product_attention import DotProductAttention
     from megatron_core.transformer.enums import AttnMaskType
 
-    device = torch.device(args.device)
     dtype = _dtype(args)
+    cfg = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads,
+                            num_query_groups=args.groups, attention_dropout=0.0, hidden_dropout=0.0)
+    attn = DotProductAttention(cfg, 1, AttnMaskType.causal)
+    hn = args.hidden // args.heads
+    q = torch.randn(seq, 1, args.heads, hn, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(seq, 1, args.groups, hn, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(seq, 1, args.groups, hn, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(seq, 1, args.heads * hn, device=device, dtype=dtype)
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
+
+    def ours(m: torch.Tensor | None = None) -> None:
+        attn(q, k, v, m).backward(grad)
+
+    def plain() -> None:
+        out = F.scaled_dot_product_attention(
+            q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True,
+            enable_gqa=args.groups != args.heads,
+        )
+        out.permute(2, 0, 1, 3).reshape(seq, 1, -1).backward(grad)
+
+    rows = []
+    for label, fn in (("plain SDPA is_causal", plain), ("DotProductAttention", ours),
+                      ("DotProductAttention + mask tensor", lambda: ours(mask))):
+        ms = _timed(fn, device, args.warmup, args.iters) * 1e3
+        rows.append({"what": f"attention fwd+bwd: {label}", "seq": seq, "layers": 1, "GiB": float("nan"),
+                     "MiB/token": float("nan"), "ms": ms})
+    return rows
+
+
+def run_single(args: argparse.Namespace) -> None:
+    """Activation memory of the model at CP=1 and attention time against plain SDPA."""
+    device = torch.device(args.device)
     rows = []
     for seq in args.seq:
-        model = _build(args, device)
-        ids = torch.randint(0, args.vocab, (1, seq), device=device)
-        pos = torch.arange(seq, device=device)[None]
-        labels = torch.randint(0, args.vocab, (1, seq), device=device)
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
-        for label, m in (("no mask tensor", None), ("causal mask tensor", mask)):
-            def forward(m: torch.Tensor | None = m) -> None:
-                loss = model(ids, pos, m, labels=labels)
-                loss.float().mean().backward()  # frees the graph; the peak is reached in forward/backward
-
-            forward()
-            model.zero_grad(set_to_none=True)
-            peak = _peak_bytes(forward, device)
-            model.zero_grad(set_to_none=True)
-            rows.append({"what": f"GPT fwd+bwd peak activations ({label})", "seq": seq, "layers": args.layers,
-                         "GiB": peak / 2**30, "MiB/token": peak / 2**20 / seq, "ms": float("nan")})
-        del model
-
-        cfg = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads,
-                                num_query_groups=args.groups, attention_dropout=0.0, hidden_dropout=0.0)
-        attn = DotProductAttention(cfg, 1, AttnMaskType.causal)
-        hn = args.hidden // args.heads
-        q = torch.randn(seq, 1, args.heads, hn, device=device, dtype=dtype, requires_grad=True)
-        k = torch.randn(seq, 1, args.groups, hn, device=device, dtype=dtype, requires_grad=True)
-        v = torch.randn(seq, 1, args.groups, hn, device=device, dtype=dtype, requires_grad=True)
-        grad = torch.randn(seq, 1, args.heads * hn, device=device, dtype=dtype)
-
-        def ours(m: torch.Tensor | None = None) -> None:
-            attn(q, k, v, m).backward(grad)
-
-        def plain() -> None:
-            out = F.scaled_dot_product_attention(
-                q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True,
-                enable_gqa=args.groups != args.heads,
-            )
-            out.permute(2, 0, 1, 3).reshape(seq, 1, -1).backward(grad)
-
-        for label, fn in (("plain SDPA is_causal", plain), ("DotProductAttention", ours),
-                          ("DotProductAttention + mask tensor", lambda: ours(mask))):
-            ms = _timed(fn, device, args.warmup, args.iters) * 1e3
-            rows.append({"what": f"attention fwd+bwd: {label}", "seq": seq, "layers": 1, "GiB": float("nan"),
-                         "MiB/token": float("nan"), "ms": ms})
+        rows += _memory_rows(args, device, seq)
+        rows += _attention_rows(args, device, seq)
     _report(rows)
 
 
@@ -182,7 +192,7 @@ def run_cp(args: argparse.Namespace) -> None:
                 if cp > 1:
                     batch = get_batch_on_this_cp_rank(dict(batch))
 
-                def step(model=model, batch=batch) -> None:
+                def step(model: torch.nn.Module = model, batch: dict = batch) -> None:
                     loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
                     loss.float().sum().backward()
 

@@ -84,22 +84,45 @@ def _reduce_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, keep: torch.Tensor | None) -> torch.Tensor:
-    scores = torch.matmul(q.float(), _expand_kv(k, q.shape[1]).float().transpose(-1, -2)) * scale
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     return scores
 
 
+_TILE_ELEMENTS = 1 << 27  # fp32 scores per row tile (512 MiB), bounds the block kernels' memory
+
+
+def _row_tiles(q: torch.Tensor, sk: int) -> list[slice]:
+    b, h, sq = q.shape[:3]
+    rows = max(1, _TILE_ELEMENTS // max(1, b * h * sk))
+    return [slice(i, min(i + rows, sq)) for i in range(0, sq, rows)]
+
+
+def _tile_keep(keep: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if keep is None else keep[rows]
+
+
 def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's ``(out fp32 [b, h, sq, d], lse fp32 [b, h, sq])``; fully masked rows give lse = -inf, out = 0."""
-    scores = _scores(q, k, scale, keep)
-    lse = torch.logsumexp(scores, dim=-1)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    probs = torch.exp(scores - safe.unsqueeze(-1))
-    out = torch.matmul(probs, _expand_kv(v, q.shape[1]).float())
-    return out, lse
+    """One block's ``(out fp32 [b, h, sq, d], lse fp32 [b, h, sq])``; fully masked rows give lse = -inf, out = 0.
+
+    ``keep`` is ``[sq, sk]`` (True = attend) or None. Rows are processed in tiles so that at most
+    ``_TILE_ELEMENTS`` scores exist at a time.
+    """
+    heads = q.shape[1]
+    ke, ve = _expand_kv(k, heads).float(), _expand_kv(v, heads).float()
+    outs, lses = [], []
+    for rows in _row_tiles(q, k.shape[2]):
+        scores = _scores(q[:, :, rows], ke, scale, _tile_keep(keep, rows))
+        lse = torch.logsumexp(scores, dim=-1)
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        probs = torch.exp(scores - safe.unsqueeze(-1))
+        del scores
+        outs.append(torch.matmul(probs, ve))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def block_backward(
@@ -108,14 +131,22 @@ def block_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (fp32) of one block given the merged ``lse`` and ``delta = rowsum(dout * out)``."""
     heads = q.shape[1]
-    scores = _scores(q, k, scale, keep)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    probs = torch.exp(scores - safe.unsqueeze(-1))
-    dout = dout.float()
-    ve = _expand_kv(v, heads).float()
-    dv = torch.matmul(probs.transpose(-1, -2), dout)
-    dprobs = torch.matmul(dout, ve.transpose(-1, -2))
-    dscores = probs * (dprobs - delta.unsqueeze(-1)) * scale
-    dq = torch.matmul(dscores, _expand_kv(k, heads).float())
-    dk = torch.matmul(dscores.transpose(-1, -2), q.float())
+    ke, ve = _expand_kv(k, heads).float(), _expand_kv(v, heads).float()
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(ve.shape, dtype=torch.float32, device=q.device)
+    for rows in _row_tiles(q, k.shape[2]):
+        q_t = q[:, :, rows].float()
+        scores = _scores(q_t, ke, scale, _tile_keep(keep, rows))
+        lse_t = lse[:, :, rows]
+        safe = torch.where(torch.isinf(lse_t), torch.zeros_like(lse_t), lse_t)
+        probs = torch.exp(scores - safe.unsqueeze(-1))
+        del scores
+        dout_t = dout[:, :, rows].float()
+        dv += torch.matmul(probs.transpose(-1, -2), dout_t)
+        dprobs = torch.matmul(dout_t, ve.transpose(-1, -2))
+        dscores = probs * (dprobs - delta[:, :, rows].unsqueeze(-1)) * scale
+        del probs, dprobs
+        dq[:, :, rows] = torch.matmul(dscores, ke)
+        dk += torch.matmul(dscores.transpose(-1, -2), q_t)
     return dq, _reduce_kv(dk, k.shape[1]), _reduce_kv(dv, v.shape[1])
