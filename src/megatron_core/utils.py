@@ -29,6 +29,30 @@ def divide(numerator: int, denominator: int, what: str = "") -> int:
     return numerator // denominator
 
 
+def get_pg_size(group: Any = None) -> int:
+    """Number of ranks in ``group``: 1 when ``group`` is None or ``torch.distributed`` is not initialised.
+
+    As in Megatron-Core, ``None`` here means "no group" (no parallelism), never the WORLD group.
+    """
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return group.size()
+
+
+def get_pg_rank(group: Any = None) -> int:
+    """This rank's index in ``group``: 0 when ``group`` is None or ``torch.distributed`` is not initialised."""
+    if group is None or not torch.distributed.is_initialized():
+        return 0
+    return group.rank()
+
+
+def get_pg_src_rank(group: Any = None) -> int:
+    """Global rank of ``group``'s first member: 0 when ``group`` is None or nothing is initialised."""
+    if group is None or not torch.distributed.is_initialized():
+        return 0
+    return torch.distributed.get_process_group_ranks(group)[0]
+
+
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """An init method that fills a tensor from N(0, sigma^2)."""
 
@@ -143,5 +167,5 @@ from megatron_core._version_utils import is_fa_min_version as is_fa_min_version
 from megatron_core._version_utils import is_flashinfer_min_version as is_flashinfer_min_version
 from megatron_core._version_utils import is_te_min_version as is_te_min_version
 from megatron_core._version_utils import is_torch_min_version as is_torch_min_version
-from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model as get_attr_wrapped_model
-from megatron_core.pipeline_parallel.wrapped_model import get_model_config as get_model_config
+from megatron_core._wrapped_model import get_attr_wrapped_model as get_attr_wrapped_model
+from megatron_core._wrapped_model import get_model_config as get_model_config
