@@ -8,10 +8,10 @@ import time
 from functools import partial
 
 import torch
-from gpt_training.moe_metrics import moe_log_values
 import torch.distributed as dist
 
 from gpt_training.data import to_device
+from gpt_training.moe_metrics import moe_log_values
 from gpt_training.profiling import StepProfiler
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
