@@ -167,6 +167,15 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype) -> tuple[floa
     return time_steps(grouped, args), time_steps(dense, args)
 
 
+def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,
+                 labels: torch.Tensor) -> float:
+    """Build and time our MoE GPTModel; returns its MFU in percent (the model is freed on return)."""
+    ours = build_ours(args, dtype)
+    label = "megatron_core " + ("SequentialMLP" if args.sequential else "grouped GEMM") + (
+        " (compiled attn)" if args.compile else " eager")
+    return run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args)
+
+
 def main() -> None:
     args = parse_args()
     dev = mdevice.get_current_device()
@@ -182,11 +191,7 @@ def main() -> None:
           f"mbs {args.mbs}; active parameters {active_parameters(args) / 1e9:.3f} B, "
           f"FLOPs/token {flops_per_token(args) / 1e9:.2f} G")
 
-    ours = build_ours(args, dtype)
-    label = "megatron_core " + ("SequentialMLP" if args.sequential else "grouped GEMM") + (
-        " (compiled attn)" if args.compile else " eager")
-    ours_mfu = run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args)
-    del ours
+    ours_mfu = measure_ours(args, dtype, ids, position_ids, labels)
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
