@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from megatron_core import parallel_state
 from megatron_core.distributed import collectives
+from megatron_core.process_groups_config import resolve_process_group
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / Float16Module wrappers (anything with a ``.module`` child)."""
-    while isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = module.module
-    return module
+    """Strip DDP / Float16Module wrappers (``megatron_core.utils.unwrap_model``)."""
+    from megatron_core.utils import unwrap_model
+
+    return unwrap_model(module)
 
 
 def _model_config(model_chunk: torch.nn.Module) -> Any:
@@ -42,24 +42,17 @@ def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def _groups(pg_collection: Any) -> dict[str, Any]:
+    """The groups of each reduction, from the package resolver; "no group" becomes ``collectives.LOCAL``."""
     if pg_collection is not None:
         for name in ("tp", "pp", "embd", "pos_embd"):
             if not hasattr(pg_collection, name):
                 raise ValueError(f"pg_collection for finalize_model_grads must have '{name}' (set it to None if unused)")
-        dp_cp = getattr(pg_collection, "dp_cp", None)
-        return {"tp": pg_collection.tp, "pp": pg_collection.pp, "embd": pg_collection.embd,
-                "pos_embd": pg_collection.pos_embd, "dp_cp": dp_cp}
-    return {
-        "tp": parallel_state.get_tensor_model_parallel_group(),
-        "pp": parallel_state.get_pipeline_model_parallel_group(),
-        "embd": parallel_state.get_embedding_group(check_initialized=False),
-        "pos_embd": parallel_state.get_position_embedding_group(check_initialized=False),
-        "dp_cp": parallel_state.get_data_parallel_group(with_context_parallel=True),
-    }
+    return {role: collectives.local_if_none(resolve_process_group(role, pg_collection))
+            for role in ("tp", "pp", "embd", "pos_embd", "dp_cp")}
 
 
 def _in_group(group: Any) -> bool:
-    return group is not None and collectives.group_size(group) > 1
+    return collectives.group_size(group) > 1
 
 
 def _tied_embedding_params(model: list[torch.nn.Module], pp_group: Any) -> list[torch.nn.Parameter]:

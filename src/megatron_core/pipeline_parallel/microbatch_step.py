@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from megatron_core import device, parallel_state
-from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model
+from megatron_core import device
+from megatron_core._wrapped_model import get_attr_wrapped_model
+from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.utils import get_pg_size
 
 
 def deallocate_output_tensor(out: torch.Tensor | None, deallocate_pipeline_outputs: bool = False) -> None:
@@ -75,8 +77,8 @@ def get_tensor_shapes(
     tp_group: Any = None, cp_group: Any = None,
 ) -> list[tuple[int, int, int]]:
     """The ``[s, b, h]`` shape of the tensor passed between stages, ``s`` split by CP (and TP under SP)."""
-    cp_size = cp_group.size() if cp_group is not None else _parallel_size("context")
-    tp_size = tp_group.size() if tp_group is not None else _parallel_size("tensor_model")
+    cp_size = get_pg_size(resolve_process_group("cp", group=cp_group))
+    tp_size = get_pg_size(resolve_process_group("tp", group=tp_group))
     if seq_length % cp_size != 0:
         raise ValueError(f"seq_length ({seq_length}) must be divisible by context_parallel_size ({cp_size})")
     seq_length //= cp_size
@@ -93,16 +95,9 @@ def get_tensor_shapes(
     return [(seq_length, micro_batch_size, hidden_size)]
 
 
-def _parallel_size(kind: str) -> int:
-    if not parallel_state.model_parallel_is_initialized():
-        return 1
-    return getattr(parallel_state, f"get_{kind}_parallel_world_size")()
-
-
 def context_parallel_size(pg_collection: Any = None) -> int:
-    """CP size from ``pg_collection.cp`` if given, else from ``parallel_state`` (1 if uninitialised)."""
-    cp_group = getattr(pg_collection, "cp", None)
-    return cp_group.size() if cp_group is not None else _parallel_size("context")
+    """CP size from ``pg_collection.cp`` if a collection is given, else from ``parallel_state`` (1 if none)."""
+    return get_pg_size(resolve_process_group("cp", pg_collection))
 
 
 class GradSyncSwitch:
@@ -258,9 +253,12 @@ def resolve_communicator(config: Any, p2p_communicator: Any = None, pg_collectio
 
     if p2p_communicator is not None:
         return p2p_communicator
-    pp_group = getattr(pg_collection, "pp", None)
+    pp_group = resolve_process_group("pp", pg_collection)
     if pp_group is None:
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        raise RuntimeError(
+            "a pipeline schedule needs a pipeline-parallel group: pass pg_collection with pp set, a "
+            "p2p_communicator, or call initialize_model_parallel() first"
+        )
     return P2PCommunicator(pp_group, config)
 
 
