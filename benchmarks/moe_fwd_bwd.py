@@ -13,8 +13,8 @@ spread evenly over the experts) against one dense GEMM of the same total FLOPs.
     PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --compile   # GPU: reference config + HF baseline
     PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --tiny      # CPU smoke test (fp32, tiny shapes)
 
-``--compile`` compiles each layer's attention and the loss (the MoE block has data-dependent shapes
-and runs eagerly with one grouped GEMM per projection). The last lines are ``RESULT`` lines.
+``--compile`` compiles each layer's norms and attention and the loss (the MoE block has data-dependent
+shapes and runs eagerly with one grouped GEMM per projection). The last lines are ``RESULT`` lines.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sequential", action="store_true", help="SequentialMLP experts instead of grouped GEMM")
     p.add_argument("--aux-loss", type=float, default=0.0, help="moe_aux_loss_coeff (HF computes none by default)")
-    p.add_argument("--compile", action="store_true", help="torch.compile each layer's attention and the loss")
+    p.add_argument("--compile", action="store_true", help="torch.compile each layer's norms and attention and the loss")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
@@ -93,7 +93,9 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     model = model.to(mdevice.get_current_device())
     if args.compile:
         for layer in model.decoder.layers:
-            layer.self_attention.compile()
+            for part in (layer.input_layernorm, layer.self_attention, layer.pre_mlp_layernorm):
+                part.compile()
+        model.decoder.final_layernorm.compile()
         model.compute_language_model_loss = torch.compile(model.compute_language_model_loss)
     return model
 

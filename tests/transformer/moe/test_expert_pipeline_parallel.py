@@ -12,12 +12,23 @@ import pytest
 import torch
 
 from megatron_core import parallel_state, tensor_parallel
-from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron_core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.transformer.moe import MoEAuxLossAutoScaler
 from tests.dist_harness import run_on_ranks
-from tests.transformer.moe.moe_parallel_utils import SEQ, batches, build, global_tensors, load_globals, local_vs_global
+from tests.transformer.moe.moe_parallel_utils import (
+    SEQ,
+    batches,
+    build,
+    global_tensors,
+    load_globals,
+    local_vs_global,
+)
 
 WORLD, PP, EP, MICRO = 4, 2, 2, 2
 CLIP = 0.05
