@@ -79,7 +79,7 @@ def check_cases(cases: list[dict]) -> list[str]:
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
             model = build(spec, tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm,
                           sequence_parallel=case.get("sp", False),
-                          hierarchical_context_parallel_sizes=case.get("hier"))
+                          hierarchical_context_parallel_sizes=case.get("hier"), **case.get("extra", {}))
             _load(model, state, tp, True)
             ids, labels = _data()
             batch = {"tokens": ids, "labels": labels, "position_ids": torch.arange(S).expand(B, S).contiguous(),

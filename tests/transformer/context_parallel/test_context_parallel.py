@@ -12,7 +12,8 @@ WORLD = 4
 
 GROUPS = {
     "cp2": [dict(cp=2, comm="p2p", mask=True), dict(cp=2, comm="all_gather"), dict(cp=2, comm="a2a"),
-            dict(cp=2, comm="a2a+p2p", hier=[1, 2])],
+            dict(cp=2, comm="a2a+p2p", hier=[1, 2]),
+            dict(cp=2, comm="p2p", extra=dict(recompute_granularity="selective"))],
     "cp4": [dict(cp=4, comm="p2p"), dict(cp=4, comm="all_gather", mask=True), dict(cp=4, comm="a2a"),
             dict(cp=4, comm="a2a+p2p", hier=[2, 2])],
     "tp_sp_window": [dict(cp=2, tp=2, sp=True, comm="p2p"), dict(cp=2, tp=2, sp=True, comm="a2a"),
