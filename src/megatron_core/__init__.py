@@ -27,6 +27,7 @@ _SUBMODULES = (
     "optimizer",
     "dist_checkpointing",
     "datasets",
+    "tokenizers",
     "inference",
 )
 
