@@ -188,3 +188,35 @@ def test_compile_helpers_is_a_noop_that_logs_once(caplog):
         assert utils.compile_helpers() is None
         utils.compile_helpers()
     assert sum("nothing to compile" in record.message for record in caplog.records) == 1
+
+
+def test_libraries_match_megatron_core_oracle(sentencepiece_model, tiktoken_file):
+    """Ids and special ids equal megatron-core's library tokenizers (the test-oracle extra)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = pytest.importorskip("megatron.core.tokenizers.text.libraries")
+    texts = [TEXT, "  two  spaces and\ttabs\n", "héllo 🙂 the theatre"]
+    ours_sp = MegatronTokenizer.from_pretrained(sentencepiece_model, metadata_path={"library": "sentencepiece"})
+    their_sp = reference.SentencePieceTokenizer(sentencepiece_model)
+    ours_tt = MegatronTokenizer.from_pretrained(
+        tiktoken_file, metadata_path={"library": "tiktoken"}, vocab_size=1262, num_special_tokens=1000
+    )
+    their_tt = reference.TikTokenTokenizer(tiktoken_file, vocab_size=1262, num_special_tokens=1000)
+    ours_bl = MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"}, special_tokens=["<a>", "<b>"])
+    their_bl = reference.ByteLevelTokenizer(special_tokens=["<a>", "<b>"])
+    for ours, theirs in ((ours_sp, their_sp), (ours_tt, their_tt), (ours_bl, their_bl)):
+        for text in texts:
+            ids = ours.tokenize(text)
+            assert ids == theirs.text_to_ids(text)
+            if text.isascii():  # megatron-core 0.16.1's tiktoken decodes multi-byte characters token by token
+                assert ours.detokenize(ids) == theirs.ids_to_text(ids)
+        assert ours.vocab_size == theirs.vocab_size
+        assert (ours.eod, ours.pad_id, ours.eos_id) == (theirs.eod, theirs.pad_id, theirs.eos_id)
+    assert their_bl.tokens_to_ids(["<a>", "<b>"]) == ours_bl._tokenizer.tokens_to_ids(["<a>", "<b>"])
+    # (megatron-core 0.16.1's null tokenizer still has the legacy vocab_size + 1 ids; 0.19 has vocab_size)
+    null = reference.NullTokenizer(64)
+    ours_null = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=64)
+    assert ours_null.tokenize("5 7 9") == null.text_to_ids("5 7 9") == [5, 7, 9]
+    assert ours_null.detokenize([5, 7, 9]) == null.ids_to_text([5, 7, 9])
