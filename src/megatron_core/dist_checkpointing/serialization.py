@@ -38,6 +38,7 @@ from megatron_core.dist_checkpointing.core import (
 from megatron_core.dist_checkpointing.dict_utils import (
     dict_list_map_inplace,
     extract_matching_values,
+    lists_like,
     merge,
     nested_values,
     without_matching,
@@ -304,8 +305,9 @@ def load(
                 sharded_part, lambda x: isinstance(x, ShardedBase) and _storage_key(x) not in missing,
                 return_lists_as_dicts=True,
             )
-        loaded = strategy.load(sharded_part, checkpoint_dir)
+        loaded = lists_like(strategy.load(sharded_part, checkpoint_dir), sharded_state_dict)
         dict_list_map_inplace(lambda x: x.unwrap() if isinstance(x, LocalNonpersistentObject) else x, nonpersistent)
+        nonpersistent = lists_like(nonpersistent, sharded_state_dict)
         result = merge(merge(common_state, loaded), nonpersistent)
         if factories:
             result = apply_factory_merges(result, factories)
