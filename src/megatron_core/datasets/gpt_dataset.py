@@ -140,6 +140,7 @@ class GPTDataset(MegatronDataset):
         """Sample ``idx`` (``None`` gives a padding sample whose loss mask is all zero)."""
         text = torch.from_numpy(self._query_document_sample_shuffle_indices(0 if idx is None else idx)[0])
         pad = self._pad_token_id
+        self._check_token_ids(text, pad, idx)
         if self.config.add_extra_token_to_sequence:
             tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
         else:
@@ -192,6 +193,20 @@ class GPTDataset(MegatronDataset):
         if missing > 0:
             parts.append(numpy.full(missing, self._pad_token_id, dtype=numpy.int64))
         return numpy.concatenate(parts, dtype=numpy.int64), numpy.array(document_ids, dtype=numpy.int64)
+
+    def _check_token_ids(self, text: torch.Tensor, pad: int, idx: int | None) -> None:
+        """Token ids must lie in ``[0, tokenizer.vocab_size)``: a wrong tokenizer or data file is named here,
+        not found later as an index error (or, under tensor parallelism, silently zero embeddings)."""
+        vocab_size = getattr(self.config.tokenizer, "vocab_size", None)
+        if not isinstance(vocab_size, int) or text.numel() == 0:
+            return
+        real = text[text != pad]
+        if real.numel() and (int(real.max()) >= vocab_size or int(real.min()) < 0):
+            bad = int(real.max()) if int(real.max()) >= vocab_size else int(real.min())
+            where = getattr(self.dataset, "path_prefix", type(self.dataset).__name__)
+            raise ValueError(f"{type(self).__name__} {self.index_split.name} sample {idx} of {where}: token id {bad} "
+                             f"is outside the tokenizer's vocabulary (vocab_size {vocab_size}); the data was "
+                             "tokenized with another tokenizer")
 
     def _cache_directory(self) -> str | None:
         if self.config.path_to_cache:

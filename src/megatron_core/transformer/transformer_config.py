@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core.config_rules import TRANSFORMER_RULES, apply_rules
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer.enums import AttnBackend
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
@@ -121,6 +122,7 @@ class TransformerConfig(ModelParallelConfig):
     def __post_init__(self) -> None:
         """Validate (errors name fields, values and rule) and fill derived defaults."""
         super().__post_init__()
+        apply_rules("TransformerConfig", self, TRANSFORMER_RULES)
         _check_shape(self)
         _derive_shape_defaults(self)
         _check_parallel_shapes(self)
