@@ -69,7 +69,7 @@ def check_value(owner: str, name: str, value: Any, rule: str, allow_none: bool =
         wanted = {"probability": "a finite number in [0, 1)"}.get(rule, f"a finite {rule}" if "float" in rule
                                                                  else f"a {rule} (not a bool)")
         none = " or None" if allow_none else ""
-        raise ValueError(f"{owner}.{name} must be {wanted}{none}, got {value!r}")
+        raise ValueError(f"{owner}: {name} ({value!r}) must be {wanted}{none}")
 
 
 def apply_rules(owner: str, config: Any, rules: tuple[tuple[str, bool, str], ...]) -> None:
@@ -82,7 +82,7 @@ def apply_rules(owner: str, config: Any, rules: tuple[tuple[str, bool, str], ...
 def check_timeout_minutes(name: str, value: Any) -> None:
     """A process-group timeout must be a positive, finite number of minutes."""
     if not _is_number(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of minutes, got {value!r}")
+        raise ValueError(f"{name} ({value!r}) must be a positive number of minutes")
 
 
 def check_model_sizes(vocab_size: Any, max_sequence_length: Any) -> None:

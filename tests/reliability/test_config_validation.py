@@ -29,19 +29,19 @@ REPO = Path(__file__).resolve().parents[2]
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
 
 TRANSFORMER_CASES = {
-    "ffn_hidden_size=0": (dict(ffn_hidden_size=0), "TransformerConfig.ffn_hidden_size", "0"),
-    "kv_channels<0": (dict(kv_channels=-8), "TransformerConfig.kv_channels", "-8"),
-    "num_layers=True": (dict(num_layers=True), "TransformerConfig.num_layers", "True"),
-    "init_method_std<0": (dict(init_method_std=-0.02), "TransformerConfig.init_method_std", "-0.02"),
-    "init_method_std=nan": (dict(init_method_std=float("nan")), "TransformerConfig.init_method_std", "nan"),
-    "num_query_groups=0": (dict(num_query_groups=0), "TransformerConfig.num_query_groups", "0"),
-    "hidden_dropout=nan": (dict(hidden_dropout=float("nan")), "TransformerConfig.hidden_dropout", "nan"),
+    "ffn_hidden_size=0": (dict(ffn_hidden_size=0), "TransformerConfig: ffn_hidden_size (0)", "0"),
+    "kv_channels<0": (dict(kv_channels=-8), "TransformerConfig: kv_channels (-8)", "-8"),
+    "num_layers=True": (dict(num_layers=True), "TransformerConfig: num_layers (True)", "True"),
+    "init_method_std<0": (dict(init_method_std=-0.02), "TransformerConfig: init_method_std (-0.02)", "-0.02"),
+    "init_method_std=nan": (dict(init_method_std=float("nan")), "TransformerConfig: init_method_std (nan)", "nan"),
+    "num_query_groups=0": (dict(num_query_groups=0), "TransformerConfig: num_query_groups (0)", "0"),
+    "hidden_dropout=nan": (dict(hidden_dropout=float("nan")), "TransformerConfig: hidden_dropout (nan)", "nan"),
 }
 OPTIMIZER_CASES = {
-    "weight_decay=nan": (dict(weight_decay=float("nan")), "OptimizerConfig.weight_decay", "nan"),
-    "lr=inf": (dict(lr=float("inf")), "OptimizerConfig.lr", "inf"),
-    "clip_grad=nan": (dict(clip_grad=float("nan")), "OptimizerConfig.clip_grad", "nan"),
-    "adam_eps=0": (dict(adam_eps=0.0), "OptimizerConfig.adam_eps", "0.0"),
+    "weight_decay=nan": (dict(weight_decay=float("nan")), "OptimizerConfig: weight_decay (nan)", "nan"),
+    "lr=inf": (dict(lr=float("inf")), "OptimizerConfig: lr (inf)", "inf"),
+    "clip_grad=nan": (dict(clip_grad=float("nan")), "OptimizerConfig: clip_grad (nan)", "nan"),
+    "adam_eps=0": (dict(adam_eps=0.0), "OptimizerConfig: adam_eps (0.0)", "0.0"),
 }
 
 
@@ -63,14 +63,13 @@ def test_optimizer_config_rejects(case: str) -> None:
 
 @pytest.mark.parametrize("minutes", [0, -5, float("nan")])
 def test_non_positive_timeout_is_rejected_before_any_group(minutes: float) -> None:
-    with pytest.raises(ValueError, match=f"distributed_timeout_minutes must be a positive number of minutes, got "
-                                         f"{minutes!r}"):
+    with pytest.raises(ValueError, match=rf"distributed_timeout_minutes \({minutes!r}\) must be a positive number"):
         parallel_state.initialize_model_parallel(distributed_timeout_minutes=minutes)
 
 
 @pytest.mark.parametrize("vocab, max_len, message", [
-    (0, 16, "GPTModel.vocab_size must be a positive int (not a bool), got 0"),
-    (64, 0, "GPTModel.max_sequence_length must be a positive int (not a bool), got 0"),
+    (0, 16, "GPTModel: vocab_size (0) must be a positive int (not a bool)"),
+    (64, 0, "GPTModel: max_sequence_length (0) must be a positive int (not a bool)"),
 ])
 def test_gpt_model_sizes(vocab: int, max_len: int, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
