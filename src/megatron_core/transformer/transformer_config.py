@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_core.config_rules import TRANSFORMER_RULES, apply_rules
+from megatron_core.config_rules import TRANSFORMER_RULES as _TRANSFORMER_RULES
+from megatron_core.config_rules import apply_rules as _apply_rules
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer.enums import AttnBackend
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
@@ -122,7 +123,7 @@ class TransformerConfig(ModelParallelConfig):
     def __post_init__(self) -> None:
         """Validate (errors name fields, values and rule) and fill derived defaults."""
         super().__post_init__()
-        apply_rules("TransformerConfig", self, TRANSFORMER_RULES)
+        _apply_rules("TransformerConfig", self, _TRANSFORMER_RULES)
         _check_shape(self)
         _derive_shape_defaults(self)
         _check_parallel_shapes(self)

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
-from megatron_core.config_rules import check_model_sizes, check_sequence_fits
+from megatron_core.config_rules import check_model_sizes as _check_model_sizes
+from megatron_core.config_rules import check_sequence_fits as _check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
@@ -61,7 +62,7 @@ class GPTModel(LanguageModule):
             )
         if mtp_block_spec is not None:
             raise ValueError("GPTModel: multi-token prediction (mtp_block_spec) is not supported")
-        check_model_sizes(vocab_size, max_sequence_length)
+        _check_model_sizes(vocab_size, max_sequence_length)
         if vocab_size % config.tensor_model_parallel_size != 0:
             raise ValueError(
                 f"vocab_size ({vocab_size}) must be divisible by tensor_model_parallel_size "
@@ -148,7 +149,7 @@ class GPTModel(LanguageModule):
     ) -> torch.Tensor:
         """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
         if input_ids is not None and packed_seq_params is None:
-            check_sequence_fits(input_ids.shape[-1], self.max_sequence_length)
+            _check_sequence_fits(input_ids.shape[-1], self.max_sequence_length)
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
