@@ -4,8 +4,11 @@ A 4-layer SwiGLU/RMSNorm GPT (hidden 32, vocab 64) trains 50 steps on one rank i
 mode (``torch.use_deterministic_algorithms``, fixed seeds, data depending only on the step) with
 the Megatron optimizer, scheduler and pipeline schedule. The per-step losses and grad norms are
 stored as exact float hex strings per torch version and device kind, in
-``tests/reliability/golden/loss_curve-torch<major.minor>-<device>.json``; only
-``python tools/golden_loss_curve.py --write`` (re)writes them.
+``tests/reliability/golden/loss_curve-torch<major.minor>-<device>.json`` (the device kind is the
+CPU's vector capability, since CPU kernels differ between AVX2 and AVX-512); only
+``python tools/golden_loss_curve.py --write`` (re)writes them. On a device kind without its own
+golden file the curve is compared with another device's golden of the same torch version within
+5 % relative (section 7's tolerance for runs that are not bit-reproducible).
 """
 
 from __future__ import annotations
@@ -23,16 +26,24 @@ GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 
 
 def device_kind() -> str:
-    """``cpu``, or the CUDA device's name made file-name safe."""
-    if torch.cuda.is_available():
-        return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_").lower()
-    return "cpu"
+    """Where the reference runs: the CPU's vector capability (its kernels differ), e.g. ``cpu_avx512``."""
+    capability = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "default"
+    return re.sub(r"[^a-z0-9]+", "_", f"cpu_{capability}".lower()).strip("_")
+
+
+def torch_version() -> str:
+    """``major.minor`` of the running torch."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
 
 def golden_path() -> Path:
     """The golden file of this torch version and device kind."""
-    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    return GOLDEN_DIR / f"loss_curve-torch{version}-{device_kind()}.json"
+    return GOLDEN_DIR / f"loss_curve-torch{torch_version()}-{device_kind()}.json"
+
+
+def sibling_goldens() -> list[Path]:
+    """Golden files of this torch version on other device kinds (compared within 5 % relative)."""
+    return sorted(p for p in GOLDEN_DIR.glob(f"loss_curve-torch{torch_version()}-*.json") if p != golden_path())
 
 
 def run_curve(steps: int = STEPS) -> dict:
