@@ -2,8 +2,9 @@
 
 No process group or model is needed: every case fails in a config's ``__post_init__`` (or in
 ``initialize_model_parallel`` before any group exists, or in ``GPTModel`` before any weight is
-allocated). ``test_checks_hold_under_python_O`` runs this file again with ``python -O`` (assert
-statements stripped) to show none of the checks is an ``assert``.
+allocated). ``test_checks_hold_under_python_O`` runs this file and the TransformerConfig tests
+(heads/groups vs TP, layers vs PP/VPP, ...) again with ``python -O`` (assert statements stripped)
+to show none of the checks is an ``assert``.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def test_corrupt_tokenizer_json_names_the_file(tmp_path: Path) -> None:
 @pytest.mark.skipif(sys.flags.optimize > 0, reason="already running under python -O")
 def test_checks_hold_under_python_O() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+    files = [__file__, str(REPO / "tests" / "transformer" / "test_transformer_config.py")]
+    proc = subprocess.run([sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
                            "-k", "not input_longer"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
