@@ -27,7 +27,6 @@ _SUBMODULES = (
     "optimizer",
     "dist_checkpointing",
     "datasets",
-    "inference",
 )
 
 # Top-level names Megatron-Core exports, resolved lazily: name -> (module, attribute).
