@@ -6,7 +6,7 @@
   ``finalize_model_grads``, the clipped grad norm and the weights after one step of the library's
   optimizer equal the TP=1 single-process run.
 - A config that leaves ``tensor_model_parallel_size`` at its default under ``parallel_state`` TP=2
-  (Megatron's own example) and TP=4: with ``use_cpu_initialization`` the model starts from exactly
+  (among them Megatron's own example config, which used to crash in attention) and TP=4: with ``use_cpu_initialization`` the model starts from exactly
   the TP=1 weights (SwiGLU fc1 is built with ``stride=2``), so loss and logits equal TP=1 without
   copying any weight; under TP=2 every gradient too. (Default sizes under PP=2 x TP=2 run in
   tests/pipeline_parallel/test_gpt_pipeline.py.)
@@ -123,13 +123,22 @@ def test_gpt_trains_on_explicit_groups_like_tp1(kind: str):
     )
 
 
+# Megatron-LM's examples/run_simple_mcore_train_loop.py config (TP size left at its default).
+MEGATRON_EXAMPLE = dict(config=dict(num_layers=2, hidden_size=12, num_attention_heads=4, use_cpu_initialization=True,
+                                    pipeline_dtype=torch.float32), model=dict())
+
+
+def _spec(kind: str) -> dict:
+    return {"llama": llama_like, "gpt2": gpt2_like}[kind]() if kind != "megatron_example" else MEGATRON_EXAMPLE
+
+
 def _default_sizes_match_tp1(cases: list[tuple[str, int]]) -> list[str]:
     done = []
     for kind, tp in cases:
-        spec = llama_like() if kind == "llama" else gpt2_like()
+        spec = _spec(kind)
         gated = spec["config"].get("gated_linear_unit", False)
         torch.manual_seed(1234)
-        ref_model = build(spec)
+        ref_model = build(spec).eval()  # eval: the example config keeps Megatron's default dropout
         ids, pos, labels = batch()
         ref_logits = ref_model(ids, pos, None)
         ref_loss = ref_model(ids, pos, None, labels=labels)
@@ -139,7 +148,7 @@ def _default_sizes_match_tp1(cases: list[tuple[str, int]]) -> list[str]:
         try:
             group = parallel_state.get_tensor_model_parallel_group()
             torch.manual_seed(1234)
-            model = build(spec)  # tensor_model_parallel_size left at its default (1)
+            model = build(spec).eval()  # tensor_model_parallel_size left at its default (1)
             assert model.config.tensor_model_parallel_size == 1
             logits = torch.cat(_gather_tp(model(ids, pos, None), group), dim=-1)
             torch.testing.assert_close(logits, ref_logits, **TOL)
@@ -158,7 +167,7 @@ def _default_sizes_match_tp1(cases: list[tuple[str, int]]) -> list[str]:
 
 
 def test_default_config_sizes_follow_parallel_state_and_cpu_init_matches_tp1():
-    cases = [("llama", 2), ("llama", 4), ("gpt2", 2)]
+    cases = [("megatron_example", 2), ("llama", 2), ("llama", 4), ("gpt2", 2)]
     results = run_on_ranks(WORLD, _default_sizes_match_tp1, cases)
     assert all(r == [f"{k} tp={t}" for k, t in cases] for r in results)
 
