@@ -78,7 +78,7 @@ def _groups(pg_collection: Any, expert: bool) -> dict[str, Any]:
 
     Roles with no group (nothing initialised, or unset in ``pg_collection``) are ``collectives.LOCAL``.
     """
-    roles = {"tp": "tp", "dp": "expt_dp" if expert else "dp_cp", "stats": "tp_ep_pp" if expert else "mp"}
+    roles = {"tp": "expt_tp" if expert else "tp", "dp": "expt_dp" if expert else "dp_cp", "stats": "tp_ep_pp" if expert else "mp"}
     return {key: collectives.local_if_none(resolve_process_group(role, pg_collection)) for key, role in roles.items()}
 
 

@@ -20,7 +20,7 @@ import torch
 from torch.autograd import Variable
 
 from megatron_core import device
-from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model
+from megatron_core._wrapped_model import get_attr_wrapped_model
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.utils import get_pg_size
 
@@ -164,6 +164,8 @@ def forward_step(
         else:
             output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
 
+    if getattr(config, "num_moe_experts", None) is not None:
+        _set_moe_aux_loss_scale(config, num_microbatches, cp_size)
     num_tokens = torch.tensor(0, dtype=torch.int)
     if is_last_stage:
         if collect_non_loss_data:
@@ -174,6 +176,22 @@ def forward_step(
     if timers is not None:
         timers("forward-compute").stop()
     return (output_tensor if unwrap_output else [output_tensor]), num_tokens
+
+
+def _set_moe_aux_loss_scale(config: Any, num_microbatches: int, cp_size: int) -> None:
+    """MoE aux losses get the main loss's backward scale: ``loss_scale * cp / num_microbatches`` (per token: ``loss_scale``)."""
+    # Imported here: the schedules sit below the transformer package and only MoE models need it.
+    from megatron_core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    if getattr(config, "moe_grad_scale_func", None) is not None:
+        scale = torch.as_tensor(config.moe_grad_scale_func(), dtype=torch.float32)
+    elif getattr(config, "grad_scale_func", None) is not None:
+        scale = config.grad_scale_func(torch.ones(1, device=device.get_current_device()))
+    else:
+        scale = torch.ones(1)
+    if not getattr(config, "calculate_per_token_loss", False):
+        scale = scale * cp_size / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def _call_if_wrapped_model_has(model: torch.nn.Module, method: str) -> None:

@@ -8,6 +8,10 @@ built with ``stride=2`` (as in Megatron-Core), so CPU initialisation cuts rank `
 ``[gate_r; up_r]`` out of the same master weight at every TP size. Both biases are returned
 separately (``skip_bias_add``) so the caller fuses them. The TP group is ``tp_group``, else
 ``pg_collection.tp`` (``.expt_tp`` for experts), else ``parallel_state``'s.
+
+As an MoE expert, ``forward(x, per_token_scale)`` weights each token by its routing probability
+after the activation and adds the fc2 bias scaled the same way, so the output is
+``p * (fc2(act(fc1(x))) + b2)`` and no bias is returned.
 """
 
 from __future__ import annotations
@@ -92,16 +96,23 @@ class MLP(MegatronModule):
             return self.activation_func(gate) * up
         return self.activation_func(intermediate)
 
-    def _forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         intermediate, bias = self.linear_fc1(hidden_states)
-        return self.linear_fc2(self._activate(intermediate, bias))
+        intermediate = self._activate(intermediate, bias)
+        if per_token_scale is None:
+            return self.linear_fc2(intermediate)
+        dtype = intermediate.dtype
+        intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(dtype)
+        output, output_bias = self.linear_fc2(intermediate)
+        if output_bias is not None:
+            output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1).to(output.dtype)
+        return output, None
 
     def forward(
         self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns ``(output [s, b, h], output_bias)``."""
-        if per_token_scale is not None:
-            raise NotImplementedError("MLP: per_token_scale (MoE expert input scaling) is not supported")
+        """Returns ``(output [s, b, h], output_bias)``; ``per_token_scale`` ``[tokens]`` weights an expert's tokens."""
         if self.checkpoint_mlp and self.training:
-            return tensor_parallel.checkpoint(self._forward, False, hidden_states)
-        return self._forward(hidden_states)
+            return tensor_parallel.checkpoint(self._forward, False, hidden_states, per_token_scale)
+        return self._forward(hidden_states, per_token_scale)

@@ -88,6 +88,8 @@ class TransformerLayer(MegatronModule):
         self.cross_attn_bda = build_module(submodules.cross_attn_bda, config=config)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_kwargs)
         self.mlp = build_module(submodules.mlp, config=config, pg_collection=pg_collection)
+        if hasattr(self.mlp, "set_layer_number"):  # MoE: the router logs its losses per global layer
+            self.mlp.set_layer_number(self.layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
         self.has_cross_attention = not isinstance(self.cross_attention, IdentityOp)
 
