@@ -4,7 +4,7 @@
   ranks, made with ``torch.distributed.new_group`` into a ``ProcessGroupCollection``;
   ``parallel_state`` never initialised): the initial weights, the loss, every gradient after DDP +
   ``finalize_model_grads``, the clipped grad norm and the weights after one step of the library's
-  optimizer equal the TP=1 single-process run.
+  optimizer (plain and distributed) equal the TP=1 single-process run.
 - A config that leaves ``tensor_model_parallel_size`` at its default under ``parallel_state`` TP=2
   (among them Megatron's own example config, which used to crash in attention) and TP=4: with ``use_cpu_initialization`` the model starts from exactly
   the TP=1 weights (SwiGLU fc1 is built with ``stride=2``), so loss and logits equal TP=1 without
@@ -73,11 +73,12 @@ def _gather_tp(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Ten
     return pieces
 
 
-def _train_on_explicit_groups(kind: str) -> str:
+def _train_on_explicit_groups(kind: str, distributed_optimizer: bool) -> str:
     spec = llama_like() if kind == "llama" else gpt2_like()
     gated = spec["config"].get("gated_linear_unit", False)
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.05)
     ref = _reference_step(spec, opt_config)
+    opt_config.use_distributed_optimizer = distributed_optimizer
 
     tp_group, tp_all = _new_groups([[0, 1], [2, 3]])
     dp_group, dp_all = _new_groups([[0, 2], [1, 3]])
@@ -98,14 +99,17 @@ def _train_on_explicit_groups(kind: str) -> str:
             torch.testing.assert_close(param, shard(name, ref["init"][name], tp, tp_rank, gated), rtol=0, atol=0,
                                        msg=lambda m, n=name: f"initial {n}: {m}")
 
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model, pg_collection=pgs)
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
+        ddp = DistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
         optimizer = get_megatron_optimizer(opt_config, [ddp], pg_collection=pgs)
         ids, pos, labels = (t[dp_rank:dp_rank + 1] for t in batch())
         loss = ddp(ids, pos, None, labels=labels)
         torch.testing.assert_close(loss, ref["loss"][dp_rank:dp_rank + 1], **TOL)
         loss.mean().backward()
         finalize_model_grads([ddp], pg_collection=pgs)
-        for name, param in model.named_parameters():
+        # The distributed optimizer reduce-scatters: each DP rank holds only its shard of the full
+        # gradient, checked through the grad norm and the stepped weights below.
+        for name, param in [] if distributed_optimizer else model.named_parameters():
             full = unshard(name, _gather_tp(param.main_grad, tp_group), gated)
             torch.testing.assert_close(full, ref["grads"][name], **TOL, msg=lambda m, n=name: f"grad {n}: {m}")
 
@@ -121,9 +125,9 @@ def _train_on_explicit_groups(kind: str) -> str:
             dist.destroy_process_group(group)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_gpt_trains_on_explicit_groups_like_tp1(kind: str):
-    results = run_on_ranks(WORLD, _train_on_explicit_groups, kind)
+@pytest.mark.parametrize("kind,distributed_optimizer", [("llama", False), ("gpt2", False), ("llama", True)])
+def test_gpt_trains_on_explicit_groups_like_tp1(kind: str, distributed_optimizer: bool):
+    results = run_on_ranks(WORLD, _train_on_explicit_groups, kind, distributed_optimizer)
     assert sorted(results) == sorted(
         f"{kind} tp_rank={t} dp_rank={d}" for d in range(2) for t in range(2)
     )
