@@ -53,6 +53,23 @@ def get_pg_src_rank(group: Any = None) -> int:
     return torch.distributed.get_process_group_ranks(group)[0]
 
 
+def get_tensor_model_parallel_group_if_none(
+    tp_group: Any = None, is_expert: bool = False, check_initialized: bool = True
+) -> Any:
+    """Megatron-Core's helper: ``tp_group``, else the (expert) TP group of ``parallel_state``.
+
+    ``None`` before ``torch.distributed`` is initialised, and ``tp_group`` itself (possibly
+    ``None``: no TP) when ``parallel_state`` has no TP group, as in Megatron-Core. The lookup is
+    :func:`megatron_core.process_groups_config.resolve_process_group`; ``check_initialized`` is
+    accepted for compatibility (a missing group is "no TP", never an error).
+    """
+    if not torch.distributed.is_initialized():
+        return None
+    from megatron_core.process_groups_config import resolve_process_group
+
+    return resolve_process_group("expt_tp" if is_expert else "tp", group=tp_group)
+
+
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """An init method that fills a tensor from N(0, sigma^2)."""
 
