@@ -1,7 +1,9 @@
-"""Section 7, check 9: the suite's per-test wall limit and its check that no process is left behind.
+"""Section 7, check 9: the suite's per-test wall limit, short subgroup timeouts, no process left behind.
 
 - ``pyproject.toml`` sets pytest-timeout's ``timeout`` to at most 300 s (pytest-timeout is in the
   ``dev`` extra), and the plugin is active in this session;
+- ``initialize_model_parallel`` called in a test (through ``tests/dist_harness.py``) creates every
+  subgroup with the pool's short timeout, not the library's 30-minute default;
 - a test session whose test leaves a child process running ends with a failing exit status that
   names the process (``tests/conftest.py``'s session-finish check).
 """
@@ -15,6 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+
+from megatron_core import parallel_state
+from tests.dist_harness import PROCESS_GROUP_TIMEOUT_S, run_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,3 +63,25 @@ def test_a_process_left_behind_fails_the_session(tmp_path: Path) -> None:
                 pass
     if not pid_file.exists():
         pytest.fail("the inner test did not start its child")
+
+
+def _subgroup_timeouts() -> list[float]:
+    seen: list[float] = []
+    original = dist.new_group
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["timeout"].total_seconds())
+        return original(*args, **kwargs)
+
+    dist.new_group = recording
+    try:
+        parallel_state.initialize_model_parallel(2, 1)
+    finally:
+        dist.new_group = original
+        parallel_state.destroy_model_parallel()
+    return seen
+
+
+def test_subgroups_made_in_tests_use_the_short_timeout() -> None:
+    for timeouts in run_on_ranks(2, _subgroup_timeouts):
+        assert timeouts and max(timeouts) <= PROCESS_GROUP_TIMEOUT_S <= 60, timeouts
