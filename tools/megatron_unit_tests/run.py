@@ -98,7 +98,7 @@ def summarize(xml: Path, excluded: set[str]) -> dict:
         counts["timed_out"] = True
         return counts
     for case in ET.parse(xml).getroot().iter("testcase"):
-        classname = case.get("classname", "")
+        classname = case.get("classname") or case.get("name", "")  # a collection error has no class name
         module_file = classname.replace(".", "/")
         if any(module_file.startswith(f.removesuffix(".py")) for f in excluded):
             counts["excluded"] += 1
