@@ -212,7 +212,7 @@ def test_aliases_at_megatron_paths():
     groups = [{"lr": 0.1, "default_config": False}, {"lr": 0.2, "default_config": True}, {"lr": 0.3}]
     assert get_canonical_lr_for_logging(groups) == 0.2
     assert get_canonical_lr_for_logging([{"lr": 0.1, "default_config": False}]) is None
-    assert get_canonical_lr_for_logging([{"lr": 0.4}, {"lr": 0.5}]) == 0.4
+    assert get_canonical_lr_for_logging([{"lr": 0.4}, {"lr": 0.5}]) is None
 
     lin = transformer_utils.get_linear_layer(3, 2, lambda w: torch.nn.init.constant_(w, 0.5))
     assert torch.equal(lin.weight, torch.full((2, 3), 0.5)) and not lin.bias.any()
