@@ -70,6 +70,7 @@ class TransformerConfig(ModelParallelConfig):
     attention_backend: AttnBackend = AttnBackend.auto
     softmax_scale: float | None = None
     window_size: tuple[int, int] | None = None
+    cp_comm_type: str | list[str] | None = None
     apply_query_key_layer_scaling: bool = False
     attention_softmax_in_fp32: bool = True
     masked_softmax_fusion: bool = False
@@ -194,10 +195,6 @@ def _check_parallel_shapes(cfg: TransformerConfig) -> None:
         )
     if cfg.ffn_hidden_size % tp != 0:
         raise ValueError(f"ffn_hidden_size ({cfg.ffn_hidden_size}) must be divisible by tensor_model_parallel_size ({tp})")
-    if cfg.context_parallel_size > 1:
-        raise ValueError(
-            f"context_parallel_size ({cfg.context_parallel_size}) > 1 is not supported by this library's attention"
-        )
 
 
 def _check_normalization_and_activation(cfg: TransformerConfig) -> None:
