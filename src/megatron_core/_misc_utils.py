@@ -55,20 +55,6 @@ def is_submodule(module: torch.nn.Module, parent_module: torch.nn.Module, strict
     return any(m is module for m in parent_module.modules())
 
 
-def get_tensor_model_parallel_group_if_none(tp_group: Any, is_expert: bool = False,
-                                            check_initialized: bool = True) -> Any:
-    """``tp_group``, else the (expert) tensor-parallel group of ``parallel_state`` (see ``tensor_parallel.groups``)."""
-    from megatron_core import parallel_state
-    from megatron_core.tensor_parallel import groups
-
-    if not torch.distributed.is_initialized():
-        return None
-    if tp_group is None and not parallel_state.is_initialized():
-        return None
-    return groups.get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert,
-                                                          check_initialized=check_initialized)
-
-
 def make_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, prepend_offsets: tuple = (),
                                        replica_id: Any = None, **kwargs: Any) -> Any:
     """See :func:`megatron_core.dist_checkpointing.sharded_module.make_sharded_tensor_for_checkpoint`."""
