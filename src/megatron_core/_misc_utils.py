@@ -16,7 +16,7 @@ from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer
 
 __all__ = [
     "GlobalMemoryBuffer", "MakeViewlessTensor", "WrappedTensor", "accepts_parameter", "assert_viewless_tensor",
-    "get_model_type", "get_model_xattn", "get_tensor_model_parallel_group_if_none", "is_submodule",
+    "get_model_type", "get_model_xattn", "is_submodule",
     "log_on_each_pipeline_stage", "make_sharded_tensor_for_checkpoint", "make_tp_sharded_tensor_for_checkpoint",
     "make_viewless_tensor", "round_up_to_nearest_multiple", "safely_set_viewless_tensor_data",
 ]
