@@ -27,14 +27,15 @@ _SUBMODULES = (
     "optimizer",
     "dist_checkpointing",
     "datasets",
+    "rerun_state_machine",
     "tokenizers",
-    "inference",
 )
 
 # Top-level names Megatron-Core exports, resolved lazily: name -> (module, attribute).
 _LAZY_NAMES = {
     "DistributedDataParallel": ("megatron_core.distributed", "DistributedDataParallel"),
     "ModelParallelConfig": ("megatron_core.model_parallel_config", "ModelParallelConfig"),
+    "Timers": ("megatron_core.timers", "Timers"),
 }
 
 

@@ -186,3 +186,14 @@ class OptimizerParamScheduler:
                                                      "weight decay incr style")
         self.num_steps = 0
         self.step(self._first(sd, "num_steps", "num_iters"))
+
+
+def get_canonical_lr_for_logging(param_groups: list[dict]) -> float | None:
+    """The learning rate to log: that of the first param group marked ``default_config=True`` (None if none is).
+
+    Every such group follows the one default schedule, so the first is representative.
+    """
+    for group in param_groups:
+        if group.get("default_config", False):
+            return group.get("lr")
+    return None
