@@ -142,7 +142,11 @@ def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
                         "each evaluation draws the next batches of the validation split)")
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--load", default=None,
+                   help="resume from this directory; it must hold a checkpoint, except when it is also --save "
+                        "and still empty (the first run of a resumable job)")
+    g.add_argument("--load-if-present", action="store_true",
+                   help="start from scratch when --load holds no checkpoint instead of exiting with an error")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--async-save", action="store_true")

@@ -53,6 +53,23 @@ def get_pg_src_rank(group: Any = None) -> int:
     return torch.distributed.get_process_group_ranks(group)[0]
 
 
+def get_tensor_model_parallel_group_if_none(
+    tp_group: Any = None, is_expert: bool = False, check_initialized: bool = True
+) -> Any:
+    """Megatron-Core's helper: ``tp_group``, else the (expert) TP group of ``parallel_state``.
+
+    ``None`` before ``torch.distributed`` is initialised, and ``tp_group`` itself (possibly
+    ``None``: no TP) when ``parallel_state`` has no TP group, as in Megatron-Core. The lookup is
+    :func:`megatron_core.process_groups_config.resolve_process_group`; ``check_initialized`` is
+    accepted for compatibility (a missing group is "no TP", never an error).
+    """
+    if not torch.distributed.is_initialized():
+        return None
+    from megatron_core.process_groups_config import resolve_process_group
+
+    return resolve_process_group("expt_tp" if is_expert else "tp", group=tp_group)
+
+
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """An init method that fills a tensor from N(0, sigma^2)."""
 
@@ -142,6 +159,22 @@ def experimental_api(obj: F) -> F:
 # Megatron-Core's ``megatron.core.utils`` names, implemented in small modules of their own.
 # ruff: noqa: E402
 from megatron_core._batch_utils import get_batch_on_this_tp_rank as get_batch_on_this_tp_rank
+from megatron_core._misc_utils import GlobalMemoryBuffer as GlobalMemoryBuffer
+from megatron_core._misc_utils import MakeViewlessTensor as MakeViewlessTensor
+from megatron_core._misc_utils import WrappedTensor as WrappedTensor
+from megatron_core._misc_utils import accepts_parameter as accepts_parameter
+from megatron_core._misc_utils import assert_viewless_tensor as assert_viewless_tensor
+from megatron_core._misc_utils import get_model_type as get_model_type
+from megatron_core._misc_utils import get_model_xattn as get_model_xattn
+from megatron_core._misc_utils import is_submodule as is_submodule
+from megatron_core._misc_utils import log_on_each_pipeline_stage as log_on_each_pipeline_stage
+from megatron_core._misc_utils import make_sharded_tensor_for_checkpoint as make_sharded_tensor_for_checkpoint
+from megatron_core._misc_utils import (
+    make_tp_sharded_tensor_for_checkpoint as make_tp_sharded_tensor_for_checkpoint,
+)
+from megatron_core._misc_utils import make_viewless_tensor as make_viewless_tensor
+from megatron_core._misc_utils import round_up_to_nearest_multiple as round_up_to_nearest_multiple
+from megatron_core._misc_utils import safely_set_viewless_tensor_data as safely_set_viewless_tensor_data
 from megatron_core._model_utils import (
     check_param_hashes_across_dp_replicas as check_param_hashes_across_dp_replicas,
 )

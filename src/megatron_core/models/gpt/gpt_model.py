@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core.config_rules import check_model_sizes as _check_model_sizes
+from megatron_core.config_rules import check_sequence_fits as _check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
@@ -62,6 +64,7 @@ class GPTModel(LanguageModule):
             )
         if mtp_block_spec is not None:
             raise ValueError("GPTModel: multi-token prediction (mtp_block_spec) is not supported")
+        _check_model_sizes(vocab_size, max_sequence_length)
         # Every part gets the same groups (self.pg_collection: the argument, else parallel_state's).
         tp_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
         if vocab_size % tp_size != 0:
@@ -152,6 +155,8 @@ class GPTModel(LanguageModule):
         padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
+        if input_ids is not None and packed_seq_params is None:
+            _check_sequence_fits(input_ids.shape[-1], self.max_sequence_length)
         if packed_seq_params is not None and input_ids is not None:
             _validate_packed(packed_seq_params, input_ids, self.pg_collection.cp)
         if decoder_input is None and self.pre_process:
