@@ -145,6 +145,7 @@ class GPTModel(LanguageModule):
         padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
+        inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
@@ -167,6 +168,8 @@ class GPTModel(LanguageModule):
         )
         if not self.post_process:
             return hidden_states
+        if inference_context is not None:  # only the positions whose logits generation needs
+            hidden_states = inference_context.select_logit_hidden_states(hidden_states)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         if labels is None:
