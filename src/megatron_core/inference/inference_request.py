@@ -131,6 +131,7 @@ class DynamicInferenceRequest(InferenceRequest):
     num_cached_tokens: int = 0
     num_evictions: int = 0
     error: str | None = None
+    finish_reason: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_tokens, torch.Tensor):

@@ -3,7 +3,8 @@
 Memory: per layer, one key and one value buffer of ``total_block_count`` blocks of
 ``block_size_tokens`` token slots (``[blocks * block_size, groups, head_dim]``, allocated on first
 use with the key's dtype and device). The block count is ``buffer_size_gb`` over the bytes one
-block takes across this rank's layers. A :class:`KVBlockAllocator` hands blocks to requests; each
+block takes across this rank's layers, capped at what ``max_requests`` sequences of
+``max_sequence_length`` tokens can use. A :class:`KVBlockAllocator` hands blocks to requests; each
 request has a block table (its block ids in order), so token ``p`` of a request lives in slot
 ``table[p // block_size] * block_size + p % block_size``.
 
@@ -134,9 +135,11 @@ class DynamicInferenceContext(BaseInferenceContext):
                 f"{self.bytes_per_block} bytes (block_size_tokens={self.block_size_tokens}, "
                 f"{self.num_layers_local} layers, {self.num_groups_local} KV heads of {self.head_dim})"
             )
-        self.block_allocator = KVBlockAllocator(total_blocks)
         self.max_tokens = inference_config.max_tokens or DEFAULT_MAX_TOKENS
         self.max_requests = min(inference_config.max_requests or DEFAULT_MAX_REQUESTS, self.max_tokens)
+        # Never more blocks than max_requests full-length sequences can use.
+        total_blocks = min(total_blocks, self.max_requests * self.blocks_for_tokens(self.max_sequence_length))
+        self.block_allocator = KVBlockAllocator(total_blocks)
         self.device: torch.device | None = None
         self.kv_memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.request_blocks: dict[Any, list[int]] = {}

@@ -364,20 +364,24 @@ class DynamicInferenceEngine(AbstractEngine):
                 self._finish(request, Status.COMPLETED)
 
     def _should_stop(self, request: DynamicInferenceRequest, token: int) -> bool:
+        """Whether ``request`` is done after ``token``; sets ``request.finish_reason`` ("stop" / "length")."""
         params = request.sampling_params
         generated = len(request.generated_tokens)
+        reason = None
         if token == self.controller.termination_id(params):
-            return True
-        if params.num_tokens_to_generate is not None and generated >= params.num_tokens_to_generate:
-            return True
-        if params.num_tokens_total is not None and request.prompt_length + generated >= params.num_tokens_total:
-            return True
-        if request.prompt_length + generated >= self.context.max_sequence_length:
-            return True
-        if params.stop_words:
-            tail = self.controller.detokenize(request.generated_tokens[-64:])
-            return any(tail.endswith(word) for word in params.stop_words)
-        return False
+            reason = "stop"
+        elif params.stop_words and any(
+            self.controller.detokenize(request.generated_tokens[-64:]).endswith(w) for w in params.stop_words
+        ):
+            reason = "stop"
+        elif params.num_tokens_to_generate is not None and generated >= params.num_tokens_to_generate:
+            reason = "length"
+        elif params.num_tokens_total is not None and request.prompt_length + generated >= params.num_tokens_total:
+            reason = "length"
+        elif request.prompt_length + generated >= self.context.max_sequence_length:
+            reason = "length"
+        request.finish_reason = reason
+        return reason is not None
 
     def _finish(self, request: DynamicInferenceRequest, status: Status, error: str | None = None) -> None:
         params = request.sampling_params
