@@ -11,7 +11,7 @@ from megatron_core.pipeline_parallel.schedules import (
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
 )
-from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model, get_model_config
+from megatron_core._wrapped_model import get_attr_wrapped_model, get_model_config
 
 __all__ = [
     "P2PCommunicator",

@@ -31,7 +31,7 @@ from megatron_core.pipeline_parallel.microbatch_step import (
     new_token_counter,
     resolve_communicator,
 )
-from megatron_core.pipeline_parallel.wrapped_model import get_model_config
+from megatron_core._wrapped_model import get_model_config
 
 
 def get_schedule_table(
