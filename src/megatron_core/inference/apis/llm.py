@@ -39,10 +39,11 @@ class MegatronLLM(_MegatronLLMBase):
         return [r.merge() for r in records]
 
     def shutdown(self) -> None:
-        """Free the KV cache; later ``generate`` calls fail. Idempotent."""
+        """Free the KV cache (its memory too); later ``generate`` calls fail. Idempotent."""
         if not self._shutdown_called:
             self._shutdown_called = True
             self._engine.reset()
+            self._context.kv_memory.clear()
 
     def __enter__(self) -> MegatronLLM:
         return self
