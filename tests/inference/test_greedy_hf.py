@@ -63,3 +63,31 @@ def test_greedy_with_chunked_prefill_matches_hf(models):
         max_requests=3, enable_chunked_prefill=True,
     )
     assert _greedy(engine, batch) == expected
+
+
+def test_padded_decode_layout_matches_hf(models):
+    """The CUDA-graph layout (decode batches padded to fixed sizes, scratch block) run eagerly on CPU."""
+    model, batch, expected = models
+    engine = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4,
+                     max_requests=3)
+    engine.context.pad_decode_steps_on_cpu = True
+    assert _greedy(engine, batch) == expected
+    assert set(engine.context.graph_inputs) <= {1, 2, 3} and engine.context.graph_inputs
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_hf(models):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, batch, expected = models
+    model = model.cuda()
+    try:
+        engine = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4)
+        assert _greedy(engine, batch) == expected
+        assert engine.controller.inference_wrapped_model.decode_graphs.graphs
+        eager = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64)
+        assert _greedy(eager, batch) == expected
+    finally:
+        model.cpu()

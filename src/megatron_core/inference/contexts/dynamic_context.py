@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from megatron_core.inference.config import InferenceConfig
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
+from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs, graph_batch_sizes
 from megatron_core.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megatron_core.inference.contexts.rotary import rotate_at_positions
 
@@ -140,6 +141,13 @@ class DynamicInferenceContext(BaseInferenceContext):
         # Never more blocks than max_requests full-length sequences can use.
         total_blocks = min(total_blocks, self.max_requests * self.blocks_for_tokens(self.max_sequence_length))
         self.block_allocator = KVBlockAllocator(total_blocks)
+        # One extra block past the allocator's range: padding rows of CUDA-graph decode steps write there.
+        self.scratch_block = total_blocks
+        self.use_cuda_graphs = inference_config.num_cuda_graphs is not None
+        self.graph_sizes = graph_batch_sizes(self.max_requests) if self.use_cuda_graphs else []
+        self.graph_inputs: dict[int, DecodeGraphInputs] = {}
+        self.graph_batch_size: int | None = None
+        self.pad_decode_steps_on_cpu = False  # lay out graph-style padded decode steps on CPU too (tests)
         self.device: torch.device | None = None
         self.kv_memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.request_blocks: dict[Any, list[int]] = {}
@@ -268,6 +276,11 @@ class DynamicInferenceContext(BaseInferenceContext):
                 self._prefill_segments.append((offset, n, end, table))
             offset += n
         self.num_decode = len(decode)
+        self.graph_batch_size = None
+        padded = device.type == "cuda" or self.pad_decode_steps_on_cpu
+        if self.use_cuda_graphs and not prefill and padded and self._all_last_rows(logit_index, total):
+            self._graph_layout(decode, ids, positions, slots, device)
+            return
         self.input_ids = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
         self.position_ids = torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
@@ -282,6 +295,27 @@ class DynamicInferenceContext(BaseInferenceContext):
             kv_len = torch.tensor(lengths, device=device)
             keep = torch.arange(width * bs, device=device)[None, :] < kv_len[:, None]
             self._decode_mask = keep[:, None, None, :]
+
+    @staticmethod
+    def _all_last_rows(logit_index: list[int], total: int) -> bool:
+        return len(logit_index) == total
+
+    def _graph_layout(self, decode: list[StepEntry], ids: list[int], positions: list[int], slots: list[int],
+                      device: torch.device) -> None:
+        """Decode-only step into the static tensors of the smallest graph batch size that fits."""
+        batch = next(b for b in self.graph_sizes if b >= len(decode))
+        inputs = self.graph_inputs.get(batch)
+        if inputs is None:
+            width = self.blocks_for_tokens(self.max_sequence_length)
+            inputs = self.graph_inputs[batch] = DecodeGraphInputs(
+                batch, width, self.block_size_tokens, self.scratch_block, device
+            )
+        inputs.fill(ids, positions, slots, [self.request_blocks[e.request_id] for e in decode])
+        self.graph_batch_size = self.num_decode = batch
+        self.input_ids, self.position_ids, self.slot_mapping = inputs.input_ids, inputs.position_ids, inputs.slot_mapping
+        self._decode_tables, self._decode_mask = inputs.tables, inputs.mask
+        self._prefill_segments = []
+        self._all_rows = True
 
     def current_input_and_position_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and positions of the step, ``[1, T]`` each."""
@@ -304,7 +338,7 @@ class DynamicInferenceContext(BaseInferenceContext):
     def _layer_memory(self, layer: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         memory = self.kv_memory.get(layer)
         if memory is None:
-            shape = (self.total_block_count * self.block_size_tokens, key.shape[-2], key.shape[-1])
+            shape = ((self.total_block_count + 1) * self.block_size_tokens, key.shape[-2], key.shape[-1])
             memory = self.kv_memory[layer] = (
                 torch.zeros(shape, dtype=key.dtype, device=key.device),
                 torch.zeros(shape, dtype=key.dtype, device=key.device),
@@ -329,9 +363,11 @@ class DynamicInferenceContext(BaseInferenceContext):
             width = self._decode_tables.shape[1]
             k = k_mem.view(-1, bs, ng, hn)[self._decode_tables].view(nd, width * bs, ng, hn).transpose(1, 2)
             v = v_mem.view(-1, bs, ng, hn)[self._decode_tables].view(nd, width * bs, ng, hn).transpose(1, 2)
-            q = query[:nd, 0].unsqueeze(2)  # [nd, np, 1, hn]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._decode_mask, scale=scale, enable_gqa=gqa)
-            out[:nd] = o.squeeze(2)
+            # The query heads of one KV group share its keys and mask: put them on the query axis
+            # ([nd, groups, heads_per_group, hn]) so SDPA needs no GQA expansion of the cache.
+            q = query[:nd, 0].view(nd, ng, np_ // ng, hn)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._decode_mask, scale=scale)
+            out[:nd] = o.reshape(nd, np_, hn)
         for q0, n, kv_len, table in self._prefill_segments:
             if table is None:  # a fresh prompt: its keys are exactly this chunk's
                 k, v = key[q0 : q0 + n, 0], value[q0 : q0 + n, 0]

@@ -4,7 +4,8 @@
 logits ``[b, L, V]`` on every rank: tensor-parallel shards are gathered by the output layer, and
 with pipeline parallelism each stage receives the previous stage's activations, runs its layers
 (with the KV cache of its layers in the inference context) and sends them on; the last stage's
-logits are then broadcast to all stages.
+logits are then broadcast to all stages. Decode-only steps laid out for CUDA graphs (single
+pipeline stage) replay a captured graph (:mod:`.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from megatron_core.inference import communication_utils as comm
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
+from megatron_core.inference.model_inference_wrappers.cuda_graphs import DecodeGraphRunner
 
 __all__ = ["AbstractModelInferenceWrapper"]
 
@@ -35,6 +37,7 @@ class AbstractModelInferenceWrapper(abc.ABC):
         self.config = self.inner_model.config
         self.inference_context = inference_context
         self.pp_group = comm.pipeline_group(self.inner_model)
+        self.decode_graphs = DecodeGraphRunner()
         self.prep_model_for_inference()
 
     @property
@@ -61,6 +64,9 @@ class AbstractModelInferenceWrapper(abc.ABC):
     @torch.inference_mode()
     def run_one_forward_step(self, inference_input: dict[str, Any]) -> torch.Tensor:
         """Full-vocabulary logits ``[b, L, V]`` of one forward, on every rank."""
+        graph_batch = getattr(self.inference_context, "graph_batch_size", None)
+        if self.pp_group is None and graph_batch is not None and self.device.type == "cuda":
+            return self.decode_graphs.run(graph_batch, lambda: self._forward(inference_input))
         if self.pp_group is None:
             return self._forward(inference_input)
         tokens = inference_input["tokens"]
