@@ -9,6 +9,7 @@ median and p90 time to first token (from submission), and the median decode-only
 to its bandwidth floor: (weight bytes + live KV-cache bytes) / measured device copy bandwidth,
 the time one decode step needs just to read the weights and the cache once.
 
+The engine runs eagerly and with CUDA-graph decode steps (``num_cuda_graphs``; GPU only).
 Hugging Face runs in the same process on the same weights' shapes: ``generate(do_sample=False)``
 on static batches of the same sizes (``--hf-batches`` batches per size; its tokens/s is
 ``batch * gen_len / time``, its TTFT the time of a 1-token ``generate``, its decode step
@@ -55,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8192, help="tokens per engine step (chunked prefill)")
     p.add_argument("--hf-batches", type=int, default=1, help="static batches timed per size for Hugging Face")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--no-eager", action="store_true", help="skip the engine without CUDA graphs")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="skip the engine with CUDA-graph decode steps")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32")
     args = p.parse_args()
     if args.tiny:
@@ -99,14 +102,14 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(0, vocab, (n, length), generator=gen).tolist()
 
 
-def run_engine(args, model, concurrency: int, n_requests: int) -> dict:
+def run_engine(args, model, concurrency: int, n_requests: int, cuda_graphs: bool) -> dict:
     """Closed loop: ``concurrency`` requests in flight until ``n_requests`` finished."""
     buffer_gb = concurrency * (args.prompt_len + args.gen_len + args.block_size) * model.config.num_layers * 2 \
         * model.config.num_query_groups * model.config.kv_channels * 2 / 1024**3 + 0.01
     llm = MegatronLLM(model=model, tokenizer=None, use_coordinator=False, inference_config=InferenceConfig(
         block_size_tokens=args.block_size, buffer_size_gb=buffer_gb, max_requests=concurrency,
         max_tokens=max(args.max_tokens, concurrency), max_sequence_length=args.prompt_len + args.gen_len + 8,
-        enable_chunked_prefill=True,
+        enable_chunked_prefill=True, num_cuda_graphs=8 if cuda_graphs else None,
     ))
     engine = llm.engine
     params = SamplingParams(top_k=1, num_tokens_to_generate=args.gen_len, termination_id=-1)
@@ -197,15 +200,22 @@ def main() -> None:
     print(f"weights {weight_bytes / 1e9:.3f} GB, KV {kv_bytes_per_token} B/token, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     rows = []
-    for c in args.concurrency:
-        n = args.requests_at_1 if c == 1 else args.requests
-        ours = run_engine(args, model, c, n)
-        floor = (weight_bytes + ours["live_tokens"] * kv_bytes_per_token) / bandwidth
-        rows.append((c, ours, floor))
-        print(f"megatron_core  c={c:3d}  {n} requests: {ours['tokens_per_s']:9.1f} out tok/s  "
-              f"TTFT median {ours['ttft_median'] * 1e3:8.1f} ms (p90 {ours['ttft_p90'] * 1e3:8.1f})  "
-              f"decode step {ours['decode_step'] * 1e3:7.2f} ms  floor {floor * 1e3:6.2f} ms  "
-              f"({ours['decode_step'] / floor:4.1f}x floor)", flush=True)
+    variants = [v for v, skip in (("eager", args.no_eager), ("graphs", args.no_cuda_graphs or dev.type != "cuda"))
+                if not skip]
+    for variant in variants:
+        for c in args.concurrency:
+            n = args.requests_at_1 if c == 1 else args.requests
+            try:
+                ours = run_engine(args, model, c, n, cuda_graphs=variant == "graphs")
+            except Exception as error:  # report and go on: one failing variant must not lose the run
+                print(f"megatron_core {variant} c={c}: FAILED {type(error).__name__}: {error}", flush=True)
+                continue
+            floor = (weight_bytes + ours["live_tokens"] * kv_bytes_per_token) / bandwidth
+            rows.append((variant, c, ours, floor))
+            print(f"megatron_core {variant:6s} c={c:3d}  {n} requests: {ours['tokens_per_s']:9.1f} out tok/s  "
+                  f"TTFT median {ours['ttft_median'] * 1e3:8.1f} ms (p90 {ours['ttft_p90'] * 1e3:8.1f})  "
+                  f"decode step {ours['decode_step'] * 1e3:7.2f} ms  floor {floor * 1e3:6.2f} ms  "
+                  f"({ours['decode_step'] / floor:4.1f}x floor)", flush=True)
     hf_rows = {}
     if not args.no_hf:
         del model
@@ -222,9 +232,10 @@ def main() -> None:
             hf_rows[c] = hf
             print(f"hf generate    c={c:3d}  static batch: {hf['tokens_per_s']:9.1f} out tok/s  "
                   f"TTFT {hf['ttft'] * 1e3:8.1f} ms  decode step {hf['decode_step'] * 1e3:7.2f} ms", flush=True)
-    for c, ours, floor in rows:
+    for variant, c, ours, floor in rows:
         ratio = f"{ours['tokens_per_s'] / hf_rows[c]['tokens_per_s']:.1f}x HF" if c in hf_rows else "no HF"
-        print(f"RESULT c={c}: {ours['tokens_per_s']:.0f} tok/s ({ratio}), decode step "
+        print(f"RESULT {variant} c={c}: {ours['tokens_per_s']:.0f} tok/s ({ratio}), "
+              f"TTFT median {ours['ttft_median'] * 1e3:.1f} ms, decode step "
               f"{ours['decode_step'] * 1e3:.2f} ms vs floor {floor * 1e3:.2f} ms ({ours['decode_step'] / floor:.2f}x)")
 
 
