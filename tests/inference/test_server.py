@@ -60,7 +60,7 @@ def served():
     config = ServeConfig(port=0, model_name=MODEL, max_pending_requests=64)
     asyncio.run_coroutine_threadsafe(llm.serve(config, blocking=False), loop).result(timeout=30)
     base = f"http://127.0.0.1:{llm.server_port}"
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=180)
     yield llm, client, base, expected
     asyncio.run_coroutine_threadsafe(llm.shutdown(), loop).result(timeout=60)
     loop.call_soon_threadsafe(loop.stop)
@@ -124,19 +124,18 @@ def test_bad_requests_get_4xx_with_a_message(served):
 
 
 def test_full_queue_answers_429(served):
-    llm, client, base, expected = served
+    llm, client, base, _ = served
     admission = llm._server.config.app.state.admission
     admission.limit = 1
+    llm.engine.pause()  # the first request stays in flight until unpaused
     try:
-        with httpx.stream("POST", base + "/v1/completions", json={
-            "model": MODEL, "prompt": expected["<long>"], "max_tokens": LONG, "temperature": 0, "stream": True,
-        }) as first:
-            next(first.iter_lines())
-            llm.engine.pause()  # the first request stays in flight
-            assert len(admission.in_flight) == 1
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            first = pool.submit(client.completions.create, model=MODEL, prompt="first", max_tokens=3, temperature=0)
+            assert _wait_until(lambda: len(admission.in_flight) == 1, timeout=60)
             with pytest.raises(openai.RateLimitError, match="capacity"):
                 client.completions.create(model=MODEL, prompt="x", max_tokens=2)
             llm.engine.unpause()
+            assert first.result(timeout=120).choices[0].finish_reason in ("stop", "length")
     finally:
         llm.engine.unpause()
         admission.limit = 64
@@ -144,15 +143,25 @@ def test_full_queue_answers_429(served):
 
 def test_disconnect_mid_stream_frees_kv_blocks(served):
     llm, _, base, expected = served
-    assert _wait_until(lambda: not llm.engine.has_unfinished_requests())
+    assert _wait_until(lambda: not llm.engine.has_unfinished_requests(), timeout=60)
     cancelled = llm.engine.cancelled_request_count
-    with httpx.stream("POST", base + "/v1/completions", json={
-        "model": MODEL, "prompt": expected["<long>"], "max_tokens": LONG, "temperature": 0, "stream": True,
-    }) as response:
-        assert next(response.iter_lines()).startswith("data: ")
-        llm.engine.pause()  # hold the generation so the disconnect happens mid-stream
-        assert llm.context.block_allocator.get_total_used() > 0
-    llm.engine.unpause()
-    # The client closed the connection before the generation finished.
-    assert _wait_until(lambda: llm.context.block_allocator.get_total_used() == 0)
-    assert llm.engine.cancelled_request_count == cancelled + 1
+    wrapper = llm.controller.inference_wrapped_model
+    forward = wrapper.run_one_forward_step
+
+    def slow_forward(inputs):  # >= 20 s for the whole generation: the client leaves long before the end
+        time.sleep(0.2)
+        return forward(inputs)
+
+    wrapper.run_one_forward_step = slow_forward
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json={
+            "model": MODEL, "prompt": expected["<long>"], "max_tokens": LONG, "temperature": 0, "stream": True,
+        }, timeout=120) as response:
+            assert next(response.iter_lines()).startswith("data: ")
+            assert llm.engine.has_unfinished_requests()
+            assert llm.context.block_allocator.get_total_used() > 0
+        # The client closed the connection before the generation finished.
+        assert _wait_until(lambda: llm.context.block_allocator.get_total_used() == 0, timeout=60)
+        assert llm.engine.cancelled_request_count == cancelled + 1
+    finally:
+        wrapper.run_one_forward_step = forward
