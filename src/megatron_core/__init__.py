@@ -27,8 +27,8 @@ _SUBMODULES = (
     "optimizer",
     "dist_checkpointing",
     "datasets",
-    "inference",
     "rerun_state_machine",
+    "tokenizers",
 )
 
 # Top-level names Megatron-Core exports, resolved lazily: name -> (module, attribute).

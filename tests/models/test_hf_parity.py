@@ -83,3 +83,41 @@ def test_gpt2_logits_match():
         expected = hf(input_ids=ids).logits
         got = model(ids, pos, None)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_mistral_sliding_window_logits_match():
+    """Mistral's sliding window W (a key is seen while ``q - k < W``) is Megatron's ``window_size=(W - 1, 0)``."""
+    torch.manual_seed(0)
+    window = 4
+    hf_cfg = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=5000.0,
+        sliding_window=window, tie_word_embeddings=False, head_dim=8,
+    )
+    hf = transformers.MistralForCausalLM(hf_cfg).eval()
+    _perturb(hf)
+    hf.config._attn_implementation = "eager"
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=48, num_attention_heads=6, num_query_groups=2, ffn_hidden_size=80,
+        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        window_size=(window - 1, 0),
+    )
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, 64, position_embedding_type="rope", rotary_base=5000).eval()
+    load_into(model, llama_to_mcore(hf.state_dict(), 2, 6, 2))
+    ids, pos = _ids()
+    assert SEQ > 2 * window
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        got = model(ids, pos, None)
+        # The plain causal mask tensor, as Megatron's loops pass it, changes nothing.
+        causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+        got_with_mask = model(ids, pos, causal)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_with_mask, expected, rtol=1e-4, atol=1e-4)
+    # The window matters: full causal attention gives different logits.
+    cfg.window_size = None
+    full = GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, 64, position_embedding_type="rope", rotary_base=5000).eval()
+    full.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(full(ids, pos, None), expected, atol=1e-3)
