@@ -13,8 +13,9 @@ class HFCharTokenizer:
     """Megatron-style tokenizer (``tokenize`` / ``detokenize`` / ``eod``) over a real ``PreTrainedTokenizerFast``."""
 
     def __init__(self, vocab_size: int = 128) -> None:
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
+
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
         vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(CHARS)}}
         core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
