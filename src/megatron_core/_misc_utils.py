@@ -16,7 +16,7 @@ from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer
 
 __all__ = [
     "GlobalMemoryBuffer", "MakeViewlessTensor", "WrappedTensor", "accepts_parameter", "assert_viewless_tensor",
-    "get_model_type", "get_model_xattn", "get_tensor_model_parallel_group_if_none", "is_submodule",
+    "get_model_type", "get_model_xattn", "is_submodule",
     "log_on_each_pipeline_stage", "make_sharded_tensor_for_checkpoint", "make_tp_sharded_tensor_for_checkpoint",
     "make_viewless_tensor", "round_up_to_nearest_multiple", "safely_set_viewless_tensor_data",
 ]
@@ -53,20 +53,6 @@ def is_submodule(module: torch.nn.Module, parent_module: torch.nn.Module, strict
     if strict and module is parent_module:
         return False
     return any(m is module for m in parent_module.modules())
-
-
-def get_tensor_model_parallel_group_if_none(tp_group: Any, is_expert: bool = False,
-                                            check_initialized: bool = True) -> Any:
-    """``tp_group``, else the (expert) tensor-parallel group of ``parallel_state`` (see ``tensor_parallel.groups``)."""
-    from megatron_core import parallel_state
-    from megatron_core.tensor_parallel import groups
-
-    if not torch.distributed.is_initialized():
-        return None
-    if tp_group is None and not parallel_state.is_initialized():
-        return None
-    return groups.get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert,
-                                                          check_initialized=check_initialized)
 
 
 def make_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, prepend_offsets: tuple = (),

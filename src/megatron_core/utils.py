@@ -166,9 +166,6 @@ from megatron_core._misc_utils import accepts_parameter as accepts_parameter
 from megatron_core._misc_utils import assert_viewless_tensor as assert_viewless_tensor
 from megatron_core._misc_utils import get_model_type as get_model_type
 from megatron_core._misc_utils import get_model_xattn as get_model_xattn
-from megatron_core._misc_utils import (
-    get_tensor_model_parallel_group_if_none as get_tensor_model_parallel_group_if_none,
-)
 from megatron_core._misc_utils import is_submodule as is_submodule
 from megatron_core._misc_utils import log_on_each_pipeline_stage as log_on_each_pipeline_stage
 from megatron_core._misc_utils import make_sharded_tensor_for_checkpoint as make_sharded_tensor_for_checkpoint
