@@ -159,6 +159,22 @@ def experimental_api(obj: F) -> F:
 # Megatron-Core's ``megatron.core.utils`` names, implemented in small modules of their own.
 # ruff: noqa: E402
 from megatron_core._batch_utils import get_batch_on_this_tp_rank as get_batch_on_this_tp_rank
+from megatron_core._misc_utils import GlobalMemoryBuffer as GlobalMemoryBuffer
+from megatron_core._misc_utils import MakeViewlessTensor as MakeViewlessTensor
+from megatron_core._misc_utils import WrappedTensor as WrappedTensor
+from megatron_core._misc_utils import accepts_parameter as accepts_parameter
+from megatron_core._misc_utils import assert_viewless_tensor as assert_viewless_tensor
+from megatron_core._misc_utils import get_model_type as get_model_type
+from megatron_core._misc_utils import get_model_xattn as get_model_xattn
+from megatron_core._misc_utils import is_submodule as is_submodule
+from megatron_core._misc_utils import log_on_each_pipeline_stage as log_on_each_pipeline_stage
+from megatron_core._misc_utils import make_sharded_tensor_for_checkpoint as make_sharded_tensor_for_checkpoint
+from megatron_core._misc_utils import (
+    make_tp_sharded_tensor_for_checkpoint as make_tp_sharded_tensor_for_checkpoint,
+)
+from megatron_core._misc_utils import make_viewless_tensor as make_viewless_tensor
+from megatron_core._misc_utils import round_up_to_nearest_multiple as round_up_to_nearest_multiple
+from megatron_core._misc_utils import safely_set_viewless_tensor_data as safely_set_viewless_tensor_data
 from megatron_core._model_utils import (
     check_param_hashes_across_dp_replicas as check_param_hashes_across_dp_replicas,
 )

@@ -212,10 +212,31 @@ def test_aliases_at_megatron_paths():
     groups = [{"lr": 0.1, "default_config": False}, {"lr": 0.2, "default_config": True}, {"lr": 0.3}]
     assert get_canonical_lr_for_logging(groups) == 0.2
     assert get_canonical_lr_for_logging([{"lr": 0.1, "default_config": False}]) is None
-    assert get_canonical_lr_for_logging([{"lr": 0.4}, {"lr": 0.5}]) == 0.4
+    assert get_canonical_lr_for_logging([{"lr": 0.4}, {"lr": 0.5}]) is None
 
     lin = transformer_utils.get_linear_layer(3, 2, lambda w: torch.nn.init.constant_(w, 0.5))
     assert torch.equal(lin.weight, torch.full((2, 3), 0.5)) and not lin.bias.any()
     scores = torch.zeros(2, 2)
     transformer_utils.attention_mask_func(scores, torch.tensor([[False, True], [False, False]]))
     assert scores[0, 1] == -10000.0 and scores[0, 0] == 0.0
+
+
+def test_transformer_utils_masks_and_gelus():
+    import torch.nn.functional as F
+
+    from megatron_core.transformer import utils as tu
+
+    assert torch.equal(tu.get_default_causal_mask(3, "cpu"), torch.tensor(
+        [[False, True, True], [False, False, True], [False, False, False]]))
+    swa = tu.get_sliding_window_causal_mask(4, 4, (1, 0), "cpu")
+    allowed = ~swa
+    assert allowed[3].tolist() == [False, False, True, True] and allowed[0].tolist() == [True, False, False, False]
+    assert tu.is_layer_window_attention((4, 0), None, 3)
+    assert not tu.is_layer_window_attention(None, 2, 3)
+    assert [tu.is_layer_window_attention((4, 0), 2, n) for n in (1, 2, 3, 4)] == [True, False, True, False]
+    assert tu.is_layer_window_attention((4, 0), [0, 1], 2) and not tu.is_layer_window_attention((4, 0), [0, 1], 1)
+    with pytest.raises(ValueError, match="window_attn_skip_freq"):
+        tu.is_layer_window_attention((4, 0), "2", 1)
+    x = torch.randn(32, dtype=torch.float64)
+    torch.testing.assert_close(tu.openai_gelu(x), F.gelu(x, approximate="tanh"))
+    torch.testing.assert_close(tu.erf_gelu(x), F.gelu(x), rtol=1e-5, atol=1e-5)

@@ -72,48 +72,63 @@ def private_files(dest: Path) -> set[str]:
     return {str(p.relative_to(dest)) for p in (dest / UT).rglob("test_*.py") if _PRIVATE_IMPORT.search(p.read_text())}
 
 
-def run_area(dest: Path, area: str, paths: list[str], out_dir: Path, world_size: int, timeout: int) -> Path:
-    """Run one area's tests in a fresh pytest process; return its JUnit XML path."""
-    xml = out_dir / f"{area}.xml"
-    existing = [p for p in paths if (dest / p).exists()]
+def _test_files(dest: Path, paths: list[str]) -> list[str]:
+    files = []
+    for p in paths:
+        full = dest / p
+        if full.is_dir():
+            files += sorted(str(f.relative_to(dest)) for f in full.rglob("test_*.py"))
+        elif full.exists():
+            files.append(p)
+    return files
+
+
+def run_area(dest: Path, area: str, paths: list[str], out_dir: Path, world_size: int, timeout: int) -> list[Path]:
+    """Run one area's test files, each in a fresh pytest process (``timeout`` s per file); return JUnit paths."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{dest}", WORLD_SIZE=str(world_size), RANK="0",
-               LOCAL_RANK="0", MCORE_TEST_STORE=str(out_dir / f"{area}.store"), CUDA_VISIBLE_DEVICES="",
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-c", str(dest / "pytest.ini"), "--rootdir", str(dest),
-           "--continue-on-collection-errors", f"--junitxml={xml}", *existing]
-    proc = subprocess.Popen(cmd, cwd=dest, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return xml
+               LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    xmls = []
+    for i, test_file in enumerate(_test_files(dest, paths)):
+        xml = out_dir / f"{area}.{i}.xml"
+        env["MCORE_TEST_STORE"] = str(out_dir / f"{area}.{i}.store")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-c", str(dest / "pytest.ini"), "--rootdir", str(dest),
+               "--continue-on-collection-errors", f"--junitxml={xml}", test_file]
+        proc = subprocess.Popen(cmd, cwd=dest, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        xmls.append(xml)
+    return xmls
 
 
-def summarize(xml: Path, excluded: set[str]) -> dict:
-    """Counts of passed / failed / errors / skipped tests in a JUnit file, without excluded files."""
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "collection_errors": 0, "excluded": 0}
-    if not xml.exists():
-        counts["timed_out"] = True
-        return counts
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        classname = case.get("classname", "")
-        module_file = classname.replace(".", "/")
-        if any(module_file.startswith(f.removesuffix(".py")) for f in excluded):
-            counts["excluded"] += 1
+def summarize(xmls: list[Path], excluded: set[str]) -> dict:
+    """Counts of passed / failed / errors / skipped tests over JUnit files, without excluded files."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "collection_errors": 0, "excluded": 0,
+              "timed_out_files": 0}
+    for xml in xmls:
+        if not xml.exists():
+            counts["timed_out_files"] += 1
             continue
-        kinds = {child.tag for child in case}
-        if "error" in kinds and "." in case.get("name", "").split("[")[0]:  # a module that failed to import
-            counts["collection_errors"] += 1
-        elif "failure" in kinds:
-            counts["failed"] += 1
-        elif "error" in kinds:
-            counts["errors"] += 1
-        elif "skipped" in kinds:
-            counts["skipped"] += 1
-        else:
-            counts["passed"] += 1
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            classname = case.get("classname") or case.get("name", "")  # a collection error has no class name
+            module_file = classname.replace(".", "/")
+            if any(module_file.startswith(f.removesuffix(".py")) for f in excluded):
+                counts["excluded"] += 1
+                continue
+            kinds = {child.tag for child in case}
+            if "error" in kinds and "." in case.get("name", "").split("[")[0]:  # a module that failed to import
+                counts["collection_errors"] += 1
+            elif "failure" in kinds:
+                counts["failed"] += 1
+            elif "error" in kinds:
+                counts["errors"] += 1
+            elif "skipped" in kinds:
+                counts["skipped"] += 1
+            else:
+                counts["passed"] += 1
     ran = counts["passed"] + counts["failed"] + counts["errors"]
     counts["pass_fraction"] = round(counts["passed"] / ran, 3) if ran else None
     return counts
@@ -125,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default=TAG)
     parser.add_argument("--areas", nargs="*", default=list(AREAS), choices=list(AREAS))
     parser.add_argument("--world-size", type=int, default=1, help="only 1 is run by this script (one process)")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per area")
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per test file")
     parser.add_argument("--dest", type=Path, default=Path(tempfile.gettempdir()) / "mcore_unit_tests")
     parser.add_argument("--out", type=Path, default=None, help="write the summary as JSON here")
     args = parser.parse_args(argv)
@@ -135,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir()
     results = {}
     print(f"{'area':20s} {'passed':>7s} {'failed':>7s} {'errors':>7s} {'skipped':>8s} {'coll.err':>8s} "
-          f"{'excl.':>6s} {'pass %':>7s}", flush=True)
+          f"{'excl.':>6s} {'t/o':>4s} {'pass %':>7s}", flush=True)
     for area in args.areas:
-        xml = run_area(args.dest, area, AREAS[area], out_dir, args.world_size, args.timeout)
-        c = results[area] = summarize(xml, excluded)
-        frac = "timeout" if c.get("timed_out") else ("-" if c["pass_fraction"] is None else f"{100 * c['pass_fraction']:.1f}")
+        xmls = run_area(args.dest, area, AREAS[area], out_dir, args.world_size, args.timeout)
+        c = results[area] = summarize(xmls, excluded)
+        frac = "-" if c["pass_fraction"] is None else f"{100 * c['pass_fraction']:.1f}"
         print(f"{area:20s} {c['passed']:7d} {c['failed']:7d} {c['errors']:7d} {c['skipped']:8d} "
-              f"{c['collection_errors']:8d} {c['excluded']:6d} {frac:>7s}", flush=True)
+              f"{c['collection_errors']:8d} {c['excluded']:6d} {c['timed_out_files']:4d} {frac:>7s}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"tag": args.tag, "world_size": args.world_size, "areas": results}, indent=1))
     return 0
