@@ -198,9 +198,9 @@ class AutoBridge:
                           virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size())
         dtype = overrides.pop("params_dtype", None) or self.family.dtype or torch.float32
         kwargs.update(params_dtype=dtype)
-        if kwargs.get("pipeline_model_parallel_size", 1) > 1:
-            kwargs.update(pipeline_dtype=dtype)
         kwargs.update(overrides)
+        if kwargs.get("pipeline_model_parallel_size", 1) > 1:
+            kwargs.setdefault("pipeline_dtype", dtype)
         return TransformerConfig(**kwargs)
 
     def gpt_model_kwargs(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ _DTYPE_CODES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
 class HFConversionError(ValueError):
@@ -107,6 +108,13 @@ class HFCheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         """The stored shape of tensor ``name``."""
         return self._meta[self._check(name)][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of tensor ``name``."""
+        code = self._meta[self._check(name)][1]
+        if code not in _CODE_DTYPES:
+            raise HFConversionError(f"{self.path_of(name)}: tensor {name!r} has unsupported dtype {code}")
+        return _CODE_DTYPES[code]
 
     def path_of(self, name: str) -> str:
         """The file that holds tensor ``name``."""
