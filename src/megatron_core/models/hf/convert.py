@@ -152,6 +152,8 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     checkpoint_dir = get_checkpoint_name(out_dir, 0)
     os.makedirs(out_dir, exist_ok=True)
     save(state, checkpoint_dir, sharded_strategy=_LazyTorchDistSave(loaders), overwrite=True)
+    for _ in ticks:  # finish the progress display
+        pass
     _copy_hf_files(hf_dir, os.path.join(out_dir, HF_SUBDIR))
     write_tracker(out_dir, 0)
     return os.fspath(checkpoint_dir)
