@@ -89,8 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_core.models.hf.bridge import AutoBridge
     from megatron_core.models.hf.convert import export_mcore_to_hf, import_hf_to_mcore
-    from megatron_core.models.hf.safetensors_io import HFConversionError
-
     try:
         if args.command == "hf-to-mcore":
             divisible = args.make_vocab_size_divisible_by if args.make_vocab_size_divisible_by > 1 else None
@@ -109,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                max_shard_size=args.max_shard_size, dtype=_DTYPES.get(args.dtype) if args.dtype else None,
                                overwrite=args.overwrite, progress=not args.no_progress)
             print(f"wrote {args.out}")
-    except HFConversionError as e:
+    except ValueError as e:  # HFConversionError and configuration errors: one clear line
         print(f"megatron-convert: error: {e}", file=sys.stderr)
         return 2
     return 0

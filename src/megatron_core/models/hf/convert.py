@@ -15,6 +15,7 @@ tensor and streams the HF shards (see :mod:`.export`).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from megatron_core.dist_checkpointing.mapping import ShardedTensor
+from megatron_core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron_core.dist_checkpointing.serialization import load_common_state_dict, load_tensors_metadata, save
 from megatron_core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron_core.dist_checkpointing.strategies.torch_dist import (
@@ -55,11 +56,18 @@ def sharded_key(mcore_name: str) -> str:
 class _LazySavePlanner(DefaultSavePlanner):
     """DCP save planner whose tensors are produced by a loader only when the writer asks for them."""
 
-    def __init__(self, shards: list[ShardedTensor], loaders: dict[tuple[str, tuple[int, ...]], Callable]) -> None:
+    def __init__(self, shards: list[ShardedTensor | ShardedObject], loaders: dict[tuple[str, tuple[int, ...]], Callable]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False)
         self._loaders = loaders
         self._items = []
+        self._objects: dict[str, io.BytesIO] = {}
         for sh in shards:
+            if isinstance(sh, ShardedObject):
+                self._items.append(WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO))
+                buffer = io.BytesIO()
+                torch.save(sh.data, buffer)
+                self._objects[sh.unique_key] = buffer
+                continue
             offsets = torch.Size(sh.global_offset)
             self._items.append(WriteItem(
                 index=MetadataIndex(sh.key, offsets), type=WriteItemType.SHARD,
@@ -76,7 +84,9 @@ class _LazySavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(self._items)
         return self.plan
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._objects[write_item.index.fqn].getbuffer())
         return self._loaders[(write_item.index.fqn, tuple(write_item.index.offset))]()
 
 
@@ -90,7 +100,7 @@ class _LazyTorchDistSave(SaveShardedStrategy):
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike) -> None:
         from megatron_core.dist_checkpointing.dict_utils import nested_values
 
-        shards = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+        shards = [v for v in nested_values(sharded_state_dict) if isinstance(v, (ShardedTensor, ShardedObject))]
         planner = _LazySavePlanner(shards, self.loaders)
         writer = FileSystemWriter(checkpoint_dir, thread_count=1, sync_files=True, overwrite=True)
         planner.set_up_planner(is_coordinator=True)
@@ -100,6 +110,23 @@ class _LazyTorchDistSave(SaveShardedStrategy):
         final = planner.finish_plan(writer.prepare_global_plan(global_plans)[0])
         results = writer.write_data(final, planner).wait()
         writer.finish(metadata, [results])
+
+
+_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+
+
+def _extra_state_objects(bridge: AutoBridge, layers: int) -> dict[str, ShardedObject]:
+    """The (empty) ``_extra_state`` of every tensor-parallel linear layer, as GPTModel's sharded state dict has them."""
+    modules = {r.mcore.rsplit(".", 1)[0] for r in bridge.family.layer_rules + bridge.family.global_rules}
+    out = {}
+    for module in sorted(m for m in modules if m.endswith(_LINEARS)):
+        key = f"{sharded_key(module)}._extra_state"
+        if "{i}" in module:
+            for i in range(layers):
+                out[f"{module.format(i=i)}._extra_state"] = ShardedObject(key, None, (layers,), (i,), replica_id=0)
+        else:
+            out[f"{module}._extra_state"] = ShardedObject(key, None, (1,), (0,), replica_id=0)
+    return out
 
 
 def _copy_hf_files(source: str, target: str) -> None:
@@ -145,6 +172,7 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
             return value.reshape(1, *value.shape) if layer is not None else value
 
         loaders[(key, offset)] = load
+    model.update(_extra_state_objects(bridge, layers))
     extra_state = {"hf_config": json.dumps(bridge.hf_config), "hf_source": os.path.abspath(hf_dir),
                    "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "padded_vocab_size": vocab}
     state = {"model": model, "opt_param_scheduler": None, "iteration": 0, "consumed_train_samples": 0,
