@@ -178,12 +178,19 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     state = {"model": model, "opt_param_scheduler": None, "iteration": 0, "consumed_train_samples": 0,
              "extra_state": extra_state, "checkpoint_version": CHECKPOINT_VERSION}
     checkpoint_dir = get_checkpoint_name(out_dir, 0)
+    created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    save(state, checkpoint_dir, sharded_strategy=_LazyTorchDistSave(loaders), overwrite=True)
-    for _ in ticks:  # finish the progress display
-        pass
-    _copy_hf_files(hf_dir, os.path.join(out_dir, HF_SUBDIR))
-    write_tracker(out_dir, 0)
+    try:
+        save(state, checkpoint_dir, sharded_strategy=_LazyTorchDistSave(loaders), overwrite=True)
+        for _ in ticks:  # finish the progress display
+            pass
+        _copy_hf_files(hf_dir, os.path.join(out_dir, HF_SUBDIR))
+        write_tracker(out_dir, 0)  # last: the checkpoint counts only once the tracker names it
+    except Exception as e:
+        shutil.rmtree(out_dir if created else checkpoint_dir, ignore_errors=True)
+        if not created:
+            shutil.rmtree(os.path.join(out_dir, HF_SUBDIR), ignore_errors=True)
+        raise HFConversionError(f"converting {hf_dir} to {out_dir} failed (nothing left there): {e}") from e
     return os.fspath(checkpoint_dir)
 
 
