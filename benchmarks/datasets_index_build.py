@@ -105,7 +105,8 @@ def main() -> None:
     weights = rng.random(args.datasets)
     weights /= weights.sum()
     ours_seconds, ours_blend = timed(lambda: blend(helpers, weights, num_samples), args.repeats)
-    print(f"blending {num_samples:,} samples over {args.datasets}, ours (Python loop): {ours_seconds:.3f} s")
+    path = "numba" if helpers.compiled_kernels() else "Python loop"
+    print(f"blending {num_samples:,} samples over {args.datasets}, ours ({path}): {ours_seconds:.3f} s")
     if reference is not None:
         cpp_seconds, their_blend = timed(lambda: blend(reference, weights, num_samples), args.repeats)
         assert all(numpy.array_equal(a, b) for a, b in zip(ours_blend, their_blend)), "blending indices differ"

@@ -28,12 +28,14 @@ _SUBMODULES = (
     "dist_checkpointing",
     "datasets",
     "inference",
+    "rerun_state_machine",
 )
 
 # Top-level names Megatron-Core exports, resolved lazily: name -> (module, attribute).
 _LAZY_NAMES = {
     "DistributedDataParallel": ("megatron_core.distributed", "DistributedDataParallel"),
     "ModelParallelConfig": ("megatron_core.model_parallel_config", "ModelParallelConfig"),
+    "Timers": ("megatron_core.timers", "Timers"),
 }
 
 

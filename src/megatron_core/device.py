@@ -71,3 +71,15 @@ def max_memory_allocated() -> int:
     if get_current_device().type == "cuda":
         return torch.cuda.max_memory_allocated()
     return 0
+
+
+def nvtx_range_push(message: str) -> None:
+    """Open an NVTX range named ``message`` on CUDA (a no-op without CUDA)."""
+    if cuda_available():
+        torch.cuda.nvtx.range_push(message)
+
+
+def nvtx_range_pop() -> None:
+    """Close the innermost NVTX range on CUDA (a no-op without CUDA)."""
+    if cuda_available():
+        torch.cuda.nvtx.range_pop()

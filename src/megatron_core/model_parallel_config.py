@@ -45,6 +45,7 @@ class ModelParallelConfig:
     timers: Any = None
     finalize_model_grads_func: Callable | None = None
     grad_scale_func: Callable | None = None
+    moe_grad_scale_func: Callable | None = None
     no_sync_func: Callable | None = None
     grad_sync_func: Callable | None = None
     param_sync_func: Callable | None = None

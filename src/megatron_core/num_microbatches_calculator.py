@@ -227,3 +227,8 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         self.current_global_batch_size = current
         self.current_running_global_batch_size = running
         self.num_micro_batches = running // per_step
+
+
+def destroy_num_microbatches_calculator() -> None:
+    """Forget the global calculator (Megatron-Core's name for :func:`unset_num_microbatches_calculator`)."""
+    unset_num_microbatches_calculator()

@@ -186,3 +186,17 @@ class OptimizerParamScheduler:
                                                      "weight decay incr style")
         self.num_steps = 0
         self.step(self._first(sd, "num_steps", "num_iters"))
+
+
+def get_canonical_lr_for_logging(param_groups: list[dict]) -> float | None:
+    """The learning rate to log: that of the first param group marked ``default_config=True``.
+
+    Groups built by this library carry no ``default_config`` key and all follow the one schedule,
+    so when no group has the key the first group's lr is returned; None when there is no such group.
+    """
+    for group in param_groups:
+        if group.get("default_config", False):
+            return group.get("lr")
+    if param_groups and not any("default_config" in g for g in param_groups):
+        return param_groups[0].get("lr")
+    return None

@@ -1,7 +1,19 @@
-"""An explicit bundle of process groups (Megatron-Core's ``ProcessGroupCollection``).
+"""Process groups by role (Megatron-Core's ``ProcessGroupCollection``) and the one group resolver.
 
-Code that wants no globals builds one by hand (``pgs = ProcessGroupCollection(); pgs.tp = ...``)
+Code that wants no globals builds a collection by hand (``pgs = ProcessGroupCollection(); pgs.tp = ...``)
 or fills it from ``parallel_state`` with :meth:`ProcessGroupCollection.use_mpu_process_groups`.
+
+Every module that shards or communicates finds its groups through :func:`resolve_process_group`
+(or :func:`resolve_pg_collection` for a whole collection), with one precedence:
+
+1. an explicit group argument (``tp_group=...``), when given;
+2. else the role's field of an explicit ``pg_collection`` (a field left ``None`` means "no group");
+3. else the group registered in ``parallel_state``;
+4. else ``None``: no parallelism, size 1 (:func:`megatron_core.utils.get_pg_size`).
+
+Parallel sizes come from the resolved group. A config field that also names a size (for example
+``tensor_model_parallel_size``) is checked by :func:`check_parallel_size`: left at its default it
+defers to the group; set to anything else it must equal the group's size.
 """
 
 from __future__ import annotations
@@ -10,23 +22,40 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from megatron_core import parallel_state
+from megatron_core.utils import get_pg_size
+
+__all__ = [
+    "ProcessGroupCollection",
+    "check_parallel_size",
+    "resolve_pg_collection",
+    "resolve_process_group",
+]
+
+
+def _data_parallel(with_context_parallel: bool) -> Any:
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
+
 
 _GROUP_GETTERS = {
-    "tp": lambda: parallel_state.get_tensor_model_parallel_group(),
-    "pp": lambda: parallel_state.get_pipeline_model_parallel_group(),
-    "mp": lambda: parallel_state.get_model_parallel_group(),
+    "tp": lambda: parallel_state.get_tensor_model_parallel_group(check_initialized=False),
+    "pp": lambda: parallel_state.get_pipeline_model_parallel_group(check_initialized=False),
+    "mp": lambda: parallel_state.get_model_parallel_group(check_initialized=False),
     "embd": lambda: parallel_state.get_embedding_group(check_initialized=False),
     "pos_embd": lambda: parallel_state.get_position_embedding_group(check_initialized=False),
-    "cp": lambda: parallel_state.get_context_parallel_group(),
-    "tp_cp": lambda: parallel_state.get_tensor_and_context_parallel_group(),
-    "ep": lambda: parallel_state.get_expert_model_parallel_group(),
-    "expt_tp": lambda: parallel_state.get_expert_tensor_parallel_group(),
-    "tp_ep": lambda: parallel_state.get_expert_tensor_and_model_parallel_group(),
-    "tp_ep_pp": lambda: parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
-    "tp_dp_cp": lambda: parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
-    "dp": lambda: parallel_state.get_data_parallel_group(),
-    "dp_cp": lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
-    "expt_dp": lambda: parallel_state.get_expert_data_parallel_group(),
+    "cp": lambda: parallel_state.get_context_parallel_group(check_initialized=False),
+    "tp_cp": lambda: parallel_state.get_tensor_and_context_parallel_group(check_initialized=False),
+    "ep": lambda: parallel_state.get_expert_model_parallel_group(check_initialized=False),
+    "expt_tp": lambda: parallel_state.get_expert_tensor_parallel_group(check_initialized=False),
+    "tp_ep": lambda: parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False),
+    "tp_ep_pp": lambda: parallel_state.get_expert_tensor_model_pipeline_parallel_group(check_initialized=False),
+    "tp_dp_cp": lambda: parallel_state.get_tensor_and_data_parallel_group(
+        check_initialized=False, with_context_parallel=True
+    ),
+    "dp": lambda: _data_parallel(False),
+    "dp_cp": lambda: _data_parallel(True),
+    "expt_dp": lambda: parallel_state.get_expert_data_parallel_group(check_initialized=False),
 }
 
 
@@ -56,7 +85,11 @@ class ProcessGroupCollection:
 
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: list[str] | None = None) -> ProcessGroupCollection:
-        """A collection filled from ``parallel_state``; ``required_pgs`` limits which roles are read."""
+        """A collection filled from ``parallel_state``; ``required_pgs`` limits which roles are read.
+
+        Roles that ``parallel_state`` has not set up (or everything, before
+        ``initialize_model_parallel``) are ``None``.
+        """
         names = [f.name for f in fields(cls)]
         wanted = names if required_pgs is None else list(required_pgs)
         unknown = sorted(set(wanted) - set(names))
@@ -66,3 +99,44 @@ class ProcessGroupCollection:
         for name in wanted:
             setattr(pgs, name, _GROUP_GETTERS[name]())
         return pgs
+
+
+def resolve_process_group(role: str, pg_collection: Any = None, group: Any = None) -> Any:
+    """The process group for ``role`` (a ``ProcessGroupCollection`` field name such as ``"tp"``).
+
+    ``group`` when given, else ``pg_collection.<role>`` when a collection is given (``None`` if
+    the collection leaves it unset), else ``parallel_state``'s group, else ``None`` (size 1).
+    """
+    if role not in _GROUP_GETTERS:
+        raise ValueError(f"unknown process group role {role!r}; known: {sorted(_GROUP_GETTERS)}")
+    if group is not None:
+        return group
+    if pg_collection is not None:
+        return getattr(pg_collection, role, None)
+    return _GROUP_GETTERS[role]()
+
+
+def resolve_pg_collection(pg_collection: Any = None, required_pgs: list[str] | None = None) -> Any:
+    """``pg_collection`` itself when given, else a collection filled from ``parallel_state``."""
+    if pg_collection is not None:
+        return pg_collection
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs)
+
+
+def check_parallel_size(config: Any, field_name: str, group: Any, role: str | None = None) -> int:
+    """The size of ``group``, after checking that ``config.<field_name>`` does not contradict it.
+
+    A field left at its default (1) defers to the group; any other value must equal the group's
+    size, else ``ValueError`` naming both.
+    """
+    size = get_pg_size(group)
+    value = getattr(config, field_name, None) if config is not None else None
+    if value is not None and value != 1 and value != size:
+        where = f"the {role} process group" if role else "the process group"
+        detail = "no group is set up (size 1)" if group is None else f"{where} has {size} ranks"
+        raise ValueError(
+            f"config.{field_name} is {value} but {detail}; parallel sizes come from the process groups "
+            f"(pg_collection, else parallel_state): leave {field_name} at 1 or make it equal the group size"
+        )
+    return size
+

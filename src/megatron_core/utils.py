@@ -29,6 +29,30 @@ def divide(numerator: int, denominator: int, what: str = "") -> int:
     return numerator // denominator
 
 
+def get_pg_size(group: Any = None) -> int:
+    """Number of ranks in ``group``: 1 when ``group`` is None or ``torch.distributed`` is not initialised.
+
+    As in Megatron-Core, ``None`` here means "no group" (no parallelism), never the WORLD group.
+    """
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return group.size()
+
+
+def get_pg_rank(group: Any = None) -> int:
+    """This rank's index in ``group``: 0 when ``group`` is None or ``torch.distributed`` is not initialised."""
+    if group is None or not torch.distributed.is_initialized():
+        return 0
+    return group.rank()
+
+
+def get_pg_src_rank(group: Any = None) -> int:
+    """Global rank of ``group``'s first member: 0 when ``group`` is None or nothing is initialised."""
+    if group is None or not torch.distributed.is_initialized():
+        return 0
+    return torch.distributed.get_process_group_ranks(group)[0]
+
+
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """An init method that fills a tensor from N(0, sigma^2)."""
 
@@ -113,3 +137,35 @@ def experimental_api(obj: F) -> F:
 
     wrapper._experimental = True
     return wrapper  # type: ignore[return-value]
+
+
+# Megatron-Core's ``megatron.core.utils`` names, implemented in small modules of their own.
+# ruff: noqa: E402
+from megatron_core._batch_utils import get_batch_on_this_tp_rank as get_batch_on_this_tp_rank
+from megatron_core._model_utils import (
+    check_param_hashes_across_dp_replicas as check_param_hashes_across_dp_replicas,
+)
+from megatron_core._model_utils import (
+    get_data_parallel_group_if_dtensor as get_data_parallel_group_if_dtensor,
+)
+from megatron_core._model_utils import local_multi_tensor_applier as local_multi_tensor_applier
+from megatron_core._model_utils import local_multi_tensor_l2_norm as local_multi_tensor_l2_norm
+from megatron_core._model_utils import local_multi_tensor_scale as local_multi_tensor_scale
+from megatron_core._model_utils import to_local_if_dtensor as to_local_if_dtensor
+from megatron_core._model_utils import unwrap_model as unwrap_model
+from megatron_core._nvtx import configure_nvtx_profiling as configure_nvtx_profiling
+from megatron_core._nvtx import nvtx_decorator as nvtx_decorator
+from megatron_core._nvtx import nvtx_range_pop as nvtx_range_pop
+from megatron_core._nvtx import nvtx_range_push as nvtx_range_push
+from megatron_core._rank_utils import log_single_rank as log_single_rank
+from megatron_core._straggler import StragglerDetector as StragglerDetector
+from megatron_core._version_utils import get_fa_version as get_fa_version
+from megatron_core._version_utils import get_flashinfer_version as get_flashinfer_version
+from megatron_core._version_utils import get_te_version as get_te_version
+from megatron_core._version_utils import get_torch_version as get_torch_version
+from megatron_core._version_utils import is_fa_min_version as is_fa_min_version
+from megatron_core._version_utils import is_flashinfer_min_version as is_flashinfer_min_version
+from megatron_core._version_utils import is_te_min_version as is_te_min_version
+from megatron_core._version_utils import is_torch_min_version as is_torch_min_version
+from megatron_core._wrapped_model import get_attr_wrapped_model as get_attr_wrapped_model
+from megatron_core._wrapped_model import get_model_config as get_model_config

@@ -59,10 +59,12 @@ def test_forward_returns_loss_or_logits() -> None:
     torch.testing.assert_close(loss, expected.reshape(BATCH, SEQ), rtol=1e-5, atol=1e-5)
 
 
-def test_vocab_not_divisible_by_tp_names_sizes_and_padding_helper() -> None:
+def test_tp_size_in_config_without_a_tp_group_is_rejected() -> None:
+    # Sizes come from the process groups: a single process has no TP group (size 1), so a config that
+    # insists on TP=4 contradicts it (the vocabulary check under a real group is in test_process_groups).
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=4,
                                use_cpu_initialization=True)
-    with pytest.raises(ValueError, match=r"vocab_size \(50\).*tensor_model_parallel_size \(4\).*pad_vocab_size"):
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size is 4 but no group is set up \(size 1\)"):
         GPTModel(config, get_gpt_layer_local_spec(), 50, 16)
 
 

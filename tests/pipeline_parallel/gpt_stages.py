@@ -74,7 +74,7 @@ class StageChunks:
 
     def __init__(self, spec: dict, config: TransformerConfig, ref_state: dict[str, torch.Tensor]) -> None:
         vpp = config.virtual_pipeline_model_parallel_size
-        tp = config.tensor_model_parallel_size
+        tp = parallel_state.get_tensor_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         gated = spec["config"].get("gated_linear_unit", False)
         tied = spec["model"].get("share_embeddings_and_output_weights", False)

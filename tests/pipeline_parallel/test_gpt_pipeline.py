@@ -50,6 +50,8 @@ CASES = {
     "pp2_tp2": dict(pp=2, tp=2, kind="llama", counts=(4,), num_layers=4),
     "pp2_tp2_sp_tied": dict(pp=2, tp=2, kind="gpt2", counts=(4,), num_layers=4, extra=dict(sequence_parallel=True)),
     "pp2_tp2_vpp2_tied": dict(pp=2, tp=2, vpp=2, kind="gpt2", counts=(4,), num_layers=4),
+    # The config leaves tensor/pipeline sizes at their defaults: the parallel_state groups size everything.
+    "pp2_tp2_sizes_from_groups": dict(pp=2, tp=2, kind="llama", counts=(4,), num_layers=4, sizes_from_groups=True),
 }
 
 
@@ -86,9 +88,9 @@ def _run_case(case: str, ref_states: dict):
         seed = 1234 + 100 * pp_rank
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        sizes = {} if c.get("sizes_from_groups") else dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         config = TransformerConfig(
-            **spec["config"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32,
+            **spec["config"], **sizes, virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32,
             finalize_model_grads_func=finalize_model_grads, **c.get("extra", {}),
         )
         stages = StageChunks(spec, config, ref_states[num_microbatches])

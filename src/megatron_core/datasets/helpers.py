@@ -9,13 +9,17 @@ when ``drop_last_partial_sequence`` is False) ends at ``(last document, its leng
 sample count of that case uses float32 division as the C++ code does.
 
 The blending builders are greedy and sequential by nature (each choice depends on all earlier
-ones), so they are plain loops over Python floats, which are the same IEEE doubles as the C++
-``double`` arithmetic; ties go to the lowest dataset index as in C++.
+ones). With numba installed (the ``fast`` extra) they run as compiled loops
+(``datasets.blending_jit``), as fast as the C++ helpers; otherwise as plain loops over Python
+floats. Both are the same IEEE double arithmetic as the C++ ``double`` code, in the same order,
+and ties go to the lowest dataset index as in C++, so every path gives identical indices.
 """
 
 from __future__ import annotations
 
 import numpy
+
+from megatron_core.datasets.blending_jit import compiled_kernels
 
 
 def _num_samples(total_tokens: int, sequence_length: int, drop_last_partial_sequence: bool) -> int:
@@ -84,6 +88,13 @@ def build_blending_indices(
     ``argmax_d(weights[d] * max(i, 1) - taken[d])``.
     """
     weights = [float(weight) for weight in weights][:num_datasets]
+    kernels = compiled_kernels()
+    if kernels is not None:
+        taken_array = numpy.zeros(num_datasets, dtype=numpy.int64)
+        kernels[0](numpy.asarray(weights, dtype=numpy.float64), taken_array, dataset_index, dataset_sample_index, size)
+        if verbose:
+            _report(weights, taken_array.tolist(), size)
+        return
     taken = [0] * num_datasets
     chosen = [0] * size
     sample_of = [0] * size
@@ -104,8 +115,12 @@ def build_blending_indices(
     dataset_index[:size] = numpy.asarray(chosen, dtype=numpy.int16)
     dataset_sample_index[:size] = numpy.asarray(sample_of, dtype=numpy.int64)
     if verbose:
-        for dataset in range(num_datasets):
-            print(f"   dataset {dataset}, input: {weights[dataset]}, achieved: {taken[dataset] / max(size, 1)}")
+        _report(weights, taken, size)
+
+
+def _report(weights: list[float], taken: list[int], size: int) -> None:
+    for dataset, weight in enumerate(weights):
+        print(f"   dataset {dataset}, input: {weight}, achieved: {taken[dataset] / max(size, 1)}")
 
 
 def build_exhaustive_blending_indices(
@@ -121,6 +136,13 @@ def build_exhaustive_blending_indices(
     sizes = [int(size) for size in sizes][:num_datasets]
     total = sum(sizes)
     weights = [size / float(total) for size in sizes]
+    kernels = compiled_kernels()
+    if kernels is not None:
+        kernels[1](
+            numpy.asarray(weights, dtype=numpy.float64), numpy.asarray(sizes, dtype=numpy.int64),
+            numpy.zeros(num_datasets, dtype=numpy.int64), dataset_index, dataset_sample_index, total,
+        )
+        return
     taken = [0] * num_datasets
     unspent = [dataset for dataset in range(num_datasets) if sizes[dataset] > 0]
     chosen = [0] * total

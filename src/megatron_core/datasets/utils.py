@@ -11,6 +11,8 @@ from enum import Enum
 
 import numpy
 
+from megatron_core._rank_utils import log_single_rank  # noqa: F401  (re-exported: Megatron's path)
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,9 +55,3 @@ def get_blend_from_list(blend: list[str] | None) -> tuple[list[str], list[float]
     return [prefix.strip() for prefix in blend], None
 
 
-def log_single_rank(log: logging.Logger, level: int, message: str, rank: int = 0) -> None:
-    """Log ``message`` on global rank ``rank`` only (every process when not distributed)."""
-    from megatron_core.datasets import distributed
-
-    if distributed.get_rank() == rank:
-        log.log(level, message)

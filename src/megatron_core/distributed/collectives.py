@@ -1,38 +1,70 @@
 """Every collective used by data parallelism and the optimizers, in one place.
 
-Thin wrappers over ``torch.distributed`` that accept ``group=None`` for "no parallelism" (a
-single-rank group is also a no-op), return async work handles when asked, and coalesce many
-small tensors into one flat buffer. Both gloo (CPU) and NCCL (GPU) support every op used here.
+Thin wrappers over ``torch.distributed`` that return async work handles when asked and coalesce
+many small tensors into one flat buffer. Both gloo (CPU) and NCCL (GPU) support every op used here.
+
+Each takes the process group explicitly. ``None`` is refused: ``torch.distributed`` reads it as
+the WORLD group, while the package's resolver returns it for "no group set up". "This process
+alone" is spelled :data:`LOCAL` (every collective over it, as over any one-rank group, is the
+identity); :func:`local_if_none` turns a resolved group into a collective group, and WORLD is
+``torch.distributed.group.WORLD``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 # torch >= 2.13 renames the single-tensor collectives and deprecates the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
-    """World size of ``group``; 1 when ``group`` is None or no process group exists."""
-    if group is None or not dist.is_initialized():
+class _Local:
+    """The group of this process alone: size 1, rank 0; no collective over it communicates."""
+
+    def size(self) -> int:
         return 1
-    return dist.get_world_size(group)
 
-
-def group_rank(group: dist.ProcessGroup | None) -> int:
-    """This rank's index in ``group``; 0 when ``group`` is None or no process group exists."""
-    if group is None or not dist.is_initialized():
+    def rank(self) -> int:
         return 0
-    return dist.get_rank(group)
+
+    def __repr__(self) -> str:
+        return "collectives.LOCAL"
 
 
-def _is_gloo(group: dist.ProcessGroup | None) -> bool:
+LOCAL = _Local()
+"""This process alone (no parallelism). Not ``None``, which torch reads as WORLD."""
+
+
+def local_if_none(group: Any) -> Any:
+    """``group``, or :data:`LOCAL` where the resolver found no group (``None``)."""
+    return LOCAL if group is None else group
+
+
+def group_size(group: Any) -> int:
+    """Ranks in ``group`` (1 for :data:`LOCAL` or before ``torch.distributed`` is initialised)."""
+    if group is None:
+        raise ValueError(
+            "collectives need an explicit process group, got None (torch.distributed reads None as the WORLD "
+            "group): pass the group, collectives.LOCAL for this process alone, or local_if_none(resolved_group)"
+        )
+    return get_pg_size(group)
+
+
+def group_rank(group: Any) -> int:
+    """This rank's index in ``group`` (0 for :data:`LOCAL`)."""
+    group_size(group)
+    return get_pg_rank(group)
+
+
+def _is_gloo(group: Any) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
@@ -55,7 +87,7 @@ class _CopyOnWait:
         return True
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "sum",
+def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum",
                async_op: bool = False) -> dist.Work | None:
     """In-place all-reduce (``op`` in sum, avg, max, min); a no-op on a single rank."""
     if group_size(group) == 1:
@@ -65,7 +97,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = 
     return dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None,
+def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, group: Any,
                    op: str = "sum", async_op: bool = False) -> dist.Work | None:
     """Reduce ``input_`` (size ``n * group_size``) across ``group`` and keep this rank's ``n`` elements.
 
@@ -88,7 +120,7 @@ def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, group: dist.Proce
     return _reduce_scatter_single(output, input_, op=reduce_op, group=group, async_op=async_op)
 
 
-def all_gather(output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None,
+def all_gather(output: torch.Tensor, input_: torch.Tensor, group: Any,
                async_op: bool = False) -> dist.Work | None:
     """Gather every rank's ``input_`` into ``output`` (rank order); ``input_`` may be a view of ``output``."""
     if group_size(group) == 1:
@@ -101,14 +133,14 @@ def all_gather(output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGr
     return _all_gather_single(output, input_, group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup | None) -> None:
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Any) -> None:
     """Broadcast ``tensor`` from the rank with index ``src_group_rank`` in ``group``."""
     if group_size(group) == 1:
         return
     dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
 
 
-def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Any) -> None:
     """Sum-all-reduce many tensors with one collective per dtype, writing the results back in place."""
     if group_size(group) == 1 or not tensors:
         return
@@ -122,7 +154,7 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
             t.copy_(reduced)
 
 
-def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:
+def all_gather_object(obj: object, group: Any) -> list[object]:
     """Every rank's ``obj`` (picklable) in group-rank order."""
     if group_size(group) == 1:
         return [obj]

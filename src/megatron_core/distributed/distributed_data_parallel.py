@@ -27,19 +27,17 @@ from megatron_core.distributed.param_and_grad_buffer import (
     _ParamAndGradBuffer,
     partition_buckets,
 )
+from megatron_core.process_groups_config import resolve_process_group
 
 
-def _ddp_groups(pg_collection: Any) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """The (DP x CP, expert DP) groups from ``pg_collection`` or from ``parallel_state``."""
-    if pg_collection is not None:
-        dp_cp = getattr(pg_collection, "dp_cp", None)
-        if dp_cp is None:
-            raise ValueError("pg_collection passed to DistributedDataParallel must set dp_cp")
-        return dp_cp, getattr(pg_collection, "expt_dp", None)
-    if not parallel_state.model_parallel_is_initialized():
+def _ddp_groups(pg_collection: Any) -> tuple[Any, Any]:
+    """The (DP x CP, expert DP) groups from ``pg_collection`` or from ``parallel_state`` (the package resolver)."""
+    if pg_collection is not None and getattr(pg_collection, "dp_cp", None) is None:
+        raise ValueError("pg_collection passed to DistributedDataParallel must set dp_cp")
+    if pg_collection is None and not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("DistributedDataParallel needs initialize_model_parallel() or a pg_collection")
-    return (parallel_state.get_data_parallel_group(with_context_parallel=True),
-            parallel_state.get_expert_data_parallel_group(check_initialized=False))
+    return (resolve_process_group("dp_cp", pg_collection),
+            collectives.local_if_none(resolve_process_group("expt_dp", pg_collection)))
 
 
 class DistributedDataParallel(torch.nn.Module):

@@ -4,8 +4,9 @@ Megatron-Core's function of the same name, called by the pipeline schedules thro
 ``config.finalize_model_grads_func``. In order: finish the DP x CP reduction of every model chunk;
 all-reduce the gradients of sequence-parallel params (layernorms, row-parallel biases) over TP;
 all-reduce tied word-embedding gradients over the embedding group (first and last PP stage) and
-position-embedding gradients over the position-embedding group; optionally divide every gradient
-by the number of tokens of the global batch.
+position-embedding gradients over the position-embedding group; update the MoE routers' expert
+biases (aux-loss-free balancing) from the step's token counts summed over TP x DP x CP; optionally
+divide every gradient by the number of tokens of the global batch.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ from typing import Any
 
 import torch
 
-from megatron_core import parallel_state
 from megatron_core.distributed import collectives
+from megatron_core.process_groups_config import resolve_process_group
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / Float16Module wrappers (anything with a ``.module`` child)."""
-    while isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = module.module
-    return module
+    """Strip DDP / Float16Module wrappers (``megatron_core.utils.unwrap_model``)."""
+    from megatron_core.utils import unwrap_model
+
+    return unwrap_model(module)
 
 
 def _model_config(model_chunk: torch.nn.Module) -> Any:
@@ -41,24 +42,17 @@ def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def _groups(pg_collection: Any) -> dict[str, Any]:
+    """The groups of each reduction, from the package resolver; "no group" becomes ``collectives.LOCAL``."""
     if pg_collection is not None:
         for name in ("tp", "pp", "embd", "pos_embd"):
             if not hasattr(pg_collection, name):
                 raise ValueError(f"pg_collection for finalize_model_grads must have '{name}' (set it to None if unused)")
-        dp_cp = getattr(pg_collection, "dp_cp", None)
-        return {"tp": pg_collection.tp, "pp": pg_collection.pp, "embd": pg_collection.embd,
-                "pos_embd": pg_collection.pos_embd, "dp_cp": dp_cp}
-    return {
-        "tp": parallel_state.get_tensor_model_parallel_group(),
-        "pp": parallel_state.get_pipeline_model_parallel_group(),
-        "embd": parallel_state.get_embedding_group(check_initialized=False),
-        "pos_embd": parallel_state.get_position_embedding_group(check_initialized=False),
-        "dp_cp": parallel_state.get_data_parallel_group(with_context_parallel=True),
-    }
+    return {role: collectives.local_if_none(resolve_process_group(role, pg_collection))
+            for role in ("tp", "pp", "embd", "pos_embd", "dp_cp")}
 
 
 def _in_group(group: Any) -> bool:
-    return group is not None and collectives.group_size(group) > 1
+    return collectives.group_size(group) > 1
 
 
 def _tied_embedding_params(model: list[torch.nn.Module], pp_group: Any) -> list[torch.nn.Parameter]:
@@ -97,6 +91,22 @@ def _allreduce_grads(params: list[torch.nn.Parameter], group: Any) -> None:
     collectives.all_reduce_coalesced(grads, group)
 
 
+def _update_router_expert_bias(model: list[torch.nn.Module]) -> None:
+    """Move each MoE router's ``expert_bias`` toward balance and restart its step counters."""
+    # Imported here: distributed sits below the transformer package, and dense models never need it.
+    from megatron_core.transformer.moe.moe_utils import get_updated_expert_bias
+
+    for chunk in model:
+        for module in _unwrap(chunk).modules():
+            if getattr(module, "enable_expert_bias", False) and getattr(module, "expert_bias", None) is not None:
+                updated = get_updated_expert_bias(module.local_tokens_per_expert, module.expert_bias,
+                                                  module.config.moe_router_bias_update_rate, module.tp_dp_cp_group)
+                module.expert_bias.copy_(updated)
+                module.local_tokens_per_expert.zero_()
+            if hasattr(module, "reset_global_aux_loss_tracker"):
+                module.reset_global_aux_loss_tracker()
+
+
 def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
                          pg_collection: Any = None, force_all_reduce: bool = False) -> None:
     """Finish every gradient reduction of one iteration across DP, TP and PP (see module docstring).
@@ -120,6 +130,8 @@ def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor 
         _allreduce_grads(_tied_embedding_params(model, groups["pp"]), groups["embd"])
     if _in_group(groups["pos_embd"]) and collectives.group_rank(groups["pp"]) == 0:
         _allreduce_grads(_position_embedding_params(model), groups["pos_embd"])
+
+    _update_router_expert_bias(model)
 
     if num_tokens is not None:
         pp_group = groups["pp"]

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 from megatron_core import tensor_parallel
 from megatron_core.transformer.dot_product_attention import DotProductAttention
+from megatron_core.transformer.mlp import MLPSubmodules
+from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
 
 __all__ = ["BackendSpecProvider", "LocalSpecProvider"]
@@ -83,5 +85,12 @@ class LocalSpecProvider:
         return None
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool) -> Any:
-        """Mixture-of-experts layers are not implemented in this library."""
-        raise ValueError("mixture-of-experts layers are not supported by this library's local backend")
+        """Routed experts: ``TEGroupedMLP`` on grouped linears (one GEMM per projection) or ``SequentialMLP``."""
+        from megatron_core.transformer.moe import experts, grouped_linear
+
+        if moe_use_grouped_gemm:
+            return ModuleSpec(module=experts.TEGroupedMLP, submodules=experts.GroupedMLPSubmodules(
+                linear_fc1=grouped_linear.ColumnParallelGroupedLinear,
+                linear_fc2=grouped_linear.RowParallelGroupedLinear))
+        return ModuleSpec(module=experts.SequentialMLP, submodules=MLPSubmodules(
+            linear_fc1=tensor_parallel.ColumnParallelLinear, linear_fc2=tensor_parallel.RowParallelLinear))

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megatron_core import parallel_state
+from megatron_core.distributed import collectives
 from megatron_core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron_core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -30,6 +30,7 @@ from megatron_core.optimizer.optimizer import (
 )
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.optimizer.param_groups import ParamCondition, get_param_groups
+from megatron_core.process_groups_config import resolve_process_group
 
 __all__ = [
     "ChainedOptimizer",
@@ -73,20 +74,12 @@ def _grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
 
 
 def _groups(pg_collection: Any, expert: bool) -> dict[str, Any]:
-    """tp, data parallel and grad-stats groups for the dense or the expert optimizer."""
-    if pg_collection is not None:
-        return {"tp": getattr(pg_collection, "tp", None),
-                "dp": getattr(pg_collection, "expt_dp" if expert else "dp_cp", None),
-                "stats": getattr(pg_collection, "tp_ep_pp" if expert else "mp", None)}
-    if not parallel_state.model_parallel_is_initialized():
-        return {"tp": None, "dp": None, "stats": None}
-    return {
-        "tp": parallel_state.get_tensor_model_parallel_group(),
-        "dp": (parallel_state.get_expert_data_parallel_group() if expert
-               else parallel_state.get_data_parallel_group(with_context_parallel=True)),
-        "stats": (parallel_state.get_expert_tensor_model_pipeline_parallel_group() if expert
-                  else parallel_state.get_model_parallel_group()),
-    }
+    """tp, data parallel and grad-stats groups for the dense or the expert optimizer (the package resolver).
+
+    Roles with no group (nothing initialised, or unset in ``pg_collection``) are ``collectives.LOCAL``.
+    """
+    roles = {"tp": "expt_tp" if expert else "tp", "dp": "expt_dp" if expert else "dp_cp", "stats": "tp_ep_pp" if expert else "mp"}
+    return {key: collectives.local_if_none(resolve_process_group(role, pg_collection)) for key, role in roles.items()}
 
 
 def _build(config: OptimizerConfig, model_chunks: list[torch.nn.Module], param_groups: list[dict[str, Any]],

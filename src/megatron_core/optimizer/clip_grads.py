@@ -14,8 +14,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_core.distributed import collectives
+from megatron_core.process_groups_config import resolve_process_group
 
 
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:
@@ -28,13 +30,21 @@ def param_is_not_tensor_parallel_duplicate(param: torch.nn.Parameter, tp_rank: i
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+def _stats_group(group: Any) -> Any:
+    """As in Megatron-Core (torch's default): ``None`` is the WORLD group, or this process before init."""
+    if group is None:
+        return dist.group.WORLD if dist.is_initialized() else collectives.LOCAL
+    return group
+
+
 def _as_list(tensors: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
 def get_grad_norm_fp32(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2,
                        grad_stats_parallel_group: Any = None) -> float:
-    """The global ``norm_type``-norm of ``grads_for_norm`` summed over ``grad_stats_parallel_group``."""
+    """The global ``norm_type``-norm of ``grads_for_norm`` summed over ``grad_stats_parallel_group`` (None: WORLD)."""
+    grad_stats_parallel_group = _stats_group(grad_stats_parallel_group)
     grads = _as_list(grads_for_norm)
     norm_type = float(norm_type)
     device = grads[0].device if grads else torch.device("cpu")
@@ -69,10 +79,12 @@ def count_zeros_fp32(parameters: Iterable[torch.Tensor] | torch.Tensor, grad_sta
                      use_decoupled_grad: bool = False, tp_group: Any = None) -> float:
     """Number of zero gradient elements over ``grad_stats_parallel_group``, each element counted once.
 
-    ``tp_group`` decides which rank counts TP-replicated params (its rank 0).
+    ``tp_group`` (default: the resolved TP group) decides which rank counts TP-replicated params
+    (its rank 0); ``grad_stats_parallel_group`` None is WORLD.
     """
+    grad_stats_parallel_group = _stats_group(grad_stats_parallel_group)
     params = _as_list(parameters)
-    tp_rank = collectives.group_rank(tp_group)
+    tp_rank = collectives.group_rank(collectives.local_if_none(resolve_process_group("tp", group=tp_group)))
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     device = next((getattr(p, attr).device for p in params if getattr(p, attr) is not None), torch.device("cpu"))
     total = torch.zeros(1, dtype=torch.float32, device=device)

@@ -77,11 +77,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                  "with use_distributed_optimizer=True")
         self.model_chunks = model_chunks
         self.per_model_buffers = per_model_buffers
-        self.data_parallel_group = data_parallel_group
+        self.data_parallel_group = data_parallel_group = collectives.local_if_none(data_parallel_group)
         self.data_parallel_group_gloo = data_parallel_group_gloo
         self.data_parallel_rank = collectives.group_rank(data_parallel_group)
         self.data_parallel_world_size = collectives.group_size(data_parallel_group)
-        self.grad_stats_parallel_group = dist.group.WORLD if dist.is_initialized() else None
+        self.grad_stats_parallel_group = dist.group.WORLD if dist.is_initialized() else collectives.LOCAL
 
         owned = self._build_shard_entries()
         self.bucket_groups = self._own_bucket_groups()

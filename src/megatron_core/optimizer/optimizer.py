@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from megatron_core import parallel_state
 from megatron_core.distributed import collectives
 from megatron_core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -33,6 +32,7 @@ from megatron_core.optimizer.clip_grads import (
 )
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
+from megatron_core.process_groups_config import resolve_process_group
 
 _MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
 
@@ -62,9 +62,9 @@ class MegatronOptimizer(ABC):
         self.optimizer = optimizer
         self.config = config
         self.init_state_fn = init_state_fn
-        initialized = parallel_state.model_parallel_is_initialized()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group() if initialized else None
-        self.grad_stats_parallel_group = parallel_state.get_model_parallel_group() if initialized else None
+        # parallel_state's groups (get_megatron_optimizer sets explicit ones); LOCAL where there is none.
+        self.tp_group = collectives.local_if_none(resolve_process_group("tp"))
+        self.grad_stats_parallel_group = collectives.local_if_none(resolve_process_group("mp"))
 
     @contextmanager
     def _timer(self, name: str) -> Iterator[None]:

@@ -587,3 +587,13 @@ def get_global_memory_buffer() -> GlobalMemoryBuffer:
 def get_all_ranks() -> list[int]:
     """Every global rank of this job, in order."""
     return list(range(dist.get_world_size()))
+
+
+from megatron_core.parallel_state.extras import (  # noqa: E402
+    create_all_gather_groups as create_all_gather_groups,
+)
+from megatron_core.parallel_state.extras import create_group as create_group  # noqa: E402
+from megatron_core.parallel_state.extras import (  # noqa: E402
+    destroy_global_memory_buffer as destroy_global_memory_buffer,
+)
+from megatron_core.parallel_state.extras import update_pg_timeout as update_pg_timeout  # noqa: E402

@@ -4,6 +4,7 @@
 1F1B or interleaved); every schedule takes the same keyword call as Megatron-Core's.
 """
 
+from megatron_core._wrapped_model import get_attr_wrapped_model, get_model_config
 from megatron_core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_core.pipeline_parallel.schedules import (
     forward_backward_no_pipelining,
@@ -11,7 +12,6 @@ from megatron_core.pipeline_parallel.schedules import (
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
 )
-from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model, get_model_config
 
 __all__ = [
     "P2PCommunicator",

@@ -19,6 +19,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from megatron_core._wrapped_model import get_model_config
 from megatron_core.pipeline_parallel.microbatch_step import (
     GradSyncSwitch,
     backward_step,
@@ -31,7 +32,6 @@ from megatron_core.pipeline_parallel.microbatch_step import (
     new_token_counter,
     resolve_communicator,
 )
-from megatron_core.pipeline_parallel.wrapped_model import get_model_config
 
 
 def get_schedule_table(

@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from megatron_core import device, parallel_state
-from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model
+from megatron_core import device
+from megatron_core._wrapped_model import get_attr_wrapped_model
+from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.utils import get_pg_size
 
 
 def deallocate_output_tensor(out: torch.Tensor | None, deallocate_pipeline_outputs: bool = False) -> None:
@@ -75,8 +77,8 @@ def get_tensor_shapes(
     tp_group: Any = None, cp_group: Any = None,
 ) -> list[tuple[int, int, int]]:
     """The ``[s, b, h]`` shape of the tensor passed between stages, ``s`` split by CP (and TP under SP)."""
-    cp_size = cp_group.size() if cp_group is not None else _parallel_size("context")
-    tp_size = tp_group.size() if tp_group is not None else _parallel_size("tensor_model")
+    cp_size = get_pg_size(resolve_process_group("cp", group=cp_group))
+    tp_size = get_pg_size(resolve_process_group("tp", group=tp_group))
     if seq_length % cp_size != 0:
         raise ValueError(f"seq_length ({seq_length}) must be divisible by context_parallel_size ({cp_size})")
     seq_length //= cp_size
@@ -93,16 +95,9 @@ def get_tensor_shapes(
     return [(seq_length, micro_batch_size, hidden_size)]
 
 
-def _parallel_size(kind: str) -> int:
-    if not parallel_state.model_parallel_is_initialized():
-        return 1
-    return getattr(parallel_state, f"get_{kind}_parallel_world_size")()
-
-
 def context_parallel_size(pg_collection: Any = None) -> int:
-    """CP size from ``pg_collection.cp`` if given, else from ``parallel_state`` (1 if uninitialised)."""
-    cp_group = getattr(pg_collection, "cp", None)
-    return cp_group.size() if cp_group is not None else _parallel_size("context")
+    """CP size from ``pg_collection.cp`` if a collection is given, else from ``parallel_state`` (1 if none)."""
+    return get_pg_size(resolve_process_group("cp", pg_collection))
 
 
 class GradSyncSwitch:
@@ -169,6 +164,8 @@ def forward_step(
         else:
             output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
 
+    if getattr(config, "num_moe_experts", None) is not None:
+        _set_moe_aux_loss_scale(config, num_microbatches, cp_size)
     num_tokens = torch.tensor(0, dtype=torch.int)
     if is_last_stage:
         if collect_non_loss_data:
@@ -179,6 +176,22 @@ def forward_step(
     if timers is not None:
         timers("forward-compute").stop()
     return (output_tensor if unwrap_output else [output_tensor]), num_tokens
+
+
+def _set_moe_aux_loss_scale(config: Any, num_microbatches: int, cp_size: int) -> None:
+    """MoE aux losses get the main loss's backward scale: ``loss_scale * cp / num_microbatches`` (per token: ``loss_scale``)."""
+    # Imported here: the schedules sit below the transformer package and only MoE models need it.
+    from megatron_core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    if getattr(config, "moe_grad_scale_func", None) is not None:
+        scale = torch.as_tensor(config.moe_grad_scale_func(), dtype=torch.float32)
+    elif getattr(config, "grad_scale_func", None) is not None:
+        scale = config.grad_scale_func(torch.ones(1, device=device.get_current_device()))
+    else:
+        scale = torch.ones(1)
+    if not getattr(config, "calculate_per_token_loss", False):
+        scale = scale * cp_size / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def _call_if_wrapped_model_has(model: torch.nn.Module, method: str) -> None:
@@ -240,9 +253,12 @@ def resolve_communicator(config: Any, p2p_communicator: Any = None, pg_collectio
 
     if p2p_communicator is not None:
         return p2p_communicator
-    pp_group = getattr(pg_collection, "pp", None)
+    pp_group = resolve_process_group("pp", pg_collection)
     if pp_group is None:
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        raise RuntimeError(
+            "a pipeline schedule needs a pipeline-parallel group: pass pg_collection with pp set, a "
+            "p2p_communicator, or call initialize_model_parallel() first"
+        )
     return P2PCommunicator(pp_group, config)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_core import device, parallel_state
+from megatron_core import device
 
 Shape = Sequence[int]
 
@@ -285,7 +285,9 @@ class P2PCommunicator:
 
 
 def _communicator(config: Any) -> P2PCommunicator:
-    return P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
+    from megatron_core.pipeline_parallel.microbatch_step import resolve_communicator
+
+    return resolve_communicator(config)
 
 
 def recv_forward(tensor_shape: Any, config: Any, is_first_stage: bool | None = None) -> Any:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_core import parallel_state
+from megatron_core._wrapped_model import get_attr_wrapped_model, get_model_config
 from megatron_core.pipeline_parallel.interleaved_schedule import (
     forward_backward_pipelining_with_interleaving,
     get_schedule_table,
@@ -36,7 +37,8 @@ from megatron_core.pipeline_parallel.microbatch_step import (
     new_token_counter,
     resolve_communicator,
 )
-from megatron_core.pipeline_parallel.wrapped_model import get_attr_wrapped_model, get_model_config
+from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.utils import get_pg_size
 
 __all__ = [
     "backward_step",
@@ -63,8 +65,7 @@ def get_forward_backward_func(
     Sizes left ``None`` come from ``schedule_pg_collection.pp`` or ``parallel_state``.
     """
     if pp_size is None:
-        pp_group = getattr(schedule_pg_collection, "pp", None)
-        pp_size = pp_group.size() if pp_group is not None else parallel_state.get_pipeline_model_parallel_world_size()
+        pp_size = get_pg_size(resolve_process_group("pp", schedule_pg_collection))
     if vp_size is None and schedule_pg_collection is None:
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if pp_size > 1:

@@ -22,11 +22,8 @@ from torch.nn.parameter import Parameter
 
 from megatron_core.device import get_current_device
 from megatron_core.model_parallel_config import ModelParallelConfig
-from megatron_core.tensor_parallel.groups import (
-    get_tensor_model_parallel_group_if_none,
-    group_rank,
-    group_size,
-)
+from megatron_core.process_groups_config import check_parallel_size
+from megatron_core.tensor_parallel.groups import group_rank, group_size, resolve_tp_group
 from megatron_core.tensor_parallel.linear_function import (
     LinearWithGradAccumulationAndAsyncCommunication,
     linear_with_grad_accumulation_and_async_allreduce,
@@ -61,10 +58,12 @@ __all__ = [
 ]
 
 
-def _resolve_group(tp_group, pg_collection, is_expert: bool):
-    if tp_group is None and pg_collection is not None:
-        tp_group = pg_collection.expt_tp if is_expert else pg_collection.tp
-    return get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
+def _resolve_group(tp_group, pg_collection, is_expert: bool, config: ModelParallelConfig):
+    """The layer's (expert) TP group from the package resolver; a contradicting config TP size raises."""
+    group = resolve_tp_group(tp_group, pg_collection, is_expert)
+    if not is_expert:
+        check_parallel_size(config, "tensor_model_parallel_size", group, "tensor-parallel")
+    return group
 
 
 def _divide(size: int, world_size: int, what: str) -> int:
@@ -128,7 +127,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.tp_comm_buffer_name = tp_comm_buffer_name
         self.name = name
         self.output_dtype = output_dtype
-        self.tp_group = _resolve_group(tp_group, pg_collection, is_expert)
+        self.tp_group = _resolve_group(tp_group, pg_collection, is_expert, config)
         world_size = group_size(self.tp_group)
         rank = group_rank(self.tp_group)
         self.explicit_expert_comm = is_expert and (world_size > 1 or self.expert_parallel)
@@ -249,7 +248,7 @@ class RowParallelLinear(torch.nn.Module):
         self.name = name
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel=True needs input_is_parallel=True")
-        self.tp_group = _resolve_group(tp_group, pg_collection, is_expert)
+        self.tp_group = _resolve_group(tp_group, pg_collection, is_expert, config)
         world_size = group_size(self.tp_group)
         rank = group_rank(self.tp_group)
         self.explicit_expert_comm = is_expert and (world_size > 1 or self.expert_parallel)
@@ -329,7 +328,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
-        self.tp_group = _resolve_group(tp_group, pg_collection, is_expert=False)
+        self.tp_group = _resolve_group(tp_group, pg_collection, False, config)
         self.tensor_model_parallel_size = group_size(self.tp_group)
         rank = group_rank(self.tp_group)
         self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb
@@ -53,7 +54,11 @@ class SelfAttention(MegatronModule):
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.attention_type = "self"
-        tp = config.tensor_model_parallel_size
+        # Head counts per rank come from the TP group (pg_collection, else parallel_state), as in Megatron-Core.
+        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["tp", "cp"])
+        self.tp_group = self.pg_collection.tp
+        tp = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
+        self.world_size = tp
         self.hidden_size_per_attention_head = config.kv_channels
         self.query_projection_size = config.kv_channels * config.num_attention_heads
         self.kv_projection_size = config.kv_channels * config.num_query_groups
@@ -72,6 +77,7 @@ class SelfAttention(MegatronModule):
             skip_bias_add=False,
             is_expert=False,
             tp_comm_buffer_name="qkv",
+            tp_group=self.tp_group,
         )
         self.core_attention = build_module(
             submodules.core_attention,
@@ -80,7 +86,7 @@ class SelfAttention(MegatronModule):
             attn_mask_type=attn_mask_type,
             attention_type=self.attention_type,
             cp_comm_type=cp_comm_type,
-            pg_collection=pg_collection,
+            pg_collection=self.pg_collection,
         )
         self.linear_proj = build_module(
             submodules.linear_proj,
@@ -93,6 +99,7 @@ class SelfAttention(MegatronModule):
             skip_bias_add=True,
             is_expert=False,
             tp_comm_buffer_name="proj",
+            tp_group=self.tp_group,
         )
         self.q_layernorm = self._build_qk_norm(submodules.q_layernorm)
         self.k_layernorm = self._build_qk_norm(submodules.k_layernorm)

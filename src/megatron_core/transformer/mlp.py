@@ -3,8 +3,15 @@
 ``linear_fc1`` (column-parallel) -> activation -> ``linear_fc2`` (row-parallel). With
 ``gated_linear_unit`` (SwiGLU when the activation is SiLU), fc1 produces ``2 * ffn`` features
 laid out as ``[gate; up]`` **per tensor-parallel shard**: each rank's shard of the fc1 weight is
-``[gate_shard; up_shard]``, so the full TP=1 weight is ``[gate; up]`` only when TP = 1. Both
-biases are returned separately (``skip_bias_add``) so the caller fuses them.
+``[gate_shard; up_shard]``, so the full TP=1 weight is ``[gate; up]`` only when TP = 1. fc1 is
+built with ``stride=2`` (as in Megatron-Core), so CPU initialisation cuts rank ``r``'s
+``[gate_r; up_r]`` out of the same master weight at every TP size. Both biases are returned
+separately (``skip_bias_add``) so the caller fuses them. The TP group is ``tp_group``, else
+``pg_collection.tp`` (``.expt_tp`` for experts), else ``parallel_state``'s.
+
+As an MoE expert, ``forward(x, per_token_scale)`` weights each token by its routing probability
+after the activation and adds the fc2 bias scaled the same way, so the output is
+``p * (fc2(act(fc1(x))) + b2)`` and no bias is returned.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
@@ -48,6 +56,7 @@ class MLP(MegatronModule):
         self.input_size = input_size if input_size is not None else config.hidden_size
         ffn_hidden_size = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
         fc1_output_size = 2 * ffn_hidden_size if config.gated_linear_unit else ffn_hidden_size
+        self.tp_group = resolve_tp_group(tp_group, pg_collection, is_expert)
         self.linear_fc1 = build_module(
             submodules.linear_fc1,
             self.input_size,
@@ -59,6 +68,8 @@ class MLP(MegatronModule):
             skip_bias_add=True,
             is_expert=is_expert,
             tp_comm_buffer_name="fc1",
+            tp_group=self.tp_group,
+            stride=2 if config.gated_linear_unit else 1,
         )
         self.activation_func = submodules.activation_func or config.activation_func
         self.gated = config.gated_linear_unit
@@ -73,6 +84,7 @@ class MLP(MegatronModule):
             skip_bias_add=True,
             is_expert=is_expert,
             tp_comm_buffer_name="fc2",
+            tp_group=self.tp_group,
         )
         self.checkpoint_mlp = config.recompute_granularity == "selective" and "mlp" in config.recompute_modules
 
@@ -84,16 +96,23 @@ class MLP(MegatronModule):
             return self.activation_func(gate) * up
         return self.activation_func(intermediate)
 
-    def _forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         intermediate, bias = self.linear_fc1(hidden_states)
-        return self.linear_fc2(self._activate(intermediate, bias))
+        intermediate = self._activate(intermediate, bias)
+        if per_token_scale is None:
+            return self.linear_fc2(intermediate)
+        dtype = intermediate.dtype
+        intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(dtype)
+        output, output_bias = self.linear_fc2(intermediate)
+        if output_bias is not None:
+            output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1).to(output.dtype)
+        return output, None
 
     def forward(
         self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns ``(output [s, b, h], output_bias)``."""
-        if per_token_scale is not None:
-            raise NotImplementedError("MLP: per_token_scale (MoE expert input scaling) is not supported")
+        """Returns ``(output [s, b, h], output_bias)``; ``per_token_scale`` ``[tokens]`` weights an expert's tokens."""
         if self.checkpoint_mlp and self.training:
-            return tensor_parallel.checkpoint(self._forward, False, hidden_states)
-        return self._forward(hidden_states)
+            return tensor_parallel.checkpoint(self._forward, False, hidden_states, per_token_scale)
+        return self._forward(hidden_states, per_token_scale)

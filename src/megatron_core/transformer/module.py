@@ -107,3 +107,6 @@ class Float16Module(MegatronModule):
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Load into the wrapped module."""
         return self.module.load_state_dict(state_dict, strict=strict)
+
+
+from megatron_core.optimizer.clip_grads import param_is_not_shared as param_is_not_shared  # noqa: E402

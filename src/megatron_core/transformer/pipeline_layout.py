@@ -81,13 +81,16 @@ def _vpp(config: Any) -> int:
     return config.virtual_pipeline_model_parallel_size or 1
 
 
-def chunk_layer_counts(config: Any) -> list[int]:
-    """Decoder layers of every model chunk in chunk order ``v * pp + p``; raises if they cannot be placed."""
-    pp, vpp, num_layers = config.pipeline_model_parallel_size, _vpp(config), config.num_layers
+def chunk_layer_counts(config: Any, pp_size: int | None = None) -> list[int]:
+    """Decoder layers of every model chunk in chunk order ``v * pp + p``; raises if they cannot be placed.
+
+    ``pp_size`` is the pipeline group's size (default: ``config.pipeline_model_parallel_size``).
+    """
+    pp, vpp, num_layers = _pp_size(config, pp_size), _vpp(config), config.num_layers
     layout = config.pipeline_model_parallel_layout
     if layout is not None:
-        if not isinstance(layout, PipelineParallelLayerLayout):
-            layout = PipelineParallelLayerLayout(layout, pp)
+        if not isinstance(layout, PipelineParallelLayerLayout) or layout.pipeline_model_parallel_size != pp:
+            layout = PipelineParallelLayerLayout(getattr(layout, "stages", layout), pp)
         counts = layout.chunk_layer_counts()
         if len(counts) != pp * vpp:
             raise ValueError(
@@ -151,11 +154,36 @@ def _uneven_counts(num_layers: int, pp: int, vpp: int, first: int | None, last: 
     return [per_rank[p] // vpp for _ in range(vpp) for p in range(pp)]
 
 
-def _resolve_ranks(config: Any, vp_stage: int | None, pp_rank: int | None) -> tuple[int, int]:
-    from megatron_core import parallel_state
+def _pp_size(config: Any, pp_size: int | None) -> int:
+    """The pipeline size: the group's (``pp_size``) when known, checked against the config field."""
+    field = config.pipeline_model_parallel_size
+    if pp_size is None:
+        return field
+    if field not in (1, pp_size):
+        raise ValueError(
+            f"config.pipeline_model_parallel_size is {field} but the pipeline-parallel process group has "
+            f"{pp_size} ranks; parallel sizes come from the process groups (pg_collection, else parallel_state): "
+            f"leave pipeline_model_parallel_size at 1 or make it equal the group size"
+        )
+    return pp_size
 
+
+def _resolve_ranks(
+    config: Any, vp_stage: int | None, pp_rank: int | None, pp_size: int | None
+) -> tuple[int, int, int]:
+    """``(pp_rank, vp_stage, pp_size)``; unknown pipeline rank and size come from ``parallel_state``'s group."""
     if pp_rank is None:
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank() if config.pipeline_model_parallel_size > 1 else 0
+        from megatron_core import parallel_state
+        from megatron_core.process_groups_config import resolve_process_group
+        from megatron_core.utils import get_pg_rank, get_pg_size
+
+        group = resolve_process_group("pp")
+        if group is not None:
+            pp_rank = get_pg_rank(group)
+            pp_size = get_pg_size(group) if pp_size is None else pp_size
+        else:
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank() if config.pipeline_model_parallel_size > 1 else 0
+    pp_size = _pp_size(config, pp_size)
     if vp_stage is None:
         if _vpp(config) > 1:
             raise ValueError(
@@ -163,21 +191,29 @@ def _resolve_ranks(config: Any, vp_stage: int | None, pp_rank: int | None) -> tu
                 f"{config.virtual_pipeline_model_parallel_size}"
             )
         vp_stage = 0
-    if not 0 <= pp_rank < config.pipeline_model_parallel_size or not 0 <= vp_stage < _vpp(config):
+    if not 0 <= pp_rank < pp_size or not 0 <= vp_stage < _vpp(config):
         raise ValueError(
-            f"pp_rank ({pp_rank}) / vp_stage ({vp_stage}) out of range for pipeline_model_parallel_size "
-            f"({config.pipeline_model_parallel_size}) and virtual_pipeline_model_parallel_size ({_vpp(config)})"
+            f"pp_rank ({pp_rank}) / vp_stage ({vp_stage}) out of range for pipeline size ({pp_size}) and "
+            f"virtual_pipeline_model_parallel_size ({_vpp(config)})"
         )
-    return pp_rank, vp_stage
+    return pp_rank, vp_stage, pp_size
 
 
-def get_num_layers_to_build(config: Any, vp_stage: int | None = None, pp_rank: int | None = None) -> int:
-    """Number of decoder layers the given (or current) pipeline rank / virtual stage builds."""
-    pp_rank, vp_stage = _resolve_ranks(config, vp_stage, pp_rank)
-    return chunk_layer_counts(config)[vp_stage * config.pipeline_model_parallel_size + pp_rank]
+def get_num_layers_to_build(
+    config: Any, vp_stage: int | None = None, pp_rank: int | None = None, *, pp_size: int | None = None
+) -> int:
+    """Number of decoder layers the given (or current) pipeline rank / virtual stage builds.
+
+    ``pp_size`` is the pipeline group's size; by default the size of ``parallel_state``'s pipeline
+    group when ``pp_rank`` is not given, else ``config.pipeline_model_parallel_size``.
+    """
+    pp_rank, vp_stage, pp_size = _resolve_ranks(config, vp_stage, pp_rank, pp_size)
+    return chunk_layer_counts(config, pp_size)[vp_stage * pp_size + pp_rank]
 
 
-def get_transformer_layer_offset(config: Any, vp_stage: int | None = None, pp_rank: int | None = None) -> int:
+def get_transformer_layer_offset(
+    config: Any, vp_stage: int | None = None, pp_rank: int | None = None, *, pp_size: int | None = None
+) -> int:
     """Global index of the first decoder layer of the given (or current) chunk (0-based)."""
-    pp_rank, vp_stage = _resolve_ranks(config, vp_stage, pp_rank)
-    return sum(chunk_layer_counts(config)[: vp_stage * config.pipeline_model_parallel_size + pp_rank])
+    pp_rank, vp_stage, pp_size = _resolve_ranks(config, vp_stage, pp_rank, pp_size)
+    return sum(chunk_layer_counts(config, pp_size)[: vp_stage * pp_size + pp_rank])

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.transformer.transformer_layer import TransformerLayer
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["TransformerBlock", "TransformerBlockSubmodules", "get_num_layers_to_build"]
 
@@ -81,12 +83,19 @@ class TransformerBlock(MegatronModule):
         self.post_layer_norm = post_layer_norm
         self.vp_stage = vp_stage
         self.input_tensor: torch.Tensor | None = None
-        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        # This chunk's layers follow the pipeline group (pg_collection.pp, else parallel_state's).
+        self.pg_collection = resolve_pg_collection(pg_collection)
+        self.tp_group = self.pg_collection.tp
+        pp_group = getattr(self.pg_collection, "pp", None)
+        pp = dict(pp_rank=get_pg_rank(pp_group), pp_size=get_pg_size(pp_group))
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, **pp)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, **pp)
         self.submodules = _get_block_submodules(config, spec, num_layers, offset)
         self.layer_offset = offset
         self.layers = torch.nn.ModuleList(
-            build_module(layer_spec, config=config, layer_number=i + 1, pg_collection=pg_collection, vp_stage=vp_stage)
+            build_module(
+                layer_spec, config=config, layer_number=i + 1, pg_collection=self.pg_collection, vp_stage=vp_stage
+            )
             for i, layer_spec in enumerate(self.submodules.layer_specs)
         )
         if post_process and post_layer_norm and self.submodules.layer_norm is not None:

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer.enums import AttnBackend
+from megatron_core.transformer.moe_validation import check_moe_config
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
 from megatron_core.utils import init_method_normal, scaled_init_method_normal
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts", "mla_up_proj")
-MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 
 
 @dataclass
@@ -92,24 +92,35 @@ class TransformerConfig(ModelParallelConfig):
     distribute_saved_activations: bool | None = None
     recompute_modules: list[str] | None = None
 
-    # Mixture of experts
+    # Mixture of experts (validated in moe_validation.check_moe_config)
     num_moe_experts: int | None = None
     moe_ffn_hidden_size: int | None = None
     moe_layer_freq: int | list[int] = 1
     moe_router_topk: int = 2
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str | list[str] = "aux_loss"
+    moe_aux_loss_coeff: float | list[float] = 0.0
     moe_z_loss_coeff: float | None = None
     moe_input_jitter_eps: float | None = None
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
     moe_router_dtype: str | None = None
+    moe_router_fusion: bool = False
     moe_token_dispatcher_type: str = "allgather"
     moe_grouped_gemm: bool = False
+    moe_permute_fusion: bool = False
     moe_expert_capacity_factor: float | None = None
     moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
     moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_overlap: bool = False
+    moe_shared_expert_gate: bool = False
+    moe_apply_probs_on_input: bool = False
+    moe_per_layer_logging: bool = False
 
     # Loss and misc
     calculate_per_token_loss: bool = False
@@ -126,7 +137,7 @@ class TransformerConfig(ModelParallelConfig):
         _check_parallel_shapes(self)
         _check_normalization_and_activation(self)
         _check_recompute(self)
-        _check_moe(self)
+        check_moe_config(self)
         _check_pipeline_split(self)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
@@ -165,8 +176,6 @@ def _derive_shape_defaults(cfg: TransformerConfig) -> None:
         cfg.kv_channels = cfg.hidden_size // cfg.num_attention_heads
     if cfg.num_query_groups is None:
         cfg.num_query_groups = cfg.num_attention_heads
-    if cfg.num_moe_experts is not None and cfg.moe_ffn_hidden_size is None:
-        cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
     if cfg.recompute_modules is None:
         cfg.recompute_modules = ["core_attn"]
 
@@ -243,31 +252,6 @@ def _check_recompute(cfg: TransformerConfig) -> None:
             raise ValueError(f"recompute_modules {unsupported} are not supported by this library (dense models only)")
     if cfg.distribute_saved_activations and cfg.sequence_parallel:
         raise ValueError("distribute_saved_activations=True cannot be used with sequence_parallel=True")
-
-
-def _check_moe(cfg: TransformerConfig) -> None:
-    if cfg.expert_model_parallel_size > 1 and cfg.num_moe_experts is None:
-        raise ValueError(
-            f"expert_model_parallel_size ({cfg.expert_model_parallel_size}) > 1 needs num_moe_experts to be set"
-        )
-    if cfg.num_moe_experts is None:
-        return
-    if cfg.num_moe_experts <= 0:
-        raise ValueError(f"num_moe_experts ({cfg.num_moe_experts}) must be > 0")
-    if cfg.num_moe_experts % cfg.expert_model_parallel_size != 0:
-        raise ValueError(
-            f"num_moe_experts ({cfg.num_moe_experts}) must be divisible by expert_model_parallel_size "
-            f"({cfg.expert_model_parallel_size})"
-        )
-    if not 1 <= cfg.moe_router_topk <= cfg.num_moe_experts:
-        raise ValueError(f"moe_router_topk ({cfg.moe_router_topk}) must be in [1, num_moe_experts ({cfg.num_moe_experts})]")
-    if cfg.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
-        raise ValueError(
-            f"moe_router_load_balancing_type ({cfg.moe_router_load_balancing_type!r}) must be one of "
-            f"{list(MOE_LOAD_BALANCING_TYPES)}"
-        )
-    if cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is None:
-        raise ValueError("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor to be set")
 
 
 def _check_pipeline_split(cfg: TransformerConfig) -> None:

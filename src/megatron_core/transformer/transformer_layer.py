@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
+from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["TransformerLayer", "TransformerLayerSubmodules", "get_transformer_layer_offset"]
 
@@ -57,8 +59,16 @@ class TransformerLayer(MegatronModule):
     ) -> None:
         super().__init__(config)
         self.submodules_config = submodules
-        if add_layer_offset:
-            offset = pp_layer_offset if pp_layer_offset is not None else get_transformer_layer_offset(config, vp_stage)
+        # Every submodule gets the same groups: pg_collection, else parallel_state's.
+        self.pg_collection = pg_collection = resolve_pg_collection(pg_collection)
+        self.tp_group = pg_collection.tp
+        if add_layer_offset and pp_layer_offset is None:
+            pp_group = getattr(pg_collection, "pp", None)
+            offset = get_transformer_layer_offset(
+                config, vp_stage, get_pg_rank(pp_group), pp_size=get_pg_size(pp_group)
+            )
+        elif add_layer_offset:
+            offset = pp_layer_offset
         else:
             offset = 0
         self.layer_number = layer_number + offset
@@ -78,6 +88,8 @@ class TransformerLayer(MegatronModule):
         self.cross_attn_bda = build_module(submodules.cross_attn_bda, config=config)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_kwargs)
         self.mlp = build_module(submodules.mlp, config=config, pg_collection=pg_collection)
+        if hasattr(self.mlp, "set_layer_number"):  # MoE: the router logs its losses per global layer
+            self.mlp.set_layer_number(self.layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
         self.has_cross_attention = not isinstance(self.cross_attention, IdentityOp)
 

@@ -50,3 +50,8 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
                      stage: bool) -> AsyncRequest:
         """Balanced :meth:`TorchDistSaveShardedStrategy.save_request`."""
         return self._balanced().save_request(sharded_state_dict, checkpoint_dir, stage)
+
+
+from megatron_core.dist_checkpointing.strategies.fully_parallel_load import (  # noqa: E402
+    FullyParallelLoadStrategyWrapper as FullyParallelLoadStrategyWrapper,
+)

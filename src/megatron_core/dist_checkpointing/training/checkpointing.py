@@ -49,11 +49,13 @@ OPTIMIZER_STATE_PREFIX = "optimizer.state."
 
 
 def unwrap_model_chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Model chunks as a list, each unwrapped (``.module``) down to one with ``sharded_state_dict``."""
+    """Model chunks as a list, each unwrapped (``utils.unwrap_model``) down to one with ``sharded_state_dict``."""
+    from megatron_core.utils import unwrap_model
+
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     out = []
     for chunk in chunks:
-        inner = chunk
+        inner = unwrap_model(chunk)
         while not hasattr(inner, "sharded_state_dict") and hasattr(inner, "module"):
             inner = inner.module
         if not hasattr(inner, "sharded_state_dict"):

@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
-from megatron_core.transformer.pipeline_layout import get_num_layers_to_build
+from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
 from megatron_core.transformer.transformer_block import TransformerBlockSubmodules
@@ -25,6 +26,7 @@ from megatron_core.transformer.transformer_layer import TransformerLayer, Transf
 
 __all__ = [
     "get_gpt_decoder_block_spec",
+    "get_gpt_decoder_layer_specs",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",
     "get_mlp_module_spec",
@@ -32,9 +34,7 @@ __all__ = [
 ]
 
 
-def _reject_unsupported(num_experts: int | None, multi_latent_attention: bool, qk_l2_norm: bool, **flags: bool) -> None:
-    if num_experts is not None:
-        raise ValueError(f"num_experts ({num_experts}): mixture-of-experts layers are not supported by this library")
+def _reject_unsupported(multi_latent_attention: bool, qk_l2_norm: bool, **flags: bool) -> None:
     if multi_latent_attention:
         raise ValueError("multi_latent_attention=True is not supported by this library")
     if qk_l2_norm:
@@ -44,10 +44,11 @@ def _reject_unsupported(num_experts: int | None, multi_latent_attention: bool, q
         raise ValueError(f"{enabled} are not supported by this library")
 
 
-def get_mlp_module_spec_for_backend(backend: BackendSpecProvider, num_experts: int | None = None) -> ModuleSpec:
-    """The dense MLP spec built from ``backend``'s linear layers."""
+def get_mlp_module_spec_for_backend(backend: BackendSpecProvider, num_experts: int | None = None,
+                                    moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """The dense MLP spec built from ``backend``'s linear layers, or the MoE spec when ``num_experts`` is set."""
     if num_experts is not None:
-        backend.grouped_mlp_modules(False)
+        return get_moe_module_spec_for_backend(backend, num_experts, moe_grouped_gemm)
     fc1 = backend.column_parallel_layer_norm_linear() if backend.fuse_layernorm_and_linear() else None
     return ModuleSpec(
         module=MLP,
@@ -67,13 +68,16 @@ def get_mlp_module_spec(
     if use_te:
         from megatron_core.transformer.transformer_engine import TESpecProvider
 
-        return get_mlp_module_spec_for_backend(TESpecProvider(), num_experts)
-    return get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts)
+        return get_mlp_module_spec_for_backend(TESpecProvider(), num_experts, moe_grouped_gemm)
+    return get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm)
 
 
-def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool) -> ModuleSpec:
+def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_experts: int | None = None,
+                moe_grouped_gemm: bool = False) -> ModuleSpec:
     fused = backend.fuse_layernorm_and_linear()
     norm = IdentityOp if fused else backend.layer_norm()
+    # An MoE layer's experts have no fused norm: it keeps a separate pre-MLP norm.
+    pre_mlp_norm = backend.layer_norm() if num_experts is not None else norm
     linear_qkv = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
     qk_norm = backend.layer_norm(for_qk=True) if qk_layernorm else None
     keys_map = {} if fused else {
@@ -96,8 +100,8 @@ def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool) -> ModuleSpec:
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=get_mlp_module_spec_for_backend(backend),
+            pre_mlp_layernorm=pre_mlp_norm,
+            mlp=get_mlp_module_spec_for_backend(backend, num_experts, moe_grouped_gemm),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
         ),
@@ -120,9 +124,9 @@ def get_gpt_layer_local_spec(
 ) -> ModuleSpec:
     """A GPT layer from PyTorch and this library's TP layers; ``normalization`` is taken from the config."""
     _reject_unsupported(
-        num_experts, multi_latent_attention, qk_l2_norm, use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention
+        multi_latent_attention, qk_l2_norm, use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention
     )
-    return _layer_spec(backend or LocalSpecProvider(), qk_layernorm)
+    return _layer_spec(backend or LocalSpecProvider(), qk_layernorm, num_experts, moe_grouped_gemm)
 
 
 def get_gpt_layer_with_transformer_engine_spec(
@@ -142,13 +146,33 @@ def get_gpt_layer_with_transformer_engine_spec(
 ) -> ModuleSpec:
     """A GPT layer on Transformer Engine modules (raises ``ImportError`` naming the ``te`` extra when missing)."""
     _reject_unsupported(
-        num_experts, multi_latent_attention, qk_l2_norm, use_te_op_fuser=use_te_op_fuser, use_kitchen=use_kitchen,
+        multi_latent_attention, qk_l2_norm, use_te_op_fuser=use_te_op_fuser, use_kitchen=use_kitchen,
         use_te_activation_func=use_te_activation_func, use_kitchen_attention=use_kitchen_attention,
         use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp,
     )
     from megatron_core.transformer.transformer_engine import TESpecProvider
 
-    return _layer_spec(TESpecProvider(), qk_layernorm)
+    return _layer_spec(TESpecProvider(), qk_layernorm, num_experts, moe_grouped_gemm)
+
+
+def get_gpt_decoder_layer_specs(config: TransformerConfig, use_transformer_engine: bool,
+                                normalization: str | None = None, qk_l2_norm: bool | None = False,
+                                **kwargs: Any) -> list[ModuleSpec]:
+    """One spec per layer of the whole model: MoE where ``config.moe_layer_freq`` says so, dense elsewhere.
+
+    ``moe_layer_freq`` N means layers 0, N, 2N, ... are MoE; a list gives 1 (MoE) or 0 (dense) per layer.
+    """
+    get_spec = get_gpt_layer_with_transformer_engine_spec if use_transformer_engine else get_gpt_layer_local_spec
+    dense = get_spec(None, qk_layernorm=config.qk_layernorm, qk_l2_norm=bool(qk_l2_norm))
+    if config.num_moe_experts is None:
+        return [dense] * config.num_layers
+    moe = get_spec(config.num_moe_experts, config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm,
+                   qk_l2_norm=bool(qk_l2_norm))
+    freq = config.moe_layer_freq
+    pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
+    if len(pattern) != config.num_layers:
+        raise ValueError(f"moe_layer_freq has {len(pattern)} entries but num_layers is {config.num_layers}")
+    return [moe if flag else dense for flag in pattern]
 
 
 def get_gpt_decoder_block_spec(
@@ -160,14 +184,8 @@ def get_gpt_decoder_block_spec(
     pp_rank: int | None = None,
     **kwargs: Any,
 ) -> TransformerBlockSubmodules:
-    """Per-layer specs of this pipeline chunk (dense layers only) and the final norm."""
-    if use_transformer_engine:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(
-            config.num_moe_experts, qk_layernorm=config.qk_layernorm, qk_l2_norm=bool(qk_l2_norm)
-        )
-    else:
-        layer_spec = get_gpt_layer_local_spec(
-            config.num_moe_experts, qk_layernorm=config.qk_layernorm, qk_l2_norm=bool(qk_l2_norm)
-        )
+    """Per-layer specs of this pipeline chunk (dense and MoE layers per ``moe_layer_freq``) and the final norm."""
+    layer_specs = get_gpt_decoder_layer_specs(config, use_transformer_engine, normalization, qk_l2_norm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=WrappedTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=layer_specs[offset:offset + num_layers], layer_norm=WrappedTorchNorm)

@@ -17,6 +17,7 @@ from megatron_core import tensor_parallel
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
+from megatron_core.process_groups_config import check_parallel_size
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -60,11 +61,13 @@ class GPTModel(LanguageModule):
             )
         if mtp_block_spec is not None:
             raise ValueError("GPTModel: multi-token prediction (mtp_block_spec) is not supported")
-        if vocab_size % config.tensor_model_parallel_size != 0:
+        # Every part gets the same groups (self.pg_collection: the argument, else parallel_state's).
+        tp_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
+        if vocab_size % tp_size != 0:
             raise ValueError(
-                f"vocab_size ({vocab_size}) must be divisible by tensor_model_parallel_size "
-                f"({config.tensor_model_parallel_size}); pad it with megatron_core.tensor_parallel.pad_vocab_size"
-                f"({vocab_size}, make_vocab_size_divisible_by, {config.tensor_model_parallel_size})"
+                f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel group size "
+                f"({tp_size}); pad it with megatron_core.tensor_parallel.pad_vocab_size"
+                f"({vocab_size}, make_vocab_size_divisible_by, {tp_size})"
             )
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size = vocab_size
@@ -86,6 +89,7 @@ class GPTModel(LanguageModule):
                 max_sequence_length=max_sequence_length,
                 position_embedding_type=position_embedding_type,
                 scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
+                tp_group=self.tp_group,
             )
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
@@ -97,13 +101,14 @@ class GPTModel(LanguageModule):
                 rope_scaling=rope_scaling,
                 rope_scaling_factor=rope_scaling_factor,
                 use_cpu_initialization=config.use_cpu_initialization,
+                cp_group=self.pg_collection.cp,
             )
         self.decoder = TransformerBlock(
             config=config,
             spec=transformer_layer_spec,
             pre_process=pre_process,
             post_process=post_process,
-            pg_collection=pg_collection,
+            pg_collection=self.pg_collection,
             vp_stage=vp_stage,
         )
         if post_process:
@@ -116,6 +121,7 @@ class GPTModel(LanguageModule):
                 skip_bias_add=False,
                 gather_output=not parallel_output,
                 skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                tp_group=self.tp_group,
             )
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()

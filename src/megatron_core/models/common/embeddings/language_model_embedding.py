@@ -14,6 +14,7 @@ import torch
 
 from megatron_core import tensor_parallel
 from megatron_core.device import get_current_device
+from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.transformer_config import TransformerConfig
 
@@ -34,6 +35,7 @@ class LanguageModelEmbedding(MegatronModule):
         tp_group: Any = None,
     ) -> None:
         super().__init__(config)
+        self.tp_group = resolve_tp_group(tp_group)
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.add_position_embedding = position_embedding_type == "learned_absolute"
@@ -51,6 +53,7 @@ class LanguageModelEmbedding(MegatronModule):
             init_method=config.embedding_init_method,
             reduce_scatter_embeddings=self.reduce_scatter_embeddings,
             config=config,
+            tp_group=self.tp_group,
         )
         if self.add_position_embedding:
             self.position_embeddings = torch.nn.Embedding(
@@ -94,7 +97,7 @@ class LanguageModelEmbedding(MegatronModule):
         if not self.config.sequence_parallel:
             return self.embedding_dropout(embeddings)
         if not self.reduce_scatter_embeddings and self.scatter_to_sequence_parallel:
-            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings, group=self.tp_group)
             if self.config.clone_scatter_output_in_embedding:
                 embeddings = embeddings.clone()
         with tensor_parallel.get_cuda_rng_tracker().fork():

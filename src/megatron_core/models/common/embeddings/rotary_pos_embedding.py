@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from megatron_core.device import get_current_device
+from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb
+from megatron_core.utils import get_pg_size
 
 __all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
 
@@ -57,6 +59,7 @@ class RotaryEmbedding(torch.nn.Module):
         if dim % 2 != 0:
             raise ValueError(f"kv_channels ({kv_channels}) * rotary_percent ({rotary_percent}) = {dim} must be even")
         self.rotary_interleaved = rotary_interleaved
+        self.cp_group = resolve_process_group("cp", group=cp_group)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         device = torch.device("cpu") if use_cpu_initialization else get_current_device()
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
@@ -99,5 +102,7 @@ class RotaryEmbedding(torch.nn.Module):
             transformer_input = transformer.input_tensor
         seq_len = transformer_input.size(0)
         if transformer_config.sequence_parallel:
-            seq_len *= transformer_config.tensor_model_parallel_size
+            # The TP group's size (the block's group, else parallel_state's), not the config field.
+            tp_group = transformer.tp_group if hasattr(transformer, "tp_group") else resolve_process_group("tp")
+            seq_len *= get_pg_size(tp_group)
         return seq_len

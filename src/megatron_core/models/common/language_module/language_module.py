@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state, tensor_parallel
+from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_size
 
 __all__ = ["LanguageModule"]
 
@@ -24,7 +26,10 @@ class LanguageModule(MegatronModule):
 
     def __init__(self, config: TransformerConfig, pg_collection: object = None) -> None:
         super().__init__(config)
-        self.pg_collection = pg_collection
+        # Explicit groups, else parallel_state's (the one resolver in process_groups_config).
+        self._explicit_groups = pg_collection is not None
+        self.pg_collection = resolve_pg_collection(pg_collection)
+        self.tp_group = self.pg_collection.tp
         self.pre_process = True
         self.post_process = True
         self.share_embeddings_and_output_weights = False
@@ -35,7 +40,7 @@ class LanguageModule(MegatronModule):
         labels = labels.transpose(0, 1).contiguous()
         if not self.fp16_lm_cross_entropy:
             logits = logits.float()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group)
         return loss.transpose(0, 1).contiguous()
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
@@ -64,8 +69,14 @@ class LanguageModule(MegatronModule):
             weight.data.fill_(0)
             weight.shared = True
             weight.shared_embedding = True
-        group = parallel_state.get_embedding_group(check_initialized=False)
-        if dist.is_initialized() and group is not None and parallel_state.is_rank_in_embedding_group(
-            ignore_virtual=False, vp_stage=getattr(self, "vp_stage", None)
-        ):
+        group = self.pg_collection.embd
+        if get_pg_size(group) <= 1:
+            return
+        if self._explicit_groups:
+            member = dist.get_rank() in dist.get_process_group_ranks(group)
+        else:
+            member = parallel_state.is_rank_in_embedding_group(
+                ignore_virtual=False, vp_stage=getattr(self, "vp_stage", None)
+            )
+        if member:
             dist.all_reduce(self.shared_embedding_or_output_weight().data, group=group)

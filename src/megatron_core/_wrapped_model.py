@@ -1,0 +1,33 @@
+"""Find attributes of a model through its wrappers (Megatron-Core's ``get_attr_wrapped_model``).
+
+Training code wraps each model chunk, e.g. ``DistributedDataParallel(Float16Module(GPTModel))``;
+every wrapper keeps the wrapped module in ``.module``. The schedules use these helpers to reach
+``set_input_tensor`` and ``config`` on the innermost module that has them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def get_attr_wrapped_model(model: Any, attr: str, allow_none: bool = True, return_model_obj: bool = False) -> Any:
+    """``attr`` of the outermost module in the ``.module`` chain of ``model`` that has it.
+
+    With ``allow_none=False`` a module whose ``attr`` is ``None`` is skipped. With
+    ``return_model_obj=True`` the module itself is returned instead of the attribute.
+    """
+    if isinstance(model, list):
+        raise RuntimeError(f"get_attr_wrapped_model needs one model chunk, got a list of {len(model)}")
+    current = model
+    while (not hasattr(current, attr)) if allow_none else (getattr(current, attr, None) is None):
+        if not hasattr(current, "module"):
+            raise RuntimeError(
+                f"get_attr_wrapped_model: no attribute '{attr}' on {type(model).__name__} or the modules it wraps"
+            )
+        current = current.module
+    return current if return_model_obj else getattr(current, attr)
+
+
+def get_model_config(model: Any) -> Any:
+    """The ``config`` (a ``ModelParallelConfig`` or ``TransformerConfig``) of a possibly wrapped model."""
+    return get_attr_wrapped_model(model, "config", allow_none=False)

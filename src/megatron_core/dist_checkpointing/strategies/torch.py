@@ -1,0 +1,62 @@
+"""Megatron-Core's ``dist_checkpointing.strategies.torch`` path: the ``torch_dist`` strategies and
+``get_async_strategy``.
+
+The strategies themselves live in :mod:`.torch_dist`. ``get_async_strategy("mcore")`` returns the
+asynchronous-save building blocks this library provides; ``"nvrx"`` needs NVIDIA Resiliency Extension.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from megatron_core.dist_checkpointing.strategies.torch_dist import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
+
+
+def _mcore_async_modules() -> dict[str, Any]:
+    from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+
+    return {"AsyncCallsQueue": AsyncCallsQueue, "AsyncRequest": AsyncRequest}
+
+
+def _nvrx_async_modules() -> dict[str, Any]:
+    base = "nvidia_resiliency_ext.checkpointing.async_ckpt"
+    try:
+        core = importlib.import_module(f"{base}.core")
+        reader = importlib.import_module(f"{base}.cached_metadata_filesystem_reader")
+        writer = importlib.import_module(f"{base}.filesystem_async")
+        saver = importlib.import_module(f"{base}.state_dict_saver")
+    except ImportError as error:
+        raise ModuleNotFoundError(
+            "async_strategy='nvrx' needs nvidia-resiliency-ext; install it or use async_strategy='mcore'"
+        ) from error
+    return {
+        "AsyncCallsQueue": core.AsyncCallsQueue, "AsyncRequest": core.AsyncRequest,
+        "CachedMetadataFileSystemReader": reader.CachedMetadataFileSystemReader,
+        "CheckpointMetadataCache": saver.CheckpointMetadataCache,
+        "FileSystemWriterAsync": writer.FileSystemWriterAsync, "_results_queue": writer._results_queue,
+        "get_write_results_queue": writer.get_write_results_queue,
+        "save_state_dict_async_finalize": saver.save_state_dict_async_finalize,
+        "save_state_dict_async_plan": saver.save_state_dict_async_plan,
+    }
+
+
+def get_async_strategy(async_strategy: str = "nvrx", module: str | None = None) -> tuple[str, Any]:
+    """``(strategy name, modules)``: a dict of async-checkpoint classes, or the one named ``module``."""
+    if async_strategy == "nvrx":
+        modules = _nvrx_async_modules()
+    elif async_strategy == "mcore":
+        modules = _mcore_async_modules()
+    else:
+        raise ValueError(f"async_strategy={async_strategy!r} is not supported; use 'nvrx' or 'mcore'")
+    if module is None:
+        return async_strategy, modules
+    if module not in modules:
+        raise KeyError(f"async strategy {async_strategy!r} has no {module!r}; it provides {sorted(modules)}")
+    return async_strategy, modules[module]
+
+
+__all__ = ["TorchDistLoadShardedStrategy", "TorchDistSaveShardedStrategy", "get_async_strategy"]

@@ -1,0 +1,64 @@
+"""The JIT fuser decorator that fused element-wise functions use (Megatron-Core's ``jit``).
+
+``jit_fuser(fn)`` returns a function that runs ``torch.compile(fn)`` when the fuser is enabled and its
+first tensor argument is on an accelerator, and plain ``fn`` otherwise (on CPU, compiling needs a C++
+toolchain and buys little for these small functions). ``disable_jit_fuser()`` / ``enable_jit_fuser()``
+switch it for every decorated function, including ones decorated before the call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_jit_enabled = True
+
+
+def noop_decorator(func: F) -> F:
+    """Return ``func`` unchanged."""
+    return func
+
+
+def enable_jit_fuser() -> None:
+    """Compile ``jit_fuser``-decorated functions on accelerator tensors (the default)."""
+    global _jit_enabled
+    _jit_enabled = True
+
+
+def disable_jit_fuser() -> None:
+    """Run ``jit_fuser``-decorated functions eagerly."""
+    global _jit_enabled
+    _jit_enabled = False
+
+
+def is_jit_fuser_enabled() -> bool:
+    """Whether ``jit_fuser`` compiles on accelerator tensors."""
+    return _jit_enabled
+
+
+def _on_accelerator(args: tuple, kwargs: dict) -> bool:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type != "cpu"
+    return False
+
+
+def jit_fuser(func: F) -> F:
+    """Decorate an element-wise function so it is ``torch.compile``'d on accelerators while enabled."""
+    compiled: list[Callable[..., Any]] = []
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _jit_enabled and _on_accelerator(args, kwargs):
+            if not compiled:
+                compiled.append(torch.compile(func))
+            return compiled[0](*args, **kwargs)
+        return func(*args, **kwargs)
+
+    wrapper.__wrapped_eager__ = func  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,39 @@
+"""MoE layer specs (Megatron-Core's ``models/gpt/moe_module_specs``).
+
+``get_moe_module_spec_for_backend`` builds an ``MoELayer`` spec whose routed experts are a
+``SequentialMLP`` of the backend's tensor-parallel linears, or (``moe_grouped_gemm``) the backend's
+grouped experts, and whose shared experts use the same linears.
+"""
+
+from __future__ import annotations
+
+from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron_core.transformer.mlp import MLPSubmodules
+from megatron_core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron_core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron_core.transformer.spec_utils import ModuleSpec
+
+__all__ = ["get_moe_module_spec", "get_moe_module_spec_for_backend"]
+
+
+def get_moe_module_spec_for_backend(backend: BackendSpecProvider, num_experts: int | None = None,
+                                    moe_grouped_gemm: bool | None = False,
+                                    use_te_activation_func: bool = False) -> ModuleSpec:
+    """An ``MoELayer`` spec from ``backend``'s layers."""
+    if num_experts is None:
+        raise ValueError("get_moe_module_spec_for_backend needs num_experts")
+    mlp = MLPSubmodules(linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear(),
+                        activation_func=backend.activation_func())
+    experts = backend.grouped_mlp_modules(bool(moe_grouped_gemm))
+    shared = ModuleSpec(module=SharedExpertMLP, submodules=mlp)
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
+
+
+def get_moe_module_spec(use_te: bool | None = True, num_experts: int | None = None,
+                        moe_grouped_gemm: bool | None = False) -> ModuleSpec:
+    """An ``MoELayer`` spec for the Transformer Engine (``use_te``) or the local backend."""
+    if use_te:
+        from megatron_core.transformer.transformer_engine import TESpecProvider
+
+        return get_moe_module_spec_for_backend(TESpecProvider(), num_experts, moe_grouped_gemm)
+    return get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm)

@@ -1,0 +1,173 @@
+"""The routed experts of an MoE layer: ``SequentialMLP`` and ``TEGroupedMLP`` (Megatron-Core's ``experts``).
+
+Both take the dispatched tokens ``[N, h]`` grouped by local expert, ``tokens_per_expert`` and the
+tokens' routing probabilities ``[N]``, and return ``(output [N, h], None)`` where each row is
+``p * expert(x)`` (the probability is applied after the activation; the fc2 bias is scaled too).
+``SequentialMLP`` runs one ``MLP`` per local expert (keys ``local_experts.<i>.linear_fc1.weight``);
+``TEGroupedMLP`` runs every local expert in one grouped GEMM per projection (keys
+``linear_fc1.weight<i>``). Their sharded state dicts are identical: local expert ``i`` of EP rank
+``r`` is global expert ``r * num_local_experts + i`` along an extra leading axis of
+``<prefix>experts.linear_fc1.weight`` etc., so checkpoints reshard across EP, expert-TP and layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from copy import deepcopy
+from typing import Any
+
+import torch
+
+from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
+from megatron_core.dist_checkpointing.mapping import ShardedTensor
+from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron_core.tensor_parallel.groups import group_rank, group_size
+from megatron_core.transformer.mlp import MLP, MLPSubmodules
+from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["GroupedMLP", "GroupedMLPSubmodules", "SequentialMLP", "TEGroupedMLP"]
+
+
+def _with_expert_dp(sharded: dict, expt_dp_rank: int) -> None:
+    """Expert tensors are replicated over expert DP (not dense DP): fix the last replica-id entry."""
+    for key, value in sharded.items():
+        replica_id = getattr(value, "replica_id", None)
+        if isinstance(replica_id, tuple) and len(replica_id) == 3:
+            sharded[key] = dataclasses.replace(value, replica_id=(*replica_id[:2], expt_dp_rank))
+
+
+class SequentialMLP(MegatronModule):
+    """One ``MLP`` per local expert, run one after the other."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules: MLPSubmodules,
+                 pg_collection: Any = None, name: str | None = None) -> None:
+        if config.moe_ffn_hidden_size != config.ffn_hidden_size:
+            config = deepcopy(config)
+            config.ffn_hidden_size = config.moe_ffn_hidden_size
+        super().__init__(config)
+        pgs = get_default_pg_collection(pg_collection)
+        self.num_local_experts = num_local_experts
+        self.ep_group, self.tp_group, self.dp_group = pgs.ep, pgs.expt_tp, pgs.expt_dp
+        self.local_experts = torch.nn.ModuleList([
+            MLP(self.config, submodules, is_expert=True, ffn_hidden_size=self.config.moe_ffn_hidden_size,
+                tp_group=pgs.expt_tp)
+            for _ in range(num_local_experts)
+        ])
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor | list[int],
+                permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``(p * expert(x) for each local expert's rows, None)``."""
+        if self.config.moe_apply_probs_on_input:
+            dtype = permuted_local_hidden_states.dtype
+            permuted_local_hidden_states = (permuted_probs.unsqueeze(-1) * permuted_local_hidden_states).to(dtype)
+            permuted_probs = torch.ones_like(permuted_probs)
+        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
+        tokens = torch.split(permuted_local_hidden_states, counts)
+        probs = torch.split(permuted_probs, counts)
+        outputs = [expert(x, p)[0] for expert, x, p in zip(self.local_experts, tokens, probs)]
+        return torch.cat(outputs, dim=0), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Each local expert under its global index along a new axis of ``<prefix>experts.*``."""
+        num_global = group_size(self.ep_group) * self.num_local_experts
+        offset = group_rank(self.ep_group) * self.num_local_experts
+        out: dict = {}
+        for i, expert in enumerate(self.local_experts):
+            local_prefix = f"{prefix}local_experts.{i}."
+            offsets = (*sharded_offsets, (len(sharded_offsets), offset + i, num_global))
+            expert_sd = expert.sharded_state_dict(local_prefix, offsets, metadata)
+            replace_prefix_for_sharding(expert_sd, local_prefix, f"{prefix}experts.")
+            _with_expert_dp(expert_sd, group_rank(self.dp_group))
+            out.update(expert_sd)
+        return out
+
+
+@dataclasses.dataclass
+class GroupedMLPSubmodules:
+    """The grouped fc1 and fc2 layers of ``TEGroupedMLP`` and an optional activation."""
+
+    linear_fc1: ModuleSpec | type | None = None
+    linear_fc2: ModuleSpec | type | None = None
+    activation_func: Any = None
+
+
+class TEGroupedMLP(MegatronModule):
+    """All local experts in one grouped GEMM per projection (see :mod:`.grouped_linear`)."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules: GroupedMLPSubmodules,
+                 pg_collection: Any = None, name: str | None = None) -> None:
+        super().__init__(config)
+        pgs = get_default_pg_collection(pg_collection)
+        self.num_local_experts = num_local_experts
+        self.ep_group, self.tp_group, self.dp_group = pgs.ep, pgs.expt_tp, pgs.expt_dp
+        ffn = config.moe_ffn_hidden_size
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1, num_local_experts, config.hidden_size, 2 * ffn if config.gated_linear_unit else ffn,
+            config=config, init_method=config.init_method, bias=config.add_bias_linear, skip_bias_add=False,
+            is_expert=True, tp_comm_buffer_name="fc1", tp_group=pgs.expt_tp,
+        )
+        self.activation_func = submodules.activation_func or config.activation_func
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2, num_local_experts, ffn, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear, skip_bias_add=True,
+            is_expert=True, tp_comm_buffer_name="fc2", tp_group=pgs.expt_tp,
+        )
+
+    def _activate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(x, 2, dim=-1)
+            return self.activation_func(gate) * up
+        return self.activation_func(x)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor | list[int],
+                permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``(p * expert(x) for every row, None)``."""
+        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
+        probs = permuted_probs.unsqueeze(-1)
+        x = permuted_local_hidden_states
+        if self.config.moe_apply_probs_on_input:
+            x = (probs * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        intermediate, _ = self.linear_fc1(x, counts)
+        intermediate = (self._activate(intermediate) * probs).to(x.dtype)
+        output, bias = self.linear_fc2(intermediate, counts)
+        if bias is not None:
+            count_tensor = torch.tensor(counts, device=output.device)
+            per_row = bias.repeat_interleave(count_tensor, dim=0, output_size=output.shape[0])
+            output = output + (per_row * probs).to(output.dtype)
+        return output, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """The same sharded tensors as ``SequentialMLP``'s: one per local expert, under its global index."""
+        ep_size, ep_rank = group_size(self.ep_group), group_rank(self.ep_group)
+        tp_size, tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
+        dp_rank = group_rank(self.dp_group)
+        num_global = ep_size * self.num_local_experts
+        out: dict = {}
+        for layer_name in ("linear_fc1", "linear_fc2"):
+            layer = getattr(self, layer_name)
+            for param_name in ("weight", "bias"):
+                param = getattr(layer, param_name)
+                if param is None:
+                    continue
+                sharded_tp = getattr(param, "tensor_model_parallel", False)
+                for i in range(self.num_local_experts):
+                    offsets = (*sharded_offsets, (len(sharded_offsets), ep_rank * self.num_local_experts + i, num_global))
+                    axis = len(offsets) + param.partition_dim - 1
+                    tp_offsets = ((axis, tp_rank, tp_size),) if sharded_tp else ()
+                    replica_id = (0, 0 if sharded_tp else tp_rank, dp_rank)
+                    sh = ShardedTensor.from_rank_offsets(
+                        f"{prefix}experts.{layer_name}.{param_name}", param[i], *offsets, *tp_offsets,
+                        replica_id=replica_id, prepend_axis_num=len(offsets),
+                    )
+                    if layer_name == "linear_fc1" and self.config.gated_linear_unit:
+                        sh = apply_swiglu_sharded_factory(sh)
+                    out[f"{prefix}{layer_name}.{param_name}{i}"] = sh
+        return out
+
+
+class GroupedMLP(TEGroupedMLP):
+    """Alias of :class:`TEGroupedMLP` for code written against Megatron-Core's legacy grouped-GEMM experts."""

@@ -1,0 +1,147 @@
+"""Expert linear layers for all local experts at once, computed with one grouped GEMM.
+
+``ColumnParallelGroupedLinear`` / ``RowParallelGroupedLinear`` hold one 3-D parameter
+``weight [num_local_experts, out, in]`` sharded over the expert tensor-parallel group (fc1 along
+``out``, fc2 along ``in``) and never communicate (the token dispatcher does). In the state dict the
+weight appears per expert as ``weight0 .. weight{E-1}`` (and ``bias0 ..``), the keys of
+Transformer Engine's ``GroupedLinear`` that Megatron-Core's ``TEGroupedMLP`` uses.
+
+:func:`grouped_gemm` runs ``x [N, in]`` split by ``tokens_per_expert`` against the experts'
+weights: on CUDA, in bf16/fp16 with 16-byte-aligned shapes and a torch that has it, with
+``torch.nn.functional.grouped_mm`` (one kernel); elsewhere with one matmul per expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_core.device import get_current_device
+from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none, group_size
+
+__all__ = ["ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "grouped_gemm"]
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if _GROUPED_MM is None or x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    elems = 16 // x.element_size()
+    return weight.shape[1] % elems == 0 and weight.shape[2] % elems == 0
+
+
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    """``cat_e(x_e @ weight[e].T)`` for the row blocks ``x_e`` of sizes ``tokens_per_expert``."""
+    if _use_grouped_mm(x, weight):
+        offs = torch.tensor(tokens_per_expert, device=x.device, dtype=torch.int64).cumsum(0).to(torch.int32)
+        return _GROUPED_MM(x, weight.transpose(1, 2), offs=offs)
+    pieces = torch.split(x, tokens_per_expert, dim=0)
+    return torch.cat([F.linear(piece, weight[e]) for e, piece in enumerate(pieces)], dim=0)
+
+
+class _GroupedLinear(torch.nn.Module):
+    """Shared parts of the column- and row-parallel grouped layers; ``tp_dim`` is the local sharded dim."""
+
+    tp_dim = 0
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: Any, init_method: Callable,
+                 bias: bool, skip_bias_add: bool, is_expert: bool = True, tp_comm_buffer_name: str | None = None,
+                 tp_group: Any = None, pg_collection: Any = None, name: str | None = None) -> None:
+        super().__init__()
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.expt_tp
+        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=True)
+        self.num_gemms = num_gemms
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add = skip_bias_add
+        self.config = config
+        self.name = name
+        tp = group_size(self.tp_group)
+        sizes = [output_size, input_size]
+        if sizes[self.tp_dim] % tp != 0:
+            raise ValueError(f"{('output_size', 'input_size')[self.tp_dim]} ({sizes[self.tp_dim]}) must be divisible "
+                             f"by the expert tensor-parallel size ({tp})")
+        sizes[self.tp_dim] //= tp
+        device = torch.device("cpu") if config.use_cpu_initialization else get_current_device()
+        self.weight = torch.nn.Parameter(torch.empty(num_gemms, *sizes, dtype=config.params_dtype, device=device))
+        if config.perform_initialization:
+            with torch.no_grad():
+                for e in range(num_gemms):
+                    init_method(self.weight[e])
+        self.weight.tensor_model_parallel = True
+        self.weight.partition_dim = self.tp_dim + 1
+        self.weight.partition_stride = 1
+        self.weight.allreduce = False
+        if bias:
+            bias_size = sizes[0] if self.tp_dim == 0 else output_size
+            self.bias = torch.nn.Parameter(torch.zeros(num_gemms, bias_size, dtype=config.params_dtype, device=device))
+            self.bias.tensor_model_parallel = self.tp_dim == 0
+            self.bias.partition_dim = 1
+            self.bias.allreduce = False
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(output [N, out_local], bias [E, out_local] when skip_bias_add else None)``."""
+        output = grouped_gemm(x, self.weight, tokens_per_expert)
+        if self.bias is None:
+            return output, None
+        if self.skip_bias_add:
+            return output, self.bias
+        counts = torch.tensor(tokens_per_expert, device=x.device)
+        return output + self.bias.repeat_interleave(counts, dim=0, output_size=x.shape[0]), None
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        for name in ("weight", "bias"):
+            param = getattr(self, name)
+            if param is None:
+                continue
+            for e in range(self.num_gemms):
+                value = param[e]
+                destination[f"{prefix}{name}{e}"] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        for name in ("weight", "bias"):
+            param = getattr(self, name)
+            if param is None:
+                continue
+            for e in range(self.num_gemms):
+                key = f"{prefix}{name}{e}"
+                if key not in state_dict:
+                    missing_keys.append(key)
+                    continue
+                value = state_dict[key]
+                if tuple(value.shape) != tuple(param.shape[1:]):
+                    error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(value.shape)}, "
+                                      f"model {tuple(param.shape[1:])}")
+                    continue
+                with torch.no_grad():
+                    param[e].copy_(value)
+        if strict:
+            known = {f"{prefix}{n}{e}" for n in ("weight", "bias") for e in range(self.num_gemms)}
+            for key in state_dict:
+                if key.startswith(prefix) and key not in known and "." not in key[len(prefix):]:
+                    unexpected_keys.append(key)
+
+    def extra_repr(self) -> str:
+        """Experts, sizes, bias and expert-TP size."""
+        return (f"num_gemms={self.num_gemms}, in_features={self.input_size}, out_features={self.output_size}, "
+                f"bias={self.bias is not None}, ETP={group_size(self.tp_group)}")
+
+
+class ColumnParallelGroupedLinear(_GroupedLinear):
+    """Experts' fc1: ``weight [E, out / ETP, in]``; the bias is sharded like the output."""
+
+    tp_dim = 0
+
+
+class RowParallelGroupedLinear(_GroupedLinear):
+    """Experts' fc2: ``weight [E, out, in / ETP]``; the output is a partial sum over ETP, the bias is replicated."""
+
+    tp_dim = 1
+

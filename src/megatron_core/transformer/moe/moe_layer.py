@@ -1,0 +1,149 @@
+"""The mixture-of-experts block that replaces a layer's MLP (Megatron-Core's ``MoELayer`` + ``MoESubmodules``).
+
+``forward(hidden_states [s, b, h])`` returns ``(output [s, b, h], None)``: shared experts (if any)
+on the input, the router's ``(probs, routing_map)``, dispatch to the ranks holding each expert,
+the routed experts, combine, and the sum of routed and shared outputs. Process groups come from
+``pg_collection`` (roles ``ep``, ``expt_tp``, ``tp_ep``, ``expt_dp``, ``tp``, ...) or, for roles it
+leaves unset, from ``parallel_state``. ``num_moe_experts`` must be divisible by the EP group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_core import tensor_parallel
+from megatron_core.tensor_parallel.groups import group_rank, group_size
+from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron_core.transformer.moe.router import TopKRouter
+from megatron_core.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher,
+)
+from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["BaseMoELayer", "MoELayer", "MoESubmodules"]
+
+_DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
+
+
+@dataclass
+class MoESubmodules:
+    """Specs of the routed experts, the optional shared experts and the router."""
+
+    experts: ModuleSpec | type | None = None
+    shared_experts: ModuleSpec | type | None = None
+    router: ModuleSpec | type = TopKRouter
+
+
+class BaseMoELayer(MegatronModule):
+    """Expert bookkeeping shared by MoE layers: which experts live on this EP rank."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int | None = None, pg_collection: Any = None,
+                 is_mtp_layer: bool = False) -> None:
+        super().__init__(config)
+        self.pg_collection = get_default_pg_collection(pg_collection)
+        self.layer_number = layer_number
+        self.is_mtp_layer = is_mtp_layer
+        self.ep_group, self.attn_tp_group = self.pg_collection.ep, self.pg_collection.tp
+        ep_size, ep_rank = group_size(self.ep_group), group_rank(self.ep_group)
+        if config.num_moe_experts % ep_size != 0:
+            raise ValueError(f"num_moe_experts ({config.num_moe_experts}) must be divisible by the expert-parallel "
+                             f"group size ({ep_size})")
+        self.num_local_experts = config.num_moe_experts // ep_size
+        self.local_expert_indices = [ep_rank * self.num_local_experts + i for i in range(self.num_local_experts)]
+        self.use_shared_expert = config.moe_shared_expert_intermediate_size is not None
+        self.shared_expert_overlap = config.moe_shared_expert_overlap
+        self.router: Any = None
+        self.experts: Any = None
+        self.shared_experts: Any = None
+        self.token_dispatcher: Any = None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """The global 1-based layer number (for per-layer aux-loss logging)."""
+        self.layer_number = layer_number
+        self.router.set_layer_number(layer_number)
+
+
+class MoELayer(BaseMoELayer):
+    """Router + token dispatcher + routed experts (+ shared experts)."""
+
+    def __init__(self, config: TransformerConfig, submodules: MoESubmodules | None = None,
+                 layer_number: int | None = None, pg_collection: Any = None, is_mtp_layer: bool = False,
+                 name: str | None = None) -> None:
+        if submodules is None or submodules.experts is None:
+            raise ValueError("MoELayer needs submodules with an experts spec (see get_moe_module_spec)")
+        super().__init__(config, layer_number, pg_collection, is_mtp_layer)
+        self.submodules = submodules
+        pgs = self.pg_collection
+        self.moe_layer_recompute = config.recompute_granularity == "selective" and "moe" in config.recompute_modules
+        self.router = build_module(submodules.router, config=config, pg_collection=pgs, is_mtp_layer=is_mtp_layer)
+        self.token_dispatcher = _DISPATCHERS[config.moe_token_dispatcher_type](
+            self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pgs)
+        self.experts = build_module(submodules.experts, self.num_local_experts, config, pg_collection=pgs)
+        if self.use_shared_expert:
+            if submodules.shared_experts is None:
+                raise ValueError("moe_shared_expert_intermediate_size is set but the spec has no shared_experts")
+            self.shared_experts = build_module(submodules.shared_experts, config=config, pg_collection=pgs,
+                                               gate=config.moe_shared_expert_gate)
+        if layer_number is not None:
+            self.router.set_layer_number(layer_number)
+
+    def route(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """``(probs, routing_map)`` ``[s * b, num_experts]``."""
+        return self.router(hidden_states, padding_mask)
+
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """The dispatcher's local preprocessing (flatten, permute)."""
+        return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+
+    def dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Send tokens to the ranks of their experts."""
+        return self.token_dispatcher.token_dispatch(hidden_states, probs)
+
+    def shared_experts_compute(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output, or None."""
+        if not self.use_shared_expert:
+            return None
+        return self.shared_experts(hidden_states)
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Run the local experts on the dispatched tokens; returns ``(output, None)`` ready for the combine."""
+        dispatched, tokens_per_expert, permuted_probs = self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
+        expert_output, _ = self.experts(dispatched, tokens_per_expert, permuted_probs)
+        return self.token_dispatcher.combine_preprocess(expert_output), None
+
+    def combine(self, output: torch.Tensor) -> torch.Tensor:
+        """Bring expert outputs back to the ranks that own the tokens."""
+        return self.token_dispatcher.token_combine(output)
+
+    def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None) -> torch.Tensor:
+        """Unpermute to ``[s, b, h]`` and add the shared experts' output."""
+        output = self.token_dispatcher.combine_postprocess(output)
+        return output if shared_expert_output is None else output + shared_expert_output
+
+    def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        shared_expert_output = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
+        dispatched, probs = self.dispatch(hidden_states, probs)
+        output, _ = self.routed_experts_compute(dispatched, probs)
+        return self.postprocess(self.combine(output), shared_expert_output), None
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
+                padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        """``(output [s, b, h], None)``; ``padding_mask [b, s]`` is True for padding tokens."""
+        if self.training and group_size(self.attn_tp_group) > 1 and not self.config.sequence_parallel:
+            raise ValueError(
+                f"MoE with tensor parallelism (TP={group_size(self.attn_tp_group)}) needs sequence_parallel=True "
+                "during training, as in Megatron-Core"
+            )
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        if self.moe_layer_recompute and self.training:
+            return tensor_parallel.checkpoint(self._forward, False, hidden_states, padding_mask)
+        return self._forward(hidden_states, padding_mask)

@@ -1,0 +1,281 @@
+"""Routing maths and process-group lookup of the mixture-of-experts layer (Megatron-Core's ``moe_utils``).
+
+Shapes: ``logits``/``probs``/``routing_map`` are ``[num_tokens, num_experts]`` (tokens flattened
+from ``[s, b]``); ``routing_map`` is boolean. ``probs`` is zero outside the routing map.
+
+The auxiliary losses are attached to the graph with :class:`MoEAuxLossAutoScaler`: the forward
+returns the activation unchanged, the backward feeds the loss a gradient equal to the main loss's
+backward scale (set by the pipeline schedules to ``loss_scale / num_microbatches``), so the aux loss
+is optimised without being added to the returned loss. The token permutation helpers live in
+:mod:`megatron_core.transformer.moe.token_permutation` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state
+from megatron_core.process_groups_config import ProcessGroupCollection
+from megatron_core.tensor_parallel.groups import group_size
+from megatron_core.transformer.moe.token_permutation import permute, sort_chunks_by_idxs, unpermute
+
+__all__ = [
+    "MoEAuxLossAutoScaler",
+    "apply_router_token_dropping",
+    "compute_routing_scores_for_aux_loss",
+    "get_capacity",
+    "get_default_pg_collection",
+    "get_tokens_per_expert_and_token_count",
+    "get_updated_expert_bias",
+    "group_limited_topk",
+    "permute",
+    "router_gating_linear",
+    "sort_chunks_by_idxs",
+    "switch_load_balancing_loss_func",
+    "topk_routing_with_score_function",
+    "unpermute",
+    "z_loss_func",
+]
+
+_MOE_GROUPS = {
+    "tp": lambda: parallel_state.get_tensor_model_parallel_group(check_initialized=False),
+    "cp": lambda: parallel_state.get_context_parallel_group(check_initialized=False),
+    "tp_cp": lambda: parallel_state.get_tensor_and_context_parallel_group(check_initialized=False),
+    "tp_dp_cp": lambda: parallel_state.get_tensor_and_data_parallel_group(
+        check_initialized=False, with_context_parallel=True),
+    "ep": lambda: parallel_state.get_expert_model_parallel_group(check_initialized=False),
+    "expt_tp": lambda: parallel_state.get_expert_tensor_parallel_group(check_initialized=False),
+    "tp_ep": lambda: parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False),
+    "expt_dp": lambda: parallel_state.get_expert_data_parallel_group(check_initialized=False),
+}
+
+
+def get_default_pg_collection(pg_collection: ProcessGroupCollection | None = None) -> ProcessGroupCollection:
+    """The MoE groups: those set in ``pg_collection``, the rest from ``parallel_state``.
+
+    A role with no group anywhere stays ``None`` and behaves as a group of one process, so a
+    single process without ``initialize_model_parallel`` runs the layer unchanged.
+    """
+    out = ProcessGroupCollection()
+    for name, getter in _MOE_GROUPS.items():
+        group = getattr(pg_collection, name, None) if pg_collection is not None else None
+        if group is None and parallel_state.model_parallel_is_initialized():
+            group = getter()
+        setattr(out, name, group)
+    return out
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """In-place sum over ``group`` (no-op for a group of one); not differentiable."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def switch_load_balancing_loss_func(probs: torch.Tensor, tokens_per_expert: torch.Tensor, total_num_tokens: Any,
+                                    topk: int, num_experts: int, moe_aux_loss_coeff: float, fused: bool = False,
+                                    padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch-Transformer balance loss ``E * sum_i f_i * P_i`` times ``moe_aux_loss_coeff``.
+
+    ``f_i = tokens_per_expert_i / (T * topk)`` (counts over the whole reduction group) and
+    ``P_i = sum(probs[:, i]) / T`` over this rank's tokens, ``T = total_num_tokens``.
+    """
+    if padding_mask is not None:
+        probs = probs * padding_mask.unsqueeze(-1)
+    aggregated = probs.sum(dim=0)
+    scale = num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
+    return torch.sum(aggregated * tokens_per_expert) * scale
+
+
+def z_loss_func(logits: torch.Tensor, z_loss_coeff: float, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE router z-loss: ``mean(logsumexp(logits)^2) * z_loss_coeff`` (padding rows excluded)."""
+    values = torch.square(torch.logsumexp(logits, dim=-1))
+    if padding_mask is None:
+        return values.mean() * z_loss_coeff
+    valid = ~padding_mask
+    return (values * valid).sum() / torch.clamp(valid.sum(), min=1.0) * z_loss_coeff
+
+
+def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int | None = None) -> int:
+    """Tokens each expert accepts: ``ceil(num_tokens / num_experts * capacity_factor)`` (at least ``min_capacity``)."""
+    capacity = math.ceil((num_tokens / num_experts) * capacity_factor)
+    if min_capacity is not None and capacity < min_capacity:
+        capacity = min_capacity
+    return capacity
+
+
+def get_tokens_per_expert_and_token_count(routing_map: torch.Tensor, reduce_group: Any, topk: int | None = None,
+                                          with_padding_mask: bool = False) -> tuple[torch.Tensor, Any, Any]:
+    """``(tokens_per_expert summed over reduce_group, local token count, total token count)``."""
+    local = routing_map.sum(dim=0).to(torch.float32)
+    global_counts = all_reduce_sum_(local.clone(), reduce_group)
+    if with_padding_mask:
+        return global_counts, local.sum() / topk, global_counts.sum() / topk
+    local_num_tokens = routing_map.shape[0]
+    return global_counts, local_num_tokens, local_num_tokens * group_size(reduce_group)
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Attach an auxiliary loss to an activation; its gradient is ``main_loss_backward_scale``."""
+
+    main_loss_backward_scale: torch.Tensor | None = None
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        """Return ``output`` unchanged and keep ``aux_loss`` for the backward."""
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pass ``grad_output`` through and give the aux loss the main loss's backward scale."""
+        (aux_loss,) = ctx.saved_tensors
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        if scale is None:
+            scale = torch.tensor(1.0, device=aux_loss.device)
+        return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device)
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        """Set the backward scale of every aux loss (the main loss's scale / number of microbatches)."""
+        scale = torch.as_tensor(scale, dtype=torch.float32).detach().reshape(())
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale.clone()
+
+
+def group_limited_topk(scores: torch.Tensor, topk: int, num_tokens: int, num_experts: int, num_groups: int,
+                       group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k within the ``group_topk`` best expert groups (DeepSeek device/node-limited routing).
+
+    A group's score is the sum of its best ``topk / group_topk`` expert scores.
+    """
+    grouped = scores.view(num_tokens, num_groups, -1)
+    group_scores = grouped.topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups)
+    masked = scores.masked_fill(~score_mask.reshape(num_tokens, -1).bool(), float("-inf"))
+    return torch.topk(masked, k=topk, dim=-1)
+
+
+def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_softmax: bool = False,
+                                     num_groups: int | None = None, group_topk: int | None = None,
+                                     scaling_factor: float | None = None, score_function: str = "softmax",
+                                     expert_bias: torch.Tensor | None = None, fused: bool = False,
+                                     router_replay: Any = None, dense_output: bool = False,
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, routing_map)`` ``[num_tokens, num_experts]`` of the top-k experts per token.
+
+    softmax: over all experts then top-k (``use_pre_softmax``), or top-k logits then softmax over
+    them. sigmoid/sqrtsoftplus: top-k of ``score + expert_bias`` (the bias only selects), probs are
+    the unbiased scores renormalised over the chosen experts (when ``topk > 1``). ``scaling_factor``
+    multiplies the probs. With ``dense_output`` returns ``(probs, indices)`` ``[num_tokens, topk]``.
+    """
+    if fused or router_replay is not None:
+        raise ValueError("fused routing and router replay are not supported by this library")
+    num_tokens, num_experts = logits.shape
+
+    def compute_topk(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if group_topk:
+            return group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk)
+        return torch.topk(scores, k=topk, dim=1)
+
+    if score_function == "softmax":
+        if use_pre_softmax:
+            probs, top_indices = compute_topk(torch.softmax(logits, dim=-1, dtype=torch.float32))
+        else:
+            scores, top_indices = compute_topk(logits)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    elif score_function in ("sigmoid", "sqrtsoftplus"):
+        if score_function == "sigmoid":
+            scores = torch.sigmoid(logits.float())
+        else:
+            scores = torch.nn.functional.softplus(logits.float()).sqrt()
+        if expert_bias is not None:
+            _, top_indices = compute_topk(scores + expert_bias.float())
+            scores = torch.gather(scores, dim=1, index=top_indices)
+        else:
+            scores, top_indices = compute_topk(scores)
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
+    else:
+        raise ValueError(f"score_function ({score_function!r}) must be 'softmax', 'sigmoid' or 'sqrtsoftplus'")
+    if scaling_factor:
+        probs = probs * scaling_factor
+    probs = probs.type_as(logits)
+    if dense_output:
+        return probs, top_indices
+    routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    return routing_probs, routing_map
+
+
+def compute_routing_scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str, fused: bool = False,
+                                        padding_mask: torch.Tensor | None = None
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(routing_map, scores)`` for the balance loss: normalised scores of all experts and their top-k."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    elif score_function == "sqrtsoftplus":
+        scores = torch.nn.functional.softplus(logits.float()).sqrt()
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"score_function ({score_function!r}) must be 'softmax', 'sigmoid' or 'sqrtsoftplus'")
+    _, top_indices = torch.topk(scores, k=topk, dim=1)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    if padding_mask is not None:
+        valid = (~padding_mask).unsqueeze(-1)
+        routing_map, scores = routing_map & valid, scores * valid
+    return routing_map, scores
+
+
+def apply_router_token_dropping(routing_probs: torch.Tensor, routing_map: torch.Tensor, router_topk: int,
+                                capacity_factor: float, drop_policy: str = "probs", pad_to_capacity: bool = False,
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep at most ``capacity = ceil(T * topk / E * capacity_factor)`` tokens per expert.
+
+    ``drop_policy='probs'`` keeps each expert's highest-probability tokens; ``'position'`` keeps
+    the earliest tokens (lowest index). With ``pad_to_capacity`` every expert gets exactly
+    ``capacity`` slots: the kept tokens plus padding tokens with probability 0.
+    """
+    num_tokens, num_experts = routing_probs.shape
+    capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
+    if capacity > num_tokens:
+        capacity_mask = torch.ones_like(routing_map)
+    elif drop_policy == "probs":
+        _, kept = torch.topk(routing_probs, k=capacity, dim=0, sorted=False)
+        capacity_mask = torch.zeros_like(routing_map).scatter(0, kept, True)
+    elif drop_policy == "position":
+        # Rank of each routed token within its expert's column; unrouted entries sort last.
+        order = routing_map.int() * (num_tokens - torch.arange(num_tokens, device=routing_map.device)).unsqueeze(1)
+        _, kept = torch.topk(order, k=capacity, dim=0, sorted=False)
+        capacity_mask = torch.zeros_like(routing_map).scatter(0, kept, True)
+    else:
+        raise ValueError(f"moe_token_drop_policy ({drop_policy!r}) must be 'probs' or 'position'")
+    final_map = capacity_mask if pad_to_capacity else routing_map & capacity_mask
+    return routing_probs * final_map, final_map
+
+
+def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor,
+                            expert_bias_update_rate: float, tp_dp_cp_group: Any = None) -> torch.Tensor:
+    """Aux-loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded ones.
+
+    ``tokens_per_expert`` is summed over ``tp_dp_cp_group`` in place; the bias moves by
+    ``rate * sign(mean - count)``.
+    """
+    with torch.no_grad():
+        all_reduce_sum_(tokens_per_expert, tp_dp_cp_group)
+        average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
+        return expert_bias + torch.sign(average - tokens_per_expert) * expert_bias_update_rate
+
+
+def router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         router_dtype: torch.dtype) -> torch.Tensor:
+    """Router logits ``inp @ weight.T + bias`` computed in ``router_dtype``."""
+    bias = bias.to(router_dtype) if bias is not None else None
+    return torch.nn.functional.linear(inp.to(router_dtype), weight.to(router_dtype), bias)

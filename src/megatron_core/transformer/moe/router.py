@@ -1,0 +1,246 @@
+"""The MoE gate: ``Router`` (gating weight) and ``TopKRouter`` (Megatron-Core's ``router``).
+
+``TopKRouter.forward(input [s, b, h])`` returns ``(probs, routing_map)``, both
+``[s * b, num_experts]``. Steps: optional input jitter, logits in ``moe_router_dtype``, z-loss,
+top-k with the score function (optionally group-limited and expert-biased), optional token
+dropping to capacity, the balance losses (attached to ``probs`` by :class:`MoEAuxLossAutoScaler`),
+and, with aux-loss-free balancing, the per-expert token count that ``finalize_model_grads``
+turns into an ``expert_bias`` update once per step. The gating weight is replicated on every rank
+(marked ``sequence_parallel`` under sequence parallelism so its gradient is summed over TP).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_core.tensor_parallel.groups import group_size
+from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron_core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    apply_router_token_dropping,
+    compute_routing_scores_for_aux_loss,
+    get_default_pg_collection,
+    get_tokens_per_expert_and_token_count,
+    router_gating_linear,
+    switch_load_balancing_loss_func,
+    topk_routing_with_score_function,
+    z_loss_func,
+)
+from megatron_core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["Router", "TopKRouter"]
+
+_ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+class Router(MegatronModule):
+    """Base router: the gating linear layer ``weight [num_experts, hidden]`` (and bias with ``add_bias_linear``)."""
+
+    def __init__(self, config: TransformerConfig, pg_collection: Any = None, is_mtp_layer: bool = False) -> None:
+        super().__init__(config)
+        pgs = get_default_pg_collection(pg_collection)
+        self.num_experts = config.num_moe_experts
+        self.layer_number: int | None = None
+        self.is_mtp_layer = is_mtp_layer
+        self.tp_group, self.cp_group = pgs.tp, pgs.cp
+        self.tp_cp_group, self.tp_dp_cp_group = pgs.tp_cp, pgs.tp_dp_cp
+        self.weight = torch.nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size, dtype=torch.float32))
+        self.bias = (torch.nn.Parameter(torch.empty(config.num_moe_experts, dtype=torch.float32))
+                     if config.add_bias_linear else None)
+        self.calculate_per_token_loss = config.calculate_per_token_loss
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise with ``config.init_method`` (in fp32, then cast to ``params_dtype``)."""
+        if self.config.perform_initialization:
+            self.config.init_method(self.weight)
+            if self.bias is not None:
+                with torch.no_grad():
+                    self.bias.zero_()
+        self.weight.data = self.weight.data.to(self.config.params_dtype)
+        self.weight.sequence_parallel = self.config.sequence_parallel
+        if self.bias is not None:
+            self.bias.data = self.bias.data.to(self.config.params_dtype)
+            self.bias.sequence_parallel = self.config.sequence_parallel
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        """Router logits ``[s, b, num_experts]`` in ``moe_router_dtype`` (else the input's dtype)."""
+        dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
+        return router_gating_linear(input, self.weight, self.bias, dtype)
+
+    def routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs, routing_map)`` from ``logits``; implemented by subclasses."""
+        raise NotImplementedError
+
+    def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route ``input``; implemented by subclasses."""
+        raise NotImplementedError
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """The global 1-based layer number, used to log per-layer metrics."""
+        self.layer_number = layer_number
+
+
+class TopKRouter(Router):
+    """Route each token to its top-k experts (see the module docstring for the steps)."""
+
+    def __init__(self, config: TransformerConfig, pg_collection: Any = None, is_mtp_layer: bool = False) -> None:
+        super().__init__(config, pg_collection, is_mtp_layer)
+        self.topk = config.moe_router_topk
+        self.routing_type = config.moe_router_load_balancing_type
+        self.score_function = config.moe_router_score_function
+        self.input_jitter = None
+        self.enable_expert_bias = config.moe_router_enable_expert_bias
+        device = self.weight.device
+        if self.enable_expert_bias:
+            self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts, device=device),
+                                 persistent=False)
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, device=device))
+        else:
+            self.local_tokens_per_expert = None
+            self.expert_bias = None
+        if self.get_aux_loss_coeff("global_aux_loss") > 0:
+            self.register_buffer("global_tokens_per_expert", torch.zeros(self.num_experts, device=device),
+                                 persistent=False)
+            self.register_buffer("ga_steps", torch.zeros((), device=device), persistent=False)
+        else:
+            self.global_tokens_per_expert = None
+            self.ga_steps = None
+        if self.routing_type == "sinkhorn":
+            raise ValueError("moe_router_load_balancing_type='sinkhorn' is not supported by this library")
+
+    def get_aux_loss_coeff(self, aux_loss_type: str) -> float:
+        """The coefficient of ``aux_loss_type`` (0 when that loss is not configured)."""
+        kinds, coeffs = self.routing_type, self.config.moe_aux_loss_coeff
+        if isinstance(kinds, str):
+            return coeffs if kinds == aux_loss_type else 0.0
+        return coeffs[kinds.index(aux_loss_type)] if aux_loss_type in kinds else 0.0
+
+    def is_aux_loss_enabled(self) -> bool:
+        """True when any balance loss has a positive coefficient."""
+        return any(self.get_aux_loss_coeff(k) > 0 for k in ("aux_loss", "seq_aux_loss", "global_aux_loss"))
+
+    def _num_layers(self) -> tuple[int, int | None]:
+        num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
+        layer = self.layer_number
+        if self.is_mtp_layer and layer is not None:
+            layer += self.config.num_layers
+        return num_layers, layer
+
+    def attach_and_log_load_balancing_loss(self, activation: torch.Tensor, aux_loss_coeff: float,
+                                           aux_loss: torch.Tensor, aux_loss_name: str, reduce_group: Any,
+                                           needs_dp_avg: bool = True, valid_token_count: Any = None
+                                           ) -> torch.Tensor:
+        """Record ``aux_loss / coeff`` for logging and attach ``aux_loss`` to ``activation``'s graph."""
+        num_layers, layer = self._num_layers()
+        get_moe_metrics_tracker().record(aux_loss_name, aux_loss / aux_loss_coeff, layer, num_layers,
+                                         reduce_group=reduce_group, needs_dp_avg=needs_dp_avg)
+        if self.calculate_per_token_loss:
+            tokens = valid_token_count if valid_token_count is not None else activation.shape[0]
+            aux_loss = aux_loss * tokens * group_size(self.tp_cp_group)
+        return MoEAuxLossAutoScaler.apply(activation, aux_loss)
+
+    def _apply_aux_loss(self, probs, scores, routing_map, kind: str, seq_length: int, bsz: int):
+        coeff = self.get_aux_loss_coeff(kind)
+        if coeff == 0:
+            return probs
+        group, topk, divisor, needs_dp_avg = self.tp_cp_group, self.topk, 1, True
+        if kind == "seq_aux_loss":
+            # Folding the batch into the expert dim makes the loss a sum of per-sequence losses.
+            scores, routing_map = scores.reshape(seq_length, -1), routing_map.reshape(seq_length, -1)
+            topk, divisor = self.topk * bsz, bsz
+        elif kind == "global_aux_loss":
+            group, needs_dp_avg = self.tp_dp_cp_group, False
+        counts, local_tokens, total_tokens = get_tokens_per_expert_and_token_count(routing_map, group, topk)
+        if kind == "global_aux_loss":
+            self.global_tokens_per_expert += counts
+            self.ga_steps += 1
+            counts = self.global_tokens_per_expert / self.ga_steps
+        loss = switch_load_balancing_loss_func(scores, counts, total_tokens, self.topk, self.num_experts, coeff) / divisor
+        name = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                "global_aux_loss": "global_load_balancing_loss"}[kind]
+        return self.attach_and_log_load_balancing_loss(probs, coeff, loss, name, group, needs_dp_avg,
+                                                       local_tokens * divisor)
+
+    def apply_z_loss(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attach the z-loss to ``logits`` (training with grad only) and record it."""
+        if self.config.moe_z_loss_coeff is None or not (self.training and torch.is_grad_enabled()):
+            return logits
+        coeff = self.config.moe_z_loss_coeff / group_size(self.tp_cp_group)
+        z_loss = z_loss_func(logits, coeff, padding_mask)
+        scaled = z_loss
+        if self.calculate_per_token_loss:
+            tokens = (~padding_mask).sum() if padding_mask is not None else logits.shape[0]
+            scaled = z_loss * tokens * group_size(self.tp_cp_group)
+        logits = MoEAuxLossAutoScaler.apply(logits, scaled)
+        num_layers, layer = self._num_layers()
+        get_moe_metrics_tracker().record("z_loss", z_loss / coeff, layer, num_layers, avg_group=self.tp_dp_cp_group,
+                                         needs_dp_avg=False)
+        return logits
+
+    def apply_input_jitter(self, input: torch.Tensor) -> torch.Tensor:
+        """Multiply ``input`` by uniform noise in ``[1 - eps, 1 + eps]`` (``moe_input_jitter_eps``)."""
+        eps = self.config.moe_input_jitter_eps
+        if eps is None:
+            return input
+        noise = torch.empty_like(input).uniform_(1.0 - eps, 1.0 + eps)
+        return input * noise
+
+    def _record_expert_load(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
+        if not torch.is_grad_enabled():
+            return
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & (~padding_mask).unsqueeze(-1)
+            counts = routing_map.sum(dim=0).float()
+            if self.enable_expert_bias:
+                self.local_tokens_per_expert += counts
+            if self.training:
+                num_layers, layer = self._num_layers()
+                imbalance = counts.max() / counts.mean().clamp(min=1e-6)
+                get_moe_metrics_tracker().record("load_imbalance", imbalance, layer, num_layers,
+                                                 avg_group=self.tp_cp_group)
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs, routing_map)`` ``[s * b, num_experts]`` from ``logits [s, b, num_experts]``."""
+        seq_length, bsz = logits.shape[:2]
+        logits = logits.reshape(-1, self.num_experts)
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1)
+        logits = self.apply_z_loss(logits, padding_mask)
+        cfg = self.config
+        probs, routing_map = topk_routing_with_score_function(
+            logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
+            group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
+            score_function=self.score_function, expert_bias=self.expert_bias,
+        )
+        if cfg.moe_expert_capacity_factor is not None:
+            probs, routing_map = apply_router_token_dropping(
+                probs, routing_map, self.topk, cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy,
+                cfg.moe_pad_expert_input_to_capacity,
+            )
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            aux_map, scores = compute_routing_scores_for_aux_loss(logits, self.topk, self.score_function,
+                                                                  padding_mask=padding_mask)
+            for kind in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
+                probs = self._apply_aux_loss(probs, scores, aux_map, kind, seq_length, bsz)
+        self._record_expert_load(routing_map, padding_mask)
+        return probs, routing_map
+
+    def reset_global_aux_loss_tracker(self) -> None:
+        """Restart the global-batch token counts of ``global_aux_loss``."""
+        if self.global_tokens_per_expert is not None:
+            self.global_tokens_per_expert.zero_()
+            self.ga_steps.zero_()
+
+    def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs, routing_map)`` for ``input [s, b, h]``; ``padding_mask [s, b]`` is True for padding."""
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias.data = self.expert_bias.data.float()
+        logits = self.gating(self.apply_input_jitter(input))
+        return self.routing(logits, padding_mask)

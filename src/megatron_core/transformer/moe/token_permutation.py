@@ -1,0 +1,76 @@
+"""Grouping tokens by expert and back (Megatron-Core's ``permute`` / ``unpermute`` / ``sort_chunks_by_idxs``).
+
+``permute`` turns ``tokens [T, H]`` and a boolean ``routing_map [T, E]`` into ``[N, H]`` rows
+sorted by expert (expert 0's tokens first, each expert's tokens in token order), where ``N`` is
+the number of (token, expert) pairs. ``sorted_indices [N]`` holds each row's source token, so
+``unpermute`` scatters rows back with a sum (a token routed to k experts receives k rows).
+With ``drop_and_pad`` every expert has exactly ``capacity = N / E`` rows (the routing map is
+padded to capacity by the router), which keeps shapes static.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["permute", "sort_chunks_by_idxs", "unpermute"]
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
+            num_out_tokens: int | None = None, fused: bool = False, drop_and_pad: bool = False,
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(permuted_tokens [N, H], permuted_probs [N] or None, sorted_indices [N])``."""
+    if fused:
+        raise ValueError("fused permutation needs Transformer Engine, which this library does not use")
+    num_tokens = tokens.shape[0]
+    num_experts = routing_map.shape[1]
+    map_t = routing_map.bool().T.contiguous()  # [E, T]
+    if drop_and_pad and num_out_tokens is not None:
+        capacity = num_out_tokens // num_experts
+        rows = map_t.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[:, :capacity]
+        sorted_indices = rows.reshape(-1)
+        flat = (torch.arange(num_experts, device=tokens.device).unsqueeze(-1) * num_tokens + rows).reshape(-1)
+    else:
+        flat = map_t.reshape(-1).nonzero(as_tuple=False).squeeze(-1)
+        sorted_indices = flat % num_tokens
+    permuted_probs = probs.T.contiguous().reshape(-1).index_select(0, flat) if probs is not None else None
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,
+              probs: torch.Tensor | None = None, routing_map: torch.Tensor | None = None, fused: bool = False,
+              drop_and_pad: bool = False) -> torch.Tensor:
+    """Sum each row back into its source token: ``[T, H]`` of ``restore_shape``.
+
+    With ``probs`` (``[T, E]``, needs ``routing_map``) each row is first weighted by its probability.
+    """
+    if fused:
+        raise ValueError("fused permutation needs Transformer Engine, which this library does not use")
+    if probs is not None:
+        if routing_map is None:
+            raise ValueError("unpermute: routing_map is needed to weight rows by probs")
+        num_experts = routing_map.shape[1]
+        if drop_and_pad:
+            capacity = sorted_indices.numel() // num_experts
+            rows = sorted_indices.view(num_experts, capacity)
+            flat = (torch.arange(num_experts, device=rows.device).unsqueeze(-1) * probs.shape[0] + rows).reshape(-1)
+            weights = probs.T.contiguous().reshape(-1).index_select(0, flat)
+        else:
+            weights = probs.T.contiguous().masked_select(routing_map.T.contiguous())
+        permuted_tokens = permuted_tokens * weights.unsqueeze(-1)
+    output = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    output.index_add_(0, sorted_indices, permuted_tokens)
+    return output
+
+
+def sort_chunks_by_idxs(input: torch.Tensor, split_sizes: torch.Tensor | list[int], sorted_idxs: torch.Tensor | list[int],
+                        probs: torch.Tensor | None = None, fused: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Split ``input`` (and ``probs``) into chunks of ``split_sizes`` and concatenate them in ``sorted_idxs`` order."""
+    sizes = split_sizes.tolist() if isinstance(split_sizes, torch.Tensor) else list(split_sizes)
+    order = sorted_idxs.tolist() if isinstance(sorted_idxs, torch.Tensor) else list(sorted_idxs)
+    chunks = torch.split(input, sizes, dim=0)
+    output = torch.cat([chunks[i] for i in order], dim=0)
+    if probs is None:
+        return output, None
+    prob_chunks = torch.split(probs, sizes, dim=0)
+    return output, torch.cat([prob_chunks[i] for i in order], dim=0)

@@ -1,0 +1,146 @@
+"""Validation of ``TransformerConfig``'s mixture-of-experts fields (Megatron-Core's MoE checks).
+
+Called from ``TransformerConfig.__post_init__``. Each rule raises a ``ValueError`` that names the
+fields, their values and the rule. The checks that need process groups (the expert-parallel size
+dividing ``num_moe_experts``) also run in ``MoELayer`` against the real group sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+MOE_DISPATCHERS = ("allgather", "alltoall")
+MOE_DROP_POLICIES = ("probs", "position")
+MOE_ROUTER_DTYPES = (None, "fp32", "fp64")
+_CAPACITY_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
+
+def _choice(cfg: Any, name: str, allowed: tuple) -> None:
+    value = getattr(cfg, name)
+    if value not in allowed:
+        raise ValueError(f"{name} ({value!r}) must be one of {list(allowed)}")
+
+
+def _balancing_types(cfg: Any) -> list[str]:
+    kind = cfg.moe_router_load_balancing_type
+    kinds = list(kind) if isinstance(kind, (list, tuple)) else [kind]
+    for k in kinds:
+        if k not in MOE_LOAD_BALANCING_TYPES:
+            raise ValueError(
+                f"moe_router_load_balancing_type ({kind!r}) must be one of {list(MOE_LOAD_BALANCING_TYPES)} or a list"
+            )
+    if isinstance(kind, (list, tuple)):
+        coeff = cfg.moe_aux_loss_coeff
+        if not isinstance(coeff, (list, tuple)) or len(coeff) != len(kind):
+            raise ValueError(
+                f"moe_aux_loss_coeff ({coeff!r}) must be a list as long as moe_router_load_balancing_type ({kind!r})"
+            )
+    return kinds
+
+
+def _check_layer_freq(cfg: Any) -> None:
+    freq = cfg.moe_layer_freq
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"moe_layer_freq ({freq}) must be >= 1 (one MoE layer every moe_layer_freq layers)")
+        return
+    if not isinstance(freq, (list, tuple)) or any(v not in (0, 1) for v in freq):
+        raise ValueError(f"moe_layer_freq ({freq!r}) must be an int or a list of 0 (dense) / 1 (MoE) per layer")
+    if len(freq) != cfg.num_layers:
+        raise ValueError(f"moe_layer_freq has {len(freq)} entries but num_layers is {cfg.num_layers}")
+
+
+def _check_router(cfg: Any) -> None:
+    experts, topk = cfg.num_moe_experts, cfg.moe_router_topk
+    if not isinstance(topk, int) or not 1 <= topk <= experts:
+        raise ValueError(f"moe_router_topk ({topk}) must be in [1, num_moe_experts ({experts})]")
+    _choice(cfg, "moe_router_score_function", MOE_SCORE_FUNCTIONS)
+    _choice(cfg, "moe_router_dtype", MOE_ROUTER_DTYPES)
+    groups, group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise ValueError(
+            f"moe_router_num_groups ({groups}) and moe_router_group_topk ({group_topk}) must be set together"
+        )
+    if groups is not None:
+        if groups <= 0 or experts % groups != 0:
+            raise ValueError(f"num_moe_experts ({experts}) must be divisible by moe_router_num_groups ({groups})")
+        if not 1 <= group_topk <= groups or topk % group_topk != 0 or topk // group_topk > experts // groups:
+            raise ValueError(
+                f"moe_router_group_topk ({group_topk}) must be in [1, moe_router_num_groups ({groups})], divide "
+                f"moe_router_topk ({topk}), and moe_router_topk / moe_router_group_topk must not exceed the "
+                f"experts per group ({experts // groups})"
+            )
+    if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function not in ("sigmoid", "sqrtsoftplus"):
+        raise ValueError(
+            "moe_router_enable_expert_bias=True needs moe_router_score_function 'sigmoid' or 'sqrtsoftplus' "
+            f"(got {cfg.moe_router_score_function!r})"
+        )
+    if cfg.moe_router_bias_update_rate < 0:
+        raise ValueError(f"moe_router_bias_update_rate ({cfg.moe_router_bias_update_rate}) must be >= 0")
+    if cfg.moe_input_jitter_eps is not None and not 0 < cfg.moe_input_jitter_eps < 1:
+        raise ValueError(f"moe_input_jitter_eps ({cfg.moe_input_jitter_eps}) must be in (0, 1)")
+
+
+def _check_capacity(cfg: Any, kinds: list[str]) -> None:
+    factor = cfg.moe_expert_capacity_factor
+    if factor is not None and factor < 0:
+        cfg.moe_expert_capacity_factor = factor = None  # Megatron-Core: a negative factor means dropless
+    if factor is not None:
+        bad = [k for k in kinds if k not in _CAPACITY_BALANCING_TYPES]
+        if bad:
+            raise ValueError(
+                f"moe_expert_capacity_factor ({factor}) only works with moe_router_load_balancing_type in "
+                f"{list(_CAPACITY_BALANCING_TYPES)} (got {bad})"
+            )
+    if cfg.moe_pad_expert_input_to_capacity and factor is None:
+        raise ValueError(
+            "moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor to be set (token dropping); "
+            "dropless dispatch (moe_expert_capacity_factor=None) has no capacity to pad to"
+        )
+    _choice(cfg, "moe_token_drop_policy", MOE_DROP_POLICIES)
+
+
+def check_moe_config(cfg: Any) -> None:
+    """Validate the MoE fields of ``cfg`` (a ``TransformerConfig``) and fill ``moe_ffn_hidden_size``."""
+    if cfg.num_moe_experts is None:
+        if cfg.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"expert_model_parallel_size ({cfg.expert_model_parallel_size}) > 1 needs num_moe_experts to be set"
+            )
+        return
+    experts = cfg.num_moe_experts
+    if not isinstance(experts, int) or experts <= 0:
+        raise ValueError(f"num_moe_experts ({experts!r}) must be a positive integer")
+    if experts % cfg.expert_model_parallel_size != 0:
+        raise ValueError(
+            f"num_moe_experts ({experts}) must be divisible by expert_model_parallel_size "
+            f"({cfg.expert_model_parallel_size})"
+        )
+    if cfg.moe_ffn_hidden_size is None:
+        cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
+    etp = cfg.expert_tensor_parallel_size
+    if cfg.moe_ffn_hidden_size % etp != 0:
+        raise ValueError(
+            f"moe_ffn_hidden_size ({cfg.moe_ffn_hidden_size}) must be divisible by expert_tensor_parallel_size ({etp})"
+        )
+    if cfg.add_bias_linear and etp > 1:
+        raise ValueError(
+            f"expert biases (add_bias_linear=True) need expert_tensor_parallel_size 1 (got {etp}), as in Megatron-Core"
+        )
+    _check_layer_freq(cfg)
+    _check_router(cfg)
+    _check_capacity(cfg, _balancing_types(cfg))
+    _choice(cfg, "moe_token_dispatcher_type", MOE_DISPATCHERS)
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared is not None and shared <= 0:
+        raise ValueError(f"moe_shared_expert_intermediate_size ({shared}) must be > 0")
+    if cfg.moe_shared_expert_overlap and cfg.moe_token_dispatcher_type != "alltoall":
+        raise ValueError(
+            "moe_shared_expert_overlap=True only works with moe_token_dispatcher_type='alltoall' "
+            f"(got {cfg.moe_token_dispatcher_type!r})"
+        )
+    for flag in ("moe_router_fusion", "moe_permute_fusion"):
+        if getattr(cfg, flag):
+            raise ValueError(f"{flag}=True needs Transformer Engine's fused MoE kernels, which this library does not use")
