@@ -47,8 +47,9 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
-def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:
-    """One DDP-wrapped GPTModel per virtual pipeline stage held by this rank."""
+def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+                       models: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
+    """One DDP-wrapped GPTModel per virtual pipeline stage held by this rank (``models``: already built ones)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=args.overlap_grad_reduce,
@@ -59,7 +60,7 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
     chunks = []
     for vp_stage in range(args.virtual_pipeline_model_parallel_size or 1):
         vp = vp_stage if args.virtual_pipeline_model_parallel_size else None
-        model: torch.nn.Module = GPTModel(
+        model: torch.nn.Module = models[vp_stage] if models is not None else GPTModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=vocab_size,
