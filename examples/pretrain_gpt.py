@@ -22,14 +22,13 @@ from gpt_training.arguments import build_parser, validate_args  # noqa: E402
 from gpt_training.checkpointing import Checkpointer  # noqa: E402
 from gpt_training.data import build_datasets, build_loader, build_tokenizer_from_args, cyclic  # noqa: E402
 from gpt_training.distributed_init import init_distributed  # noqa: E402
-from gpt_training.hf_model import hf_model_chunks, hf_tokenizer  # noqa: E402
+from gpt_training.hf_model import hf_model_chunks, hf_tokenizer, load_bridge  # noqa: E402
 from gpt_training.logger import TrainingLogger  # noqa: E402
 from gpt_training.loop import Trainer  # noqa: E402
 from gpt_training.metrics import flops_per_token, peak_flops  # noqa: E402
 from gpt_training.model_builder import build_model_chunks, count_parameters, transformer_config_from_args  # noqa: E402
 from megatron_core import parallel_state  # noqa: E402
 from megatron_core.distributed import finalize_model_grads  # noqa: E402
-from megatron_core.models.hf import AutoBridge  # noqa: E402
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed, pad_vocab_size  # noqa: E402
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     model_parallel_cuda_manual_seed(args.seed)
     logger = TrainingLogger(args, rank)
 
-    bridge = AutoBridge.from_hf_pretrained(args.hf_model) if args.hf_model else None
+    bridge = load_bridge(args.hf_model) if args.hf_model else None
     tokenizer = hf_tokenizer(bridge, args, build_tokenizer_from_args) if bridge else build_tokenizer_from_args(args)
     vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     config, models = transformer_config_from_args(args), None

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-
-from megatron_core.models.hf import AutoBridge
+from typing import Any
 
 # Run settings taken from the flags; everything else about the model comes from config.json.
 _RUN_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -19,11 +18,18 @@ _RUN_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vi
                "recompute_method", "recompute_num_layers", "hidden_dropout", "attention_dropout", "init_method_std")
 
 
-def apply_hf_model_args(args: argparse.Namespace) -> AutoBridge | None:
+def load_bridge(path: str, load_weights: bool = True) -> Any:
+    """The ``AutoBridge`` of a Hugging Face directory (imported here, so runs without ``--hf-model`` never need it)."""
+    from megatron_core.models.hf import AutoBridge
+
+    return AutoBridge.from_hf_pretrained(path, load_weights=load_weights)
+
+
+def apply_hf_model_args(args: argparse.Namespace) -> Any:
     """Fill the model-shape flags from ``--hf-model``'s config.json; returns the bridge (``None`` without the flag)."""
     if not getattr(args, "hf_model", None):
         return None
-    bridge = AutoBridge.from_hf_pretrained(args.hf_model, load_weights=False)
+    bridge = load_bridge(args.hf_model, load_weights=False)
     c, m = bridge.family.config_kwargs, bridge.family.model_kwargs
     shape = dict(num_layers=c["num_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["ffn_hidden_size"],
                  num_attention_heads=c["num_attention_heads"], num_query_groups=c.get("num_query_groups"),
@@ -50,14 +56,14 @@ def apply_hf_model_args(args: argparse.Namespace) -> AutoBridge | None:
     return bridge
 
 
-def hf_tokenizer(bridge: AutoBridge, args: argparse.Namespace, fallback):
+def hf_tokenizer(bridge: Any, args: argparse.Namespace, fallback):
     """The directory's tokenizer when it has one (``tokenizer.json``), else ``fallback(args)``."""
     if os.path.isfile(os.path.join(bridge.directory, "tokenizer.json")) and args.tokenizer_model == bridge.directory:
         return bridge.tokenizer()
     return fallback(args)
 
 
-def hf_model_chunks(bridge: AutoBridge, args: argparse.Namespace, base_config) -> tuple[object, list, int]:
+def hf_model_chunks(bridge: Any, args: argparse.Namespace, base_config) -> tuple[object, list, int]:
     """``(config, chunks, padded vocab)``: this rank's GPTModel chunks with the HF weights loaded."""
     run = {name: getattr(base_config, name) for name in _RUN_FIELDS}
     config = bridge.transformer_config(**run, perform_initialization=False,
