@@ -11,8 +11,9 @@ from megatron_core.models.hf import AutoBridge
 from tests.models.hf.hf_models import BATCH, SEQ, batch
 
 
-def _setup(tp: int, pp: int) -> None:
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+def _setup(tp: int, pp: int, ep: int = 1) -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(1)
 
 
@@ -33,9 +34,9 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor | None:
     return out.float() if last else None
 
 
-def import_check_export(hf_dir: str, out_dir: str, tp: int, pp: int) -> torch.Tensor | None:
-    """Import at (tp, pp), return the last stage's logits, export to ``out_dir`` (collective)."""
-    _setup(tp, pp)
+def import_check_export(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int = 1) -> torch.Tensor | None:
+    """Import at (tp, pp, ep), return the last stage's logits, export to ``out_dir`` (collective)."""
+    _setup(tp, pp, ep)
     bridge = AutoBridge.from_hf_pretrained(hf_dir)
     (model,) = bridge.to_megatron_model()
     model.eval()

@@ -13,6 +13,7 @@ import torch
 
 VOCAB, SEQ, BATCH = 96, 12, 2
 FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
+MOE_FAMILIES = ("mixtral", "qwen2_moe")
 
 
 def hf_config(kind: str, **overrides):
@@ -32,6 +33,13 @@ def hf_config(kind: str, **overrides):
     elif kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=2, n_head=4,
                                       activation_function="gelu_new", bos_token_id=0, eos_token_id=0)
+    elif kind == "mixtral":
+        cfg = transformers.MixtralConfig(**{**common, "intermediate_size": 40}, num_local_experts=4,
+                                         num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=5000.0)
+    elif kind == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(**common, moe_intermediate_size=24, shared_expert_intermediate_size=56,
+                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                          decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
     else:
         raise ValueError(kind)
     for key, value in overrides.items():

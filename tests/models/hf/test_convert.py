@@ -14,7 +14,7 @@ import torch
 
 from tests.dist_harness import run_on_ranks
 from tests.models.hf import dist_checks
-from tests.models.hf.hf_models import FAMILIES, assert_same_tensors, hf_logits, make_hf_model
+from tests.models.hf.hf_models import FAMILIES, MOE_FAMILIES, assert_same_tensors, hf_logits, make_hf_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -27,7 +27,7 @@ from megatron_core.models.hf.cli import main  # noqa: E402
 from megatron_core.models.hf.convert import export_mcore_to_hf, import_hf_to_mcore  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("kind", FAMILIES + MOE_FAMILIES)
 def test_checkpoint_keys_match_the_models_sharded_state_dict(kind: str, tmp_path) -> None:
     make_hf_model(kind, tmp_path / "hf")
     path = import_hf_to_mcore(str(tmp_path / "hf"), str(tmp_path / "ckpt"), progress=False)

@@ -29,10 +29,11 @@ from megatron_core.models.hf.families import (
     family_from_config,
     llama3_inv_freq,
 )
-from megatron_core.models.hf.rules import Copy, WeightRule, expected_hf_shape
+from megatron_core.models.hf.rules import Copy, Index, WeightRule, expected_hf_shape, fmt
 from megatron_core.models.hf.safetensors_io import HFCheckpointReader, HFConversionError
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -61,6 +62,25 @@ def tp_rank_size(pg_collection: Any = None) -> tuple[int, int, Any]:
     return 0, 1, None
 
 
+def is_expert_rule(rule: WeightRule) -> bool:
+    """Whether ``rule`` is a routed expert's weight (split over expert-TP, placed by expert parallelism)."""
+    return "local_experts" in rule.mcore
+
+
+def expert_tp_rank_size() -> tuple[int, int, Any]:
+    """``(rank, size, group)`` of expert tensor parallelism (one rank without model parallelism)."""
+    if parallel_state.model_parallel_is_initialized():
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_group())
+    return 0, 1, None
+
+
+def expert_ep_rank() -> int:
+    """This rank's expert-parallel rank (0 without model parallelism)."""
+    return parallel_state.get_expert_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
 def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
     """The full (TP=1) shape of GPTModel parameter ``name`` (layer index replaced by ``{i}``) for ``family``."""
     c = family.config_kwargs
@@ -73,6 +93,14 @@ def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
         return (family.model_kwargs["max_sequence_length"], hidden)
     if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
         return (hd,)
+    if name.endswith("mlp.router.weight"):
+        return (c["num_moe_experts"], hidden)
+    if name.endswith("shared_experts.gate_weight"):
+        return (1, hidden)
+    if "local_experts" in name:
+        ffn = c["moe_ffn_hidden_size"]
+    elif "shared_experts" in name:
+        ffn = c["moe_shared_expert_intermediate_size"]
     if "linear_qkv" in name:
         rows = (heads + 2 * groups) * hd
         return (rows, hidden) if name.endswith("weight") else (rows,)
@@ -129,8 +157,10 @@ class AutoBridge:
         """Every (rule, global layer index) of the full model, in HF file order."""
         out: list[tuple[WeightRule, int | None]] = [(r, None) for r in self.family.global_rules
                                                     if r.mcore.startswith("embedding.")]
+        experts = self.family.config_kwargs.get("num_moe_experts") or 0
         for i in range(self.family.num_layers):
-            out += [(r, i) for r in self.family.layer_rules]
+            for r in self.family.layer_rules:
+                out += [(r, (i, e)) for e in range(experts)] if "{e}" in r.mcore else [(r, i)]
         out += [(r, None) for r in self.family.global_rules if not r.mcore.startswith("embedding.")]
         if self.family.model_kwargs["share_embeddings_and_output_weights"]:
             out = [(r, i) for r, i in out if r.mcore != "output_layer.weight"]
@@ -142,7 +172,7 @@ class AutoBridge:
         for rule, layer in self.rules():
             full = mcore_shape(rule.mcore, self.family, self.family.vocab_size)
             for name, shape in expected_hf_shape(rule, full).items():
-                shapes[name.format(i=layer) if "{i}" in name else name] = shape
+                shapes[fmt(name, layer)] = shape
         return shapes
 
     def _check_tensors(self) -> None:
@@ -218,7 +248,9 @@ class AutoBridge:
         vocab = self.padded_vocab_size(tp_size, make_vocab_size_divisible_by)
         kwargs = {**self.family.model_kwargs, **model_kwargs}
         max_seq = kwargs.pop("max_sequence_length")
-        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm)
+        if getattr(config, "moe_grouped_gemm", False):
+            raise HFConversionError("the HF bridge maps per-expert weights: build MoE models with moe_grouped_gemm=False")
+        spec = get_gpt_layer_local_spec(config.num_moe_experts, qk_layernorm=config.qk_layernorm)
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() \
             if parallel_state.model_parallel_is_initialized() else None
         chunks = []
@@ -255,7 +287,8 @@ class AutoBridge:
         """Fill every parameter of this rank's chunk(s) with its slice of the HF tensors."""
         if self.reader is None:
             raise HFConversionError(f"{self.directory}: the bridge was opened with load_weights=False")
-        tp_rank, tp_size, _ = tp_rank_size(pg_collection)
+        dense_tp = tp_rank_size(pg_collection)[:2]
+        expert_tp = expert_tp_rank_size()[:2]
         by_name = {r.mcore: r for r in self.family.layer_rules + self.family.global_rules}
         for chunk in model if isinstance(model, (list, tuple)) else [model]:
             inner = unwrap(chunk)
@@ -263,6 +296,7 @@ class AutoBridge:
             with torch.no_grad():
                 for name, param in inner.named_parameters():
                     rule, layer = self._rule_for(inner, name, by_name)
+                    tp_rank, tp_size = expert_tp if is_expert_rule(rule) else dense_tp
                     if isinstance(rule, Copy) and rule.vocab:
                         padded = param.shape[0] * (tp_size if rule.tp_axis == 0 else 1)
                         if padded < self.family.vocab_size:
@@ -281,13 +315,20 @@ class AutoBridge:
                     param.copy_(value)
 
     @staticmethod
-    def _rule_for(inner: torch.nn.Module, name: str, by_name: dict[str, WeightRule]) -> tuple[WeightRule, int | None]:
+    def _rule_for(inner: torch.nn.Module, name: str, by_name: dict[str, WeightRule]) -> tuple[WeightRule, Index]:
         match = _LAYER.match(name)
+        layer_index: Index = None
+        key = name
         if match:
-            layer = inner.decoder.layers[int(match.group(1))].layer_number - 1
-            key, layer_index = f"decoder.layers.{{i}}.{match.group(2)}", layer
-        else:
-            key, layer_index = name, None
+            layer = inner.decoder.layers[int(match.group(1))]
+            rest = match.group(2)
+            key, layer_index = f"decoder.layers.{{i}}.{rest}", layer.layer_number - 1
+            expert = _EXPERT.match(rest)
+            if expert:
+                local = len(layer.mlp.experts.local_experts)
+                global_expert = expert_ep_rank() * local + int(expert.group(1))
+                key = f"decoder.layers.{{i}}.mlp.experts.local_experts.{{e}}.{expert.group(2)}"
+                layer_index = (layer.layer_number - 1, global_expert)
         if key not in by_name:
             raise HFConversionError(f"parameter {name!r} of the GPTModel has no Hugging Face counterpart")
         return by_name[key], layer_index

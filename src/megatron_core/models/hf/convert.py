@@ -41,7 +41,7 @@ from megatron_core.models.hf.bridge import TOKENIZER_FILES, AutoBridge, mcore_sh
 from megatron_core.models.hf.export import HFDirectoryWriter
 from megatron_core.models.hf.families import family_from_config
 from megatron_core.models.hf.progress import progress as progress_iter
-from megatron_core.models.hf.rules import Copy
+from megatron_core.models.hf.rules import Copy, fmt
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
 HF_SUBDIR = "hf"
@@ -49,8 +49,18 @@ CHECKPOINT_VERSION = 3.0
 
 
 def sharded_key(mcore_name: str) -> str:
-    """The checkpoint key of a GPTModel parameter: layers are stacked, so the layer index is dropped."""
-    return mcore_name.replace("decoder.layers.{i}.", "decoder.layers.")
+    """The checkpoint key of a GPTModel parameter: layers (and experts) are stacked, so their indices are dropped."""
+    return mcore_name.replace("decoder.layers.{i}.", "decoder.layers.").replace("local_experts.{e}.", "experts.")
+
+
+def _placement(full: tuple[int, ...], index: Any, layers: int, experts: int) -> tuple[tuple, tuple, int]:
+    """``(global_shape, global_offset, prepended axes)`` of one stored chunk (a layer's, or a layer's expert's)."""
+    zeros = (0,) * len(full)
+    if index is None:
+        return full, zeros, 0
+    if isinstance(index, tuple):
+        return (layers, experts, *full), (*index, *zeros), 2
+    return (layers, *full), (index, *zeros), 1
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -115,13 +125,18 @@ class _LazyTorchDistSave(SaveShardedStrategy):
 _LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 
 
-def _extra_state_objects(bridge: AutoBridge, layers: int) -> dict[str, ShardedObject]:
+def _extra_state_objects(bridge: AutoBridge, layers: int, experts: int) -> dict[str, ShardedObject]:
     """The (empty) ``_extra_state`` of every tensor-parallel linear layer, as GPTModel's sharded state dict has them."""
     modules = {r.mcore.rsplit(".", 1)[0] for r in bridge.family.layer_rules + bridge.family.global_rules}
     out = {}
     for module in sorted(m for m in modules if m.endswith(_LINEARS)):
         key = f"{sharded_key(module)}._extra_state"
-        if "{i}" in module:
+        if "{e}" in module:
+            for i in range(layers):
+                for e in range(experts):
+                    out[f"{fmt(module, (i, e))}._extra_state"] = ShardedObject(key, None, (layers, experts), (i, e),
+                                                                               replica_id=0)
+        elif "{i}" in module:
             for i in range(layers):
                 out[f"{module.format(i=i)}._extra_state"] = ShardedObject(key, None, (layers,), (i,), replica_id=0)
         else:
@@ -149,6 +164,7 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     if read_tracker(out_dir) is not None:
         raise HFConversionError(f"{out_dir} already holds a checkpoint; choose an empty --out directory")
     reader = bridge.reader
+    experts = bridge.family.config_kwargs.get("num_moe_experts") or 0
     model: dict[str, ShardedTensor] = {}
     loaders: dict[tuple[str, tuple[int, ...]], Callable] = {}
     rules = bridge.rules()
@@ -157,22 +173,19 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
         full = mcore_shape(rule.mcore, bridge.family, vocab)
         dtype = reader.dtype(rule.hf_names(layer)[0])
         key = sharded_key(rule.mcore)
-        if layer is None:
-            global_shape, offset = full, (0,) * len(full)
-        else:
-            global_shape, offset = (layers, *full), (layer, *(0,) * len(full))
-        model[rule.mcore.format(i=layer) if layer is not None else rule.mcore] = ShardedTensor(
+        global_shape, offset, prepended = _placement(full, layer, layers, experts)
+        model[fmt(rule.mcore, layer)] = ShardedTensor(
             key, torch.empty(full, dtype=dtype, device="meta"), dtype, full, global_shape, offset,
-            (1,) * len(global_shape), prepend_axis_num=0 if layer is None else 1)
+            (1,) * len(global_shape), prepend_axis_num=prepended)
 
-        def load(rule: Any = rule, layer: int | None = layer) -> torch.Tensor:
+        def load(rule: Any = rule, layer: Any = layer, prepended: int = prepended) -> torch.Tensor:
             extra = {"padded_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
             value = rule.from_hf(reader.read, layer, 0, 1, reader.shape, **extra)
             next(ticks, None)
-            return value.reshape(1, *value.shape) if layer is not None else value
+            return value.reshape(*(1,) * prepended, *value.shape)
 
         loaders[(key, offset)] = load
-    model.update(_extra_state_objects(bridge, layers))
+    model.update(_extra_state_objects(bridge, layers, experts))
     extra_state = {"hf_config": json.dumps(bridge.hf_config), "hf_source": os.path.abspath(hf_dir),
                    "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "padded_vocab_size": vocab}
     state = {"model": model, "opt_param_scheduler": None, "iteration": 0, "consumed_train_samples": 0,
@@ -226,17 +239,20 @@ def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = Non
     stored = load_tensors_metadata(checkpoint_dir)
     strategy = TorchDistLoadShardedStrategy()
     layers = bridge.family.num_layers
+    experts = bridge.family.config_kwargs.get("num_moe_experts") or 0
     todo = []
     for rule, layer in bridge.rules():
         key = sharded_key(rule.mcore)
         if key not in stored:
             raise HFConversionError(f"{checkpoint_dir}: tensor {key!r} is missing (a {bridge.architecture} needs it)")
         shape = tuple(stored[key].global_shape)
-        full = shape[1:] if layer is not None else shape
+        prepended = 0 if layer is None else 2 if isinstance(layer, tuple) else 1
+        full = shape[prepended:]
         want = mcore_shape(rule.mcore, bridge.family, full[0] if isinstance(rule, Copy) and rule.vocab else 0)
-        if layer is not None and shape[0] != layers or tuple(full) != tuple(want):
+        expected = _placement(tuple(want), layer, layers, experts)[0]
+        if shape != expected:
             raise HFConversionError(f"{checkpoint_dir}: tensor {key!r} has shape {shape}, the HF config implies "
-                                    f"{(layers, *want) if layer is not None else want}")
+                                    f"{expected}")
         todo.append((rule, layer, key, full, stored[key].dtype))
     vocab = bridge.family.vocab_size
     writer = HFDirectoryWriter(bridge, out_dir, overwrite, max_shard_size)
@@ -245,15 +261,14 @@ def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = Non
 
     for rule, layer, _, _, stored_dtype in todo:
         for name, shape in expected_hf_shape(rule, mcore_shape(rule.mcore, bridge.family, vocab)).items():
-            entries.append((name.format(i=layer) if "{i}" in name else name, shape, dtype or stored_dtype))
+            entries.append((fmt(name, layer), shape, dtype or stored_dtype))
     writer.plan(entries)
     error = None
     try:
         for rule, layer, key, full, stored_dtype in progress_iter(todo, len(todo), "mcore-to-hf", progress):
-            global_shape = (layers, *full) if layer is not None else full
-            offset = (layer, *(0,) * len(full)) if layer is not None else (0,) * len(full)
+            global_shape, offset, prepended = _placement(tuple(full), layer, layers, experts)
             request = ShardedTensor(key, None, stored_dtype, tuple(full), global_shape, offset, (1,) * len(global_shape),
-                                    prepend_axis_num=0 if layer is None else 1)
+                                    prepend_axis_num=prepended)
             tensor = strategy.load({"t": request}, checkpoint_dir)["t"]
             extra = {"hf_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
             for name, value in rule.to_hf([tensor], layer, **extra).items():

@@ -22,9 +22,16 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state
 from megatron_core.dist_checkpointing import collectives
-from megatron_core.models.hf.bridge import TOKENIZER_FILES, mcore_shape, tp_rank_size, unwrap
+from megatron_core.models.hf.bridge import (
+    TOKENIZER_FILES,
+    expert_tp_rank_size,
+    is_expert_rule,
+    mcore_shape,
+    tp_rank_size,
+    unwrap,
+)
 from megatron_core.models.hf.progress import progress as progress_iter
-from megatron_core.models.hf.rules import Copy, expected_hf_shape
+from megatron_core.models.hf.rules import Copy, Index, expected_hf_shape, fmt
 from megatron_core.models.hf.safetensors_io import (
     INDEX_FILE,
     HFConversionError,
@@ -162,27 +169,36 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
                  max_shard_size: int | str, overwrite: bool, progress: bool, pg_collection: Any = None) -> None:
     """Write ``model`` (this rank's chunks) as an HF directory at ``path``; every rank must call it."""
     chunks = [unwrap(c) for c in (model if isinstance(model, (list, tuple)) else [model])]
-    tp_rank, tp_size, tp_group = tp_rank_size(pg_collection)
-    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) \
-        if parallel_state.model_parallel_is_initialized() else 0
+    # Dense weights are written from data-parallel rank 0, routed experts from expert-data-parallel rank 0
+    # (each expert-parallel rank writes its own experts); TP shards are gathered to (expert-)TP rank 0.
+    dense = tp_rank_size(pg_collection)
+    expert = expert_tp_rank_size()
+    initialized = parallel_state.model_parallel_is_initialized()
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) if initialized else 0
+    edp_rank = parallel_state.get_expert_data_parallel_rank() if initialized else 0
     by_name = {r.mcore: r for r in bridge.family.layer_rules + bridge.family.global_rules}
-    held: dict[tuple[str, int | None], torch.Tensor] = {}
+    held: dict[tuple[str, Index], torch.Tensor] = {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             rule, layer = bridge._rule_for(chunk, name, by_name)
             held[(rule.mcore, layer)] = param
-    todo = [(rule, layer) for rule, layer in bridge.rules() if (rule.mcore, layer) in held] if dp_rank == 0 else []
+
+    def mine(rule: Any, layer: Index) -> bool:
+        return (rule.mcore, layer) in held and (edp_rank if is_expert_rule(rule) else dp_rank) == 0
+
+    todo = [(rule, layer) for rule, layer in bridge.rules() if mine(rule, layer)]
     vocab = bridge.family.vocab_size
     local: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    if tp_rank == 0:
-        for rule, layer in todo:
+    for rule, layer in todo:
+        if (expert if is_expert_rule(rule) else dense)[0] == 0:
             for name, shape in expected_hf_shape(rule, mcore_shape(rule.mcore, bridge.family, vocab)).items():
-                local.append((name.format(i=layer) if "{i}" in name else name, shape, held[(rule.mcore, layer)].dtype))
+                local.append((fmt(name, layer), shape, held[(rule.mcore, layer)].dtype))
     writer = HFDirectoryWriter(bridge, path, overwrite, max_shard_size)
     writer.plan(local)
     error: BaseException | None = None
-    show = progress and tp_rank == 0
+    show = progress and dense[0] == 0 and dp_rank == 0
     for rule, layer in progress_iter(todo, len(todo), f"export {os.path.basename(path)}", show):
+        tp_rank, tp_size, tp_group = expert if is_expert_rule(rule) else dense
         shards = _gather_for(rule, held[(rule.mcore, layer)], tp_rank, tp_size, tp_group)
         if tp_rank != 0 or error is not None:
             continue

@@ -1,8 +1,10 @@
 """Model families: a Hugging Face ``config.json`` -> TransformerConfig fields, GPTModel arguments, weight rules.
 
 Supported ``architectures``: ``LlamaForCausalLM`` (Llama 2, 3, 3.1+ with ``llama3`` RoPE
-scaling), ``Qwen2ForCausalLM`` (QKV biases), ``Qwen3ForCausalLM`` (per-head q/k RMSNorm) and
-``GPT2LMHeadModel`` (``Conv1D`` layout, learned positions, tied embeddings). Architectures
+scaling), ``Qwen2ForCausalLM`` (QKV biases), ``Qwen3ForCausalLM`` (per-head q/k RMSNorm),
+``GPT2LMHeadModel`` (``Conv1D`` layout, learned positions, tied embeddings), and the MoE models
+``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (router, per-expert tensors, shared expert
+with its sigmoid gate), in the per-expert tensor names ``save_pretrained`` writes. Architectures
 that the model code cannot express yet are listed in :data:`NOT_SUPPORTED` with the reason.
 Every config field that changes the computation and is not supported raises
 :class:`HFConversionError` naming ``config.json``, the field and its value.
@@ -24,8 +26,6 @@ NOT_SUPPORTED = {
     "Gemma2ForCausalLM": "needs embedding scaling, logit soft-capping and post-attention/post-MLP norms",
     "Gemma3ForCausalLM": "needs embedding scaling, sandwich norms and local/global attention layers",
     "MistralForCausalLM": "pending: sliding-window attention has not landed in this library yet",
-    "MixtralForCausalLM": "pending: mixture-of-experts layers have not landed in this library yet",
-    "Qwen2MoeForCausalLM": "pending: mixture-of-experts layers have not landed in this library yet",
 }
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -92,7 +92,7 @@ def _rope(path: str, cfg: dict) -> tuple[float, dict[str, float] | None]:
     }
 
 
-def _llama_like(path: str, cfg: dict, arch: str, qkv_bias: bool, qk_norm: bool) -> Family:
+def _llama_like(path: str, cfg: dict, arch: str, qkv_bias: bool, qk_norm: bool, moe: str | None = None) -> Family:
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     groups = int(_get(cfg, "num_key_value_heads", default=heads))
@@ -128,10 +128,17 @@ def _llama_like(path: str, cfg: dict, arch: str, qkv_bias: bool, qk_norm: bool) 
                  parts=(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), **qkv),
         Copy("decoder.layers.{i}.self_attention.linear_proj.weight", hf=a + "o_proj.weight", tp_axis=1),
         Copy("decoder.layers.{i}.pre_mlp_layernorm.weight", hf="model.layers.{i}.post_attention_layernorm.weight"),
-        GateUp("decoder.layers.{i}.mlp.linear_fc1.weight", gate="model.layers.{i}.mlp.gate_proj.weight",
-               up="model.layers.{i}.mlp.up_proj.weight"),
-        Copy("decoder.layers.{i}.mlp.linear_fc2.weight", hf="model.layers.{i}.mlp.down_proj.weight", tp_axis=1),
     ]
+    if moe is None:
+        layer_rules += [
+            GateUp("decoder.layers.{i}.mlp.linear_fc1.weight", gate="model.layers.{i}.mlp.gate_proj.weight",
+                   up="model.layers.{i}.mlp.up_proj.weight"),
+            Copy("decoder.layers.{i}.mlp.linear_fc2.weight", hf="model.layers.{i}.mlp.down_proj.weight", tp_axis=1),
+        ]
+    else:
+        moe_config, moe_rules = _moe(path, cfg, moe)
+        config_kwargs.update(moe_config)
+        layer_rules += moe_rules
     if qkv_bias:
         layer_rules.append(FusedQKV("decoder.layers.{i}.self_attention.linear_qkv.bias",
                                     parts=(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), **qkv))
@@ -197,7 +204,48 @@ def _gpt2(path: str, cfg: dict) -> Family:
                   layers, _dtype(cfg), ignored_suffixes=(".attn.bias", ".attn.masked_bias"))
 
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel")
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel", "MixtralForCausalLM",
+             "Qwen2MoeForCausalLM")
+
+
+def _moe(path: str, cfg: dict, kind: str) -> tuple[dict[str, Any], list[WeightRule]]:
+    """MoE config fields and the router / expert / shared-expert rules (HF's per-expert tensor names)."""
+    _reject(path, cfg, "router_jitter_noise", float(cfg.get("router_jitter_noise") or 0.0) > 0, "only 0")
+    _reject(path, cfg, "sliding_window", kind == "mixtral" and cfg.get("sliding_window") is not None,
+            "sliding-window attention is pending")
+    layer = "model.layers.{i}."
+    if kind == "mixtral":
+        experts = int(cfg["num_local_experts"])
+        prefix = layer + "block_sparse_moe."
+        gate, up, down = "w1", "w3", "w2"
+        config = dict(moe_ffn_hidden_size=int(cfg["intermediate_size"]), moe_router_pre_softmax=False)
+    else:
+        experts = int(cfg["num_experts"])
+        _reject(path, cfg, "decoder_sparse_step", int(cfg.get("decoder_sparse_step", 1)) != 1, "only 1")
+        _reject(path, cfg, "mlp_only_layers", bool(cfg.get("mlp_only_layers")), "every layer must be MoE")
+        prefix = layer + "mlp."
+        gate, up, down = "gate_proj", "up_proj", "down_proj"
+        config = dict(moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                      moe_router_pre_softmax=not cfg.get("norm_topk_prob", False))
+    config.update(num_moe_experts=experts, moe_router_topk=int(cfg["num_experts_per_tok"]))
+    expert = "decoder.layers.{i}.mlp.experts.local_experts.{e}."
+    rules: list[WeightRule] = [
+        Copy("decoder.layers.{i}.mlp.router.weight", hf=prefix + "gate.weight"),
+        GateUp(expert + "linear_fc1.weight", gate=prefix + f"experts.{{e}}.{gate}.weight",
+               up=prefix + f"experts.{{e}}.{up}.weight"),
+        Copy(expert + "linear_fc2.weight", hf=prefix + f"experts.{{e}}.{down}.weight", tp_axis=1),
+    ]
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
+    if shared:
+        config.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+        rules += [
+            GateUp("decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight", gate=prefix + "shared_expert.gate_proj.weight",
+                   up=prefix + "shared_expert.up_proj.weight"),
+            Copy("decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight", hf=prefix + "shared_expert.down_proj.weight",
+                 tp_axis=1),
+            Copy("decoder.layers.{i}.mlp.shared_experts.gate_weight", hf=prefix + "shared_expert_gate.weight"),
+        ]
+    return config, rules
 
 
 def family_from_config(cfg: dict, path: str = "config.json") -> Family:
@@ -217,6 +265,11 @@ def family_from_config(cfg: dict, path: str = "config.json") -> Family:
             return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=True)
         if arch == "GPT2LMHeadModel":
             return _gpt2(path, cfg)
+        if arch == "MixtralForCausalLM":
+            return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=False, moe="mixtral")
+        if arch == "Qwen2MoeForCausalLM":
+            return _llama_like(path, cfg, arch, qkv_bias=bool(cfg.get("qkv_bias", True)), qk_norm=False,
+                               moe="qwen2_moe")
     except KeyError as e:
         raise HFConversionError(f"{path}: {arch} config lacks the field {e.args[0]!r}") from e
     raise HFConversionError(

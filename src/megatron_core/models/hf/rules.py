@@ -25,6 +25,8 @@ import torch
 
 # read(hf_name, index) -> tensor; index is one slice per leading dimension of the stored tensor.
 Reader = Callable[[str, Sequence[slice]], torch.Tensor]
+# Where a rule applies: None (not in a layer), a global layer index, or (layer, global expert index).
+Index = int | tuple[int, int] | None
 
 
 def _span(total: int, tp_rank: int, tp_size: int) -> slice:
@@ -38,21 +40,24 @@ class WeightRule:
 
     mcore: str
 
-    def hf_names(self, layer: int | None) -> list[str]:
+    def hf_names(self, layer: Index) -> list[str]:
         """The HF tensors this parameter is built from."""
         raise NotImplementedError
 
-    def from_hf(self, read: Reader, layer: int | None, tp_rank: int, tp_size: int,
+    def from_hf(self, read: Reader, layer: Index, tp_rank: int, tp_size: int,
                 shapes: Callable[[str], tuple[int, ...]]) -> torch.Tensor:
         """This TP rank's shard of the parameter."""
         raise NotImplementedError
 
-    def to_hf(self, shards: list[torch.Tensor], layer: int | None) -> dict[str, torch.Tensor]:
+    def to_hf(self, shards: list[torch.Tensor], layer: Index) -> dict[str, torch.Tensor]:
         """The HF tensors, from the parameter's TP shards in rank order."""
         raise NotImplementedError
 
 
-def _fmt(template: str, layer: int | None) -> str:
+def _fmt(template: str, layer: Index) -> str:
+    """Fill ``{i}`` (layer) and ``{e}`` (global expert) in a name; ``layer`` is ``i`` or ``(i, e)``."""
+    if isinstance(layer, tuple):
+        return template.format(i=layer[0], e=layer[1])
     return template.format(i=layer) if "{i}" in template else template
 
 
@@ -65,10 +70,10 @@ class Copy(WeightRule):
     transpose: bool = False
     vocab: bool = False
 
-    def hf_names(self, layer: int | None) -> list[str]:
+    def hf_names(self, layer: Index) -> list[str]:
         return [_fmt(self.hf, layer)]
 
-    def from_hf(self, read: Reader, layer: int | None, tp_rank: int, tp_size: int,
+    def from_hf(self, read: Reader, layer: Index, tp_rank: int, tp_size: int,
                 shapes: Callable[[str], tuple[int, ...]], padded_rows: int | None = None) -> torch.Tensor:
         name = _fmt(self.hf, layer)
         shape = list(shapes(name))
@@ -95,7 +100,7 @@ class Copy(WeightRule):
             out[: stop - span.start] = piece
         return out
 
-    def to_hf(self, shards: list[torch.Tensor], layer: int | None, hf_rows: int | None = None
+    def to_hf(self, shards: list[torch.Tensor], layer: Index, hf_rows: int | None = None
               ) -> dict[str, torch.Tensor]:
         full = shards[0] if self.tp_axis is None or len(shards) == 1 else torch.cat(shards, dim=self.tp_axis)
         if self.vocab and hf_rows is not None and full.shape[0] != hf_rows:
@@ -117,7 +122,7 @@ class FusedQKV(WeightRule):
     head_dim: int = 1
     transpose: bool = False
 
-    def hf_names(self, layer: int | None) -> list[str]:
+    def hf_names(self, layer: Index) -> list[str]:
         return list(dict.fromkeys(_fmt(p, layer) for p in self.parts))
 
     def _blocks(self) -> tuple[int, int, int]:
@@ -129,7 +134,7 @@ class FusedQKV(WeightRule):
             return 0, q, q + k
         return 0, 0, 0
 
-    def from_hf(self, read: Reader, layer: int | None, tp_rank: int, tp_size: int,
+    def from_hf(self, read: Reader, layer: Index, tp_rank: int, tp_size: int,
                 shapes: Callable[[str], tuple[int, ...]]) -> torch.Tensor:
         groups = self.num_groups // tp_size
         per_group = self.num_heads // self.num_groups
@@ -147,7 +152,7 @@ class FusedQKV(WeightRule):
             pieces.append(piece.reshape(groups, row, *piece.shape[1:]))
         return torch.cat(pieces, dim=1).reshape(-1, *pieces[0].shape[2:]).contiguous()
 
-    def to_hf(self, shards: list[torch.Tensor], layer: int | None) -> dict[str, torch.Tensor]:
+    def to_hf(self, shards: list[torch.Tensor], layer: Index) -> dict[str, torch.Tensor]:
         per_group = self.num_heads // self.num_groups
         qs, ks, vs = [], [], []
         for shard in shards:
@@ -169,10 +174,10 @@ class GateUp(WeightRule):
     gate: str = ""
     up: str = ""
 
-    def hf_names(self, layer: int | None) -> list[str]:
+    def hf_names(self, layer: Index) -> list[str]:
         return [_fmt(self.gate, layer), _fmt(self.up, layer)]
 
-    def from_hf(self, read: Reader, layer: int | None, tp_rank: int, tp_size: int,
+    def from_hf(self, read: Reader, layer: Index, tp_rank: int, tp_size: int,
                 shapes: Callable[[str], tuple[int, ...]]) -> torch.Tensor:
         pieces = []
         for name in self.hf_names(layer):
@@ -180,10 +185,15 @@ class GateUp(WeightRule):
             pieces.append(read(name, [_span(shape[0], tp_rank, tp_size)] + [slice(None)] * (len(shape) - 1)))
         return torch.cat(pieces, dim=0)
 
-    def to_hf(self, shards: list[torch.Tensor], layer: int | None) -> dict[str, torch.Tensor]:
+    def to_hf(self, shards: list[torch.Tensor], layer: Index) -> dict[str, torch.Tensor]:
         gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
         gate, up = self.hf_names(layer)
         return {gate: torch.cat(gates, dim=0).contiguous(), up: torch.cat(ups, dim=0).contiguous()}
+
+
+def fmt(template: str, index: Index) -> str:
+    """Public form of the name filling used by the bridge (``{i}`` layer, ``{e}`` expert)."""
+    return _fmt(template, index)
 
 
 def expected_hf_shape(rule: WeightRule, mcore_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
