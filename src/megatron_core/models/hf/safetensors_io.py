@@ -131,9 +131,9 @@ class HFCheckpointReader:
         safe_open = import_safetensors().safe_open
         try:
             with safe_open(path, framework="pt") as f:
-                if index is None:
-                    return f.get_tensor(name).clone()
-                return f.get_slice(name)[tuple(index)].contiguous().clone()
+                view = f.get_slice(name)
+                # A slice is copied out of the mapping, so the tensor outlives the file; the file is unmapped at once.
+                return view[tuple(index) if index is not None else tuple(slice(None) for _ in view.get_shape())].contiguous()
         except Exception as e:  # noqa: BLE001 - name the file and tensor of any read failure
             raise HFConversionError(f"reading tensor {name!r} from {path} failed: {type(e).__name__}: {e}") from e
 
