@@ -10,6 +10,9 @@ See ``docs/hf_conversion.md``.
 """
 
 from megatron_core.models.hf.bridge import NOT_SUPPORTED, SUPPORTED, AutoBridge, read_hf_config
+from megatron_core.models.hf.convert import export_mcore_to_hf, import_hf_to_mcore
 from megatron_core.models.hf.safetensors_io import HFCheckpointReader, HFConversionError
+from megatron_core.models.hf.tokenizer import HFDirectoryTokenizer
 
-__all__ = ["NOT_SUPPORTED", "SUPPORTED", "AutoBridge", "HFCheckpointReader", "HFConversionError", "read_hf_config"]
+__all__ = ["NOT_SUPPORTED", "SUPPORTED", "AutoBridge", "HFCheckpointReader", "HFConversionError",
+           "HFDirectoryTokenizer", "export_mcore_to_hf", "import_hf_to_mcore", "read_hf_config"]
