@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import pytest
@@ -23,6 +24,24 @@ def test_public_surface_is_pinned(module_name):
         f"{module_name} has new public names {sorted(actual - listed)}: add them with "
         "`python -m tests.public_api_lists --write " + module_name + "`"
     )
+
+
+@pytest.mark.parametrize("module_name", pinned_modules())
+def test_every_pinned_name_resolves(module_name):
+    module = importlib.import_module(module_name)
+    missing = [name for name in read_list(module_name) if not _resolves(module, name)]
+    assert not missing, f"{module_name} pins names that do not resolve: {missing}"
+    namespace: dict = {}
+    exec(f"from {module_name} import *", namespace)  # noqa: S102 - the star-import users write
+    assert set(getattr(module, "__all__", [])) <= set(namespace)
+
+
+def _resolves(module, name: str) -> bool:
+    try:
+        getattr(module, name)
+    except (AttributeError, ImportError):
+        return False
+    return True
 
 
 def test_core_subpackages_are_pinned():

@@ -55,6 +55,37 @@ def _model(parser: argparse.ArgumentParser) -> None:
                    help="torch.compile each transformer layer and the loss (GPU speed-up; first steps compile)")
 
 
+def _moe(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (None: dense model)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    g.add_argument("--moe-layer-freq", type=int, default=1, help="one MoE layer every N layers (layer 0 first)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-num-groups", type=int, default=None)
+    g.add_argument("--moe-router-group-topk", type=int, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"],
+                   default="aux_loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None)
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
+    g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-gate", action="store_true")
+    g.add_argument("--moe-per-layer-logging", action="store_true")
+
+
 def _training(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -114,7 +145,11 @@ def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
                         "each evaluation draws the next batches of the validation split)")
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--load", default=None,
+                   help="resume from this directory; it must hold a checkpoint, except when it is also --save "
+                        "and still empty (the first run of a resumable job)")
+    g.add_argument("--load-if-present", action="store_true",
+                   help="start from scratch when --load holds no checkpoint instead of exiting with an error")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--async-save", action="store_true")
@@ -135,7 +170,7 @@ def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every flag ``pretrain_gpt.py`` accepts."""
     parser = argparse.ArgumentParser(description="Pretrain a GPT with megatron_core.", allow_abbrev=False)
-    for add in (_parallel, _model, _training, _data, _logging_and_checkpoints):
+    for add in (_parallel, _model, _moe, _training, _data, _logging_and_checkpoints):
         add(parser)
     return parser
 

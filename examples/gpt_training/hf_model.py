@@ -15,7 +15,9 @@ from typing import Any
 # Run settings taken from the flags; everything else about the model comes from config.json.
 _RUN_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "sequence_parallel", "bf16", "fp16", "params_dtype", "pipeline_dtype", "recompute_granularity",
-               "recompute_method", "recompute_num_layers", "hidden_dropout", "attention_dropout", "init_method_std")
+               "recompute_method", "recompute_num_layers", "hidden_dropout", "attention_dropout", "init_method_std",
+               "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
+               "moe_aux_loss_coeff")
 
 
 def load_bridge(path: str, load_weights: bool = True) -> Any:
@@ -65,7 +67,9 @@ def hf_tokenizer(bridge: Any, args: argparse.Namespace, fallback):
 
 def hf_model_chunks(bridge: Any, args: argparse.Namespace, base_config) -> tuple[object, list, int]:
     """``(config, chunks, padded vocab)``: this rank's GPTModel chunks with the HF weights loaded."""
-    run = {name: getattr(base_config, name) for name in _RUN_FIELDS}
+    run = {name: getattr(base_config, name) for name in _RUN_FIELDS if hasattr(base_config, name)}
+    if not bridge.family.config_kwargs.get("num_moe_experts"):
+        run = {k: v for k, v in run.items() if not k.startswith("moe_")}
     config = bridge.transformer_config(**run, perform_initialization=False,
                                        use_cpu_initialization=base_config.use_cpu_initialization)
     chunks = bridge.to_megatron_model(config=config, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)

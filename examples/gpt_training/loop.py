@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gpt_training.data import to_device
+from gpt_training.moe_metrics import moe_log_values
 from gpt_training.profiling import StepProfiler
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
@@ -110,11 +111,14 @@ class Trainer:
                                "the step on every rank (weights unchanged); stopping")
         if success:
             self.scheduler.step(increment=self.args.global_batch_size)
-        return {
+        record = {
             "lm loss": loss,
             "grad norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "skipped": 0 if success else 1,
         }
+        if self.args.num_experts is not None:
+            record.update(moe_log_values(self.args, iteration))
+        return record
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -13,7 +13,7 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def non_embedding_parameters(args: argparse.Namespace, vocab_size: int) -> int:
-    """N in the MFU formula: every parameter except the input embedding (the output layer counts)."""
+    """N in the MFU formula: every (active, for MoE) parameter except the input embedding (the output layer counts)."""
     h, layers = args.hidden_size, args.num_layers
     heads = args.num_attention_heads
     head_dim = args.kv_channels or h // heads
@@ -23,11 +23,24 @@ def non_embedding_parameters(args: argparse.Namespace, vocab_size: int) -> int:
     norm = 2 * h if args.normalization == "LayerNorm" else h
     attention = h * head_dim * (heads + 2 * groups) + heads * head_dim * h
     attention += bias * (head_dim * (heads + 2 * groups) + h)
-    mlp_in = ffn * (2 if args.swiglu else 1)
-    mlp = h * mlp_in + ffn * h + bias * (mlp_in + h)
-    per_layer = attention + mlp + 2 * norm
+    glu = 2 if args.swiglu else 1
+
+    def mlp_params(width: int) -> int:
+        return h * width * glu + width * h + bias * (width * glu + h)
+
+    dense_layer = attention + mlp_params(ffn) + 2 * norm
+    num_experts = getattr(args, "num_experts", None)
+    if not num_experts:
+        moe_layers, moe_layer = 0, 0
+    else:
+        # Active parameters: the router, top-k routed experts and the shared expert (MFU over active params).
+        shared = args.moe_shared_expert_intermediate_size
+        active = args.moe_router_topk * mlp_params(args.moe_ffn_hidden_size or ffn) + h * num_experts
+        active += mlp_params(shared) if shared else 0
+        moe_layer = attention + active + 2 * norm
+        moe_layers = len(range(0, layers, args.moe_layer_freq))
     positions = h * args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0
-    return layers * per_layer + norm + vocab_size * h + positions
+    return (layers - moe_layers) * dense_layer + moe_layers * moe_layer + norm + vocab_size * h + positions
 
 
 def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron_core import device, parallel_state
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.models.gpt import GPTModel
-from megatron_core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron_core.transformer import Float16Module, TransformerConfig
 
 
@@ -44,6 +44,31 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         use_cpu_initialization=True,
+        **_moe_config(args),
+    )
+
+
+def _moe_config(args: argparse.Namespace) -> dict:
+    """The MoE fields of the TransformerConfig (none for a dense model)."""
+    if args.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts, expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_layer_freq=args.moe_layer_freq, moe_router_topk=args.moe_router_topk,
+        moe_router_score_function=args.moe_router_score_function, moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate, moe_router_dtype=args.moe_router_dtype,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff, moe_input_jitter_eps=args.moe_input_jitter_eps,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_per_layer_logging=args.moe_per_layer_logging,
     )
 
 
@@ -56,10 +81,12 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    spec = get_gpt_layer_local_spec()
     chunks = []
     for vp_stage in range(args.virtual_pipeline_model_parallel_size or 1):
         vp = vp_stage if args.virtual_pipeline_model_parallel_size else None
+        # MoE models get one spec per layer (dense and MoE layers interleaved by --moe-layer-freq).
+        spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
+                if config.num_moe_experts is not None else get_gpt_layer_local_spec())
         model: torch.nn.Module = models[vp_stage] if models is not None else GPTModel(
             config=config,
             transformer_layer_spec=spec,

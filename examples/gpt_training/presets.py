@@ -8,6 +8,12 @@ PRESETS: dict[str, dict[str, object]] = {
         max_position_embeddings=128, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
         disable_bias_linear=True, untie_embeddings_and_output_weights=False,
     ),
+    "mixtral-tiny": dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128, seq_length=128,
+        max_position_embeddings=128, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+        disable_bias_linear=True, untie_embeddings_and_output_weights=True, num_experts=8, moe_router_topk=2,
+        moe_grouped_gemm=True, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+    ),
     "gpt2-125m": dict(
         num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072, seq_length=1024,
         max_position_embeddings=1024, position_embedding_type="learned_absolute", normalization="LayerNorm",
@@ -35,5 +41,5 @@ def apply_preset(args) -> None:
         raise ValueError(f"--model-preset {args.model_preset!r} is unknown; choose from {sorted(PRESETS)}")
     for name, value in PRESETS[args.model_preset].items():
         current = getattr(args, name, None)
-        if current is None or current is False:
+        if current is None or current is False or (name == "moe_aux_loss_coeff" and current == 0.0):
             setattr(args, name, value)

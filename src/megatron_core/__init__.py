@@ -27,7 +27,6 @@ _SUBMODULES = (
     "optimizer",
     "dist_checkpointing",
     "datasets",
-    "inference",
     "rerun_state_machine",
 )
 

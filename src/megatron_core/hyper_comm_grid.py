@@ -52,7 +52,7 @@ class HyperCommGrid:
     def __init__(self, shape: list[int], dim_names: list[str], rank_offset: int = 0,
                  backend: str | None = None) -> None:
         if len(shape) != len(dim_names):
-            raise ValueError(f"shape {shape} and dim_names {dim_names} must have the same length")
+            raise ValueError(f"len(shape) {shape} != len(dim_names) {dim_names}")
         if len(set(dim_names)) != len(dim_names):
             raise ValueError(f"dim_names {dim_names} must be distinct")
         if any(not isinstance(s, (int, np.integer)) or s <= 0 for s in shape):
@@ -68,8 +68,8 @@ class HyperCommGrid:
         self.rank_offset = rank_offset
         self.size = math.prod(shape)
         if self.size > world_size - rank_offset:
-            raise RuntimeError(f"grid shape {shape} ({self.size} ranks) does not fit world size {world_size} "
-                               f"from rank offset {rank_offset}")
+            raise RuntimeError(f"Grid shape {shape} is over sized ({self.size} ranks) with world size {world_size} "
+                               f"and rank offset {rank_offset}")
         self.shape = list(shape)
         self.dim_names = list(dim_names)
         self.backend = backend

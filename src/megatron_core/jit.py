@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 
 import torch
 
-F = TypeVar("F", bound=Callable[..., Any])
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 _jit_enabled = True
 
 
-def noop_decorator(func: F) -> F:
+def noop_decorator(func: _F) -> _F:
     """Return ``func`` unchanged."""
     return func
 
@@ -48,7 +48,7 @@ def _on_accelerator(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def jit_fuser(func: F) -> F:
+def jit_fuser(func: _F) -> _F:
     """Decorate an element-wise function so it is ``torch.compile``'d on accelerators while enabled."""
     compiled: list[Callable[..., Any]] = []
 

@@ -189,14 +189,11 @@ class OptimizerParamScheduler:
 
 
 def get_canonical_lr_for_logging(param_groups: list[dict]) -> float | None:
-    """The learning rate to log: that of the first param group marked ``default_config=True``.
+    """The learning rate to log: that of the first param group marked ``default_config=True`` (None if none is).
 
-    Groups built by this library carry no ``default_config`` key and all follow the one schedule,
-    so when no group has the key the first group's lr is returned; None when there is no such group.
+    Every such group follows the one default schedule, so the first is representative.
     """
     for group in param_groups:
         if group.get("default_config", False):
             return group.get("lr")
-    if param_groups and not any("default_config" in g for g in param_groups):
-        return param_groups[0].get("lr")
     return None

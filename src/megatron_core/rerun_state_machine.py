@@ -325,7 +325,7 @@ class RerunStateMachine(RerunCheckpointMixin):
 
     def is_unexpectedly_large(self, result: torch.Tensor, threshold: float, context: str, num_samples: int = 100,
                               resample: bool = False) -> bool:
-        """Rejection function: |result| >= ``threshold`` x the max of the first ``num_samples`` values of ``context``.
+        """Rejection function: ``abs(result) >= threshold *`` the max of the first ``num_samples`` values of ``context``.
 
         NaN and inf are not flagged (check them separately). ``resample`` starts a new sample window.
         """

@@ -53,6 +53,23 @@ def get_pg_src_rank(group: Any = None) -> int:
     return torch.distributed.get_process_group_ranks(group)[0]
 
 
+def get_tensor_model_parallel_group_if_none(
+    tp_group: Any = None, is_expert: bool = False, check_initialized: bool = True
+) -> Any:
+    """Megatron-Core's helper: ``tp_group``, else the (expert) TP group of ``parallel_state``.
+
+    ``None`` before ``torch.distributed`` is initialised, and ``tp_group`` itself (possibly
+    ``None``: no TP) when ``parallel_state`` has no TP group, as in Megatron-Core. The lookup is
+    :func:`megatron_core.process_groups_config.resolve_process_group`; ``check_initialized`` is
+    accepted for compatibility (a missing group is "no TP", never an error).
+    """
+    if not torch.distributed.is_initialized():
+        return None
+    from megatron_core.process_groups_config import resolve_process_group
+
+    return resolve_process_group("expt_tp" if is_expert else "tp", group=tp_group)
+
+
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """An init method that fills a tensor from N(0, sigma^2)."""
 
@@ -142,6 +159,22 @@ def experimental_api(obj: F) -> F:
 # Megatron-Core's ``megatron.core.utils`` names, implemented in small modules of their own.
 # ruff: noqa: E402
 from megatron_core._batch_utils import get_batch_on_this_tp_rank as get_batch_on_this_tp_rank
+from megatron_core._misc_utils import GlobalMemoryBuffer as GlobalMemoryBuffer
+from megatron_core._misc_utils import MakeViewlessTensor as MakeViewlessTensor
+from megatron_core._misc_utils import WrappedTensor as WrappedTensor
+from megatron_core._misc_utils import accepts_parameter as accepts_parameter
+from megatron_core._misc_utils import assert_viewless_tensor as assert_viewless_tensor
+from megatron_core._misc_utils import get_model_type as get_model_type
+from megatron_core._misc_utils import get_model_xattn as get_model_xattn
+from megatron_core._misc_utils import is_submodule as is_submodule
+from megatron_core._misc_utils import log_on_each_pipeline_stage as log_on_each_pipeline_stage
+from megatron_core._misc_utils import make_sharded_tensor_for_checkpoint as make_sharded_tensor_for_checkpoint
+from megatron_core._misc_utils import (
+    make_tp_sharded_tensor_for_checkpoint as make_tp_sharded_tensor_for_checkpoint,
+)
+from megatron_core._misc_utils import make_viewless_tensor as make_viewless_tensor
+from megatron_core._misc_utils import round_up_to_nearest_multiple as round_up_to_nearest_multiple
+from megatron_core._misc_utils import safely_set_viewless_tensor_data as safely_set_viewless_tensor_data
 from megatron_core._model_utils import (
     check_param_hashes_across_dp_replicas as check_param_hashes_across_dp_replicas,
 )
@@ -169,3 +202,70 @@ from megatron_core._version_utils import is_te_min_version as is_te_min_version
 from megatron_core._version_utils import is_torch_min_version as is_torch_min_version
 from megatron_core._wrapped_model import get_attr_wrapped_model as get_attr_wrapped_model
 from megatron_core._wrapped_model import get_model_config as get_model_config
+
+# --- context parallelism -----------------------------------------------------------------------
+
+_CP_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
+
+
+def _split_sequence_zigzag(key: str, val: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    seq_dim = 2 if key == "attention_mask" else 1
+    length = val.shape[seq_dim]
+    if length % (2 * cp_size) != 0:
+        raise ValueError(
+            f"get_batch_on_this_cp_rank: batch[{key!r}] has sequence length {length} (dim {seq_dim}), not "
+            f"divisible by 2 * context_parallel_size ({2 * cp_size})"
+        )
+    val = val.view(*val.shape[:seq_dim], 2 * cp_size, length // (2 * cp_size), *val.shape[seq_dim + 1:])
+    index = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=val.device)
+    val = val.index_select(seq_dim, index)
+    return val.view(*val.shape[:seq_dim], -1, *val.shape[seq_dim + 2:])
+
+
+def get_batch_on_this_cp_rank(
+    batch: dict[str, Any], is_hybrid_cp: bool = False, cp_group: Any = None,
+    hybrid_cp_group_func: Callable | None = None, use_per_sequence_balancing: bool = False,
+) -> dict[str, Any]:
+    """This context-parallel rank's part of ``batch`` (Megatron's load-balanced split).
+
+    Without ``cu_seqlens`` (or with ``use_per_sequence_balancing``) every tensor's sequence
+    dimension (dim 1; dim 2 for ``attention_mask``) is cut into ``2 * cp`` chunks and CP rank ``r``
+    keeps chunks ``r`` and ``2 * cp - 1 - r``. With ``cu_seqlens`` (packed documents) the same split
+    is applied to every document (``cu_seqlens_padded`` if present) of ``tokens``, ``labels``,
+    ``loss_mask`` and ``position_ids``. Metadata keys and ``None`` values are left as they are.
+    The group is ``cp_group``, else ``parallel_state``'s CP group; hybrid CP is not supported.
+    """
+    if is_hybrid_cp:
+        raise ValueError("get_batch_on_this_cp_rank: hybrid context parallelism (is_hybrid_cp=True) is not supported")
+    from megatron_core.process_groups_config import resolve_process_group
+
+    group = resolve_process_group("cp", group=cp_group)
+    cp_size = get_pg_size(group)
+    if cp_size == 1:
+        return batch
+    cp_rank = get_pg_rank(group)
+    if use_per_sequence_balancing or batch.get("cu_seqlens") is None:
+        for key, val in list(batch.items()):
+            if key in _CP_METADATA_KEYS or val is None:
+                continue
+            batch[key] = _split_sequence_zigzag(key, val, cp_size, cp_rank)
+        return batch
+    from megatron_core.transformer.packed_sequences import thd_layout, thd_partitioned_indices
+
+    cu = batch.get("cu_seqlens_padded")
+    cu = batch["cu_seqlens"] if cu is None else cu
+    reference = batch.get("tokens") if batch.get("tokens") is not None else batch.get("labels")
+    if reference is None:
+        raise ValueError("get_batch_on_this_cp_rank: a packed batch needs 'tokens' or 'labels' to size the sequence")
+
+    class _Cu:
+        qkv_format = "thd"
+        cu_seqlens_q = cu
+        cu_seqlens_q_padded = None
+
+    layout = thd_layout(_Cu(), reference.size(1))
+    index = torch.tensor(thd_partitioned_indices(layout, cp_size, cp_rank), device=reference.device)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        if batch.get(key) is not None:
+            batch[key] = batch[key].index_select(1, index)
+    return batch

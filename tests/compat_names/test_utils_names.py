@@ -206,3 +206,38 @@ def test_straggler_detector_single_process(straggler, caplog):
     with straggler:
         pass
     assert straggler.elapsed() == (0, 0, 0, 0, 0, 0)
+
+
+def test_viewless_tensors_and_small_helpers():
+    base = torch.randn(4, 4, requires_grad=True)
+    view = base[1]
+    assert view._base is not None
+    detached = utils.make_viewless_tensor(view.detach(), requires_grad=False, keep_graph=False)
+    assert detached._base is None and torch.equal(detached, view.detach())
+    kept = utils.make_viewless_tensor(view, requires_grad=True, keep_graph=True)
+    assert kept._base is None
+    kept.sum().backward()
+    expected = torch.zeros(4, 4)
+    expected[1] = 1
+    torch.testing.assert_close(base.grad, expected)
+    plain = torch.ones(2)
+    assert utils.make_viewless_tensor(plain, False, True) is plain
+    with pytest.raises(ValueError, match="view"):
+        utils.assert_viewless_tensor([plain, view])
+    utils.safely_set_viewless_tensor_data(plain, torch.zeros(3))
+    assert plain.shape == (3,)
+    wrapped = utils.WrappedTensor(plain)
+    assert wrapped.unwrap() is plain
+    with pytest.raises(RuntimeError):
+        wrapped.unwrap()
+    assert [utils.round_up_to_nearest_multiple(v, 4) for v in (1, 4, 5)] == [4, 4, 8]
+    assert utils.accepts_parameter(lambda a, b=1: 0, "b") and utils.accepts_parameter(lambda **kw: 0, "z")
+    assert not utils.accepts_parameter(lambda a: 0, "b")
+    inner = _Inner()
+    inner.model_type = "decoder"
+    assert utils.get_model_type(_Other(inner)) == "decoder" and utils.get_model_xattn(inner) is False
+    assert utils.is_submodule(inner.lin, inner) and not utils.is_submodule(inner, inner)
+    assert utils.is_submodule(inner, inner, strict=False)
+    assert utils.get_tensor_model_parallel_group_if_none(None) is None  # torch.distributed not initialized
+    sharded = utils.make_tp_sharded_tensor_for_checkpoint(torch.ones(2, 3), "w", tp_axis=0)
+    assert sharded.key == "w" and sharded.global_shape == (2, 3)

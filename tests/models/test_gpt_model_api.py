@@ -101,3 +101,15 @@ def test_compiled_model_computes_rope_angles_in_graph_and_matches_eager() -> Non
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
     compiled_loss.mean().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_transformer_engine_spec_without_transformer_engine_names_the_extra() -> None:
+    from megatron_core.models.gpt import get_gpt_layer_with_transformer_engine_spec
+
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"pip install megatron_core\[te\]"):
+            get_gpt_layer_with_transformer_engine_spec()
+    else:
+        pytest.skip("Transformer Engine is installed")

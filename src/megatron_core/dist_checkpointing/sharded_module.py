@@ -21,28 +21,23 @@ from typing import Any
 
 import torch
 
-from megatron_core import parallel_state
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ReplicaId, ShardedObject, ShardedStateDict, ShardedTensor
 from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 EXTRA_STATE_SUFFIX = "_extra_state"
 
 
 def _tp_rank_size(tp_group: Any = None) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if tp_group is not None:
-        return dist.get_rank(tp_group), dist.get_world_size(tp_group)
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 1
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    """(rank, size) in ``tp_group``, else in the TP group of the package resolver (``parallel_state``)."""
+    group = resolve_process_group("tp", group=tp_group)
+    return get_pg_rank(group), get_pg_size(group)
 
 
 def _dp_rank() -> int:
-    if not parallel_state.model_parallel_is_initialized():
-        return 0
-    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    return get_pg_rank(resolve_process_group("dp_cp"))
 
 
 def make_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, prepend_offsets: tuple = (),

@@ -46,12 +46,14 @@ class BiasGeGLUFunction(torch.autograd.Function):
     """``bias_geglu`` saving only its inputs."""
 
     @staticmethod
-    def forward(ctx, input, bias):  # noqa: D102
+    def forward(ctx, input, bias):
+        """Compute the activation, saving only the inputs."""
         ctx.save_for_backward(input, bias)
         return bias_geglu(bias, input)
 
     @staticmethod
-    def backward(ctx, grad_output):  # noqa: D102
+    def backward(ctx, grad_output):
+        """Gradient from the saved inputs."""
         input, bias = ctx.saved_tensors
         grad = bias_geglu_back(grad_output, input, bias)
         return grad, grad.reshape(-1, grad.shape[-1]).sum(0)
@@ -61,12 +63,14 @@ class GeGLUFunction(torch.autograd.Function):
     """``geglu`` saving only its input."""
 
     @staticmethod
-    def forward(ctx, input):  # noqa: D102
+    def forward(ctx, input):
+        """Compute the activation, saving only the inputs."""
         ctx.save_for_backward(input)
         return geglu(input)
 
     @staticmethod
-    def backward(ctx, grad_output):  # noqa: D102
+    def backward(ctx, grad_output):
+        """Gradient from the saved inputs."""
         (input,) = ctx.saved_tensors
         return geglu_back(grad_output, input)
 

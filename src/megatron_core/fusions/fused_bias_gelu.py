@@ -30,12 +30,14 @@ class GeLUFunction(torch.autograd.Function):
     """``bias_gelu`` whose backward recomputes from the saved input and bias."""
 
     @staticmethod
-    def forward(ctx, input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Compute the activation, saving only the inputs."""
         ctx.save_for_backward(input, bias)
         return bias_gelu(bias, input)
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):  # noqa: D102
+    def backward(ctx, grad_output: torch.Tensor):
+        """Gradient from the saved inputs."""
         input, bias = ctx.saved_tensors
         grad = bias_gelu_back(grad_output, bias, input)
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if bias.dim() == 1 else grad

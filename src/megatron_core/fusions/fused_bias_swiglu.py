@@ -46,12 +46,14 @@ class BiasSwiGLUFunction(torch.autograd.Function):
     """``bias_swiglu`` saving only its inputs (optionally the input in fp8)."""
 
     @staticmethod
-    def forward(ctx, input, bias, fp8_input_store=False, cpu_offload_input=False):  # noqa: D102
+    def forward(ctx, input, bias, fp8_input_store=False, cpu_offload_input=False):
+        """Compute the activation, saving only the inputs."""
         ctx.save_for_backward(_input_for_backward(ctx, input, fp8_input_store), bias)
         return bias_swiglu(input, bias)
 
     @staticmethod
-    def backward(ctx, grad_output):  # noqa: D102
+    def backward(ctx, grad_output):
+        """Gradient from the saved inputs."""
         input, bias = ctx.saved_tensors
         input = input.to(ctx.ori_input_dtype) if ctx.fp8_input_store else input
         grad = bias_swiglu_back(grad_output, input, bias)
@@ -62,12 +64,14 @@ class SwiGLUFunction(torch.autograd.Function):
     """``swiglu`` saving only its input (optionally in fp8)."""
 
     @staticmethod
-    def forward(ctx, input, fp8_input_store=False, cpu_offload_input=False):  # noqa: D102
+    def forward(ctx, input, fp8_input_store=False, cpu_offload_input=False):
+        """Compute the activation, saving only the inputs."""
         ctx.save_for_backward(_input_for_backward(ctx, input, fp8_input_store))
         return swiglu(input)
 
     @staticmethod
-    def backward(ctx, grad_output):  # noqa: D102
+    def backward(ctx, grad_output):
+        """Gradient from the saved inputs."""
         (input,) = ctx.saved_tensors
         input = input.to(ctx.ori_input_dtype) if ctx.fp8_input_store else input
         return swiglu_back(grad_output, input), None, None

@@ -29,3 +29,5 @@ class FusedLayerNorm(LayerNorm):
         with torch.no_grad():
             self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
             self.bias.zero_()
+
+__all__ = ["FusedLayerNorm"]

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megatron_core.config_rules import check_timeout_minutes as _check_timeout_minutes
 from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer
 from megatron_core.parallel_state.rank_generator import (
     ParallelConfigError,
@@ -86,6 +87,7 @@ def initialize_model_parallel(
     experts; the left-most axis of ``order`` varies fastest. Sizes that do not fit raise
     :class:`ParallelConfigError` naming the numbers.
     """
+    _check_timeout_minutes("distributed_timeout_minutes", distributed_timeout_minutes)
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before initialize_model_parallel")
     tp, pp, cp, ep = (
@@ -148,6 +150,8 @@ def initialize_model_parallel(
         if gloo_needed:
             _new_group(name + "_gloo", dense.get_ranks(token), timeout, backend="gloo")
     _new_group("cp", dense.get_ranks("cp"), timeout)
+    if hierarchical_context_parallel_sizes:
+        _new_hierarchical_cp_groups(dense.get_ranks("cp"), list(hierarchical_context_parallel_sizes), cp, timeout)
     _new_group("mp", dense.get_ranks("tp-pp"), timeout)
     _new_group("tp", dense.get_ranks("tp"), timeout)
     pp_groups = dense.get_ranks("pp")
@@ -174,6 +178,42 @@ def initialize_model_parallel(
 
     global _GLOBAL_MEMORY_BUFFER
     _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+
+
+def _new_hierarchical_cp_groups(cp_groups: list[list[int]], sizes: list[int], cp: int, timeout: timedelta) -> None:
+    """Level ``i`` groups ``sizes[i]`` CP ranks with stride ``prod(sizes[:i])`` (level 0: contiguous)."""
+    product = 1
+    for size in sizes:
+        product *= size
+    if product != cp or any(size < 1 for size in sizes):
+        raise ParallelConfigError(
+            f"hierarchical_context_parallel_sizes ({sizes}) must multiply to context_parallel_size ({cp})"
+        )
+    stride = 1
+    for level, size in enumerate(sizes):
+        groups = []
+        for ranks in cp_groups:
+            for base in range(cp):
+                digit = (base // stride) % size
+                if digit == 0:
+                    groups.append([ranks[base + j * stride] for j in range(size)])
+        _new_group(f"hcp{level}", groups, timeout)
+        stride *= size
+    _HIERARCHICAL_CP_LEVELS[0] = len(sizes)
+
+
+_HIERARCHICAL_CP_LEVELS = [0]
+
+
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> list | None:
+    """The hierarchical context-parallel groups (innermost first), or None when not configured."""
+    levels = _HIERARCHICAL_CP_LEVELS[0]
+    if not levels or "hcp0" not in _GROUPS:
+        if check_initialized:
+            raise RuntimeError("hierarchical context-parallel groups are not initialized "
+                               "(initialize_model_parallel(hierarchical_context_parallel_sizes=...))")
+        return None
+    return [_GROUPS[f"hcp{level}"] for level in range(levels)]
 
 
 def model_parallel_is_initialized() -> bool:
@@ -203,6 +243,7 @@ def destroy_model_parallel() -> None:
             if group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
     _GROUPS.clear()
+    _HIERARCHICAL_CP_LEVELS[0] = 0
     _GROUP_RANKS.clear()
     _ALL_GROUP_RANKS.clear()
     _OVERRIDES.clear()

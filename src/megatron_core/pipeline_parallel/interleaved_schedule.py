@@ -32,6 +32,7 @@ from megatron_core.pipeline_parallel.microbatch_step import (
     new_token_counter,
     resolve_communicator,
 )
+from megatron_core.process_groups_config import resolve_process_group
 
 
 def get_schedule_table(
@@ -116,7 +117,7 @@ def forward_backward_pipelining_with_interleaving(
     total = len(table)
     tensor_shape = get_tensor_shapes(
         seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
-        config=config, tp_group=getattr(pg_collection, "tp", None), cp_group=getattr(pg_collection, "cp", None),
+        config=config, tp_group=resolve_process_group("tp", pg_collection), cp_group=resolve_process_group("cp", pg_collection),
     )[0]
     cp_size = context_parallel_size(pg_collection)
     grad_sync_funcs = _per_chunk(getattr(config, "grad_sync_func", None), num_chunks)

@@ -184,7 +184,7 @@ def forward_backward_pipelining_without_interleaving(
     num_remaining = num_microbatches - num_warmup
     recv_shapes = get_tensor_shapes(
         seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
-        config=config, tp_group=getattr(pg_collection, "tp", None), cp_group=getattr(pg_collection, "cp", None),
+        config=config, tp_group=resolve_process_group("tp", pg_collection), cp_group=resolve_process_group("cp", pg_collection),
     )
     send_shapes = list(recv_shapes)
     if adjust_tensor_shapes_fn is not None:

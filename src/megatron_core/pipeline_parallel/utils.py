@@ -10,16 +10,16 @@ from __future__ import annotations
 import torch
 
 
-def _ready(group: torch.distributed.ProcessGroup | None) -> bool:
-    return group is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def _rank(group: torch.distributed.ProcessGroup | None) -> int:
-    return group.rank() if _ready(group) else 0
+    from megatron_core.utils import get_pg_rank
+
+    return get_pg_rank(group)
 
 
 def _size(group: torch.distributed.ProcessGroup | None) -> int:
-    return group.size() if _ready(group) else 1
+    from megatron_core.utils import get_pg_size
+
+    return get_pg_size(group)
 
 
 def is_pp_first_stage(pp_group: torch.distributed.ProcessGroup | None) -> bool:

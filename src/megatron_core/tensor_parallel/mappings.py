@@ -16,11 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_core.tensor_parallel.groups import (
-    get_tensor_model_parallel_group_if_none,
-    group_rank,
-    group_size,
-)
+from megatron_core.tensor_parallel.groups import group_rank, group_size, resolve_tp_group
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the former names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -28,7 +24,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    return get_tensor_model_parallel_group_if_none(group)
+    """``group``, else the TP group of the package resolver (``None``: no TP)."""
+    return resolve_tp_group(group)
 
 
 # --- plain collectives -------------------------------------------------------------------------

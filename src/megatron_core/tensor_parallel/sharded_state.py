@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_core import parallel_state
+from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.groups import group_rank, group_size
 
 _EXTRA_STATE_SUFFIX = "_extra_state"
@@ -39,7 +39,7 @@ def make_tp_sharded_state_dict(module: torch.nn.Module, prefix: str, tp_axis_map
 
     tp_group = module.tp_group
     tp_rank, tp_size = group_rank(tp_group), group_size(tp_group)
-    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    dp_rank = group_rank(resolve_process_group("dp_cp"))
     prepend_axis_num = len(sharded_offsets)
     sharded = {}
     for name, tensor in module.state_dict(prefix="", keep_vars=True).items():

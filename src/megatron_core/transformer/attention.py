@@ -132,15 +132,19 @@ class SelfAttention(MegatronModule):
 
     def _core_attention(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-        attn_mask_type: AttnMaskType | None, attention_bias: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None, attention_bias: torch.Tensor | None, packed_seq_params: Any = None,
     ) -> torch.Tensor:
+        extra = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
         if not self.checkpoint_core_attention or not self.training:
             return self.core_attention(
-                query, key, value, attention_mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias
+                query, key, value, attention_mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                **extra,
             )
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-            return self.core_attention(q, k, v, mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+            return self.core_attention(
+                q, k, v, mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias, **extra
+            )
 
         return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
 
@@ -163,12 +167,22 @@ class SelfAttention(MegatronModule):
         """Attend over ``hidden_states`` ``[s, b, h]``; returns ``(output [s, b, h], bias)``."""
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("SelfAttention: KV-cache inference is not supported")
-        if packed_seq_params is not None:
-            raise NotImplementedError("SelfAttention: packed sequences are not supported")
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
-            query = apply_rotary_pos_emb(query, q_emb, config=self.config)
-            key = apply_rotary_pos_emb(key, k_emb, config=self.config)
-        context = self._core_attention(query, key, value, attention_mask, attn_mask_type, attention_bias)
+            cu_q = cu_kv = None
+            if packed_seq_params is not None:  # RoPE positions restart at every packed document
+                cu_q = _padded_or(packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q)
+                cu_kv = _padded_or(packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
+                cu_kv = cu_q if cu_kv is None else cu_kv
+            cp_group = getattr(self.core_attention, "_cp_group", lambda: None)()
+            query = apply_rotary_pos_emb(query, q_emb, config=self.config, cu_seqlens=cu_q, cp_group=cp_group)
+            key = apply_rotary_pos_emb(key, k_emb, config=self.config, cu_seqlens=cu_kv, cp_group=cp_group)
+        context = self._core_attention(
+            query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+        )
         return self.linear_proj(context)
+
+
+def _padded_or(padded: Any, plain: Any) -> Any:
+    return padded if padded is not None else plain

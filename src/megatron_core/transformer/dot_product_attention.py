@@ -4,30 +4,72 @@ Megatron-Core's local ``DotProductAttention`` computes this with an explicit sof
 does it, so on GPU the flash / cuDNN / memory-efficient kernels run. With a causal mask type
 and no mask tensor the ``is_causal=True`` fast path is used (no ``[s, s]`` mask is built).
 Masks follow Megatron: boolean, ``True`` = masked out, broadcastable to ``[b, heads, sq, sk]``.
+With a causal mask type, a mask tensor that is exactly the plain causal pattern is recognised
+(see :func:`is_plain_causal_mask`) and the fast path runs; any other mask is honoured.
 Attention dropout runs under the tracker's model-parallel RNG fork (each TP rank drops different
 heads' probabilities), except under sequence parallelism where the block already forked.
 Grouped-query attention is passed to SDPA as ``enable_gqa`` (no key/value copies).
+Sliding windows (``config.window_size``), packed sequences (``packed_seq_params``) and context
+parallelism (``cp_comm_type``; see ``context_parallel``) are handled here too.
 Inputs are ``[s, b, heads, head_dim]`` (this TP rank's heads); the output is ``[sq, b, heads * head_dim]``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from megatron_core import tensor_parallel
+from megatron_core import parallel_state, tensor_parallel
+from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.transformer.attention_kernels import attend, window_keep
+from megatron_core.transformer.causal_mask import is_causal_rows, is_plain_causal_mask, sdpa_mask
+from megatron_core.transformer.context_parallel import CP_COMM_TYPES, context_parallel_attention
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.packed_sequences import thd_layout
 from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_rank, get_pg_size
 
-_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
+__all__ = ["DotProductAttention", "is_plain_causal_mask"]
+
+_WINDOW_TYPES = (AttnMaskType.causal, AttnMaskType.causal_bottom_right, AttnMaskType.padding_causal)
+
+
+def _check_window(window: Any, mask_type: AttnMaskType) -> tuple[int, int] | None:
+    if window is None:
+        return None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and w >= -1 for w in window)):
+        raise ValueError(f"window_size ({window!r}) must be a (left, right) pair of ints >= -1 (-1 = unbounded)")
+    if mask_type not in _WINDOW_TYPES:
+        raise ValueError(
+            f"window_size ({tuple(window)}) needs a causal attention mask type "
+            f"({[t.name for t in _WINDOW_TYPES]}), got attn_mask_type={mask_type.name}"
+        )
+    return int(window[0]), int(window[1])
+
+
+def _resolve_comm_type(cp_comm_type: Any, config: TransformerConfig, layer_number: int) -> str:
+    if cp_comm_type is None:
+        cp_comm_type = getattr(config, "cp_comm_type", None)
+    if isinstance(cp_comm_type, (list, tuple)):
+        if len(cp_comm_type) != config.num_layers:
+            raise ValueError(
+                f"cp_comm_type has {len(cp_comm_type)} entries; a per-layer list needs num_layers "
+                f"({config.num_layers})"
+            )
+        cp_comm_type = cp_comm_type[layer_number - 1]
+    cp_comm_type = "p2p" if cp_comm_type is None else cp_comm_type
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type ({cp_comm_type!r}) must be one of {list(CP_COMM_TYPES)}")
+    return cp_comm_type
 
 
 class DotProductAttention(MegatronModule):
-    """Scaled dot-product attention over this tensor-parallel rank's heads."""
+    """Scaled dot-product attention over this tensor-parallel rank's heads (and CP rank's tokens)."""
 
     def __init__(
         self,
@@ -41,17 +83,41 @@ class DotProductAttention(MegatronModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config)
-        if config.context_parallel_size > 1:
-            raise ValueError("DotProductAttention does not support context_parallel_size > 1")
-        if config.window_size is not None:
-            raise ValueError(f"DotProductAttention does not support sliding-window attention (window_size={config.window_size})")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
+        self.window_size = _check_window(config.window_size, attn_mask_type)
+        self.cp_comm_type = _resolve_comm_type(cp_comm_type, config, self.layer_number)
+        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["cp"])
+        self.cp_group = self.pg_collection.cp
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if self.dropout_p > 0.0 and self._uses_ring():
+            raise ValueError(
+                f"attention_dropout ({self.dropout_p}) is not supported with cp_comm_type {self.cp_comm_type!r} "
+                f"(ring attention over {get_pg_size(self.cp_group)} CP ranks); use 'all_gather' or 'a2a', "
+                "or attention_dropout=0"
+            )
         if softmax_scale is None:
             softmax_scale = config.softmax_scale
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def _uses_ring(self) -> bool:
+        """Whether this layer's CP attention passes key/value blocks around a ring (no dropout there)."""
+        if get_pg_size(self.cp_group) == 1 or self.cp_comm_type in ("all_gather", "a2a"):
+            return False
+        if self.cp_comm_type == "a2a+p2p":
+            groups = self._hierarchical_groups()
+            return bool(groups) and len(groups) == 2 and get_pg_size(groups[1]) > 1
+        return True
+
+    def _cp_group(self) -> Any:
+        return self.cp_group
+
+    def _hierarchical_groups(self) -> list | None:
+        groups = getattr(self.pg_collection, "hcp", None)
+        if groups is None and parallel_state.model_parallel_is_initialized():
+            groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+        return groups
 
     def forward(
         self,
@@ -64,65 +130,131 @@ class DotProductAttention(MegatronModule):
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
         """Attend ``query`` ``[sq, b, np, hn]`` to ``key``/``value`` ``[sk, b, ng, hn]``; returns ``[sq, b, np*hn]``."""
-        if packed_seq_params is not None:
-            raise NotImplementedError("DotProductAttention: packed sequences are not supported")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         sq, b, np_, hn = query.shape
+        dropout_p = self.dropout_p if self.training else 0.0
+        cp_group = self._cp_group()
+        cp_size = get_pg_size(cp_group)
+        if packed_seq_params is not None or cp_size > 1:
+            context = self._sharded_or_packed(
+                query, key, value, attention_mask, mask_type, attention_bias, packed_seq_params, cp_group,
+                cp_size, dropout_p,
+            )
+            return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
-        sdpa_mask, is_causal = _sdpa_mask(mask_type, attention_mask, sq, k.shape[2], query.device)
-        if attention_bias is not None:
-            sdpa_mask = _merge_bias(sdpa_mask, attention_bias, is_causal, sq, k.shape[2], q.dtype, q.device)
-            is_causal = False
-        dropout_p = self.dropout_p if self.training else 0.0
-        gqa = k.shape[1] != np_
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                context = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    scale=self.softmax_scale, enable_gqa=gqa,
-                )
-        else:
-            context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
-                scale=self.softmax_scale, enable_gqa=gqa,
-            )
+        with self._rng(dropout_p):
+            context = self._plain(q, k, v, attention_mask, mask_type, attention_bias, dropout_p)
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
+    def _rng(self, dropout_p: float) -> Any:
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
 
-def _sdpa_mask(
-    mask_type: AttnMaskType, attention_mask: torch.Tensor | None, sq: int, sk: int, device: torch.device
-) -> tuple[torch.Tensor | None, bool]:
-    """Translate Megatron's mask (True = masked) to SDPA's (True = attend) plus an ``is_causal`` flag."""
-    if mask_type == AttnMaskType.no_mask:
-        return None, False
-    if mask_type in _CAUSAL_TYPES and attention_mask is None:
-        if sq == sk or mask_type == AttnMaskType.causal:
-            return None, sq > 1
-        return _causal_keep(sq, sk, device), False
-    if attention_mask is None:
-        if mask_type == AttnMaskType.padding_causal:
-            return _causal_keep(sq, sk, device), False
-        return None, False
-    keep = ~attention_mask.bool()
-    if mask_type == AttnMaskType.padding_causal:
-        keep = keep & _causal_keep(sq, sk, device)
-    return keep, False
+    def _plain(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
+        mask_type: AttnMaskType, attention_bias: torch.Tensor | None, dropout_p: float,
+    ) -> torch.Tensor:
+        sq, sk = q.shape[2], k.shape[2]
+        keep, is_causal = sdpa_mask(mask_type, attention_mask, sq, sk, q.device)
+        if attention_bias is not None or self.window_size is not None:
+            if self.window_size is not None:
+                pattern = window_keep(sq, sk, self.window_size, True, q.device)
+                keep = pattern if keep is None else keep & pattern
+                is_causal = False
+            keep = _merge_bias(keep, attention_bias, is_causal, sq, sk, q.dtype, q.device)
+            is_causal = False
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
 
+    def _sharded_or_packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+        mask_type: AttnMaskType, attention_bias: torch.Tensor | None, packed_seq_params: Any, cp_group: Any,
+        cp_size: int, dropout_p: float,
+    ) -> torch.Tensor:
+        """Packed documents and/or context parallelism; returns ``[b, h, sq, d]``."""
+        what = "packed sequences" if packed_seq_params is not None else "context parallelism"
+        if attention_bias is not None:
+            raise ValueError(f"attention_bias is not supported with {what}")
+        causal = mask_type in _WINDOW_TYPES
+        if attention_mask is not None and not (causal and self._ignorable_mask(attention_mask, query.shape[0],
+                                                                               cp_group, cp_size)):
+            raise ValueError(
+                f"an explicit attention_mask (shape {tuple(attention_mask.shape)}) is not supported with {what} "
+                f"(attn_mask_type={mask_type.name}); only the plain causal mask is accepted (it is then ignored)"
+            )
+        comm_type = self.cp_comm_type
 
-def _causal_keep(sq: int, sk: int, device: torch.device) -> torch.Tensor:
-    """Bottom-right aligned causal pattern: query i sees keys up to ``i + sk - sq``."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if cp_size == 1:
+                return attend(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), causal=causal,
+                              scale=self.softmax_scale, window=self.window_size, dropout_p=dropout_p)
+            return context_parallel_attention(
+                q, k, v, comm_type=comm_type, cp_group=cp_group, hierarchical_groups=self._hierarchical_groups(),
+                causal=causal, window=self.window_size, scale=self.softmax_scale, dropout_p=dropout_p,
+            )
+
+        with self._rng(dropout_p):
+            if packed_seq_params is None:
+                return run(query, key, value)
+            return self._packed(query, key, value, packed_seq_params, cp_size, causal, run)
+
+    @staticmethod
+    def _ignorable_mask(mask: torch.Tensor, sq: int, cp_group: Any, cp_size: int) -> bool:
+        """The plain causal mask (this CP rank's rows of it under CP): the causal kernels replace it."""
+        if cp_size == 1:
+            return is_plain_causal_mask(mask, sq, sq)
+        n, rank = cp_size, get_pg_rank(cp_group)
+        c = sq // 2
+        rows = list(range(rank * c, (rank + 1) * c)) + list(range((2 * n - 1 - rank) * c, (2 * n - rank) * c))
+        return is_causal_rows(mask, rows, sq * n)
+
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, cp_size: int, causal: bool,
+        run: Any,
+    ) -> torch.Tensor:
+        sq, b = query.shape[:2]
+        if b != 1:
+            raise ValueError(f"packed sequences (qkv_format='thd') need micro-batch size 1, got {b}")
+        if key.shape[0] != sq:
+            raise ValueError("packed sequences support self-attention only (query and key lengths differ)")
+        if cp_size > 1 and not causal:
+            raise ValueError("packed sequences with context parallelism need a causal attention mask type")
+        layout = thd_layout(params, sq * cp_size)
+        outs, offset = [], 0
+        for n_real, n_pad in zip(layout.lengths, layout.padded):
+            local = n_pad // cp_size
+            if cp_size > 1:
+                if n_pad % (2 * cp_size) != 0:
+                    raise ValueError(
+                        f"packed document of padded length {n_pad} is not divisible by 2 * context_parallel_size "
+                        f"({2 * cp_size}); pad documents with cu_seqlens_q_padded"
+                    )
+                outs.append(run(*(x[offset:offset + local] for x in (query, key, value))))
+            else:
+                # Without CP, attend over the real tokens only; padding rows come out as zeros.
+                n_use = n_real if not causal else n_pad
+                if n_use > 0:
+                    outs.append(run(*(x[offset:offset + n_use] for x in (query, key, value))))
+                if n_pad > n_use:
+                    outs.append(query.new_zeros(b, query.shape[2], n_pad - n_use, query.shape[3]))
+            offset += local
+        return torch.cat(outs, dim=2)
 
 
 def _merge_bias(
-    keep: torch.Tensor | None, bias: torch.Tensor, is_causal: bool, sq: int, sk: int, dtype: torch.dtype,
+    keep: torch.Tensor | None, bias: torch.Tensor | None, is_causal: bool, sq: int, sk: int, dtype: torch.dtype,
     device: torch.device,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """An additive float mask: the bias plus -inf where masked."""
+    if bias is None:
+        return keep
     if is_causal:
-        keep = _causal_keep(sq, sk, device)
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
     additive = bias.to(dtype)
     if keep is not None:
         additive = additive.masked_fill(~keep, float("-inf"))

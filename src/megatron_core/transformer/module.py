@@ -14,6 +14,8 @@ import torch
 
 from megatron_core import parallel_state
 from megatron_core.model_parallel_config import ModelParallelConfig
+from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 
 class MegatronModule(torch.nn.Module):
@@ -75,6 +77,19 @@ class Float16Module(MegatronModule):
             raise ValueError("Float16Module needs config.fp16=True or config.bf16=True (both are False)")
         self.add_module("module", module.to(self.dtype))
         self.vp_stage = getattr(module, "vp_stage", None)
+        self.vp_size = getattr(config, "virtual_pipeline_model_parallel_size", None)
+        self.pg_collection = getattr(module, "pg_collection", None)
+
+    def _pipeline_ends(self) -> tuple[bool, bool]:
+        """(first, last): whether this chunk is the first / last of the whole pipeline (group of the module)."""
+        pp_group = resolve_process_group("pp", self.pg_collection)
+        rank, size = get_pg_rank(pp_group), get_pg_size(pp_group)
+        vp_stage = self.vp_stage
+        if vp_stage is None and self.vp_size is not None and self.vp_size > 1:
+            vp_stage = parallel_state.get_virtual_pipeline_model_parallel_rank()  # set by the schedule
+        vp_stage = vp_stage or 0
+        vp_last = self.vp_size is None or self.vp_size <= 1 or vp_stage == self.vp_size - 1
+        return rank == 0 and vp_stage == 0, rank == size - 1 and vp_last
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         """Forward the pipeline input to the wrapped module."""
@@ -82,11 +97,12 @@ class Float16Module(MegatronModule):
 
     def forward(self, *inputs: Any, fp32_output: bool = True, **kwargs: Any) -> Any:
         """Cast floating inputs on the first stage, run, and cast outputs to fp32 on the last stage."""
-        if parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=self.vp_stage):
+        first, last = self._pipeline_ends()
+        if first:
             inputs = _cast_floats(inputs, self.dtype)
             kwargs = _cast_floats(kwargs, self.dtype)
         outputs = self.module(*inputs, **kwargs)
-        if fp32_output and parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=self.vp_stage):
+        if fp32_output and last:
             outputs = _cast_floats(outputs, torch.float32)
         return outputs
 

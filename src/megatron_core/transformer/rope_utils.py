@@ -9,6 +9,8 @@ the rest pass through.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -23,20 +25,27 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 def apply_rotary_pos_emb(
     t: torch.Tensor, freqs: torch.Tensor, config: object = None, cu_seqlens: torch.Tensor | None = None,
-    rotary_interleaved: bool | None = None, mscale: float = 1.0,
+    rotary_interleaved: bool | None = None, mscale: float = 1.0, cp_group: Any = None,
 ) -> torch.Tensor:
     """Rotate ``t`` ``[s, b, heads, dim]`` by the angles ``freqs`` ``[s, 1, 1, rot_dim]``.
 
-    ``rotary_interleaved`` defaults to ``config.rotary_interleaved``. Packed sequences
-    (``cu_seqlens``) are not supported.
+    ``rotary_interleaved`` defaults to ``config.rotary_interleaved``. With ``cu_seqlens`` (a packed
+    sequence, padded offsets) each token uses its position inside its document; ``freqs`` must
+    then cover the longest document (not CP-split), and under context parallelism ``cp_group``
+    says which per-document chunks this rank holds.
     """
-    if cu_seqlens is not None:
-        raise NotImplementedError("apply_rotary_pos_emb: packed sequences (cu_seqlens) are not supported")
     if rotary_interleaved is None:
         rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
     rot_dim = freqs.shape[-1]
     seq_len = t.shape[0]
-    freqs = freqs[:seq_len]
+    if cu_seqlens is not None:
+        from megatron_core.transformer.packed_sequences import thd_positions_from_cu
+
+        cp_size = cp_group.size() if cp_group is not None else 1
+        cp_rank = cp_group.rank() if cp_group is not None else 0
+        freqs = freqs[thd_positions_from_cu(cu_seqlens, seq_len, cp_size, cp_rank, freqs.device)]
+    else:
+        freqs = freqs[:seq_len]
     cos = (torch.cos(freqs) * mscale).to(t.dtype)
     sin = (torch.sin(freqs) * mscale).to(t.dtype)
     if rot_dim == t.shape[-1]:

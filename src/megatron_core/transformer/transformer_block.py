@@ -20,6 +20,7 @@ import torch
 
 from megatron_core import tensor_parallel
 from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.transformer.causal_mask import drop_plain_causal_mask
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module, get_module
@@ -197,6 +198,8 @@ class TransformerBlock(MegatronModule):
                     "TransformerBlock has pre_process=False but no input tensor; call set_input_tensor() first"
                 )
             hidden_states = self.input_tensor
+        # The plain causal mask adds nothing to causal layers and would keep SDPA off its fused kernels.
+        attention_mask = drop_plain_causal_mask(self, attention_mask)
         layer_kwargs = dict(
             attention_mask=attention_mask,
             context=context,

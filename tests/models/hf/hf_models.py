@@ -33,6 +33,9 @@ def hf_config(kind: str, **overrides):
     elif kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=2, n_head=4,
                                       activation_function="gelu_new", bos_token_id=0, eos_token_id=0)
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=4, head_dim=8, tie_word_embeddings=False,
+                                         rope_theta=5000.0)
     elif kind == "mixtral":
         cfg = transformers.MixtralConfig(**{**common, "intermediate_size": 40}, num_local_experts=4,
                                          num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=5000.0)

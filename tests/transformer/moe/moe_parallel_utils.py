@@ -31,15 +31,16 @@ FLAVOURS = {
 }
 
 
-def build(flavour: str, **overrides) -> GPTModel:
-    """A 2-layer MoE GPT (4 experts, SwiGLU, RMSNorm, RoPE, no biases) on CPU."""
+def build(flavour: str, pre_process: bool = True, post_process: bool = True, **overrides) -> GPTModel:
+    """A 2-layer MoE GPT (4 experts, SwiGLU, RMSNorm, RoPE, no biases, tied embeddings) on CPU."""
     cfg = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=32,
                num_moe_experts=4, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
                add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
                **FLAVOURS[flavour])
     cfg.update(overrides)
     config = TransformerConfig(**cfg)
-    return GPTModel(config, get_gpt_decoder_block_spec(config, False), VOCAB, MAX_SEQ, position_embedding_type="rope")
+    return GPTModel(config, get_gpt_decoder_block_spec(config, False), VOCAB, MAX_SEQ, position_embedding_type="rope",
+                    pre_process=pre_process, post_process=post_process)
 
 
 def batches(num: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -20,6 +20,7 @@ from megatron_core.dist_checkpointing.core import CheckpointingException
 from megatron_core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
 from megatron_core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
 from megatron_core.dist_checkpointing.strategies.base import LoadShardedStrategy
+from megatron_core.dist_checkpointing.strategies.torch_dist import TorchDistLoadShardedStrategy
 
 _ShardId = tuple[str, tuple[int, ...], tuple[int, ...]]
 
@@ -52,7 +53,7 @@ def distribute_shards(per_rank: list[list[tuple[_ShardId, int]]]) -> dict[_Shard
     return assignment
 
 
-class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
+class FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy):
     """Wrap a load strategy so each distinct shard is read once in ``parallelization_group`` (default: world).
 
     ``do_cache_distribution`` reuses the shard assignment of the previous call (only valid when the
@@ -64,6 +65,9 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
                  do_cache_distribution: bool = False, exchange_algo: str = "broadcast") -> None:
         if exchange_algo not in ("broadcast", "gather_object", "gather_rounds"):
             raise ValueError(f"exchange_algo={exchange_algo!r} must be 'broadcast', 'gather_object' or 'gather_rounds'")
+        if not isinstance(strategy, LoadShardedStrategy):
+            raise CheckpointingException(f"FullyParallelLoadStrategyWrapper wraps a LoadShardedStrategy, got {strategy!r}")
+        super().__init__()
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
@@ -118,6 +122,10 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             raise CheckpointingException(f"FullyParallelLoadStrategyWrapper: entry {x!r} was not loaded")
 
         return dict_list_map_outplace(pick, sharded_state_dict)
+
+    def metadata(self, checkpoint_dir: str | os.PathLike) -> Any:
+        """The wrapped strategy's checkpoint metadata."""
+        return self.base_strategy.metadata(checkpoint_dir)
 
     def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike) -> ShardedStateDict:
         """The wrapped strategy's tensor metadata."""

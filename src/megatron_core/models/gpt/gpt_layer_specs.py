@@ -34,6 +34,21 @@ __all__ = [
 ]
 
 
+def _te_spec_provider() -> BackendSpecProvider:
+    """Transformer Engine's spec provider: ``ImportError`` naming the ``te`` extra when TE is not installed."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "the Transformer Engine layer spec needs Transformer Engine, which is not installed: "
+            "pip install megatron_core[te] (or build the model with get_gpt_layer_local_spec())"
+        ) from err
+    raise NotImplementedError(
+        "Transformer Engine is installed, but megatron_core provides no Transformer Engine layers yet; "
+        "use get_gpt_layer_local_spec() (docs/compat.md)"
+    )
+
+
 def _reject_unsupported(multi_latent_attention: bool, qk_l2_norm: bool, **flags: bool) -> None:
     if multi_latent_attention:
         raise ValueError("multi_latent_attention=True is not supported by this library")
@@ -66,9 +81,7 @@ def get_mlp_module_spec(
 ) -> ModuleSpec:
     """The dense MLP spec for the Transformer Engine (``use_te``) or local backend."""
     if use_te:
-        from megatron_core.transformer.transformer_engine import TESpecProvider
-
-        return get_mlp_module_spec_for_backend(TESpecProvider(), num_experts, moe_grouped_gemm)
+        return get_mlp_module_spec_for_backend(_te_spec_provider(), num_experts, moe_grouped_gemm)
     return get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm)
 
 
@@ -150,9 +163,7 @@ def get_gpt_layer_with_transformer_engine_spec(
         use_te_activation_func=use_te_activation_func, use_kitchen_attention=use_kitchen_attention,
         use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp,
     )
-    from megatron_core.transformer.transformer_engine import TESpecProvider
-
-    return _layer_spec(TESpecProvider(), qk_layernorm, num_experts, moe_grouped_gemm)
+    return _layer_spec(_te_spec_provider(), qk_layernorm, num_experts, moe_grouped_gemm)
 
 
 def get_gpt_decoder_layer_specs(config: TransformerConfig, use_transformer_engine: bool,

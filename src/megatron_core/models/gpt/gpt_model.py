@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core.config_rules import check_model_sizes as _check_model_sizes
+from megatron_core.config_rules import check_sequence_fits as _check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
@@ -22,6 +24,7 @@ from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_size
 
 __all__ = ["GPTModel"]
 
@@ -61,6 +64,7 @@ class GPTModel(LanguageModule):
             )
         if mtp_block_spec is not None:
             raise ValueError("GPTModel: multi-token prediction (mtp_block_spec) is not supported")
+        _check_model_sizes(vocab_size, max_sequence_length)
         # Every part gets the same groups (self.pg_collection: the argument, else parallel_state's).
         tp_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
         if vocab_size % tp_size != 0:
@@ -151,6 +155,10 @@ class GPTModel(LanguageModule):
         padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
+        if input_ids is not None and packed_seq_params is None:
+            _check_sequence_fits(input_ids.shape[-1], self.max_sequence_length)
+        if packed_seq_params is not None and input_ids is not None:
+            _validate_packed(packed_seq_params, input_ids, self.pg_collection.cp)
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
@@ -158,7 +166,9 @@ class GPTModel(LanguageModule):
             seq_len = self.rotary_pos_emb.get_rotary_seq_len(
                 inference_context, self.decoder, decoder_input, self.config, packed_seq_params
             )
-            rotary_pos_emb = self.rotary_pos_emb(seq_len)
+            rotary_pos_emb = self.rotary_pos_emb(
+                seq_len, packed_seq=packed_seq_params is not None and packed_seq_params.qkv_format in (None, "thd")
+            )
             # The angles follow the activations (a CPU model on a machine whose current device is a GPU).
             hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
             if rotary_pos_emb.device != hidden.device:
@@ -179,3 +189,14 @@ class GPTModel(LanguageModule):
             logits = logits.transpose(0, 1).contiguous()
             return logits if self.logit_dtype is None else logits.to(self.logit_dtype)
         return self.compute_language_model_loss(labels, logits)
+
+
+def _validate_packed(params: Any, input_ids: torch.Tensor, cp_group: Any) -> None:
+    """Check ``cu_seqlens`` against the packed token count before any compute (cached per params object)."""
+    from megatron_core.transformer.packed_sequences import thd_layout
+
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(
+            f"packed sequences (qkv_format='thd') need input_ids of shape [1, t], got {tuple(input_ids.shape)}"
+        )
+    thd_layout(params, input_ids.shape[1] * get_pg_size(cp_group))

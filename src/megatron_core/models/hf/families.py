@@ -1,7 +1,7 @@
 """Model families: a Hugging Face ``config.json`` -> TransformerConfig fields, GPTModel arguments, weight rules.
 
 Supported ``architectures``: ``LlamaForCausalLM`` (Llama 2, 3, 3.1+ with ``llama3`` RoPE
-scaling), ``Qwen2ForCausalLM`` (QKV biases), ``Qwen3ForCausalLM`` (per-head q/k RMSNorm),
+scaling), ``MistralForCausalLM`` (sliding window), ``Qwen2ForCausalLM`` (QKV biases), ``Qwen3ForCausalLM`` (per-head q/k RMSNorm),
 ``GPT2LMHeadModel`` (``Conv1D`` layout, learned positions, tied embeddings), and the MoE models
 ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (router, per-expert tensors, shared expert
 with its sigmoid gate), in the per-expert tensor names ``save_pretrained`` writes. Architectures
@@ -25,7 +25,6 @@ NOT_SUPPORTED = {
     "GemmaForCausalLM": "GPTModel does not multiply the word embeddings by sqrt(hidden_size) as Gemma does",
     "Gemma2ForCausalLM": "needs embedding scaling, logit soft-capping and post-attention/post-MLP norms",
     "Gemma3ForCausalLM": "needs embedding scaling, sandwich norms and local/global attention layers",
-    "MistralForCausalLM": "pending: sliding-window attention has not landed in this library yet",
 }
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -101,7 +100,8 @@ def _llama_like(path: str, cfg: dict, arch: str, qkv_bias: bool, qk_norm: bool, 
     act = cfg.get("hidden_act", "silu")
     _reject(path, cfg, "hidden_act", act not in _ACTIVATIONS, f"known: {sorted(_ACTIVATIONS)}")
     _reject(path, cfg, "mlp_bias", bool(cfg.get("mlp_bias")), "GPTModel has no MLP-only bias switch")
-    _reject(path, cfg, "use_sliding_window", bool(cfg.get("use_sliding_window")), "sliding-window attention is pending")
+    _reject(path, cfg, "use_sliding_window", bool(cfg.get("use_sliding_window")),
+            "Qwen's per-layer sliding windows (max_window_layers)")
     _reject(path, cfg, "pretraining_tp", int(cfg.get("pretraining_tp") or 1) != 1, "only 1")
     _reject(path, cfg, "attention_bias", bool(cfg.get("attention_bias")) and arch != "Qwen2ForCausalLM",
             "it adds an o_proj bias too, which GPTModel cannot add without MLP biases")
@@ -114,6 +114,9 @@ def _llama_like(path: str, cfg: dict, arch: str, qkv_bias: bool, qk_norm: bool, 
         activation_func=_ACTIVATIONS[act], add_bias_linear=False, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm,
         hidden_dropout=0.0, attention_dropout=float(cfg.get("attention_dropout") or 0.0),
     )
+    window = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
+    if window:  # HF sees a key while q - k < W: Megatron's window_size (W - 1, 0)
+        config_kwargs["window_size"] = (int(window) - 1, 0)
     model_kwargs = dict(
         position_embedding_type="rope", rotary_base=theta, share_embeddings_and_output_weights=tied,
         max_sequence_length=int(_get(cfg, "max_position_embeddings", default=4096)),
@@ -204,15 +207,13 @@ def _gpt2(path: str, cfg: dict) -> Family:
                   layers, _dtype(cfg), ignored_suffixes=(".attn.bias", ".attn.masked_bias"))
 
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel", "MixtralForCausalLM",
-             "Qwen2MoeForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def _moe(path: str, cfg: dict, kind: str) -> tuple[dict[str, Any], list[WeightRule]]:
     """MoE config fields and the router / expert / shared-expert rules (HF's per-expert tensor names)."""
     _reject(path, cfg, "router_jitter_noise", float(cfg.get("router_jitter_noise") or 0.0) > 0, "only 0")
-    _reject(path, cfg, "sliding_window", kind == "mixtral" and cfg.get("sliding_window") is not None,
-            "sliding-window attention is pending")
     layer = "model.layers.{i}."
     if kind == "mixtral":
         experts = int(cfg["num_local_experts"])
@@ -265,6 +266,8 @@ def family_from_config(cfg: dict, path: str = "config.json") -> Family:
             return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=True)
         if arch == "GPT2LMHeadModel":
             return _gpt2(path, cfg)
+        if arch == "MistralForCausalLM":
+            return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=False)
         if arch == "MixtralForCausalLM":
             return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=False, moe="mixtral")
         if arch == "Qwen2MoeForCausalLM":

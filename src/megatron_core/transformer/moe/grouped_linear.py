@@ -13,6 +13,7 @@ weights: on CUDA, in bf16/fp16 with 16-byte-aligned shapes and a torch that has 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,9 @@ def _use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` for the row blocks ``x_e`` of sizes ``tokens_per_expert``."""
     if _use_grouped_mm(x, weight):
-        offs = torch.tensor(tokens_per_expert, device=x.device, dtype=torch.int64).cumsum(0).to(torch.int32)
+        # From pinned memory the copy is asynchronous: no wait for the GPU's queue to drain.
+        ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32).pin_memory()
+        offs = ends.to(x.device, non_blocking=True)
         return _GROUPED_MM(x, weight.transpose(1, 2), offs=offs)
     pieces = torch.split(x, tokens_per_expert, dim=0)
     return torch.cat([F.linear(piece, weight[e]) for e, piece in enumerate(pieces)], dim=0)

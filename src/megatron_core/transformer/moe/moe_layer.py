@@ -2,9 +2,11 @@
 
 ``forward(hidden_states [s, b, h])`` returns ``(output [s, b, h], None)``: shared experts (if any)
 on the input, the router's ``(probs, routing_map)``, dispatch to the ranks holding each expert,
-the routed experts, combine, and the sum of routed and shared outputs. Process groups come from
-``pg_collection`` (roles ``ep``, ``expt_tp``, ``tp_ep``, ``expt_dp``, ``tp``, ...) or, for roles it
-leaves unset, from ``parallel_state``. ``num_moe_experts`` must be divisible by the EP group size.
+the routed experts, combine, and the sum of routed and shared outputs. Process groups come from the
+package resolver: ``pg_collection`` (roles ``ep``, ``expt_tp``, ``tp_ep``, ``expt_dp``, ``tp``, ``tp_cp``,
+``tp_dp_cp``; an unset role means no parallelism) when given, else ``parallel_state``. Sizes come from
+the groups; ``num_moe_experts`` must be divisible by the EP group size, and
+``expert_model_parallel_size`` / ``expert_tensor_parallel_size`` must not contradict the groups.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core.process_groups_config import check_parallel_size
 from megatron_core.tensor_parallel.groups import group_rank, group_size
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
@@ -51,6 +54,10 @@ class BaseMoELayer(MegatronModule):
         self.is_mtp_layer = is_mtp_layer
         self.ep_group, self.attn_tp_group = self.pg_collection.ep, self.pg_collection.tp
         ep_size, ep_rank = group_size(self.ep_group), group_rank(self.ep_group)
+        check_parallel_size(config, "expert_model_parallel_size", self.ep_group, "expert-parallel")
+        if config.expert_tensor_parallel_size != config.tensor_model_parallel_size:
+            check_parallel_size(config, "expert_tensor_parallel_size", self.pg_collection.expt_tp,
+                                "expert tensor-parallel")
         if config.num_moe_experts % ep_size != 0:
             raise ValueError(f"num_moe_experts ({config.num_moe_experts}) must be divisible by the expert-parallel "
                              f"group size ({ep_size})")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
+from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.groups import group_size
 
 __all__ = ["MetricEntry", "MoEMetricsTracker", "destroy_moe_metrics_tracker", "get_moe_metrics_tracker",
@@ -95,13 +95,8 @@ class MoEMetricsTracker:
             entry.values.zero_()
 
     def _sync(self, names: list[str], pg_collection: Any) -> None:
-        pp = getattr(pg_collection, "pp", None)
-        dp = getattr(pg_collection, "dp", None)
-        initialized = parallel_state.model_parallel_is_initialized()
-        if pp is None and initialized:
-            pp = parallel_state.get_pipeline_model_parallel_group()
-        if dp is None and initialized:
-            dp = parallel_state.get_data_parallel_group(with_context_parallel=False)
+        pp = resolve_process_group("pp", pg_collection)
+        dp = resolve_process_group("dp", pg_collection)
         for name in names:
             entry = self._metrics[name]
             _reduce(entry.values, pp)

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
-from megatron_core.process_groups_config import ProcessGroupCollection
+from megatron_core.process_groups_config import ProcessGroupCollection, resolve_process_group
 from megatron_core.tensor_parallel.groups import group_size
 from megatron_core.transformer.moe.token_permutation import permute, sort_chunks_by_idxs, unpermute
 
@@ -41,31 +40,18 @@ __all__ = [
     "z_loss_func",
 ]
 
-_MOE_GROUPS = {
-    "tp": lambda: parallel_state.get_tensor_model_parallel_group(check_initialized=False),
-    "cp": lambda: parallel_state.get_context_parallel_group(check_initialized=False),
-    "tp_cp": lambda: parallel_state.get_tensor_and_context_parallel_group(check_initialized=False),
-    "tp_dp_cp": lambda: parallel_state.get_tensor_and_data_parallel_group(
-        check_initialized=False, with_context_parallel=True),
-    "ep": lambda: parallel_state.get_expert_model_parallel_group(check_initialized=False),
-    "expt_tp": lambda: parallel_state.get_expert_tensor_parallel_group(check_initialized=False),
-    "tp_ep": lambda: parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False),
-    "expt_dp": lambda: parallel_state.get_expert_data_parallel_group(check_initialized=False),
-}
+_MOE_ROLES = ("tp", "cp", "tp_cp", "tp_dp_cp", "ep", "expt_tp", "tp_ep", "expt_dp")
 
 
 def get_default_pg_collection(pg_collection: ProcessGroupCollection | None = None) -> ProcessGroupCollection:
-    """The MoE groups: those set in ``pg_collection``, the rest from ``parallel_state``.
+    """The MoE layer's groups through the package resolver: ``pg_collection``'s fields, else ``parallel_state``.
 
-    A role with no group anywhere stays ``None`` and behaves as a group of one process, so a
-    single process without ``initialize_model_parallel`` runs the layer unchanged.
+    A role with no group (unset in ``pg_collection``, or nothing initialised) is ``None`` and
+    behaves as a group of one process, so a single process runs the layer unchanged.
     """
     out = ProcessGroupCollection()
-    for name, getter in _MOE_GROUPS.items():
-        group = getattr(pg_collection, name, None) if pg_collection is not None else None
-        if group is None and parallel_state.model_parallel_is_initialized():
-            group = getter()
-        setattr(out, name, group)
+    for role in _MOE_ROLES:
+        setattr(out, role, resolve_process_group(role, pg_collection))
     return out
 
 

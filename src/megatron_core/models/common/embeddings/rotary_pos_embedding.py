@@ -4,7 +4,12 @@
 ``[s, 1, 1, rot_dim]`` that ``apply_rotary_pos_emb`` consumes; ``rot_dim = kv_channels *
 rotary_percent``. ``inv_freq`` is a plain fp32 attribute, not a buffer: it is not in the state
 dict (as in Megatron-Core) and a bf16 cast of the model does not round it. Results are cached
-per (sequence length, offset, device).
+per (sequence length, offset, device, packed).
+
+Under context parallelism (a ``cp_group`` of size ``cp`` > 1) the angles cover the whole sequence
+and this rank keeps chunks ``r`` and ``2 * cp - 1 - r`` of ``2 * cp`` (the load-balanced split
+of ``get_batch_on_this_cp_rank``); for packed sequences (``packed_seq=True``) they are not split:
+``apply_rotary_pos_emb`` picks each token's in-document position.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 from megatron_core.device import get_current_device
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb
-from megatron_core.utils import get_pg_size
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
 
@@ -66,20 +71,34 @@ class RotaryEmbedding(torch.nn.Module):
         if rope_scaling:
             inv_freq = _llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
         self.inv_freq = inv_freq
-        self._cache: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def _cp(self) -> tuple[int, int]:
+        return get_pg_size(self.cp_group), get_pg_rank(self.cp_group)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
-        """Angles ``[max_seq_len, 1, 1, rot_dim]`` (fp32)."""
+        """Angles ``[max_seq_len, 1, 1, rot_dim]`` (fp32); this CP rank's ``max_seq_len / cp`` rows under CP."""
         device = get_current_device()
         if torch.compiler.is_compiling():
             # Inside a compiled graph the angles fuse into their consumers; a cached graph output would be
             # overwritten by the next replay under CUDA graphs.
-            return self._angles(max_seq_len, offset, device)
-        key = (max_seq_len, offset, device)
+            return self._local(self._angles(max_seq_len, offset, device), packed_seq)
+        key = (max_seq_len, offset, device, packed_seq)
         cached = self._cache.get(key)
         if cached is None:
-            cached = self._cache[key] = self._angles(max_seq_len, offset, device)
+            cached = self._cache[key] = self._local(self._angles(max_seq_len, offset, device), packed_seq)
         return cached
+
+    def _local(self, emb: torch.Tensor, packed_seq: bool) -> torch.Tensor:
+        cp_size, cp_rank = self._cp()
+        if cp_size == 1 or packed_seq:
+            return emb
+        if emb.shape[0] % (2 * cp_size) != 0:
+            raise ValueError(
+                f"sequence length ({emb.shape[0]}) must be divisible by 2 * context_parallel_size ({2 * cp_size})"
+            )
+        chunks = emb.view(2 * cp_size, emb.shape[0] // (2 * cp_size), *emb.shape[1:])
+        return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=0)
 
     def _angles(self, max_seq_len: int, offset: int, device: torch.device) -> torch.Tensor:
         inv_freq = self.inv_freq.to(device)
@@ -97,7 +116,7 @@ class RotaryEmbedding(torch.nn.Module):
         self, inference_context: Any, transformer: Any, transformer_input: torch.Tensor | None,
         transformer_config: Any, packed_seq_params: Any = None,
     ) -> int:
-        """The full sequence length the angles must cover (undoing the sequence-parallel split)."""
+        """The full sequence length the angles must cover (undoing the sequence-parallel and CP splits)."""
         if transformer_input is None:
             transformer_input = transformer.input_tensor
         seq_len = transformer_input.size(0)
@@ -105,4 +124,4 @@ class RotaryEmbedding(torch.nn.Module):
             # The TP group's size (the block's group, else parallel_state's), not the config field.
             tp_group = transformer.tp_group if hasattr(transformer, "tp_group") else resolve_process_group("tp")
             seq_len *= get_pg_size(tp_group)
-        return seq_len
+        return seq_len * self._cp()[0]

@@ -1,0 +1,218 @@
+"""Time an MoE GPTModel forward + backward against torch.compile'd Hugging Face Mixtral (protocol: BENCHMARK.md).
+
+Reference config (issue 15): Mixtral-shaped, 16 layers, hidden 2048, 32 heads / 8 query groups, 8 experts,
+top-2, expert FFN ``--ffn`` (SwiGLU), RMSNorm, RoPE, no biases, untied, vocab 32000, sequence 2048,
+micro-batch 2, bf16, one GPU, grouped-GEMM experts. Each contender runs ``fwd+bwd`` (forward with
+labels, mean loss, backward): median step time of ``--steps`` steps after ``--warmup``. MFU counts
+the *active* parameters (attention, norms, router, top-k experts, output layer; not the input
+embedding): FLOPs/token = 6 * N_active + 12 * L * H * T, peak 989 TFLOP/s (H100 SXM dense bf16).
+
+A third measurement times the experts' grouped GEMMs alone (fc1 and fc2, forward + backward, tokens
+spread evenly over the experts) against one dense GEMM of the same total FLOPs.
+
+    PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --compile   # GPU: reference config + HF baseline
+    PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --tiny      # CPU smoke test (fp32, tiny shapes)
+
+``--compile`` compiles each layer's norms and attention and the loss (the MoE block has data-dependent
+shapes and runs eagerly with one grouped GEMM per projection). The last lines are ``RESULT`` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron_core import device as mdevice
+from megatron_core import tensor_parallel
+from megatron_core.models.gpt import GPTModel
+from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron_core.transformer import TransformerConfig
+from megatron_core.transformer.moe.grouped_linear import grouped_gemm
+
+PEAK_FLOPS = 989e12
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--query-groups", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=5632, help="expert FFN hidden size")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sequential", action="store_true", help="SequentialMLP experts instead of grouped GEMM")
+    p.add_argument("--aux-loss", type=float, default=0.0, help="moe_aux_loss_coeff (HF computes none by default)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each layer's norms and attention and the loss")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
+    args = p.parse_args()
+    if args.tiny:
+        args.layers, args.hidden, args.heads, args.query_groups, args.ffn = 2, 64, 4, 2, 128
+        args.vocab, args.seq, args.mbs, args.steps, args.warmup = 256, 32, 2, 2, 1
+    return args
+
+
+def active_parameters(args: argparse.Namespace) -> int:
+    """Parameters a token uses, without the input embedding."""
+    h, head_dim = args.hidden, args.hidden // args.heads
+    attention = h * head_dim * (args.heads + 2 * args.query_groups) + args.heads * head_dim * h
+    expert = 3 * h * args.ffn
+    per_layer = attention + args.experts * h + args.topk * expert + 2 * h
+    return args.layers * per_layer + h + args.vocab * h
+
+
+def flops_per_token(args: argparse.Namespace) -> float:
+    """6 N_active + 12 L H T (attention not halved for causality)."""
+    return 6 * active_parameters(args) + 12 * args.layers * args.hidden * args.seq
+
+
+def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
+        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_grouped_gemm=not args.sequential,
+        moe_aux_loss_coeff=args.aux_loss, moe_token_dispatcher_type="alltoall",
+    )
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = GPTModel(config, spec, args.vocab, args.seq, position_embedding_type="rope")
+    model = model.to(mdevice.get_current_device())
+    if args.compile:
+        for layer in model.decoder.layers:
+            for part in (layer.input_layernorm, layer.self_attention, layer.pre_mlp_layernorm):
+                part.compile()
+        model.decoder.final_layernorm.compile()
+        model.compute_language_model_loss = torch.compile(model.compute_language_model_loss)
+    return model
+
+
+def build_hf(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+
+    hf_config = transformers.MixtralConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.query_groups, num_local_experts=args.experts,
+        num_experts_per_tok=args.topk, max_position_embeddings=args.seq, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    model = transformers.MixtralForCausalLM(hf_config).to(dtype=dtype, device=mdevice.get_current_device())
+    return model if args.hf_eager else torch.compile(model)
+
+
+def time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
+    """Median seconds per step over ``args.steps`` after ``args.warmup``."""
+    for _ in range(args.warmup):
+        step()
+    mdevice.synchronize()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        mdevice.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
+                  args: argparse.Namespace) -> float:
+    """Time one model's fwd+bwd; prints and returns its MFU in percent."""
+    def step() -> None:
+        loss_fn().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    if mdevice.get_current_device().type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = time_steps(step, args)
+    tok_s = args.mbs * args.seq / seconds
+    tflops = tok_s * flops_per_token(args) / 1e12
+    mfu = 100 * tflops * 1e12 / PEAK_FLOPS
+    print(f"{name:<36} {seconds * 1e3:9.1f} ms  {tok_s:11,.0f} tok/s  {tflops:7.1f} TFLOP/s  "
+          f"MFU {mfu:5.1f}%  peak {mdevice.max_memory_allocated() / 1e9:6.2f} GB")
+    return mfu
+
+
+def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype) -> tuple[float, float]:
+    """Seconds of the experts' fc1 + fc2 grouped GEMMs (fwd + bwd) and of one dense GEMM pair of equal FLOPs."""
+    dev = mdevice.get_current_device()
+    rows = args.mbs * args.seq * args.topk
+    counts = [rows // args.experts] * args.experts
+    counts[-1] += rows - sum(counts)
+    x = torch.randn(rows, args.hidden, device=dev, dtype=dtype, requires_grad=True)
+    w1 = torch.randn(args.experts, 2 * args.ffn, args.hidden, device=dev, dtype=dtype, requires_grad=True)
+    w2 = torch.randn(args.experts, args.hidden, args.ffn, device=dev, dtype=dtype, requires_grad=True)
+    d1 = torch.randn(2 * args.ffn, args.hidden, device=dev, dtype=dtype, requires_grad=True)
+    d2 = torch.randn(args.hidden, args.ffn, device=dev, dtype=dtype, requires_grad=True)
+
+    def grouped() -> None:
+        h = grouped_gemm(x, w1, counts)[:, : args.ffn]
+        grouped_gemm(h, w2, counts).sum().backward()
+
+    def dense() -> None:
+        h = F.linear(x, d1)[:, : args.ffn]
+        F.linear(h, d2).sum().backward()
+
+    return time_steps(grouped, args), time_steps(dense, args)
+
+
+def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,
+                 labels: torch.Tensor) -> float:
+    """Build and time our MoE GPTModel; returns its MFU in percent (the model is freed on return)."""
+    ours = build_ours(args, dtype)
+    label = "megatron_core " + ("SequentialMLP" if args.sequential else "grouped GEMM") + (
+        " (compiled attn)" if args.compile else " eager")
+    return run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args)
+
+
+def main() -> None:
+    args = parse_args()
+    dev = mdevice.get_current_device()
+    dtype = torch.float32 if args.tiny or dev.type != "cuda" else torch.bfloat16
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    ids = torch.randint(0, args.vocab, (args.mbs, args.seq), device=dev)
+    labels = torch.randint(0, args.vocab, (args.mbs, args.seq), device=dev)
+    position_ids = torch.arange(args.seq, device=dev).unsqueeze(0).expand(args.mbs, -1)
+    print(f"device {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"{dtype}, layers {args.layers}, hidden {args.hidden}, heads {args.heads}/{args.query_groups}, "
+          f"experts {args.experts} top-{args.topk}, expert ffn {args.ffn}, vocab {args.vocab}, seq {args.seq}, "
+          f"mbs {args.mbs}; active parameters {active_parameters(args) / 1e9:.3f} B, "
+          f"FLOPs/token {flops_per_token(args) / 1e9:.2f} G")
+
+    ours_mfu = measure_ours(args, dtype, ids, position_ids, labels)
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+    grouped_s, dense_s = grouped_vs_dense(args, dtype)
+    print(f"RESULT experts' grouped GEMMs {grouped_s * 1e3:.2f} ms vs one dense GEMM of equal FLOPs "
+          f"{dense_s * 1e3:.2f} ms ({grouped_s / dense_s:.2f}x)")
+
+    if not args.no_hf:
+        try:
+            hf = build_hf(args, dtype)
+        except ImportError:
+            print("transformers is not installed; skipping the Hugging Face baseline")
+            return
+        hf_label = "HF Mixtral sdpa" + (" eager" if args.hf_eager else " torch.compile")
+        hf_mfu = run_contender(hf_label, hf, lambda: hf(input_ids=ids, labels=labels).loss, args)
+        print(f"RESULT fwd+bwd MFU (active params): megatron_core {ours_mfu:.1f}% vs {hf_label} {hf_mfu:.1f}% "
+              f"({ours_mfu / hf_mfu if hf_mfu else float('nan'):.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
