@@ -72,6 +72,7 @@ class TransformerConfig(ModelParallelConfig):
     attention_backend: AttnBackend = AttnBackend.auto
     softmax_scale: float | None = None
     window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | list[int] | None = None
     cp_comm_type: str | list[str] | None = None
     apply_query_key_layer_scaling: bool = False
     attention_softmax_in_fp32: bool = True

@@ -155,7 +155,8 @@ class GPTModel(LanguageModule):
         padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
-        if input_ids is not None and packed_seq_params is None:
+        inference_context = inference_context if inference_context is not None else inference_params
+        if input_ids is not None and packed_seq_params is None and inference_context is None:
             _check_sequence_fits(input_ids.shape[-1], self.max_sequence_length)
         if packed_seq_params is not None and input_ids is not None:
             _validate_packed(packed_seq_params, input_ids, self.pg_collection.cp)
@@ -183,6 +184,8 @@ class GPTModel(LanguageModule):
         )
         if not self.post_process:
             return hidden_states
+        if inference_context is not None:  # only the positions whose logits generation needs
+            hidden_states = inference_context.select_logit_hidden_states(hidden_states)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         if labels is None:
