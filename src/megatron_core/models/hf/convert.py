@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -46,11 +47,6 @@ from megatron_core.models.hf.safetensors_io import HFConversionError
 
 HF_SUBDIR = "hf"
 CHECKPOINT_VERSION = 3.0
-
-
-def sharded_key(mcore_name: str) -> str:
-    """The checkpoint key of a GPTModel parameter: layers (and experts) are stacked, so their indices are dropped."""
-    return mcore_name.replace("decoder.layers.{i}.", "decoder.layers.").replace("local_experts.{e}.", "experts.")
 
 
 def _placement(full: tuple[int, ...], index: Any, layers: int, experts: int) -> tuple[tuple, tuple, int]:
@@ -122,25 +118,59 @@ class _LazyTorchDistSave(SaveShardedStrategy):
         writer.finish(metadata, [results])
 
 
-_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+def _name_template(local_name: str) -> str | None:
+    """``decoder.layers.0.x`` -> ``decoder.layers.{i}.x``; expert 0 -> ``{e}``; other experts -> ``None``."""
+    name = re.sub(r"^decoder\.layers\.0\.", "decoder.layers.{i}.", local_name)
+    if re.search(r"local_experts\.[1-9]\d*\.", name):
+        return None
+    return re.sub(r"local_experts\.0\.", "local_experts.{e}.", name)
 
 
-def _extra_state_objects(bridge: AutoBridge, layers: int, experts: int) -> dict[str, ShardedObject]:
-    """The (empty) ``_extra_state`` of every tensor-parallel linear layer, as GPTModel's sharded state dict has them."""
-    modules = {r.mcore.rsplit(".", 1)[0] for r in bridge.family.layer_rules + bridge.family.global_rules}
+def model_layout(bridge: AutoBridge) -> tuple[dict[str, str], dict[str, str]]:
+    """``(tensor keys, object keys)``: the checkpoint key of each parameter / ``_extra_state`` name template.
+
+    Read from the sharded state dict of a one-layer, tiny-width copy of the model (built on CPU in
+    an instant), so the converter follows whatever keys GPTModel's ``sharded_state_dict`` uses.
+    """
+    from megatron_core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    c = bridge.family.config_kwargs
+    mha = c.get("num_query_groups") in (None, c["num_attention_heads"])
+    tiny = dict(num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=2 if mha else 1, kv_channels=4,
+                ffn_hidden_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                perform_initialization=False, use_cpu_initialization=True)
+    if c.get("num_moe_experts"):
+        tiny.update(num_moe_experts=2, moe_router_topk=1, moe_ffn_hidden_size=4)
+        if c.get("moe_shared_expert_intermediate_size"):
+            tiny.update(moe_shared_expert_intermediate_size=4)
+    config = bridge.transformer_config(**tiny)
+    (model,) = bridge.to_megatron_model(load_weights=False, config=config, max_sequence_length=4)
+    tensors: dict[str, str] = {}
+    objects: dict[str, str] = {}
+    for local_name, leaf in model.sharded_state_dict().items():
+        template = _name_template(local_name)
+        if template is None:
+            continue
+        if isinstance(leaf, ShardedObject):
+            objects[template] = leaf.key
+        elif isinstance(leaf, (ShardedTensor, ShardedTensorFactory)):
+            tensors[template] = leaf.key
+    return tensors, objects
+
+
+def _extra_state_objects(objects: dict[str, str], layers: int, experts: int) -> dict[str, ShardedObject]:
+    """The (empty) ``_extra_state`` objects GPTModel's sharded state dict has, for every layer and expert."""
     out = {}
-    for module in sorted(m for m in modules if m.endswith(_LINEARS)):
-        key = f"{sharded_key(module)}._extra_state"
-        if "{e}" in module:
+    for template, key in sorted(objects.items()):
+        if "{e}" in template:
             for i in range(layers):
                 for e in range(experts):
-                    out[f"{fmt(module, (i, e))}._extra_state"] = ShardedObject(key, None, (layers, experts), (i, e),
-                                                                               replica_id=0)
-        elif "{i}" in module:
+                    out[fmt(template, (i, e))] = ShardedObject(key, None, (layers, experts), (i, e), replica_id=0)
+        elif "{i}" in template:
             for i in range(layers):
-                out[f"{module.format(i=i)}._extra_state"] = ShardedObject(key, None, (layers,), (i,), replica_id=0)
+                out[fmt(template, i)] = ShardedObject(key, None, (layers,), (i,), replica_id=0)
         else:
-            out[f"{module}._extra_state"] = ShardedObject(key, None, (1,), (0,), replica_id=0)
+            out[template] = ShardedObject(key, None, (1,), (0,), replica_id=0)
     return out
 
 
@@ -164,6 +194,7 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     if read_tracker(out_dir) is not None:
         raise HFConversionError(f"{out_dir} already holds a checkpoint; choose an empty --out directory")
     reader = bridge.reader
+    keys, objects = model_layout(bridge)
     experts = bridge.family.config_kwargs.get("num_moe_experts") or 0
     model: dict[str, ShardedTensor] = {}
     loaders: dict[tuple[str, tuple[int, ...]], Callable] = {}
@@ -172,7 +203,7 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     for rule, layer in rules:
         full = mcore_shape(rule.mcore, bridge.family, vocab)
         dtype = reader.dtype(rule.hf_names(layer)[0])
-        key = sharded_key(rule.mcore)
+        key = keys[rule.mcore]
         global_shape, offset, prepended = _placement(full, layer, layers, experts)
         model[fmt(rule.mcore, layer)] = ShardedTensor(
             key, torch.empty(full, dtype=dtype, device="meta"), dtype, full, global_shape, offset,
@@ -185,7 +216,7 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
             return value.reshape(*(1,) * prepended, *value.shape)
 
         loaders[(key, offset)] = load
-    model.update(_extra_state_objects(bridge, layers, experts))
+    model.update(_extra_state_objects(objects, layers, experts))
     extra_state = {"hf_config": json.dumps(bridge.hf_config), "hf_source": os.path.abspath(hf_dir),
                    "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "padded_vocab_size": vocab}
     state = {"model": model, "opt_param_scheduler": None, "iteration": 0, "consumed_train_samples": 0,
@@ -240,9 +271,10 @@ def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = Non
     strategy = TorchDistLoadShardedStrategy()
     layers = bridge.family.num_layers
     experts = bridge.family.config_kwargs.get("num_moe_experts") or 0
+    keys, _ = model_layout(bridge)
     todo = []
     for rule, layer in bridge.rules():
-        key = sharded_key(rule.mcore)
+        key = keys[rule.mcore]
         if key not in stored:
             raise HFConversionError(f"{checkpoint_dir}: tensor {key!r} is missing (a {bridge.architecture} needs it)")
         shape = tuple(stored[key].global_shape)
