@@ -33,6 +33,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_core import tensor_parallel
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -186,6 +188,7 @@ def run_cp(args: argparse.Namespace) -> None:
         for cp, comm in settings:
             if cp > 1:
                 parallel_state.initialize_model_parallel(context_parallel_size=cp)
+            tensor_parallel.model_parallel_cuda_manual_seed(0)
             try:
                 model = _build(args, device, cp=cp, comm=comm if cp > 1 else "p2p")
                 batch = {"tokens": ids, "labels": labels, "position_ids": pos}
@@ -235,6 +238,7 @@ def main() -> None:
     if args.seq is None:
         args.seq = [32768] if args.mode == "single" else [32768, 65536]
     torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
     (run_single if args.mode == "single" else run_cp)(args)
 
 
