@@ -7,9 +7,39 @@ import torch.nn.functional as F
 
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.transformer import TransformerConfig
-from tests.models.hf_weight_mapping import llama_to_mcore, load_into
+from tests.models.hf_weight_mapping import fuse_qkv
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, MAX_POS = 128, 64, 96, 2, 4, 2, 256
+
+
+def llama_to_mcore(hf: dict[str, torch.Tensor], num_layers: int, num_heads: int, num_groups: int) -> dict:
+    """Llama (untied, no biases, SwiGLU) state dict -> GPTModel keys."""
+    out = {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+        "output_layer.weight": hf["lm_head.weight"],
+    }
+    for i in range(num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
+        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            hf[src + "self_attn.q_proj.weight"], hf[src + "self_attn.k_proj.weight"],
+            hf[src + "self_attn.v_proj.weight"], num_heads, num_groups,
+        )
+        out[dst + "self_attention.linear_proj.weight"] = hf[src + "self_attn.o_proj.weight"]
+        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat((hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]))
+        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+    return out
+
+
+def load_into(model: torch.nn.Module, mapped: dict[str, torch.Tensor]) -> None:
+    """Copy ``mapped`` into ``model``; every parameter must be covered and every key used."""
+    params = dict(model.named_parameters())
+    assert set(params) == set(mapped), sorted(set(params) ^ set(mapped))
+    with torch.no_grad():
+        for name, value in mapped.items():
+            params[name].copy_(value)
 
 
 def hf_llama():

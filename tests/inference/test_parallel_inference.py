@@ -39,9 +39,17 @@ def _expected() -> list[list[int]]:
 def _tp_run() -> list[list[int]]:
     from megatron_core import parallel_state
     from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
-    from tests.inference.llama_fixture import GROUPS, HEADS, LAYERS, MAX_POS, VOCAB, hf_llama, mcore_config
+    from tests.inference.llama_fixture import (
+        GROUPS,
+        HEADS,
+        LAYERS,
+        MAX_POS,
+        VOCAB,
+        hf_llama,
+        llama_to_mcore,
+        mcore_config,
+    )
     from tests.models.gpt_test_utils import shard
-    from tests.models.hf_weight_mapping import llama_to_mcore
 
     full = llama_to_mcore(hf_llama().state_dict(), LAYERS, HEADS, GROUPS)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -60,8 +68,16 @@ def _tp_run() -> list[list[int]]:
 def _pp_run() -> list[list[int]]:
     from megatron_core import parallel_state
     from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
-    from tests.inference.llama_fixture import GROUPS, HEADS, LAYERS, MAX_POS, VOCAB, hf_llama, mcore_config
-    from tests.models.hf_weight_mapping import llama_to_mcore
+    from tests.inference.llama_fixture import (
+        GROUPS,
+        HEADS,
+        LAYERS,
+        MAX_POS,
+        VOCAB,
+        hf_llama,
+        llama_to_mcore,
+        mcore_config,
+    )
 
     full = llama_to_mcore(hf_llama().state_dict(), LAYERS, HEADS, GROUPS)
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
