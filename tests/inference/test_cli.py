@@ -55,6 +55,7 @@ def test_prompts_from_flags_and_jsonl(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # three subprocesses (train, generate, reference); about 25 s on an idle machine
 def test_generate_from_pretrain_checkpoint_matches_naive_decoding(tmp_path: Path):
     ckpt = tmp_path / "ckpt"
     _run([sys.executable, "examples/pretrain_gpt.py", *TRAIN, "--save", str(ckpt)])

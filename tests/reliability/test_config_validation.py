@@ -142,6 +142,6 @@ def test_checks_hold_under_python_O() -> None:
     files = [__file__, str(REPO / "tests" / "transformer" / "test_transformer_config.py")]
     proc = subprocess.run([sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
                            "-k", "not input_longer"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]

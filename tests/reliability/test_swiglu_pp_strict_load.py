@@ -2,7 +2,7 @@
 
 A SwiGLU GPT (4 layers) saved at TP=2 is loaded on two pipeline stages (PP=2), saved again, and
 loaded into TP=1, each time with ``load_state_dict(strict=True)``. Every load must return exactly
-the keys of the model's own state dict (no entries of another stage's ``linear_fc1``), the PP=2
+the keys of the sharded state dict passed in (no entries of another stage's ``linear_fc1``), the PP=2
 re-save must hold bit-identical global tensors, and the logits of every layout match the TP=2
 model's (fp32; only the reduction order differs).
 """
@@ -28,8 +28,9 @@ def _save(directory: str, tp: int, pp: int) -> torch.Tensor | None:
 def _load_strict(directory: str, tp: int, pp: int, resave: str | None) -> tuple[list[str], list[str], object]:
     chunks, _, _ = build(tp, pp, seed=99)
     model = chunks[0].module
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), directory)
-    own = set(model.state_dict())
+    request = model.sharded_state_dict()
+    own = set(request)
+    loaded = dist_checkpointing.load(request, directory)
     extra, missing = sorted(set(loaded) - own), sorted(own - set(loaded))
     model.load_state_dict(loaded, strict=True)
     if resave is not None:

@@ -350,6 +350,9 @@ class DynamicInferenceContext(BaseInferenceContext):
     ) -> torch.Tensor:
         """Rotate, cache and attend for the flattened step: ``query`` ``[T, 1, np, hn]`` -> ``[T, 1, np*hn]``."""
         total, _, np_, hn = query.shape
+        if getattr(attention.config, "window_size", None) is not None:
+            raise ValueError(f"inference with sliding-window attention (window_size={attention.config.window_size}) "
+                             "is not supported")
         query, key = rotate_at_positions(query, key, rotary_pos_emb, self.position_ids[0], attention.config)
         k_mem, v_mem = self._layer_memory(attention.layer_number, key)
         k_mem.index_copy_(0, self.slot_mapping, key[:, 0])
