@@ -5,8 +5,10 @@ Our own test making the same calls as that example: ``initialize_model_parallel(
 ``GPTModel``, ``MockGPTDataset`` through ``BlendedMegatronDatasetBuilder`` with a ``null-text``
 ``MegatronTokenizer``, ``DistributedDataParallel``, ``get_forward_backward_func``,
 ``finalize_model_grads`` and ``dist_checkpointing.save``/``load`` of ``sharded_state_dict``.
-Checks: five iterations train with finite, TP-consistent losses; the first loss equals a TP=1 model's
-on the same initial weights and batch; loaded weights equal the saved ones.
+Checks: five iterations run with finite, TP-consistent losses and a finite, nonzero ``main_grad`` for
+every parameter; the first loss equals a TP=1 model's on the same initial weights and batch; loaded
+weights equal the saved ones. (As with Megatron-Core, the example's plain ``torch.optim.Adam`` leaves
+the weights unchanged: DDP keeps gradients in ``main_grad``, and ``param.grad`` stays None.)
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def _example(root: str) -> dict:
             grad_reduce_in_fp32=False, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
         model = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
+        initial = {name: value.detach().clone() for name, value in model.module.named_parameters()}
         optim = torch.optim.Adam(model.parameters())
         data = _batches(os.path.join(root, "cache"))
         forward_backward = get_forward_backward_func()
@@ -109,12 +112,13 @@ def _example(root: str) -> dict:
             finalize_model_grads([model])
             optim.step()
             losses.append(reduced[0]["lm loss"].item())
-        # As in Megatron-Core, DDP accumulates gradients into ``main_grad`` (``.grad`` stays None), so
-        # the example's plain torch Adam leaves the weights as they are; every gradient must flow.
-        unchanged = [
+        no_grad = [
             name for name, value in model.module.named_parameters()
-            if not torch.isfinite(value.main_grad).all() or not value.main_grad.abs().sum() > 0
+            if not (torch.isfinite(value.main_grad).all() and value.main_grad.abs().sum() > 0)
         ]
+        # As in Megatron-Core, DDP moves gradients into ``main_grad`` and leaves ``param.grad`` None, so the
+        # example's plain torch Adam does not change the weights (Megatron's optimizers read main_grad).
+        unchanged = [name for name, value in model.module.named_parameters() if torch.equal(initial[name], value)]
 
         checkpoint = os.path.join(root, "ckpt")
         os.makedirs(checkpoint, exist_ok=True)
@@ -134,7 +138,7 @@ def _example(root: str) -> dict:
             torch.equal(saved[name], value) for name, value in model.module.state_dict().items()
             if isinstance(value, torch.Tensor)
         )
-        return {"losses": losses, "reference_loss": reference_loss, "changed": unchanged, "restored": restored}
+        return {"losses": losses, "reference_loss": reference_loss, "unchanged": unchanged, "no_grad": no_grad, "num_params": len(initial), "restored": restored}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -144,6 +148,7 @@ def test_megatron_example_api_calls_train_and_checkpoint(tmp_path):
     for result in results:
         assert all(math.isfinite(loss) for loss in result["losses"]), result["losses"]
         assert abs(result["losses"][0] - result["reference_loss"]) < 1e-5, (result["losses"][0], result["reference_loss"])
-        assert not result["changed"], f"no finite non-zero main_grad for: {result['changed']}"
+        assert result["no_grad"] == [], f"no finite, nonzero main_grad for {result['no_grad']}"
+        assert len(result["unchanged"]) == result["num_params"], "torch Adam changed weights without param.grad"
         assert result["restored"], "loaded weights differ from the saved ones"
     assert results[0]["losses"] == results[1]["losses"]  # TP ranks report the same loss

@@ -77,7 +77,7 @@ class McoreSavePlanner(DefaultSavePlanner):
             else:
                 self._items.append(WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO))
                 buffer = io.BytesIO()
-                torch.save(sh.data, buffer)
+                torch.save([sh.data], buffer)  # megatron-core's encoding: a list of this rank's payloads
                 self._data[(sh.unique_key, None)] = buffer
 
     def set_up_planner(self, state_dict: Any = None, storage_meta: Any = None, is_coordinator: bool = False) -> None:
@@ -163,7 +163,11 @@ class McoreLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self._objects[read_item.dest_index.fqn] = torch_load_safe(value, f"object {read_item.dest_index.fqn!r}")
+        payload = torch_load_safe(value, f"object {read_item.dest_index.fqn!r}")
+        # megatron-core (and megatron_core since it matched) stores ``[data]``; older megatron_core stored ``data``
+        if isinstance(payload, list) and len(payload) == 1:
+            payload = payload[0]
+        self._objects[read_item.dest_index.fqn] = payload
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         index = read_item.dest_index
