@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
+    p.add_argument("--causal-mask-tensor", action="store_true",
+                   help="pass the [1, 1, s, s] boolean causal mask as Megatron's loops do (default: no mask)")
     args = p.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.heads, args.query_groups, args.ffn = 2, 64, 4, 2, 128
@@ -144,7 +146,11 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     print(f"parameters {n_params / 1e9:.3f} B, FLOPs/token {flops_per_token(args, n_no_embedding) / 1e9:.2f} G")
     label = "megatron_core" + (" (compiled model)" if args.compile_model else
                                " (compiled layers)" if args.compile else " eager")
-    mfu = run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
+    mask = None
+    if args.causal_mask_tensor:
+        mask = torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool, device=ids.device).triu_(1)
+        label += ", causal mask tensor passed"
+    mfu = run_contender(label, ours, lambda: ours(ids, position_ids, mask, labels=labels).mean(), args,
                         n_no_embedding)
     return n_no_embedding, mfu
 

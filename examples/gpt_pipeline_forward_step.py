@@ -42,6 +42,15 @@ from megatron_core.transformer.module import Float16Module
 VOCAB, SEQ_LENGTH, MICRO_BATCH = 128, 16, 4
 
 
+
+def _free_local_port() -> int:
+    """A port the OS reports free on 127.0.0.1 (for a run without torchrun's environment)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 def get_batch(data_iterator) -> dict[str, torch.Tensor]:
     """The next microbatch on this device (GPTModel reads tokens on the first stage, labels on the last)."""
     batch = next(data_iterator)
@@ -147,7 +156,7 @@ def main() -> None:
     if device.cuda_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("MASTER_PORT", str(_free_local_port()))  # no fixed shared port
     dist.init_process_group(device.get_default_backend(), rank=int(os.environ.get("RANK", "0")),
                             world_size=int(os.environ.get("WORLD_SIZE", "1")))
     history = train(args.pp or dist.get_world_size(), args.vpp, args.microbatches, args.iterations, args.bf16)

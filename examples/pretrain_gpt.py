@@ -22,6 +22,7 @@ from gpt_training.arguments import build_parser, validate_args  # noqa: E402
 from gpt_training.checkpointing import Checkpointer  # noqa: E402
 from gpt_training.data import build_datasets, build_loader, build_tokenizer_from_args, cyclic  # noqa: E402
 from gpt_training.distributed_init import init_distributed  # noqa: E402
+from gpt_training.hf_model import hf_model_chunks, hf_tokenizer, load_bridge  # noqa: E402
 from gpt_training.logger import TrainingLogger  # noqa: E402
 from gpt_training.loop import Trainer  # noqa: E402
 from gpt_training.metrics import flops_per_token, peak_flops  # noqa: E402
@@ -73,11 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     model_parallel_cuda_manual_seed(args.seed)
     logger = TrainingLogger(args, rank)
 
-    tokenizer = build_tokenizer_from_args(args)
+    bridge = load_bridge(args.hf_model) if args.hf_model else None
+    tokenizer = hf_tokenizer(bridge, args, build_tokenizer_from_args) if bridge else build_tokenizer_from_args(args)
     vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    config = transformer_config_from_args(args)
+    config, models = transformer_config_from_args(args), None
+    if bridge is not None:  # --hf-model: the model and its weights come from the Hugging Face directory
+        config, models, vocab_size = hf_model_chunks(bridge, args, config)
     config.finalize_model_grads_func = finalize_model_grads
-    chunks = build_model_chunks(args, config, vocab_size)
+    chunks = build_model_chunks(args, config, vocab_size, models=models)
     optimizer, scheduler = build_optimizer(args, chunks)
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync

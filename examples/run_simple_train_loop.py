@@ -38,6 +38,15 @@ SEQ_LENGTH = 64
 MICRO_BATCH = 8
 
 
+
+def _free_local_port() -> int:
+    """A port the OS reports free on 127.0.0.1 (for a run without torchrun's environment)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 def initialize_distributed(tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
     """One process per device; NCCL on GPUs, gloo on CPU; then the model-parallel groups and seeds."""
     parallel_state.destroy_model_parallel()
@@ -46,7 +55,7 @@ def initialize_distributed(tensor_model_parallel_size: int, pipeline_model_paral
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("MASTER_PORT", str(_free_local_port()))  # no fixed shared port
         dist.init_process_group(
             device.get_default_backend(),
             rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")),

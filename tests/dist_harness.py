@@ -68,6 +68,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, r
     )
     from megatron_core import parallel_state
 
+    _short_subgroup_timeouts(parallel_state)
     while True:
         try:
             task = tasks.get(timeout=1.0)
@@ -87,6 +88,19 @@ def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, r
         finally:
             parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def _short_subgroup_timeouts(parallel_state: Any) -> None:
+    """Make ``initialize_model_parallel`` in tests create its subgroups with the pool's short timeout
+    (its own default is 30 minutes), so a hang in any subgroup fails within the per-call limit."""
+    original = parallel_state.initialize_model_parallel
+
+    def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("distributed_timeout_minutes", PROCESS_GROUP_TIMEOUT_S / 60.0)
+        return original(*args, **kwargs)
+
+    initialize_model_parallel.__doc__ = original.__doc__
+    parallel_state.initialize_model_parallel = initialize_model_parallel
 
 
 class RankPool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from gpt_training.hf_model import apply_hf_model_args
 from gpt_training.presets import PRESETS, apply_preset
 
 
@@ -21,6 +22,8 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
 
 def _model(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
+    g.add_argument("--hf-model", default=None, help="fine-tune from this Hugging Face directory (shape, weights, "
+                   "tokenizer); see docs/hf_conversion.md")
     g.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
                    help="fills the model-shape flags you leave unset")
     g.add_argument("--num-layers", dest="num_layers", type=int, default=None)
@@ -142,7 +145,11 @@ def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
                         "each evaluation draws the next batches of the validation split)")
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--load", default=None,
+                   help="resume from this directory; it must hold a checkpoint, except when it is also --save "
+                        "and still empty (the first run of a resumable job)")
+    g.add_argument("--load-if-present", action="store_true",
+                   help="start from scratch when --load holds no checkpoint instead of exiting with an error")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--async-save", action="store_true")
@@ -175,6 +182,7 @@ def _require(condition: bool, message: str) -> None:
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Apply the preset, derive data-parallel size and gradient accumulation, and check the flags."""
+    apply_hf_model_args(args)
     apply_preset(args)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         _require(getattr(args, name) is not None, f"--{name.replace('_', '-')} is required (or pick --model-preset)")

@@ -9,6 +9,7 @@ only once they are complete. A checkpoint taken under another parallel layout is
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron_core.dist_checkpointing.training import load_checkpoint, read_tracker, save_checkpoint
@@ -61,12 +62,17 @@ class Checkpointer:
         self.last_saved = iteration
 
     def load(self) -> tuple[int, int]:
-        """Resume from ``--load``; returns ``(iteration, consumed_samples)``, ``(0, 0)`` without a checkpoint."""
+        """Resume from ``--load``; returns ``(iteration, consumed_samples)``.
+
+        A ``--load`` without a checkpoint is an error (a mistyped path must not train from scratch),
+        except with ``--load-if-present`` or when ``--load`` is the ``--save`` directory and still empty.
+        """
         state = load_checkpoint(
             self.args.load, self.chunks,
             None if self.args.no_load_optim else self.optimizer,
             None if self.args.no_load_optim else self.scheduler,
             load_optimizer=not self.args.no_load_optim, load_rng=not self.args.no_load_rng,
+            missing_ok=self.args.load_if_present or _fresh_save_dir(self.args.load, self.args.save),
         )
         if state is None:
             return 0, 0
@@ -87,3 +93,13 @@ class Checkpointer:
 def _plain(value) -> bool:
     return value is None or isinstance(value, (bool, int, float, str)) or (
         isinstance(value, list) and all(isinstance(v, (int, float, str)) for v in value))
+
+
+def _fresh_save_dir(load: str, save: str | None) -> bool:
+    """``--load`` is the ``--save`` directory and holds nothing yet (absent, empty, or only temporary
+    directories of a first save that never finished): a resumable job's first run."""
+    if save is None or os.path.realpath(load) != os.path.realpath(save):
+        return False
+    if not os.path.exists(load):
+        return True
+    return os.path.isdir(load) and all(".tmp-" in name for name in os.listdir(load))

@@ -72,8 +72,9 @@ def _moe_config(args: argparse.Namespace) -> dict:
     )
 
 
-def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:
-    """One DDP-wrapped GPTModel per virtual pipeline stage held by this rank."""
+def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+                       models: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
+    """One DDP-wrapped GPTModel per virtual pipeline stage held by this rank (``models``: already built ones)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=args.overlap_grad_reduce,
@@ -86,7 +87,7 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
         # MoE models get one spec per layer (dense and MoE layers interleaved by --moe-layer-freq).
         spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
                 if config.num_moe_experts is not None else get_gpt_layer_local_spec())
-        model: torch.nn.Module = GPTModel(
+        model: torch.nn.Module = models[vp_stage] if models is not None else GPTModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=vocab_size,

@@ -28,6 +28,7 @@ _SUBMODULES = (
     "dist_checkpointing",
     "datasets",
     "rerun_state_machine",
+    "tokenizers",
 )
 
 # Top-level names Megatron-Core exports, resolved lazily: name -> (module, attribute).

@@ -1,7 +1,7 @@
 """Fixtures for the dataset tests: small corpora on disk and the optional megatron-core oracle.
 
-``mcore`` imports megatron-core (``pip install --no-deps megatron-core==0.16.1`` into a separate
-directory on ``sys.path``; its distribution name clashes with ours) and skips when it is absent.
+``mcore`` imports megatron-core, installed beside us by the ``test-oracle`` extra (also in ``dev``;
+our distribution is ``megatron-core-lite``), and skips when it is absent.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def test_build_tokenizer_types(bpe_files, tmp_path):
         build_tokenizer("GPT2BPETokenizer")
     with pytest.raises(ValueError, match="unknown tokenizer_type 'Bert'"):
         build_tokenizer("Bert")
-    with pytest.raises(ImportError, match=r"pip install not_a_package .*megatron_core\[hf\]"):
+    with pytest.raises(ImportError, match=r"pip install not_a_package .*megatron-core-lite\[hf\]"):
         _require("not_a_package_xyz", "not_a_package", "SomeTokenizer")
     bad_merges = tmp_path / "merges.txt"
     bad_merges.write_text("#version: 0.2\na b c\n")

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_core import dist_checkpointing
 from megatron_core.dist_checkpointing import (
     CheckpointingException,
     load_common_state_dict,
@@ -83,17 +84,24 @@ def _mismatch(save_dir: str) -> dict:
             load_checkpoint(save_dir, chunks, opt, sched)
         except CheckpointingException as e:
             errors[name] = str(e)
+        try:  # below the recorded architecture, the shapes are checked key by key
+            dist_checkpointing.load(chunks[0].module.sharded_state_dict(), get_checkpoint_name(save_dir, 1))
+        except CheckpointingException as e:
+            errors[f"{name} shapes"] = str(e)
     return errors
 
 
 def test_shape_mismatch_names_key_and_shapes(tmp_path):
     errors = run_on_ranks(4, _mismatch, str(tmp_path / "ckpt"))[0]
-    assert set(errors) == {"hidden", "layers"}, errors
+    assert set(errors) == {"hidden", "layers", "hidden shapes", "layers shapes"}, errors
+    assert "hidden_size is 32 in the checkpoint and 64 in the current model" in errors["hidden"], errors["hidden"]
+    assert "num_layers is 2 in the checkpoint and 4 in the current model" in errors["layers"], errors["layers"]
     shapes = r"shape mismatch for key '([\w.]+)': checkpoint has global shape \(([\d, ]+)\), the model expects \(([\d, ]+)\)"
-    key, saved, wanted = re.search(shapes, errors["hidden"]).groups()
-    assert saved.endswith("32") and wanted.endswith("64") and saved[:-2] == wanted[:-2], errors["hidden"]
-    key, saved, wanted = re.search(shapes, errors["layers"]).groups()
-    assert key.startswith("decoder.layers.") and saved.startswith("2,") and wanted.startswith("4,"), errors["layers"]
+    key, saved, wanted = re.search(shapes, errors["hidden shapes"]).groups()
+    assert saved.endswith("32") and wanted.endswith("64") and saved[:-2] == wanted[:-2], errors["hidden shapes"]
+    key, saved, wanted = re.search(shapes, errors["layers shapes"]).groups()
+    assert key.startswith("decoder.layers.") and saved.startswith("2,") and wanted.startswith("4,"), \
+        errors["layers shapes"]
 
 
 class _CreatesFile:

@@ -90,7 +90,9 @@ def _adam_states(opt) -> list[torch.Tensor]:
 
 def _round_trip(save_dir: str) -> bool:
     chunks, opt, sched = build(1, 1)
-    assert load_checkpoint(save_dir, chunks, opt, sched) is None  # no tracker yet
+    assert load_checkpoint(save_dir, chunks, opt, sched, missing_ok=True) is None  # no tracker yet: load if present
+    with pytest.raises(CheckpointingException, match="does not exist"):  # by default a missing checkpoint raises
+        load_checkpoint(save_dir, chunks, opt, sched)
     for step in (1, 2):
         train_step(chunks, opt, sched, step)
     save_checkpoint(save_dir, 2, chunks, opt, sched, consumed_train_samples=8, extra_state=[1, "a"])

@@ -127,8 +127,16 @@ class BlendedMegatronDatasetConfig:
 
 
 def parse_and_normalize_split(split: str) -> list[float]:
-    """``"99,1"`` -> ``[0.99, 0.01, 0.0]``: parse up to three non-negative weights and normalise."""
-    values = [float(value) for value in re.findall(r"[.0-9]+", split)]
+    """``"99,1"`` -> ``[0.99, 0.01, 0.0]``: parse up to three non-negative weights and normalise.
+
+    Unlike Megatron (which picks the digits out and reads ``"90,-10,0"`` as ``90,10,0``), every
+    comma-separated piece must be a plain non-negative number.
+    """
+    pieces = [piece.strip() for piece in split.split(",")]
+    bad = [piece for piece in pieces if not re.fullmatch(r"\d+(?:\.\d*)?|\.\d+", piece)]
+    if bad:
+        raise ValueError(f"split {split!r}: {bad[0]!r} is not a non-negative number (write weights like '969,30,1')")
+    values = [float(value) for value in pieces]
     values += [0.0] * (len(Split) - len(values))
     if len(values) != len(Split) or any(value < 0 for value in values) or sum(values) <= 0:
         raise ValueError(f"split {split!r} must hold at most {len(Split)} non-negative weights with a positive sum")

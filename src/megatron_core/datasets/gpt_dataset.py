@@ -29,7 +29,7 @@ from megatron_core.datasets import distributed
 from megatron_core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron_core.datasets.gpt_masks import get_ltor_masks_and_position_ids
 from megatron_core.datasets.helpers import build_sample_idx
-from megatron_core.datasets.index_cache import IndexCache
+from megatron_core.datasets.index_cache import IndexCache, data_identity
 from megatron_core.datasets.indexed_dataset import IndexedDataset
 from megatron_core.datasets.megatron_dataset import MegatronDataset
 from megatron_core.datasets.utils import Split, log_single_rank
@@ -140,6 +140,7 @@ class GPTDataset(MegatronDataset):
         """Sample ``idx`` (``None`` gives a padding sample whose loss mask is all zero)."""
         text = torch.from_numpy(self._query_document_sample_shuffle_indices(0 if idx is None else idx)[0])
         pad = self._pad_token_id
+        self._check_token_ids(text, pad, idx)
         if self.config.add_extra_token_to_sequence:
             tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
         else:
@@ -193,6 +194,20 @@ class GPTDataset(MegatronDataset):
             parts.append(numpy.full(missing, self._pad_token_id, dtype=numpy.int64))
         return numpy.concatenate(parts, dtype=numpy.int64), numpy.array(document_ids, dtype=numpy.int64)
 
+    def _check_token_ids(self, text: torch.Tensor, pad: int, idx: int | None) -> None:
+        """Token ids must lie in ``[0, tokenizer.vocab_size)``: a wrong tokenizer or data file is named here,
+        not found later as an index error (or, under tensor parallelism, silently zero embeddings)."""
+        vocab_size = getattr(self.config.tokenizer, "vocab_size", None)
+        if not isinstance(vocab_size, int) or text.numel() == 0:
+            return
+        real = text[text != pad]
+        if real.numel() and (int(real.max()) >= vocab_size or int(real.min()) < 0):
+            bad = int(real.max()) if int(real.max()) >= vocab_size else int(real.min())
+            where = getattr(self.dataset, "path_prefix", type(self.dataset).__name__)
+            raise ValueError(f"{type(self).__name__} {self.index_split.name} sample {idx} of {where}: token id {bad} "
+                             f"is outside the tokenizer's vocabulary (vocab_size {vocab_size}); the data was "
+                             "tokenized with another tokenizer")
+
     def _cache_directory(self) -> str | None:
         if self.config.path_to_cache:
             return self.config.path_to_cache
@@ -200,16 +215,27 @@ class GPTDataset(MegatronDataset):
             return None
         return os.path.join(self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices")
 
+    def _data_identity(self) -> dict | None:
+        prefix = getattr(self.dataset, "path_prefix", None)
+        if not prefix or not os.path.isfile(f"{prefix}.idx") or not os.path.isfile(f"{prefix}.bin"):
+            return None
+        return data_identity(prefix)
+
     def _build_document_sample_shuffle_indices(self) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
         directory = self._cache_directory()
         cache = None
         if directory:
             base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
-            cache = IndexCache(directory, base, ("document_index", "sample_index", "shuffle_index"))
-            if cache.complete():
+            cache = IndexCache(directory, base, ("document_index", "sample_index", "shuffle_index"),
+                               source=self._data_identity())
+            stale = cache.stale_reason() if cache.complete() else None
+            if cache.complete() and stale is None:
                 log_single_rank(logger, logging.INFO, f"Load the {type(self).__name__} {self.index_split.name} indices")
                 arrays = cache.load()
                 return arrays["document_index"], arrays["sample_index"], arrays["shuffle_index"]
+            if stale is not None and distributed.get_rank() == 0:
+                logger.warning("Rebuilding the %s %s indices cached in %s: %s", type(self).__name__,
+                               self.index_split.name, directory, stale)
             if distributed.get_rank() != 0:
                 raise RuntimeError(
                     f"{type(self).__name__} {self.index_split.name} indices are missing from {directory} on rank "

@@ -77,6 +77,34 @@ def get_bin_path(path_prefix: str) -> str:
     return path_prefix + ".bin"
 
 
+_CHECK_CHUNK = 1 << 22
+
+
+def _check_index_arrays(idx_path: str, lengths: numpy.ndarray, pointers: numpy.ndarray, doc: numpy.ndarray,
+                        dtype_size: int) -> None:
+    """Document indices never decrease; sequences are stored back to back (pointer ``i + 1`` is
+    pointer ``i`` plus length ``i`` times the token size, starting at 0). Checked in chunks."""
+    for start in range(0, len(doc) - 1, _CHECK_CHUNK):
+        part = doc[start:start + _CHECK_CHUNK + 1]
+        bad = numpy.flatnonzero(part[1:] < part[:-1])
+        if bad.size:
+            i = start + int(bad[0])
+            raise ValueError(f"{idx_path}: corrupt index: document index {i + 1} ({int(doc[i + 1])}) is smaller "
+                             f"than document index {i} ({int(doc[i])}); document indices must not decrease")
+    if len(pointers) and int(pointers[0]) != 0:
+        raise ValueError(f"{idx_path}: corrupt index: the first sequence pointer is {int(pointers[0])}, expected 0")
+    for start in range(0, len(pointers) - 1, _CHECK_CHUNK):
+        ptr = pointers[start:start + _CHECK_CHUNK + 1].astype(numpy.int64)
+        expected = ptr[:-1] + lengths[start:start + len(ptr) - 1].astype(numpy.int64) * dtype_size
+        bad = numpy.flatnonzero(ptr[1:] != expected)
+        if bad.size:
+            i = start + int(bad[0])
+            raise ValueError(
+                f"{idx_path}: corrupt index: sequence {i + 1} starts at byte {int(pointers[i + 1])}, but sequence "
+                f"{i} starts at byte {int(pointers[i])} with {int(lengths[i])} tokens of {dtype_size} bytes, so "
+                f"sequence {i + 1} must start at byte {int(expected[bad[0]])}")
+
+
 class _IndexReader:
     """Parses and validates an ``.idx`` file; the arrays are read-only views of a memory map."""
 
@@ -137,6 +165,7 @@ class _IndexReader:
             )
         if self.sequence_count and bool((self.sequence_lengths < 0).any()):
             raise ValueError(f"{idx_path}: corrupt index: negative sequence lengths")
+        _check_index_arrays(idx_path, self.sequence_lengths, self.sequence_pointers, doc, self.dtype_size)
 
     def close(self) -> None:
         """Release the memory map (arrays handed out earlier must no longer be used)."""

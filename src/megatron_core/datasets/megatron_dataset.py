@@ -83,6 +83,8 @@ class MegatronDataset(ABC, torch.utils.data.Dataset):
             pad = self.config.tokenizer.pad
         except Exception:
             return _PAD_TOKEN_ID
+        if pad is None:  # megatron_core.tokenizers report an undefined pad as None
+            return _PAD_TOKEN_ID
         if pad in _special_ids(self.config.tokenizer):
             warnings.warn(
                 "The pad token id in the tokenizer collides with another special token id; "

@@ -99,5 +99,46 @@ class MegatronTokenizer(ABC):
         """MASK id."""
         return self._missing("mask")
 
+    @property
+    def unk(self) -> int:
+        """Unknown-token id."""
+        return self._missing("unk")
+
+    # Megatron's newer tokenizer API names the same ids with an ``_id`` suffix.
+    @property
+    def cls_id(self) -> int:
+        """Alias of :attr:`cls`."""
+        return self.cls
+
+    @property
+    def sep_id(self) -> int:
+        """Alias of :attr:`sep`."""
+        return self.sep
+
+    @property
+    def pad_id(self) -> int:
+        """Alias of :attr:`pad`."""
+        return self.pad
+
+    @property
+    def bos_id(self) -> int:
+        """Alias of :attr:`bos`."""
+        return self.bos
+
+    @property
+    def eos_id(self) -> int:
+        """Alias of :attr:`eos`."""
+        return self.eos
+
+    @property
+    def mask_id(self) -> int:
+        """Alias of :attr:`mask`."""
+        return self.mask
+
+    @property
+    def unk_id(self) -> int:
+        """Alias of :attr:`unk`."""
+        return self.unk
+
 
 MegatronLegacyTokenizer = MegatronTokenizer

@@ -2,6 +2,7 @@
 
 Mirrors ``megatron.core.datasets.utils``. ``get_blend_from_list`` turns Megatron's flat command-line
 form (``["30", "prefix_a", "70", "prefix_b"]`` or ``["prefix_a", "prefix_b"]``) into a config blend.
+``compile_helpers`` is a no-op kept for Megatron scripts: our index helpers need no compiler.
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ import numpy
 from megatron_core._rank_utils import log_single_rank  # noqa: F401  (re-exported: Megatron's path)
 
 logger = logging.getLogger(__name__)
+
+
+_helpers_logged = False
+
+
+def compile_helpers() -> None:
+    """No-op (Megatron compiles its C++ dataset helpers here; ours are numpy). Logs once per process."""
+    global _helpers_logged
+    if not _helpers_logged:
+        _helpers_logged = True
+        logger.info("compile_helpers: nothing to compile (megatron_core's dataset helpers are pure Python/numpy)")
 
 
 class Split(Enum):

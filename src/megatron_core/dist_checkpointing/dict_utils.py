@@ -90,8 +90,10 @@ def extract_matching_values(
 def without_matching(x: Any, predicate: Callable[[Any], bool]) -> Any:
     """``x`` without the leaves matching ``predicate``, keeping list positions.
 
-    Dicts drop matching entries (and containers emptied by the removal); lists keep their length
-    with ``None`` in place of matching leaves, so values merged back later land where they were.
+    Dicts drop matching entries (and containers emptied by the removal); lists that keep some
+    value keep their length with ``None`` in place of matching leaves, so values merged back later
+    land where they were. A list all of whose entries were removed is removed too (an empty list),
+    so no placeholder of a value that is not there is left behind.
     """
     if isinstance(x, dict):
         out = {}
@@ -104,10 +106,33 @@ def without_matching(x: Any, predicate: Callable[[Any], bool]) -> Any:
                 out[k] = v
         return out
     if isinstance(x, list):
-        return [
-            without_matching(v, predicate) if isinstance(v, (dict, list)) else (None if predicate(v) else v)
-            for v in x
-        ]
+        kept, out_list = False, []
+        for v in x:
+            if isinstance(v, (dict, list)):
+                stripped = without_matching(v, predicate)
+                kept = kept or bool(stripped) or not v
+                out_list.append(stripped)
+            elif predicate(v):
+                out_list.append(None)
+            else:
+                kept = True
+                out_list.append(v)
+        return out_list if kept else []
+    return x
+
+
+def lists_like(x: Any, template: Any) -> Any:
+    """``x`` with every ``{0: a, 1: b, ...}`` dict turned back into a list where ``template`` has a
+    list of that length (undoing ``extract_matching_values(..., return_lists_as_dicts=True)``)."""
+    if isinstance(x, dict) and isinstance(template, list):
+        if sorted(x) == list(range(len(template))):
+            return [lists_like(x[i], template[i]) for i in range(len(template))]
+        return {k: lists_like(v, template[k]) if isinstance(k, int) and 0 <= k < len(template) else v
+                for k, v in x.items()}
+    if isinstance(x, dict) and isinstance(template, dict):
+        return {k: lists_like(v, template[k]) if k in template else v for k, v in x.items()}
+    if isinstance(x, list) and isinstance(template, list) and len(x) == len(template):
+        return [lists_like(a, b) for a, b in zip(x, template)]
     return x
 
 

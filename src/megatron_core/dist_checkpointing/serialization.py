@@ -6,14 +6,16 @@ tensors and objects), ``common.pt`` (the common state, written by rank 0 and rea
 
 Crash safety: everything is written into ``<dir>.tmp-<id>`` and renamed to ``<dir>`` only when
 every rank has finished, so ``<dir>`` is either absent, the previous checkpoint, or complete.
-Saving over a complete checkpoint raises unless ``overwrite=True``. Loading validates the
+Saving never removes what it did not write (:mod:`.save_target`): a complete checkpoint or a
+directory holding other files is refused unless ``overwrite=True``, a regular file at the path is
+an error. Every file is hashed while written and ``sha256_manifest.json`` records the digests
+(:mod:`.manifest`); ``load(..., verify_checksums=True)`` checks them. Loading validates the
 metadata and every requested key and shape before reading, reads into fresh buffers, and fails
 on every rank if it fails on any, so a model is never loaded partially.
 """
 
 from __future__ import annotations
 
-import glob
 import io
 import logging
 import os
@@ -38,10 +40,12 @@ from megatron_core.dist_checkpointing.core import (
 from megatron_core.dist_checkpointing.dict_utils import (
     dict_list_map_inplace,
     extract_matching_values,
+    lists_like,
     merge,
     nested_values,
     without_matching,
 )
+from megatron_core.dist_checkpointing.manifest import sha256_bytes, verify_checkpoint, write_manifest
 from megatron_core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -53,6 +57,12 @@ from megatron_core.dist_checkpointing.mapping import (
     apply_factory_merges,
 )
 from megatron_core.dist_checkpointing.safe_load import DCP_METADATA_FNAME, read_dcp_metadata, torch_load_safe
+from megatron_core.dist_checkpointing.save_target import (
+    IN_PROGRESS_MARKER,
+    check_save_target,
+    remove_stale_tmp_dirs,
+    replace_target,
+)
 from megatron_core.dist_checkpointing.strategies import (
     AsyncRequest,
     LoadShardedStrategy,
@@ -107,13 +117,13 @@ def _serialize_common(common_state: StateDict) -> bytes:
 
 
 def _publish(tmp_dir: Path, final_dir: Path, overwrite: bool) -> None:
-    """Move a finished checkpoint from ``tmp_dir`` to ``final_dir`` (rank 0 only)."""
-    old = None
-    if final_dir.exists():
-        if check_is_distributed_checkpoint(final_dir) and not overwrite:
-            raise CheckpointingException(f"{final_dir} already holds a complete checkpoint; pass overwrite=True")
-        old = final_dir.with_name(f"{final_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(final_dir, old)
+    """Move a finished checkpoint from ``tmp_dir`` to ``final_dir`` (rank 0 only).
+
+    What ``final_dir`` may hold is decided by :func:`.save_target.check_save_target`; only a
+    directory that was checked there is moved aside and removed once the new one is in place.
+    """
+    old = replace_target(tmp_dir, final_dir, overwrite)
+    (tmp_dir / IN_PROGRESS_MARKER).unlink(missing_ok=True)
     os.rename(tmp_dir, final_dir)
     fsync_dir(final_dir.parent)
     if old is not None:
@@ -147,9 +157,15 @@ def save(
     rank = collectives.get_rank(group)
     _check_common_strategy(common_strategy)
     strategy = _resolve_save_strategy(sharded_strategy)
-    refused = rank == 0 and check_is_distributed_checkpoint(final_dir) and not overwrite
-    if collectives.broadcast_object(refused, 0, group):
-        raise CheckpointingException(f"{final_dir} already holds a complete checkpoint; pass overwrite=True to replace it")
+    refusal = None
+    if rank == 0:
+        try:
+            check_save_target(final_dir, overwrite)
+        except CheckpointingException as e:
+            refusal = str(e)
+    refusal = collectives.broadcast_object(refusal, 0, group)
+    if refusal is not None:
+        raise CheckpointingException(refusal)
 
     apply_factories(sharded_state_dict)
     leaves = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedBase)]
@@ -169,12 +185,17 @@ def save(
     tmp_name = f"{final_dir.name}.tmp-{uuid.uuid4().hex[:12]}" if rank == 0 else None
     tmp_dir = final_dir.with_name(collectives.broadcast_object(tmp_name, 0, group))
     error = None
+    common_bytes = b""
     if rank == 0:
         try:
-            for stale in glob.glob(f"{glob.escape(str(final_dir))}.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+            kept = remove_stale_tmp_dirs(final_dir)
+            if kept:
+                logger.warning("left in place (not written by an interrupted save of this library): %s",
+                               [str(k) for k in kept])
             tmp_dir.mkdir(parents=True)
-            atomic_write_bytes(tmp_dir / COMMON_STATE_FNAME, _serialize_common(common_state))
+            (tmp_dir / IN_PROGRESS_MARKER).touch()
+            common_bytes = _serialize_common(common_state)
+            atomic_write_bytes(tmp_dir / COMMON_STATE_FNAME, common_bytes)
         except Exception as e:  # noqa: BLE001 - sent to every rank below
             error = e
     if collectives.broadcast_object(error is not None, 0, group):
@@ -195,6 +216,9 @@ def save(
             try:
                 if not (tmp_dir / DCP_METADATA_FNAME).is_file():
                     raise CheckpointingException(f"{tmp_dir / DCP_METADATA_FNAME} was not written")
+                digests = dict(request.file_digests)
+                digests[COMMON_STATE_FNAME] = sha256_bytes(common_bytes)
+                write_manifest(tmp_dir, digests)
                 save_config(CheckpointingConfig(strategy.backend, strategy.version), tmp_dir)
                 _publish(tmp_dir, final_dir, overwrite)
             except Exception as e:  # noqa: BLE001 - sent to every rank below
@@ -261,6 +285,7 @@ def load(
     strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
     process_group: Any = None,
+    verify_checksums: bool = False,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the shards described by ``sharded_state_dict`` (any parallel layout) plus the common state.
 
@@ -269,10 +294,14 @@ def load(
     state; feed it to ``module.load_state_dict``. ``strict`` decides what missing and unexpected
     keys do (see :class:`StrictHandling`); ``return_*`` modes also return the two key sets.
     Collective: if any rank fails, every rank raises ``CheckpointingException``.
+    ``verify_checksums`` (not in Megatron-Core) first checks every file against the checkpoint's
+    SHA-256 manifest (see :mod:`.manifest`), the work split across the ranks.
     """
     strict = parse_strict_flag(strict)
     _check_common_strategy(common_strategy)
     group = process_group
+    if verify_checksums:
+        verify_checkpoint(checkpoint_dir, group)
     error: BaseException | None = None
     result: StateDict = {}
     missing: set[str] = set()
@@ -304,8 +333,9 @@ def load(
                 sharded_part, lambda x: isinstance(x, ShardedBase) and _storage_key(x) not in missing,
                 return_lists_as_dicts=True,
             )
-        loaded = strategy.load(sharded_part, checkpoint_dir)
+        loaded = lists_like(strategy.load(sharded_part, checkpoint_dir), sharded_state_dict)
         dict_list_map_inplace(lambda x: x.unwrap() if isinstance(x, LocalNonpersistentObject) else x, nonpersistent)
+        nonpersistent = lists_like(nonpersistent, sharded_state_dict)
         result = merge(merge(common_state, loaded), nonpersistent)
         if factories:
             result = apply_factory_merges(result, factories)

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from megatron_core.config_rules import OPTIMIZER_RULES as _OPTIMIZER_RULES
+from megatron_core.config_rules import apply_rules as _apply_rules
+
 _OPTIMIZERS = ("adam", "sgd")
 
 
@@ -71,6 +74,7 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         """Validate the combination of options; errors name the fields and values."""
+        _apply_rules("OptimizerConfig", self, _OPTIMIZER_RULES)
         if self.optimizer not in _OPTIMIZERS:
             raise ValueError(f"optimizer ({self.optimizer!r}) must be one of {_OPTIMIZERS}")
         if self.fp16 and self.bf16:

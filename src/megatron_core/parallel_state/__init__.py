@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megatron_core.config_rules import check_timeout_minutes as _check_timeout_minutes
 from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer
 from megatron_core.parallel_state.rank_generator import (
     ParallelConfigError,
@@ -86,6 +87,7 @@ def initialize_model_parallel(
     experts; the left-most axis of ``order`` varies fastest. Sizes that do not fit raise
     :class:`ParallelConfigError` naming the numbers.
     """
+    _check_timeout_minutes("distributed_timeout_minutes", distributed_timeout_minutes)
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before initialize_model_parallel")
     tp, pp, cp, ep = (

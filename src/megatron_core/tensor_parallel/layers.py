@@ -97,6 +97,11 @@ def _init_weight(weight, config, init_method, full_shape, per_partition, partiti
     return None
 
 
+def _default_extra_state(state_dict: dict, prefix: str, *args) -> None:
+    """Load-state-dict pre-hook: a missing ``_extra_state`` reads as None (Megatron drops the output layer's)."""
+    state_dict.setdefault(f"{prefix}_extra_state")
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """``Y = X A^T + b`` with ``A`` split along its output dim: weight ``[output_size / TP, input_size]``.
 
@@ -114,6 +119,7 @@ class ColumnParallelLinear(torch.nn.Module):
                  disable_grad_reduce: bool = False, tp_group=None, name: str | None = None,
                  output_dtype: torch.dtype | None = None, pg_collection=None) -> None:
         super().__init__()
+        self._register_load_state_dict_pre_hook(_default_extra_state)
         self.input_size = input_size
         self.output_size = output_size
         self.gather_output = gather_output
@@ -235,6 +241,7 @@ class RowParallelLinear(torch.nn.Module):
                  tp_comm_buffer_name: str | None = None, tp_group=None, name: str | None = None,
                  pg_collection=None) -> None:
         super().__init__()
+        self._register_load_state_dict_pre_hook(_default_extra_state)
         self.input_size = input_size
         self.output_size = output_size
         self.input_is_parallel = input_is_parallel

@@ -165,9 +165,10 @@ class SelfAttention(MegatronModule):
         attn_mask_type: AttnMaskType | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend over ``hidden_states`` ``[s, b, h]``; returns ``(output [s, b, h], bias)``."""
-        if inference_context is not None or inference_params is not None:
-            raise NotImplementedError("SelfAttention: KV-cache inference is not supported")
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        inference_context = inference_context if inference_context is not None else inference_params
+        if inference_context is not None:  # KV cache: the context rotates, caches and attends (inference/contexts)
+            return self.linear_proj(inference_context.attention(self, query, key, value, rotary_pos_emb))
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
             cu_q = cu_kv = None

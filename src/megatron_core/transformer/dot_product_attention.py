@@ -52,6 +52,21 @@ def _check_window(window: Any, mask_type: AttnMaskType) -> tuple[int, int] | Non
     return int(window[0]), int(window[1])
 
 
+def _layer_uses_window(config: TransformerConfig, layer_number: int) -> bool:
+    """Megatron's ``window_attn_skip_freq``: an int N makes every N-th layer full attention; a list of 0/1
+    per layer marks the sliding-window layers (1); None: every layer uses ``window_size``."""
+    freq = getattr(config, "window_attn_skip_freq", None)
+    if config.window_size is None or freq is None:
+        return config.window_size is not None
+    if isinstance(freq, int) and freq > 0:
+        return layer_number % freq != 0
+    if isinstance(freq, (list, tuple)) and len(freq) == config.num_layers:
+        return bool(freq[layer_number - 1])
+    raise ValueError(
+        f"window_attn_skip_freq ({freq!r}) must be a positive int or a list of num_layers ({config.num_layers}) 0/1 flags"
+    )
+
+
 def _resolve_comm_type(cp_comm_type: Any, config: TransformerConfig, layer_number: int) -> str:
     if cp_comm_type is None:
         cp_comm_type = getattr(config, "cp_comm_type", None)
@@ -86,7 +101,8 @@ class DotProductAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
-        self.window_size = _check_window(config.window_size, attn_mask_type)
+        window = config.window_size if _layer_uses_window(config, self.layer_number) else None
+        self.window_size = _check_window(window, attn_mask_type)
         self.cp_comm_type = _resolve_comm_type(cp_comm_type, config, self.layer_number)
         self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["cp"])
         self.cp_group = self.pg_collection.cp

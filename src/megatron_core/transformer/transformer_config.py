@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core.config_rules import TRANSFORMER_RULES as _TRANSFORMER_RULES
+from megatron_core.config_rules import apply_rules as _apply_rules
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer.enums import AttnBackend
 from megatron_core.transformer.moe_validation import check_moe_config
@@ -70,6 +72,7 @@ class TransformerConfig(ModelParallelConfig):
     attention_backend: AttnBackend = AttnBackend.auto
     softmax_scale: float | None = None
     window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | list[int] | None = None
     cp_comm_type: str | list[str] | None = None
     apply_query_key_layer_scaling: bool = False
     attention_softmax_in_fp32: bool = True
@@ -133,6 +136,7 @@ class TransformerConfig(ModelParallelConfig):
     def __post_init__(self) -> None:
         """Validate (errors name fields, values and rule) and fill derived defaults."""
         super().__post_init__()
+        _apply_rules("TransformerConfig", self, _TRANSFORMER_RULES)
         _check_shape(self)
         _derive_shape_defaults(self)
         _check_parallel_shapes(self)

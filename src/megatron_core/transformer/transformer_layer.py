@@ -93,6 +93,23 @@ class TransformerLayer(MegatronModule):
         self.mlp_bda = build_module(submodules.mlp_bda)
         self.has_cross_attention = not isinstance(self.cross_attention, IdentityOp)
 
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """The sharded state, with checkpoint keys renamed by the spec's ``sharded_state_dict_keys_map``.
+
+        The local spec stores its separate norms under Transformer Engine's fused names
+        (``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``), as Megatron-Core does, so
+        checkpoints of either spec load into the other; the dict keys (``state_dict`` names) are unchanged.
+        """
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        keys_map = self.submodules_config.sharded_state_dict_keys_map
+        if keys_map:
+            from megatron_core.dist_checkpointing.utils import apply_prefix_mapping
+
+            apply_prefix_mapping(sharded, {f"{prefix}{old}": f"{prefix}{new}" for old, new in keys_map.items()})
+        return sharded
+
     def forward(
         self,
         hidden_states: torch.Tensor,

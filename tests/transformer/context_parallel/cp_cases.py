@@ -79,7 +79,7 @@ def check_cases(cases: list[dict]) -> list[str]:
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
             model = build(spec, tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm,
                           sequence_parallel=case.get("sp", False),
-                          hierarchical_context_parallel_sizes=case.get("hier"))
+                          hierarchical_context_parallel_sizes=case.get("hier"), **case.get("extra", {}))
             _load(model, state, tp, True)
             ids, labels = _data()
             batch = {"tokens": ids, "labels": labels, "position_ids": torch.arange(S).expand(B, S).contiguous(),
@@ -191,9 +191,27 @@ def _cp_forward_step(data_iterator, model):
     return output, loss_func
 
 
-def check_training(pp: int, use_distributed_optimizer: bool, num_microbatches: int = 2) -> dict:
+def _cp_mean_forward_step(data_iterator, model):
+    """Megatron's older loss convention: the loss is the CP-global token mean of the micro-batch
+    (sum and count all-reduced over CP outside autograd); the schedule multiplies it by the CP size."""
+    batch = get_batch_on_this_cp_rank(dict(next(data_iterator)))
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        mask = batch["loss_mask"].reshape(-1).float()
+        loss = torch.cat([torch.sum(output_tensor.float().reshape(-1) * mask).view(1), mask.sum().view(1)])
+        dist.all_reduce(loss, group=parallel_state.get_context_parallel_group())
+        loss = loss[0] / loss[1]
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def check_training(pp: int, use_distributed_optimizer: bool, per_token: bool = True, num_microbatches: int = 2) -> dict:
     """CP=2 with PP or DP through the schedules, DDP (DP x CP reduction), finalize_model_grads and
-    (optionally) the distributed optimizer, against the CP=1 model on the same global batch."""
+    (optionally) the distributed optimizer, against the CP=1 model on the same global batch.
+
+    ``per_token``: ``calculate_per_token_loss`` with a (sum, count) loss; else a per-micro-batch mean."""
     from megatron_core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -209,10 +227,13 @@ def check_training(pp: int, use_distributed_optimizer: bool, num_microbatches: i
     dp = 4 // (cp * pp)
     batches = make_batches(num_microbatches * dp, seed=11)
     ref_model, state = reference_state(spec)
-    tokens = sum(b["loss_mask"].sum() for b in batches)
-    total = sum((ref_model(b["tokens"], b["position_ids"], None, labels=b["labels"]) * b["loss_mask"]).sum()
-                for b in batches)
-    (total / tokens).backward()
+    sums = [(ref_model(b["tokens"], b["position_ids"], None, labels=b["labels"]) * b["loss_mask"]).sum()
+            for b in batches]
+    if per_token:
+        ref_loss = sum(sums) / sum(b["loss_mask"].sum() for b in batches)
+    else:
+        ref_loss = sum(s / b["loss_mask"].sum() for s, b in zip(sums, batches)) / len(batches)
+    ref_loss.backward()
     ref_grads = {k: v.grad.detach().clone() for k, v in ref_model.named_parameters()}
     ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-3)
     ref_opt.step()
@@ -223,7 +244,7 @@ def check_training(pp: int, use_distributed_optimizer: bool, num_microbatches: i
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
         config = TransformerConfig(
             **spec["config"], pipeline_model_parallel_size=pp, context_parallel_size=cp, pipeline_dtype=torch.float32,
-            calculate_per_token_loss=True, finalize_model_grads_func=finalize_model_grads,
+            calculate_per_token_loss=per_token, finalize_model_grads_func=finalize_model_grads,
         )
         stages = StageChunks(spec, config, state)
         ddp = DistributedDataParallel(
@@ -237,7 +258,8 @@ def check_training(pp: int, use_distributed_optimizer: bool, num_microbatches: i
         dp_rank = parallel_state.get_data_parallel_rank()
         mine = batches[dp_rank * num_microbatches:(dp_rank + 1) * num_microbatches]
         get_forward_backward_func()(
-            forward_step_func=_cp_forward_step, data_iterator=iter(mine), model=ddp,
+            forward_step_func=_cp_forward_step if per_token else _cp_mean_forward_step, data_iterator=iter(mine),
+            model=ddp,
             num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MBS,
         )
         checked = 0

@@ -12,7 +12,8 @@ WORLD = 4
 
 GROUPS = {
     "cp2": [dict(cp=2, comm="p2p", mask=True), dict(cp=2, comm="all_gather"), dict(cp=2, comm="a2a"),
-            dict(cp=2, comm="a2a+p2p", hier=[1, 2])],
+            dict(cp=2, comm="a2a+p2p", hier=[1, 2]),
+            dict(cp=2, comm="p2p", extra=dict(recompute_granularity="selective"))],
     "cp4": [dict(cp=4, comm="p2p"), dict(cp=4, comm="all_gather", mask=True), dict(cp=4, comm="a2a"),
             dict(cp=4, comm="a2a+p2p", hier=[2, 2])],
     "tp_sp_window": [dict(cp=2, tp=2, sp=True, comm="p2p"), dict(cp=2, tp=2, sp=True, comm="a2a"),
@@ -27,9 +28,10 @@ def test_context_parallel_matches_single_process(group: str):
     assert all(len(r) == len(cases) for r in results)
 
 
-def test_packed_documents_under_context_parallelism():
-    results = run_on_ranks(WORLD, cp_cases.check_packed, 2, "p2p")
-    assert results == ["packed cp=2 p2p"] * WORLD
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_packed_documents_under_context_parallelism(comm: str):
+    results = run_on_ranks(WORLD, cp_cases.check_packed, 2, comm)
+    assert results == [f"packed cp=2 {comm}"] * WORLD
 
 
 def test_bad_input_is_refused():
@@ -41,8 +43,11 @@ def test_bad_input_is_refused():
     assert "attention_dropout (0.1) is not supported with cp_comm_type 'p2p'" in errors[2]
 
 
-@pytest.mark.parametrize("pp,distopt", [(2, False), (1, True)], ids=["cp2_pp2", "cp2_dp2_distopt"])
-def test_context_parallel_training_step(pp: int, distopt: bool):
-    """CP=2 x PP=2 and CP=2 x DP=2 (distributed optimizer): gradients and the Adam step equal CP=1's."""
-    results = run_on_ranks(WORLD, cp_cases.check_training, pp, distopt)
+@pytest.mark.parametrize("pp,distopt,per_token", [(2, False, True), (1, True, False)],
+                         ids=["cp2_pp2_per_token_loss", "cp2_dp2_distopt_mean_loss"])
+def test_context_parallel_training_step(pp: int, distopt: bool, per_token: bool):
+    """CP=2 x PP=2 and CP=2 x DP=2 (distributed optimizer): gradients and the Adam step equal CP=1's,
+    with the per-token loss (finalize_model_grads divides by the DP x CP token count) and with a
+    CP-global mean loss (the schedules multiply it by the CP size, DDP averages over DP x CP)."""
+    results = run_on_ranks(WORLD, cp_cases.check_training, pp, distopt, per_token)
     assert all(r["checked"] > 0 for r in results)

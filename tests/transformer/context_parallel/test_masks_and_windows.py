@@ -117,3 +117,13 @@ def test_a_document_mask_is_still_honoured(monkeypatch):
     second = model(ids[:, 6:], torch.arange(6).unsqueeze(0), None)
     # RoPE scores depend on relative positions only, so the second document alone gives the same logits.
     torch.testing.assert_close(masked[:, 6:], second, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("freq,expected", [(None, [True] * 4), (2, [True, False, True, False]),
+                                           ([1, 1, 0, 1], [True, True, False, True])])
+def test_window_attn_skip_freq_picks_the_window_layers(freq, expected):
+    model = build(llama_like(num_layers=4, window_size=(3, 0), window_attn_skip_freq=freq))
+    got = [layer.self_attention.core_attention.window_size is not None for layer in model.decoder.layers]
+    assert got == expected
+    with pytest.raises(ValueError, match=r"window_attn_skip_freq \(\[1, 0\]\) must be a positive int or a list"):
+        build(llama_like(num_layers=4, window_size=(3, 0), window_attn_skip_freq=[1, 0]))

@@ -1,7 +1,7 @@
 """Tokenizers behind one interface (``MegatronTokenizer``), built by Megatron's ``--tokenizer-type`` names.
 
 GPT-2 BPE and the null tokenizer are pure Python; the Hugging Face, tiktoken and SentencePiece
-tokenizers import their libraries lazily (``pip install megatron_core[hf]``).
+tokenizers import their libraries lazily (``pip install megatron-core-lite[hf]``).
 """
 
 from megatron_core.datasets.megatron_tokenizer import MegatronTokenizer

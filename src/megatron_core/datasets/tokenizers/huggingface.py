@@ -41,7 +41,10 @@ class HuggingFaceTokenizer(MegatronTokenizer):
             path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"HuggingFaceTokenizer: no tokenizer.json at {tokenizer_path}")
-        self._tokenizer = import_tokenizers().Tokenizer.from_file(path)
+        try:
+            self._tokenizer = import_tokenizers().Tokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - the library's message does not say which file
+            raise ValueError(f"HuggingFaceTokenizer: cannot read {path}: {type(e).__name__}: {e}") from e
         self._vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self._inv_vocab = {index: token for token, index in self._vocab.items()}
         self._special = {

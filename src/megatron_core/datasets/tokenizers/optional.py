@@ -1,4 +1,4 @@
-"""The one place that imports the optional tokenizer libraries (``pip install megatron_core[hf]``).
+"""The one place that imports the optional tokenizer libraries (``pip install megatron-core-lite[hf]``).
 
 Each function imports its library on first use and turns a missing install into an ``ImportError``
 that names the package and the extra, so ``import megatron_core`` never needs them.
@@ -15,7 +15,7 @@ def _require(module: str, package: str, what: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as error:
         raise ImportError(
-            f"{what} needs the '{package}' package: pip install {package} (or pip install 'megatron_core[hf]')"
+            f"{what} needs the '{package}' package: pip install {package} (or pip install 'megatron-core-lite[hf]')"
         ) from error
 
 

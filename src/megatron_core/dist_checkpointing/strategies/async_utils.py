@@ -38,6 +38,8 @@ class AsyncRequest:
     preload_fn: Callable[[], Any] | None = None
     is_frozen: bool = False
     call_idx: int = 0
+    # File name -> (sha256, size) of every file the save wrote, filled on rank 0 when the write finishes.
+    file_digests: dict = field(default_factory=dict)
 
     def add_finalize_fn(self, fn: Callable[[], None]) -> None:
         """Append a function to run after the background part finished on every rank."""

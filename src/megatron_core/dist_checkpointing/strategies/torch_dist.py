@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.core import CheckpointingException
 from megatron_core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+from megatron_core.dist_checkpointing.manifest import HashingFileSystem
 from megatron_core.dist_checkpointing.mapping import (
     ShardedBase,
     ShardedObject,
@@ -77,6 +78,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         planner = McoreSavePlanner(shards, clone=clone)
         self.last_planned_bytes = planner.planned_bytes()
         writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=True, overwrite=True)
+        writer.fs = HashingFileSystem()  # every file is hashed while it is written (the SHA-256 manifest)
         coordinator = rank == 0
         planner.set_up_planner(is_coordinator=coordinator)
         writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
@@ -97,13 +99,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         def write() -> None:
             results["write"] = writer.write_data(final_plan, planner).wait()
 
+        request = AsyncRequest(write, (), [])
+
         def finish() -> None:
-            all_results = collectives.all_gather_object(results.get("write"), group)
+            gathered = collectives.all_gather_object((results.get("write"), dict(writer.fs.digests)), group)
             if coordinator:
-                writer.finish(metadata, all_results)
+                writer.finish(metadata, [r for r, _ in gathered])
+                for _, digests in gathered:
+                    request.file_digests.update(digests)
+                request.file_digests.update(writer.fs.digests)
             collectives.barrier(group)
 
-        return AsyncRequest(write, (), [finish])
+        request.add_finalize_fn(finish)
+        return request
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):

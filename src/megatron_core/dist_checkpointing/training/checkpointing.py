@@ -23,6 +23,8 @@ import torch
 
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.core import CheckpointingException, check_is_distributed_checkpoint
+from megatron_core.dist_checkpointing.manifest import verify_checkpoint
+from megatron_core.dist_checkpointing.save_target import foreign_entries
 from megatron_core.dist_checkpointing.serialization import (
     load,
     load_common_state_dict,
@@ -30,6 +32,11 @@ from megatron_core.dist_checkpointing.serialization import (
     save,
 )
 from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron_core.dist_checkpointing.training.architecture import (
+    ARCHITECTURE_KEY,
+    check_architecture,
+    model_architecture,
+)
 from megatron_core.dist_checkpointing.training.optimizer_state import (
     load_optimizer_state,
     optimizer_sharded_state_dict,
@@ -39,7 +46,12 @@ from megatron_core.dist_checkpointing.training.rng import (
     restore_sharded_rng_state,
     sharded_rng_state,
 )
-from megatron_core.dist_checkpointing.training.tracker import get_checkpoint_name, read_tracker, write_tracker
+from megatron_core.dist_checkpointing.training.tracker import (
+    TRACKER_FILENAME,
+    get_checkpoint_name,
+    read_tracker,
+    write_tracker,
+)
 from megatron_core.dist_checkpointing.validation import StrictHandling
 
 logger = logging.getLogger(__name__)
@@ -85,6 +97,16 @@ def _on_rank0(fn: Callable[[], None], what: str) -> None:
         raise CheckpointingException(f"{what} failed on rank 0: {failure}")
 
 
+def _refuse_foreign_files(checkpoint_dir: os.PathLike) -> None:
+    """An ``iter_*`` directory may be replaced only when it holds nothing but files of our own saves."""
+    if os.path.isdir(checkpoint_dir):
+        foreign = foreign_entries(checkpoint_dir)
+        if foreign:
+            raise CheckpointingException(
+                f"{checkpoint_dir} holds files no checkpoint save wrote: {foreign[:10]}; they would be removed. "
+                "Move them away or save into another directory")
+
+
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn.Module | list[torch.nn.Module],
                     optimizer: Any, opt_param_scheduler: Any, *, consumed_train_samples: int = 0,
                     extra_state: Any = None, async_queue: AsyncCallsQueue | None = None,
@@ -94,7 +116,9 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn
     ``optimizer`` and ``opt_param_scheduler`` may be ``None``. ``extra_state`` is plain data
     (e.g. the run's arguments). With ``async_queue`` the files are written in the background
     and both the directory and the tracker appear when the queue finalizes the request.
-    Saving over a complete checkpoint of the same iteration raises unless ``overwrite``.
+    Saving over a complete checkpoint of the same iteration raises unless ``overwrite``; an
+    ``iter_*`` directory holding anything but files of our own (interrupted) saves always raises,
+    naming them, and is left as it is.
     """
     chunks = unwrap_model_chunks(model)
     state: dict[str, Any] = _model_sharded_state_dict(chunks)
@@ -104,8 +128,12 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn
     state[RNG_KEY] = sharded_rng_state()
     state.update(iteration=int(iteration), consumed_train_samples=int(consumed_train_samples),
                  extra_state=extra_state, checkpoint_version=CHECKPOINT_VERSION)
+    architecture = model_architecture(chunks)
+    if architecture is not None:
+        state[ARCHITECTURE_KEY] = architecture
 
     checkpoint_dir = get_checkpoint_name(save_dir, iteration)
+    _on_rank0(lambda: _refuse_foreign_files(checkpoint_dir), f"checking {checkpoint_dir}")
     request = save(state, checkpoint_dir, async_sharded_save=async_queue is not None, overwrite=overwrite)
 
     def move_tracker() -> None:
@@ -129,19 +157,45 @@ def _saved_optimizer_state_names(checkpoint_dir: os.PathLike) -> list[str]:
                    if k.startswith(OPTIMIZER_STATE_PREFIX)})
 
 
+def _model_keys_only(keys: set[str]) -> set[str]:
+    """Drop keys of other parts of the training state (optimizer, RNG) a load did not ask for."""
+    return {k for k in keys if not k.startswith((OPTIMIZER_STATE_PREFIX, "optimizer.", f"{RNG_KEY}/", RNG_KEY))}
+
+
+def _raise_key_mismatch(checkpoint_dir: os.PathLike, missing: set[str], unexpected: set[str]) -> None:
+    unexpected = _model_keys_only(unexpected)
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} keys the model needs are missing from the checkpoint: {sorted(missing)[:10]}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} keys in the checkpoint are not in the model: {sorted(unexpected)[:10]}")
+    raise CheckpointingException(f"{checkpoint_dir} does not match the model ({'; '.join(parts)}); load with "
+                                 "strict=False to ignore (and log) them")
+
+
 def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module | list[torch.nn.Module],
                     optimizer: Any, opt_param_scheduler: Any, *, iteration: int | None = None, strict: bool = True,
-                    load_optimizer: bool = True, load_rng: bool = True) -> dict[str, Any] | None:
+                    load_optimizer: bool = True, load_rng: bool = True, missing_ok: bool = False,
+                    verify: bool = True) -> dict[str, Any] | None:
     """Load a checkpoint saved by :func:`save_checkpoint` under any parallel layout; collective.
 
-    Returns ``None`` when ``load_dir`` has no tracker (and no ``iteration`` is given); otherwise
-    restores the model chunks, the optimizer and scheduler (unless ``None`` or not
+    Restores the model chunks, the optimizer and scheduler (unless ``None`` or not
     ``load_optimizer``) and the RNG states (when ``load_rng`` and the (pp, tp, dp) layout is
     unchanged), and returns ``{"iteration", "consumed_train_samples", "extra_state"}``.
-    ``strict`` requires every model and optimizer key to be in the checkpoint.
+
+    A ``load_dir`` without a tracker raises (a mistyped path must not train from scratch) unless
+    ``missing_ok``, which returns ``None`` ("load if present"). With ``verify`` every file is
+    checked against the checkpoint's SHA-256 manifest first. The recorded architecture must match
+    the model's (see :mod:`.architecture`), and the iteration in ``common.pt`` must match the
+    directory's. ``strict`` makes model keys missing from the checkpoint and model keys in the
+    checkpoint that the model does not have raise, naming them.
     """
     if load_dir is None:
-        return None
+        if missing_ok:
+            return None
+        raise CheckpointingException("load_checkpoint needs a load_dir (pass missing_ok=True to allow none)")
     if iteration is None:
         found: list[Any] = [None]
 
@@ -151,16 +205,30 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
         _on_rank0(read, f"reading the tracker of {load_dir}")
         iteration = collectives.broadcast_object(found[0], 0)
         if iteration is None:
-            return None
+            if missing_ok:
+                return None
+            what = "does not exist" if not os.path.exists(load_dir) else f"has no {TRACKER_FILENAME}"
+            raise CheckpointingException(
+                f"cannot load a checkpoint from {load_dir}: the directory {what}. Check the path; pass "
+                "missing_ok=True to start from scratch when no checkpoint is there")
     checkpoint_dir = get_checkpoint_name(load_dir, iteration)
     if not check_is_distributed_checkpoint(checkpoint_dir):
         raise CheckpointingException(f"{checkpoint_dir} is not a complete checkpoint (iteration {iteration})")
+    if verify:
+        verify_checkpoint(checkpoint_dir)
+    common = load_common_state_dict(checkpoint_dir)
+    saved_iteration = common.get("iteration")
+    if saved_iteration is not None and int(saved_iteration) != int(iteration):
+        raise CheckpointingException(
+            f"{checkpoint_dir / 'common.pt'} records iteration {saved_iteration} but the directory is named for "
+            f"iteration {iteration}: the checkpoint was moved or tampered with")
+    check_architecture(common.get(ARCHITECTURE_KEY), unwrap_model_chunks(model), checkpoint_dir)
 
     chunks = unwrap_model_chunks(model)
     state: dict[str, Any] = _model_sharded_state_dict(chunks)
     with_optimizer = load_optimizer and optimizer is not None
     if with_optimizer:
-        if "optimizer" not in load_common_state_dict(checkpoint_dir):
+        if "optimizer" not in common:
             raise CheckpointingException(f"{checkpoint_dir} holds no optimizer state; load with load_optimizer=False")
         names = _saved_optimizer_state_names(checkpoint_dir)
         state["optimizer"] = optimizer_sharded_state_dict(
@@ -175,8 +243,12 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
             logger.warning("%s was saved under another (pipeline, tensor) parallel layout: RNG states not restored",
                            checkpoint_dir)
 
-    loaded = load(state, checkpoint_dir,
-                  strict=StrictHandling.ASSUME_OK_UNEXPECTED if strict else StrictHandling.LOG_ALL)
+    loaded, missing, unexpected = load(state, checkpoint_dir, strict=StrictHandling.RETURN_ALL)
+    if strict:
+        _raise_key_mismatch(checkpoint_dir, missing, unexpected)
+    elif missing or unexpected:
+        logger.warning("%s: keys missing from the checkpoint %s; keys only in the checkpoint %s", checkpoint_dir,
+                       sorted(missing)[:20], sorted(_model_keys_only(unexpected))[:20])
     for key, chunk in zip(_model_keys(chunks), chunks):
         chunk.load_state_dict(loaded[key], strict=strict)
     if with_optimizer:

@@ -28,7 +28,9 @@ __all__ = [
     "get_gpt_decoder_block_spec",
     "get_gpt_decoder_layer_specs",
     "get_gpt_layer_local_spec",
+    "get_gpt_layer_local_submodules",
     "get_gpt_layer_with_transformer_engine_spec",
+    "get_gpt_layer_with_transformer_engine_submodules",
     "get_mlp_module_spec",
     "get_mlp_module_spec_for_backend",
 ]
@@ -119,6 +121,32 @@ def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_experts: i
             sharded_state_dict_keys_map=keys_map,
         ),
     )
+
+
+def get_gpt_layer_local_submodules(
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool = False,
+    multi_latent_attention: bool = False,
+    fp8: str | None = None,
+    normalization: str | None = None,
+    qk_l2_norm: bool = False,
+    use_kitchen: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
+    *,
+    backend: BackendSpecProvider | None = None,
+) -> TransformerLayerSubmodules:
+    """The submodules of :func:`get_gpt_layer_local_spec` (Megatron-Core's ``get_gpt_layer_local_submodules``)."""
+    return get_gpt_layer_local_spec(
+        num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8, normalization, qk_l2_norm,
+        use_kitchen, use_kitchen_attention, kitchen_attention_backend, backend=backend,
+    ).submodules
+
+
+def get_gpt_layer_with_transformer_engine_submodules(*args: Any, **kwargs: Any) -> TransformerLayerSubmodules:
+    """The submodules of :func:`get_gpt_layer_with_transformer_engine_spec`."""
+    return get_gpt_layer_with_transformer_engine_spec(*args, **kwargs).submodules
 
 
 def get_gpt_layer_local_spec(

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core.config_rules import check_model_sizes as _check_model_sizes
+from megatron_core.config_rules import check_sequence_fits as _check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
@@ -62,6 +64,7 @@ class GPTModel(LanguageModule):
             )
         if mtp_block_spec is not None:
             raise ValueError("GPTModel: multi-token prediction (mtp_block_spec) is not supported")
+        _check_model_sizes(vocab_size, max_sequence_length)
         # Every part gets the same groups (self.pg_collection: the argument, else parallel_state's).
         tp_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
         if vocab_size % tp_size != 0:
@@ -152,6 +155,9 @@ class GPTModel(LanguageModule):
         padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
+        inference_context = inference_context if inference_context is not None else inference_params
+        if input_ids is not None and packed_seq_params is None and inference_context is None:
+            _check_sequence_fits(input_ids.shape[-1], self.max_sequence_length)
         if packed_seq_params is not None and input_ids is not None:
             _validate_packed(packed_seq_params, input_ids, self.pg_collection.cp)
         if decoder_input is None and self.pre_process:
@@ -178,6 +184,8 @@ class GPTModel(LanguageModule):
         )
         if not self.post_process:
             return hidden_states
+        if inference_context is not None:  # only the positions whose logits generation needs
+            hidden_states = inference_context.select_logit_hidden_states(hidden_states)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         if labels is None:

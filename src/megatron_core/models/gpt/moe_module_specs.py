@@ -33,7 +33,9 @@ def get_moe_module_spec(use_te: bool | None = True, num_experts: int | None = No
                         moe_grouped_gemm: bool | None = False) -> ModuleSpec:
     """An ``MoELayer`` spec for the Transformer Engine (``use_te``) or the local backend."""
     if use_te:
-        from megatron_core.transformer.transformer_engine import TESpecProvider
+        from megatron_core.models.gpt.gpt_layer_specs import (
+            _te_spec_provider,  # gpt_layer_specs imports this module
+        )
 
-        return get_moe_module_spec_for_backend(TESpecProvider(), num_experts, moe_grouped_gemm)
+        return get_moe_module_spec_for_backend(_te_spec_provider(), num_experts, moe_grouped_gemm)
     return get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm)

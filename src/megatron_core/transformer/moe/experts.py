@@ -24,6 +24,7 @@ from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron_core.tensor_parallel.groups import group_rank, group_size
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.moe.grouped_linear import pad_expert_rows, use_grouped_mm
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
@@ -126,8 +127,13 @@ class TEGroupedMLP(MegatronModule):
                 permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
         """``(p * expert(x) for every row, None)``."""
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
+        x, index = permuted_local_hidden_states, None
+        if use_grouped_mm(x, self.linear_fc1.weight):
+            # Pad each expert's rows once for both GEMMs (the kernel needs aligned groups); pads have prob 0.
+            x, counts, index = pad_expert_rows(x, counts)
+            if index is not None:
+                permuted_probs = permuted_probs.new_zeros(x.shape[0]).index_copy(0, index, permuted_probs)
         probs = permuted_probs.unsqueeze(-1)
-        x = permuted_local_hidden_states
         if self.config.moe_apply_probs_on_input:
             x = (probs * x).to(x.dtype)
             probs = torch.ones_like(probs)
@@ -138,7 +144,7 @@ class TEGroupedMLP(MegatronModule):
             count_tensor = torch.tensor(counts, device=output.device)
             per_row = bias.repeat_interleave(count_tensor, dim=0, output_size=output.shape[0])
             output = output + (per_row * probs).to(output.dtype)
-        return output, None
+        return (output if index is None else output.index_select(0, index)), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """The same sharded tensors as ``SequentialMLP``'s: one per local expert, under its global index."""

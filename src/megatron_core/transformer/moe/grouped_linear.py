@@ -8,11 +8,15 @@ Transformer Engine's ``GroupedLinear`` that Megatron-Core's ``TEGroupedMLP`` use
 
 :func:`grouped_gemm` runs ``x [N, in]`` split by ``tokens_per_expert`` against the experts'
 weights: on CUDA, in bf16/fp16 with 16-byte-aligned shapes and a torch that has it, with
-``torch.nn.functional.grouped_mm`` (one kernel); elsewhere with one matmul per expert.
+``torch.nn.functional.grouped_mm`` (one kernel); elsewhere with one matmul per expert. The kernel's
+weight-gradient GEMM contracts over each expert's rows, whose count must then be a multiple of
+``GROUPED_MM_ROW_ALIGN``: :func:`pad_expert_rows` pads the groups with zero rows (callers that pad once
+per layer, as ``TEGroupedMLP`` does, pass aligned counts and nothing more is copied).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,10 +38,41 @@ def _use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return weight.shape[1] % elems == 0 and weight.shape[2] % elems == 0
 
 
+GROUPED_MM_ROW_ALIGN = 16
+
+
+def use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`grouped_gemm` runs ``x`` against ``weight`` with the grouped-GEMM kernel."""
+    return _use_grouped_mm(x, weight)
+
+
+def pad_expert_rows(x: torch.Tensor, tokens_per_expert: list[int]
+                    ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """``(x padded so every group has a multiple of GROUPED_MM_ROW_ALIGN rows, padded counts, row index)``.
+
+    ``row index`` (``None`` when nothing was padded) gives each original row's place in the padded
+    tensor: ``padded.index_select(0, index)`` undoes the padding.
+    """
+    align = GROUPED_MM_ROW_ALIGN
+    padded = [-(-c // align) * align for c in tokens_per_expert]
+    if padded == list(tokens_per_expert):
+        return x, padded, None
+    starts = itertools.accumulate([0] + padded[:-1])
+    rows = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, tokens_per_expert)])
+    index = rows.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else rows
+    out = x.new_zeros((sum(padded),) + tuple(x.shape[1:])).index_copy(0, index, x)
+    return out, padded, index
+
+
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` for the row blocks ``x_e`` of sizes ``tokens_per_expert``."""
     if _use_grouped_mm(x, weight):
-        offs = torch.tensor(tokens_per_expert, device=x.device, dtype=torch.int64).cumsum(0).to(torch.int32)
+        x, padded, index = pad_expert_rows(x, tokens_per_expert)
+        if index is not None:
+            return grouped_gemm(x, weight, padded).index_select(0, index)
+        # From pinned memory the copy is asynchronous: no wait for the GPU's queue to drain.
+        ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32).pin_memory()
+        offs = ends.to(x.device, non_blocking=True)
         return _GROUPED_MM(x, weight.transpose(1, 2), offs=offs)
     pieces = torch.split(x, tokens_per_expert, dim=0)
     return torch.cat([F.linear(piece, weight[e]) for e, piece in enumerate(pieces)], dim=0)

@@ -24,6 +24,11 @@ from megatron_core.transformer.moe.token_permutation import permute, sort_chunks
 
 __all__ = [
     "MoEAuxLossAutoScaler",
+    "clear_aux_losses_tracker",
+    "get_moe_layer_wise_logging_tracker",
+    "reduce_aux_losses_tracker_across_ranks",
+    "save_to_aux_losses_tracker",
+    "track_moe_metrics",
     "apply_router_token_dropping",
     "compute_routing_scores_for_aux_loss",
     "get_capacity",
@@ -265,3 +270,50 @@ def router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """Router logits ``inp @ weight.T + bias`` computed in ``router_dtype``."""
     bias = bias.to(router_dtype) if bias is not None else None
     return torch.nn.functional.linear(inp.to(router_dtype), weight.to(router_dtype), bias)
+
+
+# --- Megatron-Core's deprecated aux-loss tracker functions (use get_moe_metrics_tracker()) ------------------
+def save_to_aux_losses_tracker(name: str, loss: torch.Tensor, layer_number: int, num_layers: int,
+                               reduce_group: Any = None, avg_group: Any = None,
+                               reduce_group_has_dp: bool = False) -> None:
+    """Deprecated: ``get_moe_metrics_tracker().record(...)``."""
+    from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    get_moe_metrics_tracker().record(name, loss, layer_number, num_layers, reduce_group=reduce_group,
+                                     avg_group=avg_group, needs_dp_avg=not reduce_group_has_dp)
+
+
+def clear_aux_losses_tracker() -> None:
+    """Deprecated: ``get_moe_metrics_tracker().clear()``."""
+    from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    get_moe_metrics_tracker().clear()
+
+
+def reduce_aux_losses_tracker_across_ranks(track_names: list[str] | None = None, pg_collection: Any = None) -> None:
+    """Deprecated: reduce the tracked values across ranks in place (as ``report`` does)."""
+    from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    tracker._sync(list(track_names) if track_names is not None else list(tracker.metrics), pg_collection)
+
+
+def get_moe_layer_wise_logging_tracker() -> dict[str, dict[str, Any]]:
+    """Deprecated: the tracker's entries as ``{name: {"values", "reduce_group", "avg_group", "needs_dp_avg"}}``."""
+    from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    return {name: {"values": e.values, "reduce_group": e.reduce_group, "avg_group": e.avg_group,
+                   "needs_dp_avg": e.needs_dp_avg} for name, e in get_moe_metrics_tracker().metrics.items()}
+
+
+def track_moe_metrics(loss_scale: float, iteration: int, writer: Any = None, wandb_writer: Any = None,
+                      total_loss_dict: dict | None = None, per_layer_logging: bool = False,
+                      force_initialize: bool = False, track_names: list[str] | None = None,
+                      num_layers: int | None = None, moe_layer_freq: Any = None, mtp_num_layers: int | None = None,
+                      pg_collection: Any = None) -> str:
+    """Deprecated: ``get_moe_metrics_tracker().report(...)``."""
+    from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    return get_moe_metrics_tracker().report(
+        loss_scale, iteration, writer, wandb_writer, per_layer_logging, force_initialize, track_names, num_layers,
+        moe_layer_freq, mtp_num_layers, total_loss_dict, None, pg_collection)

@@ -231,6 +231,17 @@ class TopKRouter(Router):
         self._record_expert_load(routing_map, padding_mask)
         return probs, routing_map
 
+    def _maintain_float32_expert_bias(self) -> None:
+        """Keep the bias and the token counts in fp32 (``Float16Module`` casts buffers to half precision)."""
+        for name in ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert"):
+            buffer = getattr(self, name, None)
+            if buffer is not None and buffer.dtype != torch.float32:
+                buffer.data = buffer.data.float()
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._maintain_float32_expert_bias()
+        super()._load_from_state_dict(*args, **kwargs)
+
     def reset_global_aux_loss_tracker(self) -> None:
         """Restart the global-batch token counts of ``global_aux_loss``."""
         if self.global_tokens_per_expert is not None:
@@ -240,7 +251,6 @@ class TopKRouter(Router):
     def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(probs, routing_map)`` for ``input [s, b, h]``; ``padding_mask [s, b]`` is True for padding."""
-        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
-            self.expert_bias.data = self.expert_bias.data.float()
+        self._maintain_float32_expert_bias()
         logits = self.gating(self.apply_input_jitter(input))
         return self.routing(logits, padding_mask)

@@ -105,7 +105,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         local_probs = probs[:, first:last]
         tokens_per_expert = self.local_map.sum(dim=0).long().cpu()
         permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
-            hidden_states, self.local_map, probs=local_probs)
+            hidden_states, self.local_map, probs=local_probs, num_out_tokens=int(tokens_per_expert.sum()))
         self.routing_map = None
         return permuted, tokens_per_expert, permuted_probs
 
@@ -155,20 +155,23 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             self.output_splits_tp = [per_rank * self.ep_size] * self.tp_size
             return torch.full((self.num_local_experts,), self.capacity * self.tp_size * self.ep_size, dtype=torch.long)
         local_counts = routing_map.sum(dim=0).long()
-        self.num_out_tokens = int(local_counts.sum())
-        self.input_splits = local_counts.reshape(self.ep_size, self.num_local_experts).sum(dim=1).tolist()
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+        # One device-to-host copy of every count this step needs.
         if group_size(self.tp_ep_group) > 1:
-            gathered = _gather(local_counts, self.tp_ep_group)
+            gathered = _gather(local_counts, self.tp_ep_group).cpu()
             global_counts = gathered.reshape(self.ep_size, self.tp_size, self.num_experts).transpose(0, 1)
+            local_cpu = gathered.reshape(self.ep_size, self.tp_size, self.num_experts)[self.ep_rank, self.tp_rank]
         else:
-            global_counts = local_counts.reshape(1, 1, self.num_experts)
+            local_cpu = local_counts.cpu()
+            global_counts = local_cpu.reshape(1, 1, self.num_experts)
+        self.num_out_tokens = int(local_cpu.sum())
+        self.input_splits = local_cpu.reshape(self.ep_size, self.num_local_experts).sum(dim=1).tolist()
         per_local = global_counts[:, :, first:last].contiguous()  # [tp, ep, local experts]
         per_rank = per_local.sum(dim=2)
         self.output_splits = per_rank[self.tp_rank].tolist()
         self.output_splits_tp = per_rank.sum(dim=1).tolist()
         self.num_global_tokens_per_local_expert = per_local.reshape(-1, self.num_local_experts)
-        return per_local.sum(dim=(0, 1)).cpu()
+        return per_local.sum(dim=(0, 1))
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Flatten and permute tokens (and probs) by expert."""
@@ -198,7 +201,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         if self.tp_size > 1:
             global_input_tokens = _gather(global_input_tokens, self.tp_group, self.output_splits_tp)
             global_probs = _gather(global_probs, self.tp_group, self.output_splits_tp)
-        if self.num_local_experts > 1:
+        if self.num_local_experts > 1 and self.tp_size * self.ep_size > 1:  # one source rank: already sorted
             if self.drop_and_pad:
                 global_input_tokens = self._regroup(global_input_tokens, True)
                 global_probs = self._regroup(global_probs, True)
@@ -210,7 +213,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Undo the chunk sort and reduce-scatter over ETP."""
-        if self.num_local_experts > 1:
+        if self.num_local_experts > 1 and self.tp_size * self.ep_size > 1:
             if self.drop_and_pad:
                 hidden_states = self._regroup(hidden_states, False)
             else:

@@ -18,7 +18,10 @@ __all__ = ["permute", "sort_chunks_by_idxs", "unpermute"]
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
             num_out_tokens: int | None = None, fused: bool = False, drop_and_pad: bool = False,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(permuted_tokens [N, H], permuted_probs [N] or None, sorted_indices [N])``."""
+    """``(permuted_tokens [N, H], permuted_probs [N] or None, sorted_indices [N])``.
+
+    ``num_out_tokens`` (``N``, when the caller knows it) avoids a device-to-host synchronisation.
+    """
     if fused:
         raise ValueError("fused permutation needs Transformer Engine, which this library does not use")
     num_tokens = tokens.shape[0]
@@ -29,6 +32,11 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
         rows = map_t.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[:, :capacity]
         sorted_indices = rows.reshape(-1)
         flat = (torch.arange(num_experts, device=tokens.device).unsqueeze(-1) * num_tokens + rows).reshape(-1)
+    elif num_out_tokens is not None:
+        # A stable sort of the flattened [E, T] map puts every routed pair first, in (expert, token)
+        # order, with no device-to-host sync (the count is known).
+        flat = map_t.reshape(-1).to(torch.int8).argsort(descending=True, stable=True)[:num_out_tokens]
+        sorted_indices = flat % num_tokens
     else:
         flat = map_t.reshape(-1).nonzero(as_tuple=False).squeeze(-1)
         sorted_indices = flat % num_tokens

@@ -116,7 +116,13 @@ class RotaryEmbedding(torch.nn.Module):
         self, inference_context: Any, transformer: Any, transformer_input: torch.Tensor | None,
         transformer_config: Any, packed_seq_params: Any = None,
     ) -> int:
-        """The full sequence length the angles must cover (undoing the sequence-parallel and CP splits)."""
+        """The full sequence length the angles must cover (undoing the sequence-parallel and CP splits).
+
+        With an inference context, every position up to its ``max_sequence_length`` (the context
+        picks each token's row).
+        """
+        if inference_context is not None:
+            return inference_context.max_sequence_length
         if transformer_input is None:
             transformer_input = transformer.input_tensor
         seq_len = transformer_input.size(0)

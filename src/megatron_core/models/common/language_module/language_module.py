@@ -43,6 +43,14 @@ class LanguageModule(MegatronModule):
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group)
         return loss.transpose(0, 1).contiguous()
 
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """The sharded state without the output layer's (always empty) ``_extra_state``, as Megatron-Core saves it."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        sharded.pop(f"{prefix}output_layer._extra_state", None)
+        return sharded
+
     def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
         """The word-embedding weight on the first stage, the output weight on the last stage."""
         if self.pre_process:

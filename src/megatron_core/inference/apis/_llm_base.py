@@ -1,0 +1,141 @@
+"""Shared core of ``MegatronLLM`` and ``MegatronAsyncLLM`` (Megatron-Core's ``apis._llm_base``).
+
+Builds the pipeline ``DynamicInferenceContext`` -> ``GPTInferenceWrapper`` ->
+``TextGenerationController`` -> ``DynamicInferenceEngine`` from a model, a tokenizer and an
+:class:`InferenceConfig`, and normalises prompts (one string, one token list, or a batch of
+either). There is no separate coordinator process: ``use_coordinator=True`` runs the engine
+loop on a background thread of this process (every rank drives its own engine; under tensor or
+pipeline parallelism all ranks must submit the same requests in the same order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from megatron_core.inference.config import InferenceConfig
+from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron_core.inference.engines.dynamic_engine import DynamicInferenceEngine
+from megatron_core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+from megatron_core.inference.text_generation_controllers.text_generation_controller import (
+    TextGenerationController,
+)
+
+Prompts = str | list[int] | list[str] | list[list[int]]
+
+
+class _EventLoopManager:
+    """A daemon thread running one asyncio loop; coroutines are submitted to it from any thread."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread and its loop (idempotent)."""
+        if self._thread is not None:
+            return
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            self._loop = loop
+            loop.call_soon(ready.set)
+            loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="megatron-inference-loop", daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The background loop."""
+        if self._loop is None:
+            raise RuntimeError("_EventLoopManager.start() has not been called")
+        return self._loop
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Schedule ``coro`` on the background loop."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run_sync(self, coro: Coroutine) -> Any:
+        """Run ``coro`` on the background loop and wait for it."""
+        return self.submit(coro).result()
+
+    def stop(self) -> None:
+        """Stop the loop and join the thread (idempotent)."""
+        if self._thread is None or self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._thread = None
+
+
+class _MegatronLLMBase:
+    """Engine pipeline plus prompt normalisation."""
+
+    def __init__(
+        self, *, model: Any, tokenizer: Any, inference_config: InferenceConfig | None = None,
+        use_coordinator: bool = True, coordinator_host: str | None = None, coordinator_port: int | None = None,
+    ) -> None:
+        if (coordinator_host is not None or coordinator_port is not None) and not use_coordinator:
+            raise ValueError("coordinator_host/coordinator_port require use_coordinator=True")
+        inference_config = inference_config if inference_config is not None else InferenceConfig()
+        context = DynamicInferenceContext(model.config, inference_config)
+        wrapper = GPTInferenceWrapper(model, context)
+        controller = TextGenerationController(inference_wrapped_model=wrapper, tokenizer=tokenizer)
+        self._engine = DynamicInferenceEngine(controller, context)
+        self._context = context
+        self._controller = controller
+        self._tokenizer = tokenizer
+        self._use_coordinator = use_coordinator
+        self._shutdown_called = False
+
+    @property
+    def engine(self) -> DynamicInferenceEngine:
+        """The dynamic engine."""
+        return self._engine
+
+    @property
+    def context(self) -> DynamicInferenceContext:
+        """The paged KV cache."""
+        return self._context
+
+    @property
+    def controller(self) -> TextGenerationController:
+        """The generation controller."""
+        return self._controller
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer."""
+        return self._tokenizer
+
+    @property
+    def is_primary_rank(self) -> bool:
+        """Every rank drives its own engine, so every rank may call ``generate``."""
+        return True
+
+    @staticmethod
+    def _normalize_prompts(prompts: Prompts) -> tuple[list[str] | list[list[int]], bool]:
+        """``(list of prompts, was_batch)``: a string or a list of ints is one prompt."""
+        if isinstance(prompts, str):
+            return [prompts], False
+        if isinstance(prompts, (list, tuple)):
+            if not prompts:
+                return [], True
+            first = prompts[0]
+            if isinstance(first, int):
+                return [list(prompts)], False
+            if isinstance(first, (str, list, tuple)):
+                return list(prompts), True
+            raise TypeError(
+                f"unsupported prompt element type {type(first).__name__}; expected str, list[int], list[str] "
+                "or list[list[int]]"
+            )
+        raise TypeError(f"prompts must be str, list[int], list[str] or list[list[int]], got {type(prompts).__name__}")

@@ -1,0 +1,143 @@
+"""Asynchronous high-level API and HTTP serving (Megatron-Core's ``apis.async_llm.MegatronAsyncLLM``).
+
+The engine loop (:meth:`DynamicInferenceEngine.run_engine`) runs on a background thread's event
+loop; ``await llm.generate(...)`` from any event loop submits requests to it and awaits their
+results, so many concurrent callers share continuous batches. :meth:`stream` yields tokens as
+they are generated and cancels the request (freeing its KV blocks) if the consumer stops early.
+:meth:`serve` starts the OpenAI-compatible server (needs the ``server`` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from megatron_core.inference.apis._llm_base import Prompts, _EventLoopManager, _MegatronLLMBase
+from megatron_core.inference.apis.serve_config import ServeConfig
+from megatron_core.inference.config import InferenceConfig
+from megatron_core.inference.inference_request import DynamicInferenceRequest, Status
+from megatron_core.inference.sampling_params import SamplingParams
+
+__all__ = ["MegatronAsyncLLM"]
+
+
+class MegatronAsyncLLM(_MegatronLLMBase):
+    """``await MegatronAsyncLLM(...).generate(prompts, sampling_params)``; ``await llm.serve(ServeConfig(...))``."""
+
+    def __init__(
+        self, *, model: Any, tokenizer: Any, inference_config: InferenceConfig | None = None,
+        use_coordinator: bool = True, coordinator_host: str | None = None, coordinator_port: int | None = None,
+    ) -> None:
+        super().__init__(
+            model=model, tokenizer=tokenizer, inference_config=inference_config, use_coordinator=use_coordinator,
+            coordinator_host=coordinator_host, coordinator_port=coordinator_port,
+        )
+        self._loop_manager = _EventLoopManager()
+        self._loop_manager.start()
+        self._engine_task = self._loop_manager.submit(self._engine.run_engine())
+        self._server: Any = None
+        self._serve_task: asyncio.Task | None = None
+
+    def _check_open(self) -> None:
+        if self._shutdown_called:
+            raise RuntimeError("MegatronAsyncLLM is shut down")
+
+    def submit(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> tuple[int, Any]:
+        """Queue one prompt; returns ``(request_id, concurrent future of the finished request)``."""
+        self._check_open()
+        request_id = next(self._engine.request_counter)
+        return request_id, self._engine.add_request(request_id, prompt, sampling_params or SamplingParams())
+
+    async def generate(
+        self, prompts: Prompts, sampling_params: SamplingParams | None = None
+    ) -> DynamicInferenceRequest | list[DynamicInferenceRequest]:
+        """One request for a single prompt, a list (input order) for a batch."""
+        normalized, is_batch = self._normalize_prompts(prompts)
+        futures = [self.submit(p, sampling_params)[1] for p in normalized]
+        results = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        return results if is_batch else results[0]
+
+    async def stream(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> AsyncIterator[tuple[int | None, DynamicInferenceRequest]]:
+        """Yield ``(token, request)`` per generated token, then ``(None, finished request)``.
+
+        Closing the iterator early (a client went away) cancels the request and frees its KV blocks.
+        """
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        request_id = next(self._engine.request_counter)
+        self._engine.add_token_listener(
+            request_id, lambda request, token: loop.call_soon_threadsafe(queue.put_nowait, (token, request))
+        )
+        finished = False
+        try:
+            self._engine.add_request(request_id, prompt, sampling_params or SamplingParams())
+            while True:
+                token, request = await queue.get()
+                if token is None:
+                    finished = True
+                    yield None, request
+                    return
+                yield token, request
+        finally:
+            if not finished:
+                self._engine.cancel_request(request_id)
+
+    def cancel(self, request_id: int) -> None:
+        """Cancel a request (frees its KV blocks at the next step)."""
+        self._engine.cancel_request(request_id)
+
+    async def serve(self, serve_config: ServeConfig, *, blocking: bool = True) -> None:
+        """Start the OpenAI-compatible HTTP server on ``serve_config.host:port``."""
+        self._check_open()
+        from megatron_core.inference.text_generation_server.server import create_uvicorn_server
+
+        self._server = create_uvicorn_server(self, serve_config)
+        if blocking:
+            await self._server.serve()
+        else:
+            self._serve_task = asyncio.get_running_loop().create_task(self._server.serve())
+            while not self._server.started and not self._serve_task.done():
+                await asyncio.sleep(0.01)
+            if self._serve_task.done():
+                self._serve_task.result()
+
+    @property
+    def server_port(self) -> int | None:
+        """The port the HTTP server listens on (useful with ``port=0``)."""
+        if self._server is None or not self._server.servers:
+            return None
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    async def shutdown(self) -> None:
+        """Stop the HTTP server (it drains in-flight requests), cancel what is left, stop the engine loop."""
+        if self._shutdown_called:
+            return
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._serve_task is not None:
+                await self._serve_task
+        self._shutdown_called = True
+        await asyncio.wrap_future(self._loop_manager.submit(self._engine.shutdown(cancel_pending=True)))
+        await asyncio.wrap_future(self._engine_task)
+        self._loop_manager.stop()
+
+    async def wait_for_shutdown(self) -> None:
+        """Wait until the engine loop has stopped."""
+        await asyncio.wrap_future(self._engine_task)
+
+    async def __aenter__(self) -> MegatronAsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()
+
+
+def request_finish_reason(request: DynamicInferenceRequest) -> str:
+    """OpenAI's ``finish_reason``: ``stop`` (termination token / stop word), ``length``, or ``cancelled``."""
+    if request.status != Status.COMPLETED:
+        return "cancelled"
+    return request.finish_reason or "length"

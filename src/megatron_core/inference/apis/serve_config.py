@@ -1,0 +1,37 @@
+"""Settings of ``MegatronAsyncLLM.serve`` (Megatron-Core's ``apis.serve_config.ServeConfig``).
+
+Differences from Megatron-Core: ``host`` defaults to ``127.0.0.1`` (loopback; pass ``0.0.0.0`` to
+listen on every interface), one frontend process (``frontend_replicas`` is accepted and must be 1),
+and the admission queue is bounded (``max_pending_requests``; over it the server answers 429).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ServeConfig"]
+
+
+@dataclass
+class ServeConfig:
+    """HTTP frontend settings."""
+
+    host: str = "127.0.0.1"
+    port: int = 5000
+    parsers: list[str] = field(default_factory=list)
+    verbose: bool = False
+    frontend_replicas: int = 1
+    model_name: str = "megatron"
+    max_pending_requests: int = 256
+    default_max_tokens: int = 16
+    shutdown_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"ServeConfig.port ({self.port}) must be in [0, 65535]")
+        if self.frontend_replicas != 1:
+            raise ValueError(f"ServeConfig.frontend_replicas ({self.frontend_replicas}) must be 1")
+        if self.max_pending_requests < 1:
+            raise ValueError(f"ServeConfig.max_pending_requests ({self.max_pending_requests}) must be >= 1")
+        if self.parsers:
+            raise ValueError(f"ServeConfig.parsers ({self.parsers}) are not supported; leave it empty")

@@ -1,0 +1,1 @@
+"""Command-line tools: ``megatron-generate`` and ``megatron-serve``."""

@@ -1,0 +1,103 @@
+"""``megatron-generate``: generate text from a ``pretrain_gpt.py`` checkpoint.
+
+Prompts come from ``--prompt`` (repeatable) or ``--prompts-file`` (JSONL with a ``prompt`` or
+``text`` field per line). Results are printed, or written as JSONL with ``--output``. For tensor
+or pipeline parallelism run it under ``torchrun --nproc-per-node N`` with ``--tp`` / ``--pp``
+(every rank generates; rank 0 prints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of ``megatron-generate``."""
+    p = argparse.ArgumentParser(prog="megatron-generate", description=__doc__.splitlines()[0])
+    p.add_argument("--load", required=True, help="checkpoint directory written by pretrain_gpt.py (--save)")
+    p.add_argument("--tokenizer-model", default=None, help="override the tokenizer file recorded in the checkpoint")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None, help="JSONL file, one {'prompt': ...} per line")
+    p.add_argument("--output", default=None, help="write results as JSONL here instead of printing")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=1, help="1 = greedy (default); 0 = off")
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (under torchrun)")
+    p.add_argument("--buffer-size-gb", type=float, default=1.0, help="KV cache size")
+    p.add_argument("--block-size-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=64, help="requests decoded together")
+    return p
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts named on the command line and in ``--prompts-file``."""
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                text = record.get("prompt", record.get("text")) if isinstance(record, dict) else record
+                if not isinstance(text, str):
+                    raise ValueError(f"{args.prompts_file}:{number}: expected a 'prompt' string")
+                prompts.append(text)
+    if not prompts:
+        raise ValueError("no prompts: pass --prompt TEXT or --prompts-file FILE.jsonl")
+    return prompts
+
+
+def build_llm(args: argparse.Namespace, llm_class: Any = None) -> tuple[Any, Any]:
+    """Load the checkpoint and wrap it in ``llm_class`` (``MegatronLLM``); returns ``(llm, training args)``."""
+    from megatron_core.inference.apis import MegatronLLM
+    from megatron_core.inference.cli.checkpoint import (
+        init_distributed_for_inference,
+        load_gpt_from_checkpoint,
+    )
+    from megatron_core.inference.config import InferenceConfig
+
+    init_distributed_for_inference(args.tp, args.pp)
+    model, tokenizer, train_args = load_gpt_from_checkpoint(args.load, args.tokenizer_model)
+    model.config.inference_sampling_seed = args.seed
+    config = InferenceConfig(
+        buffer_size_gb=args.buffer_size_gb, block_size_tokens=args.block_size_tokens, max_requests=args.max_batch,
+        max_sequence_length=model.max_sequence_length, enable_chunked_prefill=True,
+    )
+    llm_class = llm_class or MegatronLLM
+    return llm_class(model=model, tokenizer=tokenizer, inference_config=config, use_coordinator=False), train_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    import torch.distributed as dist
+
+    from megatron_core.inference.sampling_params import SamplingParams
+
+    args = build_parser().parse_args(argv)
+    prompts = read_prompts(args)
+    llm, _ = build_llm(args)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            num_tokens_to_generate=args.max_tokens)
+    results = llm.generate(prompts, params)
+    if dist.get_rank() == 0:
+        out = open(args.output, "w", encoding="utf-8") if args.output else None
+        for prompt, request in zip(prompts, results):
+            if out is not None:
+                out.write(json.dumps({"prompt": prompt, "generated_text": request.generated_text,
+                                      "generated_tokens": request.generated_tokens}) + "\n")
+            else:
+                print(f"=== prompt: {prompt!r}\n{prompt}{request.generated_text}\n", flush=True)
+        if out is not None:
+            out.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

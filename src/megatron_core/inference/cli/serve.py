@@ -1,0 +1,59 @@
+"""``megatron-serve``: an OpenAI-compatible HTTP server over a ``pretrain_gpt.py`` checkpoint (``server`` extra).
+
+Binds 127.0.0.1 unless ``--host`` is given. One process (tensor/pipeline parallel serving is not
+supported by this command). Stop it with Ctrl-C: in-flight requests get up to
+``--shutdown-timeout`` seconds, then are cancelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from megatron_core.inference.cli.generate import build_llm
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of ``megatron-serve``."""
+    p = argparse.ArgumentParser(prog="megatron-serve", description=__doc__.splitlines()[0])
+    p.add_argument("--load", required=True, help="checkpoint directory written by pretrain_gpt.py (--save)")
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--model-name", default="megatron")
+    p.add_argument("--max-pending-requests", type=int, default=256)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--buffer-size-gb", type=float, default=1.0)
+    p.add_argument("--block-size-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    from megatron_core.inference.apis import MegatronAsyncLLM, ServeConfig
+    from megatron_core.inference.text_generation_server.deps import require_server_deps
+
+    require_server_deps()
+    args = build_parser().parse_args(argv)
+    args.tp = args.pp = 1
+    async_llm, _ = build_llm(args, MegatronAsyncLLM)
+    config = ServeConfig(host=args.host, port=args.port, model_name=args.model_name, verbose=args.verbose,
+                         max_pending_requests=args.max_pending_requests, shutdown_timeout_s=args.shutdown_timeout)
+
+    async def run() -> None:
+        print(f"serving {args.load} as '{args.model_name}' on http://{args.host}:{args.port}/v1", flush=True)
+        try:
+            await async_llm.serve(config, blocking=True)
+        finally:
+            await async_llm.shutdown()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""The paged KV cache of the dynamic engine (Megatron-Core's ``contexts.dynamic_context.DynamicInferenceContext``).
+
+Memory: per layer, one key and one value buffer of ``total_block_count`` blocks of
+``block_size_tokens`` token slots (``[blocks * block_size, groups, head_dim]``, allocated on first
+use with the key's dtype and device). The block count is ``buffer_size_gb`` over the bytes one
+block takes across this rank's layers, capped at what ``max_requests`` sequences of
+``max_sequence_length`` tokens can use. A :class:`KVBlockAllocator` hands blocks to requests; each
+request has a block table (its block ids in order), so token ``p`` of a request lives in slot
+``table[p // block_size] * block_size + p % block_size``.
+
+One step: the engine picks, per request, the tokens to feed (one for a decoding request, a prompt
+or a chunk of it for a prefilling one) and calls :meth:`initialize_attention_state`. All tokens
+of the step are flattened into one sequence ``[1, T]`` (decode tokens first) with each token's own
+position. In every layer, :meth:`attention` rotates query and key at those positions, writes the
+keys and values into their slots and attends: the decode tokens in one batched SDPA over their
+gathered block tables (padded, masked), each prefill chunk with a causal SDPA over its request's
+cached prefix. Growing a request that needs a block when none is free fails loudly
+(``BlockOverflowError`` / ``False`` from :meth:`grow_request`); the engine then pauses or evicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_core.inference.config import InferenceConfig
+from megatron_core.inference.contexts.base_context import BaseInferenceContext
+from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs, graph_batch_sizes
+from megatron_core.inference.contexts.kv_block_allocator import KVBlockAllocator
+from megatron_core.inference.contexts.rotary import rotate_at_positions
+
+__all__ = [
+    "ContextOverflowError",
+    "RequestOverflowError",
+    "TokenOverflowError",
+    "BlockOverflowError",
+    "StepEntry",
+    "DynamicInferenceContext",
+]
+
+DEFAULT_MAX_TOKENS = 16384
+DEFAULT_MAX_REQUESTS = 256
+
+
+class ContextOverflowError(Exception):
+    """A request does not fit in the context."""
+
+    def __init__(self, request_id: Any, message: str | None = None, *, is_transient: bool = True) -> None:
+        super().__init__(f"request {'--' if request_id is None else request_id}" + (f" | {message}" if message else ""))
+        self.request_id = request_id
+        self.message = message
+        self.is_transient = is_transient
+
+
+class RequestOverflowError(ContextOverflowError):
+    """Adding the request would exceed ``max_requests``."""
+
+
+class TokenOverflowError(ContextOverflowError):
+    """The request is longer than ``max_sequence_length`` or than one step's ``max_tokens``."""
+
+    def __init__(self, request_id: Any, message: str | None = None) -> None:
+        super().__init__(request_id, message, is_transient=False)
+
+
+class BlockOverflowError(ContextOverflowError):
+    """Not enough free KV blocks."""
+
+
+@dataclass
+class StepEntry:
+    """The tokens one request feeds in a step.
+
+    ``start`` is the position of ``tokens[0]`` (= the number of the request's tokens already in the
+    cache). ``sample``: the chunk reaches the end of the sequence, so a next token is sampled from
+    its last logits row. ``all_logits``: materialize logits for every token (prompt log-probs);
+    ``next_token`` is then the token after the chunk when the chunk does not end the sequence.
+    The context fills ``logit_rows`` (the rows of this entry in the step's logits).
+    """
+
+    request_id: Any
+    tokens: list[int]
+    start: int
+    sample: bool = True
+    all_logits: bool = False
+    next_token: int | None = None
+    logit_rows: list[int] = field(default_factory=list)
+
+
+def _tp_pp_sizes(pg_collection: Any) -> tuple[int, int]:
+    """Tensor- and pipeline-parallel sizes from ``pg_collection`` or ``parallel_state``."""
+    import torch.distributed as dist
+
+    from megatron_core import parallel_state
+
+    tp = pp = 1
+    if pg_collection is not None:
+        tp_group, pp_group = getattr(pg_collection, "tp", None), getattr(pg_collection, "pp", None)
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        pp = dist.get_world_size(pp_group) if pp_group is not None else 1
+    elif parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return tp, pp
+
+
+class DynamicInferenceContext(BaseInferenceContext):
+    """Paged KV cache and the layout of one continuous-batching step."""
+
+    def __init__(self, model_config: Any, inference_config: InferenceConfig) -> None:
+        super().__init__(inference_config.materialize_only_last_token_logits)
+        if inference_config.enable_prefix_caching:
+            raise ValueError("InferenceConfig.enable_prefix_caching (True) is not supported by this context")
+        self.inference_config = inference_config
+        self.block_size_tokens = inference_config.block_size_tokens
+        self.max_sequence_length = inference_config.max_sequence_length
+        self.enable_chunked_prefill = inference_config.enable_chunked_prefill
+        self.enable_prefix_caching = False
+        tp, pp = _tp_pp_sizes(inference_config.pg_collection)
+        groups = model_config.num_query_groups or model_config.num_attention_heads
+        self.num_layers_local = max(1, model_config.num_layers // pp)
+        self.num_groups_local = max(1, groups // tp)
+        self.head_dim = model_config.kv_channels or model_config.hidden_size // model_config.num_attention_heads
+        dtype = inference_config.kv_cache_dtype or getattr(model_config, "params_dtype", torch.float32)
+        self.bytes_per_block = (
+            2 * self.num_layers_local * self.block_size_tokens * self.num_groups_local * self.head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
+        total_blocks = int(inference_config.buffer_size_gb * 1024**3 // self.bytes_per_block)
+        if total_blocks < 1:
+            raise ValueError(
+                f"InferenceConfig.buffer_size_gb ({inference_config.buffer_size_gb}) holds no KV block of "
+                f"{self.bytes_per_block} bytes (block_size_tokens={self.block_size_tokens}, "
+                f"{self.num_layers_local} layers, {self.num_groups_local} KV heads of {self.head_dim})"
+            )
+        self.max_tokens = inference_config.max_tokens or DEFAULT_MAX_TOKENS
+        self.max_requests = min(inference_config.max_requests or DEFAULT_MAX_REQUESTS, self.max_tokens)
+        # Never more blocks than max_requests full-length sequences can use.
+        total_blocks = min(total_blocks, self.max_requests * self.blocks_for_tokens(self.max_sequence_length))
+        self.block_allocator = KVBlockAllocator(total_blocks)
+        # One extra block past the allocator's range: padding rows of CUDA-graph decode steps write there.
+        self.scratch_block = total_blocks
+        self.use_cuda_graphs = inference_config.num_cuda_graphs is not None
+        self.graph_sizes = graph_batch_sizes(self.max_requests) if self.use_cuda_graphs else []
+        self.graph_inputs: dict[int, DecodeGraphInputs] = {}
+        self.graph_batch_size: int | None = None
+        self.pad_decode_steps_on_cpu = False  # lay out graph-style padded decode steps on CPU too (tests)
+        self.device: torch.device | None = None
+        self.kv_memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.request_blocks: dict[Any, list[int]] = {}
+        self.request_kv_length: dict[Any, int] = {}
+        self.step_entries: list[StepEntry] = []
+        self.step_count = 0
+
+    # ---- capacity ---------------------------------------------------------------------------------
+
+    @property
+    def total_block_count(self) -> int:
+        """Blocks in the cache."""
+        return self.block_allocator.total_count
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens of one request."""
+        return -(-num_tokens // self.block_size_tokens)
+
+    @property
+    def total_request_count(self) -> int:
+        """Requests holding KV blocks (running or paused)."""
+        return len(self.request_blocks)
+
+    def is_static_batching(self) -> bool:
+        """Always ``False``."""
+        return False
+
+    def is_decode_only(self) -> bool:
+        """Whether every request of the current step feeds exactly one token."""
+        return all(len(e.tokens) == 1 for e in self.step_entries)
+
+    # ---- per-request KV blocks --------------------------------------------------------------------
+
+    def add_request(self, request_id: Any) -> None:
+        """Register a request with no cached tokens yet."""
+        if request_id in self.request_blocks:
+            raise ValueError(f"DynamicInferenceContext: request {request_id} is already in the context")
+        if len(self.request_blocks) >= self.max_requests:
+            raise RequestOverflowError(request_id, f"max_requests ({self.max_requests}) reached")
+        self.request_blocks[request_id] = []
+        self.request_kv_length[request_id] = 0
+
+    def has_request(self, request_id: Any) -> bool:
+        """Whether ``request_id`` holds a place in the cache."""
+        return request_id in self.request_blocks
+
+    def kv_length(self, request_id: Any) -> int:
+        """Tokens of ``request_id`` already in the cache."""
+        return self.request_kv_length[request_id]
+
+    def blocks_to_grow(self, request_id: Any, total_tokens: int) -> int:
+        """Extra blocks ``request_id`` needs to hold ``total_tokens`` tokens."""
+        return max(0, self.blocks_for_tokens(total_tokens) - len(self.request_blocks[request_id]))
+
+    def grow_request(self, request_id: Any, total_tokens: int) -> bool:
+        """Give ``request_id`` blocks for ``total_tokens`` tokens; ``False`` (nothing allocated) if too few are free."""
+        if total_tokens > self.max_sequence_length:
+            raise TokenOverflowError(
+                request_id, f"{total_tokens} tokens exceed max_sequence_length ({self.max_sequence_length})"
+            )
+        need = self.blocks_to_grow(request_id, total_tokens)
+        if need == 0:
+            return True
+        blocks = self.block_allocator.allocate_memory_blocks(need)
+        if blocks is None:
+            return False
+        self.request_blocks[request_id].extend(blocks)
+        return True
+
+    def release_request(self, request_id: Any) -> None:
+        """Free the request's blocks and forget it (finished, cancelled or evicted)."""
+        blocks = self.request_blocks.pop(request_id, None)
+        self.request_kv_length.pop(request_id, None)
+        if blocks:
+            self.block_allocator.release_memory_blocks(blocks)
+
+    def reset(self) -> None:
+        """Forget every request and free every block (the buffers are kept)."""
+        self.request_blocks.clear()
+        self.request_kv_length.clear()
+        self.block_allocator.reset()
+        self.step_entries = []
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def initialize_attention_state(self, entries: list[StepEntry]) -> None:
+        """Lay out one step: decode entries first, then prefill chunks; build positions, slots and tables."""
+        if not entries:
+            raise ValueError("initialize_attention_state: a step needs at least one entry")
+        device = self.device or torch.device("cpu")
+        decode = [e for e in entries if len(e.tokens) == 1]
+        prefill = [e for e in entries if len(e.tokens) > 1]
+        self.step_entries = decode + prefill
+        total = sum(len(e.tokens) for e in self.step_entries)
+        if total > self.max_tokens:
+            raise TokenOverflowError(None, f"step of {total} tokens exceeds max_tokens ({self.max_tokens})")
+        bs = self.block_size_tokens
+        ids, positions, slots, logit_index = [], [], [], []
+        self._prefill_segments: list[tuple[int, int, int, torch.Tensor | None]] = []
+        offset = 0
+        for entry in self.step_entries:
+            blocks = self.request_blocks[entry.request_id]
+            if self.request_kv_length[entry.request_id] != entry.start:
+                raise ValueError(
+                    f"request {entry.request_id}: step starts at position {entry.start} but the cache holds "
+                    f"{self.request_kv_length[entry.request_id]} tokens"
+                )
+            n = len(entry.tokens)
+            end = entry.start + n
+            if len(blocks) * bs < end:
+                raise BlockOverflowError(entry.request_id, f"holds {len(blocks)} blocks, needs {self.blocks_for_tokens(end)}")
+            ids.extend(entry.tokens)
+            pos = range(entry.start, end)
+            positions.extend(pos)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+            if entry.all_logits or not self.materialize_only_last_token_logits:
+                rows = list(range(offset, offset + n))
+            elif entry.sample:
+                rows = [offset + n - 1]
+            else:
+                rows = []
+            entry.logit_rows = list(range(len(logit_index), len(logit_index) + len(rows)))
+            logit_index.extend(rows)
+            if n > 1:
+                table = None if entry.start == 0 else torch.tensor(blocks[: self.blocks_for_tokens(end)], device=device)
+                self._prefill_segments.append((offset, n, end, table))
+            offset += n
+        self.num_decode = len(decode)
+        self.graph_batch_size = None
+        padded = device.type == "cuda" or self.pad_decode_steps_on_cpu
+        if self.use_cuda_graphs and not prefill and padded and self._all_last_rows(logit_index, total):
+            self._graph_layout(decode, ids, positions, slots, device)
+            return
+        self.input_ids = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
+        self.position_ids = torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        self.logit_index = torch.tensor(logit_index, dtype=torch.long, device=device)
+        self._all_rows = len(logit_index) == total
+        if decode:
+            lengths = [e.start + 1 for e in decode]
+            width = max(self.blocks_for_tokens(n) for n in lengths)
+            table = [self.request_blocks[e.request_id][:width] for e in decode]
+            table = [t + [0] * (width - len(t)) for t in table]
+            self._decode_tables = torch.tensor(table, dtype=torch.long, device=device)
+            kv_len = torch.tensor(lengths, device=device)
+            keep = torch.arange(width * bs, device=device)[None, :] < kv_len[:, None]
+            self._decode_mask = keep[:, None, None, :]
+
+    @staticmethod
+    def _all_last_rows(logit_index: list[int], total: int) -> bool:
+        return len(logit_index) == total
+
+    def _graph_layout(self, decode: list[StepEntry], ids: list[int], positions: list[int], slots: list[int],
+                      device: torch.device) -> None:
+        """Decode-only step into the static tensors of the smallest graph batch size that fits."""
+        batch = next(b for b in self.graph_sizes if b >= len(decode))
+        inputs = self.graph_inputs.get(batch)
+        if inputs is None:
+            width = self.blocks_for_tokens(self.max_sequence_length)
+            inputs = self.graph_inputs[batch] = DecodeGraphInputs(
+                batch, width, self.block_size_tokens, self.scratch_block, device
+            )
+        inputs.fill(ids, positions, slots, [self.request_blocks[e.request_id] for e in decode])
+        self.graph_batch_size = self.num_decode = batch
+        self.input_ids, self.position_ids, self.slot_mapping = inputs.input_ids, inputs.position_ids, inputs.slot_mapping
+        self._decode_tables, self._decode_mask = inputs.tables, inputs.mask
+        self._prefill_segments = []
+        self._all_rows = True
+
+    def current_input_and_position_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and positions of the step, ``[1, T]`` each."""
+        return self.input_ids, self.position_ids
+
+    def commit_step(self) -> None:
+        """After the forward: the step's tokens are now cached."""
+        for entry in self.step_entries:
+            self.request_kv_length[entry.request_id] = entry.start + len(entry.tokens)
+        self.step_count += 1
+
+    def select_logit_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Only the rows whose logits the step needs: ``[T, 1, h]`` -> ``[L, 1, h]``."""
+        if self._all_rows:
+            return hidden_states
+        return hidden_states.index_select(0, self.logit_index)
+
+    # ---- attention --------------------------------------------------------------------------------
+
+    def _layer_memory(self, layer: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        memory = self.kv_memory.get(layer)
+        if memory is None:
+            shape = ((self.total_block_count + 1) * self.block_size_tokens, key.shape[-2], key.shape[-1])
+            memory = self.kv_memory[layer] = (
+                torch.zeros(shape, dtype=key.dtype, device=key.device),
+                torch.zeros(shape, dtype=key.dtype, device=key.device),
+            )
+        return memory
+
+    def attention(
+        self, attention: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rotary_pos_emb: Any,
+    ) -> torch.Tensor:
+        """Rotate, cache and attend for the flattened step: ``query`` ``[T, 1, np, hn]`` -> ``[T, 1, np*hn]``."""
+        total, _, np_, hn = query.shape
+        if getattr(attention.config, "window_size", None) is not None:
+            raise ValueError(f"inference with sliding-window attention (window_size={attention.config.window_size}) "
+                             "is not supported")
+        query, key = rotate_at_positions(query, key, rotary_pos_emb, self.position_ids[0], attention.config)
+        k_mem, v_mem = self._layer_memory(attention.layer_number, key)
+        k_mem.index_copy_(0, self.slot_mapping, key[:, 0])
+        v_mem.index_copy_(0, self.slot_mapping, value[:, 0])
+        ng = key.shape[2]
+        gqa = ng != np_
+        scale = getattr(getattr(attention, "core_attention", None), "softmax_scale", None)
+        out = query.new_empty(total, np_, hn)
+        nd, bs = self.num_decode, self.block_size_tokens
+        if nd:
+            width = self._decode_tables.shape[1]
+            k = k_mem.view(-1, bs, ng, hn)[self._decode_tables].view(nd, width * bs, ng, hn).transpose(1, 2)
+            v = v_mem.view(-1, bs, ng, hn)[self._decode_tables].view(nd, width * bs, ng, hn).transpose(1, 2)
+            # The query heads of one KV group share its keys and mask: put them on the query axis
+            # ([nd, groups, heads_per_group, hn]) so SDPA needs no GQA expansion of the cache.
+            q = query[:nd, 0].view(nd, ng, np_ // ng, hn)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._decode_mask, scale=scale)
+            out[:nd] = o.reshape(nd, np_, hn)
+        for q0, n, kv_len, table in self._prefill_segments:
+            if table is None:  # a fresh prompt: its keys are exactly this chunk's
+                k, v = key[q0 : q0 + n, 0], value[q0 : q0 + n, 0]
+            else:
+                k = k_mem.view(-1, bs, ng, hn)[table].view(-1, ng, hn)[:kv_len]
+                v = v_mem.view(-1, bs, ng, hn)[table].view(-1, ng, hn)[:kv_len]
+            q = query[q0 : q0 + n, 0].transpose(0, 1).unsqueeze(0)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            if kv_len == n:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                keep = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=kv_len - n)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+            out[q0 : q0 + n] = o[0].transpose(0, 1)
+        return out.view(total, 1, np_ * hn)

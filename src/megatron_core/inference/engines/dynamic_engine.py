@@ -1,0 +1,374 @@
+"""Continuous batching over the paged KV cache (Megatron-Core's ``engines.dynamic_engine.DynamicInferenceEngine``).
+
+``add_request`` queues a request (thread-safe; returns a ``concurrent.futures.Future`` of the
+finished :class:`DynamicInferenceRequest`). Each :meth:`step_modern` schedules one forward:
+
+1. every running request that is decoding feeds its last token (oldest first); one that needs
+   a new KV block when none is free is *paused* for this step (keeps its blocks);
+2. running requests still prefilling feed their next prompt chunk;
+3. waiting requests are admitted (FIFO) while no request is paused and there are free request
+   slots, step tokens (``max_tokens``) and KV blocks for their first chunk;
+4. if nothing at all can run, the youngest running request is *evicted*: its blocks are freed
+   and it goes back to the front of the queue, to be re-prefilled with its prompt and the tokens
+   it generated so far (greedy outputs are unchanged by an eviction).
+
+Prefill and decode share the step. With ``enable_chunked_prefill`` (always for re-admitted
+requests) a prompt longer than the step's remaining token budget is split over several steps.
+Requests finish on the termination token, a stop word, ``num_tokens_to_generate``, or
+``max_sequence_length``; they can be cancelled (:meth:`cancel_request`), which frees their blocks
+at the next step boundary. Requests that can never fit are refused in ``add_request`` with a
+``ValueError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+import torch
+
+from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext, StepEntry
+from megatron_core.inference.engines.abstract_engine import AbstractEngine
+from megatron_core.inference.engines.step_scheduler import StepScheduler
+from megatron_core.inference.inference_request import (
+    DynamicInferenceEventType,
+    DynamicInferenceRequest,
+    DynamicInferenceRequestRecord,
+    Status,
+)
+from megatron_core.inference.sampling_params import SamplingParams
+from megatron_core.inference.text_generation_controllers.text_generation_controller import (
+    TextGenerationController,
+)
+
+__all__ = ["DynamicInferenceEngine", "EngineState"]
+
+TokenListener = Callable[[DynamicInferenceRequest, "int | None"], None]
+
+
+class EngineState(Enum):
+    """Lifecycle of the engine loop."""
+
+    RUNNING = 1
+    PAUSED = 2
+    STOPPING = 3
+    STOPPED = 4
+
+
+class DynamicInferenceEngine(StepScheduler, AbstractEngine):
+    """Schedules requests into steps over a :class:`DynamicInferenceContext`."""
+
+    def __init__(self, controller: TextGenerationController, context: DynamicInferenceContext) -> None:
+        self.controller = controller
+        self.context = context
+        controller.inference_wrapped_model.inference_context = context
+        controller.inference_wrapped_model.prep_model_for_inference()
+        self.request_counter = itertools.count()
+        self.state = EngineState.RUNNING
+        self._inbox_lock = threading.Lock()
+        self._inbox: list[DynamicInferenceRequest] = []
+        self._cancels: set[Any] = set()
+        self._step_lock = threading.Lock()
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every request and free the cache."""
+        self.requests: dict[Any, DynamicInferenceRequest] = {}
+        self.futures: dict[Any, concurrent.futures.Future] = {}
+        self.listeners: dict[Any, list[TokenListener]] = {}
+        self.waiting: deque[Any] = deque()
+        self.running: list[Any] = []
+        self.paused_request_ids: list[Any] = []
+        self._just_finished: list[DynamicInferenceRequest] = []
+        self.step_count = 0
+        self.evicted_request_count = 0
+        self.cancelled_request_count = 0
+        self.context.reset()
+
+    # ---- adding and removing requests ---------------------------------------------------------------
+
+    def _tokens_of(self, prompt: str | list[int] | torch.Tensor, params: SamplingParams) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.controller.tokenize_prompt(self.controller.tokenizer, prompt, params.add_BOS)
+        if isinstance(prompt, torch.Tensor):
+            return None, [int(t) for t in prompt.reshape(-1).tolist()]
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a str, a list of token ids or a 1-D tensor, got {type(prompt).__name__}")
+
+    def _validate(self, request_id: Any, tokens: list[int], params: SamplingParams) -> None:
+        ctx = self.context
+        if not tokens:
+            raise ValueError(f"request {request_id}: the prompt has no tokens")
+        vocab = self.controller.vocab_size or int(self.controller.inference_wrapped_model.inner_model.vocab_size)
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        total = len(tokens) + (params.num_tokens_to_generate or 0)
+        if params.num_tokens_total is not None:
+            total = max(len(tokens), params.num_tokens_total)
+        if total > ctx.max_sequence_length or len(tokens) >= ctx.max_sequence_length:
+            raise ValueError(
+                f"request {request_id}: prompt ({len(tokens)} tokens) + num_tokens_to_generate "
+                f"({params.num_tokens_to_generate}) exceeds max_sequence_length ({ctx.max_sequence_length})"
+            )
+        if not ctx.enable_chunked_prefill and len(tokens) > ctx.max_tokens:
+            raise ValueError(
+                f"request {request_id}: prompt ({len(tokens)} tokens) exceeds max_tokens ({ctx.max_tokens}) per step; "
+                "enable InferenceConfig.enable_chunked_prefill or raise max_tokens"
+            )
+        longest = total if params.num_tokens_to_generate is not None or params.num_tokens_total else ctx.max_sequence_length
+        if ctx.blocks_for_tokens(longest) > ctx.total_block_count:
+            raise ValueError(
+                f"request {request_id}: up to {longest} tokens need {ctx.blocks_for_tokens(longest)} KV blocks but the "
+                f"cache holds {ctx.total_block_count} (raise buffer_size_gb or set num_tokens_to_generate)"
+            )
+
+    def add_request(
+        self, request_id: Any, prompt: str | list[int] | torch.Tensor, sampling_params: SamplingParams | None = None,
+    ) -> concurrent.futures.Future:
+        """Queue a request; the future resolves to the finished :class:`DynamicInferenceRequest`."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params.validate()
+        prompt_text, tokens = self._tokens_of(prompt, params)
+        with self._inbox_lock:
+            if request_id in self.requests or any(r.request_id == request_id for r in self._inbox):
+                raise ValueError(f"request_id {request_id!r} is already in the engine")
+        self._validate(request_id, tokens, params)
+        request = DynamicInferenceRequest(
+            request_id=request_id, prompt=prompt_text, prompt_tokens=tokens, sampling_params=params,
+            block_size_tokens=self.context.block_size_tokens,
+        )
+        request.add_event(DynamicInferenceEventType.ADD)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._inbox_lock:
+            self.futures[request_id] = future
+            self._inbox.append(request)
+        self._notify()
+        return future
+
+    def add_token_listener(self, request_id: Any, listener: TokenListener) -> None:
+        """Call ``listener(request, token)`` after each generated token, and ``listener(request, None)`` at the end."""
+        with self._inbox_lock:
+            self.listeners.setdefault(request_id, []).append(listener)
+
+    def cancel_request(self, request_id: Any) -> None:
+        """Stop a request at the next step boundary and free its KV blocks (it finishes as FAILED)."""
+        with self._inbox_lock:
+            self._cancels.add(request_id)
+        self._notify()
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is queued, waiting or running."""
+        with self._inbox_lock:
+            return bool(self._inbox or self.waiting or self.running or self._cancels)
+
+    def get_request(self, request_id: Any) -> DynamicInferenceRequest:
+        """The request object (live while it runs)."""
+        return self.requests[request_id]
+
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+        for request in inbox:
+            self.requests[request.request_id] = request
+            self.waiting.append(request.request_id)
+        for request_id in cancels:
+            request = self.requests.get(request_id)
+            if request is None or request.status in (Status.COMPLETED, Status.FAILED):
+                continue
+            if request_id in self.waiting:
+                self.waiting.remove(request_id)
+            if request_id in self.running:
+                self.running.remove(request_id)
+            self.context.release_request(request_id)
+            self.cancelled_request_count += 1
+            self._finish(request, Status.FAILED, error="cancelled")
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step_modern(self) -> dict[str, Any]:
+        """Run one step; returns ``active_request_ids``, ``finished_request_records``, ``step_time``."""
+        with self._step_lock:
+            start = time.perf_counter()
+            self._drain_inbox()
+            entries = self.schedule_requests()
+            if entries:
+                self.context.initialize_attention_state(entries)
+                params = {e.request_id: self.requests[e.request_id].sampling_params for e in entries}
+                output = self.controller.generate_output_tokens_dynamic_batch(params)
+                self._bookkeep(self.context.step_entries, output)
+                self.step_count += 1
+            finished = [DynamicInferenceRequestRecord.from_request(r) for r in self._just_finished]
+            self._just_finished = []
+            for record in finished:  # finished requests leave the engine
+                self.requests.pop(record.request_id, None)
+            return {
+                "active_request_ids": list(self.running),
+                "paused_request_ids": list(self.paused_request_ids),
+                "finished_request_records": finished,
+                "step_time": time.perf_counter() - start,
+                "num_tokens": sum(len(e.tokens) for e in entries),
+            }
+
+    def step(self, sampling_params: SamplingParams | None = None) -> tuple[list, list, float]:
+        """Legacy form of :meth:`step_modern`: ``(active requests, finished requests, step time)``."""
+        result = self.step_modern()
+        active = [self.requests[i] for i in result["active_request_ids"]]
+        return active, [r.merge() for r in result["finished_request_records"]], result["step_time"]
+
+    def _bookkeep(self, entries: list[StepEntry], output: Any) -> None:
+        now = time.monotonic()
+        tokenizer_top = self.controller.detokenize
+        for i, entry in enumerate(entries):
+            request = self.requests[entry.request_id]
+            params = request.sampling_params
+            if output.chunk_log_probs[i] is not None:
+                have = len(request.prompt_log_probs or [])
+                upto = request.prompt_length - 1
+                new = [lp for j, lp in enumerate(output.chunk_log_probs[i]) if have <= entry.start + j < upto]
+                request.prompt_log_probs = (request.prompt_log_probs or []) + new
+                if params.top_n_logprobs and output.chunk_top_n[i] is not None:
+                    tops = [t for j, t in enumerate(output.chunk_top_n[i]) if have <= entry.start + j < upto]
+                    request.prompt_top_n_logprobs = (request.prompt_top_n_logprobs or []) + [
+                        {tokenizer_top([tok]): lp for tok, lp in top} for top in tops
+                    ]
+            token = output.sampled_tokens[i]
+            if token is None:
+                continue
+            request.status = Status.ACTIVE_AND_GENERATING_TOKENS
+            request.generated_tokens.append(token)
+            if request.ttft is None:
+                request.ttft = now - request.arrival_time
+            if params.return_log_probs:
+                request.generated_log_probs = (request.generated_log_probs or []) + [output.sampled_log_probs[i]]
+            if params.top_n_logprobs and output.sampled_top_n[i] is not None:
+                request.generated_top_n_logprobs = (request.generated_top_n_logprobs or []) + [
+                    {tokenizer_top([tok]): lp for tok, lp in output.sampled_top_n[i]}
+                ]
+            if self.context.inference_config.track_generated_token_events:
+                request.add_event(DynamicInferenceEventType.GENERATED_TOKEN, payload=token)
+            self._notify_token(request, token)
+            if self._should_stop(request, token):
+                self.running.remove(request.request_id)
+                self.context.release_request(request.request_id)
+                self._finish(request, Status.COMPLETED)
+
+    def _should_stop(self, request: DynamicInferenceRequest, token: int) -> bool:
+        """Whether ``request`` is done after ``token``; sets ``request.finish_reason`` ("stop" / "length")."""
+        params = request.sampling_params
+        generated = len(request.generated_tokens)
+        reason = None
+        if token == self.controller.termination_id(params):
+            reason = "stop"
+        elif params.stop_words and any(
+            self.controller.detokenize(request.generated_tokens[-64:]).endswith(w) for w in params.stop_words
+        ):
+            reason = "stop"
+        elif params.num_tokens_to_generate is not None and generated >= params.num_tokens_to_generate:
+            reason = "length"
+        elif params.num_tokens_total is not None and request.prompt_length + generated >= params.num_tokens_total:
+            reason = "length"
+        elif request.prompt_length + generated >= self.context.max_sequence_length:
+            reason = "length"
+        request.finish_reason = reason
+        return reason is not None
+
+    def _finish(self, request: DynamicInferenceRequest, status: Status, error: str | None = None) -> None:
+        params = request.sampling_params
+        request.status = status
+        request.error = error
+        request.latency = time.monotonic() - request.arrival_time
+        request.generated_length = len(request.generated_tokens)
+        text, segments = self.controller.detokenize_generations(
+            request.generated_tokens, self.controller.termination_id(params), params.detokenize_stop_sequence,
+            params.return_segments,
+        )
+        if params.stop_words and not params.detokenize_stop_sequence:
+            for word in params.stop_words:
+                if text.endswith(word):
+                    text = text[: -len(word)]
+                    break
+        request.generated_text = text
+        request.generated_segments = segments
+        if status == Status.COMPLETED:
+            request.add_event_finish()
+        else:
+            request.add_event_fail(error)
+        self._just_finished.append(request)
+        self._notify_token(request, None)
+        with self._inbox_lock:
+            future = self.futures.pop(request.request_id, None)
+            self.listeners.pop(request.request_id, None)
+        if future is not None and not future.done():
+            future.set_result(request)
+
+    def _notify_token(self, request: DynamicInferenceRequest, token: int | None) -> None:
+        with self._inbox_lock:
+            listeners = list(self.listeners.get(request.request_id, ()))
+        for listener in listeners:
+            listener(request, token)
+
+    # ---- driving the engine -----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | None = None
+    ) -> list[DynamicInferenceRequestRecord]:
+        """Serve a list of prompts to completion; records in input order."""
+        futures = [self.add_request(next(self.request_counter), p, sampling_params) for p in prompts]
+        while not all(f.done() for f in futures):
+            self.step_modern()
+        return [DynamicInferenceRequestRecord.from_request(f.result()) for f in futures]
+
+    def _notify(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wake.set)
+
+    async def run_engine(self, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Step (in a worker thread) while there is work, sleep while idle, until :meth:`shutdown`."""
+        self._loop = loop or asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self.state = EngineState.RUNNING
+        try:
+            while self.state != EngineState.STOPPING:
+                if self.has_unfinished_requests() and self.state == EngineState.RUNNING:
+                    await asyncio.to_thread(self.step_modern)
+                else:
+                    self._wake.clear()
+                    if self.has_unfinished_requests() and self.state == EngineState.RUNNING:
+                        continue
+                    await self._wake.wait()
+        finally:
+            self.state = EngineState.STOPPED
+
+    async def shutdown(self, cancel_pending: bool = True) -> None:
+        """Stop the loop; with ``cancel_pending`` every unfinished request is cancelled (finishes as FAILED)."""
+        if cancel_pending:
+            with self._inbox_lock:
+                pending = [r.request_id for r in self._inbox] + list(self.requests)
+            for request_id in pending:
+                self.cancel_request(request_id)
+            await asyncio.to_thread(self.step_modern)
+        self.state = EngineState.STOPPING
+        self._notify()
+
+    def pause(self) -> None:
+        """Stop stepping (requests keep their state)."""
+        self.state = EngineState.PAUSED
+
+    def unpause(self) -> None:
+        """Resume stepping."""
+        self.state = EngineState.RUNNING
+        self._notify()

@@ -1,0 +1,115 @@
+"""Which tokens each request feeds in the next step (the scheduling half of ``DynamicInferenceEngine``).
+
+Order of a step: decoding requests (oldest first; one that needs a KV block when none is free is
+paused), then requests in the middle of their prefill (next chunk), then waiting requests (FIFO,
+only while nobody is paused). When nothing at all can run, the youngest running request is
+evicted (blocks freed, re-queued at the front with its prompt plus generated tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_core.inference.contexts.dynamic_context import StepEntry
+from megatron_core.inference.inference_request import DynamicInferenceRequest, Status
+
+
+class StepScheduler:
+    """Mixin over the engine's ``context``, ``requests``, ``waiting``, ``running`` and ``paused_request_ids``."""
+
+    def _sequence(self, request: DynamicInferenceRequest) -> list[int]:
+        return request.prompt_tokens + request.generated_tokens
+
+    def _can_chunk(self, request: DynamicInferenceRequest) -> bool:
+        return self.context.enable_chunked_prefill or request.num_evictions > 0
+
+    def _entry(self, request: DynamicInferenceRequest, start: int, n: int) -> StepEntry:
+        seq = self._sequence(request)
+        end = start + n
+        params = request.sampling_params
+        prompt_lp_left = len(request.prompt_log_probs or []) < request.prompt_length - 1
+        all_logits = bool(params.return_log_probs or params.top_n_logprobs) and not params.skip_prompt_log_probs
+        all_logits = all_logits and n > 1 and prompt_lp_left
+        return StepEntry(
+            request.request_id, seq[start:end], start, sample=end == len(seq), all_logits=all_logits,
+            next_token=seq[end] if end < len(seq) else None,
+        )
+
+    def _chunk_size(self, request: DynamicInferenceRequest, pending: int, budget: int, extra_slots: int) -> int:
+        """Tokens to feed now: bounded by the step budget and the KV room (``extra_slots`` free + owned)."""
+        if not self._can_chunk(request):
+            return pending if pending <= min(budget, extra_slots) else 0
+        return max(0, min(pending, budget, extra_slots))
+
+    def _room(self, request_id: Any) -> int:
+        """Token slots request ``request_id`` could use: its unused owned slots plus all free blocks."""
+        ctx = self.context
+        owned = len(ctx.request_blocks[request_id]) * ctx.block_size_tokens - ctx.kv_length(request_id)
+        return owned + ctx.block_allocator.get_active_avail() * ctx.block_size_tokens
+
+    def _schedule(self) -> list[StepEntry]:
+        ctx = self.context
+        budget = ctx.max_tokens
+        entries: list[StepEntry] = []
+        paused: list[Any] = []
+        for request_id in self.running:  # decoding requests, oldest first
+            request = self.requests[request_id]
+            kv = ctx.kv_length(request_id)
+            if len(self._sequence(request)) - kv != 1 or budget < 1:
+                continue
+            if ctx.grow_request(request_id, kv + 1):
+                entries.append(self._entry(request, kv, 1))
+                budget -= 1
+            else:
+                paused.append(request_id)
+        for request_id in self.running:  # requests in the middle of their prefill
+            request = self.requests[request_id]
+            kv = ctx.kv_length(request_id)
+            pending = len(self._sequence(request)) - kv
+            if pending <= 1:
+                continue
+            n = self._chunk_size(request, pending, budget, self._room(request_id))
+            if n == 0:
+                paused.append(request_id)
+                continue
+            ctx.grow_request(request_id, kv + n)
+            entries.append(self._entry(request, kv, n))
+            budget -= n
+        while self.waiting and not paused and budget > 0 and ctx.total_request_count < ctx.max_requests:
+            request = self.requests[self.waiting[0]]
+            pending = len(self._sequence(request))
+            room = ctx.block_allocator.get_active_avail() * ctx.block_size_tokens
+            n = self._chunk_size(request, pending, budget, room)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            ctx.add_request(request.request_id)
+            ctx.grow_request(request.request_id, n)
+            self.running.append(request.request_id)
+            request.status = Status.ACTIVE_BUT_NOT_GENERATING_TOKENS
+            entries.append(self._entry(request, 0, n))
+            budget -= n
+        self.paused_request_ids = paused
+        for request_id in paused:
+            request = self.requests[request_id]
+            request.status = Status.ACTIVE_BUT_NOT_GENERATING_TOKENS
+            if ctx.inference_config.track_paused_request_events:
+                request.add_event_pause()
+        return entries
+
+    def _evict_youngest(self) -> None:
+        request_id = self.running.pop()
+        request = self.requests[request_id]
+        self.context.release_request(request_id)
+        request.add_event_evict()
+        request.status = Status.WAITING_IN_QUEUE
+        self.waiting.appendleft(request_id)
+        self.evicted_request_count += 1
+
+    def schedule_requests(self) -> list[StepEntry]:
+        """The entries of the next step (pausing and evicting as needed); empty when idle."""
+        while True:
+            entries = self._schedule()
+            if entries or not self.running:
+                return entries
+            self._evict_youngest()

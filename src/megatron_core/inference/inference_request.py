@@ -1,0 +1,211 @@
+"""Requests and their results (Megatron-Core's ``inference.inference_request``).
+
+An :class:`InferenceRequest` carries a prompt, its :class:`SamplingParams` and, once served, the
+generated tokens, text, log-probs and a :class:`Status`. :class:`DynamicInferenceRequest` is the
+dynamic engine's request: ``generated_tokens`` is a plain ``list[int]`` that grows by one token
+per decode step, and timing (``ttft``, ``latency``). A request that was evicted from the KV cache
+and re-admitted keeps one object; :class:`DynamicInferenceRequestRecord` wraps it for Megatron's
+record-based APIs (``engine.generate`` returns records, ``record.merge()`` gives the request).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from megatron_core.inference.sampling_params import SamplingParams
+
+__all__ = [
+    "Status",
+    "InferenceRequest",
+    "DynamicInferenceEventType",
+    "DynamicInferenceEvent",
+    "DynamicInferenceRequest",
+    "DynamicInferenceRequestRecord",
+]
+
+
+class Status(Enum):
+    """Where a request is in its life."""
+
+    WAITING_IN_QUEUE = 1
+    ACTIVE_AND_GENERATING_TOKENS = 2
+    ACTIVE_BUT_NOT_GENERATING_TOKENS = 3
+    COMPLETED = 4
+    FAILED = 5
+
+
+@dataclass(kw_only=True)
+class InferenceRequest:
+    """A prompt, how to sample it, and what came out."""
+
+    request_id: int | str
+    prompt: str | None = None
+    sampling_params: SamplingParams | None = None
+    inference_parameters: SamplingParams | None = None
+    prompt_tokens: list[int] | torch.Tensor | None = None
+    prompt_length: int | None = None
+    arrival_time: float | None = None
+    status: Status | None = None
+    encoder_prompt: str | None = None
+    generated_text: str | None = None
+    segments: list[str] | None = None
+    generated_segments: list[str] | None = None
+    generated_sequence_lengths: list[int] | None = None
+    generated_tokens: list[int] | torch.Tensor | None = None
+    prompt_log_probs: list[float] | None = None
+    generated_log_probs: list[float] | None = None
+    prompt_top_n_logprobs: list[dict[str, float]] | None = None
+    generated_top_n_logprobs: list[dict[str, float]] | None = None
+    generated_length: int | None = None
+    tpot: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.sampling_params is None and self.inference_parameters is not None:
+            self.sampling_params = self.inference_parameters
+        if self.sampling_params is None:
+            self.sampling_params = SamplingParams()
+        if self.prompt_tokens is not None and self.prompt_length is None:
+            self.prompt_length = len(self.prompt_tokens)
+        if self.arrival_time is None:
+            self.arrival_time = time.monotonic()
+
+    def serialize(self) -> dict[str, Any]:
+        """A plain-dict copy with tensors as lists and enums as names (JSON friendly)."""
+        out: dict[str, Any] = {}
+        for key, value in self.__dict__.items():
+            if isinstance(value, torch.Tensor):
+                value = value.tolist()
+            elif isinstance(value, Enum):
+                value = value.name
+            elif isinstance(value, SamplingParams):
+                value = value.serialize()
+            elif isinstance(value, list) and value and isinstance(value[0], DynamicInferenceEvent):
+                value = [str(v) for v in value]
+            out[key] = value
+        return out
+
+
+class DynamicInferenceEventType(Enum):
+    """What happened to a dynamic request (for tracing)."""
+
+    ADD = 1
+    PAUSE = 2
+    EVICT = 3
+    FINISH = 4
+    FAIL = 5
+    ERROR_TRANSIENT = 6
+    ERROR_NONTRANSIENT = 7
+    GENERATED_TOKEN = 8
+
+
+@dataclass
+class DynamicInferenceEvent:
+    """One timestamped event in a request's life."""
+
+    type: DynamicInferenceEventType
+    timestamp: float = field(default_factory=time.monotonic)
+    payload: Any = None
+
+    def __str__(self) -> str:
+        return f"{self.type.name}@{self.timestamp:.6f}" + ("" if self.payload is None else f"({self.payload})")
+
+
+@dataclass(kw_only=True)
+class DynamicInferenceRequest(InferenceRequest):
+    """A request served by the dynamic (continuous-batching) engine."""
+
+    generated_tokens: list[int] = field(default_factory=list)
+    remaining_prompt_tokens: list[int] | None = None
+    latency: float | None = None
+    ttft: float | None = None
+    events: list[DynamicInferenceEvent] = field(default_factory=list)
+    stop_word_ids: list[list[int]] | None = None
+    finished_chunk_token_count: int = 0
+    block_size_tokens: int | None = None
+    enable_prefix_caching: bool = False
+    num_cached_tokens: int = 0
+    num_evictions: int = 0
+    error: str | None = None
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt_tokens, torch.Tensor):
+            self.prompt_tokens = self.prompt_tokens.tolist()
+        super().__post_init__()
+        if self.status is None:
+            self.status = Status.WAITING_IN_QUEUE
+
+    @property
+    def remaining_prompt_length(self) -> int:
+        """Prompt tokens not yet prefilled (chunked prefill)."""
+        return len(self.remaining_prompt_tokens) if self.remaining_prompt_tokens is not None else 0
+
+    def add_event(self, event_type: DynamicInferenceEventType, payload: Any = None) -> None:
+        """Record an event."""
+        self.events.append(DynamicInferenceEvent(event_type, payload=payload))
+
+    def add_event_pause(self) -> None:
+        """Record that the request was paused (kept its KV blocks, skipped a step)."""
+        self.add_event(DynamicInferenceEventType.PAUSE)
+
+    def add_event_evict(self) -> None:
+        """Record that the request lost its KV blocks and went back to the queue."""
+        self.num_evictions += 1
+        self.add_event(DynamicInferenceEventType.EVICT)
+
+    def add_event_finish(self) -> None:
+        """Record completion."""
+        self.add_event(DynamicInferenceEventType.FINISH)
+
+    def add_event_fail(self, message: str | None = None) -> None:
+        """Record failure."""
+        self.add_event(DynamicInferenceEventType.FAIL, payload=message)
+
+    @property
+    def succeeded(self) -> bool:
+        """Whether the request completed."""
+        return self.status == Status.COMPLETED
+
+    @property
+    def failed(self) -> bool:
+        """Whether the request failed."""
+        return self.status == Status.FAILED
+
+    def __str__(self) -> str:
+        return (
+            f"DynamicInferenceRequest(id={self.request_id}, status={self.status.name if self.status else None}, "
+            f"prompt_len={self.prompt_length}, generated={len(self.generated_tokens)})"
+        )
+
+
+@dataclass
+class DynamicInferenceRequestRecord:
+    """The requests that served one user request (ours always holds exactly one)."""
+
+    requests: list[DynamicInferenceRequest] = field(default_factory=list)
+    latency: float | None = None
+
+    @classmethod
+    def from_request(cls, request: DynamicInferenceRequest) -> DynamicInferenceRequestRecord:
+        """Wrap one request."""
+        return cls(requests=[request], latency=request.latency)
+
+    def __getitem__(self, idx: int) -> DynamicInferenceRequest:
+        return self.requests[idx]
+
+    @property
+    def request_id(self) -> int | str:
+        """The wrapped request's id."""
+        return self.requests[0].request_id
+
+    def merge(self, tokenizer: Any = None) -> DynamicInferenceRequest:
+        """The final request (generated text filled from ``tokenizer`` if missing)."""
+        request = self.requests[-1]
+        if tokenizer is not None and request.generated_text is None:
+            request.generated_text = tokenizer.detokenize(request.generated_tokens)
+        return request

@@ -1,0 +1,95 @@
+"""Run one inference forward, across pipeline stages (Megatron-Core's ``AbstractModelInferenceWrapper``).
+
+``run_one_forward_step({"tokens", "position_ids", "attention_mask"})`` returns the full-vocabulary
+logits ``[b, L, V]`` on every rank: tensor-parallel shards are gathered by the output layer, and
+with pipeline parallelism each stage receives the previous stage's activations, runs its layers
+(with the KV cache of its layers in the inference context) and sends them on; the last stage's
+logits are then broadcast to all stages. Decode-only steps laid out for CUDA graphs (single
+pipeline stage) replay a captured graph (:mod:`.cuda_graphs`).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+from megatron_core.inference import communication_utils as comm
+from megatron_core.inference.contexts.base_context import BaseInferenceContext
+from megatron_core.inference.model_inference_wrappers.cuda_graphs import DecodeGraphRunner
+
+__all__ = ["AbstractModelInferenceWrapper"]
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+class AbstractModelInferenceWrapper(abc.ABC):
+    """Holds the model and its inference context; runs forward steps."""
+
+    def __init__(self, model: torch.nn.Module, inference_context: BaseInferenceContext | None = None) -> None:
+        self.model = model
+        self.inner_model = _unwrap(model)
+        self.config = self.inner_model.config
+        self.inference_context = inference_context
+        self.pp_group = comm.pipeline_group(self.inner_model)
+        self.decode_graphs = DecodeGraphRunner()
+        self.prep_model_for_inference()
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's parameters."""
+        return next(self.model.parameters()).device
+
+    def prep_model_for_inference(self) -> None:
+        """Eval mode; the context's step tensors go to the model's device."""
+        self.model.eval()
+        if self.inference_context is not None and hasattr(self.inference_context, "device"):
+            self.inference_context.device = self.device
+
+    @abc.abstractmethod
+    def prep_inference_input(self, prompts_tokens: torch.Tensor) -> dict[str, Any]:
+        """Model inputs for a ``[b, s]`` batch of prompt tokens."""
+
+    def _forward(self, inference_input: dict[str, Any]) -> torch.Tensor:
+        return self.model(
+            inference_input["tokens"], inference_input["position_ids"], inference_input.get("attention_mask"),
+            inference_context=self.inference_context, runtime_gather_output=True,
+        )
+
+    @torch.inference_mode()
+    def run_one_forward_step(self, inference_input: dict[str, Any]) -> torch.Tensor:
+        """Full-vocabulary logits ``[b, L, V]`` of one forward, on every rank."""
+        graph_batch = getattr(self.inference_context, "graph_batch_size", None)
+        if self.pp_group is None and graph_batch is not None and self.device.type == "cuda":
+            return self.decode_graphs.run(graph_batch, lambda: self._forward(inference_input))
+        if self.pp_group is None:
+            return self._forward(inference_input)
+        tokens = inference_input["tokens"]
+        b, s = tokens.shape
+        dtype = self.config.pipeline_dtype or self.config.params_dtype
+        if not comm.is_pipeline_first_stage(self.pp_group):
+            hidden = comm.recv_from_prev_pipeline_rank((s, b, self.config.hidden_size), dtype, self.device, self.pp_group)
+            self.inner_model.set_input_tensor(hidden)
+        output = self._forward(inference_input)
+        last = comm.is_pipeline_last_stage(self.pp_group)
+        if not last:
+            comm.send_to_next_pipeline_rank(output.to(dtype), self.pp_group)
+        rows = self._logit_rows(b, s)
+        logits_dtype = torch.float32
+        return comm.broadcast_from_last_pipeline_stage(
+            output.float() if last else None, (b, rows, self._vocab_size()), logits_dtype, self.device, self.pp_group
+        )
+
+    def _logit_rows(self, b: int, s: int) -> int:
+        context = self.inference_context
+        if context is not None and hasattr(context, "logit_index") and not context._all_rows:
+            return int(context.logit_index.numel())
+        return s
+
+    def _vocab_size(self) -> int:
+        return int(self.inner_model.vocab_size)

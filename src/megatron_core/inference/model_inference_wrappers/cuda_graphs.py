@@ -1,0 +1,44 @@
+"""CUDA graphs of decode steps (used when ``InferenceConfig.num_cuda_graphs`` is set and the model is on a GPU).
+
+A decode step's inputs live in the context's fixed-address tensors for its padded batch size
+(:class:`DecodeGraphInputs`). The first step of each batch size runs the model twice on a side
+stream (allocating the KV buffers and warming the kernels; it writes the same keys and values the
+replay will), then captures one forward into a graph; later steps of that size replay it. All
+graphs share one memory pool. Each replay's logits are valid until the next replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["DecodeGraphRunner"]
+
+
+class DecodeGraphRunner:
+    """Captures and replays one graph per padded decode batch size."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.pool: Any = None
+
+    def run(self, batch: int, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The logits of ``forward()`` for this padded ``batch`` (captured on first use, then replayed)."""
+        entry = self.graphs.get(batch)
+        if entry is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    forward()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = forward()
+            self.pool = graph.pool()
+            entry = self.graphs[batch] = (graph, output)
+        graph, output = entry
+        graph.replay()
+        return output

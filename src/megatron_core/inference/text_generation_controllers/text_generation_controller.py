@@ -1,0 +1,157 @@
+"""Turns one forward into next tokens (Megatron-Core's ``TextGenerationController``).
+
+The controller owns the tokenizer side (``tokenize_prompt``, ``detokenize_generations``) and the
+per-step work of the dynamic engine: feed the context's flattened step to the model
+(:meth:`generate_output_tokens_dynamic_batch`), sample one token for every request whose chunk
+ended its sequence, and compute the log-probs asked for. Sampling uses one ``torch.Generator``
+seeded from ``model.config.inference_sampling_seed`` (default 42), so a run with the same
+requests in the same order reproduces.
+
+Tokenizers are duck-typed like Megatron's: ``tokenize(text) -> list[int]``,
+``detokenize(ids) -> str``, ``eod``, and optionally ``bos`` and ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_core.inference.model_inference_wrappers.abstract_model_inference_wrapper import (
+    AbstractModelInferenceWrapper,
+)
+from megatron_core.inference.sampling.torch_sampling import TorchSampling
+from megatron_core.inference.sampling_params import SamplingParams
+
+__all__ = ["TextGenerationController", "DynamicStepOutput"]
+
+DEFAULT_SAMPLING_SEED = 42
+
+
+@dataclass
+class DynamicStepOutput:
+    """What one dynamic step produced, per context step entry (``None`` where nothing was asked)."""
+
+    sampled_tokens: list[int | None] = field(default_factory=list)
+    sampled_log_probs: list[float | None] = field(default_factory=list)
+    sampled_top_n: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    chunk_log_probs: list[list[float] | None] = field(default_factory=list)
+    chunk_top_n: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)
+
+
+class TextGenerationController:
+    """Tokenizer plus model wrapper plus sampler."""
+
+    def __init__(self, inference_wrapped_model: AbstractModelInferenceWrapper, tokenizer: Any) -> None:
+        self.inference_wrapped_model = inference_wrapped_model
+        self.tokenizer = tokenizer
+        self.model_config = inference_wrapped_model.config
+        self.vocab_size = getattr(tokenizer, "vocab_size", None) if tokenizer is not None else None
+        self.reset_sampling_seed(getattr(self.model_config, "inference_sampling_seed", DEFAULT_SAMPLING_SEED))
+
+    def reset_sampling_seed(self, seed: int) -> None:
+        """Restart the sampling generator from ``seed``."""
+        self.sampling_seed = int(seed)
+        self.sampling_rng = torch.Generator(device=self.inference_wrapped_model.device)
+        self.sampling_rng.manual_seed(self.sampling_seed)
+        self.sampler = TorchSampling(self.sampling_rng, self.vocab_size)
+
+    # ---- tokenizer side ---------------------------------------------------------------------------
+
+    @staticmethod
+    def tokenize_prompt(tokenizer: Any, prompt: str, add_BOS: bool = False) -> list[int]:
+        """Token ids of ``prompt`` (with the tokenizer's BOS in front when ``add_BOS``)."""
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+        tokens = list(tokenizer.tokenize(prompt))
+        if add_BOS:
+            bos = getattr(tokenizer, "bos", None)
+            if bos is None:
+                raise ValueError("SamplingParams.add_BOS is True but the tokenizer has no bos token")
+            tokens = [bos, *tokens]
+        return tokens
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """Text of ``tokens`` (empty without a tokenizer)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.detokenize(list(tokens))
+
+    def detokenize_generations(
+        self, tokens: list[int], termination_id: int | None, detokenize_stop_sequence: bool = False,
+        return_segments: bool = False,
+    ) -> tuple[str, list[str] | None]:
+        """Generated text (the termination token dropped unless ``detokenize_stop_sequence``) and per-token segments."""
+        if termination_id is not None and tokens and tokens[-1] == termination_id and not detokenize_stop_sequence:
+            tokens = tokens[:-1]
+        text = self.detokenize(tokens)
+        segments = [self.detokenize([t]) for t in tokens] if return_segments else None
+        return text, segments
+
+    def termination_id(self, sampling_params: SamplingParams) -> int | None:
+        """The token that ends generation: ``sampling_params.termination_id``, else the tokenizer's ``eod``."""
+        if sampling_params.termination_id is not None:
+            return sampling_params.termination_id
+        return getattr(self.tokenizer, "eod", None) if self.tokenizer is not None else None
+
+    # ---- sampling ---------------------------------------------------------------------------------
+
+    def sample_from_logits(
+        self, last_token_logits: torch.Tensor, sampling_params: SamplingParams | list[SamplingParams],
+        vocab_size: int | None = None, generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Token ids ``[n]`` for ``last_token_logits`` ``[n, V]`` (one settings object, or one per row)."""
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * last_token_logits.shape[0]
+        sampler = self.sampler
+        if generator is not None or vocab_size is not None:
+            sampler = TorchSampling(generator or self.sampling_rng, vocab_size or self.vocab_size)
+        return sampler.sample(last_token_logits, params)
+
+    # ---- one dynamic step -------------------------------------------------------------------------
+
+    def generate_output_tokens_dynamic_batch(self, params_by_request: dict[Any, SamplingParams]) -> DynamicStepOutput:
+        """Run the step laid out in the context; sample and score per entry."""
+        context = self.inference_wrapped_model.inference_context
+        input_ids, position_ids = context.current_input_and_position_ids()
+        logits = self.inference_wrapped_model.run_one_forward_step(
+            {"tokens": input_ids, "position_ids": position_ids, "attention_mask": None}
+        )[0]
+        context.commit_step()
+        if self.vocab_size is not None:
+            logits = logits[:, : self.vocab_size]
+        entries = context.step_entries
+        sample_rows = [e.logit_rows[-1] for e in entries if e.sample]
+        sample_params = [params_by_request[e.request_id] for e in entries if e.sample]
+        out = DynamicStepOutput()
+        sampled = self.sampler.sample(logits[sample_rows], sample_params).tolist() if sample_rows else []
+        want_log_probs = any(p.return_log_probs or p.top_n_logprobs for p in params_by_request.values())
+        log_probs = torch.log_softmax(logits.float(), dim=-1) if want_log_probs else None
+        it = iter(sampled)
+        for entry in entries:
+            params = params_by_request[entry.request_id]
+            token = next(it) if entry.sample else None
+            out.sampled_tokens.append(token)
+            lp = top = chunk_lp = chunk_top = None
+            if log_probs is not None and (params.return_log_probs or params.top_n_logprobs):
+                if entry.sample:
+                    row = log_probs[entry.logit_rows[-1]]
+                    lp = float(row[token])
+                    top = _top_n(row, params.top_n_logprobs)
+                if entry.all_logits:
+                    rows = log_probs[entry.logit_rows]
+                    targets = entry.tokens[1:] + ([] if entry.next_token is None else [entry.next_token])
+                    chunk_lp = [float(rows[i, t]) for i, t in enumerate(targets)]
+                    chunk_top = [_top_n(rows[i], params.top_n_logprobs) for i in range(len(targets))]
+            out.sampled_log_probs.append(lp)
+            out.sampled_top_n.append(top)
+            out.chunk_log_probs.append(chunk_lp)
+            out.chunk_top_n.append(chunk_top)
+        return out
+
+
+def _top_n(row: torch.Tensor, n: int) -> list[tuple[int, float]] | None:
+    if n <= 0:
+        return None
+    values, ids = torch.topk(row, n)
+    return list(zip(ids.tolist(), values.tolist()))

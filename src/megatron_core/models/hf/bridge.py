@@ -1,0 +1,376 @@
+"""``AutoBridge``: a Hugging Face model directory <-> this rank's GPTModel shard.
+
+::
+
+    bridge = AutoBridge.from_hf_pretrained("/models/llama-3.2-1b")   # config.json + safetensors
+    model = bridge.to_megatron_model()        # list of chunks for this rank's TP/PP(/VPP) shard, weights loaded
+    ...                                       # train
+    bridge.save_hf_pretrained(model, "/out")  # collective; transformers.AutoModelForCausalLM.from_pretrained("/out")
+
+Parallel sizes and ranks come from ``parallel_state`` (or ``pg_collection.tp``); without
+initialised model parallelism everything is one rank. Each rank reads only the rows/columns
+of the tensors it holds (safetensors slices, memory-mapped), never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import torch
+
+from megatron_core import parallel_state
+from megatron_core.models.hf.families import (
+    NOT_SUPPORTED,
+    SUPPORTED,
+    Family,
+    family_from_config,
+    llama3_inv_freq,
+)
+from megatron_core.models.hf.rules import Copy, Index, WeightRule, expected_hf_shape, fmt
+from megatron_core.models.hf.safetensors_io import HFCheckpointReader, HFConversionError
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, "decoder"):
+        raise TypeError(f"{type(model).__name__} is not a GPTModel (or a wrapper of one)")
+    return model
+
+
+def tp_rank_size(pg_collection: Any = None) -> tuple[int, int, Any]:
+    """``(rank, size, group)`` of tensor parallelism: ``pg_collection.tp``, else ``parallel_state``, else one rank."""
+    import torch.distributed as dist
+
+    group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    if group is not None:
+        return dist.get_rank(group), dist.get_world_size(group), group
+    if parallel_state.model_parallel_is_initialized():
+        return (parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_tensor_model_parallel_group())
+    return 0, 1, None
+
+
+def is_expert_rule(rule: WeightRule) -> bool:
+    """Whether ``rule`` is a routed expert's weight (split over expert-TP, placed by expert parallelism)."""
+    return "local_experts" in rule.mcore
+
+
+def expert_tp_rank_size() -> tuple[int, int, Any]:
+    """``(rank, size, group)`` of expert tensor parallelism (one rank without model parallelism)."""
+    if parallel_state.model_parallel_is_initialized():
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_group())
+    return 0, 1, None
+
+
+def expert_ep_rank() -> int:
+    """This rank's expert-parallel rank (0 without model parallelism)."""
+    return parallel_state.get_expert_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
+def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
+    """The full (TP=1) shape of GPTModel parameter ``name`` (layer index replaced by ``{i}``) for ``family``."""
+    c = family.config_kwargs
+    hidden, hd = c["hidden_size"], c.get("kv_channels") or c["hidden_size"] // c["num_attention_heads"]
+    heads, groups = c["num_attention_heads"], c.get("num_query_groups") or c["num_attention_heads"]
+    ffn = c["ffn_hidden_size"]
+    if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+        return (vocab, hidden)
+    if name.endswith("position_embeddings.weight"):
+        return (family.model_kwargs["max_sequence_length"], hidden)
+    if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return (hd,)
+    if name.endswith("mlp.router.weight"):
+        return (c["num_moe_experts"], hidden)
+    if name.endswith("shared_experts.gate_weight"):
+        return (1, hidden)
+    if "local_experts" in name:
+        ffn = c["moe_ffn_hidden_size"]
+    elif "shared_experts" in name:
+        ffn = c["moe_shared_expert_intermediate_size"]
+    if "linear_qkv" in name:
+        rows = (heads + 2 * groups) * hd
+        return (rows, hidden) if name.endswith("weight") else (rows,)
+    if "linear_proj" in name:
+        return (hidden, heads * hd) if name.endswith("weight") else (hidden,)
+    if "linear_fc1" in name:
+        rows = ffn * (2 if c.get("gated_linear_unit") else 1)
+        return (rows, hidden) if name.endswith("weight") else (rows,)
+    if "linear_fc2" in name:
+        return (hidden, ffn) if name.endswith("weight") else (hidden,)
+    return (hidden,)
+
+
+class AutoBridge:
+    """Converts between one Hugging Face causal-LM directory and GPTModel shards (see the module docstring)."""
+
+    def __init__(self, directory: str, hf_config: dict, family: Family, reader: HFCheckpointReader | None) -> None:
+        self.directory = directory
+        self.hf_config = hf_config
+        self.family = family
+        self.reader = reader
+
+    # ---- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_pretrained(cls, path: str | os.PathLike, *, load_weights: bool = True) -> AutoBridge:
+        """Read ``config.json`` (and, with ``load_weights``, check every safetensors tensor's name and shape)."""
+        directory = os.fspath(path)
+        cfg = read_hf_config(directory)
+        family = family_from_config(cfg, os.path.join(directory, "config.json"))
+        reader = HFCheckpointReader(directory) if load_weights else None
+        bridge = cls(directory, cfg, family, reader)
+        if reader is not None:
+            bridge._check_tensors()
+        return bridge
+
+    @staticmethod
+    def list_supported_models() -> list[str]:
+        """The HF ``architectures`` this bridge converts."""
+        return list(SUPPORTED)
+
+    @staticmethod
+    def supports(config: dict | str | os.PathLike) -> bool:
+        """Whether an HF config (dict, ``config.json`` path or model directory) names a supported architecture."""
+        cfg = config if isinstance(config, dict) else read_hf_config(os.fspath(config))
+        archs = cfg.get("architectures") or []
+        return len(archs) == 1 and archs[0] in SUPPORTED
+
+    @property
+    def architecture(self) -> str:
+        """The HF architecture name, e.g. ``LlamaForCausalLM``."""
+        return self.family.architecture
+
+    def rules(self) -> list[tuple[WeightRule, int | None]]:
+        """Every (rule, global layer index) of the full model, in HF file order."""
+        out: list[tuple[WeightRule, int | None]] = [(r, None) for r in self.family.global_rules
+                                                    if r.mcore.startswith("embedding.")]
+        experts = self.family.config_kwargs.get("num_moe_experts") or 0
+        for i in range(self.family.num_layers):
+            for r in self.family.layer_rules:
+                out += [(r, (i, e)) for e in range(experts)] if "{e}" in r.mcore else [(r, i)]
+        out += [(r, None) for r in self.family.global_rules if not r.mcore.startswith("embedding.")]
+        if self.family.model_kwargs["share_embeddings_and_output_weights"]:
+            out = [(r, i) for r, i in out if r.mcore != "output_layer.weight"]
+        return out
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every HF tensor the config implies."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for rule, layer in self.rules():
+            full = mcore_shape(rule.mcore, self.family, self.family.vocab_size)
+            for name, shape in expected_hf_shape(rule, full).items():
+                shapes[fmt(name, layer)] = shape
+        return shapes
+
+    def _check_tensors(self) -> None:
+        assert self.reader is not None
+        expected = self.expected_hf_shapes()
+        stored = set(self.reader.names())
+        for name, shape in expected.items():
+            if name not in stored:
+                raise HFConversionError(
+                    f"{self.directory}: tensor {name!r} is missing from the safetensors files "
+                    f"({self.architecture} with this config.json needs it)"
+                )
+            if self.reader.shape(name) != shape:
+                raise HFConversionError(
+                    f"{self.reader.path_of(name)}: tensor {name!r} has shape {self.reader.shape(name)}, "
+                    f"but config.json implies {shape}"
+                )
+        ignorable = self.family.ignored_suffixes
+        if self.family.model_kwargs["share_embeddings_and_output_weights"]:
+            ignorable = (*ignorable, "lm_head.weight")
+        extra = sorted(n for n in stored - set(expected) if not n.endswith(ignorable))
+        if extra:
+            raise HFConversionError(
+                f"{self.reader.path_of(extra[0])}: tensor {extra[0]!r} (and {len(extra) - 1} more) has no place in a "
+                f"{self.architecture} with this config.json; unconverted weights would be lost"
+            )
+
+    # ---- Megatron side ------------------------------------------------------------------------------------
+    def padded_vocab_size(self, tp_size: int, make_vocab_size_divisible_by: int | None = None) -> int:
+        """The model's vocabulary: the HF one, padded to a multiple of ``make_vocab_size_divisible_by * TP``."""
+        vocab = self.family.vocab_size
+        if make_vocab_size_divisible_by:
+            from megatron_core.tensor_parallel import pad_vocab_size
+
+            return pad_vocab_size(vocab, make_vocab_size_divisible_by, tp_size)
+        if vocab % tp_size:
+            raise HFConversionError(
+                f"{os.path.join(self.directory, 'config.json')}: vocab_size {vocab} is not divisible by "
+                f"tensor_model_parallel_size {tp_size}; pass make_vocab_size_divisible_by (e.g. 128) to pad it "
+                f"(padded rows are zero and dropped again on export)"
+            )
+        return vocab
+
+    def transformer_config(self, **overrides: Any):
+        """The TransformerConfig for this model under the current parallel layout; ``overrides`` win."""
+        from megatron_core.transformer import TransformerConfig
+
+        kwargs = dict(self.family.config_kwargs)
+        if parallel_state.model_parallel_is_initialized():
+            pp = parallel_state.get_pipeline_model_parallel_world_size()
+            kwargs.update(tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                          pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size())
+        dtype = overrides.pop("params_dtype", None) or self.family.dtype or torch.float32
+        kwargs.update(params_dtype=dtype)
+        kwargs.update(overrides)
+        if kwargs.get("pipeline_model_parallel_size", 1) > 1:
+            kwargs.setdefault("pipeline_dtype", dtype)
+        return TransformerConfig(**kwargs)
+
+    def gpt_model_kwargs(self) -> dict[str, Any]:
+        """GPTModel keyword arguments for this model (position embeddings, RoPE, tying, maximum length)."""
+        return dict(self.family.model_kwargs)
+
+    def to_megatron_model(self, load_weights: bool = True, *, config: Any = None,
+                          make_vocab_size_divisible_by: int | None = None, pg_collection: Any = None,
+                          **model_kwargs: Any) -> list[torch.nn.Module]:
+        """This rank's GPTModel chunks (one per virtual pipeline stage), with the HF weights unless not ``load_weights``."""
+        from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+
+        config = config or self.transformer_config(perform_initialization=not load_weights)
+        _, tp_size, _ = tp_rank_size(pg_collection)
+        vocab = self.padded_vocab_size(tp_size, make_vocab_size_divisible_by)
+        kwargs = {**self.family.model_kwargs, **model_kwargs}
+        max_seq = kwargs.pop("max_sequence_length")
+        if getattr(config, "moe_grouped_gemm", False):
+            raise HFConversionError("the HF bridge maps per-expert weights: build MoE models with moe_grouped_gemm=False")
+        spec = get_gpt_layer_local_spec(config.num_moe_experts, qk_layernorm=config.qk_layernorm)
+        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() \
+            if parallel_state.model_parallel_is_initialized() else None
+        chunks = []
+        for vp in range(vpp or 1):
+            stage = vp if vpp else None
+            if parallel_state.model_parallel_is_initialized():
+                pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+                post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+            else:
+                pre = post = True
+            chunks.append(GPTModel(config, spec, vocab, max_seq, pre_process=pre, post_process=post,
+                                   vp_stage=stage, pg_collection=pg_collection, **kwargs))
+        if load_weights:
+            self.load_hf_weights(chunks, pg_collection=pg_collection)
+        else:
+            for chunk in chunks:
+                self.set_rotary_frequencies(chunk)
+        return chunks
+
+    def set_rotary_frequencies(self, model: torch.nn.Module) -> None:
+        """Give the model the exact Llama 3.1 RoPE frequencies of config.json (they are not in state dicts)."""
+        scaling = self.family.rope_llama3
+        inner = unwrap(model)
+        rotary = getattr(inner, "rotary_pos_emb", None)
+        if scaling is None or rotary is None:
+            return
+        kv = inner.config.kv_channels
+        percent = 2 * rotary.inv_freq.numel() / kv
+        rotary.inv_freq = llama3_inv_freq(kv, percent, self.family.model_kwargs["rotary_base"], scaling).to(
+            rotary.inv_freq.device)
+        getattr(rotary, "_cache", {}).clear()
+
+    def load_hf_weights(self, model: torch.nn.Module | list[torch.nn.Module], pg_collection: Any = None) -> None:
+        """Fill every parameter of this rank's chunk(s) with its slice of the HF tensors."""
+        if self.reader is None:
+            raise HFConversionError(f"{self.directory}: the bridge was opened with load_weights=False")
+        dense_tp = tp_rank_size(pg_collection)[:2]
+        expert_tp = expert_tp_rank_size()[:2]
+        by_name = {r.mcore: r for r in self.family.layer_rules + self.family.global_rules}
+        for chunk in model if isinstance(model, (list, tuple)) else [model]:
+            inner = unwrap(chunk)
+            self.set_rotary_frequencies(inner)
+            with torch.no_grad():
+                for name, param in inner.named_parameters():
+                    rule, layer = self._rule_for(inner, name, by_name)
+                    tp_rank, tp_size = expert_tp if is_expert_rule(rule) else dense_tp
+                    if isinstance(rule, Copy) and rule.vocab:
+                        padded = param.shape[0] * (tp_size if rule.tp_axis == 0 else 1)
+                        if padded < self.family.vocab_size:
+                            raise HFConversionError(
+                                f"{name}: the model's vocabulary ({padded}) is smaller than config.json's "
+                                f"vocab_size ({self.family.vocab_size})")
+                        value = rule.from_hf(self.reader.read, layer, tp_rank, tp_size, self.reader.shape,
+                                             padded_rows=padded)
+                    else:
+                        value = rule.from_hf(self.reader.read, layer, tp_rank, tp_size, self.reader.shape)
+                    if tuple(value.shape) != tuple(param.shape):
+                        files = sorted({self.reader.path_of(n) for n in rule.hf_names(layer)})
+                        raise HFConversionError(
+                            f"{name}: built {tuple(value.shape)} from {rule.hf_names(layer)} in {files}, but this "
+                            f"rank's parameter is {tuple(param.shape)} (TP {tp_rank}/{tp_size})")
+                    param.copy_(value)
+
+    @staticmethod
+    def _rule_for(inner: torch.nn.Module, name: str, by_name: dict[str, WeightRule]) -> tuple[WeightRule, Index]:
+        match = _LAYER.match(name)
+        layer_index: Index = None
+        key = name
+        if match:
+            layer = inner.decoder.layers[int(match.group(1))]
+            rest = match.group(2)
+            key, layer_index = f"decoder.layers.{{i}}.{rest}", layer.layer_number - 1
+            expert = _EXPERT.match(rest)
+            if expert:
+                local = len(layer.mlp.experts.local_experts)
+                global_expert = expert_ep_rank() * local + int(expert.group(1))
+                key = f"decoder.layers.{{i}}.mlp.experts.local_experts.{{e}}.{expert.group(2)}"
+                layer_index = (layer.layer_number - 1, global_expert)
+        if key not in by_name:
+            raise HFConversionError(f"parameter {name!r} of the GPTModel has no Hugging Face counterpart")
+        return by_name[key], layer_index
+
+    # ---- Hugging Face side --------------------------------------------------------------------------------
+    def save_hf_pretrained(self, model: torch.nn.Module | list[torch.nn.Module], path: str | os.PathLike, *,
+                           max_shard_size: int | str = "5GB", overwrite: bool = False, progress: bool = False,
+                           pg_collection: Any = None) -> None:
+        """Write the (possibly TP/PP-sharded) model as an HF directory; collective over every rank."""
+        from megatron_core.models.hf.export import export_model
+
+        export_model(self, model, os.fspath(path), max_shard_size=max_shard_size, overwrite=overwrite,
+                     progress=progress, pg_collection=pg_collection)
+
+    def hf_config_for_export(self, dtype: torch.dtype | None) -> dict:
+        """config.json for an export in ``dtype``."""
+        cfg = dict(self.hf_config)
+        if dtype is not None:
+            name = str(dtype).replace("torch.", "")
+            cfg["dtype" if "dtype" in cfg or "torch_dtype" not in cfg else "torch_dtype"] = name
+        return cfg
+
+    def tokenizer(self, **kwargs: Any):
+        """The directory's tokenizer (``tokenizer.json``, special tokens and chat template) as a Megatron tokenizer."""
+        from megatron_core.models.hf.tokenizer import HFDirectoryTokenizer
+
+        return HFDirectoryTokenizer(self.directory, **kwargs)
+
+
+def read_hf_config(path: str) -> dict:
+    """``config.json`` of a model directory (or the file itself) as a dict, with a clear error."""
+    file = path if path.endswith(".json") else os.path.join(path, "config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError as e:
+        raise HFConversionError(f"{file} does not exist: not a Hugging Face model directory") from e
+    except (OSError, ValueError) as e:
+        raise HFConversionError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise HFConversionError(f"{file}: expected a JSON object")
+    return cfg
+
+
+__all__ = ["NOT_SUPPORTED", "SUPPORTED", "AutoBridge", "read_hf_config"]

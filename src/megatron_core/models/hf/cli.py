@@ -1,0 +1,117 @@
+"""``megatron-convert``: Hugging Face directories <-> distributed checkpoints, from one process.
+
+::
+
+    megatron-convert hf-to-mcore --hf /models/llama --out /ckpt/llama --tp 2 --pp 2
+    torchrun --nproc-per-node 4 examples/pretrain_gpt.py --load /ckpt/llama --no-load-optim --no-load-rng ...
+    megatron-convert mcore-to-hf --mcore /ckpt/run --out /models/llama-tuned [--hf-template /models/llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``megatron-convert`` command line."""
+    parser = argparse.ArgumentParser(prog="megatron-convert", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF directory -> distributed checkpoint (iteration 0)")
+    to_mcore.add_argument("--hf", required=True, help="HF model directory (config.json, *.safetensors, tokenizer)")
+    to_mcore.add_argument("--out", required=True, help="checkpoint root to create (use it as --load)")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size the run will use (vocab padding)")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size the run will use (checked)")
+    to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                          help="pad the vocabulary to a multiple of this x TP, as pretrain_gpt.py does (1: no padding)")
+    to_hf = sub.add_parser("mcore-to-hf", help="distributed checkpoint -> HF directory")
+    to_hf.add_argument("--mcore", "--load", dest="mcore", required=True, help="checkpoint root or iteration dir")
+    to_hf.add_argument("--out", required=True, help="HF directory to create (written atomically)")
+    to_hf.add_argument("--hf-template", default=None,
+                       help="original HF directory (config.json, tokenizer); default: found in the checkpoint")
+    to_hf.add_argument("--iteration", type=int, default=None, help="default: the tracker's latest iteration")
+    to_hf.add_argument("--max-shard-size", default="5GB")
+    to_hf.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: the checkpoint's dtype")
+    to_hf.add_argument("--overwrite", action="store_true")
+    for p in (to_mcore, to_hf):
+        p.add_argument("--no-progress", action="store_true", help="no progress bar / lines")
+    return parser
+
+
+def training_flags(bridge, tp: int, pp: int, make_vocab_size_divisible_by: int) -> str:
+    """``pretrain_gpt.py`` flags describing the converted model (Llama- and GPT-2-shaped models)."""
+    c, m = bridge.family.config_kwargs, bridge.family.model_kwargs
+    flags = [f"--num-layers {c['num_layers']}", f"--hidden-size {c['hidden_size']}",
+             f"--ffn-hidden-size {c['ffn_hidden_size']}", f"--num-attention-heads {c['num_attention_heads']}",
+             f"--normalization {c['normalization']}", f"--norm-epsilon {c['layernorm_epsilon']}",
+             f"--position-embedding-type {m['position_embedding_type']}",
+             f"--max-position-embeddings {m['max_sequence_length']}",
+             f"--tensor-model-parallel-size {tp}", f"--pipeline-model-parallel-size {pp}",
+             f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by}"]
+    if c.get("num_query_groups"):
+        flags.append(f"--num-query-groups {c['num_query_groups']}")
+    if c.get("kv_channels"):
+        flags.append(f"--kv-channels {c['kv_channels']}")
+    if c.get("gated_linear_unit"):
+        flags.append("--swiglu")
+    if not c.get("add_bias_linear", True):
+        flags.append("--disable-bias-linear")
+    if not m["share_embeddings_and_output_weights"]:
+        flags.append("--untie-embeddings-and-output-weights")
+    if m["position_embedding_type"] == "rope":
+        flags.append(f"--rotary-base {int(m['rotary_base'])}")
+    return " ".join(flags)
+
+
+def flags_cannot_express(bridge) -> list[str]:
+    """Features of the model that ``pretrain_gpt.py``'s model flags do not describe (use ``--hf-model``)."""
+    import torch.nn.functional as F
+
+    c = bridge.family.config_kwargs
+    missing = []
+    if bridge.family.rope_llama3:
+        missing.append("llama3 RoPE scaling")
+    if c.get("qk_layernorm"):
+        missing.append("q/k layernorm")
+    if c.get("add_qkv_bias") and not c.get("add_bias_linear"):
+        missing.append("QKV-only biases")
+    if c["activation_func"] not in (F.silu, F.gelu):
+        missing.append(f"activation {c['activation_func'].__name__}")
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``megatron-convert``."""
+    args = build_parser().parse_args(argv)
+    from megatron_core.models.hf.bridge import AutoBridge
+    from megatron_core.models.hf.convert import export_mcore_to_hf, import_hf_to_mcore
+    try:
+        if args.command == "hf-to-mcore":
+            divisible = args.make_vocab_size_divisible_by if args.make_vocab_size_divisible_by > 1 else None
+            path = import_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp,
+                                      make_vocab_size_divisible_by=divisible, progress=not args.no_progress)
+            bridge = AutoBridge.from_hf_pretrained(args.hf, load_weights=False)
+            print(f"wrote {path}")
+            print("train from it with: --load", args.out, "--no-load-optim --no-load-rng",
+                  training_flags(bridge, args.tp, args.pp, args.make_vocab_size_divisible_by))
+            missing = flags_cannot_express(bridge)
+            if missing:
+                print(f"note: those flags cannot express {', '.join(missing)}; train with --hf-model {args.hf} "
+                      "(which builds the model from config.json) instead")
+        else:
+            export_mcore_to_hf(args.mcore, args.out, hf_template=args.hf_template, iteration=args.iteration,
+                               max_shard_size=args.max_shard_size, dtype=_DTYPES.get(args.dtype) if args.dtype else None,
+                               overwrite=args.overwrite, progress=not args.no_progress)
+            print(f"wrote {args.out}")
+    except ValueError as e:  # HFConversionError and configuration errors: one clear line
+        print(f"megatron-convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Hugging Face directory <-> distributed checkpoint on disk, from one process, one tensor at a time.
+
+:func:`import_hf_to_mcore` writes ``<out>/iter_0000000/`` (plus the ``latest_checkpointed_iteration.txt``
+tracker) in the layout of ``dist_checkpointing.training.save_checkpoint``: each model tensor is
+stored in its global (TP- and PP-independent) form, one chunk per layer, under the sharded keys
+GPTModel's ``sharded_state_dict`` uses. ``dist_checkpointing`` reshards on load, so a run with any
+TP/PP that divides the model loads it with ``--load <out> --no-load-optim --no-load-rng``; no
+process per rank is spawned. ``--tp`` only sets the vocabulary padding and checks divisibility.
+The HF ``config.json`` and tokenizer files are copied to ``<out>/hf/`` so the export back needs
+nothing else.
+
+:func:`export_mcore_to_hf` reads such a checkpoint (or one saved by a training run) tensor by
+tensor and streams the HF shards (see :mod:`.export`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from megatron_core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron_core.dist_checkpointing.serialization import load_common_state_dict, load_tensors_metadata, save
+from megatron_core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron_core.dist_checkpointing.strategies.torch_dist import (
+    BACKEND,
+    VERSION,
+    TorchDistLoadShardedStrategy,
+)
+from megatron_core.dist_checkpointing.training.tracker import get_checkpoint_name, read_tracker, write_tracker
+from megatron_core.models.hf.bridge import TOKENIZER_FILES, AutoBridge, mcore_shape
+from megatron_core.models.hf.export import HFDirectoryWriter
+from megatron_core.models.hf.families import family_from_config
+from megatron_core.models.hf.progress import progress as progress_iter
+from megatron_core.models.hf.rules import Copy, fmt
+from megatron_core.models.hf.safetensors_io import HFConversionError
+
+HF_SUBDIR = "hf"
+CHECKPOINT_VERSION = 3.0
+
+
+def sharded_key(mcore_name: str) -> str:
+    """The checkpoint key of a GPTModel parameter: layers (and experts) are stacked, so their indices are dropped."""
+    return mcore_name.replace("decoder.layers.{i}.", "decoder.layers.").replace("local_experts.{e}.", "experts.")
+
+
+def _placement(full: tuple[int, ...], index: Any, layers: int, experts: int) -> tuple[tuple, tuple, int]:
+    """``(global_shape, global_offset, prepended axes)`` of one stored chunk (a layer's, or a layer's expert's)."""
+    zeros = (0,) * len(full)
+    if index is None:
+        return full, zeros, 0
+    if isinstance(index, tuple):
+        return (layers, experts, *full), (*index, *zeros), 2
+    return (layers, *full), (index, *zeros), 1
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """DCP save planner whose tensors are produced by a loader only when the writer asks for them."""
+
+    def __init__(self, shards: list[ShardedTensor | ShardedObject], loaders: dict[tuple[str, tuple[int, ...]], Callable]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False)
+        self._loaders = loaders
+        self._items = []
+        self._objects: dict[str, io.BytesIO] = {}
+        for sh in shards:
+            if isinstance(sh, ShardedObject):
+                self._items.append(WriteItem(index=MetadataIndex(sh.unique_key), type=WriteItemType.BYTE_IO))
+                buffer = io.BytesIO()
+                torch.save(sh.data, buffer)
+                self._objects[sh.unique_key] = buffer
+                continue
+            offsets = torch.Size(sh.global_offset)
+            self._items.append(WriteItem(
+                index=MetadataIndex(sh.key, offsets), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(sh.chunk_sizes())),
+                                            properties=TensorProperties(dtype=sh.dtype),
+                                            size=torch.Size(sh.global_shape)),
+            ))
+
+    def set_up_planner(self, state_dict: Any = None, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._objects[write_item.index.fqn].getbuffer())
+        return self._loaders[(write_item.index.fqn, tuple(write_item.index.offset))]()
+
+
+class _LazyTorchDistSave(SaveShardedStrategy):
+    """A one-process ``torch_dist`` save that reads each tensor from the HF files just before writing it."""
+
+    def __init__(self, loaders: dict[tuple[str, tuple[int, ...]], Callable]) -> None:
+        super().__init__(BACKEND, VERSION)
+        self.loaders = loaders
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike) -> None:
+        from megatron_core.dist_checkpointing.dict_utils import nested_values
+
+        shards = [v for v in nested_values(sharded_state_dict) if isinstance(v, (ShardedTensor, ShardedObject))]
+        planner = _LazySavePlanner(shards, self.loaders)
+        writer = FileSystemWriter(checkpoint_dir, thread_count=1, sync_files=True, overwrite=True)
+        planner.set_up_planner(is_coordinator=True)
+        writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+        local = writer.prepare_local_plan(planner.create_local_plan())
+        global_plans, metadata = planner.create_global_plan([local])
+        final = planner.finish_plan(writer.prepare_global_plan(global_plans)[0])
+        results = writer.write_data(final, planner).wait()
+        writer.finish(metadata, [results])
+
+
+_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+
+
+def _extra_state_objects(bridge: AutoBridge, layers: int, experts: int) -> dict[str, ShardedObject]:
+    """The (empty) ``_extra_state`` of every tensor-parallel linear layer, as GPTModel's sharded state dict has them."""
+    modules = {r.mcore.rsplit(".", 1)[0] for r in bridge.family.layer_rules + bridge.family.global_rules}
+    out = {}
+    for module in sorted(m for m in modules if m.endswith(_LINEARS)):
+        key = f"{sharded_key(module)}._extra_state"
+        if "{e}" in module:
+            for i in range(layers):
+                for e in range(experts):
+                    out[f"{fmt(module, (i, e))}._extra_state"] = ShardedObject(key, None, (layers, experts), (i, e),
+                                                                               replica_id=0)
+        elif "{i}" in module:
+            for i in range(layers):
+                out[f"{module.format(i=i)}._extra_state"] = ShardedObject(key, None, (layers,), (i,), replica_id=0)
+        else:
+            out[f"{module}._extra_state"] = ShardedObject(key, None, (1,), (0,), replica_id=0)
+    return out
+
+
+def _copy_hf_files(source: str, target: str) -> None:
+    os.makedirs(target, exist_ok=True)
+    for name in ("config.json", *TOKENIZER_FILES):
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
+
+
+def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
+                       make_vocab_size_divisible_by: int | None = None, progress: bool = True) -> str:
+    """Write the HF model in ``hf_dir`` as a distributed checkpoint under ``out_dir``; returns the iteration dir."""
+    bridge = AutoBridge.from_hf_pretrained(hf_dir)
+    assert bridge.reader is not None
+    bridge.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)  # checks divisibility
+    layers = bridge.family.num_layers
+    if layers % pp:
+        raise HFConversionError(f"{hf_dir}/config.json: num_hidden_layers {layers} is not divisible by --pp {pp}")
+    vocab = bridge.padded_vocab_size(tp, make_vocab_size_divisible_by)
+    if read_tracker(out_dir) is not None:
+        raise HFConversionError(f"{out_dir} already holds a checkpoint; choose an empty --out directory")
+    reader = bridge.reader
+    experts = bridge.family.config_kwargs.get("num_moe_experts") or 0
+    model: dict[str, ShardedTensor] = {}
+    loaders: dict[tuple[str, tuple[int, ...]], Callable] = {}
+    rules = bridge.rules()
+    ticks = iter(progress_iter(range(len(rules)), len(rules), f"hf-to-mcore {os.path.basename(out_dir)}", progress))
+    for rule, layer in rules:
+        full = mcore_shape(rule.mcore, bridge.family, vocab)
+        dtype = reader.dtype(rule.hf_names(layer)[0])
+        key = sharded_key(rule.mcore)
+        global_shape, offset, prepended = _placement(full, layer, layers, experts)
+        model[fmt(rule.mcore, layer)] = ShardedTensor(
+            key, torch.empty(full, dtype=dtype, device="meta"), dtype, full, global_shape, offset,
+            (1,) * len(global_shape), prepend_axis_num=prepended)
+
+        def load(rule: Any = rule, layer: Any = layer, prepended: int = prepended) -> torch.Tensor:
+            extra = {"padded_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
+            value = rule.from_hf(reader.read, layer, 0, 1, reader.shape, **extra)
+            next(ticks, None)
+            return value.reshape(*(1,) * prepended, *value.shape)
+
+        loaders[(key, offset)] = load
+    model.update(_extra_state_objects(bridge, layers, experts))
+    extra_state = {"hf_config": json.dumps(bridge.hf_config), "hf_source": os.path.abspath(hf_dir),
+                   "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "padded_vocab_size": vocab}
+    state = {"model": model, "opt_param_scheduler": None, "iteration": 0, "consumed_train_samples": 0,
+             "extra_state": extra_state, "checkpoint_version": CHECKPOINT_VERSION}
+    checkpoint_dir = get_checkpoint_name(out_dir, 0)
+    created = not os.path.exists(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        save(state, checkpoint_dir, sharded_strategy=_LazyTorchDistSave(loaders), overwrite=True)
+        for _ in ticks:  # finish the progress display
+            pass
+        _copy_hf_files(hf_dir, os.path.join(out_dir, HF_SUBDIR))
+        write_tracker(out_dir, 0)  # last: the checkpoint counts only once the tracker names it
+    except Exception as e:
+        shutil.rmtree(out_dir if created else checkpoint_dir, ignore_errors=True)
+        if not created:
+            shutil.rmtree(os.path.join(out_dir, HF_SUBDIR), ignore_errors=True)
+        raise HFConversionError(f"converting {hf_dir} to {out_dir} failed (nothing left there): {e}") from e
+    return os.fspath(checkpoint_dir)
+
+
+def _checkpoint_dir(path: str, iteration: int | None) -> str:
+    if iteration is None:
+        iteration = read_tracker(path)
+    return os.fspath(get_checkpoint_name(path, iteration)) if iteration is not None else path
+
+
+def _template(ckpt_root: str, checkpoint_dir: str, hf_template: str | None) -> AutoBridge:
+    """The bridge (config, tokenizer files) the export follows."""
+    if hf_template is not None:
+        return AutoBridge.from_hf_pretrained(hf_template, load_weights=False)
+    if os.path.isfile(os.path.join(ckpt_root, HF_SUBDIR, "config.json")):
+        return AutoBridge.from_hf_pretrained(os.path.join(ckpt_root, HF_SUBDIR), load_weights=False)
+    extra = load_common_state_dict(checkpoint_dir).get("extra_state") or {}
+    source = (extra.get("args") or {}).get("hf_model") if isinstance(extra, dict) else None
+    if source and os.path.isfile(os.path.join(source, "config.json")):
+        return AutoBridge.from_hf_pretrained(source, load_weights=False)
+    if isinstance(extra, dict) and extra.get("hf_config"):
+        cfg = json.loads(extra["hf_config"])
+        return AutoBridge(extra.get("hf_source", ""), cfg, family_from_config(cfg, f"{checkpoint_dir} (hf_config)"), None)
+    raise HFConversionError(f"{checkpoint_dir}: no Hugging Face config found; pass --hf-template DIR (the model's "
+                            "original HF directory, for config.json and the tokenizer)")
+
+
+def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = None, iteration: int | None = None,
+                       max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None, overwrite: bool = False,
+                       progress: bool = True) -> None:
+    """Write the model of distributed checkpoint ``ckpt`` (root with a tracker, or an iteration dir) as HF files."""
+    checkpoint_dir = _checkpoint_dir(ckpt, iteration)
+    bridge = _template(ckpt, checkpoint_dir, hf_template)
+    stored = load_tensors_metadata(checkpoint_dir)
+    strategy = TorchDistLoadShardedStrategy()
+    layers = bridge.family.num_layers
+    experts = bridge.family.config_kwargs.get("num_moe_experts") or 0
+    todo = []
+    for rule, layer in bridge.rules():
+        key = sharded_key(rule.mcore)
+        if key not in stored:
+            raise HFConversionError(f"{checkpoint_dir}: tensor {key!r} is missing (a {bridge.architecture} needs it)")
+        shape = tuple(stored[key].global_shape)
+        prepended = 0 if layer is None else 2 if isinstance(layer, tuple) else 1
+        full = shape[prepended:]
+        want = mcore_shape(rule.mcore, bridge.family, full[0] if isinstance(rule, Copy) and rule.vocab else 0)
+        expected = _placement(tuple(want), layer, layers, experts)[0]
+        if shape != expected:
+            raise HFConversionError(f"{checkpoint_dir}: tensor {key!r} has shape {shape}, the HF config implies "
+                                    f"{expected}")
+        todo.append((rule, layer, key, full, stored[key].dtype))
+    vocab = bridge.family.vocab_size
+    writer = HFDirectoryWriter(bridge, out_dir, overwrite, max_shard_size)
+    entries = []
+    from megatron_core.models.hf.rules import expected_hf_shape
+
+    for rule, layer, _, _, stored_dtype in todo:
+        for name, shape in expected_hf_shape(rule, mcore_shape(rule.mcore, bridge.family, vocab)).items():
+            entries.append((fmt(name, layer), shape, dtype or stored_dtype))
+    writer.plan(entries)
+    error = None
+    try:
+        for rule, layer, key, full, stored_dtype in progress_iter(todo, len(todo), "mcore-to-hf", progress):
+            global_shape, offset, prepended = _placement(tuple(full), layer, layers, experts)
+            request = ShardedTensor(key, None, stored_dtype, tuple(full), global_shape, offset, (1,) * len(global_shape),
+                                    prepend_axis_num=prepended)
+            tensor = strategy.load({"t": request}, checkpoint_dir)["t"]
+            extra = {"hf_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
+            for name, value in rule.to_hf([tensor], layer, **extra).items():
+                writer.write(name, value.to(dtype) if dtype is not None else value)
+    except Exception as e:  # noqa: BLE001 - reported by finish(), which removes the temporary directory
+        error = e
+    writer.finish(error)

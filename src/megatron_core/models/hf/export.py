@@ -1,0 +1,218 @@
+"""Export a (possibly TP/PP-sharded) GPTModel to a Hugging Face directory, streaming one tensor at a time.
+
+Every rank computes nothing it does not hold: for each parameter, the TP shards are gathered to
+TP rank 0 of the (data-parallel rank 0) pipeline stage that holds it, converted to the HF
+tensors and written straight to their offsets in a pre-planned safetensors shard (the shard
+plan, from shapes and dtypes only, is agreed by all ranks first; a shard holds tensors of one
+stage). Files go into ``<path>.tmp-<id>``; only when every rank succeeded does rank 0 write the
+index, ``config.json`` and the tokenizer files and rename the directory to ``path``, so a failure
+leaves nothing at ``path``. The parameters' dtype (bf16 / fp16 / fp32) is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state
+from megatron_core.dist_checkpointing import collectives
+from megatron_core.models.hf.bridge import (
+    TOKENIZER_FILES,
+    expert_tp_rank_size,
+    is_expert_rule,
+    mcore_shape,
+    tp_rank_size,
+    unwrap,
+)
+from megatron_core.models.hf.progress import progress as progress_iter
+from megatron_core.models.hf.rules import Copy, Index, expected_hf_shape, fmt
+from megatron_core.models.hf.safetensors_io import (
+    INDEX_FILE,
+    HFConversionError,
+    SafetensorsShardWriter,
+    plan_shards,
+    shard_file_names,
+)
+
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(size: int | str) -> int:
+    """``"500MB"`` / ``"5GB"`` / an int -> bytes."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * _UNITS[unit])
+    return int(text)
+
+
+class HFDirectoryWriter:
+    """Streams safetensors shards into a temporary directory and publishes it atomically; collective."""
+
+    def __init__(self, bridge: Any, path: str, overwrite: bool, max_shard_size: int | str) -> None:
+        self.bridge, self.path, self.overwrite = bridge, os.path.abspath(path), overwrite
+        self.max_shard_bytes = parse_size(max_shard_size)
+        self.rank = collectives.get_rank()
+        refused = self.rank == 0 and os.path.exists(self.path) and bool(os.listdir(self.path)) and not overwrite
+        if collectives.broadcast_object(refused, 0):
+            raise HFConversionError(f"{self.path} exists and is not empty; pass overwrite=True to replace it")
+        name = f"{os.path.basename(self.path)}.tmp-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None
+        self.tmp = os.path.join(os.path.dirname(self.path), collectives.broadcast_object(name, 0))
+        error = None
+        if self.rank == 0:
+            try:
+                os.makedirs(self.tmp)
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+        error = collectives.broadcast_object(error, 0)
+        if error:
+            raise HFConversionError(f"cannot create {self.tmp}: {error}")
+        self.file_of: dict[str, str] = {}
+        self._writers: dict[str, SafetensorsShardWriter] = {}
+        self._plan: dict[str, list] = {}
+        self.dtype: torch.dtype | None = None
+
+    def plan(self, local_entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        """Agree on the shard layout from every rank's ``(hf_name, shape, dtype)`` list (collective)."""
+        gathered = collectives.all_gather_object(local_entries)
+        entries = [(n, s, d, r) for r, items in enumerate(gathered) for n, s, d in items]
+        shards = plan_shards(entries, self.max_shard_bytes)
+        names = shard_file_names(len(shards))
+        self.total_size = 0
+        for file_name, shard in zip(names, shards):
+            self._plan[file_name] = shard
+            for name, shape, dtype in shard:
+                self.file_of[name] = file_name
+                self.total_size += int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        dtypes = {d for _, _, d, _ in entries}
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one planned tensor (its shard file is created on first use)."""
+        file_name = self.file_of[name]
+        if file_name not in self._writers:
+            self._writers[file_name] = SafetensorsShardWriter(os.path.join(self.tmp, file_name), self._plan[file_name])
+        self._writers[file_name].write(name, tensor)
+
+    def finish(self, error: BaseException | None) -> None:
+        """Close this rank's shards; if every rank succeeded, rank 0 publishes the directory (collective)."""
+        for writer in self._writers.values():
+            try:
+                writer.close()
+            except Exception as e:  # noqa: BLE001 - reported below
+                error = error or e
+        failed = collectives.any_rank_true(error is not None)
+        publish_error = None
+        if self.rank == 0:
+            try:
+                if failed:
+                    raise HFConversionError("a rank failed")
+                self._publish()
+            except Exception as e:  # noqa: BLE001 - sent to every rank below
+                publish_error = f"{type(e).__name__}: {e}"
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        publish_error = collectives.broadcast_object(publish_error, 0)
+        if error is not None:
+            raise HFConversionError(f"exporting to {self.path} failed (nothing written there): "
+                                    f"{type(error).__name__}: {error}") from error
+        if publish_error is not None:
+            raise HFConversionError(f"exporting to {self.path} failed (nothing written there): {publish_error}")
+
+    def _publish(self) -> None:
+        files = sorted(self._plan)
+        for file_name in files:
+            if not os.path.isfile(os.path.join(self.tmp, file_name)):
+                raise HFConversionError(f"{file_name} was never written")
+        if len(files) > 1:
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(self.file_of.items()))}
+            _write_json(os.path.join(self.tmp, INDEX_FILE), index)
+        _write_json(os.path.join(self.tmp, "config.json"), self.bridge.hf_config_for_export(self.dtype))
+        for name in TOKENIZER_FILES:
+            source = os.path.join(self.bridge.directory, name)
+            if os.path.isfile(source):
+                shutil.copyfile(source, os.path.join(self.tmp, name))
+        old = None
+        if os.path.exists(self.path):
+            old = f"{self.path}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(self.path, old)
+        os.rename(self.tmp, self.path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _gather(param: torch.Tensor, tp_rank: int, tp_size: int, group: Any) -> list[torch.Tensor] | None:
+    data = param.detach().contiguous()
+    if tp_size == 1:
+        return [data]
+    pieces = [torch.empty_like(data) for _ in range(tp_size)] if tp_rank == 0 else None
+    dist.gather(data, pieces, dst=dist.get_global_rank(group, 0), group=group)
+    return pieces
+
+
+def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], path: str, *,
+                 max_shard_size: int | str, overwrite: bool, progress: bool, pg_collection: Any = None) -> None:
+    """Write ``model`` (this rank's chunks) as an HF directory at ``path``; every rank must call it."""
+    chunks = [unwrap(c) for c in (model if isinstance(model, (list, tuple)) else [model])]
+    # Dense weights are written from data-parallel rank 0, routed experts from expert-data-parallel rank 0
+    # (each expert-parallel rank writes its own experts); TP shards are gathered to (expert-)TP rank 0.
+    dense = tp_rank_size(pg_collection)
+    expert = expert_tp_rank_size()
+    initialized = parallel_state.model_parallel_is_initialized()
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) if initialized else 0
+    edp_rank = parallel_state.get_expert_data_parallel_rank() if initialized else 0
+    by_name = {r.mcore: r for r in bridge.family.layer_rules + bridge.family.global_rules}
+    held: dict[tuple[str, Index], torch.Tensor] = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            rule, layer = bridge._rule_for(chunk, name, by_name)
+            held[(rule.mcore, layer)] = param
+
+    def mine(rule: Any, layer: Index) -> bool:
+        return (rule.mcore, layer) in held and (edp_rank if is_expert_rule(rule) else dp_rank) == 0
+
+    todo = [(rule, layer) for rule, layer in bridge.rules() if mine(rule, layer)]
+    vocab = bridge.family.vocab_size
+    local: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for rule, layer in todo:
+        if (expert if is_expert_rule(rule) else dense)[0] == 0:
+            for name, shape in expected_hf_shape(rule, mcore_shape(rule.mcore, bridge.family, vocab)).items():
+                local.append((fmt(name, layer), shape, held[(rule.mcore, layer)].dtype))
+    writer = HFDirectoryWriter(bridge, path, overwrite, max_shard_size)
+    writer.plan(local)
+    error: BaseException | None = None
+    show = progress and dense[0] == 0 and dp_rank == 0
+    for rule, layer in progress_iter(todo, len(todo), f"export {os.path.basename(path)}", show):
+        tp_rank, tp_size, tp_group = expert if is_expert_rule(rule) else dense
+        shards = _gather_for(rule, held[(rule.mcore, layer)], tp_rank, tp_size, tp_group)
+        if tp_rank != 0 or error is not None:
+            continue
+        try:
+            extra = {"hf_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
+            for name, tensor in rule.to_hf(shards, layer, **extra).items():
+                writer.write(name, tensor)
+        except Exception as e:  # noqa: BLE001 - keep taking part in the gathers; reported in finish()
+            error = e
+    writer.finish(error)
+
+
+def _gather_for(rule: Any, param: torch.Tensor, tp_rank: int, tp_size: int, group: Any) -> list[torch.Tensor] | None:
+    """TP shards of ``param`` on TP rank 0; a replicated parameter needs only the local copy."""
+    if isinstance(rule, Copy) and rule.tp_axis is None:
+        return [param.detach()]
+    return _gather(param, tp_rank, tp_size, group)

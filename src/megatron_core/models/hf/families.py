@@ -1,0 +1,294 @@
+"""Model families: a Hugging Face ``config.json`` -> TransformerConfig fields, GPTModel arguments, weight rules.
+
+Supported ``architectures``: ``LlamaForCausalLM`` (Llama 2, 3, 3.1+ with ``llama3`` RoPE
+scaling), ``MistralForCausalLM`` (sliding window), ``Qwen2ForCausalLM`` (QKV biases), ``Qwen3ForCausalLM`` (per-head q/k RMSNorm),
+``GPT2LMHeadModel`` (``Conv1D`` layout, learned positions, tied embeddings), and the MoE models
+``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (router, per-expert tensors, shared expert
+with its sigmoid gate), in the per-expert tensor names ``save_pretrained`` writes. Architectures
+that the model code cannot express yet are listed in :data:`NOT_SUPPORTED` with the reason.
+Every config field that changes the computation and is not supported raises
+:class:`HFConversionError` naming ``config.json``, the field and its value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_core.models.hf.rules import Copy, FusedQKV, GateUp, WeightRule
+from megatron_core.models.hf.safetensors_io import HFConversionError
+
+NOT_SUPPORTED = {
+    "GemmaForCausalLM": "GPTModel does not multiply the word embeddings by sqrt(hidden_size) as Gemma does",
+    "Gemma2ForCausalLM": "needs embedding scaling, logit soft-capping and post-attention/post-MLP norms",
+    "Gemma3ForCausalLM": "needs embedding scaling, sandwich norms and local/global attention layers",
+}
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The tanh approximation of GELU (Hugging Face's ``gelu_new`` / ``gelu_pytorch_tanh``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_new": gelu_tanh,
+                "gelu_pytorch_tanh": gelu_tanh, "gelu_fast": gelu_tanh}
+
+
+@dataclass
+class Family:
+    """Everything needed to build and fill a GPTModel for one HF config."""
+
+    architecture: str
+    config_kwargs: dict[str, Any]
+    model_kwargs: dict[str, Any]
+    layer_rules: list[WeightRule]
+    global_rules: list[WeightRule]
+    vocab_size: int
+    num_layers: int
+    dtype: torch.dtype | None
+    rope_llama3: dict[str, float] | None = None
+    ignored_suffixes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _get(cfg: dict, *names: str, default: Any = None) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return default
+
+
+def _reject(path: str, cfg: dict, name: str, bad: bool, why: str) -> None:
+    if bad:
+        raise HFConversionError(f"{path}: {name}={cfg.get(name)!r} is not supported ({why})")
+
+
+def _dtype(cfg: dict) -> torch.dtype | None:
+    value = _get(cfg, "dtype", "torch_dtype")
+    return _DTYPES.get(str(value).replace("torch.", "")) if value is not None else None
+
+
+def _rope(path: str, cfg: dict) -> tuple[float, dict[str, float] | None]:
+    """``(rope_theta, llama3 scaling or None)`` from ``rope_parameters`` (transformers 5) or the older fields."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(_get(merged, "rope_theta", default=_get(cfg, "rope_theta", default=10000.0)))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise HFConversionError(f"{path}: RoPE scaling type {kind!r} is not supported (only 'default' and 'llama3')")
+    return theta, {
+        "factor": float(merged["factor"]),
+        "low_freq_factor": float(merged.get("low_freq_factor", 1.0)),
+        "high_freq_factor": float(merged.get("high_freq_factor", 4.0)),
+        "original_max_position_embeddings": int(merged.get("original_max_position_embeddings", 8192)),
+    }
+
+
+def _llama_like(path: str, cfg: dict, arch: str, qkv_bias: bool, qk_norm: bool, moe: str | None = None) -> Family:
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    groups = int(_get(cfg, "num_key_value_heads", default=heads))
+    head_dim = int(_get(cfg, "head_dim", default=hidden // heads))
+    layers = int(cfg["num_hidden_layers"])
+    act = cfg.get("hidden_act", "silu")
+    _reject(path, cfg, "hidden_act", act not in _ACTIVATIONS, f"known: {sorted(_ACTIVATIONS)}")
+    _reject(path, cfg, "mlp_bias", bool(cfg.get("mlp_bias")), "GPTModel has no MLP-only bias switch")
+    _reject(path, cfg, "use_sliding_window", bool(cfg.get("use_sliding_window")),
+            "Qwen's per-layer sliding windows (max_window_layers)")
+    _reject(path, cfg, "pretraining_tp", int(cfg.get("pretraining_tp") or 1) != 1, "only 1")
+    _reject(path, cfg, "attention_bias", bool(cfg.get("attention_bias")) and arch != "Qwen2ForCausalLM",
+            "it adds an o_proj bias too, which GPTModel cannot add without MLP biases")
+    theta, llama3 = _rope(path, cfg)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    config_kwargs = dict(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        kv_channels=head_dim, ffn_hidden_size=int(cfg["intermediate_size"]), normalization="RMSNorm",
+        layernorm_epsilon=float(_get(cfg, "rms_norm_eps", default=1e-6)), gated_linear_unit=True,
+        activation_func=_ACTIVATIONS[act], add_bias_linear=False, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm,
+        hidden_dropout=0.0, attention_dropout=float(cfg.get("attention_dropout") or 0.0),
+    )
+    window = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
+    if window:  # HF sees a key while q - k < W: Megatron's window_size (W - 1, 0)
+        config_kwargs["window_size"] = (int(window) - 1, 0)
+    model_kwargs = dict(
+        position_embedding_type="rope", rotary_base=theta, share_embeddings_and_output_weights=tied,
+        max_sequence_length=int(_get(cfg, "max_position_embeddings", default=4096)),
+    )
+    if llama3 is not None:
+        model_kwargs.update(rope_scaling=True, rope_scaling_factor=llama3["factor"])
+    qkv = dict(num_heads=heads, num_groups=groups, head_dim=head_dim)
+    a = "model.layers.{i}.self_attn."
+    layer_rules: list[WeightRule] = [
+        Copy("decoder.layers.{i}.input_layernorm.weight", hf="model.layers.{i}.input_layernorm.weight"),
+        FusedQKV("decoder.layers.{i}.self_attention.linear_qkv.weight",
+                 parts=(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), **qkv),
+        Copy("decoder.layers.{i}.self_attention.linear_proj.weight", hf=a + "o_proj.weight", tp_axis=1),
+        Copy("decoder.layers.{i}.pre_mlp_layernorm.weight", hf="model.layers.{i}.post_attention_layernorm.weight"),
+    ]
+    if moe is None:
+        layer_rules += [
+            GateUp("decoder.layers.{i}.mlp.linear_fc1.weight", gate="model.layers.{i}.mlp.gate_proj.weight",
+                   up="model.layers.{i}.mlp.up_proj.weight"),
+            Copy("decoder.layers.{i}.mlp.linear_fc2.weight", hf="model.layers.{i}.mlp.down_proj.weight", tp_axis=1),
+        ]
+    else:
+        moe_config, moe_rules = _moe(path, cfg, moe)
+        config_kwargs.update(moe_config)
+        layer_rules += moe_rules
+    if qkv_bias:
+        layer_rules.append(FusedQKV("decoder.layers.{i}.self_attention.linear_qkv.bias",
+                                    parts=(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), **qkv))
+    if qk_norm:
+        layer_rules += [Copy("decoder.layers.{i}.self_attention.q_layernorm.weight", hf=a + "q_norm.weight"),
+                        Copy("decoder.layers.{i}.self_attention.k_layernorm.weight", hf=a + "k_norm.weight")]
+    global_rules: list[WeightRule] = [
+        Copy("embedding.word_embeddings.weight", hf="model.embed_tokens.weight", tp_axis=0, vocab=True),
+        Copy("decoder.final_layernorm.weight", hf="model.norm.weight"),
+        Copy("output_layer.weight", hf="model.embed_tokens.weight" if tied else "lm_head.weight", tp_axis=0,
+             vocab=True),
+    ]
+    return Family(arch, config_kwargs, model_kwargs, layer_rules, global_rules, int(cfg["vocab_size"]), layers,
+                  _dtype(cfg), rope_llama3=llama3, ignored_suffixes=("rotary_emb.inv_freq",))
+
+
+def _gpt2(path: str, cfg: dict) -> Family:
+    hidden = int(_get(cfg, "n_embd", "hidden_size"))
+    heads = int(_get(cfg, "n_head", "num_attention_heads"))
+    layers = int(_get(cfg, "n_layer", "num_hidden_layers"))
+    act = cfg.get("activation_function", "gelu_new")
+    _reject(path, cfg, "activation_function", act not in _ACTIVATIONS, f"known: {sorted(_ACTIVATIONS)}")
+    _reject(path, cfg, "scale_attn_by_inverse_layer_idx", bool(cfg.get("scale_attn_by_inverse_layer_idx")),
+            "per-layer attention scaling")
+    _reject(path, cfg, "add_cross_attention", bool(cfg.get("add_cross_attention")), "decoder-only models")
+    _reject(path, cfg, "tie_word_embeddings", cfg.get("tie_word_embeddings") is False, "GPT-2 files hold no lm_head")
+    head_dim = hidden // heads
+    config_kwargs = dict(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        ffn_hidden_size=int(cfg.get("n_inner") or 4 * hidden), normalization="LayerNorm",
+        layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)), activation_func=_ACTIVATIONS[act],
+        add_bias_linear=True, hidden_dropout=0.0, attention_dropout=0.0,
+        softmax_scale=None if cfg.get("scale_attn_weights", True) else 1.0,
+    )
+    model_kwargs = dict(position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True,
+                        max_sequence_length=int(_get(cfg, "n_positions", "max_position_embeddings", default=1024)))
+    h = "transformer.h.{i}."
+    qkv = dict(num_heads=heads, num_groups=heads, head_dim=head_dim)
+    layer_rules: list[WeightRule] = [
+        Copy("decoder.layers.{i}.input_layernorm.weight", hf=h + "ln_1.weight"),
+        Copy("decoder.layers.{i}.input_layernorm.bias", hf=h + "ln_1.bias"),
+        FusedQKV("decoder.layers.{i}.self_attention.linear_qkv.weight", parts=(h + "attn.c_attn.weight",) * 3,
+                 transpose=True, **qkv),
+        FusedQKV("decoder.layers.{i}.self_attention.linear_qkv.bias", parts=(h + "attn.c_attn.bias",) * 3, **qkv),
+        Copy("decoder.layers.{i}.self_attention.linear_proj.weight", hf=h + "attn.c_proj.weight", tp_axis=1,
+             transpose=True),
+        Copy("decoder.layers.{i}.self_attention.linear_proj.bias", hf=h + "attn.c_proj.bias"),
+        Copy("decoder.layers.{i}.pre_mlp_layernorm.weight", hf=h + "ln_2.weight"),
+        Copy("decoder.layers.{i}.pre_mlp_layernorm.bias", hf=h + "ln_2.bias"),
+        Copy("decoder.layers.{i}.mlp.linear_fc1.weight", hf=h + "mlp.c_fc.weight", tp_axis=0, transpose=True),
+        Copy("decoder.layers.{i}.mlp.linear_fc1.bias", hf=h + "mlp.c_fc.bias", tp_axis=0),
+        Copy("decoder.layers.{i}.mlp.linear_fc2.weight", hf=h + "mlp.c_proj.weight", tp_axis=1, transpose=True),
+        Copy("decoder.layers.{i}.mlp.linear_fc2.bias", hf=h + "mlp.c_proj.bias"),
+    ]
+    global_rules: list[WeightRule] = [
+        Copy("embedding.word_embeddings.weight", hf="transformer.wte.weight", tp_axis=0, vocab=True),
+        Copy("embedding.position_embeddings.weight", hf="transformer.wpe.weight"),
+        Copy("decoder.final_layernorm.weight", hf="transformer.ln_f.weight"),
+        Copy("decoder.final_layernorm.bias", hf="transformer.ln_f.bias"),
+        Copy("output_layer.weight", hf="transformer.wte.weight", tp_axis=0, vocab=True),
+    ]
+    return Family("GPT2LMHeadModel", config_kwargs, model_kwargs, layer_rules, global_rules, int(cfg["vocab_size"]),
+                  layers, _dtype(cfg), ignored_suffixes=(".attn.bias", ".attn.masked_bias"))
+
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+
+
+def _moe(path: str, cfg: dict, kind: str) -> tuple[dict[str, Any], list[WeightRule]]:
+    """MoE config fields and the router / expert / shared-expert rules (HF's per-expert tensor names)."""
+    _reject(path, cfg, "router_jitter_noise", float(cfg.get("router_jitter_noise") or 0.0) > 0, "only 0")
+    layer = "model.layers.{i}."
+    if kind == "mixtral":
+        experts = int(cfg["num_local_experts"])
+        prefix = layer + "block_sparse_moe."
+        gate, up, down = "w1", "w3", "w2"
+        config = dict(moe_ffn_hidden_size=int(cfg["intermediate_size"]), moe_router_pre_softmax=False)
+    else:
+        experts = int(cfg["num_experts"])
+        _reject(path, cfg, "decoder_sparse_step", int(cfg.get("decoder_sparse_step", 1)) != 1, "only 1")
+        _reject(path, cfg, "mlp_only_layers", bool(cfg.get("mlp_only_layers")), "every layer must be MoE")
+        prefix = layer + "mlp."
+        gate, up, down = "gate_proj", "up_proj", "down_proj"
+        config = dict(moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                      moe_router_pre_softmax=not cfg.get("norm_topk_prob", False))
+    config.update(num_moe_experts=experts, moe_router_topk=int(cfg["num_experts_per_tok"]))
+    expert = "decoder.layers.{i}.mlp.experts.local_experts.{e}."
+    rules: list[WeightRule] = [
+        Copy("decoder.layers.{i}.mlp.router.weight", hf=prefix + "gate.weight"),
+        GateUp(expert + "linear_fc1.weight", gate=prefix + f"experts.{{e}}.{gate}.weight",
+               up=prefix + f"experts.{{e}}.{up}.weight"),
+        Copy(expert + "linear_fc2.weight", hf=prefix + f"experts.{{e}}.{down}.weight", tp_axis=1),
+    ]
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
+    if shared:
+        config.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+        rules += [
+            GateUp("decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight", gate=prefix + "shared_expert.gate_proj.weight",
+                   up=prefix + "shared_expert.up_proj.weight"),
+            Copy("decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight", hf=prefix + "shared_expert.down_proj.weight",
+                 tp_axis=1),
+            Copy("decoder.layers.{i}.mlp.shared_experts.gate_weight", hf=prefix + "shared_expert_gate.weight"),
+        ]
+    return config, rules
+
+
+def family_from_config(cfg: dict, path: str = "config.json") -> Family:
+    """The :class:`Family` for an HF config dict (``path`` names the file in error messages)."""
+    archs = cfg.get("architectures") or []
+    if len(archs) != 1:
+        raise HFConversionError(f"{path}: 'architectures' must name exactly one model class, got {archs!r}")
+    arch = archs[0]
+    if arch in NOT_SUPPORTED:
+        raise HFConversionError(f"{path}: architecture {arch!r} is not supported: {NOT_SUPPORTED[arch]}")
+    try:
+        if arch == "LlamaForCausalLM":
+            return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=False)
+        if arch == "Qwen2ForCausalLM":
+            return _llama_like(path, cfg, arch, qkv_bias=True, qk_norm=False)
+        if arch == "Qwen3ForCausalLM":
+            return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=True)
+        if arch == "GPT2LMHeadModel":
+            return _gpt2(path, cfg)
+        if arch == "MistralForCausalLM":
+            return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=False)
+        if arch == "MixtralForCausalLM":
+            return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=False, moe="mixtral")
+        if arch == "Qwen2MoeForCausalLM":
+            return _llama_like(path, cfg, arch, qkv_bias=bool(cfg.get("qkv_bias", True)), qk_norm=False,
+                               moe="qwen2_moe")
+    except KeyError as e:
+        raise HFConversionError(f"{path}: {arch} config lacks the field {e.args[0]!r}") from e
+    raise HFConversionError(
+        f"{path}: architecture {arch!r} is not supported; supported: {list(SUPPORTED)}; "
+        f"not supported: {sorted(NOT_SUPPORTED)}"
+    )
+
+
+def llama3_inv_freq(kv_channels: int, rotary_percent: float, theta: float, scaling: dict[str, float]) -> torch.Tensor:
+    """Llama 3.1 RoPE inverse frequencies with explicit low/high frequency factors and original length."""
+    from megatron_core.models.common.embeddings.rotary_pos_embedding import _llama3_scaled_inv_freq
+
+    dim = int(kv_channels * rotary_percent)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    return _llama3_scaled_inv_freq(
+        inv_freq, scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
+        scaling["original_max_position_embeddings"],
+    )
+

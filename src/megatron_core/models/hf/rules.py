@@ -1,0 +1,212 @@
+"""How one GPTModel parameter is made from Hugging Face tensors, for one tensor-parallel rank, and back.
+
+Each :class:`WeightRule` maps one Megatron parameter name (``{i}`` marks the global layer index)
+to the Hugging Face tensors it is built from:
+
+- :class:`Copy`: one HF tensor, optionally stored transposed (GPT-2's ``Conv1D`` keeps ``[in, out]``),
+  split over TP along ``tp_axis`` (0 column-parallel, 1 row-parallel, ``None`` replicated);
+  ``vocab=True`` rows may be padded past the HF vocabulary.
+- :class:`FusedQKV`: query, key and value projections fused into ``linear_qkv`` **per query group**
+  (for each group, its ``np/ng`` query heads, then its key head, then its value head); a TP rank
+  holds whole groups, so its shard is built from the matching rows of q, k and v only.
+- :class:`GateUp`: SwiGLU's ``linear_fc1`` is ``[gate_r; up_r]`` on each TP rank ``r``.
+
+``from_hf(read, layer, tp_rank, tp_size)`` reads only the rows/columns of this rank's shard;
+``to_hf(shards, layer)`` turns the TP shards (in rank order) back into the HF tensors. Both are
+pure data movement, so a round trip is bitwise exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# read(hf_name, index) -> tensor; index is one slice per leading dimension of the stored tensor.
+Reader = Callable[[str, Sequence[slice]], torch.Tensor]
+# Where a rule applies: None (not in a layer), a global layer index, or (layer, global expert index).
+Index = int | tuple[int, int] | None
+
+
+def _span(total: int, tp_rank: int, tp_size: int) -> slice:
+    size = total // tp_size
+    return slice(tp_rank * size, (tp_rank + 1) * size)
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """Base class: ``mcore`` is the GPTModel parameter name, ``{i}`` the global layer index."""
+
+    mcore: str
+
+    def hf_names(self, layer: Index) -> list[str]:
+        """The HF tensors this parameter is built from."""
+        raise NotImplementedError
+
+    def from_hf(self, read: Reader, layer: Index, tp_rank: int, tp_size: int,
+                shapes: Callable[[str], tuple[int, ...]]) -> torch.Tensor:
+        """This TP rank's shard of the parameter."""
+        raise NotImplementedError
+
+    def to_hf(self, shards: list[torch.Tensor], layer: Index) -> dict[str, torch.Tensor]:
+        """The HF tensors, from the parameter's TP shards in rank order."""
+        raise NotImplementedError
+
+
+def _fmt(template: str, layer: Index) -> str:
+    """Fill ``{i}`` (layer) and ``{e}`` (global expert) in a name; ``layer`` is ``i`` or ``(i, e)``."""
+    if isinstance(layer, tuple):
+        return template.format(i=layer[0], e=layer[1])
+    return template.format(i=layer) if "{i}" in template else template
+
+
+@dataclass(frozen=True)
+class Copy(WeightRule):
+    """One HF tensor, maybe transposed, split over TP along ``tp_axis`` of the Megatron tensor."""
+
+    hf: str = ""
+    tp_axis: int | None = None
+    transpose: bool = False
+    vocab: bool = False
+
+    def hf_names(self, layer: Index) -> list[str]:
+        return [_fmt(self.hf, layer)]
+
+    def from_hf(self, read: Reader, layer: Index, tp_rank: int, tp_size: int,
+                shapes: Callable[[str], tuple[int, ...]], padded_rows: int | None = None) -> torch.Tensor:
+        name = _fmt(self.hf, layer)
+        shape = list(shapes(name))
+        if self.vocab and padded_rows is not None and padded_rows != shape[0]:
+            return self._padded_rows(read, name, shape, tp_rank, tp_size, padded_rows)
+        if self.transpose:
+            shape.reverse()
+        index = [slice(None)] * len(shape)
+        if self.tp_axis is not None and tp_size > 1:
+            index[self.tp_axis] = _span(shape[self.tp_axis], tp_rank, tp_size)
+        if self.transpose:
+            return read(name, index[::-1]).t().contiguous()
+        return read(name, index)
+
+    def _padded_rows(self, read: Reader, name: str, shape: list[int], tp_rank: int, tp_size: int,
+                     padded_rows: int) -> torch.Tensor:
+        """A vocabulary shard of a table padded to ``padded_rows`` rows (rows past the HF vocab are zero)."""
+        span = _span(padded_rows, tp_rank, tp_size) if self.tp_axis == 0 else slice(0, padded_rows)
+        out = torch.zeros(span.stop - span.start, *shape[1:], dtype=torch.float32)
+        stop = min(span.stop, shape[0])
+        if stop > span.start:
+            piece = read(name, [slice(span.start, stop)])
+            out = out.to(piece.dtype)
+            out[: stop - span.start] = piece
+        return out
+
+    def to_hf(self, shards: list[torch.Tensor], layer: Index, hf_rows: int | None = None
+              ) -> dict[str, torch.Tensor]:
+        full = shards[0] if self.tp_axis is None or len(shards) == 1 else torch.cat(shards, dim=self.tp_axis)
+        if self.vocab and hf_rows is not None and full.shape[0] != hf_rows:
+            full = full[:hf_rows].contiguous()
+        return {_fmt(self.hf, layer): full.t().contiguous() if self.transpose else full}
+
+
+@dataclass(frozen=True)
+class FusedQKV(WeightRule):
+    """``linear_qkv`` weight or bias from q, k, v (three tensors, or one ``[q|k|v]`` tensor for GPT-2).
+
+    ``parts`` names the HF tensor of q, k and v; when all three are the same tensor the parts are
+    consecutive blocks of it (along dim 0, or dim 1 when ``transpose``).
+    """
+
+    parts: tuple[str, str, str] = ("", "", "")
+    num_heads: int = 1
+    num_groups: int = 1
+    head_dim: int = 1
+    transpose: bool = False
+
+    def hf_names(self, layer: Index) -> list[str]:
+        return list(dict.fromkeys(_fmt(p, layer) for p in self.parts))
+
+    def _blocks(self) -> tuple[int, int, int]:
+        return self.num_heads * self.head_dim, self.num_groups * self.head_dim, self.num_groups * self.head_dim
+
+    def _offsets(self) -> tuple[int, int, int]:
+        if len(set(self.parts)) == 1:
+            q, k, _ = self._blocks()
+            return 0, q, q + k
+        return 0, 0, 0
+
+    def from_hf(self, read: Reader, layer: Index, tp_rank: int, tp_size: int,
+                shapes: Callable[[str], tuple[int, ...]]) -> torch.Tensor:
+        groups = self.num_groups // tp_size
+        per_group = self.num_heads // self.num_groups
+        g0 = tp_rank * groups
+        rows = (per_group * self.head_dim, self.head_dim, self.head_dim)
+        pieces = []
+        for part, offset, row in zip(self.parts, self._offsets(), rows):
+            name = _fmt(part, layer)
+            ndim = len(shapes(name))
+            span = slice(offset + g0 * row, offset + (g0 + groups) * row)
+            if self.transpose:
+                piece = read(name, [slice(None), span]).t()
+            else:
+                piece = read(name, [span] + [slice(None)] * (ndim - 1))
+            pieces.append(piece.reshape(groups, row, *piece.shape[1:]))
+        return torch.cat(pieces, dim=1).reshape(-1, *pieces[0].shape[2:]).contiguous()
+
+    def to_hf(self, shards: list[torch.Tensor], layer: Index) -> dict[str, torch.Tensor]:
+        per_group = self.num_heads // self.num_groups
+        qs, ks, vs = [], [], []
+        for shard in shards:
+            grouped = shard.reshape(-1, (per_group + 2) * self.head_dim, *shard.shape[1:])
+            q, k, v = torch.split(grouped, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=1)
+            for out, t in ((qs, q), (ks, k), (vs, v)):
+                out.append(t.reshape(-1, *shard.shape[1:]))
+        q, k, v = (torch.cat(x, dim=0) for x in (qs, ks, vs))
+        if len(set(self.parts)) == 1:
+            fused = torch.cat((q, k, v), dim=0)
+            return {_fmt(self.parts[0], layer): fused.t().contiguous() if self.transpose else fused.contiguous()}
+        return {_fmt(p, layer): t.contiguous() for p, t in zip(self.parts, (q, k, v))}
+
+
+@dataclass(frozen=True)
+class GateUp(WeightRule):
+    """SwiGLU ``linear_fc1`` from the gate and up projections: ``[gate_r; up_r]`` on TP rank ``r``."""
+
+    gate: str = ""
+    up: str = ""
+
+    def hf_names(self, layer: Index) -> list[str]:
+        return [_fmt(self.gate, layer), _fmt(self.up, layer)]
+
+    def from_hf(self, read: Reader, layer: Index, tp_rank: int, tp_size: int,
+                shapes: Callable[[str], tuple[int, ...]]) -> torch.Tensor:
+        pieces = []
+        for name in self.hf_names(layer):
+            shape = shapes(name)
+            pieces.append(read(name, [_span(shape[0], tp_rank, tp_size)] + [slice(None)] * (len(shape) - 1)))
+        return torch.cat(pieces, dim=0)
+
+    def to_hf(self, shards: list[torch.Tensor], layer: Index) -> dict[str, torch.Tensor]:
+        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+        gate, up = self.hf_names(layer)
+        return {gate: torch.cat(gates, dim=0).contiguous(), up: torch.cat(ups, dim=0).contiguous()}
+
+
+def fmt(template: str, index: Index) -> str:
+    """Public form of the name filling used by the bridge (``{i}`` layer, ``{e}`` expert)."""
+    return _fmt(template, index)
+
+
+def expected_hf_shape(rule: WeightRule, mcore_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """HF tensor shapes implied by the full (TP=1) Megatron shape of ``rule``'s parameter."""
+    if isinstance(rule, Copy):
+        return {rule.hf: tuple(reversed(mcore_shape)) if rule.transpose else tuple(mcore_shape)}
+    if isinstance(rule, GateUp):
+        half = (mcore_shape[0] // 2, *mcore_shape[1:])
+        return {rule.gate: half, rule.up: half}
+    assert isinstance(rule, FusedQKV)
+    q, k, v = rule._blocks()
+    tail = tuple(mcore_shape[1:])
+    if len(set(rule.parts)) == 1:
+        shape = (q + k + v, *tail)
+        return {rule.parts[0]: tuple(reversed(shape)) if rule.transpose else shape}
+    return {rule.parts[0]: (q, *tail), rule.parts[1]: (k, *tail), rule.parts[2]: (v, *tail)}

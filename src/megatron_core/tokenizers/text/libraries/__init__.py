@@ -1,0 +1,22 @@
+"""Library tokenizers behind :class:`~megatron_core.tokenizers.text.MegatronTokenizerText`.
+
+Each adapts one of :mod:`megatron_core.datasets.tokenizers` to the constructor arguments Megatron's
+tokenizer metadata libraries take (``"huggingface"``, ``"megatron"``, ``"sentencepiece"``,
+``"tiktoken"``, ``"null-text"``); ``ByteLevelTokenizer`` is the ``"byte-level"`` library.
+"""
+
+from megatron_core.tokenizers.text.libraries.bytelevel_tokenizer import ByteLevelTokenizer
+from megatron_core.tokenizers.text.libraries.huggingface_tokenizer import HuggingFaceTokenizer
+from megatron_core.tokenizers.text.libraries.megatron_hf_tokenizer import MegatronHFTokenizer
+from megatron_core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+from megatron_core.tokenizers.text.libraries.sentencepiece_tokenizer import SentencePieceTokenizer
+from megatron_core.tokenizers.text.libraries.tiktoken_tokenizer import TikTokenTokenizer
+
+__all__ = [
+    "ByteLevelTokenizer",
+    "HuggingFaceTokenizer",
+    "MegatronHFTokenizer",
+    "NullTokenizer",
+    "SentencePieceTokenizer",
+    "TikTokenTokenizer",
+]

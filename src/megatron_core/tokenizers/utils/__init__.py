@@ -1,0 +1,1 @@
+"""Helpers for building tokenizers from training arguments."""

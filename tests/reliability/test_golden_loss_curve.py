@@ -1,0 +1,47 @@
+"""Section 7, check 8: a 50-step run of the reference config matches its committed golden curve exactly.
+
+The curve (losses and grad norms, as exact float hex) is committed per torch version and device
+kind under ``tests/reliability/golden/`` and is regenerated only by the explicit command
+``python tools/golden_loss_curve.py --write``. Without a golden file for this torch version and
+device kind the curve is compared with a golden of another device kind of the same torch version
+within 5 % relative, and without any the test is skipped and says how to create one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.dist_harness import run_on_ranks
+from tests.reliability.golden_run import golden_path, run_curve, sibling_goldens
+
+
+def _curve() -> dict:
+    return run_on_ranks(1, run_curve)[0]
+
+
+def test_matches_the_committed_golden_curve_exactly() -> None:
+    path = golden_path()
+    if not path.is_file():
+        pytest.skip(f"no golden curve {path.name}; create it with: python tools/golden_loss_curve.py --write")
+    golden = json.loads(path.read_text())
+    curve = _curve()
+    assert curve["steps"] == golden["steps"] == 50
+    for name in ("lm_loss", "grad_norm"):
+        for step, (got, want) in enumerate(zip(curve[name], golden[name]), start=1):
+            assert got == want, (f"{name} at step {step}: {float.fromhex(got)!r} != golden {float.fromhex(want)!r} "
+                                 f"({path.name}); if the change is intended, regenerate with "
+                                 "python tools/golden_loss_curve.py --write")
+
+
+def test_other_device_kind_within_five_percent() -> None:
+    if golden_path().is_file() or not sibling_goldens():
+        pytest.skip("this device kind has its own golden curve (compared exactly), or none exists")
+    golden = json.loads(sibling_goldens()[0].read_text())
+    curve = _curve()
+    for name in ("lm_loss", "grad_norm"):
+        got = [float.fromhex(x) for x in curve[name]]
+        want = [float.fromhex(x) for x in golden[name]]
+        for step, (a, b) in enumerate(zip(got, want), start=1):
+            assert abs(a - b) <= 0.05 * abs(b), f"{name} at step {step}: {a} vs {b} ({sibling_goldens()[0].name})"
