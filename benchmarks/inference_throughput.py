@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core import device as mdevice
+from megatron_core import tensor_parallel
 from megatron_core.inference.apis import MegatronLLM
 from megatron_core.inference.config import InferenceConfig
 from megatron_core.inference.sampling_params import SamplingParams
@@ -75,6 +76,7 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype, dev: torch.device)
         params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=dev.type == "cpu",
     )
     max_len = args.prompt_len + args.gen_len + 8
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
     model = GPTModel(config, get_gpt_layer_local_spec(), args.vocab, max_len, position_embedding_type="rope",
                      rotary_base=10000).to(device=dev, dtype=dtype)
     return model.eval()
