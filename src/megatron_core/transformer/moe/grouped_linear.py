@@ -64,6 +64,22 @@ def pad_expert_rows(x: torch.Tensor, tokens_per_expert: list[int]
     return out, padded, index
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    ``grouped_mm``'s backward rejects a gradient with zero strides, which autograd produces for an
+    output that is only summed or broadcast downstream.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` for the row blocks ``x_e`` of sizes ``tokens_per_expert``."""
     if _use_grouped_mm(x, weight):
@@ -73,7 +89,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[
         # From pinned memory the copy is asynchronous: no wait for the GPU's queue to drain.
         ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32).pin_memory()
         offs = ends.to(x.device, non_blocking=True)
-        return _GROUPED_MM(x, weight.transpose(1, 2), offs=offs)
+        return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=offs))
     pieces = torch.split(x, tokens_per_expert, dim=0)
     return torch.cat([F.linear(piece, weight[e]) for e, piece in enumerate(pieces)], dim=0)
 
