@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from gpt_fwd_bwd import time_steps  # the same step timer for every fwd+bwd benchmark
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
@@ -111,20 +110,6 @@ def build_hf(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     )
     model = transformers.MixtralForCausalLM(hf_config).to(dtype=dtype, device=mdevice.get_current_device())
     return model if args.hf_eager else torch.compile(model)
-
-
-def time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
-    """Median seconds per step over ``args.steps`` after ``args.warmup``."""
-    for _ in range(args.warmup):
-        step()
-    mdevice.synchronize()
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
-        mdevice.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
