@@ -82,10 +82,23 @@ def _groups(pg_collection: Any, expert: bool) -> dict[str, Any]:
     return {key: collectives.local_if_none(resolve_process_group(role, pg_collection)) for key, role in roles.items()}
 
 
+def _uses_torch_fsdp(model_chunks: list[torch.nn.Module]) -> bool:
+    from megatron_core.distributed.torch_fully_sharded_data_parallel import is_torch_fsdp_module
+
+    return any(is_torch_fsdp_module(chunk) for chunk in model_chunks)
+
+
 def _build(config: OptimizerConfig, model_chunks: list[torch.nn.Module], param_groups: list[dict[str, Any]],
            expert: bool, pg_collection: Any) -> MegatronOptimizer:
     groups = _groups(pg_collection, expert)
     optimizer = _torch_optimizer(config, param_groups)
+    if _uses_torch_fsdp(model_chunks):
+        # FSDP2 keeps fp32 sharded params (the main params) and sharded grads: a plain fp32 step
+        # on the shards; clipping reduces the norm over the shards' mesh as well.
+        wrapped = FP32Optimizer(optimizer, config)
+        wrapped.tp_group = groups["tp"]
+        wrapped.grad_stats_parallel_group = groups["stats"]
+        return wrapped
     if config.use_distributed_optimizer:
         attr = "expert_parallel_buffers" if expert else "buffers"
         per_model_buffers = {i: getattr(chunk, attr) for i, chunk in enumerate(model_chunks)}
@@ -119,6 +132,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
         raise ValueError("OptimizerConfig.lr must be set to build an optimizer")
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
+    if config.use_distributed_optimizer and _uses_torch_fsdp(model_chunks):
+        raise ValueError("OptimizerConfig.use_distributed_optimizer=True cannot be combined with "
+                         "TorchFullyShardedDataParallel model chunks (FSDP2 already shards the optimizer state)")
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult,
                                     default_skip_embedding_weight_decay)
     if not param_groups:
