@@ -124,3 +124,19 @@ def full_weights(model, tp: int) -> dict[str, torch.Tensor]:
         dist.all_gather(pieces, full.contiguous(), group=group)
         out[name] = unshard(name, pieces, True)
     return out
+
+
+def build_ddp(tp: int, seed: int = 4321, **overrides):
+    """``(DDP model with the distributed optimizer, optimizer, scheduler)`` from fresh weights (seed ``seed``)."""
+    from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    model = build(llama_like(**overrides), tensor_model_parallel_size=tp)
+    config = model.config
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
+                                                 use_distributed_optimizer=True), [ddp])
+    return ddp, opt, scheduler(opt)

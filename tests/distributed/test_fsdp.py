@@ -73,7 +73,7 @@ def _bad_layouts() -> list[str]:
     messages = []
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
-        model = build(llama_like(), pipeline_model_parallel_size=2)
+        model = build(llama_like(), pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
         with pytest.raises(ValueError, match="pipeline_model_parallel_size=2") as err:
             TorchFullyShardedDataParallel(model.config, TorchFullyShardedDataParallelConfig(), model)
         messages.append(str(err.value))
