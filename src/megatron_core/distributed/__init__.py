@@ -6,7 +6,9 @@ from megatron_core.distributed.distributed_data_parallel_config import Distribut
 from megatron_core.distributed.finalize_model_grads import finalize_model_grads
 from megatron_core.distributed.param_and_grad_buffer import partition_buckets
 from megatron_core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
-from megatron_core.distributed.torch_fully_sharded_data_parallel_config import TorchFullyShardedDataParallelConfig
+from megatron_core.distributed.torch_fully_sharded_data_parallel_config import (
+    TorchFullyShardedDataParallelConfig,
+)
 
 __all__ = [
     "DistributedDataParallel",

@@ -37,7 +37,7 @@ from megatron_core.utils import get_pg_size
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     HAVE_FSDP = True
 except ImportError:  # pragma: no cover - torch < 2.4
@@ -126,7 +126,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         device_type = get_current_device().type
         self.device_mesh, self.dp_mesh = _build_mesh(self.process_group, self.tp_group, device_type)
 
-        for name, param in module.named_parameters():
+        for param in module.parameters():
             if param.is_floating_point() and param.dtype != torch.float32:
                 # FSDP2's sharded parameters are the fp32 main weights; compute dtype comes from the policy.
                 module.to(torch.float32)
