@@ -30,6 +30,7 @@ from megatron_core.optimizer.optimizer import (
 )
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.optimizer.param_groups import ParamCondition, get_param_groups
+from megatron_core.optimizer.precision_aware_adam import PrecisionAwareAdam
 from megatron_core.process_groups_config import resolve_process_group
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
+    "PrecisionAwareAdam",
     "Range",
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
@@ -53,6 +55,11 @@ __all__ = [
 
 
 def _torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    if config.use_precision_aware_optimizer:
+        return PrecisionAwareAdam(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                  adam_w_mode=config.decoupled_weight_decay, exp_avg_dtype=config.exp_avg_dtype,
+                                  exp_avg_sq_dtype=config.exp_avg_sq_dtype)
     device = param_groups[0]["params"][0].device
     kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
     if config.optimizer == "adam":

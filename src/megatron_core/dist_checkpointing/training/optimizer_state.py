@@ -157,7 +157,9 @@ def _model_space_value(opt: Any, e: _Entry, name: str) -> torch.Tensor:
     if flat is None:
         flat = torch.zeros(0, dtype=torch.float32, device=e.model_param.device)
     param_range = e.param_range or (0, 0)
-    return dp_flat_shard_to_full(flat.detach().float(), param_range, e.model_param.shape, opt.data_parallel_group)
+    # Offloaded (CPU) shards join the all-reduce on the model's device.
+    return dp_flat_shard_to_full(flat.detach().float().to(e.model_param.device), param_range, e.model_param.shape,
+                                 opt.data_parallel_group)
 
 
 def load_optimizer_state(optimizer: Any, model_sharded_sd: dict, loaded: dict) -> None:
@@ -182,8 +184,8 @@ def load_optimizer_state(optimizer: Any, model_sharded_sd: dict, loaded: dict) -
                 elif main is not e.main:  # FSDP2: the optimizer's state is a DTensor sharded like the param
                     state[name] = type(e.main).from_local(value.clone(), e.main.device_mesh, e.main.placements,
                                                           shape=e.main.shape, stride=e.main.stride())
-                else:
-                    state[name] = value.clone()
+                else:  # keep the optimizer's storage dtype (bf16 moments of the precision-aware optimizer)
+                    state[name] = value.to(getattr(opt.optimizer, f"{name}_dtype", value.dtype)).clone()
             state["step"] = torch.tensor(float(step))
         if not has_main:
             opt.reload_model_params()
