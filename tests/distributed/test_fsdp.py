@@ -108,3 +108,24 @@ def test_fsdp_refuses_layouts_it_cannot_serve():
         TorchFullyShardedDataParallelConfig(reshard_after_forward=0)
     messages = run_on_ranks(2, _bad_layouts)
     assert "pipeline" in messages[0][0]
+
+
+def _check_bf16() -> dict:
+    initial, ref_losses, _ = fg.reference()
+    parallel_state.initialize_model_parallel()
+    try:
+        model, opt, sched = fg.build_fsdp(initial, 1, bf16=True)
+        policy_dtypes = {p.dtype for p in model.module.parameters()}
+        losses = [fg.train_step(model, opt, sched, step) for step in range(fg.STEPS)]
+        grad_dtypes = {p.grad.dtype for p in model.module.parameters() if p.grad is not None}
+        return {"param_dtypes": policy_dtypes, "grad_dtypes": grad_dtypes, "losses": losses, "ref": ref_losses}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_fsdp_bf16_compute_keeps_fp32_shards_and_tracks_fp32():
+    """bf16=True: fp32 sharded params and (fp32-reduced) grads, bf16 compute; losses near the fp32 run."""
+    result = run_on_ranks(2, _check_bf16)[0]
+    assert result["param_dtypes"] == {torch.float32} and result["grad_dtypes"] == {torch.float32}
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref"]), rtol=2e-2, atol=2e-2)
+    assert result["losses"] != result["ref"]  # really computed in bf16
