@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
-              "--lr-warmup-iters", "2", "--lr-decay-iters", str(steps), "--log-interval", "1", "--eval-interval",
+              "--lr-warmup-iters", str(min(2, steps - 1)), "--lr-decay-iters", str(steps), "--log-interval", "1", "--eval-interval",
               "0", "--eval-iters", "1", "--no-progress", "--seed", "1234", *([] if args.cpu else ["--bf16"])]
     rows, failed = [], False
     result = {"environment": environment(args.cpu), "steps": steps, "tolerance": args.tolerance, "rows": rows}
