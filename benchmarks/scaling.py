@@ -194,8 +194,8 @@ def common_flags(cfg: ModelConfig, dp: int, iters: int, cpu: bool) -> list[str]:
     flags = [*cfg.flags, "--seq-length", str(cfg.seq), "--micro-batch-size", str(cfg.mbs),
              "--global-batch-size", str(cfg.mbs * cfg.microbatches * dp), "--mock-data", "--train-iters",
              str(iters), "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "1", "--no-progress",
-             "--step-time-breakdown", "--seed", "1234"]
-    return flags if cpu else [*flags, "--bf16", "--no-use-cpu-initialization"]
+             "--step-time-breakdown", "--seed", "1234", "--no-use-cpu-initialization"]
+    return flags if cpu else [*flags, "--bf16"]
 
 
 def theoretical_bubble(layout: Layout, m: int) -> float | None:
@@ -332,8 +332,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def llama8b_fit_flags(args: argparse.Namespace, layout: Layout, cfg: ModelConfig) -> list[str]:
     """Print the 8B memory estimate; add full recompute when it would not fit in 85% of the GPU."""
-    est = llama8b_memory_gb(cfg.flags, layout.tp, layout.dp, cfg.mbs, cfg.seq)
-    print("8B memory estimate per GPU: " + ", ".join(f"{k} {v:.1f}" for k, v in est.items()), flush=True)
+    gpu = GPU_CONFIGS["llama8b"]  # the real shapes, also in a CPU dry run
+    est = llama8b_memory_gb(gpu.flags, layout.tp, layout.dp, gpu.mbs, gpu.seq)
+    print(f"8B memory estimate per GPU (TP={layout.tp}, DP={layout.dp}, micro-batch {gpu.mbs}, seq {gpu.seq}, "
+          "distributed optimizer): " + ", ".join(f"{k} {v:.1f}" for k, v in est.items()), flush=True)
     if args.cpu or est["total GB"] <= 0.85 * args.device_memory_gb:
         print(f"fits in {args.device_memory_gb:.0f} GB without recompute", flush=True)
         return []

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
 
 import pretrain_gpt  # noqa: E402
+
 from gpt_training import checkpointing  # noqa: E402
 from megatron_core.dist_checkpointing import manifest  # noqa: E402
 

@@ -69,8 +69,8 @@ def test_scaling_dry_run_tp2_sp_on_cpu(tmp_path: Path, capsys) -> None:
         assert row["ms/step"] > 0 and row["compute ms"] > 0 and row["fwd-bwd ms"] >= row["compute ms"] * 0.5
         assert len(row["losses"]) == 2 and all(math.isfinite(x) for x in row["losses"])
     assert tp["efficiency %"] == pytest.approx(100 * tp["tokens/s/GPU"] / base["tokens/s/GPU"])
-    # Same initial weights (CPU initialisation) and data: the first loss matches the one-rank run.
-    assert tp["losses"][0] == pytest.approx(base["losses"][0], rel=1e-5)
+    # Weights initialised on the device (per-rank RNG streams), same data: a close first loss.
+    assert tp["losses"][0] == pytest.approx(base["losses"][0], rel=5e-2)
     assert "| tp2_sp | 2 |" in printed and "| dense_1gpu | 1 |" in printed
 
 
