@@ -131,6 +131,8 @@ LAYOUTS = {
     "cp2": Layout("long", 2, ["--cp-comm-type", "a2a", "--use-distributed-optimizer"], cp=2),
     "llama8b_tp2": Layout("llama8b", 2, ["--sequence-parallel", "--use-distributed-optimizer",
                                          "--overlap-grad-reduce"], tp=2),
+    "llama8b_tp2_compile": Layout("llama8b", 2, ["--sequence-parallel", "--use-distributed-optimizer",
+                                                 "--overlap-grad-reduce", "--compile"], tp=2),
     "dp4_ddp": Layout("dense", 4, _DDP),
     "dp4_distopt": Layout("dense", 4, _DISTOPT),
     "pp4_1f1b": Layout("dense24", 4, ["--use-distributed-optimizer"], pp=4),
@@ -138,7 +140,8 @@ LAYOUTS = {
     "ep4": Layout("moe", 4, _EP, ep=4),
 }
 BASELINE_FLAGS = ["--use-distributed-optimizer"]
-DEFAULT_2GPU = ["dp2_ddp", "dp2_distopt", "tp2", "tp2_sp", "pp2_1f1b", "pp2_interleaved", "ep2", "cp2", "llama8b_tp2"]
+# In order of importance (a --budget cut drops the tail): DP efficiency, the 8B MFU, TP, PP, CP, EP.
+DEFAULT_2GPU = ["dp2_distopt", "dp2_ddp", "llama8b_tp2", "tp2_sp", "tp2", "pp2_interleaved", "pp2_1f1b", "cp2", "ep2"]
 DEFAULT_4GPU = ["dp4_ddp", "dp4_distopt", "pp4_1f1b", "pp4_interleaved", "ep4"]
 
 
