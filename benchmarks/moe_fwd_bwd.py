@@ -57,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--compile-moe", action="store_true",
                    help="torch.compile each whole layer, MoE block included (needs the sync-free EP=1 path)")
+    p.add_argument("--profile", action="store_true", help="print our step's 25 most expensive GPU kernels")
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
     args = p.parse_args()
@@ -167,7 +168,23 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     ours = build_ours(args, dtype)
     mode = " (compiled layers)" if args.compile_moe else " (compiled attn)" if args.compile else " eager"
     label = "megatron_core " + ("SequentialMLP" if args.sequential else "grouped GEMM") + mode
-    return run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args)
+    mfu = run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args)
+    if args.profile:
+        print_kernel_profile(lambda: ours(ids, position_ids, None, labels=labels).mean().backward())
+    return mfu
+
+
+def print_kernel_profile(step: Callable[[], None], steps: int = 3) -> None:
+    """Profile ``steps`` steps and print the kernels with the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        if mdevice.get_current_device().type == "cuda":
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if mdevice.get_current_device().type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
         cp_comm_type=args.cp_comm_type,
+        gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", False),
         bf16=args.bf16,
         fp16=args.fp16,
         params_dtype=params_dtype,

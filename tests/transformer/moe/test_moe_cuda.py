@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core.transformer.moe.grouped_linear import _use_grouped_mm, grouped_gemm
+from megatron_core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from tests.transformer.moe.moe_parallel_utils import batches, build
 
 pytestmark = pytest.mark.gpu
@@ -47,6 +48,7 @@ def test_moe_gpt_bf16_step_on_gpu_matches_fp32_cpu():
 def test_moe_layer_runs_without_host_sync_when_one_rank_holds_every_expert(dispatcher):
     """EP=1, no capacity: the counts stay on the GPU, so forward and backward never wait for the host."""
     torch.manual_seed(0)
+    destroy_moe_metrics_tracker()  # earlier tests may have left metrics on the CPU
     model = build("mixtral", moe_grouped_gemm=True, bf16=True, params_dtype=torch.bfloat16,
                   moe_token_dispatcher_type=dispatcher).cuda()
     moe = model.decoder.layers[0].mlp
