@@ -321,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=None, help="skip the remaining runs after this many seconds")
     p.add_argument("--device-memory-gb", type=float, default=139.0,
                    help="per-GPU memory for the 8B fit decision (H200: 139)")
+    p.add_argument("extra", nargs="*", help="further pretrain_gpt.py flags for every run (after --), e.g. "
+                   "-- --gradient-accumulation-fusion")
     args = p.parse_args(argv)
     args.cpu = args.device == "cpu"
     args.warmup = args.warmup if args.warmup is not None else (1 if args.cpu else 2)
@@ -350,8 +352,7 @@ def run_one(args, name: str, layout: Layout, cfg: ModelConfig, extra: list[str],
     """One torchrun job, summarised."""
     iters = args.warmup + args.steps
     flags = [*common_flags(cfg, layout.dp, iters, args.cpu), *layout.parallel_flags(cfg.layers), *layout.flags,
-             *extra,
-             *(["--compile"] if args.compile else [])]
+             *extra, *(["--compile"] if args.compile else []), *args.extra]
     print(f"== {name}: {layout.gpus} rank(s)", flush=True)
     start = time.time()
     code, tail = run_torchrun(layout.gpus, flags, out / f"{name}.jsonl", out / f"{name}.log", args.cpu,
