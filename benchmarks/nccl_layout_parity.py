@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="training steps (GPU 20, CPU 3)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
+    p.add_argument("--budget", type=float, default=None, help="skip the remaining layouts after this many seconds")
     args = p.parse_args(argv)
     args.cpu = args.device == "cpu"
     steps = args.steps or (3 if args.cpu else 20)
@@ -96,8 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="parity_"))
     try:
         references: dict[str, list[dict] | None] = {}
+        started = time.time()
         for name in names:
             model, flags = LAYOUTS[name]
+            if args.budget is not None and time.time() - started > args.budget:
+                rows.append({"layout": name, "model": model, "passed": False, "error": "skipped (time budget)"})
+                failed = True
+                continue
             base = [*models[model], *common]
             load = ["--load", str(work / f"init_{model}"), "--no-load-optim", "--no-load-rng"]
             if model not in references:
