@@ -54,14 +54,15 @@ __all__ = [
 ]
 
 
-def _torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+def _torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]],
+                     allow_fused: bool = True) -> torch.optim.Optimizer:
     if config.use_precision_aware_optimizer:
         return PrecisionAwareAdam(param_groups, lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                                   adam_w_mode=config.decoupled_weight_decay, exp_avg_dtype=config.exp_avg_dtype,
                                   exp_avg_sq_dtype=config.exp_avg_sq_dtype)
     device = param_groups[0]["params"][0].device
-    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    kernel = {"fused": True} if device.type == "cuda" and allow_fused else {"foreach": True}
     if config.optimizer == "adam":
         cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         return cls(param_groups, lr=config.lr, weight_decay=config.weight_decay,
@@ -98,8 +99,10 @@ def _uses_torch_fsdp(model_chunks: list[torch.nn.Module]) -> bool:
 def _build(config: OptimizerConfig, model_chunks: list[torch.nn.Module], param_groups: list[dict[str, Any]],
            expert: bool, pg_collection: Any) -> MegatronOptimizer:
     groups = _groups(pg_collection, expert)
-    optimizer = _torch_optimizer(config, param_groups)
-    if _uses_torch_fsdp(model_chunks):
+    fsdp = _uses_torch_fsdp(model_chunks)
+    # FSDP2: foreach kernels over the DTensor shards (the fused-clipping path hands plain tensors to the kernel).
+    optimizer = _torch_optimizer(config, param_groups, allow_fused=not fsdp)
+    if fsdp:
         # FSDP2 keeps fp32 sharded params (the main params) and sharded grads: a plain fp32 step
         # on the shards; clipping reduces the norm over the shards' mesh as well.
         wrapped = FP32Optimizer(optimizer, config)
