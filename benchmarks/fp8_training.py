@@ -181,6 +181,7 @@ def loss_comparison(args: argparse.Namespace) -> dict:
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     base = build(shape, args, 256, fp8=False)
     initial = copy.deepcopy(base.state_dict())
+    del base
     curves = {}
     for fp8 in (False, True):
         model = build(shape, args, 256, fp8=fp8)
