@@ -43,7 +43,7 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.4
     HAVE_FSDP = False
 
-__all__ = ["TorchFullyShardedDataParallel", "is_torch_fsdp_module"]
+__all__ = ["TorchFullyShardedDataParallel", "fsdp_mesh_group", "is_torch_fsdp_module"]
 
 
 def _default_sub_modules() -> set[type]:
@@ -85,17 +85,41 @@ def _validate(config: Any, ddp_config: DistributedDataParallelConfig, module: to
                          "(a tied input/output embedding cannot live in two FSDP units)")
 
 
+_MESH_GROUPS: dict[tuple[int, ...], Any] = {}
+_MESH_COUNT = 0
+
+
+def fsdp_mesh_group(tensor: Any) -> Any:
+    """The live process group a DTensor (FSDP shard or gradient) is sharded over.
+
+    Looked up by the mesh's ranks among the groups of the wrappers built in this process (the latest
+    wins): DTensor's sharding-propagation cache may hand out an equal mesh object from an earlier,
+    since destroyed, set of process groups (re-initialisation in tests or notebooks).
+    """
+    mesh = tensor.device_mesh
+    key = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    group = _MESH_GROUPS.get(key)
+    return group if group is not None else mesh.get_group()
+
+
 def _build_mesh(dp_group: Any, tp_group: Any, device_type: str) -> tuple[Any, Any]:
-    """``(mesh, dp_mesh)``: 1-D over the DP group, or 2-D ``(dp, tp)`` from both groups when TP > 1."""
+    """``(mesh, dp_mesh)``: 1-D over the DP group, or 2-D ``(dp, tp)`` from both groups when TP > 1.
+
+    Dimension names carry a per-process counter: torch treats meshes with equal ranks and names as
+    the same mesh (caches), which would resurrect destroyed process groups after re-initialisation.
+    """
+    global _MESH_COUNT
+    _MESH_COUNT += 1
+    dp_name, tp_name = f"dp{_MESH_COUNT}", f"tp{_MESH_COUNT}"
     if get_pg_size(tp_group) <= 1:
-        mesh = DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=("dp",))
+        mesh = DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=(dp_name,))
         return mesh, mesh
     tp_ranks = dist.get_process_group_ranks(tp_group)
     rows: list[Any] = [None] * get_pg_size(dp_group)
     dist.all_gather_object(rows, tp_ranks, group=dp_group)
     grid = torch.tensor(rows, dtype=torch.int)
-    mesh = DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
-    return mesh, mesh["dp"]
+    mesh = DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid, mesh_dim_names=(dp_name, tp_name))
+    return mesh, mesh[dp_name]
 
 
 class TorchFullyShardedDataParallel(torch.nn.Module):
@@ -125,6 +149,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self.tp_group = resolve_process_group("tp", pg_collection)
         device_type = get_current_device().type
         self.device_mesh, self.dp_mesh = _build_mesh(self.process_group, self.tp_group, device_type)
+        _MESH_GROUPS[tuple(int(r) for r in self.dp_mesh.mesh.flatten().tolist())] = self.process_group
 
         for param in module.parameters():
             if param.is_floating_point() and param.dtype != torch.float32:

@@ -49,8 +49,10 @@ def _sharded_group_and_locals(tensors: list[torch.Tensor]) -> tuple[Any, list[to
     out = []
     for t in tensors:
         if hasattr(t, "device_mesh") and hasattr(t, "to_local"):
-            mesh_group = t.device_mesh.get_group()
-            if group is not None and mesh_group is not group:
+            from megatron_core.distributed.torch_fully_sharded_data_parallel import fsdp_mesh_group
+
+            mesh_group = fsdp_mesh_group(t)
+            if group is not None and mesh_group != group:
                 raise ValueError("gradients are sharded over different device meshes; cannot reduce their norm")
             group = mesh_group
             t = t._local_tensor
