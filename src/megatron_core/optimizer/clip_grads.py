@@ -65,7 +65,8 @@ def get_grad_norm_fp32(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, no
     """The global ``norm_type``-norm of ``grads_for_norm`` summed over ``grad_stats_parallel_group`` (None: WORLD)."""
     norm_type = float(norm_type)
     if norm_type != math.inf:
-        return grad_norm_tensor(grads_for_norm, norm_type, grad_stats_parallel_group).item()
+        # The root is taken in double precision on the host, as it always was (runs stay bit-identical).
+        return _sum_of_powers(grads_for_norm, norm_type, grad_stats_parallel_group).item() ** (1.0 / norm_type)
     grad_stats_parallel_group = _stats_group(grad_stats_parallel_group)
     sharded_group, grads = _sharded_group_and_locals(_as_list(grads_for_norm))
     device = grads[0].device if grads else torch.device("cpu")
@@ -84,6 +85,12 @@ def grad_norm_tensor(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm
 
     Nothing waits for the device: callers that only feed the norm to further kernels avoid a host sync.
     """
+    return _sum_of_powers(grads_for_norm, norm_type, grad_stats_parallel_group).pow(1.0 / norm_type)
+
+
+def _sum_of_powers(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm_type: float,
+                   grad_stats_parallel_group: Any) -> torch.Tensor:
+    """``sum |g|^p`` over the gradients and the group, as a 1-element fp32 tensor."""
     grad_stats_parallel_group = _stats_group(grad_stats_parallel_group)
     sharded_group, grads = _sharded_group_and_locals(_as_list(grads_for_norm))
     device = grads[0].device if grads else torch.device("cpu")
@@ -96,7 +103,7 @@ def grad_norm_tensor(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm
     if sharded_group is not None:
         collectives.all_reduce(total, sharded_group)
     collectives.all_reduce(total, grad_stats_parallel_group)
-    return total.pow(1.0 / norm_type)
+    return total
 
 
 def clip_grad_by_total_norm_fp32(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
