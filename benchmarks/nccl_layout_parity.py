@@ -1,7 +1,7 @@
 """Layout parity on NCCL in bf16: 20 training steps of each layout against the single-GPU run.
 
 Section 7 check 6 of the reliability requirements on the GPU machine: for TP=2 with sequence
-parallelism, PP=2, DP=2, CP=2 and EP=2, ``examples/pretrain_gpt.py`` trains 20 steps from the same
+parallelism, PP=2 (1F1B and interleaved), DP=2, CP=2 and EP=2, ``examples/pretrain_gpt.py`` trains 20 steps from the same
 initial weights and the same data as a one-GPU run of the same model, and the loss curves are compared
 by relative Frobenius error ``||loss - loss_ref|| / ||loss_ref||`` <= 2e-2 (bf16; the per-step maximum and
 the gradient norms' error are printed too). Identical weights: a one-rank run saves the initial model
@@ -49,6 +49,7 @@ CPU_MODELS = {
 LAYOUTS = {
     "tp2_sp": ("dense", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": ("dense", ["--pipeline-model-parallel-size", "2"]),
+    "pp2_vp2": ("dense", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "dp2": ("dense", ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
     "cp2": ("dense", ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
     "ep2": ("moe", ["--expert-model-parallel-size", "2"]),

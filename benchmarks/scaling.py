@@ -62,8 +62,6 @@ class ModelConfig:
 _TINYLLAMA = ["--model-preset", "tinyllama-1.1b", "--vocab-size", "31999"]  # + EOD = 32000, as gpt_full_step
 GPU_CONFIGS = {
     "dense": ModelConfig([*_TINYLLAMA], 2, 8, 2048, 22),
-    # Same shapes, 24 layers: 12 per stage at PP=2 (interleaved v=2), 6 at PP=4 (v=2); 22 splits neither.
-    "dense24": ModelConfig([*_TINYLLAMA, "--num-layers", "24"], 2, 8, 2048, 24),
     # Mixtral-shaped layers (hidden 2048, GQA 32/8, 8 experts top-2, expert FFN 5632), 8 of them: 2.4 B params.
     "moe": ModelConfig(["--model-preset", "mixtral-tiny", "--num-layers", "8", "--hidden-size", "2048",
                         "--num-attention-heads", "32", "--num-query-groups", "8", "--ffn-hidden-size", "5632",
@@ -76,8 +74,7 @@ GPU_CONFIGS = {
 _TINY = ["--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--ffn-hidden-size", "128", "--vocab-size", "255", "--make-vocab-size-divisible-by", "8"]
 CPU_CONFIGS = {
-    "dense": ModelConfig(_TINY, 2, 4, 64, 4),
-    "dense24": ModelConfig([*_TINY[:2], "--num-layers", "8", *_TINY[4:]], 2, 4, 64, 8),
+    "dense": ModelConfig([*_TINY[:2], "--num-layers", "14", *_TINY[4:]], 2, 4, 64, 14),
     "moe": ModelConfig(["--model-preset", "mixtral-tiny", "--vocab-size", "255", "--make-vocab-size-divisible-by",
                         "8", "--moe-token-dispatcher-type", "alltoall"], 2, 2, 64, 2),
     "long": ModelConfig([*_TINY, "--max-position-embeddings", "256"], 1, 2, 256, 4),
@@ -112,8 +109,12 @@ class Layout:
         for flag, size in (("--tensor-model-parallel-size", self.tp), ("--pipeline-model-parallel-size", self.pp),
                            ("--context-parallel-size", self.cp), ("--expert-model-parallel-size", self.ep)):
             flags += [flag, str(size)] if size > 1 else []
+        if self.pp > 1:
+            # The embedding and the output layer + loss count as one layer each of the first and last stage:
+            # balances the stages and splits the reference config's 22 layers (24 / 2, / 4, / 8).
+            flags += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
         if self.vp:
-            flags += ["--num-layers-per-virtual-pipeline-stage", str(layers // (self.pp * self.vp))]
+            flags += ["--num-layers-per-virtual-pipeline-stage", str((layers + 2) // (self.pp * self.vp))]
         return flags
 
 
@@ -125,8 +126,8 @@ LAYOUTS = {
     "dp2_distopt": Layout("dense", 2, _DISTOPT),
     "tp2": Layout("dense", 2, ["--use-distributed-optimizer"], tp=2),
     "tp2_sp": Layout("dense", 2, ["--sequence-parallel", "--use-distributed-optimizer"], tp=2),
-    "pp2_1f1b": Layout("dense24", 2, ["--use-distributed-optimizer"], pp=2),
-    "pp2_interleaved": Layout("dense24", 2, ["--use-distributed-optimizer"], pp=2, vp=2),
+    "pp2_1f1b": Layout("dense", 2, ["--use-distributed-optimizer"], pp=2),
+    "pp2_interleaved": Layout("dense", 2, ["--use-distributed-optimizer"], pp=2, vp=2),
     "ep2": Layout("moe", 2, _EP, ep=2),
     "cp2": Layout("long", 2, ["--cp-comm-type", "a2a", "--use-distributed-optimizer"], cp=2),
     "llama8b_tp2": Layout("llama8b", 2, ["--sequence-parallel", "--use-distributed-optimizer",
@@ -135,8 +136,8 @@ LAYOUTS = {
                                                  "--overlap-grad-reduce", "--compile"], tp=2),
     "dp4_ddp": Layout("dense", 4, _DDP),
     "dp4_distopt": Layout("dense", 4, _DISTOPT),
-    "pp4_1f1b": Layout("dense24", 4, ["--use-distributed-optimizer"], pp=4),
-    "pp4_interleaved": Layout("dense24", 4, ["--use-distributed-optimizer"], pp=4, vp=2),
+    "pp4_1f1b": Layout("dense", 4, ["--use-distributed-optimizer"], pp=4),
+    "pp4_interleaved": Layout("dense", 4, ["--use-distributed-optimizer"], pp=4, vp=2),
     "ep4": Layout("moe", 4, _EP, ep=4),
 }
 BASELINE_FLAGS = ["--use-distributed-optimizer"]

@@ -13,6 +13,10 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as one layer of the first pipeline stage when splitting layers")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the output layer and loss as one layer of the last pipeline stage")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (load-balanced chunks)")
@@ -222,10 +226,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.num_microbatches = args.global_batch_size // per_step
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
-        per_rank = args.num_layers // pp
+        accounted = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
+        per_rank = (args.num_layers + accounted) // pp
         _require(pp > 1 and per_rank % args.num_layers_per_virtual_pipeline_stage == 0,
                  f"--num-layers-per-virtual-pipeline-stage ({args.num_layers_per_virtual_pipeline_stage}) needs "
-                 f"--pipeline-model-parallel-size > 1 and must divide num_layers / pp ({per_rank})")
+                 f"--pipeline-model-parallel-size > 1 and must divide (num_layers + accounted embedding/loss) / pp "
+                 f"({per_rank})")
         args.virtual_pipeline_model_parallel_size = per_rank // args.num_layers_per_virtual_pipeline_stage
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive")
     _require(args.mock_data or args.data_path, "give --data-path PREFIX [...] or --mock-data")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import signal
 import time
@@ -94,8 +95,12 @@ class Trainer:
         self.stop_requested = True
 
     def _iterators(self, iterator):
-        wrapped = _DeviceIterator(iterator)
-        return [wrapped] * len(self.chunks) if len(self.chunks) > 1 else wrapped
+        if len(self.chunks) == 1:
+            return _DeviceIterator(iterator)
+        # Each virtual pipeline stage reads every micro-batch of the step (Megatron gives each model chunk its
+        # own iterator over the same data): one tee'd copy of the stream per chunk. Every chunk runs the same
+        # number of micro-batches, so after the step the copies are drained and the next step tees afresh.
+        return [_DeviceIterator(copy) for copy in itertools.tee(iterator, len(self.chunks))]
 
     def _run(self, iterator, forward_only: bool) -> list[dict]:
         return self.forward_backward(

@@ -35,6 +35,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
         cp_comm_type=args.cp_comm_type,
