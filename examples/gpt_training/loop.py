@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from functools import partial
@@ -15,6 +16,17 @@ from gpt_training.moe_metrics import moe_log_values
 from gpt_training.profiling import StepProfiler
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
+
+# Test hook: every rank SIGKILLs itself at the end of this iteration (after its checkpoint, if any, is
+# published), so a crash test stops the run at a known iteration instead of watching the tracker.
+KILL_AT_ITERATION_ENV = "PRETRAIN_GPT_KILL_AT_ITERATION"
+
+
+def kill_if_asked(iteration: int) -> None:
+    """SIGKILL this process at the end of iteration ``$PRETRAIN_GPT_KILL_AT_ITERATION`` (crash tests only)."""
+    target = os.environ.get(KILL_AT_ITERATION_ENV)
+    if target is not None and iteration == int(target):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -168,6 +180,7 @@ class Trainer:
                 self.logger.log(iteration, {"validation loss": self.evaluate()}, kind="valid")
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 self.checkpointer.save(iteration)
+            kill_if_asked(iteration)
             if self._should_exit(iteration, start_time):
                 break
         return iteration

@@ -44,6 +44,14 @@ def build(spec: dict, **config_overrides) -> GPTModel:
     return GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, **spec["model"])
 
 
+def gpt_provider(spec: dict, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                 config: TransformerConfig | None = None, pg_collection=None) -> GPTModel:
+    """A Megatron-style ``model_provider_func`` (for ``get_model``) building a ``spec`` GPTModel or one chunk of it."""
+    config = config if config is not None else TransformerConfig(**spec["config"])
+    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, pre_process=pre_process,
+                    post_process=post_process, vp_stage=vp_stage, pg_collection=pg_collection, **spec["model"])
+
+
 def batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, position_ids, labels)``, each ``[b, s]``."""
     gen = torch.Generator().manual_seed(seed)
