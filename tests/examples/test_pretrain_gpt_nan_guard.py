@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from tests.dist_harness import run_on_ranks
 
+pytestmark = pytest.mark.slow  # subprocess/torchrun training runs
+
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 WORLD, BAD_RANK, BAD_ITERATION, VOCAB, SEQ = 2, 1, 3, 128, 16
 FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),

@@ -19,6 +19,8 @@ import pytest
 
 from tests.process_tree import kill_tree
 
+pytestmark = pytest.mark.slow  # subprocess/torchrun training runs
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "pretrain_gpt.py"
 TRAIN_ITERS, STOP_AT, SAVE_INTERVAL, KILL_AT = 2000, 14, 3, 8
