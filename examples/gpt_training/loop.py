@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from functools import partial
 
@@ -16,6 +17,7 @@ from gpt_training.moe_metrics import moe_log_values
 from gpt_training.profiling import StepProfiler
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
+from megatron_core.progress import track
 
 # Test hook: every rank SIGKILLs itself at the end of this iteration (after its checkpoint, if any, is
 # published), so a crash test stops the run at a known iteration instead of watching the tracker.
@@ -139,7 +141,9 @@ class Trainer:
             chunk.eval()
         total = 0.0
         iterator = self.valid_iter() if callable(self.valid_iter) else self.valid_iter
-        for _ in range(self.args.eval_iters):
+        # A transient bar on a terminal (rank 0, tqdm installed); nothing extra in plain logs.
+        for _ in track(range(self.args.eval_iters), self.args.eval_iters, "validation", unit="batch",
+                       enabled=self.logger.progress, stream=sys.stdout, lines=0, transient=True):
             total += _mean_loss(self._run(iterator, forward_only=True))
         for chunk in self.chunks:
             chunk.train()

@@ -19,21 +19,21 @@ from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.transformer import TransformerConfig
+from tests.models.gpt_test_utils import BATCH as MBS
+from tests.models.gpt_test_utils import MAX_SEQ, SEQ, VOCAB, llama_like
 
-VOCAB, SEQ, MBS, MAX_SEQ, NUM_MICROBATCHES = 64, 8, 2, 16, 2
+NUM_MICROBATCHES = 2
+__all__ = ["MBS", "NUM_MICROBATCHES", "SEQ", "VOCAB", "build", "gpt_config", "logits", "train_step", "weights"]
 
 
 def gpt_config(tp: int, pp: int, hidden: int = 32, num_layers: int = 4, dropout: float = 0.0,
                bf16: bool = False, vpp: int | None = None) -> TransformerConfig:
-    """Llama-like tiny config (RMSNorm, SwiGLU, GQA, no bias) for a (tp, pp) layout."""
+    """The shared ``llama_like`` tiny config (RMSNorm, SwiGLU, GQA, no bias) for a (tp, pp, vpp) layout."""
     dtype = torch.bfloat16 if bf16 else torch.float32
-    return TransformerConfig(bf16=bf16, params_dtype=dtype,
-        num_layers=num_layers, hidden_size=hidden, num_attention_heads=8, num_query_groups=4,
-        ffn_hidden_size=2 * hidden, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=dropout,
-        attention_dropout=0.0, use_cpu_initialization=True, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=dtype,
-    )
+    spec = llama_like(num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=2 * hidden, hidden_dropout=dropout)
+    return TransformerConfig(**spec["config"], bf16=bf16, params_dtype=dtype, tensor_model_parallel_size=tp,
+                             pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                             pipeline_dtype=dtype)
 
 
 def build(tp: int, pp: int, *, distributed_optimizer: bool = False, seed: int = 1234, hidden: int = 32,

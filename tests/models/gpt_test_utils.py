@@ -1,4 +1,8 @@
-"""Tiny GPT configs and helpers to shard a TP=1 state dict and gather TP gradients (test helper).
+"""The test suite's shared tiny-GPT helpers: sizes, configs, builders, batches, TP sharding.
+
+``llama_like`` / ``gpt2_like`` describe the two tiny models every GPT test uses; ``build`` makes a
+single-process one, ``gpt_provider`` is a ``model_provider_func`` for ``get_model`` (pipeline chunks),
+``batch`` a fixed batch. ``shard`` / ``unshard`` move between the TP=1 state dict and TP shards.
 
 Sharding follows the layer layouts: column-parallel weights split along dim 0 (the fused QKV is
 grouped per query group, so a contiguous split gives each rank whole groups; the SwiGLU fc1

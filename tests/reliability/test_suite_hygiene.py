@@ -109,3 +109,12 @@ def test_the_blocking_call_scan_finds_what_it_should(tmp_path: Path) -> None:
         "dist.barrier()\n"
     )
     assert [line.split(":")[1] for line in unbounded_blocking_calls(tmp_path)] == ["2", "4", "6", "9"]
+
+
+def test_every_listed_slow_test_exists() -> None:
+    from tests.conftest import SLOW_TESTS
+
+    for node_id in SLOW_TESTS:
+        path, _, name = node_id.partition("::")
+        function = name.split("[")[0]
+        assert (REPO / path).is_file() and f"def {function}(" in (REPO / path).read_text(), node_id
