@@ -32,6 +32,8 @@ SLOW_TESTS = {
     "tests/reliability/test_checkpoint_architecture.py::test_architecture_mismatch_names_field_and_both_values": 17,
     "tests/reliability/test_hang_bound.py::test_withheld_rank_makes_others_raise_within_bound": 15,
     "tests/reliability/test_mistyped_load.py::test_missing_load_directory_is_an_error": 10,
+    "tests/reliability/test_inf_loss.py::test_inf_loss_on_one_rank_skips_the_step_everywhere[dp2]": 19,
+    "tests/parallel_state/test_parallel_state.py::test_invalid_sizes_name_the_numbers": 15,
 }
 
 
