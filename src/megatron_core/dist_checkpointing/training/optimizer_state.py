@@ -81,12 +81,19 @@ def _model_params_and_keys(model_sharded_sd: dict) -> tuple[list[torch.Tensor], 
     """
     params, sharded, paths = [], {}, {}
     for path, sh in nested_items_iter(model_sharded_sd):
-        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and isinstance(sh.data, torch.nn.Parameter):
-            if id(sh.data) not in sharded:
-                params.append(sh.data)
-                sharded[id(sh.data)] = sh
-                paths[id(sh.data)] = ".".join(map(str, path))
+        # An FSDP2 parameter's entry holds its local rows; ``fsdp_param`` is the DTensor parameter.
+        param = getattr(sh, "fsdp_param", getattr(sh, "data", None))
+        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and isinstance(param, torch.nn.Parameter):
+            if id(param) not in sharded:
+                params.append(param)
+                sharded[id(param)] = sh
+                paths[id(param)] = ".".join(map(str, path))
     return params, sharded, paths
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 DTensor, else the tensor itself."""
+    return tensor._local_tensor if hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local") else tensor
 
 
 def _state_names(opt: Any) -> list[str]:
@@ -120,7 +127,8 @@ def optimizer_sharded_state_dict(optimizer: Any, model_sharded_sd: dict, is_load
             per_param = {}
             for name in names:
                 if is_loading:
-                    value = torch.zeros(e.model_param.shape, dtype=torch.float32, device=e.model_param.device)
+                    local = _local(e.model_param)
+                    value = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
                 else:
                     value = _model_space_value(opt, e, name)
                 per_param[name] = make_sharded_optimizer_tensor(sharded[id(e.model_param)], value,
@@ -145,11 +153,13 @@ def _model_space_value(opt: Any, e: _Entry, name: str) -> torch.Tensor:
         if flat is None:
             flat = torch.zeros_like(e.main, dtype=torch.float32)
     if not _is_distributed(opt):
-        return flat.detach().float().clone()
+        return _local(flat.detach()).float().clone()
     if flat is None:
         flat = torch.zeros(0, dtype=torch.float32, device=e.model_param.device)
     param_range = e.param_range or (0, 0)
-    return dp_flat_shard_to_full(flat.detach().float(), param_range, e.model_param.shape, opt.data_parallel_group)
+    # Offloaded (CPU) shards join the all-reduce on the model's device.
+    return dp_flat_shard_to_full(flat.detach().float().to(e.model_param.device), param_range, e.model_param.shape,
+                                 opt.data_parallel_group)
 
 
 def load_optimizer_state(optimizer: Any, model_sharded_sd: dict, loaded: dict) -> None:
@@ -164,14 +174,18 @@ def load_optimizer_state(optimizer: Any, model_sharded_sd: dict, loaded: dict) -
                 continue
             values = leaf["state"][paths[id(e.model_param)]]
             state = opt.optimizer.state.setdefault(e.main, {})
+            main = _local(e.main)
             for name, full in values.items():
                 value = full if e.param_range is None else full_to_dp_flat_shard(full, e.param_range)
-                value = value.reshape(e.main.shape).to(e.main.device)
+                value = value.reshape(main.shape).to(main.device)
                 if name == MAIN_PARAM:
-                    e.main.data.copy_(value)
+                    main.data.copy_(value)
                     has_main = True
-                else:
-                    state[name] = value.clone()
+                elif main is not e.main:  # FSDP2: the optimizer's state is a DTensor sharded like the param
+                    state[name] = type(e.main).from_local(value.clone(), e.main.device_mesh, e.main.placements,
+                                                          shape=e.main.shape, stride=e.main.stride())
+                else:  # keep the optimizer's storage dtype (bf16 moments of the precision-aware optimizer)
+                    state[name] = value.to(getattr(opt.optimizer, f"{name}_dtype", value.dtype)).clone()
             state["step"] = torch.tensor(float(step))
         if not has_main:
             opt.reload_model_params()
