@@ -1,11 +1,11 @@
 """A user's ``forward_step_func`` for GPT under pipeline parallelism, in a short training loop.
 
-Each pipeline rank builds only its chunk of a tiny GPT with tied input/output embeddings, wraps it
-in ``DistributedDataParallel``, and hands ``forward_step_func`` to the schedule returned by
-``get_forward_backward_func()`` (1F1B, or interleaved with ``--vpp``). The schedule calls the
+Each pipeline rank builds only its chunk of a tiny GPT with tied input/output embeddings through
+``get_model`` (which wraps it in ``DistributedDataParallel``), and hands ``forward_step_func`` to
+the schedule returned by ``get_forward_backward_func()`` (1F1B, or interleaved with ``--vpp``). The schedule calls the
 function once per microbatch on every stage; only the last stage runs ``loss_func`` and gets the
-loss dicts back. Gradients are finalised by ``config.finalize_model_grads_func`` (data-parallel
-reduction and the tied-embedding all-reduce between the first and last stage)::
+loss dicts back. ``configure_model_hooks`` sets ``config.finalize_model_grads_func`` (data-parallel
+reduction and the tied-embedding all-reduce between the first and last stage) and the other hooks::
 
     torchrun --nproc-per-node 2 examples/gpt_pipeline_forward_step.py                 # PP=2, CPU gloo or GPUs
     torchrun --nproc-per-node 2 examples/gpt_pipeline_forward_step.py --vpp 2         # two virtual stages per rank
@@ -27,20 +27,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import device, parallel_state
-from megatron_core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
+from megatron_core.distributed import DistributedDataParallelConfig
+from megatron_core.models.common.model_builder import configure_model_hooks, get_model
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_core.transformer import TransformerConfig
-from megatron_core.transformer.module import Float16Module
 
 VOCAB, SEQ_LENGTH, MICRO_BATCH = 128, 16, 4
-
 
 
 def _free_local_port() -> int:
@@ -50,6 +45,7 @@ def _free_local_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
 
 def get_batch(data_iterator) -> dict[str, torch.Tensor]:
     """The next microbatch on this device (GPTModel reads tokens on the first stage, labels on the last)."""
@@ -91,26 +87,21 @@ def synthetic_batches(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def build_model_chunks(pp: int, vpp: int | None, bf16: bool = False) -> list[torch.nn.Module]:
-    """This rank's model chunks (one per virtual stage); each builds only its own layers."""
-    config = TransformerConfig(
+def gpt_config(pp: int, vpp: int | None, bf16: bool = False) -> TransformerConfig:
+    """A 4-layer GPT config split into ``pp`` stages (``vpp`` virtual stages per rank)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
         num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=not device.cuda_available(),
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        finalize_model_grads_func=finalize_model_grads,
+        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=dtype, bf16=bf16, params_dtype=dtype,
     )
-    chunks = []
-    for v in range(vpp or 1):
-        vp_stage = v if vpp else None
-        chunk = GPTModel(
-            config, get_gpt_layer_local_spec(), VOCAB, SEQ_LENGTH,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=True, vp_stage=vp_stage,
-        ).to(device.get_current_device())
-        chunks.append(Float16Module(config, chunk) if bf16 else chunk)
-    return chunks
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                   config: TransformerConfig | None = None, pg_collection=None) -> GPTModel:
+    """One chunk: ``get_model`` calls this per virtual stage; each chunk builds only its own layers."""
+    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ_LENGTH, pre_process=pre_process,
+                    post_process=post_process, share_embeddings_and_output_weights=True, vp_stage=vp_stage)
 
 
 def train(pp: int, vpp: int | None = None, num_microbatches: int = 4, iterations: int = 5,
@@ -118,13 +109,12 @@ def train(pp: int, vpp: int | None = None, num_microbatches: int = 4, iterations
     """Train for ``iterations`` steps; returns the mean loss per step on the last stage (``[]`` elsewhere)."""
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
     model_parallel_cuda_manual_seed(1234)
-    chunks = build_model_chunks(pp, vpp, bf16)
-    config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16)
-    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
-    config.no_sync_func = [m.no_sync for m in model] if vpp else model[0].no_sync
+    config = gpt_config(pp, vpp, bf16)
+    # One DDP-wrapped chunk per virtual stage (in a Float16Module with bf16), then the schedule's hooks.
+    model = get_model(model_provider, config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=bf16))
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-3, weight_decay=0.0, clip_grad=1.0, bf16=bf16,
                                                        params_dtype=config.params_dtype), model)
+    configure_model_hooks(config, model, optimizer)
     forward_backward_func = get_forward_backward_func()
     dp_rank = parallel_state.get_data_parallel_rank()
     history = []

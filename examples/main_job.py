@@ -4,7 +4,8 @@
 2. Train a byte-level BPE tokenizer on it (``megatron_core.datasets.tokenizers.train_bpe_tokenizer``).
 3. Tokenize the corpus into Megatron ``.bin``/``.idx`` files with ``tools/preprocess_data.py``.
 4. Train a small GPT with ``examples/pretrain_gpt.py`` (evaluation every 25 steps, a checkpoint at the end),
-   then print the validation-loss curve and check that it fell.
+   then print the validation-loss curve and check that it fell; with matplotlib installed, the train and
+   validation loss curves are also drawn into ``loss_curves.png`` beside the logs (its path is printed).
 
 Run from the repository root: ``python examples/main_job.py`` (``--help`` for sizes). Everything is written
 under ``--workdir`` (default ``runs/main_job``).
@@ -22,6 +23,9 @@ import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))  # gpt_training (this script may be started from anywhere)
+
+from gpt_training.plots import plot_loss_curves  # noqa: E402
 
 
 def collect_corpus(out_path: Path, max_bytes: int) -> int:
@@ -49,6 +53,16 @@ def run(cmd: list[str]) -> None:
     """Run a step, streaming its output; stop the job if it fails."""
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def report_curves(log: Path, png: Path) -> Path | None:
+    """Draw the loss curves of ``log`` into ``png`` and print where; a note instead without matplotlib."""
+    written = plot_loss_curves(log, png, title="main job: GPT on the Python standard library")
+    if written is None:
+        print("loss curves: install matplotlib (in the dev extra) for a PNG", flush=True)
+    else:
+        print(f"loss curves: {written}", flush=True)
+    return written
 
 
 def main() -> None:
@@ -102,6 +116,7 @@ def main() -> None:
     falling = all(b[1] < a[1] for a, b in zip(valid, valid[1:]))
     print(f"validation loss {valid[0][1]:.3f} -> {valid[-1][1]:.3f}; "
           f"{'falling at every evaluation' if falling else 'NOT falling at every evaluation'}; checkpoint in {ckpt}")
+    report_curves(log, work / "loss_curves.png")
     if valid[-1][1] >= valid[0][1]:
         sys.exit("validation loss did not fall")
 

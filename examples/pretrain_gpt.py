@@ -16,6 +16,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import argparse  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from gpt_training.arguments import build_parser, validate_args  # noqa: E402
@@ -26,12 +32,13 @@ from gpt_training.hf_model import hf_model_chunks, hf_tokenizer, load_bridge  # 
 from gpt_training.logger import TrainingLogger  # noqa: E402
 from gpt_training.loop import Trainer  # noqa: E402
 from gpt_training.metrics import flops_per_token, peak_flops  # noqa: E402
-from gpt_training.model_builder import build_model_chunks, count_parameters, transformer_config_from_args  # noqa: E402
+from gpt_training.model_builder import build_model, count_parameters, transformer_config_from_args  # noqa: E402
 from megatron_core import parallel_state  # noqa: E402
-from megatron_core.distributed import finalize_model_grads  # noqa: E402
+from megatron_core.models.common.model_builder import configure_model_hooks  # noqa: E402
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed, pad_vocab_size  # noqa: E402
+from megatron_core.transformer import TransformerConfig  # noqa: E402
 
 
 def build_optimizer(args, chunks):
@@ -58,11 +65,27 @@ def build_optimizer(args, chunks):
     return optimizer, scheduler
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse flags, build everything, train, evaluate and checkpoint."""
-    args = build_parser().parse_args(argv)
-    rank, world_size = init_distributed(args.distributed_timeout_minutes)
-    args = validate_args(args, world_size)
+@dataclass
+class TrainingSetup:
+    """Everything ``setup`` builds: the model chunks, their optimizer and scheduler, and the data iterators."""
+
+    model: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: OptimizerParamScheduler
+    train_data_iterator: Iterator[dict]
+    valid_data_iterator: Callable[[], Iterator[dict]] | Iterator[dict] | None
+    config: TransformerConfig
+    checkpointer: Checkpointer
+    iteration: int
+    vocab_size: int
+
+
+def setup(args: argparse.Namespace) -> TrainingSetup:
+    """Model-parallel groups, tokenizer, model, optimizer, scheduler, checkpoint and data for validated ``args``.
+
+    ``torch.distributed`` must be initialised and ``args`` validated (``validate_args``); with ``--load``
+    the state is restored and the data iterators resume where the checkpoint left off.
+    """
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -73,7 +96,6 @@ def main(argv: list[str] | None = None) -> None:
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     model_parallel_cuda_manual_seed(args.seed)
-    logger = TrainingLogger(args, rank)
 
     bridge = load_bridge(args.hf_model) if args.hf_model else None
     tokenizer = hf_tokenizer(bridge, args, build_tokenizer_from_args) if bridge else build_tokenizer_from_args(args)
@@ -81,40 +103,46 @@ def main(argv: list[str] | None = None) -> None:
     config, models = transformer_config_from_args(args), None
     if bridge is not None:  # --hf-model: the model and its weights come from the Hugging Face directory
         config, models, vocab_size = hf_model_chunks(bridge, args, config)
-    config.finalize_model_grads_func = finalize_model_grads
-    chunks = build_model_chunks(args, config, vocab_size, models=models)
-    optimizer, scheduler = build_optimizer(args, chunks)
-    config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    model = build_model(args, config, vocab_size, models=models)
+    optimizer, scheduler = build_optimizer(args, model)
+    configure_model_hooks(config, model, optimizer)
 
-    checkpointer = Checkpointer(args, chunks, optimizer, scheduler)
+    checkpointer = Checkpointer(args, model, optimizer, scheduler)
     iteration, consumed = checkpointer.load() if args.load else (0, 0)
     checkpointer.check_save_dir(iteration)
-    if rank == 0:
-        datasets = build_datasets(args, tokenizer)
-    dist.barrier()
-    datasets = datasets if rank == 0 else build_datasets(args, tokenizer)
-    train_ds, valid_ds, _ = datasets
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)  # the dataset builder builds on rank 0 first
     train_iter = iter(build_loader(train_ds, args, consumed))
     valid_loader = build_loader(valid_ds, args, 0)
     # A fresh iterator per evaluation (the same batches each time) or one that carries on through the split.
     valid_iter = (lambda: iter(valid_loader)) if args.fixed_validation_set else cyclic(valid_loader)
     checkpointer.consumed_samples = lambda it: it * args.global_batch_size
+    return TrainingSetup(model, optimizer, scheduler, train_iter, valid_iter, config, checkpointer, iteration,
+                         vocab_size)
 
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, build everything, train, evaluate and checkpoint."""
+    args = build_parser().parse_args(argv)
+    rank, world_size = init_distributed(args.distributed_timeout_minutes)
+    args = validate_args(args, world_size)
+    logger = TrainingLogger(args, rank)
+    run = setup(args)
     logger.info(
         f"world {world_size} = tp {args.tensor_model_parallel_size} x pp {args.pipeline_model_parallel_size} x "
         f"cp {args.context_parallel_size} x "
         f"dp {args.data_parallel_size}; {args.num_microbatches} micro-batches of {args.micro_batch_size}; "
-        f"{count_parameters(chunks) / 1e6:.2f}M parameters on rank 0; vocab {vocab_size}; start at {iteration}"
+        f"{count_parameters(run.model) / 1e6:.2f}M parameters on rank 0; vocab {run.vocab_size}; "
+        f"start at {run.iteration}"
     )
-    trainer = Trainer(args, config, chunks, optimizer, scheduler, train_iter, valid_iter, logger, checkpointer)
-    final = trainer.train(iteration, flops_per_token(args, vocab_size), peak_flops())
+    trainer = Trainer(args, run.config, run.model, run.optimizer, run.scheduler, run.train_data_iterator,
+                      run.valid_data_iterator, logger, run.checkpointer)
+    final = trainer.train(run.iteration, flops_per_token(args, run.vocab_size), peak_flops())
     if final >= args.train_iters:
         if not args.eval_interval or final % args.eval_interval != 0:
             logger.log(final, {"validation loss": trainer.evaluate()}, kind="valid")
         if args.save and not (args.save_interval and final % args.save_interval == 0):
-            checkpointer.save(final)
-    checkpointer.finalize()
+            run.checkpointer.save(final)
+    run.checkpointer.finalize()
     logger.close()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -188,7 +188,8 @@ _POOLS: OrderedDict[int, RankPool] = OrderedDict()
 
 
 def get_pool(world_size: int) -> RankPool:
-    """A live pool of ``world_size`` ranks, reused across tests (at most two pools stay alive)."""
+    """A live pool of ``world_size`` ranks, reused across tests (at most ``MAX_LIVE_POOLS`` pools stay alive;
+    the least recently used one is closed to make room)."""
     pool = _POOLS.pop(world_size, None)
     if pool is None or not pool.alive():
         if pool is not None:

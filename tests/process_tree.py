@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
+
+# After SIGKILL a process's pipes close at once; this bounds the read in case a stray holder keeps one open.
+REAP_TIMEOUT_S = 30.0
 
 
 def descendants(pid: int) -> set[int]:
@@ -34,5 +38,17 @@ def kill_tree(proc: subprocess.Popen) -> str:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    out, _ = proc.communicate()
-    return out
+    try:
+        out, _ = proc.communicate(timeout=REAP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        out = f"(output not read: a pipe stayed open {REAP_TIMEOUT_S:.0f}s after SIGKILL)"
+    return out or ""
+
+
+def readline_within(proc: subprocess.Popen, timeout: float) -> str | None:
+    """The next line ``proc`` writes to its stdout pipe, or ``None`` if none comes within ``timeout`` s."""
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return line[0] if line else None

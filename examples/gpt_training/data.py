@@ -6,7 +6,6 @@ import argparse
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
 from megatron_core import device, parallel_state
 from megatron_core.datasets import (
@@ -81,8 +80,3 @@ def to_device(batch: dict) -> dict[str, torch.Tensor]:
     target = device.get_current_device()
     return {k: v.to(target, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
-
-def barrier() -> None:
-    """Synchronise all ranks (dataset index files are built by rank 0 first)."""
-    if dist.is_initialized():
-        dist.barrier()

@@ -1,4 +1,4 @@
-"""Training logs: console (with a progress display on a terminal), TensorBoard, W&B and JSON lines."""
+"""Training logs: console (a tqdm progress bar on a terminal, plain lines otherwise), TensorBoard, W&B, JSON lines."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from megatron_core.progress import progress_bar
+
 
 class TrainingLogger:
     """Writes one record per log interval to every sink the flags ask for; only rank 0 writes."""
@@ -14,7 +16,10 @@ class TrainingLogger:
     def __init__(self, args: argparse.Namespace, rank: int) -> None:
         self.enabled = rank == 0
         self.total = args.train_iters
-        self.progress = self.enabled and not args.no_progress and sys.stdout.isatty()
+        # A bar only on a terminal with tqdm installed (and not --no-progress); else one line per record.
+        self.bar = progress_bar(args.train_iters, "train", unit="step", stream=sys.stdout,
+                                enabled=self.enabled and not args.no_progress)
+        self.progress = self.bar is not None
         self.start = time.time()
         self.tensorboard = self.wandb = None
         self.json_path = args.log_json if self.enabled else None
@@ -31,9 +36,9 @@ class TrainingLogger:
 
     def info(self, message: str) -> None:
         """A plain message (rank 0 only)."""
-        if self.enabled:
-            if self.progress:
-                sys.stdout.write("\n")
+        if self.bar is not None:
+            self.bar.write(message)
+        elif self.enabled:
             print(message, flush=True)
 
     def log(self, iteration: int, record: dict[str, float], kind: str = "train") -> None:
@@ -41,11 +46,10 @@ class TrainingLogger:
         if not self.enabled:
             return
         line = " | ".join(f"{k} {_fmt(v)}" for k, v in record.items())
-        if self.progress and kind == "train":
-            done = iteration / self.total
-            bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
-            sys.stdout.write(f"\r[{bar}] {iteration}/{self.total} | {line}")
-            sys.stdout.flush()
+        if self.bar is not None and kind == "train":
+            self.bar.set_position(iteration, line)
+        elif self.bar is not None:
+            self.bar.write(f"[{kind}] iteration {iteration:6d}/{self.total} | {line}")
         else:
             print(f"[{kind}] iteration {iteration:6d}/{self.total} | {line}", flush=True)
         for key, value in record.items():
@@ -59,8 +63,8 @@ class TrainingLogger:
 
     def close(self) -> None:
         """Flush and close the sinks."""
-        if self.progress:
-            sys.stdout.write("\n")
+        if self.bar is not None:
+            self.bar.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:

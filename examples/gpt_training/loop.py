@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import signal
+import sys
 import time
 from functools import partial
 
@@ -17,7 +19,19 @@ from gpt_training.profiling import StepProfiler
 from gpt_training.step_timers import StepTimers, breakdown, timed
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
+from megatron_core.progress import track
 from megatron_core.utils import get_batch_on_this_cp_rank
+
+# Test hook: every rank SIGKILLs itself at the end of this iteration (after its checkpoint, if any, is
+# published), so a crash test stops the run at a known iteration instead of watching the tracker.
+KILL_AT_ITERATION_ENV = "PRETRAIN_GPT_KILL_AT_ITERATION"
+
+
+def kill_if_asked(iteration: int) -> None:
+    """SIGKILL this process at the end of iteration ``$PRETRAIN_GPT_KILL_AT_ITERATION`` (crash tests only)."""
+    target = os.environ.get(KILL_AT_ITERATION_ENV)
+    if target is not None and iteration == int(target):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -152,7 +166,9 @@ class Trainer:
             chunk.eval()
         total = 0.0
         iterator = self.valid_iter() if callable(self.valid_iter) else self.valid_iter
-        for _ in range(self.args.eval_iters):
+        # A transient bar on a terminal (rank 0, tqdm installed); nothing extra in plain logs.
+        for _ in track(range(self.args.eval_iters), self.args.eval_iters, "validation", unit="batch",
+                       enabled=self.logger.progress, stream=sys.stdout, lines=0, transient=True):
             total += _mean_loss(self._run(iterator, forward_only=True))
         for chunk in self.chunks:
             chunk.train()
@@ -197,6 +213,7 @@ class Trainer:
                 self.logger.log(iteration, {"validation loss": self.evaluate()}, kind="valid")
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 self.checkpointer.save(iteration)
+            kill_if_asked(iteration)
             if self._should_exit(iteration, start_time):
                 break
         return iteration

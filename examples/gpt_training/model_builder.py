@@ -1,17 +1,18 @@
-"""Build the GPT model chunks of this rank from the flags, wrapped for mixed precision and DDP."""
+"""The GPT model of ``pretrain_gpt.py`` from the flags: its config, its ``model_provider`` for ``get_model``."""
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from megatron_core import device, parallel_state
-from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_core.distributed import DistributedDataParallelConfig
+from megatron_core.models.common.model_builder import get_model
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-from megatron_core.transformer import Float16Module, TransformerConfig
+from megatron_core.transformer import TransformerConfig
 
 
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
@@ -77,41 +78,49 @@ def _moe_config(args: argparse.Namespace) -> dict:
     )
 
 
-def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
-                       models: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
-    """One DDP-wrapped GPTModel per virtual pipeline stage held by this rank (``models``: already built ones)."""
-    ddp_config = DistributedDataParallelConfig(
+def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """The DistributedDataParallelConfig the flags describe."""
+    return DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    chunks = []
-    for vp_stage in range(args.virtual_pipeline_model_parallel_size or 1):
-        vp = vp_stage if args.virtual_pipeline_model_parallel_size else None
+
+
+def model_provider(args: argparse.Namespace, vocab_size: int, models: list[torch.nn.Module] | None = None,
+                   pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                   config: TransformerConfig | None = None, pg_collection=None) -> torch.nn.Module:
+    """One GPTModel chunk for ``get_model`` (``models``: chunks already built, e.g. from a Hugging Face model)."""
+    if models is not None:
+        model = models[vp_stage or 0]
+    else:
         # MoE models get one spec per layer (dense and MoE layers interleaved by --moe-layer-freq).
-        spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
+        spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
                 if config.num_moe_experts is not None else get_gpt_layer_local_spec())
-        model: torch.nn.Module = models[vp_stage] if models is not None else GPTModel(
+        model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            pre_process=pre_process,
+            post_process=post_process,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
-            vp_stage=vp,
+            vp_stage=vp_stage,
         )
-        model = model.to(device.get_current_device())
-        if args.compile:
-            compile_layers_and_loss(model)
-        if args.bf16 or args.fp16:
-            model = Float16Module(config, model)
-        chunks.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=vp_stage > 0))
-    return chunks
+    if args.compile:
+        compile_layers_and_loss(model)
+    return model
+
+
+def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+                models: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
+    """One DDP-wrapped (and, with --bf16/--fp16, Float16Module-wrapped) GPTModel per virtual stage of this rank."""
+    return get_model(partial(model_provider, args, vocab_size, models), config=config,
+                     ddp_config=ddp_config_from_args(args))
 
 
 def compile_layers_and_loss(model: GPTModel) -> None:

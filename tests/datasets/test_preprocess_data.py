@@ -132,7 +132,7 @@ def test_command_line_tool(bpe_files, tmp_path):
     completed = subprocess.run(
         [sys.executable, os.path.join(root, "tools", "preprocess_data.py"), "--input", source,
          "--output-prefix", str(tmp_path / "cli"), *_gpt2_flags(bpe_files), "--workers", "1"],
-        capture_output=True, text=True, check=False,
+        capture_output=True, text=True, check=False, timeout=120,
     )
     assert completed.returncode == 0, completed.stderr
     assert "Wrote" in completed.stderr and len(IndexedDataset(str(tmp_path / "cli_text_document"))) == 1

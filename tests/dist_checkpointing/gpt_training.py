@@ -7,35 +7,33 @@ trains on the same data. ``logits`` runs a fixed batch through the pipeline (ful
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from megatron_core import parallel_state, tensor_parallel
-from megatron_core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
+from megatron_core.distributed import DistributedDataParallelConfig
+from megatron_core.models.common.model_builder import configure_model_hooks, get_model
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.transformer import TransformerConfig
-from megatron_core.transformer.module import Float16Module
+from tests.models.gpt_test_utils import BATCH as MBS
+from tests.models.gpt_test_utils import MAX_SEQ, SEQ, VOCAB, llama_like
 
-VOCAB, SEQ, MBS, MAX_SEQ, NUM_MICROBATCHES = 64, 8, 2, 16, 2
+NUM_MICROBATCHES = 2
+__all__ = ["MBS", "NUM_MICROBATCHES", "SEQ", "VOCAB", "build", "gpt_config", "logits", "train_step", "weights"]
 
 
 def gpt_config(tp: int, pp: int, hidden: int = 32, num_layers: int = 4, dropout: float = 0.0,
                bf16: bool = False, vpp: int | None = None) -> TransformerConfig:
-    """Llama-like tiny config (RMSNorm, SwiGLU, GQA, no bias) for a (tp, pp) layout."""
+    """The shared ``llama_like`` tiny config (RMSNorm, SwiGLU, GQA, no bias) for a (tp, pp, vpp) layout."""
     dtype = torch.bfloat16 if bf16 else torch.float32
-    return TransformerConfig(bf16=bf16, params_dtype=dtype,
-        num_layers=num_layers, hidden_size=hidden, num_attention_heads=8, num_query_groups=4,
-        ffn_hidden_size=2 * hidden, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=dropout,
-        attention_dropout=0.0, use_cpu_initialization=True, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=dtype, finalize_model_grads_func=finalize_model_grads,
-    )
+    spec = llama_like(num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=2 * hidden, hidden_dropout=dropout)
+    return TransformerConfig(**spec["config"], bf16=bf16, params_dtype=dtype, tensor_model_parallel_size=tp,
+                             pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                             pipeline_dtype=dtype)
 
 
 def build(tp: int, pp: int, *, distributed_optimizer: bool = False, seed: int = 1234, hidden: int = 32,
@@ -49,22 +47,14 @@ def build(tp: int, pp: int, *, distributed_optimizer: bool = False, seed: int = 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     config = gpt_config(tp, pp, hidden, num_layers, dropout, bf16, vpp)
-    chunks = []
-    for v in range(vpp or 1):
-        vp_stage = v if vpp else None
-        model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope",
-                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                         vp_stage=vp_stage)
-        if bf16:
-            model = Float16Module(config, model)
-        chunks.append(DistributedDataParallel(config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=bf16, use_distributed_optimizer=distributed_optimizer), model,
-            disable_bucketing=v > 0))
-    config.no_sync_func = [c.no_sync for c in chunks] if vpp else chunks[0].no_sync
+    provider = partial(GPTModel, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                       max_sequence_length=MAX_SEQ, position_embedding_type="rope")
+    chunks = get_model(provider, config=config, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bf16, use_distributed_optimizer=distributed_optimizer))
     optimizer = get_megatron_optimizer(OptimizerConfig(
         lr=1e-2, min_lr=1e-3, weight_decay=0.01, clip_grad=1.0, bf16=bf16,
         use_distributed_optimizer=distributed_optimizer), chunks)
+    configure_model_hooks(config, chunks, optimizer)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
                                         lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
                                         wd_incr_steps=20, wd_incr_style="constant")

@@ -17,6 +17,7 @@ import math
 import os
 from functools import partial
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -33,6 +34,8 @@ from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_core.tokenizers import MegatronTokenizer
 from megatron_core.transformer.transformer_config import TransformerConfig
 from tests.dist_harness import run_on_ranks
+
+pytestmark = pytest.mark.slow  # subprocess/torchrun training runs
 
 SEQUENCE_LENGTH = 64
 MICRO_BATCH = 8

@@ -9,6 +9,8 @@ import pytest
 
 from tests.dist_harness import run_on_ranks
 
+pytestmark = pytest.mark.slow  # subprocess/torchrun training runs
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "parallelism"
 
 

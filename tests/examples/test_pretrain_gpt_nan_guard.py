@@ -1,7 +1,7 @@
 """``pretrain_gpt.py``'s ``--check-for-nan-in-loss-and-grad``: the loop stops before the optimizer step.
 
 The loop of ``examples/gpt_training`` runs in-process on two CPU ranks (DP=2) with a tiny GPT built
-by the script's own builders. Rank 1 alone gets a NaN at iteration 3: in its loss (a NaN in one
+by the script's own ``setup(args)`` (its data iterator replaced by poisoned batches). Rank 1 alone gets a NaN at iteration 3: in its loss (a NaN in one
 micro-batch's loss mask) or in one gradient (a tensor hook on one parameter, loss finite). Every
 rank must raise ``RuntimeError`` naming iteration 3, with the weights of iteration 2 untouched; with
 ``--no-check-for-nan-in-loss-and-grad`` the optimizer skips the step and training goes on.
@@ -21,10 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
-from megatron_core.distributed import finalize_model_grads
-from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
 from tests.dist_harness import run_on_ranks
+
+pytestmark = pytest.mark.slow  # subprocess/torchrun training runs
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 WORLD, BAD_RANK, BAD_ITERATION, VOCAB, SEQ = 2, 1, 3, 128, 16
@@ -80,18 +79,11 @@ def _train(kind: str, extra: list[str], log_json: str) -> dict[str, Any]:
     from gpt_training.arguments import build_parser, validate_args
     from gpt_training.logger import TrainingLogger
     from gpt_training.loop import Trainer
-    from gpt_training.model_builder import build_model_chunks, transformer_config_from_args
 
     args = validate_args(build_parser().parse_args([*FLAGS, "--train-iters", "4", "--log-json", log_json, *extra]),
                          dist.get_world_size())
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(args.seed)
-    config = transformer_config_from_args(args)
-    config.finalize_model_grads_func = finalize_model_grads
-    chunks = build_model_chunks(args, config, VOCAB)
-    optimizer, scheduler = pretrain_gpt.build_optimizer(args, chunks)
-    config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = chunks[0].no_sync
+    run = pretrain_gpt.setup(args)
+    config, chunks, optimizer, scheduler = run.config, run.model, run.optimizer, run.scheduler
     poison = {"kind": kind, "microbatches": args.num_microbatches, "grad_now": False}
     next(p for p in chunks[0].parameters() if p.requires_grad).register_hook(_poison_grad(poison))
     previous = signal.getsignal(signal.SIGTERM)

@@ -1,4 +1,8 @@
-"""Tiny GPT configs and helpers to shard a TP=1 state dict and gather TP gradients (test helper).
+"""The test suite's shared tiny-GPT helpers: sizes, configs, builders, batches, TP sharding.
+
+``llama_like`` / ``gpt2_like`` describe the two tiny models every GPT test uses; ``build`` makes a
+single-process one, ``gpt_provider`` is a ``model_provider_func`` for ``get_model`` (pipeline chunks),
+``batch`` a fixed batch. ``shard`` / ``unshard`` move between the TP=1 state dict and TP shards.
 
 Sharding follows the layer layouts: column-parallel weights split along dim 0 (the fused QKV is
 grouped per query group, so a contiguous split gives each rank whole groups; the SwiGLU fc1
@@ -42,6 +46,14 @@ def build(spec: dict, **config_overrides) -> GPTModel:
     """A GPTModel from a ``llama_like``/``gpt2_like`` description."""
     cfg = TransformerConfig(**{**spec["config"], **config_overrides})
     return GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, **spec["model"])
+
+
+def gpt_provider(spec: dict, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                 config: TransformerConfig | None = None, pg_collection=None) -> GPTModel:
+    """A Megatron-style ``model_provider_func`` (for ``get_model``) building a ``spec`` GPTModel or one chunk of it."""
+    config = config if config is not None else TransformerConfig(**spec["config"])
+    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, pre_process=pre_process,
+                    post_process=post_process, vp_stage=vp_stage, pg_collection=pg_collection, **spec["model"])
 
 
 def batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

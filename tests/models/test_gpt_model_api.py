@@ -1,13 +1,10 @@
 """GPTModel's public surface on one process: Megatron-Core state-dict keys, outputs, size errors.
 
-Also a smoke run of ``benchmarks/gpt_fwd_bwd.py --tiny`` on CPU (both contenders, no compile).
+(The smoke run of ``benchmarks/gpt_fwd_bwd.py --tiny`` lives in ``benchmarks/test_benchmarks_smoke.py``,
+outside the test suite.)
 """
 
 from __future__ import annotations
-
-import runpy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +12,6 @@ import torch
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.transformer import TransformerConfig
 from tests.models.gpt_test_utils import BATCH, SEQ, VOCAB, batch, build, gpt2_like, llama_like
-
-ROOT = Path(__file__).resolve().parents[2]
 
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
@@ -71,20 +66,6 @@ def test_tp_size_in_config_without_a_tp_group_is_rejected() -> None:
 def test_hidden_size_not_divisible_by_tp_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"num_attention_heads \(6\).*tensor_model_parallel_size \(4\)"):
         TransformerConfig(num_layers=1, hidden_size=36, num_attention_heads=6, tensor_model_parallel_size=4)
-
-
-def test_benchmark_tiny_runs_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    pytest.importorskip("transformers")
-    if torch.cuda.is_available():
-        pytest.skip("--tiny is the CPU smoke mode")
-    monkeypatch.setattr(sys, "argv", ["gpt_fwd_bwd.py", "--tiny", "--hf-eager"])
-    runpy.run_path(str(ROOT / "benchmarks" / "gpt_fwd_bwd.py"), run_name="__main__")
-    lines = capsys.readouterr().out.splitlines()
-    for name in ("megatron_core eager", "HF Llama sdpa eager"):
-        row = next((line for line in lines if line.startswith(name)), None)
-        assert row is not None, lines
-        assert "tok/s" in row and "MFU" in row
-    assert lines[-1].startswith("RESULT fwd+bwd MFU: megatron_core")
 
 
 def test_compiled_model_computes_rope_angles_in_graph_and_matches_eager() -> None:

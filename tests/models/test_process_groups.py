@@ -35,7 +35,17 @@ from megatron_core.pipeline_parallel import forward_backward_no_pipelining, get_
 from megatron_core.process_groups_config import ProcessGroupCollection
 from megatron_core.transformer import TransformerConfig
 from tests.dist_harness import run_on_ranks
-from tests.models.gpt_test_utils import MAX_SEQ, VOCAB, batch, build, gpt2_like, llama_like, shard, unshard
+from tests.models.gpt_test_utils import (
+    MAX_SEQ,
+    VOCAB,
+    batch,
+    build,
+    gpt2_like,
+    gpt_provider,
+    llama_like,
+    shard,
+    unshard,
+)
 from tests.pipeline_parallel.gpt_stages import MBS, SEQ, gpt_forward_step, make_batches
 
 WORLD = 4
@@ -90,7 +100,7 @@ def _train_on_explicit_groups(kind: str, distributed_optimizer: bool) -> str:
 
         torch.manual_seed(1234)
         config = TransformerConfig(**spec["config"])
-        model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, pg_collection=pgs, **spec["model"])
+        model = gpt_provider(spec, config=config, pg_collection=pgs)
         assert model.decoder.layers[0].self_attention.num_attention_heads_per_partition == (
             spec["config"]["num_attention_heads"] // tp
         )

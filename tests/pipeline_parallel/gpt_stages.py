@@ -1,6 +1,6 @@
 """Tiny GPTModel pipeline chunks loaded from a single-process model (helper for PP/optimizer tests).
 
-``build_stage_chunks`` builds this rank's chunks (one per virtual stage) and copies in the TP
+``StageChunks`` builds (through ``get_model``) this rank's chunks (one per virtual stage) and copies in the TP
 shard of the reference weights under their global layer names; the last stage's copy of a tied
 word embedding is keyed ``TIED_LAST`` so tests can check it separately from the first stage's.
 """
@@ -8,16 +8,19 @@ word embedding is keyed ``TIED_LAST`` so tests can check it separately from the 
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 
 from megatron_core import parallel_state
-from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_core.models.common.model_builder import get_model
+from megatron_core.models.gpt import GPTModel
 from megatron_core.transformer import TransformerConfig
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
-from tests.models.gpt_test_utils import shard
+from tests.models.gpt_test_utils import BATCH as MBS
+from tests.models.gpt_test_utils import SEQ, VOCAB, gpt_provider, shard
 
-VOCAB, SEQ, MBS, MAX_SEQ = 64, 8, 2, 16
+__all__ = ["EMBEDDING", "MBS", "SEQ", "TIED_LAST", "StageChunks", "gpt_forward_step", "make_batches", "reference_state"]
 TIED_LAST = "output_layer.weight@last_stage"
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -51,17 +54,10 @@ def make_batches(count: int, seed: int) -> list[dict]:
     return out
 
 
-def build_gpt(spec: dict, config: TransformerConfig, pre: bool = True, post: bool = True,
-              vp_stage: int | None = None) -> GPTModel:
-    """A GPTModel (or one pipeline chunk of it) from a ``gpt2_like``/``llama_like`` description."""
-    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, pre_process=pre, post_process=post,
-                    vp_stage=vp_stage, **spec["model"])
-
-
 def reference_state(spec: dict, seed: int = 1234) -> tuple[GPTModel, dict[str, torch.Tensor]]:
     """The single-process model and a copy of its initial weights."""
     torch.manual_seed(seed)
-    model = build_gpt(spec, TransformerConfig(**spec["config"]))
+    model = gpt_provider(spec, config=TransformerConfig(**spec["config"]))
     return model, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
@@ -81,10 +77,9 @@ class StageChunks:
         self.chunks: list[GPTModel] = []
         self.names: dict[torch.nn.Parameter, str] = {}
         self.init_tied: dict[str, torch.Tensor] = {}
-        for v in range(vpp or 1):
-            first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v)
-            last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v)
-            chunk = build_gpt(spec, config, first, last, vp_stage=v if vpp else None)
+        chunks = get_model(partial(gpt_provider, spec), wrap_with_ddp=False, config=config)
+        for v, chunk in enumerate(chunks):
+            first, last = chunk.pre_process, chunk.post_process
             if tied and (first or last):
                 self.init_tied["first" if first else "last"] = chunk.shared_embedding_or_output_weight().detach().clone()
             offset = get_transformer_layer_offset(config, vp_stage=v if vpp else None)

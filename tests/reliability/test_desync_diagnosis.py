@@ -47,7 +47,7 @@ def test_shape_mismatch_raises_runtime_error_naming_op_and_shapes() -> None:
         except subprocess.TimeoutExpired:
             for proc in procs:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+                proc.communicate(timeout=30)
             pytest.fail(f"the desynced ranks did not finish within {WALL_LIMIT_S:.0f}s (hang)")
         for rank, proc in enumerate(procs):
             assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{outputs[rank][-3000:]}"

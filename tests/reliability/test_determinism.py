@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # several full training runs
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "pretrain_gpt.py"
 TRAIN_ITERS = 20
@@ -49,7 +51,7 @@ def _loss_hashes(tmp_path: Path, seeds: list[int]) -> list[str]:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            proc.communicate()
+            proc.communicate(timeout=30)
         pytest.fail(f"pretrain_gpt.py did not finish within {WALL_LIMIT_S:.0f}s")
     hashes = []
     for proc, out, log in zip(procs, outputs, logs):

@@ -5,7 +5,9 @@
 - ``initialize_model_parallel`` called in a test (through ``tests/dist_harness.py``) creates every
   subgroup with the pool's short timeout, not the library's 30-minute default;
 - a test session whose test leaves a child process running ends with a failing exit status that
-  names the process (``tests/conftest.py``'s session-finish check).
+  names the process (``tests/conftest.py``'s session-finish check);
+- every blocking call in the tests (subprocess runs, ``communicate``/``wait``/``join``/``get``, pipe
+  reads) carries a timeout (``tests/blocking_calls.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_core import parallel_state
+from tests.blocking_calls import unbounded_blocking_calls
 from tests.dist_harness import PROCESS_GROUP_TIMEOUT_S, run_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,3 +88,33 @@ def _subgroup_timeouts() -> list[float]:
 def test_subgroups_made_in_tests_use_the_short_timeout() -> None:
     for timeouts in run_on_ranks(2, _subgroup_timeouts):
         assert timeouts and max(timeouts) <= PROCESS_GROUP_TIMEOUT_S <= 60, timeouts
+
+
+def test_every_blocking_call_in_the_tests_has_a_timeout() -> None:
+    found = unbounded_blocking_calls(REPO / "tests")
+    assert not found, "blocking calls without a timeout:\n" + "\n".join(found)
+
+
+def test_the_blocking_call_scan_finds_what_it_should(tmp_path: Path) -> None:
+    (tmp_path / "sample.py").write_text(
+        "import subprocess\n"
+        "subprocess.run(['true'])\n"                 # flagged
+        "subprocess.run(['true'], timeout=5)\n"
+        "proc.communicate()\n"                       # flagged
+        "proc.communicate(timeout=5)\n"
+        "q.get()\n"                                  # flagged
+        "d.get('key')\n"
+        "', '.join(parts)\n"
+        "proc.stdout.readline()\n"                   # flagged
+        "dist.barrier()\n"
+    )
+    assert [line.split(":")[1] for line in unbounded_blocking_calls(tmp_path)] == ["2", "4", "6", "9"]
+
+
+def test_every_listed_slow_test_exists() -> None:
+    from tests.conftest import SLOW_TESTS
+
+    for node_id in SLOW_TESTS:
+        path, _, name = node_id.partition("::")
+        function = name.split("[")[0]
+        assert (REPO / path).is_file() and f"def {function}(" in (REPO / path).read_text(), node_id

@@ -57,7 +57,7 @@ def test_coverage_is_consistent_and_above_floor():
 
 def test_script_runs_from_the_command_line():
     out = subprocess.run(
-        [sys.executable, "tools/import_coverage.py"], cwd=ROOT, capture_output=True, text=True, check=True,
+        [sys.executable, "tools/import_coverage.py"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120,
         env={"PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "PATH": "/usr/bin:/bin"},
     ).stdout
     assert out.startswith("distinct: ") and "/343 pairs" in out and "/724 file-imports" in out

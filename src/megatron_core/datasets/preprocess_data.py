@@ -28,6 +28,7 @@ from typing import Any
 from megatron_core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron_core.datasets.preprocess_input import BadRecordError, parse_record, read_records
 from megatron_core.datasets.tokenizers.build import TOKENIZER_TYPES, build_tokenizer
+from megatron_core.progress import progress_bar
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])[ \t]+|(?<=[.!?])(?=\n)")
 
@@ -108,12 +109,13 @@ def _output_prefix(prefix: str, key: str, level: str) -> str:
 
 
 class _Progress:
-    """Counts documents, bytes and skipped records; prints Megatron-style progress lines."""
+    """Counts documents, bytes and skipped records; a tqdm counter on a terminal, else Megatron-style lines."""
 
     def __init__(self, interval: int) -> None:
         self.interval = interval
         self.started = time.time()
         self.documents = self.bytes = self.skipped = 0
+        self.bar = progress_bar(None, "preprocess", unit="doc", enabled=interval > 0, stream=sys.stderr)
 
     def line(self) -> str:
         elapsed = max(time.time() - self.started, 1e-9)
@@ -125,8 +127,23 @@ class _Progress:
     def add(self, size: int) -> None:
         self.documents += 1
         self.bytes += size
-        if self.interval and self.documents % self.interval == 0:
+        at_interval = self.interval and self.documents % self.interval == 0
+        if self.bar is not None:
+            elapsed = max(time.time() - self.started, 1e-9)
+            self.bar.update(1, f"{self.bytes / elapsed / 1024 / 1024:.2f} MB/s" if at_interval else None)
+        elif at_interval:
             print(self.line(), file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        """A line of its own (above the bar on a terminal)."""
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _encode_partition(
@@ -152,7 +169,7 @@ def _encode_partition(
                 if not args.skip_bad_records:
                     raise BadRecordError(f"{where}: {error} (pass --skip-bad-records to skip such records)")
                 progress.skipped += 1
-                print(f"skipping {where}: {error}", file=sys.stderr)
+                progress.message(f"skipping {where}: {error}")
                 continue
             for key in args.json_keys:
                 builders[key].add_document(ids[key], lengths[key])
@@ -202,6 +219,7 @@ def preprocess(args: argparse.Namespace) -> list[str]:
                 builder.finalize(get_idx_path(final))
         finally:
             shutil.rmtree(temporary, ignore_errors=True)
+    progress.close()
     summary = progress.line()
     if progress.skipped:
         summary += f" Skipped {progress.skipped} bad record(s)."

@@ -17,8 +17,9 @@ from megatron_core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron_core.transformer import TransformerConfig
+from tests.models.gpt_test_utils import MAX_SEQ, SEQ, VOCAB
 
-VOCAB, SEQ, MAX_SEQ = 64, 8, 16
+__all__ = ["FLAVOURS", "MAX_SEQ", "SEQ", "VOCAB", "batches", "build"]
 
 FLAVOURS = {
     # Mixtral-like: softmax top-2, aux + z losses.

@@ -1,0 +1,1 @@
+"""Progress display and loss-curve tests."""
