@@ -18,11 +18,7 @@ import torch.distributed as dist
 
 from megatron_core.distributed import collectives
 from megatron_core.process_groups_config import resolve_process_group
-
-
-def param_is_not_shared(param: torch.nn.Parameter) -> bool:
-    """False for the duplicate of a tied weight (``param.shared``), counted on the stage that owns it."""
-    return not getattr(param, "shared", False)
+from megatron_core.transformer.module import param_is_not_shared as param_is_not_shared
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.nn.Parameter, tp_rank: int) -> bool:
