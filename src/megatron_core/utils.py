@@ -65,7 +65,7 @@ def get_tensor_model_parallel_group_if_none(
     """
     if not torch.distributed.is_initialized():
         return None
-    from megatron_core.process_groups_config import resolve_process_group
+    from megatron_core.process_groups_config import resolve_process_group  # lazy-import: it imports utils
 
     return resolve_process_group("expt_tp" if is_expert else "tp", group=tp_group)
 
@@ -237,7 +237,7 @@ def get_batch_on_this_cp_rank(
     """
     if is_hybrid_cp:
         raise ValueError("get_batch_on_this_cp_rank: hybrid context parallelism (is_hybrid_cp=True) is not supported")
-    from megatron_core.process_groups_config import resolve_process_group
+    from megatron_core.process_groups_config import resolve_process_group  # lazy-import: it imports utils
 
     group = resolve_process_group("cp", group=cp_group)
     cp_size = get_pg_size(group)
@@ -250,7 +250,10 @@ def get_batch_on_this_cp_rank(
                 continue
             batch[key] = _split_sequence_zigzag(key, val, cp_size, cp_rank)
         return batch
-    from megatron_core.transformer.packed_sequences import thd_layout, thd_partitioned_indices
+    from megatron_core.transformer.packed_sequences import (  # lazy-import: utils is below transformer
+        thd_layout,
+        thd_partitioned_indices,
+    )
 
     cu = batch.get("cu_seqlens_padded")
     cu = batch["cu_seqlens"] if cu is None else cu

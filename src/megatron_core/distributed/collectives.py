@@ -48,20 +48,20 @@ def local_if_none(group: Any) -> Any:
     return LOCAL if group is None else group
 
 
-def group_size(group: Any) -> int:
-    """Ranks in ``group`` (1 for :data:`LOCAL` or before ``torch.distributed`` is initialised)."""
+group_size = get_pg_size
+"""Alias of :func:`megatron_core.utils.get_pg_size`, the package's one group-size helper."""
+group_rank = get_pg_rank
+"""Alias of :func:`megatron_core.utils.get_pg_rank`, the package's one group-rank helper."""
+
+
+def _size(group: Any) -> int:
+    """Ranks in ``group``, refusing ``None`` (which ``torch.distributed`` would read as WORLD)."""
     if group is None:
         raise ValueError(
             "collectives need an explicit process group, got None (torch.distributed reads None as the WORLD "
             "group): pass the group, collectives.LOCAL for this process alone, or local_if_none(resolved_group)"
         )
     return get_pg_size(group)
-
-
-def group_rank(group: Any) -> int:
-    """This rank's index in ``group`` (0 for :data:`LOCAL`)."""
-    group_size(group)
-    return get_pg_rank(group)
 
 
 def _is_gloo(group: Any) -> bool:
@@ -90,7 +90,7 @@ class _CopyOnWait:
 def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum",
                async_op: bool = False) -> dist.Work | None:
     """In-place all-reduce (``op`` in sum, avg, max, min); a no-op on a single rank."""
-    if group_size(group) == 1:
+    if _size(group) == 1:
         return None
     reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
                  "min": dist.ReduceOp.MIN}[op]
@@ -103,7 +103,7 @@ def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, group: Any,
 
     ``output`` may be a view of ``input_`` (the distributed optimizer writes into its own shard).
     """
-    if group_size(group) == 1:
+    if _size(group) == 1:
         if output.data_ptr() != input_.data_ptr():
             output.copy_(input_)
         return None
@@ -123,7 +123,7 @@ def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, group: Any,
 def all_gather(output: torch.Tensor, input_: torch.Tensor, group: Any,
                async_op: bool = False) -> dist.Work | None:
     """Gather every rank's ``input_`` into ``output`` (rank order); ``input_`` may be a view of ``output``."""
-    if group_size(group) == 1:
+    if _size(group) == 1:
         if output.data_ptr() != input_.data_ptr():
             output.copy_(input_)
         return None
@@ -135,14 +135,14 @@ def all_gather(output: torch.Tensor, input_: torch.Tensor, group: Any,
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Any) -> None:
     """Broadcast ``tensor`` from the rank with index ``src_group_rank`` in ``group``."""
-    if group_size(group) == 1:
+    if _size(group) == 1:
         return
     dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
 
 
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Any) -> None:
     """Sum-all-reduce many tensors with one collective per dtype, writing the results back in place."""
-    if group_size(group) == 1 or not tensors:
+    if _size(group) == 1 or not tensors:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
@@ -156,8 +156,8 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Any) -> None:
 
 def all_gather_object(obj: object, group: Any) -> list[object]:
     """Every rank's ``obj`` (picklable) in group-rank order."""
-    if group_size(group) == 1:
+    if _size(group) == 1:
         return [obj]
-    out: list[object] = [None] * group_size(group)
+    out: list[object] = [None] * _size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

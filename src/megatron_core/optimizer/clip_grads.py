@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_core.distributed import collectives
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.module import param_is_not_shared as param_is_not_shared
+from megatron_core.utils import get_pg_rank
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -80,7 +81,7 @@ def count_zeros_fp32(parameters: Iterable[torch.Tensor] | torch.Tensor, grad_sta
     """
     grad_stats_parallel_group = _stats_group(grad_stats_parallel_group)
     params = _as_list(parameters)
-    tp_rank = collectives.group_rank(collectives.local_if_none(resolve_process_group("tp", group=tp_group)))
+    tp_rank = get_pg_rank(collectives.local_if_none(resolve_process_group("tp", group=tp_group)))
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     device = next((getattr(p, attr).device for p in params if getattr(p, attr) is not None), torch.device("cpu"))
     total = torch.zeros(1, dtype=torch.float32, device=device)
