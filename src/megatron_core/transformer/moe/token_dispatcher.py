@@ -60,7 +60,7 @@ def counts_stay_on_device(config: TransformerConfig, tp_ep_group: Any) -> bool:
     token (no capacity factor), so each token has exactly top-k rows. Otherwise the split sizes of the
     collectives need the counts on the host, as in Megatron-Core.
     """
-    return group_size(tp_ep_group) == 1 and config.moe_expert_capacity_factor is None
+    return get_pg_size(tp_ep_group) == 1 and config.moe_expert_capacity_factor is None
 
 
 class MoETokenDispatcher:
