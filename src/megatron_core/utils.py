@@ -58,16 +58,23 @@ def get_tensor_model_parallel_group_if_none(
 ) -> Any:
     """Megatron-Core's helper: ``tp_group``, else the (expert) TP group of ``parallel_state``.
 
-    ``None`` before ``torch.distributed`` is initialised, and ``tp_group`` itself (possibly
-    ``None``: no TP) when ``parallel_state`` has no TP group, as in Megatron-Core. The lookup is
-    :func:`megatron_core.process_groups_config.resolve_process_group`; ``check_initialized`` is
-    accepted for compatibility (a missing group is "no TP", never an error).
+    ``None`` before ``torch.distributed`` is initialised. Otherwise the lookup is
+    :func:`megatron_core.process_groups_config.resolve_process_group`; when it finds no group,
+    ``check_initialized=True`` raises ``parallel_state``'s "not initialized" error, as Megatron-Core
+    does, and ``check_initialized=False`` returns ``None`` (no TP, size 1).
     """
     if not torch.distributed.is_initialized():
         return None
     from megatron_core.process_groups_config import resolve_process_group  # lazy-import: it imports utils
 
-    return resolve_process_group("expt_tp" if is_expert else "tp", group=tp_group)
+    group = resolve_process_group("expt_tp" if is_expert else "tp", group=tp_group)
+    if group is None and check_initialized:
+        from megatron_core import parallel_state
+
+        getter = (parallel_state.get_expert_tensor_parallel_group if is_expert
+                  else parallel_state.get_tensor_model_parallel_group)
+        getter(check_initialized=True)
+    return group
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -43,6 +43,39 @@ LOCAL = _Local()
 """This process alone (no parallelism). Not ``None``, which torch reads as WORLD."""
 
 
+class GroupProduct:
+    """Several orthogonal groups that together span a set of ranks, reduced over one after the other.
+
+    The distributed optimizer's gradient statistics live on the DP shards of model-parallel shards:
+    summing (or taking the max) over the data-parallel group and then over the model-parallel group
+    covers every rank of the model exactly once, with no group of its own to create.
+    :func:`all_reduce` accepts it for ``sum`` and ``max``.
+    """
+
+    def __init__(self, *groups: Any) -> None:
+        if any(g is None for g in groups):
+            raise ValueError("GroupProduct needs explicit groups (use LOCAL for this process alone), got None")
+        self.groups = tuple(groups)
+
+    def size(self) -> int:
+        """Ranks spanned: the product of the groups' sizes."""
+        size = 1
+        for g in self.groups:
+            size *= get_pg_size(g)
+        return size
+
+    def rank(self) -> int:
+        """This rank's index, the first group varying fastest."""
+        rank, stride = 0, 1
+        for g in self.groups:
+            rank += get_pg_rank(g) * stride
+            stride *= get_pg_size(g)
+        return rank
+
+    def __repr__(self) -> str:
+        return f"GroupProduct{self.groups!r}"
+
+
 def local_if_none(group: Any) -> Any:
     """``group``, or :data:`LOCAL` where the resolver found no group (``None``)."""
     return LOCAL if group is None else group
@@ -89,8 +122,18 @@ class _CopyOnWait:
 
 def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum",
                async_op: bool = False) -> dist.Work | None:
-    """In-place all-reduce (``op`` in sum, avg, max, min); a no-op on a single rank."""
+    """In-place all-reduce (``op`` in sum, avg, max, min); a no-op on a single rank.
+
+    Over a :class:`GroupProduct` (``sum``, ``max`` or ``min``, synchronous) it reduces over each group in turn.
+    """
     if _size(group) == 1:
+        return None
+    if isinstance(group, GroupProduct):
+        if op not in ("sum", "max", "min") or async_op:
+            raise ValueError(f"all_reduce over a GroupProduct supports synchronous sum/max/min, got op={op!r}, "
+                             f"async_op={async_op}")
+        for g in group.groups:
+            all_reduce(tensor, g, op)
         return None
     reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
                  "min": dist.ReduceOp.MIN}[op]

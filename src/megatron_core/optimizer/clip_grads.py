@@ -1,8 +1,9 @@
 """Gradient norm, clipping and zero counting across model-parallel ranks (Megatron-Core's ``clip_grads``).
 
 Each rank sums ``|g|^p`` over the gradients it is responsible for, then the partial sums are
-all-reduced over the grad-stats group (model parallel for the plain optimizers, the whole world
-for the distributed optimizer). The caller passes gradients already filtered so that every
+all-reduced over the grad-stats group (model parallel for the plain optimizers; for the
+distributed optimizer data parallel then model parallel, a ``collectives.GroupProduct`` of the
+model's own groups). The caller passes gradients already filtered so that every
 element is counted once: see :func:`param_is_not_shared` and
 :func:`param_is_not_tensor_parallel_duplicate`.
 """

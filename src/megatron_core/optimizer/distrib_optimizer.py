@@ -31,6 +31,7 @@ from megatron_core.optimizer.checkpoint_state import (
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer import MixedPrecisionOptimizer, copy_param_attributes
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
+from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.utils import get_pg_rank, get_pg_size
 
 
@@ -88,7 +89,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.data_parallel_group_gloo = data_parallel_group_gloo
         self.data_parallel_rank = get_pg_rank(data_parallel_group)
         self.data_parallel_world_size = get_pg_size(data_parallel_group)
-        self.grad_stats_parallel_group = dist.group.WORLD if dist.is_initialized() else collectives.LOCAL
+        # Each rank holds DP shards of its model-parallel shards: statistics sum over DP, then over MP.
+        self.grad_stats_parallel_group = collectives.GroupProduct(
+            data_parallel_group, collectives.local_if_none(resolve_process_group("mp")))
 
         owned = self._build_shard_entries()
         self.bucket_groups = self._own_bucket_groups()

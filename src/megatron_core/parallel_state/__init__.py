@@ -31,6 +31,7 @@ _ALL_GROUP_RANKS: dict[str, list[list[int]]] = {}
 _VIRTUAL_PP: dict[str, int | None] = {"rank": None, "world_size": None}
 _OVERRIDES: dict[str, int] = {}
 _GLOBAL_MEMORY_BUFFER: GlobalMemoryBuffer | None = None
+_MEMORY_BUFFER_DESTROYED = [False]  # set by destroy_global_memory_buffer until the next initialisation
 
 
 def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
@@ -88,6 +89,8 @@ def initialize_model_parallel(
     :class:`ParallelConfigError` naming the numbers.
     """
     _check_timeout_minutes("distributed_timeout_minutes", distributed_timeout_minutes)
+    _refuse_unsupported(use_sharp, nccl_communicator_config_path)
+    _MEMORY_BUFFER_DESTROYED[0] = False
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before initialize_model_parallel")
     tp, pp, cp, ep = (
@@ -176,8 +179,23 @@ def initialize_model_parallel(
         _VIRTUAL_PP["rank"] = 0
         _VIRTUAL_PP["world_size"] = virtual_pipeline_model_parallel_size
 
-    global _GLOBAL_MEMORY_BUFFER
-    _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+
+
+def _refuse_unsupported(use_sharp: bool, nccl_communicator_config_path: str | None) -> None:
+    """Options of Megatron-Core's signature that this implementation does not carry out raise when set."""
+    if use_sharp:
+        raise ValueError("initialize_model_parallel: use_sharp=True (NCCL SHARP for the data-parallel groups) is "
+                         "not supported; leave it False")
+    if nccl_communicator_config_path is not None:
+        raise ValueError(f"initialize_model_parallel: nccl_communicator_config_path="
+                         f"{nccl_communicator_config_path!r} (per-group NCCL communicator options) is not "
+                         "supported; leave it None")
+
+
+def _refuse_partial_expert_dp(partial_expert_data_parallel: bool) -> None:
+    if partial_expert_data_parallel:
+        raise NotImplementedError("partial expert data parallel groups need num_distributed_optimizer_instances > 1, "
+                                  "which is not supported; pass partial_expert_data_parallel=False")
 
 
 def _new_hierarchical_cp_groups(cp_groups: list[list[int]], sizes: list[int], cp: int, timeout: timedelta) -> None:
@@ -600,28 +618,38 @@ def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = Tr
 
 def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False):
     """The expert data-parallel group (gradient reduction of expert weights)."""
+    _refuse_partial_expert_dp(partial_expert_data_parallel)
     return _group("expt_dp", check_initialized)
 
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False):
     """A gloo twin of the expert data-parallel group."""
+    _refuse_partial_expert_dp(partial_expert_data_parallel)
     return _GROUPS.get("expt_dp_gloo") or _group("expt_dp")
 
 
 def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
     """Size of the expert data-parallel group."""
+    _refuse_partial_expert_dp(partial_expert_data_parallel)
     return _world_size("expt_dp") if "expt_dp" in _GROUPS else 1
 
 
 def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
     """Rank within the expert data-parallel group."""
+    _refuse_partial_expert_dp(partial_expert_data_parallel)
     return _rank("expt_dp") if "expt_dp" in _GROUPS else 0
 
 
 def get_global_memory_buffer() -> GlobalMemoryBuffer:
-    """A reusable scratch buffer for all-gathers (created by initialize_model_parallel)."""
+    """A reusable scratch buffer (Megatron-Core's API; nothing in this library uses it).
+
+    Created on the first call after ``initialize_model_parallel``, dropped by ``destroy_model_parallel``.
+    """
+    global _GLOBAL_MEMORY_BUFFER
     if _GLOBAL_MEMORY_BUFFER is None:
-        raise RuntimeError("the global memory buffer is not initialized; call initialize_model_parallel() first")
+        if not model_parallel_is_initialized() or _MEMORY_BUFFER_DESTROYED[0]:
+            raise RuntimeError("the global memory buffer is not initialized; call initialize_model_parallel() first")
+        _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
     return _GLOBAL_MEMORY_BUFFER
 
 

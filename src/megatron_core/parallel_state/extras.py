@@ -73,3 +73,4 @@ def create_all_gather_groups(for_expert_parallelism: bool = False, timeout: time
 def destroy_global_memory_buffer() -> None:
     """Drop the global memory buffer (``get_global_memory_buffer`` raises until the next initialisation)."""
     _ps._GLOBAL_MEMORY_BUFFER = None
+    _ps._MEMORY_BUFFER_DESTROYED[0] = True
