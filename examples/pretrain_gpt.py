@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logger.info(
         f"world {world_size} = tp {args.tensor_model_parallel_size} x pp {args.pipeline_model_parallel_size} x "
+        f"cp {args.context_parallel_size} x "
         f"dp {args.data_parallel_size}; {args.num_microbatches} micro-batches of {args.micro_batch_size}; "
         f"{count_parameters(chunks) / 1e6:.2f}M parameters on rank 0; vocab {vocab_size}; start at {iteration}"
     )

@@ -44,6 +44,10 @@ OWNER = {
     "_rerun_reporting": "rerun_state_machine",
 }
 
+# ``fusions`` modules that only re-export transformer pieces at Megatron-Core's paths (above ``transformer``);
+# the other ``fusions`` modules are kernels that ``transformer`` uses (below it).
+FUSION_ALIASES = {"fused_bias_dropout", "fused_layer_norm"}
+
 # Bottom first. A part may import parts of its own layer or of a lower one.
 LAYERS: list[set[str]] = [
     {"device", "package_info", "enums", "typed_torch", "jit", "msc_utils", "config", "config_rules"},
@@ -51,9 +55,9 @@ LAYERS: list[set[str]] = [
     {"process_groups_config", "model_parallel_config", "num_microbatches_calculator", "timers",
      "packed_seq_params", "activations"},
     {"dist_checkpointing"},
-    {"tensor_parallel", "rerun_state_machine"},
+    {"tensor_parallel", "rerun_state_machine", "fusions"},
     {"distributed", "pipeline_parallel", "transformer", "dist_checkpointing.training"},
-    {"optimizer", "optimizer_param_scheduler", "models", "fusions", "datasets", "tokenizers"},
+    {"optimizer", "optimizer_param_scheduler", "models", "fusions.aliases", "datasets", "tokenizers"},
     {"inference"},
 ]
 
@@ -77,6 +81,8 @@ def part_of(module: str) -> str | None:
         return None
     if names[1] == "dist_checkpointing" and len(names) > 2 and names[2] == "training":
         return "dist_checkpointing.training"
+    if names[1] == "fusions" and len(names) > 2 and names[2] in FUSION_ALIASES:
+        return "fusions.aliases"
     return OWNER.get(names[1], names[1])
 
 

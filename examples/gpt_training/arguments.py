@@ -14,6 +14,10 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (load-balanced chunks)")
+    g.add_argument("--cp-comm-type", choices=["p2p", "all_gather", "a2a", "a2a+p2p"], default="p2p",
+                   help="context-parallel attention exchange (a2a: Ulysses all-to-all; p2p: ring)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
@@ -53,6 +57,10 @@ def _model(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--use-cpu-initialization", action=argparse.BooleanOptionalAction, default=True,
+                   help="initialise full weights on the CPU and keep this rank's shard (the same weights under "
+                        "every tensor-parallel size); --no-use-cpu-initialization initialises on the device "
+                        "(fast for large models)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer and the loss (GPU speed-up; first steps compile)")
 
@@ -160,6 +168,9 @@ def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--log-json", default=None, help="also append one JSON line per log interval to this file")
     g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
+    g.add_argument("--step-time-breakdown", action="store_true",
+                   help="log where each step's time goes (compute, gradient sync, optimizer, pipeline bubble), "
+                        "measured with CUDA events (no extra synchronisation), averaged over ranks")
     g.add_argument("--profile", action="store_true", help="record a window of steps with the PyTorch profiler")
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="accepted for Megatron-LM compatibility; --profile always uses the PyTorch profiler")
@@ -194,10 +205,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.num_query_groups is not None:
         args.group_query_attention = True
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _require(world_size % (tp * pp) == 0,
-             f"world size ({world_size}) must be divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
-    args.data_parallel_size = world_size // (tp * pp)
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    _require(cp >= 1, f"--context-parallel-size ({cp}) must be >= 1")
+    _require(world_size % (tp * pp * cp) == 0,
+             f"world size ({world_size}) must be divisible by tensor ({tp}) x pipeline ({pp}) x context ({cp}) "
+             "parallel sizes")
+    _require(args.seq_length % (2 * cp) == 0 or cp == 1,
+             f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({2 * cp})")
+    args.data_parallel_size = world_size // (tp * pp * cp)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step

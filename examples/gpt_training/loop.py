@@ -13,14 +13,26 @@ import torch.distributed as dist
 from gpt_training.data import to_device
 from gpt_training.moe_metrics import moe_log_values
 from gpt_training.profiling import StepProfiler
+from gpt_training.step_timers import StepTimers, breakdown, timed
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
+from megatron_core.utils import get_batch_on_this_cp_rank
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens of one micro-batch."""
+    """Mean per-token loss over the unmasked tokens of one micro-batch.
+
+    Under context parallelism each rank holds part of every sequence: the token count (and the logged
+    loss) is summed over the context-parallel group, the gradient flows through this rank's share.
+    """
     losses = output_tensor.float().view(-1)
     mask = loss_mask.float().view(-1)
+    if parallel_state.get_context_parallel_world_size() > 1:
+        local = torch.sum(losses * mask)
+        totals = torch.stack([local.detach(), mask.sum()])
+        dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
+        count = totals[1].clamp(min=1)
+        return local / count, {"lm loss": totals[0] / count}
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
     return loss, {"lm loss": loss.detach()}
 
@@ -28,6 +40,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """Megatron's forward_step_func: one micro-batch through ``model``; the loss is built on the last stage."""
     batch = next(data_iterator) if data_iterator is not None else None
+    if batch is not None and parallel_state.get_context_parallel_world_size() > 1:
+        batch = get_batch_on_this_cp_rank(batch)  # this rank's load-balanced chunks of each sequence
     tokens = batch["tokens"] if batch is not None else None
     position_ids = batch["position_ids"] if batch is not None else None
     labels = batch["labels"] if batch is not None else None
@@ -69,6 +83,11 @@ class Trainer:
         self.logger, self.checkpointer = logger, checkpointer
         self.forward_backward = get_forward_backward_func()
         self.stop_requested = False
+        self.timers = StepTimers() if args.step_time_breakdown else None
+        if self.timers is not None:  # the schedules time forward/backward through config.timers
+            config.timers = self.timers
+            if getattr(config, "finalize_model_grads_func", None) is not None:
+                config.finalize_model_grads_func = timed(self.timers, "grads-sync", config.finalize_model_grads_func)
         signal.signal(signal.SIGTERM, self._request_stop)
 
     def _request_stop(self, signum, frame) -> None:
@@ -104,7 +123,8 @@ class Trainer:
         if check and not math.isfinite(loss):
             raise RuntimeError(f"iteration {iteration}: the loss is {loss}; stopping before the optimizer step "
                                "(weights unchanged)")
-        success, grad_norm, num_zeros = self.optimizer.step()
+        step = self.optimizer.step if self.timers is None else timed(self.timers, "optimizer", self.optimizer.step)
+        success, grad_norm, num_zeros = step()
         # A grad scaler's skip (fp16 overflow) returns no norm and is routine; a non-finite norm is not.
         if check and not success and grad_norm is not None and not math.isfinite(grad_norm):
             raise RuntimeError(f"iteration {iteration}: the gradient norm is {grad_norm}; the optimizer skipped "
@@ -131,6 +151,8 @@ class Trainer:
             total += _mean_loss(self._run(iterator, forward_only=True))
         for chunk in self.chunks:
             chunk.train()
+        if self.timers is not None:
+            self.timers.discard()  # evaluation is not part of the training steps' breakdown
         return total / self.args.eval_iters
 
     def train(self, start_iteration: int, flops_per_token: float, peak: float | None) -> int:
@@ -162,6 +184,8 @@ class Trainer:
                 if peak is not None:
                     record["MFU %"] = 100 * tokens_per_s * flops_per_token / (peak * dist.get_world_size())
                     record["mem GB"] = device.max_memory_allocated() / 1e9
+                if self.timers is not None:
+                    record.update(breakdown(self.timers, window_steps))
                 self.logger.log(iteration, record)
                 window_start, window_steps, skipped = time.time(), 0, 0
             if args.eval_interval and iteration % args.eval_interval == 0:

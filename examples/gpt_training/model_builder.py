@@ -36,6 +36,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type,
         gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", False),
         bf16=args.bf16,
         fp16=args.fp16,
@@ -44,7 +46,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        use_cpu_initialization=True,
+        use_cpu_initialization=args.use_cpu_initialization,
         **_moe_config(args),
     )
 

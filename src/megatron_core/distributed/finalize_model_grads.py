@@ -32,7 +32,9 @@ def _model_config(model_chunk: torch.nn.Module) -> Any:
 
 def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     grad = getattr(param, "main_grad", None)
-    return param.grad if grad is None else grad
+    grad = param.grad if grad is None else grad
+    # An FSDP2 gradient is a DTensor: reduce its local shard (identically sharded on every TP rank).
+    return grad._local_tensor if grad is not None and hasattr(grad, "device_mesh") else grad
 
 
 def _groups(pg_collection: Any) -> dict[str, Any]:

@@ -89,3 +89,57 @@ def bias_swiglu_impl(input: torch.Tensor, bias: torch.Tensor | None, fp8_input_s
     else:
         out = SwiGLUFunction.apply(flat, fp8_input_store, cpu_offload_input)
     return out if len(shape) == 2 else out.view(shape[0], shape[1], -1)
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+@jit_fuser
+def weighted_swiglu(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``swiglu(y) * weights`` (``weights [..., 1]``, e.g. MoE routing probabilities), in fp32, cast to ``y``'s dtype."""
+    y_1, y_2 = torch.chunk(_at_least_fp32(y), 2, -1)
+    return (F.silu(y_1) * y_2 * _at_least_fp32(weights)).to(y.dtype)
+
+
+@jit_fuser
+def weighted_swiglu_back(g: torch.Tensor, y: torch.Tensor, weights: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`weighted_swiglu` with respect to ``y`` and ``weights``, times ``g``."""
+    y_1, y_2 = torch.chunk(_at_least_fp32(y), 2, -1)
+    g = _at_least_fp32(g)
+    sig = torch.sigmoid(y_1)
+    silu = y_1 * sig
+    gw = g * _at_least_fp32(weights)
+    grad_y = torch.cat((gw * sig * (1 + y_1 * (1 - sig)) * y_2, gw * silu), -1)
+    grad_w = (silu * y_2 * g).sum(-1, keepdim=True)
+    return grad_y.to(y.dtype), grad_w.to(weights.dtype)
+
+
+class WeightedSwiGLUFunction(torch.autograd.Function):
+    """``weighted_swiglu`` saving only its inputs: one fused kernel each way on an accelerator."""
+
+    @staticmethod
+    def forward(ctx, input, weights, fp8_input_store=False):
+        """Compute the weighted activation, saving only the inputs."""
+        ctx.save_for_backward(_input_for_backward(ctx, input, fp8_input_store), weights)
+        return weighted_swiglu(input, weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        """Gradients from the saved inputs."""
+        input, weights = ctx.saved_tensors
+        input = input.to(ctx.ori_input_dtype) if ctx.fp8_input_store else input
+        grad_input, grad_weights = weighted_swiglu_back(grad_output, input, weights)
+        return grad_input, grad_weights, None
+
+
+def weighted_bias_swiglu_impl(input: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor,
+                              fp8_input_store: bool = False) -> torch.Tensor:
+    """``swiglu(input) * weights`` for ``input [tokens, 2h]`` and ``weights [tokens, 1]`` (no bias, as in Megatron)."""
+    if bias is not None:
+        raise ValueError("weighted_bias_swiglu_impl: a bias is not supported (fold it into the fc1 GEMM)")
+    if input.dim() != 2 or weights.shape != (input.shape[0], 1):
+        raise ValueError(f"weighted_bias_swiglu_impl: need input [tokens, 2h] and weights [tokens, 1], got "
+                         f"{tuple(input.shape)} and {tuple(weights.shape)}")
+    return WeightedSwiGLUFunction.apply(input, weights, fp8_input_store)

@@ -30,6 +30,7 @@ from megatron_core.optimizer.optimizer import (
 )
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.optimizer.param_groups import ParamCondition, get_param_groups
+from megatron_core.optimizer.precision_aware_adam import PrecisionAwareAdam
 from megatron_core.process_groups_config import resolve_process_group
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
+    "PrecisionAwareAdam",
     "Range",
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
@@ -52,9 +54,15 @@ __all__ = [
 ]
 
 
-def _torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+def _torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]],
+                     allow_fused: bool = True) -> torch.optim.Optimizer:
+    if config.use_precision_aware_optimizer:
+        return PrecisionAwareAdam(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                  adam_w_mode=config.decoupled_weight_decay, exp_avg_dtype=config.exp_avg_dtype,
+                                  exp_avg_sq_dtype=config.exp_avg_sq_dtype)
     device = param_groups[0]["params"][0].device
-    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    kernel = {"fused": True} if device.type == "cuda" and allow_fused else {"foreach": True}
     if config.optimizer == "adam":
         cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         return cls(param_groups, lr=config.lr, weight_decay=config.weight_decay,
@@ -82,10 +90,25 @@ def _groups(pg_collection: Any, expert: bool) -> dict[str, Any]:
     return {key: collectives.local_if_none(resolve_process_group(role, pg_collection)) for key, role in roles.items()}
 
 
+def _uses_torch_fsdp(model_chunks: list[torch.nn.Module]) -> bool:
+    from megatron_core.distributed.torch_fully_sharded_data_parallel import is_torch_fsdp_module
+
+    return any(is_torch_fsdp_module(chunk) for chunk in model_chunks)
+
+
 def _build(config: OptimizerConfig, model_chunks: list[torch.nn.Module], param_groups: list[dict[str, Any]],
            expert: bool, pg_collection: Any) -> MegatronOptimizer:
     groups = _groups(pg_collection, expert)
-    optimizer = _torch_optimizer(config, param_groups)
+    fsdp = _uses_torch_fsdp(model_chunks)
+    # FSDP2: foreach kernels over the DTensor shards (the fused-clipping path hands plain tensors to the kernel).
+    optimizer = _torch_optimizer(config, param_groups, allow_fused=not fsdp)
+    if fsdp:
+        # FSDP2 keeps fp32 sharded params (the main params) and sharded grads: a plain fp32 step
+        # on the shards; clipping reduces the norm over the shards' mesh as well.
+        wrapped = FP32Optimizer(optimizer, config)
+        wrapped.tp_group = groups["tp"]
+        wrapped.grad_stats_parallel_group = groups["stats"]
+        return wrapped
     if config.use_distributed_optimizer:
         attr = "expert_parallel_buffers" if expert else "buffers"
         per_model_buffers = {i: getattr(chunk, attr) for i, chunk in enumerate(model_chunks)}
@@ -120,6 +143,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
         raise ValueError("OptimizerConfig.lr must be set to build an optimizer")
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
+    if config.use_distributed_optimizer and _uses_torch_fsdp(model_chunks):
+        raise ValueError("OptimizerConfig.use_distributed_optimizer=True cannot be combined with "
+                         "TorchFullyShardedDataParallel model chunks (FSDP2 already shards the optimizer state)")
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult,
                                     default_skip_embedding_weight_decay)
     if not param_groups:

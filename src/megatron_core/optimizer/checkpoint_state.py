@@ -50,12 +50,19 @@ def model_params_and_paths(model_sharded_state_dict: dict) -> tuple[list[torch.T
     """
     params, sharded, paths = [], {}, {}
     for path, sh in nested_items_iter(model_sharded_state_dict):
-        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and isinstance(sh.data, torch.nn.Parameter):
-            if id(sh.data) not in sharded:
-                params.append(sh.data)
-                sharded[id(sh.data)] = sh
-                paths[id(sh.data)] = ".".join(map(str, path))
+        # An FSDP2 parameter's entry holds its local rows; ``fsdp_param`` is the DTensor parameter.
+        param = getattr(sh, "fsdp_param", getattr(sh, "data", None))
+        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and isinstance(param, torch.nn.Parameter):
+            if id(param) not in sharded:
+                params.append(param)
+                sharded[id(param)] = sh
+                paths[id(param)] = ".".join(map(str, path))
     return params, sharded, paths
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 DTensor, else the tensor itself."""
+    return tensor._local_tensor if hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local") else tensor
 
 
 def is_model_space_state(state_dict: Any) -> bool:
@@ -102,7 +109,8 @@ def build_sharded_state(opt: Any, model_sharded_state_dict: dict, is_loading: bo
         per_param = {}
         for name in names:
             if is_loading:
-                value = torch.zeros(e.model_param.shape, dtype=torch.float32, device=e.model_param.device)
+                local = local_tensor(e.model_param)
+                value = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
             else:
                 value = opt._checkpoint_full(e, _main_space_value(opt, e, name))
             per_param[name] = make_sharded_optimizer_tensor(sharded[id(e.model_param)], value, f"optimizer.state.{name}")
@@ -128,13 +136,17 @@ def load_model_space_state(opt: Any, leaf: dict[str, Any]) -> None:
         if e.main is None:
             continue
         state = opt.optimizer.state.setdefault(e.main, {})
+        main = local_tensor(e.main)
         for name, full in leaf["state"][path_by_param[id(e.model_param)]].items():
-            value = opt._checkpoint_local(e, full).reshape(e.main.shape).to(e.main.device)
+            value = opt._checkpoint_local(e, full).reshape(main.shape).to(main.device)
             if name == MAIN_PARAM:
-                e.main.data.copy_(value)
+                main.data.copy_(value)
                 has_main = True
-            else:
-                state[name] = value.clone()
+            elif main is not e.main:  # FSDP2: the optimizer's state is a DTensor sharded like the param
+                state[name] = type(e.main).from_local(value.clone(), e.main.device_mesh, e.main.placements,
+                                                      shape=e.main.shape, stride=e.main.stride())
+            else:  # keep the optimizer's storage dtype (bf16 moments of the precision-aware optimizer)
+                state[name] = value.to(getattr(opt.optimizer, f"{name}_dtype", value.dtype)).clone()
         state["step"] = torch.tensor(float(step))
     if not has_main:
         opt.reload_model_params()

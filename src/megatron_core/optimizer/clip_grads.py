@@ -39,6 +39,25 @@ def _as_list(tensors: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tenso
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
+def _sharded_group_and_locals(tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    """``(group, local tensors)``: DTensors (FSDP2 shards) become their local shards, and ``group`` is
+    the mesh group they are sharded over (``None`` when there is none); statistics must also be
+    reduced over it. As Megatron-Core's ``get_data_parallel_group_if_dtensor``."""
+    group = None
+    out = []
+    for t in tensors:
+        if hasattr(t, "device_mesh") and hasattr(t, "to_local"):
+            from megatron_core.distributed.torch_fully_sharded_data_parallel import fsdp_mesh_group
+
+            mesh_group = fsdp_mesh_group(t)
+            if group is not None and mesh_group != group:
+                raise ValueError("gradients are sharded over different device meshes; cannot reduce their norm")
+            group = mesh_group
+            t = t._local_tensor
+        out.append(t)
+    return group, out
+
+
 def get_grad_norm_fp32(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2,
                        grad_stats_parallel_group: Any = None) -> float:
     """The global ``norm_type``-norm of ``grads_for_norm`` summed over ``grad_stats_parallel_group`` (None: WORLD)."""
@@ -46,11 +65,13 @@ def get_grad_norm_fp32(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, no
     if norm_type != math.inf:
         return grad_norm_tensor(grads_for_norm, norm_type, grad_stats_parallel_group).item()
     grad_stats_parallel_group = _stats_group(grad_stats_parallel_group)
-    grads = _as_list(grads_for_norm)
+    sharded_group, grads = _sharded_group_and_locals(_as_list(grads_for_norm))
     device = grads[0].device if grads else torch.device("cpu")
     local = max((g.detach().abs().max().float() for g in grads if g.numel() > 0),
                 default=torch.tensor(0.0, device=device))
     total = torch.tensor([float(local)], dtype=torch.float32, device=device)
+    if sharded_group is not None:
+        collectives.all_reduce(total, sharded_group, op="max")
     collectives.all_reduce(total, grad_stats_parallel_group, op="max")
     return total.item()
 
@@ -62,7 +83,7 @@ def grad_norm_tensor(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm
     Nothing waits for the device: callers that only feed the norm to further kernels avoid a host sync.
     """
     grad_stats_parallel_group = _stats_group(grad_stats_parallel_group)
-    grads = _as_list(grads_for_norm)
+    sharded_group, grads = _sharded_group_and_locals(_as_list(grads_for_norm))
     device = grads[0].device if grads else torch.device("cpu")
     if grads:
         norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
@@ -70,6 +91,8 @@ def grad_norm_tensor(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm
     else:
         local = torch.zeros(1, dtype=torch.float32, device=device)
     total = local.to(torch.float32)
+    if sharded_group is not None:
+        collectives.all_reduce(total, sharded_group)
     collectives.all_reduce(total, grad_stats_parallel_group)
     return total.pow(1.0 / norm_type)
 
@@ -79,7 +102,7 @@ def clip_grad_by_total_norm_fp32(parameters: Iterable[torch.Tensor] | torch.Tens
     """Scale the gradients of ``parameters`` by ``max_norm / (total_norm + 1e-6)`` when that is below 1."""
     params = _as_list(parameters)
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
-    grads = [getattr(p, attr) for p in params if getattr(p, attr) is not None]
+    _, grads = _sharded_group_and_locals([getattr(p, attr) for p in params if getattr(p, attr) is not None])
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
@@ -98,9 +121,14 @@ def count_zeros_fp32(parameters: Iterable[torch.Tensor] | torch.Tensor, grad_sta
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     device = next((getattr(p, attr).device for p in params if getattr(p, attr) is not None), torch.device("cpu"))
     total = torch.zeros(1, dtype=torch.float32, device=device)
+    sharded_group = None
     for p in params:
         grad = getattr(p, attr)
         if grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_rank):
+            group, (grad,) = _sharded_group_and_locals([grad])
+            sharded_group = group or sharded_group
             total += grad.numel() - torch.count_nonzero(grad)
+    if sharded_group is not None:
+        collectives.all_reduce(total, sharded_group)
     collectives.all_reduce(total, grad_stats_parallel_group)
     return total.item()

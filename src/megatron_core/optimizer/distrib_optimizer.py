@@ -8,6 +8,13 @@ optimizer's state for it. A step reads the reduce-scattered gradient slice from 
 updates the slice, writes it into the param buffer and all-gathers the buffer (or lets the DDP
 forward pre-hooks do it with ``overlap_param_gather``).
 
+With ``use_precision_aware_optimizer`` the main params are kept in ``main_params_dtype`` (a view of
+the param buffer when that is the params' dtype) and the inner optimizer is
+:class:`~megatron_core.optimizer.precision_aware_adam.PrecisionAwareAdam` (moments in
+``exp_avg_dtype``/``exp_avg_sq_dtype``). With ``optimizer_cpu_offload`` the main params (and so the
+optimizer state) of the first ``optimizer_offload_fraction`` of the shard's elements live on the
+CPU: gradients are copied there, the step runs there, and the results are copied back.
+
 ``state_dict`` holds this rank's shard state plus metadata (param names, shapes, flat ranges, DP
 rank and size) so a checkpointing layer can reshard it.
 """
@@ -21,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_core.device import cuda_available
 from megatron_core.dist_checkpointing.optimizer import dp_flat_shard_to_full, full_to_dp_flat_shard
 from megatron_core.distributed import collectives
 from megatron_core.optimizer.checkpoint_state import (
@@ -62,6 +70,7 @@ class _ShardEntry:
     gbuf_world_range: Range  # in the buffer
     name: str
     chunk_index: int
+    offloaded: bool = False  # main param and optimizer state live on the CPU (optimizer_cpu_offload)
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -93,7 +102,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.grad_stats_parallel_group = collectives.GroupProduct(
             data_parallel_group, collectives.local_if_none(resolve_process_group("mp")))
 
+        self.main_params_dtype = config.main_params_dtype if config.use_precision_aware_optimizer else torch.float32
         owned = self._build_shard_entries()
+        self._offload_entries(owned)
         self.bucket_groups = self._own_bucket_groups()
         self.shard_groups: list[list[_ShardEntry]] = []
         for group in self.optimizer.param_groups:
@@ -122,11 +133,34 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                             continue
                         param_range = Range(lo - start, hi - start)
                         flat = param.detach().view(-1)[param_range.start:param_range.end]
-                        main = flat if param.dtype == torch.float32 else flat.clone().float()
+                        dtype = self.main_params_dtype
+                        main = flat if param.dtype == dtype else flat.clone().to(dtype)
                         copy_param_attributes(main, param)
                         owned[param] = _ShardEntry(param, main, param_range, Range(lo, hi),
                                                    buffer.param_to_name.get(param, ""), chunk_index)
         return owned
+
+    def _offload_entries(self, owned: dict[torch.nn.Parameter, _ShardEntry]) -> None:
+        """Move the main params of the first ``optimizer_offload_fraction`` of this rank's elements to the CPU.
+
+        Their optimizer state is then created on the CPU by the first step; gradients go to the CPU
+        and updated values come back every step (Megatron-Core's ``optimizer_cpu_offload``).
+        """
+        if not self.config.optimizer_cpu_offload or self.config.optimizer_offload_fraction <= 0.0:
+            return
+        entries = list(owned.values())
+        budget = self.config.optimizer_offload_fraction * sum(e.main_param.numel() for e in entries)
+        moved = 0
+        pin = cuda_available() and bool(entries) and entries[0].main_param.device.type == "cuda"
+        for entry in entries:
+            if moved >= budget:
+                break
+            cpu = torch.empty(entry.main_param.shape, dtype=self.main_params_dtype, device="cpu", pin_memory=bool(pin))
+            cpu.copy_(entry.main_param.detach())
+            copy_param_attributes(cpu, entry.model_param)
+            entry.main_param = cpu
+            entry.offloaded = True
+            moved += cpu.numel()
 
     def _own_bucket_groups(self) -> list[Any]:
         """The DDP bucket groups over this optimizer's buffers (a dense and an expert optimizer split them)."""
@@ -153,13 +187,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _copy_model_grads_to_main_grads(self) -> None:
         for entry in self._entries():
             flat = entry.model_param.main_grad.view(-1)[entry.param_range.start:entry.param_range.end]
-            entry.main_param.grad = flat if flat.dtype == torch.float32 else flat.float()
+            main = entry.main_param
+            same = flat.dtype == main.dtype and flat.device == main.device
+            entry.main_param.grad = flat if same else flat.to(device=main.device, dtype=main.dtype)
 
     def _copy_main_params_to_model_params(self) -> None:
         for entry in self._entries():
-            if entry.model_param.dtype != torch.float32:
-                flat = entry.model_param.detach().view(-1)[entry.param_range.start:entry.param_range.end]
-                flat.copy_(entry.main_param)
+            flat = entry.model_param.detach().view(-1)[entry.param_range.start:entry.param_range.end]
+            if entry.main_param.data_ptr() != flat.data_ptr():
+                flat.copy_(entry.main_param, non_blocking=entry.offloaded)
 
     def step_with_ready_grads(self) -> bool:
         """Update the owned shards, write them into the param buffers and all-gather (or dispatch)."""
@@ -233,8 +269,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _checkpoint_full(self, entry: ParamStateEntry, value: torch.Tensor | None) -> torch.Tensor:
         if value is None:
             value = torch.zeros(0, dtype=torch.float32, device=entry.model_param.device)
-        return dp_flat_shard_to_full(value.detach().float(), entry.param_range or (0, 0), entry.model_param.shape,
-                                     self.data_parallel_group)
+        # Offloaded (CPU) shards join the all-reduce on the model's device.
+        return dp_flat_shard_to_full(value.detach().float().to(entry.model_param.device), entry.param_range or (0, 0),
+                                     entry.model_param.shape, self.data_parallel_group)
 
     def _checkpoint_local(self, entry: ParamStateEntry, full: torch.Tensor) -> torch.Tensor:
         return full_to_dp_flat_shard(full, entry.param_range)

@@ -28,6 +28,7 @@ from megatron_core.optimizer.checkpoint_state import (
     build_sharded_state,
     is_model_space_state,
     load_model_space_state,
+    local_tensor,
 )
 from megatron_core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -172,8 +173,8 @@ class MegatronOptimizer(ABC):
         return [found[id(p)] for p in model_params if id(p) in found]
 
     def _checkpoint_full(self, entry: ParamStateEntry, value: torch.Tensor) -> torch.Tensor:
-        """A main-space state value as a whole TP-local fp32 tensor (here: a copy)."""
-        return value.detach().float().clone()
+        """A main-space state value as a whole TP-local fp32 tensor (here: a copy of the local shard)."""
+        return local_tensor(value.detach()).float().clone()
 
     def _checkpoint_local(self, entry: ParamStateEntry, full: torch.Tensor) -> torch.Tensor:
         """The part of a whole TP-local tensor that this rank's main tensor holds (here: all of it)."""

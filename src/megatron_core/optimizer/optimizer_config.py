@@ -15,6 +15,40 @@ from megatron_core.config_rules import OPTIMIZER_RULES as _OPTIMIZER_RULES
 from megatron_core.config_rules import apply_rules as _apply_rules
 
 _OPTIMIZERS = ("adam", "sgd")
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PRECISION_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
+def _check_precision_and_offload(config: OptimizerConfig) -> None:
+    """Megatron-Core's rules for the precision-aware optimizer and CPU offload, as ``ValueError``s."""
+    if config.use_precision_aware_optimizer:
+        if config.optimizer != "adam":
+            raise ValueError(f"use_precision_aware_optimizer=True needs optimizer='adam' (got {config.optimizer!r})")
+        if not config.use_distributed_optimizer:
+            raise ValueError("use_precision_aware_optimizer=True needs use_distributed_optimizer=True")
+        for name in _PRECISION_FIELDS:
+            allowed = (torch.float32, torch.bfloat16) if name.startswith("main_") else _STATE_DTYPES
+            if getattr(config, name) not in allowed:
+                raise ValueError(f"{name} ({getattr(config, name)}) must be one of {allowed}")
+        if config.main_grads_dtype != config.main_params_dtype:
+            raise ValueError(
+                f"main_grads_dtype ({config.main_grads_dtype}) must equal main_params_dtype "
+                f"({config.main_params_dtype}) here: the gradient is handed to the update in the main params' dtype"
+            )
+    else:
+        for name in _PRECISION_FIELDS:
+            if getattr(config, name) != torch.float32:
+                raise ValueError(
+                    f"{name} ({getattr(config, name)}) can only be torch.float32 when use_precision_aware_optimizer=False"
+                )
+    if config.optimizer_cpu_offload and not config.use_precision_aware_optimizer:
+        raise ValueError("optimizer_cpu_offload=True needs use_precision_aware_optimizer=True (the offloaded step "
+                         "is the precision-aware optimizer's)")
+    if not 0.0 <= config.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"optimizer_offload_fraction ({config.optimizer_offload_fraction}) must be in [0, 1]")
+    if config.optimizer_offload_fraction > 0.0 and not config.optimizer_cpu_offload:
+        raise ValueError(f"optimizer_offload_fraction ({config.optimizer_offload_fraction}) > 0 needs "
+                         "optimizer_cpu_offload=True")
 
 
 @dataclass
@@ -62,8 +96,11 @@ class OptimizerConfig:
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
 
-    # CPU offload (not supported; must stay False)
+    # CPU offload of the distributed optimizer's shards (needs use_precision_aware_optimizer)
     optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    use_torch_optimizer_for_cpu_offload: bool = False
+    overlap_cpu_optimizer_d2h_h2d: bool = False
 
     # Miscellaneous
     clip_grad: float = 1.0
@@ -108,10 +145,7 @@ class OptimizerConfig:
                 "overlap_param_gather_with_optimizer_step=True needs use_distributed_optimizer=True and "
                 f"overlap_param_gather=True (got {self.use_distributed_optimizer}, {self.overlap_param_gather})"
             )
-        if self.use_precision_aware_optimizer:
-            raise ValueError("use_precision_aware_optimizer=True needs Transformer Engine's FusedAdam; not supported")
-        if self.optimizer_cpu_offload:
-            raise ValueError("optimizer_cpu_offload=True is not supported by megatron_core")
+        _check_precision_and_offload(self)
         if self.fp16 and self.params_dtype != torch.float16:
             self.params_dtype = torch.float16
         if self.bf16 and self.params_dtype != torch.bfloat16:

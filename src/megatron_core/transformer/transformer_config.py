@@ -129,6 +129,16 @@ class TransformerConfig(ModelParallelConfig):
     # Loss and misc
     calculate_per_token_loss: bool = False
     fp8: str | None = None
+    fp8_recipe: str | None = "delayed"
+    fp8_param: bool = False
+    fp8_margin: int = 0
+    fp8_interval: int = 1
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
     transformer_impl: str = "local"
     clone_scatter_output_in_embedding: bool = True
     test_mode: bool = False
@@ -217,10 +227,34 @@ def _check_normalization_and_activation(cfg: TransformerConfig) -> None:
             )
     if cfg.multi_latent_attention:
         raise ValueError("multi_latent_attention=True is not supported by this library")
-    if cfg.fp8 is not None and cfg.transformer_impl != "transformer_engine":
-        raise ValueError(f"fp8 ({cfg.fp8!r}) needs transformer_impl='transformer_engine' (got {cfg.transformer_impl!r})")
+    _check_fp8(cfg)
     if cfg.transformer_impl not in ("local", "transformer_engine"):
         raise ValueError(f"transformer_impl ({cfg.transformer_impl!r}) must be 'local' or 'transformer_engine'")
+
+
+_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom", "rowwise")
+
+
+def _check_fp8(cfg: TransformerConfig) -> None:
+    """Megatron-Core's FP8 rules; the recipe itself is checked by the backend that converts the model."""
+    if cfg.fp8 is None:
+        return
+    if cfg.fp8 not in ("e4m3", "hybrid"):
+        raise ValueError(f"fp8 ({cfg.fp8!r}) must be None, 'e4m3' or 'hybrid'")
+    if cfg.fp8_recipe not in _FP8_RECIPES:
+        raise ValueError(f"fp8_recipe ({cfg.fp8_recipe!r}) must be one of {_FP8_RECIPES}")
+    if cfg.fp8_margin < 0 or cfg.fp8_amax_history_len < 1:
+        raise ValueError(f"fp8_margin ({cfg.fp8_margin}) must be >= 0 and fp8_amax_history_len "
+                         f"({cfg.fp8_amax_history_len}) >= 1")
+    if cfg.first_last_layers_bf16:
+        if cfg.fp8_recipe == "delayed":
+            raise ValueError("first_last_layers_bf16=True is not supported with fp8_recipe='delayed'")
+        per_stage = cfg.num_layers // cfg.pipeline_model_parallel_size
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            value = getattr(cfg, name)
+            if not 0 <= value <= per_stage:
+                raise ValueError(f"{name} ({value}) must be between 0 and the number of layers per pipeline "
+                                 f"stage ({per_stage})")
 
 
 def _check_recompute(cfg: TransformerConfig) -> None:

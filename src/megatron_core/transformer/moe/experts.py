@@ -17,10 +17,12 @@ from copy import deepcopy
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron_core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.grouped_linear import (
@@ -122,6 +124,10 @@ class TEGroupedMLP(MegatronModule):
             is_expert=True, tp_comm_buffer_name="fc2", tp_group=pgs.expt_tp,
         )
 
+    def _fused_weighted_swiglu(self, intermediate: torch.Tensor) -> bool:
+        return (self.config.gated_linear_unit and self.activation_func is F.silu and intermediate.dim() == 2
+                and intermediate.device.type != "cpu")
+
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.gated_linear_unit:
             gate, up = torch.chunk(x, 2, dim=-1)
@@ -152,7 +158,11 @@ class TEGroupedMLP(MegatronModule):
             x = (probs * x).to(x.dtype)
             probs = torch.ones_like(probs)
         intermediate, _ = self.linear_fc1(x, counts)
-        intermediate = (self._activate(intermediate) * probs).to(x.dtype)
+        if self._fused_weighted_swiglu(intermediate):
+            # One fused kernel each way on a GPU (jit_fuser): no fp32 copy of the [rows, ffn] activation.
+            intermediate = weighted_bias_swiglu_impl(intermediate, None, probs)
+        else:
+            intermediate = (self._activate(intermediate) * probs).to(x.dtype)
         output, bias = self.linear_fc2(intermediate, counts)
         if bias is not None:
             count_tensor = group_counts_tensor(counts, output.device)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state, tensor_parallel
+from megatron_core.device import get_current_device
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.transformer_config import TransformerConfig
@@ -119,4 +120,11 @@ class LanguageModule(MegatronModule):
                 ignore_virtual=False, vp_stage=getattr(self, "vp_stage", None)
             )
         if member:
-            dist.all_reduce(self.shared_embedding_or_output_weight().data, group=group)
+            # With use_cpu_initialization the weight is still on the CPU: reduce a copy on the device the
+            # group's backend serves (NCCL cannot reduce CPU tensors) and copy the result back.
+            weight = self.shared_embedding_or_output_weight()
+            device = get_current_device()
+            on_device = weight.data.to(device)
+            dist.all_reduce(on_device, group=group)
+            if on_device is not weight.data:
+                weight.data.copy_(on_device)

@@ -1,0 +1,137 @@
+"""Bytes per parameter of persistent training state per rank: DDP + distributed optimizer vs FSDP2, on CPU.
+
+For DP in {1, 2, 4} (gloo ranks on this machine) a small GPT is trained one step under
+``DistributedDataParallel`` with the distributed optimizer (bf16 params, fp32 grads, fp32 main
+params; with fp32 and with bf16 Adam moments through the precision-aware optimizer) and under
+``TorchFullyShardedDataParallel`` (fp32 sharded params, bf16 compute, fp32 sharded grads). Every
+rank then adds up the storage it really holds, by category (params, grads, separate main params,
+optimizer state; each storage counted once, FSDP DTensors by their local shards), divided by the
+model's parameter count. Printed as a markdown table next to the formula (DDP + distopt:
+``6 + 12/d``, ``6 + 8/d`` with bf16 moments; FSDP: ``16/d``)::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/fsdp_memory.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_core import parallel_state
+from megatron_core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+)
+from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_core.transformer import TransformerConfig
+
+VOCAB, SEQ, BATCH = 1024, 32, 4
+CASES = ("DDP + distributed optimizer", "DDP + distributed optimizer, bf16 moments", "FSDP2 (torch fully_shard)")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shards) not yet in ``seen``."""
+    total = 0
+    for tensor in tensors:
+        storage = _local(tensor).untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def measure(case: str) -> dict[str, float]:
+    """One step on this rank, then the bytes per model parameter held in each category."""
+    torch.manual_seed(0)
+    fsdp = case.startswith("FSDP")
+    dtype = torch.float32 if fsdp else torch.bfloat16
+    config = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4, use_cpu_initialization=True,
+                               hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=dtype)
+    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ).to(dtype)
+    num_params = sum(p.numel() for p in model.parameters())
+    if fsdp:
+        wrapped = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), model)
+        opt_config = OptimizerConfig(lr=1e-3, bf16=True)
+    else:
+        wrapped = DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+        moments = torch.bfloat16 if "bf16 moments" in case else torch.float32
+        opt_config = OptimizerConfig(lr=1e-3, bf16=True, params_dtype=dtype, use_distributed_optimizer=True,
+                                     use_precision_aware_optimizer=moments != torch.float32,
+                                     exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+    opt = get_megatron_optimizer(opt_config, [wrapped])
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    wrapped.zero_grad_buffer()
+    opt.zero_grad()
+    wrapped(tokens, positions, None, labels=tokens).float().mean().backward()
+    wrapped.finish_grad_sync()
+    assert opt.step()[0]
+
+    seen: set[int] = set()
+    params = _storage_bytes(model.parameters(), seen)
+    grads = _storage_bytes((p.grad if fsdp else p.main_grad for p in model.parameters()), seen)
+    main = _storage_bytes((p for g in opt.optimizer.param_groups for p in g["params"]), seen)
+    states = _storage_bytes((t for s in opt.optimizer.state.values() for t in s.values()
+                             if isinstance(t, torch.Tensor) and t.dim() > 0), seen)
+    return {k: v / num_params for k, v in
+            {"params": params, "grads": grads, "main params": main, "optimizer state": states}.items()}
+
+
+def formula(case: str, dp: int) -> float:
+    """Persistent bytes per parameter on one rank, by construction."""
+    if case.startswith("FSDP"):
+        return 16 / dp
+    return 6 + (8 if "bf16 moments" in case else 12) / dp
+
+
+def _worker(rank: int, world_size: int, store: str, queue: mp.Queue) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel()
+    for case in CASES:
+        result = measure(case)
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, result)
+        if rank == 0:  # the average rank (FSDP shards of small tensors are uneven)
+            queue.put((case, world_size, {k: sum(r[k] for r in gathered) / world_size for k in result}))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    rows = []
+    for dp in args.dp:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(_worker, args=(dp, os.path.join(tmp, "store"), queue), nprocs=dp,
+                               start_method="spawn")
+        while not queue.empty():
+            rows.append(queue.get())
+    rows.sort(key=lambda r: (CASES.index(r[0]), r[1]))
+    print("| layout | DP | params | grads | main params | optimizer state | total | formula |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case, dp, r in rows:
+        print(f"| {case} | {dp} | {r['params']:.2f} | {r['grads']:.2f} | {r['main params']:.2f} | "
+              f"{r['optimizer state']:.2f} | {sum(r.values()):.2f} | {formula(case, dp):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

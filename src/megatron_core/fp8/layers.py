@@ -1,0 +1,144 @@
+"""FP8 (torchao) versions of the tensor-parallel linear layers, and the conversion of a model to them.
+
+:class:`Float8ColumnParallelLinear` and :class:`Float8RowParallelLinear` keep their parents'
+parameters, state-dict keys and tensor-parallel layout (sequence parallelism included); only the
+GEMM changes: its input, weight and output gradient are cast to float8 by torchao's autograd op,
+and the tensor-parallel communication is done by the usual mapping functions around it.
+
+:func:`convert_to_float8` switches the linear layers inside every ``TransformerLayer`` of a model
+(QKV, attention projection, MLP fc1/fc2); embeddings and the output layer stay in high precision,
+as do the first/last layers with ``first_last_layers_bf16``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_core.fp8.torchao_backend import (
+    check_fp8_config,
+    check_fp8_device,
+    float8_linear_config,
+    float8_matmul,
+    linear_mm_config,
+)
+from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+FP8_DIM_MULTIPLE = 16
+
+
+class Float8ColumnParallelLinear(ColumnParallelLinear):
+    """``ColumnParallelLinear`` whose GEMM runs in float8 (made by :func:`convert_to_float8`)."""
+
+    float8_config: Any = None
+    float8_mm_config: Any = None
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None):
+        """``(output, bias)`` as the parent's, computed with a float8 GEMM."""
+        weight = self.weight if weight is None else weight
+        if weight is None:
+            raise ValueError("weight must be passed to forward() when skip_weight_param_allocation=True")
+        if self.explicit_expert_comm or self.disable_grad_reduce:
+            total_input = input_
+        elif self.sequence_parallel:
+            total_input = gather_from_sequence_parallel_region(input_, group=self.tp_group)
+        else:
+            total_input = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output = float8_matmul(total_input, weight, self.float8_config, self.float8_mm_config)
+        if self.bias is not None and not self.skip_bias_add:
+            output = output + self.bias.to(output.dtype)
+        gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather_output:
+            output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
+        if self.output_dtype is not None:
+            output = output.to(self.output_dtype)
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class Float8RowParallelLinear(RowParallelLinear):
+    """``RowParallelLinear`` whose GEMM runs in float8 (made by :func:`convert_to_float8`)."""
+
+    float8_config: Any = None
+    float8_mm_config: Any = None
+
+    def forward(self, input_: torch.Tensor):
+        """``(output, bias)`` as the parent's, computed with a float8 GEMM."""
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output_parallel = float8_matmul(input_parallel, self.weight, self.float8_config, self.float8_mm_config)
+        if self.explicit_expert_comm:
+            output_ = output_parallel
+        elif self.sequence_parallel:
+            output_ = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output_ = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        if self.skip_bias_add:
+            return output_, self.bias
+        output = output_ + self.bias.to(output_.dtype) if self.bias is not None else output_
+        return output, None
+
+
+_FP8_CLASSES = {ColumnParallelLinear: Float8ColumnParallelLinear, RowParallelLinear: Float8RowParallelLinear}
+
+
+def _bf16_layer(config: Any, layer_number: int) -> bool:
+    if not getattr(config, "first_last_layers_bf16", False):
+        return False
+    return (layer_number <= config.num_layers_at_start_in_bf16
+            or layer_number > config.num_layers - config.num_layers_at_end_in_bf16)
+
+
+def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool = False) -> list[str]:
+    """Switch the linear layers of ``model``'s transformer layers to float8 GEMMs; return their names.
+
+    ``config`` defaults to ``model.config`` and must set ``fp8`` (see
+    :mod:`megatron_core.fp8.torchao_backend` for the recipes). The model must be on a GPU with FP8
+    tensor cores unless ``emulate`` (torchao's fp32 emulation, for tests on CPU). Every converted
+    weight needs both dimensions (per TP rank) to be multiples of 16. Call before wrapping the
+    model in DDP/FSDP and before building the optimizer; nothing else changes (parameters,
+    checkpoints and state-dict keys are those of the high-precision model).
+    """
+    from megatron_core.transformer.transformer_layer import TransformerLayer
+
+    config = config if config is not None else getattr(model, "config", None)
+    if config is None or getattr(config, "fp8", None) is None:
+        raise ValueError("convert_to_float8 needs a config with fp8 set ('e4m3' or 'hybrid')")
+    check_fp8_config(config)
+    if getattr(config, "gradient_accumulation_fusion", False):
+        raise ValueError("fp8 with the torchao backend does not support gradient_accumulation_fusion=True")
+    if not emulate:
+        param = next(model.parameters(), None)
+        check_fp8_device(config, param.device if param is not None else torch.device("cpu"))
+    targets = []
+    for layer_name, layer in model.named_modules():
+        if not isinstance(layer, TransformerLayer) or _bf16_layer(config, int(layer.layer_number)):
+            continue
+        for name, sub in layer.named_modules():
+            new_cls = _FP8_CLASSES.get(type(sub))
+            if new_cls is None:
+                continue
+            full_name = f"{layer_name}.{name}" if layer_name else name
+            shape = tuple(sub.weight.shape)
+            if any(d % FP8_DIM_MULTIPLE for d in shape):
+                raise ValueError(f"fp8: {full_name} has weight shape {shape} (per tensor-parallel rank); FP8 GEMMs "
+                                 f"need both dimensions to be multiples of {FP8_DIM_MULTIPLE}")
+            targets.append((full_name, sub, new_cls))
+    float8_config = float8_linear_config(config, emulate=emulate)
+    mm_config = linear_mm_config(float8_config)
+    for _, sub, new_cls in targets:
+        sub.__class__ = new_cls
+        sub.float8_config = float8_config
+        sub.float8_mm_config = mm_config
+    return [name for name, _, _ in targets]

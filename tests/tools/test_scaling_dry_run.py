@@ -1,0 +1,85 @@
+"""``benchmarks/scaling.py`` and ``benchmarks/nccl_layout_parity.py`` keep working: their CPU (gloo) dry runs.
+
+The GPU sweep runs only on a lent multi-GPU machine; these tests run the same launcher, flags and
+summaries on 2 CPU ranks with tiny models, so the scripts do not rot between GPU sessions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import nccl_layout_parity  # noqa: E402
+import scaling  # noqa: E402
+
+
+def test_theoretical_bubble_of_both_schedules() -> None:
+    assert scaling.theoretical_bubble(scaling.LAYOUTS["pp2_1f1b"], 8) == pytest.approx(1 / 9)
+    assert scaling.theoretical_bubble(scaling.LAYOUTS["pp2_interleaved"], 8) == pytest.approx(1 / 17)
+    assert scaling.theoretical_bubble(scaling.LAYOUTS["pp4_interleaved"], 8) == pytest.approx(3 / 19)
+    assert scaling.theoretical_bubble(scaling.LAYOUTS["dp2_ddp"], 8) is None
+
+
+def test_layout_flags_and_sizes() -> None:
+    pp4 = scaling.LAYOUTS["pp4_interleaved"]
+    assert pp4.dp == 1
+    assert pp4.parallel_flags(24) == ["--pipeline-model-parallel-size", "4",
+                                      "--num-layers-per-virtual-pipeline-stage", "3"]
+    ep2 = scaling.LAYOUTS["ep2"]
+    assert ep2.dp == 2 and ep2.parallel_flags(8) == ["--expert-model-parallel-size", "2"]
+    for name in scaling.DEFAULT_2GPU + scaling.DEFAULT_4GPU:
+        layout = scaling.LAYOUTS[name]
+        for configs in (scaling.GPU_CONFIGS, scaling.CPU_CONFIGS):
+            cfg = configs[layout.config]
+            assert cfg.layers % layout.pp == 0, (name, cfg.layers)
+            if layout.vp:
+                assert cfg.layers % (layout.pp * layout.vp) == 0, (name, cfg.layers)
+
+
+def test_llama8b_estimate_fits_two_h200s_without_recompute() -> None:
+    est = scaling.llama8b_memory_gb([], tp=2, dp=1, mbs=1, seq=4096)
+    assert est["params per GPU (B)"] == pytest.approx(8.03 / 2, rel=0.01)  # Llama-3-8B: 8.03 B parameters
+    assert est["weights+grads+optimizer GB"] == pytest.approx(est["params per GPU (B)"] * 18, rel=1e-6)
+    assert 80 < est["total GB"] < 0.85 * 139
+
+
+def test_relative_error() -> None:
+    assert nccl_layout_parity.relative_error([3.0, 4.0], [3.0, 4.0]) == 0.0
+    assert nccl_layout_parity.relative_error([3.0, 4.0 + 0.5], [3.0, 4.0]) == pytest.approx(0.1)
+    assert math.isinf(nccl_layout_parity.relative_error([3.0], [3.0, 4.0]))
+    assert math.isinf(nccl_layout_parity.relative_error([float("nan"), 4.0], [3.0, 4.0]))
+
+
+@pytest.mark.slow
+def test_scaling_dry_run_tp2_sp_on_cpu(tmp_path: Path, capsys) -> None:
+    code = scaling.main(["--device", "cpu", "--layouts", "tp2_sp", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-3000:]
+    rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["dense_1gpu", "tp2_sp"]
+    base, tp = rows
+    assert base["gpus"] == 1 and tp["gpus"] == 2 and tp["tp"] == 2
+    for row in rows:
+        assert row["ms/step"] > 0 and row["compute ms"] > 0 and row["fwd-bwd ms"] >= row["compute ms"] * 0.5
+        assert len(row["losses"]) == 2 and all(math.isfinite(x) for x in row["losses"])
+    assert tp["efficiency %"] == pytest.approx(100 * tp["tokens/s/GPU"] / base["tokens/s/GPU"])
+    # Weights initialised on the device (per-rank RNG streams), same data: a close first loss.
+    assert tp["losses"][0] == pytest.approx(base["losses"][0], rel=5e-2)
+    assert "| tp2_sp | 2 |" in printed and "| dense_1gpu | 1 |" in printed
+
+
+@pytest.mark.slow
+def test_parity_dry_run_pp2_on_cpu(tmp_path: Path, capsys) -> None:
+    code = nccl_layout_parity.main(["--device", "cpu", "--layouts", "pp2", "--steps", "2", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-3000:]
+    (row,) = json.loads((tmp_path / "parity.json").read_text())["rows"]
+    assert row["passed"] and row["loss_rel_err"] <= 1e-5  # fp32 on CPU: far inside the bf16 tolerance
+    assert len(row["losses"]) == 2
+    assert "| pp2 |" in printed
