@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_core.training_metrics import PEAK_FLOPS as TABLE_PEAK_FLOPS
+from megatron_core.training_metrics import model_flops_utilization, training_flops_per_token
 from megatron_core.transformer import TransformerConfig
 
-PEAK_FLOPS = 989e12
+PEAK_FLOPS = TABLE_PEAK_FLOPS["H100"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,8 +64,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def flops_per_token(args: argparse.Namespace, n_params_no_embedding: int) -> float:
-    """PaLM / nanoGPT convention: 6 N + 12 L H Q T (attention not halved for causality)."""
-    return 6 * n_params_no_embedding + 12 * args.layers * args.hidden * args.seq
+    """PaLM / nanoGPT convention (:func:`megatron_core.training_metrics.training_flops_per_token`)."""
+    return training_flops_per_token(n_params_no_embedding, args.layers, args.hidden, args.seq)
 
 
 def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
@@ -119,7 +121,7 @@ def report(name: str, seconds: float, args: argparse.Namespace, n_params_no_embe
     tok_s = tokens / seconds
     tflops = tok_s * flops_per_token(args, n_params_no_embedding) / 1e12
     peak_gb = mdevice.max_memory_allocated() / 1e9
-    mfu = 100 * tflops * 1e12 / PEAK_FLOPS
+    mfu = 100 * model_flops_utilization(tok_s, flops_per_token(args, n_params_no_embedding), PEAK_FLOPS)
     print(f"{name:<34} {seconds * 1e3:9.1f} ms  {tok_s:11,.0f} tok/s  {tflops:7.1f} TFLOP/s  "
           f"MFU {mfu:5.1f}%  peak {peak_gb:6.2f} GB")
     return mfu

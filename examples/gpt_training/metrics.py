@@ -1,15 +1,11 @@
-"""Throughput and MFU of a GPT training step (PaLM / nanoGPT convention, see shared BENCHMARK.md)."""
+"""Throughput and MFU of a GPT training step: the example's parameter count fed to
+:mod:`megatron_core.training_metrics` (the one MFU formula and peak-FLOP/s table)."""
 
 from __future__ import annotations
 
 import argparse
 
-import torch
-
-from megatron_core import device
-
-# Dense bf16 peak FLOP/s by device name; MFU is reported only for devices listed here.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+from megatron_core.training_metrics import device_peak_flops, training_flops_per_token
 
 
 def non_embedding_parameters(args: argparse.Namespace, vocab_size: int) -> int:
@@ -44,15 +40,12 @@ def non_embedding_parameters(args: argparse.Namespace, vocab_size: int) -> int:
 
 
 def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:
-    """6 N + 12 L H Q T: training FLOPs per token (causal attention not halved)."""
+    """6 N + 12 L W T: training FLOPs per token (:func:`megatron_core.training_metrics.training_flops_per_token`)."""
     head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
-    attention = 12 * args.num_layers * args.num_attention_heads * head_dim * args.seq_length
-    return 6 * non_embedding_parameters(args, vocab_size) + attention
+    return training_flops_per_token(non_embedding_parameters(args, vocab_size), args.num_layers,
+                                    args.num_attention_heads * head_dim, args.seq_length)
 
 
 def peak_flops() -> float | None:
     """The device's dense bf16 peak, or None where it is not known (CPUs)."""
-    if device.get_current_device().type != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+    return device_peak_flops()

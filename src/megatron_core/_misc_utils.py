@@ -58,7 +58,9 @@ def is_submodule(module: torch.nn.Module, parent_module: torch.nn.Module, strict
 def make_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, prepend_offsets: tuple = (),
                                        replica_id: Any = None, **kwargs: Any) -> Any:
     """See :func:`megatron_core.dist_checkpointing.sharded_module.make_sharded_tensor_for_checkpoint`."""
-    from megatron_core.dist_checkpointing import sharded_module
+    from megatron_core.dist_checkpointing import (
+        sharded_module,  # lazy-import: utils is below dist_checkpointing
+    )
 
     return sharded_module.make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=prepend_offsets,
                                                              replica_id=replica_id, **kwargs)
@@ -67,7 +69,9 @@ def make_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, prepend_o
 def make_tp_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, tp_axis: int = 0, replica_id: Any = None,
                                           prepend_offsets: tuple = (), **kwargs: Any) -> Any:
     """See :func:`megatron_core.dist_checkpointing.sharded_module.make_tp_sharded_tensor_for_checkpoint`."""
-    from megatron_core.dist_checkpointing import sharded_module
+    from megatron_core.dist_checkpointing import (
+        sharded_module,  # lazy-import: utils is below dist_checkpointing
+    )
 
     return sharded_module.make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=tp_axis, replica_id=replica_id,
                                                                 prepend_offsets=prepend_offsets, **kwargs)

@@ -17,8 +17,12 @@ logger = logging.getLogger(__name__)
 
 
 def _default_wrapper_types() -> tuple[type, ...]:
-    from megatron_core.distributed import DistributedDataParallel
-    from megatron_core.transformer.module import Float16Module
+    from megatron_core.distributed import (
+        DistributedDataParallel,  # lazy-import: the wrapper types unwrap_model knows
+    )
+    from megatron_core.transformer.module import (
+        Float16Module,  # lazy-import: the wrapper types unwrap_model knows
+    )
 
     types: list[type] = [DistributedDataParallel, Float16Module]
     try:

@@ -73,6 +73,13 @@ def max_memory_allocated() -> int:
     return 0
 
 
+def get_device_name() -> str:
+    """The current CUDA device's name (e.g. ``NVIDIA H100 80GB HBM3``), ``cpu`` without CUDA."""
+    if get_current_device().type == "cuda":
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
 def nvtx_range_push(message: str) -> None:
     """Open an NVTX range named ``message`` on CUDA (a no-op without CUDA)."""
     if cuda_available():

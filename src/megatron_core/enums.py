@@ -1,13 +1,18 @@
 """Model-level enums (Megatron-Core's ``megatron.core.enums``).
 
-``ModelType`` is the same class as ``megatron_core.transformer.enums.ModelType``.
+``ModelType`` is defined here and re-exported as ``megatron_core.transformer.enums.ModelType`` (one class).
 """
 
 from __future__ import annotations
 
 import enum
 
-from megatron_core.transformer.enums import ModelType
+
+class ModelType(enum.Enum):
+    """Kind of model, which decides how pipeline stages exchange tensors."""
+
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2
 
 
 class Fp8Recipe(str, enum.Enum):

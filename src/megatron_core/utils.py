@@ -58,16 +58,23 @@ def get_tensor_model_parallel_group_if_none(
 ) -> Any:
     """Megatron-Core's helper: ``tp_group``, else the (expert) TP group of ``parallel_state``.
 
-    ``None`` before ``torch.distributed`` is initialised, and ``tp_group`` itself (possibly
-    ``None``: no TP) when ``parallel_state`` has no TP group, as in Megatron-Core. The lookup is
-    :func:`megatron_core.process_groups_config.resolve_process_group`; ``check_initialized`` is
-    accepted for compatibility (a missing group is "no TP", never an error).
+    ``None`` before ``torch.distributed`` is initialised. Otherwise the lookup is
+    :func:`megatron_core.process_groups_config.resolve_process_group`; when it finds no group,
+    ``check_initialized=True`` raises ``parallel_state``'s "not initialized" error, as Megatron-Core
+    does, and ``check_initialized=False`` returns ``None`` (no TP, size 1).
     """
     if not torch.distributed.is_initialized():
         return None
-    from megatron_core.process_groups_config import resolve_process_group
+    from megatron_core.process_groups_config import resolve_process_group  # lazy-import: it imports utils
 
-    return resolve_process_group("expt_tp" if is_expert else "tp", group=tp_group)
+    group = resolve_process_group("expt_tp" if is_expert else "tp", group=tp_group)
+    if group is None and check_initialized:
+        from megatron_core import parallel_state
+
+        getter = (parallel_state.get_expert_tensor_parallel_group if is_expert
+                  else parallel_state.get_tensor_model_parallel_group)
+        getter(check_initialized=True)
+    return group
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -237,7 +244,7 @@ def get_batch_on_this_cp_rank(
     """
     if is_hybrid_cp:
         raise ValueError("get_batch_on_this_cp_rank: hybrid context parallelism (is_hybrid_cp=True) is not supported")
-    from megatron_core.process_groups_config import resolve_process_group
+    from megatron_core.process_groups_config import resolve_process_group  # lazy-import: it imports utils
 
     group = resolve_process_group("cp", group=cp_group)
     cp_size = get_pg_size(group)
@@ -250,7 +257,10 @@ def get_batch_on_this_cp_rank(
                 continue
             batch[key] = _split_sequence_zigzag(key, val, cp_size, cp_rank)
         return batch
-    from megatron_core.transformer.packed_sequences import thd_layout, thd_partitioned_indices
+    from megatron_core.transformer.packed_sequences import (  # lazy-import: utils is below transformer
+        thd_layout,
+        thd_partitioned_indices,
+    )
 
     cu = batch.get("cu_seqlens_padded")
     cu = batch["cu_seqlens"] if cu is None else cu

@@ -11,17 +11,17 @@ be resharded.
 
 :func:`sharded_state_dict_default` describes a module from parameter attributes alone
 (``tensor_model_parallel`` and ``partition_dim``, set by the tensor-parallel layers), and asks
-each child with a ``sharded_state_dict`` method to describe itself.
+each child with a ``sharded_state_dict`` method to describe itself. It knows no model: rules of
+a particular module (a gated MLP's fc1 layout, a tied output layer) live in that module's own
+``sharded_state_dict`` (``MLP``, ``LanguageModule``), which calls these helpers.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ReplicaId, ShardedObject, ShardedStateDict, ShardedTensor
 from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron_core.process_groups_config import resolve_process_group
@@ -123,40 +123,7 @@ def sharded_state_dict_default(module: torch.nn.Module, prefix: str = "", sharde
                                                 metadata=metadata))
         else:
             out.update(sharded_state_dict_default(child, child_prefix, sharded_offsets, metadata))
-    _tie_output_layer(module, prefix, out)
-    _swiglu_fc1(module, prefix, out)
     return out
-
-
-def _swiglu_fc1(module: torch.nn.Module, prefix: str, out: ShardedStateDict) -> None:
-    """A gated MLP's ``linear_fc1`` (``[gate_r; up_r]`` per TP rank) is stored TP-independently (a factory).
-
-    Megatron-Core's ``MLP.sharded_state_dict`` does the same with ``apply_swiglu_sharded_factory``.
-    """
-    config = getattr(module, "config", None)
-    if not getattr(config, "gated_linear_unit", False) or not all(
-            hasattr(module, n) for n in ("linear_fc1", "linear_fc2")):
-        return
-    for name in ("weight", "bias"):
-        key = f"{prefix}linear_fc1.{name}"
-        if isinstance(out.get(key), ShardedTensor):
-            out[key] = apply_swiglu_sharded_factory(out[key])
-
-
-def _tie_output_layer(module: torch.nn.Module, prefix: str, out: ShardedStateDict) -> None:
-    """A last pipeline stage's copy of a tied word embedding is a replica of the first stage's tensor.
-
-    As Megatron-Core's ``GPTModel.sharded_state_dict``: ``output_layer.weight`` is stored under
-    ``embedding.word_embeddings.weight`` with pipeline replica id 1, so only the first stage writes
-    it and a checkpoint loads under any pipeline size.
-    """
-    if not getattr(module, "share_embeddings_and_output_weights", False) or getattr(module, "pre_process", True):
-        return
-    name = f"{prefix}output_layer.weight"
-    if name not in out:
-        return
-    _, tp_replica, dp_rank = out[name].replica_id
-    out[name] = replace(out[name], key=f"{prefix}embedding.word_embeddings.weight", replica_id=(1, tp_replica, dp_rank))
 
 
 def sharded_state_dict_for_layers(layers: torch.nn.ModuleList, prefix: str, global_layer_indices: list[int],

@@ -43,25 +43,58 @@ LOCAL = _Local()
 """This process alone (no parallelism). Not ``None``, which torch reads as WORLD."""
 
 
+class GroupProduct:
+    """Several orthogonal groups that together span a set of ranks, reduced over one after the other.
+
+    The distributed optimizer's gradient statistics live on the DP shards of model-parallel shards:
+    summing (or taking the max) over the data-parallel group and then over the model-parallel group
+    covers every rank of the model exactly once, with no group of its own to create.
+    :func:`all_reduce` accepts it for ``sum`` and ``max``.
+    """
+
+    def __init__(self, *groups: Any) -> None:
+        if any(g is None for g in groups):
+            raise ValueError("GroupProduct needs explicit groups (use LOCAL for this process alone), got None")
+        self.groups = tuple(groups)
+
+    def size(self) -> int:
+        """Ranks spanned: the product of the groups' sizes."""
+        size = 1
+        for g in self.groups:
+            size *= get_pg_size(g)
+        return size
+
+    def rank(self) -> int:
+        """This rank's index, the first group varying fastest."""
+        rank, stride = 0, 1
+        for g in self.groups:
+            rank += get_pg_rank(g) * stride
+            stride *= get_pg_size(g)
+        return rank
+
+    def __repr__(self) -> str:
+        return f"GroupProduct{self.groups!r}"
+
+
 def local_if_none(group: Any) -> Any:
     """``group``, or :data:`LOCAL` where the resolver found no group (``None``)."""
     return LOCAL if group is None else group
 
 
-def group_size(group: Any) -> int:
-    """Ranks in ``group`` (1 for :data:`LOCAL` or before ``torch.distributed`` is initialised)."""
+group_size = get_pg_size
+"""Alias of :func:`megatron_core.utils.get_pg_size`, the package's one group-size helper."""
+group_rank = get_pg_rank
+"""Alias of :func:`megatron_core.utils.get_pg_rank`, the package's one group-rank helper."""
+
+
+def _size(group: Any) -> int:
+    """Ranks in ``group``, refusing ``None`` (which ``torch.distributed`` would read as WORLD)."""
     if group is None:
         raise ValueError(
             "collectives need an explicit process group, got None (torch.distributed reads None as the WORLD "
             "group): pass the group, collectives.LOCAL for this process alone, or local_if_none(resolved_group)"
         )
     return get_pg_size(group)
-
-
-def group_rank(group: Any) -> int:
-    """This rank's index in ``group`` (0 for :data:`LOCAL`)."""
-    group_size(group)
-    return get_pg_rank(group)
 
 
 def _is_gloo(group: Any) -> bool:
@@ -89,8 +122,18 @@ class _CopyOnWait:
 
 def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum",
                async_op: bool = False) -> dist.Work | None:
-    """In-place all-reduce (``op`` in sum, avg, max, min); a no-op on a single rank."""
-    if group_size(group) == 1:
+    """In-place all-reduce (``op`` in sum, avg, max, min); a no-op on a single rank.
+
+    Over a :class:`GroupProduct` (``sum``, ``max`` or ``min``, synchronous) it reduces over each group in turn.
+    """
+    if _size(group) == 1:
+        return None
+    if isinstance(group, GroupProduct):
+        if op not in ("sum", "max", "min") or async_op:
+            raise ValueError(f"all_reduce over a GroupProduct supports synchronous sum/max/min, got op={op!r}, "
+                             f"async_op={async_op}")
+        for g in group.groups:
+            all_reduce(tensor, g, op)
         return None
     reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
                  "min": dist.ReduceOp.MIN}[op]
@@ -103,7 +146,7 @@ def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, group: Any,
 
     ``output`` may be a view of ``input_`` (the distributed optimizer writes into its own shard).
     """
-    if group_size(group) == 1:
+    if _size(group) == 1:
         if output.data_ptr() != input_.data_ptr():
             output.copy_(input_)
         return None
@@ -123,7 +166,7 @@ def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, group: Any,
 def all_gather(output: torch.Tensor, input_: torch.Tensor, group: Any,
                async_op: bool = False) -> dist.Work | None:
     """Gather every rank's ``input_`` into ``output`` (rank order); ``input_`` may be a view of ``output``."""
-    if group_size(group) == 1:
+    if _size(group) == 1:
         if output.data_ptr() != input_.data_ptr():
             output.copy_(input_)
         return None
@@ -135,14 +178,14 @@ def all_gather(output: torch.Tensor, input_: torch.Tensor, group: Any,
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Any) -> None:
     """Broadcast ``tensor`` from the rank with index ``src_group_rank`` in ``group``."""
-    if group_size(group) == 1:
+    if _size(group) == 1:
         return
     dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
 
 
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Any) -> None:
     """Sum-all-reduce many tensors with one collective per dtype, writing the results back in place."""
-    if group_size(group) == 1 or not tensors:
+    if _size(group) == 1 or not tensors:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
@@ -156,8 +199,8 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Any) -> None:
 
 def all_gather_object(obj: object, group: Any) -> list[object]:
     """Every rank's ``obj`` (picklable) in group-rank order."""
-    if group_size(group) == 1:
+    if _size(group) == 1:
         return [obj]
-    out: list[object] = [None] * group_size(group)
+    out: list[object] = [None] * _size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

@@ -28,6 +28,7 @@ from megatron_core.distributed.param_and_grad_buffer import (
     partition_buckets,
 )
 from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.utils import get_pg_size
 
 
 def _ddp_groups(pg_collection: Any) -> tuple[Any, Any]:
@@ -60,8 +61,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.ddp_config = ddp_config
         self.module = module
         self.dp_cp_group, self.expt_dp_group = _ddp_groups(pg_collection)
-        dp_cp_size = collectives.group_size(self.dp_cp_group)
-        expt_dp_size = collectives.group_size(self.expt_dp_group)
+        dp_cp_size = get_pg_size(self.dp_cp_group)
+        expt_dp_size = get_pg_size(self.expt_dp_group)
 
         self.bucket_size = ddp_config.bucket_size
         if ddp_config.bucket_size is None and ddp_config.overlap_grad_reduce:

@@ -17,13 +17,7 @@ import torch
 
 from megatron_core.distributed import collectives
 from megatron_core.process_groups_config import resolve_process_group
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / Float16Module wrappers (``megatron_core.utils.unwrap_model``)."""
-    from megatron_core.utils import unwrap_model
-
-    return unwrap_model(module)
+from megatron_core.utils import get_pg_rank, get_pg_size, unwrap_model
 
 
 def _model_config(model_chunk: torch.nn.Module) -> Any:
@@ -54,12 +48,12 @@ def _groups(pg_collection: Any) -> dict[str, Any]:
 
 
 def _in_group(group: Any) -> bool:
-    return collectives.group_size(group) > 1
+    return get_pg_size(group) > 1
 
 
 def _tied_embedding_params(model: list[torch.nn.Module], pp_group: Any) -> list[torch.nn.Parameter]:
     """Word-embedding weights shared between the first and the last pipeline stage, on this rank."""
-    pp_rank, pp_size = collectives.group_rank(pp_group), collectives.group_size(pp_group)
+    pp_rank, pp_size = get_pg_rank(pp_group), get_pg_size(pp_group)
     chunks = []
     if pp_rank == 0:
         chunks.append(model[0])
@@ -67,7 +61,7 @@ def _tied_embedding_params(model: list[torch.nn.Module], pp_group: Any) -> list[
         chunks.append(model[-1])
     found: dict[int, torch.nn.Parameter] = {}
     for chunk in chunks:
-        module = _unwrap(chunk)
+        module = unwrap_model(chunk)
         if getattr(module, "share_embeddings_and_output_weights", False) and hasattr(
             module, "shared_embedding_or_output_weight"
         ):
@@ -81,7 +75,7 @@ def _tied_embedding_params(model: list[torch.nn.Module], pp_group: Any) -> list[
 
 
 def _position_embedding_params(model: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    module = _unwrap(model[0])
+    module = unwrap_model(model[0])
     embedding = getattr(module, "embedding", None)
     position = getattr(embedding, "position_embeddings", None)
     weight = getattr(position, "weight", None)
@@ -99,7 +93,7 @@ def _update_router_expert_bias(model: list[torch.nn.Module]) -> None:
     from megatron_core.transformer.moe.moe_utils import get_updated_expert_bias
 
     for chunk in model:
-        for module in _unwrap(chunk).modules():
+        for module in unwrap_model(chunk).modules():
             if getattr(module, "enable_expert_bias", False) and getattr(module, "expert_bias", None) is not None:
                 updated = get_updated_expert_bias(module.local_tokens_per_expert, module.expert_bias,
                                                   module.config.moe_router_bias_update_rate, module.tp_dp_cp_group)
@@ -130,14 +124,14 @@ def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor 
 
     if _in_group(groups["embd"]):
         _allreduce_grads(_tied_embedding_params(model, groups["pp"]), groups["embd"])
-    if _in_group(groups["pos_embd"]) and collectives.group_rank(groups["pp"]) == 0:
+    if _in_group(groups["pos_embd"]) and get_pg_rank(groups["pp"]) == 0:
         _allreduce_grads(_position_embedding_params(model), groups["pos_embd"])
 
     _update_router_expert_bias(model)
 
     if num_tokens is not None:
         pp_group = groups["pp"]
-        last = collectives.group_size(pp_group) - 1
+        last = get_pg_size(pp_group) - 1
         num_tokens = num_tokens.clone()
         collectives.broadcast(num_tokens, last, pp_group)
         collectives.all_reduce(num_tokens, groups["dp_cp"])

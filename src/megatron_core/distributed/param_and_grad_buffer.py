@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_core.distributed import collectives
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 _PARAM_START_ALIGNMENT = 64
 _HIGH_BUSBW_PADDING = 2**16
@@ -67,7 +68,7 @@ class _ParamAndGradBucketGroup:
         self.ddp_config = ddp_config
         self.data_parallel_group = collective_group
         self.data_parallel_world_size = collective_group_size
-        self.data_parallel_rank = collectives.group_rank(collective_group)
+        self.data_parallel_rank = get_pg_rank(collective_group)
         self.params = set().union(*(b.params for b in buckets))
         self.params_with_grad: set[torch.nn.Parameter] = set()
         self.is_last_microbatch = True
@@ -192,7 +193,7 @@ class _ParamAndGradBuffer:
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
         self.data_parallel_group = data_parallel_group
-        self.data_parallel_world_size = collectives.group_size(data_parallel_group)
+        self.data_parallel_world_size = get_pg_size(data_parallel_group)
         self.gradient_scaling_factor = gradient_scaling_factor
         self.param_to_name = param_to_name
         self.param_index_map: dict[torch.nn.Parameter, tuple[int, int, int]] = {}

@@ -47,8 +47,11 @@ __all__ = ["TorchFullyShardedDataParallel", "fsdp_mesh_group", "is_torch_fsdp_mo
 
 
 def _default_sub_modules() -> set[type]:
-    from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-    from megatron_core.transformer.transformer_layer import TransformerLayer
+    # The default FSDP units are model classes, above distributed in the layering.
+    from megatron_core.models.common.embeddings.language_model_embedding import (  # lazy-import: model classes
+        LanguageModelEmbedding,
+    )
+    from megatron_core.transformer.transformer_layer import TransformerLayer  # lazy-import: model classes
 
     return {TransformerLayer, LanguageModelEmbedding}
 

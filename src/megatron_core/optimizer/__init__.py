@@ -117,6 +117,7 @@ def _build(config: OptimizerConfig, model_chunks: list[torch.nn.Module], param_g
             groups["dp"],
         )
         wrapped.tp_group = groups["tp"]
+        wrapped.grad_stats_parallel_group = collectives.GroupProduct(groups["dp"], groups["stats"])
         return wrapped
     if config.fp16 or config.bf16:
         wrapped = Float16OptimizerWithFloat16Params(optimizer, config, _grad_scaler(config))

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron_core.optimizer.checkpoint_state import is_model_space_state
 from megatron_core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron_core.optimizer.optimizer import MegatronOptimizer, combine_grad_norms
 
@@ -91,8 +92,24 @@ class ChainedOptimizer(MegatronOptimizer):
         states = [opt.state_dict() for opt in self.chained_optimizers]
         return states[0] if len(states) == 1 else states
 
+    @staticmethod
+    def _sharded_key(index: int) -> str:
+        return f"optimizer{index}" if index else "optimizer"
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           **kwargs: Any) -> dict[str, Any]:
+        """Every sub-optimizer's sharded state: the first under ``optimizer``, the i-th under ``optimizer<i>``."""
+        return {
+            self._sharded_key(i): opt.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)["optimizer"]
+            for i, opt in enumerate(self.chained_optimizers)
+        }
+
     def load_state_dict(self, state_dict: list[dict[str, Any]] | dict[str, Any]) -> None:
-        """Restore every sub-optimizer."""
+        """Restore every sub-optimizer (from :meth:`state_dict` or a loaded :meth:`sharded_state_dict`)."""
+        if is_model_space_state(state_dict):
+            for i, opt in enumerate(self.chained_optimizers):
+                opt.load_state_dict({"optimizer": state_dict[self._sharded_key(i)]})
+            return
         states = [state_dict] if isinstance(state_dict, dict) else list(state_dict)
         if len(states) != len(self.chained_optimizers):
             raise ValueError(f"got {len(states)} optimizer states for {len(self.chained_optimizers)} optimizers")

@@ -1,8 +1,9 @@
 """Gradient norm, clipping and zero counting across model-parallel ranks (Megatron-Core's ``clip_grads``).
 
 Each rank sums ``|g|^p`` over the gradients it is responsible for, then the partial sums are
-all-reduced over the grad-stats group (model parallel for the plain optimizers, the whole world
-for the distributed optimizer). The caller passes gradients already filtered so that every
+all-reduced over the grad-stats group (model parallel for the plain optimizers; for the
+distributed optimizer data parallel then model parallel, a ``collectives.GroupProduct`` of the
+model's own groups). The caller passes gradients already filtered so that every
 element is counted once: see :func:`param_is_not_shared` and
 :func:`param_is_not_tensor_parallel_duplicate`.
 """
@@ -18,11 +19,8 @@ import torch.distributed as dist
 
 from megatron_core.distributed import collectives
 from megatron_core.process_groups_config import resolve_process_group
-
-
-def param_is_not_shared(param: torch.nn.Parameter) -> bool:
-    """False for the duplicate of a tied weight (``param.shared``), counted on the stage that owns it."""
-    return not getattr(param, "shared", False)
+from megatron_core.transformer.module import param_is_not_shared as param_is_not_shared
+from megatron_core.utils import get_pg_rank
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -126,7 +124,7 @@ def count_zeros_fp32(parameters: Iterable[torch.Tensor] | torch.Tensor, grad_sta
     """
     grad_stats_parallel_group = _stats_group(grad_stats_parallel_group)
     params = _as_list(parameters)
-    tp_rank = collectives.group_rank(collectives.local_if_none(resolve_process_group("tp", group=tp_group)))
+    tp_rank = get_pg_rank(collectives.local_if_none(resolve_process_group("tp", group=tp_group)))
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     device = next((getattr(p, attr).device for p in params if getattr(p, attr) is not None), torch.device("cpu"))
     total = torch.zeros(1, dtype=torch.float32, device=device)

@@ -29,10 +29,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.device import cuda_available
+from megatron_core.dist_checkpointing.optimizer import dp_flat_shard_to_full, full_to_dp_flat_shard
 from megatron_core.distributed import collectives
+from megatron_core.optimizer.checkpoint_state import (
+    ParamStateEntry,
+    is_model_space_state,
+    load_model_space_state,
+)
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer import MixedPrecisionOptimizer, copy_param_attributes
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
+from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 
 @dataclass(frozen=True)
@@ -88,9 +96,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.per_model_buffers = per_model_buffers
         self.data_parallel_group = data_parallel_group = collectives.local_if_none(data_parallel_group)
         self.data_parallel_group_gloo = data_parallel_group_gloo
-        self.data_parallel_rank = collectives.group_rank(data_parallel_group)
-        self.data_parallel_world_size = collectives.group_size(data_parallel_group)
-        self.grad_stats_parallel_group = dist.group.WORLD if dist.is_initialized() else collectives.LOCAL
+        self.data_parallel_rank = get_pg_rank(data_parallel_group)
+        self.data_parallel_world_size = get_pg_size(data_parallel_group)
+        # Each rank holds DP shards of its model-parallel shards: statistics sum over DP, then over MP.
+        self.grad_stats_parallel_group = collectives.GroupProduct(
+            data_parallel_group, collectives.local_if_none(resolve_process_group("mp")))
 
         self.main_params_dtype = config.main_params_dtype if config.use_precision_aware_optimizer else torch.float32
         owned = self._build_shard_entries()
@@ -230,8 +240,47 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
 
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           sharding_type: str | None = None, metadata: dict | None = None,
+                           state_names: list[str] | None = None) -> dict[str, Any]:
+        """Model-space sharded state (Megatron-Core's ``fully_reshardable``; the only ``sharding_type``).
+
+        Each state is assembled from the DP ranks' flat slices into whole TP-local tensors (an
+        all-reduce over the DP group per parameter and state), so it reshards over DP as well.
+        """
+        if sharding_type not in (None, "fully_reshardable"):
+            raise ValueError(f"DistributedOptimizer.sharded_state_dict: sharding_type={sharding_type!r} is not "
+                             "supported; only 'fully_reshardable' (the default) is")
+        return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata, state_names)
+
+    def _checkpoint_entries(self, model_params: list[torch.Tensor]) -> list[ParamStateEntry]:
+        """Every trainable parameter, with this rank's slice (``main=None`` where it owns none): the
+        assembly is collective, so every DP rank lists the same parameters."""
+        owned = {id(e.model_param): e for e in self._entries()}
+        out = []
+        for p in model_params:
+            if not p.requires_grad:
+                continue
+            e = owned.get(id(p))
+            out.append(ParamStateEntry(p, None) if e is None else
+                       ParamStateEntry(p, e.main_param, (e.param_range.start, e.param_range.end)))
+        return out
+
+    def _checkpoint_full(self, entry: ParamStateEntry, value: torch.Tensor | None) -> torch.Tensor:
+        if value is None:
+            value = torch.zeros(0, dtype=torch.float32, device=entry.model_param.device)
+        # Offloaded (CPU) shards join the all-reduce on the model's device.
+        return dp_flat_shard_to_full(value.detach().float().to(entry.model_param.device), entry.param_range or (0, 0),
+                                     entry.model_param.shape, self.data_parallel_group)
+
+    def _checkpoint_local(self, entry: ParamStateEntry, full: torch.Tensor) -> torch.Tensor:
+        return full_to_dp_flat_shard(full, entry.param_range)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore this rank's shard; the layout must match (resharding belongs to dist_checkpointing)."""
+        """Restore this rank's shard; the layout must match (a loaded :meth:`sharded_state_dict` reshards)."""
+        if is_model_space_state(state_dict):
+            load_model_space_state(self, state_dict["optimizer"])
+            return
         saved, current = state_dict["shard_metadata"], self.shard_metadata()
         if saved != current:
             raise ValueError(

@@ -23,6 +23,13 @@ from typing import Any
 import torch
 
 from megatron_core.distributed import collectives
+from megatron_core.optimizer.checkpoint_state import (
+    ParamStateEntry,
+    build_sharded_state,
+    is_model_space_state,
+    load_model_space_state,
+    local_tensor,
+)
 from megatron_core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -35,6 +42,7 @@ from megatron_core.optimizer.fused_clip import fused_adam_step_with_clipping, su
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.utils import get_pg_rank
 
 _MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
 
@@ -86,7 +94,7 @@ class MegatronOptimizer(ABC):
 
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
         """Gradients that count towards the norm: no tied duplicates, no TP-replicated copies off TP rank 0."""
-        tp_rank = collectives.group_rank(self.tp_group)
+        tp_rank = get_pg_rank(self.tp_group)
         return [
             p.grad for p in self.get_parameters()
             if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_rank)
@@ -137,7 +145,40 @@ class MegatronOptimizer(ABC):
 
     @abstractmethod
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`."""
+        """Restore from :meth:`state_dict`, or from a loaded :meth:`sharded_state_dict`."""
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: dict | None = None, state_names: list[str] | None = None) -> dict[str, Any]:
+        """The optimizer state in model space for ``dist_checkpointing`` (see :mod:`.checkpoint_state`).
+
+        ``{"optimizer": {"state": {param path: {state name: ShardedTensor}}, "step": int}}``, each
+        state sharded like its parameter in ``model_sharded_state_dict``. With ``is_loading`` the
+        tensors are empty buffers for the states named in ``state_names``; pass the loaded result
+        to :meth:`load_state_dict`. ``metadata`` is accepted for Megatron-Core compatibility.
+        """
+        return {"optimizer": build_sharded_state(self, model_sharded_state_dict, is_loading, state_names)}
+
+    def _main_to_model(self) -> dict[int, torch.Tensor]:
+        """``{id(main param): model param}`` where the inner optimizer updates a copy of the model param."""
+        return {}
+
+    def _checkpoint_entries(self, model_params: list[torch.Tensor]) -> list[ParamStateEntry]:
+        """The parameters of ``model_params`` this optimizer updates, in that order, with their main tensors."""
+        main_to_model = self._main_to_model()
+        found = {}
+        for group in self.optimizer.param_groups:
+            for main in group["params"]:
+                model = main_to_model.get(id(main), main)
+                found[id(model)] = ParamStateEntry(model, main)
+        return [found[id(p)] for p in model_params if id(p) in found]
+
+    def _checkpoint_full(self, entry: ParamStateEntry, value: torch.Tensor) -> torch.Tensor:
+        """A main-space state value as a whole TP-local fp32 tensor (here: a copy of the local shard)."""
+        return local_tensor(value.detach()).float().clone()
+
+    def _checkpoint_local(self, entry: ParamStateEntry, full: torch.Tensor) -> torch.Tensor:
+        """The part of a whole TP-local tensor that this rank's main tensor holds (here: all of it)."""
+        return full
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -346,8 +387,15 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
 
+    def _main_to_model(self) -> dict[int, torch.Tensor]:
+        return {id(main): model for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups)
+                for model, main in zip(model_group, main_group)}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore inner optimizer state, scaler and fp32 main params."""
+        """Restore inner optimizer state, scaler and fp32 main params (or a loaded sharded state)."""
+        if is_model_space_state(state_dict):
+            load_model_space_state(self, state_dict["optimizer"])
+            return
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -400,7 +448,10 @@ class FP32Optimizer(MegatronOptimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the inner optimizer's state dict."""
+        """Restore the inner optimizer's state dict (or a loaded sharded state)."""
+        if is_model_space_state(state_dict):
+            load_model_space_state(self, state_dict["optimizer"])
+            return
         self.optimizer.load_state_dict(state_dict)
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-import megatron_core.parallel_state as _ps
 from megatron_core import device
+from megatron_core.parallel_state import registry as _ps
 
 logger = logging.getLogger(__name__)
 
@@ -72,4 +72,4 @@ def create_all_gather_groups(for_expert_parallelism: bool = False, timeout: time
 
 def destroy_global_memory_buffer() -> None:
     """Drop the global memory buffer (``get_global_memory_buffer`` raises until the next initialisation)."""
-    _ps._GLOBAL_MEMORY_BUFFER = None
+    _ps._MEMORY_BUFFER.update(buffer=None, destroyed=True)

@@ -16,11 +16,10 @@ import torch.nn.functional as F
 
 from megatron_core.tensor_parallel.groups import (
     get_tensor_model_parallel_group_if_none,
-    group_rank,
-    group_size,
 )
 from megatron_core.tensor_parallel.mappings import _all_reduce_
 from megatron_core.tensor_parallel.utils import VocabUtility
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 
 class VocabParallelCrossEntropy:
@@ -98,9 +97,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits, logits_max = VocabParallelCrossEntropy.calculate_logits_max(vocab_parallel_logits)
         _all_reduce_(logits_max, tp_group, op=dist.ReduceOp.MAX)
         partition_vocab_size = logits.size(-1)
-        world_size = group_size(tp_group)
+        world_size = get_pg_size(tp_group)
         vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            partition_vocab_size, group_rank(tp_group), world_size
+            partition_vocab_size, get_pg_rank(tp_group), world_size
         )
         target_mask, masked_target_1d, predicted, sum_exp, exp_logits = (
             VocabParallelCrossEntropy.calculate_predicted_logits(logits, target, logits_max, vocab_start, vocab_end)
@@ -159,7 +158,7 @@ def vocab_parallel_cross_entropy(
             f"{tuple(target.shape)}: expected logits [*target.shape, V / TP]"
         )
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
-    if group_size(tp_group) == 1:
+    if get_pg_size(tp_group) == 1:
         # The whole vocabulary is local: torch's fused log-softmax kernel, still computed in fp32.
         logits_2d = vocab_parallel_logits.float().reshape(-1, vocab_parallel_logits.size(-1))
         return F.cross_entropy(logits_2d, target.reshape(-1), reduction="none",

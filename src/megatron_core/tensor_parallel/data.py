@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.device import get_current_device
-from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none, group_rank
+from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
 from megatron_core.tensor_parallel.mappings import _broadcast_
+from megatron_core.utils import get_pg_rank
 
 _MAX_DATA_DIM = 5
 
@@ -38,7 +39,7 @@ def _shapes_from_rank0(keys: list[str], data: dict | None, datatype: torch.dtype
     """Broadcast every key's shape; a trailing flag tells the peers whether rank 0 rejected the batch."""
     sizes = torch.zeros(_MAX_DATA_DIM * len(keys) + 1, dtype=torch.long)
     error = None
-    if group_rank(tp_group) == 0:
+    if get_pg_rank(tp_group) == 0:
         error = _validate(keys, data, datatype)
         if error is None:
             for i, key in enumerate(keys):
@@ -66,7 +67,7 @@ def broadcast_data(
     shapes = _shapes_from_rank0(keys, data, datatype, tp_group)
     numels = {key: int(torch.Size(shape).numel()) for key, shape in shapes.items()}
     device = get_current_device()
-    if group_rank(tp_group) == 0:
+    if get_pg_rank(tp_group) == 0:
         flat = torch.cat([data[key].contiguous().view(-1) for key in keys], dim=0).to(device)
     else:
         flat = torch.empty(sum(numels.values()), dtype=datatype, device=device)

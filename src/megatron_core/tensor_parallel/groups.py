@@ -5,7 +5,7 @@ expert tensor-parallel group for expert layers) found by the package's one resol
 :func:`megatron_core.process_groups_config.resolve_process_group`: ``pg_collection`` when given,
 else ``parallel_state``. When no group is registered at all (a single process without
 ``initialize_model_parallel``), the operation runs with a tensor-parallel size of 1 and every
-collective is the identity. Sizes and ranks are Megatron-Core's ``get_pg_size`` / ``get_pg_rank``.
+collective is the identity. Sizes and ranks come from :func:`megatron_core.utils.get_pg_size` / ``get_pg_rank``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_rank as group_rank
-from megatron_core.utils import get_pg_size as group_size
 
-__all__ = ["get_tensor_model_parallel_group_if_none", "group_rank", "group_size", "resolve_tp_group"]
+__all__ = ["get_tensor_model_parallel_group_if_none", "resolve_tp_group"]
 
 
 def get_tensor_model_parallel_group_if_none(

@@ -23,7 +23,7 @@ from torch.nn.parameter import Parameter
 from megatron_core.device import get_current_device
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.process_groups_config import check_parallel_size
-from megatron_core.tensor_parallel.groups import group_rank, group_size, resolve_tp_group
+from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.linear_function import (
     LinearWithGradAccumulationAndAsyncCommunication,
     linear_with_grad_accumulation_and_async_allreduce,
@@ -35,6 +35,7 @@ from megatron_core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron_core.tensor_parallel.sharded_state import make_tp_sharded_state_dict
 from megatron_core.tensor_parallel.utils import VocabUtility
 from megatron_core.tensor_parallel.weight_init import (
     _initialize_affine_weight_cpu,
@@ -44,6 +45,7 @@ from megatron_core.tensor_parallel.weight_init import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = [
     "ColumnParallelLinear",
@@ -134,8 +136,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.name = name
         self.output_dtype = output_dtype
         self.tp_group = _resolve_group(tp_group, pg_collection, is_expert, config)
-        world_size = group_size(self.tp_group)
-        rank = group_rank(self.tp_group)
+        world_size = get_pg_size(self.tp_group)
+        rank = get_pg_rank(self.tp_group)
         self.explicit_expert_comm = is_expert and (world_size > 1 or self.expert_parallel)
         self.output_size_per_partition = _divide(output_size, world_size, "output_size")
 
@@ -210,8 +212,6 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Weight and bias as sharded tensors (``ShardedTensor``) split along dim 0 over TP."""
-        from megatron_core.tensor_parallel.sharded_state import make_tp_sharded_state_dict
-
         return make_tp_sharded_state_dict(self, prefix, {"weight": 0, "bias": 0}, sharded_offsets)
 
     def set_extra_state(self, state) -> None:
@@ -224,7 +224,7 @@ class ColumnParallelLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         """Sizes, bias, TP size and whether the output is gathered."""
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, TP={group_size(self.tp_group)}, gather_output={self.gather_output}")
+                f"bias={self.bias is not None}, TP={get_pg_size(self.tp_group)}, gather_output={self.gather_output}")
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -256,8 +256,8 @@ class RowParallelLinear(torch.nn.Module):
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel=True needs input_is_parallel=True")
         self.tp_group = _resolve_group(tp_group, pg_collection, is_expert, config)
-        world_size = group_size(self.tp_group)
-        rank = group_rank(self.tp_group)
+        world_size = get_pg_size(self.tp_group)
+        rank = get_pg_rank(self.tp_group)
         self.explicit_expert_comm = is_expert and (world_size > 1 or self.expert_parallel)
         self.input_size_per_partition = _divide(input_size, world_size, "input_size")
 
@@ -302,8 +302,6 @@ class RowParallelLinear(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Weight as a ``ShardedTensor`` split along dim 1 over TP; the bias is replicated."""
-        from megatron_core.tensor_parallel.sharded_state import make_tp_sharded_state_dict
-
         return make_tp_sharded_state_dict(self, prefix, {"weight": 1}, sharded_offsets)
 
     def set_extra_state(self, state) -> None:
@@ -316,7 +314,7 @@ class RowParallelLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         """Sizes, bias, TP size and whether the input is already split."""
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, TP={group_size(self.tp_group)}, "
+                f"bias={self.bias is not None}, TP={get_pg_size(self.tp_group)}, "
                 f"input_is_parallel={self.input_is_parallel}")
 
 
@@ -336,8 +334,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.embedding_dim = embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.tp_group = _resolve_group(tp_group, pg_collection, False, config)
-        self.tensor_model_parallel_size = group_size(self.tp_group)
-        rank = group_rank(self.tp_group)
+        self.tensor_model_parallel_size = get_pg_size(self.tp_group)
+        rank = get_pg_rank(self.tp_group)
         self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
             num_embeddings, rank, self.tensor_model_parallel_size
         )
@@ -368,6 +366,4 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The weight as a ``ShardedTensor`` split along the vocabulary dim over TP."""
-        from megatron_core.tensor_parallel.sharded_state import make_tp_sharded_state_dict
-
         return make_tp_sharded_state_dict(self, prefix, {"weight": 0}, sharded_offsets, allow_shape_mismatch=("weight",))

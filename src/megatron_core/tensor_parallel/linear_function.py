@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none, group_size
+from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
 from megatron_core.tensor_parallel.mappings import (
     _all_reduce,
     _gather_along_first_dim,
     _reduce_scatter_along_first_dim,
 )
+from megatron_core.utils import get_pg_size
 
 
 def _flatten_tokens(tensor: torch.Tensor) -> torch.Tensor:
@@ -154,7 +155,7 @@ def linear_with_grad_accumulation_and_async_allreduce(
     if allreduce_dgrad and sequence_parallel:
         raise ValueError("allreduce_dgrad and sequence_parallel cannot both be True")
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
-    if (group_size(tp_group) == 1 and not gradient_accumulation_fusion and grad_output_buffer is None
+    if (get_pg_size(tp_group) == 1 and not gradient_accumulation_fusion and grad_output_buffer is None
             and not sequence_parallel):
         # Nothing to communicate or fuse: plain autograd, which torch.compile traces without a break.
         return F.linear(input, weight, bias)

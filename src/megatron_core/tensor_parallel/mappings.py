@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_core.tensor_parallel.groups import group_rank, group_size, resolve_tp_group
+from megatron_core.tensor_parallel.groups import resolve_tp_group
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the former names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -31,7 +32,7 @@ def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 # --- plain collectives -------------------------------------------------------------------------
 def _all_reduce(input_: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """All-reduce into a new tensor (the input is left unchanged)."""
-    if group_size(group) == 1:
+    if get_pg_size(group) == 1:
         return input_
     output = input_.contiguous().clone()
     dist.all_reduce(output, op=op, group=group)
@@ -40,21 +41,21 @@ def _all_reduce(input_: torch.Tensor, group: dist.ProcessGroup | None, op=dist.R
 
 def _all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """All-reduce ``tensor`` in place (for buffers this package owns) and return it."""
-    if group_size(group) > 1:
+    if get_pg_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
 def _broadcast_(tensor: torch.Tensor, group: dist.ProcessGroup | None, group_src: int = 0) -> torch.Tensor:
     """Broadcast ``tensor`` in place from rank ``group_src`` of ``group``."""
-    if group_size(group) > 1:
+    if get_pg_size(group) > 1:
         dist.broadcast(tensor, src=dist.get_global_rank(group, group_src), group=group)
     return tensor
 
 
 def _split_along_dim(input_: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's equal slice of ``input_`` along ``dim``."""
-    world_size = group_size(group)
+    world_size = get_pg_size(group)
     if world_size == 1:
         return input_
     size = input_.size(dim)
@@ -63,14 +64,14 @@ def _split_along_dim(input_: torch.Tensor, dim: int, group: dist.ProcessGroup | 
             f"dimension {dim} of a tensor of shape {tuple(input_.shape)} ({size}) is not divisible by "
             f"the tensor-parallel size ({world_size})"
         )
-    return input_.chunk(world_size, dim=dim)[group_rank(group)].contiguous()
+    return input_.chunk(world_size, dim=dim)[get_pg_rank(group)].contiguous()
 
 
 def _gather_along_first_dim(
     input_: torch.Tensor, group: dist.ProcessGroup | None, output_split_sizes: list[int] | None = None
 ) -> torch.Tensor:
     """Concatenate every rank's ``input_`` along dim 0 (uneven pieces when ``output_split_sizes``)."""
-    world_size = group_size(group)
+    world_size = get_pg_size(group)
     if world_size == 1:
         return input_
     input_ = input_.contiguous()
@@ -89,7 +90,7 @@ def _gather_along_first_dim(
 
 def _gather_along_last_dim(input_: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's ``input_`` along the last dimension."""
-    world_size = group_size(group)
+    world_size = get_pg_size(group)
     if world_size == 1:
         return input_
     # Moving the last dim to the front makes the concatenation a plain dim-0 all-gather.
@@ -101,13 +102,13 @@ def _reduce_scatter_along_first_dim(
     input_: torch.Tensor, group: dist.ProcessGroup | None, input_split_sizes: list[int] | None = None
 ) -> torch.Tensor:
     """Sum over ranks, then keep this rank's slice along dim 0 (uneven when ``input_split_sizes``)."""
-    world_size = group_size(group)
+    world_size = get_pg_size(group)
     if world_size == 1:
         return input_
     input_ = input_.contiguous()
     if input_split_sizes is not None:
         total = _all_reduce(input_, group)
-        return total.split(input_split_sizes, dim=0)[group_rank(group)].contiguous()
+        return total.split(input_split_sizes, dim=0)[get_pg_rank(group)].contiguous()
     if input_.size(0) % world_size != 0:
         raise ValueError(
             f"first dimension of a tensor of shape {tuple(input_.shape)} ({input_.size(0)}) is not "
@@ -121,7 +122,7 @@ def _reduce_scatter_along_first_dim(
 
 def _reduce_scatter_along_last_dim(input_: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over ranks, then keep this rank's slice of the last dimension."""
-    if group_size(group) == 1:
+    if get_pg_size(group) == 1:
         return input_
     return _reduce_scatter_along_first_dim(input_.movedim(-1, 0), group).movedim(0, -1).contiguous()
 
@@ -133,7 +134,7 @@ def _all_to_all_single(
     input_split_sizes: list[int] | None = None,
 ) -> torch.Tensor:
     """Exchange slices of dim 0: piece ``i`` of ``input_`` goes to rank ``i``."""
-    world_size = group_size(group)
+    world_size = get_pg_size(group)
     if world_size == 1:
         return input_
     input_ = input_.contiguous()
@@ -226,7 +227,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         if ctx.tensor_parallel_output_grad:
             grad = _reduce_scatter_along_first_dim(grad_output, ctx.group, ctx.output_split_sizes)
         elif ctx.output_split_sizes is not None:
-            grad = grad_output.split(ctx.output_split_sizes, dim=0)[group_rank(ctx.group)].contiguous()
+            grad = grad_output.split(ctx.output_split_sizes, dim=0)[get_pg_rank(ctx.group)].contiguous()
         else:
             grad = _split_along_dim(grad_output, 0, ctx.group)
         return grad, None, None, None
@@ -292,7 +293,7 @@ class _AllToAll(torch.autograd.Function):
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Identity in forward; all-reduce of the gradient over the TP group in backward."""
     group = _group(group)
-    if group_size(group) == 1:
+    if get_pg_size(group) == 1:
         return input_
     return _CopyToModelParallelRegion.apply(input_, group)
 
@@ -300,7 +301,7 @@ def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> to
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) over the TP group in forward; identity in backward."""
     group = _group(group)
-    if group_size(group) == 1:
+    if get_pg_size(group) == 1:
         return input_
     return _ReduceFromModelParallelRegion.apply(input_, group)
 
@@ -368,7 +369,7 @@ def all_to_all(
 def all_to_all_sp2hp(input_: torch.Tensor, group=None) -> torch.Tensor:
     """``[num_tokens / TP, H]`` sequence-sharded -> ``[num_tokens, H / TP]`` hidden-sharded."""
     group = _group(group)
-    world_size = group_size(group)
+    world_size = get_pg_size(group)
     if world_size == 1:
         return input_
     hidden = input_.size(-1)
@@ -381,7 +382,7 @@ def all_to_all_sp2hp(input_: torch.Tensor, group=None) -> torch.Tensor:
 def all_to_all_hp2sp(input_: torch.Tensor, group=None) -> torch.Tensor:
     """``[num_tokens, H / TP]`` hidden-sharded -> ``[num_tokens / TP, H]`` sequence-sharded."""
     group = _group(group)
-    world_size = group_size(group)
+    world_size = get_pg_size(group)
     if world_size == 1:
         return input_
     hidden_part = input_.size(-1)

@@ -4,15 +4,16 @@ A parameter split over TP along ``axis`` becomes a ``ShardedTensor`` cut into TP
 that axis (``replica_id = (0, 0, dp_rank)``); a replicated parameter is one shard with
 ``replica_id = (0, tp_rank, dp_rank)``, so only TP rank 0 of DP rank 0 writes it. ``sharded_offsets``
 are extra leading axes prepended by the caller (e.g. the layer index of a stacked block).
-``dist_checkpointing`` is imported on first use so that layers never depend on it at import time.
+``dist_checkpointing`` sits below ``tensor_parallel``: it knows no layer, layers describe themselves.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.tensor_parallel.groups import group_rank, group_size
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 _EXTRA_STATE_SUFFIX = "_extra_state"
 
@@ -35,11 +36,9 @@ def make_tp_sharded_state_dict(module: torch.nn.Module, prefix: str, tp_axis_map
     ``tp_axis_map`` names the entries split over TP and their axis; every other tensor is replicated.
     Entries in ``allow_shape_mismatch`` may load into a differently padded shape (vocabulary rows).
     """
-    from megatron_core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
     tp_group = module.tp_group
-    tp_rank, tp_size = group_rank(tp_group), group_size(tp_group)
-    dp_rank = group_rank(resolve_process_group("dp_cp"))
+    tp_rank, tp_size = get_pg_rank(tp_group), get_pg_size(tp_group)
+    dp_rank = get_pg_rank(resolve_process_group("dp_cp"))
     prepend_axis_num = len(sharded_offsets)
     sharded = {}
     for name, tensor in module.state_dict(prefix="", keep_vars=True).items():

@@ -12,10 +12,9 @@ import torch.distributed as dist
 
 from megatron_core.tensor_parallel.groups import (
     get_tensor_model_parallel_group_if_none,
-    group_rank,
-    group_size,
 )
 from megatron_core.tensor_parallel.mappings import _gather_along_first_dim
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 
 def split_tensor_along_last_dim(
@@ -36,14 +35,14 @@ def split_tensor_into_1d_equal_chunks(
 ) -> torch.Tensor:
     """This TP rank's equal piece of ``tensor`` flattened to 1-D (a view unless ``new_buffer``)."""
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
-    world_size = group_size(tp_group)
+    world_size = get_pg_size(tp_group)
     flat = tensor.reshape(-1)
     if flat.numel() % world_size != 0:
         raise ValueError(
             f"tensor of {flat.numel()} elements cannot be split into {world_size} equal 1-D chunks"
         )
     per_rank = flat.numel() // world_size
-    start = group_rank(tp_group) * per_rank
+    start = get_pg_rank(tp_group) * per_rank
     piece = flat[start : start + per_rank]
     return piece.clone() if new_buffer else piece
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from megatron_core.distributed.collectives import group_rank, group_size
 from megatron_core.transformer.attention_kernels import attend, block_backward, block_forward, window_keep
 from megatron_core.transformer.cp_mappings import (
     all_gather_sequence,
@@ -30,6 +29,7 @@ from megatron_core.transformer.cp_mappings import (
     ring_exchange,
     sequence_to_heads,
 )
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["CP_COMM_TYPES", "context_parallel_attention"]
 
@@ -78,7 +78,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
                 window: tuple[int, int] | None, scale: float) -> torch.Tensor:
-        n, rank = group_size(group), group_rank(group)
+        n, rank = get_pg_size(group), get_pg_rank(group)
         c = q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -103,7 +103,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, window, scale = ctx.group, ctx.causal, ctx.window, ctx.scale
-        n, rank = group_size(group), group_rank(group)
+        n, rank = get_pg_size(group), get_pg_rank(group)
         c = q.shape[2] // 2
         delta = (dout.float() * out.float()).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -164,7 +164,7 @@ def _all_gather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
     window: tuple[int, int] | None, scale: float, dropout_p: float,
 ) -> torch.Tensor:
-    n, rank = group_size(group), group_rank(group)
+    n, rank = get_pg_size(group), get_pg_rank(group)
     c = q.shape[0] // 2
     # Gathered chunks are in rank order [0, 2n-1, 1, 2n-2, ...]; put them in sequence order.
     order = [2 * j if j < n else 2 * (2 * n - 1 - j) + 1 for j in range(2 * n)]
@@ -212,10 +212,10 @@ def context_parallel_attention(
         a2a_group, p2p_group = hierarchical_groups
     else:
         raise ValueError(f"cp_comm_type ({comm_type!r}) must be one of {list(CP_COMM_TYPES)}")
-    n_a2a = group_size(a2a_group) if a2a_group is not None else 1
+    n_a2a = get_pg_size(a2a_group) if a2a_group is not None else 1
     if n_a2a > 1:
         q, k, v = (_to_coarse(sequence_to_heads(x, a2a_group), n_a2a) for x in (q, k, v))
-    n_p2p = group_size(p2p_group) if p2p_group is not None else 1
+    n_p2p = get_pg_size(p2p_group) if p2p_group is not None else 1
     if n_p2p == 1:
         out = attend(_bhsd(q), _bhsd(k), _bhsd(v), causal=causal, scale=scale, window=window, dropout_p=dropout_p)
     else:

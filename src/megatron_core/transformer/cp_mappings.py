@@ -14,12 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_core.distributed.collectives import group_rank, group_size
 from megatron_core.tensor_parallel.mappings import (
     _all_to_all_single,
     _gather_along_first_dim,
     _reduce_scatter_along_first_dim,
 )
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["all_gather_sequence", "heads_to_sequence", "ring_exchange", "sequence_to_heads"]
 
@@ -37,13 +37,13 @@ class _AllGatherSequence(torch.autograd.Function):
 
 def all_gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Concatenate every CP rank's ``x`` along dim 0 in rank order; gradients are reduce-scattered."""
-    if group is None or group_size(group) == 1:
+    if group is None or get_pg_size(group) == 1:
         return x
     return _AllGatherSequence.apply(x, group)
 
 
 def _seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
-    n = group_size(group)
+    n = get_pg_size(group)
     s, b, h, d = x.shape
     if h % n != 0:
         raise ValueError(f"cp_comm_type 'a2a' needs the heads on this rank ({h}) divisible by the a2a size ({n})")
@@ -53,7 +53,7 @@ def _seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def _heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    n = group_size(group)
+    n = get_pg_size(group)
     s_full, b, h, d = x.shape
     parts = x.reshape(n, s_full // n, b, h, d).contiguous()
     out = _all_to_all_single(parts, group)  # out[j] = my sequence slice of head group j
@@ -84,14 +84,14 @@ class _HeadsToSequence(torch.autograd.Function):
 
 def sequence_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``[s/n, b, h, d]`` on each of ``n`` ranks -> ``[s, b, h/n, d]`` (rank-ordered sequence slices)."""
-    if group is None or group_size(group) == 1:
+    if group is None or get_pg_size(group) == 1:
         return x
     return _SequenceToHeads.apply(x, group)
 
 
 def heads_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """The inverse of :func:`sequence_to_heads`: ``[s, b, h/n, d]`` -> ``[s/n, b, h, d]``."""
-    if group is None or group_size(group) == 1:
+    if group is None or get_pg_size(group) == 1:
         return x
     return _HeadsToSequence.apply(x, group)
 
@@ -101,10 +101,10 @@ def ring_exchange(tensor: torch.Tensor, group: Any) -> tuple[torch.Tensor, list]
 
     Call ``work.wait()`` on every work before reading the buffer. A group of one returns ``tensor``.
     """
-    n = group_size(group)
+    n = get_pg_size(group)
     if n == 1:
         return tensor, []
-    rank = group_rank(group)
+    rank = get_pg_rank(group)
     ranks = dist.get_process_group_ranks(group)
     tensor = tensor.contiguous()
     recv = torch.empty_like(tensor)

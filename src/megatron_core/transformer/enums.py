@@ -1,18 +1,13 @@
 """Enums used to describe models, layers and attention (Megatron-Core's ``transformer/enums.py``).
 
-``ModelType`` lives here too; the package root re-exports it as ``megatron_core.enums.ModelType``.
+``ModelType`` is defined in :mod:`megatron_core.enums` (below every subpackage) and re-exported here.
 """
 
 from __future__ import annotations
 
 import enum
 
-
-class ModelType(enum.Enum):
-    """Kind of model, which decides how pipeline stages exchange tensors."""
-
-    encoder_or_decoder = 1
-    encoder_and_decoder = 2
+from megatron_core.enums import ModelType as ModelType
 
 
 class LayerType(enum.Enum):

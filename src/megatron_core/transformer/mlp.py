@@ -9,6 +9,10 @@ built with ``stride=2`` (as in Megatron-Core), so CPU initialisation cuts rank `
 separately (``skip_bias_add``) so the caller fuses them. The TP group is ``tp_group``, else
 ``pg_collection.tp`` (``.expt_tp`` for experts), else ``parallel_state``'s.
 
+In a checkpoint a gated fc1 is stored TP-independently: :meth:`MLP.sharded_state_dict` wraps its
+weight and bias in a factory that saves the gate and up halves as two tensors (Megatron-Core's
+``apply_swiglu_sharded_factory``), so the checkpoint reloads under any TP size.
+
 As an MoE expert, ``forward(x, per_token_scale)`` weights each token by its routing probability
 after the activation and adds the fc2 bias scaled the same way, so the output is
 ``p * (fc2(act(fc1(x))) + b2)`` and no bias is returned.
@@ -23,6 +27,8 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
+from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
@@ -116,3 +122,15 @@ class MLP(MegatronModule):
         if self.checkpoint_mlp and self.training:
             return tensor_parallel.checkpoint(self._forward, False, hidden_states, per_token_scale)
         return self._forward(hidden_states, per_token_scale)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """The generic sharded state, with a gated fc1's ``[gate_r; up_r]`` shards split into two halves."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.config.gated_linear_unit:
+            for name in ("weight", "bias"):
+                key = f"{prefix}linear_fc1.{name}"
+                if isinstance(sharded.get(key), ShardedTensor):
+                    sharded[key] = apply_swiglu_sharded_factory(sharded[key])
+        return sharded

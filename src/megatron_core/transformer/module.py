@@ -2,12 +2,13 @@
 
 ``Float16Module`` casts its wrapped module's parameters to bf16/fp16 once, casts floating inputs
 on the first pipeline stage, and returns fp32 outputs on the last stage, as Megatron-Core does.
-``sharded_state_dict`` is provided by ``megatron_core.dist_checkpointing`` when that package is present.
+``MegatronModule.sharded_state_dict`` describes a module generically (its own tensors from their
+tensor-parallel attributes, then each child); a module with its own checkpoint layout (``MLP``,
+``LanguageModule``, ``TransformerBlock``) overrides it.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -15,7 +16,13 @@ import torch
 from megatron_core import parallel_state
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.transformer.utils import sharded_state_dict_default
 from megatron_core.utils import get_pg_rank, get_pg_size
+
+
+def param_is_not_shared(param: torch.nn.Parameter) -> bool:
+    """False for the duplicate of a tied weight (``param.shared``), counted on the stage that owns it."""
+    return not getattr(param, "shared", False)
 
 
 class MegatronModule(torch.nn.Module):
@@ -33,19 +40,7 @@ class MegatronModule(torch.nn.Module):
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict[str, Any]:
         """The state dict with each tensor described by its global shape and this rank's shard."""
-        try:
-            checkpointing = importlib.import_module("megatron_core.dist_checkpointing")
-        except ImportError as err:
-            raise NotImplementedError(
-                f"{type(self).__name__}.sharded_state_dict needs megatron_core.dist_checkpointing ({err})"
-            ) from err
-        default = getattr(checkpointing, "sharded_state_dict_default", None)
-        if default is None:
-            raise NotImplementedError(
-                f"{type(self).__name__}.sharded_state_dict needs "
-                "megatron_core.dist_checkpointing.sharded_state_dict_default, which is not available"
-            )
-        return default(self, prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+        return sharded_state_dict_default(self, prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
 
     def set_is_first_microbatch(self) -> None:
         """Tell every submodule that the next forward is the first microbatch (weight caches refresh)."""
@@ -123,6 +118,3 @@ class Float16Module(MegatronModule):
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Load into the wrapped module."""
         return self.module.load_state_dict(state_dict, strict=strict)
-
-
-from megatron_core.optimizer.clip_grads import param_is_not_shared as param_is_not_shared  # noqa: E402

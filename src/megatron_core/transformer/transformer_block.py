@@ -19,6 +19,10 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core.dist_checkpointing.sharded_module import (
+    sharded_state_dict_default,
+    sharded_state_dict_for_layers,
+)
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.causal_mask import drop_plain_causal_mask
 from megatron_core.transformer.module import MegatronModule
@@ -119,11 +123,6 @@ class TransformerBlock(MegatronModule):
         Layer ``i`` of this chunk is global layer ``layer_offset + i``; the checkpoint keys carry no
         local index, so a checkpoint reshards across pipeline layouts.
         """
-        from megatron_core.dist_checkpointing.sharded_module import (
-            sharded_state_dict_default,
-            sharded_state_dict_for_layers,
-        )
-
         layers_prefix = f"{prefix}layers."
         out = sharded_state_dict_for_layers(
             self.layers, layers_prefix, [self.layer_offset + i for i in range(len(self.layers))],

@@ -9,12 +9,10 @@ parallel layout. See ``docs/dist_checkpointing.md``.
 from megatron_core.dist_checkpointing.training.checkpointing import (
     CHECKPOINT_VERSION,
     load_checkpoint,
-    save_checkpoint,
-    unwrap_model_chunks,
-)
-from megatron_core.dist_checkpointing.training.optimizer_state import (
     load_optimizer_state,
     optimizer_sharded_state_dict,
+    save_checkpoint,
+    unwrap_model_chunks,
 )
 from megatron_core.dist_checkpointing.training.rng import get_rng_state, set_rng_state
 from megatron_core.dist_checkpointing.training.tracker import (

@@ -2,7 +2,7 @@
 
 A checkpoint ``<save_dir>/iter_0000010/`` is one distributed checkpoint (:func:`..save`) whose
 state dict has Megatron-LM's top-level keys: ``model`` (or ``model0``, ``model1``, ... for
-virtual-pipeline chunks), ``optimizer`` (model-space states, see :mod:`.optimizer_state`),
+virtual-pipeline chunks), ``optimizer`` (model-space states, see :mod:`megatron_core.optimizer.checkpoint_state`),
 ``opt_param_scheduler``, ``rng_state`` (see :mod:`.rng`), ``iteration``,
 ``consumed_train_samples``, ``extra_state`` and ``checkpoint_version``. The tracker
 ``latest_checkpointed_iteration.txt`` moves only after the checkpoint directory is complete.
@@ -37,10 +37,6 @@ from megatron_core.dist_checkpointing.training.architecture import (
     check_architecture,
     model_architecture,
 )
-from megatron_core.dist_checkpointing.training.optimizer_state import (
-    load_optimizer_state,
-    optimizer_sharded_state_dict,
-)
 from megatron_core.dist_checkpointing.training.rng import (
     RNG_KEY,
     restore_sharded_rng_state,
@@ -53,6 +49,7 @@ from megatron_core.dist_checkpointing.training.tracker import (
     write_tracker,
 )
 from megatron_core.dist_checkpointing.validation import StrictHandling
+from megatron_core.utils import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +59,6 @@ OPTIMIZER_STATE_PREFIX = "optimizer.state."
 
 def unwrap_model_chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Model chunks as a list, each unwrapped (``utils.unwrap_model``) down to one with ``sharded_state_dict``."""
-    from megatron_core.utils import unwrap_model
-
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     out = []
     for chunk in chunks:
@@ -74,6 +69,18 @@ def unwrap_model_chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[
             raise TypeError(f"{type(chunk).__name__} (unwrapped: {type(inner).__name__}) has no sharded_state_dict")
         out.append(inner)
     return out
+
+
+def optimizer_sharded_state_dict(optimizer: Any, model_sharded_sd: dict, is_loading: bool = False,
+                                 state_names: list[str] | None = None) -> dict:
+    """``optimizer.sharded_state_dict(...)``: its state in model space (the optimizer owns the format)."""
+    return optimizer.sharded_state_dict(model_sharded_sd, is_loading=is_loading, state_names=state_names)
+
+
+def load_optimizer_state(optimizer: Any, model_sharded_sd: dict, loaded: dict) -> None:
+    """Load a model-space optimizer state (saved by :func:`optimizer_sharded_state_dict`) into ``optimizer``."""
+    optimizer.sharded_state_dict(model_sharded_sd, is_loading=True)
+    optimizer.load_state_dict(loaded)
 
 
 def _model_keys(chunks: list[torch.nn.Module]) -> list[str]:
@@ -123,7 +130,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn
     chunks = unwrap_model_chunks(model)
     state: dict[str, Any] = _model_sharded_state_dict(chunks)
     if optimizer is not None:
-        state["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(state))
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state))
     state["opt_param_scheduler"] = opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None
     state[RNG_KEY] = sharded_rng_state()
     state.update(iteration=int(iteration), consumed_train_samples=int(consumed_train_samples),
@@ -231,8 +238,8 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
         if "optimizer" not in common:
             raise CheckpointingException(f"{checkpoint_dir} holds no optimizer state; load with load_optimizer=False")
         names = _saved_optimizer_state_names(checkpoint_dir)
-        state["optimizer"] = optimizer_sharded_state_dict(
-            optimizer, _model_sharded_state_dict(chunks), is_loading=True, state_names=names)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            _model_sharded_state_dict(chunks), is_loading=True, state_names=names)
     restore_rng = False
     if load_rng:
         state[RNG_KEY] = sharded_rng_state(for_loading=True)
@@ -252,7 +259,7 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
     for key, chunk in zip(_model_keys(chunks), chunks):
         chunk.load_state_dict(loaded[key], strict=strict)
     if with_optimizer:
-        load_optimizer_state(optimizer, _model_sharded_state_dict(chunks), loaded["optimizer"])
+        optimizer.load_state_dict(loaded["optimizer"])
         if opt_param_scheduler is not None and loaded.get("opt_param_scheduler") is not None:
             opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if restore_rng and not restore_sharded_rng_state(loaded[RNG_KEY]):

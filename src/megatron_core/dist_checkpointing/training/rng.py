@@ -19,14 +19,9 @@ import torch
 from megatron_core import device, parallel_state
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.mapping import ShardedObject
+from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
 
 RNG_KEY = "rng_state"
-
-
-def _tracker() -> Any:
-    from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
-
-    return get_cuda_rng_tracker()
 
 
 def get_rng_state() -> dict[str, Any]:
@@ -38,7 +33,7 @@ def get_rng_state() -> dict[str, Any]:
                          int(pos), int(has_gauss), float(cached)),
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": device.get_device_rng_state(),
-        "rng_tracker_states": _tracker().get_states(),
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
     }
 
 
@@ -49,7 +44,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch_rng_state"])
     device.set_device_rng_state(state["cuda_rng_state"])
-    _tracker().set_states(state["rng_tracker_states"])
+    get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
 def _layout() -> tuple[int, int, int, int, int, Any]:

@@ -18,14 +18,9 @@ import torch
 from megatron_core.inference import communication_utils as comm
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.model_inference_wrappers.cuda_graphs import DecodeGraphRunner
+from megatron_core.utils import unwrap_model
 
 __all__ = ["AbstractModelInferenceWrapper"]
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 class AbstractModelInferenceWrapper(abc.ABC):
@@ -33,7 +28,7 @@ class AbstractModelInferenceWrapper(abc.ABC):
 
     def __init__(self, model: torch.nn.Module, inference_context: BaseInferenceContext | None = None) -> None:
         self.model = model
-        self.inner_model = _unwrap(model)
+        self.inner_model = unwrap_model(model)
         self.config = self.inner_model.config
         self.inference_context = inference_context
         self.pp_group = comm.pipeline_group(self.inner_model)

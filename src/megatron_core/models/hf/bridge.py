@@ -31,6 +31,7 @@ from megatron_core.models.hf.families import (
 )
 from megatron_core.models.hf.rules import Copy, Index, WeightRule, expected_hf_shape, fmt
 from megatron_core.models.hf.safetensors_io import HFCheckpointReader, HFConversionError
+from megatron_core.utils import unwrap_model
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
@@ -40,9 +41,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while not hasattr(model, "decoder") and hasattr(model, "module"):
-        model = model.module
+    """The GPTModel inside DDP / Float16Module wrappers (:func:`megatron_core.utils.unwrap_model`)."""
+    model = unwrap_model(model)
     if not hasattr(model, "decoder"):
         raise TypeError(f"{type(model).__name__} is not a GPTModel (or a wrapper of one)")
     return model

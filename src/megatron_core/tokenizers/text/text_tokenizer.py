@@ -41,9 +41,16 @@ def _special_id(attribute: str, doc: str) -> property:
 
 
 class MegatronTokenizerText(MegatronTokenizerBase):
-    """Base class of the text tokenizers (one per ``model_type``)."""
+    """Base class of the text tokenizers (one per ``model_type``).
 
-    def __init__(self, path: str | None, config: dict, **kwargs: Any) -> None:
+    Records the concrete class in the metadata (``class_name``, ``class_path``), so every subclass
+    round-trips through ``MegatronTokenizer.from_pretrained`` without code of its own.
+    """
+
+    def __init__(self, path: str | None = None, config: dict | None = None, **kwargs: Any) -> None:
+        config = dict(config or {})
+        config["class_name"] = type(self).__name__
+        config["class_path"] = type(self).__module__
         super().__init__(path, config, **kwargs)
         if getattr(self, "library", None) not in TOKENIZER_MAPPING_LIBRARIES:
             raise ValueError(

@@ -23,7 +23,6 @@ from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_fact
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron_core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
-from megatron_core.tensor_parallel.groups import group_rank, group_size
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.grouped_linear import (
@@ -35,6 +34,7 @@ from megatron_core.transformer.moe.grouped_linear import (
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["GroupedMLP", "GroupedMLPSubmodules", "SequentialMLP", "TEGroupedMLP"]
 
@@ -80,15 +80,15 @@ class SequentialMLP(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Each local expert under its global index along a new axis of ``<prefix>experts.*``."""
-        num_global = group_size(self.ep_group) * self.num_local_experts
-        offset = group_rank(self.ep_group) * self.num_local_experts
+        num_global = get_pg_size(self.ep_group) * self.num_local_experts
+        offset = get_pg_rank(self.ep_group) * self.num_local_experts
         out: dict = {}
         for i, expert in enumerate(self.local_experts):
             local_prefix = f"{prefix}local_experts.{i}."
             offsets = (*sharded_offsets, (len(sharded_offsets), offset + i, num_global))
             expert_sd = expert.sharded_state_dict(local_prefix, offsets, metadata)
             replace_prefix_for_sharding(expert_sd, local_prefix, f"{prefix}experts.")
-            _with_expert_dp(expert_sd, group_rank(self.dp_group))
+            _with_expert_dp(expert_sd, get_pg_rank(self.dp_group))
             out.update(expert_sd)
         return out
 
@@ -172,9 +172,9 @@ class TEGroupedMLP(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """The same sharded tensors as ``SequentialMLP``'s: one per local expert, under its global index."""
-        ep_size, ep_rank = group_size(self.ep_group), group_rank(self.ep_group)
-        tp_size, tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
-        dp_rank = group_rank(self.dp_group)
+        ep_size, ep_rank = get_pg_size(self.ep_group), get_pg_rank(self.ep_group)
+        tp_size, tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        dp_rank = get_pg_rank(self.dp_group)
         num_global = ep_size * self.num_local_experts
         out: dict = {}
         for layer_name in ("linear_fc1", "linear_fc2"):

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core.device import get_current_device
-from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none, group_size
+from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
+from megatron_core.utils import get_pg_size
 
 __all__ = ["AlignedExpertRows", "ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "align_expert_rows",
            "grouped_gemm"]
@@ -166,7 +167,7 @@ class _GroupedLinear(torch.nn.Module):
         self.skip_bias_add = skip_bias_add
         self.config = config
         self.name = name
-        tp = group_size(self.tp_group)
+        tp = get_pg_size(self.tp_group)
         sizes = [output_size, input_size]
         if sizes[self.tp_dim] % tp != 0:
             raise ValueError(f"{('output_size', 'input_size')[self.tp_dim]} ({sizes[self.tp_dim]}) must be divisible "
@@ -238,7 +239,7 @@ class _GroupedLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         """Experts, sizes, bias and expert-TP size."""
         return (f"num_gemms={self.num_gemms}, in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, ETP={group_size(self.tp_group)}")
+                f"bias={self.bias is not None}, ETP={get_pg_size(self.tp_group)}")
 
 
 class ColumnParallelGroupedLinear(_GroupedLinear):

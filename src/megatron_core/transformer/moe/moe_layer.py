@@ -18,7 +18,6 @@ import torch
 
 from megatron_core import tensor_parallel
 from megatron_core.process_groups_config import check_parallel_size
-from megatron_core.tensor_parallel.groups import group_rank, group_size
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_core.transformer.moe.router import TopKRouter
@@ -28,6 +27,7 @@ from megatron_core.transformer.moe.token_dispatcher import (
 )
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["BaseMoELayer", "MoELayer", "MoESubmodules"]
 
@@ -53,7 +53,7 @@ class BaseMoELayer(MegatronModule):
         self.layer_number = layer_number
         self.is_mtp_layer = is_mtp_layer
         self.ep_group, self.attn_tp_group = self.pg_collection.ep, self.pg_collection.tp
-        ep_size, ep_rank = group_size(self.ep_group), group_rank(self.ep_group)
+        ep_size, ep_rank = get_pg_size(self.ep_group), get_pg_rank(self.ep_group)
         check_parallel_size(config, "expert_model_parallel_size", self.ep_group, "expert-parallel")
         if config.expert_tensor_parallel_size != config.tensor_model_parallel_size:
             check_parallel_size(config, "expert_tensor_parallel_size", self.pg_collection.expt_tp,
@@ -144,9 +144,9 @@ class MoELayer(BaseMoELayer):
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
                 padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
         """``(output [s, b, h], None)``; ``padding_mask [b, s]`` is True for padding tokens."""
-        if self.training and group_size(self.attn_tp_group) > 1 and not self.config.sequence_parallel:
+        if self.training and get_pg_size(self.attn_tp_group) > 1 and not self.config.sequence_parallel:
             raise ValueError(
-                f"MoE with tensor parallelism (TP={group_size(self.attn_tp_group)}) needs sequence_parallel=True "
+                f"MoE with tensor parallelism (TP={get_pg_size(self.attn_tp_group)}) needs sequence_parallel=True "
                 "during training, as in Megatron-Core"
             )
         if padding_mask is not None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.tensor_parallel.groups import group_size
+from megatron_core.utils import get_pg_size
 
 __all__ = ["MetricEntry", "MoEMetricsTracker", "destroy_moe_metrics_tracker", "get_moe_metrics_tracker",
            "set_moe_metrics_tracker"]
@@ -56,10 +56,10 @@ def destroy_moe_metrics_tracker() -> None:
 
 
 def _reduce(tensor: torch.Tensor, group: Any, average: bool = False) -> None:
-    if group_size(group) > 1:
+    if get_pg_size(group) > 1:
         dist.all_reduce(tensor, group=group)
         if average:
-            tensor.div_(group_size(group))
+            tensor.div_(get_pg_size(group))
 
 
 class MoEMetricsTracker:

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.process_groups_config import ProcessGroupCollection, resolve_process_group
-from megatron_core.tensor_parallel.groups import group_size
 from megatron_core.transformer.moe.token_permutation import permute, sort_chunks_by_idxs, unpermute
+from megatron_core.utils import get_pg_size
 
 __all__ = [
     "MoEAuxLossAutoScaler",
@@ -62,7 +62,7 @@ def get_default_pg_collection(pg_collection: ProcessGroupCollection | None = Non
 
 def all_reduce_sum_(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """In-place sum over ``group`` (no-op for a group of one); not differentiable."""
-    if group_size(group) > 1:
+    if get_pg_size(group) > 1:
         dist.all_reduce(tensor, group=group)
     return tensor
 
@@ -107,7 +107,7 @@ def get_tokens_per_expert_and_token_count(routing_map: torch.Tensor, reduce_grou
     if with_padding_mask:
         return global_counts, local.sum() / topk, global_counts.sum() / topk
     local_num_tokens = routing_map.shape[0]
-    return global_counts, local_num_tokens, local_num_tokens * group_size(reduce_group)
+    return global_counts, local_num_tokens, local_num_tokens * get_pg_size(reduce_group)
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from megatron_core.tensor_parallel.groups import group_size
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron_core.transformer.moe.moe_utils import (
@@ -30,6 +29,7 @@ from megatron_core.transformer.moe.moe_utils import (
     z_loss_func,
 )
 from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_size
 
 __all__ = ["Router", "TopKRouter"]
 
@@ -140,7 +140,7 @@ class TopKRouter(Router):
                                          reduce_group=reduce_group, needs_dp_avg=needs_dp_avg)
         if self.calculate_per_token_loss:
             tokens = valid_token_count if valid_token_count is not None else activation.shape[0]
-            aux_loss = aux_loss * tokens * group_size(self.tp_cp_group)
+            aux_loss = aux_loss * tokens * get_pg_size(self.tp_cp_group)
         return MoEAuxLossAutoScaler.apply(activation, aux_loss)
 
     def _apply_aux_loss(self, probs, scores, routing_map, kind: str, seq_length: int, bsz: int):
@@ -169,12 +169,12 @@ class TopKRouter(Router):
         """Attach the z-loss to ``logits`` (training with grad only) and record it."""
         if self.config.moe_z_loss_coeff is None or not (self.training and torch.is_grad_enabled()):
             return logits
-        coeff = self.config.moe_z_loss_coeff / group_size(self.tp_cp_group)
+        coeff = self.config.moe_z_loss_coeff / get_pg_size(self.tp_cp_group)
         z_loss = z_loss_func(logits, coeff, padding_mask)
         scaled = z_loss
         if self.calculate_per_token_loss:
             tokens = (~padding_mask).sum() if padding_mask is not None else logits.shape[0]
-            scaled = z_loss * tokens * group_size(self.tp_cp_group)
+            scaled = z_loss * tokens * get_pg_size(self.tp_cp_group)
         logits = MoEAuxLossAutoScaler.apply(logits, scaled)
         num_layers, layer = self._num_layers()
         get_moe_metrics_tracker().record("z_loss", z_loss / coeff, layer, num_layers, avg_group=self.tp_dp_cp_group,

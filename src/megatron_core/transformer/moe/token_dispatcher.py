@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from megatron_core.tensor_parallel.groups import group_rank, group_size
 from megatron_core.tensor_parallel.mappings import (
     all_to_all,
     gather_from_sequence_parallel_region,
@@ -30,25 +29,26 @@ from megatron_core.tensor_parallel.mappings import (
 from megatron_core.transformer.moe.moe_utils import get_capacity, get_default_pg_collection
 from megatron_core.transformer.moe.token_permutation import permute, sort_chunks_by_idxs, unpermute
 from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher", "MoETokenDispatcher"]
 
 
 def _gather(x: torch.Tensor, group: Any, output_split_sizes: list[int] | None = None) -> torch.Tensor:
-    if group_size(group) == 1:
+    if get_pg_size(group) == 1:
         return x
     return gather_from_sequence_parallel_region(x, group=group, output_split_sizes=output_split_sizes)
 
 
 def _reduce_scatter(x: torch.Tensor, group: Any, input_split_sizes: list[int] | None = None) -> torch.Tensor:
-    if group_size(group) == 1:
+    if get_pg_size(group) == 1:
         return x
     return reduce_scatter_to_sequence_parallel_region(x, group=group, input_split_sizes=input_split_sizes)
 
 
 def _all_to_all(group: Any, x: torch.Tensor, output_splits: list[int] | None, input_splits: list[int] | None
                 ) -> torch.Tensor:
-    if group_size(group) == 1:
+    if get_pg_size(group) == 1:
         return x
     return all_to_all(group, x, output_splits, input_splits)
 
@@ -60,7 +60,7 @@ def counts_stay_on_device(config: TransformerConfig, tp_ep_group: Any) -> bool:
     token (no capacity factor), so each token has exactly top-k rows. Otherwise the split sizes of the
     collectives need the counts on the host, as in Megatron-Core.
     """
-    return group_size(tp_ep_group) == 1 and config.moe_expert_capacity_factor is None
+    return get_pg_size(tp_ep_group) == 1 and config.moe_expert_capacity_factor is None
 
 
 class MoETokenDispatcher:
@@ -71,8 +71,8 @@ class MoETokenDispatcher:
         self.config = config
         self.shared_experts = None
         self.ep_group, self.tp_group, self.tp_ep_group = pgs.ep, pgs.expt_tp, pgs.tp_ep
-        self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
-        self.ep_size, self.ep_rank = group_size(self.ep_group), group_rank(self.ep_group)
+        self.tp_size, self.tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        self.ep_size, self.ep_rank = get_pg_size(self.ep_group), get_pg_rank(self.ep_group)
 
     def set_shared_experts(self, shared_experts: Any) -> None:
         """Register the shared experts for overlap (run un-overlapped by this library)."""
@@ -101,7 +101,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """All-gather tokens, probs and routing map over ``tp_ep``."""
-        if group_size(self.tp_ep_group) > 1:
+        if get_pg_size(self.tp_ep_group) > 1:
             with torch.no_grad():
                 self.routing_map = _gather(self.routing_map.to(torch.uint8), self.tp_ep_group).bool()
             probs = _gather(probs, self.tp_ep_group)
@@ -180,7 +180,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             return local_counts
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         # One device-to-host copy of every count this step needs.
-        if group_size(self.tp_ep_group) > 1:
+        if get_pg_size(self.tp_ep_group) > 1:
             gathered = _gather(local_counts, self.tp_ep_group).cpu()
             global_counts = gathered.reshape(self.ep_size, self.tp_size, self.num_experts).transpose(0, 1)
             local_cpu = gathered.reshape(self.ep_size, self.tp_size, self.num_experts)[self.ep_rank, self.tp_rank]

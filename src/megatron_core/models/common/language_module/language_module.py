@@ -5,9 +5,14 @@ the last stage holds a duplicate as ``output_layer.weight``, marked ``shared=Tru
 ``shared_embedding=True``, zero-filled and then all-reduced over the embedding group at
 construction so that both copies start equal. Their gradients are summed over the same group by
 ``finalize_model_grads`` every step. This file holds the models package's only collective.
+
+In a checkpoint the last stage's copy is a replica of the first stage's tensor (see
+:meth:`LanguageModule.tie_embeddings_and_output_weights_state_dict`).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -47,10 +52,37 @@ class LanguageModule(MegatronModule):
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
-        """The sharded state without the output layer's (always empty) ``_extra_state``, as Megatron-Core saves it."""
+        """The sharded state without the output layer's (always empty) ``_extra_state``, as Megatron-Core saves it.
+
+        A tied output layer on a stage without the embedding is stored as a replica of the embedding.
+        """
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         sharded.pop(f"{prefix}output_layer._extra_state", None)
+        self.tie_embeddings_and_output_weights_state_dict(
+            sharded, f"{prefix}output_layer.weight", f"{prefix}embedding.word_embeddings.weight"
+        )
         return sharded
+
+    def tie_embeddings_and_output_weights_state_dict(
+        self, sharded_state_dict: dict, output_layer_weight_key: str, first_stage_word_emb_key: str,
+        metadata: dict | None = None,
+    ) -> None:
+        """Store a last stage's tied output weight under the first stage's embedding key, as a replica.
+
+        As Megatron-Core: the entry ``output_layer_weight_key`` keeps its dict key but gets the
+        checkpoint key ``first_stage_word_emb_key`` and pipeline replica id 1, so only the first stage
+        writes the tensor and a checkpoint loads under any pipeline size. Nothing changes when the
+        weights are untied or this stage also holds the embedding.
+        """
+        if not self.share_embeddings_and_output_weights or self.pre_process:
+            return
+        sharded = sharded_state_dict.get(output_layer_weight_key)
+        if sharded is None:
+            return
+        _, tp_replica, dp_rank = sharded.replica_id
+        sharded_state_dict[output_layer_weight_key] = replace(
+            sharded, key=first_stage_word_emb_key, replica_id=(1, tp_replica, dp_rank)
+        )
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
         """The word-embedding weight on the first stage, the output weight on the last stage."""
