@@ -165,3 +165,13 @@ def test_disconnect_mid_stream_frees_kv_blocks(served):
         assert llm.engine.cancelled_request_count == cancelled + 1
     finally:
         wrapper.run_one_forward_step = forward
+
+
+def test_server_listens_on_loopback_only_by_default(served):
+    """Reliability check 15: the HTTP server binds 127.0.0.1 unless told otherwise."""
+    psutil = pytest.importorskip("psutil")
+    llm, _, _, _ = served
+    assert ServeConfig().host == "127.0.0.1"
+    listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == llm.server_port]
+    assert listening and all(addr.ip == "127.0.0.1" for addr in listening)
