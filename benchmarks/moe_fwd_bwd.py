@@ -55,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--aux-loss", type=float, default=0.0, help="moe_aux_loss_coeff (HF computes none by default)")
     p.add_argument("--compile", action="store_true", help="torch.compile each layer's norms and attention and the loss")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--compile-moe", action="store_true",
+                   help="torch.compile each whole layer, MoE block included (needs the sync-free EP=1 path)")
+    p.add_argument("--profile", action="store_true", help="print our step's 25 most expensive GPU kernels")
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
     args = p.parse_args()
@@ -90,7 +93,12 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     model = GPTModel(config, spec, args.vocab, args.seq, position_embedding_type="rope")
     model = model.to(mdevice.get_current_device())
-    if args.compile:
+    if args.compile_moe:
+        for layer in model.decoder.layers:
+            layer.compile()
+        model.decoder.final_layernorm.compile()
+        model.compute_language_model_loss = torch.compile(model.compute_language_model_loss)
+    elif args.compile:
         for layer in model.decoder.layers:
             for part in (layer.input_layernorm, layer.self_attention, layer.pre_mlp_layernorm):
                 part.compile()
@@ -158,9 +166,25 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
                  labels: torch.Tensor) -> float:
     """Build and time our MoE GPTModel; returns its MFU in percent (the model is freed on return)."""
     ours = build_ours(args, dtype)
-    label = "megatron_core " + ("SequentialMLP" if args.sequential else "grouped GEMM") + (
-        " (compiled attn)" if args.compile else " eager")
-    return run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args)
+    mode = " (compiled layers)" if args.compile_moe else " (compiled attn)" if args.compile else " eager"
+    label = "megatron_core " + ("SequentialMLP" if args.sequential else "grouped GEMM") + mode
+    mfu = run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args)
+    if args.profile:
+        print_kernel_profile(lambda: ours(ids, position_ids, None, labels=labels).mean().backward())
+    return mfu
+
+
+def print_kernel_profile(step: Callable[[], None], steps: int = 3) -> None:
+    """Profile ``steps`` steps and print the kernels with the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        if mdevice.get_current_device().type == "cuda":
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if mdevice.get_current_device().type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 
 MODEL = "tiny-llama"
 CONFIG = dict(block_size_tokens=8, buffer_size_gb=0.02, max_sequence_length=128, max_requests=64)
-TEXTS = [f"prompt {i}: " + "abcdefghij"[: 1 + i % 10] for i in range(32)]
+TEXTS = [f"prompt {i}: " + "abcdefghij"[: 1 + i % 10] for i in range(64)]  # 64 concurrent clients (issue 18)
 NEW = 4
 LONG = 100
 

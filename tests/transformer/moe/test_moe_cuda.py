@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core.transformer.moe.grouped_linear import _use_grouped_mm, grouped_gemm
+from megatron_core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from tests.transformer.moe.moe_parallel_utils import batches, build
 
 pytestmark = pytest.mark.gpu
@@ -41,3 +42,27 @@ def test_moe_gpt_bf16_step_on_gpu_matches_fp32_cpu():
     got.backward()
     torch.testing.assert_close(got.float().cpu(), want.detach(), rtol=3e-2, atol=3e-2)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gpu.parameters())
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_moe_layer_runs_without_host_sync_when_one_rank_holds_every_expert(dispatcher):
+    """EP=1, no capacity: the counts stay on the GPU, so forward and backward never wait for the host."""
+    torch.manual_seed(0)
+    destroy_moe_metrics_tracker()  # earlier tests may have left metrics on the CPU
+    model = build("mixtral", moe_grouped_gemm=True, bf16=True, params_dtype=torch.bfloat16,
+                  moe_token_dispatcher_type=dispatcher).cuda()
+    moe = model.decoder.layers[0].mlp
+    x = torch.randn(8, 2, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe(x)  # warm-up: lazy initialisation may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _ = moe(x)
+        out.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = build("mixtral", moe_grouped_gemm=True, moe_token_dispatcher_type=dispatcher)
+    ref.load_state_dict({k: v.float().cpu() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                         for k, v in model.state_dict().items()})
+    want, _ = ref.decoder.layers[0].mlp(x.detach().float().cpu())
+    torch.testing.assert_close(out.float().cpu(), want.detach(), rtol=3e-2, atol=3e-2)

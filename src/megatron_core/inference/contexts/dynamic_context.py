@@ -12,8 +12,9 @@ One step: the engine picks, per request, the tokens to feed (one for a decoding 
 or a chunk of it for a prefilling one) and calls :meth:`initialize_attention_state`. All tokens
 of the step are flattened into one sequence ``[1, T]`` (decode tokens first) with each token's own
 position. In every layer, :meth:`attention` rotates query and key at those positions, writes the
-keys and values into their slots and attends: the decode tokens in one batched SDPA over their
-gathered block tables (padded, masked), each prefill chunk with a causal SDPA over its request's
+keys and values into their slots and attends: the decode tokens with the paged kernel of
+:mod:`.paged_attention` on CUDA (reading blocks in place), elsewhere in one batched SDPA over their
+gathered block tables (padded, masked); each prefill chunk with a causal SDPA over its request's
 cached prefix. Growing a request that needs a block when none is free fails loudly
 (``BlockOverflowError`` / ``False`` from :meth:`grow_request`); the engine then pauses or evicts.
 """
@@ -30,6 +31,7 @@ from megatron_core.inference.config import InferenceConfig
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs, graph_batch_sizes
 from megatron_core.inference.contexts.kv_block_allocator import KVBlockAllocator
+from megatron_core.inference.contexts.paged_attention import paged_decode_attention, paged_decode_supported
 from megatron_core.inference.contexts.rotary import rotate_at_positions
 
 __all__ = [
@@ -292,7 +294,7 @@ class DynamicInferenceContext(BaseInferenceContext):
             table = [self.request_blocks[e.request_id][:width] for e in decode]
             table = [t + [0] * (width - len(t)) for t in table]
             self._decode_tables = torch.tensor(table, dtype=torch.long, device=device)
-            kv_len = torch.tensor(lengths, device=device)
+            kv_len = self._decode_kv_len = torch.tensor(lengths, device=device)
             keep = torch.arange(width * bs, device=device)[None, :] < kv_len[:, None]
             self._decode_mask = keep[:, None, None, :]
 
@@ -313,7 +315,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         inputs.fill(ids, positions, slots, [self.request_blocks[e.request_id] for e in decode])
         self.graph_batch_size = self.num_decode = batch
         self.input_ids, self.position_ids, self.slot_mapping = inputs.input_ids, inputs.position_ids, inputs.slot_mapping
-        self._decode_tables, self._decode_mask = inputs.tables, inputs.mask
+        self._decode_tables, self._decode_mask, self._decode_kv_len = inputs.tables, inputs.mask, inputs.kv_len
         self._prefill_segments = []
         self._all_rows = True
 
@@ -362,7 +364,11 @@ class DynamicInferenceContext(BaseInferenceContext):
         scale = getattr(getattr(attention, "core_attention", None), "softmax_scale", None)
         out = query.new_empty(total, np_, hn)
         nd, bs = self.num_decode, self.block_size_tokens
-        if nd:
+        if nd and paged_decode_supported(query, k_mem):
+            # Read the blocks where they lie (no per-step copy of the cache); see paged_attention.
+            out[:nd] = paged_decode_attention(query[:nd, 0], k_mem, v_mem, self._decode_tables, self._decode_kv_len,
+                                              bs, scale)
+        elif nd:
             width = self._decode_tables.shape[1]
             k = k_mem.view(-1, bs, ng, hn)[self._decode_tables].view(nd, width * bs, ng, hn).transpose(1, 2)
             v = v_mem.view(-1, bs, ng, hn)[self._decode_tables].view(nd, width * bs, ng, hn).transpose(1, 2)

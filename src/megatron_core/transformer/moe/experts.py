@@ -24,7 +24,12 @@ from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron_core.tensor_parallel.groups import group_rank, group_size
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.module import MegatronModule
-from megatron_core.transformer.moe.grouped_linear import pad_expert_rows, use_grouped_mm
+from megatron_core.transformer.moe.grouped_linear import (
+    align_expert_rows,
+    group_counts_tensor,
+    pad_expert_rows,
+    use_grouped_mm,
+)
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
@@ -126,13 +131,22 @@ class TEGroupedMLP(MegatronModule):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor | list[int],
                 permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
         """``(p * expert(x) for every row, None)``."""
-        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
         x, index = permuted_local_hidden_states, None
-        if use_grouped_mm(x, self.linear_fc1.weight):
-            # Pad each expert's rows once for both GEMMs (the kernel needs aligned groups); pads have prob 0.
-            x, counts, index = pad_expert_rows(x, counts)
-            if index is not None:
-                permuted_probs = permuted_probs.new_zeros(x.shape[0]).index_copy(0, index, permuted_probs)
+        on_device = isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device == x.device
+        if use_grouped_mm(x, self.linear_fc1.weight) and on_device:
+            # Counts still on the GPU: lay the rows out at aligned group starts without a host sync.
+            counts = align_expert_rows(tokens_per_expert, x.shape[0])
+            index = counts.index
+            x = x.new_zeros((counts.total_rows, x.shape[1])).index_copy(0, index, x)
+            permuted_probs = permuted_probs.new_zeros(counts.total_rows).index_copy(0, index, permuted_probs)
+        else:
+            counts = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
+                      else list(tokens_per_expert))
+            if use_grouped_mm(x, self.linear_fc1.weight):
+                # Pad each expert's rows once for both GEMMs (the kernel needs aligned groups); pads have prob 0.
+                x, counts, index = pad_expert_rows(x, counts)
+                if index is not None:
+                    permuted_probs = permuted_probs.new_zeros(x.shape[0]).index_copy(0, index, permuted_probs)
         probs = permuted_probs.unsqueeze(-1)
         if self.config.moe_apply_probs_on_input:
             x = (probs * x).to(x.dtype)
@@ -141,7 +155,7 @@ class TEGroupedMLP(MegatronModule):
         intermediate = (self._activate(intermediate) * probs).to(x.dtype)
         output, bias = self.linear_fc2(intermediate, counts)
         if bias is not None:
-            count_tensor = torch.tensor(counts, device=output.device)
+            count_tensor = group_counts_tensor(counts, output.device)
             per_row = bias.repeat_interleave(count_tensor, dim=0, output_size=output.shape[0])
             output = output + (per_row * probs).to(output.dtype)
         return (output if index is None else output.index_select(0, index)), None

@@ -16,6 +16,7 @@ per layer, as ``TEGroupedMLP`` does, pass aligned counts and nothing more is cop
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 from megatron_core.device import get_current_device
 from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none, group_size
 
-__all__ = ["ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "grouped_gemm"]
+__all__ = ["AlignedExpertRows", "ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "align_expert_rows",
+           "grouped_gemm"]
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -64,6 +66,51 @@ def pad_expert_rows(x: torch.Tensor, tokens_per_expert: list[int]
     return out, padded, index
 
 
+@dataclasses.dataclass(frozen=True)
+class AlignedExpertRows:
+    """Where each expert's rows sit in a padded buffer whose groups start at aligned rows, all on the device.
+
+    ``index [N]``: each original row's place in the padded buffer; ``counts [E]``: the padded group sizes
+    (the last group also holds the slack up to ``total_rows``); ``ends [E]`` (int32): the groups' end
+    offsets, as the grouped-GEMM kernel takes them; ``total_rows``: the buffer's static row count.
+    """
+
+    index: torch.Tensor
+    counts: torch.Tensor
+    ends: torch.Tensor
+    total_rows: int
+
+
+def align_expert_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> AlignedExpertRows:
+    """The aligned layout of ``num_rows`` rows grouped by expert, computed without a device-to-host sync.
+
+    ``tokens_per_expert`` is a device tensor summing to ``num_rows``. The buffer has a static size of
+    ``num_rows + E * (GROUPED_MM_ROW_ALIGN - 1)`` rounded up to the alignment, so shapes never depend on
+    the routing; the slack (zero rows) is appended to the last group, where it adds nothing to any result.
+    """
+    align = GROUPED_MM_ROW_ALIGN
+    counts = tokens_per_expert.to(torch.int64)
+    num_experts = counts.numel()
+    total_rows = -(-(num_rows + num_experts * (align - 1)) // align) * align
+    padded = (counts + align - 1) // align * align
+    padded_starts = torch.cumsum(padded, 0) - padded
+    ends = torch.cumsum(padded, 0)
+    ends = torch.cat([ends[:-1], ends.new_full((1,), total_rows)])
+    group_sizes = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=counts.device), counts,
+                                            output_size=num_rows)
+    starts = torch.cumsum(counts, 0) - counts
+    index = torch.arange(num_rows, device=counts.device) - starts[expert_of_row] + padded_starts[expert_of_row]
+    return AlignedExpertRows(index, group_sizes, ends.to(torch.int32), total_rows)
+
+
+def group_counts_tensor(tokens_per_expert: list[int] | AlignedExpertRows, device: torch.device) -> torch.Tensor:
+    """The group sizes as a tensor on ``device`` (for ``repeat_interleave`` of per-expert biases)."""
+    if isinstance(tokens_per_expert, AlignedExpertRows):
+        return tokens_per_expert.counts
+    return torch.tensor(tokens_per_expert, device=device)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous.
 
@@ -80,8 +127,16 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-    """``cat_e(x_e @ weight[e].T)`` for the row blocks ``x_e`` of sizes ``tokens_per_expert``."""
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int] | AlignedExpertRows
+                 ) -> torch.Tensor:
+    """``cat_e(x_e @ weight[e].T)`` for the row blocks ``x_e`` of sizes ``tokens_per_expert``.
+
+    With :class:`AlignedExpertRows` (``x`` already laid out by it), the group offsets stay on the device.
+    """
+    if isinstance(tokens_per_expert, AlignedExpertRows):
+        if _use_grouped_mm(x, weight):
+            return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=tokens_per_expert.ends))
+        tokens_per_expert = tokens_per_expert.counts.tolist()
     if _use_grouped_mm(x, weight):
         x, padded, index = pad_expert_rows(x, tokens_per_expert)
         if index is not None:
@@ -136,14 +191,15 @@ class _GroupedLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedExpertRows
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(output [N, out_local], bias [E, out_local] when skip_bias_add else None)``."""
         output = grouped_gemm(x, self.weight, tokens_per_expert)
         if self.bias is None:
             return output, None
         if self.skip_bias_add:
             return output, self.bias
-        counts = torch.tensor(tokens_per_expert, device=x.device)
+        counts = group_counts_tensor(tokens_per_expert, x.device)
         return output + self.bias.repeat_interleave(counts, dim=0, output_size=x.shape[0]), None
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:

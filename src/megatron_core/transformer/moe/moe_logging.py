@@ -81,7 +81,9 @@ class MoEMetricsTracker:
         if name not in self._metrics:
             self._metrics[name] = MetricEntry(values=torch.zeros(num_layers, device=value.device))
         entry = self._metrics[name]
-        entry.values[layer_number - 1] += value.detach().float().to(entry.values.device)
+        if entry.values.device != value.device:  # follow the model's device once, never copy per record
+            entry.values = entry.values.to(value.device)
+        entry.values[layer_number - 1] += value.detach().float()
         entry.reduce_group, entry.avg_group, entry.needs_dp_avg = reduce_group, avg_group, needs_dp_avg
 
     def ensure_initialized(self, name: str, num_layers: int, device: Any = "cpu") -> None:

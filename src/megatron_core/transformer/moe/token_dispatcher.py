@@ -53,6 +53,16 @@ def _all_to_all(group: Any, x: torch.Tensor, output_splits: list[int] | None, in
     return all_to_all(group, x, output_splits, input_splits)
 
 
+def counts_stay_on_device(config: TransformerConfig, tp_ep_group: Any) -> bool:
+    """Whether the tokens-per-expert counts can stay on the device (no host sync per layer).
+
+    True when this rank holds every expert (expert-parallel x expert-TP size 1) and the router drops no
+    token (no capacity factor), so each token has exactly top-k rows. Otherwise the split sizes of the
+    collectives need the counts on the host, as in Megatron-Core.
+    """
+    return group_size(tp_ep_group) == 1 and config.moe_expert_capacity_factor is None
+
+
 class MoETokenDispatcher:
     """Base dispatcher: holds the groups and their sizes."""
 
@@ -81,6 +91,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.num_local_experts = num_local_experts
         self.local_expert_indices = local_expert_indices
         self.router_topk = config.moe_router_topk
+        self.counts_stay_on_device = counts_stay_on_device(config, self.tp_ep_group)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Flatten ``[s, b, h]`` to ``[s * b, h]`` and keep the routing map."""
@@ -103,9 +114,14 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         self.local_map = self.routing_map[:, first:last].contiguous()
         local_probs = probs[:, first:last]
-        tokens_per_expert = self.local_map.sum(dim=0).long().cpu()
+        tokens_per_expert = self.local_map.sum(dim=0).long()
+        if self.counts_stay_on_device:
+            num_out_tokens = self.local_map.shape[0] * self.router_topk
+        else:
+            tokens_per_expert = tokens_per_expert.cpu()
+            num_out_tokens = int(tokens_per_expert.sum())
         permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
-            hidden_states, self.local_map, probs=local_probs, num_out_tokens=int(tokens_per_expert.sum()))
+            hidden_states, self.local_map, probs=local_probs, num_out_tokens=num_out_tokens)
         self.routing_map = None
         return permuted, tokens_per_expert, permuted_probs
 
@@ -142,6 +158,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.drop_and_pad = config.moe_pad_expert_input_to_capacity
         self.capacity: int | None = None
         self.input_splits = self.output_splits = self.output_splits_tp = None
+        self.counts_stay_on_device = counts_stay_on_device(config, self.tp_ep_group)
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
         """Compute the all-to-all split sizes; returns the tokens per local expert (over all ranks)."""
@@ -155,6 +172,12 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             self.output_splits_tp = [per_rank * self.ep_size] * self.tp_size
             return torch.full((self.num_local_experts,), self.capacity * self.tp_size * self.ep_size, dtype=torch.long)
         local_counts = routing_map.sum(dim=0).long()
+        if self.counts_stay_on_device:
+            # One rank holds every expert and no token is dropped: each token has exactly top-k rows, so
+            # nothing about the shapes depends on the routing and the counts never leave the device.
+            self.num_out_tokens = routing_map.shape[0] * self.config.moe_router_topk
+            self.num_global_tokens_per_local_expert = local_counts.reshape(1, -1)
+            return local_counts
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         # One device-to-host copy of every count this step needs.
         if group_size(self.tp_ep_group) > 1:
