@@ -132,6 +132,27 @@ def _reference_tool() -> Any:
     return module
 
 
+def _write_manifest(tool: Any, directory: str, tp: int) -> None:
+    """``manifest.json`` in tests/data/mcore_reference's format, adding this TP size's entries."""
+    import megatron.core
+
+    path = os.path.join(directory, "manifest.json")
+    manifest = {
+        "writer": f"megatron-core {megatron.core.__version__}", "torch": torch.__version__, "seed": tool.SEED,
+        "vocab_size": tool.VOCAB, "max_sequence_length": tool.MAX_SEQ,
+        "input": {"batch": tool.BATCH, "sequence_length": tool.SEQ, "token_seed": 7},
+        "variants": tool.VARIANTS, "checkpoints": {},
+    }
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as stream:
+            manifest["checkpoints"] = json.load(stream)["checkpoints"]
+    for variant in tool.VARIANTS:
+        manifest["checkpoints"][f"{variant}_tp{tp}"] = {"variant": variant, "tp": tp,
+                                                        "logits": f"{variant}_tp{tp}_logits.pt"}
+    with open(path, "w", encoding="utf-8") as stream:
+        json.dump(manifest, stream, indent=2)
+
+
 def _gpt(rank: int, mode: str, directory: str, tp: int) -> None:
     """Save (``gpt-save``) or load and check (``gpt-verify``) each GPT variant at TP ``tp`` with 0.19."""
     from megatron.core import dist_checkpointing, parallel_state
@@ -149,6 +170,8 @@ def _gpt(rank: int, mode: str, directory: str, tp: int) -> None:
                 dist_checkpointing.save(model.sharded_state_dict(), os.path.join(directory, name))
                 if rank == 0:
                     torch.save(logits, os.path.join(directory, f"{name}_logits.pt"))
+            if rank == 0:
+                _write_manifest(tool, directory, tp)
             return
         with open(os.path.join(directory, "manifest.json"), encoding="utf-8") as stream:
             entries = json.load(stream)["checkpoints"]

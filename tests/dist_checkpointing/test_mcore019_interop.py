@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_core import dist_checkpointing
 from tests.dist_checkpointing import mcore019_oracle as oracle
+from tests.dist_checkpointing import test_mcore_interop as interop
 from tests.dist_harness import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,3 +104,14 @@ def test_our_checkpoint_loads_into_megatron_core_019_with_the_same_layout(tmp_pa
     assert sorted(p.name for p in (tmp_path / "theirs").iterdir()) == sorted(
         p.name for p in (tmp_path / "ours").iterdir() if p.name != "sha256_manifest.json"
     )
+
+
+@pytest.mark.slow
+def test_megatron_core_019_loads_our_gpt_checkpoints_at_tp2_and_tp1(tmp_path):
+    """Our GPT-2-like and Llama-like models saved at TP=2 (0.19 layout) load into 0.19's GPTModel
+    at TP=2 and TP=1 with the logits ours computed (1e-5)."""
+    tp2 = [name for name in interop.NAMES if interop.MANIFEST["checkpoints"][name]["tp"] == 2]
+    run_on_ranks(2, interop._save_ours, str(tmp_path), tp2, None)
+    assert not any(tmp_path.glob("*/common.pt"))
+    for tp in (2, 1):
+        _run_oracle("gpt-verify", tmp_path, tp)
