@@ -2,10 +2,11 @@
 
 The 0.19 wheel is for CPython 3.12, but its ``dist_checkpointing`` is pure Python: unpack the
 wheel (``unzip megatron_core-0.19.2-*.whl -d DIR``) and point ``MCORE019_PATH`` at ``DIR``, or
-``pip install megatron_core-0.19.2-*.whl --no-deps`` into an environment with torch (then no
-variable is needed; ``--installed``). Inside these processes only, the few things 0.19 needs
+``pip install megatron_core-0.19.2-*.whl --no-deps`` into an environment with torch (then leave
+``MCORE019_PATH`` unset). Inside these processes only, the few things 0.19 needs
 that a CPU machine lacks are replaced: the Triton kernels module of its MoE paged stash (imported
-at package import, unused here) and ``torch.cuda.synchronize`` (called while staging a save).
+at package import, unused here), ``torch.cuda.synchronize`` (called while staging a save) and
+``torch.cuda.current_device`` (where its save places a failure flag for an all-reduce).
 
 The checkpoint content is a plain sharded state dict built identically by either library
 (:func:`build`): tensors split over the TP ranks on either axis, a replicated tensor, a tensor
@@ -15,6 +16,10 @@ Usage (2 gloo ranks on 127.0.0.1 through a FileStore)::
 
     python tests/dist_checkpointing/mcore019_oracle.py save   DIR --tp 2   # 0.19 writes DIR
     python tests/dist_checkpointing/mcore019_oracle.py verify DIR --tp 1   # 0.19 loads DIR, compares
+    python tests/dist_checkpointing/mcore019_oracle.py gpt-save DIR --tp 2     # GPT variants + logits
+    python tests/dist_checkpointing/mcore019_oracle.py gpt-verify DIR --tp 1   # DIR/manifest.json's GPTs
+
+The GPT modes reuse tools/make_mcore_reference_checkpoints.py's model variants and fixed input.
 """
 
 from __future__ import annotations
