@@ -45,7 +45,10 @@ def _mcore019_source() -> str | None:
 
 
 SOURCE = _mcore019_source()
-pytestmark = pytest.mark.skipif(SOURCE is None, reason="megatron-core 0.19 not available (set MCORE019_PATH)")
+pytestmark = [
+    pytest.mark.skipif(SOURCE is None, reason="megatron-core 0.19 not available (set MCORE019_PATH)"),
+    pytest.mark.timeout(1200),  # each oracle run imports megatron-core in 2 fresh processes (~15 s on an idle machine)
+]
 
 
 def _run_oracle(mode: str, directory: Path, tp: int) -> None:
