@@ -17,6 +17,8 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=False,
+                   help="weight-gradient GEMMs accumulate straight into the fp32 main_grad (with DDP)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 

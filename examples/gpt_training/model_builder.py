@@ -36,6 +36,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", False),
         bf16=args.bf16,
         fp16=args.fp16,
         params_dtype=params_dtype,

@@ -44,16 +44,28 @@ def _as_list(tensors: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tenso
 def get_grad_norm_fp32(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2,
                        grad_stats_parallel_group: Any = None) -> float:
     """The global ``norm_type``-norm of ``grads_for_norm`` summed over ``grad_stats_parallel_group`` (None: WORLD)."""
+    norm_type = float(norm_type)
+    if norm_type != math.inf:
+        return grad_norm_tensor(grads_for_norm, norm_type, grad_stats_parallel_group).item()
     grad_stats_parallel_group = _stats_group(grad_stats_parallel_group)
     grads = _as_list(grads_for_norm)
-    norm_type = float(norm_type)
     device = grads[0].device if grads else torch.device("cpu")
-    if norm_type == math.inf:
-        local = max((g.detach().abs().max().float() for g in grads if g.numel() > 0),
-                    default=torch.tensor(0.0, device=device))
-        total = torch.tensor([float(local)], dtype=torch.float32, device=device)
-        collectives.all_reduce(total, grad_stats_parallel_group, op="max")
-        return total.item()
+    local = max((g.detach().abs().max().float() for g in grads if g.numel() > 0),
+                default=torch.tensor(0.0, device=device))
+    total = torch.tensor([float(local)], dtype=torch.float32, device=device)
+    collectives.all_reduce(total, grad_stats_parallel_group, op="max")
+    return total.item()
+
+
+def grad_norm_tensor(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2,
+                     grad_stats_parallel_group: Any = None) -> torch.Tensor:
+    """:func:`get_grad_norm_fp32` (finite ``norm_type``) as a 1-element fp32 tensor on the gradients' device.
+
+    Nothing waits for the device: callers that only feed the norm to further kernels avoid a host sync.
+    """
+    grad_stats_parallel_group = _stats_group(grad_stats_parallel_group)
+    grads = _as_list(grads_for_norm)
+    device = grads[0].device if grads else torch.device("cpu")
     if grads:
         norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
         local = torch.stack(norms).pow(norm_type).sum().reshape(1)
@@ -61,7 +73,7 @@ def get_grad_norm_fp32(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, no
         local = torch.zeros(1, dtype=torch.float32, device=device)
     total = local.to(torch.float32)
     collectives.all_reduce(total, grad_stats_parallel_group)
-    return total.item() ** (1.0 / norm_type)
+    return total.pow(1.0 / norm_type)
 
 
 def clip_grad_by_total_norm_fp32(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,

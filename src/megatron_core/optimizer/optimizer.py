@@ -27,9 +27,11 @@ from megatron_core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     get_grad_norm_fp32,
+    grad_norm_tensor,
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
+from megatron_core.optimizer.fused_clip import fused_adam_step_with_clipping, supports_fused_clipping
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.process_groups_config import resolve_process_group
@@ -178,6 +180,8 @@ class MegatronOptimizer(ABC):
             found_inf = self.prepare_grads()
         if found_inf:
             return False, None, None
+        if self._fold_clipping_into_adam():
+            return self._step_with_clipping_in_adam()
         grad_norm = 0.0
         if self.config.clip_grad > 0.0:
             with self._timer("optimizer-clip-main-grad"):
@@ -194,6 +198,23 @@ class MegatronOptimizer(ABC):
         with self._timer("optimizer-inner-step"):
             success = self.step_with_ready_grads()
         return success, grad_norm, num_zeros
+
+    def _fold_clipping_into_adam(self) -> bool:
+        """Clip inside torch's fused Adam (see :mod:`.fused_clip`): same update, no extra pass, no early sync."""
+        return (self.config.clip_grad > 0.0 and not self.config.log_num_zeros_in_grad
+                and not self.prepare_grads_checks_for_inf() and supports_fused_clipping(self.optimizer))
+
+    def _step_with_clipping_in_adam(self) -> tuple[bool, float, None]:
+        with self._timer("optimizer-clip-main-grad"):
+            norm = grad_norm_tensor(self.get_main_grads_for_grad_norm(),
+                                    grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        with self._timer("optimizer-inner-step"):
+            results: list[bool] = []
+            fused_adam_step_with_clipping(self.optimizer, norm, self.config.clip_grad,
+                                          lambda: results.append(self.step_with_ready_grads()))
+        grad_norm = norm.item()  # the update is already queued: reading the norm now stalls nothing
+        # A non-finite norm made the kernel skip the update (weights and state untouched), as the unfused path does.
+        return bool(results[0]) and math.isfinite(grad_norm), grad_norm, None
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):

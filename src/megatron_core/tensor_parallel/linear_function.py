@@ -74,6 +74,39 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
+_FP32_ACCUMULATING_GEMM: dict[str, bool] = {}
+
+
+def _gemm_accumulates_into_fp32(device: torch.device) -> bool:
+    """Whether ``addmm(fp32, bf16, bf16, out_dtype=fp32, out=fp32)`` works on ``device`` (checked once, on CUDA).
+
+    Newer PyTorch builds run it on CUDA as one cuBLAS GEMM with an fp32 C operand; the check compares a
+    small product against the two-step result, so a build without it (or a wrong one) keeps the fallback.
+    """
+    if device.type != "cuda":
+        return False
+    key = str(device)
+    if torch.compiler.is_compiling():  # traced backward: use what an eager call found (see warm_up_...)
+        return _FP32_ACCUMULATING_GEMM.get(key, False)
+    if key not in _FP32_ACCUMULATING_GEMM:
+        try:
+            a = torch.randn(64, 32, device=device, dtype=torch.bfloat16)
+            b = torch.randn(32, 48, device=device, dtype=torch.bfloat16)
+            acc = torch.randn(64, 48, device=device, dtype=torch.float32)
+            want = acc + (a @ b).float()
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            ok = bool(torch.allclose(acc, want, rtol=2e-2, atol=2e-1))
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _FP32_ACCUMULATING_GEMM[key] = ok
+    return _FP32_ACCUMULATING_GEMM[key]
+
+
+def warm_up_fp32_accumulating_gemm(device: torch.device) -> None:
+    """Run the one-time check of :func:`_gemm_accumulates_into_fp32` eagerly (before any ``torch.compile``)."""
+    _gemm_accumulates_into_fp32(torch.device(device))
+
+
 def _weight_gradient(ctx, weight: torch.Tensor, grad_output_2d: torch.Tensor,
                      input_2d: torch.Tensor) -> torch.Tensor | None:
     """``dW = dY^T X``; accumulated into ``weight.main_grad`` when fusion is on (returning no ``.grad``)."""
@@ -81,6 +114,9 @@ def _weight_gradient(ctx, weight: torch.Tensor, grad_output_2d: torch.Tensor,
         main_grad = weight.main_grad
         if main_grad.dtype == grad_output_2d.dtype:
             main_grad.addmm_(grad_output_2d.t(), input_2d)  # one GEMM that accumulates in place
+        elif _gemm_accumulates_into_fp32(main_grad.device):
+            # bf16/fp16 operands on tensor cores, the product added to the fp32 main_grad inside the GEMM.
+            torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
         else:
             # bf16/fp16 activations with an fp32 main_grad: the GEMM runs in the activation dtype (tensor
             # cores, fp32 accumulation inside) and its result is added in fp32, as the unfused DDP hook does;

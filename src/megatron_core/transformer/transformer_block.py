@@ -20,6 +20,7 @@ import torch
 
 from megatron_core import tensor_parallel
 from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.tensor_parallel.linear_function import warm_up_fp32_accumulating_gemm
 from megatron_core.transformer.causal_mask import drop_plain_causal_mask
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
@@ -198,6 +199,10 @@ class TransformerBlock(MegatronModule):
                     "TransformerBlock has pre_process=False but no input tensor; call set_input_tensor() first"
                 )
             hidden_states = self.input_tensor
+        if (self.config.gradient_accumulation_fusion and hidden_states is not None and hidden_states.is_cuda
+                and not torch.compiler.is_compiling()):
+            # Decide eagerly, before compiled layers trace their backward, whether wgrad GEMMs can add into fp32.
+            warm_up_fp32_accumulating_gemm(hidden_states.device)
         # The plain causal mask adds nothing to causal layers and would keep SDPA off its fused kernels.
         attention_mask = drop_plain_causal_mask(self, attention_mask)
         layer_kwargs = dict(

@@ -126,9 +126,9 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         """Pass ``grad_output`` through and give the aux loss the main loss's backward scale."""
         (aux_loss,) = ctx.saved_tensors
         scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        if scale is None:
-            scale = torch.tensor(1.0, device=aux_loss.device)
-        return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device)
+        if scale is None:  # ones_like, not a tensor built from a Python number (a host-to-device copy)
+            return grad_output, torch.ones_like(aux_loss)
+        return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device, non_blocking=True)
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor) -> None:
