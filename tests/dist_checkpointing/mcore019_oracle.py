@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mcore-path", default=os.environ.get("MCORE019_PATH"),
                         help="unpacked 0.19 wheel (default $MCORE019_PATH); omit when it is pip-installed")
     args = parser.parse_args(argv)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU tensors and gloo, also on a GPU machine
     if args.mode.endswith("save"):
         os.makedirs(args.directory, exist_ok=True)  # megatron-core saves into an existing directory
     with tempfile.TemporaryDirectory() as tmp:
