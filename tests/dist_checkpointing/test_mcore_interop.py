@@ -132,8 +132,12 @@ def test_megatron_core_checkpoint_reshards_to_tp2_and_pp2():
             assert result["pp2_mismatched"] == [], (name, result)
 
 
-def _save_ours(directory: str, names: list[str]) -> None:
-    """Save our models, at the TP size of each reference, with megatron-core's weights and logits."""
+def _save_ours(directory: str, names: list[str], common_strategy: str | None = "torch") -> None:
+    """Save our models, at the TP size of each reference, with megatron-core's weights and logits.
+
+    ``common_strategy="torch"`` writes the ``common.pt`` layout megatron-core 0.16 reads; ``None``
+    writes 0.19's (common state inside the DCP files).
+    """
     manifest = {**MANIFEST, "writer": "megatron_core", "checkpoints": {}}
     for name in names:
         tp = MANIFEST["checkpoints"][name]["tp"]
@@ -146,7 +150,8 @@ def _save_ours(directory: str, names: list[str]) -> None:
                 for parameter in model.parameters():
                     parameter.mul_(0.5)
             logits = _full_logits(model)
-            dist_checkpointing.save(model.sharded_state_dict(), os.path.join(directory, name))
+            dist_checkpointing.save(model.sharded_state_dict(), os.path.join(directory, name),
+                                    common_strategy=common_strategy)
             if torch.distributed.get_rank() == 0:
                 torch.save(logits, os.path.join(directory, MANIFEST["checkpoints"][name]["logits"]))
                 manifest["checkpoints"][name] = MANIFEST["checkpoints"][name]

@@ -43,7 +43,8 @@ def _untouched(model: TinyModel) -> bool:
 def test_manifest_lists_every_data_file_with_its_digest(tmp_path: Path) -> None:
     _, ckpt = _saved(tmp_path)
     manifest = read_manifest(ckpt)
-    data_files = {p.name for p in ckpt.iterdir() if p.name.endswith(".distcp")} | {".metadata", "common.pt"}
+    data_files = {p.name for p in ckpt.iterdir() if p.name.endswith(".distcp") or p.name in (".metadata", "common.pt")}
+    assert ".metadata" in data_files
     assert set(manifest) == data_files
     for name, (sha, size) in manifest.items():
         assert sha256_file(ckpt / name) == (sha, size), name
@@ -52,7 +53,9 @@ def test_manifest_lists_every_data_file_with_its_digest(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["flip", "truncate", "flip_common"])
 def test_damaged_file_is_detected_and_nothing_is_loaded(tmp_path: Path, damage: str) -> None:
     save_dir, ckpt = _saved(tmp_path)
-    target = ckpt / "common.pt" if damage == "flip_common" else next(ckpt.glob("*.distcp"))
+    # the common state lives in rank 0's data file (megatron-core 0.19's layout), or in common.pt (older layout)
+    common = ckpt / "common.pt" if (ckpt / "common.pt").exists() else ckpt / "__0_0.distcp"
+    target = common if damage == "flip_common" else next(ckpt.glob("*.distcp"))
     if damage == "truncate":
         target.write_bytes(target.read_bytes()[:-3])
     else:

@@ -26,8 +26,9 @@ class CheckpointingConfig:
 
     sharded_backend: str
     sharded_backend_version: int = 1
-    common_backend: str = "torch"
-    common_backend_version: int = 1
+    common_backend: str | None = None
+    """``"torch"`` for checkpoints with a ``common.pt`` (megatron-core <= 0.18); 0.19 writes neither field."""
+    common_backend_version: int | None = None
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -63,7 +64,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def save_config(config: CheckpointingConfig, checkpoint_dir: str | os.PathLike) -> None:
     """Write ``metadata.json`` into ``checkpoint_dir`` atomically."""
-    atomic_write_text(Path(checkpoint_dir) / CONFIG_FNAME, json.dumps(asdict(config)))
+    fields = {k: v for k, v in asdict(config).items() if v is not None}
+    atomic_write_text(Path(checkpoint_dir) / CONFIG_FNAME, json.dumps(fields))
 
 
 def maybe_load_config(checkpoint_dir: str | os.PathLike) -> CheckpointingConfig | None:

@@ -1,8 +1,12 @@
 """Entry points: ``save`` and ``load`` of sharded state dicts (Megatron-Core ``serialization``).
 
-A checkpoint directory holds DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files (the sharded
-tensors and objects), ``common.pt`` (the common state, written by rank 0 and read with
-``weights_only=True``) and ``metadata.json`` (backend and version; written last).
+A checkpoint directory holds DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files and
+``metadata.json`` (backend and version; written last). As in megatron-core 0.19 the common
+(non-sharded) state is one more DCP byte entry, the ShardedObject ``common_state`` (unique key
+``common_state/shard_0_1``, written by rank 0 as ``torch.save([state])``). Checkpoints of
+megatron-core <= 0.18 keep it in a separate ``common.pt`` instead; both are read (``common.pt``
+first, as 0.19 does), always with ``torch.load(weights_only=True)``, and ``save(...,
+common_strategy="torch")`` writes that older layout for readers that need it.
 
 Crash safety: everything is written into ``<dir>.tmp-<id>`` and renamed to ``<dir>`` only when
 every rank has finished, so ``<dir>`` is either absent, the previous checkpoint, or complete.
@@ -85,6 +89,9 @@ logger = logging.getLogger(__name__)
 
 COMMON_STATE_FNAME = "common.pt"
 CONTENT_METADATA_KEY = "content_metadata"
+COMMON_STATE_KEY = "common_state"
+"""Key of the ShardedObject holding the common state (megatron-core 0.19's layout)."""
+COMMON_STATE_UNIQUE_KEY = f"{COMMON_STATE_KEY}/shard_0_1"
 
 
 def _resolve_save_strategy(strategy: Any) -> SaveShardedStrategy:
@@ -100,6 +107,11 @@ def _resolve_save_strategy(strategy: Any) -> SaveShardedStrategy:
 def _check_common_strategy(common_strategy: Any) -> None:
     if common_strategy not in (None, "torch", ("torch", 1)):
         raise CheckpointingException(f"common_strategy {common_strategy!r} is not supported; common state is 'torch'")
+
+
+def _common_state_object(common_state: StateDict, rank: int) -> ShardedObject:
+    """The common state as megatron-core 0.19 stores it: one object, written by rank 0 only."""
+    return ShardedObject(COMMON_STATE_KEY, common_state, (1,), (0,), replica_id=rank)
 
 
 def _serialize_common(common_state: StateDict) -> bytes:
@@ -150,7 +162,9 @@ def save(
     ``async_sharded_save`` the returned :class:`AsyncRequest` must be scheduled on an
     ``AsyncCallsQueue`` (or run with ``execute_sync``); the checkpoint appears under
     ``checkpoint_dir`` only when it is finalized. ``overwrite`` (not in Megatron-Core) allows
-    replacing a complete checkpoint.
+    replacing a complete checkpoint. ``common_strategy`` (megatron-core <= 0.18's argument, gone in
+    0.19): ``None`` writes 0.19's layout (common state inside the DCP files), ``"torch"`` writes the
+    older ``common.pt`` layout that megatron-core <= 0.18 needs.
     """
     final_dir = Path(checkpoint_dir)
     group = process_group
@@ -167,8 +181,14 @@ def save(
     if refusal is not None:
         raise CheckpointingException(refusal)
 
+    legacy_common = common_strategy is not None
     apply_factories(sharded_state_dict)
     leaves = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedBase)]
+    reserved = [sh.key for sh in leaves if sh.key == COMMON_STATE_KEY]
+    if reserved:
+        raise CheckpointingException(
+            f"the key {COMMON_STATE_KEY!r} is reserved for the common state; rename the sharded entry using it"
+        )
     sharded_part, _ = extract_sharded_base(sharded_state_dict)
     common_state = without_matching(
         sharded_state_dict, lambda x: isinstance(x, (ShardedBase, LocalNonpersistentObject))
@@ -195,7 +215,8 @@ def save(
             tmp_dir.mkdir(parents=True)
             (tmp_dir / IN_PROGRESS_MARKER).touch()
             common_bytes = _serialize_common(common_state)
-            atomic_write_bytes(tmp_dir / COMMON_STATE_FNAME, common_bytes)
+            if legacy_common:
+                atomic_write_bytes(tmp_dir / COMMON_STATE_FNAME, common_bytes)
         except Exception as e:  # noqa: BLE001 - sent to every rank below
             error = e
     if collectives.broadcast_object(error is not None, 0, group):
@@ -203,6 +224,8 @@ def save(
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise CheckpointingException(f"saving {final_dir} failed on rank 0: {error}") from error
 
+    if not legacy_common:
+        sharded_part = {**sharded_part, COMMON_STATE_KEY: _common_state_object(common_state, rank)}
     if isinstance(strategy, AsyncSaveShardedStrategy):
         request = strategy.save_request(sharded_part, tmp_dir, stage=async_sharded_save)
     elif async_sharded_save:
@@ -217,9 +240,12 @@ def save(
                 if not (tmp_dir / DCP_METADATA_FNAME).is_file():
                     raise CheckpointingException(f"{tmp_dir / DCP_METADATA_FNAME} was not written")
                 digests = dict(request.file_digests)
-                digests[COMMON_STATE_FNAME] = sha256_bytes(common_bytes)
+                config = CheckpointingConfig(strategy.backend, strategy.version)
+                if legacy_common:
+                    digests[COMMON_STATE_FNAME] = sha256_bytes(common_bytes)
+                    config.common_backend, config.common_backend_version = "torch", 1
                 write_manifest(tmp_dir, digests)
-                save_config(CheckpointingConfig(strategy.backend, strategy.version), tmp_dir)
+                save_config(config, tmp_dir)
                 _publish(tmp_dir, final_dir, overwrite)
             except Exception as e:  # noqa: BLE001 - sent to every rank below
                 failure = f"{type(e).__name__}: {e}"
@@ -352,7 +378,7 @@ def load(
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         assert strategy is not None
         all_requested = set().union(*collectives.all_gather_object(requested, group))
-        saved = set(strategy.metadata(checkpoint_dir).state_dict_metadata)
+        saved = set(strategy.metadata(checkpoint_dir).state_dict_metadata) - {COMMON_STATE_UNIQUE_KEY}
         unexpected = saved - all_requested
         _report_mismatch(strict, missing, unexpected, checkpoint_dir)
     elif missing and strict == StrictHandling.LOG_ALL:
@@ -374,14 +400,34 @@ def _report_mismatch(strict: StrictHandling, missing: set[str], unexpected: set[
         logger.warning("%s: requested keys missing from the checkpoint: %s", checkpoint_dir, sorted(missing)[:20])
 
 
-def load_common_state_dict(checkpoint_dir: str | os.PathLike) -> StateDict:
-    """The common (non-sharded) state saved by rank 0, read with ``weights_only=True``."""
+def _read_common_state(checkpoint_dir: str | os.PathLike) -> StateDict:
+    """The common state with its content metadata, from ``common.pt`` or the DCP ``common_state`` entry."""
     path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-    if not path.is_file():
-        raise CheckpointingException(f"{path} is missing: the checkpoint is incomplete")
-    common = torch_load_safe(path, str(path))
+    if path.is_file():  # megatron-core <= 0.18 layout (and ours with common_strategy="torch")
+        common = torch_load_safe(path, str(path))
+        where = str(path)
+    else:
+        metadata = read_dcp_metadata(checkpoint_dir)
+        if COMMON_STATE_UNIQUE_KEY not in metadata.state_dict_metadata:
+            raise CheckpointingException(
+                f"{checkpoint_dir} holds no common state: neither {COMMON_STATE_FNAME} nor the DCP entry "
+                f"{COMMON_STATE_UNIQUE_KEY!r}; the checkpoint is incomplete"
+            )
+        request = {COMMON_STATE_KEY: ShardedObject.empty_from_unique_key(COMMON_STATE_UNIQUE_KEY)}
+        common = TorchDistLoadShardedStrategy().load(request, checkpoint_dir)[COMMON_STATE_KEY]
+        where = f"{checkpoint_dir} entry {COMMON_STATE_UNIQUE_KEY!r}"
     if not isinstance(common, dict):
-        raise CheckpointingException(f"{path} holds a {type(common).__name__}, expected a dict")
+        raise CheckpointingException(f"{where} holds a {type(common).__name__}, expected a dict")
+    return common
+
+
+def load_common_state_dict(checkpoint_dir: str | os.PathLike) -> StateDict:
+    """The common (non-sharded) state saved by rank 0, read with ``weights_only=True``.
+
+    Read from ``common.pt`` when the checkpoint has one (megatron-core <= 0.18), else from the
+    ``common_state`` entry of the DCP files (megatron-core 0.19); no collectives.
+    """
+    common = _read_common_state(checkpoint_dir)
     common.pop(CONTENT_METADATA_KEY, None)
     return common
 
@@ -393,8 +439,7 @@ def load_content_metadata(checkpoint_dir: str | os.PathLike | None = None, *,
         return preloaded_state_dict.get(CONTENT_METADATA_KEY)
     if checkpoint_dir is None:
         raise ValueError("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
-    path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-    return torch_load_safe(path, str(path)).get(CONTENT_METADATA_KEY)
+    return _read_common_state(checkpoint_dir).get(CONTENT_METADATA_KEY)
 
 
 def load_tensors_metadata(checkpoint_dir: str | os.PathLike,

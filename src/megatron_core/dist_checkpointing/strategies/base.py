@@ -1,7 +1,7 @@
 """Strategy interfaces: how sharded tensors are written and read (Megatron-Core ``strategies.base``).
 
 ``torch_dist`` (PyTorch Distributed Checkpoint files) is the only sharded backend, as in current
-Megatron-Core; common state is always ``torch`` (``common.pt``).
+Megatron-Core; the common state is stored inside it as in megatron-core 0.19 (see :mod:`..serialization`).
 """
 
 from __future__ import annotations

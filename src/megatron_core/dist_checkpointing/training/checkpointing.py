@@ -195,7 +195,7 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
     A ``load_dir`` without a tracker raises (a mistyped path must not train from scratch) unless
     ``missing_ok``, which returns ``None`` ("load if present"). With ``verify`` every file is
     checked against the checkpoint's SHA-256 manifest first. The recorded architecture must match
-    the model's (see :mod:`.architecture`), and the iteration in ``common.pt`` must match the
+    the model's (see :mod:`.architecture`), and the iteration in the common state must match the
     directory's. ``strict`` makes model keys missing from the checkpoint and model keys in the
     checkpoint that the model does not have raise, naming them.
     """
@@ -227,7 +227,7 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
     saved_iteration = common.get("iteration")
     if saved_iteration is not None and int(saved_iteration) != int(iteration):
         raise CheckpointingException(
-            f"{checkpoint_dir / 'common.pt'} records iteration {saved_iteration} but the directory is named for "
+            f"the common state of {checkpoint_dir} records iteration {saved_iteration} but the directory is named for "
             f"iteration {iteration}: the checkpoint was moved or tampered with")
     check_architecture(common.get(ARCHITECTURE_KEY), unwrap_model_chunks(model), checkpoint_dir)
 
