@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,19 +100,23 @@ def _worker(rank: int, world_size: int, store: str, queue: mp.Queue) -> None:
     dist.destroy_process_group()
 
 
+def run_at_each_dp_size(worker: Callable[[int, int, str, Any], None], dp_sizes: list[int]) -> list:
+    """Spawn ``worker(rank, world_size, store_path, queue)`` on ``dp`` gloo ranks for each size; the queued rows."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    rows = []
+    for dp in dp_sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(worker, args=(dp, os.path.join(tmp, "store"), queue), nprocs=dp, start_method="spawn")
+        while not queue.empty():
+            rows.append(queue.get())
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    rows = []
-    for dp in args.dp:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_worker, args=(dp, os.path.join(tmp, "store"), queue), nprocs=dp,
-                               start_method="spawn")
-        while not queue.empty():
-            rows.append(queue.get())
+    rows = run_at_each_dp_size(_worker, args.dp)
     rows.sort(key=lambda r: (r[0], r[2], r[3]))
     print("| precision | distributed optimizer | DP | params | grads | main params | optimizer state | total | "
           "Megatron formula |")

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from distopt_memory import run_at_each_dp_size  # the same spawn-per-DP-size driver
 
 from megatron_core import parallel_state
 from megatron_core.distributed import (
@@ -116,15 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    rows = []
-    for dp in args.dp:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_worker, args=(dp, os.path.join(tmp, "store"), queue), nprocs=dp,
-                               start_method="spawn")
-        while not queue.empty():
-            rows.append(queue.get())
+    rows = run_at_each_dp_size(_worker, args.dp)
     rows.sort(key=lambda r: (CASES.index(r[0]), r[1]))
     print("| layout | DP | params | grads | main params | optimizer state | total | formula |")
     print("|---|---|---|---|---|---|---|---|")

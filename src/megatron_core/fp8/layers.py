@@ -28,8 +28,6 @@ from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 
@@ -78,16 +76,7 @@ class Float8RowParallelLinear(RowParallelLinear):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
         output_parallel = float8_matmul(input_parallel, self.weight, self.float8_config, self.float8_mm_config)
-        if self.explicit_expert_comm:
-            output_ = output_parallel
-        elif self.sequence_parallel:
-            output_ = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
-        else:
-            output_ = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
-        if self.skip_bias_add:
-            return output_, self.bias
-        output = output_ + self.bias.to(output_.dtype) if self.bias is not None else output_
-        return output, None
+        return self._reduce_output(output_parallel)
 
 
 _FP8_CLASSES = {ColumnParallelLinear: Float8ColumnParallelLinear, RowParallelLinear: Float8RowParallelLinear}

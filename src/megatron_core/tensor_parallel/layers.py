@@ -289,6 +289,10 @@ class RowParallelLinear(torch.nn.Module):
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             allreduce_dgrad=False, sequence_parallel=False, tp_group=self.tp_group,
         )
+        return self._reduce_output(output_parallel)
+
+    def _reduce_output(self, output_parallel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sum the partial outputs over TP (reduce-scatter under SP), then add or return the bias."""
         if self.explicit_expert_comm:
             output_ = output_parallel
         elif self.sequence_parallel:
@@ -297,7 +301,7 @@ class RowParallelLinear(torch.nn.Module):
             output_ = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
         if self.skip_bias_add:
             return output_, self.bias
-        output = output_ + self.bias if self.bias is not None else output_
+        output = output_ + self.bias.to(output_.dtype) if self.bias is not None else output_
         return output, None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
