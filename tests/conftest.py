@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_harness import close_all_pools
+from tests.dist_harness import close_all_pools, recycle_bloated_pools
 from tests.process_tree import descendants
 
 # Helpers Python itself keeps alive until the interpreter exits; not left behind by a test.
@@ -61,6 +61,13 @@ def _left_behind() -> dict[int, str]:
         if not any(helper in cmdline for helper in _INTERPRETER_HELPERS):
             out[pid] = cmdline.strip()[:200]
     return out
+
+
+@pytest.fixture(autouse=True)
+def _recycle_bloated_rank_pools():
+    """After each test, replace rank pools whose workers accumulated too many threads (see the harness)."""
+    yield
+    recycle_bloated_pools()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -208,6 +208,32 @@ def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
     return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
 
 
+MAX_WORKER_THREADS = int(os.environ.get("MCORE_TEST_MAX_WORKER_THREADS", "256"))
+
+
+def _thread_count(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:  # not Linux, or the process is gone
+        return 0
+
+
+def recycle_bloated_pools(max_threads: int = MAX_WORKER_THREADS) -> list[int]:
+    """Close the pools whose workers hold more than ``max_threads`` threads; return their world sizes.
+
+    Every process group a test creates keeps gloo's TCP threads alive in the reused workers until the
+    process exits, and together they cost CPU even when idle. Between tests (no state is carried over)
+    a bloated pool is closed; the next ``get_pool`` spawns a fresh one.
+    """
+    closed = []
+    for world_size, pool in list(_POOLS.items()):
+        if any(_thread_count(p.pid) > max_threads for p in pool._procs if p.pid is not None):
+            _POOLS.pop(world_size)
+            pool.close()
+            closed.append(world_size)
+    return closed
+
+
 def close_all_pools() -> None:
     """Stop every pool (called at the end of the test session)."""
     while _POOLS:
