@@ -12,6 +12,7 @@ out of tolerance.
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
         python benchmarks/nccl_layout_parity.py --out $OUT
     python benchmarks/nccl_layout_parity.py --device cpu --out /tmp/parity    # gloo, fp32, tiny, 3 steps
+    python benchmarks/nccl_layout_parity.py --device cpu --bf16 --steps 20 --lr 1e-3 --out /tmp/parity  # gloo, bf16
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-4,
                    help="peak learning rate; at 1e-3 the tiny model's bf16 curves diverge chaotically after Adam's "
                         "first, sign-like updates (step 1 equal, step 2 within 0.3%%, 5%% apart by step 6)")
+    p.add_argument("--bf16", action="store_true", help="bf16 on the CPU too (the GPU always runs bf16)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     p.add_argument("--budget", type=float, default=None, help="skip the remaining layouts after this many seconds")
     args = p.parse_args(argv)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     common = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", str(args.lr),
               "--lr-warmup-iters", str(min(5, steps - 1)), "--lr-decay-iters", str(steps), "--log-interval", "1", "--eval-interval",
-              "0", "--eval-iters", "1", "--no-progress", "--seed", "1234", *([] if args.cpu else ["--bf16"])]
+              "0", "--eval-iters", "1", "--no-progress", "--seed", "1234", *([] if args.cpu and not args.bf16 else ["--bf16"])]
     rows, failed = [], False
     result = {"environment": environment(args.cpu), "steps": steps, "tolerance": args.tolerance, "rows": rows}
     work = Path(tempfile.mkdtemp(prefix="parity_"))
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     env = result["environment"]
     print(f"\n{env.get('device')}, torch {env.get('torch')}, {env['date']}; {steps} steps, "
-          f"{'fp32' if args.cpu else 'bf16'}, tolerance {args.tolerance:g} (relative Frobenius error of the losses)\n")
+          f"{'fp32' if args.cpu and not args.bf16 else 'bf16'}, tolerance {args.tolerance:g} (relative Frobenius error of the losses)\n")
     print("| layout | loss rel. err | max step rel. err | grad-norm rel. err | last loss (ref) | result |")
     print("|---|---|---|---|---|---|")
     for r in rows:

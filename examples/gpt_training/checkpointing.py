@@ -69,7 +69,7 @@ class Checkpointer:
         """
         state = load_checkpoint(
             self.args.load, self.chunks,
-            None if self.args.no_load_optim else self.optimizer,
+            self.optimizer,  # not loaded under --no-load-optim, but its main params are refreshed from the weights
             None if self.args.no_load_optim else self.scheduler,
             load_optimizer=not self.args.no_load_optim, load_rng=not self.args.no_load_rng,
             missing_ok=self.args.load_if_present or _fresh_save_dir(self.args.load, self.args.save),

@@ -129,3 +129,26 @@ def _round_trip(save_dir: str) -> bool:
 
 def test_round_trip_single_process(tmp_path):
     assert run_on_ranks(1, _round_trip, str(tmp_path / "ckpt")) == [True]
+
+
+def _fine_tune_start(save_dir: str, distributed_optimizer: bool) -> bool:
+    """A bf16 model loaded without its optimizer state trains from the loaded weights, not from the fp32
+    main params its optimizer was built with: one step equals one step of the saved model itself."""
+    chunks, opt, sched = build(1, 1, bf16=True, distributed_optimizer=distributed_optimizer)
+    save_checkpoint(save_dir, 1, chunks, opt, sched)
+    train_step(chunks, opt, sched, 1)
+    expected = weights(chunks)
+    parallel_state.destroy_model_parallel()
+    chunks, opt, sched = build(1, 1, bf16=True, distributed_optimizer=distributed_optimizer, seed=5)
+    load_checkpoint(save_dir, chunks, opt, sched, load_optimizer=False, load_rng=False)
+    train_step(chunks, opt, sched, 1)
+    got = weights(chunks)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), f"{k}: max diff {(got[k].float() - v.float()).abs().max().item():.3e}"
+    parallel_state.destroy_model_parallel()
+    return True
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_load_without_optimizer_refreshes_main_params(tmp_path, distributed_optimizer):
+    assert run_on_ranks(1, _fine_tune_start, str(tmp_path / "ckpt"), distributed_optimizer) == [True]

@@ -190,7 +190,9 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
 
     Restores the model chunks, the optimizer and scheduler (unless ``None`` or not
     ``load_optimizer``) and the RNG states (when ``load_rng`` and the (pp, tp, dp) layout is
-    unchanged), and returns ``{"iteration", "consumed_train_samples", "extra_state"}``.
+    unchanged), and returns ``{"iteration", "consumed_train_samples", "extra_state"}``. An optimizer
+    passed with ``load_optimizer=False`` keeps a fresh state, but its main (fp32) params are refreshed
+    from the loaded weights (``reload_model_params``), as Megatron does for ``--no-load-optim``.
 
     A ``load_dir`` without a tracker raises (a mistyped path must not train from scratch) unless
     ``missing_ok``, which returns ``None`` ("load if present"). With ``verify`` every file is
@@ -262,6 +264,10 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
         optimizer.load_state_dict(loaded["optimizer"])
         if opt_param_scheduler is not None and loaded.get("opt_param_scheduler") is not None:
             opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    elif optimizer is not None:
+        # The optimizer state is not loaded (fine-tuning, ``--no-load-optim``): the fp32 main params of a
+        # bf16/fp16 optimizer still hold the weights it was built from, so refresh them from the loaded model.
+        optimizer.reload_model_params()
     if restore_rng and not restore_sharded_rng_state(loaded[RNG_KEY]):
         logger.warning("%s was saved with another data-parallel size: RNG states not restored", checkpoint_dir)
     return {"iteration": int(loaded["iteration"]),
