@@ -13,8 +13,10 @@ import torch
 from tests.dist_harness import close_all_pools, recycle_bloated_pools
 from tests.process_tree import descendants
 
-# Helpers Python itself keeps alive until the interpreter exits; not left behind by a test.
-_INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+# Helpers Python and torch keep alive until the interpreter exits (torch.compile's pool of Inductor compile
+# workers among them); not left behind by a test.
+_INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
+                        "torch/_inductor/compile_worker")
 
 
 # Tests over ~15 s in `pytest --durations` on a busy 2-core machine, marked `slow` here (whole modules
