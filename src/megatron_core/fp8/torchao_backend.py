@@ -26,7 +26,7 @@ def import_torchao_float8() -> Any:
     try:
         return importlib.import_module("torchao.float8")
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("FP8 training without Transformer Engine needs torchao (pip install 'torchao>=0.14'): "
+        raise ImportError("FP8 training without Transformer Engine needs torchao (pip install 'megatron-core-lite[fp8]', i.e. torchao>=0.14): "
                           f"{err}") from err
 
 
