@@ -2,7 +2,11 @@
 
 Runs the pretraining script on the reference configuration (tinyllama-1.1b preset, random tokens, bf16
 params, micro-batch 2, Adam with fp32 main weights, distributed optimizer on), one step per log line, and
-reports the median of 10 steps after 3 warm-up steps: step time, tokens/s, model TFLOP/s, MFU, peak memory.
+reports the median of 10 steps after 3 warm-up steps: step time, tokens/s, model TFLOP/s, MFU, peak memory,
+and the optimizer's share of the step (``--step-time-breakdown``) next to its bandwidth floor: Adam with
+fp32 main params must at least read the fp32 gradient (4 bytes per parameter), read and write the fp32
+main param and both moments (24) and write the bf16 param (2), 30 bytes per parameter at the device's
+measured copy bandwidth.
 
     PYTHONPATH=src python3 benchmarks/gpt_full_step.py             # eager
     PYTHONPATH=src python3 benchmarks/gpt_full_step.py --compile   # compiled layers and loss
@@ -43,7 +47,7 @@ def main() -> None:
                "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "2",
                "--train-iters", str(args.warmup + args.steps), "--log-interval", "1", "--eval-interval", "0",
                "--eval-iters", "1", "--no-progress", "--log-json", str(log),
-               *(["--compile"] if args.compile else []), *args.extra]
+               "--step-time-breakdown", *(["--compile"] if args.compile else []), *args.extra]
         print("+", " ".join(cmd), flush=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
                                                                            os.environ.get("PYTHONPATH")]))}
@@ -60,6 +64,44 @@ def main() -> None:
         mfu = statistics.median(r["MFU %"] for r in timed)
         line += f", {mfu * 9.89:.1f} TFLOP/s, MFU {mfu:.1f}%, peak mem {max(r['mem GB'] for r in timed):.2f} GB"
     print("RESULT", line, flush=True)
+    optimizer_ms = statistics.median(r["optimizer ms"] for r in timed if "optimizer ms" in r) if any(
+        "optimizer ms" in r for r in timed) else None
+    floor_ms = optimizer_floor_ms(args.tiny)
+    if optimizer_ms is not None and floor_ms is not None:
+        print(f"RESULT optimizer step {optimizer_ms:.2f} ms vs bandwidth floor {floor_ms:.2f} ms "
+              f"({optimizer_ms / floor_ms:.2f}x)", flush=True)
+
+
+ADAM_BYTES_PER_PARAM = 30  # fp32 grad read 4 + fp32 main param, exp_avg, exp_avg_sq read+write 24 + bf16 param write 2
+
+
+def tinyllama_parameters(layers: int = 22, hidden: int = 2048, kv_width: int = 4 * 64, ffn: int = 5632,
+                         vocab: int = 32000) -> int:
+    """Parameters of the reference configuration (untied input and output embeddings, SwiGLU, RMSNorm)."""
+    per_layer = hidden * (hidden + 2 * kv_width) + hidden * hidden + hidden * 2 * ffn + ffn * hidden + 2 * hidden
+    return layers * per_layer + 2 * vocab * hidden + hidden
+
+
+def optimizer_floor_ms(tiny: bool) -> float | None:
+    """Milliseconds Adam needs just to move its bytes once at this device's copy bandwidth (GPU only)."""
+    import torch
+
+    if tiny or not torch.cuda.is_available():
+        return None
+    params = tinyllama_parameters()
+    n = 1 << 28
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    bandwidth = 2 * n * 10 / (start.elapsed_time(end) / 1e3)  # bytes read + written per second
+    return ADAM_BYTES_PER_PARAM * params / bandwidth * 1e3
 
 
 if __name__ == "__main__":

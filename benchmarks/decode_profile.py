@@ -1,0 +1,99 @@
+"""Where a decode step of the dynamic engine spends its time (GPU only).
+
+For each concurrency, fills the engine with that many requests (``--prompt-len`` tokens each), steps
+until the batch is decode-only, then reports over ``--steps`` decode steps: the engine step's wall
+time, the replay time of the captured decode graph alone (the model's forward on the GPU), what is
+left for the host (scheduling, sampling, bookkeeping), and the profiler's top GPU kernels of one step.
+
+    PYTHONPATH=src python benchmarks/decode_profile.py --concurrency 1 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from inference_throughput import build_model, prompts  # noqa: E402
+
+from megatron_core.inference.apis import MegatronLLM  # noqa: E402
+from megatron_core.inference.config import InferenceConfig  # noqa: E402
+from megatron_core.inference.sampling_params import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=22)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--query-groups", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    model = build_model(args, torch.bfloat16, dev)
+    for concurrency in args.concurrency:
+        profile(args, model, concurrency)
+
+
+def profile(args, model, concurrency: int) -> None:
+    cfg = model.config
+    buffer_gb = concurrency * (args.prompt_len + args.gen_len + args.block_size) * cfg.num_layers * 2 \
+        * cfg.num_query_groups * cfg.kv_channels * 2 / 1024**3 + 0.01
+    llm = MegatronLLM(model=model, tokenizer=None, use_coordinator=False, inference_config=InferenceConfig(
+        block_size_tokens=args.block_size, buffer_size_gb=buffer_gb, max_requests=concurrency,
+        max_tokens=max(8192, concurrency), max_sequence_length=args.prompt_len + args.gen_len + 8,
+        enable_chunked_prefill=True, num_cuda_graphs=8))
+    engine = llm.engine
+    params = SamplingParams(top_k=1, num_tokens_to_generate=args.gen_len, termination_id=-1)
+    for i, prompt in enumerate(prompts(concurrency, args.prompt_len, args.vocab, 1)):
+        engine.add_request(i, prompt, params)
+    while not (engine.context.step_entries and engine.context.is_decode_only()):
+        engine.step_modern()
+    for _ in range(5):
+        engine.step_modern()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step_modern()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    graphs = engine.controller.inference_wrapped_model.decode_graphs.graphs
+    graph, _ = graphs[max(graphs)] if graphs else (None, None)
+    replay = float("nan")
+    if graph is not None:
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        replay = statistics.median(times)
+    wall = statistics.median(walls)
+    print(f"\n== concurrency {concurrency}: engine decode step {wall * 1e3:.3f} ms, graph replay alone "
+          f"{replay * 1e3:.3f} ms (graph sizes {sorted(graphs)}), host and the rest {(wall - replay) * 1e3:.3f} ms",
+          flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            engine.step_modern()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
