@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from megatron_core.jit import jit_fuser
+
 __all__ = ["paged_decode_attention", "paged_decode_supported", "paged_decode_reference"]
 
 _BLOCK_N = 64
@@ -139,8 +141,14 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         HEADS_PER_GROUP=heads_per_group, HPG_PAD=hpg_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=_BLOCK_N, TOKENS_PER_SPLIT=tokens_per_split,
     )
+    return _merge_splits(partial, lse, query.dtype)
+
+
+@jit_fuser
+def _merge_splits(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Log-sum-exp merge of the splits' partial outputs (one fused kernel on a GPU)."""
     weights = torch.softmax(lse, dim=-1)  # empty splits have lse -inf and weigh nothing
-    return (partial * weights.unsqueeze(-1)).sum(dim=2).to(query.dtype)
+    return (partial * weights.unsqueeze(-1)).sum(dim=2).to(dtype)
 
 
 def paged_decode_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
