@@ -34,42 +34,34 @@ def test_kernel_matches_torch_fused_adam_on_gpu(adamw: bool) -> None:
     check("cuda", adamw)
 
 
+def _train_losses(tmp_path: Path, triton: bool, distributed_optimizer: bool) -> list[tuple[float, float]]:
+    import json
 
-def _float16_steps(triton: bool, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
-    from megatron_core.optimizer import OptimizerConfig
-    from megatron_core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-    from megatron_core.optimizer.triton_adam import supports_triton_adam
-
-    monkeypatch.setenv("MEGATRON_CORE_TRITON_ADAM", "1" if triton else "0")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 8)).cuda().to(torch.bfloat16)
-    for p in model.parameters():
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")  # as DDP leaves them
-    inner = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, fused=True)
-    opt = Float16OptimizerWithFloat16Params(inner, OptimizerConfig(lr=0.05, clip_grad=0.5, weight_decay=0.1,
-                                                                   bf16=True), None)
-    gen = torch.Generator().manual_seed(1)
-    results = []
-    for scale in (3.0, 0.01, float("inf"), 2.0):
-        for p in model.parameters():
-            p.main_grad.copy_(torch.randn(p.shape, generator=gen) * scale)
-        assert supports_triton_adam(inner) is triton
-        results.append(opt.step())
-    mains = [m.detach().clone() for group in opt.fp32_from_float16_groups for m in group]
-    return [p.detach().clone() for p in model.parameters()], mains, results
+    log = tmp_path / f"log_{int(triton)}_{int(distributed_optimizer)}.jsonl"
+    cmd = [sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), "--model-preset", "tiny", "--num-layers", "2",
+           "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "512", "--seq-length", "128",
+           "--max-position-embeddings", "128", "--vocab-size", "1000", "--bf16", "--mock-data", "--micro-batch-size",
+           "2", "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-3", "--lr-warmup-iters", "1",
+           "--clip-grad", "1.0", "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--seed", "7",
+           "--log-json", str(log), *(["--use-distributed-optimizer"] if distributed_optimizer else [])]
+    env = {**os.environ, "MEGATRON_CORE_TRITON_ADAM": "1" if triton else "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return [(r["lm loss"], r["grad norm"]) for r in records if r.get("kind") == "train"]
 
 
 @pytest.mark.gpu
-def test_float16_optimizer_with_the_kernel_equals_torch_fused_adam(monkeypatch) -> None:
-    """bf16 model, fp32 main params, clipping on and one inf step: the kernel's path (model copies written
-    by the kernel) gives torch's main params and the same bf16 model params."""
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_training_with_the_kernel_follows_torch_fused_adam(tmp_path, distributed_optimizer: bool) -> None:
+    """bf16 ``pretrain_gpt.py`` (clipping on, so the fused path runs): the same losses and norms as with
+    torch's fused Adam and the separate main-to-model copy, to bf16 round-off."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    model, mains, results = _float16_steps(True, monkeypatch)
-    ref_model, ref_mains, ref_results = _float16_steps(False, monkeypatch)
-    assert [r[0] for r in results] == [r[0] for r in ref_results] == [True, True, False, True]
-    for got, want in zip(mains, ref_mains):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for got, want, main in zip(model, ref_model, mains):
-        torch.testing.assert_close(got, main.to(torch.bfloat16), rtol=0, atol=0)  # the kernel wrote it
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+    ours = _train_losses(tmp_path, True, distributed_optimizer)
+    reference = _train_losses(tmp_path, False, distributed_optimizer)
+    assert len(ours) == len(reference) == 6
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference), start=1):
+        assert abs(loss - ref_loss) <= 2e-3 * abs(ref_loss), (step, loss, ref_loss)
+        assert abs(norm - ref_norm) <= 2e-2 * abs(ref_norm), (step, norm, ref_norm)

@@ -1,10 +1,9 @@
-"""Adam/AdamW step in one Triton kernel launch per param group, writing the bf16/fp16 model copy too (CUDA).
+"""Adam/AdamW step in one Triton kernel per parameter, writing the bf16/fp16 model copy too (CUDA).
 
 PyTorch's fused Adam reaches about 77% of the copy bandwidth on an H100, and a mixed-precision
 optimizer then copies every updated fp32 main param into its bf16 model param in a second pass. This
 kernel reads the fp32 gradient, main param and both moments once, writes them back, and writes the
-model param's bf16/fp16 value in the same pass, for all params of a param group in one launch (a table
-of the tensors' addresses, cached while they do not move) (30 bytes per parameter, the floor
+model param's bf16/fp16 value in the same pass (30 bytes per parameter, the floor
 ``benchmarks/gpt_full_step.py`` prints). Clipping and the inf/nan skip come as device tensors
 (``grad_scale``, ``found_inf``: see :mod:`.fused_clip`), so nothing waits for the host.
 
@@ -46,23 +45,13 @@ def _kernel() -> Any:
     triton, tl = _triton()
 
     @triton.jit
-    def adam_kernel(table_ptr, block_tensor_ptr, block_start_ptr, scale_ptr, found_inf_ptr,
-                    lr, beta1, beta2, eps, weight_decay, log_beta1, log_beta2,
-                    ADAMW: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-        # One program per BLOCK elements of one tensor; the table row of tensor t holds the addresses of
-        # its param, grad, exp_avg, exp_avg_sq, model copy (0: none) and step, and its element count.
-        block = tl.program_id(0)
-        row = table_ptr + tl.load(block_tensor_ptr + block).to(tl.int64) * 7
-        param_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-        grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-        exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-        out_address = tl.load(row + 4)
-        step = tl.load(tl.load(row + 5).to(tl.pointer_type(tl.float32)))
-        n = tl.load(row + 6)
-        offsets = tl.load(block_start_ptr + block) + tl.arange(0, BLOCK)
+    def adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, step_ptr, scale_ptr, found_inf_ptr,
+                    n, lr, beta1, beta2, eps, weight_decay, log_beta1, log_beta2,
+                    ADAMW: tl.constexpr, WRITE_OUT: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         limit = tl.where(tl.load(found_inf_ptr) == 0, n, 0)  # found_inf: no element is updated
         mask = offsets < limit
+        step = tl.load(step_ptr)
         grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0) / tl.load(scale_ptr)
         param = tl.load(param_ptr + offsets, mask=mask, other=0.0)
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
@@ -80,9 +69,8 @@ def _kernel() -> Any:
         tl.store(param_ptr + offsets, param, mask=mask)
         tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
-        out_ptr = out_address.to(tl.pointer_type(OUT_DTYPE))
-        out_limit = tl.where(out_address != 0, limit, 0)  # no model copy to write for this tensor
-        tl.store(out_ptr + offsets, param.to(OUT_DTYPE), mask=offsets < out_limit)
+        if WRITE_OUT:
+            tl.store(out_ptr + offsets, param.to(out_ptr.dtype.element_ty), mask=mask)
 
     return adam_kernel
 
@@ -115,27 +103,6 @@ def _state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch
     return state
 
 
-class _LaunchTables:
-    """Device tables of one param group's tensors and blocks, rebuilt only when an address changes."""
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    def get(self, rows: list[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        key = tuple(rows)
-        if key != self.key:
-            counts = torch.tensor([-(-row[6] // _BLOCK) for row in rows], dtype=torch.int64)
-            block_tensor = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), counts)
-            first = torch.cumsum(counts, 0) - counts
-            block_start = (torch.arange(int(counts.sum()), dtype=torch.int64)
-                           - torch.repeat_interleave(first, counts)) * _BLOCK
-            table = torch.tensor(rows, dtype=torch.int64).reshape(-1)
-            self.tables = (table.to(device), block_tensor.to(device), block_start.to(device))
-            self.key = key
-        return self.tables
-
-
 @torch.no_grad()
 def triton_adam_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor, found_inf: torch.Tensor,
                      model_targets: dict[int, torch.Tensor] | None = None) -> set[int]:
@@ -143,41 +110,39 @@ def triton_adam_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor,
     copy (``model_targets[id(main)]``, a contiguous bf16/fp16 tensor of the same size) was written.
 
     ``grad_scale`` (gradients are divided by it) and ``found_inf`` (non-zero: skip everything, step counts
-    included) are 1-element fp32 tensors on the params' device. One kernel launch per param group.
+    included) are 1-element fp32 tensors on the params' device.
     """
-    kernel, tl = _kernel(), _triton()[1]
+    kernel = _kernel()
     model_targets = model_targets or {}
     scale = grad_scale.reshape(1).to(torch.float32)
     skip = found_inf.reshape(1).to(torch.float32)
     written: set[int] = set()
-    launch_tables = optimizer.__dict__.setdefault("_triton_adam_tables", {})
-    for index, group in enumerate(optimizer.param_groups):
+    adamw = isinstance(optimizer, torch.optim.AdamW) or any(g.get("decoupled_weight_decay") for g in
+                                                             optimizer.param_groups)
+    for group in optimizer.param_groups:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             continue
         states = [_state(optimizer, p) for p in params]
         torch._foreach_add_([s["step"] for s in states], 1.0 - skip.reshape(()))
-        targets = [model_targets.get(id(p)) for p in params]
-        out_dtypes = {t.dtype for t in targets if t is not None}
-        if len(out_dtypes) > 1:
-            raise ValueError(f"triton_adam_step: model copies of one param group in several dtypes {out_dtypes}")
-        out_dtype = out_dtypes.pop() if out_dtypes else torch.bfloat16
-        rows = []
-        for p, state, target in zip(params, states, targets):
+        beta1, beta2 = group["betas"]
+        decoupled = adamw or bool(group.get("decoupled_weight_decay"))
+        for p, state in zip(params, states):
+            n = p.numel()
+            target = model_targets.get(id(p))
+            write = target is not None and target.is_contiguous() and target.numel() == n
             if not (p.is_contiguous() and p.grad.is_contiguous()):
                 raise ValueError("triton_adam_step needs contiguous params and gradients")
-            write = target is not None and target.is_contiguous() and target.numel() == p.numel()
-            rows.append((p.data_ptr(), p.grad.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
-                         target.data_ptr() if write else 0, state["step"].data_ptr(), p.numel()))
+            kernel[(triton_grid(n),)](
+                p, p.grad, state["exp_avg"], state["exp_avg_sq"], target if write else p, state["step"], scale, skip,
+                n, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                math.log(beta1), math.log(beta2), ADAMW=decoupled, WRITE_OUT=write, BLOCK=_BLOCK,
+            )
             if write:
                 written.add(id(p))
-        table, block_tensor, block_start = launch_tables.setdefault(index, _LaunchTables()).get(rows, params[0].device)
-        beta1, beta2 = group["betas"]
-        kernel[(block_tensor.numel(),)](
-            table, block_tensor, block_start, scale, skip,
-            float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-            math.log(beta1), math.log(beta2),
-            ADAMW=isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay")),
-            OUT_DTYPE=tl.bfloat16 if out_dtype == torch.bfloat16 else tl.float16, BLOCK=_BLOCK,
-        )
     return written
+
+
+def triton_grid(n: int) -> int:
+    """Programs of :data:`_BLOCK` elements for ``n`` elements."""
+    return max(1, -(-n // _BLOCK))
