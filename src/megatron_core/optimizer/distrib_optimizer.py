@@ -192,19 +192,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             entry.main_param.grad = flat if same else flat.to(device=main.device, dtype=main.dtype)
 
     def _copy_main_params_to_model_params(self) -> None:
-        written = self._written_by_step()
         for entry in self._entries():
             flat = entry.model_param.detach().view(-1)[entry.param_range.start:entry.param_range.end]
-            if entry.main_param.data_ptr() != flat.data_ptr() and id(entry.main_param) not in written:
+            if entry.main_param.data_ptr() != flat.data_ptr():
                 flat.copy_(entry.main_param, non_blocking=entry.offloaded)
-
-    def _model_copy_targets(self) -> dict[int, torch.Tensor]:
-        targets = {}
-        for entry in self._entries():
-            flat = entry.model_param.detach().view(-1)[entry.param_range.start:entry.param_range.end]
-            if not entry.offloaded and entry.main_param.data_ptr() != flat.data_ptr():
-                targets[id(entry.main_param)] = flat
-        return targets
 
     def step_with_ready_grads(self) -> bool:
         """Update the owned shards, write them into the param buffers and all-gather (or dispatch)."""

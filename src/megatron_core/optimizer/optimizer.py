@@ -162,14 +162,6 @@ class MegatronOptimizer(ABC):
         """``{id(main param): model param}`` where the inner optimizer updates a copy of the model param."""
         return {}
 
-    def _model_copy_targets(self) -> dict[int, torch.Tensor]:
-        """``{id(main param): the tensor its updated value is copied into}`` (none when they are the same)."""
-        return {}
-
-    def _written_by_step(self) -> set[int]:
-        """Ids of the main params whose model copy this step's kernel already wrote (see :mod:`.fused_clip`)."""
-        return getattr(self.optimizer, "model_params_written", set())
-
     def _checkpoint_entries(self, model_params: list[torch.Tensor]) -> list[ParamStateEntry]:
         """The parameters of ``model_params`` this optimizer updates, in that order, with their main tensors."""
         main_to_model = self._main_to_model()
@@ -260,8 +252,7 @@ class MegatronOptimizer(ABC):
         with self._timer("optimizer-inner-step"):
             results: list[bool] = []
             fused_adam_step_with_clipping(self.optimizer, norm, self.config.clip_grad,
-                                          lambda: results.append(self.step_with_ready_grads()),
-                                          model_targets=self._model_copy_targets())
+                                          lambda: results.append(self.step_with_ready_grads()))
         grad_norm = norm.item()  # the update is already queued: reading the norm now stalls nothing
         # A non-finite norm made the kernel skip the update (weights and state untouched), as the unfused path does.
         return bool(results[0]) and math.isfinite(grad_norm), grad_norm, None
@@ -378,16 +369,9 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                     param.grad = param.main_grad
 
     def _copy_main_params_to_model_params(self) -> None:
-        written = self._written_by_step()
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(model_group, main_group):
-                if id(main_param) not in written:
-                    model_param.data.copy_(main_param.data)
-
-    def _model_copy_targets(self) -> dict[int, torch.Tensor]:
-        return {id(main): model.data for model_group, main_group in zip(self.float16_groups,
-                                                                         self.fp32_from_float16_groups)
-                for model, main in zip(model_group, main_group)}
+                model_param.data.copy_(main_param.data)
 
     def reload_model_params(self) -> None:
         """Copy the model params into the fp32 main params."""
