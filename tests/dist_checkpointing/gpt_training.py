@@ -12,6 +12,7 @@ from functools import partial
 import torch
 
 from megatron_core import parallel_state, tensor_parallel
+from megatron_core.device import get_current_device
 from megatron_core.distributed import DistributedDataParallelConfig
 from megatron_core.models.common.model_builder import configure_model_hooks, get_model
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
@@ -67,12 +68,13 @@ def _batches(step: int) -> list[dict]:
     gen = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (dp * NUM_MICROBATCHES, MBS, SEQ + 1), generator=gen)
     mine = tokens[dp_rank * NUM_MICROBATCHES:(dp_rank + 1) * NUM_MICROBATCHES]
-    return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in mine]
+    device = get_current_device()  # the CPU under gloo; the GPU under NCCL (the GPU golden curve)
+    return [{"tokens": t[:, :-1].to(device), "labels": t[:, 1:].to(device)} for t in mine]
 
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+    positions = torch.arange(SEQ, device=batch["tokens"].device).unsqueeze(0).expand(MBS, SEQ)
     output = model(batch["tokens"], positions, None, labels=batch["labels"])
 
     def loss_func(per_token):

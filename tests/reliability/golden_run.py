@@ -5,8 +5,9 @@ mode (``torch.use_deterministic_algorithms``, fixed seeds, data depending only o
 the Megatron optimizer, scheduler and pipeline schedule. The per-step losses and grad norms are
 stored as exact float hex strings per torch version and device kind, in
 ``tests/reliability/golden/loss_curve-torch<major.minor>-<device>.json`` (the device kind is the
-CPU's vector capability, since CPU kernels differ between AVX2 and AVX-512); only
-``python tools/golden_loss_curve.py --write`` (re)writes them. On a device kind without its own
+CPU's vector capability, since CPU kernels differ between AVX2 and AVX-512, or ``cuda_<GPU name>`` when
+the run is on a GPU: one rank under NCCL, fp32, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``); only
+``python tools/golden_loss_curve.py [--device cuda] --write`` (re)writes them. On a device kind without its own
 golden file the curve is compared with another device's golden of the same torch version within
 5 % relative (section 7's tolerance for runs that are not bit-reproducible).
 """
@@ -26,9 +27,16 @@ GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 
 
 def device_kind() -> str:
-    """Where the reference runs: the CPU's vector capability (its kernels differ), e.g. ``cpu_avx512``."""
-    capability = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "default"
-    return re.sub(r"[^a-z0-9]+", "_", f"cpu_{capability}".lower()).strip("_")
+    """Where the reference runs: ``cuda_<GPU name>`` when the process group is NCCL, else the CPU's
+    vector capability (its kernels differ), e.g. ``cpu_avx512`` or ``cuda_nvidia_h100_80gb_hbm3``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        kind = f"cuda_{torch.cuda.get_device_name()}"
+    else:
+        capability = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "default"
+        kind = f"cpu_{capability}"
+    return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_")
 
 
 def torch_version() -> str:
@@ -42,8 +50,8 @@ def golden_path() -> Path:
 
 
 def sibling_goldens() -> list[Path]:
-    """Golden files of this torch version on other device kinds (compared within 5 % relative)."""
-    return sorted(p for p in GOLDEN_DIR.glob(f"loss_curve-torch{torch_version()}-*.json") if p != golden_path())
+    """Golden files of this torch version on other CPU kinds (compared within 5 % relative)."""
+    return sorted(p for p in GOLDEN_DIR.glob(f"loss_curve-torch{torch_version()}-cpu_*.json") if p != golden_path())
 
 
 def run_curve(steps: int = STEPS) -> dict:
@@ -72,10 +80,11 @@ def run_curve(steps: int = STEPS) -> dict:
         parallel_state.destroy_model_parallel()
 
 
-def write_golden(curve: dict) -> Path:
-    """Write ``curve`` as this torch version's and device's golden file."""
-    path = golden_path()
+def write_golden(curve: dict, path: Path | None = None) -> Path:
+    """Write ``curve`` as this torch version's and device's golden file (``path``: that file, named while the
+    run's process group still existed)."""
+    path = path or golden_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"torch": torch.__version__, "device": device_kind(), **curve}
+    body = {"torch": torch.__version__, "device": path.stem.split("-", 2)[-1], **curve}
     path.write_text(json.dumps(body, indent=1) + "\n")
     return path

@@ -51,3 +51,29 @@ def _within_five_percent(sibling) -> None:
         want = [float.fromhex(x) for x in golden[name]]
         for step, (a, b) in enumerate(zip(got, want), start=1):
             assert abs(a - b) <= 0.05 * abs(b), f"{name} at step {step}: {a} vs {b} ({sibling.name})"
+
+
+@pytest.mark.gpu
+def test_gpu_curve_matches_the_committed_gpu_golden(tmp_path) -> None:
+    """On a GPU: the same 50 steps under NCCL in deterministic mode equal this GPU kind's golden exactly."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    repo = Path(__file__).resolve().parents[2]
+    import re
+
+    kind = re.sub(r"[^a-z0-9]+", "_", f"cuda_{torch.cuda.get_device_name()}".lower()).strip("_")  # golden_run's
+    if not list((repo / "tests" / "reliability" / "golden").glob(f"loss_curve-*-{kind}.json")):
+        pytest.skip(f"no GPU golden for {kind}; create it with: python tools/golden_loss_curve.py --device cuda --write")
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+           "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo)])}
+    done = subprocess.run([sys.executable, str(repo / "tools" / "golden_loss_curve.py"), "--device", "cuda"],
+                          env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "identical" in done.stdout
