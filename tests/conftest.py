@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_harness import close_all_pools, recycle_bloated_pools
+from tests.dist_harness import close_all_pools, recycle_bloated_pools, set_debug_off_for_current_test
 from tests.process_tree import descendants
 
 # Helpers Python and torch keep alive until the interpreter exits (torch.compile's pool of Inductor compile
@@ -66,8 +66,10 @@ def _left_behind() -> dict[int, str]:
 
 
 @pytest.fixture(autouse=True)
-def _recycle_bloated_rank_pools():
-    """After each test, replace rank pools whose workers accumulated too many threads (see the harness)."""
+def _recycle_bloated_rank_pools(request):
+    """Before each test, pick its pools' debug mode (``distributed_debug_off``); after it, replace rank pools
+    whose workers accumulated too many threads (see the harness)."""
+    set_debug_off_for_current_test(request.node.get_closest_marker("distributed_debug_off") is not None)
     yield
     recycle_bloated_pools()
 

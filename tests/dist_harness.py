@@ -37,6 +37,10 @@ from typing import Any
 
 DEFAULT_CALL_TIMEOUT_S = float(os.environ.get("MCORE_TEST_CALL_TIMEOUT", "180"))
 PROCESS_GROUP_TIMEOUT_S = float(os.environ.get("MCORE_TEST_PG_TIMEOUT", "60"))
+# TORCH_DISTRIBUTED_DEBUG of the rank pools' workers (section 7 check 10); "" leaves the environment's. Tests
+# marked ``distributed_debug_off`` get pools without it (see ``debug_mode_for``).
+DISTRIBUTED_DEBUG = os.environ.get("MCORE_TEST_DISTRIBUTED_DEBUG", "")
+_debug_off_for_current_test = False
 FAILURE_GRACE_S = 5.0
 MAX_LIVE_POOLS = 3
 
@@ -53,10 +57,16 @@ def _resolve(module_name: str, qualname: str) -> Callable[..., Any]:
 
 
 def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, results: mp.Queue,
-                 parent_pid: int, sys_path: list[str]) -> None:
+                 parent_pid: int, sys_path: list[str], debug: str = "") -> None:
     sys.path[:] = sys_path
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["MCORE_TEST_RANK"] = str(rank)
+    if debug:
+        # Read when the process group is created: with DETAIL, gloo checks every collective's op and shapes
+        # across ranks first, so a desync raises a RuntimeError naming them instead of hanging or aborting.
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = debug
+    elif DISTRIBUTED_DEBUG:
+        os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
     import torch
     import torch.distributed as dist
 
@@ -106,8 +116,9 @@ def _short_subgroup_timeouts(parallel_state: Any) -> None:
 class RankPool:
     """``world_size`` spawned CPU ranks in one gloo process group, fed functions through queues."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, debug: str = "") -> None:
         self.world_size = world_size
+        self.debug = debug
         self._ctx = mp.get_context("spawn")
         self._tmpdir = tempfile.mkdtemp(prefix=f"mcore_pool{world_size}_")
         store_path = os.path.join(self._tmpdir, "store")
@@ -116,7 +127,7 @@ class RankPool:
         self._procs = [
             self._ctx.Process(
                 target=_worker_main,
-                args=(r, world_size, store_path, self._tasks[r], self._results, os.getpid(), list(sys.path)),
+                args=(r, world_size, store_path, self._tasks[r], self._results, os.getpid(), list(sys.path), debug),
                 daemon=True,
             )
             for r in range(world_size)
@@ -184,21 +195,38 @@ def _format_errors(errors: dict[int, str]) -> str:
     return "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
 
 
-_POOLS: OrderedDict[int, RankPool] = OrderedDict()
+_POOLS: OrderedDict[tuple[int, str], RankPool] = OrderedDict()
+
+
+def set_debug_off_for_current_test(off: bool) -> None:
+    """Called by the test session before each test: ``True`` for tests marked ``distributed_debug_off``."""
+    global _debug_off_for_current_test
+    _debug_off_for_current_test = off
+
+
+def debug_mode_for() -> str:
+    """The ``TORCH_DISTRIBUTED_DEBUG`` value the current test's pools use.
+
+    DETAIL's per-group sequence numbers count collectives and point-to-point ops alike, so a group that
+    carries pipeline ``send``/``recv`` (different counts on different ranks) and later a collective is
+    reported as a desync; tests doing that are marked ``distributed_debug_off``.
+    """
+    return "" if _debug_off_for_current_test else DISTRIBUTED_DEBUG
 
 
 def get_pool(world_size: int) -> RankPool:
     """A live pool of ``world_size`` ranks, reused across tests (at most ``MAX_LIVE_POOLS`` pools stay alive;
     the least recently used one is closed to make room)."""
-    pool = _POOLS.pop(world_size, None)
+    key = (world_size, debug_mode_for())
+    pool = _POOLS.pop(key, None)
     if pool is None or not pool.alive():
         if pool is not None:
             pool.close(force=True)
         while len(_POOLS) >= MAX_LIVE_POOLS:
             _, old = _POOLS.popitem(last=False)
             old.close()
-        pool = RankPool(world_size)
-    _POOLS[world_size] = pool
+        pool = RankPool(*key)
+    _POOLS[key] = pool
     return pool
 
 
@@ -226,11 +254,11 @@ def recycle_bloated_pools(max_threads: int = MAX_WORKER_THREADS) -> list[int]:
     a bloated pool is closed; the next ``get_pool`` spawns a fresh one.
     """
     closed = []
-    for world_size, pool in list(_POOLS.items()):
+    for key, pool in list(_POOLS.items()):
         if any(_thread_count(p.pid) > max_threads for p in pool._procs if p.pid is not None):
-            _POOLS.pop(world_size)
+            _POOLS.pop(key)
             pool.close()
-            closed.append(world_size)
+            closed.append(key[0])
     return closed
 
 
