@@ -27,6 +27,9 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=False,
                    help="weight-gradient GEMMs accumulate straight into the fp32 main_grad (with DDP)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="shard parameters, gradients and optimizer state with PyTorch FSDP2 "
+                        "(TorchFullyShardedDataParallel) instead of DDP")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
@@ -197,6 +200,24 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _validate_torch_fsdp2(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for --use-torch-fsdp2: the layouts and options FSDP2 cannot serve."""
+    if not args.use_torch_fsdp2:
+        return
+    _require(args.pipeline_model_parallel_size == 1, "--use-torch-fsdp2 is not supported with pipeline "
+             f"parallelism (--pipeline-model-parallel-size {args.pipeline_model_parallel_size})")
+    _require((args.expert_model_parallel_size or 1) == 1, "--use-torch-fsdp2 is not supported with expert "
+             f"parallelism (--expert-model-parallel-size {args.expert_model_parallel_size})")
+    _require(not args.use_distributed_optimizer, "--use-torch-fsdp2 cannot be combined with "
+             "--use-distributed-optimizer (FSDP2 shards the optimizer state itself)")
+    _require(not args.gradient_accumulation_fusion, "--use-torch-fsdp2 is not supported with "
+             "--gradient-accumulation-fusion")
+    _require(args.untie_embeddings_and_output_weights, "--use-torch-fsdp2 requires "
+             "--untie-embeddings-and-output-weights (a tied embedding cannot live in two FSDP units)")
+    _require(not args.fp16, "--use-torch-fsdp2 does not support --fp16 (use --bf16)")
+    _require(not args.overlap_param_gather, "--use-torch-fsdp2 gathers parameters itself; drop --overlap-param-gather")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Apply the preset, derive data-parallel size and gradient accumulation, and check the flags."""
     apply_hf_model_args(args)
@@ -217,6 +238,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(args.seq_length % (2 * cp) == 0 or cp == 1,
              f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({2 * cp})")
     args.data_parallel_size = world_size // (tp * pp * cp)
+    _validate_torch_fsdp2(args)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step

@@ -118,9 +118,10 @@ def model_provider(args: argparse.Namespace, vocab_size: int, models: list[torch
 
 def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
                 models: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
-    """One DDP-wrapped (and, with --bf16/--fp16, Float16Module-wrapped) GPTModel per virtual stage of this rank."""
+    """One DDP-wrapped (and, with --bf16/--fp16, Float16Module-wrapped) GPTModel per virtual stage of this rank;
+    with --use-torch-fsdp2 one FSDP2-sharded GPTModel."""
     return get_model(partial(model_provider, args, vocab_size, models), config=config,
-                     ddp_config=ddp_config_from_args(args))
+                     ddp_config=ddp_config_from_args(args), use_torch_fsdp2=args.use_torch_fsdp2)
 
 
 def compile_layers_and_loss(model: GPTModel) -> None:

@@ -23,6 +23,7 @@ this library has no ``training`` package, so the same logic lives here with expl
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from megatron_core._wrapped_model import get_model_config
 from megatron_core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
     finalize_model_grads,
 )
 from megatron_core.pipeline_parallel.utils import (
@@ -79,7 +82,7 @@ def get_model(model_provider_func: Callable[..., torch.nn.Module],
               config: Any = None, pg_collection: Any = None,
               ddp_config: DistributedDataParallelConfig | None = None,
               virtual_pipeline_model_parallel_size: int | None = None,
-              data_parallel_random_init: bool = False) -> list[torch.nn.Module]:
+              data_parallel_random_init: bool = False, use_torch_fsdp2: bool = False) -> list[torch.nn.Module]:
     """This rank's model chunks: built, on this rank's device, fp16/bf16-wrapped and DDP-wrapped.
 
     ``model_provider_func(pre_process=, post_process=, [vp_stage=,] config=, pg_collection=)``
@@ -90,7 +93,10 @@ def get_model(model_provider_func: Callable[..., torch.nn.Module],
     config has ``fp16`` or ``bf16``, then (``wrap_with_ddp``) in ``DistributedDataParallel`` with
     ``ddp_config`` (default ``DistributedDataParallelConfig()``), bucketing disabled on every chunk
     but the first. ``data_parallel_random_init`` broadcasts data-parallel rank 0's weights after
-    wrapping. Returns a list with one module per virtual stage.
+    wrapping. With ``use_torch_fsdp2`` (Megatron-LM's ``--use-torch-fsdp2``) each chunk is wrapped in
+    :class:`~megatron_core.distributed.TorchFullyShardedDataParallel` instead, without ``Float16Module``
+    (FSDP2 keeps fp32 shards and computes in bf16 through its mixed-precision policy); ``ddp_config`` is
+    then read as a ``TorchFullyShardedDataParallelConfig``. Returns a list with one module per virtual stage.
     """
     pgs = resolve_pg_collection(pg_collection)
     vp_size = virtual_pipeline_model_parallel_size
@@ -109,6 +115,11 @@ def get_model(model_provider_func: Callable[..., torch.nn.Module],
     model = [chunk.to(target) for chunk in model]
 
     model_config = get_model_config(model[0])
+    if use_torch_fsdp2:
+        if not wrap_with_ddp or data_parallel_random_init:
+            raise ValueError("use_torch_fsdp2=True needs wrap_with_ddp=True and data_parallel_random_init=False "
+                             "(FSDP2 shards the weights every rank built from the same seed)")
+        return [_fsdp2_chunk(model_config, chunk, ddp_config, pg_collection) for chunk in model]
     if getattr(model_config, "fp16", False) or getattr(model_config, "bf16", False):
         model = [Float16Module(model_config, chunk) for chunk in model]
     if not wrap_with_ddp:
@@ -122,6 +133,15 @@ def get_model(model_provider_func: Callable[..., torch.nn.Module],
         for chunk in model:
             chunk.broadcast_params()
     return model
+
+
+def _fsdp2_chunk(model_config: Any, chunk: torch.nn.Module, ddp_config: DistributedDataParallelConfig | None,
+                 pg_collection: Any) -> torch.nn.Module:
+    """``chunk`` sharded by FSDP2, with ``ddp_config``'s fields as a ``TorchFullyShardedDataParallelConfig``."""
+    if not isinstance(ddp_config, TorchFullyShardedDataParallelConfig):
+        ddp_config = TorchFullyShardedDataParallelConfig(**asdict(ddp_config or DistributedDataParallelConfig()))
+    kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
+    return TorchFullyShardedDataParallel(model_config, ddp_config, chunk, **kwargs)
 
 
 def _per_chunk(model: list[torch.nn.Module], attr: str) -> Any:
