@@ -129,6 +129,9 @@ def test_forward_only_same_losses_no_grads(pp, vpp, counts):
     _check(run_on_ranks(WORLD, _run, pp, vpp, counts, forward_only=True), forward_only=True)
 
 
+# Its finalize function broadcasts over the pipeline group after the schedule's send/recv on it, which
+# DETAIL's per-group sequence numbers report as a desync (the other ranks sent or received more).
+@pytest.mark.distributed_debug_off
 @pytest.mark.parametrize("pp,vpp", [(4, None), (2, 2)])
 def test_per_token_loss_passes_num_tokens_to_finalize(pp, vpp):
     per_rank = run_on_ranks(WORLD, _run, pp, vpp, (4,), step="per_token")

@@ -59,3 +59,26 @@ def test_shape_mismatch_raises_runtime_error_naming_op_and_shapes() -> None:
         assert "allreduce" in message.lower().replace("_", ""), message
         for shape in shapes:
             assert shape in message, f"rank {outcome['rank']}: shape {shape} missing from {message!r}"
+
+
+def _mismatched_all_reduce() -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    dist.all_reduce(torch.ones(3 + rank))  # rank 0: [3], rank 1: [4]
+
+
+def test_harness_pools_with_detail_name_op_and_shapes_of_a_desync() -> None:
+    """The rank pools CI runs (``MCORE_TEST_DISTRIBUTED_DEBUG=DETAIL``): a mismatched collective in a test fails
+    that test with an error naming the op and both shapes, and the pool is replaced, not hung."""
+    from tests.dist_harness import DistributedTestError, RankPool
+
+    pool = RankPool(WORLD_SIZE, "DETAIL")
+    try:
+        with pytest.raises(DistributedTestError) as info:
+            pool.run(_mismatched_all_reduce, timeout=WALL_LIMIT_S)
+    finally:
+        pool.close(force=True)
+    message = str(info.value)
+    assert "ALLREDUCE" in message and "[3]" in message and "[4]" in message, message[-2000:]
