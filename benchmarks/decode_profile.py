@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from inference_throughput import build_model, prompts  # noqa: E402
+from inference_throughput import add_model_and_workload_args, build_model, prompts  # noqa: E402
 
 from megatron_core.inference.apis import MegatronLLM  # noqa: E402
 from megatron_core.inference.config import InferenceConfig  # noqa: E402
@@ -29,15 +29,7 @@ from megatron_core.inference.sampling_params import SamplingParams  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=22)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--query-groups", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=64)
+    add_model_and_workload_args(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
@@ -45,6 +37,17 @@ def main() -> None:
     model = build_model(args, torch.bfloat16, dev)
     for concurrency in args.concurrency:
         profile(args, model, concurrency)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` followed by a device synchronisation."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def profile(args, model, concurrency: int) -> None:
@@ -64,24 +67,10 @@ def profile(args, model, concurrency: int) -> None:
     for _ in range(5):
         engine.step_modern()
     torch.cuda.synchronize()
-    walls = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        engine.step_modern()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - start)
+    wall = median_seconds(engine.step_modern, args.steps)
     graphs = engine.controller.inference_wrapped_model.decode_graphs.graphs
     graph, _ = graphs[max(graphs)] if graphs else (None, None)
-    replay = float("nan")
-    if graph is not None:
-        times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            graph.replay()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        replay = statistics.median(times)
-    wall = statistics.median(walls)
+    replay = median_seconds(graph.replay, args.steps) if graph is not None else float("nan")
     print(f"\n== concurrency {concurrency}: engine decode step {wall * 1e3:.3f} ms, graph replay alone "
           f"{replay * 1e3:.3f} ms (graph sizes {sorted(graphs)}), host and the rest {(wall - replay) * 1e3:.3f} ms",
           flush=True)

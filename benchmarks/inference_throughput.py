@@ -39,21 +39,26 @@ from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.transformer import TransformerConfig
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_and_workload_args(p: argparse.ArgumentParser) -> None:
+    """The model shape (reference 1.1B config) and request shape flags, shared with ``decode_profile.py``."""
     p.add_argument("--layers", type=int, default=22)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--query-groups", type=int, default=4)
     p.add_argument("--ffn", type=int, default=5632)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=64)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_and_workload_args(p)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--requests-at-1", type=int, default=16,
                    help="requests for concurrency 1 (256 sequential requests take minutes; tokens/s is per request)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=8192, help="tokens per engine step (chunked prefill)")
     p.add_argument("--hf-batches", type=int, default=1, help="static batches timed per size for Hugging Face")
     p.add_argument("--no-hf", action="store_true")
