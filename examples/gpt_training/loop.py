@@ -20,6 +20,7 @@ from gpt_training.step_timers import StepTimers, breakdown, timed
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.progress import track
+from megatron_core.training_metrics import model_flops_utilization
 from megatron_core.utils import get_batch_on_this_cp_rank
 
 # Test hook: every rank SIGKILLs itself at the end of this iteration (after its checkpoint, if any, is
@@ -203,7 +204,8 @@ class Trainer:
                 )
                 record.pop("skipped")
                 if peak is not None:
-                    record["MFU %"] = 100 * tokens_per_s * flops_per_token / (peak * dist.get_world_size())
+                    record["MFU %"] = 100 * model_flops_utilization(tokens_per_s, flops_per_token, peak,
+                                                                    dist.get_world_size())
                     record["mem GB"] = device.max_memory_allocated() / 1e9
                 if self.timers is not None:
                     record.update(breakdown(self.timers, window_steps))

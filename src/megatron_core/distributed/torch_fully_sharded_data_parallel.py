@@ -33,7 +33,7 @@ from megatron_core.distributed.torch_fully_sharded_data_parallel_checkpoint impo
     local_row_range,
 )
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_size
+from megatron_core.utils import get_pg_size, unwrap_model
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -56,12 +56,6 @@ def _default_sub_modules() -> set[type]:
     return {TransformerLayer, LanguageModelEmbedding}
 
 
-def _inner_module(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        module = module.module
-    return module
-
-
 def _validate(config: Any, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
               pg_collection: Any) -> None:
     """Reject the layouts FSDP2 cannot serve, naming the setting."""
@@ -82,7 +76,7 @@ def _validate(config: Any, ddp_config: DistributedDataParallelConfig, module: to
         raise ValueError("TorchFullyShardedDataParallel does not support fp16=True (use bf16)")
     if getattr(config, "gradient_accumulation_fusion", False):
         raise ValueError("TorchFullyShardedDataParallel does not support gradient_accumulation_fusion=True")
-    inner = _inner_module(module)
+    inner = unwrap_model(module)
     if getattr(inner, "share_embeddings_and_output_weights", False):
         raise ValueError("TorchFullyShardedDataParallel needs share_embeddings_and_output_weights=False "
                          "(a tied input/output embedding cannot live in two FSDP units)")
