@@ -120,18 +120,15 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         else:
             tokens_per_expert = tokens_per_expert.cpu()
             num_out_tokens = int(tokens_per_expert.sum())
-        # Every token has exactly top-k rows when this rank holds every expert and none is dropped.
-        self.rows_per_token = self.router_topk if self.counts_stay_on_device else None
         permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
-            hidden_states, self.local_map, probs=local_probs, num_out_tokens=num_out_tokens,
-            rows_per_token=self.rows_per_token)
+            hidden_states, self.local_map, probs=local_probs, num_out_tokens=num_out_tokens)
         self.routing_map = None
         return permuted, tokens_per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Sum the expert rows back into the gathered token order."""
         return unpermute(hidden_states, self.reversed_local_input_permutation_mapping,
-                         restore_shape=self.hidden_shape_before_permute, rows_per_token=self.rows_per_token)
+                         restore_shape=self.hidden_shape_before_permute)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Reduce-scatter over ``tp_ep``: each rank gets its own tokens, summed over experts and ETP."""
@@ -206,12 +203,9 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         self.tokens_per_expert = self.preprocess(routing_map)
         self.hidden_shape_before_permute = hidden_states.shape
-        # The whole routing map is permuted here: without a capacity every token has exactly top-k rows.
-        self.rows_per_token = (self.config.moe_router_topk if self.config.moe_expert_capacity_factor is None
-                               and not self.drop_and_pad else None)
         permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
             hidden_states, routing_map, probs=probs, num_out_tokens=self.num_out_tokens,
-            drop_and_pad=self.drop_and_pad, rows_per_token=self.rows_per_token)
+            drop_and_pad=self.drop_and_pad)
         return permuted, permuted_probs
 
     def token_dispatch(self, permutated_local_input_tokens: torch.Tensor, permuted_probs: torch.Tensor):
@@ -260,5 +254,5 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     def combine_postprocess(self, permutated_local_input_tokens: torch.Tensor) -> torch.Tensor:
         """Sum each token's expert rows back and restore ``[s, b, h]``."""
         output = unpermute(permutated_local_input_tokens, self.reversed_local_input_permutation_mapping,
-                           restore_shape=self.hidden_shape_before_permute, rows_per_token=self.rows_per_token)
+                           restore_shape=self.hidden_shape_before_permute)
         return output.view(self.hidden_shape)

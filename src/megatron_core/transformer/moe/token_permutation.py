@@ -6,11 +6,6 @@ the number of (token, expert) pairs. ``sorted_indices [N]`` holds each row's sou
 ``unpermute`` scatters rows back with a sum (a token routed to k experts receives k rows).
 With ``drop_and_pad`` every expert has exactly ``capacity = N / E`` rows (the routing map is
 padded to capacity by the router), which keeps shapes static.
-
-When the caller knows that every token has exactly ``rows_per_token`` rows (a dropless top-k router
-whose whole routing map is permuted), both directions are gathers: ``unpermute`` reads each token's
-rows and sums them, and the gradients of both functions are gathers too. The general path scatters
-with ``index_add_``, whose atomic bf16 additions collide on the GPU when k rows meet in one token.
 """
 
 from __future__ import annotations
@@ -22,12 +17,10 @@ __all__ = ["permute", "sort_chunks_by_idxs", "unpermute"]
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
             num_out_tokens: int | None = None, fused: bool = False, drop_and_pad: bool = False,
-            rows_per_token: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(permuted_tokens [N, H], permuted_probs [N] or None, sorted_indices [N])``.
 
     ``num_out_tokens`` (``N``, when the caller knows it) avoids a device-to-host synchronisation.
-    ``rows_per_token`` (this library's addition): every token has exactly that many rows, so the
-    backward is a gather (see the module docstring).
     """
     if fused:
         raise ValueError("fused permutation needs Transformer Engine, which this library does not use")
@@ -48,26 +41,18 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
         flat = map_t.reshape(-1).nonzero(as_tuple=False).squeeze(-1)
         sorted_indices = flat % num_tokens
     permuted_probs = probs.T.contiguous().reshape(-1).index_select(0, flat) if probs is not None else None
-    if rows_per_token is not None and not drop_and_pad:
-        return _GatherRows.apply(tokens, sorted_indices, rows_per_token), permuted_probs, sorted_indices
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
 
 
 def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,
               probs: torch.Tensor | None = None, routing_map: torch.Tensor | None = None, fused: bool = False,
-              drop_and_pad: bool = False, rows_per_token: int | None = None) -> torch.Tensor:
+              drop_and_pad: bool = False) -> torch.Tensor:
     """Sum each row back into its source token: ``[T, H]`` of ``restore_shape``.
 
     With ``probs`` (``[T, E]``, needs ``routing_map``) each row is first weighted by its probability.
-    ``rows_per_token``: as in :func:`permute` (a gather and a sum instead of a scatter).
     """
     if fused:
         raise ValueError("fused permutation needs Transformer Engine, which this library does not use")
-    if rows_per_token is not None and probs is None and not drop_and_pad:
-        if sorted_indices.numel() != restore_shape[0] * rows_per_token:
-            raise ValueError(f"unpermute: {sorted_indices.numel()} rows are not {rows_per_token} per token for "
-                             f"{restore_shape[0]} tokens")
-        return _SumRows.apply(permuted_tokens, sorted_indices, rows_per_token).view(restore_shape)
     if probs is not None:
         if routing_map is None:
             raise ValueError("unpermute: routing_map is needed to weight rows by probs")
@@ -83,42 +68,6 @@ def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, resto
     output = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
     output.index_add_(0, sorted_indices, permuted_tokens)
     return output
-
-
-def _rows_by_token(sorted_indices: torch.Tensor) -> torch.Tensor:
-    """Row positions grouped by source token (token 0's rows first): ``[T * k]``."""
-    return torch.argsort(sorted_indices, stable=True)
-
-
-class _GatherRows(torch.autograd.Function):
-    """``tokens[sorted_indices]`` whose gradient sums each token's k rows by a gather (no scatter)."""
-
-    @staticmethod
-    def forward(ctx, tokens: torch.Tensor, sorted_indices: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(sorted_indices)
-        ctx.k, ctx.num_tokens = k, tokens.shape[0]
-        return tokens.index_select(0, sorted_indices)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (sorted_indices,) = ctx.saved_tensors
-        rows = grad.index_select(0, _rows_by_token(sorted_indices))
-        return rows.view(ctx.num_tokens, ctx.k, *grad.shape[1:]).sum(dim=1), None, None
-
-
-class _SumRows(torch.autograd.Function):
-    """Each token's k rows summed (a gather and a sum); the gradient of a row is its token's (a gather)."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, sorted_indices: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(sorted_indices)
-        gathered = rows.index_select(0, _rows_by_token(sorted_indices))
-        return gathered.view(-1, k, *rows.shape[1:]).sum(dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (sorted_indices,) = ctx.saved_tensors
-        return grad.index_select(0, sorted_indices), None, None
 
 
 def sort_chunks_by_idxs(input: torch.Tensor, split_sizes: torch.Tensor | list[int], sorted_idxs: torch.Tensor | list[int],
