@@ -2,16 +2,19 @@
 
 Part 1, ``fwd+bwd`` (protocol: /work/shared/BENCHMARK.md, timing and MFU helpers of
 ``gpt_fwd_bwd.py``): for the reference config (22 layers, hidden 2048) and a 3B-class config
-(28 layers, hidden 3072, 24 heads, 8 query groups, FFN 8192), bf16 and FP8 (``convert_to_float8``,
-``--recipe tensorwise`` or ``rowwise``) are timed in the same process, each TransformerLayer
-``torch.compile``d (torchao's casts need compile to be fast; ``--no-compile`` for eager). MFU
-counts the bf16-equivalent model FLOPs for both.
+(28 layers, hidden 3072, 24 heads, 8 query groups, FFN 8192), bf16 and each FP8 variant
+(``convert_to_float8``; ``--variants recipe:format,...``, recipes ``tensorwise``/``rowwise``,
+formats ``e4m3``/``hybrid``) are timed in the same process at each ``--mbs``, each
+TransformerLayer ``torch.compile``d (``--compile-scope model``: the whole GPTModel; torchao's
+casts need compile to be fast; ``--no-compile`` for eager). MFU counts the bf16-equivalent model
+FLOPs for both.
 
 Part 2, loss: the same model (default: the reference config with a byte-level vocabulary of 256)
 trained ``--loss-steps`` steps on the main job's corpus (the Python standard library's sources,
 collected by ``examples/main_job.py``'s ``collect_corpus``), bf16 and FP8 from the same initial
-weights on the same batches, with the library's optimizer (bf16 params, fp32 main params, Adam).
-Prints both curves' means over the last 10 steps and their relative difference (target < 1%).
+weights on the same batches, with the library's optimizer (bf16 params, fp32 main params, AdamW)
+and LR schedule (warm-up, cosine decay). Prints the means over the last 10 steps and their
+relative difference (target < 1%); ``--noise-seed`` adds a bf16 run from other initial weights.
 
     PYTHONPATH=src:. python3 benchmarks/fp8_training.py                 # GPU, both parts
     PYTHONPATH=src:. python3 benchmarks/fp8_training.py --only speed    # or --only loss
@@ -43,6 +46,7 @@ from megatron_core import tensor_parallel  # noqa: E402
 from megatron_core.fp8 import convert_to_float8  # noqa: E402
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec  # noqa: E402
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron_core.transformer import TransformerConfig  # noqa: E402
 
 CONFIGS = {
@@ -54,16 +58,30 @@ CONFIGS = {
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=("speed", "loss"), default=None)
-    p.add_argument("--recipe", choices=("tensorwise", "rowwise"), default="tensorwise")
+    p.add_argument("--recipe", choices=("tensorwise", "rowwise"), default="tensorwise",
+                   help="FP8 recipe of the loss comparison (and of the speed part unless --variants)")
+    p.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default="hybrid",
+                   help="config.fp8: 'hybrid' keeps e5m2 for the output gradient (Megatron's usual choice)")
+    p.add_argument("--variants", default=None,
+                   help="speed part: comma-separated recipe:format pairs, e.g. tensorwise:hybrid,rowwise:e4m3")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="speed part: comma-separated config names")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--mbs", default="2", help="speed part: micro-batch size(s), comma-separated")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--compile-scope", choices=("layer", "model"), default="layer",
+                   help="torch.compile each TransformerLayer, or the whole GPTModel")
     p.add_argument("--loss-steps", type=int, default=200)
     p.add_argument("--loss-config", default="reference (tinyllama-1.1b)", choices=list(CONFIGS))
+    p.add_argument("--loss-mbs", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--min-lr", type=float, default=3e-5)
+    p.add_argument("--lr-warmup-steps", type=int, default=20,
+                   help="linear warm-up, then cosine decay to --min-lr at the last step (0: constant --lr)")
+    p.add_argument("--noise-seed", type=int, default=None,
+                   help="also train bf16 from weights initialised with this seed: the bf16 run-to-run spread")
     p.add_argument("--corpus-mb", type=float, default=6.0)
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, emulated FP8, fp32")
@@ -72,71 +90,95 @@ def parse_args() -> argparse.Namespace:
     if args.tiny:
         for cfg in CONFIGS.values():
             cfg.update(layers=2, hidden=64, heads=4, query_groups=2, ffn=128)
-        args.vocab, args.seq, args.mbs, args.steps, args.warmup = 256, 32, 2, 2, 1
+        args.vocab, args.seq, args.mbs, args.steps, args.warmup = 256, 32, "2", 2, 1
         args.loss_steps, args.corpus_mb, args.compile = min(args.loss_steps, 10), 0.2, False
+        args.lr_warmup_steps = min(args.lr_warmup_steps, 2)
+    args.variants = [tuple(v.split(":")) for v in (args.variants or f"{args.recipe}:{args.fp8_format}").split(",")]
+    for recipe, fmt in args.variants:
+        if recipe not in ("tensorwise", "rowwise") or fmt not in ("e4m3", "hybrid"):
+            p.error(f"--variants: {recipe}:{fmt} is not recipe:format with recipe tensorwise|rowwise, format e4m3|hybrid")
+    args.configs = args.configs.split(",")
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
+    args.mbs = [int(m) for m in str(args.mbs).split(",")]
     return args
 
 
-def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: bool) -> torch.nn.Module:
-    """A Llama-like GPTModel of ``shape``; with ``fp8`` its transformer-layer GEMMs are float8."""
+def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: tuple[str, str] | None) -> torch.nn.Module:
+    """A Llama-like GPTModel of ``shape``; with ``fp8 = (recipe, format)`` its layer GEMMs will be float8."""
     dtype = torch.float32 if args.tiny else torch.bfloat16
+    recipe, fmt = fp8 if fp8 is not None else ("tensorwise", None)
     config = TransformerConfig(
         num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
         num_query_groups=shape["query_groups"], ffn_hidden_size=shape["ffn"], normalization="RMSNorm",
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
-        fp8="e4m3" if fp8 else None, fp8_recipe=args.recipe,
+        fp8=fmt, fp8_recipe=recipe,
     )
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab, args.seq, position_embedding_type="rope")
     return model.to(mdevice.get_current_device())
 
 
 def prepare(model: torch.nn.Module, args: argparse.Namespace, fp8: bool) -> torch.nn.Module:
-    """Convert to float8 (before compiling) and compile each layer unless ``--no-compile``."""
+    """Convert to float8 (before compiling), then compile each layer or the whole model unless ``--no-compile``."""
     if fp8:
         convert_to_float8(model, emulate=args.tiny)
-    if args.compile:
+    if args.compile and args.compile_scope == "layer":
         for layer in model.decoder.layers:
             layer.compile()
+    elif args.compile:
+        model.compile()
     return model
 
 
+def variant_label(fp8: tuple[str, str] | None) -> str:
+    """``bf16`` or ``fp8 <recipe> <format>``."""
+    return "bf16" if fp8 is None else f"fp8 {fp8[0]} {fp8[1]}"
+
+
 def speed(args: argparse.Namespace) -> dict:
-    """fwd+bwd of bf16 and FP8 for every config; returns tokens/s and MFU per (config, precision)."""
+    """fwd+bwd of bf16 and every FP8 variant, per config and micro-batch size; tokens/s and MFU of each."""
     dev = mdevice.get_current_device()
-    ids = torch.randint(0, args.vocab, (args.mbs, args.seq), device=dev)
-    labels = torch.randint(0, args.vocab, (args.mbs, args.seq), device=dev)
-    positions = torch.arange(args.seq, device=dev).unsqueeze(0).expand(args.mbs, -1)
     results = {}
-    for name, shape in CONFIGS.items():
-        timing_args = argparse.Namespace(**vars(args), **shape)
-        for fp8 in (False, True):
-            torch.manual_seed(1234)
-            tensor_parallel.model_parallel_cuda_manual_seed(1234)
-            model = prepare(build(shape, args, args.vocab, fp8), args, fp8)
-            n_no_embedding = sum(p.numel() for p in model.parameters()) - model.embedding.word_embeddings.weight.numel()
+    for name in args.configs:
+        shape = CONFIGS[name]
+        for mbs in args.mbs:
+            ids = torch.randint(0, args.vocab, (mbs, args.seq), device=dev)
+            labels = torch.randint(0, args.vocab, (mbs, args.seq), device=dev)
+            positions = torch.arange(args.seq, device=dev).unsqueeze(0).expand(mbs, -1)
+            timing_args = argparse.Namespace(**{**vars(args), "mbs": mbs}, **shape)
+            baseline = None
+            for fp8 in [None, *args.variants]:
+                torch.manual_seed(1234)
+                tensor_parallel.model_parallel_cuda_manual_seed(1234)
+                model = prepare(build(shape, args, args.vocab, fp8), args, fp8 is not None)
+                n_no_embedding = (sum(p.numel() for p in model.parameters())
+                                  - model.embedding.word_embeddings.weight.numel())
 
-            def step(model=model) -> None:
-                model(ids, positions, None, labels=labels).float().mean().backward()
-                for p in model.parameters():
-                    p.grad = None
+                def step(model=model, ids=ids, positions=positions, labels=labels) -> None:
+                    model(ids, positions, None, labels=labels).float().mean().backward()
+                    for p in model.parameters():
+                        p.grad = None
 
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            label = f"{name} {'fp8 ' + args.recipe if fp8 else 'bf16'}"
-            seconds = time_steps(step, timing_args)
-            mfu = report(label, seconds, timing_args, n_no_embedding)
-            results[label] = {"tokens_per_s": args.mbs * args.seq / seconds, "mfu": mfu,
-                              "flops_per_token": flops_per_token(timing_args, n_no_embedding),
-                              "peak_gb": mdevice.max_memory_allocated() / 1e9}
-            del model
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        bf16 = results[f"{name} bf16"]["tokens_per_s"]
-        fp8_tps = results[f"{name} fp8 {args.recipe}"]["tokens_per_s"]
-        print(f"RESULT {name} fwd+bwd: fp8 {args.recipe} {fp8_tps:,.0f} tok/s vs bf16 {bf16:,.0f} tok/s "
-              f"({fp8_tps / bf16:.2f}x)", flush=True)
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                label = f"{name} mbs {mbs} {variant_label(fp8)}"
+                seconds = time_steps(step, timing_args)
+                mfu = report(label, seconds, timing_args, n_no_embedding)
+                tokens_per_s = mbs * args.seq / seconds
+                results[label] = {"tokens_per_s": tokens_per_s, "mfu": mfu, "step_ms": 1e3 * seconds,
+                                  "flops_per_token": flops_per_token(timing_args, n_no_embedding),
+                                  "peak_gb": mdevice.max_memory_allocated() / 1e9}
+                if fp8 is None:
+                    baseline = tokens_per_s
+                else:
+                    print(f"RESULT {name} mbs {mbs} fwd+bwd: {variant_label(fp8)} {tokens_per_s:,.0f} tok/s vs "
+                          f"bf16 {baseline:,.0f} tok/s ({tokens_per_s / baseline:.3f}x)", flush=True)
+                del model, step
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
     return results
 
 
@@ -152,47 +194,81 @@ def corpus_bytes(args: argparse.Namespace) -> torch.Tensor:
 
 
 def train_curve(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace) -> list[float]:
-    """Losses of ``args.loss_steps`` steps on fixed random windows of ``data`` (the same for every call)."""
+    """Losses of ``args.loss_steps`` steps on fixed random windows of ``data`` (the same for every call).
+
+    The library's optimizer (bf16 params, fp32 main params, AdamW, clipping at 1.0) under the library's
+    ``OptimizerParamScheduler``: linear warm-up over ``--lr-warmup-steps``, then cosine decay to ``--min-lr``.
+    """
     dev = mdevice.get_current_device()
-    opt = get_megatron_optimizer(OptimizerConfig(lr=args.lr, weight_decay=0.1, clip_grad=1.0, bf16=not args.tiny,
-                                                 adam_beta2=0.95), [model])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=0.1, clip_grad=1.0,
+                                                 bf16=not args.tiny, adam_beta2=0.95), [model])
+    scheduler = None
+    if args.lr_warmup_steps > 0:
+        scheduler = OptimizerParamScheduler(
+            opt, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
+            lr_decay_steps=args.loss_steps, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+            wd_incr_steps=args.loss_steps, wd_incr_style="constant")
     gen = torch.Generator().manual_seed(7)
-    positions = torch.arange(args.seq, device=dev).unsqueeze(0).expand(args.mbs, -1)
+    mbs = args.loss_mbs
+    positions = torch.arange(args.seq, device=dev).unsqueeze(0).expand(mbs, -1)
     losses = []
     for _ in range(args.loss_steps):
-        starts = torch.randint(0, data.numel() - args.seq - 1, (args.mbs,), generator=gen)
+        starts = torch.randint(0, data.numel() - args.seq - 1, (mbs,), generator=gen)
         window = torch.stack([data[s:s + args.seq + 1] for s in starts.tolist()]).to(dev)
         opt.zero_grad()
         loss = model(window[:, :-1], positions, None, labels=window[:, 1:]).float().mean()
         loss.backward()
         success, _, _ = opt.step()
         assert success
+        if scheduler is not None:
+            scheduler.step(1)
         losses.append(loss.item())
     return losses
 
 
 def loss_comparison(args: argparse.Namespace) -> dict:
-    """200-step curves of bf16 and FP8 from the same weights on the same byte-level batches."""
+    """Curves of bf16 and FP8 (``--recipe``, ``--fp8-format``) from the same weights on the same batches.
+
+    With ``--noise-seed`` a second bf16 run starts from differently initialised weights: how far two
+    bf16 runs land apart, the scale on which to read the FP8 difference.
+    """
     data = corpus_bytes(args)
     shape = CONFIGS[args.loss_config]
+    fp8_variant = (args.recipe, args.fp8_format)
+    schedule = (f"warm-up {args.lr_warmup_steps} steps to {args.lr}, cosine to {args.min_lr}"
+                if args.lr_warmup_steps > 0 else f"constant lr {args.lr}")
     print(f"loss: {args.loss_config}, byte-level vocab 256, {data.numel() / 1e6:.1f} MB of stdlib sources, "
-          f"{args.loss_steps} steps of {args.mbs} x {args.seq} tokens", flush=True)
-    torch.manual_seed(1234)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    base = build(shape, args, 256, fp8=False)
-    initial = copy.deepcopy(base.state_dict())
-    del base
+          f"{args.loss_steps} steps of {args.loss_mbs} x {args.seq} tokens, {schedule}", flush=True)
+
+    def initial_weights(seed: int) -> dict:
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        base = build(shape, args, 256, fp8=None)
+        weights = copy.deepcopy(base.state_dict())
+        del base
+        return weights
+
+    runs = {"bf16": (1234, None), variant_label(fp8_variant): (1234, fp8_variant)}
+    if args.noise_seed is not None:
+        runs[f"bf16 seed {args.noise_seed}"] = (args.noise_seed, None)
     curves = {}
-    for fp8 in (False, True):
+    for label, (seed, fp8) in runs.items():
         model = build(shape, args, 256, fp8=fp8)
-        model.load_state_dict(initial)
-        curves["fp8" if fp8 else "bf16"] = train_curve(prepare(model, args, fp8), data, args)
+        model.load_state_dict(initial_weights(seed))
+        curves[label] = train_curve(prepare(model, args, fp8 is not None), data, args)
         del model
         gc.collect()
+        if mdevice.get_current_device().type == "cuda":
+            torch.cuda.empty_cache()
     last = {k: sum(v[-10:]) / len(v[-10:]) for k, v in curves.items()}
-    rel = abs(last["fp8"] - last["bf16"]) / last["bf16"]
-    print(f"RESULT loss after {args.loss_steps} steps (mean of last 10): bf16 {last['bf16']:.4f}, "
-          f"fp8 {args.recipe} {last['fp8']:.4f}, relative difference {100 * rel:.2f}% (target < 1%)", flush=True)
+    rel = {k: abs(v - last["bf16"]) / last["bf16"] for k, v in last.items() if k != "bf16"}
+    for k in rel:
+        print(f"RESULT loss after {args.loss_steps} steps (mean of last 10): bf16 {last['bf16']:.4f}, {k} "
+              f"{last[k]:.4f}, relative difference {100 * rel[k]:.2f}%", flush=True)
+    checkpoints = sorted({s for s in (1, 10, 25, 50, 100, 150, args.loss_steps) if s <= args.loss_steps})
+    print("step | " + " | ".join(curves), flush=True)
+    for s in checkpoints:
+        print(f"{s} | " + " | ".join(f"{c[s - 1]:.4f}" for c in curves.values()), flush=True)
     return {"curves": curves, "last10": last, "relative_difference": rel}
 
 
@@ -202,7 +278,8 @@ def main() -> None:
     import torchao
 
     print(f"device {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"torchao {torchao.__version__}, recipe {args.recipe}, compile {args.compile}", flush=True)
+          f"torchao {torchao.__version__}, variants {args.variants}, compile {args.compile} ({args.compile_scope})",
+          flush=True)
     results = {}
     if args.only in (None, "speed"):
         results["speed"] = speed(args)

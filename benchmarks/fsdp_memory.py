@@ -10,11 +10,19 @@ model's parameter count. Printed as a markdown table next to the formula (DDP + 
 ``6 + 12/d``, ``6 + 8/d`` with bf16 moments; FSDP: ``16/d``)::
 
     PYTHONPATH=src .venv/bin/python benchmarks/fsdp_memory.py
+
+On GPUs (``--device cuda``: one NCCL rank per GPU, DP sizes up to the GPU count) the table adds the
+CUDA caching allocator's view: bytes allocated after the step (activations freed) less those before
+the model was built, per parameter; ``--preset tinyllama-1.1b`` measures the reference model::
+
+    PYTHONPATH=src python benchmarks/fsdp_memory.py --device cuda --dp 1 2 --preset tinyllama-1.1b
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import os
 from collections.abc import Iterable
 
@@ -23,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from distopt_memory import run_at_each_dp_size  # the same spawn-per-DP-size driver
 
-from megatron_core import parallel_state
+from megatron_core import parallel_state, tensor_parallel
 from megatron_core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -34,7 +42,11 @@ from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.transformer import TransformerConfig
 
-VOCAB, SEQ, BATCH = 1024, 32, 4
+PRESETS = {
+    "tiny": dict(num_layers=4, hidden_size=128, num_attention_heads=4, vocab=1024, seq=32, batch=4),
+    "tinyllama-1.1b": dict(num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                           ffn_hidden_size=5632, vocab=32000, seq=2048, batch=1, swiglu=True),
+}
 CASES = ("DDP + distributed optimizer", "DDP + distributed optimizer, bf16 moments", "FSDP2 (torch fully_shard)")
 
 
@@ -53,14 +65,25 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
-def measure(case: str) -> dict[str, float]:
+def measure(case: str, preset: str, device: torch.device) -> dict[str, float]:
     """One step on this rank, then the bytes per model parameter held in each category."""
     torch.manual_seed(0)
     fsdp = case.startswith("FSDP")
     dtype = torch.float32 if fsdp else torch.bfloat16
-    config = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=dtype)
-    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ).to(dtype)
+    shape = dict(PRESETS[preset])
+    vocab, seq, batch, swiglu = shape.pop("vocab"), shape.pop("seq"), shape.pop("batch"), shape.pop("swiglu", False)
+    if swiglu:
+        shape.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+                     add_bias_linear=False)
+    gc.collect()
+    allocated_before = 0
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        allocated_before = torch.cuda.memory_allocated(device)
+    config = TransformerConfig(**shape, use_cpu_initialization=device.type == "cpu", hidden_dropout=0.0,
+                               attention_dropout=0.0, bf16=True, params_dtype=dtype)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab, seq,
+                     position_embedding_type="rope" if swiglu else "learned_absolute").to(device=device, dtype=dtype)
     num_params = sum(p.numel() for p in model.parameters())
     if fsdp:
         wrapped = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), model)
@@ -73,8 +96,8 @@ def measure(case: str) -> dict[str, float]:
                                      use_precision_aware_optimizer=moments != torch.float32,
                                      exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
     opt = get_megatron_optimizer(opt_config, [wrapped])
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
-    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    tokens = torch.randint(0, vocab, (batch, seq), device=device)
+    positions = torch.arange(seq, device=device).expand(batch, seq)
     wrapped.zero_grad_buffer()
     opt.zero_grad()
     wrapped(tokens, positions, None, labels=tokens).float().mean().backward()
@@ -87,8 +110,19 @@ def measure(case: str) -> dict[str, float]:
     main = _storage_bytes((p for g in opt.optimizer.param_groups for p in g["params"]), seen)
     states = _storage_bytes((t for s in opt.optimizer.state.values() for t in s.values()
                              if isinstance(t, torch.Tensor) and t.dim() > 0), seen)
-    return {k: v / num_params for k, v in
-            {"params": params, "grads": grads, "main params": main, "optimizer state": states}.items()}
+    result = {k: v / num_params for k, v in
+              {"params": params, "grads": grads, "main params": main, "optimizer state": states}.items()}
+    if device.type == "cuda":
+        del tokens, positions
+        gc.collect()
+        torch.cuda.synchronize(device)
+        result["allocator"] = (torch.cuda.memory_allocated(device) - allocated_before) / num_params
+        result["params (count)"] = num_params
+    del opt, wrapped, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def formula(case: str, dp: int) -> float:
@@ -98,12 +132,19 @@ def formula(case: str, dp: int) -> float:
     return 6 + (8 if "bf16 moments" in case else 12) / dp
 
 
-def _worker(rank: int, world_size: int, store: str, queue: mp.Queue) -> None:
+def _worker(rank: int, world_size: int, store: str, queue: mp.Queue, preset: str = "tiny",
+            device_type: str = "cpu") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world_size)
     parallel_state.initialize_model_parallel()
     for case in CASES:
-        result = measure(case)
+        result = measure(case, preset, device)
         gathered: list = [None] * world_size
         dist.all_gather_object(gathered, result)
         if rank == 0:  # the average rank (FSDP shards of small tensors are uneven)
@@ -112,17 +153,32 @@ def _worker(rank: int, world_size: int, store: str, queue: mp.Queue) -> None:
     dist.destroy_process_group()
 
 
+CATEGORIES = ("params", "grads", "main params", "optimizer state")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
-    rows = run_at_each_dp_size(_worker, args.dp)
+    if args.device == "cuda" and max(args.dp) > torch.cuda.device_count():
+        parser.error(f"--dp {max(args.dp)} needs that many GPUs; {torch.cuda.device_count()} visible")
+    worker = functools.partial(_worker, preset=args.preset, device_type=args.device)
+    rows = run_at_each_dp_size(worker, args.dp)
     rows.sort(key=lambda r: (CASES.index(r[0]), r[1]))
-    print("| layout | DP | params | grads | main params | optimizer state | total | formula |")
-    print("|---|---|---|---|---|---|---|---|")
+    cuda = args.device == "cuda"
+    if cuda:
+        print(f"device {torch.cuda.get_device_name()}, preset {args.preset}, "
+              f"{rows[0][2]['params (count)'] / 1e9:.3f} B parameters")
+    extra = " allocator |" if cuda else ""
+    print(f"| layout | DP | params | grads | main params | optimizer state | total | formula |{extra}")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
     for case, dp, r in rows:
+        total = sum(r[k] for k in CATEGORIES)
+        allocator = f" {r['allocator']:.2f} |" if cuda else ""
         print(f"| {case} | {dp} | {r['params']:.2f} | {r['grads']:.2f} | {r['main params']:.2f} | "
-              f"{r['optimizer state']:.2f} | {sum(r.values()):.2f} | {formula(case, dp):.2f} |")
+              f"{r['optimizer state']:.2f} | {total:.2f} | {formula(case, dp):.2f} |{allocator}")
 
 
 if __name__ == "__main__":
