@@ -31,6 +31,7 @@ import gc
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,6 +84,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--noise-seed", type=int, default=None,
                    help="also train bf16 from weights initialised with this seed: the bf16 run-to-run spread")
     p.add_argument("--corpus-mb", type=float, default=6.0)
+    p.add_argument("--profile", action="store_true", help="speed part: print the FP8 variants' top kernels")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, emulated FP8, fp32")
     args = p.parse_args()
@@ -150,6 +152,7 @@ def speed(args: argparse.Namespace) -> dict:
             timing_args = argparse.Namespace(**{**vars(args), "mbs": mbs}, **shape)
             baseline = None
             for fp8 in [None, *args.variants]:
+                torch._dynamo.reset()  # fresh static-shape graphs for every model and micro-batch size
                 torch.manual_seed(1234)
                 tensor_parallel.model_parallel_cuda_manual_seed(1234)
                 model = prepare(build(shape, args, args.vocab, fp8), args, fp8 is not None)
@@ -175,11 +178,27 @@ def speed(args: argparse.Namespace) -> dict:
                 else:
                     print(f"RESULT {name} mbs {mbs} fwd+bwd: {variant_label(fp8)} {tokens_per_s:,.0f} tok/s vs "
                           f"bf16 {baseline:,.0f} tok/s ({tokens_per_s / baseline:.3f}x)", flush=True)
+                if args.profile and fp8 is not None:
+                    profile_kernels(step, label)
                 del model, step
                 gc.collect()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
     return results
+
+
+def profile_kernels(step: Callable[[], None], label: str, rows: int = 25) -> None:
+    """Print the GPU kernels of two ``step()`` calls, by total time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(2):
+            step()
+        mdevice.synchronize()
+    print(f"kernels of 2 steps, {label}:")
+    sort = "cuda_time_total" if activity == ProfilerActivity.CUDA else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70), flush=True)
 
 
 def corpus_bytes(args: argparse.Namespace) -> torch.Tensor:
