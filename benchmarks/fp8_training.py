@@ -272,8 +272,11 @@ def loss_comparison(args: argparse.Namespace) -> dict:
         runs[f"bf16 seed {args.noise_seed}"] = (args.noise_seed, None)
     curves = {}
     for label, (seed, fp8) in runs.items():
+        torch._dynamo.reset()
+        weights = initial_weights(seed)
         model = build(shape, args, 256, fp8=fp8)
-        model.load_state_dict(initial_weights(seed))
+        model.load_state_dict(weights)
+        del weights
         curves[label] = train_curve(prepare(model, args, fp8 is not None), data, args)
         del model
         gc.collect()
