@@ -44,6 +44,8 @@ from megatron_core.transformer import TransformerConfig
 
 PRESETS = {
     "tiny": dict(num_layers=4, hidden_size=128, num_attention_heads=4, vocab=1024, seq=32, batch=4),
+    "tiny-llama": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                       vocab=256, seq=32, batch=2, swiglu=True),
     "tinyllama-1.1b": dict(num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
                            ffn_hidden_size=5632, vocab=32000, seq=2048, batch=1, swiglu=True),
 }
