@@ -32,6 +32,8 @@ def main() -> None:
     add_model_and_workload_args(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--compile-decode", action="store_true", help="torch.compile the forward the decode graphs capture")
+    p.add_argument("--no-profile", action="store_true")
     args = p.parse_args()
     dev = torch.device("cuda")
     model = build_model(args, torch.bfloat16, dev)
@@ -59,6 +61,7 @@ def profile(args, model, concurrency: int) -> None:
         max_tokens=max(8192, concurrency), max_sequence_length=args.prompt_len + args.gen_len + 8,
         enable_chunked_prefill=True, num_cuda_graphs=8))
     engine = llm.engine
+    engine.controller.inference_wrapped_model.compile_decode_graphs = args.compile_decode
     params = SamplingParams(top_k=1, num_tokens_to_generate=args.gen_len, termination_id=-1)
     for i, prompt in enumerate(prompts(concurrency, args.prompt_len, args.vocab, 1)):
         engine.add_request(i, prompt, params)
@@ -74,6 +77,9 @@ def profile(args, model, concurrency: int) -> None:
     print(f"\n== concurrency {concurrency}: engine decode step {wall * 1e3:.3f} ms, graph replay alone "
           f"{replay * 1e3:.3f} ms (graph sizes {sorted(graphs)}), host and the rest {(wall - replay) * 1e3:.3f} ms",
           flush=True)
+    if args.no_profile:
+        llm.shutdown()
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):

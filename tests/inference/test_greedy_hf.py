@@ -91,3 +91,21 @@ def test_cuda_graph_decode_matches_hf(models):
         assert _greedy(eager, batch) == expected
     finally:
         model.cpu()
+
+
+@pytest.mark.gpu
+def test_compiled_cuda_graph_decode_matches_hf(models):
+    """Decode graphs that capture the torch.compile'd forward give Hugging Face's tokens too."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, batch, expected = models
+    model = model.cuda()
+    try:
+        engine = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4)
+        engine.controller.inference_wrapped_model.compile_decode_graphs = True
+        assert _greedy(engine, batch) == expected
+        assert engine.controller.inference_wrapped_model.decode_graphs.graphs
+    finally:
+        model.cpu()

@@ -52,3 +52,26 @@ def test_kernel_matches_gathered_reference(heads, groups, head_dim, block_size, 
     got = paged_decode_attention(q, k, v, tables, kv_len, block_size)
     want = paged_decode_reference(q.float(), k.float(), v.float(), tables, kv_len, block_size)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_kernel_compiles_without_graph_break() -> None:
+    """Under torch.compile the kernel is an opaque custom op: one graph, the eager result exactly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    q, k, v, tables, kv_len = _case("cuda", torch.bfloat16, [3, 70, 500], 8, 2, 64, 16, 33)
+    compiled = torch.compile(lambda *a: paged_decode_attention(*a, 16) * 2, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, tables, kv_len), paged_decode_attention(q, k, v, tables, kv_len, 16) * 2,
+                               rtol=0, atol=0)
+
+
+def test_custom_op_fake_gives_the_output_shape() -> None:
+    """The op's fake (meta) implementation, which torch.compile traces with, has the query's shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(3, 8, 64, dtype=torch.bfloat16)
+        cache = torch.empty(16 * 40, 2, 64, dtype=torch.bfloat16)
+        out = torch.ops.megatron_core.paged_decode_attention(q, cache, cache, torch.zeros(3, 33, dtype=torch.long),
+                                                             torch.ones(3, dtype=torch.long), 16, 0.125)
+    assert out.shape == q.shape and out.dtype == q.dtype

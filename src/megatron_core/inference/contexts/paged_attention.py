@@ -45,7 +45,13 @@ def paged_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     hn = query.shape[-1]
     return (query.is_cuda and k_cache.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and k_cache.dtype == query.dtype and 16 <= hn <= 256 and hn & (hn - 1) == 0
-            and _triton() is not None)
+            and _have_triton())
+
+
+@torch.compiler.assume_constant_result
+def _have_triton() -> bool:
+    """Whether Triton can be imported (a constant to ``torch.compile``, which cannot trace the import)."""
+    return _triton() is not None
 
 
 @functools.cache
@@ -82,7 +88,7 @@ def _kernel() -> Any:
             slots = blocks * BLOCK_SIZE + toks % BLOCK_SIZE
             k = tl.load(k_ptr + slots[:, None] * stride_ks + group * stride_kg + dims[None, :],
                         mask=tok_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # fp32 also when a compiler passes scale as fp64
             s = tl.where(tok_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
@@ -116,14 +122,40 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     ``query [B, heads, head_dim]``; ``k_cache``/``v_cache [slots, groups, head_dim]``;
     ``block_tables [B, width]`` (block ids; entries past a request's length are never read);
     ``kv_len [B]`` (>= 1) cached tokens per request, the current token's included. Returns
-    ``[B, heads, head_dim]`` in the query's dtype.
+    ``[B, heads, head_dim]`` in the query's dtype. Under ``torch.compile`` the kernel is an opaque
+    custom op (``torch.ops.megatron_core.paged_decode_attention``), so the graph does not break here.
     """
     batch, heads, head_dim = query.shape
     groups = k_cache.shape[1]
     if heads % groups != 0:
         raise ValueError(f"paged_decode_attention: {heads} query heads are not a multiple of {groups} KV groups")
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    if torch.compiler.is_compiling():
+        return torch.ops.megatron_core.paged_decode_attention(query, k_cache, v_cache, block_tables, kv_len,
+                                                              block_size, scale)
+    return _paged_decode_attention(query, k_cache, v_cache, block_tables, kv_len, block_size, scale)
+
+
+@torch.library.custom_op("megatron_core::paged_decode_attention", mutates_args=())
+def _paged_decode_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, kv_len: torch.Tensor, block_size: int,
+                               scale: float) -> torch.Tensor:
+    return _paged_decode_attention(query, k_cache, v_cache, block_tables, kv_len, block_size, scale)
+
+
+@_paged_decode_attention_op.register_fake
+def _paged_decode_attention_fake(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, kv_len: torch.Tensor, block_size: int,
+                                 scale: float) -> torch.Tensor:
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+
+
+def _paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, kv_len: torch.Tensor, block_size: int,
+                            scale: float) -> torch.Tensor:
+    batch, heads, head_dim = query.shape
+    groups = k_cache.shape[1]
     heads_per_group = heads // groups
-    scale = head_dim ** -0.5 if scale is None else scale
     max_tokens = block_tables.shape[1] * block_size
     splits = _num_splits(batch, groups, max_tokens)
     tokens_per_split = -(-max_tokens // splits)

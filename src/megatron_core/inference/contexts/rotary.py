@@ -30,9 +30,9 @@ def _cos_sin(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     """``cos`` and ``sin`` of an angle table, in ``dtype``, computed once per (table, dtype)."""
     entry = _TABLES.get(id(angles))
     fresh = entry is None or entry[0]() is not angles or entry[1] != dtype
-    if torch.compiler.is_compiling() or (fresh and _capturing(angles)):
-        # Inside a compiled graph, or first seen while a CUDA graph is captured (its kernels only run at
-        # replay): compute in place, cache nothing.
+    if fresh and _capturing(angles):
+        # First seen while a CUDA graph is captured (its kernels only run at replay): compute in place,
+        # cache nothing.
         return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
     if fresh:
         for key in [k for k, v in _TABLES.items() if v[0]() is None]:
@@ -69,6 +69,13 @@ def rotate_at_positions(
         return query, key
     q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
     interleaved = bool(getattr(config, "rotary_interleaved", False))
+    if torch.compiler.is_compiling():
+        # Inside a compiled graph (no table cache: ids of traced tensors mean nothing): the cosines and
+        # sines of just the step's rows, which the compiler fuses with the rotation.
+        q_rows = _rows(q_emb, positions)
+        k_rows = q_rows if k_emb is q_emb else _rows(k_emb, positions)
+        return (_rotate(query, q_rows.cos().to(query.dtype), q_rows.sin().to(query.dtype), interleaved),
+                _rotate(key, k_rows.cos().to(key.dtype), k_rows.sin().to(key.dtype), interleaved))
     q_cos, q_sin = _cos_sin(q_emb, query.dtype)
     q_cos, q_sin = _rows(q_cos, positions), _rows(q_sin, positions)
     if k_emb is q_emb and key.dtype == query.dtype:

@@ -33,6 +33,8 @@ class AbstractModelInferenceWrapper(abc.ABC):
         self.inference_context = inference_context
         self.pp_group = comm.pipeline_group(self.inner_model)
         self.decode_graphs = DecodeGraphRunner()
+        self.compile_decode_graphs = False
+        self._compiled_decode_forward: Any = None
         self.prep_model_for_inference()
 
     @property
@@ -56,12 +58,19 @@ class AbstractModelInferenceWrapper(abc.ABC):
             inference_context=self.inference_context, runtime_gather_output=True,
         )
 
+    def _decode_forward(self, inference_input: dict[str, Any]) -> torch.Tensor:
+        if not self.compile_decode_graphs:
+            return self._forward(inference_input)
+        if self._compiled_decode_forward is None:
+            self._compiled_decode_forward = torch.compile(self._forward, dynamic=False)
+        return self._compiled_decode_forward(inference_input)
+
     @torch.inference_mode()
     def run_one_forward_step(self, inference_input: dict[str, Any]) -> torch.Tensor:
         """Full-vocabulary logits ``[b, L, V]`` of one forward, on every rank."""
         graph_batch = getattr(self.inference_context, "graph_batch_size", None)
         if self.pp_group is None and graph_batch is not None and self.device.type == "cuda":
-            return self.decode_graphs.run(graph_batch, lambda: self._forward(inference_input))
+            return self.decode_graphs.run(graph_batch, lambda: self._decode_forward(inference_input))
         if self.pp_group is None:
             return self._forward(inference_input)
         tokens = inference_input["tokens"]
