@@ -34,6 +34,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--compile-decode", action="store_true", help="torch.compile the forward the decode graphs capture")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--phases", action="store_true",
+                   help="also time the phases of a decode step (synchronising the GPU between phases)")
     args = p.parse_args()
     dev = torch.device("cuda")
     model = build_model(args, torch.bfloat16, dev)
@@ -59,9 +61,8 @@ def profile(args, model, concurrency: int) -> None:
     llm = MegatronLLM(model=model, tokenizer=None, use_coordinator=False, inference_config=InferenceConfig(
         block_size_tokens=args.block_size, buffer_size_gb=buffer_gb, max_requests=concurrency,
         max_tokens=max(8192, concurrency), max_sequence_length=args.prompt_len + args.gen_len + 8,
-        enable_chunked_prefill=True, num_cuda_graphs=8))
+        enable_chunked_prefill=True, num_cuda_graphs=8, compile_decode_graphs=args.compile_decode))
     engine = llm.engine
-    engine.controller.inference_wrapped_model.compile_decode_graphs = args.compile_decode
     params = SamplingParams(top_k=1, num_tokens_to_generate=args.gen_len, termination_id=-1)
     for i, prompt in enumerate(prompts(concurrency, args.prompt_len, args.vocab, 1)):
         engine.add_request(i, prompt, params)
@@ -77,6 +78,8 @@ def profile(args, model, concurrency: int) -> None:
     print(f"\n== concurrency {concurrency}: engine decode step {wall * 1e3:.3f} ms, graph replay alone "
           f"{replay * 1e3:.3f} ms (graph sizes {sorted(graphs)}), host and the rest {(wall - replay) * 1e3:.3f} ms",
           flush=True)
+    if args.phases:
+        phase_times(engine, args.steps)
     if args.no_profile:
         llm.shutdown()
         return
@@ -88,6 +91,54 @@ def profile(args, model, concurrency: int) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
     llm.shutdown()
+
+
+def phase_times(engine, steps: int) -> None:
+    """Median wall time of each phase of ``engine.step_modern`` (the GPU is synchronised around each phase)."""
+    controller = engine.controller
+    wrapper = controller.inference_wrapped_model
+    targets = [
+        ("schedule", engine, "schedule_requests"),
+        ("attention state", engine.context, "initialize_attention_state"),
+        ("input ids", engine.context, "current_input_and_position_ids"),
+        ("forward (graph replay)", wrapper, "run_one_forward_step"),
+        ("sampling", controller.sampler, "sample"),
+        ("bookkeeping", engine, "_bookkeep"),
+    ]
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in targets}
+    originals = []
+
+    def timed(name, fn):
+        def wrapper_fn(*a, **k):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = fn(*a, **k)
+            torch.cuda.synchronize()
+            samples[name].append(time.perf_counter() - start)
+            return result
+        return wrapper_fn
+
+    for name, obj, attr in targets:
+        originals.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
+    walls = []
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.step_modern()
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - start)
+    finally:
+        for obj, attr, fn in originals:
+            if attr in vars(obj):
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, fn)
+    parts = {name: statistics.median(v) for name, v in samples.items() if v}
+    print(f"phases (median of {steps} steps, synchronised): step {statistics.median(walls) * 1e3:.3f} ms = "
+          + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in parts.items())
+          + f", other {(statistics.median(walls) - sum(parts.values())) * 1e3:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

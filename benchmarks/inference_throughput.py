@@ -64,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-eager", action="store_true", help="skip the engine without CUDA graphs")
     p.add_argument("--no-cuda-graphs", action="store_true", help="skip the engine with CUDA-graph decode steps")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="also run the CUDA-graph engine with InferenceConfig.compile_decode_graphs")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32")
     args = p.parse_args()
     if args.tiny:
@@ -109,7 +111,7 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(0, vocab, (n, length), generator=gen).tolist()
 
 
-def run_engine(args, model, concurrency: int, n_requests: int, cuda_graphs: bool) -> dict:
+def run_engine(args, model, concurrency: int, n_requests: int, cuda_graphs: bool, compile_decode: bool = False) -> dict:
     """Closed loop: ``concurrency`` requests in flight until ``n_requests`` finished."""
     buffer_gb = concurrency * (args.prompt_len + args.gen_len + args.block_size) * model.config.num_layers * 2 \
         * model.config.num_query_groups * model.config.kv_channels * 2 / 1024**3 + 0.01
@@ -117,11 +119,16 @@ def run_engine(args, model, concurrency: int, n_requests: int, cuda_graphs: bool
         block_size_tokens=args.block_size, buffer_size_gb=buffer_gb, max_requests=concurrency,
         max_tokens=max(args.max_tokens, concurrency), max_sequence_length=args.prompt_len + args.gen_len + 8,
         enable_chunked_prefill=True, num_cuda_graphs=8 if cuda_graphs else None,
+        compile_decode_graphs=compile_decode,
     ))
     engine = llm.engine
     params = SamplingParams(top_k=1, num_tokens_to_generate=args.gen_len, termination_id=-1)
     # Warm up (allocates the KV buffers, first kernels).
     engine.generate(prompts(min(concurrency, 2), args.prompt_len, args.vocab, 99), params)
+    # Capture (and compile) the decode graph of every padded batch size before the clock starts.
+    for size in engine.context.graph_sizes:
+        engine.generate(prompts(size, 16, args.vocab, 98), SamplingParams(
+            top_k=1, num_tokens_to_generate=3, termination_id=-1))
     queue = prompts(n_requests, args.prompt_len, args.vocab, 1)
     finished, ttfts, decode_steps, live_tokens = [], [], [], []
     next_id = 0
@@ -207,19 +214,20 @@ def main() -> None:
     print(f"weights {weight_bytes / 1e9:.3f} GB, KV {kv_bytes_per_token} B/token, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     rows = []
-    variants = [v for v, skip in (("eager", args.no_eager), ("graphs", args.no_cuda_graphs or dev.type != "cuda"))
-                if not skip]
+    variants = [v for v, skip in (("eager", args.no_eager), ("graphs", args.no_cuda_graphs or dev.type != "cuda"),
+                                  ("graphs+compile", not args.compile_decode or dev.type != "cuda")) if not skip]
     for variant in variants:
         for c in args.concurrency:
             n = args.requests_at_1 if c == 1 else args.requests
             try:
-                ours = run_engine(args, model, c, n, cuda_graphs=variant == "graphs")
+                ours = run_engine(args, model, c, n, cuda_graphs=variant.startswith("graphs"),
+                                  compile_decode=variant == "graphs+compile")
             except Exception as error:  # report and go on: one failing variant must not lose the run
                 print(f"megatron_core {variant} c={c}: FAILED {type(error).__name__}: {error}", flush=True)
                 continue
             floor = (weight_bytes + ours["live_tokens"] * kv_bytes_per_token) / bandwidth
             rows.append((variant, c, ours, floor))
-            print(f"megatron_core {variant:6s} c={c:3d}  {n} requests: {ours['tokens_per_s']:9.1f} out tok/s  "
+            print(f"megatron_core {variant:14s} c={c:3d}  {n} requests: {ours['tokens_per_s']:9.1f} out tok/s  "
                   f"TTFT median {ours['ttft_median'] * 1e3:8.1f} ms (p90 {ours['ttft_p90'] * 1e3:8.1f})  "
                   f"decode step {ours['decode_step'] * 1e3:7.2f} ms  floor {floor * 1e3:6.2f} ms  "
                   f"({ours['decode_step'] / floor:4.1f}x floor)", flush=True)

@@ -75,6 +75,16 @@ def test_padded_decode_layout_matches_hf(models):
     assert set(engine.context.graph_inputs) <= {1, 2, 3} and engine.context.graph_inputs
 
 
+def test_compiled_padded_decode_matches_hf(models):
+    """The forward that decode graphs capture, torch.compile'd, on the CUDA-graph layout (CPU, no graphs)."""
+    model, batch, expected = models
+    engine = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4,
+                     max_requests=3, compile_decode_graphs=True)
+    engine.context.pad_decode_steps_on_cpu = True
+    assert engine.controller.inference_wrapped_model.compile_decode_graphs
+    assert _greedy(engine, batch) == expected
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decode_matches_hf(models):
     import torch
@@ -103,8 +113,8 @@ def test_compiled_cuda_graph_decode_matches_hf(models):
     model, batch, expected = models
     model = model.cuda()
     try:
-        engine = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4)
-        engine.controller.inference_wrapped_model.compile_decode_graphs = True
+        engine = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4,
+                         compile_decode_graphs=True)
         assert _greedy(engine, batch) == expected
         assert engine.controller.inference_wrapped_model.decode_graphs.graphs
     finally:

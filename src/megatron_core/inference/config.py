@@ -48,6 +48,7 @@ class InferenceConfig:
     prefix_caching_eviction_policy: PrefixCachingEvictionPolicy = PrefixCachingEvictionPolicy.REF_ZERO
     num_cuda_graphs: int | None = None
     cuda_graph_max_tokens: int = 512
+    compile_decode_graphs: bool = False  # extension: torch.compile the forward each decode CUDA graph captures
     kv_cache_management_mode: KVCacheManagementMode = KVCacheManagementMode.PERSIST
     unified_memory_level: int = 0
     use_flashinfer_fused_rope: bool | None = False

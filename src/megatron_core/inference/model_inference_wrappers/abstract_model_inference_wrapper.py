@@ -5,7 +5,8 @@ logits ``[b, L, V]`` on every rank: tensor-parallel shards are gathered by the o
 with pipeline parallelism each stage receives the previous stage's activations, runs its layers
 (with the KV cache of its layers in the inference context) and sends them on; the last stage's
 logits are then broadcast to all stages. Decode-only steps laid out for CUDA graphs (single
-pipeline stage) replay a captured graph (:mod:`.cuda_graphs`).
+pipeline stage) replay a captured graph (:mod:`.cuda_graphs`); with
+``InferenceConfig.compile_decode_graphs`` the captured forward is the ``torch.compile``'d one.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class AbstractModelInferenceWrapper(abc.ABC):
         self.inference_context = inference_context
         self.pp_group = comm.pipeline_group(self.inner_model)
         self.decode_graphs = DecodeGraphRunner()
-        self.compile_decode_graphs = False
+        inference_config = getattr(inference_context, "inference_config", None)
+        self.compile_decode_graphs = bool(getattr(inference_config, "compile_decode_graphs", False))
         self._compiled_decode_forward: Any = None
         self.prep_model_for_inference()
 
@@ -59,18 +61,26 @@ class AbstractModelInferenceWrapper(abc.ABC):
         )
 
     def _decode_forward(self, inference_input: dict[str, Any]) -> torch.Tensor:
+        """The forward a decode graph captures: ``torch.compile``'d with ``compile_decode_graphs``.
+
+        Shapes are static per padded batch size, so each graph size compiles once (``dynamic=False``).
+        """
         if not self.compile_decode_graphs:
             return self._forward(inference_input)
         if self._compiled_decode_forward is None:
             self._compiled_decode_forward = torch.compile(self._forward, dynamic=False)
-        return self._compiled_decode_forward(inference_input)
+        # One compiled graph per padded batch size: more than dynamo's default limit of 8 may be needed.
+        with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+            return self._compiled_decode_forward(inference_input)
 
     @torch.inference_mode()
     def run_one_forward_step(self, inference_input: dict[str, Any]) -> torch.Tensor:
         """Full-vocabulary logits ``[b, L, V]`` of one forward, on every rank."""
         graph_batch = getattr(self.inference_context, "graph_batch_size", None)
-        if self.pp_group is None and graph_batch is not None and self.device.type == "cuda":
-            return self.decode_graphs.run(graph_batch, lambda: self._decode_forward(inference_input))
+        if self.pp_group is None and graph_batch is not None:
+            if self.device.type == "cuda":
+                return self.decode_graphs.run(graph_batch, lambda: self._decode_forward(inference_input))
+            return self._decode_forward(inference_input)  # the padded layout without graphs (CPU tests)
         if self.pp_group is None:
             return self._forward(inference_input)
         tokens = inference_input["tokens"]

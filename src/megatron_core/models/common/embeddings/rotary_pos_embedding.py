@@ -73,6 +73,19 @@ class RotaryEmbedding(torch.nn.Module):
         self.inv_freq = inv_freq
         self._cache: dict[tuple, torch.Tensor] = {}
 
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        """Moves of the module (``.cuda()``, ``.to(device)``) take ``inv_freq`` along; dtype casts leave it fp32.
+
+        Without this, a model built on the CPU and moved to a GPU would copy ``inv_freq`` from the host
+        whenever the angles are recomputed: inside a compiled graph captured by a CUDA graph, that copy fails.
+        """
+        super()._apply(fn, recurse)
+        target = fn(self.inv_freq).device
+        if target != self.inv_freq.device:
+            self.inv_freq = self.inv_freq.to(target)
+            self._cache.clear()
+        return self
+
     def _cp(self) -> tuple[int, int]:
         return get_pg_size(self.cp_group), get_pg_rank(self.cp_group)
 
