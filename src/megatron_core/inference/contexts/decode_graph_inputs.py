@@ -29,29 +29,37 @@ class DecodeGraphInputs:
     def __init__(self, batch: int, width: int, block_size: int, scratch_block: int, device: torch.device) -> None:
         self.batch, self.width, self.block_size, self.scratch_block = batch, width, block_size, scratch_block
         long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(1, batch, **long)
-        self.position_ids = torch.zeros(1, batch, **long)
-        self.slot_mapping = torch.zeros(batch, **long)
-        self.tables = torch.zeros(batch, width, **long)
-        self.kv_len = torch.ones(batch, **long)
+        # One flat buffer, so that a step's inputs arrive in one host-to-device copy; the named
+        # tensors are fixed views of it.
+        self._flat = torch.zeros(4 * batch + batch * width, **long)
+        self.input_ids = self._flat[:batch].view(1, batch)
+        self.position_ids = self._flat[batch : 2 * batch].view(1, batch)
+        self.slot_mapping = self._flat[2 * batch : 3 * batch]
+        self.kv_len = self._flat[3 * batch : 4 * batch]
+        self.tables = self._flat[4 * batch :].view(batch, width)
+        self.kv_len.fill_(1)
         self.mask = torch.zeros(batch, 1, 1, width * block_size, dtype=torch.bool, device=device)
         self._arange = torch.arange(width * block_size, **long)
+        pinned = device.type == "cuda"
+        self._host = torch.empty(self._flat.numel(), dtype=torch.long, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None
 
     def fill(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> None:
         """Copy one step's values in (padding the rest) and rebuild the mask."""
         pad = self.batch - len(ids)
-        scratch_slot = self.scratch_block * self.block_size
-        rows = [t + [self.scratch_block] * (self.width - len(t)) for t in tables]
-        rows += [[self.scratch_block] * self.width] * pad
-        host = torch.tensor(
-            [ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad, [p + 1 for p in positions] + [1] * pad],
-            dtype=torch.long,
-        )
-        device = self.input_ids.device
-        host = host.to(device, non_blocking=True)
-        self.input_ids[0].copy_(host[0])
-        self.position_ids[0].copy_(host[1])
-        self.slot_mapping.copy_(host[2])
-        self.kv_len.copy_(host[3])
-        self.tables.copy_(torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True))
+        scratch = self.scratch_block
+        values = ids + [0] * pad
+        values += positions + [0] * pad
+        values += slots + [scratch * self.block_size] * pad
+        values += [p + 1 for p in positions] + [1] * pad
+        for table in tables:
+            values += table[: self.width]
+            values += [scratch] * (self.width - len(table))
+        values += [scratch] * (self.width * pad)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        self._host.copy_(torch.tensor(values, dtype=torch.long))
+        self._flat.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         torch.lt(self._arange[None, :], self.kv_len[:, None], out=self.mask.view(self.batch, -1))

@@ -17,22 +17,33 @@ from megatron_core.inference.inference_request import DynamicInferenceRequest, S
 class StepScheduler:
     """Mixin over the engine's ``context``, ``requests``, ``waiting``, ``running`` and ``paused_request_ids``."""
 
-    def _sequence(self, request: DynamicInferenceRequest) -> list[int]:
-        return request.prompt_tokens + request.generated_tokens
+    def _sequence_length(self, request: DynamicInferenceRequest) -> int:
+        """Tokens of the request so far: prompt plus generated (no list is built: this runs per request per step)."""
+        return len(request.prompt_tokens) + len(request.generated_tokens)
+
+    def _tokens(self, request: DynamicInferenceRequest, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + generated, copying only that range."""
+        prompt, generated = request.prompt_tokens, request.generated_tokens
+        n = len(prompt)
+        if end <= n:
+            return list(prompt[start:end])
+        if start >= n:
+            return generated[start - n : end - n]
+        return list(prompt[start:]) + generated[: end - n]
 
     def _can_chunk(self, request: DynamicInferenceRequest) -> bool:
         return self.context.enable_chunked_prefill or request.num_evictions > 0
 
     def _entry(self, request: DynamicInferenceRequest, start: int, n: int) -> StepEntry:
-        seq = self._sequence(request)
+        length = self._sequence_length(request)
         end = start + n
         params = request.sampling_params
         prompt_lp_left = len(request.prompt_log_probs or []) < request.prompt_length - 1
         all_logits = bool(params.return_log_probs or params.top_n_logprobs) and not params.skip_prompt_log_probs
         all_logits = all_logits and n > 1 and prompt_lp_left
         return StepEntry(
-            request.request_id, seq[start:end], start, sample=end == len(seq), all_logits=all_logits,
-            next_token=seq[end] if end < len(seq) else None,
+            request.request_id, self._tokens(request, start, end), start, sample=end == length, all_logits=all_logits,
+            next_token=self._tokens(request, end, end + 1)[0] if end < length else None,
         )
 
     def _chunk_size(self, request: DynamicInferenceRequest, pending: int, budget: int, extra_slots: int) -> int:
@@ -55,7 +66,7 @@ class StepScheduler:
         for request_id in self.running:  # decoding requests, oldest first
             request = self.requests[request_id]
             kv = ctx.kv_length(request_id)
-            if len(self._sequence(request)) - kv != 1 or budget < 1:
+            if self._sequence_length(request) - kv != 1 or budget < 1:
                 continue
             if ctx.grow_request(request_id, kv + 1):
                 entries.append(self._entry(request, kv, 1))
@@ -65,7 +76,7 @@ class StepScheduler:
         for request_id in self.running:  # requests in the middle of their prefill
             request = self.requests[request_id]
             kv = ctx.kv_length(request_id)
-            pending = len(self._sequence(request)) - kv
+            pending = self._sequence_length(request) - kv
             if pending <= 1:
                 continue
             n = self._chunk_size(request, pending, budget, self._room(request_id))
@@ -77,7 +88,7 @@ class StepScheduler:
             budget -= n
         while self.waiting and not paused and budget > 0 and ctx.total_request_count < ctx.max_requests:
             request = self.requests[self.waiting[0]]
-            pending = len(self._sequence(request))
+            pending = self._sequence_length(request)
             room = ctx.block_allocator.get_active_avail() * ctx.block_size_tokens
             n = self._chunk_size(request, pending, budget, room)
             if n == 0:

@@ -64,6 +64,9 @@ class TorchSampling:
         buckets: dict[tuple[float, int, float], list[int]] = defaultdict(list)
         for row, p in enumerate(params):
             buckets[(float(p.temperature), int(p.top_k), float(p.top_p))].append(row)
+        if len(buckets) == 1:  # every row alike (the usual case): no gather, no scatter
+            (temperature, top_k, top_p), = buckets
+            return sample_from_logits(logits, temperature, top_k, top_p, self._rng)
         out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         for (temperature, top_k, top_p), rows in buckets.items():
             index = torch.tensor(rows, device=logits.device)

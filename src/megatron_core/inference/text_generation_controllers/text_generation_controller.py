@@ -124,7 +124,11 @@ class TextGenerationController:
         sample_rows = [e.logit_rows[-1] for e in entries if e.sample]
         sample_params = [params_by_request[e.request_id] for e in entries if e.sample]
         out = DynamicStepOutput()
-        sampled = self.sampler.sample(logits[sample_rows], sample_params).tolist() if sample_rows else []
+        if sample_rows == list(range(len(sample_rows))):  # decode steps: the first rows, no index tensor
+            sample_logits = logits[: len(sample_rows)]
+        else:
+            sample_logits = logits[sample_rows]
+        sampled = self.sampler.sample(sample_logits, sample_params).tolist() if sample_rows else []
         want_log_probs = any(p.return_log_probs or p.top_n_logprobs for p in params_by_request.values())
         log_probs = torch.log_softmax(logits.float(), dim=-1) if want_log_probs else None
         it = iter(sampled)
