@@ -242,6 +242,11 @@ class DynamicInferenceContext(BaseInferenceContext):
         device = self.device or torch.device("cpu")
         decode = [e for e in entries if len(e.tokens) == 1]
         prefill = [e for e in entries if len(e.tokens) > 1]
+        padded = device.type == "cuda" or self.pad_decode_steps_on_cpu
+        if (self.use_cuda_graphs and padded and not prefill and len(decode) <= min(self.graph_sizes[-1], self.max_tokens)
+                and all(e.sample and not e.all_logits for e in decode)):
+            self._decode_graph_step(decode, device)
+            return
         self.step_entries = decode + prefill
         total = sum(len(e.tokens) for e in self.step_entries)
         if total > self.max_tokens:
@@ -298,12 +303,36 @@ class DynamicInferenceContext(BaseInferenceContext):
             keep = torch.arange(width * bs, device=device)[None, :] < kv_len[:, None]
             self._decode_mask = keep[:, None, None, :]
 
+    def _decode_graph_step(self, decode: list[StepEntry], device: torch.device) -> None:
+        """The layout of a decode-only step that a CUDA graph runs (the common step: kept to plain lists)."""
+        self.step_entries = decode
+        self._prefill_segments = []
+        bs = self.block_size_tokens
+        kv_lengths, request_blocks = self.request_kv_length, self.request_blocks
+        ids, positions, slots, tables = [], [], [], []
+        for row, entry in enumerate(decode):
+            blocks = request_blocks[entry.request_id]
+            position = entry.start
+            if kv_lengths[entry.request_id] != position:
+                raise ValueError(f"request {entry.request_id}: step starts at position {position} but the cache "
+                                 f"holds {kv_lengths[entry.request_id]} tokens")
+            if len(blocks) * bs <= position:
+                raise BlockOverflowError(entry.request_id, f"holds {len(blocks)} blocks, needs "
+                                         f"{self.blocks_for_tokens(position + 1)}")
+            ids.append(entry.tokens[0])
+            positions.append(position)
+            slots.append(blocks[position // bs] * bs + position % bs)
+            tables.append(blocks)
+            entry.logit_rows = [row]
+        self.num_decode = len(decode)
+        self._graph_layout(decode, ids, positions, slots, device, tables)
+
     @staticmethod
     def _all_last_rows(logit_index: list[int], total: int) -> bool:
         return len(logit_index) == total
 
     def _graph_layout(self, decode: list[StepEntry], ids: list[int], positions: list[int], slots: list[int],
-                      device: torch.device) -> None:
+                      device: torch.device, tables: list[list[int]] | None = None) -> None:
         """Decode-only step into the static tensors of the smallest graph batch size that fits."""
         batch = next(b for b in self.graph_sizes if b >= len(decode))
         inputs = self.graph_inputs.get(batch)
@@ -312,7 +341,9 @@ class DynamicInferenceContext(BaseInferenceContext):
             inputs = self.graph_inputs[batch] = DecodeGraphInputs(
                 batch, width, self.block_size_tokens, self.scratch_block, device
             )
-        inputs.fill(ids, positions, slots, [self.request_blocks[e.request_id] for e in decode])
+        if tables is None:
+            tables = [self.request_blocks[e.request_id] for e in decode]
+        inputs.fill(ids, positions, slots, tables)
         self.graph_batch_size = self.num_decode = batch
         self.input_ids, self.position_ids, self.slot_mapping = inputs.input_ids, inputs.position_ids, inputs.slot_mapping
         self._decode_tables, self._decode_mask, self._decode_kv_len = inputs.tables, inputs.mask, inputs.kv_len
