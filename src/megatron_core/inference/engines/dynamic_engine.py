@@ -231,6 +231,7 @@ class DynamicInferenceEngine(StepScheduler, AbstractEngine):
     def _bookkeep(self, entries: list[StepEntry], output: Any) -> None:
         now = time.monotonic()
         tokenizer_top = self.controller.detokenize
+        track_tokens = self.context.inference_config.track_generated_token_events
         for i, entry in enumerate(entries):
             request = self.requests[entry.request_id]
             params = request.sampling_params
@@ -257,7 +258,7 @@ class DynamicInferenceEngine(StepScheduler, AbstractEngine):
                 request.generated_top_n_logprobs = (request.generated_top_n_logprobs or []) + [
                     {tokenizer_top([tok]): lp for tok, lp in output.sampled_top_n[i]}
                 ]
-            if self.context.inference_config.track_generated_token_events:
+            if track_tokens:
                 request.add_event(DynamicInferenceEventType.GENERATED_TOKEN, payload=token)
             self._notify_token(request, token)
             if self._should_stop(request, token):
@@ -315,6 +316,8 @@ class DynamicInferenceEngine(StepScheduler, AbstractEngine):
             future.set_result(request)
 
     def _notify_token(self, request: DynamicInferenceRequest, token: int | None) -> None:
+        if request.request_id not in self.listeners:  # the usual case, checked without the lock
+            return
         with self._inbox_lock:
             listeners = list(self.listeners.get(request.request_id, ()))
         for listener in listeners:

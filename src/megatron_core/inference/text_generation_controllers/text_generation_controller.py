@@ -132,6 +132,13 @@ class TextGenerationController:
         want_log_probs = any(p.return_log_probs or p.top_n_logprobs for p in params_by_request.values())
         log_probs = torch.log_softmax(logits.float(), dim=-1) if want_log_probs else None
         it = iter(sampled)
+        if log_probs is None:  # the usual step: tokens only
+            out.sampled_tokens = [next(it) if entry.sample else None for entry in entries]
+            out.sampled_log_probs = [None] * len(entries)
+            out.sampled_top_n = [None] * len(entries)
+            out.chunk_log_probs = [None] * len(entries)
+            out.chunk_top_n = [None] * len(entries)
+            return out
         for entry in entries:
             params = params_by_request[entry.request_id]
             token = next(it) if entry.sample else None
