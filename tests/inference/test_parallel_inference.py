@@ -13,18 +13,21 @@ NEW = 8
 LENGTHS = (5, 13, 9)
 
 
-def _generate(model) -> list[list[int]]:
+def _generate(model, compiled_decode: bool = False) -> list[list[int]]:
     from megatron_core.inference.apis import MegatronLLM
     from megatron_core.inference.config import InferenceConfig
     from megatron_core.inference.sampling_params import SamplingParams
     from tests.inference.llama_fixture import prompts
 
     # A small cache and step budget, so the run also pauses / evicts and chunks under parallelism.
+    graphs = dict(num_cuda_graphs=4, compile_decode_graphs=True) if compiled_decode else {}
     llm = MegatronLLM(
         model=model, tokenizer=None, use_coordinator=False,
         inference_config=InferenceConfig(block_size_tokens=4, buffer_size_gb=12 * 1024 / 1024**3, max_tokens=16,
-                                         max_sequence_length=32, enable_chunked_prefill=True),
+                                         max_sequence_length=32, enable_chunked_prefill=True, **graphs),
     )
+    if compiled_decode:  # the CUDA-graph layout and its compiled forward, run without graphs on CPU
+        llm.engine.context.pad_decode_steps_on_cpu = True
     params = SamplingParams(top_k=1, num_tokens_to_generate=NEW, termination_id=-1)
     return [r.generated_tokens for r in llm.generate(prompts(LENGTHS), params)]
 
@@ -36,7 +39,7 @@ def _expected() -> list[list[int]]:
     return [hf_greedy(hf, p, NEW) for p in prompts(LENGTHS)]
 
 
-def _tp_run() -> list[list[int]]:
+def _tp_run(compiled_decode: bool = False) -> list[list[int]]:
     from megatron_core import parallel_state
     from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
     from tests.inference.llama_fixture import (
@@ -60,7 +63,7 @@ def _tp_run() -> list[list[int]]:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(shard(name, full[name], 2, rank, gated=True))
-        return _generate(model)
+        return _generate(model, compiled_decode)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -102,4 +105,11 @@ def _pp_run() -> list[list[int]]:
 def test_parallel_greedy_matches_hf(run):
     expected = _expected()
     results = run_on_ranks(2, run)
+    assert results[0] == expected and results[1] == expected
+
+
+def test_tp2_compiled_decode_layout_matches_hf():
+    """``compile_decode_graphs`` under TP=2: the compiled forward (with its TP collectives) in the padded layout."""
+    expected = _expected()
+    results = run_on_ranks(2, _tp_run, True)
     assert results[0] == expected and results[1] == expected
