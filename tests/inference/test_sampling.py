@@ -65,6 +65,12 @@ def test_bad_sampling_params_name_the_field():
         SamplingParams(num_tokens_to_generate=-1)
 
 
+def test_compile_decode_graphs_without_graphs_is_refused():
+    with pytest.raises(ValueError, match="compile_decode_graphs.*num_cuda_graphs"):
+        InferenceConfig(compile_decode_graphs=True)
+    assert InferenceConfig(compile_decode_graphs=True, num_cuda_graphs=4).compile_decode_graphs
+
+
 def _sampled_run(seed: int) -> list[list[int]]:
     model = mcore_llama()
     model.config.inference_sampling_seed = seed

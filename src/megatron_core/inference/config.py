@@ -70,6 +70,9 @@ class InferenceConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"InferenceConfig.{name} ({value}) must be a positive int or None")
+        if self.compile_decode_graphs and self.num_cuda_graphs is None:
+            raise ValueError("InferenceConfig.compile_decode_graphs=True compiles the forward that decode CUDA graphs "
+                             "capture, so it needs num_cuda_graphs (got None)")
         if self.num_speculative_tokens != 0:
             raise ValueError(
                 f"InferenceConfig.num_speculative_tokens ({self.num_speculative_tokens}) must be 0: "

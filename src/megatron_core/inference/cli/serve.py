@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-size-gb", type=float, default=1.0)
     p.add_argument("--block-size-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--cuda-graphs", action="store_true", help="decode steps as CUDA graphs (GPU)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="with --cuda-graphs: torch.compile the captured forward (about 25 s per batch size)")
     p.add_argument("--verbose", action="store_true")
     return p
 
