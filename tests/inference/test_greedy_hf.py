@@ -86,26 +86,9 @@ def test_compiled_padded_decode_matches_hf(models):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_hf(models):
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    model, batch, expected = models
-    model = model.cuda()
-    try:
-        engine = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4)
-        assert _greedy(engine, batch) == expected
-        assert engine.controller.inference_wrapped_model.decode_graphs.graphs
-        eager = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64)
-        assert _greedy(eager, batch) == expected
-    finally:
-        model.cpu()
-
-
-@pytest.mark.gpu
-def test_compiled_cuda_graph_decode_matches_hf(models):
-    """Decode graphs that capture the torch.compile'd forward give Hugging Face's tokens too."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-graphs", "compiled-graphs"])
+def test_cuda_graph_decode_matches_hf(models, compiled):
+    """CUDA-graph decode steps (capturing the eager or the torch.compile'd forward) give HF's tokens."""
     import torch
 
     if not torch.cuda.is_available():
@@ -114,8 +97,11 @@ def test_compiled_cuda_graph_decode_matches_hf(models):
     model = model.cuda()
     try:
         engine = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4,
-                         compile_decode_graphs=True)
+                         compile_decode_graphs=compiled)
         assert _greedy(engine, batch) == expected
         assert engine.controller.inference_wrapped_model.decode_graphs.graphs
+        if not compiled:
+            eager = _engine(model, block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64)
+            assert _greedy(eager, batch) == expected
     finally:
         model.cpu()
