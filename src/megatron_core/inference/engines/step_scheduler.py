@@ -58,27 +58,39 @@ class StepScheduler:
         owned = len(ctx.request_blocks[request_id]) * ctx.block_size_tokens - ctx.kv_length(request_id)
         return owned + ctx.block_allocator.get_active_avail() * ctx.block_size_tokens
 
+    def _decode_entry(self, request: DynamicInferenceRequest, kv: int) -> StepEntry:
+        """The entry of a decoding request: its last token, at position ``kv``, sampled."""
+        generated = request.generated_tokens
+        token = generated[-1] if generated else request.prompt_tokens[-1]
+        return StepEntry(request.request_id, [token], kv)
+
     def _schedule(self) -> list[StepEntry]:
         ctx = self.context
         budget = ctx.max_tokens
         entries: list[StepEntry] = []
         paused: list[Any] = []
-        for request_id in self.running:  # decoding requests, oldest first
-            request = self.requests[request_id]
-            kv = ctx.kv_length(request_id)
-            if self._sequence_length(request) - kv != 1 or budget < 1:
+        prefilling: list[Any] = []
+        requests, kv_lengths, blocks_of = self.requests, ctx.request_kv_length, ctx.request_blocks
+        block_size, max_length = ctx.block_size_tokens, ctx.max_sequence_length
+        for request_id in self.running:  # decoding requests, oldest first (one pass: this runs every step)
+            request = requests[request_id]
+            kv = kv_lengths[request_id]
+            pending = len(request.prompt_tokens) + len(request.generated_tokens) - kv
+            if pending > 1:
+                prefilling.append(request_id)
                 continue
-            if ctx.grow_request(request_id, kv + 1):
-                entries.append(self._entry(request, kv, 1))
+            if pending != 1 or budget < 1:
+                continue
+            # Room in the blocks it holds (the usual case) or one more block.
+            if (kv < len(blocks_of[request_id]) * block_size and kv < max_length) or ctx.grow_request(request_id, kv + 1):
+                entries.append(self._decode_entry(request, kv))
                 budget -= 1
             else:
                 paused.append(request_id)
-        for request_id in self.running:  # requests in the middle of their prefill
-            request = self.requests[request_id]
-            kv = ctx.kv_length(request_id)
+        for request_id in prefilling:  # requests in the middle of their prefill
+            request = requests[request_id]
+            kv = kv_lengths[request_id]
             pending = self._sequence_length(request) - kv
-            if pending <= 1:
-                continue
             n = self._chunk_size(request, pending, budget, self._room(request_id))
             if n == 0:
                 paused.append(request_id)
