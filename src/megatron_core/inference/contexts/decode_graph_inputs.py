@@ -43,23 +43,33 @@ class DecodeGraphInputs:
         pinned = device.type == "cuda"
         self._host = torch.empty(self._flat.numel(), dtype=torch.long, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
+        self._tables_key: object = None
 
-    def fill(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> None:
-        """Copy one step's values in (padding the rest) and rebuild the mask."""
+    def fill(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+             tables_key: object = None) -> None:
+        """Copy one step's values in (padding the rest) and rebuild the mask.
+
+        ``tables_key`` identifies the block tables' contents (the context's block-table version and the
+        rows' request ids): when it equals the previous fill's, the tables are not copied again.
+        """
         pad = self.batch - len(ids)
         scratch = self.scratch_block
         values = ids + [0] * pad
         values += positions + [0] * pad
         values += slots + [scratch * self.block_size] * pad
         values += [p + 1 for p in positions] + [1] * pad
-        for table in tables:
-            values += table[: self.width]
-            values += [scratch] * (self.width - len(table))
-        values += [scratch] * (self.width * pad)
+        same_tables = tables_key is not None and tables_key == self._tables_key
+        if not same_tables:
+            for table in tables:
+                values += table[: self.width]
+                values += [scratch] * (self.width - len(table))
+            values += [scratch] * (self.width * pad)
+        self._tables_key = tables_key
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned buffer
-        self._host.copy_(torch.tensor(values, dtype=torch.long))
-        self._flat.copy_(self._host, non_blocking=True)
+        n = len(values)
+        self._host[:n].copy_(torch.tensor(values, dtype=torch.long))
+        self._flat[:n].copy_(self._host[:n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         torch.lt(self._arange[None, :], self.kv_len[:, None], out=self.mask.view(self.batch, -1))

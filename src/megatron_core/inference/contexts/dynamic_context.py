@@ -153,6 +153,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         self.device: torch.device | None = None
         self.kv_memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.request_blocks: dict[Any, list[int]] = {}
+        self.block_tables_version = 0  # bumped whenever any request's block list changes
         self.request_kv_length: dict[Any, int] = {}
         self.step_entries: list[StepEntry] = []
         self.step_count = 0
@@ -190,6 +191,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         if len(self.request_blocks) >= self.max_requests:
             raise RequestOverflowError(request_id, f"max_requests ({self.max_requests}) reached")
         self.request_blocks[request_id] = []
+        self.block_tables_version += 1
         self.request_kv_length[request_id] = 0
 
     def has_request(self, request_id: Any) -> bool:
@@ -217,11 +219,13 @@ class DynamicInferenceContext(BaseInferenceContext):
         if blocks is None:
             return False
         self.request_blocks[request_id].extend(blocks)
+        self.block_tables_version += 1
         return True
 
     def release_request(self, request_id: Any) -> None:
         """Free the request's blocks and forget it (finished, cancelled or evicted)."""
         blocks = self.request_blocks.pop(request_id, None)
+        self.block_tables_version += 1
         self.request_kv_length.pop(request_id, None)
         if blocks:
             self.block_allocator.release_memory_blocks(blocks)
@@ -229,6 +233,7 @@ class DynamicInferenceContext(BaseInferenceContext):
     def reset(self) -> None:
         """Forget every request and free every block (the buffers are kept)."""
         self.request_blocks.clear()
+        self.block_tables_version += 1
         self.request_kv_length.clear()
         self.block_allocator.reset()
         self.step_entries = []
@@ -343,7 +348,8 @@ class DynamicInferenceContext(BaseInferenceContext):
             )
         if tables is None:
             tables = [self.request_blocks[e.request_id] for e in decode]
-        inputs.fill(ids, positions, slots, tables)
+        inputs.fill(ids, positions, slots, tables,
+                    tables_key=(self.block_tables_version, tuple(e.request_id for e in decode)))
         self.graph_batch_size = self.num_decode = batch
         self.input_ids, self.position_ids, self.slot_mapping = inputs.input_ids, inputs.position_ids, inputs.slot_mapping
         self._decode_tables, self._decode_mask, self._decode_kv_len = inputs.tables, inputs.mask, inputs.kv_len

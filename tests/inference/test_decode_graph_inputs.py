@@ -1,0 +1,28 @@
+"""The fixed-address inputs of padded decode steps (``DecodeGraphInputs``), on CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs
+
+
+def test_fill_pads_rows_and_reuses_unchanged_tables() -> None:
+    inputs = DecodeGraphInputs(batch=4, width=3, block_size=2, scratch_block=9, device=torch.device("cpu"))
+    addresses = [t.data_ptr() for t in (inputs.input_ids, inputs.tables, inputs.mask)]
+    inputs.fill([5, 6], [2, 3], [12, 7], [[6, 1], [3, 4]], tables_key=(1, ("a", "b")))
+    assert inputs.input_ids.tolist() == [[5, 6, 0, 0]]
+    assert inputs.kv_len.tolist() == [3, 4, 1, 1]
+    assert inputs.slot_mapping.tolist() == [12, 7, 18, 18]  # padding rows write into the scratch block
+    assert inputs.tables.tolist() == [[6, 1, 9], [3, 4, 9], [9, 9, 9], [9, 9, 9]]
+    assert inputs.mask[:, 0, 0].sum(dim=1).tolist() == [3, 4, 1, 1]
+
+    # Same key: the header changes, the tables are not copied again (their contents are the same by contract).
+    inputs.fill([7, 8], [3, 4], [13, 8], [[0, 0], [0, 0]], tables_key=(1, ("a", "b")))
+    assert inputs.input_ids.tolist() == [[7, 8, 0, 0]] and inputs.kv_len.tolist() == [4, 5, 1, 1]
+    assert inputs.tables.tolist()[:2] == [[6, 1, 9], [3, 4, 9]]
+
+    # A new key (a block was added, or other requests): the tables are copied.
+    inputs.fill([7, 8], [4, 5], [2, 8], [[6, 1, 2], [3, 4]], tables_key=(2, ("a", "b")))
+    assert inputs.tables.tolist()[:2] == [[6, 1, 2], [3, 4, 9]]
+    assert [t.data_ptr() for t in (inputs.input_ids, inputs.tables, inputs.mask)] == addresses
