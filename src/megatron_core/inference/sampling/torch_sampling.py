@@ -61,6 +61,10 @@ class TorchSampling:
         """Token ids ``[n]`` for ``logits`` ``[n, V]`` and one :class:`SamplingParams` per row."""
         if self._vocab_size is not None:
             logits = logits[:, : self._vocab_size]
+        first = params[0] if params else None
+        if first is not None and all(p is first for p in params):  # one settings object for every row
+            return sample_from_logits(logits, float(first.temperature), int(first.top_k), float(first.top_p),
+                                      self._rng)
         buckets: dict[tuple[float, int, float], list[int]] = defaultdict(list)
         for row, p in enumerate(params):
             buckets[(float(p.temperature), int(p.top_k), float(p.top_p))].append(row)
