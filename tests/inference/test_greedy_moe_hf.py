@@ -79,13 +79,16 @@ def test_mixtral_greedy_with_chunked_prefill_matches_hf(mixtral):
     assert got == expected
 
 
-def test_mixtral_padded_decode_layout_matches_hf(mixtral):
-    """The CUDA-graph layout (decode batches padded to fixed sizes) run eagerly on CPU: padding rows go
-    through the router and the experts too, and must not change the real requests' tokens."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_mixtral_padded_decode_layout_matches_hf(mixtral, compiled: bool):
+    """The CUDA-graph layout (decode batches padded to fixed sizes) on CPU, with the eager or the compiled
+    forward: padding rows go through the router and the experts too, and must not change the real
+    requests' tokens."""
     hf, prompts, expected = mixtral
     model = _model(hf, grouped=True)
     context = DynamicInferenceContext(model.config, InferenceConfig(
-        block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4, max_requests=3))
+        block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4, max_requests=3,
+        compile_decode_graphs=compiled))
     context.pad_decode_steps_on_cpu = True
     engine = DynamicInferenceEngine(TextGenerationController(GPTInferenceWrapper(model, context), tokenizer=None),
                                     context)
