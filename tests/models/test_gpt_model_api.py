@@ -68,15 +68,18 @@ def test_hidden_size_not_divisible_by_tp_is_rejected() -> None:
         TransformerConfig(num_layers=1, hidden_size=36, num_attention_heads=6, tensor_model_parallel_size=4)
 
 
-def test_compiled_model_computes_rope_angles_in_graph_and_matches_eager() -> None:
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_model_computes_rope_angles_in_graph_and_matches_eager(dynamic: bool) -> None:
     # Under torch.compile the rotary angles are built inside the graph (a cached graph output would be
     # overwritten by CUDA-graph replays); the eager path keeps its cache. Dynamo tracing only (no codegen).
+    # dynamic=True: symbolic sequence lengths must not reach SDPA's is_causal as a SymBool.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = build(llama_like())
     ids, pos, labels = batch()
     eager_loss = model(ids, pos, None, labels=labels)
     model.rotary_pos_emb._cache.clear()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=dynamic)
     compiled_loss = compiled(ids, pos, None, labels=labels)
     assert model.rotary_pos_emb._cache == {}
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)

@@ -58,7 +58,7 @@ def attend(
     is_causal = False
     if mask is None and _is_full_window(window, causal):
         if causal and sq == sk:
-            is_causal = sq > 1
+            is_causal = True if sq > 1 else False  # noqa: SIM210 (a Python bool under dynamic shapes)
         elif causal:
             # A lower-right causal bias keeps SDPA on its fused kernels (no [sq, sk] tensor).
             mask = causal_lower_right(sq, sk)

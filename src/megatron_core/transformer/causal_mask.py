@@ -114,7 +114,8 @@ def sdpa_mask(
         attention_mask = None
     if mask_type in _CAUSAL_TYPES and attention_mask is None:
         if sq == sk or mask_type == AttnMaskType.causal:
-            return None, sq > 1
+            # A branch (not ``sq > 1`` itself) so that the flag stays a Python bool under dynamic shapes.
+            return None, (True if sq > 1 else False)  # noqa: SIM210
         return _causal_keep(sq, sk, device), False
     if attention_mask is None:
         if mask_type == AttnMaskType.padding_causal:
