@@ -26,3 +26,13 @@ def test_fill_pads_rows_and_reuses_unchanged_tables() -> None:
     inputs.fill([7, 8], [4, 5], [2, 8], [[6, 1, 2], [3, 4]], tables_key=(2, ("a", "b")))
     assert inputs.tables.tolist()[:2] == [[6, 1, 2], [3, 4, 9]]
     assert [t.data_ptr() for t in (inputs.input_ids, inputs.tables, inputs.mask)] == addresses
+
+
+def test_take_tokens_gathers_the_previous_steps_samples_in_place() -> None:
+    inputs = DecodeGraphInputs(batch=4, width=2, block_size=2, scratch_block=5, device=torch.device("cpu"))
+    address = inputs.input_ids.data_ptr()
+    inputs.fill([0, 0, 0], [4, 1, 2], [8, 3, 4], [[1, 4], [2], [3]], source_rows=[2, 0, 1])
+    inputs.take_tokens(torch.tensor([10, 11, 12, 13]))
+    assert inputs.input_ids.tolist() == [[12, 10, 11, 10]]  # the padding row reads row 0
+    assert inputs.input_ids.data_ptr() == address
+    assert inputs.position_ids.tolist() == [[4, 1, 2, 0]] and inputs.kv_len.tolist() == [5, 2, 3, 1]

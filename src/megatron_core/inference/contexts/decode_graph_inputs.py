@@ -5,6 +5,10 @@ A decode-only step of ``n`` requests is padded to a batch size ``B`` (a power of
 positions, KV slots, block tables of a fixed width (enough blocks for ``max_sequence_length``),
 KV lengths and the attention mask. Padding rows write their key/value into a scratch block that no
 request owns and attend only to its first slot, so they never touch real requests' data.
+
+A step may also take its token ids from a tensor already on the device (the previous step's
+samples, which the host has not read yet): ``fill(..., source_rows=rows)`` uploads the row of that
+tensor each request reads, and :meth:`DecodeGraphInputs.take_tokens` gathers them in place.
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ class DecodeGraphInputs:
         long = dict(dtype=torch.long, device=device)
         # One flat buffer, so that a step's inputs arrive in one host-to-device copy; the named
         # tensors are fixed views of it.
-        self._flat = torch.zeros(4 * batch + batch * width, **long)
+        self._flat = torch.zeros(5 * batch + batch * width, **long)
         self.input_ids = self._flat[:batch].view(1, batch)
         self.position_ids = self._flat[batch : 2 * batch].view(1, batch)
         self.slot_mapping = self._flat[2 * batch : 3 * batch]
         self.kv_len = self._flat[3 * batch : 4 * batch]
-        self.tables = self._flat[4 * batch :].view(batch, width)
+        self.source_rows = self._flat[4 * batch : 5 * batch]
+        self.tables = self._flat[5 * batch :].view(batch, width)
         self.kv_len.fill_(1)
         self.mask = torch.zeros(batch, 1, 1, width * block_size, dtype=torch.bool, device=device)
         self._arange = torch.arange(width * block_size, **long)
@@ -46,11 +51,12 @@ class DecodeGraphInputs:
         self._tables_key: object = None
 
     def fill(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-             tables_key: object = None) -> None:
+             tables_key: object = None, source_rows: list[int] | None = None) -> None:
         """Copy one step's values in (padding the rest) and rebuild the mask.
 
         ``tables_key`` identifies the block tables' contents (the context's block-table version and the
         rows' request ids): when it equals the previous fill's, the tables are not copied again.
+        ``source_rows``: for :meth:`take_tokens`, the row of the token tensor each request reads.
         """
         pad = self.batch - len(ids)
         scratch = self.scratch_block
@@ -58,6 +64,7 @@ class DecodeGraphInputs:
         values += positions + [0] * pad
         values += slots + [scratch * self.block_size] * pad
         values += [p + 1 for p in positions] + [1] * pad
+        values += (source_rows or [0] * len(ids)) + [0] * pad
         same_tables = tables_key is not None and tables_key == self._tables_key
         if not same_tables:
             for table in tables:
@@ -73,3 +80,7 @@ class DecodeGraphInputs:
         if self._copied is not None:
             self._copied.record()
         torch.lt(self._arange[None, :], self.kv_len[:, None], out=self.mask.view(self.batch, -1))
+
+    def take_tokens(self, source: torch.Tensor) -> None:
+        """Token ids ``source[source_rows]`` into :attr:`input_ids`, on the device (padding rows read row 0)."""
+        torch.index_select(source, 0, self.source_rows, out=self.input_ids.view(-1))

@@ -240,17 +240,28 @@ class DynamicInferenceContext(BaseInferenceContext):
 
     # ---- one step ---------------------------------------------------------------------------------
 
-    def initialize_attention_state(self, entries: list[StepEntry]) -> None:
-        """Lay out one step: decode entries first, then prefill chunks; build positions, slots and tables."""
+    def initialize_attention_state(
+        self, entries: list[StepEntry], device_tokens: torch.Tensor | None = None,
+        device_token_rows: list[int] | None = None,
+    ) -> None:
+        """Lay out one step: decode entries first, then prefill chunks; build positions, slots and tables.
+
+        With ``device_tokens``, every entry is a decode entry whose token is not known on the host
+        yet: entry ``i`` reads row ``device_token_rows[i]`` of that device tensor (the previous step's
+        samples), gathered on the device without waiting for it.
+        """
         if not entries:
             raise ValueError("initialize_attention_state: a step needs at least one entry")
+        if device_tokens is not None and (device_token_rows is None or len(device_token_rows) != len(entries)
+                                          or any(len(e.tokens) != 1 for e in entries)):
+            raise ValueError("initialize_attention_state: device_tokens needs one row per entry, all decode entries")
         device = self.device or torch.device("cpu")
         decode = [e for e in entries if len(e.tokens) == 1]
         prefill = [e for e in entries if len(e.tokens) > 1]
         padded = device.type == "cuda" or self.pad_decode_steps_on_cpu
         if (self.use_cuda_graphs and padded and not prefill and len(decode) <= min(self.graph_sizes[-1], self.max_tokens)
                 and all(e.sample and not e.all_logits for e in decode)):
-            self._decode_graph_step(decode, device)
+            self._decode_graph_step(decode, device, device_tokens, device_token_rows)
             return
         self.step_entries = decode + prefill
         total = sum(len(e.tokens) for e in self.step_entries)
@@ -291,9 +302,11 @@ class DynamicInferenceContext(BaseInferenceContext):
         self.graph_batch_size = None
         padded = device.type == "cuda" or self.pad_decode_steps_on_cpu
         if self.use_cuda_graphs and not prefill and padded and self._all_last_rows(logit_index, total):
-            self._graph_layout(decode, ids, positions, slots, device)
+            self._graph_layout(decode, ids, positions, slots, device, None, device_tokens, device_token_rows)
             return
         self.input_ids = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
+        if device_tokens is not None:
+            self.input_ids[0] = device_tokens[torch.tensor(device_token_rows, device=device_tokens.device)]
         self.position_ids = torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.logit_index = torch.tensor(logit_index, dtype=torch.long, device=device)
@@ -308,7 +321,8 @@ class DynamicInferenceContext(BaseInferenceContext):
             keep = torch.arange(width * bs, device=device)[None, :] < kv_len[:, None]
             self._decode_mask = keep[:, None, None, :]
 
-    def _decode_graph_step(self, decode: list[StepEntry], device: torch.device) -> None:
+    def _decode_graph_step(self, decode: list[StepEntry], device: torch.device, device_tokens: torch.Tensor | None,
+                           device_token_rows: list[int] | None) -> None:
         """The layout of a decode-only step that a CUDA graph runs (the common step: kept to plain lists)."""
         self.step_entries = decode
         self._prefill_segments = []
@@ -330,14 +344,15 @@ class DynamicInferenceContext(BaseInferenceContext):
             tables.append(blocks)
             entry.logit_rows = [row]
         self.num_decode = len(decode)
-        self._graph_layout(decode, ids, positions, slots, device, tables)
+        self._graph_layout(decode, ids, positions, slots, device, tables, device_tokens, device_token_rows)
 
     @staticmethod
     def _all_last_rows(logit_index: list[int], total: int) -> bool:
         return len(logit_index) == total
 
     def _graph_layout(self, decode: list[StepEntry], ids: list[int], positions: list[int], slots: list[int],
-                      device: torch.device, tables: list[list[int]] | None = None) -> None:
+                      device: torch.device, tables: list[list[int]] | None = None,
+                      device_tokens: torch.Tensor | None = None, device_token_rows: list[int] | None = None) -> None:
         """Decode-only step into the static tensors of the smallest graph batch size that fits."""
         batch = next(b for b in self.graph_sizes if b >= len(decode))
         inputs = self.graph_inputs.get(batch)
@@ -349,7 +364,10 @@ class DynamicInferenceContext(BaseInferenceContext):
         if tables is None:
             tables = [self.request_blocks[e.request_id] for e in decode]
         inputs.fill(ids, positions, slots, tables,
-                    tables_key=(self.block_tables_version, tuple(e.request_id for e in decode)))
+                    tables_key=(self.block_tables_version, tuple(e.request_id for e in decode)),
+                    source_rows=device_token_rows)
+        if device_tokens is not None:
+            inputs.take_tokens(device_tokens)
         self.graph_batch_size = self.num_decode = batch
         self.input_ids, self.position_ids, self.slot_mapping = inputs.input_ids, inputs.position_ids, inputs.slot_mapping
         self._decode_tables, self._decode_mask, self._decode_kv_len = inputs.tables, inputs.mask, inputs.kv_len

@@ -36,6 +36,7 @@ import torch
 
 from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext, StepEntry
 from megatron_core.inference.engines.abstract_engine import AbstractEngine
+from megatron_core.inference.engines.decode_overlap import DecodeOverlap
 from megatron_core.inference.engines.step_scheduler import StepScheduler
 from megatron_core.inference.inference_request import (
     DynamicInferenceEventType,
@@ -62,8 +63,12 @@ class EngineState(Enum):
     STOPPED = 4
 
 
-class DynamicInferenceEngine(StepScheduler, AbstractEngine):
-    """Schedules requests into steps over a :class:`DynamicInferenceContext`."""
+class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
+    """Schedules requests into steps over a :class:`DynamicInferenceContext`.
+
+    Decode steps laid out for CUDA graphs overlap the host's work with the device's
+    (:mod:`.decode_overlap`); set ``overlap_decode_steps = False`` to step one at a time.
+    """
 
     def __init__(self, controller: TextGenerationController, context: DynamicInferenceContext) -> None:
         self.controller = controller
@@ -82,6 +87,7 @@ class DynamicInferenceEngine(StepScheduler, AbstractEngine):
 
     def reset(self) -> None:
         """Forget every request and free the cache."""
+        self._drain_inflight()
         self.requests: dict[Any, DynamicInferenceRequest] = {}
         self.futures: dict[Any, concurrent.futures.Future] = {}
         self.listeners: dict[Any, list[TokenListener]] = {}
@@ -203,13 +209,21 @@ class DynamicInferenceEngine(StepScheduler, AbstractEngine):
         with self._step_lock:
             start = time.perf_counter()
             self._drain_inbox()
-            entries = self.schedule_requests()
-            if entries:
-                self.context.initialize_attention_state(entries)
-                params = {e.request_id: self.requests[e.request_id].sampling_params for e in entries}
-                output = self.controller.generate_output_tokens_dynamic_batch(params)
-                self._bookkeep(self.context.step_entries, output)
-                self.step_count += 1
+            num_tokens = 0
+            if self._inflight is None:
+                entries = self.schedule_requests()
+                if entries:
+                    self.context.initialize_attention_state(entries)
+                    if self._can_overlap(self.context.step_entries):
+                        self._inflight = self._launch(self.context.step_entries)
+                    else:
+                        params = {e.request_id: self.requests[e.request_id].sampling_params for e in entries}
+                        output = self.controller.generate_output_tokens_dynamic_batch(params)
+                        self._bookkeep(self.context.step_entries, output)
+                        self.step_count += 1
+                        num_tokens = sum(len(e.tokens) for e in entries)
+            if self._inflight is not None:
+                num_tokens = self._advance_overlapped()
             finished = [DynamicInferenceRequestRecord.from_request(r) for r in self._just_finished]
             self._just_finished = []
             for record in finished:  # finished requests leave the engine
@@ -219,7 +233,7 @@ class DynamicInferenceEngine(StepScheduler, AbstractEngine):
                 "paused_request_ids": list(self.paused_request_ids),
                 "finished_request_records": finished,
                 "step_time": time.perf_counter() - start,
-                "num_tokens": sum(len(e.tokens) for e in entries),
+                "num_tokens": num_tokens,
             }
 
     def step(self, sampling_params: SamplingParams | None = None) -> tuple[list, list, float]:
@@ -269,7 +283,6 @@ class DynamicInferenceEngine(StepScheduler, AbstractEngine):
     def _should_stop(self, request: DynamicInferenceRequest, token: int) -> bool:
         """Whether ``request`` is done after ``token``; sets ``request.finish_reason`` ("stop" / "length")."""
         params = request.sampling_params
-        generated = len(request.generated_tokens)
         reason = None
         if token == self.controller.termination_id(params):
             reason = "stop"
@@ -277,12 +290,8 @@ class DynamicInferenceEngine(StepScheduler, AbstractEngine):
             self.controller.detokenize(request.generated_tokens[-64:]).endswith(w) for w in params.stop_words
         ):
             reason = "stop"
-        elif params.num_tokens_to_generate is not None and generated >= params.num_tokens_to_generate:
-            reason = "length"
-        elif params.num_tokens_total is not None and request.prompt_length + generated >= params.num_tokens_total:
-            reason = "length"
-        elif request.prompt_length + generated >= self.context.max_sequence_length:
-            reason = "length"
+        else:
+            reason = self._stops_by_length(request, len(request.generated_tokens))
         request.finish_reason = reason
         return reason is not None
 

@@ -39,6 +39,12 @@ class DynamicStepOutput:
     chunk_log_probs: list[list[float] | None] = field(default_factory=list)
     chunk_top_n: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)
 
+    @classmethod
+    def tokens_only(cls, sampled_tokens: list[int | None]) -> DynamicStepOutput:
+        """The output of a step that asked for tokens and nothing else."""
+        none = [None] * len(sampled_tokens)
+        return cls(list(sampled_tokens), none, list(none), list(none), list(none))
+
 
 class TextGenerationController:
     """Tokenizer plus model wrapper plus sampler."""
@@ -110,8 +116,8 @@ class TextGenerationController:
 
     # ---- one dynamic step -------------------------------------------------------------------------
 
-    def generate_output_tokens_dynamic_batch(self, params_by_request: dict[Any, SamplingParams]) -> DynamicStepOutput:
-        """Run the step laid out in the context; sample and score per entry."""
+    def _forward_step(self) -> torch.Tensor:
+        """Run the step laid out in the context (its tokens are cached afterwards); logits ``[L, V]``."""
         context = self.inference_wrapped_model.inference_context
         input_ids, position_ids = context.current_input_and_position_ids()
         logits = self.inference_wrapped_model.run_one_forward_step(
@@ -120,31 +126,46 @@ class TextGenerationController:
         context.commit_step()
         if self.vocab_size is not None:
             logits = logits[:, : self.vocab_size]
-        entries = context.step_entries
+        return logits
+
+    def _sample_entries(self, logits: torch.Tensor, params_by_request: dict[Any, SamplingParams]) -> torch.Tensor:
+        """Next tokens, on the logits' device, of the step's entries that sample (in entry order)."""
+        entries = self.inference_wrapped_model.inference_context.step_entries
         sample_rows = [e.logit_rows[-1] for e in entries if e.sample]
+        if not sample_rows:
+            return torch.empty(0, dtype=torch.long, device=logits.device)
         sample_params = [params_by_request[e.request_id] for e in entries if e.sample]
-        out = DynamicStepOutput()
         if sample_rows == list(range(len(sample_rows))):  # decode steps: the first rows, no index tensor
             sample_logits = logits[: len(sample_rows)]
         else:
             sample_logits = logits[sample_rows]
-        sampled = self.sampler.sample(sample_logits, sample_params).tolist() if sample_rows else []
+        return self.sampler.sample(sample_logits, sample_params)
+
+    def sample_step_on_device(self, params_by_request: dict[Any, SamplingParams]) -> torch.Tensor:
+        """Run the laid-out step and sample, without waiting for the device: tokens ``[n]`` stay where they are.
+
+        For steps whose every entry samples and asks for no log-probs (the engine overlaps such
+        decode steps with its host work).
+        """
+        return self._sample_entries(self._forward_step(), params_by_request)
+
+    def generate_output_tokens_dynamic_batch(self, params_by_request: dict[Any, SamplingParams]) -> DynamicStepOutput:
+        """Run the step laid out in the context; sample and score per entry."""
+        logits = self._forward_step()
+        entries = self.inference_wrapped_model.inference_context.step_entries
+        sampled = self._sample_entries(logits, params_by_request).tolist()
         want_log_probs = any(p.return_log_probs or p.top_n_logprobs for p in params_by_request.values())
-        log_probs = torch.log_softmax(logits.float(), dim=-1) if want_log_probs else None
         it = iter(sampled)
-        if log_probs is None:  # the usual step: tokens only
-            out.sampled_tokens = [next(it) if entry.sample else None for entry in entries]
-            out.sampled_log_probs = [None] * len(entries)
-            out.sampled_top_n = [None] * len(entries)
-            out.chunk_log_probs = [None] * len(entries)
-            out.chunk_top_n = [None] * len(entries)
-            return out
+        if not want_log_probs:  # the usual step: tokens only
+            return DynamicStepOutput.tokens_only([next(it) if entry.sample else None for entry in entries])
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        out = DynamicStepOutput()
         for entry in entries:
             params = params_by_request[entry.request_id]
             token = next(it) if entry.sample else None
             out.sampled_tokens.append(token)
             lp = top = chunk_lp = chunk_top = None
-            if log_probs is not None and (params.return_log_probs or params.top_n_logprobs):
+            if params.return_log_probs or params.top_n_logprobs:
                 if entry.sample:
                     row = log_probs[entry.logit_rows[-1]]
                     lp = float(row[token])
