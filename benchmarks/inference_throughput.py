@@ -66,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", action="store_true", help="skip the engine with CUDA-graph decode steps")
     p.add_argument("--compile-decode", action="store_true",
                    help="also run the CUDA-graph engine with InferenceConfig.compile_decode_graphs")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="step one at a time (DynamicInferenceEngine.overlap_decode_steps = False)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32")
     args = p.parse_args()
     if args.tiny:
@@ -122,6 +124,7 @@ def run_engine(args, model, concurrency: int, n_requests: int, cuda_graphs: bool
         compile_decode_graphs=compile_decode,
     ))
     engine = llm.engine
+    engine.overlap_decode_steps = not args.no_overlap
     params = SamplingParams(top_k=1, num_tokens_to_generate=args.gen_len, termination_id=-1)
     # Warm up (allocates the KV buffers, first kernels).
     engine.generate(prompts(min(concurrency, 2), args.prompt_len, args.vocab, 99), params)
@@ -143,8 +146,7 @@ def run_engine(args, model, concurrency: int, n_requests: int, cuda_graphs: bool
     for _ in range(min(concurrency, n_requests)):
         submit()
     while len(finished) < n_requests:
-        result = engine.step_modern()
-        mdevice.synchronize()
+        result = engine.step_modern()  # returns once a step's tokens are on the host (no extra sync: steps overlap)
         if engine.context.step_entries and engine.context.is_decode_only() and not result["finished_request_records"]:
             decode_steps.append(result["step_time"])
             live_tokens.append(sum(e.start + 1 for e in engine.context.step_entries))

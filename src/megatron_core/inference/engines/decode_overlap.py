@@ -129,7 +129,7 @@ class DecodeOverlap:
         or a request needs a block that is not free. Blocks it grows stay with their requests.
         """
         ctx = self.context
-        if len(self.running) != len(step.entries) or self.paused_request_ids:
+        if not self.overlap_decode_steps or len(self.running) != len(step.entries) or self.paused_request_ids:
             return None
         if self.waiting and ctx.total_request_count < ctx.max_requests:
             return None
