@@ -121,3 +121,33 @@ def test_log_prob_requests_are_not_overlapped(models):
         engine.step_modern()
     assert engine.overlapped_step_count == 0
     assert all(len(f.result().generated_log_probs) == 5 for f in futures)
+
+
+@pytest.mark.gpu
+def test_overlapped_cuda_graph_decode_matches_hf_and_drops_rows_after_a_stop(models):
+    """On a GPU the next step really is queued before the previous step's tokens are read (pinned copies, events)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    hf, model = models
+    batch = prompts(LENGTHS)
+    model = model.cuda()
+    try:
+        def run(overlap: bool, new: tuple[int, ...], termination_id: int = -1):
+            context = DynamicInferenceContext(model.config, InferenceConfig(
+                block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4, max_requests=4))
+            engine = DynamicInferenceEngine(TextGenerationController(GPTInferenceWrapper(model, context), None),
+                                            context)
+            engine.overlap_decode_steps = overlap
+            return engine, _run(engine, batch, _greedy(new, termination_id))
+
+        engine, got = run(True, NEW)
+        assert engine.overlapped_step_count > 10 and engine.controller.inference_wrapped_model.decode_graphs.graphs
+        assert [tokens for tokens, _, _ in got] == [hf_greedy(hf, p, n) for p, n in zip(batch, NEW)]
+        long = (12,) * len(batch)
+        stop = run(False, long)[1][1][0][4]
+        engine, stopped = run(True, long, stop)
+        assert stopped == run(False, long, stop)[1] and engine.dropped_row_count > 0
+    finally:
+        model.cpu()
