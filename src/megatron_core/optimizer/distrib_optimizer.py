@@ -36,9 +36,11 @@ from megatron_core.optimizer.checkpoint_state import (
     is_model_space_state,
     load_model_space_state,
 )
+from megatron_core.optimizer.flat_adam import FlatAdamShards, FlatShard
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer import MixedPrecisionOptimizer, copy_param_attributes
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
+from megatron_core.optimizer.precision_aware_adam import PrecisionAwareAdam
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.utils import get_pg_rank, get_pg_size
 
@@ -76,6 +78,11 @@ class _ShardEntry:
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """Shard fp32 main params and optimizer state over the data parallel group (ZeRO-1).
 
+    With ``use_precision_aware_optimizer`` on CUDA (and nothing offloaded) the shards' main params and
+    moments are flat buffers stepped by one fused kernel per bucket shard that also writes the model
+    params (:mod:`~megatron_core.optimizer.flat_adam`); ``flat_shard_step`` = True / False forces it
+    on (CPU included) or off.
+
     ``model_chunks`` are the DDP-wrapped chunks built with ``use_distributed_optimizer=True``;
     ``per_model_buffers`` maps chunk index to the DDP buffers this optimizer covers (dense or
     expert). ``optimizer`` is built on the model params and is re-pointed at the shards here.
@@ -105,6 +112,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.main_params_dtype = config.main_params_dtype if config.use_precision_aware_optimizer else torch.float32
         owned = self._build_shard_entries()
         self._offload_entries(owned)
+        flat_shards = self._flatten_shards(owned) if self._uses_flat_step(owned) else None
         self.bucket_groups = self._own_bucket_groups()
         self.shard_groups: list[list[_ShardEntry]] = []
         for group in self.optimizer.param_groups:
@@ -112,6 +120,46 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.shard_groups.append(entries)
             group["params"] = [e.main_param for e in entries]
         self.optimizer.state.clear()
+        self._flat = FlatAdamShards(self.optimizer, flat_shards) if flat_shards else None
+
+    flat_shard_step: bool | None = None  # None: on CUDA when eligible; True / False: force on / off
+
+    def _uses_flat_step(self, owned: dict[torch.nn.Parameter, _ShardEntry]) -> bool:
+        """The flat fused step serves the precision-aware Adam when no shard is offloaded."""
+        if self.flat_shard_step is False or not owned or not isinstance(self.optimizer, PrecisionAwareAdam):
+            return False
+        if any(e.offloaded for e in owned.values()):
+            return False
+        if self.flat_shard_step is None:
+            return next(iter(owned.values())).main_param.device.type == "cuda"
+        return True
+
+    def _flatten_shards(self, owned: dict[torch.nn.Parameter, _ShardEntry]) -> list[FlatShard]:
+        """One flat shard per owned bucket slice; each entry's main param becomes a view of its shard."""
+        shards = []
+        for buffers in self.per_model_buffers.values():
+            for buffer in buffers:
+                for bucket in buffer.buckets:
+                    entries = [owned[p] for p in bucket.params_list if p in owned]
+                    if not entries:
+                        continue
+                    shard_size = bucket.grad_data.numel() // self.data_parallel_world_size
+                    start = bucket.offset + self.data_parallel_rank * shard_size
+                    params = buffer.param_data[start:start + shard_size]
+                    if params.dtype == self.main_params_dtype:
+                        main, model_out = params, None
+                    else:
+                        main, model_out = params.to(self.main_params_dtype), params
+                    shard = FlatAdamShards.make_shard(main, buffer.grad_data[start:start + shard_size], model_out,
+                                                      self.optimizer.exp_avg_dtype, self.optimizer.exp_avg_sq_dtype)
+                    for entry in entries:
+                        lo, hi = entry.gbuf_world_range.start - start, entry.gbuf_world_range.end - start
+                        view = main[lo:hi]
+                        copy_param_attributes(view, entry.model_param)
+                        entry.main_param = view
+                        shard.pieces.append((view, lo, hi))
+                    shards.append(shard)
+        return shards
 
     def _build_shard_entries(self) -> dict[torch.nn.Parameter, _ShardEntry]:
         owned: dict[torch.nn.Parameter, _ShardEntry] = {}
@@ -199,14 +247,27 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def step_with_ready_grads(self) -> bool:
         """Update the owned shards, write them into the param buffers and all-gather (or dispatch)."""
-        self.optimizer.step()
-        self._copy_main_params_to_model_params()
+        if self._flat is not None:  # one kernel per shard, the model params written by it
+            self._flat.step(getattr(self.optimizer, "grad_scale", None), getattr(self.optimizer, "found_inf", None))
+        else:
+            self.optimizer.step()
+            self._copy_main_params_to_model_params()
         for group in self.bucket_groups:
             if not group.ddp_config.overlap_param_gather:
                 group.start_param_sync()
             elif self.config.overlap_param_gather_with_optimizer_step and not group.param_gather_dispatched:
                 group.start_param_sync()
         return True
+
+    def _fold_clipping_into_adam(self) -> bool:
+        if self._flat is not None:  # the flat step divides by the clip factor and skips on a non-finite norm
+            return (self.config.clip_grad > 0.0 and not self.config.log_num_zeros_in_grad
+                    and not self.prepare_grads_checks_for_inf())
+        return super()._fold_clipping_into_adam()
+
+    def _step_skipped_on_device(self) -> None:
+        if self._flat is not None:
+            self._flat.undo_step_count()
 
     def reload_model_params(self) -> None:
         """Refresh the fp32 shard main params from the model params."""
@@ -278,6 +339,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore this rank's shard; the layout must match (a loaded :meth:`sharded_state_dict` reshards)."""
+        if self._flat is not None:
+            self._flat.bound = False  # the loaded state replaces the flat views; the next step copies it back in
         if is_model_space_state(state_dict):
             load_model_space_state(self, state_dict["optimizer"])
             return

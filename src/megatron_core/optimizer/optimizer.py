@@ -245,6 +245,13 @@ class MegatronOptimizer(ABC):
         return (self.config.clip_grad > 0.0 and not self.config.log_num_zeros_in_grad
                 and not self.prepare_grads_checks_for_inf() and supports_fused_clipping(self.optimizer))
 
+    def _step_skipped_on_device(self) -> None:
+        """Called when a folded-clipping step was skipped on the device (non-finite norm).
+
+        Torch's fused kernels roll their step counts back themselves; the flat step keeps its own.
+        """
+        return None
+
     def _step_with_clipping_in_adam(self) -> tuple[bool, float, None]:
         with self._timer("optimizer-clip-main-grad"):
             norm = grad_norm_tensor(self.get_main_grads_for_grad_norm(),
@@ -254,6 +261,8 @@ class MegatronOptimizer(ABC):
             fused_adam_step_with_clipping(self.optimizer, norm, self.config.clip_grad,
                                           lambda: results.append(self.step_with_ready_grads()))
         grad_norm = norm.item()  # the update is already queued: reading the norm now stalls nothing
+        if not math.isfinite(grad_norm):
+            self._step_skipped_on_device()
         # A non-finite norm made the kernel skip the update (weights and state untouched), as the unfused path does.
         return bool(results[0]) and math.isfinite(grad_norm), grad_norm, None
 

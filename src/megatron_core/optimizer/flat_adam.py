@@ -1,0 +1,181 @@
+"""The precision-aware distributed optimizer's Adam step over flat bucket shards, one fused kernel per shard.
+
+A rank of the distributed optimizer owns one contiguous shard of every DDP bucket. Here the main
+params and both Adam moments of a shard are three flat buffers laid out exactly like the bucket's
+gradient and param buffers (same offsets, DDP padding included), so that one elementwise kernel
+over the shard reads gradient, main param and moments once and writes main param, moments and the
+model's (bf16) param once: the bytes Adam must move, in one pass, where a per-tensor optimizer
+followed by a copy into the model params moves them in several passes and many launches.
+
+Parameters of different param groups (weight decay or not, learning-rate multipliers) sit side by
+side in a shard: a ``uint8`` group id per element selects the group's row of a small table
+(step size ``-lr / bias_correction1``, decay ``1 - lr * weight_decay`` or the L2 coefficient, and
+``sqrt(bias_correction2)``), computed on the host each step exactly as
+:class:`~megatron_core.optimizer.precision_aware_adam.PrecisionAwareAdam` computes its scalars. The
+arithmetic is that optimizer's, element by element, in fp32, rounded to each buffer's storage dtype.
+On CUDA the update is ``torch.compile``d into one kernel per shard; elsewhere it runs eagerly.
+
+The optimizer's ``state`` keeps its usual per-parameter entries (``exp_avg``, ``exp_avg_sq``,
+``step``), now views of the flat buffers, so checkpoints are unchanged. Values loaded into
+``state`` replace those views; :meth:`FlatAdamShards.bind` copies them back in before the next step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["FlatAdamShards", "FlatShard", "flat_adam_update"]
+
+_STEP_SIZE, _DECAY, _BIAS2_SQRT = 0, 1, 2
+
+
+def flat_adam_update(
+    main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    model_out: torch.Tensor | None, group_ids: torch.Tensor, table: torch.Tensor,
+    grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
+    beta1: float, beta2: float, eps: float, adam_w_mode: bool,
+) -> None:
+    """One Adam/AdamW step of a flat shard, in place; ``model_out`` (if given) receives the new params.
+
+    ``table`` is ``[3, groups]`` fp32 (step size, decay or L2 coefficient, sqrt of bias correction 2),
+    indexed per element by ``group_ids``. ``grad_scale`` divides the gradient (clipping folded in);
+    where ``found_inf`` is non-zero nothing changes.
+    """
+    ids = group_ids.long()
+    step_size, decay, bias2_sqrt = table[_STEP_SIZE][ids], table[_DECAY][ids], table[_BIAS2_SQRT][ids]
+    g = grad.to(main.dtype).float()  # the gradient as the main params' dtype hands it to the update
+    if grad_scale is not None:
+        g = g / grad_scale
+    p = main.float()
+    if not adam_w_mode:
+        g = g + decay * p  # L2: the coefficient sits in the decay row
+    m = exp_avg.float()
+    m = m + (1.0 - beta1) * (g - m)
+    v = exp_avg_sq.float() * beta2 + (1.0 - beta2) * g * g
+    denom = v.sqrt() / bias2_sqrt + eps
+    if adam_w_mode:
+        p = p * decay
+    p = p + (step_size * m) / denom
+    if found_inf is not None:
+        keep = found_inf == 0
+        m, v, p = torch.where(keep, m, exp_avg.float()), torch.where(keep, v, exp_avg_sq.float()), \
+            torch.where(keep, p, main.float())
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    main.copy_(p)
+    if model_out is not None:
+        model_out.copy_(p.to(main.dtype))  # what copying the stored main param would give
+
+
+@dataclass
+class FlatShard:
+    """One bucket shard: flat main params, moments, the bucket's gradient and (unless main is it) param slice."""
+
+    main: torch.Tensor
+    grad: torch.Tensor
+    model_out: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    group_ids: torch.Tensor
+    pieces: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (main view, start, end) in the shard
+
+
+class FlatAdamShards:
+    """Adam state in flat shard buffers, stepped by :func:`flat_adam_update` (see the module doc)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, shards: list[FlatShard], compiled: bool | None = None) -> None:
+        self.optimizer = optimizer
+        self.shards = shards
+        device = shards[0].main.device if shards else torch.device("cpu")
+        self.compiled = device.type == "cuda" if compiled is None else compiled
+        self._update = torch.compile(flat_adam_update, dynamic=True) if self.compiled else flat_adam_update
+        self.bound = False
+        self.step_count = 0
+        self._step_tensor = torch.tensor(0.0)
+        groups = optimizer.param_groups
+        pinned = device.type == "cuda"
+        self._table_host = torch.zeros(3, len(groups), dtype=torch.float32, pin_memory=pinned)
+        self._table = torch.zeros(3, len(groups), dtype=torch.float32, device=device)
+        self._table_copied = torch.cuda.Event() if pinned else None
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        for shard in shards:
+            for view, start, end in shard.pieces:
+                shard.group_ids[start:end] = group_of[id(view)]
+        # Each param's moment views, made once: ``bind`` recognises its own views by identity.
+        self._views = [(view, shard.exp_avg[start:end].view(view.shape), shard.exp_avg_sq[start:end].view(view.shape))
+                       for shard in shards for view, start, end in shard.pieces]
+
+    @staticmethod
+    def make_shard(main: torch.Tensor, grad: torch.Tensor, model_out: torch.Tensor | None,
+                   exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype) -> FlatShard:
+        """A shard over ``main`` (flat) with zeroed moments; add its pieces with :meth:`add_piece`."""
+        if main.shape != grad.shape or (model_out is not None and model_out.shape != main.shape):
+            raise ValueError(f"flat shard buffers differ in size: main {tuple(main.shape)}, grad "
+                             f"{tuple(grad.shape)}, model {None if model_out is None else tuple(model_out.shape)}")
+        return FlatShard(main, grad, model_out, torch.zeros_like(main, dtype=exp_avg_dtype),
+                         torch.zeros_like(main, dtype=exp_avg_sq_dtype),
+                         torch.zeros(main.numel(), dtype=torch.uint8, device=main.device))
+
+    def bind(self) -> None:
+        """Make every param's ``exp_avg``/``exp_avg_sq`` state a view of the flat buffers (adopting loaded values)."""
+        state = self.optimizer.state
+        steps = []
+        for param, exp_avg, exp_avg_sq in self._views:
+            entry = state.setdefault(param, {})
+            for name, view in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                current = entry.get(name)
+                if current is None:
+                    view.zero_()
+                elif current is not view:
+                    view.copy_(current.reshape(view.shape))
+                entry[name] = view
+            if "step" in entry and entry["step"] is not self._step_tensor:
+                steps.append(int(entry["step"]))
+        if steps:
+            self.step_count = max(steps)
+        self._step_tensor = torch.tensor(float(self.step_count))
+        for param, _, _ in self._views:
+            state[param]["step"] = self._step_tensor
+        self.bound = True
+
+    def _fill_table(self) -> None:
+        """Per-group scalars of this step, exactly as ``PrecisionAwareAdam`` forms them, onto the device."""
+        n = self.step_count
+        host = self._table_host
+        if self._table_copied is not None:
+            self._table_copied.synchronize()  # the previous step's copy has left the pinned buffer
+        adam_w = getattr(self.optimizer, "adam_w_mode", True)
+        for i, group in enumerate(self.optimizer.param_groups):
+            beta1, beta2 = group["betas"]
+            lr, wd = group["lr"], group["weight_decay"]
+            host[_STEP_SIZE, i] = -lr / (1 - beta1 ** n)
+            host[_DECAY, i] = (1 - lr * wd) if adam_w else wd
+            host[_BIAS2_SQRT, i] = math.sqrt(1 - beta2 ** n)
+        self._table.copy_(host, non_blocking=True)
+        if self._table_copied is not None:
+            self._table_copied.record()
+
+    def step(self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+        """One step of every shard (the model params are written too)."""
+        if not self.bound:
+            self.bind()
+        groups = self.optimizer.param_groups
+        betas, eps = groups[0]["betas"], groups[0]["eps"]
+        if any(g["betas"] != betas or g["eps"] != eps for g in groups):
+            raise ValueError("the flat Adam step needs the same betas and eps in every param group, got "
+                             f"{[(g['betas'], g['eps']) for g in groups]}")
+        self.step_count += 1
+        self._step_tensor.fill_(float(self.step_count))
+        self._fill_table()
+        adam_w = bool(getattr(self.optimizer, "adam_w_mode", True))
+        for shard in self.shards:
+            self._update(shard.main, shard.grad, shard.exp_avg, shard.exp_avg_sq, shard.model_out, shard.group_ids,
+                         self._table, grad_scale, found_inf, float(betas[0]), float(betas[1]), float(eps), adam_w)
+
+    def undo_step_count(self) -> None:
+        """The last step was skipped on the device (non-finite gradient norm): its count does not stand."""
+        self.step_count -= 1
+        self._step_tensor.fill_(float(self.step_count))

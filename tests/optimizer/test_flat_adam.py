@@ -1,0 +1,184 @@
+"""The flat fused Adam step of the precision-aware distributed optimizer (``optimizer/flat_adam.py``).
+
+On 2 CPU ranks, with the flat step forced on, training equals the per-tensor ``PrecisionAwareAdam``
+path (fp32 and bf16 moments, AdamW and L2, clipping folded into the step), a checkpoint taken mid-run
+resumes exactly, and the kernel itself (eager and ``torch.compile``d) matches a reference on random
+shards, including the skipped update of a non-finite gradient norm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state, tensor_parallel
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron_core.optimizer.flat_adam import flat_adam_update
+from tests.dist_harness import run_on_ranks
+from tests.models.gpt_test_utils import SEQ, VOCAB, build, llama_like
+
+BATCH = 8
+
+
+def _tokens(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+
+
+def _setup(flat: bool, opt_overrides: dict):
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    model = build(llama_like())
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    previous = DistributedOptimizer.flat_shard_step
+    DistributedOptimizer.flat_shard_step = flat
+    try:
+        opt = get_megatron_optimizer(OptimizerConfig(
+            lr=3e-3, weight_decay=0.05, clip_grad=opt_overrides.pop("clip_grad", 0.05), use_distributed_optimizer=True,
+            use_precision_aware_optimizer=True, **opt_overrides), [ddp])
+    finally:
+        DistributedOptimizer.flat_shard_step = previous
+    assert (opt._flat is not None) == flat
+    return model, ddp, opt
+
+
+def _step(ddp, opt, step: int) -> float:
+    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    tokens = _tokens(step).chunk(dp)[rank]
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
+    loss = ddp(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    success, grad_norm, _ = opt.step()
+    assert success
+    reduced = loss.detach().reshape(1)
+    dist.all_reduce(reduced, group=parallel_state.get_data_parallel_group())
+    return reduced.item() / dp
+
+
+def _train(flat: bool, steps: int, opt_overrides: dict, resume_at: int | None = None) -> dict:
+    parallel_state.initialize_model_parallel()
+    try:
+        model, ddp, opt = _setup(flat, dict(opt_overrides))
+        losses = []
+        for step in range(steps):
+            if step == resume_at:  # a fresh model and optimizer from the state of this one
+                saved_model = {k: v.detach().clone() for k, v in model.named_parameters()}
+                saved_opt = opt.state_dict()
+                model, ddp, opt = _setup(flat, dict(opt_overrides))
+                with torch.no_grad():
+                    for name, param in model.named_parameters():
+                        param.copy_(saved_model[name])
+                opt.load_state_dict(saved_opt)
+            losses.append(_step(ddp, opt, step))
+        state = opt.optimizer.state
+        return {
+            "losses": losses,
+            "weights": {k: v.detach().clone() for k, v in model.named_parameters()},
+            "steps": sorted({int(s["step"]) for s in state.values()}),
+            "moments": [s["exp_avg_sq"].detach().float().clone() for s in state.values()],
+            "views": opt._flat is not None and all(  # the state lives in the flat buffers
+                {s["exp_avg"].untyped_storage().data_ptr(), s["exp_avg_sq"].untyped_storage().data_ptr()}
+                <= {t.untyped_storage().data_ptr() for shard in opt._flat.shards
+                    for t in (shard.exp_avg, shard.exp_avg_sq)} for s in state.values()),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _close(a: dict, b: dict, tol: float) -> None:
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=tol, atol=tol)
+    for name, value in a["weights"].items():
+        torch.testing.assert_close(value, b["weights"][name], rtol=tol, atol=tol, msg=name)
+    assert a["steps"] == b["steps"]
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+    {"decoupled_weight_decay": False},
+    {"clip_grad": 0.0},
+], ids=["fp32", "bf16-moments", "l2", "no-clip"])
+def test_flat_step_equals_per_tensor_precision_aware_adam(overrides):
+    reference = run_on_ranks(2, _train, False, 4, overrides)
+    flat = run_on_ranks(2, _train, True, 4, overrides)
+    for got, want in zip(flat, reference):
+        _close(got, want, 1e-5)
+        assert got["views"] and got["steps"] == [4]
+
+
+def test_flat_step_resumes_from_a_checkpoint_exactly():
+    straight = run_on_ranks(2, _train, True, 5, {"exp_avg_dtype": torch.bfloat16})
+    resumed = run_on_ranks(2, _train, True, 5, {"exp_avg_dtype": torch.bfloat16}, 3)
+    for a, b in zip(resumed, straight):
+        assert a["losses"] == b["losses"]
+        for name, value in a["weights"].items():
+            assert torch.equal(value, b["weights"][name]), name
+
+
+def _skip_non_finite() -> dict:
+    parallel_state.initialize_model_parallel()
+    try:
+        model, ddp, opt = _setup(True, {})
+        for step in range(2):
+            _step(ddp, opt, step)
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        tokens = _tokens(9).chunk(2)[dist.get_rank()]
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
+        ddp(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
+        ddp.finish_grad_sync()
+        next(p for p in model.parameters()).main_grad.view(-1)[0] = float("nan")
+        success, grad_norm, _ = opt.step()
+        unchanged = all(torch.equal(v, before[k]) for k, v in model.named_parameters())
+        steps = sorted({int(s["step"]) for s in opt.optimizer.state.values()})
+        loss = _step(ddp, opt, 2)  # the next finite step goes ahead as step 3
+        return {"success": success, "finite": grad_norm == grad_norm, "unchanged": unchanged, "steps": steps,
+                "after": sorted({int(s["step"]) for s in opt.optimizer.state.values()}), "loss": loss}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_non_finite_gradient_skips_the_flat_step_and_its_count():
+    for r in run_on_ranks(2, _skip_non_finite):
+        assert not r["success"] and not r["finite"] and r["unchanged"]
+        assert r["steps"] == [2] and r["after"] == [3] and r["loss"] == r["loss"]
+
+
+def _reference(main, grad, m, v, table, ids, beta1, beta2, eps, grad_scale):
+    g = grad.float() / grad_scale
+    p = main.float()
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    step_size, decay, bias2 = table[0][ids], table[1][ids], table[2][ids]
+    return p * decay + step_size * m / (v.sqrt() / bias2 + eps), m, v
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flat_kernel_matches_reference_and_skips_on_non_finite_norm(compiled):
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    n = 1000
+    main, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = 0.1 * torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+    ids = (torch.arange(n) % 3 == 0).to(torch.uint8)
+    table = torch.tensor([[-1e-3, -2e-3], [0.999, 1.0], [0.3, 0.5]])
+    scale = torch.tensor(2.0)
+    want_p, want_m, want_v = _reference(main, grad, m, v, table, ids.long(), 0.9, 0.95, 1e-8, scale)
+    update = torch.compile(flat_adam_update, dynamic=True) if compiled else flat_adam_update
+    p, mm, vv, out = main.clone(), m.clone(), v.clone(), torch.empty(n, dtype=torch.bfloat16)
+    update(p, grad, mm, vv, out, ids, table, scale, torch.tensor(0.0), 0.9, 0.95, 1e-8, True)
+    torch.testing.assert_close(p, want_p, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(mm, want_m, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(vv, want_v, rtol=1e-6, atol=1e-7)
+    assert torch.equal(out, p.to(torch.bfloat16))
+    before = [t.clone() for t in (p, mm, vv, out)]
+    update(p, grad, mm, vv, out, ids, table, scale, torch.tensor(1.0), 0.9, 0.95, 1e-8, True)  # found_inf: skip
+    for now, then in zip((p, mm, vv), before):
+        assert torch.equal(now, then)
