@@ -41,6 +41,10 @@ from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed, pad_v
 from megatron_core.transformer import TransformerConfig  # noqa: E402
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PRECISION_AWARE_DTYPES = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
 def build_optimizer(args, chunks):
     """Megatron optimizer and LR scheduler from the flags."""
     optimizer = get_megatron_optimizer(
@@ -50,6 +54,8 @@ def build_optimizer(args, chunks):
             sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+            **{name: _DTYPES[getattr(args, name)] for name in _PRECISION_AWARE_DTYPES},
         ),
         chunks,
     )

@@ -130,6 +130,11 @@ def _training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Adam keeps main params and moments in the dtypes below (needs --use-distributed-optimizer); "
+                        "on CUDA one fused kernel per bucket shard updates them and writes the bf16 params")
+    for flag in ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):
+        g.add_argument(flag, choices=["fp32", "bf16", "fp16"], default="fp32")
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-interval", type=int, default=None, help="exit after this iteration (for tests)")
 

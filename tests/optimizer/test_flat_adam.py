@@ -182,3 +182,24 @@ def test_flat_kernel_matches_reference_and_skips_on_non_finite_norm(compiled):
     update(p, grad, mm, vv, out, ids, table, scale, torch.tensor(1.0), 0.9, 0.95, 1e-8, True)  # found_inf: skip
     for now, then in zip((p, mm, vv), before):
         assert torch.equal(now, then)
+
+
+@pytest.mark.gpu
+def test_compiled_flat_kernel_on_cuda_matches_eager_and_writes_bf16():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch._dynamo.reset()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = (1 << 22) + 123
+    main, grad = torch.randn(n, device="cuda", generator=gen), torch.randn(n, device="cuda", generator=gen)
+    m, v = 0.1 * torch.randn(n, device="cuda", generator=gen), torch.rand(n, device="cuda", generator=gen)
+    ids = (torch.arange(n, device="cuda") % 5 == 0).to(torch.uint8)
+    table = torch.tensor([[-1e-3, -2e-3], [0.999, 1.0], [0.3, 0.5]], device="cuda")
+    results = []
+    for update in (flat_adam_update, torch.compile(flat_adam_update, dynamic=True)):
+        p, mm, vv = main.clone(), m.clone(), v.clone()
+        out = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        update(p, grad, mm, vv, out, ids, table, None, None, 0.9, 0.95, 1e-8, True)
+        results.append((p, mm, vv, out))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled.float(), eager.float(), rtol=1e-6, atol=1e-6)

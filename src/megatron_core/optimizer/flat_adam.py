@@ -23,6 +23,7 @@ The optimizer's ``state`` keeps its usual per-parameter entries (``exp_avg``, ``
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -172,8 +173,17 @@ class FlatAdamShards:
         self._fill_table()
         adam_w = bool(getattr(self.optimizer, "adam_w_mode", True))
         for shard in self.shards:
-            self._update(shard.main, shard.grad, shard.exp_avg, shard.exp_avg_sq, shard.model_out, shard.group_ids,
-                         self._table, grad_scale, found_inf, float(betas[0]), float(betas[1]), float(eps), adam_w)
+            args = (shard.main, shard.grad, shard.exp_avg, shard.exp_avg_sq, shard.model_out, shard.group_ids,
+                    self._table, grad_scale, found_inf, float(betas[0]), float(betas[1]), float(eps), adam_w)
+            try:
+                self._update(*args)
+            except Exception as error:  # torch.compile could not build the kernel (it fails before running)
+                if not self.compiled:
+                    raise
+                warnings.warn(f"flat Adam step: torch.compile failed ({type(error).__name__}: {error}); "
+                              "running the same update eagerly (one pass per operation)", stacklevel=2)
+                self.compiled, self._update = False, flat_adam_update
+                self._update(*args)
 
     def undo_step_count(self) -> None:
         """The last step was skipped on the device (non-finite gradient norm): its count does not stand."""
