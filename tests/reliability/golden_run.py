@@ -5,7 +5,8 @@ mode (``torch.use_deterministic_algorithms``, fixed seeds, data depending only o
 the Megatron optimizer, scheduler and pipeline schedule. The per-step losses and grad norms are
 stored as exact float hex strings per torch version and device kind, in
 ``tests/reliability/golden/loss_curve-torch<major.minor>-<device>.json`` (the device kind is the
-CPU's vector capability, since CPU kernels differ between AVX2 and AVX-512, or ``cuda_<GPU name>`` when
+CPU's vector capability, since CPU kernels differ between AVX2 and AVX-512, with ``_amd`` on AMD
+CPUs (other kernels again), or ``cuda_<GPU name>`` when
 the run is on a GPU: one rank under NCCL, fp32, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``); only
 ``python tools/golden_loss_curve.py [--device cuda] --write`` (re)writes them. On a device kind without its own
 golden file the curve is compared with another device's golden of the same torch version within
@@ -35,8 +36,21 @@ def device_kind() -> str:
         kind = f"cuda_{torch.cuda.get_device_name()}"
     else:
         capability = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "default"
-        kind = f"cpu_{capability}"
+        # The math libraries pick other kernels on AMD CPUs of the same vector width: their own golden.
+        kind = f"cpu_{capability}" + ("_amd" if _cpu_vendor() == "AuthenticAMD" else "")
     return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_")
+
+
+def _cpu_vendor() -> str:
+    """The CPU vendor string of ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def torch_version() -> str:
