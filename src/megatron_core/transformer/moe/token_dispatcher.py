@@ -27,7 +27,13 @@ from megatron_core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron_core.transformer.moe.moe_utils import get_capacity, get_default_pg_collection
-from megatron_core.transformer.moe.token_permutation import permute, sort_chunks_by_idxs, unpermute
+from megatron_core.transformer.moe.token_permutation import (
+    permute,
+    permute_top_k,
+    sort_chunks_by_idxs,
+    unpermute,
+    unpermute_top_k,
+)
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.utils import get_pg_rank, get_pg_size
 
@@ -92,6 +98,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.local_expert_indices = local_expert_indices
         self.router_topk = config.moe_router_topk
         self.counts_stay_on_device = counts_stay_on_device(config, self.tp_ep_group)
+        self.token_rows: torch.Tensor | None = None  # [T, k] rows of each token, when every token has k rows
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Flatten ``[s, b, h]`` to ``[s * b, h]`` and keep the routing map."""
@@ -115,18 +122,21 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.local_map = self.routing_map[:, first:last].contiguous()
         local_probs = probs[:, first:last]
         tokens_per_expert = self.local_map.sum(dim=0).long()
-        if self.counts_stay_on_device:
-            num_out_tokens = self.local_map.shape[0] * self.router_topk
+        self.token_rows = None
+        if self.counts_stay_on_device:  # every token has exactly top-k rows: gathers only
+            permuted, permuted_probs, self.reversed_local_input_permutation_mapping, self.token_rows = permute_top_k(
+                hidden_states, self.local_map, self.router_topk, probs=local_probs)
         else:
             tokens_per_expert = tokens_per_expert.cpu()
-            num_out_tokens = int(tokens_per_expert.sum())
-        permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
-            hidden_states, self.local_map, probs=local_probs, num_out_tokens=num_out_tokens)
+            permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
+                hidden_states, self.local_map, probs=local_probs, num_out_tokens=int(tokens_per_expert.sum()))
         self.routing_map = None
         return permuted, tokens_per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Sum the expert rows back into the gathered token order."""
+        if self.token_rows is not None:
+            return unpermute_top_k(hidden_states, self.reversed_local_input_permutation_mapping, self.token_rows)
         return unpermute(hidden_states, self.reversed_local_input_permutation_mapping,
                          restore_shape=self.hidden_shape_before_permute)
 
@@ -159,6 +169,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.capacity: int | None = None
         self.input_splits = self.output_splits = self.output_splits_tp = None
         self.counts_stay_on_device = counts_stay_on_device(config, self.tp_ep_group)
+        self.token_rows: torch.Tensor | None = None  # [T, k] rows of each token, when every token has k rows
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
         """Compute the all-to-all split sizes; returns the tokens per local expert (over all ranks)."""
@@ -203,9 +214,15 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         self.tokens_per_expert = self.preprocess(routing_map)
         self.hidden_shape_before_permute = hidden_states.shape
-        permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
-            hidden_states, routing_map, probs=probs, num_out_tokens=self.num_out_tokens,
-            drop_and_pad=self.drop_and_pad)
+        self.token_rows = None
+        if not self.drop_and_pad and self.config.moe_expert_capacity_factor is None:
+            # Nothing is dropped, so every token has exactly top-k rows: gathers only.
+            permuted, permuted_probs, self.reversed_local_input_permutation_mapping, self.token_rows = permute_top_k(
+                hidden_states, routing_map, self.config.moe_router_topk, probs=probs)
+        else:
+            permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
+                hidden_states, routing_map, probs=probs, num_out_tokens=self.num_out_tokens,
+                drop_and_pad=self.drop_and_pad)
         return permuted, permuted_probs
 
     def token_dispatch(self, permutated_local_input_tokens: torch.Tensor, permuted_probs: torch.Tensor):
@@ -253,6 +270,10 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
 
     def combine_postprocess(self, permutated_local_input_tokens: torch.Tensor) -> torch.Tensor:
         """Sum each token's expert rows back and restore ``[s, b, h]``."""
-        output = unpermute(permutated_local_input_tokens, self.reversed_local_input_permutation_mapping,
-                           restore_shape=self.hidden_shape_before_permute)
+        if self.token_rows is not None:
+            output = unpermute_top_k(permutated_local_input_tokens, self.reversed_local_input_permutation_mapping,
+                                     self.token_rows)
+        else:
+            output = unpermute(permutated_local_input_tokens, self.reversed_local_input_permutation_mapping,
+                               restore_shape=self.hidden_shape_before_permute)
         return output.view(self.hidden_shape)

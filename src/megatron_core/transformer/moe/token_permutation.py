@@ -6,13 +6,18 @@ the number of (token, expert) pairs. ``sorted_indices [N]`` holds each row's sou
 ``unpermute`` scatters rows back with a sum (a token routed to k experts receives k rows).
 With ``drop_and_pad`` every expert has exactly ``capacity = N / E`` rows (the routing map is
 padded to capacity by the router), which keeps shapes static.
+
+When every token has exactly ``k`` rows (top-k routing that drops nothing), :func:`permute_top_k`
+and :func:`unpermute_top_k` do the same with gathers only: ``token_rows [T, k]`` lists each token's
+rows, so the sum back is a gather plus a sum over ``k``, and the backward of each direction is a
+gather through the other map, never a scatter-add (which serialises on atomics on a GPU).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["permute", "sort_chunks_by_idxs", "unpermute"]
+__all__ = ["permute", "permute_top_k", "sort_chunks_by_idxs", "unpermute", "unpermute_top_k"]
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
@@ -24,14 +29,21 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     """
     if fused:
         raise ValueError("fused permutation needs Transformer Engine, which this library does not use")
-    num_tokens = tokens.shape[0]
-    num_experts = routing_map.shape[1]
+    flat, sorted_indices = _sorted_rows(routing_map, num_out_tokens, drop_and_pad)
+    permuted_probs = probs.T.contiguous().reshape(-1).index_select(0, flat) if probs is not None else None
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+def _sorted_rows(routing_map: torch.Tensor, num_out_tokens: int | None, drop_and_pad: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flat, sorted_indices)``: each row's index into the flattened ``[E, T]`` map, and its token."""
+    num_tokens, num_experts = routing_map.shape
     map_t = routing_map.bool().T.contiguous()  # [E, T]
     if drop_and_pad and num_out_tokens is not None:
         capacity = num_out_tokens // num_experts
         rows = map_t.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[:, :capacity]
         sorted_indices = rows.reshape(-1)
-        flat = (torch.arange(num_experts, device=tokens.device).unsqueeze(-1) * num_tokens + rows).reshape(-1)
+        flat = (torch.arange(num_experts, device=rows.device).unsqueeze(-1) * num_tokens + rows).reshape(-1)
     elif num_out_tokens is not None:
         # A stable sort of the flattened [E, T] map puts every routed pair first, in (expert, token)
         # order, with no device-to-host sync (the count is known).
@@ -40,8 +52,61 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     else:
         flat = map_t.reshape(-1).nonzero(as_tuple=False).squeeze(-1)
         sorted_indices = flat % num_tokens
+    return flat, sorted_indices
+
+
+class _GatherRows(torch.autograd.Function):
+    """``rows = tokens[sorted_indices]`` whose backward sums each token's ``k`` row gradients by a gather."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, sorted_indices: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(token_rows)
+        return tokens.index_select(0, sorted_indices)
+
+    @staticmethod
+    def backward(ctx, grad_rows: torch.Tensor):
+        (token_rows,) = ctx.saved_tensors
+        return _sum_rows(grad_rows, token_rows), None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """``out[t] = sum of rows[token_rows[t]]`` whose backward hands every row its token's gradient by a gather."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, sorted_indices: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(sorted_indices)
+        return _sum_rows(rows, token_rows)
+
+    @staticmethod
+    def backward(ctx, grad_tokens: torch.Tensor):
+        (sorted_indices,) = ctx.saved_tensors
+        return grad_tokens.index_select(0, sorted_indices), None, None
+
+
+def _sum_rows(rows: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+    num_tokens, k = token_rows.shape
+    return rows.index_select(0, token_rows.reshape(-1)).view(num_tokens, k, *rows.shape[1:]).sum(dim=1)
+
+
+def permute_top_k(tokens: torch.Tensor, routing_map: torch.Tensor, topk: int, probs: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """:func:`permute` for a routing map with exactly ``topk`` experts per token (nothing dropped).
+
+    Returns ``(permuted_tokens [T*k, H], permuted_probs or None, sorted_indices [T*k], token_rows [T, k])``;
+    the caller guarantees the row counts (no device-to-host check).
+    """
+    num_tokens = tokens.shape[0]
+    flat, sorted_indices = _sorted_rows(routing_map, num_tokens * topk, drop_and_pad=False)
+    # Rows grouped by token (each token's rows in expert order): the inverse of the sort above.
+    token_rows = torch.argsort(sorted_indices, stable=True).view(num_tokens, topk)
     permuted_probs = probs.T.contiguous().reshape(-1).index_select(0, flat) if probs is not None else None
-    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+    return _GatherRows.apply(tokens, sorted_indices, token_rows), permuted_probs, sorted_indices, token_rows
+
+
+def unpermute_top_k(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, token_rows: torch.Tensor,
+                    ) -> torch.Tensor:
+    """:func:`unpermute` (without probs) of :func:`permute_top_k`'s rows: ``[T, H]``."""
+    return _SumRows.apply(permuted_tokens, sorted_indices, token_rows)
 
 
 def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,

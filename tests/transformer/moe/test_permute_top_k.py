@@ -1,0 +1,49 @@
+"""Gather-only permutation for top-k routing (``permute_top_k`` / ``unpermute_top_k``) equals the scatter-add path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_core.transformer.moe.token_permutation import permute, permute_top_k, unpermute, unpermute_top_k
+
+
+def _routing(num_tokens: int, num_experts: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(num_tokens, num_experts, generator=gen)
+    top = scores.topk(topk, dim=1).indices
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, top, True)
+    probs = torch.zeros(num_tokens, num_experts).scatter_(1, top, scores.softmax(-1).gather(1, top))
+    return routing_map, probs
+
+
+@pytest.mark.parametrize("topk", [1, 2, 3])
+def test_top_k_permutation_matches_values_and_gradients(topk):
+    num_tokens, num_experts, hidden = 37, 8, 5
+    routing_map, probs = _routing(num_tokens, num_experts, topk, seed=topk)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weight = torch.randn(num_tokens * topk, hidden, generator=gen)  # a different factor per row: an "expert"
+    results = []
+    for gather_only in (False, True):
+        tokens = x.clone().requires_grad_(True)
+        p = probs.clone().requires_grad_(True)
+        if gather_only:
+            rows, row_probs, sorted_indices, token_rows = permute_top_k(tokens, routing_map, topk, probs=p)
+            out = unpermute_top_k(rows * weight * row_probs.unsqueeze(-1), sorted_indices, token_rows)
+        else:
+            rows, row_probs, sorted_indices = permute(tokens, routing_map, probs=p, num_out_tokens=num_tokens * topk)
+            out = unpermute(rows * weight * row_probs.unsqueeze(-1), sorted_indices, restore_shape=x.shape)
+        out.pow(2).sum().backward()
+        results.append((rows.detach(), sorted_indices, out.detach(), tokens.grad, p.grad))
+    for name, a, b in zip(("rows", "sorted_indices", "output", "grad tokens", "grad probs"), *results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_token_rows_list_each_tokens_rows_in_expert_order():
+    routing_map = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    rows, _, sorted_indices, token_rows = permute_top_k(torch.arange(3.0).unsqueeze(-1), routing_map, 2)
+    # rows by expert: e0 <- tokens 0, 2; e1 <- tokens 1, 2; e2 <- tokens 0, 1
+    assert sorted_indices.tolist() == [0, 2, 1, 2, 0, 1]
+    assert token_rows.tolist() == [[0, 4], [2, 5], [1, 3]]
+    assert rows.view(-1).tolist() == [0.0, 2.0, 1.0, 2.0, 0.0, 1.0]
