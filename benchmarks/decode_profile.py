@@ -33,6 +33,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--compile-decode", action="store_true", help="torch.compile the forward the decode graphs capture")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode of the decode forward (e.g. max-autotune-no-cudagraphs)")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--phases", action="store_true",
                    help="also time the phases of a decode step (synchronising the GPU between phases)")
@@ -73,6 +75,8 @@ def profile(args, model, concurrency: int) -> None:
         max_tokens=max(8192, concurrency), max_sequence_length=args.prompt_len + args.gen_len + 8,
         enable_chunked_prefill=True, num_cuda_graphs=8, compile_decode_graphs=args.compile_decode))
     engine = llm.engine
+    if args.compile_mode:
+        engine.controller.inference_wrapped_model.decode_compile_options = {"mode": args.compile_mode}
     params = SamplingParams(top_k=1, num_tokens_to_generate=args.gen_len, termination_id=-1)
     for i, prompt in enumerate(prompts(concurrency, args.prompt_len, args.vocab, 1)):
         engine.add_request(i, prompt, params)

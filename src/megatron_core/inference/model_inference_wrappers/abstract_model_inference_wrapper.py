@@ -25,7 +25,14 @@ __all__ = ["AbstractModelInferenceWrapper"]
 
 
 class AbstractModelInferenceWrapper(abc.ABC):
-    """Holds the model and its inference context; runs forward steps."""
+    """Holds the model and its inference context; runs forward steps.
+
+    ``decode_compile_options``: extra ``torch.compile`` keywords for the decode forward of
+    ``compile_decode_graphs`` (for example ``{"mode": "max-autotune-no-cudagraphs"}``); set before the
+    first decode step.
+    """
+
+    decode_compile_options: dict[str, Any] = {}
 
     def __init__(self, model: torch.nn.Module, inference_context: BaseInferenceContext | None = None) -> None:
         self.model = model
@@ -68,7 +75,8 @@ class AbstractModelInferenceWrapper(abc.ABC):
         if not self.compile_decode_graphs:
             return self._forward(inference_input)
         if self._compiled_decode_forward is None:
-            self._compiled_decode_forward = torch.compile(self._forward, dynamic=False)
+            self._compiled_decode_forward = torch.compile(self._forward, dynamic=False,
+                                                          **self.decode_compile_options)
         # One compiled graph per padded batch size: more than dynamo's default limit of 8 may be needed.
         with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
             return self._compiled_decode_forward(inference_input)
