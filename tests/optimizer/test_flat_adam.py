@@ -19,6 +19,7 @@ from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_core.optimizer.flat_adam import flat_adam_update
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import SEQ, VOCAB, build, llama_like
+from tests.optimizer.dp_step import dp_train_step
 
 BATCH = 8
 
@@ -46,19 +47,7 @@ def _setup(flat: bool, opt_overrides: dict):
 
 
 def _step(ddp, opt, step: int) -> float:
-    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    tokens = _tokens(step).chunk(dp)[rank]
-    ddp.zero_grad_buffer()
-    opt.zero_grad()
-    positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
-    loss = ddp(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
-    loss.backward()
-    ddp.finish_grad_sync()
-    success, grad_norm, _ = opt.step()
-    assert success
-    reduced = loss.detach().reshape(1)
-    dist.all_reduce(reduced, group=parallel_state.get_data_parallel_group())
-    return reduced.item() / dp
+    return dp_train_step(ddp, opt, _tokens(step))
 
 
 def _train(flat: bool, steps: int, opt_overrides: dict, resume_at: int | None = None) -> dict:

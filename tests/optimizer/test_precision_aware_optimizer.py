@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_core import parallel_state, tensor_parallel
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.optimizer import OptimizerConfig, PrecisionAwareAdam, get_megatron_optimizer
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import SEQ, VOCAB, build, llama_like
+from tests.optimizer.dp_step import dp_train_step
 
 BATCH = 8
 
@@ -46,22 +46,7 @@ def _train(steps: int, opt_overrides: dict) -> dict:
                                       model)
         opt = get_megatron_optimizer(OptimizerConfig(lr=3e-3, weight_decay=0.01, clip_grad=1.0,
                                                      use_distributed_optimizer=True, **opt_overrides), [ddp])
-        dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-        group = parallel_state.get_data_parallel_group()
-        losses = []
-        for step in range(steps):
-            tokens = _tokens(step).chunk(dp)[rank]
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
-            loss = ddp(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
-            loss.backward()
-            ddp.finish_grad_sync()
-            success, _, _ = opt.step()
-            assert success
-            reduced = loss.detach().reshape(1)
-            dist.all_reduce(reduced, group=group)
-            losses.append(reduced.item() / dp)
+        losses = [dp_train_step(ddp, opt, _tokens(step)) for step in range(steps)]
         entries = opt._entries()
         state_bytes = sum(t.numel() * t.element_size() for s in opt.optimizer.state.values()
                           for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
