@@ -16,7 +16,7 @@ from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import batch, build, llama_like
 
 
-def _main_grads(tp: int, fusion: bool, bf16: bool) -> dict[str, torch.Tensor]:
+def _main_grads(tp: int, fusion: bool, bf16: bool, compiled: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     overrides = dict(gradient_accumulation_fusion=fusion, tensor_model_parallel_size=tp)
@@ -25,6 +25,9 @@ def _main_grads(tp: int, fusion: bool, bf16: bool) -> dict[str, torch.Tensor]:
     model = build(llama_like(), **overrides)
     module = Float16Module(model.config, model) if bf16 else model
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+    if compiled:
+        for layer in model.decoder.layers:
+            layer.compile()
     ddp.zero_grad_buffer()
     for seed, sync in ((3, False), (4, True)):
         ids, pos, labels = batch(seed)
@@ -59,3 +62,29 @@ def _compare_fused_and_unfused() -> list[str]:
 def test_fused_weight_gradients_equal_the_unfused_ones() -> None:
     results = run_on_ranks(2, _compare_fused_and_unfused)
     assert results == [["tp1-fp32", "tp1-bf16", "tp2-fp32", "tp2-bf16"]] * 2
+
+
+def _compiled_fused_against_eager_unfused() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    parallel_state.initialize_model_parallel()
+    try:
+        for bf16 in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            fused = _main_grads(1, True, bf16, compiled=True)
+            breaks = sum(counters["graph_break"].values())
+            assert breaks == 0, dict(counters["graph_break"])  # the fused wgrad stays inside the compiled layer
+            unfused = _main_grads(1, False, bf16)
+            tol = dict(rtol=2e-2, atol=1e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
+            for name in fused:
+                assert fused[name].abs().sum() > 0, f"{name}: no gradient reached main_grad"
+                torch.testing.assert_close(fused[name], unfused[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+        return {"checked": 2}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_fused_weight_gradients_inside_compiled_layers() -> None:
+    """Compiled layers keep the fused wgrad in their graph (custom op, no graph break) and get the same main_grad."""
+    assert run_on_ranks(1, _compiled_fused_against_eager_unfused) == [{"checked": 2}]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_core.tensor_parallel import linear_function
+from megatron_core.tensor_parallel import wgrad_accumulation
 from megatron_core.tensor_parallel.linear_function import LinearWithGradAccumulationAndAsyncCommunication
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +24,7 @@ def test_fused_wgrad_accumulates_into_fp32_main_grad():
     out = LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, None, True, False, False, None, 0, None)
     grad = torch.randn_like(out)
     out.backward(grad)
-    print("one-GEMM fp32 accumulation:", linear_function._gemm_accumulates_into_fp32(x.device))
+    print("one-GEMM fp32 accumulation:", wgrad_accumulation.gemm_accumulates_into_fp32(x.device))
     want = start + (grad.float().reshape(-1, 384).t() @ x.detach().float().reshape(-1, 512))
     torch.testing.assert_close(weight.main_grad, want, rtol=2e-2, atol=5e-1)
     assert weight.grad_added_to_main_grad

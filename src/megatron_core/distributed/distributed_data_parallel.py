@@ -130,7 +130,10 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            if p.grad is not None and (not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False)):
+            # A fused weight-gradient GEMM already wrote into main_grad (flag set by the backward, or the
+            # layer's static mark inside compiled graphs); .grad is then a dummy, unless zero_out_wgrad.
+            fused = p.grad_added_to_main_grad or getattr(p, "wgrad_fused_into_main_grad", False)
+            if p.grad is not None and (not fused or getattr(p, "zero_out_wgrad", False)):
                 p.main_grad.add_(p.grad)
             p.grad = None
             if self.ddp_config.overlap_grad_reduce:

@@ -83,6 +83,16 @@ def _new_weight(shape: tuple[int, ...], config: ModelParallelConfig) -> Paramete
     return Parameter(torch.empty(*shape, dtype=config.params_dtype, device=on_device))
 
 
+def _mark_fused_wgrad(weight: Parameter, config: ModelParallelConfig) -> None:
+    """With ``gradient_accumulation_fusion`` this layer's weight gradient always goes straight into ``main_grad``.
+
+    DDP's backward hook then ignores the dummy ``.grad`` even where the backward could not set
+    ``grad_added_to_main_grad`` (inside a ``torch.compile``d graph).
+    """
+    if config.gradient_accumulation_fusion:
+        weight.wgrad_fused_into_main_grad = True
+
+
 def _init_weight(weight, config, init_method, full_shape, per_partition, partition_dim, stride,
                  keep_master, rank, world_size, is_expert):
     """Initialise a sharded weight the way ``config`` asks; returns the master weight if kept."""
@@ -151,6 +161,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 0, stride, keep_master_weight_for_test, rank, world_size, is_expert,
             )
             self.weight.allreduce = not is_expert
+            _mark_fused_wgrad(self.weight, config)
 
         if bias:
             self.bias = _new_weight((self.output_size_per_partition,), config)
@@ -267,6 +278,7 @@ class RowParallelLinear(torch.nn.Module):
             1, stride, keep_master_weight_for_test, rank, world_size, is_expert,
         )
         self.weight.allreduce = not is_expert
+        _mark_fused_wgrad(self.weight, config)
 
         if bias:
             self.bias = _new_weight((output_size,), config)

@@ -22,6 +22,7 @@ from megatron_core.tensor_parallel.mappings import (
     _gather_along_first_dim,
     _reduce_scatter_along_first_dim,
 )
+from megatron_core.tensor_parallel.wgrad_accumulation import accumulate_weight_gradient
 from megatron_core.utils import get_pg_size
 
 
@@ -75,54 +76,22 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-_FP32_ACCUMULATING_GEMM: dict[str, bool] = {}
-
-
-def _gemm_accumulates_into_fp32(device: torch.device) -> bool:
-    """Whether ``addmm(fp32, bf16, bf16, out_dtype=fp32, out=fp32)`` works on ``device`` (checked once, on CUDA).
-
-    Newer PyTorch builds run it on CUDA as one cuBLAS GEMM with an fp32 C operand; the check compares a
-    small product against the two-step result, so a build without it (or a wrong one) keeps the fallback.
-    """
-    if device.type != "cuda":
-        return False
-    key = str(device)
-    if torch.compiler.is_compiling():
-        # Traced backward (compiled layers): torch 2.11's fake kernel of addmm.dtype_out fails, so the
-        # compiled graph keeps the two-step form.
-        return False
-    if key not in _FP32_ACCUMULATING_GEMM:
-        try:
-            a = torch.randn(64, 32, device=device, dtype=torch.bfloat16)
-            b = torch.randn(32, 48, device=device, dtype=torch.bfloat16)
-            acc = torch.randn(64, 48, device=device, dtype=torch.float32)
-            want = acc + (a @ b).float()
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            ok = bool(torch.allclose(acc, want, rtol=2e-2, atol=2e-1))
-        except (RuntimeError, TypeError, NotImplementedError):
-            ok = False
-        _FP32_ACCUMULATING_GEMM[key] = ok
-    return _FP32_ACCUMULATING_GEMM[key]
-
-
 def _weight_gradient(ctx, weight: torch.Tensor, grad_output_2d: torch.Tensor,
                      input_2d: torch.Tensor) -> torch.Tensor | None:
-    """``dW = dY^T X``; accumulated into ``weight.main_grad`` when fusion is on (returning no ``.grad``)."""
+    """``dW = dY^T X``; accumulated into ``weight.main_grad`` when fusion is on (returning no real ``.grad``).
+
+    DDP's backward hook must then ignore the dummy ``.grad`` returned here: eagerly this op sets
+    ``weight.grad_added_to_main_grad`` (Megatron's flag); inside a compiled graph, where an attribute
+    set would break the graph, the layer has marked its weight ``wgrad_fused_into_main_grad`` once.
+    """
     if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-        main_grad = weight.main_grad
-        if main_grad.dtype == grad_output_2d.dtype:
-            main_grad.addmm_(grad_output_2d.t(), input_2d)  # one GEMM that accumulates in place
-        elif _gemm_accumulates_into_fp32(main_grad.device):
-            # bf16/fp16 operands on tensor cores, the product added to the fp32 main_grad inside the GEMM.
-            torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
+        if torch.compiler.is_compiling():
+            torch.ops.megatron_core.accumulate_weight_gradient(weight.main_grad, grad_output_2d, input_2d)
         else:
-            # bf16/fp16 activations with an fp32 main_grad: the GEMM runs in the activation dtype (tensor
-            # cores, fp32 accumulation inside) and its result is added in fp32, as the unfused DDP hook does;
-            # upcasting the operands instead would run the GEMM in fp32, many times slower on a GPU.
-            main_grad.add_(grad_output_2d.t().matmul(input_2d))
+            accumulate_weight_gradient(weight.main_grad, grad_output_2d, input_2d)
+            if hasattr(weight, "grad_added_to_main_grad"):
+                weight.grad_added_to_main_grad = True
         if hasattr(weight, "grad_added_to_main_grad"):
-            # DDP's backward hook reads this flag; it then ignores the (dummy) .grad returned here.
-            weight.grad_added_to_main_grad = True
             if getattr(weight, "zero_out_wgrad", False):
                 return torch.zeros_like(weight)
             return torch.empty_like(weight)
