@@ -151,3 +151,17 @@ def test_overlapped_cuda_graph_decode_matches_hf_and_drops_rows_after_a_stop(mod
         assert stopped == run(False, long, stop)[1] and engine.dropped_row_count > 0
     finally:
         model.cpu()
+
+
+def test_reset_with_a_step_in_flight_forgets_it(models):
+    _, model = models
+    engine = _engine(model, overlap=True)
+    params = _greedy((20, 20))
+    for i, prompt in enumerate(prompts(LENGTHS[:2])):
+        engine.add_request(i, prompt, params[i])
+    for _ in range(4):
+        engine.step_modern()
+    assert engine._inflight is not None
+    engine.reset()
+    assert engine._inflight is None and engine.context.block_allocator.get_total_used() == 0
+    assert _run(engine, prompts(LENGTHS[:2]), params) == _run(_engine(model, overlap=False), prompts(LENGTHS[:2]), params)

@@ -183,3 +183,9 @@ class DecodeOverlap:
         step, self._inflight = self._inflight, None
         if step is not None:
             self._finish_inflight(step)
+
+    def _discard_inflight(self) -> None:
+        """Wait for the in-flight step, if any, and drop its tokens (the engine is being reset)."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            self._readback.result(step.readback)

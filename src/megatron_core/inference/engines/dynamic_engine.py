@@ -87,7 +87,7 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
 
     def reset(self) -> None:
         """Forget every request and free the cache."""
-        self._drain_inflight()
+        self._discard_inflight()
         self.requests: dict[Any, DynamicInferenceRequest] = {}
         self.futures: dict[Any, concurrent.futures.Future] = {}
         self.listeners: dict[Any, list[TokenListener]] = {}
