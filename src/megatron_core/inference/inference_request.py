@@ -10,7 +10,9 @@ record-based APIs (``engine.generate`` returns records, ``record.merge()`` gives
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 from megatron_core.inference.sampling_params import SamplingParams
 
 __all__ = [
+    "compute_block_hashes_batched",
     "Status",
     "InferenceRequest",
     "DynamicInferenceEventType",
@@ -27,6 +30,27 @@ __all__ = [
     "DynamicInferenceRequest",
     "DynamicInferenceRequestRecord",
 ]
+
+
+_HASH_RANGE = 2**63 - 1
+
+
+def compute_block_hashes_batched(prompt_tokens: Sequence[int] | torch.Tensor, block_size: int) -> list[int]:
+    """One hash per complete ``block_size``-token block of ``prompt_tokens``, each covering the whole prefix.
+
+    Block ``i``'s hash is a SHA-256 digest of block ``i - 1``'s digest and block ``i``'s token ids, so two
+    prompts share the hash of block ``i`` only when their first ``(i + 1) * block_size`` tokens agree. Values
+    are in ``[1, 2**63 - 1]``; a prompt shorter than one block has none.
+    """
+    if block_size < 1:
+        raise ValueError(f"compute_block_hashes_batched: block_size ({block_size}) must be >= 1")
+    tokens = prompt_tokens.tolist() if isinstance(prompt_tokens, torch.Tensor) else list(prompt_tokens)
+    hashes, digest = [], b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens[start : start + block_size])
+        digest = hashlib.sha256(digest + block).digest()
+        hashes.append(int.from_bytes(digest[:8], "little") % _HASH_RANGE + 1)
+    return hashes
 
 
 class Status(Enum):
@@ -128,7 +152,8 @@ class DynamicInferenceRequest(InferenceRequest):
     finished_chunk_token_count: int = 0
     block_size_tokens: int | None = None
     enable_prefix_caching: bool = False
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed) at the last admission
+    precomputed_block_hashes: list[int] = field(default_factory=list)
     num_evictions: int = 0
     error: str | None = None
     finish_reason: str | None = None
@@ -139,6 +164,8 @@ class DynamicInferenceRequest(InferenceRequest):
         super().__post_init__()
         if self.status is None:
             self.status = Status.WAITING_IN_QUEUE
+        if self.enable_prefix_caching and self.block_size_tokens and not self.precomputed_block_hashes:
+            self.precomputed_block_hashes = compute_block_hashes_batched(self.prompt_tokens, self.block_size_tokens)
 
     @property
     def remaining_prompt_length(self) -> int:

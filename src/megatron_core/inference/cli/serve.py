@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true", help="decode steps as CUDA graphs (GPU)")
     p.add_argument("--compile-decode", action="store_true",
                    help="with --cuda-graphs: torch.compile the captured forward (about 25 s per batch size)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="share the KV blocks of common prompt prefixes between requests")
+    p.add_argument("--prefix-caching-eviction-policy", choices=["ref_zero", "lru"], default="ref_zero",
+                   help="ref_zero: free a shared block with its last request; lru: keep it for later requests")
     p.add_argument("--verbose", action="store_true")
     return p
 

@@ -17,6 +17,10 @@ keys and values into their slots and attends: the decode tokens with the paged k
 gathered block tables (padded, masked); each prefill chunk with a causal SDPA over its request's
 cached prefix. Growing a request that needs a block when none is free fails loudly
 (``BlockOverflowError`` / ``False`` from :meth:`grow_request`); the engine then pauses or evicts.
+
+With ``enable_prefix_caching``, :meth:`add_request` takes the request's prompt-block hashes: the
+cached blocks of the longest matching prefix are shared (pinned in the allocator) and count as
+already cached tokens; :meth:`commit_step` registers each prompt block once its tokens are computed.
 """
 
 from __future__ import annotations
@@ -114,13 +118,16 @@ class DynamicInferenceContext(BaseInferenceContext):
 
     def __init__(self, model_config: Any, inference_config: InferenceConfig) -> None:
         super().__init__(inference_config.materialize_only_last_token_logits)
-        if inference_config.enable_prefix_caching:
-            raise ValueError("InferenceConfig.enable_prefix_caching (True) is not supported by this context")
         self.inference_config = inference_config
         self.block_size_tokens = inference_config.block_size_tokens
         self.max_sequence_length = inference_config.max_sequence_length
         self.enable_chunked_prefill = inference_config.enable_chunked_prefill
-        self.enable_prefix_caching = False
+        self.enable_prefix_caching = inference_config.enable_prefix_caching
+        self.prefix_caching_eviction_policy = inference_config.prefix_caching_eviction_policy
+        # Prefix-cache statistics (Megatron's names): requests that matched, blocks matched, prompt tokens skipped.
+        self.prefix_cache_hits = 0
+        self.prefix_cache_blocks_matched = 0
+        self.prefix_cache_prefill_skipped_tokens = 0
         tp, pp = _tp_pp_sizes(inference_config.pg_collection)
         groups = model_config.num_query_groups or model_config.num_attention_heads
         self.num_layers_local = max(1, model_config.num_layers // pp)
@@ -142,7 +149,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         self.max_requests = min(inference_config.max_requests or DEFAULT_MAX_REQUESTS, self.max_tokens)
         # Never more blocks than max_requests full-length sequences can use.
         total_blocks = min(total_blocks, self.max_requests * self.blocks_for_tokens(self.max_sequence_length))
-        self.block_allocator = KVBlockAllocator(total_blocks)
+        self.block_allocator = KVBlockAllocator(total_blocks, self.enable_prefix_caching,
+                                                self.prefix_caching_eviction_policy)
         # One extra block past the allocator's range: padding rows of CUDA-graph decode steps write there.
         self.scratch_block = total_blocks
         self.use_cuda_graphs = inference_config.num_cuda_graphs is not None
@@ -155,6 +163,9 @@ class DynamicInferenceContext(BaseInferenceContext):
         self.request_blocks: dict[Any, list[int]] = {}
         self.block_tables_version = 0  # bumped whenever any request's block list changes
         self.request_kv_length: dict[Any, int] = {}
+        # Prefix caching: each request's prompt-block hashes, and how many of its blocks are registered.
+        self.request_block_hashes: dict[Any, list[int]] = {}
+        self._registered_blocks: dict[Any, int] = {}
         self.step_entries: list[StepEntry] = []
         self.step_count = 0
 
@@ -184,15 +195,37 @@ class DynamicInferenceContext(BaseInferenceContext):
 
     # ---- per-request KV blocks --------------------------------------------------------------------
 
-    def add_request(self, request_id: Any) -> None:
-        """Register a request with no cached tokens yet."""
+    def add_request(self, request_id: Any, block_hashes: list[int] | None = None, max_cached_tokens: int = 0) -> int:
+        """Register a request; returns how many of its first tokens are already cached.
+
+        With prefix caching, ``block_hashes`` (its prompt's, :func:`compute_block_hashes_batched`) find
+        cached blocks holding the same prefix; up to ``max_cached_tokens`` tokens' worth of them are
+        shared (pinned) instead of computed. Its own prompt blocks are registered as they complete.
+        """
         if request_id in self.request_blocks:
             raise ValueError(f"DynamicInferenceContext: request {request_id} is already in the context")
         if len(self.request_blocks) >= self.max_requests:
             raise RequestOverflowError(request_id, f"max_requests ({self.max_requests}) reached")
-        self.request_blocks[request_id] = []
+        matched = self.matched_prefix_blocks(block_hashes, max_cached_tokens)
+        self.block_allocator.pin(matched)
+        self.request_blocks[request_id] = list(matched)
         self.block_tables_version += 1
-        self.request_kv_length[request_id] = 0
+        cached = len(matched) * self.block_size_tokens
+        self.request_kv_length[request_id] = cached
+        if self.enable_prefix_caching and block_hashes:
+            self.request_block_hashes[request_id] = list(block_hashes)
+            self._registered_blocks[request_id] = len(matched)
+        if matched:
+            self.prefix_cache_hits += 1
+            self.prefix_cache_blocks_matched += len(matched)
+            self.prefix_cache_prefill_skipped_tokens += cached
+        return cached
+
+    def matched_prefix_blocks(self, block_hashes: list[int] | None, max_cached_tokens: int) -> list[int]:
+        """The cached blocks a request with these prompt-block hashes would share (nothing is pinned)."""
+        if not self.enable_prefix_caching or not block_hashes:
+            return []
+        return self.block_allocator.match_prefix(block_hashes[: max_cached_tokens // self.block_size_tokens])
 
     def has_request(self, request_id: Any) -> bool:
         """Whether ``request_id`` holds a place in the cache."""
@@ -227,6 +260,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         blocks = self.request_blocks.pop(request_id, None)
         self.block_tables_version += 1
         self.request_kv_length.pop(request_id, None)
+        self.request_block_hashes.pop(request_id, None)
+        self._registered_blocks.pop(request_id, None)
         if blocks:
             self.block_allocator.release_memory_blocks(blocks)
 
@@ -235,6 +270,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         self.request_blocks.clear()
         self.block_tables_version += 1
         self.request_kv_length.clear()
+        self.request_block_hashes.clear()
+        self._registered_blocks.clear()
         self.block_allocator.reset()
         self.step_entries = []
 
@@ -379,10 +416,25 @@ class DynamicInferenceContext(BaseInferenceContext):
         return self.input_ids, self.position_ids
 
     def commit_step(self) -> None:
-        """After the forward: the step's tokens are now cached."""
+        """After the forward: the step's tokens are now cached (and, with prefix caching, completed prompt blocks shareable)."""
+        kv_lengths, pending = self.request_kv_length, self._registered_blocks
         for entry in self.step_entries:
-            self.request_kv_length[entry.request_id] = entry.start + len(entry.tokens)
+            kv = kv_lengths[entry.request_id] = entry.start + len(entry.tokens)
+            if pending and entry.request_id in pending:
+                self._register_complete_blocks(entry.request_id, kv)
         self.step_count += 1
+
+    def _register_complete_blocks(self, request_id: Any, kv_length: int) -> None:
+        hashes = self.request_block_hashes[request_id]
+        done = self._registered_blocks[request_id]
+        complete = min(kv_length // self.block_size_tokens, len(hashes))
+        if complete > done:
+            self.block_allocator.register_kv_block_hashes(self.request_blocks[request_id][done:complete],
+                                                          hashes[done:complete])
+        if complete >= len(hashes):
+            del self._registered_blocks[request_id]  # every prompt block is registered: nothing more to check
+        else:
+            self._registered_blocks[request_id] = max(done, complete)
 
     def select_logit_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Only the rows whose logits the step needs: ``[T, 1, h]`` -> ``[L, 1, h]``."""

@@ -152,7 +152,7 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         self._validate(request_id, tokens, params)
         request = DynamicInferenceRequest(
             request_id=request_id, prompt=prompt_text, prompt_tokens=tokens, sampling_params=params,
-            block_size_tokens=self.context.block_size_tokens,
+            block_size_tokens=self.context.block_size_tokens, enable_prefix_caching=self.context.enable_prefix_caching,
         )
         request.add_event(DynamicInferenceEventType.ADD)
         future: concurrent.futures.Future = concurrent.futures.Future()

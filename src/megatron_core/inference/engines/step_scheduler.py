@@ -100,17 +100,22 @@ class StepScheduler:
             budget -= n
         while self.waiting and not paused and budget > 0 and ctx.total_request_count < ctx.max_requests:
             request = self.requests[self.waiting[0]]
-            pending = self._sequence_length(request)
-            room = ctx.block_allocator.get_active_avail() * ctx.block_size_tokens
-            n = self._chunk_size(request, pending, budget, room)
+            length = self._sequence_length(request)
+            hashes, max_cached = self._prefix_cache_query(request, length)
+            matched = ctx.matched_prefix_blocks(hashes, max_cached)
+            cached = len(matched) * ctx.block_size_tokens
+            # Pinning matched blocks that sit in the evictable pool takes them out of what can be allocated.
+            free_blocks = ctx.block_allocator.get_active_avail() - ctx.block_allocator.count_evictable(matched)
+            n = self._chunk_size(request, length - cached, budget, free_blocks * ctx.block_size_tokens)
             if n == 0:
                 break
             self.waiting.popleft()
-            ctx.add_request(request.request_id)
-            ctx.grow_request(request.request_id, n)
+            cached = ctx.add_request(request.request_id, hashes, max_cached)
+            request.num_cached_tokens = cached
+            ctx.grow_request(request.request_id, cached + n)
             self.running.append(request.request_id)
             request.status = Status.ACTIVE_BUT_NOT_GENERATING_TOKENS
-            entries.append(self._entry(request, 0, n))
+            entries.append(self._entry(request, cached, n))
             budget -= n
         self.paused_request_ids = paused
         for request_id in paused:
@@ -119,6 +124,18 @@ class StepScheduler:
             if ctx.inference_config.track_paused_request_events:
                 request.add_event_pause()
         return entries
+
+    def _prefix_cache_query(self, request: DynamicInferenceRequest, length: int) -> tuple[list[int], int]:
+        """The prompt-block hashes to look up and how many tokens may come from the cache.
+
+        At least the sequence's last token is computed (its logits give the next token), and requests
+        that want prompt log-probs compute their whole prompt.
+        """
+        params = request.sampling_params
+        wants_prompt_log_probs = bool(params.return_log_probs or params.top_n_logprobs) and not params.skip_prompt_log_probs
+        if not request.precomputed_block_hashes or wants_prompt_log_probs:
+            return [], 0
+        return request.precomputed_block_hashes, min(len(request.prompt_tokens), length - 1)
 
     def _evict_youngest(self) -> None:
         request_id = self.running.pop()
