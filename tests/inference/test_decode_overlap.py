@@ -43,7 +43,7 @@ def _run(engine, batch, params, cancel: tuple[int, int] | None = None):
         steps += 1
         if cancel is not None and steps == cancel[1]:
             engine.cancel_request(cancel[0])
-    results = [f.result() for f in futures]
+    results = [f.result(timeout=60) for f in futures]
     assert engine.context.block_allocator.get_total_used() == 0
     assert engine._inflight is None
     return [(r.generated_tokens, r.finish_reason, r.status) for r in results]
@@ -120,7 +120,7 @@ def test_log_prob_requests_are_not_overlapped(models):
     while not all(f.done() for f in futures):
         engine.step_modern()
     assert engine.overlapped_step_count == 0
-    assert all(len(f.result().generated_log_probs) == 5 for f in futures)
+    assert all(len(f.result(timeout=60).generated_log_probs) == 5 for f in futures)
 
 
 @pytest.mark.gpu

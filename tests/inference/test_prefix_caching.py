@@ -56,7 +56,7 @@ def _greedy(engine, batch, stagger: bool = False) -> list[list[int]]:
         engine.step_modern()
     while not all(f.done() for f in futures):
         engine.step_modern()
-    return [f.result().generated_tokens for f in futures]
+    return [f.result(timeout=60).generated_tokens for f in futures]
 
 
 @pytest.mark.parametrize("policy", ["ref_zero", "lru"])
