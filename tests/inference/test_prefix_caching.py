@@ -147,3 +147,18 @@ def test_block_hashes_cover_the_whole_prefix():
     changed_first = compute_block_hashes_batched([99] + list(range(1, 10)), 4)
     assert changed_first[0] != a[0] and changed_first[1] != a[1]  # the second block's hash covers the first
     assert compute_block_hashes_batched(torch.arange(3), 4) == []
+
+
+@pytest.mark.gpu
+def test_prefix_caching_with_cuda_graph_decode_matches_hf(models):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    hf, model = models
+    batch = _shared_prefix_prompts()
+    model = model.cuda()
+    try:
+        engine = _engine(model, True, "lru", num_cuda_graphs=4)
+        assert _greedy(engine, batch, stagger=True) == [hf_greedy(hf, p, NEW) for p in batch]
+        assert engine.context.prefix_cache_hits == 3 and engine.overlapped_step_count > 0
+    finally:
+        model.cpu()
