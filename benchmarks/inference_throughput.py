@@ -66,6 +66,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", action="store_true", help="skip the engine with CUDA-graph decode steps")
     p.add_argument("--compile-decode", action="store_true",
                    help="also run the CUDA-graph engine with InferenceConfig.compile_decode_graphs")
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="the first N prompt tokens are the same in every request (a system prompt)")
+    p.add_argument("--prefix-caching", choices=["off", "ref_zero", "lru"], default="off",
+                   help="InferenceConfig.enable_prefix_caching with this eviction policy")
     p.add_argument("--no-overlap", action="store_true",
                    help="step one at a time (DynamicInferenceEngine.overlap_decode_steps = False)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32")
@@ -121,7 +125,8 @@ def run_engine(args, model, concurrency: int, n_requests: int, cuda_graphs: bool
         block_size_tokens=args.block_size, buffer_size_gb=buffer_gb, max_requests=concurrency,
         max_tokens=max(args.max_tokens, concurrency), max_sequence_length=args.prompt_len + args.gen_len + 8,
         enable_chunked_prefill=True, num_cuda_graphs=8 if cuda_graphs else None,
-        compile_decode_graphs=compile_decode,
+        compile_decode_graphs=compile_decode, enable_prefix_caching=args.prefix_caching != "off",
+        prefix_caching_eviction_policy="ref_zero" if args.prefix_caching == "off" else args.prefix_caching,
     ))
     engine = llm.engine
     engine.overlap_decode_steps = not args.no_overlap
@@ -133,6 +138,9 @@ def run_engine(args, model, concurrency: int, n_requests: int, cuda_graphs: bool
         engine.generate(prompts(size, 16, args.vocab, 98), SamplingParams(
             top_k=1, num_tokens_to_generate=3, termination_id=-1))
     queue = prompts(n_requests, args.prompt_len, args.vocab, 1)
+    if args.shared_prefix_len:  # one system prompt in front of every request
+        shared = prompts(1, args.shared_prefix_len, args.vocab, 7)[0]
+        queue = [shared + q[args.shared_prefix_len:] for q in queue]
     finished, ttfts, decode_steps, live_tokens = [], [], [], []
     next_id = 0
 
@@ -158,6 +166,9 @@ def run_engine(args, model, concurrency: int, n_requests: int, cuda_graphs: bool
                 submit()
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(r.generated_tokens) for r in finished)
+    if engine.context.enable_prefix_caching:
+        print(f"prefix cache: {engine.context.prefix_cache_hits} hits, "
+              f"{engine.context.prefix_cache_prefill_skipped_tokens} prompt tokens not computed", flush=True)
     llm.shutdown()
     return {
         "tokens_per_s": out_tokens / elapsed, "ttft_median": statistics.median(ttfts),
