@@ -5,6 +5,12 @@ position, laid out as ``[f0..f_{d/2-1}, f0..f_{d/2-1}]`` (half-split, as in Hugg
 or, with ``rotary_interleaved``, ``[f0, f0, f1, f1, ...]`` (pairs of adjacent channels rotate
 together, as in GPT-J). Only the first ``rot_dim`` channels rotate (``rotary_percent < 1``);
 the rest pass through.
+
+Outside ``torch.compile`` the rotation is one fused function each way (``jit_fuser``: compiled on
+accelerators) with a hand-written backward, ``grad * cos - R(grad * sin)`` (``R``, the rotate-half map,
+has ``R^T = -R``), that saves only the cosines and sines; the cosines and sines are computed once per
+angle tensor and reused by every layer of the forward. Under ``torch.compile`` the same expression
+is traced as is (the compiler fuses it).
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from megatron_core.jit import jit_fuser
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -36,20 +44,82 @@ def apply_rotary_pos_emb(
     """
     if rotary_interleaved is None:
         rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
-    rot_dim = freqs.shape[-1]
     seq_len = t.shape[0]
-    if cu_seqlens is not None:
-        from megatron_core.transformer.packed_sequences import thd_positions_from_cu
+    if torch.compiler.is_compiling() or cu_seqlens is not None or freqs.requires_grad:
+        if cu_seqlens is not None:
+            from megatron_core.transformer.packed_sequences import thd_positions_from_cu
 
-        cp_size = cp_group.size() if cp_group is not None else 1
-        cp_rank = cp_group.rank() if cp_group is not None else 0
-        freqs = freqs[thd_positions_from_cu(cu_seqlens, seq_len, cp_size, cp_rank, freqs.device)]
+            cp_size = cp_group.size() if cp_group is not None else 1
+            cp_rank = cp_group.rank() if cp_group is not None else 0
+            freqs = freqs[thd_positions_from_cu(cu_seqlens, seq_len, cp_size, cp_rank, freqs.device)]
+        else:
+            freqs = freqs[:seq_len]
+        cos = (torch.cos(freqs) * mscale).to(t.dtype)
+        sin = (torch.sin(freqs) * mscale).to(t.dtype)
+        if torch.compiler.is_compiling() or freqs.requires_grad:  # traced as is / angles that learn
+            return _rotate(t, cos, sin, rotary_interleaved)
     else:
-        freqs = freqs[:seq_len]
-    cos = (torch.cos(freqs) * mscale).to(t.dtype)
-    sin = (torch.sin(freqs) * mscale).to(t.dtype)
+        cos, sin = _cos_sin(freqs, seq_len, mscale, t.dtype)
+    return _FusedRotation.apply(t, cos, sin, rotary_interleaved)
+
+
+_COS_SIN_CACHE: list[tuple[torch.Tensor, tuple, torch.Tensor, torch.Tensor]] = []
+
+
+def _cos_sin(freqs: torch.Tensor, seq_len: int, mscale: float, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of ``freqs[:seq_len]`` times ``mscale`` in ``dtype``, kept for the last angle tensor.
+
+    The model builds one angle tensor per forward and every layer rotates with it: the cosines and sines
+    are computed once. The cache holds a reference to that tensor, so its identity cannot be reused, and
+    its version counter, so an in-place change is noticed.
+    """
+    key = (seq_len, mscale, dtype, freqs._version)
+    entry = _COS_SIN_CACHE[0] if _COS_SIN_CACHE else None  # read once: another thread may replace it
+    if entry is not None and entry[0] is freqs and entry[1] == key:
+        return entry[2], entry[3]
+    with torch.no_grad():
+        angles = freqs[:seq_len]
+        cos = (torch.cos(angles) * mscale).to(dtype)
+        sin = (torch.sin(angles) * mscale).to(dtype)
+    _COS_SIN_CACHE[:] = [(freqs, key, cos, sin)]
+    return cos, sin
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``t * cos + R(t) * sin`` on the first ``cos.shape[-1]`` channels; the rest pass through."""
+    rot_dim = cos.shape[-1]
     if rot_dim == t.shape[-1]:
-        return t * cos + _rotate_half(t, rotary_interleaved) * sin
+        return t * cos + _rotate_half(t, interleaved) * sin
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    t_rot = t_rot * cos + _rotate_half(t_rot, rotary_interleaved) * sin
-    return torch.cat((t_rot, t_pass), dim=-1)
+    return torch.cat((t_rot * cos + _rotate_half(t_rot, interleaved) * sin, t_pass), dim=-1)
+
+
+@jit_fuser
+def _rotate_forward(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return _rotate(t, cos, sin, interleaved)
+
+
+@jit_fuser
+def _rotate_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The adjoint of :func:`_rotate`: ``grad * cos + R^T(grad * sin)`` with ``R^T = -R``."""
+    rot_dim = cos.shape[-1]
+    if rot_dim == grad.shape[-1]:
+        return grad * cos - _rotate_half(grad * sin, interleaved)
+    g_rot, g_pass = grad[..., :rot_dim], grad[..., rot_dim:]
+    return torch.cat((g_rot * cos - _rotate_half(g_rot * sin, interleaved), g_pass), dim=-1)
+
+
+class _FusedRotation(torch.autograd.Function):
+    """The rotation with a backward that keeps only ``cos`` and ``sin`` (not the rotated tensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _rotate_forward(t, cos, sin, interleaved)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate_backward(grad, cos, sin, ctx.interleaved), None, None, None
