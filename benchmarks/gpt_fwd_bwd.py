@@ -73,7 +73,8 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, normalization="RMSNorm",
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=True, add_bias_linear=False,
+        hidden_dropout=0.0,
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
     )
     model = GPTModel(config, get_gpt_layer_local_spec(), args.vocab, args.seq, position_embedding_type="rope")

@@ -40,7 +40,6 @@ from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler  # n
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed, pad_vocab_size  # noqa: E402
 from megatron_core.transformer import TransformerConfig  # noqa: E402
 
-
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PRECISION_AWARE_DTYPES = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 

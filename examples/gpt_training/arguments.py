@@ -25,6 +25,8 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
+                   help="compute SwiGLU with separate operations instead of one fused function each way")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=False,
                    help="weight-gradient GEMMs accumulate straight into the fp32 main_grad (with DDP)")
     g.add_argument("--use-torch-fsdp2", action="store_true",

@@ -31,6 +31,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
+        bias_activation_fusion=bool(args.swiglu and getattr(args, "bias_swiglu_fusion", True)),
         add_bias_linear=not args.disable_bias_linear,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from megatron_core import tensor_parallel
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
+from megatron_core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
@@ -95,6 +97,11 @@ class MLP(MegatronModule):
         self.checkpoint_mlp = config.recompute_granularity == "selective" and "mlp" in config.recompute_modules
 
     def _activate(self, intermediate: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (self.config.bias_activation_fusion and self.gated and self.activation_func is F.silu
+                and not torch.compiler.is_compiling()):
+            # One fused kernel each way (jit_fuser on GPUs), saving only the input; a compiled layer fuses
+            # the plain expression below itself.
+            return bias_swiglu_impl(intermediate, bias)
         if bias is not None:
             intermediate = intermediate + bias
         if self.gated:
