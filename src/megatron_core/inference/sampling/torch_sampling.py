@@ -73,6 +73,8 @@ class TorchSampling:
             return sample_from_logits(logits, temperature, top_k, top_p, self._rng)
         out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         for (temperature, top_k, top_p), rows in buckets.items():
-            index = torch.tensor(rows, device=logits.device)
+            index = torch.tensor(rows)
+            # From pinned memory the copy does not wait for the device (the engine overlaps decode steps).
+            index = index.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else index
             out[index] = sample_from_logits(logits.index_select(0, index), temperature, top_k, top_p, self._rng)
         return out
