@@ -2,7 +2,12 @@
 
 import torch
 
-from megatron_core.transformer.moe.grouped_linear import GROUPED_MM_ROW_ALIGN, align_expert_rows, grouped_gemm
+from megatron_core.transformer.moe.grouped_linear import (
+    GROUPED_MM_ROW_ALIGN,
+    align_expert_rows,
+    grouped_gemm,
+    unpad_expert_rows,
+)
 
 
 def test_layout_places_each_group_at_an_aligned_start_and_keeps_order() -> None:
@@ -32,3 +37,16 @@ def test_grouped_gemm_on_the_aligned_layout_equals_the_unpadded_one() -> None:
     padded = x.new_zeros(layout.total_rows, 8).index_copy(0, layout.index, x)
     got = grouped_gemm(padded, w, layout).index_select(0, layout.index)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_unpad_expert_rows_gradient_is_the_scatter_of_index_select():
+    gen = torch.Generator().manual_seed(0)
+    padded = torch.randn(10, 3, generator=gen, requires_grad=True)
+    index = torch.tensor([0, 1, 2, 4, 5, 8])  # distinct rows; 3, 6, 7, 9 are padding
+    grad = torch.randn(6, 3, generator=gen)
+    out = unpad_expert_rows(padded, index)
+    out.backward(grad)
+    reference = padded.detach().clone().requires_grad_(True)
+    want = reference.index_select(0, index)
+    want.backward(grad)
+    assert torch.equal(out, want) and torch.equal(padded.grad, reference.grad)

@@ -29,6 +29,7 @@ from megatron_core.transformer.moe.grouped_linear import (
     align_expert_rows,
     group_counts_tensor,
     pad_expert_rows,
+    unpad_expert_rows,
     use_grouped_mm,
 )
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
@@ -168,7 +169,7 @@ class TEGroupedMLP(MegatronModule):
             count_tensor = group_counts_tensor(counts, output.device)
             per_row = bias.repeat_interleave(count_tensor, dim=0, output_size=output.shape[0])
             output = output + (per_row * probs).to(output.dtype)
-        return (output if index is None else output.index_select(0, index)), None
+        return (output if index is None else unpad_expert_rows(output, index)), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """The same sharded tensors as ``SequentialMLP``'s: one per local expert, under its global index."""

@@ -29,7 +29,7 @@ from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group
 from megatron_core.utils import get_pg_size
 
 __all__ = ["AlignedExpertRows", "ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "align_expert_rows",
-           "grouped_gemm"]
+           "grouped_gemm", "unpad_expert_rows"]
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -54,7 +54,7 @@ def pad_expert_rows(x: torch.Tensor, tokens_per_expert: list[int]
     """``(x padded so every group has a multiple of GROUPED_MM_ROW_ALIGN rows, padded counts, row index)``.
 
     ``row index`` (``None`` when nothing was padded) gives each original row's place in the padded
-    tensor: ``padded.index_select(0, index)`` undoes the padding.
+    tensor: :func:`unpad_expert_rows` undoes the padding.
     """
     align = GROUPED_MM_ROW_ALIGN
     padded = [-(-c // align) * align for c in tokens_per_expert]
@@ -112,6 +112,30 @@ def group_counts_tensor(tokens_per_expert: list[int] | AlignedExpertRows, device
     return torch.tensor(tokens_per_expert, device=device)
 
 
+class _GatherDistinctRows(torch.autograd.Function):
+    """``x[index]`` for an ``index`` without repeats (dropping the padding rows of an aligned layout).
+
+    Its backward copies the gradient rows back to their places (``index_copy`` into zeros) instead of
+    ``index_select``'s scatter-add, which runs on atomics on a GPU.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.num_rows, *grad.shape[1:])).index_copy(0, index, grad), None
+
+
+def unpad_expert_rows(padded: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows of ``padded`` at ``index`` (each original row's place in an aligned layout), in order."""
+    return _GatherDistinctRows.apply(padded, index)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous.
 
@@ -141,7 +165,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[
     if _use_grouped_mm(x, weight):
         x, padded, index = pad_expert_rows(x, tokens_per_expert)
         if index is not None:
-            return grouped_gemm(x, weight, padded).index_select(0, index)
+            return unpad_expert_rows(grouped_gemm(x, weight, padded), index)
         # From pinned memory the copy is asynchronous: no wait for the GPU's queue to drain.
         ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32).pin_memory()
         offs = ends.to(x.device, non_blocking=True)
