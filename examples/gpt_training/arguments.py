@@ -25,6 +25,9 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="the loss in fused passes over the logits, without an fp32 copy of them")
+    g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default="native")
     g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                    help="compute SwiGLU with separate operations instead of one fused function each way")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=False,

@@ -117,6 +117,11 @@ class ModelParallelConfig:
             self.autocast_dtype = self.params_dtype
         if self.defer_embedding_wgrad_compute and self.pipeline_model_parallel_size <= 1:
             raise ValueError("defer_embedding_wgrad_compute needs pipeline_model_parallel_size > 1")
+        if self.cross_entropy_fusion_impl not in ("native", "te"):
+            raise ValueError(f"cross_entropy_fusion_impl ({self.cross_entropy_fusion_impl!r}) must be 'native' or 'te'")
+        if self.cross_entropy_loss_fusion and self.cross_entropy_fusion_impl == "te":
+            raise ValueError("cross_entropy_loss_fusion=True with cross_entropy_fusion_impl='te' needs Transformer "
+                             "Engine's kernel, which this library does not use; use cross_entropy_fusion_impl='native'")
         if self.overlap_p2p_comm_warmup_flush and (not self.overlap_p2p_comm or self.batch_p2p_comm):
             raise ValueError(
                 "overlap_p2p_comm_warmup_flush needs overlap_p2p_comm=True and batch_p2p_comm=False "

@@ -97,3 +97,20 @@ def test_transformer_engine_spec_without_transformer_engine_names_the_extra() ->
             get_gpt_layer_with_transformer_engine_spec()
     else:
         pytest.skip("Transformer Engine is installed")
+
+
+def test_cross_entropy_loss_fusion_gives_the_same_loss_and_gradients() -> None:
+    results = []
+    for fusion in (False, True):
+        torch.manual_seed(0)
+        model = build(llama_like(), cross_entropy_loss_fusion=fusion)
+        ids, pos, labels = batch()
+        loss = model(ids, pos, None, labels=labels)
+        loss.float().mean().backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="cross_entropy_fusion_impl='te' needs Transformer Engine"):
+        TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, cross_entropy_loss_fusion=True,
+                          cross_entropy_fusion_impl="te")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state, tensor_parallel
 from megatron_core.device import get_current_device
+from megatron_core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.transformer_config import TransformerConfig
@@ -44,6 +45,10 @@ class LanguageModule(MegatronModule):
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy ``[b, s]`` from ``labels`` ``[b, s]`` and vocab-parallel ``logits`` ``[s, b, V/TP]``."""
         labels = labels.transpose(0, 1).contiguous()
+        if self.config.cross_entropy_loss_fusion and not torch.compiler.is_compiling():
+            # 'native' (the config refuses 'te'). Computed in fp32 from the logits as they are, without an fp32 copy (fusions.fused_cross_entropy).
+            loss = fused_vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+            return loss.transpose(0, 1).contiguous()
         if not self.fp16_lm_cross_entropy:
             logits = logits.float()
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group)
