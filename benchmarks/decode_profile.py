@@ -73,7 +73,8 @@ def profile(args, model, concurrency: int) -> None:
     llm = MegatronLLM(model=model, tokenizer=None, use_coordinator=False, inference_config=InferenceConfig(
         block_size_tokens=args.block_size, buffer_size_gb=buffer_gb, max_requests=concurrency,
         max_tokens=max(8192, concurrency), max_sequence_length=args.prompt_len + args.gen_len + 8,
-        enable_chunked_prefill=True, num_cuda_graphs=8, compile_decode_graphs=args.compile_decode))
+        enable_chunked_prefill=True, num_cuda_graphs=8, compile_decode_graphs=args.compile_decode,
+        async_sched_mode="async"))
     engine = llm.engine
     if args.compile_mode:
         engine.controller.inference_wrapped_model.decode_compile_options = {"mode": args.compile_mode}

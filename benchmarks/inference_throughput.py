@@ -71,7 +71,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefix-caching", choices=["off", "ref_zero", "lru"], default="off",
                    help="InferenceConfig.enable_prefix_caching with this eviction policy")
     p.add_argument("--no-overlap", action="store_true",
-                   help="step one at a time (DynamicInferenceEngine.overlap_decode_steps = False)")
+                   help="step one at a time (InferenceConfig.async_sched_mode='legacy'; default 'async')")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32")
     args = p.parse_args()
     if args.tiny:
@@ -127,9 +127,9 @@ def run_engine(args, model, concurrency: int, n_requests: int, cuda_graphs: bool
         enable_chunked_prefill=True, num_cuda_graphs=8 if cuda_graphs else None,
         compile_decode_graphs=compile_decode, enable_prefix_caching=args.prefix_caching != "off",
         prefix_caching_eviction_policy="ref_zero" if args.prefix_caching == "off" else args.prefix_caching,
+        async_sched_mode="legacy" if args.no_overlap else "async",
     ))
     engine = llm.engine
-    engine.overlap_decode_steps = not args.no_overlap
     params = SamplingParams(top_k=1, num_tokens_to_generate=args.gen_len, termination_id=-1)
     # Warm up (allocates the KV buffers, first kernels).
     engine.generate(prompts(min(concurrency, 2), args.prompt_len, args.vocab, 99), params)

@@ -111,7 +111,8 @@ def test_lru_evicts_cached_blocks_when_memory_is_short(models):
 def test_prefix_caching_with_chunked_prefill_and_overlapped_padded_decode(models):
     hf, model = models
     batch = _shared_prefix_prompts()
-    engine = _engine(model, True, "lru", enable_chunked_prefill=True, max_tokens=7, num_cuda_graphs=4)
+    engine = _engine(model, True, "lru", enable_chunked_prefill=True, max_tokens=7, num_cuda_graphs=4,
+                     async_sched_mode="async")
     engine.context.pad_decode_steps_on_cpu = True  # the CUDA-graph decode layout, overlapped
     assert _greedy(engine, batch, stagger=True) == [hf_greedy(hf, p, NEW) for p in batch]
     assert engine.context.prefix_cache_hits > 0 and engine.overlapped_step_count > 0
@@ -157,7 +158,7 @@ def test_prefix_caching_with_cuda_graph_decode_matches_hf(models):
     batch = _shared_prefix_prompts()
     model = model.cuda()
     try:
-        engine = _engine(model, True, "lru", num_cuda_graphs=4)
+        engine = _engine(model, True, "lru", num_cuda_graphs=4, async_sched_mode="async")
         assert _greedy(engine, batch, stagger=True) == [hf_greedy(hf, p, NEW) for p in batch]
         assert engine.context.prefix_cache_hits == 3 and engine.overlapped_step_count > 0
     finally:

@@ -71,6 +71,21 @@ def test_compile_decode_graphs_without_graphs_is_refused():
     assert InferenceConfig(compile_decode_graphs=True, num_cuda_graphs=4).compile_decode_graphs
 
 
+def test_scheduling_and_prefix_caching_settings_are_checked():
+    from megatron_core.inference.config import AsyncScheduleMode, PrefixCachingEvictionPolicy
+
+    config = InferenceConfig(async_sched_mode="async", prefix_caching_eviction_policy="lru")
+    assert config.async_sched_mode is AsyncScheduleMode.ASYNC
+    assert config.prefix_caching_eviction_policy is PrefixCachingEvictionPolicy.LRU
+    assert InferenceConfig().async_sched_mode is AsyncScheduleMode.LEGACY  # Megatron-Core's default
+    with pytest.raises(ValueError, match=r"async_sched_mode \('fast'\) must be one of 'legacy', 'async'"):
+        InferenceConfig(async_sched_mode="fast")
+    with pytest.raises(ValueError, match="prefix_caching_eviction_policy"):
+        InferenceConfig(prefix_caching_eviction_policy="fifo")
+    with pytest.raises(ValueError, match=r"prefix_caching_routing_alpha \(1.5\) must be in \[0, 1\]"):
+        InferenceConfig(prefix_caching_routing_alpha=1.5)
+
+
 def _sampled_run(seed: int) -> list[list[int]]:
     model = mcore_llama()
     model.config.inference_sampling_seed = seed

@@ -2,7 +2,8 @@
 
 Sizes the dynamic engine: the paged KV cache (``block_size_tokens``, ``buffer_size_gb``), how
 many requests and tokens one forward step may hold (``max_requests``, ``max_tokens``), the
-longest sequence (``max_sequence_length``), and scheduling features (``enable_chunked_prefill``).
+longest sequence (``max_sequence_length``), and scheduling features (``enable_chunked_prefill``,
+``enable_prefix_caching``, ``async_sched_mode``).
 Fields that only matter to Megatron's CUDA kernels (flashinfer, unified memory, Mamba) are
 accepted for signature compatibility and documented as inert in docs/compat.md.
 """
@@ -13,7 +14,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
-__all__ = ["InferenceConfig", "KVCacheManagementMode", "PrefixCachingEvictionPolicy"]
+__all__ = [
+    "AsyncScheduleMode",
+    "InferenceConfig",
+    "KVCacheManagementMode",
+    "PrefixCachingCoordinatorPolicy",
+    "PrefixCachingEvictionPolicy",
+]
 
 
 class PrefixCachingEvictionPolicy(str, Enum):
@@ -21,6 +28,26 @@ class PrefixCachingEvictionPolicy(str, Enum):
 
     REF_ZERO = "ref_zero"
     LRU = "lru"
+
+
+class PrefixCachingCoordinatorPolicy(str, Enum):
+    """How Megatron's data-parallel coordinator routes requests with prefix caching (no coordinator here: inert)."""
+
+    LONGEST_PREFIX = "longest_prefix"
+    FIRST_PREFIX_BLOCK = "first_prefix_block"
+    LOAD_BALANCED = "load_balanced"
+
+
+class AsyncScheduleMode(str, Enum):
+    """When the dynamic engine prepares a step relative to reading the previous step's tokens.
+
+    ``LEGACY``: read the tokens and book them, then schedule and launch the next step. ``ASYNC``: for
+    decode steps laid out for CUDA graphs, lay out and launch the next step first and read the previous
+    step's tokens while the device runs it (``engines/decode_overlap.py``).
+    """
+
+    LEGACY = "legacy"
+    ASYNC = "async"
 
 
 class KVCacheManagementMode(str, Enum):
@@ -46,6 +73,8 @@ class InferenceConfig:
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
     prefix_caching_eviction_policy: PrefixCachingEvictionPolicy = PrefixCachingEvictionPolicy.REF_ZERO
+    prefix_caching_coordinator_policy: PrefixCachingCoordinatorPolicy = PrefixCachingCoordinatorPolicy.LOAD_BALANCED
+    prefix_caching_routing_alpha: float = 0.5
     num_cuda_graphs: int | None = None
     cuda_graph_max_tokens: int = 512
     compile_decode_graphs: bool = False  # extension: torch.compile the forward each decode CUDA graph captures
@@ -56,6 +85,7 @@ class InferenceConfig:
     track_paused_request_events: bool = False
     track_generated_token_events: bool = False
     sampling_backend: Literal["torch", "flashinfer"] = "torch"
+    async_sched_mode: AsyncScheduleMode = AsyncScheduleMode.LEGACY
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     kv_cache_dtype: Any = None
 
@@ -84,5 +114,21 @@ class InferenceConfig:
             )
         if self.sampling_backend != "torch":
             raise ValueError(f"InferenceConfig.sampling_backend ({self.sampling_backend!r}) must be 'torch'")
-        self.prefix_caching_eviction_policy = PrefixCachingEvictionPolicy(self.prefix_caching_eviction_policy)
+        self.prefix_caching_eviction_policy = _enum_field(
+            "prefix_caching_eviction_policy", PrefixCachingEvictionPolicy, self.prefix_caching_eviction_policy)
+        self.prefix_caching_coordinator_policy = _enum_field(
+            "prefix_caching_coordinator_policy", PrefixCachingCoordinatorPolicy, self.prefix_caching_coordinator_policy)
+        self.async_sched_mode = _enum_field("async_sched_mode", AsyncScheduleMode, self.async_sched_mode)
+        if not 0.0 <= self.prefix_caching_routing_alpha <= 1.0:
+            raise ValueError(f"InferenceConfig.prefix_caching_routing_alpha ({self.prefix_caching_routing_alpha}) "
+                             "must be in [0, 1]")
         self.kv_cache_management_mode = KVCacheManagementMode(self.kv_cache_management_mode)
+
+
+def _enum_field(name: str, enum: type[Enum], value: Any) -> Any:
+    """``value`` as a member of ``enum``; a ``ValueError`` naming the field and the allowed values otherwise."""
+    try:
+        return enum(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in enum)
+        raise ValueError(f"InferenceConfig.{name} ({value!r}) must be one of {allowed}") from None

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true", help="decode steps as CUDA graphs (GPU)")
     p.add_argument("--compile-decode", action="store_true",
                    help="with --cuda-graphs: torch.compile the captured forward (about 25 s per batch size)")
+    p.add_argument("--async-sched-mode", choices=["legacy", "async"], default="async",
+                   help="async: prepare each CUDA-graph decode step while the previous one runs (legacy: one at a time)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="share the KV blocks of common prompt prefixes between requests")
     p.add_argument("--prefix-caching-eviction-policy", choices=["ref_zero", "lru"], default="ref_zero",
@@ -78,6 +80,7 @@ def build_llm(args: argparse.Namespace, llm_class: Any = None) -> tuple[Any, Any
         num_cuda_graphs=8 if args.cuda_graphs else None, compile_decode_graphs=args.compile_decode,
         enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
         prefix_caching_eviction_policy=getattr(args, "prefix_caching_eviction_policy", "ref_zero"),
+        async_sched_mode=getattr(args, "async_sched_mode", "async"),
     )
     llm_class = llm_class or MegatronLLM
     return llm_class(model=model, tokenizer=tokenizer, inference_config=config, use_coordinator=False), train_args

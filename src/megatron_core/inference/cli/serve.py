@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true", help="decode steps as CUDA graphs (GPU)")
     p.add_argument("--compile-decode", action="store_true",
                    help="with --cuda-graphs: torch.compile the captured forward (about 25 s per batch size)")
+    p.add_argument("--async-sched-mode", choices=["legacy", "async"], default="async",
+                   help="async: prepare each CUDA-graph decode step while the previous one runs (legacy: one at a time)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="share the KV blocks of common prompt prefixes between requests")
     p.add_argument("--prefix-caching-eviction-policy", choices=["ref_zero", "lru"], default="ref_zero",

@@ -1,6 +1,7 @@
 """Decode steps that overlap the host's work with the device's (a mixin of ``DynamicInferenceEngine``).
 
-In a decode-only step laid out for CUDA graphs, the host spends about as long preparing the step
+Megatron-Core's ``AsyncScheduleMode.ASYNC`` ("prepare before resolve"). In a decode-only step laid
+out for CUDA graphs, the host spends about as long preparing the step
 and reading its tokens back as the device spends running it. So the engine does not wait for a
 step's tokens before it prepares the next one:
 
@@ -81,7 +82,7 @@ class InflightStep:
 class DecodeOverlap:
     """Mixin over the engine's ``context``, ``controller``, ``requests``, ``running`` and ``waiting``."""
 
-    overlap_decode_steps: bool = True
+    overlap_decode_steps: bool = False  # the engine sets it from InferenceConfig.async_sched_mode
     _inflight: InflightStep | None = None
     _readback: TokenReadback | None = None
     overlapped_step_count: int = 0  # steps launched before the previous step's tokens were read

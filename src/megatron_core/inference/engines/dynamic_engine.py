@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from megatron_core.inference.config import AsyncScheduleMode
 from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext, StepEntry
 from megatron_core.inference.engines.abstract_engine import AbstractEngine
 from megatron_core.inference.engines.decode_overlap import DecodeOverlap
@@ -66,8 +67,9 @@ class EngineState(Enum):
 class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
     """Schedules requests into steps over a :class:`DynamicInferenceContext`.
 
-    Decode steps laid out for CUDA graphs overlap the host's work with the device's
-    (:mod:`.decode_overlap`); set ``overlap_decode_steps = False`` to step one at a time.
+    With ``InferenceConfig.async_sched_mode=AsyncScheduleMode.ASYNC``, decode steps laid out for CUDA
+    graphs overlap the host's work with the device's (:mod:`.decode_overlap`); the engine attribute
+    ``overlap_decode_steps`` holds the choice and can be switched between steps.
     """
 
     def __init__(self, controller: TextGenerationController, context: DynamicInferenceContext) -> None:
@@ -75,6 +77,7 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         self.context = context
         controller.inference_wrapped_model.inference_context = context
         controller.inference_wrapped_model.prep_model_for_inference()
+        self.overlap_decode_steps = context.inference_config.async_sched_mode == AsyncScheduleMode.ASYNC
         self.request_counter = itertools.count()
         self.state = EngineState.RUNNING
         self._inbox_lock = threading.Lock()
