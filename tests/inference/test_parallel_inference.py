@@ -20,7 +20,8 @@ def _generate(model, compiled_decode: bool = False) -> list[list[int]]:
     from tests.inference.llama_fixture import prompts
 
     # A small cache and step budget, so the run also pauses / evicts and chunks under parallelism.
-    graphs = dict(num_cuda_graphs=4, compile_decode_graphs=True) if compiled_decode else {}
+    # With the graph layout, decode steps also overlap the host's work (async_sched_mode), on every rank.
+    graphs = dict(num_cuda_graphs=4, compile_decode_graphs=True, async_sched_mode="async") if compiled_decode else {}
     llm = MegatronLLM(
         model=model, tokenizer=None, use_coordinator=False,
         inference_config=InferenceConfig(block_size_tokens=4, buffer_size_gb=12 * 1024 / 1024**3, max_tokens=16,
@@ -29,7 +30,9 @@ def _generate(model, compiled_decode: bool = False) -> list[list[int]]:
     if compiled_decode:  # the CUDA-graph layout and its compiled forward, run without graphs on CPU
         llm.engine.context.pad_decode_steps_on_cpu = True
     params = SamplingParams(top_k=1, num_tokens_to_generate=NEW, termination_id=-1)
-    return [r.generated_tokens for r in llm.generate(prompts(LENGTHS), params)]
+    tokens = [r.generated_tokens for r in llm.generate(prompts(LENGTHS), params)]
+    assert not compiled_decode or llm.engine.overlapped_step_count > 0
+    return tokens
 
 
 def _expected() -> list[list[int]]:
