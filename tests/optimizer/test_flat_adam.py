@@ -17,6 +17,7 @@ from megatron_core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_core.optimizer.flat_adam import flat_adam_update
+from megatron_core.transformer import Float16Module
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import SEQ, VOCAB, build, llama_like
 from tests.optimizer.dp_step import dp_train_step
@@ -32,8 +33,11 @@ def _tokens(step: int) -> torch.Tensor:
 def _setup(flat: bool, opt_overrides: dict):
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    model = build(llama_like())
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    bf16 = bool(opt_overrides.get("bf16"))
+    model = build(llama_like(), **(dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}))
+    module = Float16Module(model.config, model) if bf16 else model
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=bf16), module)
     previous = DistributedOptimizer.flat_shard_step
     DistributedOptimizer.flat_shard_step = flat
     try:
@@ -92,8 +96,10 @@ def _close(a: dict, b: dict, tol: float) -> None:
     {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
     {"decoupled_weight_decay": False},
     {"clip_grad": 0.0},
-], ids=["fp32", "bf16-moments", "l2", "no-clip"])
+    {"bf16": True},
+], ids=["fp32", "bf16-moments", "l2", "no-clip", "bf16-params"])
 def test_flat_step_equals_per_tensor_precision_aware_adam(overrides):
+    # bf16 params: fp32 main params of their own, and the kernel writes the rounded bf16 params itself.
     reference = run_on_ranks(2, _train, False, 4, overrides)
     flat = run_on_ranks(2, _train, True, 4, overrides)
     for got, want in zip(flat, reference):
