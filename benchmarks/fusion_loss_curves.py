@@ -19,36 +19,20 @@ unfused run over the last ``--tail`` steps.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpt_full_step import TINY  # noqa: E402
+from gpt_full_step import REFERENCE, TINY, run_pretrain  # noqa: E402
 
 FUSED = ["--cross-entropy-loss-fusion", "--gradient-accumulation-fusion", "--use-precision-aware-optimizer"]
 
 
 def run(model: list[str], steps: int, flags: list[str]) -> list[float]:
     """The per-step training losses of one ``pretrain_gpt.py`` run."""
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "log.jsonl"
-        cmd = [sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), *model, "--mock-data",
-               "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "2",
-               "--train-iters", str(steps), "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "1",
-               "--lr-warmup-iters", "5", "--no-progress", "--log-json", str(log), *flags]
-        print("+", " ".join(cmd), flush=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
-                                                                           os.environ.get("PYTHONPATH")]))}
-        subprocess.run(cmd, check=True, env=env)
-        records = [json.loads(line) for line in log.read_text().splitlines()]
-    train = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["iteration"])
-    return [r["lm loss"] for r in train]
+    return [r["lm loss"] for r in run_pretrain(model, steps, ["--lr-warmup-iters", "5", *flags])]
 
 
 def relative(a: list[float], b: list[float]) -> list[float]:
@@ -63,7 +47,7 @@ def main() -> None:
     parser.add_argument("--tail", type=int, default=10, help="the differences are summarised over these last steps")
     parser.add_argument("--tiny", action="store_true", help="tiny fp32 model on the CPU, without torch.compile")
     args = parser.parse_args()
-    model = TINY if args.tiny else ["--model-preset", "tinyllama-1.1b", "--bf16", "--vocab-size", "31999"]
+    model = TINY if args.tiny else REFERENCE
     compile_flag = [] if args.tiny else ["--compile"]
     runs = {
         "unfused": run(model, args.steps, ["--no-bias-swiglu-fusion"]),

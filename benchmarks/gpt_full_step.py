@@ -31,6 +31,26 @@ TINY = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "64", "-
         "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "256"]
 
 
+REFERENCE = ["--model-preset", "tinyllama-1.1b", "--bf16", "--vocab-size", "31999"]  # + EOD = 32000
+
+
+def run_pretrain(model: list[str], iterations: int, flags: list[str]) -> list[dict]:
+    """Run ``pretrain_gpt.py`` (random tokens, micro- and global batch 2, distributed optimizer, a log line per
+    step); its training log records in iteration order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "log.jsonl"
+        cmd = [sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), *model, "--mock-data",
+               "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "2",
+               "--train-iters", str(iterations), "--log-interval", "1", "--eval-interval", "0",
+               "--eval-iters", "1", "--no-progress", "--log-json", str(log), *flags]
+        print("+", " ".join(cmd), flush=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
+                                                                           os.environ.get("PYTHONPATH")]))}
+        subprocess.run(cmd, check=True, env=env)
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+    return sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["iteration"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile", action="store_true", help="pass --compile to pretrain_gpt.py")
@@ -40,20 +60,9 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="further pretrain_gpt.py flags (after --)")
     args = parser.parse_args()
 
-    model = TINY if args.tiny else ["--model-preset", "tinyllama-1.1b", "--bf16", "--vocab-size", "31999"]  # + EOD = 32000
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "log.jsonl"
-        cmd = [sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), *model, "--mock-data",
-               "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "2",
-               "--train-iters", str(args.warmup + args.steps), "--log-interval", "1", "--eval-interval", "0",
-               "--eval-iters", "1", "--no-progress", "--log-json", str(log),
-               "--step-time-breakdown", *(["--compile"] if args.compile else []), *args.extra]
-        print("+", " ".join(cmd), flush=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
-                                                                           os.environ.get("PYTHONPATH")]))}
-        subprocess.run(cmd, check=True, env=env)
-        records = [json.loads(line) for line in log.read_text().splitlines()]
-    train = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["iteration"])
+    model = TINY if args.tiny else REFERENCE
+    train = run_pretrain(model, args.warmup + args.steps,
+                         ["--step-time-breakdown", *(["--compile"] if args.compile else []), *args.extra])
     timed = train[args.warmup:args.warmup + args.steps]
     if len(timed) < args.steps:
         raise SystemExit(f"expected {args.warmup + args.steps} logged steps, got {len(train)}")

@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (under torchrun)")
+    add_engine_args(p)
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags ``megatron-generate`` and ``megatron-serve`` share (KV cache, batching, graphs, caching)."""
     p.add_argument("--buffer-size-gb", type=float, default=1.0, help="KV cache size")
     p.add_argument("--block-size-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=64, help="requests decoded together")
@@ -41,7 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share the KV blocks of common prompt prefixes between requests")
     p.add_argument("--prefix-caching-eviction-policy", choices=["ref_zero", "lru"], default="ref_zero",
                    help="ref_zero: free a shared block with its last request; lru: keep it for later requests")
-    return p
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -78,9 +83,8 @@ def build_llm(args: argparse.Namespace, llm_class: Any = None) -> tuple[Any, Any
         buffer_size_gb=args.buffer_size_gb, block_size_tokens=args.block_size_tokens, max_requests=args.max_batch,
         max_sequence_length=model.max_sequence_length, enable_chunked_prefill=True,
         num_cuda_graphs=8 if args.cuda_graphs else None, compile_decode_graphs=args.compile_decode,
-        enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
-        prefix_caching_eviction_policy=getattr(args, "prefix_caching_eviction_policy", "ref_zero"),
-        async_sched_mode=getattr(args, "async_sched_mode", "async"),
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_eviction_policy=args.prefix_caching_eviction_policy, async_sched_mode=args.async_sched_mode,
     )
     llm_class = llm_class or MegatronLLM
     return llm_class(model=model, tokenizer=tokenizer, inference_config=config, use_coordinator=False), train_args

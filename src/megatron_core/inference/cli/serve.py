@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import sys
 
-from megatron_core.inference.cli.generate import build_llm
+from megatron_core.inference.cli.generate import add_engine_args, build_llm
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,18 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending-requests", type=int, default=256)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--buffer-size-gb", type=float, default=1.0)
-    p.add_argument("--block-size-tokens", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--cuda-graphs", action="store_true", help="decode steps as CUDA graphs (GPU)")
-    p.add_argument("--compile-decode", action="store_true",
-                   help="with --cuda-graphs: torch.compile the captured forward (about 25 s per batch size)")
-    p.add_argument("--async-sched-mode", choices=["legacy", "async"], default="async",
-                   help="async: prepare each CUDA-graph decode step while the previous one runs (legacy: one at a time)")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="share the KV blocks of common prompt prefixes between requests")
-    p.add_argument("--prefix-caching-eviction-policy", choices=["ref_zero", "lru"], default="ref_zero",
-                   help="ref_zero: free a shared block with its last request; lru: keep it for later requests")
+    add_engine_args(p)
     p.add_argument("--verbose", action="store_true")
     return p
 
