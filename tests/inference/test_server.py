@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -157,8 +158,10 @@ def test_disconnect_mid_stream_frees_kv_blocks(served):
         with httpx.stream("POST", base + "/v1/completions", json={
             "model": MODEL, "prompt": expected["<long>"], "max_tokens": LONG, "temperature": 0, "stream": True,
         }, timeout=120) as response:
-            assert next(response.iter_lines()).startswith("data: ")
-            assert llm.engine.has_unfinished_requests()
+            first = next(response.iter_lines())
+            assert first.startswith("data: ")
+            assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None, first
+            assert llm.engine.has_unfinished_requests()  # still generating
             assert llm.context.block_allocator.get_total_used() > 0
         # The client closed the connection before the generation finished.
         assert _wait_until(lambda: llm.context.block_allocator.get_total_used() == 0, timeout=60)

@@ -177,9 +177,16 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         self._notify()
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is queued, waiting or running."""
+        """Whether any request is queued, waiting or running (safe to call from another thread).
+
+        Judged by the requests' own status, which the engine changes in one assignment, rather than by its
+        queues, which a step moves requests between in several.
+        """
         with self._inbox_lock:
-            return bool(self._inbox or self.waiting or self.running or self._cancels)
+            if self._inbox or self._cancels:
+                return True
+            requests = list(self.requests.values())  # one copy under the GIL; the step thread may change the dict
+        return any(r.status not in (Status.COMPLETED, Status.FAILED) for r in requests)
 
     def get_request(self, request_id: Any) -> DynamicInferenceRequest:
         """The request object (live while it runs)."""
@@ -189,8 +196,9 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
+            for request in inbox:  # under the lock: has_unfinished_requests never sees a request in neither place
+                self.requests[request.request_id] = request
         for request in inbox:
-            self.requests[request.request_id] = request
             self.waiting.append(request.request_id)
         for request_id in cancels:
             request = self.requests.get(request_id)
