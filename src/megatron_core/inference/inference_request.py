@@ -63,6 +63,9 @@ class Status(Enum):
     FAILED = 5
 
 
+ENDED_STATUSES = (Status.COMPLETED, Status.FAILED)  # a request in either status takes no more steps
+
+
 @dataclass(kw_only=True)
 class InferenceRequest:
     """A prompt, how to sample it, and what came out."""

@@ -259,11 +259,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 group.start_param_sync()
         return True
 
-    def _fold_clipping_into_adam(self) -> bool:
-        if self._flat is not None:  # the flat step divides by the clip factor and skips on a non-finite norm
-            return (self.config.clip_grad > 0.0 and not self.config.log_num_zeros_in_grad
-                    and not self.prepare_grads_checks_for_inf())
-        return super()._fold_clipping_into_adam()
+    def _step_takes_clip_factor(self) -> bool:
+        # The flat step divides by the clip factor and skips on a non-finite norm, as torch's fused Adam.
+        return self._flat is not None or super()._step_takes_clip_factor()
 
     def _step_skipped_on_device(self) -> None:
         if self._flat is not None:

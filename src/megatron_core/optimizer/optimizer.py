@@ -241,9 +241,13 @@ class MegatronOptimizer(ABC):
         return success, grad_norm, num_zeros
 
     def _fold_clipping_into_adam(self) -> bool:
-        """Clip inside torch's fused Adam (see :mod:`.fused_clip`): same update, no extra pass, no early sync."""
+        """Clip inside the fused Adam step (see :mod:`.fused_clip`): same update, no extra pass, no early sync."""
         return (self.config.clip_grad > 0.0 and not self.config.log_num_zeros_in_grad
-                and not self.prepare_grads_checks_for_inf() and supports_fused_clipping(self.optimizer))
+                and not self.prepare_grads_checks_for_inf() and self._step_takes_clip_factor())
+
+    def _step_takes_clip_factor(self) -> bool:
+        """Whether the inner step divides by ``grad_scale`` and skips on ``found_inf`` (torch's fused Adam does)."""
+        return supports_fused_clipping(self.optimizer)
 
     def _step_skipped_on_device(self) -> None:
         """Called when a folded-clipping step was skipped on the device (non-finite norm).

@@ -45,30 +45,33 @@ def apply_rotary_pos_emb(
     if rotary_interleaved is None:
         rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
     seq_len = t.shape[0]
-    if torch.compiler.is_compiling() or cu_seqlens is not None or freqs.requires_grad:
-        if cu_seqlens is not None:
-            from megatron_core.transformer.packed_sequences import thd_positions_from_cu
+    traced = torch.compiler.is_compiling() or freqs.requires_grad  # the plain expression: compiled / angles that learn
+    if cu_seqlens is not None:
+        from megatron_core.transformer.packed_sequences import thd_positions_from_cu
 
-            cp_size = cp_group.size() if cp_group is not None else 1
-            cp_rank = cp_group.rank() if cp_group is not None else 0
-            freqs = freqs[thd_positions_from_cu(cu_seqlens, seq_len, cp_size, cp_rank, freqs.device)]
-        else:
-            freqs = freqs[:seq_len]
-        cos = (torch.cos(freqs) * mscale).to(t.dtype)
-        sin = (torch.sin(freqs) * mscale).to(t.dtype)
-        if torch.compiler.is_compiling() or freqs.requires_grad:  # traced as is / angles that learn
-            return _rotate(t, cos, sin, rotary_interleaved)
+        cp_size = cp_group.size() if cp_group is not None else 1
+        cp_rank = cp_group.rank() if cp_group is not None else 0
+        cos, sin = _scaled_cos_sin(
+            freqs[thd_positions_from_cu(cu_seqlens, seq_len, cp_size, cp_rank, freqs.device)], mscale, t.dtype)
+    elif traced:
+        cos, sin = _scaled_cos_sin(freqs[:seq_len], mscale, t.dtype)
     else:
-        cos, sin = _cos_sin(freqs, seq_len, mscale, t.dtype)
+        cos, sin = _cached_cos_sin(freqs, seq_len, mscale, t.dtype)
+    if traced:
+        return _rotate(t, cos, sin, rotary_interleaved)
     return _FusedRotation.apply(t, cos, sin, rotary_interleaved)
+
+
+def _scaled_cos_sin(angles: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.cos(angles) * mscale).to(dtype), (torch.sin(angles) * mscale).to(dtype)
 
 
 _COS_SIN_CACHE: list[tuple[torch.Tensor, tuple, torch.Tensor, torch.Tensor]] = []
 
 
-def _cos_sin(freqs: torch.Tensor, seq_len: int, mscale: float, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` of ``freqs[:seq_len]`` times ``mscale`` in ``dtype``, kept for the last angle tensor.
+def _cached_cos_sin(freqs: torch.Tensor, seq_len: int, mscale: float, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_scaled_cos_sin` of ``freqs[:seq_len]``, kept for the last angle tensor seen.
 
     The model builds one angle tensor per forward and every layer rotates with it: the cosines and sines
     are computed once. The cache holds a reference to that tensor, so its identity cannot be reused, and
@@ -79,9 +82,7 @@ def _cos_sin(freqs: torch.Tensor, seq_len: int, mscale: float, dtype: torch.dtyp
     if entry is not None and entry[0] is freqs and entry[1] == key:
         return entry[2], entry[3]
     with torch.no_grad():
-        angles = freqs[:seq_len]
-        cos = (torch.cos(angles) * mscale).to(dtype)
-        sin = (torch.sin(angles) * mscale).to(dtype)
+        cos, sin = _scaled_cos_sin(freqs[:seq_len], mscale, dtype)
     _COS_SIN_CACHE[:] = [(freqs, key, cos, sin)]
     return cos, sin
 

@@ -195,20 +195,22 @@ class DynamicInferenceContext(BaseInferenceContext):
 
     # ---- per-request KV blocks --------------------------------------------------------------------
 
-    def add_request(self, request_id: Any, block_hashes: list[int] | None = None, max_cached_tokens: int = 0) -> int:
+    def add_request(self, request_id: Any, block_hashes: list[int] | None = None,
+                    matched_blocks: list[int] = ()) -> int:
         """Register a request; returns how many of its first tokens are already cached.
 
-        With prefix caching, ``block_hashes`` (its prompt's, :func:`compute_block_hashes_batched`) find
-        cached blocks holding the same prefix; up to ``max_cached_tokens`` tokens' worth of them are
-        shared (pinned) instead of computed. Its own prompt blocks are registered as they complete.
+        With prefix caching, ``block_hashes`` are its prompt's (:func:`compute_block_hashes_batched`):
+        its own prompt blocks are registered under them as they complete. ``matched_blocks``, from
+        :meth:`matched_prefix_blocks`, are cached blocks holding its first tokens: they are shared
+        (pinned) instead of computed.
         """
         if request_id in self.request_blocks:
             raise ValueError(f"DynamicInferenceContext: request {request_id} is already in the context")
         if len(self.request_blocks) >= self.max_requests:
             raise RequestOverflowError(request_id, f"max_requests ({self.max_requests}) reached")
-        matched = self.matched_prefix_blocks(block_hashes, max_cached_tokens)
+        matched = list(matched_blocks)
         self.block_allocator.pin(matched)
-        self.request_blocks[request_id] = list(matched)
+        self.request_blocks[request_id] = matched
         self.block_tables_version += 1
         cached = len(matched) * self.block_size_tokens
         self.request_kv_length[request_id] = cached

@@ -33,12 +33,10 @@ from typing import Any
 import torch
 
 from megatron_core.inference.contexts.dynamic_context import StepEntry
-from megatron_core.inference.inference_request import DynamicInferenceRequest, Status
+from megatron_core.inference.inference_request import ENDED_STATUSES
 from megatron_core.inference.text_generation_controllers.text_generation_controller import DynamicStepOutput
 
 __all__ = ["DecodeOverlap", "TokenReadback"]
-
-_ENDED = (Status.COMPLETED, Status.FAILED)
 
 
 class TokenReadback:
@@ -80,7 +78,8 @@ class InflightStep:
 
 
 class DecodeOverlap:
-    """Mixin over the engine's ``context``, ``controller``, ``requests``, ``running`` and ``waiting``."""
+    """Mixin over the engine's ``context``, ``controller``, ``requests``, ``running``, ``waiting``,
+    ``_bookkeep`` and ``_stops_by_length``."""
 
     overlap_decode_steps: bool = False  # the engine sets it from InferenceConfig.async_sched_mode
     _inflight: InflightStep | None = None
@@ -111,18 +110,6 @@ class DecodeOverlap:
         self.step_count += 1
         return InflightStep(list(self.context.step_entries), tokens, self._readback.start(tokens))
 
-    def _stops_by_length(self, request: DynamicInferenceRequest, generated: int) -> str | None:
-        """``"length"`` when ``generated`` tokens reach one of the request's length limits."""
-        params = request.sampling_params
-        total = request.prompt_length + generated
-        if params.num_tokens_to_generate is not None and generated >= params.num_tokens_to_generate:
-            return "length"
-        if params.num_tokens_total is not None and total >= params.num_tokens_total:
-            return "length"
-        if total >= self.context.max_sequence_length:
-            return "length"
-        return None
-
     def _next_step_of(self, step: InflightStep) -> tuple[list[StepEntry], list[int]] | None:
         """The entries of the step after ``step`` (same requests, next positions) and their token rows.
 
@@ -137,9 +124,9 @@ class DecodeOverlap:
         block_size, blocks_of, kv_lengths = ctx.block_size_tokens, ctx.request_blocks, ctx.request_kv_length
         entries, rows = [], []
         for row, entry in enumerate(step.entries):
-            request = self.requests.get(entry.request_id)
-            if request is None or request.status in _ENDED or entry.request_id not in blocks_of:
+            if not self._is_live(entry.request_id) or entry.request_id not in blocks_of:
                 return None
+            request = self.requests[entry.request_id]
             if self._stops_by_length(request, len(request.generated_tokens) + 1):
                 continue  # its token of this step is its last
             kv = kv_lengths[entry.request_id]
@@ -152,7 +139,7 @@ class DecodeOverlap:
     def _is_live(self, request_id: Any) -> bool:
         """Whether the request is still in the engine and has not finished (completed, failed or cancelled)."""
         request = self.requests.get(request_id)
-        return request is not None and request.status not in _ENDED
+        return request is not None and request.status not in ENDED_STATUSES
 
     def _finish_inflight(self, step: InflightStep) -> None:
         """Wait for ``step``'s tokens and book them (rows of requests that already finished are dropped)."""

@@ -40,6 +40,7 @@ from megatron_core.inference.engines.abstract_engine import AbstractEngine
 from megatron_core.inference.engines.decode_overlap import DecodeOverlap
 from megatron_core.inference.engines.step_scheduler import StepScheduler
 from megatron_core.inference.inference_request import (
+    ENDED_STATUSES,
     DynamicInferenceEventType,
     DynamicInferenceRequest,
     DynamicInferenceRequestRecord,
@@ -186,7 +187,7 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
             if self._inbox or self._cancels:
                 return True
             requests = list(self.requests.values())  # one copy under the GIL; the step thread may change the dict
-        return any(r.status not in (Status.COMPLETED, Status.FAILED) for r in requests)
+        return any(r.status not in ENDED_STATUSES for r in requests)
 
     def get_request(self, request_id: Any) -> DynamicInferenceRequest:
         """The request object (live while it runs)."""
@@ -202,7 +203,7 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
             self.waiting.append(request.request_id)
         for request_id in cancels:
             request = self.requests.get(request_id)
-            if request is None or request.status in (Status.COMPLETED, Status.FAILED):
+            if request is None or request.status in ENDED_STATUSES:
                 continue
             if request_id in self.waiting:
                 self.waiting.remove(request_id)
@@ -305,6 +306,18 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
             reason = self._stops_by_length(request, len(request.generated_tokens))
         request.finish_reason = reason
         return reason is not None
+
+    def _stops_by_length(self, request: DynamicInferenceRequest, generated: int) -> str | None:
+        """``"length"`` when ``generated`` tokens reach one of the request's length limits."""
+        params = request.sampling_params
+        total = request.prompt_length + generated
+        if params.num_tokens_to_generate is not None and generated >= params.num_tokens_to_generate:
+            return "length"
+        if params.num_tokens_total is not None and total >= params.num_tokens_total:
+            return "length"
+        if total >= self.context.max_sequence_length:
+            return "length"
+        return None
 
     def _finish(self, request: DynamicInferenceRequest, status: Status, error: str | None = None) -> None:
         params = request.sampling_params

@@ -110,7 +110,7 @@ class StepScheduler:
             if n == 0:
                 break
             self.waiting.popleft()
-            cached = ctx.add_request(request.request_id, hashes, max_cached)
+            ctx.add_request(request.request_id, hashes, matched)
             request.num_cached_tokens = cached
             ctx.grow_request(request.request_id, cached + n)
             self.running.append(request.request_id)
