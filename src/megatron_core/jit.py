@@ -3,7 +3,8 @@
 ``jit_fuser(fn)`` returns a function that runs ``torch.compile(fn)`` when the fuser is enabled and its
 first tensor argument is on an accelerator, and plain ``fn`` otherwise (on CPU, compiling needs a C++
 toolchain and buys little for these small functions). ``disable_jit_fuser()`` / ``enable_jit_fuser()``
-switch it for every decorated function, including ones decorated before the call.
+switch it for every decorated function, including ones decorated before the call. Called while an
+enclosing ``torch.compile`` traces, the plain function is inlined into that graph.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def jit_fuser(func: _F) -> _F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Already inside a graph being traced (a compiled layer or model): inline the plain function, so
+            # the caller's graph stays whole (touching ``compiled`` here would be a side effect that breaks it).
+            return func(*args, **kwargs)
         if _jit_enabled and _on_accelerator(args, kwargs):
             if not compiled:
                 compiled.append(torch.compile(func))

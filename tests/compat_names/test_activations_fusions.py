@@ -159,3 +159,34 @@ def test_jit_fuser_switch_applies_to_decorated_functions():
         jit.enable_jit_fuser()
     assert jit.is_jit_fuser_enabled() and len(calls) == 2
     assert jit.noop_decorator(f) is f
+
+
+def test_jit_fuser_inlines_into_an_enclosing_compiled_graph(monkeypatch):
+    """Inside a traced graph the decorated function is inlined: no nested compile, no graph break."""
+    monkeypatch.setattr(jit, "_on_accelerator", lambda args, kwargs: True)  # take the GPU branch on CPU
+
+    @jit.jit_fuser
+    def scaled_silu(x):
+        return torch.nn.functional.silu(x) * 2
+
+    class ScaledSilu(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return scaled_silu(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            sig = torch.sigmoid(x)
+            return grad * 2 * sig * (1 + x * (1 - sig))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: ScaledSilu.apply(t) + 0, backend="eager", fullgraph=True)  # no break allowed
+    x = torch.randn(8, requires_grad=True)
+    out = compiled(x)
+    torch.testing.assert_close(out, torch.nn.functional.silu(x.detach()) * 2)
+    out.sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    (torch.nn.functional.silu(x_ref) * 2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)

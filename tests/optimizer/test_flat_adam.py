@@ -196,5 +196,9 @@ def test_compiled_flat_kernel_on_cuda_matches_eager_and_writes_bf16():
         out = torch.empty(n, dtype=torch.bfloat16, device="cuda")
         update(p, grad, mm, vv, out, ids, table, None, None, 0.9, 0.95, 1e-8, True)
         results.append((p, mm, vv, out))
-    for eager, compiled in zip(*results):
-        torch.testing.assert_close(compiled.float(), eager.float(), rtol=1e-6, atol=1e-6)
+    (p_eager, m_eager, v_eager, _), (p_compiled, m_compiled, v_compiled, out_compiled) = results
+    for eager, compiled in ((p_eager, p_compiled), (m_eager, m_compiled), (v_eager, v_compiled)):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    # fp32 results that differ in the last bit (fused multiply-adds) may round to neighbouring bf16 values, so
+    # the bf16 copy is checked against the compiled kernel's own fp32 weights, bit for bit.
+    assert torch.equal(out_compiled, p_compiled.to(torch.bfloat16))
