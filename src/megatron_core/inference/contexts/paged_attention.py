@@ -5,8 +5,8 @@ of ``block_size`` slots scattered through the cache (``k_cache [slots, groups, h
 gathering every request's blocks into a dense tensor first (which copies the whole cache each step and
 layer), :func:`paged_decode_attention` runs one program per (request, KV group, split): it walks its
 share of the request's block table, loads keys and values straight from their slots, and keeps an
-online softmax. The splits (flash-decoding) give a long sequence enough programs to fill the GPU; their
-partial results are merged by log-sum-exp. All query heads of a KV group share one program, so the
+online softmax. The splits (flash-decoding) give a long sequence enough programs to fill the GPU; a
+second small kernel merges their partial results by log-sum-exp. All query heads of a KV group share one program, so the
 cache is read once per group (GQA without expansion).
 
 Shapes are static for a given batch and table width, so the call is safe inside a CUDA graph.
@@ -21,8 +21,6 @@ import functools
 from typing import Any
 
 import torch
-
-from megatron_core.jit import jit_fuser
 
 __all__ = ["paged_decode_attention", "paged_decode_supported", "paged_decode_reference"]
 
@@ -108,6 +106,31 @@ def _kernel() -> Any:
     return paged_decode_kernel
 
 
+@functools.cache
+def _merge_kernel() -> Any:
+    triton, tl = _triton()
+
+    @triton.jit
+    def merge_splits_kernel(
+        partial_ptr, lse_ptr, out_ptr, num_splits, heads,
+        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+        SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        req = tl.program_id(0) // heads
+        head = tl.program_id(0) % heads
+        splits = tl.arange(0, SPLITS_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        split_ok = splits < num_splits
+        lse = tl.load(lse_ptr + req * stride_lb + head * stride_lh + splits, mask=split_ok, other=float("-inf"))
+        weights = tl.exp(lse - tl.max(lse, 0))  # empty splits (lse -inf) weigh nothing; split 0 is never empty
+        part = tl.load(partial_ptr + req * stride_pb + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
+                       mask=split_ok[:, None], other=0.0)
+        out = tl.sum(part * weights[:, None], 0) / tl.sum(weights, 0)
+        tl.store(out_ptr + req * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+    return merge_splits_kernel
+
+
 def _num_splits(batch: int, groups: int, max_tokens: int) -> int:
     """Enough programs to fill a large GPU (about 512), but at least ``_BLOCK_N`` tokens per split."""
     want = max(1, 512 // max(1, batch * groups))
@@ -173,14 +196,15 @@ def _paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         HEADS_PER_GROUP=heads_per_group, HPG_PAD=hpg_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=_BLOCK_N, TOKENS_PER_SPLIT=tokens_per_split,
     )
-    return _merge_splits(partial, lse, query.dtype)
-
-
-@jit_fuser
-def _merge_splits(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Log-sum-exp merge of the splits' partial outputs (one fused kernel on a GPU)."""
-    weights = torch.softmax(lse, dim=-1)  # empty splits have lse -inf and weigh nothing
-    return (partial * weights.unsqueeze(-1)).sum(dim=2).to(dtype)
+    out = torch.empty_like(query)
+    # One program per (request, head) merges its splits by log-sum-exp. (Left to Inductor, this reduction over a
+    # short middle axis became a kernel slower than the attention itself at 64 requests.)
+    _merge_kernel()[(batch * heads,)](
+        partial, lse, out, splits, heads, partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
+    )
+    return out
 
 
 def paged_decode_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
