@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from gpt_training.hf_model import apply_hf_model_args
 from gpt_training.presets import PRESETS, apply_preset
 
@@ -30,8 +32,9 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default="native")
     g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                    help="compute SwiGLU with separate operations instead of one fused function each way")
-    g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=False,
-                   help="weight-gradient GEMMs accumulate straight into the fp32 main_grad (with DDP)")
+    g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="weight-gradient GEMMs accumulate straight into the fp32 main_grad (with DDP; default: on "
+                        "on CUDA unless --use-torch-fsdp2, as Megatron-LM's default)")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="shard parameters, gradients and optimizer state with PyTorch FSDP2 "
                         "(TorchFullyShardedDataParallel) instead of DDP")
@@ -248,6 +251,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(args.seq_length % (2 * cp) == 0 or cp == 1,
              f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({2 * cp})")
     args.data_parallel_size = world_size // (tp * pp * cp)
+    if args.gradient_accumulation_fusion is None:
+        args.gradient_accumulation_fusion = torch.cuda.is_available() and not args.use_torch_fsdp2
     _validate_torch_fsdp2(args)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
