@@ -3,7 +3,7 @@
 Runs the reference configuration (tinyllama-1.1b preset, bf16, random tokens, micro-batch 2, distributed
 optimizer) for ``--steps`` steps three times from the same initial weights and data:
 
-* ``unfused``: eager layers, SwiGLU and the loss unfused (``--no-bias-swiglu-fusion``), torch's Adam;
+* ``unfused``: eager layers, SwiGLU, the loss and the weight-gradient accumulation unfused, torch's Adam;
 * ``fused``: compiled layers and loss, ``--cross-entropy-loss-fusion``, ``--gradient-accumulation-fusion``
   and the precision-aware optimizer's flat fused step (fp32 state, so the same arithmetic as Adam);
 * ``unfused, other seed``: the unfused run from other initial weights (``--seed``), the yardstick for
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt_full_step import REFERENCE, TINY, run_pretrain  # noqa: E402
 
+UNFUSED = ["--no-bias-swiglu-fusion", "--no-gradient-accumulation-fusion"]
 FUSED = ["--cross-entropy-loss-fusion", "--gradient-accumulation-fusion", "--use-precision-aware-optimizer"]
 
 
@@ -50,9 +51,9 @@ def main() -> None:
     model = TINY if args.tiny else REFERENCE
     compile_flag = [] if args.tiny else ["--compile"]
     runs = {
-        "unfused": run(model, args.steps, ["--no-bias-swiglu-fusion"]),
+        "unfused": run(model, args.steps, UNFUSED),
         "fused": run(model, args.steps, [*compile_flag, *FUSED]),
-        "unfused, other seed": run(model, args.steps, ["--no-bias-swiglu-fusion", "--seed", "4321"]),
+        "unfused, other seed": run(model, args.steps, [*UNFUSED, "--seed", "4321"]),
     }
     names = list(runs)
     print("\nstep  " + "  ".join(f"{n:>20s}" for n in names))
