@@ -6,6 +6,8 @@ optimizer) for ``--steps`` steps three times from the same initial weights and d
 * ``unfused``: eager layers, SwiGLU, the loss and the weight-gradient accumulation unfused, torch's Adam;
 * ``fused``: compiled layers and loss, ``--cross-entropy-loss-fusion``, ``--gradient-accumulation-fusion``
   and the precision-aware optimizer's flat fused step (fp32 state, so the same arithmetic as Adam);
+* ``unfused, again``: the unfused run once more, same flags and seed: how far two identical bf16 runs drift
+  apart (GPU kernels do not promise bit-identical results between processes);
 * ``unfused, other seed``: the unfused run from other initial weights (``--seed``), the yardstick for
   what differences mean: the fused run should sit much closer to the unfused one than this does.
 
@@ -53,6 +55,7 @@ def main() -> None:
     runs = {
         "unfused": run(model, args.steps, UNFUSED),
         "fused": run(model, args.steps, [*compile_flag, *FUSED]),
+        "unfused, again": run(model, args.steps, UNFUSED),
         "unfused, other seed": run(model, args.steps, [*UNFUSED, "--seed", "4321"]),
     }
     names = list(runs)
