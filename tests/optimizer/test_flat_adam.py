@@ -2,7 +2,8 @@
 
 On 2 CPU ranks, with the flat step forced on, training equals the per-tensor ``PrecisionAwareAdam``
 path (fp32 and bf16 moments, AdamW and L2, clipping folded into the step), a checkpoint taken mid-run
-resumes exactly, and the kernel itself (eager and ``torch.compile``d) matches a reference on random
+resumes exactly, plain Adam under the distributed optimizer (the flat step's default on CUDA) equals
+torch's Adam and shares its checkpoints both ways, and the kernel itself (eager and ``torch.compile``d) matches a reference on random
 shards, including the skipped update of a non-finite gradient norm.
 """
 
@@ -31,6 +32,7 @@ def _tokens(step: int) -> torch.Tensor:
 
 
 def _setup(flat: bool, opt_overrides: dict):
+    opt_overrides = {"use_precision_aware_optimizer": True, **opt_overrides}
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     bf16 = bool(opt_overrides.get("bf16"))
@@ -43,7 +45,7 @@ def _setup(flat: bool, opt_overrides: dict):
     try:
         opt = get_megatron_optimizer(OptimizerConfig(
             lr=3e-3, weight_decay=0.05, clip_grad=opt_overrides.pop("clip_grad", 0.05), use_distributed_optimizer=True,
-            use_precision_aware_optimizer=True, **opt_overrides), [ddp])
+            **opt_overrides), [ddp])
     finally:
         DistributedOptimizer.flat_shard_step = previous
     assert (opt._flat is not None) == flat
@@ -54,7 +56,10 @@ def _step(ddp, opt, step: int) -> float:
     return dp_train_step(ddp, opt, _tokens(step))
 
 
-def _train(flat: bool, steps: int, opt_overrides: dict, resume_at: int | None = None) -> dict:
+def _train(flat: bool, steps: int, opt_overrides: dict, resume_at: int | None = None,
+           resume_flat: bool | None = None) -> dict:
+    """Train ``steps`` steps; at ``resume_at`` continue in a fresh model and optimizer (flat or not per
+    ``resume_flat``, default ``flat``) loaded from this one's state."""
     parallel_state.initialize_model_parallel()
     try:
         model, ddp, opt = _setup(flat, dict(opt_overrides))
@@ -63,7 +68,7 @@ def _train(flat: bool, steps: int, opt_overrides: dict, resume_at: int | None = 
             if step == resume_at:  # a fresh model and optimizer from the state of this one
                 saved_model = {k: v.detach().clone() for k, v in model.named_parameters()}
                 saved_opt = opt.state_dict()
-                model, ddp, opt = _setup(flat, dict(opt_overrides))
+                model, ddp, opt = _setup(flat if resume_flat is None else resume_flat, dict(opt_overrides))
                 with torch.no_grad():
                     for name, param in model.named_parameters():
                         param.copy_(saved_model[name])
@@ -114,6 +119,29 @@ def test_flat_step_resumes_from_a_checkpoint_exactly():
         assert a["losses"] == b["losses"]
         for name, value in a["weights"].items():
             assert torch.equal(value, b["weights"][name]), name
+
+
+PLAIN_ADAM = {"use_precision_aware_optimizer": False}
+
+
+@pytest.mark.parametrize("overrides", [{}, {"decoupled_weight_decay": False}, {"bf16": True}],
+                         ids=["adamw", "l2", "bf16-params"])
+def test_plain_adam_as_the_flat_step_equals_torch_adam(overrides):
+    # Not flat: torch's Adam/AdamW over the shards; flat: the fp32 precision-aware Adam's fused step.
+    reference = run_on_ranks(2, _train, False, 4, {**PLAIN_ADAM, **overrides})
+    flat = run_on_ranks(2, _train, True, 4, {**PLAIN_ADAM, **overrides})
+    for got, want in zip(flat, reference):
+        _close(got, want, 1e-5)
+        assert got["views"] and got["steps"] == [4]
+
+
+@pytest.mark.parametrize("first_flat", [True, False], ids=["flat-to-torch", "torch-to-flat"])
+def test_plain_adam_checkpoints_load_across_the_flat_step_and_torch_adam(first_flat):
+    straight = run_on_ranks(2, _train, first_flat, 5, PLAIN_ADAM)
+    switched = run_on_ranks(2, _train, first_flat, 5, PLAIN_ADAM, 3, not first_flat)
+    for got, want in zip(switched, straight):
+        # The step count too: a ``step`` tensor shared by every param was once counted per param after the switch.
+        _close(got, want, 1e-5)
 
 
 def _skip_non_finite() -> dict:
@@ -202,3 +230,30 @@ def test_compiled_flat_kernel_on_cuda_matches_eager_and_writes_bf16():
     # fp32 results that differ in the last bit (fused multiply-adds) may round to neighbouring bf16 values, so
     # the bf16 copy is checked against the compiled kernel's own fp32 weights, bit for bit.
     assert torch.equal(out_compiled, p_compiled.to(torch.bfloat16))
+
+
+def test_flat_step_serves_plain_adam_under_the_distributed_optimizer_on_cuda_only():
+    from types import SimpleNamespace
+
+    from megatron_core.optimizer import _flat_adam_serves
+
+    def groups(device: str) -> list[dict]:
+        return [{"params": [SimpleNamespace(device=torch.device(device))]}]
+
+    def config(**overrides) -> OptimizerConfig:
+        return OptimizerConfig(lr=1e-3, **{"use_distributed_optimizer": True, **overrides})
+
+    assert _flat_adam_serves(config(), groups("cuda"), fsdp=False)
+    assert not _flat_adam_serves(config(), groups("cpu"), fsdp=False)
+    assert not _flat_adam_serves(config(), groups("cuda"), fsdp=True)
+    assert not _flat_adam_serves(config(use_distributed_optimizer=False), groups("cuda"), fsdp=False)
+    assert not _flat_adam_serves(config(optimizer="sgd"), groups("cuda"), fsdp=False)
+    assert not _flat_adam_serves(config(use_precision_aware_optimizer=True), groups("cuda"), fsdp=False)  # own path
+    previous = DistributedOptimizer.flat_shard_step
+    try:
+        DistributedOptimizer.flat_shard_step = False
+        assert not _flat_adam_serves(config(), groups("cuda"), fsdp=False)
+        DistributedOptimizer.flat_shard_step = True
+        assert _flat_adam_serves(config(), groups("cpu"), fsdp=False)
+    finally:
+        DistributedOptimizer.flat_shard_step = previous

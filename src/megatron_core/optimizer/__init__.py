@@ -54,9 +54,25 @@ __all__ = [
 ]
 
 
+def _flat_adam_serves(config: OptimizerConfig, param_groups: list[dict[str, Any]], fsdp: bool) -> bool:
+    """Whether plain Adam under the distributed optimizer runs as its flat fused step.
+
+    The flat step (:mod:`~megatron_core.optimizer.flat_adam`) belongs to ``PrecisionAwareAdam``; with fp32 state
+    its arithmetic is Adam's, and it moves the bytes of a step once instead of in several passes. So on CUDA (or
+    where ``DistributedOptimizer.flat_shard_step`` forces it) the distributed optimizer's Adam is that optimizer
+    with fp32 moments; the state keeps Adam's keys, so checkpoints load either way.
+    """
+    if (fsdp or not config.use_distributed_optimizer or config.optimizer != "adam"
+            or config.use_precision_aware_optimizer or config.optimizer_cpu_offload):
+        return False
+    if DistributedOptimizer.flat_shard_step is not None:
+        return DistributedOptimizer.flat_shard_step
+    return param_groups[0]["params"][0].device.type == "cuda"
+
+
 def _torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]],
-                     allow_fused: bool = True) -> torch.optim.Optimizer:
-    if config.use_precision_aware_optimizer:
+                     allow_fused: bool = True, flat_adam: bool = False) -> torch.optim.Optimizer:
+    if config.use_precision_aware_optimizer or flat_adam:
         return PrecisionAwareAdam(param_groups, lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                                   adam_w_mode=config.decoupled_weight_decay, exp_avg_dtype=config.exp_avg_dtype,
@@ -101,7 +117,8 @@ def _build(config: OptimizerConfig, model_chunks: list[torch.nn.Module], param_g
     groups = _groups(pg_collection, expert)
     fsdp = _uses_torch_fsdp(model_chunks)
     # FSDP2: foreach kernels over the DTensor shards (the fused-clipping path hands plain tensors to the kernel).
-    optimizer = _torch_optimizer(config, param_groups, allow_fused=not fsdp)
+    optimizer = _torch_optimizer(config, param_groups, allow_fused=not fsdp,
+                                 flat_adam=_flat_adam_serves(config, param_groups, fsdp))
     if fsdp:
         # FSDP2 keeps fp32 sharded params (the main params) and sharded grads: a plain fp32 step
         # on the shards; clipping reduces the norm over the shards' mesh as well.

@@ -78,10 +78,10 @@ class _ShardEntry:
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """Shard fp32 main params and optimizer state over the data parallel group (ZeRO-1).
 
-    With ``use_precision_aware_optimizer`` on CUDA (and nothing offloaded) the shards' main params and
-    moments are flat buffers stepped by one fused kernel per bucket shard that also writes the model
-    params (:mod:`~megatron_core.optimizer.flat_adam`); ``flat_shard_step`` = True / False forces it
-    on (CPU included) or off.
+    With Adam on CUDA (precision-aware or not; nothing offloaded) the shards' main params and moments
+    are flat buffers stepped by one fused kernel per bucket shard that also writes the model params
+    (:mod:`~megatron_core.optimizer.flat_adam`); ``flat_shard_step`` = True / False forces it on (CPU
+    included) or off. Set it before ``get_megatron_optimizer``, which picks the optimizer class by it.
 
     ``model_chunks`` are the DDP-wrapped chunks built with ``use_distributed_optimizer=True``;
     ``per_model_buffers`` maps chunk index to the DDP buffers this optimizer covers (dense or

@@ -95,7 +95,8 @@ class FlatAdamShards:
         self._update = torch.compile(flat_adam_update, dynamic=True) if self.compiled else flat_adam_update
         self.bound = False
         self.step_count = 0
-        self._step_tensor = torch.tensor(0.0)
+        self._step_tensors: list[torch.Tensor] = []  # each param's own ``step`` (a shared one would be counted
+        # once per param by an optimizer that loads this state and increments every param's step in place)
         groups = optimizer.param_groups
         pinned = device.type == "cuda"
         self._table_host = torch.zeros(3, len(groups), dtype=torch.float32, pin_memory=pinned)
@@ -124,6 +125,7 @@ class FlatAdamShards:
         """Make every param's ``exp_avg``/``exp_avg_sq`` state a view of the flat buffers (adopting loaded values)."""
         state = self.optimizer.state
         steps = []
+        own_steps = {id(t) for t in self._step_tensors}
         for param, exp_avg, exp_avg_sq in self._views:
             entry = state.setdefault(param, {})
             for name, view in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -133,13 +135,13 @@ class FlatAdamShards:
                 elif current is not view:
                     view.copy_(current.reshape(view.shape))
                 entry[name] = view
-            if "step" in entry and entry["step"] is not self._step_tensor:
+            if "step" in entry and id(entry["step"]) not in own_steps:
                 steps.append(int(entry["step"]))
         if steps:
             self.step_count = max(steps)
-        self._step_tensor = torch.tensor(float(self.step_count))
-        for param, _, _ in self._views:
-            state[param]["step"] = self._step_tensor
+        self._step_tensors = [torch.tensor(float(self.step_count)) for _ in self._views]
+        for (param, _, _), step in zip(self._views, self._step_tensors):
+            state[param]["step"] = step
         self.bound = True
 
     def _fill_table(self) -> None:
@@ -169,7 +171,7 @@ class FlatAdamShards:
             raise ValueError("the flat Adam step needs the same betas and eps in every param group, got "
                              f"{[(g['betas'], g['eps']) for g in groups]}")
         self.step_count += 1
-        self._step_tensor.fill_(float(self.step_count))
+        torch._foreach_add_(self._step_tensors, 1.0)
         self._fill_table()
         adam_w = bool(getattr(self.optimizer, "adam_w_mode", True))
         for shard in self.shards:
@@ -188,4 +190,4 @@ class FlatAdamShards:
     def undo_step_count(self) -> None:
         """The last step was skipped on the device (non-finite gradient norm): its count does not stand."""
         self.step_count -= 1
-        self._step_tensor.fill_(float(self.step_count))
+        torch._foreach_add_(self._step_tensors, -1.0)
