@@ -162,31 +162,23 @@ def test_jit_fuser_switch_applies_to_decorated_functions():
 
 
 def test_jit_fuser_inlines_into_an_enclosing_compiled_graph(monkeypatch):
-    """Inside a traced graph the decorated function is inlined: no nested compile, no graph break."""
+    """Inside a traced graph the decorated functions are inlined: no nested compile, no graph break.
+
+    The MoE experts' weighted SwiGLU (an autograd.Function over ``jit_fuser`` functions) broke a compiled
+    layer's graph on torch 2.11 when the decorator set up its compiled function during the trace.
+    """
+    from megatron_core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
     monkeypatch.setattr(jit, "_on_accelerator", lambda args, kwargs: True)  # take the GPU branch on CPU
-
-    @jit.jit_fuser
-    def scaled_silu(x):
-        return torch.nn.functional.silu(x) * 2
-
-    class ScaledSilu(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return scaled_silu(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            (x,) = ctx.saved_tensors
-            sig = torch.sigmoid(x)
-            return grad * 2 * sig * (1 + x * (1 - sig))
-
     torch._dynamo.reset()
-    compiled = torch.compile(lambda t: ScaledSilu.apply(t) + 0, backend="eager", fullgraph=True)  # no break allowed
-    x = torch.randn(8, requires_grad=True)
-    out = compiled(x)
-    torch.testing.assert_close(out, torch.nn.functional.silu(x.detach()) * 2)
+    compiled = torch.compile(lambda y, w: weighted_bias_swiglu_impl(y, None, w) + 0, backend="eager",
+                             fullgraph=True)  # raises on a graph break
+    y, w = torch.randn(6, 8, requires_grad=True), torch.rand(6, 1)
+    out = compiled(y, w)
+    y_ref = y.detach().clone().requires_grad_(True)
+    gate, up = y_ref.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up * w
+    torch.testing.assert_close(out, expected)
     out.sum().backward()
-    x_ref = x.detach().clone().requires_grad_(True)
-    (torch.nn.functional.silu(x_ref) * 2).sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad)
+    expected.sum().backward()
+    torch.testing.assert_close(y.grad, y_ref.grad)
