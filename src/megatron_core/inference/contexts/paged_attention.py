@@ -6,8 +6,8 @@ gathering every request's blocks into a dense tensor first (which copies the who
 layer), :func:`paged_decode_attention` runs one program per (request, KV group, split): it walks its
 share of the request's block table, loads keys and values straight from their slots, and keeps an
 online softmax. The splits (flash-decoding) give a long sequence enough programs to fill the GPU; a
-second small kernel merges their partial results by log-sum-exp. All query heads of a KV group share one program, so the
-cache is read once per group (GQA without expansion).
+second small kernel merges their partial results by log-sum-exp. All query heads of a KV group share
+one program, so the cache is read once per group (GQA without expansion).
 
 Shapes are static for a given batch and table width, so the call is safe inside a CUDA graph.
 Triton is loaded lazily, here only; :func:`paged_decode_supported` says whether the kernel can run
