@@ -11,6 +11,7 @@ left for the host (scheduling, sampling, bookkeeping), and the profiler's top GP
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -35,6 +36,9 @@ def main() -> None:
     p.add_argument("--compile-decode", action="store_true", help="torch.compile the forward the decode graphs capture")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode of the decode forward (e.g. max-autotune-no-cudagraphs)")
+    p.add_argument("--compile-options", type=json.loads, default=None,
+                   help='Inductor options for the decode forward as JSON, instead of --compile-mode, e.g. '
+                        '\'{"max_autotune": true, "coordinate_descent_tuning": true, "triton.cudagraphs": false}\'')
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--phases", action="store_true",
                    help="also time the phases of a decode step (synchronising the GPU between phases)")
@@ -76,8 +80,12 @@ def profile(args, model, concurrency: int) -> None:
         enable_chunked_prefill=True, num_cuda_graphs=8, compile_decode_graphs=args.compile_decode,
         async_sched_mode="async"))
     engine = llm.engine
+    if args.compile_mode and args.compile_options:
+        raise SystemExit("give --compile-mode or --compile-options, not both (torch.compile takes one)")
     if args.compile_mode:
         engine.controller.inference_wrapped_model.decode_compile_options = {"mode": args.compile_mode}
+    elif args.compile_options:
+        engine.controller.inference_wrapped_model.decode_compile_options = {"options": args.compile_options}
     params = SamplingParams(top_k=1, num_tokens_to_generate=args.gen_len, termination_id=-1)
     for i, prompt in enumerate(prompts(concurrency, args.prompt_len, args.vocab, 1)):
         engine.add_request(i, prompt, params)
