@@ -52,3 +52,14 @@ def readline_within(proc: subprocess.Popen, timeout: float) -> str | None:
     reader.start()
     reader.join(timeout)
     return line[0] if line else None
+
+
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[str] | None:
+    """Every process's output once each has exited within ``timeout`` s of being waited for; if one has not,
+    kill every process tree and return ``None``."""
+    try:
+        return [proc.communicate(timeout=timeout)[0] or "" for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            kill_tree(proc)
+        return None

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.process_tree import communicate_all
 
 RANK_SCRIPT = Path(__file__).resolve().parent / "_desync_rank.py"
 WORLD_SIZE = 2
@@ -40,14 +41,8 @@ def test_shape_mismatch_raises_runtime_error_naming_op_and_shapes() -> None:
     with tempfile.TemporaryDirectory(prefix="mcore_desync_") as tmpdir:
         tmp = Path(tmpdir)
         procs = _launch_ranks(tmp)
-        outputs: list[str] = []
-        try:
-            for proc in procs:
-                outputs.append(proc.communicate(timeout=WALL_LIMIT_S)[0])
-        except subprocess.TimeoutExpired:
-            for proc in procs:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate(timeout=30)
+        outputs = communicate_all(procs, WALL_LIMIT_S)
+        if outputs is None:
             pytest.fail(f"the desynced ranks did not finish within {WALL_LIMIT_S:.0f}s (hang)")
         for rank, proc in enumerate(procs):
             assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{outputs[rank][-3000:]}"

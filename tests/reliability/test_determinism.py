@@ -10,14 +10,12 @@ cores, too much for the CPU suite's budget.)
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.reliability.pretrain_jobs import train_records
 
 pytestmark = pytest.mark.slow  # several full training runs
 
@@ -32,32 +30,14 @@ MODEL = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "
 WALL_LIMIT_S = 120.0
 
 
-def _launch(seed: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, str(SCRIPT), *MODEL, "--seed", str(seed), "--log-json", str(log)],
-                            cwd=log.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
 def _loss_hashes(tmp_path: Path, seeds: list[int]) -> list[str]:
     """Run one training job per seed (all at once) and return the SHA-256 of each job's train log."""
     logs = [tmp_path / f"run{i}_seed{seed}.jsonl" for i, seed in enumerate(seeds)]
-    procs = [_launch(seed, log) for seed, log in zip(seeds, logs)]
-    try:
-        outputs = [proc.communicate(timeout=WALL_LIMIT_S)[0] for proc in procs]
-    except subprocess.TimeoutExpired:
-        for proc in procs:  # each run is alone in its own session, with any children it started
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.communicate(timeout=30)
-        pytest.fail(f"pretrain_gpt.py did not finish within {WALL_LIMIT_S:.0f}s")
+    commands = [[sys.executable, str(SCRIPT), *MODEL, "--seed", str(seed), "--log-json", str(log)]
+                for seed, log in zip(seeds, logs)]
     hashes = []
-    for proc, out, log in zip(procs, outputs, logs):
-        assert proc.returncode == 0, f"pretrain_gpt.py failed ({proc.returncode}):\n{out[-4000:]}"
-        records = [json.loads(line) for line in log.read_text().splitlines()]
-        sequence = [(r["iteration"], r["lm loss"], r["grad norm"]) for r in records if r["kind"] == "train"]
+    for records, log in zip(train_records(commands, logs, tmp_path, WALL_LIMIT_S), logs):
+        sequence = [(r["iteration"], r["lm loss"], r["grad norm"]) for r in records]
         assert [it for it, _, _ in sequence] == list(range(1, TRAIN_ITERS + 1)), log.read_text()[-2000:]
         hashes.append(hashlib.sha256(repr(sequence).encode()).hexdigest())
     return hashes

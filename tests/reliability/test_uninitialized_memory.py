@@ -8,15 +8,11 @@ losses and gradient norms of the two runs must be identical, the losses finite.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.reliability.pretrain_jobs import train_records
 
 HELPER = Path(__file__).resolve().parent / "_train_filling_empty_memory.py"
 MODEL = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -29,26 +25,10 @@ WALL_LIMIT_S = 120.0
 def _run_all(tmp_path: Path, jobs: list[tuple[str, str]]) -> list[list[tuple[float, float]]]:
     """Run ``(mode, precision flag)`` jobs at once; each job's per-step (loss, grad norm)."""
     logs = [tmp_path / f"{mode}{flag}.jsonl" for mode, flag in jobs]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen([sys.executable, str(HELPER), mode, *MODEL, flag, "--log-json", str(log)],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for (mode, flag), log in zip(jobs, logs)]
-    try:
-        outputs = [proc.communicate(timeout=WALL_LIMIT_S)[0] for proc in procs]
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.communicate(timeout=30)
-        pytest.fail(f"pretrain_gpt.py did not finish within {WALL_LIMIT_S:.0f}s")
-    results = []
-    for proc, out, log in zip(procs, outputs, logs):
-        assert proc.returncode == 0, f"pretrain_gpt.py failed ({proc.returncode}):\n{out[-4000:]}"
-        records = [json.loads(line) for line in log.read_text().splitlines()]
-        results.append([(r["lm loss"], r["grad norm"]) for r in records if r["kind"] == "train"])
-    return results
+    commands = [[sys.executable, str(HELPER), mode, *MODEL, flag, "--log-json", str(log)]
+                for (mode, flag), log in zip(jobs, logs)]
+    runs = train_records(commands, logs, tmp_path, WALL_LIMIT_S)
+    return [[(r["lm loss"], r["grad norm"]) for r in records] for records in runs]
 
 
 def test_training_reads_no_uninitialized_memory(tmp_path):
