@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from gpt_training.hf_model import apply_hf_model_args
 from gpt_training.presets import PRESETS, apply_preset
+from megatron_core.device import cuda_available
 
 
 def _parallel(parser: argparse.ArgumentParser) -> None:
@@ -252,7 +251,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
              f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({2 * cp})")
     args.data_parallel_size = world_size // (tp * pp * cp)
     if args.gradient_accumulation_fusion is None:
-        args.gradient_accumulation_fusion = torch.cuda.is_available() and not args.use_torch_fsdp2
+        args.gradient_accumulation_fusion = cuda_available() and not args.use_torch_fsdp2
     _validate_torch_fsdp2(args)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:

@@ -62,12 +62,9 @@ def _flat_adam_serves(config: OptimizerConfig, param_groups: list[dict[str, Any]
     where ``DistributedOptimizer.flat_shard_step`` forces it) the distributed optimizer's Adam is that optimizer
     with fp32 moments; the state keeps Adam's keys, so checkpoints load either way.
     """
-    if (fsdp or not config.use_distributed_optimizer or config.optimizer != "adam"
-            or config.use_precision_aware_optimizer or config.optimizer_cpu_offload):
-        return False
-    if DistributedOptimizer.flat_shard_step is not None:
-        return DistributedOptimizer.flat_shard_step
-    return param_groups[0]["params"][0].device.type == "cuda"
+    if fsdp or not config.use_distributed_optimizer or config.optimizer != "adam" or config.use_precision_aware_optimizer:
+        return False  # (CPU offload needs the precision-aware optimizer, so it never reaches here)
+    return DistributedOptimizer.flat_step_on(param_groups[0]["params"][0].device)
 
 
 def _torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]],

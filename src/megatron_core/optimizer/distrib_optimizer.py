@@ -124,15 +124,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     flat_shard_step: bool | None = None  # None: on CUDA when eligible; True / False: force on / off
 
+    @classmethod
+    def flat_step_on(cls, device: torch.device) -> bool:
+        """Whether the flat fused step is wanted for state on ``device``: ``flat_shard_step`` if set, else CUDA."""
+        return device.type == "cuda" if cls.flat_shard_step is None else cls.flat_shard_step
+
     def _uses_flat_step(self, owned: dict[torch.nn.Parameter, _ShardEntry]) -> bool:
         """The flat fused step serves the precision-aware Adam when no shard is offloaded."""
-        if self.flat_shard_step is False or not owned or not isinstance(self.optimizer, PrecisionAwareAdam):
+        if not owned or not isinstance(self.optimizer, PrecisionAwareAdam) or any(e.offloaded for e in owned.values()):
             return False
-        if any(e.offloaded for e in owned.values()):
-            return False
-        if self.flat_shard_step is None:
-            return next(iter(owned.values())).main_param.device.type == "cuda"
-        return True
+        return self.flat_step_on(next(iter(owned.values())).main_param.device)
 
     def _flatten_shards(self, owned: dict[torch.nn.Parameter, _ShardEntry]) -> list[FlatShard]:
         """One flat shard per owned bucket slice; each entry's main param becomes a view of its shard."""
