@@ -48,3 +48,21 @@ def test_fixed_validation_set_repeats_the_same_batches(tmp_path: Path) -> None:
     assert len(fixed) == len(fresh) >= 3
     assert len(set(fixed)) == 1, fixed
     assert len(set(fresh)) > 1, fresh
+
+
+@pytest.mark.parametrize("cuda, extra, expected", [
+    (False, [], False),  # CPU: off
+    (True, [], True),  # CUDA: on, as Megatron-LM's default
+    (True, ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"], False),  # FSDP2 refuses it
+    (True, ["--no-gradient-accumulation-fusion"], False),
+    (False, ["--gradient-accumulation-fusion"], True),
+], ids=["cpu-default", "cuda-default", "cuda-fsdp2", "cuda-off", "cpu-forced"])
+def test_gradient_accumulation_fusion_default_follows_the_device(monkeypatch, cuda, extra, expected):
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from gpt_training import arguments
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    monkeypatch.setattr(arguments, "cuda_available", lambda: cuda)
+    args = arguments.validate_args(arguments.build_parser().parse_args([*TINY, "--train-iters", "1", *extra]), 1)
+    assert args.gradient_accumulation_fusion is expected
