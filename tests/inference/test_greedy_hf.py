@@ -14,7 +14,7 @@ from tests.inference.llama_fixture import hf_greedy, hf_llama, mcore_llama, prom
 
 pytest.importorskip("transformers")
 
-NEW = 12
+NEW = 12  # tokens generated per prompt
 
 
 @pytest.fixture(scope="module")

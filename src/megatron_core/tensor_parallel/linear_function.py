@@ -7,7 +7,8 @@ along the sequence (sequence parallel); the weight gradient goes to ``weight.mai
 when ``gradient_accumulation_fusion`` is on and the parameter has one, as Megatron's fused wgrad
 kernel does, else to ``weight.grad`` as usual. With sequence parallelism the gathered input is
 not kept: backward gathers it again, trading a second all-gather for activation memory.
-With a tensor-parallel group of one and nothing to fuse or defer, the op is plain ``F.linear``.
+With a tensor-parallel group of one and nothing to fuse or defer, the op is plain ``F.linear``; a
+single row without grad on CUDA (a decode step at batch 1) runs :func:`~megatron_core.fusions.fused_gemv.fused_gemv`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_core.fusions.fused_gemv import fused_gemv, fused_gemv_supported
 from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
 from megatron_core.tensor_parallel.mappings import (
     _all_reduce,
@@ -123,6 +125,10 @@ def linear_with_grad_accumulation_and_async_allreduce(
         allreduce_dgrad = async_grad_allreduce
     if allreduce_dgrad and sequence_parallel:
         raise ValueError("allreduce_dgrad and sequence_parallel cannot both be True")
+    if not sequence_parallel and fused_gemv_supported(input, weight):
+        # One row without grad (a decode step at batch 1): a GEMV kernel that streams the weight faster than
+        # cuBLAS. The forward has no communication here without sequence parallelism.
+        return fused_gemv(input, weight, bias)
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
     if (get_pg_size(tp_group) == 1 and not gradient_accumulation_fusion and grad_output_buffer is None
             and not sequence_parallel):

@@ -119,6 +119,10 @@ class SelfAttention(MegatronModule):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the fused QKV output into query ``[sq, b, np, hn]`` and key/value ``[sq, b, ng, hn]``."""
         mixed_qkv, _ = self.linear_qkv(hidden_states)
+        return self._split_qkv(mixed_qkv)
+
+    def _split_qkv(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``linear_qkv``'s output ``[sq, b, ...]`` as query, key and value (q/k layernorms applied)."""
         sq, b = mixed_qkv.shape[:2]
         hn, ng, per_group = self.hidden_size_per_attention_head, self.num_query_groups_per_partition, self.heads_per_group
         mixed_qkv = mixed_qkv.view(sq, b, ng, (per_group + 2) * hn)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.transformer import fused_decode
 from megatron_core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
@@ -126,6 +127,8 @@ class TransformerLayer(MegatronModule):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the layer on ``hidden_states`` ``[s, b, h]``; returns ``(hidden_states, context)``."""
+        if inference_context is not None and fused_decode.fused_decode_applies(self, hidden_states):
+            return fused_decode.fused_decode_forward(self, hidden_states, inference_context, rotary_pos_emb), context
         residual = hidden_states.float() if self.config.fp32_residual_connection else hidden_states
         input_layernorm_output = self.input_layernorm(hidden_states)
         attention_output_with_bias = self.self_attention(
