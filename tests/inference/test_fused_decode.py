@@ -100,3 +100,28 @@ def test_fused_decode_greedy_matches_hf(reference_gemv):
     for prompt in prompts()[:2]:
         assert _greedy(engine, [prompt])[0][:NEW] == hf_greedy(hf, prompt, NEW)
     assert reference_gemv
+
+
+@pytest.mark.gpu
+def test_fused_decode_bf16_engine_matches_unfused(monkeypatch):
+    """bf16 on CUDA, CUDA-graph decode steps of the compiled forward: the fused layers (GEMVs, one rotate-and-cache
+    kernel) give the unfused engine's tokens."""
+    pytest.importorskip("transformers")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tests.inference.test_greedy_hf import _engine, _greedy
+
+    model = mcore_llama(hf_llama()).cuda().to(torch.bfloat16)
+    calls = []
+    real = fused_decode.fused_decode_forward
+    monkeypatch.setattr(fused_decode, "fused_decode_forward", lambda *a: calls.append(1) or real(*a))
+    batch = prompts()[:2]
+    options = dict(block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64)
+    fused = [_greedy(_engine(model, **options), [p])[0][:6] for p in batch]
+    eager_calls = len(calls)
+    graphed = [_greedy(_engine(model, num_cuda_graphs=2, compile_decode_graphs=True, **options), [p])[0][:6]
+               for p in batch]
+    monkeypatch.setattr(fused_decode, "enabled", False)
+    unfused = [_greedy(_engine(model, **options), [p])[0][:6] for p in batch]
+    assert eager_calls > 0
+    assert fused == unfused == graphed

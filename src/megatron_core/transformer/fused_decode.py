@@ -6,7 +6,8 @@ plain pre-norm GPT layer (RMSNorm, self-attention, a gated SiLU MLP, no tensor p
 runs as
 
 1. ``qkv = rmsnorm(h) @ W_qkv^T`` (the input norm folded into the GEMV),
-2. rotary embedding, KV-cache write and paged attention (the inference context, as usual),
+2. rotary embedding, KV-cache write and paged attention (the inference context; the dynamic context
+   rotates and writes the cache in one kernel, reading the fused projection in place),
 3. ``h = h + attn @ W_proj^T`` (the residual folded in),
 4. ``a = swiglu(rmsnorm(h) @ W_fc1^T)`` (the pre-MLP norm and the activation folded in),
 5. ``h = h + a @ W_fc2^T``,
@@ -72,8 +73,11 @@ def fused_decode_forward(layer: Any, hidden_states: torch.Tensor, inference_cont
     qkv_linear = attention.linear_qkv
     mixed_qkv = fused_gemv(hidden_states, qkv_linear.weight, None if qkv_linear.skip_bias_add else qkv_linear.bias,
                            norm_weight=layer.input_layernorm.weight, norm_eps=layer.input_layernorm.eps)
-    query, key, value = attention._split_qkv(mixed_qkv)
-    context = inference_context.attention(attention, query, key, value, rotary_pos_emb)
+    if hasattr(inference_context, "attention_from_qkv"):  # the dynamic context rotates and caches in one kernel
+        context = inference_context.attention_from_qkv(attention, mixed_qkv, rotary_pos_emb)
+    else:
+        query, key, value = attention._split_qkv(mixed_qkv)
+        context = inference_context.attention(attention, query, key, value, rotary_pos_emb)
     # The projection's and the MLP's biases are added either by the linear or by bias-dropout-add: here, by the GEMV.
     hidden_states = fused_gemv(context, attention.linear_proj.weight, attention.linear_proj.bias,
                                residual=hidden_states)

@@ -36,6 +36,7 @@ from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs, graph_batch_sizes
 from megatron_core.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megatron_core.inference.contexts.paged_attention import paged_decode_attention, paged_decode_supported
+from megatron_core.inference.contexts.rope_cache_append import rope_cache_append, rope_cache_append_supported
 from megatron_core.inference.contexts.rotary import rotate_at_positions
 
 __all__ = [
@@ -446,33 +447,70 @@ class DynamicInferenceContext(BaseInferenceContext):
 
     # ---- attention --------------------------------------------------------------------------------
 
-    def _layer_memory(self, layer: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer_memory(self, layer: int, groups: int, head_dim: int, like: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         memory = self.kv_memory.get(layer)
         if memory is None:
-            shape = ((self.total_block_count + 1) * self.block_size_tokens, key.shape[-2], key.shape[-1])
+            shape = ((self.total_block_count + 1) * self.block_size_tokens, groups, head_dim)
             memory = self.kv_memory[layer] = (
-                torch.zeros(shape, dtype=key.dtype, device=key.device),
-                torch.zeros(shape, dtype=key.dtype, device=key.device),
+                torch.zeros(shape, dtype=like.dtype, device=like.device),
+                torch.zeros(shape, dtype=like.dtype, device=like.device),
             )
         return memory
+
+    @staticmethod
+    def _check_attention(attention: Any) -> None:
+        if getattr(attention.config, "window_size", None) is not None:
+            raise ValueError(f"inference with sliding-window attention (window_size={attention.config.window_size}) "
+                             "is not supported")
+
+    def attention_from_qkv(self, attention: Any, mixed_qkv: torch.Tensor, rotary_pos_emb: Any) -> torch.Tensor:
+        """:meth:`attention` from ``linear_qkv``'s output ``[T, 1, ...]`` (``attention`` splits it).
+
+        In a decode-only step on CUDA the rotation and both cache writes are one kernel
+        (:func:`~megatron_core.inference.contexts.rope_cache_append.rope_cache_append`), which reads the
+        fused projection in place; otherwise the projection is split and :meth:`attention` runs.
+        """
+        self._check_attention(attention)
+        angles = rotary_pos_emb
+        groups, head_dim = attention.num_query_groups_per_partition, attention.hidden_size_per_attention_head
+        heads = groups * attention.heads_per_group
+        total = mixed_qkv.shape[0]
+        if (self.num_decode == total and attention.q_layernorm is None and attention.k_layernorm is None
+                and isinstance(angles, torch.Tensor)):
+            k_mem, v_mem = self._layer_memory(attention.layer_number, groups, head_dim, mixed_qkv)
+            if rope_cache_append_supported(mixed_qkv, angles, k_mem):
+                interleaved = bool(getattr(attention.config, "rotary_interleaved", False))
+                query = rope_cache_append(mixed_qkv, angles, self.position_ids[0], self.slot_mapping, k_mem, v_mem,
+                                          heads, interleaved)
+                return self._attend(attention, query.view(total, 1, heads, head_dim), None, None, k_mem, v_mem)
+        query, key, value = attention._split_qkv(mixed_qkv)
+        return self.attention(attention, query, key, value, rotary_pos_emb)
 
     def attention(
         self, attention: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rotary_pos_emb: Any,
     ) -> torch.Tensor:
         """Rotate, cache and attend for the flattened step: ``query`` ``[T, 1, np, hn]`` -> ``[T, 1, np*hn]``."""
-        total, _, np_, hn = query.shape
-        if getattr(attention.config, "window_size", None) is not None:
-            raise ValueError(f"inference with sliding-window attention (window_size={attention.config.window_size}) "
-                             "is not supported")
+        self._check_attention(attention)
         query, key = rotate_at_positions(query, key, rotary_pos_emb, self.position_ids[0], attention.config)
-        k_mem, v_mem = self._layer_memory(attention.layer_number, key)
+        k_mem, v_mem = self._layer_memory(attention.layer_number, key.shape[-2], key.shape[-1], key)
         k_mem.index_copy_(0, self.slot_mapping, key[:, 0])
         v_mem.index_copy_(0, self.slot_mapping, value[:, 0])
-        ng = key.shape[2]
+        return self._attend(attention, query, key, value, k_mem, v_mem)
+
+    def _attend(self, attention: Any, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                k_mem: torch.Tensor, v_mem: torch.Tensor) -> torch.Tensor:
+        """Attention of the step's rotated ``query`` ``[T, 1, np, hn]`` over the caches (keys and values of this
+        step already written); ``key``/``value`` are needed only by fresh prompts (``None`` in a decode-only step)."""
+        total, _, np_, hn = query.shape
+        ng = k_mem.shape[1]
         gqa = ng != np_
         scale = getattr(getattr(attention, "core_attention", None), "softmax_scale", None)
-        out = query.new_empty(total, np_, hn)
         nd, bs = self.num_decode, self.block_size_tokens
+        if nd == total and paged_decode_supported(query, k_mem):  # decode only: the kernel's output is the result
+            return paged_decode_attention(query[:, 0], k_mem, v_mem, self._decode_tables, self._decode_kv_len, bs,
+                                          scale).view(total, 1, np_ * hn)
+        out = query.new_empty(total, np_, hn)
         if nd and paged_decode_supported(query, k_mem):
             # Read the blocks where they lie (no per-step copy of the cache); see paged_attention.
             out[:nd] = paged_decode_attention(query[:nd, 0], k_mem, v_mem, self._decode_tables, self._decode_kv_len,
