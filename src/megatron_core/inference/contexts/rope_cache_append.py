@@ -61,13 +61,14 @@ def _kernel() -> Any:
     ):
         t = tl.program_id(0)
         group = tl.program_id(1)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         heads = tl.arange(0, HEADS_PAD)  # query heads, then the key (HEADS_PER_GROUP), then the value
         d = tl.arange(0, HEAD_DIM)
         head_ok = heads < HEADS_PER_GROUP + 2
         base = qkv_ptr + t * stride_xt + group * stride_xg + heads[:, None] * HEAD_DIM
+        # Independent loads first: the angle's address waits for the position.
         x = tl.load(base + d[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
         if INTERLEAVED:  # rotate_half pairs (2i, 2i + 1): -x[2i + 1], x[2i]
             partner = d ^ 1
             sign = tl.where(d % 2 == 0, -1.0, 1.0)
