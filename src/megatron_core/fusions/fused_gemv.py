@@ -62,9 +62,10 @@ def _have_triton() -> bool:
 
 def fused_gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`fused_gemv` serves ``x @ weight^T``: one row, CUDA, fp16/bf16, contiguous weight, no grad."""
-    return (x.is_cuda and weight.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.dim() == 2 and weight.is_contiguous() and x.numel() == x.shape[-1] == weight.shape[1]
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    # The row count first: every linear layer asks, and in training it is never one.
+    return (x.numel() == x.shape[-1] and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype and weight.is_cuda and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
+            and weight.is_contiguous() and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and _have_triton())
 
 
