@@ -17,7 +17,7 @@ from megatron_core import parallel_state, tensor_parallel
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron_core.optimizer.flat_adam import flat_adam_update, id_bits, pack_group_ids, unpack_group_ids
+from megatron_core.optimizer.flat_adam import flat_adam_update
 from megatron_core.transformer import Float16Module
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import SEQ, VOCAB, build, llama_like
@@ -183,22 +183,8 @@ def _reference(main, grad, m, v, table, ids, beta1, beta2, eps, grad_scale):
     return p * decay + step_size * m / (v.sqrt() / bias2 + eps), m, v
 
 
-@pytest.mark.parametrize("groups", [1, 2, 3, 5, 16, 17, 256])
-@pytest.mark.parametrize("n", [1, 7, 8, 1001])
-def test_group_ids_pack_into_the_fewest_bits_and_unpack_exactly(groups, n):
-    bits = id_bits(groups)
-    assert bits == min(b for b in (1, 2, 4, 8) if groups <= 1 << b)
-    ids = torch.randint(0, groups, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
-    packed = pack_group_ids(ids, bits)
-    assert packed.dtype == torch.uint8 and packed.numel() == -(-n * bits // 8)
-    assert torch.equal(unpack_group_ids(packed, bits, n), ids)
-    with pytest.raises(ValueError, match="at most 256 param groups, got 257"):
-        id_bits(257)
-
-
-@pytest.mark.parametrize("bits", [1, 8])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_flat_kernel_matches_reference_and_skips_on_non_finite_norm(compiled, bits):
+def test_flat_kernel_matches_reference_and_skips_on_non_finite_norm(compiled):
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
     n = 1000
@@ -210,14 +196,13 @@ def test_flat_kernel_matches_reference_and_skips_on_non_finite_norm(compiled, bi
     want_p, want_m, want_v = _reference(main, grad, m, v, table, ids.long(), 0.9, 0.95, 1e-8, scale)
     update = torch.compile(flat_adam_update, dynamic=True) if compiled else flat_adam_update
     p, mm, vv, out = main.clone(), m.clone(), v.clone(), torch.empty(n, dtype=torch.bfloat16)
-    packed = pack_group_ids(ids, bits)
-    update(p, grad, mm, vv, out, packed, table, scale, torch.tensor(0.0), 0.9, 0.95, 1e-8, True, bits)
+    update(p, grad, mm, vv, out, ids, table, scale, torch.tensor(0.0), 0.9, 0.95, 1e-8, True)
     torch.testing.assert_close(p, want_p, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(mm, want_m, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(vv, want_v, rtol=1e-6, atol=1e-7)
     assert torch.equal(out, p.to(torch.bfloat16))
     before = [t.clone() for t in (p, mm, vv, out)]
-    update(p, grad, mm, vv, out, packed, table, scale, torch.tensor(1.0), 0.9, 0.95, 1e-8, True, bits)  # skip
+    update(p, grad, mm, vv, out, ids, table, scale, torch.tensor(1.0), 0.9, 0.95, 1e-8, True)  # found_inf: skip
     for now, then in zip((p, mm, vv), before):
         assert torch.equal(now, then)
 
@@ -237,7 +222,7 @@ def test_compiled_flat_kernel_on_cuda_matches_eager_and_writes_bf16():
     for update in (flat_adam_update, torch.compile(flat_adam_update, dynamic=True)):
         p, mm, vv = main.clone(), m.clone(), v.clone()
         out = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-        update(p, grad, mm, vv, out, pack_group_ids(ids, 1), table, None, None, 0.9, 0.95, 1e-8, True, 1)
+        update(p, grad, mm, vv, out, ids, table, None, None, 0.9, 0.95, 1e-8, True)
         results.append((p, mm, vv, out))
     (p_eager, m_eager, v_eager, _), (p_compiled, m_compiled, v_compiled, out_compiled) = results
     for eager, compiled in ((p_eager, p_compiled), (m_eager, m_compiled), (v_eager, v_compiled)):

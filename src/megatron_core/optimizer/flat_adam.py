@@ -8,8 +8,7 @@ model's (bf16) param once: the bytes Adam must move, in one pass, where a per-te
 followed by a copy into the model params moves them in several passes and many launches.
 
 Parameters of different param groups (weight decay or not, learning-rate multipliers) sit side by
-side in a shard: a group id per element, packed into as few bits as the number of groups needs (one
-bit for the usual two groups, so 1/8 byte per parameter), selects the group's row of a small table
+side in a shard: a ``uint8`` group id per element selects the group's row of a small table
 (step size ``-lr / bias_correction1``, decay ``1 - lr * weight_decay`` or the L2 coefficient, and
 ``sqrt(bias_correction2)``), computed on the host each step exactly as
 :class:`~megatron_core.optimizer.precision_aware_adam.PrecisionAwareAdam` computes its scalars. The
@@ -29,57 +28,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FlatAdamShards", "FlatShard", "flat_adam_update", "id_bits", "pack_group_ids", "unpack_group_ids"]
+__all__ = ["FlatAdamShards", "FlatShard", "flat_adam_update"]
 
 _STEP_SIZE, _DECAY, _BIAS2_SQRT = 0, 1, 2
-
-
-def id_bits(groups: int) -> int:
-    """Bits per packed group id for ``groups`` param groups (1, 2, 4 or 8)."""
-    for bits in (1, 2, 4, 8):
-        if groups <= 1 << bits:
-            return bits
-    raise ValueError(f"the flat Adam step handles at most 256 param groups, got {groups}")
-
-
-def pack_group_ids(ids: torch.Tensor, bits: int) -> torch.Tensor:
-    """``uint8`` ids ``[n]`` (each < ``2**bits``) -> ``ceil(n * bits / 8)`` bytes, element ``i`` in byte
-    ``i // (8 // bits)`` at bit ``(i % (8 // bits)) * bits``."""
-    if bits == 8:
-        return ids.clone()
-    per_byte = 8 // bits
-    n = ids.numel()
-    padded = torch.zeros(-(-n // per_byte) * per_byte, dtype=torch.uint8, device=ids.device)
-    padded[:n] = ids
-    columns = padded.view(-1, per_byte)
-    packed = torch.zeros(columns.shape[0], dtype=torch.uint8, device=ids.device)
-    for j in range(per_byte):
-        packed.bitwise_or_(columns[:, j] << (j * bits))
-    return packed
-
-
-def unpack_group_ids(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """The ``n`` ids :func:`pack_group_ids` packed (elementwise with a broadcast: a compiled step reads
-    each byte where it needs it, no gather)."""
-    if bits == 8:
-        return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed.view(-1, 1) >> shifts) & ((1 << bits) - 1)).view(-1)[:n]
 
 
 def flat_adam_update(
     main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     model_out: torch.Tensor | None, group_ids: torch.Tensor, table: torch.Tensor,
     grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
-    beta1: float, beta2: float, eps: float, adam_w_mode: bool, group_id_bits: int = 8,
+    beta1: float, beta2: float, eps: float, adam_w_mode: bool,
 ) -> None:
     """One Adam/AdamW step of a flat shard, in place; ``model_out`` (if given) receives the new params.
 
     ``table`` is ``[3, groups]`` fp32 (step size, decay or L2 coefficient, sqrt of bias correction 2),
-    indexed per element by ``group_ids`` (packed ``group_id_bits`` to an id, see :func:`pack_group_ids`).
-    ``grad_scale`` divides the gradient (clipping folded in); where ``found_inf`` is non-zero nothing changes.
+    indexed per element by ``group_ids``. ``grad_scale`` divides the gradient (clipping folded in);
+    where ``found_inf`` is non-zero nothing changes.
     """
-    ids = unpack_group_ids(group_ids, group_id_bits, main.numel()).long()
+    ids = group_ids.long()
     step_size, decay, bias2_sqrt = table[_STEP_SIZE][ids], table[_DECAY][ids], table[_BIAS2_SQRT][ids]
     g = grad.to(main.dtype).float()  # the gradient as the main params' dtype hands it to the update
     if grad_scale is not None:
@@ -114,8 +80,7 @@ class FlatShard:
     model_out: torch.Tensor | None
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    group_ids: torch.Tensor  # packed, group_id_bits per element (set by FlatAdamShards)
-    group_id_bits: int = 8
+    group_ids: torch.Tensor
     pieces: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (main view, start, end) in the shard
 
 
@@ -138,12 +103,9 @@ class FlatAdamShards:
         self._table = torch.zeros(3, len(groups), dtype=torch.float32, device=device)
         self._table_copied = torch.cuda.Event() if pinned else None
         group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
-        bits = id_bits(len(groups))
         for shard in shards:
-            ids = torch.zeros(shard.main.numel(), dtype=torch.uint8, device=shard.main.device)
             for view, start, end in shard.pieces:
-                ids[start:end] = group_of[id(view)]
-            shard.group_ids, shard.group_id_bits = pack_group_ids(ids, bits), bits
+                shard.group_ids[start:end] = group_of[id(view)]
         # Each param's moment views, made once: ``bind`` recognises its own views by identity.
         self._views = [(view, shard.exp_avg[start:end].view(view.shape), shard.exp_avg_sq[start:end].view(view.shape))
                        for shard in shards for view, start, end in shard.pieces]
@@ -157,7 +119,7 @@ class FlatAdamShards:
                              f"{tuple(grad.shape)}, model {None if model_out is None else tuple(model_out.shape)}")
         return FlatShard(main, grad, model_out, torch.zeros_like(main, dtype=exp_avg_dtype),
                          torch.zeros_like(main, dtype=exp_avg_sq_dtype),
-                         torch.zeros(0, dtype=torch.uint8, device=main.device))
+                         torch.zeros(main.numel(), dtype=torch.uint8, device=main.device))
 
     def bind(self) -> None:
         """Make every param's ``exp_avg``/``exp_avg_sq`` state a view of the flat buffers (adopting loaded values)."""
@@ -214,8 +176,7 @@ class FlatAdamShards:
         adam_w = bool(getattr(self.optimizer, "adam_w_mode", True))
         for shard in self.shards:
             args = (shard.main, shard.grad, shard.exp_avg, shard.exp_avg_sq, shard.model_out, shard.group_ids,
-                    self._table, grad_scale, found_inf, float(betas[0]), float(betas[1]), float(eps), adam_w,
-                    shard.group_id_bits)
+                    self._table, grad_scale, found_inf, float(betas[0]), float(betas[1]), float(eps), adam_w)
             try:
                 self._update(*args)
             except Exception as error:  # torch.compile could not build the kernel (it fails before running)
