@@ -26,6 +26,7 @@ from inference_throughput import add_model_and_workload_args, build_model, promp
 from megatron_core.inference.apis import MegatronLLM  # noqa: E402
 from megatron_core.inference.config import InferenceConfig  # noqa: E402
 from megatron_core.inference.sampling_params import SamplingParams  # noqa: E402
+from megatron_core.transformer import fused_decode  # noqa: E402
 
 
 def main() -> None:
@@ -39,10 +40,13 @@ def main() -> None:
     p.add_argument("--compile-options", type=json.loads, default=None,
                    help='Inductor options for the decode forward as JSON, instead of --compile-mode, e.g. '
                         '\'{"max_autotune": true, "coordinate_descent_tuning": true, "triton.cudagraphs": false}\'')
+    p.add_argument("--no-fused-decode", action="store_true",
+                   help="turn off the fused single-token decode layer (transformer/fused_decode.py) for comparison")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--phases", action="store_true",
                    help="also time the phases of a decode step (synchronising the GPU between phases)")
     args = p.parse_args()
+    fused_decode.enabled = not args.no_fused_decode
     dev = torch.device("cuda")
     model = build_model(args, torch.bfloat16, dev)
     for concurrency in args.concurrency:
