@@ -1,4 +1,4 @@
-"""Tiles of the single-row GEMV (``fusions/fused_gemv.py``) on the decode-step weights, against cuBLAS (GPU only).
+"""Tiles of the single-row GEMV (``tensor_parallel/fused_gemv.py``) on the decode-step weights, against cuBLAS (GPU only).
 
 For each weight of a decode step of the reference 1.1B Llama and each fused variant the decode layer uses,
 times every tile in ``--tiles`` and the tile the library picks, plus ``torch.mm`` on the same weight. Each
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_core.fusions.fused_gemv import _fused_gemv, _tile
+from megatron_core.tensor_parallel.fused_gemv import _fused_gemv, _tile
 
 LAUNCHES = 24
 # name: (weight rows, columns, RMSNorm prologue, gated SiLU, residual)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_core.fusions.fused_gemv import fused_gemv_reference
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_core.tensor_parallel.fused_gemv import fused_gemv_reference
 from megatron_core.transformer import fused_decode
 from tests.inference.llama_fixture import (
     MAX_POS,

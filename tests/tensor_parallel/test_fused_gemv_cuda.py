@@ -1,11 +1,11 @@
-"""The single-row GEMV kernel (fusions/fused_gemv.py) against the unfused chain, and its use in a decode layer (GPU)."""
+"""The single-row GEMV kernel (tensor_parallel/fused_gemv.py) against the unfused chain, and its use in a decode layer (GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_core.fusions.fused_gemv import fused_gemv, fused_gemv_reference, fused_gemv_supported
+from megatron_core.tensor_parallel.fused_gemv import fused_gemv, fused_gemv_reference, fused_gemv_supported
 
 pytestmark = pytest.mark.gpu
 

@@ -8,7 +8,7 @@ when ``gradient_accumulation_fusion`` is on and the parameter has one, as Megatr
 kernel does, else to ``weight.grad`` as usual. With sequence parallelism the gathered input is
 not kept: backward gathers it again, trading a second all-gather for activation memory.
 With a tensor-parallel group of one and nothing to fuse or defer, the op is plain ``F.linear``; a
-single row without grad on CUDA (a decode step at batch 1) runs :func:`~megatron_core.fusions.fused_gemv.fused_gemv`.
+single row without grad on CUDA (a decode step at batch 1) runs :func:`~megatron_core.tensor_parallel.fused_gemv.fused_gemv`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_core.fusions.fused_gemv import fused_gemv, fused_gemv_supported
+from megatron_core.tensor_parallel.fused_gemv import fused_gemv, fused_gemv_supported
 from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
 from megatron_core.tensor_parallel.mappings import (
     _all_reduce,

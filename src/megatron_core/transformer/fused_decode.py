@@ -12,7 +12,7 @@ runs as
 4. ``a = swiglu(rmsnorm(h) @ W_fc1^T)`` (the pre-MLP norm and the activation folded in),
 5. ``h = h + a @ W_fc2^T``,
 
-with :func:`~megatron_core.fusions.fused_gemv.fused_gemv`, which is the same arithmetic as the unfused
+with :func:`~megatron_core.tensor_parallel.fused_gemv.fused_gemv`, which is the same arithmetic as the unfused
 layer up to bf16 rounding. :func:`fused_decode_applies` holds the rule for when this path is taken; any
 other layer, input or state takes the layer's normal forward. Set :data:`enabled` to ``False`` to turn
 the path off (for comparisons).
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_core.fusions.fused_gemv import fused_gemv, fused_gemv_supported
+from megatron_core.tensor_parallel.fused_gemv import fused_gemv, fused_gemv_supported
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_core.transformer.attention import SelfAttention
 from megatron_core.transformer.mlp import MLP
