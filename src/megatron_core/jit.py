@@ -5,6 +5,9 @@ first tensor argument is on an accelerator, and plain ``fn`` otherwise (on CPU, 
 toolchain and buys little for these small functions). ``disable_jit_fuser()`` / ``enable_jit_fuser()``
 switch it for every decorated function, including ones decorated before the call. Called while an
 enclosing ``torch.compile`` traces, the plain function is inlined into that graph.
+
+Triton, which the library's hand-written GPU kernels need, is an optional dependency loaded here only:
+:func:`triton_modules` imports it on first use, :func:`have_triton` says whether it can be.
 """
 
 from __future__ import annotations
@@ -67,3 +70,20 @@ def jit_fuser(func: _F) -> _F:
 
     wrapper.__wrapped_eager__ = func  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
+
+
+@functools.cache
+def triton_modules() -> tuple[Any, Any] | None:
+    """``(triton, triton.language)``, imported on first call, or ``None`` when Triton is not installed."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    return triton, tl
+
+
+@torch.compiler.assume_constant_result
+def have_triton() -> bool:
+    """Whether Triton can be imported (a constant to ``torch.compile``, which cannot trace the import)."""
+    return triton_modules() is not None

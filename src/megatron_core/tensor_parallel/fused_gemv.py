@@ -19,7 +19,7 @@ as the unfused layers round it. The normalised input is not rounded (it never ex
 differ from the unfused chain by bf16 rounding only.
 
 :func:`fused_gemv_supported` says when the kernel applies; under ``torch.compile`` the kernel is an
-opaque custom op (``torch.ops.megatron_core.fused_gemv``). Triton is imported lazily, here only.
+opaque custom op (``torch.ops.megatron_core.fused_gemv``). Triton is imported lazily (:mod:`megatron_core.jit`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import functools
 from typing import Any
 
 import torch
+
+from megatron_core.jit import have_triton, triton_modules
 
 __all__ = ["fused_gemv", "fused_gemv_reference", "fused_gemv_supported"]
 
@@ -44,34 +46,18 @@ def _tile(norm: bool, gated: bool) -> tuple[int, int, int, int]:
     return 2, 1024, 4, 1
 
 
-@functools.cache
-def _triton() -> Any:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return triton, tl
-
-
-@torch.compiler.assume_constant_result
-def _have_triton() -> bool:
-    """Whether Triton can be imported (a constant to ``torch.compile``, which cannot trace the import)."""
-    return _triton() is not None
-
-
 def fused_gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`fused_gemv` serves ``x @ weight^T``: one row, CUDA, fp16/bf16, contiguous weight, no grad."""
     # The row count first: every linear layer asks, and in training it is never one.
     return (x.numel() == x.shape[-1] and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
             and weight.dtype == x.dtype and weight.is_cuda and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
             and weight.is_contiguous() and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and _have_triton())
+            and have_triton())
 
 
 @functools.cache
 def _kernel() -> Any:
-    triton, tl = _triton()
+    triton, tl = triton_modules()
 
     @triton.jit
     def fused_gemv_kernel(

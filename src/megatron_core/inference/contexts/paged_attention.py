@@ -10,7 +10,7 @@ second small kernel merges their partial results by log-sum-exp. All query heads
 one program, so the cache is read once per group (GQA without expansion).
 
 Shapes are static for a given batch and table width, so the call is safe inside a CUDA graph.
-Triton is loaded lazily, here only; :func:`paged_decode_supported` says whether the kernel can run
+Triton is loaded lazily (:func:`megatron_core.jit.triton_modules`); :func:`paged_decode_supported` says whether the kernel can run
 (CUDA tensors, fp16/bf16, a power-of-two head dimension of 16-256, Triton installed); otherwise the
 caller falls back to the gathered path.
 """
@@ -22,20 +22,11 @@ from typing import Any
 
 import torch
 
+from megatron_core.jit import have_triton, triton_modules
+
 __all__ = ["paged_decode_attention", "paged_decode_supported", "paged_decode_reference"]
 
 _BLOCK_N = 64
-
-
-@functools.cache
-def _triton() -> Any:
-    """``(triton, triton.language)`` or ``None`` when Triton is not installed."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return triton, tl
 
 
 def paged_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -43,18 +34,12 @@ def paged_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     hn = query.shape[-1]
     return (query.is_cuda and k_cache.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and k_cache.dtype == query.dtype and 16 <= hn <= 256 and hn & (hn - 1) == 0
-            and _have_triton())
-
-
-@torch.compiler.assume_constant_result
-def _have_triton() -> bool:
-    """Whether Triton can be imported (a constant to ``torch.compile``, which cannot trace the import)."""
-    return _triton() is not None
+            and have_triton())
 
 
 @functools.cache
 def _kernel() -> Any:
-    triton, tl = _triton()
+    triton, tl = triton_modules()
 
     @triton.jit
     def paged_decode_kernel(
@@ -108,7 +93,7 @@ def _kernel() -> Any:
 
 @functools.cache
 def _merge_kernel() -> Any:
-    triton, tl = _triton()
+    triton, tl = triton_modules()
 
     @triton.jit
     def merge_splits_kernel(

@@ -20,23 +20,9 @@ from typing import Any
 
 import torch
 
+from megatron_core.jit import have_triton, triton_modules
+
 __all__ = ["rope_cache_append", "rope_cache_append_reference", "rope_cache_append_supported"]
-
-
-@functools.cache
-def _triton() -> Any:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return triton, tl
-
-
-@torch.compiler.assume_constant_result
-def _have_triton() -> bool:
-    """Whether Triton can be imported (a constant to ``torch.compile``, which cannot trace the import)."""
-    return _triton() is not None
 
 
 def rope_cache_append_supported(mixed_qkv: torch.Tensor, angles: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -45,12 +31,12 @@ def rope_cache_append_supported(mixed_qkv: torch.Tensor, angles: torch.Tensor, k
     return (mixed_qkv.is_cuda and k_cache.is_cuda and angles.is_cuda
             and mixed_qkv.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == mixed_qkv.dtype
             and angles.dtype == torch.float32 and angles.shape[-1] <= head_dim and head_dim & (head_dim - 1) == 0
-            and _have_triton())
+            and have_triton())
 
 
 @functools.cache
 def _kernel() -> Any:
-    triton, tl = _triton()
+    triton, tl = triton_modules()
 
     @triton.jit
     def rope_cache_append_kernel(
