@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.tensor_parallel.fused_gemv import fused_gemv_reference
 from megatron_core.transformer import fused_decode
@@ -27,8 +28,14 @@ from tests.inference.llama_fixture import (
 NEW = 8
 
 
-class SingleTokenContext:
+class SingleTokenContext(BaseInferenceContext):
     """A stand-in inference context for one token: its attention is a fixed function of q, k and v."""
+
+    def is_static_batching(self):
+        return False
+
+    def is_decode_only(self):
+        return True
 
     def attention(self, attention, query, key, value, rotary_pos_emb):
         groups = key.shape[2]

@@ -127,6 +127,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nor
     k = weight.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"fused_gemv: input has {x.shape[-1]} features, weight is {tuple(weight.shape)}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"fused_gemv: the weight's rows must be contiguous, got strides {weight.stride()}")
     for name, tensor, size in (("bias", bias, weight.shape[0]), ("norm_weight", norm_weight, k), ("residual", residual, n)):
         if tensor is not None and tensor.numel() != size:
             raise ValueError(f"fused_gemv: {name} has {tensor.numel()} elements, expected {size}")

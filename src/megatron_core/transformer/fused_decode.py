@@ -43,7 +43,7 @@ def _plain_rmsnorm(norm: Any) -> bool:
 
 def _plain_linear(linear: Any, kind: type) -> bool:
     return (type(linear) is kind and get_pg_size(linear.tp_group) == 1 and linear.weight is not None
-            and getattr(linear, "output_dtype", None) is None)
+            and linear.weight.is_contiguous() and getattr(linear, "output_dtype", None) is None)
 
 
 def fused_decode_applies(layer: Any, hidden_states: torch.Tensor) -> bool:
@@ -73,11 +73,7 @@ def fused_decode_forward(layer: Any, hidden_states: torch.Tensor, inference_cont
     qkv_linear = attention.linear_qkv
     mixed_qkv = fused_gemv(hidden_states, qkv_linear.weight, None if qkv_linear.skip_bias_add else qkv_linear.bias,
                            norm_weight=layer.input_layernorm.weight, norm_eps=layer.input_layernorm.eps)
-    if hasattr(inference_context, "attention_from_qkv"):  # the dynamic context rotates and caches in one kernel
-        context = inference_context.attention_from_qkv(attention, mixed_qkv, rotary_pos_emb)
-    else:
-        query, key, value = attention._split_qkv(mixed_qkv)
-        context = inference_context.attention(attention, query, key, value, rotary_pos_emb)
+    context = inference_context.attention_from_qkv(attention, mixed_qkv, rotary_pos_emb)
     # The projection's and the MLP's biases are added either by the linear or by bias-dropout-add: here, by the GEMV.
     hidden_states = fused_gemv(context, attention.linear_proj.weight, attention.linear_proj.bias,
                                residual=hidden_states)

@@ -40,6 +40,19 @@ class BaseInferenceContext(abc.ABC):
     ) -> torch.Tensor:
         """Store key/value of the current step and attend; returns the core-attention output ``[sq, b, np*hn]``."""
 
+    def attention_from_qkv(self, attention: Any, mixed_qkv: torch.Tensor, rotary_pos_emb: Any) -> torch.Tensor:
+        """:meth:`attention` from ``linear_qkv``'s fused output ``[sq, b, ...]``, which ``attention`` splits (a
+        context may instead rotate and cache the projection in place)."""
+        query, key, value = attention._split_qkv(mixed_qkv)
+        return self.attention(attention, query, key, value, rotary_pos_emb)
+
+    @staticmethod
+    def check_attention_supported(attention: Any) -> None:
+        """Raise ``ValueError`` for attention the contexts cannot serve (sliding windows)."""
+        if getattr(attention.config, "window_size", None) is not None:
+            raise ValueError(f"inference with sliding-window attention (window_size={attention.config.window_size}) "
+                             "is not supported")
+
     def select_logit_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The hidden states ``[s, b, h]`` whose logits are needed (all of them by default)."""
         return hidden_states

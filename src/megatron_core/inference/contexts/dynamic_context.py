@@ -458,40 +458,32 @@ class DynamicInferenceContext(BaseInferenceContext):
             )
         return memory
 
-    @staticmethod
-    def _check_attention(attention: Any) -> None:
-        if getattr(attention.config, "window_size", None) is not None:
-            raise ValueError(f"inference with sliding-window attention (window_size={attention.config.window_size}) "
-                             "is not supported")
-
     def attention_from_qkv(self, attention: Any, mixed_qkv: torch.Tensor, rotary_pos_emb: Any) -> torch.Tensor:
-        """:meth:`attention` from ``linear_qkv``'s output ``[T, 1, ...]`` (``attention`` splits it).
+        """:meth:`attention` from ``linear_qkv``'s output ``[T, 1, ...]``.
 
         In a decode-only step on CUDA the rotation and both cache writes are one kernel
         (:func:`~megatron_core.inference.contexts.rope_cache_append.rope_cache_append`), which reads the
         fused projection in place; otherwise the projection is split and :meth:`attention` runs.
         """
-        self._check_attention(attention)
-        angles = rotary_pos_emb
-        groups, head_dim = attention.num_query_groups_per_partition, attention.hidden_size_per_attention_head
-        heads = groups * attention.heads_per_group
         total = mixed_qkv.shape[0]
         if (self.num_decode == total and attention.q_layernorm is None and attention.k_layernorm is None
-                and isinstance(angles, torch.Tensor)):
+                and isinstance(rotary_pos_emb, torch.Tensor)):
+            groups, head_dim = attention.num_query_groups_per_partition, attention.hidden_size_per_attention_head
             k_mem, v_mem = self._layer_memory(attention.layer_number, groups, head_dim, mixed_qkv)
-            if rope_cache_append_supported(mixed_qkv, angles, k_mem):
+            if rope_cache_append_supported(mixed_qkv, rotary_pos_emb, k_mem):
+                self.check_attention_supported(attention)
+                heads = groups * attention.heads_per_group
                 interleaved = bool(getattr(attention.config, "rotary_interleaved", False))
-                query = rope_cache_append(mixed_qkv, angles, self.position_ids[0], self.slot_mapping, k_mem, v_mem,
-                                          heads, interleaved)
+                query = rope_cache_append(mixed_qkv, rotary_pos_emb, self.position_ids[0], self.slot_mapping, k_mem,
+                                          v_mem, heads, interleaved)
                 return self._attend(attention, query.view(total, 1, heads, head_dim), None, None, k_mem, v_mem)
-        query, key, value = attention._split_qkv(mixed_qkv)
-        return self.attention(attention, query, key, value, rotary_pos_emb)
+        return super().attention_from_qkv(attention, mixed_qkv, rotary_pos_emb)
 
     def attention(
         self, attention: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rotary_pos_emb: Any,
     ) -> torch.Tensor:
         """Rotate, cache and attend for the flattened step: ``query`` ``[T, 1, np, hn]`` -> ``[T, 1, np*hn]``."""
-        self._check_attention(attention)
+        self.check_attention_supported(attention)
         query, key = rotate_at_positions(query, key, rotary_pos_emb, self.position_ids[0], attention.config)
         k_mem, v_mem = self._layer_memory(attention.layer_number, key.shape[-2], key.shape[-1], key)
         k_mem.index_copy_(0, self.slot_mapping, key[:, 0])
@@ -507,14 +499,16 @@ class DynamicInferenceContext(BaseInferenceContext):
         gqa = ng != np_
         scale = getattr(getattr(attention, "core_attention", None), "softmax_scale", None)
         nd, bs = self.num_decode, self.block_size_tokens
-        if nd == total and paged_decode_supported(query, k_mem):  # decode only: the kernel's output is the result
-            return paged_decode_attention(query[:, 0], k_mem, v_mem, self._decode_tables, self._decode_kv_len, bs,
-                                          scale).view(total, 1, np_ * hn)
-        out = query.new_empty(total, np_, hn)
-        if nd and paged_decode_supported(query, k_mem):
+        paged = nd and paged_decode_supported(query, k_mem)
+        if paged:
             # Read the blocks where they lie (no per-step copy of the cache); see paged_attention.
-            out[:nd] = paged_decode_attention(query[:nd, 0], k_mem, v_mem, self._decode_tables, self._decode_kv_len,
-                                              bs, scale)
+            decoded = paged_decode_attention(query[:nd, 0], k_mem, v_mem, self._decode_tables, self._decode_kv_len,
+                                             bs, scale)
+            if nd == total:  # decode only: the kernel's output is the result
+                return decoded.view(total, 1, np_ * hn)
+        out = query.new_empty(total, np_, hn)
+        if paged:
+            out[:nd] = decoded
         elif nd:
             width = self._decode_tables.shape[1]
             k = k_mem.view(-1, bs, ng, hn)[self._decode_tables].view(nd, width * bs, ng, hn).transpose(1, 2)

@@ -68,9 +68,7 @@ class StaticInferenceContext(BaseInferenceContext):
     ) -> torch.Tensor:
         """Write this step's key/value into the buffers and attend causally over the cached prefix."""
         sq, b, np_, hn = query.shape
-        if getattr(attention.config, "window_size", None) is not None:
-            raise ValueError(f"inference with sliding-window attention (window_size={attention.config.window_size}) "
-                             "is not supported")
+        self.check_attention_supported(attention)
         start, b0 = self.sequence_len_offset, self.batch_size_offset
         end = start + sq
         if end > self.max_sequence_length or b0 + b > self.max_batch_size:
