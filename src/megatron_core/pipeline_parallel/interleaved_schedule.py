@@ -22,6 +22,7 @@ from typing import Any
 from megatron_core._wrapped_model import get_model_config
 from megatron_core.pipeline_parallel.microbatch_step import (
     GradSyncSwitch,
+    add_token_count,
     backward_step,
     check_first_val_step,
     context_parallel_size,
@@ -173,7 +174,7 @@ def forward_backward_pipelining_with_interleaving(
             check_first_val_step(first_val_step, forward_only, microbatch == 0),
             current_microbatch=microbatch, is_last_stage=is_last(chunk), cp_size=cp_size,
         )
-        total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
+        add_token_count(total_num_tokens, num_tokens)
         if not forward_only:
             saved[chunk].append((input_tensor, output_tensor))
         return output_tensor

@@ -267,6 +267,20 @@ def new_token_counter() -> torch.Tensor:
     return torch.zeros([], dtype=torch.int, device=device.get_current_device())
 
 
+def add_token_count(total_num_tokens: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    """``total_num_tokens += num_tokens`` without a blocking host-to-device copy.
+
+    A micro-batch's count is a 0-dim CPU tensor unless the loss function returned a device tensor:
+    added as it is, PyTorch passes its value to the kernel as a scalar, where ``.to(device)`` would
+    copy from pageable memory and wait for the device's queue to drain (once per micro-batch).
+    """
+    if num_tokens.numel() == 1:
+        num_tokens = num_tokens.reshape(())
+    if num_tokens.device != total_num_tokens.device and num_tokens.dim() != 0:
+        num_tokens = num_tokens.to(total_num_tokens.device)
+    total_num_tokens.add_(num_tokens)
+
+
 def finalize_model_grads_if_set(
     config: Any, model_chunks: list, total_num_tokens: torch.Tensor, pg_collection: Any, force_all_reduce: bool
 ) -> None:

@@ -26,6 +26,7 @@ from megatron_core.pipeline_parallel.interleaved_schedule import (
 )
 from megatron_core.pipeline_parallel.microbatch_step import (
     GradSyncSwitch,
+    add_token_count,
     backward_step,
     check_first_val_step,
     context_parallel_size,
@@ -134,7 +135,7 @@ def forward_backward_no_pipelining(
             check_first_val_step(first_val_step, forward_only, microbatch == 0),
             current_microbatch=microbatch, is_last_stage=True, cp_size=cp_size,
         )
-        total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
+        add_token_count(total_num_tokens, num_tokens)
         if not forward_only:
             backward_step(None, output_tensor, None, None, config)
 
@@ -200,7 +201,7 @@ def forward_backward_pipelining_without_interleaving(
             collect_non_loss_data, None, check_first_val_step(first_val_step, forward_only, is_first_microbatch),
             current_microbatch=microbatch, is_last_stage=is_last, cp_size=cp_size,
         )
-        total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
+        add_token_count(total_num_tokens, num_tokens)
         return output_tensor
 
     def release(output_tensor: Any) -> None:
