@@ -12,11 +12,21 @@ import pytest
 import torch
 
 from megatron_core import parallel_state
+from megatron_core.optimizer import OptimizerConfig
+from megatron_core.optimizer.optimizer import FP32Optimizer
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.pipeline_parallel.microbatch_step import add_token_count, new_token_counter
 from tests.dist_harness import run_on_ranks
 from tests.pipeline_parallel import toy_model
 from tests.pipeline_parallel.toy_model import ToyConfig, ToyStage, make_batches
+
+
+def test_scale_loss_keeps_a_scalar_loss_scalar_and_scales_it():
+    model = torch.nn.Linear(2, 2)
+    optimizer = FP32Optimizer(torch.optim.Adam(model.parameters()), OptimizerConfig(lr=1e-3))
+    loss = model(torch.ones(1, 2)).sum()
+    scaled = optimizer.scale_loss(loss)
+    assert scaled.shape == loss.shape and torch.equal(scaled, loss)
 
 
 def test_token_count_adds_cpu_scalars_and_device_tensors():
@@ -32,6 +42,9 @@ def _schedule_without_syncs(step_name: str) -> list[float]:
     try:
         config = ToyConfig(calculate_per_token_loss=step_name == "per_token")
         model = ToyStage(config, list(range(toy_model.NUM_LAYERS)), pre_process=True).cuda()
+        # The loss scale as the training loops pass it: a host-side 1.0 without a grad scaler.
+        optimizer = FP32Optimizer(torch.optim.Adam(model.parameters()), OptimizerConfig(lr=1e-3))
+        config.grad_scale_func = optimizer.scale_loss
         batches = [{k: v.cuda() for k, v in b.items()} for b in make_batches(4, seed=0)]
         step = toy_model.forward_step if step_name == "mse" else toy_model.forward_step_per_token
         forward_backward = get_forward_backward_func()

@@ -136,28 +136,20 @@ def unpad_expert_rows(padded: torch.Tensor, index: torch.Tensor) -> torch.Tensor
     return _GatherDistinctRows.apply(padded, index)
 
 
-class _GroupedMM(torch.autograd.Function):
-    """``grouped_mm(x, weight^T, offs)`` whose weight gradient comes out in the weight's own ``[E, out, in]`` layout.
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
 
-    Left to autograd, the weight gradient of the transposed view is computed as ``[E, in, out]``
-    and then copied into the parameter's layout: a transposing copy of every expert weight that
-    costs more than the GEMM itself. Here the backward asks the kernel for ``dy^T x`` directly, and
-    makes the incoming gradient contiguous (autograd hands a zero-stride one to an output that is
-    only summed or broadcast downstream, which the kernel rejects).
+    ``grouped_mm``'s backward rejects a gradient with zero strides, which autograd produces for an
+    output that is only summed or broadcast downstream.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, offs)
-        return _GROUPED_MM(x, weight.transpose(1, 2), offs=offs)
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        x, weight, offs = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = _GROUPED_MM(grad, weight, offs=offs) if ctx.needs_input_grad[0] else None
-        grad_weight = _GROUPED_MM(grad.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_weight, None
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int] | AlignedExpertRows
@@ -168,7 +160,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[
     """
     if isinstance(tokens_per_expert, AlignedExpertRows):
         if _use_grouped_mm(x, weight):
-            return _GroupedMM.apply(x, weight, tokens_per_expert.ends)
+            return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=tokens_per_expert.ends))
         tokens_per_expert = tokens_per_expert.counts.tolist()
     if _use_grouped_mm(x, weight):
         x, padded, index = pad_expert_rows(x, tokens_per_expert)
@@ -177,7 +169,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[
         # From pinned memory the copy is asynchronous: no wait for the GPU's queue to drain.
         ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32).pin_memory()
         offs = ends.to(x.device, non_blocking=True)
-        return _GroupedMM.apply(x, weight, offs)
+        return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=offs))
     pieces = torch.split(x, tokens_per_expert, dim=0)
     return torch.cat([F.linear(piece, weight[e]) for e, piece in enumerate(pieces)], dim=0)
 
