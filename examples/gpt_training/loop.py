@@ -79,6 +79,35 @@ class _DeviceIterator:
         return to_device(next(self.iterator))
 
 
+class _PrefetchingDeviceIterator(_DeviceIterator):
+    """A :class:`_DeviceIterator` that can load and start copying its next batch ahead of time.
+
+    The training step calls :meth:`prefetch` once its forward and backward are queued and before it
+    waits for the GPU (loss check, gradient norm): the host reads the next batch while the GPU is
+    still busy, instead of after the wait, while the GPU idles.
+    """
+
+    _EXHAUSTED = object()
+
+    def __init__(self, iterator) -> None:
+        super().__init__(iterator)
+        self._ready = None
+
+    def prefetch(self) -> None:
+        """Load the next batch now (no-op if one is waiting)."""
+        if self._ready is None:
+            try:
+                self._ready = to_device(next(self.iterator))
+            except StopIteration:
+                self._ready = self._EXHAUSTED
+
+    def __next__(self):
+        ready, self._ready = self._ready, None
+        if ready is self._EXHAUSTED:
+            raise StopIteration
+        return ready if ready is not None else super().__next__()
+
+
 def _mean_loss(losses: list[dict], key: str = "lm loss") -> float:
     """Average of ``key`` over micro-batches on the last stage, then over data-parallel ranks, broadcast to all."""
     value = torch.zeros(2, dtype=torch.float64, device=device.get_current_device())
@@ -96,6 +125,9 @@ class Trainer:
         self.args, self.config, self.chunks = args, config, chunks
         self.optimizer, self.scheduler = optimizer, scheduler
         self.train_iter, self.valid_iter = train_iter, valid_iter
+        # One chunk reads the training batches through one persistent iterator that can prefetch.
+        self._train_batches = (_PrefetchingDeviceIterator(train_iter)
+                               if len(chunks) == 1 and train_iter is not None else None)
         self.logger, self.checkpointer = logger, checkpointer
         self.forward_backward = get_forward_backward_func()
         self.stop_requested = False
@@ -110,6 +142,8 @@ class Trainer:
         self.stop_requested = True
 
     def _iterators(self, iterator):
+        if iterator is self.train_iter and self._train_batches is not None:
+            return self._train_batches
         if len(self.chunks) == 1:
             return _DeviceIterator(iterator)
         # Each virtual pipeline stage reads every micro-batch of the step (Megatron gives each model chunk its
@@ -138,6 +172,8 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run(self.train_iter, forward_only=False)
+        if self._train_batches is not None:
+            self._train_batches.prefetch()  # the next step's first batch, while the GPU works
         loss = _mean_loss(losses)  # averaged over all ranks, so every rank takes the same decision
         check = self.args.check_for_nan_in_loss_and_grad
         if check and not math.isfinite(loss):
@@ -222,16 +258,17 @@ class Trainer:
 
     def _should_exit(self, iteration: int, start_time: float) -> bool:
         args = self.args
-        flags = torch.tensor(
-            [
-                float(self.stop_requested),
-                float(args.exit_interval is not None and iteration >= args.exit_interval),
-                float(args.exit_duration_in_mins is not None
-                      and (time.time() - start_time) / 60 >= args.exit_duration_in_mins),
-            ],
-            device=device.get_current_device(),
-        )
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        values = [
+            float(self.stop_requested),
+            float(args.exit_interval is not None and iteration >= args.exit_interval),
+            float(args.exit_duration_in_mins is not None
+                  and (time.time() - start_time) / 60 >= args.exit_duration_in_mins),
+        ]
+        if dist.get_world_size() == 1:  # nothing to agree on: decide on the host, without waiting for the GPU
+            flags = torch.tensor(values)
+        else:
+            flags = torch.tensor(values, device=device.get_current_device())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags.any():
             reason = ["SIGTERM", "--exit-interval", "--exit-duration-in-mins"][int(flags.argmax())]
             self.logger.info(f"stopping at iteration {iteration}: {reason}")
