@@ -62,11 +62,9 @@ def flat_adam_update(
     indexed by ``group_ids``: one id per row of ``numel / len(group_ids)`` elements. ``grad_scale``
     divides the gradient (clipping folded in); where ``found_inf`` is non-zero nothing changes.
     """
-    rows = group_ids.numel()
-    main, grad, exp_avg, exp_avg_sq = (t.view(rows, -1) for t in (main, grad, exp_avg, exp_avg_sq))
-    if model_out is not None:
-        model_out = model_out.view(rows, -1)
-    ids = group_ids.long().unsqueeze(1)  # [rows, 1], broadcast over each row
+    row = main.numel() // group_ids.numel()
+    # Each element's group id, read from its row's id (an index computation inside the compiled kernel).
+    ids = group_ids.long()[torch.arange(main.numel(), device=main.device) // row]
     step_size, decay, bias2_sqrt = table[_STEP_SIZE][ids], table[_DECAY][ids], table[_BIAS2_SQRT][ids]
     g = grad.to(main.dtype).float()  # the gradient as the main params' dtype hands it to the update
     if grad_scale is not None:
