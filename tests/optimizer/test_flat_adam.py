@@ -17,7 +17,7 @@ from megatron_core import parallel_state, tensor_parallel
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron_core.optimizer.flat_adam import flat_adam_update, shard_row_length
+from megatron_core.optimizer.flat_adam import flat_adam_update
 from megatron_core.transformer import Float16Module
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import SEQ, VOCAB, build, llama_like
@@ -205,50 +205,6 @@ def test_flat_kernel_matches_reference_and_skips_on_non_finite_norm(compiled):
     update(p, grad, mm, vv, out, ids, table, scale, torch.tensor(1.0), 0.9, 0.95, 1e-8, True)  # found_inf: skip
     for now, then in zip((p, mm, vv), before):
         assert torch.equal(now, then)
-
-
-def test_row_length_is_the_largest_power_of_two_dividing_the_size_and_every_start():
-    assert shard_row_length(8192, [0, 64, 192]) == 64
-    assert shard_row_length(1 << 20, [0]) == 4096
-    assert shard_row_length(1000, [0, 10]) == 2
-    assert shard_row_length(999, [0]) == 1
-    assert shard_row_length(0, []) == 4096
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_flat_kernel_with_one_group_id_per_row_matches_per_element_ids(compiled):
-    torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(1)
-    rows, row = 40, 16
-    n = rows * row
-    main, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    m, v = 0.1 * torch.randn(n, generator=gen), torch.rand(n, generator=gen)
-    row_ids = (torch.arange(rows) % 3).to(torch.uint8)
-    table = torch.tensor([[-1e-3, -2e-3, -5e-4], [0.999, 1.0, 0.99], [0.3, 0.5, 0.7]])
-    want_p, want_m, want_v = _reference(main, grad, m, v, table, row_ids.long().repeat_interleave(row), 0.9, 0.95,
-                                        1e-8, torch.tensor(1.0))
-    update = torch.compile(flat_adam_update, dynamic=True) if compiled else flat_adam_update
-    p, mm, vv = main.clone(), m.clone(), v.clone()
-    update(p, grad, mm, vv, None, row_ids, table, None, None, 0.9, 0.95, 1e-8, True)
-    torch.testing.assert_close(p, want_p, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(mm, want_m, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(vv, want_v, rtol=1e-6, atol=1e-7)
-
-
-def _row_lengths() -> list[int]:
-    parallel_state.initialize_model_parallel()
-    try:
-        _, _, opt = _setup(True, {})
-        return [shard.main.numel() // shard.group_ids.numel() for shard in opt._flat.shards]
-    finally:
-        parallel_state.destroy_model_parallel()
-
-
-def test_distributed_optimizer_shards_take_one_group_id_per_64_elements():
-    # The param buffer starts each param at a multiple of 64 under the distributed optimizer, so a byte
-    # per 64 elements selects the group (not a byte per element: 1 GB less for a 1B model).
-    for lengths in run_on_ranks(2, _row_lengths):
-        assert lengths and all(length % 64 == 0 for length in lengths), lengths
 
 
 @pytest.mark.gpu

@@ -35,6 +35,10 @@ def test_token_count_adds_cpu_scalars_and_device_tensors():
     add_token_count(total, torch.tensor(4, dtype=torch.int, device=total.device))
     add_token_count(total, torch.tensor([5], dtype=torch.int))
     assert int(total) == 12
+    if torch.cuda.is_available():  # a device count into a host counter (gloo) is copied over
+        host_total = torch.zeros([], dtype=torch.int)
+        add_token_count(host_total, torch.tensor(2, dtype=torch.int, device="cuda"))
+        assert int(host_total) == 2
 
 
 def _schedule_without_syncs(step_name: str) -> list[float]:
@@ -62,9 +66,10 @@ def _schedule_without_syncs(step_name: str) -> list[float]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("step_name", ["mse", "per_token"])
-def test_no_pipelining_schedule_makes_no_host_sync_on_cuda(step_name):
+def test_no_pipelining_schedule_makes_no_host_sync_on_cuda():
+    # The rank pool's group is gloo, whose token counter lives on the host: a loss function that counts
+    # tokens on the GPU (the per-token form) would have to copy them back, so the test uses the mean form.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    (losses,) = run_on_ranks(1, _schedule_without_syncs, step_name)
+    (losses,) = run_on_ranks(1, _schedule_without_syncs, "mse")
     assert len(losses) == 4

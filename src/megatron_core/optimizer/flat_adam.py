@@ -8,11 +8,7 @@ model's (bf16) param once: the bytes Adam must move, in one pass, where a per-te
 followed by a copy into the model params moves them in several passes and many launches.
 
 Parameters of different param groups (weight decay or not, learning-rate multipliers) sit side by
-side in a shard. The shard is viewed as rows of ``row`` elements, ``row`` being the largest power of
-two up to 4096 that divides the shard's size and every piece's start (64 under the distributed
-optimizer, whose buffer starts each param at a multiple of 64), so that every row holds one param
-(and at most the padding after its end); a
-``uint8`` group id per row selects the group's column of a small table
+side in a shard: a ``uint8`` group id per element selects the group's row of a small table
 (step size ``-lr / bias_correction1``, decay ``1 - lr * weight_decay`` or the L2 coefficient, and
 ``sqrt(bias_correction2)``), computed on the host each step exactly as
 :class:`~megatron_core.optimizer.precision_aware_adam.PrecisionAwareAdam` computes its scalars. The
@@ -28,26 +24,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FlatAdamShards", "FlatShard", "flat_adam_update", "shard_row_length"]
+__all__ = ["FlatAdamShards", "FlatShard", "flat_adam_update"]
 
 _STEP_SIZE, _DECAY, _BIAS2_SQRT = 0, 1, 2
-_MAX_ROW = 4096
-
-
-def shard_row_length(numel: int, starts: Iterable[int]) -> int:
-    """The largest power of two up to 4096 dividing a shard's ``numel`` and the start of every piece in it.
-
-    A piece's end need not be aligned: the rest of its last row is padding up to the next piece's start.
-    """
-    row = _MAX_ROW
-    for value in (numel, *starts):
-        row = math.gcd(row, value)
-    return row
 
 
 def flat_adam_update(
@@ -59,12 +42,10 @@ def flat_adam_update(
     """One Adam/AdamW step of a flat shard, in place; ``model_out`` (if given) receives the new params.
 
     ``table`` is ``[3, groups]`` fp32 (step size, decay or L2 coefficient, sqrt of bias correction 2),
-    indexed by ``group_ids``: one id per row of ``numel / len(group_ids)`` elements. ``grad_scale``
-    divides the gradient (clipping folded in); where ``found_inf`` is non-zero nothing changes.
+    indexed per element by ``group_ids``. ``grad_scale`` divides the gradient (clipping folded in);
+    where ``found_inf`` is non-zero nothing changes.
     """
-    row = main.numel() // group_ids.numel()
-    # Each element's group id, read from its row's id (an index computation inside the compiled kernel).
-    ids = group_ids.long()[torch.arange(main.numel(), device=main.device) // row]
+    ids = group_ids.long()
     step_size, decay, bias2_sqrt = table[_STEP_SIZE][ids], table[_DECAY][ids], table[_BIAS2_SQRT][ids]
     g = grad.to(main.dtype).float()  # the gradient as the main params' dtype hands it to the update
     if grad_scale is not None:
@@ -99,8 +80,8 @@ class FlatShard:
     model_out: torch.Tensor | None
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+    group_ids: torch.Tensor
     pieces: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (main view, start, end) in the shard
-    group_ids: torch.Tensor | None = None  # uint8 per row, set by FlatAdamShards (see the module doc)
 
 
 class FlatAdamShards:
@@ -122,15 +103,9 @@ class FlatAdamShards:
         self._table = torch.zeros(3, len(groups), dtype=torch.float32, device=device)
         self._table_copied = torch.cuda.Event() if pinned else None
         group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
-        if len(groups) > 256:
-            raise ValueError(f"the flat Adam step takes at most 256 param groups, got {len(groups)}")
         for shard in shards:
-            numel = shard.main.numel()
-            row = shard_row_length(numel, (start for _, start, _ in shard.pieces))
-            ids = torch.zeros(numel // row, dtype=torch.uint8)
             for view, start, end in shard.pieces:
-                ids[start // row:-(-end // row)] = group_of[id(view)]
-            shard.group_ids = ids.to(shard.main.device)
+                shard.group_ids[start:end] = group_of[id(view)]
         # Each param's moment views, made once: ``bind`` recognises its own views by identity.
         self._views = [(view, shard.exp_avg[start:end].view(view.shape), shard.exp_avg_sq[start:end].view(view.shape))
                        for shard in shards for view, start, end in shard.pieces]
@@ -143,7 +118,8 @@ class FlatAdamShards:
             raise ValueError(f"flat shard buffers differ in size: main {tuple(main.shape)}, grad "
                              f"{tuple(grad.shape)}, model {None if model_out is None else tuple(model_out.shape)}")
         return FlatShard(main, grad, model_out, torch.zeros_like(main, dtype=exp_avg_dtype),
-                         torch.zeros_like(main, dtype=exp_avg_sq_dtype))
+                         torch.zeros_like(main, dtype=exp_avg_sq_dtype),
+                         torch.zeros(main.numel(), dtype=torch.uint8, device=main.device))
 
     def bind(self) -> None:
         """Make every param's ``exp_avg``/``exp_avg_sq`` state a view of the flat buffers (adopting loaded values)."""
@@ -199,8 +175,6 @@ class FlatAdamShards:
         self._fill_table()
         adam_w = bool(getattr(self.optimizer, "adam_w_mode", True))
         for shard in self.shards:
-            if shard.main.numel() == 0:
-                continue
             args = (shard.main, shard.grad, shard.exp_avg, shard.exp_avg_sq, shard.model_out, shard.group_ids,
                     self._table, grad_scale, found_inf, float(betas[0]), float(betas[1]), float(eps), adam_w)
             try:

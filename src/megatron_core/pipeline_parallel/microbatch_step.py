@@ -276,7 +276,8 @@ def add_token_count(total_num_tokens: torch.Tensor, num_tokens: torch.Tensor) ->
     """
     if num_tokens.numel() == 1:
         num_tokens = num_tokens.reshape(())
-    if num_tokens.device != total_num_tokens.device and num_tokens.dim() != 0:
+    host_scalar = num_tokens.device.type == "cpu" and num_tokens.dim() == 0
+    if num_tokens.device != total_num_tokens.device and not host_scalar:
         num_tokens = num_tokens.to(total_num_tokens.device)
     total_num_tokens.add_(num_tokens)
 
