@@ -50,17 +50,16 @@ def row(name: str, ms: float, flops: float, dense_ms: float) -> None:
           f" {ms / dense_ms:5.2f}x dense", flush=True)
 
 
-def bench_projection(label: str, rows: int, experts: int, n_in: int, n_out: int, counts: list[int]) -> dict:
+def bench_projection(label: str, rows: int, experts: int, n_in: int, n_out: int, counts: list[int]) -> None:
     """All variants of one projection ``[rows, n_in] -> [rows, n_out]`` split over ``experts``."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     x = torch.randn(rows, n_in, device=dev, dtype=dt)
     dy = torch.randn(rows, n_out, device=dev, dtype=dt)
     w = torch.randn(experts, n_out, n_in, device=dev, dtype=dt)
     w_t = w.transpose(1, 2).contiguous()  # [E, in, out]
-    offs = torch.tensor(list(torch.tensor(counts).cumsum(0)), device=dev, dtype=torch.int32)
+    offs = torch.tensor(counts).cumsum(0).to(dev, torch.int32)  # each group's end row
     dense_w = torch.randn(n_out, n_in, device=dev, dtype=dt)
     flops = 2.0 * rows * n_in * n_out
-    out: dict[str, float] = {}
     print(f"--- {label}: rows {rows}, in {n_in}, out {n_out}, experts {experts}, counts {counts[:4]}...", flush=True)
 
     dense = {
@@ -96,9 +95,7 @@ def bench_projection(label: str, rows: int, experts: int, n_in: int, n_out: int,
         except Exception as error:  # a layout the installed kernel refuses
             print(f"{name:52s} refused: {type(error).__name__}: {str(error)[:120]}", flush=True)
             continue
-        out[name] = ms
         row(name, ms, flops, dense[part])
-    return out
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import traceback
 import warnings
@@ -52,7 +51,6 @@ def main() -> None:
     argv = ["--mock-data", "--use-distributed-optimizer", "--micro-batch-size", "2", "--train-iters",
             str(args.iterations), "--log-interval", str(args.iterations), "--eval-interval", "0",
             "--eval-iters", "1", "--no-progress", *args.extra]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     try:
         pretrain_gpt.main(argv)
     finally:

@@ -258,16 +258,14 @@ class Trainer:
 
     def _should_exit(self, iteration: int, start_time: float) -> bool:
         args = self.args
-        values = [
+        flags = torch.tensor([
             float(self.stop_requested),
             float(args.exit_interval is not None and iteration >= args.exit_interval),
             float(args.exit_duration_in_mins is not None
                   and (time.time() - start_time) / 60 >= args.exit_duration_in_mins),
-        ]
-        if dist.get_world_size() == 1:  # nothing to agree on: decide on the host, without waiting for the GPU
-            flags = torch.tensor(values)
-        else:
-            flags = torch.tensor(values, device=device.get_current_device())
+        ])
+        if dist.get_world_size() > 1:  # one process decides on the host, without waiting for the GPU
+            flags = flags.to(device.get_current_device())
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags.any():
             reason = ["SIGTERM", "--exit-interval", "--exit-duration-in-mins"][int(flags.argmax())]

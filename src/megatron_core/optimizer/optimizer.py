@@ -134,14 +134,11 @@ class MegatronOptimizer(ABC):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale``, to call before backward.
 
-        A one-element scale multiplies as a 0-dim tensor (the result keeps the loss's shape); held on the
+        The one-element scale multiplies as a 0-dim tensor (the result keeps the loss's shape); held on the
         host it is passed to the kernel as a scalar, where copying it to the device each micro-batch would
         be a blocking copy that drains the device's queue.
         """
-        scale = self.get_loss_scale()
-        if scale.numel() == 1:
-            return scale.reshape(()) * loss
-        return scale.to(loss.device) * loss
+        return self.get_loss_scale().reshape(()) * loss
 
     @abstractmethod
     def reload_model_params(self) -> None:

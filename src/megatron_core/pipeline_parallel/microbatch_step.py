@@ -274,10 +274,8 @@ def add_token_count(total_num_tokens: torch.Tensor, num_tokens: torch.Tensor) ->
     added as it is, PyTorch passes its value to the kernel as a scalar, where ``.to(device)`` would
     copy from pageable memory and wait for the device's queue to drain (once per micro-batch).
     """
-    if num_tokens.numel() == 1:
-        num_tokens = num_tokens.reshape(())
-    host_scalar = num_tokens.device.type == "cpu" and num_tokens.dim() == 0
-    if num_tokens.device != total_num_tokens.device and not host_scalar:
+    num_tokens = num_tokens.reshape(())  # a count: one element
+    if num_tokens.device.type != "cpu":  # a host scalar adds to any device; a device count must be on total's
         num_tokens = num_tokens.to(total_num_tokens.device)
     total_num_tokens.add_(num_tokens)
 
