@@ -35,6 +35,8 @@ def test_token_count_adds_cpu_scalars_and_device_tensors():
     add_token_count(total, torch.tensor(4, dtype=torch.int, device=total.device))
     add_token_count(total, torch.tensor([5], dtype=torch.int))
     assert int(total) == 12
+    with pytest.raises(ValueError, match=r"num_tokens of shape \(2,\); expected one count"):
+        add_token_count(total, torch.tensor([1, 2], dtype=torch.int))
     if torch.cuda.is_available():  # a device count into a host counter (gloo) is copied over
         host_total = torch.zeros([], dtype=torch.int)
         add_token_count(host_total, torch.tensor(2, dtype=torch.int, device="cuda"))

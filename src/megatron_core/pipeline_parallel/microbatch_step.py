@@ -274,7 +274,9 @@ def add_token_count(total_num_tokens: torch.Tensor, num_tokens: torch.Tensor) ->
     added as it is, PyTorch passes its value to the kernel as a scalar, where ``.to(device)`` would
     copy from pageable memory and wait for the device's queue to drain (once per micro-batch).
     """
-    num_tokens = num_tokens.reshape(())  # a count: one element
+    if num_tokens.numel() != 1:
+        raise ValueError(f"loss_func returned num_tokens of shape {tuple(num_tokens.shape)}; expected one count")
+    num_tokens = num_tokens.reshape(())
     if num_tokens.device.type != "cpu":  # a host scalar adds to any device; a device count must be on total's
         num_tokens = num_tokens.to(total_num_tokens.device)
     total_num_tokens.add_(num_tokens)

@@ -1,0 +1,63 @@
+"""Pieces of ``examples/gpt_training/loop.py``: the prefetching batch iterator and the single-process exit decision."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_harness import run_on_ranks
+
+EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
+
+
+def _loop():
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    from gpt_training import loop
+
+    return loop
+
+
+def _batches(n: int):
+    return iter([{"tokens": torch.full((1, 4), i), "note": "not a tensor"} for i in range(n)])
+
+
+def test_prefetched_batch_is_the_next_one_and_order_is_kept():
+    batches = _loop()._PrefetchingDeviceIterator(_batches(3))
+    assert int(next(batches)["tokens"][0, 0]) == 0
+    batches.prefetch()
+    batches.prefetch()  # a waiting batch is not replaced
+    got = [int(b["tokens"][0, 0]) for b in batches]
+    assert got == [1, 2]
+
+
+def test_prefetch_past_the_end_raises_stop_iteration_on_next():
+    batches = _loop()._PrefetchingDeviceIterator(_batches(1))
+    assert set(next(batches)) == {"tokens"}  # to_device keeps the tensors only
+    batches.prefetch()
+    with pytest.raises(StopIteration):
+        next(batches)
+
+
+def _exit_decisions() -> list[bool]:
+    loop = _loop()
+    messages: list[str] = []
+    trainer = types.SimpleNamespace(
+        args=argparse.Namespace(exit_interval=3, exit_duration_in_mins=None, save=None),
+        stop_requested=False, logger=types.SimpleNamespace(info=messages.append))
+    decisions = [loop.Trainer._should_exit(trainer, iteration, time.time()) for iteration in (1, 2, 3)]
+    trainer.args.exit_interval, trainer.stop_requested = None, True
+    decisions.append(loop.Trainer._should_exit(trainer, 4, time.time()))
+    assert messages == ["stopping at iteration 3: --exit-interval", "stopping at iteration 4: SIGTERM"]
+    return decisions
+
+
+def test_one_process_decides_to_exit_on_the_host():
+    (decisions,) = run_on_ranks(1, _exit_decisions)
+    assert decisions == [False, False, True, True]
