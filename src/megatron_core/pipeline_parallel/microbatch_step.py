@@ -158,14 +158,15 @@ def forward_step(
         if getattr(config, "enable_autocast", False)
         else contextlib.nullcontext()
     )
+    if getattr(config, "num_moe_experts", None) is not None:
+        # Before the forward (Megatron sets it after): a compiled layer may read the scale in its forward.
+        _set_moe_aux_loss_scale(config, num_microbatches, cp_size)
     with autocast:
         if checkpoint_activations_microbatch is None:
             output_tensor, loss_func = forward_step_func(data_iterator, model)
         else:
             output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
 
-    if getattr(config, "num_moe_experts", None) is not None:
-        _set_moe_aux_loss_scale(config, num_microbatches, cp_size)
     num_tokens = torch.tensor(0, dtype=torch.int)
     if is_last_stage:
         if collect_non_loss_data:

@@ -73,9 +73,13 @@ class MoEMetricsTracker:
         """The metric entries by name."""
         return self._metrics
 
-    def record(self, name: str, value: torch.Tensor, layer_number: int | None, num_layers: int,
+    def record(self, name: str, value: torch.Tensor, layer_number: int | torch.Tensor | None, num_layers: int,
                reduce_group: Any = None, avg_group: Any = None, needs_dp_avg: bool = True) -> None:
-        """Add ``value`` to ``name``'s entry for the 1-based ``layer_number`` (ignored when None)."""
+        """Add ``value`` to ``name``'s entry for the 1-based ``layer_number`` (ignored when None).
+
+        ``layer_number`` may be a one-element integer tensor on ``value``'s device: compiled callers pass it so
+        that their graph does not depend on which layer records.
+        """
         if layer_number is None:
             return
         if name not in self._metrics:
@@ -83,7 +87,11 @@ class MoEMetricsTracker:
         entry = self._metrics[name]
         if entry.values.device != value.device:  # follow the model's device once, never copy per record
             entry.values = entry.values.to(value.device)
-        entry.values[layer_number - 1] += value.detach().float()
+        value = value.detach().float()
+        if isinstance(layer_number, torch.Tensor):
+            entry.values.index_add_(0, layer_number.reshape(1) - 1, value.reshape(1))
+        else:
+            entry.values[layer_number - 1] += value
         entry.reduce_group, entry.avg_group, entry.needs_dp_avg = reduce_group, avg_group, needs_dp_avg
 
     def ensure_initialized(self, name: str, num_layers: int, device: Any = "cpu") -> None:

@@ -110,8 +110,15 @@ def get_tokens_per_expert_and_token_count(routing_map: torch.Tensor, reduce_grou
     return global_counts, local_num_tokens, local_num_tokens * get_pg_size(reduce_group)
 
 
+_AUX_LOSS_BACKWARD_SCALE: dict[str, torch.Tensor] = {}  # "scale": the tensor set by ``set_loss_scale``
+
+
 class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Attach an auxiliary loss to an activation; its gradient is ``main_loss_backward_scale``."""
+    """Attach an auxiliary loss to an activation; its gradient is ``main_loss_backward_scale``.
+
+    Under ``torch.compile`` the scale may be read when the forward runs (the backward's product can be
+    computed in the forward graph), so set it before the forward; the library's schedules do.
+    """
 
     main_loss_backward_scale: torch.Tensor | None = None
 
@@ -125,16 +132,18 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pass ``grad_output`` through and give the aux loss the main loss's backward scale."""
         (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        # Read from a module-level dict, not the class attribute: torch.compile traces this backward inline
+        # and cannot trace a class attribute of an autograd.Function (it would break the layer's graph).
+        scale = _AUX_LOSS_BACKWARD_SCALE.get("scale")
         if scale is None:  # ones_like, not a tensor built from a Python number (a host-to-device copy)
             return grad_output, torch.ones_like(aux_loss)
-        return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device, non_blocking=True)
+        return grad_output, torch.ones_like(aux_loss) * scale  # a 0-dim CPU scale multiplies as a scalar
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor) -> None:
         """Set the backward scale of every aux loss (the main loss's scale / number of microbatches)."""
-        scale = torch.as_tensor(scale, dtype=torch.float32).detach().reshape(())
-        MoEAuxLossAutoScaler.main_loss_backward_scale = scale.clone()
+        scale = torch.as_tensor(scale, dtype=torch.float32).detach().reshape(()).clone()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = _AUX_LOSS_BACKWARD_SCALE["scale"] = scale
 
 
 def group_limited_topk(scores: torch.Tensor, topk: int, num_tokens: int, num_experts: int, num_groups: int,

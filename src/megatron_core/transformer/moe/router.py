@@ -45,6 +45,9 @@ class Router(MegatronModule):
         self.num_experts = config.num_moe_experts
         self.layer_number: int | None = None
         self.is_mtp_layer = is_mtp_layer
+        # The metrics tracker's 1-based slot as a tensor: compiled code reads it without specialising on its
+        # value (an int attribute would make torch.compile build one graph per layer).
+        self.register_buffer("metrics_slot", None, persistent=False)
         self.tp_group, self.cp_group = pgs.tp, pgs.cp
         self.tp_cp_group, self.tp_dp_cp_group = pgs.tp_cp, pgs.tp_dp_cp
         self.weight = torch.nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size, dtype=torch.float32))
@@ -80,8 +83,10 @@ class Router(MegatronModule):
         raise NotImplementedError
 
     def set_layer_number(self, layer_number: int) -> None:
-        """The global 1-based layer number, used to log per-layer metrics."""
+        """The global 1-based layer number, used to log per-layer metrics (MTP layers after the decoder's)."""
         self.layer_number = layer_number
+        slot = layer_number + (self.config.num_layers if self.is_mtp_layer else 0)
+        self.metrics_slot = torch.tensor(slot, dtype=torch.long, device=self.weight.device)
 
 
 class TopKRouter(Router):
@@ -123,12 +128,9 @@ class TopKRouter(Router):
         """True when any balance loss has a positive coefficient."""
         return any(self.get_aux_loss_coeff(k) > 0 for k in ("aux_loss", "seq_aux_loss", "global_aux_loss"))
 
-    def _num_layers(self) -> tuple[int, int | None]:
-        num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
-        layer = self.layer_number
-        if self.is_mtp_layer and layer is not None:
-            layer += self.config.num_layers
-        return num_layers, layer
+    def _num_layers(self) -> tuple[int, torch.Tensor | None]:
+        """Slots in the metrics tracker and this layer's 1-based slot (a tensor; None before ``set_layer_number``)."""
+        return self.config.num_layers + (self.config.mtp_num_layers or 0), self.metrics_slot
 
     def attach_and_log_load_balancing_loss(self, activation: torch.Tensor, aux_loss_coeff: float,
                                            aux_loss: torch.Tensor, aux_loss_name: str, reduce_group: Any,

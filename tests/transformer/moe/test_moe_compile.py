@@ -1,0 +1,77 @@
+"""MoE layers under ``torch.compile``: one graph serves every layer, and aux losses do not break the graph."""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+
+from megatron_core.transformer import TransformerConfig
+from megatron_core.transformer.moe import MoEAuxLossAutoScaler, get_moe_metrics_tracker
+from megatron_core.transformer.moe.router import TopKRouter
+
+
+def _cfg() -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=4, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=4,
+        moe_router_topk=2, add_bias_linear=False, use_cpu_initialization=True, gated_linear_unit=True,
+        activation_func=F.silu, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+        moe_router_load_balancing_type="seq_aux_loss",
+    )
+
+
+def _routers(cfg: TransformerConfig) -> list[TopKRouter]:
+    torch.manual_seed(0)
+    routers = []
+    for layer in range(1, cfg.num_layers + 1):
+        router = TopKRouter(cfg)
+        router.set_layer_number(layer)
+        routers.append(router)
+    return routers
+
+
+def _route_loss(router: TopKRouter, x: torch.Tensor) -> torch.Tensor:
+    probs, _ = router(x)
+    return (probs * torch.arange(probs.shape[-1], dtype=probs.dtype)).sum()
+
+
+def test_routers_of_every_layer_share_one_compiled_graph_with_aux_losses():
+    cfg = _cfg()
+    routers = _routers(cfg)
+    x = torch.randn(8, 2, cfg.hidden_size)
+    get_moe_metrics_tracker().clear()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    _route_loss(routers[0], x).backward()  # eagerly first: the tracker's entries exist before compiling
+    get_moe_metrics_tracker().clear()
+    torch._dynamo.reset()
+    # fullgraph: the aux losses' backward (traced with the forward) must not break the graph;
+    # error_on_recompile: the layer number must not specialise the graph.
+    compiled = torch.compile(_route_loss, backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for router in routers:
+            compiled(router, x).backward()
+    torch._dynamo.reset()
+    tracker = get_moe_metrics_tracker()
+    for name in ("seq_load_balancing_loss", "z_loss", "load_imbalance"):
+        values = tracker.metrics[name].values
+        assert torch.all(values > 0), (name, values)  # every layer recorded into its own slot
+
+
+def test_compiled_aux_loss_gradients_follow_the_scale_of_each_step():
+    cfg = _cfg()
+    x = torch.randn(8, 2, cfg.hidden_size)
+    grads = []
+    for compile_it in (False, True):
+        router = _routers(cfg)[0]
+        fn = torch.compile(_route_loss, backend="aot_eager", fullgraph=True) if compile_it else _route_loss
+        step_grads = []
+        for scale in (1.0, 7.0):
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))  # before the forward, as the schedules do
+            router.weight.grad = None
+            fn(router, x).backward()
+            step_grads.append(router.weight.grad.clone())
+        grads.append(step_grads)
+        torch._dynamo.reset()
+    assert not torch.allclose(grads[0][0], grads[0][1])  # the scale matters to the gradient
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
