@@ -1,8 +1,10 @@
 """Time the full training step of ``examples/pretrain_gpt.py`` (protocol: shared BENCHMARK.md, "full step").
 
 Runs the pretraining script on the reference configuration (tinyllama-1.1b preset, random tokens, bf16
-params, micro-batch 2, Adam with fp32 main weights, distributed optimizer on), one step per log line, and
-reports the median of 10 steps after 3 warm-up steps: step time, tokens/s, model TFLOP/s, MFU, peak memory,
+params, micro-batch 2, Adam with fp32 main weights, distributed optimizer on), a log line every
+``--log-interval`` steps (each log line synchronises the device and reads the loss, grad norm and memory; the
+first window, with compilation, is warm-up), and reports the median over the timed windows of each window's
+mean step: step time, tokens/s, model TFLOP/s, MFU, peak memory,
 and the optimizer's share of the step (``--step-time-breakdown``) next to its bandwidth floor: Adam with
 fp32 main params must at least read the fp32 gradient (4 bytes per parameter), read and write the fp32
 main param and both moments (24) and write the bf16 param (2), 30 bytes per parameter at the device's
@@ -34,14 +36,14 @@ TINY = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "64", "-
 REFERENCE = ["--model-preset", "tinyllama-1.1b", "--bf16", "--vocab-size", "31999"]  # + EOD = 32000
 
 
-def run_pretrain(model: list[str], iterations: int, flags: list[str]) -> list[dict]:
-    """Run ``pretrain_gpt.py`` (random tokens, micro- and global batch 2, distributed optimizer, a log line per
-    step); its training log records in iteration order."""
+def run_pretrain(model: list[str], iterations: int, flags: list[str], log_interval: int = 1) -> list[dict]:
+    """Run ``pretrain_gpt.py`` (random tokens, micro- and global batch 2, distributed optimizer, a log line every
+    ``log_interval`` steps); its training log records in iteration order."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "log.jsonl"
         cmd = [sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), *model, "--mock-data",
                "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "2",
-               "--train-iters", str(iterations), "--log-interval", "1", "--eval-interval", "0",
+               "--train-iters", str(iterations), "--log-interval", str(log_interval), "--eval-interval", "0",
                "--eval-iters", "1", "--no-progress", "--log-json", str(log), *flags]
         print("+", " ".join(cmd), flush=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
@@ -54,18 +56,22 @@ def run_pretrain(model: list[str], iterations: int, flags: list[str]) -> list[di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile", action="store_true", help="pass --compile to pretrain_gpt.py")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (rounded up to whole log windows)")
+    parser.add_argument("--log-interval", type=int, default=5,
+                        help="steps per log line; the first window is warm-up (1: every step synchronises)")
     parser.add_argument("--tiny", action="store_true", help="tiny fp32 model for a CPU smoke run")
     parser.add_argument("extra", nargs="*", help="further pretrain_gpt.py flags (after --)")
     args = parser.parse_args()
 
     model = TINY if args.tiny else REFERENCE
-    train = run_pretrain(model, args.warmup + args.steps,
-                         ["--step-time-breakdown", *(["--compile"] if args.compile else []), *args.extra])
-    timed = train[args.warmup:args.warmup + args.steps]
-    if len(timed) < args.steps:
-        raise SystemExit(f"expected {args.warmup + args.steps} logged steps, got {len(train)}")
+    windows = -(-args.steps // args.log_interval)
+    warmup = max(1, -(-3 // args.log_interval))  # at least 3 warm-up steps
+    train = run_pretrain(model, (warmup + windows) * args.log_interval,
+                         ["--step-time-breakdown", *(["--compile"] if args.compile else []), *args.extra],
+                         args.log_interval)
+    timed = train[warmup:warmup + windows]
+    if len(timed) < windows:
+        raise SystemExit(f"expected {warmup + windows} log lines, got {len(train)}")
     ms = statistics.median(r["ms/step"] for r in timed)
     tokens = statistics.median(r["tokens/s"] for r in timed)
     line = f"full step{' (compiled layers+loss)' if args.compile else ' (eager)'}: {ms:.1f} ms, {tokens:,.0f} tok/s"

@@ -35,6 +35,13 @@ from megatron_core.transformer import TransformerConfig
 PEAK_FLOPS = TABLE_PEAK_FLOPS["H100"]
 
 
+def add_timing_argument(parser: argparse.ArgumentParser) -> None:
+    """``--timing``: how :func:`time_steps` times a step."""
+    parser.add_argument("--timing", choices=("sync", "events"), default="sync",
+                        help="sync: synchronise after each step (the anchors' harness); events: CUDA events per "
+                             "step, one synchronisation at the end (the host runs ahead, as in training)")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=22)
@@ -50,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each of our TransformerLayers and the loss (fused fp32 cross entropy)")
     p.add_argument("--compile-model", action="store_true", help="torch.compile our whole GPTModel instead")
+    add_timing_argument(p)
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     p.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="our loss through fusions.fused_vocab_parallel_cross_entropy (used outside torch.compile)")
@@ -106,10 +114,24 @@ def build_hf(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
-    """Median seconds per step over ``args.steps`` after ``args.warmup``."""
+    """Median seconds per step over ``args.steps`` after ``args.warmup``.
+
+    ``args.timing`` "sync" (default) synchronises the device after every step and reads the wall clock;
+    "events" (CUDA) brackets each step with CUDA events and synchronises once at the end, so the host
+    queues the next step while the GPU works, as in a training loop (both are BENCHMARK.md's protocol).
+    """
     for _ in range(args.warmup):
         step()
     mdevice.synchronize()
+    if getattr(args, "timing", "sync") == "events" and mdevice.get_current_device().type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(args.steps)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()

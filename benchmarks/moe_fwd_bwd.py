@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from gpt_fwd_bwd import time_steps  # the same step timer for every fwd+bwd benchmark
+from gpt_fwd_bwd import add_timing_argument, time_steps  # the same step timer for every fwd+bwd benchmark
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
@@ -55,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--aux-loss", type=float, default=0.0, help="moe_aux_loss_coeff (HF computes none by default)")
     p.add_argument("--compile", action="store_true", help="torch.compile each layer's norms and attention and the loss")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    add_timing_argument(p)
     p.add_argument("--compile-moe", action="store_true",
                    help="torch.compile each whole layer, MoE block included (needs the sync-free EP=1 path)")
     p.add_argument("--profile", action="store_true", help="print our step's 25 most expensive GPU kernels")

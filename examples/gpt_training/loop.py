@@ -108,14 +108,22 @@ class _PrefetchingDeviceIterator(_DeviceIterator):
         return ready if ready is not None else super().__next__()
 
 
-def _mean_loss(losses: list[dict], key: str = "lm loss") -> float:
-    """Average of ``key`` over micro-batches on the last stage, then over data-parallel ranks, broadcast to all."""
+def _mean_loss_tensor(losses: list[dict], key: str = "lm loss") -> torch.Tensor:
+    """Average of ``key`` over micro-batches on the last stage, then over all ranks, on every rank's device.
+
+    Nothing is read on the host: the per-micro-batch values are summed where they are.
+    """
     value = torch.zeros(2, dtype=torch.float64, device=device.get_current_device())
     if parallel_state.is_pipeline_last_stage() and losses:
-        value[0] = sum(float(d[key]) for d in losses)
+        value[0] = torch.stack([torch.as_tensor(d[key]).detach().to(value).reshape(()) for d in losses]).sum()
         value[1] = len(losses)
     dist.all_reduce(value)
-    return float(value[0] / value[1].clamp(min=1))
+    return value[0] / value[1].clamp(min=1)
+
+
+def _mean_loss(losses: list[dict], key: str = "lm loss") -> float:
+    """:func:`_mean_loss_tensor` read on the host."""
+    return float(_mean_loss_tensor(losses, key))
 
 
 class Trainer:
@@ -166,7 +174,9 @@ class Trainer:
         """Step ``iteration`` (counted from 1): one optimizer step over a global batch; loss, grad norm, skipped.
 
         With ``--check-for-nan-in-loss-and-grad`` (the default) a non-finite loss, or a step the optimizer
-        skipped for a non-finite gradient norm, raises ``RuntimeError`` on every rank before the weights change.
+        skipped for a non-finite gradient norm, raises ``RuntimeError`` on every rank; the weights stay
+        unchanged. The loss is handed to the optimizer on the device (``skip_unless_finite``) and read only
+        after the update is queued, so the GPU never waits for the host between backward and optimizer.
         """
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
@@ -174,13 +184,14 @@ class Trainer:
         losses = self._run(self.train_iter, forward_only=False)
         if self._train_batches is not None:
             self._train_batches.prefetch()  # the next step's first batch, while the GPU works
-        loss = _mean_loss(losses)  # averaged over all ranks, so every rank takes the same decision
+        loss_tensor = _mean_loss_tensor(losses)  # averaged over all ranks, so every rank takes the same decision
         check = self.args.check_for_nan_in_loss_and_grad
-        if check and not math.isfinite(loss):
-            raise RuntimeError(f"iteration {iteration}: the loss is {loss}; stopping before the optimizer step "
-                               "(weights unchanged)")
         step = self.optimizer.step if self.timers is None else timed(self.timers, "optimizer", self.optimizer.step)
-        success, grad_norm, num_zeros = step()
+        success, grad_norm, num_zeros = step(skip_unless_finite=loss_tensor) if check else step()
+        loss = float(loss_tensor)
+        if check and not math.isfinite(loss):
+            raise RuntimeError(f"iteration {iteration}: the loss is {loss}; the optimizer skipped the step on "
+                               "every rank (weights unchanged); stopping")
         # A grad scaler's skip (fp16 overflow) returns no norm and is routine; a non-finite norm is not.
         if check and not success and grad_norm is not None and not math.isfinite(grad_norm):
             raise RuntimeError(f"iteration {iteration}: the gradient norm is {grad_norm}; the optimizer skipped "

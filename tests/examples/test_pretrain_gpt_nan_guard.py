@@ -1,4 +1,4 @@
-"""``pretrain_gpt.py``'s ``--check-for-nan-in-loss-and-grad``: the loop stops before the optimizer step.
+"""``pretrain_gpt.py``'s ``--check-for-nan-in-loss-and-grad``: the optimizer skips the step and the loop stops.
 
 The loop of ``examples/gpt_training`` runs in-process on two CPU ranks (DP=2) with a tiny GPT built
 by the script's own ``setup(args)`` (its data iterator replaced by poisoned batches). Rank 1 alone gets a NaN at iteration 3: in its loss (a NaN in one
@@ -106,7 +106,7 @@ def _train(kind: str, extra: list[str], log_json: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("kind", "extra", "message"), [
-    ("loss", [], "iteration 3: the loss is nan; stopping before the optimizer step (weights unchanged)"),
+    ("loss", [], "iteration 3: the loss is nan; the optimizer skipped the step on every rank (weights unchanged)"),
     ("grad", ["--bf16", "--use-distributed-optimizer"], "iteration 3: the gradient norm is nan;"),
     ("grad", ["--clip-grad", "0"], "iteration 3: the gradient norm is nan;"),
 ], ids=["nan_loss_fp32", "nan_grad_bf16_distopt", "nan_grad_fp32_noclip"])

@@ -144,7 +144,7 @@ def test_plain_adam_checkpoints_load_across_the_flat_step_and_torch_adam(first_f
         _close(got, want, 1e-5)
 
 
-def _skip_non_finite() -> dict:
+def _skip_non_finite(poison: str = "grad") -> dict:
     parallel_state.initialize_model_parallel()
     try:
         model, ddp, opt = _setup(True, {})
@@ -157,8 +157,11 @@ def _skip_non_finite() -> dict:
         positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
         ddp(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
         ddp.finish_grad_sync()
-        next(p for p in model.parameters()).main_grad.view(-1)[0] = float("nan")
-        success, grad_norm, _ = opt.step()
+        if poison == "grad":
+            next(p for p in model.parameters()).main_grad.view(-1)[0] = float("nan")
+            success, grad_norm, _ = opt.step()
+        else:  # finite gradients, a non-finite value handed to the step (the loop's loss)
+            success, grad_norm, _ = opt.step(skip_unless_finite=torch.tensor(float("inf"), dtype=torch.float64))
         unchanged = all(torch.equal(v, before[k]) for k, v in model.named_parameters())
         steps = sorted({int(s["step"]) for s in opt.optimizer.state.values()})
         loss = _step(ddp, opt, 2)  # the next finite step goes ahead as step 3
@@ -168,9 +171,11 @@ def _skip_non_finite() -> dict:
         parallel_state.destroy_model_parallel()
 
 
-def test_non_finite_gradient_skips_the_flat_step_and_its_count():
-    for r in run_on_ranks(2, _skip_non_finite):
-        assert not r["success"] and not r["finite"] and r["unchanged"]
+@pytest.mark.parametrize("poison", ["grad", "skip_unless_finite"])
+def test_non_finite_gradient_or_loss_skips_the_flat_step_and_its_count(poison):
+    for r in run_on_ranks(2, _skip_non_finite, poison):
+        assert not r["success"] and r["unchanged"]
+        assert r["finite"] == (poison != "grad")  # the norm itself is finite when only the loss is not
         assert r["steps"] == [2] and r["after"] == [3] and r["loss"] == r["loss"]
 
 

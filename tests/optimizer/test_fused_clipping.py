@@ -12,7 +12,7 @@ from megatron_core.optimizer.fused_clip import supports_fused_clipping
 from megatron_core.optimizer.optimizer import FP32Optimizer
 
 
-def _run(fused: bool, grads: list[float], clip: float = 0.5):
+def _run(fused: bool, grads: list[float], clip: float = 0.5, losses: list[float] | None = None):
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 4)
     for p in model.parameters():
@@ -22,10 +22,13 @@ def _run(fused: bool, grads: list[float], clip: float = 0.5):
     opt = FP32Optimizer(inner, OptimizerConfig(lr=0.1, clip_grad=clip, weight_decay=0.1))
     assert supports_fused_clipping(inner) is fused
     results = []
-    for scale in grads:
+    for step, scale in enumerate(grads):
         for i, p in enumerate(model.parameters()):
             p.main_grad.copy_(torch.full_like(p, scale * (i + 1)) + torch.arange(p.numel()).view_as(p) * 0.01)
-        results.append(opt.step())
+        if losses is None:
+            results.append(opt.step())
+        else:
+            results.append(opt.step(skip_unless_finite=torch.tensor(losses[step], dtype=torch.float64)))
     return model, inner, results
 
 
@@ -46,3 +49,18 @@ def test_fused_clip_equals_clip_then_step(grads):
         torch.testing.assert_close(sf["exp_avg"], sr["exp_avg"], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(sf["exp_avg_sq"], sr["exp_avg_sq"], rtol=1e-6, atol=1e-9)
         assert float(sf["step"]) == float(sr["step"]) == sum(math.isfinite(g) for g in grads)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_non_finite_loss_skips_the_step_with_finite_gradients(fused):
+    grads, losses = [3.0, 2.0, 1.0], [2.5, math.nan, 2.0]
+    try:
+        model, inner, results = _run(fused, grads, losses=losses)
+    except RuntimeError as err:  # a torch build without the CPU fused kernel
+        pytest.skip(f"fused AdamW unavailable on CPU: {err}")
+    assert [ok for ok, _, _ in results] == [True, False, True]
+    assert all(math.isfinite(norm) for _, norm, _ in results)  # the norm is reported as computed
+    skipped_model, skipped_inner, _ = _run(fused, [grads[0], grads[2]])  # the same run without the skipped step
+    for p, q in zip(model.parameters(), skipped_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        assert float(inner.state[p]["step"]) == float(skipped_inner.state[q]["step"]) == 2

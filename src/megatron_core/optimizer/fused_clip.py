@@ -26,14 +26,16 @@ def supports_fused_clipping(optimizer: torch.optim.Optimizer | None) -> bool:
 
 
 def fused_adam_step_with_clipping(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, clip_grad: float,
-                                  step: Callable[[], None]) -> None:
+                                  step: Callable[[], None], skip_check: torch.Tensor | None = None) -> None:
     """Run ``step()`` (which calls ``optimizer.step()``) with the clip factor and the inf check on the device.
 
-    ``grad_norm`` is the global gradient norm as a 1-element fp32 tensor on the parameters' device.
+    ``grad_norm`` is the global gradient norm as a 1-element fp32 tensor on the parameters' device; the
+    update is skipped when ``skip_check`` (default: the norm) is not finite.
     """
     norm = grad_norm.reshape(())
+    check = norm if skip_check is None else skip_check.reshape(())
     optimizer.grad_scale = torch.clamp((norm + 1.0e-6) / clip_grad, min=1.0)
-    optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+    optimizer.found_inf = (~torch.isfinite(check)).to(torch.float32)
     try:
         step()
     finally:

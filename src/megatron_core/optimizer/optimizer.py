@@ -215,19 +215,24 @@ class MegatronOptimizer(ABC):
         """Run the inner step and copy the results into the model; return success."""
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, float | None]:
+    def step(self, skip_unless_finite: torch.Tensor | None = None) -> tuple[bool, float | None, float | None]:
         """One optimizer step: ``(update_successful, grad_norm, num_zeros_in_grad)``.
 
         Skipped on every rank, weights and optimizer state untouched, when a grad scaler finds an
         inf/nan gradient (``(False, None, None)``) or the global gradient norm is non-finite
         (``(False, grad_norm, None)``). ``grad_norm`` is 0.0 when neither clipping nor the check needs it.
+
+        ``skip_unless_finite`` (an extension; Megatron's ``step`` takes no argument): a tensor holding the same
+        value on every rank, such as the loss reduced over ranks; when it is not finite the step is skipped
+        as for a non-finite norm. Where the update is queued on the device (clipping folded into a fused
+        Adam) the decision is made there too, so the caller need not read the value before the step.
         """
         with self._timer("optimizer-copy-to-main-grad"):
             found_inf = self.prepare_grads()
         if found_inf:
             return False, None, None
         if self._fold_clipping_into_adam():
-            return self._step_with_clipping_in_adam()
+            return self._step_with_clipping_in_adam(skip_unless_finite)
         grad_norm = 0.0
         if self.config.clip_grad > 0.0:
             with self._timer("optimizer-clip-main-grad"):
@@ -235,7 +240,8 @@ class MegatronOptimizer(ABC):
         elif not self.prepare_grads_checks_for_inf():
             with self._timer("optimizer-clip-main-grad"):
                 grad_norm = self.get_grad_norm()
-        if not math.isfinite(grad_norm):
+        if not math.isfinite(grad_norm) or (
+                skip_unless_finite is not None and not bool(torch.isfinite(skip_unless_finite).all())):
             return False, grad_norm, None
         num_zeros = None
         if self.config.log_num_zeros_in_grad:
@@ -261,19 +267,24 @@ class MegatronOptimizer(ABC):
         """
         return None
 
-    def _step_with_clipping_in_adam(self) -> tuple[bool, float, None]:
+    def _step_with_clipping_in_adam(self, skip_unless_finite: torch.Tensor | None = None
+                                    ) -> tuple[bool, float, None]:
         with self._timer("optimizer-clip-main-grad"):
             norm = grad_norm_tensor(self.get_main_grads_for_grad_norm(),
                                     grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        check = norm  # non-finite when the norm or the caller's value is (x * 0 is nan for an inf or nan x)
+        if skip_unless_finite is not None:
+            check = norm + skip_unless_finite.detach().to(device=norm.device, dtype=norm.dtype).sum() * 0
         with self._timer("optimizer-inner-step"):
             results: list[bool] = []
             fused_adam_step_with_clipping(self.optimizer, norm, self.config.clip_grad,
-                                          lambda: results.append(self.step_with_ready_grads()))
-        grad_norm = norm.item()  # the update is already queued: reading the norm now stalls nothing
-        if not math.isfinite(grad_norm):
+                                          lambda: results.append(self.step_with_ready_grads()), check)
+        # The update is already queued: reading the values now stalls nothing.
+        grad_norm, checked = torch.stack([norm.reshape(()), check.reshape(())]).tolist()
+        if not math.isfinite(checked):
             self._step_skipped_on_device()
-        # A non-finite norm made the kernel skip the update (weights and state untouched), as the unfused path does.
-        return bool(results[0]) and math.isfinite(grad_norm), grad_norm, None
+        # A non-finite check made the kernel skip the update (weights and state untouched), as the unfused path does.
+        return bool(results[0]) and math.isfinite(checked), grad_norm, None
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):
