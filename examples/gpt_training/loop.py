@@ -182,12 +182,12 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run(self.train_iter, forward_only=False)
-        if self._train_batches is not None:
-            self._train_batches.prefetch()  # the next step's first batch, while the GPU works
         loss_tensor = _mean_loss_tensor(losses)  # averaged over all ranks, so every rank takes the same decision
         check = self.args.check_for_nan_in_loss_and_grad
         step = self.optimizer.step if self.timers is None else timed(self.timers, "optimizer", self.optimizer.step)
         success, grad_norm, num_zeros = step(skip_unless_finite=loss_tensor) if check else step()
+        if self._train_batches is not None:
+            self._train_batches.prefetch()  # the next step's first batch, while the GPU runs the update
         loss = float(loss_tensor)
         if check and not math.isfinite(loss):
             raise RuntimeError(f"iteration {iteration}: the loss is {loss}; the optimizer skipped the step on "

@@ -9,6 +9,8 @@ shards, including the skipped update of a non-finite gradient norm.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,6 +35,7 @@ def _tokens(step: int) -> torch.Tensor:
 
 def _setup(flat: bool, opt_overrides: dict):
     opt_overrides = {"use_precision_aware_optimizer": True, **opt_overrides}
+    per_piece_norm = opt_overrides.pop("per_piece_norm", False)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     bf16 = bool(opt_overrides.get("bf16"))
@@ -49,6 +52,9 @@ def _setup(flat: bool, opt_overrides: dict):
     finally:
         DistributedOptimizer.flat_shard_step = previous
     assert (opt._flat is not None) == flat
+    assert opt._norm_over_flat_shards == flat  # every piece counts towards the norm in this model
+    if per_piece_norm:  # the reference's summation order for the norm (bf16 moments round its last bits apart)
+        opt._norm_over_flat_shards = False
     return model, ddp, opt
 
 
@@ -98,7 +104,7 @@ def _close(a: dict, b: dict, tol: float) -> None:
 
 @pytest.mark.parametrize("overrides", [
     {},
-    {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+    {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16, "per_piece_norm": True},
     {"decoupled_weight_decay": False},
     {"clip_grad": 0.0},
     {"bf16": True},
@@ -262,3 +268,30 @@ def test_flat_step_serves_plain_adam_under_the_distributed_optimizer_on_cuda_onl
         assert _flat_adam_serves(config(), groups("cpu"), fsdp=False)
     finally:
         DistributedOptimizer.flat_shard_step = previous
+
+
+def _norms() -> dict:
+    parallel_state.initialize_model_parallel()
+    try:
+        model, ddp, opt = _setup(True, {})
+        _step(ddp, opt, 0)
+        tokens = _tokens(1).chunk(2)[dist.get_rank()]
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
+        ddp(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
+        ddp.finish_grad_sync()
+        opt.prepare_grads()
+        flat_grads = opt.get_main_grads_for_grad_norm()
+        flat_norm = opt.get_grad_norm()
+        opt._norm_over_flat_shards = False
+        pieces = opt.get_main_grads_for_grad_norm()
+        return {"flat": flat_norm, "pieces": opt.get_grad_norm(), "tensors": (len(flat_grads), len(pieces))}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_norm_over_flat_shard_slices_equals_the_norm_over_pieces():
+    for r in run_on_ranks(2, _norms):
+        assert r["tensors"][0] < r["tensors"][1]  # one slice per bucket instead of one tensor per param
+        assert math.isclose(r["flat"], r["pieces"], rel_tol=1e-6), r

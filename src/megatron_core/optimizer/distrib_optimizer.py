@@ -36,6 +36,7 @@ from megatron_core.optimizer.checkpoint_state import (
     is_model_space_state,
     load_model_space_state,
 )
+from megatron_core.optimizer.clip_grads import param_is_not_shared, param_is_not_tensor_parallel_duplicate
 from megatron_core.optimizer.flat_adam import FlatAdamShards, FlatShard
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer import MixedPrecisionOptimizer, copy_param_attributes
@@ -73,6 +74,8 @@ class _ShardEntry:
     name: str
     chunk_index: int
     offloaded: bool = False  # main param and optimizer state live on the CPU (optimizer_cpu_offload)
+    grad_view: torch.Tensor | None = None  # this slice of ``model_param.main_grad`` (made once, reused every step)
+    grad_view_of: torch.Tensor | None = None  # the ``main_grad`` it views
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -121,6 +124,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             group["params"] = [e.main_param for e in entries]
         self.optimizer.state.clear()
         self._flat = FlatAdamShards(self.optimizer, flat_shards) if flat_shards else None
+        # When every owned piece counts towards the norm, the norm reads each flat shard's gradient slice
+        # whole (one tensor per bucket; DDP's padding between params holds zeros).
+        tp_rank = get_pg_rank(self.tp_group)
+        self._norm_over_flat_shards = self._flat is not None and all(
+            param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_rank)
+            for p in self.get_parameters())
 
     flat_shard_step: bool | None = None  # None: on CUDA when eligible; True / False: force on / off
 
@@ -233,12 +242,21 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _collect_main_grad_data_for_unscaling(self) -> list[torch.Tensor]:
         return [e.main_param.grad for e in self._entries() if e.main_param.grad is not None]
 
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+        """The owned gradients that count towards the norm (whole flat shard slices where every piece counts)."""
+        if self._norm_over_flat_shards:
+            return [shard.grad for shard in self._flat.shards]
+        return super().get_main_grads_for_grad_norm()
+
     def _copy_model_grads_to_main_grads(self) -> None:
         for entry in self._entries():
-            flat = entry.model_param.main_grad.view(-1)[entry.param_range.start:entry.param_range.end]
-            main = entry.main_param
+            main_grad = entry.model_param.main_grad
+            if entry.grad_view_of is not main_grad:
+                entry.grad_view = main_grad.view(-1)[entry.param_range.start:entry.param_range.end]
+                entry.grad_view_of = main_grad
+            flat, main = entry.grad_view, entry.main_param
             same = flat.dtype == main.dtype and flat.device == main.device
-            entry.main_param.grad = flat if same else flat.to(device=main.device, dtype=main.dtype)
+            main.grad = flat if same else flat.to(device=main.device, dtype=main.dtype)
 
     def _copy_main_params_to_model_params(self) -> None:
         for entry in self._entries():
