@@ -52,12 +52,14 @@ def accumulate_weight_gradient(main_grad: torch.Tensor, grad_output_2d: torch.Te
         main_grad.add_(grad_output_2d.t().matmul(input_2d))
 
 
-@torch.library.custom_op("megatron_core::accumulate_weight_gradient", mutates_args=("main_grad",))
-def _accumulate_weight_gradient_op(main_grad: torch.Tensor, grad_output_2d: torch.Tensor,
-                                   input_2d: torch.Tensor) -> None:
-    accumulate_weight_gradient(main_grad, grad_output_2d, input_2d)
+# Defined with the plain ``torch.library.Library`` API rather than ``torch.library.custom_op``: the dispatcher then
+# calls the Python function directly, without custom_op's Python autograd / view / checking layers (about 60 us
+# per call on the host; a backward makes four calls per layer).
+_LIBRARY = torch.library.Library("megatron_core", "FRAGMENT")
+_LIBRARY.define("accumulate_weight_gradient(Tensor(a!) main_grad, Tensor grad_output_2d, Tensor input_2d) -> ()")
+_LIBRARY.impl("accumulate_weight_gradient", accumulate_weight_gradient, "CompositeExplicitAutograd")
 
 
-@_accumulate_weight_gradient_op.register_fake
+@torch.library.register_fake("megatron_core::accumulate_weight_gradient", lib=_LIBRARY)
 def _(main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
     return None
