@@ -150,6 +150,16 @@ def test_plain_adam_checkpoints_load_across_the_flat_step_and_torch_adam(first_f
         _close(got, want, 1e-5)
 
 
+def _backward_only(ddp, opt, step: int) -> None:
+    """This rank's half of step ``step``'s batch forward and backward, gradients reduced; no optimizer step."""
+    tokens = _tokens(step).chunk(2)[dist.get_rank()]
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
+    ddp(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
+    ddp.finish_grad_sync()
+
+
 def _skip_non_finite(poison: str = "grad") -> dict:
     parallel_state.initialize_model_parallel()
     try:
@@ -157,12 +167,7 @@ def _skip_non_finite(poison: str = "grad") -> dict:
         for step in range(2):
             _step(ddp, opt, step)
         before = {k: v.detach().clone() for k, v in model.named_parameters()}
-        tokens = _tokens(9).chunk(2)[dist.get_rank()]
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
-        ddp(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
-        ddp.finish_grad_sync()
+        _backward_only(ddp, opt, 9)
         if poison == "grad":
             next(p for p in model.parameters()).main_grad.view(-1)[0] = float("nan")
             success, grad_norm, _ = opt.step()
@@ -275,12 +280,7 @@ def _norms() -> dict:
     try:
         model, ddp, opt = _setup(True, {})
         _step(ddp, opt, 0)
-        tokens = _tokens(1).chunk(2)[dist.get_rank()]
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
-        ddp(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
-        ddp.finish_grad_sync()
+        _backward_only(ddp, opt, 1)
         opt.prepare_grads()
         flat_grads = opt.get_main_grads_for_grad_norm()
         flat_norm = opt.get_grad_norm()
