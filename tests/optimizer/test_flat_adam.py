@@ -36,10 +36,12 @@ def _tokens(step: int) -> torch.Tensor:
 def _setup(flat: bool, opt_overrides: dict):
     opt_overrides = {"use_precision_aware_optimizer": True, **opt_overrides}
     per_piece_norm = opt_overrides.pop("per_piece_norm", False)
+    tp = opt_overrides.pop("tp", 1)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     bf16 = bool(opt_overrides.get("bf16"))
-    model = build(llama_like(), **(dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}))
+    model = build(llama_like(), tensor_model_parallel_size=tp,
+                  **(dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}))
     module = Float16Module(model.config, model) if bf16 else model
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=bf16), module)
@@ -52,7 +54,8 @@ def _setup(flat: bool, opt_overrides: dict):
     finally:
         DistributedOptimizer.flat_shard_step = previous
     assert (opt._flat is not None) == flat
-    assert opt._norm_over_flat_shards == flat  # every piece counts towards the norm in this model
+    # Every piece counts towards the norm, except TP-replicated params (the norms' weights) off TP rank 0.
+    assert opt._norm_over_flat_shards == (flat and parallel_state.get_tensor_model_parallel_rank() == 0)
     if per_piece_norm:  # the reference's summation order for the norm (bf16 moments round its last bits apart)
         opt._norm_over_flat_shards = False
     return model, ddp, opt
@@ -275,10 +278,11 @@ def test_flat_step_serves_plain_adam_under_the_distributed_optimizer_on_cuda_onl
         DistributedOptimizer.flat_shard_step = previous
 
 
-def _norms() -> dict:
-    parallel_state.initialize_model_parallel()
+def _norms(tp: int = 1) -> dict:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
-        model, ddp, opt = _setup(True, {})
+        model, ddp, opt = _setup(True, {"tp": tp})
+        flat_path = opt._norm_over_flat_shards
         _step(ddp, opt, 0)
         _backward_only(ddp, opt, 1)
         opt.prepare_grads()
@@ -286,12 +290,18 @@ def _norms() -> dict:
         flat_norm = opt.get_grad_norm()
         opt._norm_over_flat_shards = False
         pieces = opt.get_main_grads_for_grad_norm()
-        return {"flat": flat_norm, "pieces": opt.get_grad_norm(), "tensors": (len(flat_grads), len(pieces))}
+        return {"flat": flat_norm, "pieces": opt.get_grad_norm(), "tensors": (len(flat_grads), len(pieces)),
+                "flat_path": flat_path}
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def test_norm_over_flat_shard_slices_equals_the_norm_over_pieces():
-    for r in run_on_ranks(2, _norms):
-        assert r["tensors"][0] < r["tensors"][1]  # one slice per bucket instead of one tensor per param
+@pytest.mark.parametrize("tp", [1, 2])
+def test_norm_over_flat_shard_slices_equals_the_norm_over_pieces(tp):
+    results = run_on_ranks(2, _norms, tp)
+    for rank, r in enumerate(results):
+        # TP=2: rank 1 holds replicated copies that must not count, so it reads the pieces it may count.
+        assert r["flat_path"] == (tp == 1 or rank == 0), (rank, r)
+        if r["flat_path"]:
+            assert r["tensors"][0] < r["tensors"][1]  # one slice per bucket instead of one tensor per param
         assert math.isclose(r["flat"], r["pieces"], rel_tol=1e-6), r
