@@ -8,7 +8,6 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from megatron_core.device import cuda_available
 from megatron_core.distributed import DistributedDataParallelConfig
 from megatron_core.models.common.model_builder import get_model
 from megatron_core.models.gpt import GPTModel
@@ -89,8 +88,6 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        # The loop reads main_grad only through the optimizer, after the forward: zeroing may overlap the forward.
-        zero_grad_buffer_on_side_stream=cuda_available(),
     )
 
 

@@ -130,8 +130,6 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            if self.ddp_config.zero_grad_buffer_on_side_stream:  # forward bypassed: wait before accumulating
-                self._wait_for_zeroing()
             # A fused weight-gradient GEMM already wrote into main_grad (flag set by the backward, or the
             # layer's static mark inside compiled graphs); .grad is then a dummy, unless zero_out_wgrad.
             fused = p.grad_added_to_main_grad or getattr(p, "wgrad_fused_into_main_grad", False)
@@ -169,16 +167,8 @@ class DistributedDataParallel(torch.nn.Module):
             self.start_param_sync(force_sync=True)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Call the wrapped module (the forward's kernels overlap a side-stream ``zero_grad_buffer``)."""
-        output = self.module(*inputs, **kwargs)
-        self._wait_for_zeroing()
-        return output
-
-    def _wait_for_zeroing(self) -> None:
-        """Order the compute stream after a pending side-stream zeroing of the gradient buffers."""
-        if self.ddp_config.zero_grad_buffer_on_side_stream:
-            for buffer in self.buffers + self.expert_parallel_buffers:
-                buffer.wait_for_zeroing()
+        """Call the wrapped module."""
+        return self.module(*inputs, **kwargs)
 
     def _all_bucket_groups(self) -> list[_ParamAndGradBucketGroup]:
         return self.bucket_groups + self.expert_parallel_bucket_groups
@@ -196,13 +186,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     def start_grad_sync(self, *unused: Any) -> None:
         """Launch the reduction of every bucket (asynchronously when ``overlap_grad_reduce``)."""
-        self._wait_for_zeroing()
         for group in self._all_bucket_groups():
             group.start_grad_sync()
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Wait for (or run) every bucket's reduction; afterwards ``main_grad`` holds the reduced gradient."""
-        self._wait_for_zeroing()
         for group in self._all_bucket_groups():
             group.finish_grad_sync(force_all_reduce=force_all_reduce)
 

@@ -88,12 +88,6 @@ class DistributedDataParallelConfig:
     delay_wgrad_compute: bool = False
     """Accepted for compatibility; has no effect here."""
 
-    zero_grad_buffer_on_side_stream: bool = False
-    """An extension (not in Megatron-Core), CUDA only: ``zero_grad_buffer`` zeroes the gradient buffers on a side
-    stream, overlapped with the next forward; the compute stream waits for it when ``DistributedDataParallel``'s
-    forward returns (before any backward) and before a gradient is accumulated or reduced. Code that reads
-    ``main_grad`` on the compute stream between ``zero_grad_buffer`` and the forward sees it unzeroed."""
-
     def __post_init__(self) -> None:
         """Validate the combination of options; errors name the fields and values."""
         if self.use_custom_fsdp:

@@ -180,16 +180,6 @@ class _ParamAndGradBucketGroup:
                 nxt.start_param_sync()
 
 
-_ZEROING_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _zeroing_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream that zeroes gradient buffers on ``device`` (one per device)."""
-    if device not in _ZEROING_STREAMS:
-        _ZEROING_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _ZEROING_STREAMS[device]
-
-
 class _ParamAndGradBuffer:
     """One contiguous param buffer (distributed optimizer only) and grad buffer for params of one dtype pair."""
 
@@ -213,7 +203,6 @@ class _ParamAndGradBuffer:
         self.numel = self._layout(bucket_size)
         self.numel_unpadded = sum(p.numel() for p in self.params)
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
-        self._zeroed: torch.cuda.Event | None = None  # a pending side-stream zeroing (see ``reset``)
         self.param_data = None
         if ddp_config.use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
@@ -296,22 +285,8 @@ class _ParamAndGradBuffer:
         self.grad_data.mul_(scaling_factor)
 
     def reset(self) -> None:
-        """Zero the gradient buffer (on a side stream with ``zero_grad_buffer_on_side_stream``, on CUDA)."""
-        if not (self.ddp_config.zero_grad_buffer_on_side_stream and self.grad_data.is_cuda):
-            self.grad_data.zero_()
-            return
-        side = _zeroing_stream(self.grad_data.device)
-        side.wait_stream(torch.cuda.current_stream(self.grad_data.device))  # after every reader of the gradients
-        with torch.cuda.stream(side):
-            self.grad_data.zero_()
-            self._zeroed = torch.cuda.Event()
-            self._zeroed.record(side)
-
-    def wait_for_zeroing(self) -> None:
-        """Make the current stream wait for a side-stream :meth:`reset` still pending (no host wait)."""
-        zeroed, self._zeroed = self._zeroed, None
-        if zeroed is not None:
-            torch.cuda.current_stream(self.grad_data.device).wait_event(zeroed)
+        """Zero the gradient buffer."""
+        self.grad_data.zero_()
 
 
 def partition_buckets(buffers: Sequence[_ParamAndGradBuffer], force_single_bucket_group: bool = False,
