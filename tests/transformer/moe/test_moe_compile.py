@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from megatron_core.transformer import TransformerConfig
 from megatron_core.transformer.moe import MoEAuxLossAutoScaler, get_moe_metrics_tracker
+from megatron_core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron_core.transformer.moe.router import TopKRouter
 
 
@@ -39,7 +40,7 @@ def test_routers_of_every_layer_share_one_compiled_graph_with_aux_losses():
     cfg = _cfg()
     routers = _routers(cfg)
     x = torch.randn(8, 2, cfg.hidden_size)
-    get_moe_metrics_tracker().clear()
+    destroy_moe_metrics_tracker()  # entries sized by other tests' models would change the guards
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     _route_loss(routers[0], x).backward()  # eagerly first: the tracker's entries exist before compiling
     get_moe_metrics_tracker().clear()
@@ -75,3 +76,13 @@ def test_compiled_aux_loss_gradients_follow_the_scale_of_each_step():
     assert not torch.allclose(grads[0][0], grads[0][1])  # the scale matters to the gradient
     for eager, compiled in zip(*grads):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_tracker_grows_for_a_model_with_more_layers():
+    destroy_moe_metrics_tracker()
+    tracker = get_moe_metrics_tracker()
+    tracker.record("z_loss", torch.tensor(1.0), 2, 2)
+    tracker.record("z_loss", torch.tensor(3.0), 4, 4)  # a later, deeper model
+    tracker.record("z_loss", torch.tensor(5.0), torch.tensor(1), 4)
+    assert tracker.metrics["z_loss"].values.tolist() == [5.0, 1.0, 0.0, 3.0]
+    destroy_moe_metrics_tracker()

@@ -87,6 +87,8 @@ class MoEMetricsTracker:
         entry = self._metrics[name]
         if entry.values.device != value.device:  # follow the model's device once, never copy per record
             entry.values = entry.values.to(value.device)
+        if entry.values.numel() < num_layers:  # a model with more layers than the one that made the entry
+            entry.values = torch.cat([entry.values, entry.values.new_zeros(num_layers - entry.values.numel())])
         value = value.detach().float()
         if isinstance(layer_number, torch.Tensor):
             entry.values.index_add_(0, layer_number.reshape(1) - 1, value.reshape(1))
