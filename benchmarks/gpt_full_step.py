@@ -36,15 +36,21 @@ TINY = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "64", "-
 REFERENCE = ["--model-preset", "tinyllama-1.1b", "--bf16", "--vocab-size", "31999"]  # + EOD = 32000
 
 
+def pretrain_flags(iterations: int, log_interval: int) -> list[str]:
+    """The ``pretrain_gpt.py`` flags every benchmark run shares: random tokens, micro- and global batch 2, the
+    distributed optimizer, a log line every ``log_interval`` steps, no evaluation (later flags override these)."""
+    return ["--mock-data", "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--train-iters", str(iterations), "--log-interval", str(log_interval), "--eval-interval", "0",
+            "--eval-iters", "1", "--no-progress"]
+
+
 def run_pretrain(model: list[str], iterations: int, flags: list[str], log_interval: int = 1) -> list[dict]:
     """Run ``pretrain_gpt.py`` (random tokens, micro- and global batch 2, distributed optimizer, a log line every
     ``log_interval`` steps); its training log records in iteration order."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "log.jsonl"
-        cmd = [sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), *model, "--mock-data",
-               "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "2",
-               "--train-iters", str(iterations), "--log-interval", str(log_interval), "--eval-interval", "0",
-               "--eval-iters", "1", "--no-progress", "--log-json", str(log), *flags]
+        cmd = [sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), *model,
+               *pretrain_flags(iterations, log_interval), "--log-json", str(log), *flags]
         print("+", " ".join(cmd), flush=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
                                                                            os.environ.get("PYTHONPATH")]))}

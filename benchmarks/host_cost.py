@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from gpt_full_step import pretrain_flags  # the flags every benchmark run of pretrain_gpt.py shares
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_WIDTHS = ["--model-preset", "tinyllama-1.1b", "--hidden-size", "128", "--num-attention-heads", "4",
@@ -63,10 +64,9 @@ def main() -> None:
     loop.Trainer.train_step = train_step
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "log.jsonl"
-        argv = [*TINY_WIDTHS, *([] if on_cpu else ["--bf16"]), "--mock-data", "--use-distributed-optimizer", "--micro-batch-size", "2",
-                "--global-batch-size", "2", "--train-iters", str(args.log_interval * (1 + args.windows)),
-                "--log-interval", str(args.log_interval), "--eval-interval", "0", "--eval-iters", "1",
-                "--no-progress", "--log-json", str(log), *([] if args.no_compile else ["--compile"]), *args.extra]
+        argv = [*TINY_WIDTHS, *([] if on_cpu else ["--bf16"]),
+                *pretrain_flags(args.log_interval * (1 + args.windows), args.log_interval), "--log-json", str(log),
+                *([] if args.no_compile else ["--compile"]), *args.extra]
         try:
             pretrain_gpt.main(argv)
         finally:

@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from gpt_full_step import pretrain_flags  # the flags every benchmark run of pretrain_gpt.py shares
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,9 +49,7 @@ def main() -> None:
     warnings.showwarning = record
     warnings.simplefilter("always")
     torch.cuda.set_sync_debug_mode("warn")
-    argv = ["--mock-data", "--use-distributed-optimizer", "--micro-batch-size", "2", "--train-iters",
-            str(args.iterations), "--log-interval", str(args.iterations), "--eval-interval", "0",
-            "--eval-iters", "1", "--no-progress", *args.extra]
+    argv = [*pretrain_flags(args.iterations, args.iterations), *args.extra]
     try:
         pretrain_gpt.main(argv)
     finally:

@@ -11,11 +11,11 @@ divide every gradient by the number of tokens of the global batch.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
+from megatron_core._wrapped_model import submodules_with_attribute
 from megatron_core.distributed import collectives
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.utils import get_pg_rank, get_pg_size, unwrap_model
@@ -88,27 +88,14 @@ def _allreduce_grads(params: list[torch.nn.Parameter], group: Any) -> None:
     collectives.all_reduce_coalesced(grads, group)
 
 
-_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _routers(chunk: torch.nn.Module) -> list[torch.nn.Module]:
-    """The chunk's modules with an expert bias or a global aux-loss tracker, found once per chunk.
-
-    A walk over every module costs about a millisecond of host time per step; dense models have none.
-    """
-    if chunk not in _ROUTERS:
-        _ROUTERS[chunk] = [m for m in chunk.modules() if hasattr(m, "enable_expert_bias")
-                           or hasattr(m, "reset_global_aux_loss_tracker")]
-    return _ROUTERS[chunk]
-
-
 def _update_router_expert_bias(model: list[torch.nn.Module]) -> None:
     """Move each MoE router's ``expert_bias`` toward balance and restart its step counters."""
     # Imported here: distributed sits below the transformer package, and dense models never need it.
     from megatron_core.transformer.moe.moe_utils import get_updated_expert_bias
 
     for chunk in model:
-        for module in _routers(unwrap_model(chunk)):
+        for module in submodules_with_attribute(unwrap_model(chunk), "enable_expert_bias",
+                                                "reset_global_aux_loss_tracker"):
             if getattr(module, "enable_expert_bias", False) and getattr(module, "expert_bias", None) is not None:
                 updated = get_updated_expert_bias(module.local_tokens_per_expert, module.expert_bias,
                                                   module.config.moe_router_bias_update_rate, module.tp_dp_cp_group)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state
+from megatron_core._wrapped_model import submodules_with_attribute
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.utils import sharded_state_dict_default
@@ -43,16 +44,8 @@ class MegatronModule(torch.nn.Module):
         return sharded_state_dict_default(self, prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
 
     def set_is_first_microbatch(self) -> None:
-        """Tell every submodule that the next forward is the first microbatch (weight caches refresh).
-
-        The submodules with the flag are found on the first call and remembered (a walk over every module
-        costs about a millisecond of host time per step).
-        """
-        modules = self.__dict__.get("_modules_with_first_microbatch_flag")
-        if modules is None:
-            modules = [m for m in self.modules() if hasattr(m, "is_first_microbatch")]
-            self.__dict__["_modules_with_first_microbatch_flag"] = modules
-        for module in modules:
+        """Tell every submodule that the next forward is the first microbatch (weight caches refresh)."""
+        for module in submodules_with_attribute(self, "is_first_microbatch"):
             module.is_first_microbatch = True
 
 
