@@ -61,6 +61,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     p.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="our loss through fusions.fused_vocab_parallel_cross_entropy (used outside torch.compile)")
+    p.add_argument("--no-rope-fusion", action="store_true",
+                   help="split QKV and apply RoPE unfused (default: one Triton kernel each way on CUDA)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
@@ -85,6 +87,7 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
         num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, normalization="RMSNorm",
         gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=True,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, add_bias_linear=False,
+        apply_rope_fusion=not args.no_rope_fusion,
         hidden_dropout=0.0,
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
     )

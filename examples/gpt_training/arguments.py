@@ -31,6 +31,9 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default="native")
     g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                    help="compute SwiGLU with separate operations instead of one fused function each way")
+    g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false",
+                   help="split the QKV projection and apply RoPE with separate operations instead of one fused "
+                        "kernel each way (the fused kernel runs on CUDA with Triton; Megatron-LM's flag)")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=None,
                    help="weight-gradient GEMMs accumulate straight into the fp32 main_grad (with DDP; default: on "
                         "on CUDA unless --use-torch-fsdp2, as Megatron-LM's default)")

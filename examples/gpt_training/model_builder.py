@@ -34,6 +34,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         bias_activation_fusion=bool(args.swiglu and getattr(args, "bias_swiglu_fusion", True)),
         cross_entropy_loss_fusion=getattr(args, "cross_entropy_loss_fusion", False),
         cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"),
+        apply_rope_fusion=getattr(args, "apply_rope_fusion", True),
         add_bias_linear=not args.disable_bias_linear,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -18,8 +18,10 @@ import torch
 from megatron_core import tensor_parallel
 from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.transformer.enums import AttnMaskType
+from megatron_core.transformer.fused_qkv_rope import fused_qkv_rope_supported, split_qkv_with_rope
+from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.module import MegatronModule
-from megatron_core.transformer.rope_utils import apply_rotary_pos_emb
+from megatron_core.transformer.rope_utils import apply_rotary_pos_emb, rotary_cos_sin
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.utils import divide
@@ -169,8 +171,15 @@ class SelfAttention(MegatronModule):
         attn_mask_type: AttnMaskType | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend over ``hidden_states`` ``[s, b, h]``; returns ``(output [s, b, h], bias)``."""
-        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
         inference_context = inference_context if inference_context is not None else inference_params
+        angles = self._fused_rope_angles(rotary_pos_emb, key_value_states, packed_seq_params, inference_context)
+        if angles is not None:
+            query, key, value = self._split_and_rotate(hidden_states, angles)
+            context = self._core_attention(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
+            return self.linear_proj(context)
+        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
         if inference_context is not None:  # KV cache: the context rotates, caches and attends (inference/contexts)
             return self.linear_proj(inference_context.attention(self, query, key, value, rotary_pos_emb))
         if rotary_pos_emb is not None:
@@ -187,6 +196,46 @@ class SelfAttention(MegatronModule):
             query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
         )
         return self.linear_proj(context)
+
+
+    def _fused_rope_angles(
+        self, rotary_pos_emb: Any, key_value_states: torch.Tensor | None, packed_seq_params: Any,
+        inference_context: Any,
+    ) -> torch.Tensor | None:
+        """The angles when the QKV split and RoPE run as one kernel each way, else ``None``.
+
+        Asked for by ``fused_single_qkv_rope`` or ``apply_rope_fusion``; it serves self-attention over a plain
+        (not packed) sequence in training or a forward without a KV cache, with one angle tensor for query and
+        key that rotates whole heads by the half-split rule and no q/k layernorm. Elsewhere the split and the
+        rotation run unfused (same values).
+        """
+        config = self.config
+        if rotary_pos_emb is None or not (config.fused_single_qkv_rope or config.apply_rope_fusion):
+            return None
+        q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+        plain = (key_value_states is None and packed_seq_params is None and inference_context is None
+                 and not config.rotary_interleaved and q_emb is k_emb and not q_emb.requires_grad
+                 and q_emb.shape[-1] == self.hidden_size_per_attention_head
+                 and isinstance(self.q_layernorm, (type(None), IdentityOp))
+                 and isinstance(self.k_layernorm, (type(None), IdentityOp))
+                 and type(self).get_query_key_value_tensors is SelfAttention.get_query_key_value_tensors
+                 and type(self)._split_qkv is SelfAttention._split_qkv)
+        return q_emb if plain else None
+
+    def _split_and_rotate(
+        self, hidden_states: torch.Tensor, angles: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``linear_qkv``, then query, key and value with RoPE applied: one Triton kernel where it runs."""
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        cos, sin = rotary_cos_sin(angles, mixed_qkv.shape[0], mixed_qkv.dtype)
+        if fused_qkv_rope_supported(mixed_qkv, cos):
+            return split_qkv_with_rope(
+                mixed_qkv, cos, sin, self.num_query_groups_per_partition, self.heads_per_group
+            )
+        query, key, value = self._split_qkv(mixed_qkv)
+        query = apply_rotary_pos_emb(query, angles, config=self.config)
+        key = apply_rotary_pos_emb(key, angles, config=self.config)
+        return query, key, value
 
 
 def _padded_or(padded: Any, plain: Any) -> Any:

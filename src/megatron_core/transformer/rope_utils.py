@@ -62,6 +62,18 @@ def apply_rotary_pos_emb(
     return _FusedRotation.apply(t, cos, sin, rotary_interleaved)
 
 
+def rotary_cos_sin(
+    freqs: torch.Tensor, seq_len: int, dtype: torch.dtype, mscale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cosine and sine tables ``[seq_len, 1, 1, rot_dim]`` (in ``dtype``) that rotating by ``freqs`` uses.
+
+    Outside ``torch.compile`` they are computed once per angle tensor (every layer of a forward shares them).
+    """
+    if torch.compiler.is_compiling() or freqs.requires_grad:
+        return _scaled_cos_sin(freqs[:seq_len], mscale, dtype)
+    return _cached_cos_sin(freqs, seq_len, mscale, dtype)
+
+
 def _scaled_cos_sin(angles: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.cos(angles) * mscale).to(dtype), (torch.sin(angles) * mscale).to(dtype)
 

@@ -79,6 +79,7 @@ class TransformerConfig(ModelParallelConfig):
     masked_softmax_fusion: bool = False
     rotary_interleaved: bool = False
     apply_rope_fusion: bool = False
+    fused_single_qkv_rope: bool = False
     multi_latent_attention: bool = False
 
     # Initialization
