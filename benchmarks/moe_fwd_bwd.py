@@ -55,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--aux-loss", type=float, default=0.0, help="moe_aux_loss_coeff (HF computes none by default)")
     p.add_argument("--compile", action="store_true", help="torch.compile each layer's norms and attention and the loss")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--no-rope-fusion", action="store_true",
+                   help="split QKV and apply RoPE unfused (default: one Triton kernel each way on CUDA)")
     add_timing_argument(p)
     p.add_argument("--compile-moe", action="store_true",
                    help="torch.compile each whole layer, MoE block included (needs the sync-free EP=1 path)")
@@ -89,7 +91,7 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
         num_moe_experts=args.experts, moe_router_topk=args.topk, moe_grouped_gemm=not args.sequential,
-        moe_aux_loss_coeff=args.aux_loss, moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=args.aux_loss, moe_token_dispatcher_type="alltoall", apply_rope_fusion=not args.no_rope_fusion,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     model = GPTModel(config, spec, args.vocab, args.seq, position_embedding_type="rope")
