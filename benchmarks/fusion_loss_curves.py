@@ -3,9 +3,11 @@
 Runs the reference configuration (tinyllama-1.1b preset, bf16, random tokens, micro-batch 2, distributed
 optimizer) for ``--steps`` steps three times from the same initial weights and data:
 
-* ``unfused``: eager layers, SwiGLU, the loss and the weight-gradient accumulation unfused, torch's Adam;
-* ``fused``: compiled layers and loss, ``--cross-entropy-loss-fusion``, ``--gradient-accumulation-fusion``
-  and the precision-aware optimizer's flat fused step (fp32 state, so the same arithmetic as Adam);
+* ``unfused``: eager layers, SwiGLU, the QKV split with RoPE, the loss and the weight-gradient accumulation
+  unfused, torch's Adam;
+* ``fused``: compiled layers and loss, the fused QKV split + RoPE kernel (on by default),
+  ``--cross-entropy-loss-fusion``, ``--gradient-accumulation-fusion`` and the precision-aware optimizer's flat
+  fused step (fp32 state, so the same arithmetic as Adam);
 * ``unfused, again``: the unfused run once more, same flags and seed: how far two identical bf16 runs drift
   apart (GPU kernels do not promise bit-identical results between processes);
 * ``unfused, other seed``: the unfused run from other initial weights (``--seed``), the yardstick for
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt_full_step import REFERENCE, TINY, run_pretrain  # noqa: E402
 
-UNFUSED = ["--no-bias-swiglu-fusion", "--no-gradient-accumulation-fusion"]
+UNFUSED = ["--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion"]
 FUSED = ["--cross-entropy-loss-fusion", "--gradient-accumulation-fusion", "--use-precision-aware-optimizer"]
 
 
