@@ -16,40 +16,47 @@ from megatron_core.transformer import fused_qkv_rope
 from megatron_core.transformer.fused_qkv_rope import fused_qkv_rope_supported, split_qkv_with_rope
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb, rotary_cos_sin
 
-# (seq, batch, groups, heads per group, head dim): GQA, MHA (one head per group), MQA (one group)
-SHAPES = [(6, 2, 2, 3, 16), (5, 1, 3, 1, 32), (4, 3, 1, 8, 64)]
+# (seq, batch, groups, heads per group, head dim, rotary dim, interleaved): GQA, MHA (one head per group), MQA
+# (one group); a partial rotation with a head size that is not a power of two; the interleaved rotation.
+SHAPES = [(6, 2, 2, 3, 16, 16, False), (5, 1, 3, 1, 32, 32, False), (4, 3, 1, 8, 64, 64, False),
+          (5, 2, 2, 2, 24, 8, False), (4, 2, 2, 3, 16, 16, True)]
 
 
-def _angles(seq: int, head_dim: int) -> torch.Tensor:
-    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+def _angles(seq: int, rot_dim: int, interleaved: bool) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
     angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
-    return torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    emb = torch.repeat_interleave(angles, 2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
+    return emb[:, None, None, :]
 
 
-def _unfused(mixed: torch.Tensor, angles: torch.Tensor, groups: int, per_group: int, head_dim: int):
+def _unfused(mixed: torch.Tensor, angles: torch.Tensor, groups: int, per_group: int, head_dim: int,
+             interleaved: bool, cu_seqlens: torch.Tensor | None = None):
     s, b = mixed.shape[:2]
     q, k, v = torch.split(mixed.view(s, b, groups, (per_group + 2) * head_dim),
                           [per_group * head_dim, head_dim, head_dim], dim=3)
-    q = apply_rotary_pos_emb(q.reshape(s, b, groups * per_group, head_dim), angles)
-    return q, apply_rotary_pos_emb(k, angles), v
+    rotate = {"rotary_interleaved": interleaved, "cu_seqlens": cu_seqlens}
+    q = apply_rotary_pos_emb(q.reshape(s, b, groups * per_group, head_dim), angles, **rotate)
+    return q, apply_rotary_pos_emb(k, angles, **rotate), v
 
 
-def _compare(device: str, dtype: torch.dtype, shape: tuple, compiled: bool = False) -> None:
-    s, b, groups, per_group, head_dim = shape
+def _compare(device: str, dtype: torch.dtype, shape: tuple, compiled: bool = False, packed: bool = False) -> None:
+    s, b, groups, per_group, head_dim, rot_dim, interleaved = shape
     gen = torch.Generator().manual_seed(0)
     mixed = torch.randn(s, b, groups * (per_group + 2) * head_dim, generator=gen).to(device, dtype)
-    angles = _angles(s + 3, head_dim).to(device)  # longer than the sequence, as RotaryEmbedding's table
+    angles = _angles(s + 3, rot_dim, interleaved).to(device)  # longer than the sequence, as RotaryEmbedding's
+    # a packed sequence of two documents: the rotation restarts at the second one
+    cu_seqlens = torch.tensor([0, 2, s], dtype=torch.int32, device=device) if packed else None
     grads = [torch.randn(s, b, n, head_dim, generator=gen).to(device, dtype)
              for n in (groups * per_group, groups, groups)]
     grads[0] = grads[0].transpose(0, 1).contiguous().transpose(0, 1)  # a gradient that is not contiguous
 
     def fused(x: torch.Tensor):
-        cos, sin = rotary_cos_sin(angles, s, dtype)
-        return split_qkv_with_rope(x, cos, sin, groups, per_group)
+        cos, sin = rotary_cos_sin(angles, s, dtype, cu_seqlens=cu_seqlens)
+        return split_qkv_with_rope(x, cos, sin, groups, per_group, interleaved)
 
     run = torch.compile(fused, fullgraph=True) if compiled else fused
     x, ref_x = mixed.clone().requires_grad_(True), mixed.clone().requires_grad_(True)
-    outs, refs = run(x), _unfused(ref_x, angles, groups, per_group, head_dim)
+    outs, refs = run(x), _unfused(ref_x, angles, groups, per_group, head_dim, interleaved, cu_seqlens)
     torch.autograd.backward(outs, grads)
     torch.autograd.backward(refs, grads)
     tol = {torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
@@ -66,8 +73,10 @@ def test_not_supported_on_cpu_tensors():
 
 def test_shape_errors_name_the_sizes():
     cos = torch.zeros(4, 1, 1, 8)
-    with pytest.raises(ValueError, match=r"expected \[s, b, 40\].*groups 1 x \(heads_per_group 3 \+ 2\)"):
+    with pytest.raises(ValueError, match=r"shape \(4, 1, 32\).*groups 1 x \(heads_per_group 3 \+ 2\)"):
         split_qkv_with_rope(torch.zeros(4, 1, 32), cos, cos, 1, 3)
+    with pytest.raises(ValueError, match="head_dim >= the rotary dim 8"):
+        split_qkv_with_rope(torch.zeros(4, 1, 20), cos, cos, 1, 3)
     with pytest.raises(ValueError, match="cover the sequence of 4 positions"):
         split_qkv_with_rope(torch.zeros(4, 1, 40), cos[:2], cos[:2], 1, 3)
 
@@ -77,17 +86,23 @@ def test_kernels_in_the_triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     fused_qkv_rope._kernels.cache_clear()  # build the kernels for the interpreter
     try:
-        for shape in SHAPES[:2]:
+        for shape in SHAPES:
             _compare("cpu", torch.float32, shape)
+        _compare("cpu", torch.float32, SHAPES[0], packed=True)
     finally:
         fused_qkv_rope._kernels.cache_clear()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "mha", "mqa", "partial", "interleaved"])
 def test_kernel_matches_unfused_cuda(dtype, shape):
     _compare("cuda", dtype, shape)
+
+
+@pytest.mark.gpu
+def test_kernel_packed_sequence_cuda():
+    _compare("cuda", torch.float32, SHAPES[0], packed=True)
 
 
 @pytest.mark.gpu
@@ -95,9 +110,10 @@ def test_kernel_under_torch_compile_cuda():
     _compare("cuda", torch.bfloat16, SHAPES[0], compiled=True)
 
 
-def _attention_outputs(device: str, dtype: torch.dtype, fusion: bool):
+def _attention_outputs(device: str, dtype: torch.dtype, fusion: bool, rotary_percent: float, packed: bool):
     from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron_core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron_core.packed_seq_params import PackedSeqParams
     from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron_core.transformer.spec_utils import build_module
     from megatron_core.transformer.transformer_config import TransformerConfig
@@ -111,20 +127,28 @@ def _attention_outputs(device: str, dtype: torch.dtype, fusion: bool):
     )
     spec = get_gpt_layer_local_spec().submodules.self_attention
     attention = build_module(spec, config=config, layer_number=1).to(device)
-    angles = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(12).to(device)
-    hidden = torch.randn(12, 2, 64, generator=torch.Generator().manual_seed(1)).to(device, dtype).requires_grad_(True)
-    out, _ = attention(hidden, None, rotary_pos_emb=angles)
+    angles = RotaryEmbedding(kv_channels=8, rotary_percent=rotary_percent)(12).to(device)
+    batch = 1 if packed else 2
+    hidden = torch.randn(12, batch, 64, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    hidden.requires_grad_(True)
+    params = None
+    if packed:  # three documents in one row; RoPE positions restart at each
+        cu = torch.tensor([0, 5, 9, 12], dtype=torch.int32, device=device)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    out, _ = attention(hidden, None, rotary_pos_emb=angles, packed_seq_params=params)
     out.float().square().sum().backward()
     return out, hidden.grad, {n: p.grad for n, p in attention.named_parameters()}
 
 
 def _check_attention(device: str, dtype: torch.dtype, tol: float) -> None:
-    fused, plain = _attention_outputs(device, dtype, True), _attention_outputs(device, dtype, False)
-    torch.testing.assert_close(fused[0], plain[0], atol=tol, rtol=tol)
-    torch.testing.assert_close(fused[1], plain[1], atol=tol, rtol=tol)
-    assert fused[2].keys() == plain[2].keys()
-    for name in fused[2]:
-        torch.testing.assert_close(fused[2][name], plain[2][name], atol=tol, rtol=tol, msg=name)
+    for rotary_percent, packed in ((1.0, False), (0.5, False), (1.0, True)):
+        fused = _attention_outputs(device, dtype, True, rotary_percent, packed)
+        plain = _attention_outputs(device, dtype, False, rotary_percent, packed)
+        torch.testing.assert_close(fused[0], plain[0], atol=tol, rtol=tol)
+        torch.testing.assert_close(fused[1], plain[1], atol=tol, rtol=tol)
+        assert fused[2].keys() == plain[2].keys()
+        for name in fused[2]:
+            torch.testing.assert_close(fused[2][name], plain[2][name], atol=tol, rtol=tol, msg=name)
 
 
 def test_attention_with_rope_fusion_equals_unfused_cpu():

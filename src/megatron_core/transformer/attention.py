@@ -174,7 +174,7 @@ class SelfAttention(MegatronModule):
         inference_context = inference_context if inference_context is not None else inference_params
         angles = self._fused_rope_angles(rotary_pos_emb, key_value_states, packed_seq_params, inference_context)
         if angles is not None:
-            query, key, value = self._split_and_rotate(hidden_states, angles)
+            query, key, value = self._split_and_rotate(hidden_states, angles, packed_seq_params)
             context = self._core_attention(
                 query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
             )
@@ -204,18 +204,21 @@ class SelfAttention(MegatronModule):
     ) -> torch.Tensor | None:
         """The angles when the QKV split and RoPE run as one kernel each way, else ``None``.
 
-        Asked for by ``fused_single_qkv_rope`` or ``apply_rope_fusion``; it serves self-attention over a plain
-        (not packed) sequence in training or a forward without a KV cache, with one angle tensor for query and
-        key that rotates whole heads by the half-split rule and no q/k layernorm. Elsewhere the split and the
+        Asked for by ``fused_single_qkv_rope`` or ``apply_rope_fusion``; it serves self-attention in training or
+        a forward without a KV cache, over a plain or packed sequence (query and key with the same
+        ``cu_seqlens``), with one angle tensor for query and key and no q/k layernorm. Elsewhere the split and the
         rotation run unfused (same values).
         """
         config = self.config
         if rotary_pos_emb is None or not (config.fused_single_qkv_rope or config.apply_rope_fusion):
             return None
         q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
-        plain = (key_value_states is None and packed_seq_params is None and inference_context is None
-                 and not config.rotary_interleaved and q_emb is k_emb and not q_emb.requires_grad
-                 and q_emb.shape[-1] == self.hidden_size_per_attention_head
+        cu_kv = None if packed_seq_params is None else _padded_or(
+            packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
+        same_documents = cu_kv is None or cu_kv is _query_cu_seqlens(packed_seq_params)
+        plain = (key_value_states is None and inference_context is None and same_documents
+                 and q_emb is k_emb and not q_emb.requires_grad
+                 and q_emb.shape[-1] <= self.hidden_size_per_attention_head
                  and isinstance(self.q_layernorm, (type(None), IdentityOp))
                  and isinstance(self.k_layernorm, (type(None), IdentityOp))
                  and type(self).get_query_key_value_tensors is SelfAttention.get_query_key_value_tensors
@@ -223,19 +226,24 @@ class SelfAttention(MegatronModule):
         return q_emb if plain else None
 
     def _split_and_rotate(
-        self, hidden_states: torch.Tensor, angles: torch.Tensor
+        self, hidden_states: torch.Tensor, angles: torch.Tensor, packed_seq_params: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``linear_qkv``, then query, key and value with RoPE applied: one Triton kernel where it runs."""
         mixed_qkv, _ = self.linear_qkv(hidden_states)
-        cos, sin = rotary_cos_sin(angles, mixed_qkv.shape[0], mixed_qkv.dtype)
+        cu_seqlens = None if packed_seq_params is None else _query_cu_seqlens(packed_seq_params)
+        cp_group = getattr(self.core_attention, "_cp_group", lambda: None)() if cu_seqlens is not None else None
+        cos, sin = rotary_cos_sin(angles, mixed_qkv.shape[0], mixed_qkv.dtype, cu_seqlens=cu_seqlens,
+                                  cp_group=cp_group)
         if fused_qkv_rope_supported(mixed_qkv, cos):
-            return split_qkv_with_rope(
-                mixed_qkv, cos, sin, self.num_query_groups_per_partition, self.heads_per_group
-            )
+            return split_qkv_with_rope(mixed_qkv, cos, sin, self.num_query_groups_per_partition,
+                                       self.heads_per_group, self.config.rotary_interleaved)
         query, key, value = self._split_qkv(mixed_qkv)
-        query = apply_rotary_pos_emb(query, angles, config=self.config)
-        key = apply_rotary_pos_emb(key, angles, config=self.config)
-        return query, key, value
+        rotate = {"config": self.config, "cu_seqlens": cu_seqlens, "cp_group": cp_group}
+        return apply_rotary_pos_emb(query, angles, **rotate), apply_rotary_pos_emb(key, angles, **rotate), value
+
+
+def _query_cu_seqlens(packed_seq_params: Any) -> Any:
+    return _padded_or(packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q)
 
 
 def _padded_or(padded: Any, plain: Any) -> Any:

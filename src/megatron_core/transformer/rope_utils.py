@@ -46,29 +46,29 @@ def apply_rotary_pos_emb(
         rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
     seq_len = t.shape[0]
     traced = torch.compiler.is_compiling() or freqs.requires_grad  # the plain expression: compiled / angles that learn
-    if cu_seqlens is not None:
-        from megatron_core.transformer.packed_sequences import thd_positions_from_cu
-
-        cp_size = cp_group.size() if cp_group is not None else 1
-        cp_rank = cp_group.rank() if cp_group is not None else 0
-        cos, sin = _scaled_cos_sin(
-            freqs[thd_positions_from_cu(cu_seqlens, seq_len, cp_size, cp_rank, freqs.device)], mscale, t.dtype)
-    elif traced:
-        cos, sin = _scaled_cos_sin(freqs[:seq_len], mscale, t.dtype)
-    else:
-        cos, sin = _cached_cos_sin(freqs, seq_len, mscale, t.dtype)
+    cos, sin = rotary_cos_sin(freqs, seq_len, t.dtype, mscale, cu_seqlens=cu_seqlens, cp_group=cp_group)
     if traced:
         return _rotate(t, cos, sin, rotary_interleaved)
     return _FusedRotation.apply(t, cos, sin, rotary_interleaved)
 
 
 def rotary_cos_sin(
-    freqs: torch.Tensor, seq_len: int, dtype: torch.dtype, mscale: float = 1.0
+    freqs: torch.Tensor, seq_len: int, dtype: torch.dtype, mscale: float = 1.0,
+    cu_seqlens: torch.Tensor | None = None, cp_group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cosine and sine tables ``[seq_len, 1, 1, rot_dim]`` (in ``dtype``) that rotating by ``freqs`` uses.
 
-    Outside ``torch.compile`` they are computed once per angle tensor (every layer of a forward shares them).
+    Row ``i`` rotates the sequence's position ``i``; with ``cu_seqlens`` (a packed sequence) it holds token
+    ``i``'s angles, from its position inside its document (see :func:`apply_rotary_pos_emb`). Outside
+    ``torch.compile`` the plain tables are computed once per angle tensor (every layer of a forward shares them).
     """
+    if cu_seqlens is not None:
+        from megatron_core.transformer.packed_sequences import thd_positions_from_cu
+
+        cp_size = cp_group.size() if cp_group is not None else 1
+        cp_rank = cp_group.rank() if cp_group is not None else 0
+        positions = thd_positions_from_cu(cu_seqlens, seq_len, cp_size, cp_rank, freqs.device)
+        return _scaled_cos_sin(freqs[positions], mscale, dtype)
     if torch.compiler.is_compiling() or freqs.requires_grad:
         return _scaled_cos_sin(freqs[:seq_len], mscale, dtype)
     return _cached_cos_sin(freqs, seq_len, mscale, dtype)
