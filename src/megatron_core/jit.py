@@ -7,12 +7,14 @@ switch it for every decorated function, including ones decorated before the call
 enclosing ``torch.compile`` traces, the plain function is inlined into that graph.
 
 Triton, which the library's hand-written GPU kernels need, is an optional dependency loaded here only:
-:func:`triton_modules` imports it on first use, :func:`have_triton` says whether it can be.
+:func:`triton_modules` imports it on first use, :func:`have_triton` says whether it can be, and
+:func:`triton_op` registers a kernel's ``torch.library.triton_op`` only where Triton is installed.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -70,6 +72,26 @@ def jit_fuser(func: _F) -> _F:
 
     wrapper.__wrapped_eager__ = func  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
+
+
+def triton_installed() -> bool:
+    """Whether a Triton package is present, found without importing it."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # ValueError: a module entry without a spec
+        return False
+
+
+def triton_op(name: str, fn: Callable) -> Any:
+    """``torch.library.triton_op(name, fn)``, or ``None`` where torch lacks it or Triton is not installed.
+
+    Registering inspects ``fn`` for Triton kernels, which imports Triton (and logs a warning when it is
+    missing): callers register at import, so a machine without Triton gets ``None`` and no warning.
+    """
+    register = getattr(torch.library, "triton_op", None)
+    if register is None or not triton_installed():
+        return None
+    return register(name, fn, mutates_args=())
 
 
 @functools.cache

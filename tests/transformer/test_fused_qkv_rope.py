@@ -8,6 +8,9 @@ the CPU through the plain path, on CUDA through the kernel.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -158,3 +161,30 @@ def test_attention_with_rope_fusion_equals_unfused_cpu():
 @pytest.mark.gpu
 def test_attention_with_rope_fusion_equals_unfused_cuda():
     _check_attention("cuda", torch.float32, 1e-5)
+
+
+def test_importing_without_triton_is_quiet_and_the_kernel_says_what_it_needs():
+    # A fresh process where Triton cannot be imported, as on CI: no warning at import (a saver's first output
+    # line is read by the crash-safety tests, and users should not see one), and a clear error on a direct call.
+    script = (
+        "import sys\n"
+        "sys.modules['triton'] = None\n"
+        "import torch\n"
+        "import megatron_core.transformer.attention\n"
+        "from megatron_core.transformer.fused_qkv_rope import split_qkv_with_rope\n"
+        "from megatron_core.fusions.weighted_swiglu_triton import weighted_swiglu_backward\n"
+        "for call in (lambda: split_qkv_with_rope(torch.zeros(2, 1, 40), torch.zeros(2, 1, 1, 8),"
+        " torch.zeros(2, 1, 1, 8), 1, 3),\n"
+        "             lambda: weighted_swiglu_backward(torch.zeros(2, 4), torch.zeros(2, 8), torch.zeros(2, 1))):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except RuntimeError as error:\n"
+        "        assert 'needs Triton' in str(error), error\n"
+        "    else:\n"
+        "        raise AssertionError('no error')\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+    assert done.stderr == "", done.stderr

@@ -18,18 +18,17 @@ from typing import Any
 
 import torch
 
-from megatron_core.jit import have_triton, triton_modules
+from megatron_core.jit import have_triton, triton_modules, triton_op
 
 __all__ = ["weighted_swiglu_backward", "weighted_swiglu_backward_supported"]
 
-_triton_op = getattr(torch.library, "triton_op", None)
 _wrap_triton = getattr(torch.library, "wrap_triton", None)
 _BLOCK = 512  # columns per step of a row's loop; the reference's F = 5632 is 11 of them
 
 
 def weighted_swiglu_backward_supported(y: torch.Tensor) -> bool:
     """Whether :func:`weighted_swiglu_backward` serves ``y`` (2-D, CUDA, Triton installed)."""
-    return y.is_cuda and y.dim() == 2 and y.shape[1] % 2 == 0 and _triton_op is not None and have_triton()
+    return y.is_cuda and y.dim() == 2 and y.shape[1] % 2 == 0 and _OP is not None and have_triton()
 
 
 def weighted_swiglu_backward(
@@ -42,6 +41,9 @@ def weighted_swiglu_backward(
             f"weighted_swiglu_backward: need grad_output [rows, F], y [rows, 2F] and weights [rows, 1]; got "
             f"{tuple(grad_output.shape)}, {tuple(y.shape)} and {tuple(weights.shape)}"
         )
+    if _OP is None:
+        raise RuntimeError("weighted_swiglu_backward needs Triton and a torch with torch.library.triton_op "
+                           "(weighted_swiglu_backward_supported says when it runs)")
     return _OP(grad_output.contiguous(), y.contiguous(), weights.contiguous())
 
 
@@ -81,5 +83,5 @@ def _backward(g: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> tuple[
     return grad_y, grad_weights
 
 
-# Registered at import (no Triton needed for that); the kernel is built on its first launch.
-_OP = None if _triton_op is None else _triton_op("megatron_core::weighted_swiglu_backward", _backward, mutates_args=())
+# Registered at import where Triton is installed (the kernel is built on its first launch).
+_OP = triton_op("megatron_core::weighted_swiglu_backward", _backward)

@@ -26,11 +26,10 @@ from typing import Any
 
 import torch
 
-from megatron_core.jit import have_triton, triton_modules
+from megatron_core.jit import have_triton, triton_modules, triton_op
 
 __all__ = ["fused_qkv_rope_supported", "split_qkv_with_rope"]
 
-_triton_op = getattr(torch.library, "triton_op", None)
 _wrap_triton = getattr(torch.library, "wrap_triton", None)
 
 
@@ -40,7 +39,7 @@ def fused_qkv_rope_supported(mixed_qkv: torch.Tensor, cos: torch.Tensor) -> bool
     CUDA, a floating dtype, an even ``rot_dim``, a torch with ``triton_op`` and Triton installed.
     """
     return (mixed_qkv.is_cuda and cos.is_cuda and mixed_qkv.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and cos.shape[-1] % 2 == 0 and _triton_op is not None and have_triton())
+            and cos.shape[-1] % 2 == 0 and _FORWARD_OP is not None and have_triton())
 
 
 def split_qkv_with_rope(
@@ -70,6 +69,9 @@ def split_qkv_with_rope(
             f"split_qkv_with_rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be equal, cover the "
             f"sequence of {s} positions and rotate an even number of channels"
         )
+    if _FORWARD_OP is None:
+        raise RuntimeError("split_qkv_with_rope needs Triton and a torch with torch.library.triton_op "
+                           "(fused_qkv_rope_supported says when it runs)")
     cos, sin = cos.reshape(cos.shape[0], rot_dim), sin.reshape(sin.shape[0], rot_dim)
     return _FORWARD_OP(mixed_qkv.contiguous(), cos, sin, num_query_groups, heads_per_group, rotary_interleaved)
 
@@ -228,9 +230,8 @@ def _grad(ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.
     return dqkv, None, None, None, None, None
 
 
-# The operators are registered at import (registering needs no Triton; the kernels are built on first launch).
-_FORWARD_OP = _BACKWARD_OP = None
-if _triton_op is not None:
-    _FORWARD_OP = _triton_op("megatron_core::qkv_rope_forward", _forward, mutates_args=())
-    _BACKWARD_OP = _triton_op("megatron_core::qkv_rope_backward", _backward, mutates_args=())
+# The operators are registered at import where Triton is installed (the kernels are built on first launch).
+_FORWARD_OP = triton_op("megatron_core::qkv_rope_forward", _forward)
+_BACKWARD_OP = triton_op("megatron_core::qkv_rope_backward", _backward)
+if _FORWARD_OP is not None:
     _FORWARD_OP.register_autograd(_grad, setup_context=_setup_context)
