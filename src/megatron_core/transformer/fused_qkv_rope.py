@@ -72,7 +72,7 @@ def split_qkv_with_rope(
     if _FORWARD_OP is None:
         raise RuntimeError("split_qkv_with_rope needs Triton and a torch with torch.library.triton_op "
                            "(fused_qkv_rope_supported says when it runs)")
-    cos, sin = cos.reshape(cos.shape[0], rot_dim), sin.reshape(sin.shape[0], rot_dim)
+    cos, sin = cos.reshape(cos.shape[0], rot_dim).contiguous(), sin.reshape(sin.shape[0], rot_dim).contiguous()
     return _FORWARD_OP(mixed_qkv.contiguous(), cos, sin, num_query_groups, heads_per_group, rotary_interleaved)
 
 
