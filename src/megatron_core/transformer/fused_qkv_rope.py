@@ -85,6 +85,21 @@ def _warps(heads_block: int, head_block: int) -> int:
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
     triton, tl = triton_modules()
+    # Triton resolves a kernel's helper functions among its module's globals (a closure is not seen).
+    global _rotation_pairs
+
+    @triton.jit
+    def _rotation_pairs(BLOCK_D: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr):
+        # Each channel's rotation partner and the sign rotate_half gives it; channels from ROT on stay as they are.
+        d = tl.arange(0, BLOCK_D)[None, :]
+        if INTERLEAVED:  # pairs (2i, 2i + 1): rotate_half(x)[2i] = -x[2i + 1], rotate_half(x)[2i + 1] = x[2i]
+            partner = d ^ 1
+            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        else:  # halves: rotate_half(x)[i] = -x[i + ROT / 2], rotate_half(x)[i + ROT / 2] = x[i]
+            partner = tl.where(d < ROT // 2, d + ROT // 2, d - ROT // 2)
+            sign = tl.where(d < ROT // 2, -1.0, 1.0)
+        rotated = d < ROT
+        return d, tl.where(rotated, partner, d), sign, rotated
 
     @triton.jit
     def qkv_rope_forward_kernel(
@@ -98,16 +113,7 @@ def _kernels() -> tuple[Any, Any]:
         token = pid // groups  # position * batch + batch index
         position = token // batch
         j = tl.arange(0, HEADS)[:, None]  # head within the group: PG queries, then the key, then the value
-        # Each channel's rotation partner and the sign rotate_half gives it; channels from ROT on stay as they are.
-        d = tl.arange(0, BLOCK_D)[None, :]
-        if INTERLEAVED:  # pairs (2i, 2i + 1): rotate_half(x)[2i] = -x[2i + 1], rotate_half(x)[2i + 1] = x[2i]
-            partner = d ^ 1
-            sign = tl.where(d % 2 == 0, -1.0, 1.0)
-        else:  # halves: rotate_half(x)[i] = -x[i + ROT / 2], rotate_half(x)[i + ROT / 2] = x[i]
-            partner = tl.where(d < ROT // 2, d + ROT // 2, d - ROT // 2)
-            sign = tl.where(d < ROT // 2, -1.0, 1.0)
-        rotated = d < ROT
-        partner = tl.where(rotated, partner, d)
+        d, partner, sign, rotated = _rotation_pairs(BLOCK_D, ROT, INTERLEAVED)
         live = (j < PG + 2) & (d < HN)
         source = qkv_ptr + pid * ((PG + 2) * HN) + j * HN
         x = tl.load(source + d, mask=live, other=0.0).to(tl.float32)
@@ -135,16 +141,7 @@ def _kernels() -> tuple[Any, Any]:
         position = token // batch
         b = token % batch
         j = tl.arange(0, HEADS)[:, None]
-        # The pairs and signs of the forward kernel.
-        d = tl.arange(0, BLOCK_D)[None, :]
-        if INTERLEAVED:  # pairs (2i, 2i + 1): rotate_half(x)[2i] = -x[2i + 1], rotate_half(x)[2i + 1] = x[2i]
-            partner = d ^ 1
-            sign = tl.where(d % 2 == 0, -1.0, 1.0)
-        else:  # halves: rotate_half(x)[i] = -x[i + ROT / 2], rotate_half(x)[i + ROT / 2] = x[i]
-            partner = tl.where(d < ROT // 2, d + ROT // 2, d - ROT // 2)
-            sign = tl.where(d < ROT // 2, -1.0, 1.0)
-        rotated = d < ROT
-        partner = tl.where(rotated, partner, d)
+        d, partner, sign, rotated = _rotation_pairs(BLOCK_D, ROT, INTERLEAVED)
         in_head = d < HN
         is_q, is_k, is_v = (j < PG) & in_head, (j == PG) & in_head, (j == PG + 1) & in_head
         q_row = dq_ptr + position * dq_s + b * dq_b + (group * PG + j) * dq_h
