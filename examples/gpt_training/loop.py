@@ -111,12 +111,16 @@ class _PrefetchingDeviceIterator(_DeviceIterator):
 def _mean_loss_tensor(losses: list[dict], key: str = "lm loss") -> torch.Tensor:
     """Average of ``key`` over micro-batches on the last stage, then over all ranks, on every rank's device.
 
-    Nothing is read on the host: the per-micro-batch values are summed where they are.
+    Nothing goes through the host, either way: the per-micro-batch values are summed where they are, and the
+    count is written by a kernel. (Item assignment such as ``value[1] = n`` or ``value[0] = tensor`` copies
+    through the host and waits for every queued kernel: here it drained the GPU before each optimizer step.)
     """
-    value = torch.zeros(2, dtype=torch.float64, device=device.get_current_device())
+    on = device.get_current_device()
     if parallel_state.is_pipeline_last_stage() and losses:
-        value[0] = torch.stack([torch.as_tensor(d[key]).detach().to(value).reshape(()) for d in losses]).sum()
-        value[1] = len(losses)
+        total = torch.stack([torch.as_tensor(d[key]).detach().to(on, torch.float64).reshape(()) for d in losses]).sum()
+        value = torch.stack([total, torch.full((), float(len(losses)), dtype=torch.float64, device=on)])
+    else:
+        value = torch.zeros(2, dtype=torch.float64, device=on)
     dist.all_reduce(value)
     return value[0] / value[1].clamp(min=1)
 

@@ -61,3 +61,46 @@ def _exit_decisions() -> list[bool]:
 def test_one_process_decides_to_exit_on_the_host():
     (decisions,) = run_on_ranks(1, _exit_decisions)
     assert decisions == [False, False, True, True]
+
+
+def _mean_losses(per_rank: list[list[float]]) -> float:
+    from megatron_core import parallel_state
+
+    loop = _loop()
+    parallel_state.initialize_model_parallel()
+    try:
+        rank = torch.distributed.get_rank()
+        losses = [{"lm loss": torch.tensor(v)} for v in per_rank[rank]]
+        return float(loop._mean_loss_tensor(losses))
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_mean_loss_averages_micro_batches_then_ranks():
+    # rank 0: micro-batch losses 1 and 3 (mean 2); rank 1: 6 and 10 (mean 8); over both ranks: 5
+    assert run_on_ranks(2, _mean_losses, [[1.0, 3.0], [6.0, 10.0]]) == [5.0, 5.0]
+
+
+@pytest.mark.gpu
+def test_mean_loss_does_not_wait_for_the_gpu_cuda():
+    # Item assignment into a CUDA tensor (value[1] = n) copied through the host and drained the GPU's queue
+    # before every optimizer step; the average must be built by kernels only.
+    import torch.distributed as dist
+
+    loop = _loop()
+    made_group = not dist.is_initialized()
+    if made_group:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        losses = [{"lm loss": torch.tensor(v, device="cuda")} for v in (1.0, 3.0)]
+        loop._mean_loss_tensor(losses)  # the first collective sets up the communicator
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            mean = loop._mean_loss_tensor(losses)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert float(mean) == 2.0
+    finally:
+        if made_group:
+            dist.destroy_process_group()
