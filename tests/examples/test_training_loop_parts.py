@@ -88,6 +88,8 @@ def test_mean_loss_does_not_wait_for_the_gpu_cuda():
     import torch.distributed as dist
 
     loop = _loop()
+    if dist.is_initialized() and dist.get_backend() != "nccl":
+        pytest.skip("this process already has a non-NCCL default group (its all_reduce copies through the host)")
     made_group = not dist.is_initialized()
     if made_group:
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
