@@ -6,10 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_core.fusions.weighted_swiglu_triton import weighted_swiglu_backward as _weighted_swiglu_kernel
-from megatron_core.fusions.weighted_swiglu_triton import (
-    weighted_swiglu_backward_supported as _weighted_swiglu_kernel_supported,
-)
+from megatron_core.fusions import weighted_swiglu_triton as _triton_backward
 from megatron_core.jit import jit_fuser
 
 
@@ -134,8 +131,8 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
         """Gradients from the saved inputs."""
         input, weights = ctx.saved_tensors
         input = input.to(ctx.ori_input_dtype) if ctx.fp8_input_store else input
-        if _weighted_swiglu_kernel_supported(input):  # one Triton kernel for both gradients
-            grad_input, grad_weights = _weighted_swiglu_kernel(grad_output, input, weights)
+        if _triton_backward.weighted_swiglu_backward_supported(input):  # one Triton kernel for both gradients
+            grad_input, grad_weights = _triton_backward.weighted_swiglu_backward(grad_output, input, weights)
         else:
             grad_input, grad_weights = weighted_swiglu_back(grad_output, input, weights)
         return grad_input, grad_weights, None

@@ -22,7 +22,6 @@ from megatron_core.jit import have_triton, triton_modules, triton_op
 
 __all__ = ["weighted_swiglu_backward", "weighted_swiglu_backward_supported"]
 
-_wrap_triton = getattr(torch.library, "wrap_triton", None)
 _BLOCK = 512  # columns per step of a row's loop; the reference's F = 5632 is 11 of them
 
 
@@ -78,7 +77,7 @@ def _backward(g: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> tuple[
     grad_y = torch.empty_like(y)
     grad_weights = torch.empty_like(weights)
     if y.shape[0] and y.shape[1]:
-        _wrap_triton(_kernel())[(y.shape[0],)](g, y, weights, grad_y, grad_weights, y.shape[1] // 2,
+        torch.library.wrap_triton(_kernel())[(y.shape[0],)](g, y, weights, grad_y, grad_weights, y.shape[1] // 2,
                                                BLOCK=_BLOCK, num_warps=4)
     return grad_y, grad_weights
 

@@ -175,28 +175,31 @@ class SelfAttention(MegatronModule):
         angles = self._fused_rope_angles(rotary_pos_emb, key_value_states, packed_seq_params, inference_context)
         if angles is not None:
             query, key, value = self._split_and_rotate(hidden_states, angles, packed_seq_params)
-            context = self._core_attention(
-                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
-            )
-            return self.linear_proj(context)
-        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
-        if inference_context is not None:  # KV cache: the context rotates, caches and attends (inference/contexts)
-            return self.linear_proj(inference_context.attention(self, query, key, value, rotary_pos_emb))
-        if rotary_pos_emb is not None:
-            q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
-            cu_q = cu_kv = None
-            if packed_seq_params is not None:  # RoPE positions restart at every packed document
-                cu_q = _padded_or(packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q)
-                cu_kv = _padded_or(packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
-                cu_kv = cu_q if cu_kv is None else cu_kv
-            cp_group = getattr(self.core_attention, "_cp_group", lambda: None)()
-            query = apply_rotary_pos_emb(query, q_emb, config=self.config, cu_seqlens=cu_q, cp_group=cp_group)
-            key = apply_rotary_pos_emb(key, k_emb, config=self.config, cu_seqlens=cu_kv, cp_group=cp_group)
+        else:
+            query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+            if inference_context is not None:  # KV cache: the context rotates, caches and attends (inference/contexts)
+                return self.linear_proj(inference_context.attention(self, query, key, value, rotary_pos_emb))
+            if rotary_pos_emb is not None:
+                query, key = self._rotate(query, key, rotary_pos_emb, packed_seq_params)
         context = self._core_attention(
             query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
         )
         return self.linear_proj(context)
 
+    def _rotate(
+        self, query: torch.Tensor, key: torch.Tensor, rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        packed_seq_params: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query and key rotated by their angles (RoPE positions restart at every packed document)."""
+        q_emb, k_emb = _query_key_angles(rotary_pos_emb)
+        cu_q, cu_kv = _cu_seqlens(packed_seq_params)
+        cp_group = self._rope_cp_group()
+        return (apply_rotary_pos_emb(query, q_emb, config=self.config, cu_seqlens=cu_q, cp_group=cp_group),
+                apply_rotary_pos_emb(key, k_emb, config=self.config, cu_seqlens=cu_kv, cp_group=cp_group))
+
+    def _rope_cp_group(self) -> Any:
+        """The context-parallel group that says which chunks of each packed document this rank holds."""
+        return getattr(self.core_attention, "_cp_group", lambda: None)()
 
     def _fused_rope_angles(
         self, rotary_pos_emb: Any, key_value_states: torch.Tensor | None, packed_seq_params: Any,
@@ -212,11 +215,9 @@ class SelfAttention(MegatronModule):
         config = self.config
         if rotary_pos_emb is None or not (config.fused_single_qkv_rope or config.apply_rope_fusion):
             return None
-        q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
-        cu_kv = None if packed_seq_params is None else _padded_or(
-            packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
-        same_documents = cu_kv is None or cu_kv is _query_cu_seqlens(packed_seq_params)
-        plain = (key_value_states is None and inference_context is None and same_documents
+        q_emb, k_emb = _query_key_angles(rotary_pos_emb)
+        cu_q, cu_kv = _cu_seqlens(packed_seq_params)
+        plain = (key_value_states is None and inference_context is None and cu_kv is cu_q
                  and q_emb is k_emb and not q_emb.requires_grad
                  and q_emb.shape[-1] <= self.hidden_size_per_attention_head
                  and isinstance(self.q_layernorm, (type(None), IdentityOp))
@@ -230,20 +231,26 @@ class SelfAttention(MegatronModule):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``linear_qkv``, then query, key and value with RoPE applied: one Triton kernel where it runs."""
         mixed_qkv, _ = self.linear_qkv(hidden_states)
-        cu_seqlens = None if packed_seq_params is None else _query_cu_seqlens(packed_seq_params)
-        cp_group = getattr(self.core_attention, "_cp_group", lambda: None)() if cu_seqlens is not None else None
-        cos, sin = rotary_cos_sin(angles, mixed_qkv.shape[0], mixed_qkv.dtype, cu_seqlens=cu_seqlens,
-                                  cp_group=cp_group)
-        if fused_qkv_rope_supported(mixed_qkv, cos):
-            return split_qkv_with_rope(mixed_qkv, cos, sin, self.num_query_groups_per_partition,
-                                       self.heads_per_group, self.config.rotary_interleaved)
-        query, key, value = self._split_qkv(mixed_qkv)
-        rotate = {"config": self.config, "cu_seqlens": cu_seqlens, "cp_group": cp_group}
-        return apply_rotary_pos_emb(query, angles, **rotate), apply_rotary_pos_emb(key, angles, **rotate), value
+        if not fused_qkv_rope_supported(mixed_qkv, angles):
+            query, key, value = self._split_qkv(mixed_qkv)
+            return (*self._rotate(query, key, angles, packed_seq_params), value)
+        cos, sin = rotary_cos_sin(angles, mixed_qkv.shape[0], mixed_qkv.dtype,
+                                  cu_seqlens=_cu_seqlens(packed_seq_params)[0], cp_group=self._rope_cp_group())
+        return split_qkv_with_rope(mixed_qkv, cos, sin, self.num_query_groups_per_partition, self.heads_per_group,
+                                   self.config.rotary_interleaved)
 
 
-def _query_cu_seqlens(packed_seq_params: Any) -> Any:
-    return _padded_or(packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q)
+def _query_key_angles(rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any]:
+    return rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+
+
+def _cu_seqlens(packed_seq_params: Any) -> tuple[Any, Any]:
+    """``(cu_seqlens_q, cu_seqlens_kv)`` (padded where given; the key's default to the query's), or ``None``s."""
+    if packed_seq_params is None:
+        return None, None
+    cu_q = _padded_or(packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q)
+    cu_kv = _padded_or(packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
+    return cu_q, cu_q if cu_kv is None else cu_kv
 
 
 def _padded_or(padded: Any, plain: Any) -> Any:

@@ -30,11 +30,10 @@ from megatron_core.jit import have_triton, triton_modules, triton_op
 
 __all__ = ["fused_qkv_rope_supported", "split_qkv_with_rope"]
 
-_wrap_triton = getattr(torch.library, "wrap_triton", None)
-
-
 def fused_qkv_rope_supported(mixed_qkv: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether :func:`split_qkv_with_rope` serves ``mixed_qkv`` rotated by the table ``cos`` ``[s, 1, 1, rot_dim]``.
+
+    The angles the table comes from (same shape, same device) answer the same, before the table is made.
 
     CUDA, a floating dtype, an even ``rot_dim``, a torch with ``triton_op`` and Triton installed.
     """
@@ -179,7 +178,7 @@ def _forward(
     v = mixed_qkv.new_empty(s, b, groups, head_dim)
     if q.numel():
         heads, block_d = _heads_block(heads_per_group), _next_power_of_two(head_dim)
-        _wrap_triton(_kernels()[0])[(s * b * groups,)](
+        torch.library.wrap_triton(_kernels()[0])[(s * b * groups,)](
             mixed_qkv, cos, sin, q, k, v, b, groups, cos.stride(0), PG=heads_per_group, HN=head_dim,
             ROT=cos.shape[-1], HEADS=heads, BLOCK_D=block_d, INTERLEAVED=interleaved,
             num_warps=_warps(heads, block_d),
@@ -195,7 +194,7 @@ def _backward(
     dqkv = dq.new_empty(s, b, groups * (heads_per_group + 2) * head_dim)
     if dqkv.numel():
         heads, block_d = _heads_block(heads_per_group), _next_power_of_two(head_dim)
-        _wrap_triton(_kernels()[1])[(s * b * groups,)](
+        torch.library.wrap_triton(_kernels()[1])[(s * b * groups,)](
             dq, dk, dv, cos, sin, dqkv, b, groups, cos.stride(0),
             dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2), PG=heads_per_group, HN=head_dim, ROT=cos.shape[-1],

@@ -45,9 +45,8 @@ def apply_rotary_pos_emb(
     if rotary_interleaved is None:
         rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
     seq_len = t.shape[0]
-    traced = torch.compiler.is_compiling() or freqs.requires_grad  # the plain expression: compiled / angles that learn
     cos, sin = rotary_cos_sin(freqs, seq_len, t.dtype, mscale, cu_seqlens=cu_seqlens, cp_group=cp_group)
-    if traced:
+    if _traced(freqs):
         return _rotate(t, cos, sin, rotary_interleaved)
     return _FusedRotation.apply(t, cos, sin, rotary_interleaved)
 
@@ -69,9 +68,14 @@ def rotary_cos_sin(
         cp_rank = cp_group.rank() if cp_group is not None else 0
         positions = thd_positions_from_cu(cu_seqlens, seq_len, cp_size, cp_rank, freqs.device)
         return _scaled_cos_sin(freqs[positions], mscale, dtype)
-    if torch.compiler.is_compiling() or freqs.requires_grad:
+    if _traced(freqs):
         return _scaled_cos_sin(freqs[:seq_len], mscale, dtype)
     return _cached_cos_sin(freqs, seq_len, mscale, dtype)
+
+
+def _traced(freqs: torch.Tensor) -> bool:
+    """Whether the rotation runs as the plain expression: inside ``torch.compile``, or with angles that learn."""
+    return torch.compiler.is_compiling() or freqs.requires_grad
 
 
 def _scaled_cos_sin(angles: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
