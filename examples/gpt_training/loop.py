@@ -16,6 +16,7 @@ import torch.distributed as dist
 from gpt_training.data import to_device
 from gpt_training.moe_metrics import moe_log_values
 from gpt_training.profiling import StepProfiler
+from gpt_training.step_results import QueuedStep, SettledStep, StepResults
 from gpt_training.step_timers import StepTimers, breakdown, timed
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
@@ -144,6 +145,8 @@ class Trainer:
         self.forward_backward = get_forward_backward_func()
         self.stop_requested = False
         self.timers = StepTimers() if args.step_time_breakdown else None
+        self.results = StepResults()  # steps whose loss, gradient norm and outcome are not read yet
+        self.skipped_in_window = 0  # skipped steps found since the last log line
         if self.timers is not None:  # the schedules time forward/backward through config.timers
             config.timers = self.timers
             if getattr(config, "finalize_model_grads_func", None) is not None:
@@ -174,13 +177,13 @@ class Trainer:
             forward_only=forward_only,
         )
 
-    def train_step(self, iteration: int) -> dict[str, float]:
-        """Step ``iteration`` (counted from 1): one optimizer step over a global batch; loss, grad norm, skipped.
+    def train_step(self, iteration: int) -> QueuedStep:
+        """Step ``iteration`` (counted from 1): one optimizer step over a global batch, its results left unread.
 
-        With ``--check-for-nan-in-loss-and-grad`` (the default) a non-finite loss, or a step the optimizer
-        skipped for a non-finite gradient norm, raises ``RuntimeError`` on every rank; the weights stay
-        unchanged. The loss is handed to the optimizer on the device (``skip_unless_finite``) and read only
-        after the update is queued, so the GPU never waits for the host between backward and optimizer.
+        The loss is handed to the optimizer on the device (``skip_unless_finite``), which decides there whether
+        to skip the update; the loss, gradient norm and outcome stay on the device until :meth:`settle` reads
+        them (each log line, checkpoint and stop), so the host queues the next step while the GPU still runs
+        this one. The learning-rate schedule advances now and is taken back for a step found skipped.
         """
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
@@ -188,28 +191,46 @@ class Trainer:
         losses = self._run(self.train_iter, forward_only=False)
         loss_tensor = _mean_loss_tensor(losses)  # averaged over all ranks, so every rank takes the same decision
         check = self.args.check_for_nan_in_loss_and_grad
-        step = self.optimizer.step if self.timers is None else timed(self.timers, "optimizer", self.optimizer.step)
-        success, grad_norm, num_zeros = step(skip_unless_finite=loss_tensor) if check else step()
+        step = self.optimizer.step_on_device
+        if self.timers is not None:
+            step = timed(self.timers, "optimizer", step)
+        success, grad_norm, _ = step(skip_unless_finite=loss_tensor) if check else step()
         if self._train_batches is not None:
             self._train_batches.prefetch()  # the next step's first batch, while the GPU runs the update
-        loss = float(loss_tensor)
-        if check and not math.isfinite(loss):
-            raise RuntimeError(f"iteration {iteration}: the loss is {loss}; the optimizer skipped the step on "
-                               "every rank (weights unchanged); stopping")
-        # A grad scaler's skip (fp16 overflow) returns no norm and is routine; a non-finite norm is not.
-        if check and not success and grad_norm is not None and not math.isfinite(grad_norm):
-            raise RuntimeError(f"iteration {iteration}: the gradient norm is {grad_norm}; the optimizer skipped "
-                               "the step on every rank (weights unchanged); stopping")
-        if success:
+        advanced = success is not False  # False: a skip already known on the host (a grad scaler's overflow)
+        if advanced:
             self.scheduler.step(increment=self.args.global_batch_size)
-        record = {
-            "lm loss": loss,
-            "grad norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "skipped": 0 if success else 1,
-        }
-        if self.args.num_experts is not None:
-            record.update(moe_log_values(self.args, iteration))
-        return record
+        extra = moe_log_values(self.args, iteration) if self.args.num_experts is not None else {}
+        return QueuedStep(iteration, loss_tensor, success, grad_norm, advanced, extra)
+
+    def settle(self) -> SettledStep | None:
+        """Read the queued steps' results (one wait for the GPU); the last one, or None if none was queued.
+
+        With ``--check-for-nan-in-loss-and-grad`` a non-finite loss, or a step the optimizer skipped for a
+        non-finite gradient norm, raises ``RuntimeError`` on every rank naming the iteration; the optimizer
+        skipped that step on every rank. Without the check a skipped step is counted and training goes on;
+        its advance of the learning-rate schedule is taken back (the steps queued after it, up to the next
+        log line, ran one schedule step ahead).
+        """
+        settled = self.results.settle()
+        check = self.args.check_for_nan_in_loss_and_grad
+        for position, step in enumerate(settled):
+            later = len(settled) - 1 - position
+            weights = ("weights unchanged" if not later else
+                       f"weights unchanged by it; {later} later step(s) ran before this check at the log line")
+            if check and not math.isfinite(step.loss):
+                raise RuntimeError(f"iteration {step.iteration}: the loss is {step.loss}; the optimizer skipped "
+                                   f"the step on every rank ({weights}); stopping")
+            # A grad scaler's skip (fp16 overflow) returns no norm and is routine; a non-finite norm is not.
+            if (check and not step.update_successful and step.grad_norm is not None
+                    and not math.isfinite(step.grad_norm)):
+                raise RuntimeError(f"iteration {step.iteration}: the gradient norm is {step.grad_norm}; the "
+                                   f"optimizer skipped the step on every rank ({weights}); stopping")
+            if not step.update_successful:
+                self.skipped_in_window += 1
+                if step.scheduler_advanced:
+                    self.scheduler.step(increment=-self.args.global_batch_size)
+        return settled[-1] if settled else None
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -233,27 +254,29 @@ class Trainer:
         args = self.args
         start_time = time.time()
         iteration = start_iteration
-        window_start, window_steps, skipped = time.time(), 0, 0
+        window_start, window_steps = time.time(), 0
         tokens_per_step = args.global_batch_size * args.seq_length
         profiler = StepProfiler(args)
         while iteration < args.train_iters:
             profiler.before_step(iteration + 1)
-            record = self.train_step(iteration + 1)
+            self.results.add(self.train_step(iteration + 1))
             iteration += 1
             profiler.after_step(iteration)
             window_steps += 1
-            skipped += record["skipped"]
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                last = self.settle()
                 device.synchronize()
                 elapsed = time.time() - window_start
                 tokens_per_s = tokens_per_step * window_steps / elapsed
-                record.update(
-                    lr=self.optimizer.param_groups[0]["lr"],
-                    **{"loss scale": float(self.optimizer.get_loss_scale())},
-                    **{"skipped steps": skipped},
-                    **{"tokens/s": tokens_per_s, "ms/step": 1000 * elapsed / window_steps},
-                )
-                record.pop("skipped")
+                record = {
+                    "lm loss": last.loss,
+                    "grad norm": last.grad_norm if last.grad_norm is not None else float("nan"),
+                    **last.extra,
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "loss scale": float(self.optimizer.get_loss_scale()),
+                    "skipped steps": self.skipped_in_window,
+                    "tokens/s": tokens_per_s, "ms/step": 1000 * elapsed / window_steps,
+                }
                 if peak is not None:
                     record["MFU %"] = 100 * model_flops_utilization(tokens_per_s, flops_per_token, peak,
                                                                     dist.get_world_size())
@@ -261,14 +284,16 @@ class Trainer:
                 if self.timers is not None:
                     record.update(breakdown(self.timers, window_steps))
                 self.logger.log(iteration, record)
-                window_start, window_steps, skipped = time.time(), 0, 0
+                window_start, window_steps, self.skipped_in_window = time.time(), 0, 0
             if args.eval_interval and iteration % args.eval_interval == 0:
                 self.logger.log(iteration, {"validation loss": self.evaluate()}, kind="valid")
             if args.save and args.save_interval and iteration % args.save_interval == 0:
+                self.settle()  # a checkpoint holds only steps whose outcome was checked
                 self.checkpointer.save(iteration)
             kill_if_asked(iteration)
             if self._should_exit(iteration, start_time):
                 break
+        self.settle()  # the steps after the last log line (a stop between log lines)
         return iteration
 
     def _should_exit(self, iteration: int, start_time: float) -> bool:
@@ -286,6 +311,7 @@ class Trainer:
             reason = ["SIGTERM", "--exit-interval", "--exit-duration-in-mins"][int(flags.argmax())]
             self.logger.info(f"stopping at iteration {iteration}: {reason}")
             if args.save:
+                self.settle()
                 self.checkpointer.save(iteration)
             return True
         return False

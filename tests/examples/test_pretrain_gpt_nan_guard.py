@@ -71,10 +71,16 @@ def _weights_sha256(chunks: list[torch.nn.Module]) -> str:
     return digest.hexdigest()
 
 
-def _train(kind: str, extra: list[str], log_json: str) -> dict[str, Any]:
+def _train(kind: str, extra: list[str], log_json: str, flat_step: bool = False) -> dict[str, Any]:
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import pretrain_gpt
+
+    from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    # The flat step on CPU too: the update is then queued with its skip decision on the device, and the
+    # optimizer hands the loop unread tensors, as on a GPU.
+    DistributedOptimizer.flat_shard_step = True if flat_step else None
 
     from gpt_training.arguments import build_parser, validate_args
     from gpt_training.logger import TrainingLogger
@@ -100,9 +106,11 @@ def _train(kind: str, extra: list[str], log_json: str) -> dict[str, Any]:
         except RuntimeError as exc:
             error = str(exc)
         return {"error": error, "reached": reached, "unchanged": _weights_sha256(chunks) == before,
-                "finite": all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters())}
+                "finite": all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters()),
+                "scheduler_steps": scheduler.num_steps, "global_batch": args.global_batch_size}
     finally:
         signal.signal(signal.SIGTERM, previous)
+        DistributedOptimizer.flat_shard_step = None
 
 
 @pytest.mark.parametrize(("kind", "extra", "message"), [
@@ -126,6 +134,28 @@ def test_without_the_check_the_step_is_skipped_and_training_goes_on(tmp_path: Pa
     records = {r["iteration"]: r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "train"}
     assert records[BAD_ITERATION]["skipped steps"] == 1 and records[4]["skipped steps"] == 0, records
     assert records[BAD_ITERATION]["lm loss"] != records[BAD_ITERATION]["lm loss"]  # nan
+
+
+DEFERRED = ["--use-distributed-optimizer", "--log-interval", "2"]
+
+
+def test_with_results_left_on_the_device_the_check_runs_at_the_next_log_line(tmp_path: Path) -> None:
+    # Iteration 3's loss is read at iteration 4's log line: step 4 has run (and updated the weights) by then.
+    expected = ("iteration 3: the loss is nan; the optimizer skipped the step on every rank (weights unchanged by "
+                "it; 1 later step(s) ran before this check at the log line)")
+    for rank, result in enumerate(run_on_ranks(WORLD, _train, "loss", DEFERRED, str(tmp_path / "log.jsonl"), True)):
+        assert result["error"] is not None and expected in result["error"], (rank, result)
+        assert result["finite"] and not result["unchanged"], (rank, result)
+
+
+def test_a_step_skipped_on_the_device_is_counted_and_takes_back_its_schedule_step(tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    results = run_on_ranks(WORLD, _train, "loss", [*DEFERRED, "--no-check-for-nan-in-loss-and-grad"], str(log), True)
+    for rank, result in enumerate(results):
+        assert result["error"] is None and result["reached"] == 4 and result["finite"], (rank, result)
+        assert result["scheduler_steps"] == 3 * result["global_batch"], (rank, result)  # 4 steps, 1 skipped
+    records = {r["iteration"]: r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "train"}
+    assert records[2]["skipped steps"] == 0 and records[4]["skipped steps"] == 1, records
 
 
 def _check_flag_values() -> tuple[bool, bool]:

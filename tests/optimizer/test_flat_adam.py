@@ -163,7 +163,7 @@ def _backward_only(ddp, opt, step: int) -> None:
     ddp.finish_grad_sync()
 
 
-def _skip_non_finite(poison: str = "grad") -> dict:
+def _skip_non_finite(poison: str = "grad", on_device: bool = False) -> dict:
     parallel_state.initialize_model_parallel()
     try:
         model, ddp, opt = _setup(True, {})
@@ -171,24 +171,34 @@ def _skip_non_finite(poison: str = "grad") -> dict:
             _step(ddp, opt, step)
         before = {k: v.detach().clone() for k, v in model.named_parameters()}
         _backward_only(ddp, opt, 9)
+        skip = None
         if poison == "grad":
             next(p for p in model.parameters()).main_grad.view(-1)[0] = float("nan")
-            success, grad_norm, _ = opt.step()
         else:  # finite gradients, a non-finite value handed to the step (the loop's loss)
-            success, grad_norm, _ = opt.step(skip_unless_finite=torch.tensor(float("inf"), dtype=torch.float64))
+            skip = torch.tensor(float("inf"), dtype=torch.float64)
+        unread = None
+        if on_device:  # the outcome comes back as unread 0-dim tensors
+            success, grad_norm, _ = opt.step_on_device(skip_unless_finite=skip)
+            unread = all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in (success, grad_norm))
+            success, grad_norm = bool(success), float(grad_norm)
+        else:
+            success, grad_norm, _ = opt.step(skip_unless_finite=skip)
         unchanged = all(torch.equal(v, before[k]) for k, v in model.named_parameters())
         steps = sorted({int(s["step"]) for s in opt.optimizer.state.values()})
         loss = _step(ddp, opt, 2)  # the next finite step goes ahead as step 3
         return {"success": success, "finite": grad_norm == grad_norm, "unchanged": unchanged, "steps": steps,
+                "unread": unread,
                 "after": sorted({int(s["step"]) for s in opt.optimizer.state.values()}), "loss": loss}
     finally:
         parallel_state.destroy_model_parallel()
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["step", "step_on_device"])
 @pytest.mark.parametrize("poison", ["grad", "skip_unless_finite"])
-def test_non_finite_gradient_or_loss_skips_the_flat_step_and_its_count(poison):
-    for r in run_on_ranks(2, _skip_non_finite, poison):
-        assert not r["success"] and r["unchanged"]
+def test_non_finite_gradient_or_loss_skips_the_flat_step_and_its_count(poison, on_device):
+    # The step count lives on the device: a skipped update takes its count back there, read by nobody.
+    for r in run_on_ranks(2, _skip_non_finite, poison, on_device):
+        assert not r["success"] and r["unchanged"] and r["unread"] in ((True,) if on_device else (None,))
         assert r["finite"] == (poison != "grad")  # the norm itself is finite when only the loss is not
         assert r["steps"] == [2] and r["after"] == [3] and r["loss"] == r["loss"]
 

@@ -282,10 +282,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # The flat step divides by the clip factor and skips on a non-finite norm, as torch's fused Adam.
         return self._flat is not None or super()._step_takes_clip_factor()
 
-    def _step_skipped_on_device(self) -> None:
-        if self._flat is not None:
-            self._flat.undo_step_count()
-
     def reload_model_params(self) -> None:
         """Refresh the fp32 shard main params from the model params."""
         for entry in self._entries():

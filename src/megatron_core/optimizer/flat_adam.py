@@ -10,19 +10,21 @@ followed by a copy into the model params moves them in several passes and many l
 Parameters of different param groups (weight decay or not, learning-rate multipliers) sit side by
 side in a shard: a ``uint8`` group id per element selects the group's row of a small table
 (step size ``-lr / bias_correction1``, decay ``1 - lr * weight_decay`` or the L2 coefficient, and
-``sqrt(bias_correction2)``), computed on the host each step exactly as
-:class:`~megatron_core.optimizer.precision_aware_adam.PrecisionAwareAdam` computes its scalars. The
+``sqrt(bias_correction2)``), formed each step in float64 as
+:class:`~megatron_core.optimizer.precision_aware_adam.PrecisionAwareAdam` forms its scalars, on the device from
+a step count kept there: a step skipped on the device (non-finite norm) takes its count back by a kernel, so
+nothing is read on the host. The
 arithmetic is that optimizer's, element by element, in fp32, rounded to each buffer's storage dtype.
 On CUDA the update is ``torch.compile``d into one kernel per shard; elsewhere it runs eagerly.
 
 The optimizer's ``state`` keeps its usual per-parameter entries (``exp_avg``, ``exp_avg_sq``,
-``step``), now views of the flat buffers, so checkpoints are unchanged. Values loaded into
+``step``), now views of the flat buffers (``step`` a 0-dim view of the device count), so checkpoints are
+unchanged. Values loaded into
 ``state`` replace those views; :meth:`FlatAdamShards.bind` copies them back in before the next step.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -94,14 +96,14 @@ class FlatAdamShards:
         self.compiled = device.type == "cuda" if compiled is None else compiled
         self._update = torch.compile(flat_adam_update, dynamic=True) if self.compiled else flat_adam_update
         self.bound = False
-        self.step_count = 0
-        self._step_tensors: list[torch.Tensor] = []  # each param's own ``step`` (a shared one would be counted
-        # once per param by an optimizer that loads this state and increments every param's step in place)
         groups = optimizer.param_groups
         pinned = device.type == "cuda"
-        self._table_host = torch.zeros(3, len(groups), dtype=torch.float32, pin_memory=pinned)
+        # Two pinned slots of per-group host scalars (lr, decay), used in turn: a slot is refilled only after
+        # its copy of two steps ago has left it, so the host never waits on the step just queued.
+        self._rows_host = [torch.zeros(2, len(groups), dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
+        self._rows_copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self._slot = 0
         self._table = torch.zeros(3, len(groups), dtype=torch.float32, device=device)
-        self._table_copied = torch.cuda.Event() if pinned else None
         group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
         for shard in shards:
             for view, start, end in shard.pieces:
@@ -109,6 +111,12 @@ class FlatAdamShards:
         # Each param's moment views, made once: ``bind`` recognises its own views by identity.
         self._views = [(view, shard.exp_avg[start:end].view(view.shape), shard.exp_avg_sq[start:end].view(view.shape))
                        for shard in shards for view, start, end in shard.pieces]
+        # The step count lives on the device: each param's ``step`` is its own 0-dim view of one buffer (a shared
+        # tensor would be counted once per param by an optimizer that loads this state and increments every
+        # param's step in place), advanced by a kernel and taken back by one when the update is skipped on the
+        # device, so the host never reads it while training.
+        self._step_counts = torch.zeros(max(len(self._views), 1), dtype=torch.float32, device=device)
+        self._step_views = list(self._step_counts.unbind())[:len(self._views)]
 
     @staticmethod
     def make_shard(main: torch.Tensor, grad: torch.Tensor, model_out: torch.Tensor | None,
@@ -125,7 +133,7 @@ class FlatAdamShards:
         """Make every param's ``exp_avg``/``exp_avg_sq`` state a view of the flat buffers (adopting loaded values)."""
         state = self.optimizer.state
         steps = []
-        own_steps = {id(t) for t in self._step_tensors}
+        own_steps = {id(t) for t in self._step_views}
         for param, exp_avg, exp_avg_sq in self._views:
             entry = state.setdefault(param, {})
             for name, view in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -138,28 +146,33 @@ class FlatAdamShards:
             if "step" in entry and id(entry["step"]) not in own_steps:
                 steps.append(int(entry["step"]))
         if steps:
-            self.step_count = max(steps)
-        self._step_tensors = [torch.tensor(float(self.step_count)) for _ in self._views]
-        for (param, _, _), step in zip(self._views, self._step_tensors):
+            self._step_counts.fill_(float(max(steps)))
+        for (param, _, _), step in zip(self._views, self._step_views):
             state[param]["step"] = step
         self.bound = True
 
     def _fill_table(self) -> None:
-        """Per-group scalars of this step, exactly as ``PrecisionAwareAdam`` forms them, onto the device."""
-        n = self.step_count
-        host = self._table_host
-        if self._table_copied is not None:
-            self._table_copied.synchronize()  # the previous step's copy has left the pinned buffer
+        """Per-group scalars of this step (step size ``-lr / bias_correction1``, decay, ``sqrt(bias_correction2)``).
+
+        Formed in float64 as ``PrecisionAwareAdam`` forms them, the bias corrections from the device step count.
+        """
+        self._slot = slot = 1 - self._slot
+        host, copied = self._rows_host[slot], self._rows_copied[slot]
+        if copied is not None:
+            copied.synchronize()  # this slot's copy of two steps ago has left the pinned buffer
         adam_w = getattr(self.optimizer, "adam_w_mode", True)
-        for i, group in enumerate(self.optimizer.param_groups):
-            beta1, beta2 = group["betas"]
+        groups = self.optimizer.param_groups
+        for i, group in enumerate(groups):
             lr, wd = group["lr"], group["weight_decay"]
-            host[_STEP_SIZE, i] = -lr / (1 - beta1 ** n)
-            host[_DECAY, i] = (1 - lr * wd) if adam_w else wd
-            host[_BIAS2_SQRT, i] = math.sqrt(1 - beta2 ** n)
-        self._table.copy_(host, non_blocking=True)
-        if self._table_copied is not None:
-            self._table_copied.record()
+            host[0, i] = lr
+            host[1, i] = (1 - lr * wd) if adam_w else wd
+        rows = host.to(self._table.device, non_blocking=True)
+        if copied is not None:
+            copied.record()
+        beta1, beta2 = groups[0]["betas"]
+        n = self._step_counts[0].double()
+        self._table.copy_(torch.stack([-rows[0] / (1 - beta1 ** n), rows[1],
+                                       torch.sqrt(1 - beta2 ** n).expand(rows.shape[1])]))
 
     def step(self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
         """One step of every shard (the model params are written too)."""
@@ -170,8 +183,7 @@ class FlatAdamShards:
         if any(g["betas"] != betas or g["eps"] != eps for g in groups):
             raise ValueError("the flat Adam step needs the same betas and eps in every param group, got "
                              f"{[(g['betas'], g['eps']) for g in groups]}")
-        self.step_count += 1
-        torch._foreach_add_(self._step_tensors, 1.0)
+        self._step_counts.add_(1.0)
         self._fill_table()
         adam_w = bool(getattr(self.optimizer, "adam_w_mode", True))
         for shard in self.shards:
@@ -186,8 +198,6 @@ class FlatAdamShards:
                               "running the same update eagerly (one pass per operation)", stacklevel=2)
                 self.compiled, self._update = False, flat_adam_update
                 self._update(*args)
+        if found_inf is not None:
+            self._step_counts.sub_(found_inf.reshape(()))  # a skipped update's count does not stand
 
-    def undo_step_count(self) -> None:
-        """The last step was skipped on the device (non-finite gradient norm): its count does not stand."""
-        self.step_count -= 1
-        torch._foreach_add_(self._step_tensors, -1.0)

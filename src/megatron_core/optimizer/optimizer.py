@@ -216,7 +216,7 @@ class MegatronOptimizer(ABC):
 
     @torch.no_grad()
     def step(self, skip_unless_finite: torch.Tensor | None = None) -> tuple[bool, float | None, float | None]:
-        """One optimizer step: ``(update_successful, grad_norm, num_zeros_in_grad)``.
+        """One optimizer step: ``(update_successful, grad_norm, num_zeros)``.
 
         Skipped on every rank, weights and optimizer state untouched, when a grad scaler finds an
         inf/nan gradient (``(False, None, None)``) or the global gradient norm is non-finite
@@ -226,6 +226,24 @@ class MegatronOptimizer(ABC):
         value on every rank, such as the loss reduced over ranks; when it is not finite the step is skipped
         as for a non-finite norm. Where the update is queued on the device (clipping folded into a fused
         Adam) the decision is made there too, so the caller need not read the value before the step.
+        """
+        success, grad_norm, num_zeros = self.step_on_device(skip_unless_finite)
+        if isinstance(grad_norm, torch.Tensor):
+            # The update is already queued: reading the values now stalls nothing but the host.
+            grad_norm, succeeded = torch.stack([grad_norm.reshape(()).float(), success.reshape(()).float()]).tolist()
+            success = bool(succeeded)
+        return bool(success), grad_norm, num_zeros
+
+    @torch.no_grad()
+    def step_on_device(self, skip_unless_finite: torch.Tensor | None = None
+                       ) -> tuple[bool | torch.Tensor, float | torch.Tensor | None, float | None]:
+        """:meth:`step` without reading the device (an extension; Megatron has no such method).
+
+        Where the update is queued on the device (clipping folded into a fused Adam: the flat distributed
+        step or torch's fused ``Adam``/``AdamW``), ``update_successful`` (bool) and ``grad_norm`` (fp32) come
+        back as 0-dim device tensors that nobody has read, so the host goes straight on to the next step
+        while the GPU runs the update; read them when convenient (a log interval). Elsewhere the values are
+        the host values :meth:`step` returns: a grad scaler or unfolded clipping has already read the device.
         """
         with self._timer("optimizer-copy-to-main-grad"):
             found_inf = self.prepare_grads()
@@ -260,18 +278,12 @@ class MegatronOptimizer(ABC):
         """Whether the inner step divides by ``grad_scale`` and skips on ``found_inf`` (torch's fused Adam does)."""
         return supports_fused_clipping(self.optimizer)
 
-    def _step_skipped_on_device(self) -> None:
-        """Called when a folded-clipping step was skipped on the device (non-finite norm).
-
-        Torch's fused kernels roll their step counts back themselves; the flat step keeps its own.
-        """
-        return None
-
     def _step_with_clipping_in_adam(self, skip_unless_finite: torch.Tensor | None = None
-                                    ) -> tuple[bool, float, None]:
+                                    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """Queue the clipped update; ``(update_successful, grad_norm)`` as unread 0-dim device tensors."""
         with self._timer("optimizer-clip-main-grad"):
             norm = grad_norm_tensor(self.get_main_grads_for_grad_norm(),
-                                    grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+                                    grad_stats_parallel_group=self.get_grad_stats_parallel_group()).reshape(())
         check = norm  # non-finite when the norm or the caller's value is (x * 0 is nan for an inf or nan x)
         if skip_unless_finite is not None:
             check = norm + skip_unless_finite.detach().to(device=norm.device, dtype=norm.dtype).sum() * 0
@@ -279,12 +291,10 @@ class MegatronOptimizer(ABC):
             results: list[bool] = []
             fused_adam_step_with_clipping(self.optimizer, norm, self.config.clip_grad,
                                           lambda: results.append(self.step_with_ready_grads()), check)
-        # The update is already queued: reading the values now stalls nothing.
-        grad_norm, checked = torch.stack([norm.reshape(()), check.reshape(())]).tolist()
-        if not math.isfinite(checked):
-            self._step_skipped_on_device()
-        # A non-finite check made the kernel skip the update (weights and state untouched), as the unfused path does.
-        return bool(results[0]) and math.isfinite(checked), grad_norm, None
+        # A non-finite check made the kernel skip the update (weights, state and step counts untouched), as the
+        # unfused path does.
+        success = torch.isfinite(check) if results[0] else torch.zeros((), dtype=torch.bool, device=norm.device)
+        return success, norm, None
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):

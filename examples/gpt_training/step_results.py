@@ -1,0 +1,80 @@
+"""Each training step's loss, gradient norm and outcome, left on the device until a log line needs them.
+
+Reading a device value on the host waits for every kernel queued before it. A loop that reads the loss
+and the gradient norm after each step therefore lets the GPU run dry at the end of every step: the host
+then queues the next step's first kernels while the GPU idles. :meth:`~megatron_core.optimizer.
+MegatronOptimizer.step_on_device` returns those values unread; the loop queues them here and reads them
+all in one transfer when it writes a log line, saves a checkpoint or stops (:meth:`StepResults.settle`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["QueuedStep", "SettledStep", "StepResults"]
+
+
+@dataclass
+class QueuedStep:
+    """One step's results as the optimizer returned them: 0-dim device tensors, or host values it had read."""
+
+    iteration: int
+    loss: torch.Tensor | float
+    update_successful: torch.Tensor | bool
+    grad_norm: torch.Tensor | float | None
+    scheduler_advanced: bool  # the loop advanced the learning-rate schedule before the outcome was known
+    extra: dict[str, float] = field(default_factory=dict)  # host values logged with the step (MoE metrics)
+
+
+@dataclass
+class SettledStep:
+    """One step's results read on the host."""
+
+    iteration: int
+    loss: float
+    update_successful: bool
+    grad_norm: float | None
+    scheduler_advanced: bool
+    extra: dict[str, float]
+
+
+class StepResults:
+    """The steps queued since the last :meth:`settle`, in order."""
+
+    def __init__(self) -> None:
+        self._queued: list[QueuedStep] = []
+
+    def add(self, step: QueuedStep) -> None:
+        """Queue a step's results (nothing is read)."""
+        self._queued.append(step)
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def settle(self) -> list[SettledStep]:
+        """Every queued step read on the host with one device-to-host transfer, oldest first; the queue empties."""
+        queued, self._queued = self._queued, []
+        fields = [(step.loss, step.update_successful, step.grad_norm) for step in queued]
+        tensors = [value for values in fields for value in values if isinstance(value, torch.Tensor)]
+        read = iter(_read(tensors))
+        settled = []
+        for step, values in zip(queued, fields):
+            loss, success, norm = (next(read) if isinstance(v, torch.Tensor) else v for v in values)
+            settled.append(SettledStep(step.iteration, float(loss), bool(success),
+                                       None if norm is None else float(norm), step.scheduler_advanced, step.extra))
+        return settled
+
+
+def _read(tensors: list[torch.Tensor]) -> list[float]:
+    """The values of 0-dim tensors (any devices), gathered per device and copied to the host once per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(index)
+    values = [0.0] * len(tensors)
+    for indices in by_device.values():
+        stacked = torch.stack([tensors[i].detach().reshape(()).to(torch.float64) for i in indices]).tolist()
+        for i, value in zip(indices, stacked):
+            values[i] = value
+    return values
