@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import types
@@ -81,19 +82,29 @@ def test_mean_loss_averages_micro_batches_then_ranks():
     assert run_on_ranks(2, _mean_losses, [[1.0, 3.0], [6.0, 10.0]]) == [5.0, 5.0]
 
 
-@pytest.mark.gpu
-def test_mean_loss_does_not_wait_for_the_gpu_cuda():
-    # Item assignment into a CUDA tensor (value[1] = n) copied through the host and drained the GPU's queue
-    # before every optimizer step; the average must be built by kernels only.
+@contextlib.contextmanager
+def _one_rank_nccl_group():
+    """A one-process NCCL default group for the duration (skips where a non-NCCL one exists already)."""
     import torch.distributed as dist
 
-    loop = _loop()
     if dist.is_initialized() and dist.get_backend() != "nccl":
         pytest.skip("this process already has a non-NCCL default group (its all_reduce copies through the host)")
     made_group = not dist.is_initialized()
     if made_group:
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
+        yield
+    finally:
+        if made_group:
+            dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_mean_loss_does_not_wait_for_the_gpu_cuda():
+    # Item assignment into a CUDA tensor (value[1] = n) copied through the host and drained the GPU's queue
+    # before every optimizer step; the average must be built by kernels only.
+    loop = _loop()
+    with _one_rank_nccl_group():
         losses = [{"lm loss": torch.tensor(v, device="cuda")} for v in (1.0, 3.0)]
         loop._mean_loss_tensor(losses)  # the first collective sets up the communicator
         torch.cuda.synchronize()
@@ -103,6 +114,41 @@ def test_mean_loss_does_not_wait_for_the_gpu_cuda():
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert float(mean) == 2.0
-    finally:
-        if made_group:
-            dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_a_training_step_does_not_wait_for_the_gpu_cuda():
+    # bf16 with the distributed optimizer (the flat Adam step, clipping folded in) and the NaN check on: the
+    # step's loss, norm and outcome stay on the device until the loop settles them at a log line.
+    loop = _loop()
+    import pretrain_gpt
+
+    from gpt_training.arguments import build_parser, validate_args
+    from gpt_training.logger import TrainingLogger
+    from megatron_core import parallel_state
+
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--train-iters", "6", "--log-interval", "6", "--eval-interval", "0",
+             "--no-progress", "--bf16", "--use-distributed-optimizer"]
+    with _one_rank_nccl_group():
+        args = validate_args(build_parser().parse_args(flags), 1)
+        run = pretrain_gpt.setup(args)
+        try:
+            trainer = loop.Trainer(args, run.config, run.model, run.optimizer, run.scheduler,
+                                   run.train_data_iterator, None, TrainingLogger(args, 0), None)
+            for iteration in (1, 2, 3):  # warm-up: the flat step's kernel, the communicator
+                trainer.results.add(trainer.train_step(iteration))
+            trainer.settle()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for iteration in (4, 5):
+                    trainer.results.add(trainer.train_step(iteration))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            last = trainer.settle()
+            assert last.iteration == 5 and last.update_successful and last.grad_norm > 0, last
+            assert torch.isfinite(torch.tensor(last.loss)), last
+        finally:
+            parallel_state.destroy_model_parallel()
