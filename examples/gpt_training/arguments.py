@@ -37,6 +37,10 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=None,
                    help="weight-gradient GEMMs accumulate straight into the fp32 main_grad (with DDP; default: on "
                         "on CUDA unless --use-torch-fsdp2, as Megatron-LM's default)")
+    g.add_argument("--overwrite-main-grad-on-first-wgrad", action=argparse.BooleanOptionalAction, default=None,
+                   help="zero_grad_buffer() skips the main_grad of weights written by the fused weight-gradient GEMM, "
+                        "whose first GEMM of the step writes instead of adding (our extension; default: on exactly "
+                        "when --gradient-accumulation-fusion is)")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="shard parameters, gradients and optimizer state with PyTorch FSDP2 "
                         "(TorchFullyShardedDataParallel) instead of DDP")
@@ -255,6 +259,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.data_parallel_size = world_size // (tp * pp * cp)
     if args.gradient_accumulation_fusion is None:
         args.gradient_accumulation_fusion = cuda_available() and not args.use_torch_fsdp2
+    if args.overwrite_main_grad_on_first_wgrad is None:
+        args.overwrite_main_grad_on_first_wgrad = args.gradient_accumulation_fusion
     _validate_torch_fsdp2(args)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:

@@ -60,3 +60,42 @@ def test_compiled_layer_keeps_fused_bf16_wgrad_without_graph_break():
     torch.nn.functional.gelu(reference_x @ reference_w.t()).backward(grad)
     torch.testing.assert_close(weight.main_grad, reference_w.grad.float(), rtol=2e-2, atol=5e-1)
     torch.testing.assert_close(x.grad, reference_x.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_write_on_cuda_does_not_read_the_stale_main_grad(dtype):
+    """beta = 0 on cuBLAS (same-dtype GEMM and the fp32-accumulating one): NaN in main_grad is not read."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    grad_output = torch.randn(256, 384, device="cuda", dtype=dtype)
+    inputs = torch.randn(256, 512, device="cuda", dtype=dtype)
+    main_grad = torch.full((384, 512), float("nan"), device="cuda", dtype=torch.float32)
+    try:
+        for tokens in (256, 0):  # a GEMM without tokens (an expert without tokens) writes zeros
+            main_grad.fill_(float("nan"))
+            wgrad_accumulation.expect_first_write([main_grad])
+            wgrad_accumulation.accumulate_weight_gradient(main_grad, grad_output[:tokens], inputs[:tokens])
+            want = grad_output[:tokens].float().t() @ inputs[:tokens].float()
+            torch.testing.assert_close(main_grad, want, rtol=2e-2, atol=5e-1)
+        print("one-GEMM fp32 accumulation:", wgrad_accumulation.gemm_accumulates_into_fp32(main_grad.device))
+    finally:
+        wgrad_accumulation.zero_pending_first_writes()
+
+
+def test_capturing_a_pending_first_write_in_a_cuda_graph_raises():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    grad_output = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    inputs = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)
+    main_grad = torch.zeros(32, 48, device="cuda", dtype=torch.float32)
+    wgrad_accumulation.accumulate_weight_gradient(main_grad, grad_output, inputs)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    wgrad_accumulation.expect_first_write([main_grad])
+    try:
+        with pytest.raises(RuntimeError, match="CUDA graph"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                wgrad_accumulation.accumulate_weight_gradient(main_grad, grad_output, inputs)
+        assert [t.data_ptr() for t in wgrad_accumulation.pending_first_writes()] == [main_grad.data_ptr()]
+    finally:
+        wgrad_accumulation.zero_pending_first_writes()

@@ -208,7 +208,11 @@ class DistributedDataParallel(torch.nn.Module):
             group.start_param_sync(force_sync=force_sync)
 
     def zero_grad_buffer(self) -> None:
-        """Zero every ``main_grad`` and forget ready gradients; call before each iteration."""
+        """Zero every ``main_grad`` and forget ready gradients; call before each iteration.
+
+        With ``overwrite_main_grad_on_first_wgrad`` the ``main_grad`` of fused-wgrad weights is left to its first
+        weight-gradient GEMM instead (see :mod:`.param_and_grad_buffer`).
+        """
         for param in self.param_to_name:
             param.grad_added_to_main_grad = False
         for buffer in self.buffers + self.expert_parallel_buffers:

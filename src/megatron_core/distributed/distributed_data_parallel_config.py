@@ -88,6 +88,13 @@ class DistributedDataParallelConfig:
     delay_wgrad_compute: bool = False
     """Accepted for compatibility; has no effect here."""
 
+    overwrite_main_grad_on_first_wgrad: bool = False
+    """Our extension (not in Megatron-Core): ``zero_grad_buffer()`` leaves unzeroed the ``main_grad`` of weights
+    whose gradient only arrives through the fused weight-gradient GEMM (marked ``wgrad_fused_into_main_grad``,
+    i.e. ``gradient_accumulation_fusion`` is on), and the first GEMM of the step writes it (beta = 0) instead of
+    adding; everything else is zeroed as before, and a weight that got no GEMM is zeroed before its bucket is
+    reduced. Not for backward passes captured in a CUDA graph (raises)."""
+
     def __post_init__(self) -> None:
         """Validate the combination of options; errors name the fields and values."""
         if self.use_custom_fsdp:

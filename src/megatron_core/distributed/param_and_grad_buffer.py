@@ -6,6 +6,11 @@ bucket at the front of the buffer fills first. Every parameter gets ``param.main
 into the gradient buffer; with the distributed optimizer ``param.data`` also becomes a view into
 the parameter buffer, and each bucket is padded so that it splits into equal per-rank shards
 (rank ``r`` owns elements ``[r * n, (r + 1) * n)`` of every bucket).
+
+With ``overwrite_main_grad_on_first_wgrad`` the ``main_grad`` of a weight written only by the fused
+weight-gradient GEMM is not zeroed between steps: it is registered as awaiting its first write
+(:mod:`~megatron_core.tensor_parallel.wgrad_accumulation`), and a bucket group zeroes whichever of its
+own are still pending before it reads or reduces them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_core.distributed import collectives
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron_core.tensor_parallel.wgrad_accumulation import expect_first_write, zero_pending_first_writes
 from megatron_core.utils import get_pg_rank, get_pg_size
 
 _PARAM_START_ALIGNMENT = 64
@@ -30,6 +36,16 @@ class BufferType(Enum):
 
     PARAM = 1
     GRAD = 2
+
+
+def _written_only_by_wgrad_gemm(param: torch.nn.Parameter) -> bool:
+    """Whether ``param``'s gradient only ever reaches ``main_grad`` through the fused weight-gradient GEMM.
+
+    True for weights marked ``wgrad_fused_into_main_grad`` (``gradient_accumulation_fusion``): DDP's
+    backward hook ignores their ``.grad``, unless ``zero_out_wgrad`` (a tied embedding whose lookup
+    gradient arrives as ``.grad``) makes the hook add it.
+    """
+    return bool(getattr(param, "wgrad_fused_into_main_grad", False)) and not getattr(param, "zero_out_wgrad", False)
 
 
 def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[torch.Tensor]:
@@ -45,7 +61,8 @@ class _ParamAndGradBucket:
 
     def __init__(self, params: list[torch.nn.Parameter], param_data: torch.Tensor | None,
                  grad_data: torch.Tensor, offset: int, numel_unpadded: int,
-                 gradient_scaling_factor: float, bucket_id: int) -> None:
+                 gradient_scaling_factor: float, bucket_id: int,
+                 first_write_main_grads: list[torch.Tensor] | None = None) -> None:
         self.params_list = params
         self.params = set(params)
         self.param_data = param_data
@@ -54,6 +71,9 @@ class _ParamAndGradBucket:
         self.numel_unpadded = numel_unpadded
         self.gradient_scaling_factor = gradient_scaling_factor
         self.bucket_id = bucket_id
+        # main_grads left unzeroed at reset (overwrite_main_grad_on_first_wgrad): zeroed before the bucket is read
+        # if no weight-gradient GEMM wrote them.
+        self.first_write_main_grads = first_write_main_grads or []
 
 
 class _ParamAndGradBucketGroup:
@@ -70,6 +90,7 @@ class _ParamAndGradBucketGroup:
         self.data_parallel_world_size = collective_group_size
         self.data_parallel_rank = get_pg_rank(collective_group)
         self.params = set().union(*(b.params for b in buckets))
+        self.first_write_main_grads = [g for b in buckets for g in b.first_write_main_grads]
         self.params_with_grad: set[torch.nn.Parameter] = set()
         self.is_last_microbatch = True
         self.grad_reduce_handles: list | None = None
@@ -102,6 +123,7 @@ class _ParamAndGradBucketGroup:
         """Scale and launch the reduction of every bucket (async when ``overlap_grad_reduce``)."""
         if self.grad_reduce_handles is not None:
             raise RuntimeError("a gradient reduction is already outstanding for this bucket group")
+        zero_pending_first_writes(self.first_write_main_grads)
         if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
             self.check_grads()
         op = "avg" if self.ddp_config.average_in_collective else "sum"
@@ -123,6 +145,7 @@ class _ParamAndGradBucketGroup:
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Wait for the reduction (launching it synchronously first when not overlapping)."""
         self.param_gather_dispatched = False
+        zero_pending_first_writes(self.first_write_main_grads)
         if not self.ddp_config.overlap_grad_reduce or force_all_reduce:
             if self.grad_reduce_handles is None:
                 self.start_grad_sync(force_all_reduce=force_all_reduce)
@@ -214,10 +237,15 @@ class _ParamAndGradBuffer:
                 view.copy_(param.data)
                 param.data = view
             param.main_grad = self.grad_data[start:end].view(param.shape)
+        # overwrite_main_grad_on_first_wgrad: reset() zeroes only the rest of grad_data, these await their GEMM.
+        self.first_write_params = [p for p in self.params if ddp_config.overwrite_main_grad_on_first_wgrad
+                                   and _written_only_by_wgrad_gemm(p)]
+        self._zeroed_at_reset = self._complement_of(self.first_write_params)
 
         self.buckets: list[_ParamAndGradBucket] = []
         self.param_to_bucket: dict[torch.nn.Parameter, _ParamAndGradBucket] = {}
         bucket_params: list[list[torch.nn.Parameter]] = [[] for _ in self.bucket_indices]
+        first_write = set(self.first_write_params)
         for param in self.params[::-1]:
             bucket_params[self.param_index_map[param][2]].append(param)
         for bucket_id, ((start, end), plist) in enumerate(zip(self.bucket_indices, bucket_params)):
@@ -229,6 +257,7 @@ class _ParamAndGradBuffer:
                 self.per_bucket_numel_unpadded[bucket_id],
                 gradient_scaling_factor,
                 bucket_id,
+                [p.main_grad for p in plist if p in first_write],
             )
             self.buckets.append(bucket)
             for param in plist:
@@ -280,13 +309,32 @@ class _ParamAndGradBuffer:
             index = close_bucket(index)
         return index
 
+    def _complement_of(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """Views of ``grad_data`` outside ``params``' ranges (other params, alignment gaps, bucket padding).
+
+        Adjacent ranges are merged, so the views are as few as the layout allows.
+        """
+        views, index = [], 0
+        for start, end in sorted(self.param_index_map[p][:2] for p in params):
+            if start > index:
+                views.append(self.grad_data[index:start])
+            index = max(index, end)
+        if index < self.numel:
+            views.append(self.grad_data[index:])
+        return views
+
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient in the buffer by ``scaling_factor``."""
         self.grad_data.mul_(scaling_factor)
 
     def reset(self) -> None:
-        """Zero the gradient buffer."""
-        self.grad_data.zero_()
+        """Zero the gradient buffer, except the ``main_grad``s registered to be overwritten by their first GEMM."""
+        if not self.ddp_config.overwrite_main_grad_on_first_wgrad:
+            self.grad_data.zero_()
+            return
+        if self._zeroed_at_reset:
+            torch._foreach_zero_(self._zeroed_at_reset)
+        expect_first_write(p.main_grad for p in self.first_write_params)
 
 
 def partition_buckets(buffers: Sequence[_ParamAndGradBuffer], force_single_bucket_group: bool = False,

@@ -4,15 +4,35 @@ Eagerly it is called directly. Inside ``torch.compile``d backward graphs it is t
 ``torch.ops.megatron_core.accumulate_weight_gradient`` (it mutates ``main_grad``), so that the
 compiled graph calls the same kernel instead of tracing it (torch 2.11's fake kernel of
 ``addmm(..., out_dtype=)`` fails) and the layer needs no graph break.
+
+First writes (our extension, DDP's ``overwrite_main_grad_on_first_wgrad``): DDP may leave a
+``main_grad`` unzeroed at the start of a step and register it here with :func:`expect_first_write`;
+the next GEMM into it then writes the product (``beta = 0``: the stale values are never read)
+instead of adding. Whatever is still pending when the gradients are consumed is zeroed by
+:func:`zero_pending_first_writes`. The registry is keyed by ``data_ptr()`` and is a one-shot
+decision per step, so a CUDA graph must not capture a GEMM that takes it.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
+
 import torch
 
-__all__ = ["accumulate_weight_gradient", "gemm_accumulates_into_fp32"]
+__all__ = [
+    "accumulate_weight_gradient",
+    "expect_first_write",
+    "gemm_accumulates_into_fp32",
+    "pending_first_writes",
+    "zero_pending_first_writes",
+]
 
 _FP32_ACCUMULATING_GEMM: dict[str, bool] = {}
+
+# main_grad tensors whose memory is stale until their first weight-gradient GEMM of the step, by data_ptr(). Weak
+# references: a model dropped mid-step (its DDP buffers with it) leaves no memory held here; its entry goes with it.
+_PENDING_FIRST_WRITES: dict[int, weakref.ref] = {}
 
 
 def gemm_accumulates_into_fp32(device: torch.device) -> bool:
@@ -38,13 +58,88 @@ def gemm_accumulates_into_fp32(device: torch.device) -> bool:
     return _FP32_ACCUMULATING_GEMM[key]
 
 
+def expect_first_write(main_grads: Iterable[torch.Tensor]) -> None:
+    """Register ``main_grads`` (stale memory): the next :func:`accumulate_weight_gradient` into each overwrites it.
+
+    The GEMM must receive the registered tensor's memory from its start (``param.main_grad`` itself). Only
+    weak references are kept: the caller keeps each tensor alive until it is written or zeroed (DDP's
+    ``param.main_grad`` views are), and a tensor that dies is forgotten. Empty tensors are skipped (they have
+    no memory to share a ``data_ptr()`` with).
+    """
+    for main_grad in main_grads:
+        if main_grad.numel() > 0:
+            key = main_grad.data_ptr()
+            _PENDING_FIRST_WRITES[key] = weakref.ref(main_grad, lambda ref, key=key: _forget(key, ref))
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    if _PENDING_FIRST_WRITES.get(key) is ref:
+        del _PENDING_FIRST_WRITES[key]
+
+
+def _live(refs: Iterable[weakref.ref | None]) -> list[torch.Tensor]:
+    return [t for t in (r() for r in refs if r is not None) if t is not None]
+
+
+def pending_first_writes() -> list[torch.Tensor]:
+    """The registered tensors that no weight-gradient GEMM has written yet."""
+    return _live(_PENDING_FIRST_WRITES.values())
+
+
+def zero_pending_first_writes(tensors: Iterable[torch.Tensor] | None = None) -> None:
+    """Zero and forget the pending tensors (only those among ``tensors`` when given), in one ``_foreach_zero_``.
+
+    Call before anything reads the gradients: a registered weight that got no gradient this step (an
+    unused layer, an expert that skipped its GEMM) must read as zero. Idempotent; nearly free when
+    nothing is pending.
+    """
+    if not _PENDING_FIRST_WRITES:
+        return
+    if tensors is None:
+        stale = _live(_PENDING_FIRST_WRITES.values())
+        _PENDING_FIRST_WRITES.clear()
+    else:
+        stale = _live([_PENDING_FIRST_WRITES.pop(t.data_ptr(), None) for t in tensors if t.numel() > 0])
+    if stale:
+        torch._foreach_zero_(stale)
+
+
+def _take_first_write(main_grad: torch.Tensor) -> bool:
+    """Whether this GEMM is ``main_grad``'s first write of the step (then it is no longer pending)."""
+    key = main_grad.data_ptr()
+    ref = _PENDING_FIRST_WRITES.pop(key, None)
+    pending = None if ref is None else ref()
+    if pending is None:
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        _PENDING_FIRST_WRITES[key] = ref
+        raise RuntimeError(
+            "a CUDA graph is capturing the first weight-gradient GEMM into a main_grad that DDP left unzeroed "
+            "(overwrite_main_grad_on_first_wgrad=True): the graph would replay the one-shot overwrite every time; "
+            "turn overwrite_main_grad_on_first_wgrad off for captured backward passes"
+        )
+    if pending.numel() != main_grad.numel():
+        # Only a slice that starts where the pending tensor starts: zero all of it, then accumulate.
+        pending.zero_()
+        return False
+    return True
+
+
 def accumulate_weight_gradient(main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
-    """``main_grad += grad_output_2d^T @ input_2d`` (``[out, in]`` from ``[tokens, out]`` and ``[tokens, in]``)."""
+    """``main_grad += grad_output_2d^T @ input_2d`` (``[out, in]`` from ``[tokens, out]`` and ``[tokens, in]``).
+
+    When ``main_grad`` awaits its first write (:func:`expect_first_write`), ``main_grad = grad_output_2d^T @
+    input_2d`` instead, without reading its old values.
+    """
+    overwrite = bool(_PENDING_FIRST_WRITES) and _take_first_write(main_grad)
+    beta = 0 if overwrite else 1
     if main_grad.dtype == grad_output_2d.dtype:
-        main_grad.addmm_(grad_output_2d.t(), input_2d)  # one GEMM that accumulates in place
+        main_grad.addmm_(grad_output_2d.t(), input_2d, beta=beta)  # one GEMM; beta=0 does not read main_grad
     elif gemm_accumulates_into_fp32(main_grad.device):
         # bf16/fp16 operands on tensor cores, the product added to the fp32 main_grad inside the GEMM.
-        torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
+        torch.addmm(main_grad, grad_output_2d.t(), input_2d, beta=beta, out_dtype=main_grad.dtype, out=main_grad)
+    elif overwrite:
+        main_grad.copy_(grad_output_2d.t().matmul(input_2d))
     else:
         # bf16/fp16 activations with an fp32 main_grad: the GEMM runs in the activation dtype (tensor
         # cores, fp32 accumulation inside) and its result is added in fp32, as the unfused DDP hook does;
