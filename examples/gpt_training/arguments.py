@@ -151,6 +151,14 @@ def _training(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, choices=["fp32", "bf16", "fp16"], default="fp32")
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-interval", type=int, default=None, help="exit after this iteration (for tests)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="turn Python's threshold-triggered garbage collector off while training and collect only at "
+                        "--manual-gc-interval and around evaluation (Megatron-LM's flag): no collection pauses the "
+                        "host at a random point of a step")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc, collect every this many steps (0: never between steps)")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc, do not collect before and after each evaluation")
 
 
 def _data(parser: argparse.ArgumentParser) -> None:
@@ -261,6 +269,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.gradient_accumulation_fusion = cuda_available() and not args.use_torch_fsdp2
     if args.overwrite_main_grad_on_first_wgrad is None:
         args.overwrite_main_grad_on_first_wgrad = args.gradient_accumulation_fusion
+    _require(args.manual_gc_interval >= 0, f"--manual-gc-interval ({args.manual_gc_interval}) must be >= 0")
     _validate_torch_fsdp2(args)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import os
@@ -250,7 +251,35 @@ class Trainer:
         return total / self.args.eval_iters
 
     def train(self, start_iteration: int, flops_per_token: float, peak: float | None) -> int:
-        """Run until ``--train-iters``, a stop signal, ``--exit-interval`` or ``--exit-duration-in-mins``."""
+        """Run until ``--train-iters``, a stop signal, ``--exit-interval`` or ``--exit-duration-in-mins``.
+
+        With ``--manual-gc`` Python's threshold-triggered garbage collector is off for the duration: it collects
+        every ``--manual-gc-interval`` steps and around evaluation (unless ``--no-manual-gc-eval``) instead.
+        """
+        if not self.args.manual_gc:
+            return self._train(start_iteration, flops_per_token, peak)
+        was_enabled = gc.isenabled()
+        gc.disable()
+        gc.collect()
+        try:
+            return self._train(start_iteration, flops_per_token, peak)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _collect_garbage(self, iteration: int | None = None) -> None:
+        """A manual collection: at ``--manual-gc-interval`` (given the iteration) or around evaluation (without)."""
+        args = self.args
+        if not args.manual_gc:
+            return
+        if iteration is None:
+            due = args.manual_gc_eval
+        else:
+            due = args.manual_gc_interval > 0 and iteration % args.manual_gc_interval == 0
+        if due:
+            gc.collect()
+
+    def _train(self, start_iteration: int, flops_per_token: float, peak: float | None) -> int:
         args = self.args
         start_time = time.time()
         iteration = start_iteration
@@ -285,8 +314,11 @@ class Trainer:
                     record.update(breakdown(self.timers, window_steps))
                 self.logger.log(iteration, record)
                 window_start, window_steps, self.skipped_in_window = time.time(), 0, 0
+            self._collect_garbage(iteration)
             if args.eval_interval and iteration % args.eval_interval == 0:
+                self._collect_garbage()
                 self.logger.log(iteration, {"validation loss": self.evaluate()}, kind="valid")
+                self._collect_garbage()
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 self.settle()  # a checkpoint holds only steps whose outcome was checked
                 self.checkpointer.save(iteration)

@@ -64,6 +64,43 @@ def test_one_process_decides_to_exit_on_the_host():
     assert decisions == [False, False, True, True]
 
 
+def test_manual_gc_turns_the_collector_off_while_training_and_collects_when_asked(monkeypatch):
+    import gc
+
+    loop = _loop()
+    collected: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
+    args = argparse.Namespace(manual_gc=True, manual_gc_interval=2, manual_gc_eval=True)
+
+    def _train(*unused):
+        enabled_while_training = gc.isenabled()
+        for iteration in (1, 2, 3, 4):
+            loop.Trainer._collect_garbage(trainer, iteration)
+        loop.Trainer._collect_garbage(trainer)  # around evaluation
+        return enabled_while_training
+
+    trainer = types.SimpleNamespace(args=args, _train=_train)
+    assert gc.isenabled()
+    assert loop.Trainer.train(trainer, 0, 0.0, None) is False
+    assert gc.isenabled()  # back on afterwards
+    assert len(collected) == 1 + 2 + 1  # at the start, at iterations 2 and 4, around evaluation
+    args.manual_gc_eval, collected[:] = False, []
+    loop.Trainer._collect_garbage(trainer)
+    assert collected == []
+
+
+def test_negative_manual_gc_interval_is_refused():
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    from gpt_training.arguments import build_parser, validate_args
+
+    flags = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "1",
+             "--train-iters", "1", "--manual-gc", "--manual-gc-interval", "-1"]
+    with pytest.raises(ValueError, match=r"--manual-gc-interval \(-1\) must be >= 0"):
+        validate_args(build_parser().parse_args(flags), 1)
+
+
 def _mean_losses(per_rank: list[list[float]]) -> float:
     from megatron_core import parallel_state
 
