@@ -1,4 +1,5 @@
-"""``gradient_accumulation_fusion``: weight gradients go straight into DDP's ``main_grad`` buffers.
+"""``gradient_accumulation_fusion``: weight gradients (linear layers and the embedding lookup) go straight into DDP's
+``main_grad`` buffers.
 
 A tiny GPT wrapped in ``DistributedDataParallel`` accumulates two micro-batches with the fusion on and
 off, on the same weights and data; every parameter's ``main_grad`` must agree (fp32 within 1e-5; bf16
@@ -13,16 +14,16 @@ from megatron_core import parallel_state, tensor_parallel
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.transformer import Float16Module
 from tests.dist_harness import run_on_ranks
-from tests.models.gpt_test_utils import batch, build, llama_like
+from tests.models.gpt_test_utils import batch, build, gpt2_like, llama_like
 
 
-def _main_grads(tp: int, fusion: bool, bf16: bool, compiled: bool = False) -> dict[str, torch.Tensor]:
+def _main_grads(tp: int, fusion: bool, bf16: bool, compiled: bool = False, spec=llama_like) -> dict[str, torch.Tensor]:
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     overrides = dict(gradient_accumulation_fusion=fusion, tensor_model_parallel_size=tp)
     if bf16:
         overrides.update(bf16=True, params_dtype=torch.bfloat16)
-    model = build(llama_like(), **overrides)
+    model = build(spec(), **overrides)
     module = Float16Module(model.config, model) if bf16 else model
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
     if compiled:
@@ -62,6 +63,26 @@ def _compare_fused_and_unfused() -> list[str]:
 def test_fused_weight_gradients_equal_the_unfused_ones() -> None:
     results = run_on_ranks(2, _compare_fused_and_unfused)
     assert results == [["tp1-fp32", "tp1-bf16", "tp2-fp32", "tp2-bf16"]] * 2
+
+
+def _compare_tied(tp: int) -> bool:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    try:
+        fused, unfused = _main_grads(tp, True, False, spec=gpt2_like), _main_grads(tp, False, False, spec=gpt2_like)
+        for name in fused:
+            assert fused[name].abs().sum() > 0, f"{name}: no gradient reached main_grad"
+            torch.testing.assert_close(fused[name], unfused[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+        return True
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_fused_gradients_of_a_tied_embedding_equal_the_unfused_ones() -> None:
+    # The shared weight gets the lookup's gradient (accumulated by the embedding) and the output layer's (the
+    # fused GEMM) in the same main_grad.
+    for tp in (1, 2):
+        assert run_on_ranks(2, _compare_tied, tp) == [True, True]
 
 
 def _compiled_fused_against_eager_unfused() -> dict[str, int]:

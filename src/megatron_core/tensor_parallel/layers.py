@@ -23,6 +23,7 @@ from torch.nn.parameter import Parameter
 from megatron_core.device import get_current_device
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.process_groups_config import check_parallel_size
+from megatron_core.tensor_parallel.embedding_function import embedding_with_grad_accumulation
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.linear_function import (
     LinearWithGradAccumulationAndAsyncCommunication,
@@ -357,10 +358,12 @@ class VocabParallelEmbedding(torch.nn.Module):
         )
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.deterministic_mode = config.deterministic_mode
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.weight = _new_weight((self.num_embeddings_per_partition, embedding_dim), config)
         _init_weight(self.weight, config, init_method, (num_embeddings, embedding_dim),
                      self.num_embeddings_per_partition, 0, 1, False, rank, self.tensor_model_parallel_size,
                      False)
+        _mark_fused_wgrad(self.weight, config)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Look up ``input_`` ids ``[b, s]``; returns ``[b, s, h]`` (``[s / TP, b, h]`` when reduce-scattering)."""
@@ -369,7 +372,11 @@ class VocabParallelEmbedding(torch.nn.Module):
             masked_input = (input_ - self.vocab_start_index).masked_fill(input_mask, 0)
         else:
             masked_input = input_
-        if self.deterministic_mode:
+        if (self.gradient_accumulation_fusion and hasattr(self.weight, "main_grad") and self.weight.requires_grad
+                and torch.is_grad_enabled()):
+            # The weight gradient goes straight into DDP's fp32 main_grad (no dense gradient in the weight's dtype).
+            output_parallel = embedding_with_grad_accumulation(masked_input, self.weight, self.deterministic_mode)
+        elif self.deterministic_mode:
             output_parallel = self.weight[masked_input]
         else:
             output_parallel = F.embedding(masked_input, self.weight)

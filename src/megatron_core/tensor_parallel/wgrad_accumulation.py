@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 
 __all__ = [
+    "accumulate_embedding_gradient",
     "accumulate_weight_gradient",
     "expect_first_write",
     "gemm_accumulates_into_fp32",
@@ -147,6 +148,25 @@ def accumulate_weight_gradient(main_grad: torch.Tensor, grad_output_2d: torch.Te
         main_grad.add_(grad_output_2d.t().matmul(input_2d))
 
 
+def accumulate_embedding_gradient(main_grad: torch.Tensor, ids: torch.Tensor, grad_output_2d: torch.Tensor,
+                                  deterministic: bool = False) -> None:
+    """``main_grad[ids[i]] += grad_output_2d[i]`` for every token ``i``, in ``main_grad``'s dtype (fp32).
+
+    The lookup's weight gradient added where it belongs instead of built as a dense ``[vocab, hidden]`` gradient in
+    the weight's dtype and added afterwards. ``deterministic`` (or torch's deterministic-algorithms mode) sums the
+    tokens of one row in a fixed order (``index_put_`` with accumulation); otherwise ``index_add_`` (atomic adds on
+    CUDA: the order of a row's additions may vary from run to run). A ``main_grad`` awaiting its first write
+    (:func:`expect_first_write`) is zeroed first: a scatter cannot overwrite.
+    """
+    if _PENDING_FIRST_WRITES and _take_first_write(main_grad):
+        main_grad.zero_()
+    values = grad_output_2d.to(main_grad.dtype)
+    if deterministic or torch.are_deterministic_algorithms_enabled():
+        main_grad.index_put_((ids,), values, accumulate=True)
+    else:
+        main_grad.index_add_(0, ids, values)
+
+
 # Defined with the plain ``torch.library.Library`` API rather than ``torch.library.custom_op``: the dispatcher then
 # calls the Python function directly, without custom_op's Python autograd / view / checking layers (about 60 us
 # per call on the host; a backward makes four calls per layer).
@@ -157,4 +177,14 @@ _LIBRARY.impl("accumulate_weight_gradient", accumulate_weight_gradient, "Composi
 
 @torch.library.register_fake("megatron_core::accumulate_weight_gradient", lib=_LIBRARY)
 def _(main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
+    return None
+
+
+_LIBRARY.define("accumulate_embedding_gradient(Tensor(a!) main_grad, Tensor ids, Tensor grad_output_2d, "
+                "bool deterministic=False) -> ()")
+_LIBRARY.impl("accumulate_embedding_gradient", accumulate_embedding_gradient, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("megatron_core::accumulate_embedding_gradient", lib=_LIBRARY)
+def _(main_grad: torch.Tensor, ids: torch.Tensor, grad_output_2d: torch.Tensor, deterministic: bool = False) -> None:
     return None
