@@ -147,6 +147,10 @@ class Trainer:
         self.stop_requested = False
         self.timers = StepTimers() if args.step_time_breakdown else None
         self.results = StepResults()  # steps whose loss, gradient norm and outcome are not read yet
+        # The per-step stop decision is a collective of host values: over gloo it never waits for the GPU (with
+        # NCCL, reading its result would wait for every queued kernel). None: the default group is gloo already.
+        self.host_group = (dist.new_group(backend="gloo")
+                           if dist.get_world_size() > 1 and dist.get_backend() != "gloo" else None)
         self.skipped_in_window = 0  # skipped steps found since the last log line
         if self.timers is not None:  # the schedules time forward/backward through config.timers
             config.timers = self.timers
@@ -336,9 +340,8 @@ class Trainer:
             float(args.exit_duration_in_mins is not None
                   and (time.time() - start_time) / 60 >= args.exit_duration_in_mins),
         ])
-        if dist.get_world_size() > 1:  # one process decides on the host, without waiting for the GPU
-            flags = flags.to(device.get_current_device())
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if dist.get_world_size() > 1:  # every rank agrees, over a host (gloo) group: the GPU's queue is not drained
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.host_group)
         if flags.any():
             reason = ["SIGTERM", "--exit-interval", "--exit-duration-in-mins"][int(flags.argmax())]
             self.logger.info(f"stopping at iteration {iteration}: {reason}")

@@ -51,7 +51,7 @@ def _exit_decisions() -> list[bool]:
     messages: list[str] = []
     trainer = types.SimpleNamespace(
         args=argparse.Namespace(exit_interval=3, exit_duration_in_mins=None, save=None),
-        stop_requested=False, logger=types.SimpleNamespace(info=messages.append))
+        stop_requested=False, logger=types.SimpleNamespace(info=messages.append), host_group=None)
     decisions = [loop.Trainer._should_exit(trainer, iteration, time.time()) for iteration in (1, 2, 3)]
     trainer.args.exit_interval, trainer.stop_requested = None, True
     decisions.append(loop.Trainer._should_exit(trainer, 4, time.time()))
@@ -62,6 +62,23 @@ def _exit_decisions() -> list[bool]:
 def test_one_process_decides_to_exit_on_the_host():
     (decisions,) = run_on_ranks(1, _exit_decisions)
     assert decisions == [False, False, True, True]
+
+
+def _sigterm_on_one_rank() -> list[bool]:
+    import torch.distributed as dist
+
+    loop = _loop()
+    trainer = types.SimpleNamespace(
+        args=argparse.Namespace(exit_interval=None, exit_duration_in_mins=None, save=None),
+        stop_requested=False, logger=types.SimpleNamespace(info=lambda message: None), host_group=None)
+    decisions = [loop.Trainer._should_exit(trainer, 1, time.time())]
+    trainer.stop_requested = dist.get_rank() == 1  # only rank 1 got the signal
+    decisions.append(loop.Trainer._should_exit(trainer, 2, time.time()))
+    return decisions
+
+
+def test_every_rank_stops_when_one_rank_gets_sigterm():
+    assert run_on_ranks(2, _sigterm_on_one_rank) == [[False, True], [False, True]]
 
 
 def test_manual_gc_turns_the_collector_off_while_training_and_collects_when_asked(monkeypatch):
