@@ -205,7 +205,7 @@ class Trainer:
         advanced = success is not False  # False: a skip already known on the host (a grad scaler's overflow)
         if advanced:
             self.scheduler.step(increment=self.args.global_batch_size)
-        extra = moe_log_values(self.args, iteration) if self.args.num_experts is not None else {}
+        extra = moe_log_values(self.args) if self.args.num_experts is not None else {}
         return QueuedStep(iteration, loss_tensor, success, grad_norm, advanced, extra)
 
     def settle(self) -> SettledStep | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from megatron_core.transformer.moe import get_moe_metrics_tracker
 
 
@@ -17,16 +19,11 @@ def _tracked_names(args: argparse.Namespace) -> list[str]:
     return [n for n in names if n]
 
 
-def moe_log_values(args: argparse.Namespace, iteration: int) -> dict[str, float]:
-    """Reduce this step's MoE metrics over every rank (collective) and clear them."""
-    losses: dict[str, float] = {}
-    line = get_moe_metrics_tracker().report(
-        loss_scale=1.0 / args.num_microbatches, iteration=iteration, force_initialize=True,
-        track_names=_tracked_names(args), num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq,
-        total_loss_dict=losses,
-    )
-    values = {name: float(value) for name, value in losses.items()}
-    for item in filter(None, line.split(" | ")):
-        name, value = item.split(": ")
-        values[name] = float(value)
-    return values
+def moe_log_values(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """This step's MoE metrics reduced over every rank (a collective) as unread device scalars; clears them.
+
+    The loop reads them with the step's other results at its next log line.
+    """
+    return get_moe_metrics_tracker().reduce_on_device(
+        loss_scale=1.0 / args.num_microbatches, force_initialize=True, track_names=_tracked_names(args),
+        num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq)

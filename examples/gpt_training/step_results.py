@@ -25,7 +25,7 @@ class QueuedStep:
     update_successful: torch.Tensor | bool
     grad_norm: torch.Tensor | float | None
     scheduler_advanced: bool  # the loop advanced the learning-rate schedule before the outcome was known
-    extra: dict[str, float] = field(default_factory=dict)  # host values logged with the step (MoE metrics)
+    extra: dict[str, torch.Tensor | float] = field(default_factory=dict)  # logged with the step (MoE metrics)
 
 
 @dataclass
@@ -56,14 +56,15 @@ class StepResults:
     def settle(self) -> list[SettledStep]:
         """Every queued step read on the host with one device-to-host transfer, oldest first; the queue empties."""
         queued, self._queued = self._queued, []
-        fields = [(step.loss, step.update_successful, step.grad_norm) for step in queued]
+        fields = [[step.loss, step.update_successful, step.grad_norm, *step.extra.values()] for step in queued]
         tensors = [value for values in fields for value in values if isinstance(value, torch.Tensor)]
         read = iter(_read(tensors))
         settled = []
         for step, values in zip(queued, fields):
-            loss, success, norm = (next(read) if isinstance(v, torch.Tensor) else v for v in values)
+            loss, success, norm, *extra = (next(read) if isinstance(v, torch.Tensor) else v for v in values)
             settled.append(SettledStep(step.iteration, float(loss), bool(success),
-                                       None if norm is None else float(norm), step.scheduler_advanced, step.extra))
+                                       None if norm is None else float(norm), step.scheduler_advanced,
+                                       {name: float(value) for name, value in zip(step.extra, extra)}))
         return settled
 
 

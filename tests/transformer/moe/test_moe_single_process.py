@@ -137,6 +137,27 @@ def test_aux_and_z_losses_reach_the_router_gradient_and_are_logged():
     assert "load_balancing_loss" in log and "z_loss" in log and "load_imbalance" in log
 
 
+def test_metrics_reduced_on_the_device_equal_the_reported_ones():
+    from megatron_core.transformer.moe.moe_logging import MoEMetricsTracker
+
+    def recorded() -> MoEMetricsTracker:
+        tracker = MoEMetricsTracker()
+        for layer, (aux, imbalance) in enumerate([(0.5, 1.25), (0.0, 0.0), (1.5, 2.0)], start=1):  # layer 2 dense
+            tracker.record("load_balancing_loss", torch.tensor(aux), layer, 3)
+            tracker.record("load_imbalance", torch.tensor(imbalance), layer, 3)
+        return tracker
+
+    losses: dict[str, float] = {}
+    line = recorded().report(loss_scale=0.5, iteration=1, num_layers=3, moe_layer_freq=[1, 0, 1],
+                             total_loss_dict=losses)
+    tracker = recorded()
+    on_device = tracker.reduce_on_device(loss_scale=0.5, num_layers=3, moe_layer_freq=[1, 0, 1])
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in on_device.values())
+    assert float(on_device["load_balancing_loss"]) == losses["load_balancing_loss"] == 0.5 * (0.5 + 1.5) / 2
+    assert line == f"load_imbalance: {float(on_device['load_imbalance']):.6E}"
+    assert float(tracker.metrics["load_imbalance"].values.abs().sum()) == 0.0  # cleared
+
+
 @pytest.mark.parametrize("overrides,message", [
     (dict(moe_router_topk=3), r"moe_router_topk \(3\) must be in \[1, num_moe_experts \(2\)\]"),
     (dict(expert_model_parallel_size=4, num_moe_experts=6), r"num_moe_experts \(6\) must be divisible by expert_model_parallel_size \(4\)"),

@@ -4,7 +4,8 @@ Routers :meth:`~MoEMetricsTracker.record` a scalar per layer during the forward;
 calls :meth:`~MoEMetricsTracker.report` once per step, which reduces the values across ranks
 (sum over the metric's ``reduce_group``, average over its ``avg_group``, then over data
 parallel ranks and a sum over pipeline stages), averages over MoE layers, formats a log string
-and clears the values.
+and clears the values. :meth:`~MoEMetricsTracker.reduce_on_device` (an extension) does the same
+without reading anything on the host, for loops that read the values only when they log.
 """
 
 from __future__ import annotations
@@ -117,13 +118,10 @@ class MoEMetricsTracker:
             if entry.needs_dp_avg:
                 _reduce(entry.values, dp, average=True)
 
-    def report(self, loss_scale: float, iteration: int, writer: Any = None, wandb_writer: Any = None,
-               per_layer_logging: bool = False, force_initialize: bool = False,
-               track_names: str | list[str] | None = None, num_layers: int | None = None,
-               moe_layer_freq: int | list[int] | None = None, mtp_num_layers: int | None = None,
-               total_loss_dict: dict[str, torch.Tensor] | None = None, percentiles: dict | None = None,
-               pg_collection: Any = None) -> str:
-        """Reduce, average over MoE layers (times ``loss_scale``), log, clear; returns ``"name: value | ..."``."""
+    def _reduced_per_layer(self, loss_scale: float, force_initialize: bool, track_names: str | list[str] | None,
+                           num_layers: int | None, mtp_num_layers: int | None, pg_collection: Any
+                           ) -> dict[str, torch.Tensor]:
+        """Each tracked metric reduced across ranks, per layer, times ``loss_scale`` (new tensors, nothing read)."""
         names = [track_names] if isinstance(track_names, str) else list(track_names or self._metrics)
         if force_initialize:
             if num_layers is None:
@@ -132,9 +130,35 @@ class MoEMetricsTracker:
                 self.ensure_initialized(name, num_layers + (mtp_num_layers or 0))
         names = [n for n in names if n in self._metrics]
         self._sync(names, pg_collection)
+        return {name: self._metrics[name].values * loss_scale for name in names}
+
+    def reduce_on_device(self, loss_scale: float, force_initialize: bool = False,
+                         track_names: str | list[str] | None = None, num_layers: int | None = None,
+                         moe_layer_freq: int | list[int] | None = None, mtp_num_layers: int | None = None,
+                         pg_collection: Any = None) -> dict[str, torch.Tensor]:
+        """:meth:`report`'s values as 0-dim device tensors, unread (an extension), then clear.
+
+        Reduced across ranks (a collective: every rank calls it) and averaged over MoE layers, times
+        ``loss_scale``. A loop that reads them only when it logs does not wait for the GPU after each step.
+        """
+        per_layer = self._reduced_per_layer(loss_scale, force_initialize, track_names, num_layers, mtp_num_layers,
+                                            pg_collection)
+        means = {name: values.sum() / max(_count_moe_layers(values.numel(), num_layers, moe_layer_freq), 1)
+                 for name, values in per_layer.items()}
+        self.clear()
+        return means
+
+    def report(self, loss_scale: float, iteration: int, writer: Any = None, wandb_writer: Any = None,
+               per_layer_logging: bool = False, force_initialize: bool = False,
+               track_names: str | list[str] | None = None, num_layers: int | None = None,
+               moe_layer_freq: int | list[int] | None = None, mtp_num_layers: int | None = None,
+               total_loss_dict: dict[str, torch.Tensor] | None = None, percentiles: dict | None = None,
+               pg_collection: Any = None) -> str:
+        """Reduce, average over MoE layers (times ``loss_scale``), log, clear; returns ``"name: value | ..."``."""
+        per_layer = self._reduced_per_layer(loss_scale, force_initialize, track_names, num_layers, mtp_num_layers,
+                                            pg_collection)
         scalars: dict[str, float] = {}
-        for name in names:
-            values = self._metrics[name].values * loss_scale
+        for name, values in per_layer.items():
             layers = _count_moe_layers(values.numel(), num_layers, moe_layer_freq)
             scalars[name] = float(values.sum()) / max(layers, 1)
             if writer is not None:
