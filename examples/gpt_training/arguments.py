@@ -41,9 +41,6 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
                    help="zero_grad_buffer() skips the main_grad of weights written by the fused weight-gradient GEMM, "
                         "whose first GEMM of the step writes instead of adding (our extension; default: on exactly "
                         "when --gradient-accumulation-fusion is)")
-    g.add_argument("--batch-small-grad-adds", action=argparse.BooleanOptionalAction, default=True,
-                   help="DDP adds the gradients of small parameters (norm weights, biases) to main_grad a backward "
-                        "pass at a time, in a few kernels (our extension)")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="shard parameters, gradients and optimizer state with PyTorch FSDP2 "
                         "(TorchFullyShardedDataParallel) instead of DDP")

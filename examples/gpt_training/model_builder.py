@@ -90,7 +90,6 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overwrite_main_grad_on_first_wgrad=bool(getattr(args, "overwrite_main_grad_on_first_wgrad", False)),
-        batch_small_grad_adds=bool(getattr(args, "batch_small_grad_adds", False)),
     )
 
 

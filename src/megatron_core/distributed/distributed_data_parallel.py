@@ -21,7 +21,6 @@ import torch.distributed as dist
 from megatron_core import parallel_state
 from megatron_core.device import get_current_device
 from megatron_core.distributed import collectives
-from megatron_core.distributed.deferred_grad_adds import SMALL_GRAD_NUMEL
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_core.distributed.param_and_grad_buffer import (
     _ParamAndGradBucketGroup,
@@ -108,7 +107,6 @@ class DistributedDataParallel(torch.nn.Module):
             param: group for group in all_groups for param in group.params
         }
 
-        self._deferred_flush_queued = False  # batch_small_grad_adds: an end-of-backward flush is queued
         self._grad_hook_handles = [
             param.register_post_accumulate_grad_hook(self._make_backward_post_hook(param))
             for param in self.param_to_name
@@ -136,27 +134,12 @@ class DistributedDataParallel(torch.nn.Module):
             # layer's static mark inside compiled graphs); .grad is then a dummy, unless zero_out_wgrad.
             fused = p.grad_added_to_main_grad or getattr(p, "wgrad_fused_into_main_grad", False)
             if p.grad is not None and (not fused or getattr(p, "zero_out_wgrad", False)):
-                if self.ddp_config.batch_small_grad_adds and p.numel() <= SMALL_GRAD_NUMEL:
-                    self.param_to_bucket_group[param].deferred_grad_adds.add(p.main_grad, p.grad)
-                    self._flush_deferred_grad_adds_after_backward()
-                else:
-                    p.main_grad.add_(p.grad)
+                p.main_grad.add_(p.grad)
             p.grad = None
             if self.ddp_config.overlap_grad_reduce:
                 self.param_to_bucket_group[param].register_grad_ready(param)
 
         return hook
-
-    def _flush_deferred_grad_adds_after_backward(self) -> None:
-        """Have the autograd engine add the held-back small gradients once the running backward pass ends."""
-        if not self._deferred_flush_queued:
-            self._deferred_flush_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush_deferred_grad_adds)
-
-    def _flush_deferred_grad_adds(self) -> None:
-        self._deferred_flush_queued = False
-        for group in self._all_bucket_groups():
-            group.deferred_grad_adds.flush()
 
     def _make_forward_pre_hook(self) -> Callable[..., None]:
         def hook(module: torch.nn.Module, *unused: Any) -> None:

@@ -95,12 +95,6 @@ class DistributedDataParallelConfig:
     adding; everything else is zeroed as before, and a weight that got no GEMM is zeroed before its bucket is
     reduced. Not for backward passes captured in a CUDA graph (raises)."""
 
-    batch_small_grad_adds: bool = False
-    """Our extension (not in Megatron-Core): the backward hook holds back the ``.grad`` of parameters with at most
-    ``deferred_grad_adds.SMALL_GRAD_NUMEL`` elements (norm weights, biases) and adds them to ``main_grad`` in a few
-    kernels when the backward pass ends (or when their bucket group's reduction starts), instead of one small
-    kernel per parameter per micro-batch. ``main_grad`` is complete after ``backward()`` returns either way."""
-
     def __post_init__(self) -> None:
         """Validate the combination of options; errors name the fields and values."""
         if self.use_custom_fsdp:

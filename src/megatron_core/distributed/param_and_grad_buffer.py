@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.distributed import collectives
-from megatron_core.distributed.deferred_grad_adds import DeferredGradAdds
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_core.tensor_parallel.wgrad_accumulation import expect_first_write, zero_pending_first_writes
 from megatron_core.utils import get_pg_rank, get_pg_size
@@ -93,7 +92,6 @@ class _ParamAndGradBucketGroup:
         self.params = set().union(*(b.params for b in buckets))
         self.first_write_main_grads = [g for b in buckets for g in b.first_write_main_grads]
         self.params_with_grad: set[torch.nn.Parameter] = set()
-        self.deferred_grad_adds = DeferredGradAdds()  # batch_small_grad_adds: small .grads not yet in main_grad
         self.is_last_microbatch = True
         self.grad_reduce_handles: list | None = None
         self.param_gather_handles: list | None = None
@@ -101,10 +99,9 @@ class _ParamAndGradBucketGroup:
         self.next_param_gather_bucket_group: _ParamAndGradBucketGroup | None = None
 
     def reset(self) -> None:
-        """Forget ready gradients (and small ones not yet added) before the next iteration."""
+        """Forget ready gradients before the next iteration."""
         self.is_last_microbatch = True
         self.params_with_grad = set()
-        self.deferred_grad_adds = DeferredGradAdds()
 
     def check_grads(self) -> None:
         """Raise if a bucket's local gradients are non-finite (or too large), before communicating."""
@@ -126,7 +123,6 @@ class _ParamAndGradBucketGroup:
         """Scale and launch the reduction of every bucket (async when ``overlap_grad_reduce``)."""
         if self.grad_reduce_handles is not None:
             raise RuntimeError("a gradient reduction is already outstanding for this bucket group")
-        self.deferred_grad_adds.flush()
         zero_pending_first_writes(self.first_write_main_grads)
         if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
             self.check_grads()
@@ -149,7 +145,6 @@ class _ParamAndGradBucketGroup:
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Wait for the reduction (launching it synchronously first when not overlapping)."""
         self.param_gather_dispatched = False
-        self.deferred_grad_adds.flush()
         zero_pending_first_writes(self.first_write_main_grads)
         if not self.ddp_config.overlap_grad_reduce or force_all_reduce:
             if self.grad_reduce_handles is None:
