@@ -17,7 +17,7 @@ import torch.distributed as dist
 from gpt_training.data import to_device
 from gpt_training.moe_metrics import moe_log_values
 from gpt_training.profiling import StepProfiler
-from gpt_training.step_results import QueuedStep, SettledStep, StepResults
+from gpt_training.step_results import QueuedStep, SettledStep, StepResults, window_summary
 from gpt_training.step_timers import StepTimers, breakdown, timed
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
@@ -151,7 +151,7 @@ class Trainer:
         # NCCL, reading its result would wait for every queued kernel). None: the default group is gloo already.
         self.host_group = (dist.new_group(backend="gloo")
                            if dist.get_world_size() > 1 and dist.get_backend() != "gloo" else None)
-        self.skipped_in_window = 0  # skipped steps found since the last log line
+        self.settled_in_window: list[SettledStep] = []  # steps read since the last log line
         if self.timers is not None:  # the schedules time forward/backward through config.timers
             config.timers = self.timers
             if getattr(config, "finalize_model_grads_func", None) is not None:
@@ -231,10 +231,9 @@ class Trainer:
                     and not math.isfinite(step.grad_norm)):
                 raise RuntimeError(f"iteration {step.iteration}: the gradient norm is {step.grad_norm}; the "
                                    f"optimizer skipped the step on every rank ({weights}); stopping")
-            if not step.update_successful:
-                self.skipped_in_window += 1
-                if step.scheduler_advanced:
-                    self.scheduler.step(increment=-self.args.global_batch_size)
+            if not step.update_successful and step.scheduler_advanced:
+                self.scheduler.step(increment=-self.args.global_batch_size)
+        self.settled_in_window.extend(settled)
         return settled[-1] if settled else None
 
     @torch.no_grad()
@@ -297,17 +296,17 @@ class Trainer:
             profiler.after_step(iteration)
             window_steps += 1
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
-                last = self.settle()
+                self.settle()
                 device.synchronize()
                 elapsed = time.time() - window_start
                 tokens_per_s = tokens_per_step * window_steps / elapsed
+                summary = window_summary(self.settled_in_window)
+                skipped = summary.pop("skipped steps")
                 record = {
-                    "lm loss": last.loss,
-                    "grad norm": last.grad_norm if last.grad_norm is not None else float("nan"),
-                    **last.extra,
+                    **summary,
                     "lr": self.optimizer.param_groups[0]["lr"],
                     "loss scale": float(self.optimizer.get_loss_scale()),
-                    "skipped steps": self.skipped_in_window,
+                    "skipped steps": skipped,
                     "tokens/s": tokens_per_s, "ms/step": 1000 * elapsed / window_steps,
                 }
                 if peak is not None:
@@ -317,7 +316,7 @@ class Trainer:
                 if self.timers is not None:
                     record.update(breakdown(self.timers, window_steps))
                 self.logger.log(iteration, record)
-                window_start, window_steps, self.skipped_in_window = time.time(), 0, 0
+                window_start, window_steps, self.settled_in_window = time.time(), 0, []
             self._collect_garbage(iteration)
             if args.eval_interval and iteration % args.eval_interval == 0:
                 self._collect_garbage()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["QueuedStep", "SettledStep", "StepResults"]
+__all__ = ["QueuedStep", "SettledStep", "StepResults", "window_summary"]
 
 
 @dataclass
@@ -79,3 +79,24 @@ def _read(tensors: list[torch.Tensor]) -> list[float]:
         for i, value in zip(indices, stacked):
             values[i] = value
     return values
+
+
+def window_summary(steps: list[SettledStep]) -> dict[str, float]:
+    """A log line's training values over the steps since the previous one, as Megatron-LM's log line gives them.
+
+    The loss and the per-step metrics (MoE) are averaged over the steps that updated the weights (all steps'
+    values when none did); the gradient norm is the last step's; ``skipped steps`` counts the others.
+    """
+    if not steps:
+        raise ValueError("a log line needs at least one settled step")
+    counted = [step for step in steps if step.update_successful] or steps
+    last = steps[-1]
+    summary = {
+        "lm loss": sum(step.loss for step in counted) / len(counted),
+        "grad norm": last.grad_norm if last.grad_norm is not None else float("nan"),
+    }
+    for name in last.extra:
+        values = [step.extra[name] for step in counted if name in step.extra]
+        summary[name] = sum(values) / len(values) if values else float("nan")
+    summary["skipped steps"] = sum(not step.update_successful for step in steps)
+    return summary

@@ -118,6 +118,24 @@ def test_negative_manual_gc_interval_is_refused():
         validate_args(build_parser().parse_args(flags), 1)
 
 
+def test_log_line_averages_the_loss_over_the_steps_that_updated_the_weights():
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    from gpt_training.step_results import SettledStep, window_summary
+
+    def step(iteration, loss, ok, norm, aux):
+        return SettledStep(iteration, loss, ok, norm, True, {"load_balancing_loss": aux})
+
+    window = [step(1, 4.0, True, 1.0, 0.5), step(2, float("nan"), False, float("nan"), 9.0), step(3, 2.0, True, 3.0, 1.5)]
+    summary = window_summary(window)
+    assert summary == {"lm loss": 3.0, "grad norm": 3.0, "load_balancing_loss": 1.0, "skipped steps": 1}
+    only_skipped = window_summary([step(2, float("nan"), False, None, 9.0)])
+    assert only_skipped["lm loss"] != only_skipped["lm loss"] and only_skipped["skipped steps"] == 1
+    assert only_skipped["grad norm"] != only_skipped["grad norm"]  # no norm (a grad scaler's skip): nan
+    with pytest.raises(ValueError, match="at least one settled step"):
+        window_summary([])
+
+
 def _mean_losses(per_rank: list[list[float]]) -> float:
     from megatron_core import parallel_state
 
