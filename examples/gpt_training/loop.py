@@ -220,17 +220,18 @@ class Trainer:
         settled = self.results.settle()
         check = self.args.check_for_nan_in_loss_and_grad
         for position, step in enumerate(settled):
-            later = len(settled) - 1 - position
-            weights = ("weights unchanged" if not later else
-                       f"weights unchanged by it; {later} later step(s) ran before this check at the log line")
-            if check and not math.isfinite(step.loss):
-                raise RuntimeError(f"iteration {step.iteration}: the loss is {step.loss}; the optimizer skipped "
-                                   f"the step on every rank ({weights}); stopping")
-            # A grad scaler's skip (fp16 overflow) returns no norm and is routine; a non-finite norm is not.
-            if (check and not step.update_successful and step.grad_norm is not None
-                    and not math.isfinite(step.grad_norm)):
-                raise RuntimeError(f"iteration {step.iteration}: the gradient norm is {step.grad_norm}; the "
-                                   f"optimizer skipped the step on every rank ({weights}); stopping")
+            problem = None
+            if not math.isfinite(step.loss):
+                problem = f"the loss is {step.loss}"
+            elif not step.update_successful and step.grad_norm is not None and not math.isfinite(step.grad_norm):
+                # (A grad scaler's skip, fp16 overflow, returns no norm and is routine; a non-finite norm is not.)
+                problem = f"the gradient norm is {step.grad_norm}"
+            if check and problem is not None:
+                later = len(settled) - 1 - position
+                weights = ("weights unchanged" if not later else
+                           f"weights unchanged by it; {later} later step(s) ran before this check at the log line")
+                raise RuntimeError(f"iteration {step.iteration}: {problem}; the optimizer skipped the step on every "
+                                   f"rank ({weights}); stopping")
             if not step.update_successful and step.scheduler_advanced:
                 self.scheduler.step(increment=-self.args.global_batch_size)
         self.settled_in_window.extend(settled)

@@ -50,9 +50,6 @@ class StepResults:
         """Queue a step's results (nothing is read)."""
         self._queued.append(step)
 
-    def __len__(self) -> int:
-        return len(self._queued)
-
     def settle(self) -> list[SettledStep]:
         """Every queued step read on the host with one device-to-host transfer, oldest first; the queue empties."""
         queued, self._queued = self._queued, []

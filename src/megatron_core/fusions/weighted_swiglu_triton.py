@@ -77,8 +77,8 @@ def _backward(g: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> tuple[
     grad_y = torch.empty_like(y)
     grad_weights = torch.empty_like(weights)
     if y.shape[0] and y.shape[1]:
-        torch.library.wrap_triton(_kernel())[(y.shape[0],)](g, y, weights, grad_y, grad_weights, y.shape[1] // 2,
-                                               BLOCK=_BLOCK, num_warps=4)
+        kernel = torch.library.wrap_triton(_kernel())
+        kernel[(y.shape[0],)](g, y, weights, grad_y, grad_weights, y.shape[1] // 2, BLOCK=_BLOCK, num_warps=4)
     return grad_y, grad_weights
 
 

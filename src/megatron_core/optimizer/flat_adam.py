@@ -151,7 +151,7 @@ class FlatAdamShards:
             state[param]["step"] = step
         self.bound = True
 
-    def _fill_table(self) -> None:
+    def _fill_table(self, beta1: float, beta2: float) -> None:
         """Per-group scalars of this step (step size ``-lr / bias_correction1``, decay, ``sqrt(bias_correction2)``).
 
         Formed in float64 as ``PrecisionAwareAdam`` forms them, the bias corrections from the device step count.
@@ -169,7 +169,6 @@ class FlatAdamShards:
         rows = host.to(self._table.device, non_blocking=True)
         if copied is not None:
             copied.record()
-        beta1, beta2 = groups[0]["betas"]
         n = self._step_counts[0].double()
         self._table.copy_(torch.stack([-rows[0] / (1 - beta1 ** n), rows[1],
                                        torch.sqrt(1 - beta2 ** n).expand(rows.shape[1])]))
@@ -184,7 +183,7 @@ class FlatAdamShards:
             raise ValueError("the flat Adam step needs the same betas and eps in every param group, got "
                              f"{[(g['betas'], g['eps']) for g in groups]}")
         self._step_counts.add_(1.0)
-        self._fill_table()
+        self._fill_table(float(betas[0]), float(betas[1]))
         adam_w = bool(getattr(self.optimizer, "adam_w_mode", True))
         for shard in self.shards:
             args = (shard.main, shard.grad, shard.exp_avg, shard.exp_avg_sq, shard.model_out, shard.group_ids,

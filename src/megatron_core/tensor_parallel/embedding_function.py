@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_core.tensor_parallel.wgrad_accumulation import accumulate_embedding_gradient
+from megatron_core.tensor_parallel.wgrad_accumulation import (
+    accumulate_embedding_gradient,
+    finish_fused_weight_gradient,
+)
 
 __all__ = ["embedding_with_grad_accumulation"]
 
@@ -36,13 +39,7 @@ class _EmbeddingWithGradAccumulation(torch.autograd.Function):
                                                                   ctx.deterministic)
         else:
             accumulate_embedding_gradient(weight.main_grad, flat_ids, flat_grad, ctx.deterministic)
-            if hasattr(weight, "grad_added_to_main_grad"):
-                weight.grad_added_to_main_grad = True
-        # DDP's hook must still run (it marks the gradient ready); it ignores this placeholder, or adds it when
-        # ``zero_out_wgrad`` (a tied weight whose other gradients arrive through ``.grad``), hence zeros then.
-        if getattr(weight, "zero_out_wgrad", False):
-            return None, torch.zeros_like(weight), None
-        return None, torch.empty_like(weight), None
+        return None, finish_fused_weight_gradient(weight), None
 
 
 def embedding_with_grad_accumulation(ids: torch.Tensor, weight: torch.Tensor, deterministic: bool = False

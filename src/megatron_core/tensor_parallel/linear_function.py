@@ -24,7 +24,10 @@ from megatron_core.tensor_parallel.mappings import (
     _gather_along_first_dim,
     _reduce_scatter_along_first_dim,
 )
-from megatron_core.tensor_parallel.wgrad_accumulation import accumulate_weight_gradient
+from megatron_core.tensor_parallel.wgrad_accumulation import (
+    accumulate_weight_gradient,
+    finish_fused_weight_gradient,
+)
 from megatron_core.utils import get_pg_size
 
 
@@ -82,22 +85,15 @@ def _weight_gradient(ctx, weight: torch.Tensor, grad_output_2d: torch.Tensor,
                      input_2d: torch.Tensor) -> torch.Tensor | None:
     """``dW = dY^T X``; accumulated into ``weight.main_grad`` when fusion is on (returning no real ``.grad``).
 
-    DDP's backward hook must then ignore the dummy ``.grad`` returned here: eagerly this op sets
-    ``weight.grad_added_to_main_grad`` (Megatron's flag); inside a compiled graph, where an attribute
-    set would break the graph, the layer has marked its weight ``wgrad_fused_into_main_grad`` once.
+    DDP's backward hook must then ignore the placeholder ``.grad`` returned here
+    (:func:`~megatron_core.tensor_parallel.wgrad_accumulation.finish_fused_weight_gradient`).
     """
     if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
         if torch.compiler.is_compiling():
             torch.ops.megatron_core.accumulate_weight_gradient(weight.main_grad, grad_output_2d, input_2d)
         else:
             accumulate_weight_gradient(weight.main_grad, grad_output_2d, input_2d)
-            if hasattr(weight, "grad_added_to_main_grad"):
-                weight.grad_added_to_main_grad = True
-        if hasattr(weight, "grad_added_to_main_grad"):
-            if getattr(weight, "zero_out_wgrad", False):
-                return torch.zeros_like(weight)
-            return torch.empty_like(weight)
-        return None
+        return finish_fused_weight_gradient(weight)
     return grad_output_2d.t().matmul(input_2d)
 
 

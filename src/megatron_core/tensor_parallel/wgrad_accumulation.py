@@ -24,6 +24,7 @@ __all__ = [
     "accumulate_embedding_gradient",
     "accumulate_weight_gradient",
     "expect_first_write",
+    "finish_fused_weight_gradient",
     "gemm_accumulates_into_fp32",
     "pending_first_writes",
     "zero_pending_first_writes",
@@ -107,6 +108,8 @@ def zero_pending_first_writes(tensors: Iterable[torch.Tensor] | None = None) -> 
 
 def _take_first_write(main_grad: torch.Tensor) -> bool:
     """Whether this GEMM is ``main_grad``'s first write of the step (then it is no longer pending)."""
+    if not _PENDING_FIRST_WRITES:  # nothing registered (the flag off): no lookup
+        return False
     key = main_grad.data_ptr()
     ref = _PENDING_FIRST_WRITES.pop(key, None)
     pending = None if ref is None else ref()
@@ -132,7 +135,7 @@ def accumulate_weight_gradient(main_grad: torch.Tensor, grad_output_2d: torch.Te
     When ``main_grad`` awaits its first write (:func:`expect_first_write`), ``main_grad = grad_output_2d^T @
     input_2d`` instead, without reading its old values.
     """
-    overwrite = bool(_PENDING_FIRST_WRITES) and _take_first_write(main_grad)
+    overwrite = _take_first_write(main_grad)
     beta = 0 if overwrite else 1
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d, beta=beta)  # one GEMM; beta=0 does not read main_grad
@@ -148,6 +151,22 @@ def accumulate_weight_gradient(main_grad: torch.Tensor, grad_output_2d: torch.Te
         main_grad.add_(grad_output_2d.t().matmul(input_2d))
 
 
+def finish_fused_weight_gradient(weight: torch.Tensor) -> torch.Tensor | None:
+    """What a fused backward returns as ``weight``'s gradient once it has written ``weight.main_grad``.
+
+    Under DDP (the weight has Megatron's ``grad_added_to_main_grad``): eagerly the flag is set; inside a compiled
+    graph, where setting an attribute would break the graph, the layer's ``wgrad_fused_into_main_grad`` mark
+    stands in. The returned placeholder keeps DDP's hook running (it marks the gradient ready) and is ignored by
+    it, except for a ``zero_out_wgrad`` weight (a tied weight whose other gradients arrive through ``.grad``),
+    whose hook adds it: zeros then. Without DDP: None.
+    """
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    if not torch.compiler.is_compiling():
+        weight.grad_added_to_main_grad = True
+    return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+
+
 def accumulate_embedding_gradient(main_grad: torch.Tensor, ids: torch.Tensor, grad_output_2d: torch.Tensor,
                                   deterministic: bool = False) -> None:
     """``main_grad[ids[i]] += grad_output_2d[i]`` for every token ``i``, in ``main_grad``'s dtype (fp32).
@@ -158,7 +177,7 @@ def accumulate_embedding_gradient(main_grad: torch.Tensor, ids: torch.Tensor, gr
     CUDA: the order of a row's additions may vary from run to run). A ``main_grad`` awaiting its first write
     (:func:`expect_first_write`) is zeroed first: a scatter cannot overwrite.
     """
-    if _PENDING_FIRST_WRITES and _take_first_write(main_grad):
+    if _take_first_write(main_grad):
         main_grad.zero_()
     values = grad_output_2d.to(main_grad.dtype)
     if deterministic or torch.are_deterministic_algorithms_enabled():

@@ -143,8 +143,7 @@ class MoEMetricsTracker:
         """
         per_layer = self._reduced_per_layer(loss_scale, force_initialize, track_names, num_layers, mtp_num_layers,
                                             pg_collection)
-        means = {name: values.sum() / max(_count_moe_layers(values.numel(), num_layers, moe_layer_freq), 1)
-                 for name, values in per_layer.items()}
+        means = {name: _layer_mean(values, num_layers, moe_layer_freq) for name, values in per_layer.items()}
         self.clear()
         return means
 
@@ -159,8 +158,7 @@ class MoEMetricsTracker:
                                             pg_collection)
         scalars: dict[str, float] = {}
         for name, values in per_layer.items():
-            layers = _count_moe_layers(values.numel(), num_layers, moe_layer_freq)
-            scalars[name] = float(values.sum()) / max(layers, 1)
+            scalars[name] = float(_layer_mean(values, num_layers, moe_layer_freq))
             if writer is not None:
                 writer.add_scalar(name, scalars[name], iteration)
                 if per_layer_logging:
@@ -176,6 +174,11 @@ class MoEMetricsTracker:
                     console.pop(key)
         self.clear()
         return " | ".join(f"{k}: {v:.6E}" for k, v in console.items())
+
+
+def _layer_mean(values: torch.Tensor, num_layers: int | None, moe_layer_freq: int | list[int] | None) -> torch.Tensor:
+    """The per-layer ``values`` summed and divided by the number of MoE layers among them (a 0-dim tensor)."""
+    return values.sum() / max(_count_moe_layers(values.numel(), num_layers, moe_layer_freq), 1)
 
 
 def _count_moe_layers(size: int, num_layers: int | None, moe_layer_freq: int | list[int] | None) -> int:
