@@ -116,8 +116,11 @@ def test_flat_step_equals_per_tensor_precision_aware_adam(overrides):
     # bf16 params: fp32 main params of their own, and the kernel writes the rounded bf16 params itself.
     reference = run_on_ranks(2, _train, False, 4, overrides)
     flat = run_on_ranks(2, _train, True, 4, overrides)
+    # bf16 moments: the flat step's clip factor is formed on the device in fp32, the reference's on the host in
+    # fp64; a last-bit difference can flip one moment's bf16 rounding (seen: one element of 4096 off by 1.7e-5).
+    tol = 5e-5 if overrides.get("exp_avg_dtype") == torch.bfloat16 else 1e-5
     for got, want in zip(flat, reference):
-        _close(got, want, 1e-5)
+        _close(got, want, tol)
         assert got["views"] and got["steps"] == [4]
 
 
@@ -139,8 +142,11 @@ def test_plain_adam_as_the_flat_step_equals_torch_adam(overrides):
     # Not flat: torch's Adam/AdamW over the shards; flat: the fp32 precision-aware Adam's fused step.
     reference = run_on_ranks(2, _train, False, 4, {**PLAIN_ADAM, **overrides})
     flat = run_on_ranks(2, _train, True, 4, {**PLAIN_ADAM, **overrides})
+    # bf16 moments: the flat step's clip factor is formed on the device in fp32, the reference's on the host in
+    # fp64; a last-bit difference can flip one moment's bf16 rounding (seen: one element of 4096 off by 1.7e-5).
+    tol = 5e-5 if overrides.get("exp_avg_dtype") == torch.bfloat16 else 1e-5
     for got, want in zip(flat, reference):
-        _close(got, want, 1e-5)
+        _close(got, want, tol)
         assert got["views"] and got["steps"] == [4]
 
 

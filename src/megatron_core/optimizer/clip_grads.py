@@ -86,6 +86,27 @@ def grad_norm_tensor(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm
     return _sum_of_powers(grads_for_norm, norm_type, grad_stats_parallel_group).pow(1.0 / norm_type)
 
 
+_ONE_KERNEL_NORM_NUMEL = 1 << 24
+
+
+def _coalesce_adjacent(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with runs of 1-D contiguous views that abut in one storage (a DDP buffer's bucket shards)
+    merged into one view each: the same elements, read by fewer, larger kernels."""
+    out: list[torch.Tensor] = []
+    flat = sorted((t for t in tensors if t.dim() == 1 and t.is_contiguous() and t.numel() > 0),
+                  key=lambda t: (t.untyped_storage().data_ptr(), t.dtype.itemsize, t.storage_offset()))
+    rest = [t for t in tensors if not (t.dim() == 1 and t.is_contiguous() and t.numel() > 0)]
+    for t in flat:
+        last = out[-1] if out else None
+        if (last is not None and last.dtype == t.dtype and last.device == t.device
+                and last.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                and last.storage_offset() + last.numel() == t.storage_offset()):
+            out[-1] = last.as_strided((last.numel() + t.numel(),), (1,), last.storage_offset())
+        else:
+            out.append(t)
+    return out + rest
+
+
 def _sum_of_powers(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm_type: float,
                    grad_stats_parallel_group: Any) -> torch.Tensor:
     """``sum |g|^p`` over the gradients and the group, as a 1-element fp32 tensor."""
@@ -93,7 +114,13 @@ def _sum_of_powers(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm_t
     sharded_group, grads = _sharded_group_and_locals(_as_list(grads_for_norm))
     device = grads[0].device if grads else torch.device("cpu")
     if grads:
-        norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
+        large, small = [], []
+        for g in _coalesce_adjacent([g.detach().float() for g in grads]):
+            (large if g.numel() >= _ONE_KERNEL_NORM_NUMEL else small).append(g)
+        # One reduction kernel over a large flat tensor runs near the copy bandwidth; the multi-tensor kernel
+        # serves many small tensors in few launches but reads a large one at about three quarters of it.
+        norms = [torch.linalg.vector_norm(g, norm_type) for g in large]
+        norms += list(torch._foreach_norm(small, norm_type)) if small else []
         local = torch.stack(norms).pow(norm_type).sum().reshape(1)
     else:
         local = torch.zeros(1, dtype=torch.float32, device=device)
