@@ -27,6 +27,7 @@ from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.grouped_linear import (
     align_expert_rows,
+    equal_groups,
     group_counts_tensor,
     pad_expert_rows,
     unpad_expert_rows,
@@ -149,8 +150,9 @@ class TEGroupedMLP(MegatronModule):
         else:
             counts = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
                       else list(tokens_per_expert))
-            if use_grouped_mm(x, self.linear_fc1.weight):
+            if use_grouped_mm(x, self.linear_fc1.weight) and not equal_groups(counts):
                 # Pad each expert's rows once for both GEMMs (the kernel needs aligned groups); pads have prob 0.
+                # Groups of one size (padded to capacity) run as one bmm instead, which needs no alignment.
                 x, counts, index = pad_expert_rows(x, counts)
                 if index is not None:
                     permuted_probs = permuted_probs.new_zeros(x.shape[0]).index_copy(0, index, permuted_probs)

