@@ -32,7 +32,7 @@ from megatron_core import tensor_parallel
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron_core.transformer import TransformerConfig
-from megatron_core.transformer.moe.grouped_linear import grouped_gemm
+from megatron_core.transformer.moe.grouped_linear import align_expert_rows, grouped_gemm
 
 PEAK_FLOPS = 989e12
 
@@ -148,15 +148,19 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype) -> tuple[floa
     rows = args.mbs * args.seq * args.topk
     counts = [rows // args.experts] * args.experts
     counts[-1] += rows - sum(counts)
-    x = torch.randn(rows, args.hidden, device=dev, dtype=dtype, requires_grad=True)
+    # The layout the dropless model runs (device-side counts, groups at aligned starts): the grouped kernel. A
+    # host list of equal counts would take the batched-matmul path of capacity-padded experts instead.
+    layout = align_expert_rows(torch.tensor(counts, device=dev), rows) if dev.type == "cuda" else counts
+    padded_rows = layout.total_rows if dev.type == "cuda" else rows
+    x = torch.randn(padded_rows, args.hidden, device=dev, dtype=dtype, requires_grad=True)
     w1 = torch.randn(args.experts, 2 * args.ffn, args.hidden, device=dev, dtype=dtype, requires_grad=True)
     w2 = torch.randn(args.experts, args.hidden, args.ffn, device=dev, dtype=dtype, requires_grad=True)
     d1 = torch.randn(2 * args.ffn, args.hidden, device=dev, dtype=dtype, requires_grad=True)
     d2 = torch.randn(args.hidden, args.ffn, device=dev, dtype=dtype, requires_grad=True)
 
     def grouped() -> None:
-        h = grouped_gemm(x, w1, counts)[:, : args.ffn]
-        grouped_gemm(h, w2, counts).sum().backward()
+        h = grouped_gemm(x, w1, layout)[:, : args.ffn]
+        grouped_gemm(h, w2, layout).sum().backward()
 
     def dense() -> None:
         h = F.linear(x, d1)[:, : args.ffn]
