@@ -34,11 +34,14 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor | None:
     return out.float() if last else None
 
 
-def import_check_export(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int = 1) -> torch.Tensor | None:
-    """Import at (tp, pp, ep), return the last stage's logits, export to ``out_dir`` (collective)."""
+def import_check_export(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int = 1,
+                        grouped_experts: bool = False) -> torch.Tensor | None:
+    """Import at (tp, pp, ep) (MoE experts in the grouped layout if asked), return the last stage's logits, export
+    to ``out_dir`` (collective)."""
     _setup(tp, pp, ep)
     bridge = AutoBridge.from_hf_pretrained(hf_dir)
-    (model,) = bridge.to_megatron_model()
+    config = bridge.transformer_config(perform_initialization=False, moe_grouped_gemm=True) if grouped_experts else None
+    (model,) = bridge.to_megatron_model(config=config)
     model.eval()
     logits = logits_of(model)
     bridge.save_hf_pretrained(model, out_dir)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from megatron_core.utils import unwrap_model
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_GROUPED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12]\.(?:weight|bias))$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -46,6 +48,19 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if not hasattr(model, "decoder"):
         raise TypeError(f"{type(model).__name__} is not a GPTModel (or a wrapper of one)")
     return model
+
+
+def hf_mappable_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()`` with each grouped-expert parameter (``TEGroupedMLP``'s ``[E, ...]`` weights)
+    given as one view per local expert, under the ``SequentialMLP`` name the conversion rules know
+    (``...mlp.experts.local_experts.<e>.linear_fc1.weight``): both expert layouts convert alike."""
+    for name, param in model.named_parameters():
+        grouped = _GROUPED_EXPERTS.match(name)
+        if grouped is None:
+            yield name, param
+            continue
+        for e in range(param.shape[0]):
+            yield f"{grouped.group(1)}.local_experts.{e}.{grouped.group(2)}", param[e]
 
 
 def tp_rank_size(pg_collection: Any = None) -> tuple[int, int, Any]:
@@ -248,9 +263,8 @@ class AutoBridge:
         vocab = self.padded_vocab_size(tp_size, make_vocab_size_divisible_by)
         kwargs = {**self.family.model_kwargs, **model_kwargs}
         max_seq = kwargs.pop("max_sequence_length")
-        if getattr(config, "moe_grouped_gemm", False):
-            raise HFConversionError("the HF bridge maps per-expert weights: build MoE models with moe_grouped_gemm=False")
-        spec = get_gpt_layer_local_spec(config.num_moe_experts, qk_layernorm=config.qk_layernorm)
+        spec = get_gpt_layer_local_spec(config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
+                                        qk_layernorm=config.qk_layernorm)
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() \
             if parallel_state.model_parallel_is_initialized() else None
         chunks = []
@@ -294,7 +308,7 @@ class AutoBridge:
             inner = unwrap(chunk)
             self.set_rotary_frequencies(inner)
             with torch.no_grad():
-                for name, param in inner.named_parameters():
+                for name, param in hf_mappable_parameters(inner):
                     rule, layer = self._rule_for(inner, name, by_name)
                     tp_rank, tp_size = expert_tp if is_expert_rule(rule) else dense_tp
                     if isinstance(rule, Copy) and rule.vocab:
@@ -325,7 +339,7 @@ class AutoBridge:
             key, layer_index = f"decoder.layers.{{i}}.{rest}", layer.layer_number - 1
             expert = _EXPERT.match(rest)
             if expert:
-                local = len(layer.mlp.experts.local_experts)
+                local = layer.mlp.experts.num_local_experts
                 global_expert = expert_ep_rank() * local + int(expert.group(1))
                 key = f"decoder.layers.{{i}}.mlp.experts.local_experts.{{e}}.{expert.group(2)}"
                 layer_index = (layer.layer_number - 1, global_expert)

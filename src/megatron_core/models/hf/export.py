@@ -25,6 +25,7 @@ from megatron_core.dist_checkpointing import collectives
 from megatron_core.models.hf.bridge import (
     TOKENIZER_FILES,
     expert_tp_rank_size,
+    hf_mappable_parameters,
     is_expert_rule,
     mcore_shape,
     tp_rank_size,
@@ -179,7 +180,7 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
     by_name = {r.mcore: r for r in bridge.family.layer_rules + bridge.family.global_rules}
     held: dict[tuple[str, Index], torch.Tensor] = {}
     for chunk in chunks:
-        for name, param in chunk.named_parameters():
+        for name, param in hf_mappable_parameters(chunk):
             rule, layer = bridge._rule_for(chunk, name, by_name)
             held[(rule.mcore, layer)] = param
 
