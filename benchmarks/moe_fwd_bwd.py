@@ -53,6 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sequential", action="store_true", help="SequentialMLP experts instead of grouped GEMM")
     p.add_argument("--aux-loss", type=float, default=0.0, help="moe_aux_loss_coeff (HF computes none by default)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="moe_expert_capacity_factor with every expert padded to its capacity (drops tokens: not the "
+                        "dropless computation Hugging Face runs; for timing the capacity layout, e.g. with --no-hf)")
     p.add_argument("--compile", action="store_true", help="torch.compile each layer's norms and attention and the loss")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--no-rope-fusion", action="store_true",
@@ -92,6 +95,8 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
         num_moe_experts=args.experts, moe_router_topk=args.topk, moe_grouped_gemm=not args.sequential,
         moe_aux_loss_coeff=args.aux_loss, moe_token_dispatcher_type="alltoall", apply_rope_fusion=not args.no_rope_fusion,
+        **({} if args.capacity_factor is None else dict(moe_expert_capacity_factor=args.capacity_factor,
+                                                         moe_pad_expert_input_to_capacity=True)),
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     model = GPTModel(config, spec, args.vocab, args.seq, position_embedding_type="rope")
