@@ -21,19 +21,36 @@ pytest.importorskip("safetensors")
 from megatron_core.models.hf import AutoBridge  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", MOE_FAMILIES)
-def test_moe_import_export_train_and_expert_parallel(kind: str, tmp_path) -> None:
+def _import_matches_and_exports_back(kind: str, tmp_path, grouped: bool):
+    """Import a random HF model of ``kind`` in one process (logits checked), export it back (tensors checked);
+    returns ``(HF directory, HF logits, bridge, model)``."""
     src = str(tmp_path / kind)
     make_hf_model(kind, src)
     expected = hf_logits(src)
     bridge = AutoBridge.from_hf_pretrained(src)
-    (model,) = bridge.to_megatron_model()
+    config = bridge.transformer_config(perform_initialization=False, moe_grouped_gemm=True) if grouped else None
+    (model,) = bridge.to_megatron_model(config=config)
     model.eval()
     ids, pos = batch()
     with torch.no_grad():
         torch.testing.assert_close(model(ids, pos, None), expected, rtol=1e-4, atol=1e-4)
     bridge.save_hf_pretrained(model, tmp_path / "export")
     assert_same_tensors(src, tmp_path / "export")
+    return src, expected, bridge, model
+
+
+def _expert_parallel_round_trips(src: str, expected: torch.Tensor, tmp_path, grouped: bool) -> None:
+    for tp, ep in ((1, 2), (2, 1)):
+        out = str(tmp_path / f"tp{tp}ep{ep}")
+        for logits in run_on_ranks(2, dist_checks.import_check_export, src, out, tp, 1, ep, grouped):
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        assert_same_tensors(src, out)
+
+
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_moe_import_export_train_and_expert_parallel(kind: str, tmp_path) -> None:
+    src, expected, bridge, model = _import_matches_and_exports_back(kind, tmp_path, grouped=False)
+    ids, pos = batch()
 
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -48,32 +65,12 @@ def test_moe_import_export_train_and_expert_parallel(kind: str, tmp_path) -> Non
     bridge.save_hf_pretrained(model, tmp_path / "trained")
     torch.testing.assert_close(hf_logits(tmp_path / "trained"), trained, rtol=1e-4, atol=1e-4)
 
-    for tp, ep in ((1, 2), (2, 1)):
-        out = str(tmp_path / f"tp{tp}ep{ep}")
-        for logits in run_on_ranks(2, dist_checks.import_check_export, src, out, tp, 1, ep):
-            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-        assert_same_tensors(src, out)
+    _expert_parallel_round_trips(src, expected, tmp_path, grouped=False)
 
 
 @pytest.mark.parametrize("kind", MOE_FAMILIES)
 def test_grouped_experts_import_export_and_expert_parallel(kind: str, tmp_path) -> None:
-    src = str(tmp_path / kind)
-    make_hf_model(kind, src)
-    expected = hf_logits(src)
-    bridge = AutoBridge.from_hf_pretrained(src)
-    (model,) = bridge.to_megatron_model(config=bridge.transformer_config(perform_initialization=False,
-                                                                        moe_grouped_gemm=True))
+    src, expected, _, model = _import_matches_and_exports_back(kind, tmp_path, grouped=True)
     experts = model.decoder.layers[0].mlp.experts
     assert type(experts).__name__ == "TEGroupedMLP" and experts.linear_fc1.weight.dim() == 3
-    model.eval()
-    ids, pos = batch()
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids, pos, None), expected, rtol=1e-4, atol=1e-4)
-    bridge.save_hf_pretrained(model, tmp_path / "export")
-    assert_same_tensors(src, tmp_path / "export")
-
-    for tp, ep in ((1, 2), (2, 1)):
-        out = str(tmp_path / f"grouped_tp{tp}ep{ep}")
-        for logits in run_on_ranks(2, dist_checks.import_check_export, src, out, tp, 1, ep, True):
-            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-        assert_same_tensors(src, out)
+    _expert_parallel_round_trips(src, expected, tmp_path, grouped=True)

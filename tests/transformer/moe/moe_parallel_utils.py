@@ -85,3 +85,17 @@ def local_vs_global(model: torch.nn.Module, globals_: dict[str, torch.Tensor]) -
     """``(key, local piece, matching reference slice)`` for every piece of ``model``."""
     for shard in shards(model):
         yield shard.key, shard.data.detach(), globals_[shard.key][shard.global_slice()]
+
+
+def sequential_to_grouped_state(state: dict) -> dict:
+    """A ``SequentialMLP`` model's state dict in the grouped layout's keys (``...experts.linear_fc1.weight<e>``)."""
+    converted = {}
+    for key, value in state.items():
+        if ".local_experts." in key:
+            head, rest = key.split(".local_experts.")
+            idx, fc, _ = rest.split(".", 2)
+            if key.endswith(".weight"):
+                converted[f"{head}.{fc}.weight{idx}"] = value
+        elif not key.endswith("_extra_state"):
+            converted[key] = value
+    return converted

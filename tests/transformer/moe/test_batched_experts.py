@@ -10,6 +10,7 @@ from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.transformer import TransformerConfig
 from megatron_core.transformer.moe import grouped_linear
 from megatron_core.transformer.moe.grouped_linear import equal_groups, grouped_gemm
+from tests.transformer.moe.moe_parallel_utils import sequential_to_grouped_state
 
 
 def test_equal_groups_rule():
@@ -50,16 +51,7 @@ def test_grouped_experts_padded_to_capacity_equal_sequential_experts(capacity_fa
     )
     seq = GPTModel(cfg, get_gpt_layer_local_spec(4), 32, 16)
     grouped = GPTModel(cfg, get_gpt_layer_local_spec(4, moe_grouped_gemm=True), 32, 16)
-    converted = {}
-    for key, value in seq.state_dict().items():
-        if ".local_experts." in key:
-            head, rest = key.split(".local_experts.")
-            idx, fc, _ = rest.split(".", 2)
-            if key.endswith(".weight"):
-                converted[f"{head}.{fc}.weight{idx}"] = value
-        elif not key.endswith("_extra_state"):
-            converted[key] = value
-    grouped.load_state_dict(converted, strict=False)
+    grouped.load_state_dict(sequential_to_grouped_state(seq.state_dict()), strict=False)
     ids = torch.randint(0, 32, (2, 8))
     pos = torch.arange(8).expand(2, 8)
     labels = torch.randint(0, 32, (2, 8))

@@ -14,6 +14,7 @@ from megatron_core.transformer.moe.moe_utils import (
     apply_router_token_dropping,
     topk_routing_with_score_function,
 )
+from tests.transformer.moe.moe_parallel_utils import sequential_to_grouped_state
 
 H = 16
 
@@ -77,16 +78,7 @@ def test_sequential_and_grouped_layouts_convert_exactly():
     cfg = _cfg(num_moe_experts=4, moe_router_topk=2)
     seq = GPTModel(cfg, get_gpt_layer_local_spec(4), 32, 16).eval()
     grouped = GPTModel(cfg, get_gpt_layer_local_spec(4, moe_grouped_gemm=True), 32, 16).eval()
-    state = seq.state_dict()
-    converted = {}
-    for key, value in state.items():
-        if ".local_experts." in key:
-            head, rest = key.split(".local_experts.")
-            idx, fc, _ = rest.split(".", 2)
-            if key.endswith(".weight"):
-                converted[f"{head}.{fc}.weight{idx}"] = value
-        elif not key.endswith("_extra_state"):
-            converted[key] = value
+    converted = sequential_to_grouped_state(seq.state_dict())
     grouped.load_state_dict(converted, strict=False)
     back = {k: v for k, v in grouped.state_dict().items()}
     for key, value in converted.items():
