@@ -10,11 +10,47 @@ anneal is linear, cosine, exponential or minus_sqrt).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypedDict
 
 _LR_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 _WD_STYLES = ("constant", "linear", "cosine")
+
+
+class ParamGroupOverride(TypedDict, total=False):
+    """Values that replace a param group's defaults for the parameters a ``ParamKey`` selects.
+
+    The scheduler reads ``max_lr``, ``min_lr``, ``start_wd``, ``end_wd``, ``lr_mult`` and ``wd_mult`` from each
+    group; the inner optimizer reads per-group hyper-parameters such as ``eps`` or ``betas``. ``optimizer`` may
+    only repeat ``OptimizerConfig.optimizer``.
+    """
+
+    max_lr: float
+    min_lr: float
+    start_wd: float
+    end_wd: float
+    wd_mult: float
+    optimizer: str
+
+
+def param_group_override_to_tuple(param_group_override: ParamGroupOverride | None
+                                  ) -> tuple[tuple[str, Any], ...] | None:
+    """The override as a hashable tuple of its items sorted by key (``None`` stays ``None``)."""
+    if param_group_override is None:
+        return None
+    return tuple(sorted(param_group_override.items()))
+
+
+def combine_param_group_overrides(param_group_overrides: list[ParamGroupOverride | None]) -> ParamGroupOverride:
+    """One override holding every key of ``param_group_overrides``; ``ValueError`` when two give one key two values."""
+    combined = ParamGroupOverride()
+    for override in param_group_overrides:
+        for key, value in (override or {}).items():
+            if key in combined and combined[key] != value:
+                raise ValueError(f"conflicting param group overrides for {key!r}: {combined[key]!r} and {value!r} "
+                                 "(two ParamKeys that match one parameter must agree)")
+            combined[key] = value
+    return combined
 
 
 class OptimizerParamScheduler:

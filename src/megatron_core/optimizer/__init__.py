@@ -1,6 +1,8 @@
-"""Optimizers for Megatron-style training: ``get_megatron_optimizer`` and the wrapper classes it builds.
+r"""Optimizers for Megatron-style training: ``get_megatron_optimizer`` and the wrapper classes it builds.
 
-The factory groups params (no weight decay for biases and norms), builds torch's ``AdamW`` /
+The factory groups params (by default no weight decay for biases and norms, and ``decoupled_lr`` for the
+embedding and output weights; ``config_overrides`` maps :class:`ParamKey`\ s to per-group settings, as in
+Megatron-Core 0.19), builds torch's ``AdamW`` /
 ``Adam`` / ``SGD`` (fused on CUDA, foreach on CPU), and wraps it: ``DistributedOptimizer`` when
 ``use_distributed_optimizer``, ``Float16OptimizerWithFloat16Params`` for fp16/bf16, else
 ``FP32Optimizer``. Expert params get a separate optimizer over the expert DP group, and the two
@@ -28,12 +30,20 @@ from megatron_core.optimizer.optimizer import (
     MegatronOptimizer,
     MixedPrecisionOptimizer,
 )
-from megatron_core.optimizer.optimizer_config import OptimizerConfig
-from megatron_core.optimizer.param_groups import ParamCondition, get_param_groups
+from megatron_core.optimizer.optimizer_config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig
+from megatron_core.optimizer.param_groups import (
+    ParamCondition,
+    dump_param_group_map,
+    get_param_groups,
+    get_param_groups_from_overrides,
+)
+from megatron_core.optimizer.param_keys import ParamKey, ParamPredicate, ParamWithNamePredicate
 from megatron_core.optimizer.precision_aware_adam import PrecisionAwareAdam
+from megatron_core.optimizer_param_scheduler import ParamGroupOverride
 from megatron_core.process_groups_config import resolve_process_group
 
 __all__ = [
+    "AdamOptimizerConfig",
     "ChainedOptimizer",
     "ConstantGradScaler",
     "DistributedOptimizer",
@@ -44,13 +54,18 @@ __all__ = [
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
+    "ParamKey",
+    "ParamPredicate",
+    "ParamWithNamePredicate",
     "PrecisionAwareAdam",
     "Range",
+    "SGDOptimizerConfig",
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
     "get_grad_norm_fp32",
     "get_megatron_optimizer",
     "get_param_groups",
+    "get_standard_config_overrides",
 ]
 
 
@@ -142,16 +157,62 @@ def _build(config: OptimizerConfig, model_chunks: list[torch.nn.Module], param_g
     return wrapped
 
 
+def get_standard_config_overrides(config: OptimizerConfig) -> dict[ParamKey, ParamGroupOverride]:
+    """The default overrides: no weight decay for biases and 1-D parameters (except the q/k layernorm weights
+    under ``apply_wd_to_qk_layernorm``), and ``decoupled_lr`` / ``decoupled_min_lr`` for the embedding and output
+    weights when ``decoupled_lr`` is set. Extend a copy of it to add your own."""
+    overrides: dict[ParamKey, ParamGroupOverride] = {}
+    if config.apply_wd_to_qk_layernorm:
+        def no_wd(param: torch.nn.Parameter, name: str) -> bool:
+            return ((len(param.shape) == 1 or name.endswith(".bias"))
+                    and not ("q_layernorm." in name or "k_layernorm." in name))
+
+        no_wd_key = ParamKey(with_name_predicate=ParamWithNamePredicate(name="s1_not_qkln", fn=no_wd))
+    else:
+        no_wd_key = ParamKey(name="*.bias", predicate=ParamPredicate(name="param_len_1",
+                                                                     fn=lambda param: len(param.shape) == 1))
+    overrides[no_wd_key] = ParamGroupOverride(wd_mult=0.0)
+    if config.decoupled_lr is not None:
+        decoupled = ParamGroupOverride(max_lr=config.decoupled_lr)
+        if config.decoupled_min_lr is not None:
+            decoupled["min_lr"] = config.decoupled_min_lr
+        overrides[ParamKey(attr="is_embedding_or_output_parameter")] = decoupled
+    return overrides
+
+
+_FIXED_BY_CONFIG = ("optimizer", "optimizer_cpu_offload", "overlap_param_gather_with_optimizer_step")
+
+
+def _check_overrides(config: OptimizerConfig, config_overrides: dict[ParamKey, ParamGroupOverride]) -> None:
+    if not isinstance(config_overrides, dict):
+        raise TypeError(
+            f"get_megatron_optimizer's third argument is config_overrides, a dict of ParamKey -> ParamGroupOverride "
+            f"(Megatron-Core 0.19's signature), got {type(config_overrides).__name__}; the earlier no_weight_decay_cond, "
+            "scale_lr_cond and lr_mult are keyword-only here")
+    for key, override in config_overrides.items():
+        if not isinstance(key, ParamKey):
+            raise TypeError(f"config_overrides keys must be ParamKey, got {type(key).__name__} ({key!r})")
+        for name in _FIXED_BY_CONFIG:
+            if name in override and override[name] != getattr(config, name, None):
+                raise ValueError(f"config_overrides[{key}] sets {name}={override[name]!r}, but every param group "
+                                 f"uses OptimizerConfig.{name}={getattr(config, name, None)!r}")
+
+
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.Module],
+                           config_overrides: dict[ParamKey, ParamGroupOverride] | None = None,
+                           use_gloo_process_groups: bool = True, pg_collection: Any = None,
+                           dump_param_to_param_group_map: str | None = None, *,
                            no_weight_decay_cond: ParamCondition | None = None,
                            scale_lr_cond: ParamCondition | None = None, lr_mult: float = 1.0,
-                           use_gloo_process_groups: bool = True,
-                           default_skip_embedding_weight_decay: bool = False,
-                           pg_collection: Any = None) -> MegatronOptimizer:
+                           default_skip_embedding_weight_decay: bool = False) -> MegatronOptimizer:
     """Build the optimizer for ``model_chunks`` (usually DDP-wrapped) as described in the module docstring.
 
-    ``use_gloo_process_groups`` is accepted for compatibility; the optimizers here communicate on
-    the model's own groups.
+    ``config_overrides`` (Megatron-Core 0.19): per-parameter group settings; ``None`` means
+    :func:`get_standard_config_overrides`. The earlier conditions (``no_weight_decay_cond``, ``scale_lr_cond``,
+    ``lr_mult``, ``default_skip_embedding_weight_decay``) still work by keyword, without ``config_overrides``.
+    ``dump_param_to_param_group_map``: a directory where the map from each parameter's global name to its param
+    group's index is saved with ``torch.distributed.checkpoint``. ``use_gloo_process_groups`` is accepted for
+    compatibility; the optimizers here communicate on the model's own groups.
     """
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr must be set to build an optimizer")
@@ -160,8 +221,19 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
     if config.use_distributed_optimizer and _uses_torch_fsdp(model_chunks):
         raise ValueError("OptimizerConfig.use_distributed_optimizer=True cannot be combined with "
                          "TorchFullyShardedDataParallel model chunks (FSDP2 already shards the optimizer state)")
-    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult,
-                                    default_skip_embedding_weight_decay)
+    legacy = (no_weight_decay_cond is not None or scale_lr_cond is not None or lr_mult != 1.0
+              or default_skip_embedding_weight_decay)
+    if legacy:
+        if config_overrides is not None:
+            raise ValueError("pass either config_overrides or the earlier no_weight_decay_cond / scale_lr_cond / "
+                             "lr_mult / default_skip_embedding_weight_decay, not both")
+        param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                                        default_skip_embedding_weight_decay)
+    else:
+        if config_overrides is None:
+            config_overrides = get_standard_config_overrides(config)
+        _check_overrides(config, config_overrides)
+        param_groups = get_param_groups_from_overrides(model_chunks, config, config_overrides)
     if not param_groups:
         raise ValueError("model_chunks have no trainable parameters")
     dense = [g for g in param_groups if not g["is_expert_parallel"]]
@@ -171,6 +243,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
         optimizers.append(_build(config, model_chunks, dense, expert=False, pg_collection=pg_collection))
     if expert:
         optimizers.append(_build(config, model_chunks, expert, expert=True, pg_collection=pg_collection))
+    if dump_param_to_param_group_map is not None:
+        dump_param_group_map(model_chunks, dense + expert, dump_param_to_param_group_map)
     return optimizers[0] if len(optimizers) == 1 else ChainedOptimizer(optimizers)
 
 

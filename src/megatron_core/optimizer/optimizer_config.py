@@ -13,6 +13,11 @@ import torch
 
 from megatron_core.config_rules import OPTIMIZER_RULES as _OPTIMIZER_RULES
 from megatron_core.config_rules import apply_rules as _apply_rules
+from megatron_core.optimizer.param_keys import (  # noqa: F401 - importable from here, as in Megatron-Core
+    ParamKey,
+    ParamPredicate,
+    ParamWithNamePredicate,
+)
 
 _OPTIMIZERS = ("adam", "sgd")
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -150,3 +155,7 @@ class OptimizerConfig:
             self.params_dtype = torch.float16
         if self.bf16 and self.params_dtype != torch.bfloat16:
             self.params_dtype = torch.bfloat16
+
+
+AdamOptimizerConfig = OptimizerConfig  # Megatron-Core's aliases: every optimizer shares one config class
+SGDOptimizerConfig = OptimizerConfig

@@ -1,19 +1,35 @@
-"""Param groups for Megatron-style optimizers: weight-decay and learning-rate multipliers per parameter.
+"""Param groups for Megatron-style optimizers: per-parameter learning-rate and weight-decay settings.
 
-By default biases and every 1-D parameter (norm weights) get no weight decay; ``scale_lr_cond``
-marks params whose learning rate is multiplied by ``lr_mult``; embedding and output weights
-(``is_embedding_or_output_parameter``) use ``decoupled_lr`` when it is set. Expert params
-(``param.allreduce == False``) are kept in separate groups so they get their own optimizer.
+Two ways to say which parameters get what, both giving groups with ``wd_mult``, ``lr_mult``, ``max_lr``,
+``min_lr``, ``is_expert_parallel``, ``is_decoupled_lr``, ``default_config`` (the group follows the default
+learning-rate schedule) and the initial ``lr`` / ``weight_decay``:
+
+- :func:`get_param_groups_from_overrides` (Megatron-Core 0.19's ``config_overrides``): a dict of
+  :class:`~megatron_core.optimizer.param_keys.ParamKey` -> ``ParamGroupOverride``; the overrides of every key that
+  matches a parameter are combined, and parameters with equal combined overrides share a group.
+- :func:`get_param_groups` (the earlier conditions): biases and every 1-D parameter (norm weights) get no weight
+  decay; ``scale_lr_cond`` marks params whose learning rate is multiplied by ``lr_mult``; embedding and output
+  weights (``is_embedding_or_output_parameter``) use ``decoupled_lr`` when it is set.
+
+Expert params (``param.allreduce == False``) are kept in separate groups so they get their own optimizer.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
+from megatron_core.optimizer.param_keys import ParamKey
+from megatron_core.optimizer_param_scheduler import (
+    ParamGroupOverride,
+    combine_param_group_overrides,
+    param_group_override_to_tuple,
+)
+from megatron_core.utils import get_pg_rank
 
 ParamCondition = Callable[[str, torch.nn.Parameter], bool]
 
@@ -61,9 +77,86 @@ def get_param_groups(model_chunks: list[torch.nn.Module], config: OptimizerConfi
             "lr_mult": group_lr_mult,
             "is_expert_parallel": is_expert,
             "is_decoupled_lr": decoupled,
+            "default_config": not decoupled and group_lr_mult == 1.0,
             "max_lr": max_lr,
             "min_lr": min_lr if min_lr is not None else 0.0,
             "lr": max_lr * group_lr_mult,
             "weight_decay": config.weight_decay * wd_mult,
         })
     return param_groups
+
+
+def _trainable_named_parameters(model_chunks: list[torch.nn.Module]):
+    seen: set[int] = set()
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                yield name, param
+
+
+def get_param_groups_from_overrides(model_chunks: list[torch.nn.Module], config: OptimizerConfig,
+                                    config_overrides: dict[ParamKey, ParamGroupOverride]) -> list[dict[str, Any]]:
+    """Param groups from ``config_overrides`` (see the module docstring); groups without overrides come first.
+
+    A group starts from ``wd_mult = lr_mult = 1``, ``max_lr = config.lr``, ``min_lr = config.min_lr`` and takes its
+    override's values over those; it follows the default schedule (``default_config``) unless the override sets a
+    learning-rate field. ``is_decoupled_lr`` marks groups whose ``max_lr`` is ``config.decoupled_lr``.
+    """
+    members: dict[tuple[tuple | None, bool], list[torch.nn.Parameter]] = {}
+    for name, param in _trainable_named_parameters(model_chunks):
+        matched = [override for key, override in config_overrides.items() if key.matches(param, name)]
+        override = combine_param_group_overrides(matched) if matched else None
+        if override is not None and "params" in override:
+            raise ValueError("a ParamGroupOverride may not set 'params' (the parameters come from its ParamKey)")
+        key = (param_group_override_to_tuple(override), not getattr(param, "allreduce", True))
+        members.setdefault(key, []).append(param)
+    param_groups = []
+    for (items, is_expert), params in sorted(members.items(), key=lambda kv: (kv[0][0] is not None, kv[0])):
+        override = dict(items or ())
+        group: dict[str, Any] = {
+            "params": params, "is_expert_parallel": is_expert, "wd_mult": 1.0, "lr_mult": 1.0,
+            "max_lr": config.lr, "min_lr": config.min_lr if config.min_lr is not None else 0.0,
+            "default_config": not any("lr" in k for k in override), **override,
+        }
+        group["is_decoupled_lr"] = (config.decoupled_lr is not None and "max_lr" in override
+                                    and override["max_lr"] == config.decoupled_lr)
+        group["lr"] = group["max_lr"] * group["lr_mult"]
+        group["weight_decay"] = config.weight_decay * group["wd_mult"]
+        param_groups.append(group)
+    return param_groups
+
+
+def _global_param_names(model_chunks: list[torch.nn.Module]) -> dict[int, str]:
+    """``id(param) -> name`` unique over the whole model: each transformer layer under its global index
+    (``layer_number - 1``, not its index in this pipeline stage) and each routed expert under its global index."""
+    names: dict[int, str] = {}
+    for chunk in model_chunks:
+        renames: list[tuple[str, str]] = []
+        for module_name, module in chunk.named_modules():
+            layer = re.fullmatch(r"(.*\.)?layers\.(\d+)", module_name)
+            if layer and isinstance(getattr(module, "layer_number", None), int):
+                renames.append((module_name + ".", f"{layer.group(1) or ''}layers.{module.layer_number - 1}."))
+            experts = getattr(module, "local_experts", None)
+            if isinstance(experts, torch.nn.ModuleList) and hasattr(module, "ep_group"):
+                first = get_pg_rank(module.ep_group) * len(experts)
+                renames += [(f"{module_name}.local_experts.{i}.", f"{module_name}.local_experts.{first + i}.")
+                            for i in range(len(experts))]
+        for name, param in chunk.named_parameters():
+            new = name
+            for old_prefix, new_prefix in sorted(renames, key=lambda r: -len(r[0])):
+                if name.startswith(old_prefix):
+                    new = new_prefix + name[len(old_prefix):]
+                    break
+            names.setdefault(id(param), new)
+    return names
+
+
+def dump_param_group_map(model_chunks: list[torch.nn.Module], param_groups: list[dict[str, Any]], path: str) -> None:
+    """Save ``{global parameter name: index of its param group}`` at ``path`` with ``torch.distributed.checkpoint``
+    (Megatron-Core's ``dump_param_to_param_group_map``); every rank adds its own parameters."""
+    import torch.distributed.checkpoint as dcp
+
+    names = _global_param_names(model_chunks)
+    mapping = {names[id(param)]: index for index, group in enumerate(param_groups) for param in group["params"]}
+    dcp.save(state_dict=mapping, checkpoint_id=path)
