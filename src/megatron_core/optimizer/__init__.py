@@ -33,6 +33,7 @@ from megatron_core.optimizer.optimizer import (
 from megatron_core.optimizer.optimizer_config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig
 from megatron_core.optimizer.param_groups import (
     ParamCondition,
+    default_no_weight_decay,
     dump_param_group_map,
     get_param_groups,
     get_param_groups_from_overrides,
@@ -164,13 +165,12 @@ def get_standard_config_overrides(config: OptimizerConfig) -> dict[ParamKey, Par
     overrides: dict[ParamKey, ParamGroupOverride] = {}
     if config.apply_wd_to_qk_layernorm:
         def no_wd(param: torch.nn.Parameter, name: str) -> bool:
-            return ((len(param.shape) == 1 or name.endswith(".bias"))
-                    and not ("q_layernorm." in name or "k_layernorm." in name))
+            return default_no_weight_decay(name, param) and not ("q_layernorm." in name or "k_layernorm." in name)
 
         no_wd_key = ParamKey(with_name_predicate=ParamWithNamePredicate(name="s1_not_qkln", fn=no_wd))
     else:
-        no_wd_key = ParamKey(name="*.bias", predicate=ParamPredicate(name="param_len_1",
-                                                                     fn=lambda param: len(param.shape) == 1))
+        no_wd_key = ParamKey(with_name_predicate=ParamWithNamePredicate(
+            name="bias_or_1d", fn=lambda param, name: default_no_weight_decay(name, param)))
     overrides[no_wd_key] = ParamGroupOverride(wd_mult=0.0)
     if config.decoupled_lr is not None:
         decoupled = ParamGroupOverride(max_lr=config.decoupled_lr)
