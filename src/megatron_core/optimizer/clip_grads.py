@@ -92,10 +92,12 @@ _ONE_KERNEL_NORM_NUMEL = 1 << 24
 def _coalesce_adjacent(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` with runs of 1-D contiguous views that abut in one storage (a DDP buffer's bucket shards)
     merged into one view each: the same elements, read by fewer, larger kernels."""
+    flat: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    for t in tensors:
+        (flat if t.dim() == 1 and t.is_contiguous() and t.numel() > 0 else rest).append(t)
+    flat.sort(key=lambda t: (t.untyped_storage().data_ptr(), t.dtype.itemsize, t.storage_offset()))
     out: list[torch.Tensor] = []
-    flat = sorted((t for t in tensors if t.dim() == 1 and t.is_contiguous() and t.numel() > 0),
-                  key=lambda t: (t.untyped_storage().data_ptr(), t.dtype.itemsize, t.storage_offset()))
-    rest = [t for t in tensors if not (t.dim() == 1 and t.is_contiguous() and t.numel() > 0)]
     for t in flat:
         last = out[-1] if out else None
         if (last is not None and last.dtype == t.dtype and last.device == t.device

@@ -17,7 +17,7 @@ Expert params (``param.allreduce == False``) are kept in separate groups so they
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +32,16 @@ from megatron_core.optimizer_param_scheduler import (
 from megatron_core.utils import get_pg_rank
 
 ParamCondition = Callable[[str, torch.nn.Parameter], bool]
+
+
+def _trainable_named_parameters(model_chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """Each trainable parameter of the chunks once, with its name in the first chunk that holds it."""
+    seen: set[int] = set()
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                yield name, param
 
 
 def default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -50,22 +60,17 @@ def get_param_groups(model_chunks: list[torch.nn.Module], config: OptimizerConfi
     """
     no_wd = no_weight_decay_cond or default_no_weight_decay
     groups: dict[tuple[float, float, bool, bool], list[torch.nn.Parameter]] = {}
-    seen: set[int] = set()
-    for chunk in model_chunks:
-        for name, param in chunk.named_parameters():
-            if not param.requires_grad or id(param) in seen:
-                continue
-            seen.add(id(param))
-            skip_wd = no_wd(name, param) or (
-                default_skip_embedding_weight_decay and "embedding" in name
-            )
-            scale = scale_lr_cond is not None and scale_lr_cond(name, param)
-            is_expert = not getattr(param, "allreduce", True)
-            decoupled = config.decoupled_lr is not None and bool(
-                getattr(param, "is_embedding_or_output_parameter", False)
-            )
-            key = (0.0 if skip_wd else 1.0, lr_mult if scale else 1.0, is_expert, decoupled)
-            groups.setdefault(key, []).append(param)
+    for name, param in _trainable_named_parameters(model_chunks):
+        skip_wd = no_wd(name, param) or (
+            default_skip_embedding_weight_decay and "embedding" in name
+        )
+        scale = scale_lr_cond is not None and scale_lr_cond(name, param)
+        is_expert = not getattr(param, "allreduce", True)
+        decoupled = config.decoupled_lr is not None and bool(
+            getattr(param, "is_embedding_or_output_parameter", False)
+        )
+        key = (0.0 if skip_wd else 1.0, lr_mult if scale else 1.0, is_expert, decoupled)
+        groups.setdefault(key, []).append(param)
 
     param_groups = []
     for (wd_mult, group_lr_mult, is_expert, decoupled), params in groups.items():
@@ -84,15 +89,6 @@ def get_param_groups(model_chunks: list[torch.nn.Module], config: OptimizerConfi
             "weight_decay": config.weight_decay * wd_mult,
         })
     return param_groups
-
-
-def _trainable_named_parameters(model_chunks: list[torch.nn.Module]):
-    seen: set[int] = set()
-    for chunk in model_chunks:
-        for name, param in chunk.named_parameters():
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                yield name, param
 
 
 def get_param_groups_from_overrides(model_chunks: list[torch.nn.Module], config: OptimizerConfig,
@@ -142,9 +138,10 @@ def _global_param_names(model_chunks: list[torch.nn.Module]) -> dict[int, str]:
                 first = get_pg_rank(module.ep_group) * len(experts)
                 renames += [(f"{module_name}.local_experts.{i}.", f"{module_name}.local_experts.{first + i}.")
                             for i in range(len(experts))]
+        renames.sort(key=lambda r: -len(r[0]))  # the longest (innermost) prefix first
         for name, param in chunk.named_parameters():
             new = name
-            for old_prefix, new_prefix in sorted(renames, key=lambda r: -len(r[0])):
+            for old_prefix, new_prefix in renames:
                 if name.startswith(old_prefix):
                     new = new_prefix + name[len(old_prefix):]
                     break
