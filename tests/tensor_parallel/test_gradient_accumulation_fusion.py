@@ -109,3 +109,30 @@ def _compiled_fused_against_eager_unfused() -> dict[str, int]:
 def test_fused_weight_gradients_inside_compiled_layers() -> None:
     """Compiled layers keep the fused wgrad in their graph (custom op, no graph break) and get the same main_grad."""
     assert run_on_ranks(1, _compiled_fused_against_eager_unfused) == [{"checked": 2}]
+
+
+def _norm_parameters_add_their_own_gradients(spec_name: str) -> list[str]:
+    spec = {"llama_like": llama_like, "gpt2_like": gpt2_like}[spec_name]
+    parallel_state.initialize_model_parallel()
+    try:
+        torch.manual_seed(1234)
+        model = build(spec(), gradient_accumulation_fusion=True)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        ddp.zero_grad_buffer()
+        ids, pos, labels = batch(3)
+        ddp(ids, pos, None, labels=labels).float().mean().backward()
+        norms = [(n, p) for n, p in model.named_parameters() if "layernorm" in n]
+        assert norms, "the spec has no norm parameters"
+        for name, param in norms:
+            # The norm's backward wrote main_grad and set Megatron's flag; DDP's hook added nothing more.
+            assert param.grad_added_to_main_grad, f"{name}: the gradient went through DDP's hook"
+            assert param.grad is None and param.main_grad.abs().sum() > 0, name
+        return sorted({n.rsplit(".", 1)[-1] for n, _ in norms})
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_norm_parameters_add_their_own_gradients_to_main_grad() -> None:
+    """RMSNorm's weight and LayerNorm's weight and bias skip DDP's hook (values: the fused/unfused tests above)."""
+    assert run_on_ranks(1, _norm_parameters_add_their_own_gradients, "llama_like") == [["weight"]]
+    assert run_on_ranks(1, _norm_parameters_add_their_own_gradients, "gpt2_like") == [["bias", "weight"]]

@@ -28,6 +28,7 @@ from megatron_core.distributed.param_and_grad_buffer import (
     partition_buckets,
 )
 from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.tensor_parallel.wgrad_accumulation import BACKWARD_ADDS_TO_MAIN_GRAD
 from megatron_core.utils import get_pg_size
 
 
@@ -132,7 +133,8 @@ class DistributedDataParallel(torch.nn.Module):
         def hook(p: torch.Tensor) -> None:
             # A fused weight-gradient GEMM already wrote into main_grad (flag set by the backward, or the
             # layer's static mark inside compiled graphs); .grad is then a dummy, unless zero_out_wgrad.
-            fused = p.grad_added_to_main_grad or getattr(p, "wgrad_fused_into_main_grad", False)
+            fused = p.grad_added_to_main_grad or getattr(p, "wgrad_fused_into_main_grad", False) \
+                or getattr(p, BACKWARD_ADDS_TO_MAIN_GRAD, False)
             if p.grad is not None and (not fused or getattr(p, "zero_out_wgrad", False)):
                 p.main_grad.add_(p.grad)
             p.grad = None

@@ -21,11 +21,14 @@ from collections.abc import Iterable
 import torch
 
 __all__ = [
+    "BACKWARD_ADDS_TO_MAIN_GRAD",
     "accumulate_embedding_gradient",
     "accumulate_weight_gradient",
     "expect_first_write",
     "finish_fused_weight_gradient",
     "gemm_accumulates_into_fp32",
+    "gradient_into_main_grad",
+    "mark_gradient_into_main_grad",
     "pending_first_writes",
     "zero_pending_first_writes",
 ]
@@ -165,6 +168,52 @@ def finish_fused_weight_gradient(weight: torch.Tensor) -> torch.Tensor | None:
     if not torch.compiler.is_compiling():
         weight.grad_added_to_main_grad = True
     return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+
+
+# The static mark of a weight whose gradient its own backward adds to ``main_grad`` (see ``gradient_into_main_grad``).
+# Unlike ``wgrad_fused_into_main_grad`` it promises no overwrite: DDP zeroes these ``main_grad``s as usual.
+BACKWARD_ADDS_TO_MAIN_GRAD = "backward_adds_to_main_grad"
+
+
+def mark_gradient_into_main_grad(weight: torch.Tensor) -> None:
+    """Mark ``weight`` as one whose forward goes through :func:`gradient_into_main_grad` (when DDP wraps it).
+
+    DDP's backward hook then ignores the placeholder ``.grad`` inside compiled graphs too, where the backward cannot
+    set ``grad_added_to_main_grad``.
+    """
+    setattr(weight, BACKWARD_ADDS_TO_MAIN_GRAD, True)
+
+
+class _GradientIntoMainGrad(torch.autograd.Function):
+    """Identity on a weight; its backward adds the weight's gradient to ``weight.main_grad``."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor | None:
+        (weight,) = ctx.saved_tensors
+        # A plain in-place add: inside a compiled backward Inductor folds it into the kernel that finishes the
+        # gradient's reduction (a norm's weight gradient sums over every token), instead of DDP's hook adding the
+        # finished gradient in a kernel of its own.
+        weight.main_grad.add_(grad)
+        return finish_fused_weight_gradient(weight)
+
+
+def gradient_into_main_grad(weight: torch.Tensor, enabled: bool) -> torch.Tensor:
+    """``weight`` for a forward whose backward adds ``weight``'s gradient straight to ``weight.main_grad``.
+
+    Applies when ``enabled`` (``gradient_accumulation_fusion``), the weight has a ``main_grad`` (DDP's buffer view)
+    and is marked with :func:`mark_gradient_into_main_grad`; otherwise ``weight`` itself. The addition is the one
+    DDP's hook would make (the gradient in the weight's dtype added to the fp32 ``main_grad``), so the result is the
+    same; used for small weights (norms) whose gradient is a reduction that Inductor can finish in place.
+    """
+    if enabled and weight.requires_grad and getattr(weight, BACKWARD_ADDS_TO_MAIN_GRAD, False) \
+            and hasattr(weight, "main_grad"):
+        return _GradientIntoMainGrad.apply(weight)
+    return weight
 
 
 def accumulate_embedding_gradient(main_grad: torch.Tensor, ids: torch.Tensor, grad_output_2d: torch.Tensor,

@@ -4,6 +4,8 @@
 Parameters keep Megatron's names (``weight``, ``bias``) and carry ``sequence_parallel`` so that
 their gradients are all-reduced over the tensor-parallel group under sequence parallelism.
 With ``layernorm_zero_centered_gamma`` the stored weight is ``gamma - 1`` (initialised to 0).
+With ``gradient_accumulation_fusion`` under DDP the backward adds the parameters' gradients to their ``main_grad``
+itself (:func:`~megatron_core.tensor_parallel.wgrad_accumulation.gradient_into_main_grad`).
 """
 
 from __future__ import annotations
@@ -11,14 +13,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_core.tensor_parallel.wgrad_accumulation import (
+    gradient_into_main_grad,
+    mark_gradient_into_main_grad,
+)
 from megatron_core.transformer.transformer_config import TransformerConfig
 
 
-def _make_weight(hidden_size: int, zero_centered: bool, sequence_parallel: bool, dtype: torch.dtype) -> torch.nn.Parameter:
-    init = torch.zeros if zero_centered else torch.ones
-    weight = torch.nn.Parameter(init(hidden_size, dtype=dtype))
-    weight.sequence_parallel = sequence_parallel
-    return weight
+def _make_parameter(hidden_size: int, config: TransformerConfig, ones: bool) -> torch.nn.Parameter:
+    init = torch.ones if ones else torch.zeros
+    param = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+    param.sequence_parallel = config.sequence_parallel
+    if config.gradient_accumulation_fusion:
+        mark_gradient_into_main_grad(param)
+    return param
+
+
+def _for_forward(param: torch.nn.Parameter, config: TransformerConfig) -> torch.Tensor:
+    return gradient_into_main_grad(param, config.gradient_accumulation_fusion)
 
 
 class LayerNorm(torch.nn.Module):
@@ -30,15 +42,14 @@ class LayerNorm(torch.nn.Module):
         self.hidden_size = (hidden_size,)
         self.eps = eps
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        sp = config.sequence_parallel
-        self.weight = _make_weight(hidden_size, self.zero_centered_gamma, sp, config.params_dtype)
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-        self.bias.sequence_parallel = sp
+        self.weight = _make_parameter(hidden_size, config, ones=not self.zero_centered_gamma)
+        self.bias = _make_parameter(hidden_size, config, ones=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize ``x`` over its last dimension."""
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
-        return F.layer_norm(x, self.hidden_size, weight, self.bias, self.eps)
+        weight = _for_forward(self.weight, self.config)
+        weight = weight + 1 if self.zero_centered_gamma else weight
+        return F.layer_norm(x, self.hidden_size, weight, _for_forward(self.bias, self.config), self.eps)
 
 
 class RMSNorm(torch.nn.Module):
@@ -50,11 +61,12 @@ class RMSNorm(torch.nn.Module):
         self.hidden_size = (hidden_size,)
         self.eps = eps
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        self.weight = _make_weight(hidden_size, self.zero_centered_gamma, config.sequence_parallel, config.params_dtype)
+        self.weight = _make_parameter(hidden_size, config, ones=not self.zero_centered_gamma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize ``x`` over its last dimension."""
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        weight = _for_forward(self.weight, self.config)
+        weight = weight + 1 if self.zero_centered_gamma else weight
         return F.rms_norm(x, self.hidden_size, weight, self.eps)
 
 
