@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_core.fusions.fused_rms_norm import rms_norm_with_residual
 from megatron_core.tensor_parallel.wgrad_accumulation import (
     gradient_into_main_grad,
     mark_gradient_into_main_grad,
@@ -63,10 +64,19 @@ class RMSNorm(torch.nn.Module):
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         self.weight = _make_parameter(hidden_size, config, ones=not self.zero_centered_gamma)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalize ``x`` over its last dimension."""
+    # forward(x, return_residual=True) returns (y, x) from one autograd node (TransformerLayer's pre-norm residual).
+    returns_residual = True
+
+    def forward(self, x: torch.Tensor, return_residual: bool = False) -> torch.Tensor | tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+        """Normalize ``x`` over its last dimension; with ``return_residual`` return ``(y, x)``.
+
+        Using that second output as the residual lets one backward (a Triton kernel on CUDA) add both gradients.
+        """
         weight = _for_forward(self.weight, self.config)
         weight = weight + 1 if self.zero_centered_gamma else weight
+        if return_residual:
+            return rms_norm_with_residual(x, weight, self.eps)
         return F.rms_norm(x, self.hidden_size, weight, self.eps)
 
 

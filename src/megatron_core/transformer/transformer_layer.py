@@ -111,6 +111,20 @@ class TransformerLayer(MegatronModule):
             apply_prefix_mapping(sharded, {f"{prefix}{old}": f"{prefix}{new}" for old, new in keys_map.items()})
         return sharded
 
+    def _norm_and_residual(self, norm: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+        """``(norm(hidden_states), residual)``; the residual is ``hidden_states`` (in fp32 with
+        ``fp32_residual_connection``).
+
+        A norm that can hand back its input (``returns_residual``: this library's RMSNorm) returns both from one
+        autograd node, so that its backward adds the residual's gradient in the same kernel.
+        """
+        if self.config.fp32_residual_connection:
+            return norm(hidden_states), hidden_states.float()
+        if getattr(norm, "returns_residual", False):
+            return norm(hidden_states, return_residual=True)
+        return norm(hidden_states), hidden_states
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -129,8 +143,7 @@ class TransformerLayer(MegatronModule):
         """Run the layer on ``hidden_states`` ``[s, b, h]``; returns ``(hidden_states, context)``."""
         if inference_context is not None and fused_decode.fused_decode_applies(self, hidden_states):
             return fused_decode.fused_decode_forward(self, hidden_states, inference_context, rotary_pos_emb), context
-        residual = hidden_states.float() if self.config.fp32_residual_connection else hidden_states
-        input_layernorm_output = self.input_layernorm(hidden_states)
+        input_layernorm_output, residual = self._norm_and_residual(self.input_layernorm, hidden_states)
         attention_output_with_bias = self.self_attention(
             input_layernorm_output,
             attention_mask=attention_mask,
@@ -158,8 +171,7 @@ class TransformerLayer(MegatronModule):
                 cross_output_with_bias, residual, self.hidden_dropout
             )
 
-        residual = hidden_states
-        pre_mlp_layernorm_output = self.pre_mlp_layernorm(hidden_states)
+        pre_mlp_layernorm_output, residual = self._norm_and_residual(self.pre_mlp_layernorm, hidden_states)
         mlp_output_with_bias = self.mlp(pre_mlp_layernorm_output)
         if self.config.apply_residual_connection_post_layernorm:
             residual = pre_mlp_layernorm_output
