@@ -22,6 +22,12 @@ def bias_dropout_add(
         x = x + bias
     if training and prob > 0.0:
         x = F.dropout(x, p=prob, training=True)
+    if x.shape == residual.shape and x.dim() > 2:
+        # The same sum taken over 2-D views: a GEMM's output added straight to the residual then matches Inductor's
+        # mm + add pattern, so a compiled layer adds the residual in cuBLAS's epilogue (addmm) instead of a kernel
+        # of its own that rereads the GEMM's output.
+        hidden = residual.shape[-1]
+        return (residual.reshape(-1, hidden) + x.reshape(-1, hidden)).view(residual.shape)
     return residual + x
 
 
