@@ -6,11 +6,6 @@ the CPU; the Triton kernel runs on CUDA (GPU tests) and in Triton's interpreter 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +20,7 @@ from megatron_core.transformer import TransformerConfig
 from megatron_core.transformer.torch_norm import RMSNorm
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import batch, build, llama_like
+from tests.triton_interpreter import needs_triton, run_in_triton_interpreter
 
 # (leading shape, hidden): rows a multiple of the kernel's 16 per program or not, hidden a power of two or not
 SHAPES = [((4, 8), 64), ((37,), 1000), ((3, 1), 40)]
@@ -126,18 +122,12 @@ for lead, hidden in {shapes}:
         want = _reference_backward(gy, x, rstd, w, gr if with_residual else None)
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-5)
-print("interpreted kernel ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+@needs_triton
 def test_kernel_in_the_triton_interpreter():
-    # A fresh process: Triton builds its library functions for the interpreter only when TRITON_INTERPRET is set
-    # before it is imported.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED.format(shapes=SHAPES)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and "interpreted kernel ok" in done.stdout, done.stderr[-3000:]
+    run_in_triton_interpreter(_INTERPRETED.format(shapes=SHAPES))
 
 
 @pytest.mark.gpu

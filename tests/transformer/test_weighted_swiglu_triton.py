@@ -5,11 +5,6 @@ The kernel runs on CUDA (GPU tests) and, where Triton is installed, in Triton's 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +14,7 @@ from megatron_core.fusions.weighted_swiglu_triton import (
     weighted_swiglu_backward,
     weighted_swiglu_backward_supported,
 )
+from tests.triton_interpreter import needs_triton, run_in_triton_interpreter
 
 # (rows, F): F a multiple of the kernel's 512-column step, one that is not, one narrower than a step
 SHAPES = [(6, 1024), (5, 700), (3, 40)]
@@ -68,18 +64,12 @@ for rows, ffn in {shapes}:
     grad_y, grad_w = weighted_swiglu_backward(g, y, w)
     torch.testing.assert_close(grad_y, y_ref.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad_w, w_ref.grad, atol=1e-4, rtol=1e-5)
-print("interpreted kernel ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+@needs_triton
 def test_kernel_in_the_triton_interpreter():
-    # A fresh process: Triton's library functions (tl.sum's combine) are built for the interpreter only when
-    # TRITON_INTERPRET is set before Triton is imported.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED.format(shapes=SHAPES)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and "interpreted kernel ok" in done.stdout, done.stderr[-3000:]
+    run_in_triton_interpreter(_INTERPRETED.format(shapes=SHAPES))
 
 
 @pytest.mark.gpu
