@@ -33,7 +33,7 @@ __all__ = [
     "zero_pending_first_writes",
 ]
 
-_FP32_ACCUMULATING_GEMM: dict[str, bool] = {}
+_FP32_ACCUMULATING_GEMM: dict[torch.device, bool] = {}
 
 # main_grad tensors whose memory is stale until their first weight-gradient GEMM of the step, by data_ptr(). Weak
 # references: a model dropped mid-step (its DDP buffers with it) leaves no memory held here; its entry goes with it.
@@ -48,7 +48,7 @@ def gemm_accumulates_into_fp32(device: torch.device) -> bool:
     """
     if device.type != "cuda":
         return False
-    key = str(device)
+    key = device  # per device (a host-side lookup on every weight-gradient GEMM: no string formatting)
     if key not in _FP32_ACCUMULATING_GEMM:
         try:
             a = torch.randn(64, 32, device=device, dtype=torch.bfloat16)
