@@ -109,3 +109,8 @@ def triton_modules() -> tuple[Any, Any] | None:
 def have_triton() -> bool:
     """Whether Triton can be imported (a constant to ``torch.compile``, which cannot trace the import)."""
     return triton_modules() is not None
+
+
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n >= 1``): a Triton block size covering ``n`` elements."""
+    return 1 << (n - 1).bit_length()

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from megatron_core.jit import have_triton, triton_modules, triton_op
+from megatron_core.jit import have_triton, next_power_of_two, triton_modules, triton_op
 
 __all__ = ["rms_norm_backward", "rms_norm_backward_supported", "rms_norm_with_residual"]
 
-_MAX_HIDDEN = 16384  # one row in registers; wider rows take the aten backward
+_MAX_HIDDEN = 16384  # one row in registers; wider rows take the PyTorch-ops backward
 _ROWS_PER_PROGRAM = 16  # rows folded into one partial weight-gradient row
 _ROWS_PER_STEP = 2  # rows loaded together
 _WARPS = 8
@@ -108,10 +108,6 @@ def _kernels() -> tuple[Any, Any]:
     return rms_norm_backward_kernel, column_sum_kernel
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
               grad_residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     rows, hidden = x.shape
@@ -121,7 +117,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: tor
         return grad_x, grad_weight.zero_()
     programs = -(-rows // _ROWS_PER_PROGRAM)
     partial = torch.empty(programs, hidden, device=x.device, dtype=torch.float32)
-    block = _next_power_of_two(hidden)
+    block = next_power_of_two(hidden)
     main, column_sum = (torch.library.wrap_triton(k) for k in _kernels())
     main[(programs,)](dy, x, rstd, weight, grad_residual if grad_residual is not None else dy, grad_x, partial,
                       rows, hidden, ROWS=_ROWS_PER_PROGRAM, SUB=_ROWS_PER_STEP, BLOCK=block,

@@ -202,16 +202,16 @@ class _GradientIntoMainGrad(torch.autograd.Function):
         return finish_fused_weight_gradient(weight)
 
 
-def gradient_into_main_grad(weight: torch.Tensor, enabled: bool) -> torch.Tensor:
+def gradient_into_main_grad(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` for a forward whose backward adds ``weight``'s gradient straight to ``weight.main_grad``.
 
-    Applies when ``enabled`` (``gradient_accumulation_fusion``), the weight has a ``main_grad`` (DDP's buffer view)
-    and is marked with :func:`mark_gradient_into_main_grad`; otherwise ``weight`` itself. The addition is the one
-    DDP's hook would make (the gradient in the weight's dtype added to the fp32 ``main_grad``), so the result is the
-    same; used for small weights (norms) whose gradient is a reduction that Inductor can finish in place.
+    Applies when the weight is marked with :func:`mark_gradient_into_main_grad` and has a ``main_grad`` (DDP's
+    buffer view); otherwise ``weight`` itself. The mark alone decides, as it does for DDP's hook, so the two never
+    disagree (a gradient neither added here nor by the hook would be lost). The addition is the one DDP's hook
+    would make (the gradient in the weight's dtype added to the fp32 ``main_grad``), so the result is the same;
+    used for small weights (norms) whose gradient is a reduction that Inductor can finish in place.
     """
-    if enabled and weight.requires_grad and getattr(weight, BACKWARD_ADDS_TO_MAIN_GRAD, False) \
-            and hasattr(weight, "main_grad"):
+    if weight.requires_grad and getattr(weight, BACKWARD_ADDS_TO_MAIN_GRAD, False) and hasattr(weight, "main_grad"):
         return _GradientIntoMainGrad.apply(weight)
     return weight
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_core.jit import have_triton, triton_modules, triton_op
+from megatron_core.jit import have_triton, next_power_of_two, triton_modules, triton_op
 
 __all__ = ["fused_qkv_rope_supported", "split_qkv_with_rope"]
 
@@ -159,12 +159,8 @@ def _kernels() -> tuple[Any, Any]:
     return qkv_rope_forward_kernel, qkv_rope_backward_kernel
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _heads_block(heads_per_group: int) -> int:
-    return _next_power_of_two(heads_per_group + 2)
+    return next_power_of_two(heads_per_group + 2)
 
 
 def _forward(
@@ -177,7 +173,7 @@ def _forward(
     k = mixed_qkv.new_empty(s, b, groups, head_dim)
     v = mixed_qkv.new_empty(s, b, groups, head_dim)
     if q.numel():
-        heads, block_d = _heads_block(heads_per_group), _next_power_of_two(head_dim)
+        heads, block_d = _heads_block(heads_per_group), next_power_of_two(head_dim)
         torch.library.wrap_triton(_kernels()[0])[(s * b * groups,)](
             mixed_qkv, cos, sin, q, k, v, b, groups, cos.stride(0), PG=heads_per_group, HN=head_dim,
             ROT=cos.shape[-1], HEADS=heads, BLOCK_D=block_d, INTERLEAVED=interleaved,
@@ -193,7 +189,7 @@ def _backward(
     s, b, _, head_dim = dq.shape
     dqkv = dq.new_empty(s, b, groups * (heads_per_group + 2) * head_dim)
     if dqkv.numel():
-        heads, block_d = _heads_block(heads_per_group), _next_power_of_two(head_dim)
+        heads, block_d = _heads_block(heads_per_group), next_power_of_two(head_dim)
         torch.library.wrap_triton(_kernels()[1])[(s * b * groups,)](
             dq, dk, dv, cos, sin, dqkv, b, groups, cos.stride(0),
             dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),

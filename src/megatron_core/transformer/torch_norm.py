@@ -30,10 +30,6 @@ def _make_parameter(hidden_size: int, config: TransformerConfig, ones: bool) -> 
     return param
 
 
-def _for_forward(param: torch.nn.Parameter, config: TransformerConfig) -> torch.Tensor:
-    return gradient_into_main_grad(param, config.gradient_accumulation_fusion)
-
-
 class LayerNorm(torch.nn.Module):
     """Layer normalization with a learned scale and shift over the last dimension."""
 
@@ -48,9 +44,9 @@ class LayerNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize ``x`` over its last dimension."""
-        weight = _for_forward(self.weight, self.config)
+        weight = gradient_into_main_grad(self.weight)
         weight = weight + 1 if self.zero_centered_gamma else weight
-        return F.layer_norm(x, self.hidden_size, weight, _for_forward(self.bias, self.config), self.eps)
+        return F.layer_norm(x, self.hidden_size, weight, gradient_into_main_grad(self.bias), self.eps)
 
 
 class RMSNorm(torch.nn.Module):
@@ -73,7 +69,7 @@ class RMSNorm(torch.nn.Module):
 
         Using that second output as the residual lets one backward (a Triton kernel on CUDA) add both gradients.
         """
-        weight = _for_forward(self.weight, self.config)
+        weight = gradient_into_main_grad(self.weight)
         weight = weight + 1 if self.zero_centered_gamma else weight
         if return_residual:
             return rms_norm_with_residual(x, weight, self.eps)
