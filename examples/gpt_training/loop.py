@@ -17,7 +17,7 @@ import torch.distributed as dist
 from gpt_training.data import to_device
 from gpt_training.moe_metrics import moe_log_values
 from gpt_training.profiling import StepProfiler
-from gpt_training.step_results import QueuedStep, SettledStep, StepResults, window_summary
+from gpt_training.step_results import HostCopy, QueuedStep, SettledStep, StepResults, window_summary
 from gpt_training.step_timers import StepTimers, breakdown, timed
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
@@ -195,18 +195,28 @@ class Trainer:
         self.optimizer.zero_grad()
         losses = self._run(self.train_iter, forward_only=False)
         loss_tensor = _mean_loss_tensor(losses)  # averaged over all ranks, so every rank takes the same decision
+        extra = moe_log_values(self.args) if self.args.num_experts is not None else {}
         check = self.args.check_for_nan_in_loss_and_grad
         step = self.optimizer.step_on_device
         if self.timers is not None:
             step = timed(self.timers, "optimizer", step)
-        success, grad_norm, _ = step(skip_unless_finite=loss_tensor) if check else step()
+        announced: list[tuple[torch.Tensor, HostCopy]] = []
+
+        def copy_results(update_successful: torch.Tensor, norm: torch.Tensor) -> None:
+            # Before the update is queued: a log line reading this copy does not wait for the update.
+            announced.append((update_successful, HostCopy([loss_tensor, update_successful, norm, *extra.values()])))
+
+        kwargs = {"skip_unless_finite": loss_tensor} if check else {}
+        success, grad_norm, _ = step(outcome_known=copy_results, **kwargs)
         if self._train_batches is not None:
             self._train_batches.prefetch()  # the next step's first batch, while the GPU runs the update
         advanced = success is not False  # False: a skip already known on the host (a grad scaler's overflow)
         if advanced:
             self.scheduler.step(increment=self.args.global_batch_size)
-        extra = moe_log_values(self.args) if self.args.num_experts is not None else {}
-        return QueuedStep(iteration, loss_tensor, success, grad_norm, advanced, extra)
+        if self.timers is not None:
+            self.timers.end_step()
+        host_copy = announced[0][1] if announced and announced[0][0] is success else None
+        return QueuedStep(iteration, loss_tensor, success, grad_norm, advanced, extra, host_copy)
 
     def settle(self) -> SettledStep | None:
         """Read the queued steps' results (one wait for the GPU); the last one, or None if none was queued.
@@ -297,8 +307,9 @@ class Trainer:
             profiler.after_step(iteration)
             window_steps += 1
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                # The window ends when this step's results reach the host: its update may still be running (as
+                # the previous window's last update was when this window began).
                 self.settle()
-                device.synchronize()
                 elapsed = time.time() - window_start
                 tokens_per_s = tokens_per_step * window_steps / elapsed
                 summary = window_summary(self.settled_in_window)
@@ -315,7 +326,7 @@ class Trainer:
                                                                     dist.get_world_size())
                     record["mem GB"] = device.max_memory_allocated() / 1e9
                 if self.timers is not None:
-                    record.update(breakdown(self.timers, window_steps))
+                    record.update(breakdown(self.timers, self.host_group))
                 self.logger.log(iteration, record)
                 window_start, window_steps, self.settled_in_window = time.time(), 0, []
             self._collect_garbage(iteration)

@@ -5,6 +5,11 @@ and the gradient norm after each step therefore lets the GPU run dry at the end 
 then queues the next step's first kernels while the GPU idles. :meth:`~megatron_core.optimizer.
 MegatronOptimizer.step_on_device` returns those values unread; the loop queues them here and reads them
 all in one transfer when it writes a log line, saves a checkpoint or stops (:meth:`StepResults.settle`).
+
+Reading them at a log line must not drain the GPU either: the values are known before the optimizer's
+update is queued, so the loop copies them to pinned host memory right then (:class:`HostCopy`, through
+``step_on_device``'s ``outcome_known``) and the log line waits for that copy alone, while the GPU still runs
+the update and the host queues the next step.
 """
 
 from __future__ import annotations
@@ -13,7 +18,40 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["QueuedStep", "SettledStep", "StepResults", "window_summary"]
+__all__ = ["HostCopy", "QueuedStep", "SettledStep", "StepResults", "window_summary"]
+
+
+class HostCopy:
+    """Values (0-dim tensors of one device, or numbers) copied to the host in stream order, read later.
+
+    On CUDA the copy goes to pinned memory without blocking the host, followed by an event: :meth:`values`
+    waits for the kernels queued before the copy, not for those queued after it.
+    """
+
+    def __init__(self, values: list[torch.Tensor | float | None]) -> None:
+        tensors = [value for value in values if isinstance(value, torch.Tensor)]
+        if len({tensor.device for tensor in tensors}) > 1:
+            raise ValueError(f"HostCopy needs tensors of one device, got {sorted({str(t.device) for t in tensors})}")
+        self._values = values
+        self._host: torch.Tensor | None = None
+        self._event = None
+        if tensors:
+            stacked = torch.stack([tensor.detach().reshape(()).to(torch.float64) for tensor in tensors])
+            if stacked.device.type == "cuda":
+                self._host = torch.empty(stacked.shape, dtype=torch.float64, pin_memory=True)
+                self._host.copy_(stacked, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self._host = stacked.cpu()
+
+    def values(self) -> list[float | None]:
+        """The values as floats (None stays None), in the order given (waits for the copy)."""
+        if self._event is not None:
+            self._event.synchronize()
+        read = iter(self._host.tolist() if self._host is not None else [])
+        return [next(read) if isinstance(value, torch.Tensor) else None if value is None else float(value)
+                for value in self._values]
 
 
 @dataclass
@@ -26,6 +64,9 @@ class QueuedStep:
     grad_norm: torch.Tensor | float | None
     scheduler_advanced: bool  # the loop advanced the learning-rate schedule before the outcome was known
     extra: dict[str, torch.Tensor | float] = field(default_factory=dict)  # logged with the step (MoE metrics)
+    # [loss, update_successful, grad_norm, *extra.values()] already on their way to the host, when the loop could
+    # start the copy before the optimizer's update was queued (None: read the tensors above at settle time).
+    host_copy: HostCopy | None = None
 
 
 @dataclass
@@ -51,14 +92,21 @@ class StepResults:
         self._queued.append(step)
 
     def settle(self) -> list[SettledStep]:
-        """Every queued step read on the host with one device-to-host transfer, oldest first; the queue empties."""
+        """Every queued step read on the host, oldest first; the queue empties.
+
+        Steps with a :class:`HostCopy` wait for it alone; the others are read with one device-to-host transfer.
+        """
         queued, self._queued = self._queued, []
         fields = [[step.loss, step.update_successful, step.grad_norm, *step.extra.values()] for step in queued]
-        tensors = [value for values in fields for value in values if isinstance(value, torch.Tensor)]
+        tensors = [value for step, values in zip(queued, fields) if step.host_copy is None
+                   for value in values if isinstance(value, torch.Tensor)]
         read = iter(_read(tensors))
         settled = []
         for step, values in zip(queued, fields):
-            loss, success, norm, *extra = (next(read) if isinstance(v, torch.Tensor) else v for v in values)
+            if step.host_copy is not None:
+                loss, success, norm, *extra = step.host_copy.values()
+            else:
+                loss, success, norm, *extra = (next(read) if isinstance(v, torch.Tensor) else v for v in values)
             settled.append(SettledStep(step.iteration, float(loss), bool(success),
                                        None if norm is None else float(norm), step.scheduler_advanced,
                                        {name: float(value) for name, value in zip(step.extra, extra)}))

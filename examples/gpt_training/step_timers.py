@@ -5,8 +5,8 @@ returns an object with ``start()``/``stop()``), so the library's schedules fill 
 ``config.timers``: ``forward-backward`` (the whole schedule), ``forward-compute`` and
 ``backward-compute`` (each micro-batch's forward and backward). The training loop adds
 ``grads-sync`` (``finalize_model_grads``: the gradient reduction left after backward) and
-``optimizer``. Each span is a pair of events on the current stream, read once per log interval,
-so the timers never stall the GPU; on CPU they read the wall clock.
+``optimizer``. Each span is a pair of events on the current stream, read once per log interval for the
+steps whose kernels have finished, so the timers never stall the GPU; on CPU they read the wall clock.
 
 Derived per rank, then averaged over ranks (:func:`breakdown`):
 
@@ -52,24 +52,30 @@ class _SpanTimer:
             self.spans.append((self._start, self._mark()))
             self._start = None
 
-    def total_ms(self) -> float:
-        """Milliseconds summed over the closed spans (the device must be synchronised first); clears them."""
+    def take_ms(self, count: int) -> float:
+        """Milliseconds summed over the oldest ``count`` closed spans (their events must have completed);
+        removes them."""
+        taken, self.spans = self.spans[:count], self.spans[count:]
         if self.cuda:
-            total = sum(a.elapsed_time(b) for a, b in self.spans)
-        else:
-            total = 1000.0 * sum(b - a for a, b in self.spans)
-        self.spans.clear()
-        return total
+            return sum(a.elapsed_time(b) for a, b in taken)
+        return 1000.0 * sum(b - a for a, b in taken)
 
 
 class StepTimers:
-    """Named span timers with the ``timers(name, log_level=...)`` call shape of Megatron's ``Timers``."""
+    """Named span timers with the ``timers(name, log_level=...)`` call shape of Megatron's ``Timers``.
+
+    The loop calls :meth:`end_step` after each training step; :meth:`take_finished_steps` then reads the spans
+    of the steps whose kernels have all run, without waiting for the ones still queued.
+    """
 
     NAMES = ("forward-backward", "forward-compute", "backward-compute", "grads-sync", "optimizer")
 
     def __init__(self) -> None:
         self.cuda = device.get_current_device().type == "cuda"
         self._timers: dict[str, _SpanTimer] = {}
+        # Per step not yet read: how many spans of each name had closed when it ended, and a marker event queued
+        # after its last kernel (None on CPU, where every span is complete when it closes).
+        self._steps: list[tuple[dict[str, int], object | None]] = []
 
     def __call__(self, name: str, log_level: int = 0) -> _SpanTimer:
         """The timer called ``name`` (created on first use; every level is recorded)."""
@@ -77,14 +83,37 @@ class StepTimers:
             self._timers[name] = _SpanTimer(self.cuda)
         return self._timers[name]
 
-    def totals_ms(self) -> dict[str, float]:
-        """Milliseconds per name since the last call (synchronises the device once); clears the spans."""
-        device.synchronize()
-        return {name: self(name).total_ms() for name in self.NAMES}
+    def end_step(self) -> None:
+        """Close a training step: the spans recorded since the previous call belong to it."""
+        marker = None
+        if self.cuda:
+            marker = torch.cuda.Event()
+            marker.record()
+        self._steps.append(({name: len(timer.spans) for name, timer in self._timers.items()}, marker))
+
+    def take_finished_steps(self) -> tuple[dict[str, float], int]:
+        """``(milliseconds per name, steps)`` over the oldest closed steps whose kernels have all run.
+
+        Does not wait, unless no step has finished yet: then it waits for the oldest one.
+        """
+        finished = next((i + 1 for i in range(len(self._steps) - 1, -1, -1)
+                         if self._steps[i][1] is None or self._steps[i][1].query()), 0)
+        if finished == 0 and self._steps:
+            self._steps[0][1].synchronize()
+            finished = 1
+        if finished == 0:
+            return {name: 0.0 for name in self.NAMES}, 0
+        counts = self._steps[finished - 1][0]
+        totals = {name: self(name).take_ms(counts.get(name, 0)) for name in self.NAMES}
+        self._steps = [({name: n - counts.get(name, 0) for name, n in later.items()}, marker)
+                       for later, marker in self._steps[finished:]]
+        return totals, finished
 
     def discard(self) -> None:
-        """Drop every recorded span (e.g. after an evaluation)."""
-        self.totals_ms()
+        """Drop the spans recorded since the last :meth:`end_step` (e.g. an evaluation's); keeps the steps'."""
+        counts = self._steps[-1][0] if self._steps else {}
+        for name, timer in self._timers.items():
+            del timer.spans[counts.get(name, 0):]
 
 
 def timed(timers: StepTimers, name: str, func):
@@ -101,12 +130,15 @@ def timed(timers: StepTimers, name: str, func):
     return wrapper
 
 
-def breakdown(timers: StepTimers, steps: int) -> dict[str, float]:
-    """Per-step milliseconds of each part, averaged over all ranks, plus the bubble fraction and peak memory.
+def breakdown(timers: StepTimers, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Per-step milliseconds of each part over the finished steps not read yet, averaged over all ranks, plus
+    the bubble fraction and peak memory.
 
-    Every rank must call it at the same iteration (it all-gathers).
+    Every rank must call it at the same iteration (it all-gathers host values over ``group``, a gloo group, so
+    that the GPU's queue is not drained; None: the default group, which must then be gloo or of one rank).
     """
-    t = timers.totals_ms()
+    t, steps = timers.take_finished_steps()
+    steps = max(steps, 1)
     fwd_bwd = t["forward-backward"] / steps
     compute = (t["forward-compute"] + t["backward-compute"]) / steps
     grads = t["grads-sync"] / steps
@@ -114,15 +146,15 @@ def breakdown(timers: StepTimers, steps: int) -> dict[str, float]:
     local = torch.tensor(
         [fwd_bwd, compute, grads, t["optimizer"] / steps, bubble, bubble / fwd_bwd if fwd_bwd else 0.0,
          device.max_memory_allocated() / 1e9],
-        dtype=torch.float64, device=device.get_current_device(),
+        dtype=torch.float64,
     )
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     gathered = [torch.zeros_like(local) for _ in range(world)]
     if world > 1:
-        dist.all_gather(gathered, local)
+        dist.all_gather(gathered, local, group=group)
     else:
         gathered = [local]
-    stacked = torch.stack(gathered).cpu()
+    stacked = torch.stack(gathered)
     mean = stacked.mean(dim=0).tolist()
     return {
         "fwd-bwd ms": mean[0], "compute ms": mean[1], "grad-sync ms": mean[2], "optimizer ms": mean[3],

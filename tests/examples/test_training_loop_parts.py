@@ -224,3 +224,97 @@ def test_a_training_step_does_not_wait_for_the_gpu_cuda():
             assert torch.isfinite(torch.tensor(last.loss)), last
         finally:
             parallel_state.destroy_model_parallel()
+
+
+def test_settle_reads_host_copies_and_unread_tensors_in_step_order():
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    from gpt_training.step_results import HostCopy, QueuedStep, StepResults
+
+    results = StepResults()
+    copied = [torch.tensor(2.5), torch.tensor(True), torch.tensor(0.75), torch.tensor(0.125)]
+    results.add(QueuedStep(1, torch.tensor(3.0), torch.tensor(False), torch.tensor(float("nan")), True,
+                           {"aux": torch.tensor(0.5)}))
+    results.add(QueuedStep(2, torch.tensor(-1.0), torch.tensor(False), None, True, {"aux": 9.0},
+                           host_copy=HostCopy(copied)))  # the copy, not the fields, is what is read
+    results.add(QueuedStep(3, 4.0, True, 1.5, False, {"aux": 0.25}))
+    first, second, third = results.settle()
+    assert (first.loss, first.update_successful, first.extra) == (3.0, False, {"aux": 0.5})
+    assert first.grad_norm != first.grad_norm
+    assert (second.loss, second.update_successful, second.grad_norm, second.extra) == (2.5, True, 0.75,
+                                                                                       {"aux": 0.125})
+    assert (third.loss, third.update_successful, third.grad_norm, third.scheduler_advanced) == (4.0, True, 1.5,
+                                                                                                False)
+    assert results.settle() == []
+    assert HostCopy([torch.tensor(1.0), None, 2]).values() == [1.0, None, 2.0]
+    with pytest.raises(ValueError, match="one device"):
+        HostCopy([torch.tensor(1.0), torch.tensor(1.0, device="meta")])
+
+
+def test_step_timers_read_whole_finished_steps_and_drop_what_followed_the_last():
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    from gpt_training.step_timers import StepTimers, breakdown
+
+    timers = StepTimers()
+    assert timers.take_finished_steps() == ({name: 0.0 for name in StepTimers.NAMES}, 0)
+    for _ in range(2):
+        for name in ("forward-backward", "forward-compute", "forward-compute", "optimizer"):
+            timers(name).start()
+            timers(name).stop()
+        timers.end_step()
+    timers("forward-compute").start()  # an evaluation's span after the last step: not a training step's
+    timers("forward-compute").stop()
+    timers.discard()
+    assert len(timers("forward-compute").spans) == 4
+    totals, steps = timers.take_finished_steps()
+    assert steps == 2 and set(totals) == set(StepTimers.NAMES) and all(v >= 0 for v in totals.values())
+    assert all(not timers(name).spans for name in StepTimers.NAMES)
+    timers("optimizer").start()
+    timers("optimizer").stop()
+    timers.end_step()
+    record = breakdown(timers)
+    assert record["optimizer ms"] >= 0 and record["fwd-bwd ms"] == 0.0 and not timers("optimizer").spans
+
+
+@pytest.mark.gpu
+def test_a_log_line_does_not_wait_for_the_optimizer_update_cuda():
+    # The step's results are copied to the host before its update is queued: with the update held up on the GPU
+    # (a sleep queued in front of it), settling the step returns while the update has not run.
+    loop = _loop()
+    import pretrain_gpt
+
+    from gpt_training.arguments import build_parser, validate_args
+    from gpt_training.logger import TrainingLogger
+    from megatron_core import parallel_state
+
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--train-iters", "4", "--log-interval", "4", "--eval-interval", "0",
+             "--no-progress", "--bf16", "--use-distributed-optimizer", "--check-for-nan-in-loss-and-grad"]
+    with _one_rank_nccl_group():
+        args = validate_args(build_parser().parse_args(flags), 1)
+        run = pretrain_gpt.setup(args)
+        try:
+            trainer = loop.Trainer(args, run.config, run.model, run.optimizer, run.scheduler,
+                                   run.train_data_iterator, None, TrainingLogger(args, 0), None)
+            trainer.results.add(trainer.train_step(1))
+            trainer.settle()
+            inner = run.optimizer.step_with_ready_grads
+
+            def slow_update():
+                torch.cuda._sleep(1_000_000_000)  # ~0.5 s at 2 GHz
+                return inner()
+
+            run.optimizer.step_with_ready_grads = slow_update
+            step = trainer.train_step(2)
+            updated = torch.cuda.Event()
+            updated.record()
+            assert step.host_copy is not None
+            trainer.results.add(step)
+            last = trainer.settle()
+            assert not updated.query(), "settling waited for the optimizer's update"
+            assert last.iteration == 2 and last.update_successful and last.grad_norm > 0, last
+            torch.cuda.synchronize()
+        finally:
+            parallel_state.destroy_model_parallel()

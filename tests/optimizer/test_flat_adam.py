@@ -209,6 +209,36 @@ def test_non_finite_gradient_or_loss_skips_the_flat_step_and_its_count(poison, o
         assert r["steps"] == [2] and r["after"] == [3] and r["loss"] == r["loss"]
 
 
+def _outcome_announced_before_update() -> dict:
+    parallel_state.initialize_model_parallel()
+    try:
+        model, ddp, opt = _setup(True, {})
+        _step(ddp, opt, 0)
+        _backward_only(ddp, opt, 1)
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        announced = []
+
+        def outcome_known(success, grad_norm):
+            unchanged = all(torch.equal(v, before[k]) for k, v in model.named_parameters())
+            announced.append((success, grad_norm, unchanged, float(grad_norm)))
+
+        success, grad_norm, _ = opt.step_on_device(outcome_known=outcome_known)
+        (seen_success, seen_norm, unchanged_then, norm_then), = announced
+        return {"same_objects": seen_success is success and seen_norm is grad_norm,
+                "unchanged_then": unchanged_then, "norm_then": norm_then, "norm": float(grad_norm),
+                "success": bool(success),
+                "changed_after": any(not torch.equal(v, before[k]) for k, v in model.named_parameters())}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_step_on_device_announces_its_outcome_before_queuing_the_update():
+    # The loop copies the announced values to the host there, so that a log line does not wait for the update.
+    for r in run_on_ranks(2, _outcome_announced_before_update):
+        assert r["same_objects"] and r["unchanged_then"] and r["changed_after"] and r["success"], r
+        assert r["norm_then"] == r["norm"] > 0
+
+
 def _reference(main, grad, m, v, table, ids, beta1, beta2, eps, grad_scale):
     g = grad.float() / grad_scale
     p = main.float()

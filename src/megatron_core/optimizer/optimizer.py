@@ -64,6 +64,10 @@ def _zero_grad_group(group: list[torch.Tensor], set_to_none: bool) -> None:
             param.grad.detach_().zero_()
 
 
+OutcomeCallback = Callable[[torch.Tensor, torch.Tensor], None]
+"""``step_on_device``'s ``outcome_known(update_successful, grad_norm)``: called before the update is queued."""
+
+
 class MegatronOptimizer(ABC):
     """Base of every optimizer wrapper; holds the torch optimizer and the groups for grad statistics."""
 
@@ -235,7 +239,8 @@ class MegatronOptimizer(ABC):
         return bool(success), grad_norm, num_zeros
 
     @torch.no_grad()
-    def step_on_device(self, skip_unless_finite: torch.Tensor | None = None
+    def step_on_device(self, skip_unless_finite: torch.Tensor | None = None,
+                       outcome_known: OutcomeCallback | None = None,
                        ) -> tuple[bool | torch.Tensor, float | torch.Tensor | None, float | None]:
         """:meth:`step` without reading the device (an extension; Megatron has no such method).
 
@@ -244,13 +249,18 @@ class MegatronOptimizer(ABC):
         back as 0-dim device tensors that nobody has read, so the host goes straight on to the next step
         while the GPU runs the update; read them when convenient (a log interval). Elsewhere the values are
         the host values :meth:`step` returns: a grad scaler or unfolded clipping has already read the device.
+
+        ``outcome_known(update_successful, grad_norm)``, if given, is called with those same objects once
+        they are queued and before the update is: work the caller queues there (a copy of the values to the
+        host) does not wait for the update's kernels. It is not called on the paths that return host values;
+        if the inner step then fails on the host, the returned ``update_successful`` is another tensor (False).
         """
         with self._timer("optimizer-copy-to-main-grad"):
             found_inf = self.prepare_grads()
         if found_inf:
             return False, None, None
         if self._fold_clipping_into_adam():
-            return self._step_with_clipping_in_adam(skip_unless_finite)
+            return self._step_with_clipping_in_adam(skip_unless_finite, outcome_known)
         grad_norm = 0.0
         if self.config.clip_grad > 0.0:
             with self._timer("optimizer-clip-main-grad"):
@@ -278,7 +288,8 @@ class MegatronOptimizer(ABC):
         """Whether the inner step divides by ``grad_scale`` and skips on ``found_inf`` (torch's fused Adam does)."""
         return supports_fused_clipping(self.optimizer)
 
-    def _step_with_clipping_in_adam(self, skip_unless_finite: torch.Tensor | None = None
+    def _step_with_clipping_in_adam(self, skip_unless_finite: torch.Tensor | None = None,
+                                    outcome_known: OutcomeCallback | None = None,
                                     ) -> tuple[torch.Tensor, torch.Tensor, None]:
         """Queue the clipped update; ``(update_successful, grad_norm)`` as unread 0-dim device tensors."""
         with self._timer("optimizer-clip-main-grad"):
@@ -287,13 +298,17 @@ class MegatronOptimizer(ABC):
         check = norm  # non-finite when the norm or the caller's value is (x * 0 is nan for an inf or nan x)
         if skip_unless_finite is not None:
             check = norm + skip_unless_finite.detach().to(device=norm.device, dtype=norm.dtype).sum() * 0
+        # A non-finite check makes the kernel skip the update (weights, state and step counts untouched), as the
+        # unfused path does.
+        success = torch.isfinite(check)
+        if outcome_known is not None:
+            outcome_known(success, norm)
         with self._timer("optimizer-inner-step"):
             results: list[bool] = []
             fused_adam_step_with_clipping(self.optimizer, norm, self.config.clip_grad,
                                           lambda: results.append(self.step_with_ready_grads()), check)
-        # A non-finite check made the kernel skip the update (weights, state and step counts untouched), as the
-        # unfused path does.
-        success = torch.isfinite(check) if results[0] else torch.zeros((), dtype=torch.bool, device=norm.device)
+        if not results[0]:  # an inner step that failed on the host: a new tensor, not the one announced
+            success = torch.zeros((), dtype=torch.bool, device=norm.device)
         return success, norm, None
 
 
