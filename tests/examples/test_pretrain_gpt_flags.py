@@ -66,3 +66,21 @@ def test_gradient_accumulation_fusion_default_follows_the_device(monkeypatch, cu
     monkeypatch.setattr(arguments, "cuda_available", lambda: cuda)
     args = arguments.validate_args(arguments.build_parser().parse_args([*TINY, "--train-iters", "1", *extra]), 1)
     assert args.gradient_accumulation_fusion is expected
+
+
+def _train_records(log: Path) -> list[dict]:
+    return [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "train"]
+
+
+def test_step_time_breakdown_reports_every_part_and_leaves_the_losses_alone(tmp_path: Path) -> None:
+    # The distributed optimizer's flat step hands the loop its outcome before the update (a host copy per step);
+    # the breakdown reads finished steps only and drops the evaluation's spans.
+    common = ["--train-iters", "6", "--log-interval", "3", "--eval-interval", "3", "--eval-iters", "1",
+              "--use-distributed-optimizer"]
+    _run(tmp_path, *common, "--step-time-breakdown", "--log-json", str(tmp_path / "timed.jsonl"))
+    _run(tmp_path, *common, "--log-json", str(tmp_path / "plain.jsonl"))
+    timed, plain = _train_records(tmp_path / "timed.jsonl"), _train_records(tmp_path / "plain.jsonl")
+    assert [r["iteration"] for r in timed] == [3, 6]
+    for record in timed:
+        assert record["fwd-bwd ms"] > 0 and record["optimizer ms"] > 0 and record["compute ms"] > 0, record
+    assert [(r["lm loss"], r["grad norm"]) for r in timed] == [(r["lm loss"], r["grad norm"]) for r in plain]

@@ -318,3 +318,43 @@ def test_a_log_line_does_not_wait_for_the_optimizer_update_cuda():
             torch.cuda.synchronize()
         finally:
             parallel_state.destroy_model_parallel()
+
+
+def test_a_step_hands_its_results_to_a_host_copy_before_the_update(monkeypatch):
+    # CPU, one gloo rank, the flat distributed step forced on: the loop's copy is made when the optimizer announces
+    # the outcome, and settling reads the same values as the returned tensors.
+    import torch.distributed as dist
+
+    loop = _loop()
+    import pretrain_gpt
+
+    from gpt_training.arguments import build_parser, validate_args
+    from gpt_training.logger import TrainingLogger
+    from megatron_core import parallel_state
+    from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if dist.is_initialized():
+        pytest.skip("needs a fresh one-process group")
+    monkeypatch.setattr(DistributedOptimizer, "flat_shard_step", True)
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--train-iters", "3", "--log-interval", "3", "--eval-interval", "0",
+             "--no-progress", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
+             "--check-for-nan-in-loss-and-grad"]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        args = validate_args(build_parser().parse_args(flags), 1)
+        run = pretrain_gpt.setup(args)
+        trainer = loop.Trainer(args, run.config, run.model, run.optimizer, run.scheduler,
+                               run.train_data_iterator, None, TrainingLogger(args, 0), None)
+        steps = [trainer.train_step(iteration) for iteration in (1, 2)]
+        assert all(step.host_copy is not None for step in steps)
+        expected = [(float(s.loss), bool(s.update_successful), float(s.grad_norm)) for s in steps]
+        for step in steps:
+            trainer.results.add(step)
+        trainer.settle()
+        settled = [(s.loss, s.update_successful, s.grad_norm) for s in trainer.settled_in_window]
+        assert settled == expected and all(ok for _, ok, _ in settled)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
