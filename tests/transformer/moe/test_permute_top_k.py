@@ -47,3 +47,18 @@ def test_token_rows_list_each_tokens_rows_in_expert_order():
     assert sorted_indices.tolist() == [0, 2, 1, 2, 0, 1]
     assert token_rows.tolist() == [[0, 4], [2, 5], [1, 3]]
     assert rows.view(-1).tolist() == [0.0, 2.0, 1.0, 2.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("keep", ["all", "fewer"])
+def test_counted_rows_equal_the_nonzero_order_for_any_routing(keep):
+    # Any number of experts per token (0 to all): with the row count given, rows come from counting; without it,
+    # from nonzero() (a device-to-host sync). Both give expert-major rows, each expert's tokens in token order.
+    gen = torch.Generator().manual_seed(3)
+    routing_map = torch.rand(41, 6, generator=gen) < 0.35
+    tokens = torch.randn(41, 4, generator=gen)
+    probs = torch.rand(41, 6, generator=gen) * routing_map
+    want_rows, want_probs, want_indices = permute(tokens, routing_map, probs=probs)
+    count = want_indices.numel() if keep == "all" else want_indices.numel() - 5
+    rows, row_probs, sorted_indices = permute(tokens, routing_map, probs=probs, num_out_tokens=count)
+    assert torch.equal(sorted_indices, want_indices[:count])
+    assert torch.equal(rows, want_rows[:count]) and torch.equal(row_probs, want_probs[:count])

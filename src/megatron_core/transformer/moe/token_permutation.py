@@ -45,14 +45,42 @@ def _sorted_rows(routing_map: torch.Tensor, num_out_tokens: int | None, drop_and
         sorted_indices = rows.reshape(-1)
         flat = (torch.arange(num_experts, device=rows.device).unsqueeze(-1) * num_tokens + rows).reshape(-1)
     elif num_out_tokens is not None:
-        # A stable sort of the flattened [E, T] map puts every routed pair first, in (expert, token)
-        # order, with no device-to-host sync (the count is known).
-        flat = map_t.reshape(-1).to(torch.int8).argsort(descending=True, stable=True)[:num_out_tokens]
-        sorted_indices = flat % num_tokens
+        flat, sorted_indices, _ = _counted_rows(routing_map, num_out_tokens)
     else:
         flat = map_t.reshape(-1).nonzero(as_tuple=False).squeeze(-1)
         sorted_indices = flat % num_tokens
     return flat, sorted_indices
+
+
+def _counted_rows(routing_map: torch.Tensor, num_out_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_sorted_rows` for a known row count, by counting instead of sorting (no device-to-host sync).
+
+    The routed pair ``(t, e)`` lands on row ``start[e] + (routed tokens of e before t)``: expert-major rows,
+    each expert's tokens in token order, the first ``num_out_tokens`` of them kept. Each kept row's entries are
+    written once (scatters to distinct rows); pairs past the end and unrouted pairs go to a spare last slot.
+    Returns ``(flat, sorted_indices, rows)`` with ``rows [T, E]`` each pair's row (``num_out_tokens`` where
+    the pair has none).
+    """
+    num_tokens, num_experts = routing_map.shape
+    routed = routing_map.bool()
+    hits = routed.to(torch.int64)
+    counts = hits.sum(dim=0)
+    starts = counts.cumsum(dim=0) - counts
+    rows = starts + hits.cumsum(dim=0) - hits  # [T, E]
+    rows = torch.where(routed & (rows < num_out_tokens), rows, num_out_tokens)
+    token = torch.arange(num_tokens, device=routing_map.device).unsqueeze(-1)
+    expert = torch.arange(num_experts, device=routing_map.device)
+    flat = torch.empty(num_out_tokens + 1, dtype=torch.int64, device=routing_map.device)
+    flat = flat.scatter(0, rows.reshape(-1), (expert * num_tokens + token).reshape(-1))[:num_out_tokens]
+    return flat, flat % num_tokens, rows
+
+
+def _rows_by_token(rows: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """``[T, k]``: each token's rows in expert order, from :func:`_counted_rows`' ``rows`` (k routed pairs each)."""
+    routed = routing_map.bool()
+    slot = torch.where(routed, routed.to(torch.int64).cumsum(dim=1) - 1, topk)  # unrouted pairs: a spare column
+    by_token = torch.empty(rows.shape[0], topk + 1, dtype=torch.int64, device=rows.device)
+    return by_token.scatter(1, slot, rows)[:, :topk]
 
 
 class _GatherRows(torch.autograd.Function):
@@ -96,9 +124,8 @@ def permute_top_k(tokens: torch.Tensor, routing_map: torch.Tensor, topk: int, pr
     the caller guarantees the row counts (no device-to-host check).
     """
     num_tokens = tokens.shape[0]
-    flat, sorted_indices = _sorted_rows(routing_map, num_tokens * topk, drop_and_pad=False)
-    # Rows grouped by token (each token's rows in expert order): the inverse of the sort above.
-    token_rows = torch.argsort(sorted_indices, stable=True).view(num_tokens, topk)
+    flat, sorted_indices, rows = _counted_rows(routing_map, num_tokens * topk)
+    token_rows = _rows_by_token(rows, routing_map, topk)  # the inverse of the row order: rows grouped by token
     permuted_probs = probs.T.contiguous().reshape(-1).index_select(0, flat) if probs is not None else None
     return _GatherRows.apply(tokens, sorted_indices, token_rows), permuted_probs, sorted_indices, token_rows
 
