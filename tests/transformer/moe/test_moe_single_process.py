@@ -163,11 +163,30 @@ def test_bad_moe_config_is_rejected(overrides: dict, message: str):
         _cfg(**overrides)
 
 
-def test_grouped_kernel_path_pads_expert_rows_and_matches_sequential(monkeypatch):
-    """The grouped-GEMM branch (emulated on CPU by a kernel that insists on aligned groups) equals SequentialMLP."""
-    from megatron_core.transformer.moe import grouped_linear
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_grouped_kernel_path_pads_expert_rows_and_matches_sequential(monkeypatch, dispatcher):
+    """The grouped-GEMM branch (emulated on CPU by a kernel that insists on aligned groups) equals SequentialMLP.
 
-    calls = []
+    The dispatcher permutes the tokens straight into the experts' aligned layout (zero padding rows).
+    """
+    from megatron_core.transformer.moe import grouped_linear
+    from megatron_core.transformer.moe.experts import TEGroupedMLP
+    from megatron_core.transformer.moe.token_permutation import AlignedRows
+
+    calls, layouts = [], []
+    forward = TEGroupedMLP.forward
+
+    def spy(self, x, tokens_per_expert, probs):
+        layouts.append(type(tokens_per_expert))
+        if isinstance(tokens_per_expert, AlignedRows):  # the padding rows: zero inputs with zero probs
+            ends = tokens_per_expert.ends.tolist()
+            counts = torch.bincount(self_counts.pop(0), minlength=len(ends))
+            for start, end, count in zip([0] + ends[:-1], ends, counts.tolist()):
+                assert not x[start + count:end].any() and not probs[start + count:end].any()
+        return forward(self, x, tokens_per_expert, probs)
+
+    self_counts: list[torch.Tensor] = []
+    monkeypatch.setattr(TEGroupedMLP, "forward", spy)
 
     def fake_grouped_mm(a, b, offs):
         ends = offs.tolist()
@@ -180,9 +199,12 @@ def test_grouped_kernel_path_pads_expert_rows_and_matches_sequential(monkeypatch
     monkeypatch.setattr(grouped_linear, "_GROUPED_MM", fake_grouped_mm)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     torch.manual_seed(0)
-    cfg = _cfg(num_moe_experts=4, moe_router_topk=2)
+    cfg = _cfg(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type=dispatcher)
     seq = GPTModel(cfg, get_gpt_layer_local_spec(4), 32, 16)
     grouped = GPTModel(cfg, get_gpt_layer_local_spec(4, moe_grouped_gemm=True), 32, 16)
+    for layer in grouped.decoder.layers:  # each layer's routed expert of every (token, slot), for the spy
+        layer.mlp.router.register_forward_hook(
+            lambda module, args, out: self_counts.append(out[1].nonzero()[:, 1]))
     state = {}
     for key, value in seq.state_dict().items():
         if ".local_experts." in key and key.endswith(".weight"):
@@ -199,7 +221,15 @@ def test_grouped_kernel_path_pads_expert_rows_and_matches_sequential(monkeypatch
     want.sum().backward()
     got.sum().backward()
     assert calls  # the kernel branch ran
-    for e in range(4):
-        torch.testing.assert_close(grouped.decoder.layers[0].mlp.experts.linear_fc1.weight.grad[e],
-                                   seq.decoder.layers[0].mlp.experts.local_experts[e].linear_fc1.weight.grad,
-                                   rtol=1e-5, atol=1e-6)
+    assert layouts == [AlignedRows, AlignedRows]  # both layers got rows the dispatcher laid out
+    for index in range(2):
+        for e in range(4):
+            for fc in ("linear_fc1", "linear_fc2"):
+                torch.testing.assert_close(
+                    getattr(grouped.decoder.layers[index].mlp.experts, fc).weight.grad[e],
+                    getattr(seq.decoder.layers[index].mlp.experts.local_experts[e], fc).weight.grad,
+                    rtol=1e-5, atol=1e-6)
+    grouped_grads = {k: v.grad for k, v in grouped.named_parameters() if ".experts." not in k}
+    for name, param in seq.named_parameters():
+        if ".experts." not in name:
+            torch.testing.assert_close(grouped_grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -62,3 +62,40 @@ def test_counted_rows_equal_the_nonzero_order_for_any_routing(keep):
     rows, row_probs, sorted_indices = permute(tokens, routing_map, probs=probs, num_out_tokens=count)
     assert torch.equal(sorted_indices, want_indices[:count])
     assert torch.equal(rows, want_rows[:count]) and torch.equal(row_probs, want_probs[:count])
+
+
+@pytest.mark.parametrize("alignment", [1, 4, 16])
+def test_aligned_permutation_places_the_same_rows_at_aligned_group_starts(alignment):
+    from megatron_core.transformer.moe.token_permutation import permute_top_k_aligned
+
+    num_tokens, num_experts, hidden, topk = 29, 5, 3, 2
+    routing_map, probs = _routing(num_tokens, num_experts, topk, seed=11)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    counts = routing_map.sum(dim=0)
+    results = []
+    for aligned in (False, True):
+        tokens = x.clone().requires_grad_(True)
+        p = probs.clone().requires_grad_(True)
+        if aligned:
+            rows, row_probs, sorted_indices, token_rows, layout = permute_top_k_aligned(
+                tokens, routing_map, topk, alignment, probs=p)
+            ends = layout.ends.tolist()
+            starts = [0] + ends[:-1]
+            assert all(s % alignment == 0 for s in starts) and ends[-1] == layout.total_rows == rows.shape[0]
+            assert layout.counts.tolist() == [e - s for s, e in zip(starts, ends)]
+            keep = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts.tolist())])
+            padding = torch.ones(rows.shape[0], dtype=torch.bool).index_fill_(0, keep, False)
+            assert not rows[padding].any() and not row_probs[padding].any()
+            assert (sorted_indices[padding] == num_tokens).all()
+        else:
+            rows, row_probs, sorted_indices, token_rows = permute_top_k(tokens, routing_map, topk, probs=p)
+            keep = torch.arange(rows.shape[0])
+        weight = torch.randn(num_tokens * topk, hidden, generator=torch.Generator().manual_seed(2))
+        scaled = torch.zeros_like(rows).index_copy(0, keep, weight) if aligned else weight
+        out = unpermute_top_k(rows * scaled * row_probs.unsqueeze(-1), sorted_indices, token_rows)
+        out.pow(2).sum().backward()
+        results.append((rows.detach()[keep], row_probs.detach()[keep], sorted_indices[keep], out.detach(),
+                        tokens.grad, p.grad))
+    for name, a, b in zip(("rows", "probs", "sorted_indices", "output", "grad tokens", "grad probs"), *results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)

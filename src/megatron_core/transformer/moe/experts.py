@@ -26,6 +26,7 @@ from megatron_core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.grouped_linear import (
+    GROUPED_MM_ROW_ALIGN,
     align_expert_rows,
     equal_groups,
     group_counts_tensor,
@@ -34,6 +35,7 @@ from megatron_core.transformer.moe.grouped_linear import (
     use_grouped_mm,
 )
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron_core.transformer.moe.token_permutation import AlignedRows
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.utils import get_pg_rank, get_pg_size
@@ -126,6 +128,14 @@ class TEGroupedMLP(MegatronModule):
             is_expert=True, tp_comm_buffer_name="fc2", tp_group=pgs.expt_tp,
         )
 
+    def input_row_alignment(self, tokens: torch.Tensor) -> int | None:
+        """The alignment of group starts the grouped GEMM wants for ``tokens``' rows (None: any layout).
+
+        A dispatcher that permutes tokens for these experts may lay them out so (see
+        ``token_permutation.permute_top_k_aligned``) and pass the ``AlignedRows`` as ``tokens_per_expert``.
+        """
+        return GROUPED_MM_ROW_ALIGN if use_grouped_mm(tokens, self.linear_fc1.weight) else None
+
     def _fused_weighted_swiglu(self, intermediate: torch.Tensor) -> bool:
         return (self.config.gated_linear_unit and self.activation_func is F.silu and intermediate.dim() == 2
                 and intermediate.device.type != "cpu")
@@ -141,7 +151,10 @@ class TEGroupedMLP(MegatronModule):
         """``(p * expert(x) for every row, None)``."""
         x, index = permuted_local_hidden_states, None
         on_device = isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device == x.device
-        if use_grouped_mm(x, self.linear_fc1.weight) and on_device:
+        if isinstance(tokens_per_expert, AlignedRows):
+            # The dispatcher laid the rows out already (input_row_alignment): padding rows are zero, probs 0.
+            counts = tokens_per_expert
+        elif use_grouped_mm(x, self.linear_fc1.weight) and on_device:
             # Counts still on the GPU: lay the rows out at aligned group starts without a host sync.
             counts = align_expert_rows(tokens_per_expert, x.shape[0])
             index = counts.index

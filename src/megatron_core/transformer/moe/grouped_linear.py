@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from megatron_core.device import get_current_device
 from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
+from megatron_core.transformer.moe.token_permutation import AlignedRows, aligned_group_starts
 from megatron_core.utils import get_pg_size
 
 __all__ = ["AlignedExpertRows", "ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "align_expert_rows",
@@ -70,18 +71,10 @@ def pad_expert_rows(x: torch.Tensor, tokens_per_expert: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
-class AlignedExpertRows:
-    """Where each expert's rows sit in a padded buffer whose groups start at aligned rows, all on the device.
-
-    ``index [N]``: each original row's place in the padded buffer; ``counts [E]``: the padded group sizes
-    (the last group also holds the slack up to ``total_rows``); ``ends [E]`` (int32): the groups' end
-    offsets, as the grouped-GEMM kernel takes them; ``total_rows``: the buffer's static row count.
-    """
+class AlignedExpertRows(AlignedRows):
+    """:class:`AlignedRows` plus ``index [N]``: each original row's place in the padded buffer."""
 
     index: torch.Tensor
-    counts: torch.Tensor
-    ends: torch.Tensor
-    total_rows: int
 
 
 def align_expert_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> AlignedExpertRows:
@@ -91,25 +84,19 @@ def align_expert_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> Aligned
     ``num_rows + E * (GROUPED_MM_ROW_ALIGN - 1)`` rounded up to the alignment, so shapes never depend on
     the routing; the slack (zero rows) is appended to the last group, where it adds nothing to any result.
     """
-    align = GROUPED_MM_ROW_ALIGN
     counts = tokens_per_expert.to(torch.int64)
     num_experts = counts.numel()
-    total_rows = -(-(num_rows + num_experts * (align - 1)) // align) * align
-    padded = (counts + align - 1) // align * align
-    padded_starts = torch.cumsum(padded, 0) - padded
-    ends = torch.cumsum(padded, 0)
-    ends = torch.cat([ends[:-1], ends.new_full((1,), total_rows)])
-    group_sizes = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    padded_starts, layout = aligned_group_starts(counts, num_rows, GROUPED_MM_ROW_ALIGN)
     expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=counts.device), counts,
                                             output_size=num_rows)
     starts = torch.cumsum(counts, 0) - counts
     index = torch.arange(num_rows, device=counts.device) - starts[expert_of_row] + padded_starts[expert_of_row]
-    return AlignedExpertRows(index, group_sizes, ends.to(torch.int32), total_rows)
+    return AlignedExpertRows(layout.counts, layout.ends, layout.total_rows, index)
 
 
-def equal_groups(tokens_per_expert: list[int] | AlignedExpertRows) -> bool:
+def equal_groups(tokens_per_expert: list[int] | AlignedRows) -> bool:
     """Whether the groups are host-known and all of one non-zero size (each expert padded to its capacity)."""
-    if isinstance(tokens_per_expert, AlignedExpertRows) or not tokens_per_expert:
+    if isinstance(tokens_per_expert, AlignedRows) or not tokens_per_expert:
         return False
     return tokens_per_expert[0] > 0 and all(c == tokens_per_expert[0] for c in tokens_per_expert)
 
@@ -134,9 +121,9 @@ class _BatchedExpertLinear(torch.autograd.Function):
         return grad_x, grad_weight
 
 
-def group_counts_tensor(tokens_per_expert: list[int] | AlignedExpertRows, device: torch.device) -> torch.Tensor:
+def group_counts_tensor(tokens_per_expert: list[int] | AlignedRows, device: torch.device) -> torch.Tensor:
     """The group sizes as a tensor on ``device`` (for ``repeat_interleave`` of per-expert biases)."""
-    if isinstance(tokens_per_expert, AlignedExpertRows):
+    if isinstance(tokens_per_expert, AlignedRows):
         return tokens_per_expert.counts
     return torch.tensor(tokens_per_expert, device=device)
 
@@ -181,17 +168,17 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int] | AlignedExpertRows
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int] | AlignedRows
                  ) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` for the row blocks ``x_e`` of sizes ``tokens_per_expert``.
 
-    With :class:`AlignedExpertRows` (``x`` already laid out by it), the group offsets stay on the device.
+    With :class:`AlignedRows` (``x`` already laid out by it), the group offsets stay on the device.
     """
     if equal_groups(tokens_per_expert) and x.shape[0] == tokens_per_expert[0] * weight.shape[0]:
         rows = tokens_per_expert[0]
         out = _BatchedExpertLinear.apply(x.reshape(weight.shape[0], rows, x.shape[1]), weight)
         return out.view(x.shape[0], weight.shape[1])
-    if isinstance(tokens_per_expert, AlignedExpertRows):
+    if isinstance(tokens_per_expert, AlignedRows):
         if _use_grouped_mm(x, weight):
             return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=tokens_per_expert.ends))
         tokens_per_expert = tokens_per_expert.counts.tolist()
@@ -249,7 +236,7 @@ class _GroupedLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedExpertRows
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(output [N, out_local], bias [E, out_local] when skip_bias_add else None)``."""
         output = grouped_gemm(x, self.weight, tokens_per_expert)

@@ -92,6 +92,7 @@ class MoELayer(BaseMoELayer):
         self.token_dispatcher = _DISPATCHERS[config.moe_token_dispatcher_type](
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pgs)
         self.experts = build_module(submodules.experts, self.num_local_experts, config, pg_collection=pgs)
+        self.token_dispatcher.expert_row_alignment = getattr(self.experts, "input_row_alignment", None)
         if self.use_shared_expert:
             if submodules.shared_experts is None:
                 raise ValueError("moe_shared_expert_intermediate_size is set but the spec has no shared_experts")

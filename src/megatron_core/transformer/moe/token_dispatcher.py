@@ -17,6 +17,7 @@ and ``combine_preprocess -> token_combine -> combine_postprocess`` as Megatron-C
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from megatron_core.transformer.moe.moe_utils import get_capacity, get_default_pg
 from megatron_core.transformer.moe.token_permutation import (
     permute,
     permute_top_k,
+    permute_top_k_aligned,
     sort_chunks_by_idxs,
     unpermute,
     unpermute_top_k,
@@ -79,6 +81,13 @@ class MoETokenDispatcher:
         self.ep_group, self.tp_group, self.tp_ep_group = pgs.ep, pgs.expt_tp, pgs.tp_ep
         self.tp_size, self.tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         self.ep_size, self.ep_rank = get_pg_size(self.ep_group), get_pg_rank(self.ep_group)
+        # The experts' wish for their input rows (an extension, set by MoELayer): given the tokens, the alignment
+        # of group starts that their grouped GEMM needs, or None. Where this rank permutes the tokens for its
+        # own experts, the rows then come laid out that way (an AlignedRows in place of tokens_per_expert).
+        self.expert_row_alignment: Callable[[torch.Tensor], int | None] | None = None
+
+    def _row_alignment(self, tokens: torch.Tensor) -> int | None:
+        return None if self.expert_row_alignment is None else self.expert_row_alignment(tokens)
 
     def set_shared_experts(self, shared_experts: Any) -> None:
         """Register the shared experts for overlap (run un-overlapped by this library)."""
@@ -123,7 +132,12 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         local_probs = probs[:, first:last]
         tokens_per_expert = self.local_map.sum(dim=0).long()
         self.token_rows = None
-        if self.counts_stay_on_device:  # every token has exactly top-k rows: gathers only
+        alignment = self._row_alignment(hidden_states) if self.counts_stay_on_device else None
+        if alignment is not None:  # top-k rows per token, written straight into the experts' layout
+            (permuted, permuted_probs, self.reversed_local_input_permutation_mapping, self.token_rows,
+             tokens_per_expert) = permute_top_k_aligned(hidden_states, self.local_map, self.router_topk, alignment,
+                                                        probs=local_probs)
+        elif self.counts_stay_on_device:  # every token has exactly top-k rows: gathers only
             permuted, permuted_probs, self.reversed_local_input_permutation_mapping, self.token_rows = permute_top_k(
                 hidden_states, self.local_map, self.router_topk, probs=local_probs)
         else:
@@ -215,7 +229,14 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.tokens_per_expert = self.preprocess(routing_map)
         self.hidden_shape_before_permute = hidden_states.shape
         self.token_rows = None
-        if not self.drop_and_pad and self.config.moe_expert_capacity_factor is None:
+        alignment = (self._row_alignment(hidden_states)
+                     if self.counts_stay_on_device and self.tp_size * self.ep_size == 1 else None)
+        if alignment is not None:
+            # This rank's own experts get every row: written straight into their layout (no exchange between).
+            (permuted, permuted_probs, self.reversed_local_input_permutation_mapping, self.token_rows,
+             self.tokens_per_expert) = permute_top_k_aligned(hidden_states, routing_map, self.config.moe_router_topk,
+                                                             alignment, probs=probs)
+        elif not self.drop_and_pad and self.config.moe_expert_capacity_factor is None:
             # Nothing is dropped, so every token has exactly top-k rows: gathers only.
             permuted, permuted_probs, self.reversed_local_input_permutation_mapping, self.token_rows = permute_top_k(
                 hidden_states, routing_map, self.config.moe_router_topk, probs=probs)
