@@ -198,8 +198,7 @@ def permute_top_k_aligned(tokens: torch.Tensor, routing_map: torch.Tensor, topk:
     are zero, their probs zero and their ``sorted_indices`` ``T``; ``R = layout.total_rows`` is static.
     :func:`unpermute_top_k` sums them back (padding rows get zero gradients).
     """
-    num_tokens, num_experts = routing_map.shape
-    flat, sorted_indices, rows, layout = _counted_rows(routing_map, num_tokens * topk, row_alignment)
+    flat, sorted_indices, rows, layout = _counted_rows(routing_map, routing_map.shape[0] * topk, row_alignment)
     token_rows = _rows_by_token(rows, routing_map, topk)
     permuted_probs = None
     if probs is not None:
