@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
@@ -86,3 +87,31 @@ def test_tracker_grows_for_a_model_with_more_layers():
     tracker.record("z_loss", torch.tensor(5.0), torch.tensor(1), 4)
     assert tracker.metrics["z_loss"].values.tolist() == [5.0, 1.0, 0.0, 3.0]
     destroy_moe_metrics_tracker()
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "sequential"])
+def test_capacity_padded_alltoall_layer_compiles_as_one_graph(grouped):
+    # Padded to capacity, every local expert holds the same number of rows: the experts take the counts from
+    # the row count instead of reading tokens_per_expert (a graph break per layer before).
+    from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=4,
+        moe_router_topk=2, add_bias_linear=False, use_cpu_initialization=True, gated_linear_unit=True,
+        activation_func=F.silu, moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    mlp = GPTModel(cfg, get_gpt_layer_local_spec(4, moe_grouped_gemm=grouped), 32, 16).decoder.layers[0].mlp
+    x = torch.randn(8, 2, cfg.hidden_size, requires_grad=True)
+    want = mlp(x)[0]
+    want.square().sum().backward()
+    want_grads = [x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+    x.grad = None
+    mlp.zero_grad()
+    torch._dynamo.reset()
+    got = torch.compile(mlp, backend="aot_eager", fullgraph=True)(x)[0]
+    got.square().sum().backward()
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip([x.grad] + [p.grad for p in mlp.parameters()], want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)

@@ -51,6 +51,20 @@ def _with_expert_dp(sharded: dict, expt_dp_rank: int) -> None:
             sharded[key] = dataclasses.replace(value, replica_id=(*replica_id[:2], expt_dp_rank))
 
 
+def _host_counts(tokens_per_expert: torch.Tensor | list[int], config: TransformerConfig, num_local_experts: int,
+                num_rows: int) -> list[int]:
+    """``tokens_per_expert`` as host ints.
+
+    With ``moe_pad_expert_input_to_capacity`` every local expert holds the same number of rows, so the counts
+    follow from the row count alone: nothing is read from a tensor (which would be a device-to-host copy, and a
+    graph break under ``torch.compile``).
+    """
+    if (config.moe_pad_expert_input_to_capacity and config.moe_expert_capacity_factor is not None
+            and num_rows % num_local_experts == 0):
+        return [num_rows // num_local_experts] * num_local_experts
+    return tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
+
+
 class SequentialMLP(MegatronModule):
     """One ``MLP`` per local expert, run one after the other."""
 
@@ -76,7 +90,8 @@ class SequentialMLP(MegatronModule):
             dtype = permuted_local_hidden_states.dtype
             permuted_local_hidden_states = (permuted_probs.unsqueeze(-1) * permuted_local_hidden_states).to(dtype)
             permuted_probs = torch.ones_like(permuted_probs)
-        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
+        counts = _host_counts(tokens_per_expert, self.config, self.num_local_experts,
+                             permuted_local_hidden_states.shape[0])
         tokens = torch.split(permuted_local_hidden_states, counts)
         probs = torch.split(permuted_probs, counts)
         outputs = [expert(x, p)[0] for expert, x, p in zip(self.local_experts, tokens, probs)]
@@ -161,8 +176,7 @@ class TEGroupedMLP(MegatronModule):
             x = x.new_zeros((counts.total_rows, x.shape[1])).index_copy(0, index, x)
             permuted_probs = permuted_probs.new_zeros(counts.total_rows).index_copy(0, index, permuted_probs)
         else:
-            counts = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
-                      else list(tokens_per_expert))
+            counts = _host_counts(tokens_per_expert, self.config, self.num_local_experts, x.shape[0])
             if use_grouped_mm(x, self.linear_fc1.weight) and not equal_groups(counts):
                 # Pad each expert's rows once for both GEMMs (the kernel needs aligned groups); pads have prob 0.
                 # Groups of one size (padded to capacity) run as one bmm instead, which needs no alignment.
