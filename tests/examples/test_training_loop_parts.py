@@ -188,27 +188,34 @@ def test_mean_loss_does_not_wait_for_the_gpu_cuda():
         assert float(mean) == 2.0
 
 
-@pytest.mark.gpu
-def test_a_training_step_does_not_wait_for_the_gpu_cuda():
-    # bf16 with the distributed optimizer (the flat Adam step, clipping folded in) and the NaN check on: the
-    # step's loss, norm and outcome stay on the device until the loop settles them at a log line.
+def _tiny_trainer(*flags: str):
+    """``(Trainer, run)`` of ``pretrain_gpt.py``'s setup for a 2-layer model with the distributed optimizer and
+    ``flags`` added (the default process group must exist; the caller destroys the model-parallel state)."""
     loop = _loop()
     import pretrain_gpt
 
     from gpt_training.arguments import build_parser, validate_args
     from gpt_training.logger import TrainingLogger
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "2",
+            "--eval-interval", "0", "--no-progress", "--use-distributed-optimizer"]
+    args = validate_args(build_parser().parse_args([*base, *flags]), 1)
+    run = pretrain_gpt.setup(args)
+    trainer = loop.Trainer(args, run.config, run.model, run.optimizer, run.scheduler, run.train_data_iterator,
+                           None, TrainingLogger(args, 0), None)
+    return trainer, run
+
+
+@pytest.mark.gpu
+def test_a_training_step_does_not_wait_for_the_gpu_cuda():
+    # bf16 with the distributed optimizer (the flat Adam step, clipping folded in) and the NaN check on: the
+    # step's loss, norm and outcome stay on the device until the loop settles them at a log line.
     from megatron_core import parallel_state
 
-    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-             "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "2",
-             "--global-batch-size", "4", "--train-iters", "6", "--log-interval", "6", "--eval-interval", "0",
-             "--no-progress", "--bf16", "--use-distributed-optimizer"]
     with _one_rank_nccl_group():
-        args = validate_args(build_parser().parse_args(flags), 1)
-        run = pretrain_gpt.setup(args)
+        trainer, _ = _tiny_trainer("--global-batch-size", "4", "--train-iters", "6", "--log-interval", "6", "--bf16")
         try:
-            trainer = loop.Trainer(args, run.config, run.model, run.optimizer, run.scheduler,
-                                   run.train_data_iterator, None, TrainingLogger(args, 0), None)
             for iteration in (1, 2, 3):  # warm-up: the flat step's kernel, the communicator
                 trainer.results.add(trainer.train_step(iteration))
             trainer.settle()
@@ -281,23 +288,12 @@ def test_step_timers_read_whole_finished_steps_and_drop_what_followed_the_last()
 def test_a_log_line_does_not_wait_for_the_optimizer_update_cuda():
     # The step's results are copied to the host before its update is queued: with the update held up on the GPU
     # (a sleep queued in front of it), settling the step returns while the update has not run.
-    loop = _loop()
-    import pretrain_gpt
-
-    from gpt_training.arguments import build_parser, validate_args
-    from gpt_training.logger import TrainingLogger
     from megatron_core import parallel_state
 
-    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-             "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "2",
-             "--global-batch-size", "2", "--train-iters", "4", "--log-interval", "4", "--eval-interval", "0",
-             "--no-progress", "--bf16", "--use-distributed-optimizer", "--check-for-nan-in-loss-and-grad"]
     with _one_rank_nccl_group():
-        args = validate_args(build_parser().parse_args(flags), 1)
-        run = pretrain_gpt.setup(args)
+        trainer, run = _tiny_trainer("--global-batch-size", "2", "--train-iters", "4", "--log-interval", "4",
+                                     "--bf16", "--check-for-nan-in-loss-and-grad")
         try:
-            trainer = loop.Trainer(args, run.config, run.model, run.optimizer, run.scheduler,
-                                   run.train_data_iterator, None, TrainingLogger(args, 0), None)
             trainer.results.add(trainer.train_step(1))
             trainer.settle()
             inner = run.optimizer.step_with_ready_grads
@@ -325,28 +321,16 @@ def test_a_step_hands_its_results_to_a_host_copy_before_the_update(monkeypatch):
     # the outcome, and settling reads the same values as the returned tensors.
     import torch.distributed as dist
 
-    loop = _loop()
-    import pretrain_gpt
-
-    from gpt_training.arguments import build_parser, validate_args
-    from gpt_training.logger import TrainingLogger
     from megatron_core import parallel_state
     from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if dist.is_initialized():
         pytest.skip("needs a fresh one-process group")
     monkeypatch.setattr(DistributedOptimizer, "flat_shard_step", True)
-    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-             "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "2",
-             "--global-batch-size", "2", "--train-iters", "3", "--log-interval", "3", "--eval-interval", "0",
-             "--no-progress", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
-             "--check-for-nan-in-loss-and-grad"]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        args = validate_args(build_parser().parse_args(flags), 1)
-        run = pretrain_gpt.setup(args)
-        trainer = loop.Trainer(args, run.config, run.model, run.optimizer, run.scheduler,
-                               run.train_data_iterator, None, TrainingLogger(args, 0), None)
+        trainer, _ = _tiny_trainer("--global-batch-size", "2", "--train-iters", "3", "--log-interval", "3",
+                                   "--use-precision-aware-optimizer", "--check-for-nan-in-loss-and-grad")
         steps = [trainer.train_step(iteration) for iteration in (1, 2)]
         assert all(step.host_copy is not None for step in steps)
         expected = [(float(s.loss), bool(s.update_successful), float(s.grad_norm)) for s in steps]
