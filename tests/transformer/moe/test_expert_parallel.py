@@ -121,3 +121,32 @@ def test_expert_parallel_matches_single_process(start: int):
     cases = CASES[start:start + 2]
     results = run_on_ranks(WORLD, _check, cases)
     assert all(len(r) == len(cases) for r in results)
+
+
+def _capacity_rows_from_shapes(layouts: list[tuple[int, int]]) -> list[bool]:
+    """The all-gather dispatcher padded to capacity: rows from the shapes equal rows from the host counts."""
+    import dataclasses
+
+    same = []
+    for tp, ep in layouts:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        try:
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)
+            model = build("mixtral", tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                          sequence_parallel=tp > 1, moe_token_dispatcher_type="allgather",
+                          moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+            ids, pos, labels = batches(WORLD)[torch.distributed.get_rank()]
+            with torch.no_grad():
+                static = model(ids, pos, None, labels=labels)
+                for layer in model.decoder.layers:  # the dispatcher's other path: counts read on the host
+                    dispatcher = layer.mlp.token_dispatcher
+                    dispatcher.config = dataclasses.replace(dispatcher.config, moe_pad_expert_input_to_capacity=False)
+                read = model(ids, pos, None, labels=labels)
+            same.append(torch.equal(static, read))
+        finally:
+            parallel_state.destroy_model_parallel()
+    return same
+
+
+def test_allgather_capacity_padding_takes_its_row_count_from_the_shapes():
+    assert run_on_ranks(WORLD, _capacity_rows_from_shapes, [(1, 2), (1, 4), (2, 2)]) == [[True] * 3] * WORLD

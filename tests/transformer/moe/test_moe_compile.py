@@ -89,16 +89,18 @@ def test_tracker_grows_for_a_model_with_more_layers():
     destroy_moe_metrics_tracker()
 
 
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "sequential"])
-def test_capacity_padded_alltoall_layer_compiles_as_one_graph(grouped):
+def test_capacity_padded_moe_layer_compiles_as_one_graph(grouped, dispatcher):
     # Padded to capacity, every local expert holds the same number of rows: the experts take the counts from
-    # the row count instead of reading tokens_per_expert (a graph break per layer before).
+    # the row count, and the all-gather dispatcher its row count from the shapes, instead of reading
+    # tokens_per_expert (a graph break per layer before).
     from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 
     cfg = TransformerConfig(
         num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=4,
         moe_router_topk=2, add_bias_linear=False, use_cpu_initialization=True, gated_linear_unit=True,
-        activation_func=F.silu, moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0,
+        activation_func=F.silu, moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=1.0,
         moe_pad_expert_input_to_capacity=True, hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
     mlp = GPTModel(cfg, get_gpt_layer_local_spec(4, moe_grouped_gemm=grouped), 32, 16).decoder.layers[0].mlp

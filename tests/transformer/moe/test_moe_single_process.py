@@ -53,7 +53,8 @@ def _moe_layer(model: GPTModel):
     return model.decoder.layers[0].mlp
 
 
-@pytest.mark.parametrize("dispatcher,pad", [("allgather", False), ("alltoall", False), ("alltoall", True)])
+@pytest.mark.parametrize("dispatcher,pad", [("allgather", False), ("allgather", True), ("alltoall", False),
+                                            ("alltoall", True)])
 def test_dropped_tokens_get_no_expert_output(dispatcher: str, pad: bool):
     torch.manual_seed(0)
     cfg = _cfg(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", moe_token_dispatcher_type=dispatcher,

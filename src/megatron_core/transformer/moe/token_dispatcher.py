@@ -140,12 +140,27 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         elif self.counts_stay_on_device:  # every token has exactly top-k rows: gathers only
             permuted, permuted_probs, self.reversed_local_input_permutation_mapping, self.token_rows = permute_top_k(
                 hidden_states, self.local_map, self.router_topk, probs=local_probs)
+        elif self.config.moe_pad_expert_input_to_capacity:
+            # Every rank's router padded each expert to the same count: the rows follow from the shapes, so the
+            # counts stay on the device (and a compiled layer stays one graph).
+            rows = self._padded_rows_per_expert(hidden_states.shape[0]) * self.num_local_experts
+            permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
+                hidden_states, self.local_map, probs=local_probs, num_out_tokens=rows, drop_and_pad=True)
         else:
             tokens_per_expert = tokens_per_expert.cpu()
             permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
                 hidden_states, self.local_map, probs=local_probs, num_out_tokens=int(tokens_per_expert.sum()))
         self.routing_map = None
         return permuted, tokens_per_expert, permuted_probs
+
+    def _padded_rows_per_expert(self, gathered_tokens: int) -> int:
+        """Rows of each expert when every rank's router padded it to capacity (``apply_router_token_dropping``):
+        per rank the capacity, or all of the rank's tokens when the capacity exceeds them."""
+        ranks = get_pg_size(self.tp_ep_group)
+        local_tokens = gathered_tokens // ranks
+        capacity = get_capacity(local_tokens * self.router_topk, self.config.num_moe_experts,
+                                self.config.moe_expert_capacity_factor)
+        return ranks * min(capacity, local_tokens)
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Sum the expert rows back into the gathered token order."""
