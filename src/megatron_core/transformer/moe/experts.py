@@ -59,8 +59,7 @@ def _host_counts(tokens_per_expert: torch.Tensor | list[int], config: Transforme
     follow from the row count alone: nothing is read from a tensor (which would be a device-to-host copy, and a
     graph break under ``torch.compile``).
     """
-    if (config.moe_pad_expert_input_to_capacity and config.moe_expert_capacity_factor is not None
-            and num_rows % num_local_experts == 0):
+    if config.moe_pad_expert_input_to_capacity and num_rows % num_local_experts == 0:  # (validated: a capacity)
         return [num_rows // num_local_experts] * num_local_experts
     return tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
 

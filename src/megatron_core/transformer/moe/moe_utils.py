@@ -36,6 +36,7 @@ __all__ = [
     "get_tokens_per_expert_and_token_count",
     "get_updated_expert_bias",
     "group_limited_topk",
+    "padded_expert_capacity",
     "permute",
     "router_gating_linear",
     "sort_chunks_by_idxs",
@@ -97,6 +98,12 @@ def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_
     if min_capacity is not None and capacity < min_capacity:
         capacity = min_capacity
     return capacity
+
+
+def padded_expert_capacity(num_tokens: int, router_topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows each expert holds after :func:`apply_router_token_dropping` with ``pad_to_capacity`` on ``num_tokens``
+    tokens (an extension): its capacity, or every token when the capacity reaches them."""
+    return min(get_capacity(num_tokens * router_topk, num_experts, capacity_factor), num_tokens)
 
 
 def get_tokens_per_expert_and_token_count(routing_map: torch.Tensor, reduce_group: Any, topk: int | None = None,
@@ -244,8 +251,8 @@ def apply_router_token_dropping(routing_probs: torch.Tensor, routing_map: torch.
     ``capacity`` slots: the kept tokens plus padding tokens with probability 0.
     """
     num_tokens, num_experts = routing_probs.shape
-    capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
-    if capacity > num_tokens:
+    capacity = padded_expert_capacity(num_tokens, router_topk, num_experts, capacity_factor)
+    if capacity == num_tokens:  # every token fits
         capacity_mask = torch.ones_like(routing_map)
     elif drop_policy == "probs":
         _, kept = torch.topk(routing_probs, k=capacity, dim=0, sorted=False)

@@ -27,7 +27,11 @@ from megatron_core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron_core.transformer.moe.moe_utils import get_capacity, get_default_pg_collection
+from megatron_core.transformer.moe.moe_utils import (
+    get_capacity,
+    get_default_pg_collection,
+    padded_expert_capacity,
+)
 from megatron_core.transformer.moe.token_permutation import (
     permute,
     permute_top_k,
@@ -154,13 +158,10 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         return permuted, tokens_per_expert, permuted_probs
 
     def _padded_rows_per_expert(self, gathered_tokens: int) -> int:
-        """Rows of each expert when every rank's router padded it to capacity (``apply_router_token_dropping``):
-        per rank the capacity, or all of the rank's tokens when the capacity exceeds them."""
+        """Rows of each expert gathered from the ranks whose routers each padded it to capacity."""
         ranks = get_pg_size(self.tp_ep_group)
-        local_tokens = gathered_tokens // ranks
-        capacity = get_capacity(local_tokens * self.router_topk, self.config.num_moe_experts,
-                                self.config.moe_expert_capacity_factor)
-        return ranks * min(capacity, local_tokens)
+        return ranks * padded_expert_capacity(gathered_tokens // ranks, self.router_topk, self.config.num_moe_experts,
+                                              self.config.moe_expert_capacity_factor)
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Sum the expert rows back into the gathered token order."""
