@@ -51,10 +51,19 @@ def _expert_biases(model: torch.nn.Module) -> list[torch.Tensor]:
     return [m.expert_bias.clone() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
 
 
-def _reference(flavour: str, dp: int) -> tuple[dict, list[torch.Tensor], dict, list[torch.Tensor]]:
+# Capacity padding where each expert's capacity, ceil(T * top-k / E * 8), exceeds a micro-batch's T tokens: every
+# expert then holds all T rows (``moe_utils.padded_expert_capacity``) and nothing is dropped.
+CAPACITY_OVER_TOKENS = dict(moe_expert_capacity_factor=8.0, moe_pad_expert_input_to_capacity=True)
+CAPACITY_CASES = [
+    ("mixtral", 1, 2, 1, "alltoall", False, CAPACITY_OVER_TOKENS),
+    ("mixtral", 1, 4, 1, "alltoall", True, CAPACITY_OVER_TOKENS),
+]
+
+
+def _reference(flavour: str, dp: int, **overrides) -> tuple[dict, list[torch.Tensor], dict, list[torch.Tensor]]:
     """Initial globals, per-micro-batch losses, globals after one clipped SGD step, expert biases after."""
     torch.manual_seed(1234)
-    model = build(flavour)
+    model = build(flavour, **overrides)
     before = global_tensors(model)
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / dp))
     losses = []
@@ -78,16 +87,17 @@ def _reference(flavour: str, dp: int) -> tuple[dict, list[torch.Tensor], dict, l
 
 def _check(cases: list) -> list[str]:
     done = []
-    for flavour, tp, ep, etp, dispatcher, dist_opt in cases:
+    for flavour, tp, ep, etp, dispatcher, dist_opt, *extra in cases:
+        overrides = extra[0] if extra else {}
         dp = WORLD // tp
-        before, ref_losses, after, ref_bias = _reference(flavour, dp)
+        before, ref_losses, after, ref_bias = _reference(flavour, dp, **overrides)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                                  expert_tensor_parallel_size=etp)
         try:
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
             model = build(flavour, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                           expert_tensor_parallel_size=etp, sequence_parallel=tp > 1,
-                          moe_token_dispatcher_type=dispatcher)
+                          moe_token_dispatcher_type=dispatcher, **overrides)
             load_globals(model, before)
             ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
                 use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True), model)
@@ -101,7 +111,7 @@ def _check(cases: list) -> list[str]:
             loss.backward()
             finalize_model_grads([ddp])
             opt.step()
-            tag = f"{flavour} tp={tp} ep={ep} etp={etp} {dispatcher} dist_opt={dist_opt}"
+            tag = f"{flavour} tp={tp} ep={ep} etp={etp} {dispatcher} dist_opt={dist_opt} {overrides}"
             torch.testing.assert_close(loss.detach(), ref_losses[parallel_state.get_data_parallel_rank()],
                                        rtol=1e-5, atol=1e-5, msg=lambda m, t=tag: f"{t} loss: {m}")
             for key, local, ref in local_vs_global(model, after):
@@ -121,6 +131,12 @@ def test_expert_parallel_matches_single_process(start: int):
     cases = CASES[start:start + 2]
     results = run_on_ranks(WORLD, _check, cases)
     assert all(len(r) == len(cases) for r in results)
+
+
+def test_alltoall_capacity_padding_beyond_the_tokens_matches_single_process():
+    # The all-to-all's split sizes must use the router's padded capacity (every token), not the raw capacity.
+    results = run_on_ranks(WORLD, _check, CAPACITY_CASES)
+    assert all(len(r) == len(CAPACITY_CASES) for r in results)
 
 
 def _capacity_rows_from_shapes(layouts: list[tuple[int, int]]) -> list[bool]:

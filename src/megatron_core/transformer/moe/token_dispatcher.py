@@ -28,7 +28,6 @@ from megatron_core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron_core.transformer.moe.moe_utils import (
-    get_capacity,
     get_default_pg_collection,
     padded_expert_capacity,
 )
@@ -204,8 +203,9 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
         """Compute the all-to-all split sizes; returns the tokens per local expert (over all ranks)."""
         if self.drop_and_pad:
-            self.capacity = get_capacity(routing_map.size(0) * self.config.moe_router_topk, self.num_experts,
-                                         self.config.moe_expert_capacity_factor)
+            # The router's padded map holds this many rows per expert (all tokens when the capacity exceeds them).
+            self.capacity = padded_expert_capacity(routing_map.size(0), self.config.moe_router_topk, self.num_experts,
+                                                   self.config.moe_expert_capacity_factor)
             self.num_out_tokens = self.capacity * self.num_experts
             per_rank = self.capacity * self.num_local_experts
             self.input_splits = [per_rank] * self.ep_size
