@@ -7,6 +7,8 @@ dividing ``num_moe_experts``) also run in ``MoELayer`` against the real group si
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -102,8 +104,95 @@ def _check_capacity(cfg: Any, kinds: list[str]) -> None:
     _choice(cfg, "moe_token_drop_policy", MOE_DROP_POLICIES)
 
 
+# Megatron-Core fields for features this library does not provide: accepted at these defaults, any other value
+# raises. The flex dispatcher (DeepEP / HybridEP / NCCL-EP) and Transformer Engine's grouped tensors are absent.
+_FLEX = "only used by the 'flex' token dispatcher (DeepEP / HybridEP / NCCL-EP), which this library does not provide"
+UNSUPPORTED_MOE_FIELDS: dict[str, tuple[Any, str]] = {
+    "moe_token_dropping": (False, "is unsupported in Megatron-Core too; use moe_expert_capacity_factor"),
+    "moe_enable_deepep": (False, "needs moe_token_dispatcher_type='flex' (DeepEP), which this library does not provide"),
+    "moe_flex_dispatcher_num_sms": (None, _FLEX),
+    "moe_deepep_num_sms": (None, _FLEX),
+    "moe_hybridep_num_sms": (None, _FLEX),
+    "moe_hybridep_num_blocks_permute": (None, _FLEX),
+    "moe_hybridep_num_blocks_unpermute": (None, _FLEX),
+    "moe_hybridep_num_sms_preprocessing": (108, _FLEX),
+    "moe_hybridep_pad_uneven_dispatch_inputs": (False, _FLEX),
+    "moe_permute_fusion_into_hybridep": (False, _FLEX),
+    "moe_ncclep_static_shape": (False, _FLEX),
+    "moe_ncclep_zero_copy": (False, _FLEX),
+    "moe_expert_rank_capacity_factor": (None, _FLEX),
+    "moe_enable_routing_replay": (False, "(router replay) is not implemented by this library"),
+    "moe_latent_size": (None, "(latent MoE projections) is not implemented by this library"),
+    "moe_mlp_glu_interleave_size": (None, "(block-interleaved GLU for fused kernels) is not implemented by this library"),
+    "moe_shared_expert_glu_interleave_size": (None, "(block-interleaved GLU for fused kernels) is not implemented "
+                                                    "by this library"),
+    "moe_single_grouped_weight": (False, "needs Transformer Engine's GroupedTensor; this library's grouped experts "
+                                         "already hold one 3-D parameter per projection"),
+    "moe_single_grouped_bias": (False, "needs Transformer Engine's GroupedTensor"),
+    "moe_pad_experts_for_cuda_graph_inference": (False, "is not implemented by this library"),
+    "moe_paged_stash": (False, "is not implemented by this library"),
+}
+MOE_FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
+
+
+def _check_unsupported(cfg: Any) -> None:
+    for name, (default, reason) in UNSUPPORTED_MOE_FIELDS.items():
+        value = getattr(cfg, name)
+        if value != default:
+            raise ValueError(f"{name} ({value!r}) must stay {default!r}: it {reason}")
+    _choice(cfg, "moe_flex_dispatcher_backend", MOE_FLEX_BACKENDS)
+
+
+def apply_deprecated_moe_aliases(cfg: Any) -> None:
+    """Map Megatron-Core's deprecated MoE fields onto their replacements (before the recompute rules run).
+
+    ``moe_layer_recompute`` -> selective recompute of the ``"moe"`` module; ``moe_router_topk_limited_devices``
+    -> group-limited routing over the expert-parallel ranks; ``moe_router_padding_for_fp8`` ->
+    ``moe_router_padding_for_quantization``. Each warns, as Megatron-Core does.
+    """
+    if cfg.moe_layer_recompute:
+        warnings.warn("moe_layer_recompute is deprecated; use recompute_granularity='selective' with 'moe' in "
+                      "recompute_modules", DeprecationWarning, stacklevel=3)
+        if cfg.recompute_granularity == "full":
+            raise ValueError("moe_layer_recompute=True cannot be combined with recompute_granularity='full'")
+        cfg.recompute_granularity = "selective"
+        if "moe" not in cfg.recompute_modules:
+            cfg.recompute_modules = [*cfg.recompute_modules, "moe"]
+    limited = cfg.moe_router_topk_limited_devices
+    if limited:
+        if cfg.moe_router_group_topk:
+            raise ValueError(
+                f"moe_router_topk_limited_devices ({limited}) is deprecated and replaced by moe_router_group_topk "
+                f"({cfg.moe_router_group_topk}) and moe_router_num_groups: set only the new fields"
+            )
+        warnings.warn("moe_router_topk_limited_devices is deprecated; use moe_router_group_topk and "
+                      "moe_router_num_groups", DeprecationWarning, stacklevel=3)
+        cfg.moe_router_group_topk = limited
+        cfg.moe_router_num_groups = cfg.expert_model_parallel_size
+    if cfg.moe_router_padding_for_fp8:
+        warnings.warn("moe_router_padding_for_fp8 is deprecated; use moe_router_padding_for_quantization",
+                      DeprecationWarning, stacklevel=3)
+        cfg.moe_router_padding_for_quantization = True
+
+
+def _check_routing_overrides(cfg: Any) -> None:
+    if cfg.moe_router_padding_for_quantization:
+        if cfg.fp8 is None:
+            raise ValueError("moe_router_padding_for_quantization=True needs fp8 to be set (it pads each expert's "
+                             "token count to the FP8 GEMMs' row alignment)")
+        if cfg.moe_token_dispatcher_type != "alltoall":
+            raise ValueError("moe_router_padding_for_quantization=True needs moe_token_dispatcher_type='alltoall' "
+                             f"(got {cfg.moe_token_dispatcher_type!r}), as in Megatron-Core")
+    biased = cfg.moe_router_force_biased
+    if biased is not None and (isinstance(biased, bool) or not isinstance(biased, (int, float))
+                               or not math.isfinite(biased) or biased == 0):
+        raise ValueError(f"moe_router_force_biased ({biased!r}) must be None or a finite non-zero std (negative: "
+                         "drawn once per layer)")
+
+
 def check_moe_config(cfg: Any) -> None:
     """Validate the MoE fields of ``cfg`` (a ``TransformerConfig``) and fill ``moe_ffn_hidden_size``."""
+    _check_unsupported(cfg)
     if cfg.num_moe_experts is None:
         if cfg.expert_model_parallel_size > 1:
             raise ValueError(
@@ -133,6 +222,7 @@ def check_moe_config(cfg: Any) -> None:
     _check_router(cfg)
     _check_capacity(cfg, _balancing_types(cfg))
     _choice(cfg, "moe_token_dispatcher_type", MOE_DISPATCHERS)
+    _check_routing_overrides(cfg)
     shared = cfg.moe_shared_expert_intermediate_size
     if shared is not None and shared <= 0:
         raise ValueError(f"moe_shared_expert_intermediate_size ({shared}) must be > 0")

@@ -21,7 +21,7 @@ from megatron_core.config_rules import TRANSFORMER_RULES as _TRANSFORMER_RULES
 from megatron_core.config_rules import apply_rules as _apply_rules
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer.enums import AttnBackend
-from megatron_core.transformer.moe_validation import check_moe_config
+from megatron_core.transformer.moe_validation import apply_deprecated_moe_aliases, check_moe_config
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
 from megatron_core.utils import init_method_normal, scaled_init_method_normal
 
@@ -126,6 +126,38 @@ class TransformerConfig(ModelParallelConfig):
     moe_shared_expert_gate: bool = False
     moe_apply_probs_on_input: bool = False
     moe_per_layer_logging: bool = False
+    # Deprecated aliases, mapped by check_moe_config as Megatron-Core does
+    moe_layer_recompute: bool = False
+    moe_router_topk_limited_devices: int | None = None
+    moe_router_padding_for_fp8: bool | None = False
+    # Benchmark and kernel-layout aids (moe/routing_overrides.py)
+    moe_router_force_load_balancing: bool = False
+    moe_router_force_biased: float | None = None
+    moe_router_padding_for_quantization: bool | None = False
+    # Accepted at their defaults; other values raise (moe_validation.UNSUPPORTED_MOE_FIELDS)
+    moe_token_dropping: bool = False
+    moe_enable_deepep: bool = False
+    moe_flex_dispatcher_backend: str = "deepep"
+    moe_flex_dispatcher_num_sms: int | None = None
+    moe_deepep_num_sms: int | None = None
+    moe_hybridep_num_sms: int | None = None
+    moe_hybridep_num_blocks_permute: int | None = None
+    moe_hybridep_num_blocks_unpermute: int | None = None
+    moe_hybridep_num_sms_preprocessing: int = 108
+    moe_hybridep_pad_uneven_dispatch_inputs: bool = False
+    moe_permute_fusion_into_hybridep: bool = False
+    moe_ncclep_static_shape: bool = False
+    moe_ncclep_zero_copy: bool = False
+    moe_expert_rank_capacity_factor: float | None = None
+    moe_enable_routing_replay: bool = False
+    moe_latent_size: int | None = None
+    moe_mlp_glu_interleave_size: int | None = None
+    moe_shared_expert_glu_interleave_size: int | None = None
+    moe_single_grouped_weight: bool = False
+    moe_single_grouped_bias: bool = False
+    moe_pad_experts_for_cuda_graph_inference: bool = False
+    moe_router_quantile_balancing_ema: float = 0.0
+    moe_paged_stash: bool = False
 
     # Loss and misc
     calculate_per_token_loss: bool = False
@@ -150,6 +182,7 @@ class TransformerConfig(ModelParallelConfig):
         _apply_rules("TransformerConfig", self, _TRANSFORMER_RULES)
         _check_shape(self)
         _derive_shape_defaults(self)
+        apply_deprecated_moe_aliases(self)
         _check_parallel_shapes(self)
         _check_normalization_and_activation(self)
         _check_recompute(self)
@@ -283,9 +316,10 @@ def _check_recompute(cfg: TransformerConfig) -> None:
         unknown = sorted(set(cfg.recompute_modules) - set(RECOMPUTE_MODULES))
         if unknown:
             raise ValueError(f"recompute_modules {unknown} not in the allowed set {list(RECOMPUTE_MODULES)}")
-        unsupported = sorted(set(cfg.recompute_modules) - {"core_attn", "mlp", "layernorm"})
+        unsupported = sorted(set(cfg.recompute_modules) - {"core_attn", "mlp", "layernorm", "moe"})
         if unsupported:
-            raise ValueError(f"recompute_modules {unsupported} are not supported by this library (dense models only)")
+            raise ValueError(f"recompute_modules {unsupported} are not supported by this library (supported: "
+                             "core_attn, mlp, layernorm, moe)")
     if cfg.distribute_saved_activations and cfg.sequence_parallel:
         raise ValueError("distribute_saved_activations=True cannot be used with sequence_parallel=True")
 

@@ -7,7 +7,8 @@ The auxiliary losses are attached to the graph with :class:`MoEAuxLossAutoScaler
 returns the activation unchanged, the backward feeds the loss a gradient equal to the main loss's
 backward scale (set by the pipeline schedules to ``loss_scale / num_microbatches``), so the aux loss
 is optimised without being added to the returned loss. The token permutation helpers live in
-:mod:`megatron_core.transformer.moe.token_permutation` and are re-exported here.
+:mod:`megatron_core.transformer.moe.token_permutation`, the random-logit and routing-padding overrides in
+:mod:`megatron_core.transformer.moe.routing_overrides`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,11 +20,25 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.process_groups_config import ProcessGroupCollection, resolve_process_group
+from megatron_core.transformer.moe.routing_overrides import (
+    RandomSTE,
+    RandomSTEShared,
+    apply_biased_logits,
+    apply_random_logits,
+    get_align_size_for_quantization,
+    pad_routing_map,
+)
 from megatron_core.transformer.moe.token_permutation import permute, sort_chunks_by_idxs, unpermute
 from megatron_core.utils import get_pg_size
 
 __all__ = [
     "MoEAuxLossAutoScaler",
+    "RandomSTE",
+    "RandomSTEShared",
+    "apply_biased_logits",
+    "apply_random_logits",
+    "get_align_size_for_quantization",
+    "pad_routing_map",
     "clear_aux_losses_tracker",
     "get_moe_layer_wise_logging_tracker",
     "reduce_aux_losses_tracker_across_ranks",

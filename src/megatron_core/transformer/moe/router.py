@@ -19,6 +19,8 @@ from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron_core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
+    apply_biased_logits,
+    apply_random_logits,
     apply_router_token_dropping,
     compute_routing_scores_for_aux_loss,
     get_default_pg_collection,
@@ -255,4 +257,8 @@ class TopKRouter(Router):
         """``(probs, routing_map)`` for ``input [s, b, h]``; ``padding_mask [s, b]`` is True for padding."""
         self._maintain_float32_expert_bias()
         logits = self.gating(self.apply_input_jitter(input))
+        if self.config.moe_router_force_load_balancing:  # benchmark aid: random logits, straight-through gradient
+            logits = apply_random_logits(logits)
+        if self.config.moe_router_force_biased is not None:  # benchmark aid: random logits plus a shared bias
+            logits = apply_biased_logits(logits, self.config.moe_router_force_biased, self.layer_number)
         return self.routing(logits, padding_mask)

@@ -28,7 +28,9 @@ from megatron_core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron_core.transformer.moe.moe_utils import (
+    get_align_size_for_quantization,
     get_default_pg_collection,
+    pad_routing_map,
     padded_expert_capacity,
 )
 from megatron_core.transformer.moe.token_permutation import (
@@ -67,11 +69,17 @@ def _all_to_all(group: Any, x: torch.Tensor, output_splits: list[int] | None, in
 def counts_stay_on_device(config: TransformerConfig, tp_ep_group: Any) -> bool:
     """Whether the tokens-per-expert counts can stay on the device (no host sync per layer).
 
-    True when this rank holds every expert (expert-parallel x expert-TP size 1) and the router drops no
-    token (no capacity factor), so each token has exactly top-k rows. Otherwise the split sizes of the
-    collectives need the counts on the host, as in Megatron-Core.
+    True when this rank holds every expert (expert-parallel x expert-TP size 1) and each token has exactly
+    top-k rows (:func:`rows_are_top_k`). Otherwise the split sizes of the collectives need the counts on the
+    host, as in Megatron-Core.
     """
-    return get_pg_size(tp_ep_group) == 1 and config.moe_expert_capacity_factor is None
+    return get_pg_size(tp_ep_group) == 1 and rows_are_top_k(config)
+
+
+def rows_are_top_k(config: TransformerConfig) -> bool:
+    """Whether every token is dispatched to exactly top-k rows: no token dropped by a capacity factor and no
+    zero-probability route added by ``moe_router_padding_for_quantization``."""
+    return config.moe_expert_capacity_factor is None and not config.moe_router_padding_for_quantization
 
 
 class MoETokenDispatcher:
@@ -242,6 +250,9 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         self.probs, self.routing_map = probs, routing_map
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        if self.config.moe_router_padding_for_quantization:
+            # Zero-probability routes fill each expert to the FP8 row alignment (Megatron-Core pads here too).
+            routing_map = self.routing_map = pad_routing_map(routing_map, get_align_size_for_quantization(self.config))
         self.tokens_per_expert = self.preprocess(routing_map)
         self.hidden_shape_before_permute = hidden_states.shape
         self.token_rows = None
@@ -252,7 +263,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             (permuted, permuted_probs, self.reversed_local_input_permutation_mapping, self.token_rows,
              self.tokens_per_expert) = permute_top_k_aligned(hidden_states, routing_map, self.config.moe_router_topk,
                                                              alignment, probs=probs)
-        elif not self.drop_and_pad and self.config.moe_expert_capacity_factor is None:
+        elif rows_are_top_k(self.config):
             # Nothing is dropped, so every token has exactly top-k rows: gathers only.
             permuted, permuted_probs, self.reversed_local_input_permutation_mapping, self.token_rows = permute_top_k(
                 hidden_states, routing_map, self.config.moe_router_topk, probs=probs)
