@@ -1,7 +1,7 @@
 """``ModelParallelConfig``: the parallelism, precision and schedule-hook settings shared by every module.
 
-Mirrors Megatron-Core's dataclass of the same name (field names and defaults). ``TransformerConfig``
-extends it. The schedule hooks (``no_sync_func``, ``grad_sync_func``, ``finalize_model_grads_func``,
+Mirrors Megatron-Core's dataclass of the same name (field names and defaults); the fields of features this
+library lacks come from :mod:`megatron_core.megatron_only_fields`. ``TransformerConfig`` extends it. The schedule hooks (``no_sync_func``, ``grad_sync_func``, ``finalize_model_grads_func``,
 ...) are set by the training loop and called by ``pipeline_parallel``.
 """
 
@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 
+from megatron_core.megatron_only_fields import MegatronOnlyParallelFields as _MegatronOnlyParallelFields
+from megatron_core.megatron_only_fields import check_megatron_only_fields as _check_megatron_only_fields
+
 
 @dataclass
-class ModelParallelConfig:
+class ModelParallelConfig(_MegatronOnlyParallelFields):
     """Parallel sizes, initialization, precision, pipeline and communication-overlap settings."""
 
     # Parallel sizes
@@ -85,6 +88,7 @@ class ModelParallelConfig:
 
     def __post_init__(self) -> None:
         """Validate sizes and fill derived defaults; errors name the fields, values and rule."""
+        _check_megatron_only_fields(type(self).__name__, self)
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",

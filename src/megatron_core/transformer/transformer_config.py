@@ -1,10 +1,10 @@
 """``TransformerConfig``: the shape, numerics, recompute and MoE settings of a transformer.
 
-Mirrors Megatron-Core's dataclass (field names and defaults) for the features this library
-implements. ``__post_init__`` derives defaults (``ffn_hidden_size = 4 * hidden_size``,
-``kv_channels = hidden_size / num_attention_heads``, ``num_query_groups = num_attention_heads``,
-init methods from ``init_method_std`` with the output projections scaled by
-``1 / sqrt(2 * num_layers)``) and validates: each rule is one small function below, and each
+Mirrors Megatron-Core's dataclass (field names and defaults); the fields of features this library lacks
+come from :mod:`megatron_core.megatron_only_fields` (accepted at their defaults). ``__post_init__`` derives
+defaults (``ffn_hidden_size = 4 * hidden_size``, ``kv_channels = hidden_size / num_attention_heads``,
+``num_query_groups = num_attention_heads``, init methods from ``init_method_std`` with the output projections
+scaled by ``1 / sqrt(2 * num_layers)``) and validates: each rule is one small function below, and each
 error names the fields, their values and the rule.
 """
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from megatron_core.config_rules import TRANSFORMER_RULES as _TRANSFORMER_RULES
 from megatron_core.config_rules import apply_rules as _apply_rules
+from megatron_core.megatron_only_fields import MegatronOnlyTransformerFields as _MegatronOnlyTransformerFields
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer.enums import AttnBackend
 from megatron_core.transformer.moe_validation import apply_deprecated_moe_aliases, check_moe_config
@@ -29,7 +30,7 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_
 
 
 @dataclass
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     """Configuration of a transformer (``megatron.core.transformer.TransformerConfig``)."""
 
     # Shape

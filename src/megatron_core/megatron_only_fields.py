@@ -1,0 +1,213 @@
+"""Megatron-Core config fields of features this library does not have, so that Megatron-Core configs construct.
+
+``ModelParallelConfig`` and ``TransformerConfig`` inherit these fields (Megatron-Core 0.19's names and defaults).
+Each carries one of two marks in its metadata:
+
+- ``refused``: a feature switch. At its default it is accepted; any other value raises a ``ValueError``
+  naming the field, the value and the missing feature (:func:`check_megatron_only_fields`).
+- ``ignored``: a setting of a refused or absent feature, or a kernel choice with the same results
+  (TP communication overlap's knobs, CUDA graph sizes, Mamba sizes, inference kernel choices, ...).
+  Any value is accepted and has no effect; ``docs/compat.md`` lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MegatronOnlyParallelFields", "MegatronOnlyTransformerFields", "check_megatron_only_fields"]
+
+
+def _refused(default: Any, feature: str) -> Any:
+    return field(default=default, metadata={"refused": feature})
+
+
+def _ignored(default: Any, why: str) -> Any:
+    return field(default=default, metadata={"ignored": why})
+
+
+_GTP = "gradient tensor parallelism (weight shards)"
+_TP_OVERLAP = "Transformer Engine's userbuffer overlap of TP communication"
+_CPU_OFFLOAD = "only used with cpu_offloading"
+_EP_OVERLAP = "the combined 1F1B schedule that overlaps the MoE all-to-all with compute"
+_CUDA_GRAPH = "only used with enable_cuda_graph / cuda_graph_impl, which are refused"
+_INFERENCE_KERNELS = "an inference kernel choice of Megatron-Core's optimized layers"
+
+
+@dataclass
+class MegatronOnlyParallelFields:
+    """``ModelParallelConfig`` fields of Megatron-Core features this library does not have."""
+
+    tensor_parallel_num_weight_shards: int | None = _refused(None, _GTP)
+    gtp_weight_remat_size: int = _refused(1, _GTP)
+    expert_tensor_parallel_num_weight_shards: int | None = _refused(None, _GTP)
+    expert_gtp_weight_remat_size: int = _refused(1, _GTP)
+    hybrid_context_parallel: bool = _refused(False, "hybrid context parallelism")
+    max_seqlen_per_dp_cp_rank: int | None = _refused(None, "hybrid context parallelism")
+    overlap_moe_expert_parallel_comm: bool = _refused(False, _EP_OVERLAP)
+    delay_wgrad_compute: bool = _refused(False, _EP_OVERLAP)
+    overlap_dispatch_backward_with_experts_wgrad: bool = _refused(False, _EP_OVERLAP)
+    ep_overlap_early_attn_memory_release: bool = _refused(False, _EP_OVERLAP)
+    mtp_standalone: bool = _refused(False, "multi-token prediction")
+    mtp_grad_scale_func: Callable | None = _ignored(None, "a multi-token-prediction hook (MTP is refused by GPTModel)")
+    tp_comm_bulk_wgrad: bool = _ignored(True, _TP_OVERLAP)
+    tp_comm_bulk_dgrad: bool = _ignored(True, _TP_OVERLAP)
+    tp_comm_overlap_ag: bool = _ignored(True, _TP_OVERLAP)
+    tp_comm_overlap_rs: bool = _ignored(True, _TP_OVERLAP)
+    tp_comm_overlap_rs_dgrad: bool = _ignored(False, _TP_OVERLAP)
+    tp_comm_split_ag: bool = _ignored(True, _TP_OVERLAP)
+    tp_comm_atomic_ag: bool = _ignored(False, _TP_OVERLAP)
+    tp_comm_split_rs: bool = _ignored(True, _TP_OVERLAP)
+    tp_comm_atomic_rs: bool = _ignored(False, _TP_OVERLAP)
+    tp_comm_overlap_disable_qkv: bool = _ignored(False, _TP_OVERLAP)
+    tp_comm_overlap_disable_fc1: bool = _ignored(False, _TP_OVERLAP)
+    tp_comm_bootstrap_backend: str = _ignored("nccl", _TP_OVERLAP)
+    cpu_offloading_activations: bool = _ignored(True, _CPU_OFFLOAD)
+    cpu_offloading_weights: bool = _ignored(False, _CPU_OFFLOAD)
+    cpu_offloading_double_buffering: bool = _ignored(False, _CPU_OFFLOAD)
+    cpu_offloading_retain_pinned_cpu_buffers: bool = _ignored(False, _CPU_OFFLOAD)
+    _cpu_offloading_context: Any = _ignored(None, _CPU_OFFLOAD)
+
+
+@dataclass
+class MegatronOnlyTransformerFields:
+    """``TransformerConfig`` fields of Megatron-Core features this library does not have."""
+
+    # Architecture variants
+    softmax_type: str = _refused("vanilla", "attention softmax variants ('off-by-one', 'learnable')")
+    glu_linear_offset: float = _refused(0.0, "an offset on the GLU's linear half")
+    activation_func_clamp_value: float | None = _refused(None, "clamping the activation's input")
+    qk_l2_norm: bool = _refused(False, "L2-normalised queries and keys")
+    qk_clip: bool = _refused(False, "QK-clip")
+    qk_clip_alpha: float = _ignored(0.5, "only used with qk_clip")
+    qk_clip_threshold: float = _ignored(100, "only used with qk_clip")
+    log_max_attention_logit: bool = _refused(False, "logging the largest attention logit")
+    attention_output_gate: bool = _refused(False, "gated attention output")
+    no_rope_freq: int | list[int] | None = _refused(None, "layers without RoPE")
+    mrope_section: list[int] | None = _refused(None, "multimodal RoPE")
+    experimental_attention_variant: str | None = _refused(None, "experimental attention variants (gated delta net, "
+                                                                "DeepSeek sparse attention)")
+    experimental_attention_variant_loss_scale_func: Callable | None = _ignored(None, "only used with "
+                                                                                     "experimental_attention_variant")
+    dsa_indexer_n_heads: int | None = _ignored(None, "only used with DeepSeek sparse attention")
+    dsa_indexer_head_dim: int | None = _ignored(None, "only used with DeepSeek sparse attention")
+    dsa_indexer_topk: int | None = _ignored(None, "only used with DeepSeek sparse attention")
+    dsa_indexer_topk_freq: int = _ignored(1, "only used with DeepSeek sparse attention")
+    dsa_indexer_skip_topk_offset: int = _ignored(0, "only used with DeepSeek sparse attention")
+    dsa_indexer_loss_coeff: float | None = _ignored(None, "only used with DeepSeek sparse attention")
+    dsa_indexer_use_sparse_loss: bool = _ignored(False, "only used with DeepSeek sparse attention")
+    dsa_kernel_backend: str = _ignored("none", "only used with DeepSeek sparse attention")
+    dsa_indexer_rope_interleaved: bool = _ignored(False, "only used with DeepSeek sparse attention")
+    dsa_indexer_rotate_activation: bool = _ignored(True, "only used with DeepSeek sparse attention")
+    dsa_indexer_scoring_relu: bool = _ignored(True, "only used with DeepSeek sparse attention")
+    dsa_indexer_k_norm_epsilon: float | None = _ignored(None, "only used with DeepSeek sparse attention")
+    dsa_indexer_k_norm_fp32: bool = _ignored(False, "only used with DeepSeek sparse attention")
+    linear_attention_freq: int | list[int] | None = _refused(None, "linear attention layers")
+    linear_conv_kernel_dim: int | None = _ignored(4, "only used with linear attention layers")
+    linear_key_head_dim: int | None = _ignored(128, "only used with linear attention layers")
+    linear_value_head_dim: int | None = _ignored(128, "only used with linear attention layers")
+    linear_num_key_heads: int | None = _ignored(16, "only used with linear attention layers")
+    linear_num_value_heads: int | None = _ignored(32, "only used with linear attention layers")
+    is_hybrid_model: bool = _refused(False, "hybrid Mamba models")
+    mamba_state_dim: int = _ignored(128, "only used with hybrid Mamba models")
+    mamba_head_dim: int = _ignored(64, "only used with hybrid Mamba models")
+    mamba_num_groups: int = _ignored(8, "only used with hybrid Mamba models")
+    mamba_num_heads: int | None = _ignored(None, "only used with hybrid Mamba models")
+    mamba_training_ssm_states_dtype: Any = _ignored(None, "only used with hybrid Mamba models")
+    use_mamba_mem_eff_path: bool = _ignored(True, "only used with hybrid Mamba models")
+    heterogeneous_block_specs: bool = _refused(False, "heterogeneous layer specs")
+    hetereogenous_dist_checkpoint: bool = _refused(False, "heterogeneous layer specs")
+    use_mup: bool = _refused(False, "muP parametrisation")
+    mup_width_mult: float = _ignored(1.0, "only used with use_mup")
+    mup_base_hidden_size: int | None = _ignored(None, "only used with use_mup")
+    mup_embedding_mult: float = _ignored(1.0, "only used with use_mup")
+    mup_output_mult: float = _ignored(1.0, "only used with use_mup")
+    mup_base_head_dim: float | None = _ignored(None, "only used with use_mup")
+    mup_attn_scale_power: float = _ignored(1.0, "only used with use_mup")
+    mtp_loss_scaling_factor: float | None = _ignored(0.1, "only used with multi-token prediction (refused by GPTModel)")
+    mtp_use_repeated_layer: bool = _ignored(False, "only used with multi-token prediction (refused by GPTModel)")
+    mtp_detach_heads: bool = _ignored(False, "only used with multi-token prediction (refused by GPTModel)")
+    mtp_hybrid_override_pattern: str | None = _ignored(None, "only used with multi-token prediction")
+
+    # Kernels, fusions and precision
+    disable_bf16_reduced_precision_matmul: bool = _refused(False, "switching off reduced-precision bf16 matmul")
+    use_fused_weighted_squared_relu: bool = _refused(False, "the weighted squared-ReLU kernel")
+    use_transformer_engine_op_fuser: bool = _refused(False, "Transformer Engine's op fuser")
+    use_te_activation_func: bool = _refused(False, "Transformer Engine's activation modules")
+    fused_residual_rmsnorm: bool = _ignored(False, "a kernel choice: the residual add already runs inside the "
+                                                   "RMSNorm of TransformerLayer")
+    flash_attention_version: int | None = _ignored(None, "a kernel choice of Transformer Engine (SDPA picks here)")
+    activation_func_fp8_input_store: bool = _refused(False, "Transformer Engine FP8")
+    fp8_quantizer_factory: str | None = _refused(None, "Transformer Engine FP8")
+    fp8_output_proj: bool = _refused(False, "Transformer Engine FP8")
+    fp8_dot_product_attention: bool = _refused(False, "Transformer Engine FP8")
+    fp8_multi_head_attention: bool = _refused(False, "Transformer Engine FP8")
+    tp_only_amax_red: bool = _refused(False, "Transformer Engine FP8")
+    fp4: str | None = _refused(None, "FP4 training")
+    fp4_recipe: str | None = _ignored("nvfp4", "only used with fp4")
+    fp4_param: bool = _refused(False, "FP4 training")
+    fp4_quantizer_factory: str | None = _refused(None, "FP4 training")
+    quant_recipe: Any = _refused(None, "ModelOpt quantization recipes")
+    use_kitchen: bool = _refused(False, "NVIDIA Kitchen quantization")
+    use_kitchen_attention: bool = _refused(False, "NVIDIA Kitchen quantization")
+    kitchen_attention_backend: str = _ignored("sdpa", "only used with use_kitchen_attention")
+    batch_invariant_mode: bool = _refused(False, "batch-invariant kernels")
+    use_grouped_gemm_for_shared_expert: bool = _refused(False, "Transformer Engine grouped GEMMs for shared experts")
+    use_grouped_gemm_for_dense_mlp: bool = _refused(False, "Transformer Engine grouped GEMMs for dense MLPs")
+    high_priority_a2a_comm_stream: bool = _ignored(False, "a CUDA stream priority of the combined 1F1B schedule")
+    mlp_chunks_for_prefill: int = _ignored(1, "a memory choice with the same results")
+    mlp_chunks_for_training: int = _ignored(1, "a memory choice with the same results")
+    disable_parameter_transpose_cache: bool = _ignored(False, "a Transformer Engine cache")
+    config_logger_dir: str = _ignored("", "Megatron-Core's config logger")
+
+    # CUDA graphs
+    enable_cuda_graph: bool = _refused(False, "Megatron-Core's CUDA graph manager (compile layers instead)")
+    external_cuda_graph: bool = _refused(False, "Megatron-Core's CUDA graph manager (compile layers instead)")
+    cuda_graph_impl: str = _refused("none", "Megatron-Core's CUDA graph manager (compile layers instead)")
+    cuda_graph_use_single_mempool: bool = _ignored(True, _CUDA_GRAPH)
+    cuda_graph_retain_backward_graph: bool = _ignored(False, _CUDA_GRAPH)
+    cuda_graph_warmup_steps: int = _ignored(3, _CUDA_GRAPH)
+    cuda_graph_modules: Any = _ignored("full", _CUDA_GRAPH)
+    cuda_graph_scope: Any = _ignored(None, _CUDA_GRAPH)
+    inference_cuda_graph_scope: Any = _ignored(None, _CUDA_GRAPH)
+
+    # Inference kernels (this library's engine has its own settings: InferenceConfig)
+    flash_decode: bool = _ignored(False, _INFERENCE_KERNELS)
+    inference_rng_tracker: bool = _ignored(False, _INFERENCE_KERNELS)
+    inference_sampling_seed: int = _ignored(42, _INFERENCE_KERNELS)
+    symmetric_ar_type: str | None = _ignored(None, _INFERENCE_KERNELS)
+    nccl_all_reduce_for_prefill: bool = _ignored(False, _INFERENCE_KERNELS)
+    use_inference_optimized_layers: bool = _refused(False, "Megatron-Core's inference-optimized layers")
+    inference_fuse_tp_communication: bool = _ignored(False, _INFERENCE_KERNELS)
+    inference_disable_triton_nvls_kernels: bool = _ignored(False, _INFERENCE_KERNELS)
+    inference_grouped_gemm_backend: str = _ignored("vllm", _INFERENCE_KERNELS)
+    inference_moe_disable_fused_quant_kernels: bool = _ignored(False, _INFERENCE_KERNELS)
+    inference_moe_token_dispatcher_type: str = _ignored("nvls", _INFERENCE_KERNELS)
+
+    # Activation offloading
+    fine_grained_activation_offloading: bool = _refused(False, "fine-grained activation offloading")
+    offload_modules: list[str] | None = field(default_factory=list, metadata={"ignored": "only used with "
+                                                                             "fine_grained_activation_offloading"})
+    min_offloaded_tensor_size: int = _ignored(1024 * 1024, "only used with fine_grained_activation_offloading")
+    delay_offload_until_cuda_graph: bool = _ignored(False, "only used with fine_grained_activation_offloading")
+    delta_offload_bytes_across_pp_ranks: int = _ignored(0, "only used with fine_grained_activation_offloading")
+    activation_offload_fraction: float = _ignored(1.0, "only used with fine_grained_activation_offloading")
+    fine_grained_offloading_max_inflight_offloads: int | None = _ignored(None, "only used with "
+                                                                               "fine_grained_activation_offloading")
+    moe_paged_stash_page_size: int = _ignored(64, "only used with moe_paged_stash")
+    moe_paged_stash_buffer_size_factor_cuda: float = _ignored(1.1, "only used with moe_paged_stash")
+    moe_paged_stash_buffer_size_factor_cpu: float = _ignored(0.0, "only used with moe_paged_stash")
+
+
+def check_megatron_only_fields(owner: str, config: Any) -> None:
+    """Raise ``ValueError`` for a ``refused`` field of ``config`` set away from its default."""
+    for f in dataclasses.fields(config):
+        feature = f.metadata.get("refused")
+        if feature is None:
+            continue
+        value = getattr(config, f.name)
+        if value != f.default:
+            raise ValueError(f"{owner}: {f.name} ({value!r}) must stay {f.default!r}: this library does not "
+                             f"provide {feature}")
