@@ -52,6 +52,16 @@ def use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _use_grouped_mm(x, weight)
 
 
+def _to_device_without_sync(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``: through pinned memory on CUDA, so the copy does not wait for the GPU's
+    queue to drain. Inside a compiled graph (where ``pin_memory`` cannot be traced) a plain copy."""
+    if device.type != "cuda":
+        return host.to(device)
+    if torch.compiler.is_compiling():
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def pad_expert_rows(x: torch.Tensor, tokens_per_expert: list[int]
                     ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """``(x padded so every group has a multiple of GROUPED_MM_ROW_ALIGN rows, padded counts, row index)``.
@@ -65,7 +75,7 @@ def pad_expert_rows(x: torch.Tensor, tokens_per_expert: list[int]
         return x, padded, None
     starts = itertools.accumulate([0] + padded[:-1])
     rows = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, tokens_per_expert)])
-    index = rows.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else rows
+    index = _to_device_without_sync(rows, x.device)
     out = x.new_zeros((sum(padded),) + tuple(x.shape[1:])).index_copy(0, index, x)
     return out, padded, index
 
@@ -186,9 +196,8 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[
         x, padded, index = pad_expert_rows(x, tokens_per_expert)
         if index is not None:
             return unpad_expert_rows(grouped_gemm(x, weight, padded), index)
-        # From pinned memory the copy is asynchronous: no wait for the GPU's queue to drain.
-        ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32).pin_memory()
-        offs = ends.to(x.device, non_blocking=True)
+        ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32)
+        offs = _to_device_without_sync(ends, x.device)
         return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=offs))
     pieces = torch.split(x, tokens_per_expert, dim=0)
     return torch.cat([F.linear(piece, weight[e]) for e, piece in enumerate(pieces)], dim=0)

@@ -87,14 +87,18 @@ def get_align_size_for_quantization(config: Any) -> int:
     return 0
 
 
+@torch.compiler.disable
 def pad_routing_map(routing_map: torch.Tensor, pad_multiple: int) -> torch.Tensor:
     """``routing_map [tokens, experts]`` with routes added so each expert's count is a multiple of ``pad_multiple``.
 
     Each expert gains the earliest tokens not yet routed to it. The input is not modified; the result is boolean.
+    Runs eagerly inside compiled code: Inductor (torch 2.11) fails to generate this scan-and-mask kernel, and the
+    dispatcher reads the padded counts on the host right after, which ends the graph there anyway.
     """
     if pad_multiple <= 1:
         return routing_map.bool()
-    routed = routing_map.bool()
-    missing = (-routed.sum(dim=0)) % pad_multiple  # [experts]
-    unrouted_rank = torch.cumsum((~routed).to(torch.int64), dim=0)  # 1-based rank among each expert's free tokens
-    return routed | (~routed & (unrouted_rank <= missing.unsqueeze(0)))
+    routed = routing_map.bool().t()  # [experts, tokens]: the scan runs along the last dimension
+    free = ~routed
+    missing = (-routed.sum(dim=1)) % pad_multiple  # [experts]
+    free_rank = torch.cumsum(free.to(torch.int32), dim=1)  # 1-based rank among each expert's free tokens
+    return (routed | (free & (free_rank <= missing.unsqueeze(1)))).t()

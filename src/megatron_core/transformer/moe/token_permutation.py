@@ -100,7 +100,10 @@ def _counted_rows(routing_map: torch.Tensor, num_out_tokens: int, row_alignment:
     num_tokens, num_experts = routing_map.shape
     routed = routing_map.bool()
     hits = routed.to(torch.int64)
-    counts = hits.sum(dim=0)
+    routed_before = hits.cumsum(dim=0) - hits  # [T, E]: routed tokens of e before t
+    # The counts from the same scan: a separate sum over the tokens fused with the scan made Inductor's code
+    # generation fail on CUDA (torch 2.11, "list indices must be integers or slices, not NoneType").
+    counts = routed_before[-1] + hits[-1]
     layout = None
     if row_alignment is None:
         starts = counts.cumsum(dim=0) - counts
@@ -108,7 +111,7 @@ def _counted_rows(routing_map: torch.Tensor, num_out_tokens: int, row_alignment:
     else:
         starts, layout = aligned_group_starts(counts, num_out_tokens, row_alignment)
         num_rows = layout.total_rows
-    rows = starts + hits.cumsum(dim=0) - hits  # [T, E]
+    rows = starts + routed_before
     rows = torch.where(routed & (rows < num_rows), rows, num_rows)
     token = torch.arange(num_tokens, device=routing_map.device).unsqueeze(-1)
     expert = torch.arange(num_experts, device=routing_map.device)
