@@ -38,11 +38,13 @@ class RandomSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor) -> torch.Tensor:
+        """Standard-normal values of ``logits``' shape and dtype."""
         with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
             return torch.empty_like(logits).normal_()
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
+        """The gradient, unchanged."""
         return grad_output
 
 
@@ -61,6 +63,7 @@ class RandomSTEShared(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, std: float, layer_number: Any) -> torch.Tensor:
+        """``logits`` plus the shared bias (drawn now, or taken from :attr:`cache` for a negative ``std``)."""
         reuse = std < 0 and layer_number is not None
         bias = RandomSTEShared.cache.get(layer_number) if reuse else None
         if bias is None or bias.device != logits.device or bias.dtype != logits.dtype:
@@ -72,6 +75,7 @@ class RandomSTEShared(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):
+        """The gradient of ``logits``, unchanged."""
         return grad_output, None, None
 
 
