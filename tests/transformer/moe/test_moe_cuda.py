@@ -66,3 +66,42 @@ def test_moe_layer_runs_without_host_sync_when_one_rank_holds_every_expert(dispa
                          for k, v in model.state_dict().items()})
     want, _ = ref.decoder.layers[0].mlp(x.detach().float().cpu())
     torch.testing.assert_close(out.float().cpu(), want.detach(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [512, 4096])
+def test_counting_permutation_compiles_on_cuda_with_the_routing_map_as_input(num_tokens: int):
+    # Inductor (torch 2.11) failed to generate code when one graph summed the map over the tokens and scanned it.
+    from megatron_core.transformer.moe.token_permutation import _counted_rows, permute
+
+    torch.manual_seed(0)
+    idx = torch.randn(num_tokens, 8, device="cuda").topk(2, dim=1).indices
+    routing_map = torch.zeros(num_tokens, 8, dtype=torch.bool, device="cuda").scatter(1, idx, True)
+    tokens = torch.randn(num_tokens, 64, device="cuda")
+    for fn in (lambda m: _counted_rows(m, num_tokens * 2)[:2], lambda m: _counted_rows(m, num_tokens * 2, 16)[:2],
+               lambda m: permute(tokens, m, num_out_tokens=num_tokens * 2)[::2]):
+        torch._dynamo.reset()
+        for got, want in zip(torch.compile(fn)(routing_map), fn(routing_map)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("overrides", [dict(moe_router_force_load_balancing=True), dict(moe_router_force_biased=-0.3),
+                                       dict(fp8="e4m3", moe_router_padding_for_quantization=True)])
+def test_routing_overrides_run_in_compiled_layers_on_cuda(overrides: dict):
+    from megatron_core import tensor_parallel
+
+    destroy_moe_metrics_tracker()
+    losses = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        model = build("mixtral", moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall", **overrides).cuda()
+        if compiled:
+            for layer in model.decoder.layers:
+                layer.compile()
+        ids, pos, labels = (t.cuda() for t in batches(1)[0])
+        loss = model(ids, pos, None, labels=labels).mean()
+        loss.backward()
+        router = [p.grad for n, p in model.named_parameters() if n.endswith("router.weight")]
+        assert router and all(g is not None and g.abs().sum() > 0 for g in router)
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
