@@ -33,6 +33,7 @@ from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.selective_recompute import ActivationRecompute, recompute_module_enabled
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 
@@ -94,7 +95,9 @@ class MLP(MegatronModule):
             tp_comm_buffer_name="fc2",
             tp_group=self.tp_group,
         )
-        self.checkpoint_mlp = config.recompute_granularity == "selective" and "mlp" in config.recompute_modules
+        self.checkpoint_mlp = recompute_module_enabled(config, "mlp")
+        # "moe_act": an expert's activation output is rebuilt in the backward instead of kept.
+        self.recompute_activation = is_expert and recompute_module_enabled(config, "moe_act")
 
     def _activate(self, intermediate: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if (self.config.bias_activation_fusion and self.gated and self.activation_func is F.silu
@@ -109,15 +112,22 @@ class MLP(MegatronModule):
             return self.activation_func(gate) * up
         return self.activation_func(intermediate)
 
+    def _activate_scaled(self, intermediate: torch.Tensor, bias: torch.Tensor | None,
+                         per_token_scale: torch.Tensor | None) -> torch.Tensor:
+        activated = self._activate(intermediate, bias)
+        if per_token_scale is None:
+            return activated
+        return (activated * per_token_scale.unsqueeze(-1)).to(activated.dtype)
+
     def _forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         intermediate, bias = self.linear_fc1(hidden_states)
-        intermediate = self._activate(intermediate, bias)
-        if per_token_scale is None:
-            return self.linear_fc2(intermediate)
-        dtype = intermediate.dtype
-        intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(dtype)
+        recompute = ActivationRecompute(self.recompute_activation and self.training)
+        intermediate = recompute.run(self._activate_scaled, intermediate, bias, per_token_scale)
         output, output_bias = self.linear_fc2(intermediate)
+        recompute.discard(output)
+        if per_token_scale is None:
+            return output, output_bias
         if output_bias is not None:
             output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1).to(output.dtype)
         return output, None

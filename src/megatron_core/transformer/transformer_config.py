@@ -317,10 +317,11 @@ def _check_recompute(cfg: TransformerConfig) -> None:
         unknown = sorted(set(cfg.recompute_modules) - set(RECOMPUTE_MODULES))
         if unknown:
             raise ValueError(f"recompute_modules {unknown} not in the allowed set {list(RECOMPUTE_MODULES)}")
-        unsupported = sorted(set(cfg.recompute_modules) - {"core_attn", "mlp", "layernorm", "moe"})
+        supported = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts"}
+        unsupported = sorted(set(cfg.recompute_modules) - supported)
         if unsupported:
             raise ValueError(f"recompute_modules {unsupported} are not supported by this library (supported: "
-                             "core_attn, mlp, layernorm, moe)")
+                             f"{sorted(supported)})")
     if cfg.distribute_saved_activations and cfg.sequence_parallel:
         raise ValueError("distribute_saved_activations=True cannot be used with sequence_parallel=True")
 

@@ -36,6 +36,7 @@ from megatron_core.transformer.moe.grouped_linear import (
 )
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_core.transformer.moe.token_permutation import AlignedRows
+from megatron_core.transformer.selective_recompute import ActivationRecompute, recompute_module_enabled
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.utils import get_pg_rank, get_pg_size
@@ -136,6 +137,7 @@ class TEGroupedMLP(MegatronModule):
             is_expert=True, tp_comm_buffer_name="fc1", tp_group=pgs.expt_tp,
         )
         self.activation_func = submodules.activation_func or config.activation_func
+        self.recompute_activation = recompute_module_enabled(config, "moe_act")  # rebuilt in the backward
         self.linear_fc2 = build_module(
             submodules.linear_fc2, num_local_experts, ffn, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, skip_bias_add=True,
@@ -153,6 +155,12 @@ class TEGroupedMLP(MegatronModule):
     def _fused_weighted_swiglu(self, intermediate: torch.Tensor) -> bool:
         return (self.config.gated_linear_unit and self.activation_func is F.silu and intermediate.dim() == 2
                 and intermediate.device.type != "cpu")
+
+    def _weighted_activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        if self._fused_weighted_swiglu(intermediate):
+            # One fused kernel each way on a GPU (jit_fuser): no fp32 copy of the [rows, ffn] activation.
+            return weighted_bias_swiglu_impl(intermediate, None, probs)
+        return (self._activate(intermediate) * probs).to(intermediate.dtype)
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.gated_linear_unit:
@@ -187,12 +195,10 @@ class TEGroupedMLP(MegatronModule):
             x = (probs * x).to(x.dtype)
             probs = torch.ones_like(probs)
         intermediate, _ = self.linear_fc1(x, counts)
-        if self._fused_weighted_swiglu(intermediate):
-            # One fused kernel each way on a GPU (jit_fuser): no fp32 copy of the [rows, ffn] activation.
-            intermediate = weighted_bias_swiglu_impl(intermediate, None, probs)
-        else:
-            intermediate = (self._activate(intermediate) * probs).to(x.dtype)
+        recompute = ActivationRecompute(self.recompute_activation and self.training)
+        intermediate = recompute.run(self._weighted_activation, intermediate, probs)
         output, bias = self.linear_fc2(intermediate, counts)
+        recompute.discard(output)
         if bias is not None:
             count_tensor = group_counts_tensor(counts, output.device)
             per_row = bias.repeat_interleave(count_tensor, dim=0, output_size=output.shape[0])

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from megatron_core import tensor_parallel
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron_core.transformer.selective_recompute import recompute_module_enabled
 from megatron_core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["SharedExpertMLP"]
@@ -43,7 +45,13 @@ class SharedExpertMLP(MLP):
             self.gate_weight = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The shared experts' output ``[s, b, h]`` (gated when ``gate``)."""
+        """The shared experts' output ``[s, b, h]`` (gated when ``gate``); with ``"shared_experts"`` in
+        ``recompute_modules`` its activations are rebuilt in the backward instead of kept."""
+        if self.training and recompute_module_enabled(self.config, "shared_experts"):
+            return tensor_parallel.checkpoint(self._shared_forward, False, hidden_states)
+        return self._shared_forward(hidden_states)
+
+    def _shared_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         output, _ = super().forward(hidden_states)
         if self.use_shared_expert_gate:
             output = output * torch.sigmoid(torch.nn.functional.linear(hidden_states, self.gate_weight))
