@@ -78,6 +78,9 @@ def _model(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="+", default=None,
+                   help="with --recompute-granularity selective: core_attn (the default), mlp, layernorm, and for "
+                        "MoE layers moe, moe_act, shared_experts")
     g.add_argument("--use-cpu-initialization", action=argparse.BooleanOptionalAction, default=True,
                    help="initialise full weights on the CPU and keep this rank's shard (the same weights under "
                         "every tensor-parallel size); --no-use-cpu-initialization initialises on the device "
@@ -115,6 +118,8 @@ def _moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     g.add_argument("--moe-shared-expert-gate", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="benchmark aid: random router logits (near-uniform expert loads), the router still trains")
 
 
 def _training(parser: argparse.ArgumentParser) -> None:

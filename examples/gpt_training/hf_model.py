@@ -15,7 +15,7 @@ from typing import Any
 # Run settings taken from the flags; everything else about the model comes from config.json.
 _RUN_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "sequence_parallel", "bf16", "fp16", "params_dtype", "pipeline_dtype", "recompute_granularity",
-               "recompute_method", "recompute_num_layers", "hidden_dropout", "attention_dropout", "init_method_std",
+               "recompute_method", "recompute_num_layers", "recompute_modules", "hidden_dropout", "attention_dropout", "init_method_std",
                "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
                "moe_aux_loss_coeff", "moe_grouped_gemm")
 

@@ -53,6 +53,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=getattr(args, "recompute_modules", None),
         use_cpu_initialization=args.use_cpu_initialization,
         **_moe_config(args),
     )
@@ -79,6 +80,7 @@ def _moe_config(args: argparse.Namespace) -> dict:
         moe_token_drop_policy=args.moe_token_drop_policy,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate, moe_per_layer_logging=args.moe_per_layer_logging,
+        moe_router_force_load_balancing=getattr(args, "moe_router_force_load_balancing", False),
     )
 
 

@@ -84,3 +84,21 @@ def test_step_time_breakdown_reports_every_part_and_leaves_the_losses_alone(tmp_
     for record in timed:
         assert record["fwd-bwd ms"] > 0 and record["optimizer ms"] > 0 and record["compute ms"] > 0, record
     assert [(r["lm loss"], r["grad norm"]) for r in timed] == [(r["lm loss"], r["grad norm"]) for r in plain]
+
+
+def test_recompute_modules_and_moe_benchmark_flags_reach_the_config():
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from gpt_training import arguments, model_builder
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    flags = [*TINY, "--train-iters", "1", "--num-experts", "4", "--recompute-granularity", "selective",
+             "--recompute-modules", "moe_act", "shared_experts", "--moe-router-force-load-balancing",
+             "--moe-shared-expert-intermediate-size", "16", "--disable-bias-linear"]
+    config = model_builder.transformer_config_from_args(
+        arguments.validate_args(arguments.build_parser().parse_args(flags), 1))
+    assert config.recompute_modules == ["moe_act", "shared_experts"]
+    assert config.moe_router_force_load_balancing
+    default = model_builder.transformer_config_from_args(
+        arguments.validate_args(arguments.build_parser().parse_args([*TINY, "--train-iters", "1"]), 1))
+    assert default.recompute_modules == ["core_attn"] and not default.moe_router_force_load_balancing
