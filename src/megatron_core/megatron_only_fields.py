@@ -34,6 +34,7 @@ _CPU_OFFLOAD = "only used with cpu_offloading"
 _EP_OVERLAP = "the combined 1F1B schedule that overlaps the MoE all-to-all with compute"
 _CUDA_GRAPH = "only used with enable_cuda_graph / cuda_graph_impl, which are refused"
 _INFERENCE_KERNELS = "an inference kernel choice of Megatron-Core's optimized layers"
+_FLEX = "the 'flex' token dispatcher (DeepEP / HybridEP / NCCL-EP)"
 
 
 @dataclass
@@ -196,6 +197,31 @@ class MegatronOnlyTransformerFields:
     activation_offload_fraction: float = _ignored(1.0, "only used with fine_grained_activation_offloading")
     fine_grained_offloading_max_inflight_offloads: int | None = _ignored(None, "only used with "
                                                                                "fine_grained_activation_offloading")
+    # Mixture of experts
+    moe_token_dropping: bool = _refused(False, "moe_token_dropping (unsupported in Megatron-Core too; use "
+                                               "moe_expert_capacity_factor)")
+    moe_enable_deepep: bool = _refused(False, "DeepEP (moe_token_dispatcher_type='flex')")
+    moe_flex_dispatcher_num_sms: int | None = _refused(None, _FLEX)
+    moe_deepep_num_sms: int | None = _refused(None, _FLEX)
+    moe_hybridep_num_sms: int | None = _refused(None, _FLEX)
+    moe_hybridep_num_blocks_permute: int | None = _refused(None, _FLEX)
+    moe_hybridep_num_blocks_unpermute: int | None = _refused(None, _FLEX)
+    moe_hybridep_num_sms_preprocessing: int = _refused(108, _FLEX)
+    moe_hybridep_pad_uneven_dispatch_inputs: bool = _refused(False, _FLEX)
+    moe_permute_fusion_into_hybridep: bool = _refused(False, _FLEX)
+    moe_ncclep_static_shape: bool = _refused(False, _FLEX)
+    moe_ncclep_zero_copy: bool = _refused(False, _FLEX)
+    moe_expert_rank_capacity_factor: float | None = _refused(None, _FLEX)
+    moe_enable_routing_replay: bool = _refused(False, "router replay")
+    moe_latent_size: int | None = _refused(None, "latent MoE projections")
+    moe_mlp_glu_interleave_size: int | None = _refused(None, "block-interleaved GLU for fused kernels")
+    moe_shared_expert_glu_interleave_size: int | None = _refused(None, "block-interleaved GLU for fused kernels")
+    moe_single_grouped_weight: bool = _refused(False, "Transformer Engine's GroupedTensor (the grouped experts "
+                                                      "here already hold one 3-D parameter per projection)")
+    moe_single_grouped_bias: bool = _refused(False, "Transformer Engine's GroupedTensor")
+    moe_pad_experts_for_cuda_graph_inference: bool = _refused(False, "padded experts for CUDA-graph inference")
+    moe_router_quantile_balancing_ema: float = _ignored(0.0, "only used with quantile balancing, which is refused")
+    moe_paged_stash: bool = _refused(False, "the MoE paged stash")
     moe_paged_stash_page_size: int = _ignored(64, "only used with moe_paged_stash")
     moe_paged_stash_buffer_size_factor_cuda: float = _ignored(1.1, "only used with moe_paged_stash")
     moe_paged_stash_buffer_size_factor_cpu: float = _ignored(0.0, "only used with moe_paged_stash")

@@ -104,43 +104,7 @@ def _check_capacity(cfg: Any, kinds: list[str]) -> None:
     _choice(cfg, "moe_token_drop_policy", MOE_DROP_POLICIES)
 
 
-# Megatron-Core fields for features this library does not provide: accepted at these defaults, any other value
-# raises. The flex dispatcher (DeepEP / HybridEP / NCCL-EP) and Transformer Engine's grouped tensors are absent.
-_FLEX = "only used by the 'flex' token dispatcher (DeepEP / HybridEP / NCCL-EP), which this library does not provide"
-UNSUPPORTED_MOE_FIELDS: dict[str, tuple[Any, str]] = {
-    "moe_token_dropping": (False, "is unsupported in Megatron-Core too; use moe_expert_capacity_factor"),
-    "moe_enable_deepep": (False, "needs moe_token_dispatcher_type='flex' (DeepEP), which this library does not provide"),
-    "moe_flex_dispatcher_num_sms": (None, _FLEX),
-    "moe_deepep_num_sms": (None, _FLEX),
-    "moe_hybridep_num_sms": (None, _FLEX),
-    "moe_hybridep_num_blocks_permute": (None, _FLEX),
-    "moe_hybridep_num_blocks_unpermute": (None, _FLEX),
-    "moe_hybridep_num_sms_preprocessing": (108, _FLEX),
-    "moe_hybridep_pad_uneven_dispatch_inputs": (False, _FLEX),
-    "moe_permute_fusion_into_hybridep": (False, _FLEX),
-    "moe_ncclep_static_shape": (False, _FLEX),
-    "moe_ncclep_zero_copy": (False, _FLEX),
-    "moe_expert_rank_capacity_factor": (None, _FLEX),
-    "moe_enable_routing_replay": (False, "(router replay) is not implemented by this library"),
-    "moe_latent_size": (None, "(latent MoE projections) is not implemented by this library"),
-    "moe_mlp_glu_interleave_size": (None, "(block-interleaved GLU for fused kernels) is not implemented by this library"),
-    "moe_shared_expert_glu_interleave_size": (None, "(block-interleaved GLU for fused kernels) is not implemented "
-                                                    "by this library"),
-    "moe_single_grouped_weight": (False, "needs Transformer Engine's GroupedTensor; this library's grouped experts "
-                                         "already hold one 3-D parameter per projection"),
-    "moe_single_grouped_bias": (False, "needs Transformer Engine's GroupedTensor"),
-    "moe_pad_experts_for_cuda_graph_inference": (False, "is not implemented by this library"),
-    "moe_paged_stash": (False, "is not implemented by this library"),
-}
 MOE_FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
-
-
-def _check_unsupported(cfg: Any) -> None:
-    for name, (default, reason) in UNSUPPORTED_MOE_FIELDS.items():
-        value = getattr(cfg, name)
-        if value != default:
-            raise ValueError(f"{name} ({value!r}) must stay {default!r}: it {reason}")
-    _choice(cfg, "moe_flex_dispatcher_backend", MOE_FLEX_BACKENDS)
 
 
 def apply_deprecated_moe_aliases(cfg: Any) -> None:
@@ -192,7 +156,7 @@ def _check_routing_overrides(cfg: Any) -> None:
 
 def check_moe_config(cfg: Any) -> None:
     """Validate the MoE fields of ``cfg`` (a ``TransformerConfig``) and fill ``moe_ffn_hidden_size``."""
-    _check_unsupported(cfg)
+    _choice(cfg, "moe_flex_dispatcher_backend", MOE_FLEX_BACKENDS)
     if cfg.num_moe_experts is None:
         if cfg.expert_model_parallel_size > 1:
             raise ValueError(

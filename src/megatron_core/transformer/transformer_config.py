@@ -127,7 +127,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     moe_shared_expert_gate: bool = False
     moe_apply_probs_on_input: bool = False
     moe_per_layer_logging: bool = False
-    # Deprecated aliases, mapped by check_moe_config as Megatron-Core does
+    # Deprecated aliases, mapped by moe_validation.apply_deprecated_moe_aliases as Megatron-Core does
     moe_layer_recompute: bool = False
     moe_router_topk_limited_devices: int | None = None
     moe_router_padding_for_fp8: bool | None = False
@@ -135,30 +135,8 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     moe_router_force_load_balancing: bool = False
     moe_router_force_biased: float | None = None
     moe_router_padding_for_quantization: bool | None = False
-    # Accepted at their defaults; other values raise (moe_validation.UNSUPPORTED_MOE_FIELDS)
-    moe_token_dropping: bool = False
-    moe_enable_deepep: bool = False
+    # The flex dispatcher's backend (only its choice is checked: the flex dispatcher itself is refused)
     moe_flex_dispatcher_backend: str = "deepep"
-    moe_flex_dispatcher_num_sms: int | None = None
-    moe_deepep_num_sms: int | None = None
-    moe_hybridep_num_sms: int | None = None
-    moe_hybridep_num_blocks_permute: int | None = None
-    moe_hybridep_num_blocks_unpermute: int | None = None
-    moe_hybridep_num_sms_preprocessing: int = 108
-    moe_hybridep_pad_uneven_dispatch_inputs: bool = False
-    moe_permute_fusion_into_hybridep: bool = False
-    moe_ncclep_static_shape: bool = False
-    moe_ncclep_zero_copy: bool = False
-    moe_expert_rank_capacity_factor: float | None = None
-    moe_enable_routing_replay: bool = False
-    moe_latent_size: int | None = None
-    moe_mlp_glu_interleave_size: int | None = None
-    moe_shared_expert_glu_interleave_size: int | None = None
-    moe_single_grouped_weight: bool = False
-    moe_single_grouped_bias: bool = False
-    moe_pad_experts_for_cuda_graph_inference: bool = False
-    moe_router_quantile_balancing_ema: float = 0.0
-    moe_paged_stash: bool = False
 
     # Loss and misc
     calculate_per_token_loss: bool = False

@@ -55,9 +55,7 @@ def use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _to_device_without_sync(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` (a CPU tensor) on ``device``: through pinned memory on CUDA, so the copy does not wait for the GPU's
     queue to drain. Inside a compiled graph (where ``pin_memory`` cannot be traced) a plain copy."""
-    if device.type != "cuda":
-        return host.to(device)
-    if torch.compiler.is_compiling():
+    if device.type != "cuda" or torch.compiler.is_compiling():
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 

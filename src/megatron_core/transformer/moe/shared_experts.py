@@ -43,11 +43,12 @@ class SharedExpertMLP(MLP):
             self.gate_weight.sequence_parallel = config.sequence_parallel
         else:
             self.gate_weight = None
+        self.recompute_shared_experts = recompute_module_enabled(config, "shared_experts")
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The shared experts' output ``[s, b, h]`` (gated when ``gate``); with ``"shared_experts"`` in
         ``recompute_modules`` its activations are rebuilt in the backward instead of kept."""
-        if self.training and recompute_module_enabled(self.config, "shared_experts"):
+        if self.training and self.recompute_shared_experts:
             return tensor_parallel.checkpoint(self._shared_forward, False, hidden_states)
         return self._shared_forward(hidden_states)
 
