@@ -95,7 +95,8 @@ class MLP(MegatronModule):
             tp_comm_buffer_name="fc2",
             tp_group=self.tp_group,
         )
-        self.checkpoint_mlp = recompute_module_enabled(config, "mlp")
+        # "mlp" is the dense layer's MLP (as Megatron-Core); MoE layers have "moe", "moe_act", "shared_experts".
+        self.checkpoint_mlp = not is_expert and recompute_module_enabled(config, "mlp")
         # "moe_act": an expert's activation output is rebuilt in the backward instead of kept.
         self.recompute_activation = is_expert and recompute_module_enabled(config, "moe_act")
 

@@ -49,3 +49,19 @@ def test_moe_recompute_keeps_loss_and_gradients_and_runs_the_activation_again(fl
     for name, grad in want.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
     assert calls > plain_calls  # the recomputed activations ran again in the backward
+
+
+@pytest.mark.parametrize("layout", [dict(moe_grouped_gemm=False), dict(moe_grouped_gemm=True)])
+def test_mlp_recompute_leaves_moe_layers_alone(layout: dict):
+    """``"mlp"`` recomputes dense MLPs only (as Megatron-Core): routed and shared experts keep their activations."""
+    _, _, plain_calls = _run("deepseek", **layout)
+    _, _, calls = _run("deepseek", recompute_granularity="selective", recompute_modules=["mlp"], **layout)
+    assert calls == plain_calls
+
+
+def test_mlp_recompute_runs_dense_layers_again_beside_moe_layers():
+    """With ``moe_layer_freq`` mixing dense and MoE layers, ``"mlp"`` recomputes the dense layers' MLPs."""
+    _, _, plain_calls = _run("mixtral", moe_layer_freq=[0, 1])
+    _, _, calls = _run("mixtral", moe_layer_freq=[0, 1], recompute_granularity="selective",
+                       recompute_modules=["mlp"])
+    assert calls > plain_calls

@@ -44,6 +44,7 @@ class SharedExpertMLP(MLP):
         else:
             self.gate_weight = None
         self.recompute_shared_experts = recompute_module_enabled(config, "shared_experts")
+        self.checkpoint_mlp = False  # a shared expert recomputes under "shared_experts", never "mlp"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The shared experts' output ``[s, b, h]`` (gated when ``gate``); with ``"shared_experts"`` in
