@@ -33,6 +33,7 @@ from gpt_training.logger import TrainingLogger  # noqa: E402
 from gpt_training.loop import Trainer  # noqa: E402
 from gpt_training.metrics import flops_per_token, peak_flops  # noqa: E402
 from gpt_training.model_builder import build_model, count_parameters, transformer_config_from_args  # noqa: E402
+from gpt_training.upcycling import upcycle_dense_checkpoint  # noqa: E402
 from megatron_core import parallel_state  # noqa: E402
 from megatron_core.models.common.model_builder import configure_model_hooks  # noqa: E402
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
@@ -113,8 +114,12 @@ def setup(args: argparse.Namespace) -> TrainingSetup:
     configure_model_hooks(config, model, optimizer)
 
     checkpointer = Checkpointer(args, model, optimizer, scheduler)
-    iteration, consumed = checkpointer.load() if args.load else (0, 0)
-    checkpointer.check_save_dir(iteration)
+    if args.moe_use_upcycling:  # --load holds a dense checkpoint: upcycle it and save the MoE model first
+        iteration, consumed = upcycle_dense_checkpoint(args, model, optimizer, vocab_size), 0
+        checkpointer.save(iteration)
+    else:
+        iteration, consumed = checkpointer.load() if args.load else (0, 0)
+        checkpointer.check_save_dir(iteration)
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)  # the dataset builder builds on rank 0 first
     train_iter = iter(build_loader(train_ds, args, consumed))
     valid_loader = build_loader(valid_ds, args, 0)

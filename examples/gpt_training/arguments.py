@@ -6,6 +6,7 @@ import argparse
 
 from gpt_training.hf_model import apply_hf_model_args
 from gpt_training.presets import PRESETS, apply_preset
+from gpt_training.upcycling import validate_upcycling_args
 from megatron_core.device import cuda_available
 
 
@@ -118,6 +119,9 @@ def _moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     g.add_argument("--moe-shared-expert-gate", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true")
+    g.add_argument("--moe-use-upcycling", action="store_true",
+                   help="first MoE run only: upcycle the dense checkpoint in --load into this MoE model, save it "
+                        "to --save at iteration 1 and train on")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="benchmark aid: random router logits (near-uniform expert loads), the router still trains")
 
@@ -302,5 +306,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(not args.profile or 1 <= args.profile_step_start <= args.profile_step_end,
              f"--profile-step-start ({args.profile_step_start}) must be >= 1 and <= --profile-step-end "
              f"({args.profile_step_end})")
+    validate_upcycling_args(args)
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     return args

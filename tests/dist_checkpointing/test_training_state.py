@@ -152,3 +152,26 @@ def _fine_tune_start(save_dir: str, distributed_optimizer: bool) -> bool:
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_load_without_optimizer_refreshes_main_params(tmp_path, distributed_optimizer):
     assert run_on_ranks(1, _fine_tune_start, str(tmp_path / "ckpt"), distributed_optimizer) == [True]
+
+
+def _resume_before_first_step(save_dir: str, distributed_optimizer: bool) -> bool:
+    """A checkpoint saved before the optimizer's first step (no Adam moments yet, as after upcycling) resumes
+    into a fresh optimizer state: the next step equals the saved run's own."""
+    chunks, opt, sched = build(1, 1, distributed_optimizer=distributed_optimizer)
+    save_checkpoint(save_dir, 1, chunks, opt, sched)
+    train_step(chunks, opt, sched, 1)
+    expected = weights(chunks)
+    parallel_state.destroy_model_parallel()
+    chunks, opt, sched = build(1, 1, distributed_optimizer=distributed_optimizer, seed=5)
+    load_checkpoint(save_dir, chunks, opt, sched)
+    train_step(chunks, opt, sched, 1)
+    got = weights(chunks)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), f"{k}: max diff {(got[k] - v).abs().max().item():.3e}"
+    parallel_state.destroy_model_parallel()
+    return True
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_checkpoint_saved_before_the_first_step_resumes(tmp_path, distributed_optimizer):
+    assert run_on_ranks(1, _resume_before_first_step, str(tmp_path / "ckpt"), distributed_optimizer) == [True]

@@ -102,3 +102,24 @@ def test_recompute_modules_and_moe_benchmark_flags_reach_the_config():
     default = model_builder.transformer_config_from_args(
         arguments.validate_args(arguments.build_parser().parse_args([*TINY, "--train-iters", "1"]), 1))
     assert default.recompute_modules == ["core_attn"] and not default.moe_router_force_load_balancing
+
+
+def test_moe_use_upcycling_starts_a_moe_run_from_a_dense_checkpoint(tmp_path: Path) -> None:
+    # Top-2 of 4 experts that are all the dense MLP, probabilities renormalised: the upcycled model is the dense
+    # function, so its validation loss at the start equals the dense model's on the same fixed batches.
+    common = ["--fixed-validation-set", "--eval-iters", "2", "--eval-interval", "0"]
+    moe = ["--num-experts", "4", "--moe-router-topk", "2"]
+    _run(tmp_path, *common, "--train-iters", "2", "--save", "dense", "--log-json", str(tmp_path / "dense.jsonl"))
+    _run(tmp_path, *common, *moe, "--train-iters", "1", "--moe-use-upcycling", "--load", "dense", "--save", "moe",
+         "--log-json", str(tmp_path / "moe.jsonl"))
+    dense_loss, upcycled_loss = _valid_losses(tmp_path / "dense.jsonl"), _valid_losses(tmp_path / "moe.jsonl")
+    assert len(dense_loss) == len(upcycled_loss) == 1
+    assert abs(dense_loss[0] - upcycled_loss[0]) < 1e-5, (dense_loss, upcycled_loss)
+    assert (tmp_path / "moe" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    # Later runs resume from the upcycled checkpoint; upcycling into it again is refused.
+    _run(tmp_path, *common, *moe, "--train-iters", "2", "--load", "moe", "--save", "moe")
+    again = subprocess.run([sys.executable, str(SCRIPT), *TINY, *common, *moe, "--train-iters", "3",
+                            "--moe-use-upcycling", "--load", "dense", "--save", "moe"], cwd=tmp_path, text=True,
+                           capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode != 0
+    assert "already holds checkpoints (up to iteration 2)" in again.stderr

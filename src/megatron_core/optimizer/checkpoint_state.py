@@ -135,7 +135,7 @@ def load_model_space_state(opt: Any, leaf: dict[str, Any]) -> None:
     for e in opt._checkpoint_entries(list(path_of.values())):
         if e.main is None:
             continue
-        state = opt.optimizer.state.setdefault(e.main, {})
+        state: dict[str, Any] = {}
         main = local_tensor(e.main)
         for name, full in leaf["state"][path_by_param[id(e.model_param)]].items():
             value = opt._checkpoint_local(e, full).reshape(main.shape).to(main.device)
@@ -147,7 +147,11 @@ def load_model_space_state(opt: Any, leaf: dict[str, Any]) -> None:
                                                       shape=e.main.shape, stride=e.main.stride())
             else:  # keep the optimizer's storage dtype (bf16 moments of the precision-aware optimizer)
                 state[name] = value.to(getattr(opt.optimizer, f"{name}_dtype", value.dtype)).clone()
-        state["step"] = torch.tensor(float(step))
+        if state:
+            state["step"] = torch.tensor(float(step))
+            opt.optimizer.state[e.main] = state
+        else:  # saved before the first step: no moments, so a fresh state (Adam initialises it on its step)
+            opt.optimizer.state.pop(e.main, None)
     if not has_main:
         opt.reload_model_params()
     scaler = getattr(opt, "grad_scaler", None)
