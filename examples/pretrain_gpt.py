@@ -40,6 +40,7 @@ from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed, pad_vocab_size  # noqa: E402
 from megatron_core.transformer import TransformerConfig  # noqa: E402
+from megatron_core.transformer.moe.router_trace import get_moe_router_tracer, init_moe_router_tracer  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PRECISION_AWARE_DTYPES = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
@@ -144,6 +145,15 @@ def main(argv: list[str] | None = None) -> None:
         f"{count_parameters(run.model) / 1e6:.2f}M parameters on rank 0; vocab {run.vocab_size}; "
         f"start at {run.iteration}"
     )
+    if args.moe_routing_trace_path:  # hooks on every router; the loop ends each traced iteration
+        init_moe_router_tracer(
+            output_dir=args.moe_routing_trace_path, rank=rank, training_mode=True,
+            max_steps=args.moe_routing_trace_max_training_iters or args.train_iters,
+            capture_hidden_states=args.moe_routing_trace_capture_hidden_states,
+            capture_logits=args.moe_routing_trace_capture_logits,
+            dump_router_weights=args.moe_routing_trace_dump_weights,
+        )
+        get_moe_router_tracer().register_hooks(run.model)
     trainer = Trainer(args, run.config, run.model, run.optimizer, run.scheduler, run.train_data_iterator,
                       run.valid_data_iterator, logger, run.checkpointer)
     final = trainer.train(run.iteration, flops_per_token(args, run.vocab_size), peak_flops())
@@ -152,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
             logger.log(final, {"validation loss": trainer.evaluate()}, kind="valid")
         if args.save and not (args.save_interval and final % args.save_interval == 0):
             run.checkpointer.save(final)
+    if get_moe_router_tracer() is not None:
+        get_moe_router_tracer().flush()
     run.checkpointer.finalize()
     logger.close()
     parallel_state.destroy_model_parallel()

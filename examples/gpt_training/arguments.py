@@ -124,6 +124,17 @@ def _moe(parser: argparse.ArgumentParser) -> None:
                         "to --save at iteration 1 and train on")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="benchmark aid: random router logits (near-uniform expert loads), the router still trains")
+    g.add_argument("--moe-routing-trace-path", default=None,
+                   help="write every MoE router's top-k expert choices, one JSON line per (iteration, layer), to "
+                        "DIR/router_trace_rank{rank}.jsonl (megatron_core.transformer.moe.router_trace)")
+    g.add_argument("--moe-routing-trace-max-training-iters", type=int, default=None,
+                   help="with --moe-routing-trace-path, trace this many iterations (default: --train-iters)")
+    g.add_argument("--moe-routing-trace-capture-logits", action="store_true",
+                   help="also write each router's gating logits (bf16) to DIR/logits_rank{rank}.bin")
+    g.add_argument("--moe-routing-trace-capture-hidden-states", action="store_true",
+                   help="also write each router's input (bf16) to DIR/hidden_states_rank{rank}.bin")
+    g.add_argument("--moe-routing-trace-dump-weights", action="store_true",
+                   help="also save each router's weight and expert bias to DIR/router_state_rank{rank}.pt")
 
 
 def _training(parser: argparse.ArgumentParser) -> None:

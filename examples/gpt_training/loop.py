@@ -23,6 +23,7 @@ from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.progress import track
 from megatron_core.training_metrics import model_flops_utilization
+from megatron_core.transformer.moe.router_trace import get_moe_router_tracer
 from megatron_core.utils import get_batch_on_this_cp_rank
 
 # Test hook: every rank SIGKILLs itself at the end of this iteration (after its checkpoint, if any, is
@@ -303,6 +304,8 @@ class Trainer:
         while iteration < args.train_iters:
             profiler.before_step(iteration + 1)
             self.results.add(self.train_step(iteration + 1))
+            if get_moe_router_tracer() is not None:  # as Megatron-LM: the step id is the iterations done before it
+                get_moe_router_tracer().advance_step(iteration)
             iteration += 1
             profiler.after_step(iteration)
             window_steps += 1

@@ -123,3 +123,18 @@ def test_moe_use_upcycling_starts_a_moe_run_from_a_dense_checkpoint(tmp_path: Pa
                            capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode != 0
     assert "already holds checkpoints (up to iteration 2)" in again.stderr
+
+
+def test_moe_routing_trace_path_writes_a_trace_per_iteration(tmp_path: Path) -> None:
+    # Megatron-LM's flags: every iteration's routing, stamped with the iterations done before it, up to the limit;
+    # the validation passes are not recorded.
+    _run(tmp_path, "--num-experts", "4", "--moe-router-topk", "2", "--train-iters", "3", "--eval-interval", "1",
+         "--eval-iters", "1", "--moe-routing-trace-path", "trace", "--moe-routing-trace-max-training-iters", "2",
+         "--moe-routing-trace-capture-logits", "--moe-routing-trace-dump-weights")
+    trace = tmp_path / "trace"
+    records = [json.loads(line) for line in (trace / "router_trace_rank0.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["layer"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {(r["num_tokens"], r["topk"], r["logit_shape"][1]) for r in records} == {(64, 2, 4)}
+    assert all(len(row) == 2 and 0 <= min(row) and max(row) < 4 for r in records for row in r["top_indices"])
+    assert (trace / "logits_rank0.bin").stat().st_size == sum(r["logit_bytes"] for r in records)
+    assert (trace / "router_state_rank0.pt").exists() and not (trace / "hidden_states_rank0.bin").exists()
