@@ -135,6 +135,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     moe_router_force_load_balancing: bool = False
     moe_router_force_biased: float | None = None
     moe_router_padding_for_quantization: bool | None = False
+    moe_enable_routing_replay: bool = False  # record / replay each router's top-k (moe.router_replay)
     # The flex dispatcher's backend (only its choice is checked: the flex dispatcher itself is refused)
     moe_flex_dispatcher_backend: str = "deepep"
 

@@ -188,6 +188,7 @@ def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_so
                                      scaling_factor: float | None = None, score_function: str = "softmax",
                                      expert_bias: torch.Tensor | None = None, fused: bool = False,
                                      router_replay: Any = None, dense_output: bool = False,
+                                     precomputed_indices: torch.Tensor | None = None,
                                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, routing_map)`` ``[num_tokens, num_experts]`` of the top-k experts per token.
 
@@ -195,15 +196,25 @@ def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_so
     them. sigmoid/sqrtsoftplus: top-k of ``score + expert_bias`` (the bias only selects), probs are
     the unbiased scores renormalised over the chosen experts (when ``topk > 1``). ``scaling_factor``
     multiplies the probs. With ``dense_output`` returns ``(probs, indices)`` ``[num_tokens, topk]``.
+    ``precomputed_indices [num_tokens, topk]`` replaces the top-k selection (probs are computed at
+    those experts); a ``router_replay`` (:class:`.router_replay.RouterReplay`) records or replays it.
     """
-    if fused or router_replay is not None:
-        raise ValueError("fused routing and router replay are not supported by this library")
+    if fused:
+        raise ValueError("fused routing (moe_router_fusion) needs Transformer Engine, which this library does not use")
     num_tokens, num_experts = logits.shape
 
+    def default_topk(scores: torch.Tensor, k: int, groups: int | None = None, group_k: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if group_k:
+            return group_limited_topk(scores, k, num_tokens, num_experts, groups, group_k)
+        return torch.topk(scores, k=k, dim=1)
+
     def compute_topk(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if group_topk:
-            return group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk)
-        return torch.topk(scores, k=topk, dim=1)
+        if precomputed_indices is not None:
+            return scores.gather(1, precomputed_indices), precomputed_indices
+        if router_replay is not None:
+            return router_replay.get_replay_topk(scores, topk, num_groups, group_topk, default_topk)
+        return default_topk(scores, topk, num_groups, group_topk)
 
     if score_function == "softmax":
         if use_pre_softmax:

@@ -30,6 +30,7 @@ from megatron_core.transformer.moe.moe_utils import (
     topk_routing_with_score_function,
     z_loss_func,
 )
+from megatron_core.transformer.moe.router_replay import RouterReplay
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.utils import get_pg_size
 
@@ -87,6 +88,8 @@ class Router(MegatronModule):
     def set_layer_number(self, layer_number: int) -> None:
         """The global 1-based layer number, used to log per-layer metrics (MTP layers after the decoder's)."""
         self.layer_number = layer_number
+        if getattr(self, "router_replay", None) is not None:
+            self.router_replay.layer_number = layer_number
         slot = layer_number + (self.config.num_layers if self.is_mtp_layer else 0)
         self.metrics_slot = torch.tensor(slot, dtype=torch.long, device=self.weight.device)
 
@@ -116,6 +119,8 @@ class TopKRouter(Router):
         else:
             self.global_tokens_per_expert = None
             self.ga_steps = None
+        # moe_enable_routing_replay: this layer's top-k can be recorded and replayed (see .router_replay).
+        self.router_replay = RouterReplay() if config.moe_enable_routing_replay else None
         if self.routing_type == "sinkhorn":
             raise ValueError("moe_router_load_balancing_type='sinkhorn' is not supported by this library")
 
@@ -220,7 +225,7 @@ class TopKRouter(Router):
         probs, routing_map = topk_routing_with_score_function(
             logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
             group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
-            score_function=self.score_function, expert_bias=self.expert_bias,
+            score_function=self.score_function, expert_bias=self.expert_bias, router_replay=self.router_replay,
         )
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
