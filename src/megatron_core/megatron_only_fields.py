@@ -212,7 +212,6 @@ class MegatronOnlyTransformerFields:
     moe_ncclep_static_shape: bool = _refused(False, _FLEX)
     moe_ncclep_zero_copy: bool = _refused(False, _FLEX)
     moe_expert_rank_capacity_factor: float | None = _refused(None, _FLEX)
-    moe_latent_size: int | None = _refused(None, "latent MoE projections")
     moe_mlp_glu_interleave_size: int | None = _refused(None, "block-interleaved GLU for fused kernels")
     moe_shared_expert_glu_interleave_size: int | None = _refused(None, "block-interleaved GLU for fused kernels")
     moe_single_grouped_weight: bool = _refused(False, "Transformer Engine's GroupedTensor (the grouped experts "

@@ -62,7 +62,9 @@ class MLP(MegatronModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config)
-        self.input_size = input_size if input_size is not None else config.hidden_size
+        # Routed experts of a latent MoE layer read and write moe_latent_size-wide tokens (as Megatron-Core).
+        latent_size = config.moe_latent_size if is_expert else None
+        self.input_size = latent_size or (input_size if input_size is not None else config.hidden_size)
         ffn_hidden_size = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
         fc1_output_size = 2 * ffn_hidden_size if config.gated_linear_unit else ffn_hidden_size
         self.tp_group = resolve_tp_group(tp_group, pg_collection, is_expert)
@@ -85,7 +87,7 @@ class MLP(MegatronModule):
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
             ffn_hidden_size,
-            config.hidden_size,
+            latent_size or config.hidden_size,
             config=config,
             init_method=config.output_layer_init_method,
             bias=config.add_bias_linear,

@@ -187,6 +187,8 @@ def check_moe_config(cfg: Any) -> None:
     _check_capacity(cfg, _balancing_types(cfg))
     _choice(cfg, "moe_token_dispatcher_type", MOE_DISPATCHERS)
     _check_routing_overrides(cfg)
+    if cfg.moe_latent_size is not None and cfg.moe_latent_size <= 0:
+        raise ValueError(f"moe_latent_size ({cfg.moe_latent_size}) must be > 0 (or None: no latent projections)")
     shared = cfg.moe_shared_expert_intermediate_size
     if shared is not None and shared <= 0:
         raise ValueError(f"moe_shared_expert_intermediate_size ({shared}) must be > 0")

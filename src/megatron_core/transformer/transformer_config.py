@@ -136,6 +136,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     moe_router_force_biased: float | None = None
     moe_router_padding_for_quantization: bool | None = False
     moe_enable_routing_replay: bool = False  # record / replay each router's top-k (moe.router_replay)
+    moe_latent_size: int | None = None  # routed experts work in this width (moe.latent_projection)
     # The flex dispatcher's backend (only its choice is checked: the flex dispatcher itself is refused)
     moe_flex_dispatcher_backend: str = "deepep"
 

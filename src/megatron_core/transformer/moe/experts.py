@@ -131,15 +131,16 @@ class TEGroupedMLP(MegatronModule):
         self.num_local_experts = num_local_experts
         self.ep_group, self.tp_group, self.dp_group = pgs.ep, pgs.expt_tp, pgs.expt_dp
         ffn = config.moe_ffn_hidden_size
+        token_size = config.moe_latent_size or config.hidden_size  # the latent width in a latent MoE layer
         self.linear_fc1 = build_module(
-            submodules.linear_fc1, num_local_experts, config.hidden_size, 2 * ffn if config.gated_linear_unit else ffn,
+            submodules.linear_fc1, num_local_experts, token_size, 2 * ffn if config.gated_linear_unit else ffn,
             config=config, init_method=config.init_method, bias=config.add_bias_linear, skip_bias_add=False,
             is_expert=True, tp_comm_buffer_name="fc1", tp_group=pgs.expt_tp,
         )
         self.activation_func = submodules.activation_func or config.activation_func
         self.recompute_activation = recompute_module_enabled(config, "moe_act")  # rebuilt in the backward
         self.linear_fc2 = build_module(
-            submodules.linear_fc2, num_local_experts, ffn, config.hidden_size, config=config,
+            submodules.linear_fc2, num_local_experts, ffn, token_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, skip_bias_add=True,
             is_expert=True, tp_comm_buffer_name="fc2", tp_group=pgs.expt_tp,
         )

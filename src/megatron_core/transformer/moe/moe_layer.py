@@ -19,6 +19,7 @@ import torch
 from megatron_core import tensor_parallel
 from megatron_core.process_groups_config import check_parallel_size
 from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.moe.latent_projection import LatentProjection
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_core.transformer.moe.router import TopKRouter
 from megatron_core.transformer.moe.token_dispatcher import (
@@ -89,6 +90,12 @@ class MoELayer(BaseMoELayer):
         pgs = self.pg_collection
         self.moe_layer_recompute = config.recompute_granularity == "selective" and "moe" in config.recompute_modules
         self.router = build_module(submodules.router, config=config, pg_collection=pgs, is_mtp_layer=is_mtp_layer)
+        if config.moe_latent_size:  # tokens travel and are computed at moe_latent_size (see .latent_projection)
+            self.fc1_latent_proj = LatentProjection(config.hidden_size, config.moe_latent_size, config,
+                                                    config.init_method, config.add_bias_linear, tp_group=pgs.tp)
+            self.fc2_latent_proj = LatentProjection(config.moe_latent_size, config.hidden_size, config,
+                                                    config.output_layer_init_method, config.add_bias_linear,
+                                                    tp_group=pgs.tp)
         self.token_dispatcher = _DISPATCHERS[config.moe_token_dispatcher_type](
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pgs)
         self.experts = build_module(submodules.experts, self.num_local_experts, config, pg_collection=pgs)
@@ -106,7 +113,9 @@ class MoELayer(BaseMoELayer):
         return self.router(hidden_states, padding_mask)
 
     def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-        """The dispatcher's local preprocessing (flatten, permute)."""
+        """The dispatcher's local preprocessing (flatten, permute), after the down projection of a latent layer."""
+        if self.config.moe_latent_size:
+            hidden_states, _ = self.fc1_latent_proj(hidden_states)
         return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
 
     def dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -130,8 +139,10 @@ class MoELayer(BaseMoELayer):
         return self.token_dispatcher.token_combine(output)
 
     def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None) -> torch.Tensor:
-        """Unpermute to ``[s, b, h]`` and add the shared experts' output."""
+        """Unpermute to ``[s, b, h]`` (projecting a latent layer's output back up) and add the shared experts'."""
         output = self.token_dispatcher.combine_postprocess(output)
+        if self.config.moe_latent_size:
+            output, _ = self.fc2_latent_proj(output)
         return output if shared_expert_output is None else output + shared_expert_output
 
     def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, None]:
