@@ -3,9 +3,11 @@
 An :class:`InferenceRequest` carries a prompt, its :class:`SamplingParams` and, once served, the
 generated tokens, text, log-probs and a :class:`Status`. :class:`DynamicInferenceRequest` is the
 dynamic engine's request: ``generated_tokens`` is a plain ``list[int]`` that grows by one token
-per decode step, and timing (``ttft``, ``latency``). A request that was evicted from the KV cache
-and re-admitted keeps one object; :class:`DynamicInferenceRequestRecord` wraps it for Megatron's
-record-based APIs (``engine.generate`` returns records, ``record.merge()`` gives the request).
+per decode step, timing (``ttft``, ``latency``) and, for MoE models with routing replay,
+``routing_indices`` (a numpy array; serialised as ``("ndarray", {"data", "dtype"})``). A request
+that was evicted from the KV cache and re-admitted keeps one object;
+:class:`DynamicInferenceRequestRecord` wraps it for Megatron's record-based APIs
+(``engine.generate`` returns records, ``record.merge()`` gives the request).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_core.inference.sampling_params import SamplingParams
@@ -107,6 +110,8 @@ class InferenceRequest:
         for key, value in self.__dict__.items():
             if isinstance(value, torch.Tensor):
                 value = value.tolist()
+            elif isinstance(value, np.ndarray):  # Megatron-Core's form: ("ndarray", {"data", "dtype"})
+                value = ("ndarray", {"data": value.tolist(), "dtype": str(value.dtype)})
             elif isinstance(value, Enum):
                 value = value.name
             elif isinstance(value, SamplingParams):
@@ -160,6 +165,9 @@ class DynamicInferenceRequest(InferenceRequest):
     num_evictions: int = 0
     error: str | None = None
     finish_reason: str | None = None
+    # Rollout routing replay (moe_enable_routing_replay): the experts each token was routed to, set when the
+    # request completes; [total_tokens - 1, num_moe_layers, topk] (the last generated token is never fed).
+    routing_indices: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_tokens, torch.Tensor):
@@ -169,6 +177,16 @@ class DynamicInferenceRequest(InferenceRequest):
             self.status = Status.WAITING_IN_QUEUE
         if self.enable_prefix_caching and self.block_size_tokens and not self.precomputed_block_hashes:
             self.precomputed_block_hashes = compute_block_hashes_batched(self.prompt_tokens, self.block_size_tokens)
+
+    def serialize(self) -> dict[str, Any]:
+        """As :meth:`InferenceRequest.serialize`; checks that ``routing_indices`` has a row per fed token."""
+        if self.routing_indices is not None:
+            prompt = len(self.prompt_tokens) if self.prompt_tokens is not None else (self.prompt_length or 0)
+            fed = prompt + len(self.generated_tokens) - 1
+            if self.routing_indices.shape[0] != fed:
+                raise ValueError(f"request {self.request_id}: routing_indices has {self.routing_indices.shape[0]} "
+                                 f"rows; the model was fed {fed} tokens (all but the last generated one)")
+        return super().serialize()
 
     @property
     def remaining_prompt_length(self) -> int:

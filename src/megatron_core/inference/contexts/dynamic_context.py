@@ -21,6 +21,9 @@ cached prefix. Growing a request that needs a block when none is free fails loud
 With ``enable_prefix_caching``, :meth:`add_request` takes the request's prompt-block hashes: the
 cached blocks of the longest matching prefix are shared (pinned in the allocator) and count as
 already cached tokens; :meth:`commit_step` registers each prompt block once its tokens are computed.
+
+With the model's ``moe_enable_routing_replay``, ``moe_routing_metadata`` (:mod:`.routing_metadata`) keeps
+the experts each fed token was routed to, per KV slot.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from megatron_core.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megatron_core.inference.contexts.paged_attention import paged_decode_attention, paged_decode_supported
 from megatron_core.inference.contexts.rope_cache_append import rope_cache_append, rope_cache_append_supported
 from megatron_core.inference.contexts.rotary import rotate_at_positions
+from megatron_core.inference.contexts.routing_metadata import RoutingMetadata
 
 __all__ = [
     "ContextOverflowError",
@@ -169,6 +173,15 @@ class DynamicInferenceContext(BaseInferenceContext):
         self._registered_blocks: dict[Any, int] = {}
         self.step_entries: list[StepEntry] = []
         self.step_count = 0
+        # Rollout routing replay: the routing of every token fed (see .routing_metadata).
+        self.moe_enable_routing_replay = bool(getattr(model_config, "moe_enable_routing_replay", False))
+        self.moe_routing_metadata: RoutingMetadata | None = None
+        if self.moe_enable_routing_replay:
+            if not getattr(model_config, "num_moe_experts", None):
+                raise ValueError("moe_enable_routing_replay records MoE routing, but the model has no "
+                                 "num_moe_experts")
+            self.moe_routing_metadata = RoutingMetadata(self, model_config.moe_router_topk,
+                                                        model_config.num_moe_experts)
 
     # ---- capacity ---------------------------------------------------------------------------------
 

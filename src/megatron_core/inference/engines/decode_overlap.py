@@ -22,7 +22,8 @@ otherwise the engine finishes step ``t`` and schedules the next step as usual.
 
 Greedy outputs are identical to stepping one at a time. Sampled outputs reproduce from run to run,
 but a dropped row still draws from the sampling generator, so they can differ from the
-non-overlapped engine's. Steps that need log-probs, and pipeline-parallel models, are not overlapped.
+non-overlapped engine's. Steps that need log-probs, pipeline-parallel models, and models that record
+their MoE routing (``moe_enable_routing_replay``) are not overlapped.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class DecodeOverlap:
     def _can_overlap(self, entries: list[StepEntry]) -> bool:
         """Whether the laid-out step may run without waiting for its tokens."""
         if not self.overlap_decode_steps or self.context.graph_batch_size is None:
+            return False
+        if self.context.moe_routing_metadata is not None:  # routing is read back after each forward
             return False
         if self.controller.inference_wrapped_model.pp_group is not None:
             return False

@@ -17,7 +17,9 @@ requests) a prompt longer than the step's remaining token budget is split over s
 Requests finish on the termination token, a stop word, ``num_tokens_to_generate``, or
 ``max_sequence_length``; they can be cancelled (:meth:`cancel_request`), which frees their blocks
 at the next step boundary. Requests that can never fit are refused in ``add_request`` with a
-``ValueError``.
+``ValueError``. When the model has ``moe_enable_routing_replay``, a completed request carries
+``routing_indices``: the experts of each of its tokens fed to the model (see
+:mod:`~megatron_core.inference.contexts.routing_metadata`).
 """
 
 from __future__ import annotations
@@ -289,8 +291,17 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
             self._notify_token(request, token)
             if self._should_stop(request, token):
                 self.running.remove(request.request_id)
+                self._attach_routing(request)
                 self.context.release_request(request.request_id)
                 self._finish(request, Status.COMPLETED)
+
+    def _attach_routing(self, request: DynamicInferenceRequest) -> None:
+        """With routing replay, give a finishing request (still holding its blocks) ``routing_indices``: every
+        token but the last generated one went through the model."""
+        routing = self.context.moe_routing_metadata
+        if routing is not None:
+            num_tokens = self._sequence_length(request) - 1
+            request.routing_indices = routing.request_routing_indices(request.request_id, num_tokens)
 
     def _should_stop(self, request: DynamicInferenceRequest, token: int) -> bool:
         """Whether ``request`` is done after ``token``; sets ``request.finish_reason`` ("stop" / "length")."""

@@ -5,7 +5,8 @@ per-step work of the dynamic engine: feed the context's flattened step to the mo
 (:meth:`generate_output_tokens_dynamic_batch`), sample one token for every request whose chunk
 ended its sequence, and compute the log-probs asked for. Sampling uses one ``torch.Generator``
 seeded from ``model.config.inference_sampling_seed`` (default 42), so a run with the same
-requests in the same order reproduces.
+requests in the same order reproduces. With ``model.config.moe_enable_routing_replay`` each dynamic
+forward records the model's routers into the context's ``moe_routing_metadata``.
 
 Tokenizers are duck-typed like Megatron's: ``tokenize(text) -> list[int]``,
 ``detokenize(ids) -> str``, ``eod``, and optionally ``bos`` and ``vocab_size``.
@@ -23,6 +24,7 @@ from megatron_core.inference.model_inference_wrappers.abstract_model_inference_w
 )
 from megatron_core.inference.sampling.torch_sampling import TorchSampling
 from megatron_core.inference.sampling_params import SamplingParams
+from megatron_core.transformer.moe.router_replay import RouterReplay
 
 __all__ = ["TextGenerationController", "DynamicStepOutput"]
 
@@ -54,6 +56,11 @@ class TextGenerationController:
         self.tokenizer = tokenizer
         self.model_config = inference_wrapped_model.config
         self.vocab_size = getattr(tokenizer, "vocab_size", None) if tokenizer is not None else None
+        # moe_enable_routing_replay: this model's routers, recorded in every dynamic step (layer order).
+        self.router_replays: list[RouterReplay] | None = None
+        if getattr(self.model_config, "moe_enable_routing_replay", False):
+            self.router_replays = [m.router_replay for m in inference_wrapped_model.model.modules()
+                                   if isinstance(getattr(m, "router_replay", None), RouterReplay)]
         self.reset_sampling_seed(getattr(self.model_config, "inference_sampling_seed", DEFAULT_SAMPLING_SEED))
 
     def reset_sampling_seed(self, seed: int) -> None:
@@ -120,9 +127,14 @@ class TextGenerationController:
         """Run the step laid out in the context (its tokens are cached afterwards); logits ``[L, V]``."""
         context = self.inference_wrapped_model.inference_context
         input_ids, position_ids = context.current_input_and_position_ids()
-        logits = self.inference_wrapped_model.run_one_forward_step(
-            {"tokens": input_ids, "position_ids": position_ids, "attention_mask": None}
-        )[0]
+        inputs = {"tokens": input_ids, "position_ids": position_ids, "attention_mask": None}
+        routing = getattr(context, "moe_routing_metadata", None) if self.router_replays is not None else None
+        if routing is None:
+            logits = self.inference_wrapped_model.run_one_forward_step(inputs)[0]
+        else:  # rollout routing replay: keep each token's experts
+            with routing.recording(self.router_replays):
+                logits = self.inference_wrapped_model.run_one_forward_step(inputs)[0]
+            routing.store_step()
         context.commit_step()
         if self.vocab_size is not None:
             logits = logits[:, : self.vocab_size]
