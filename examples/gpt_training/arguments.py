@@ -90,6 +90,14 @@ def _model(parser: argparse.ArgumentParser) -> None:
                    help="torch.compile each transformer layer and the loss (GPU speed-up; first steps compile)")
 
 
+def _mtp(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("multi-token prediction (DeepSeek-V3's MTP)")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="MTP depths after the decoder, each predicting one more future token (None: no MTP)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="weight of the MTP losses (averaged over the depths) in the gradients")
+
+
 def _moe(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (None: dense model)")
@@ -237,7 +245,7 @@ def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every flag ``pretrain_gpt.py`` accepts."""
     parser = argparse.ArgumentParser(description="Pretrain a GPT with megatron_core.", allow_abbrev=False)
-    for add in (_parallel, _model, _moe, _training, _data, _logging_and_checkpoints):
+    for add in (_parallel, _model, _moe, _mtp, _training, _data, _logging_and_checkpoints):
         add(parser)
     return parser
 
@@ -317,6 +325,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(not args.profile or 1 <= args.profile_step_start <= args.profile_step_end,
              f"--profile-step-start ({args.profile_step_start}) must be >= 1 and <= --profile-step-end "
              f"({args.profile_step_end})")
+    _require(args.mtp_num_layers is None or (args.mtp_num_layers >= 1 and pp == 1),
+             f"--mtp-num-layers ({args.mtp_num_layers}) must be >= 1 and needs --pipeline-model-parallel-size 1 "
+             f"(got {pp})")
     validate_upcycling_args(args)
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     return args

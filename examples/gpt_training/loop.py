@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from gpt_training.data import to_device
 from gpt_training.moe_metrics import moe_log_values
+from gpt_training.mtp_metrics import mtp_log_values
 from gpt_training.profiling import StepProfiler
 from gpt_training.step_results import HostCopy, QueuedStep, SettledStep, StepResults, window_summary
 from gpt_training.step_timers import StepTimers, breakdown, timed
@@ -197,6 +198,8 @@ class Trainer:
         losses = self._run(self.train_iter, forward_only=False)
         loss_tensor = _mean_loss_tensor(losses)  # averaged over all ranks, so every rank takes the same decision
         extra = moe_log_values(self.args) if self.args.num_experts is not None else {}
+        if getattr(self.args, "mtp_num_layers", None):
+            extra.update(mtp_log_values(self.args))
         check = self.args.check_for_nan_in_loss_and_grad
         step = self.optimizer.step_on_device
         if self.timers is not None:

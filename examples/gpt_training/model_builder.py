@@ -11,7 +11,11 @@ import torch.nn.functional as F
 from megatron_core.distributed import DistributedDataParallelConfig
 from megatron_core.models.common.model_builder import get_model
 from megatron_core.models.gpt import GPTModel
-from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron_core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron_core.transformer import TransformerConfig
 
 
@@ -55,6 +59,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         recompute_num_layers=args.recompute_num_layers,
         recompute_modules=getattr(args, "recompute_modules", None),
         use_cpu_initialization=args.use_cpu_initialization,
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
+        mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1),
         **_moe_config(args),
     )
 
@@ -117,6 +123,8 @@ def model_provider(args: argparse.Namespace, vocab_size: int, models: list[torch
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
             vp_stage=vp_stage,
+            mtp_block_spec=(get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+                            if config.mtp_num_layers else None),
         )
     if args.compile:
         compile_layers_and_loss(model)

@@ -138,3 +138,15 @@ def test_moe_routing_trace_path_writes_a_trace_per_iteration(tmp_path: Path) -> 
     assert all(len(row) == 2 and 0 <= min(row) and max(row) < 4 for r in records for row in r["top_indices"])
     assert (trace / "logits_rank0.bin").stat().st_size == sum(r["logit_bytes"] for r in records)
     assert (trace / "router_state_rank0.pt").exists() and not (trace / "hidden_states_rank0.bin").exists()
+
+
+def test_mtp_num_layers_trains_and_logs_each_depth(tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    _run(tmp_path, "--train-iters", "2", "--eval-interval", "0", "--eval-iters", "1", "--mtp-num-layers", "2",
+         "--log-json", str(log))
+    train = [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "train"]
+    assert len(train) == 2
+    for record in train:
+        for depth in (1, 2):
+            assert 3.0 < record[f"mtp_{depth} loss"] < 6.0, record  # about ln(127) for a fresh model
+            assert 0.0 <= record[f"mtp_{depth} acceptance %"] <= 100.0

@@ -161,6 +161,8 @@ def forward_step(
     if getattr(config, "num_moe_experts", None) is not None:
         # Before the forward (Megatron sets it after): a compiled layer may read the scale in its forward.
         _set_moe_aux_loss_scale(config, num_microbatches, cp_size)
+    if getattr(config, "mtp_num_layers", None) is not None:
+        _set_mtp_loss_scale(config, num_microbatches)
     with autocast:
         if checkpoint_activations_microbatch is None:
             output_tensor, loss_func = forward_step_func(data_iterator, model)
@@ -193,6 +195,23 @@ def _set_moe_aux_loss_scale(config: Any, num_microbatches: int, cp_size: int) ->
     if not getattr(config, "calculate_per_token_loss", False):
         scale = scale * cp_size / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(scale)
+
+
+def _set_mtp_loss_scale(config: Any, num_microbatches: int) -> None:
+    """MTP losses get the main loss's backward scale, as Megatron-Core's schedules set it: ``mtp_grad_scale_func()``,
+    else ``grad_scale_func(1)``, else 1, divided by ``num_microbatches`` (not with ``calculate_per_token_loss``)."""
+    # Imported here: the schedules sit below the transformer package and only MTP models need it.
+    from megatron_core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    if getattr(config, "mtp_grad_scale_func", None) is not None:
+        scale = torch.as_tensor(config.mtp_grad_scale_func(), dtype=torch.float32)
+    elif getattr(config, "grad_scale_func", None) is not None:
+        scale = config.grad_scale_func(torch.ones(1, device=device.get_current_device()))
+    else:
+        scale = torch.ones(1)
+    if not getattr(config, "calculate_per_token_loss", False):
+        scale = scale / num_microbatches
+    MTPLossAutoScaler.set_loss_scale(scale)
 
 
 def _call_if_wrapped_model_has(model: torch.nn.Module, method: str) -> None:

@@ -63,7 +63,9 @@ class TransformerLayer(MegatronModule):
         # Every submodule gets the same groups: pg_collection, else parallel_state's.
         self.pg_collection = pg_collection = resolve_pg_collection(pg_collection)
         self.tp_group = pg_collection.tp
-        if add_layer_offset and pp_layer_offset is None:
+        if is_mtp_layer:  # an MTP depth numbers its layer itself (its MoE router logs after the decoder's)
+            offset = 0
+        elif add_layer_offset and pp_layer_offset is None:
             pp_group = getattr(pg_collection, "pp", None)
             offset = get_transformer_layer_offset(
                 config, vp_stage, get_pg_rank(pp_group), pp_size=get_pg_size(pp_group)
@@ -88,7 +90,9 @@ class TransformerLayer(MegatronModule):
         )
         self.cross_attn_bda = build_module(submodules.cross_attn_bda, config=config)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_kwargs)
-        self.mlp = build_module(submodules.mlp, config=config, pg_collection=pg_collection)
+        self.is_mtp_layer = is_mtp_layer
+        mlp_kwargs = {"is_mtp_layer": True} if is_mtp_layer and _builds_moe_layer(submodules.mlp) else {}
+        self.mlp = build_module(submodules.mlp, config=config, pg_collection=pg_collection, **mlp_kwargs)
         if hasattr(self.mlp, "set_layer_number"):  # MoE: the router logs its losses per global layer
             self.mlp.set_layer_number(self.layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
@@ -179,3 +183,11 @@ class TransformerLayer(MegatronModule):
             mlp_output_with_bias, residual, self.hidden_dropout
         )
         return hidden_states, context
+
+
+def _builds_moe_layer(spec: Any) -> bool:
+    """Whether ``spec`` builds a MoE layer (whose router needs to know it serves an MTP depth)."""
+    from megatron_core.transformer.moe.moe_layer import BaseMoELayer  # lazy-import: moe builds on this module
+
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    return isinstance(module, type) and issubclass(module, BaseMoELayer)

@@ -17,6 +17,12 @@ from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
+from megatron_core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_offset,
+    get_mtp_layer_spec_for_backend,
+    get_mtp_num_layers_to_build,
+)
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
@@ -31,6 +37,8 @@ __all__ = [
     "get_gpt_layer_local_submodules",
     "get_gpt_layer_with_transformer_engine_spec",
     "get_gpt_layer_with_transformer_engine_submodules",
+    "get_gpt_mtp_block_spec",
+    "get_gpt_mtp_block_spec_for_backend",
     "get_mlp_module_spec",
     "get_mlp_module_spec_for_backend",
 ]
@@ -228,3 +236,37 @@ def get_gpt_decoder_block_spec(
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=layer_specs[offset:offset + num_layers], layer_norm=WrappedTorchNorm)
+
+
+def get_gpt_mtp_block_spec_for_backend(config: TransformerConfig, spec: ModuleSpec | TransformerBlockSubmodules,
+                                       backend: BackendSpecProvider, vp_stage: int | None = None,
+                                       pp_rank: int | None = None) -> MultiTokenPredictionBlockSubmodules | None:
+    """The MTP block spec of this pipeline chunk (None where it holds no MTP layer): one MTP layer per depth
+    around ``spec``'s transformer layer (the last one of a block spec), with ``backend``'s norm and projection."""
+    num_layers = get_mtp_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    if num_layers == 0:
+        return None
+    if isinstance(spec, TransformerBlockSubmodules):
+        layer_spec = spec.layer_specs[-1]
+    elif isinstance(spec, ModuleSpec) and spec.module is TransformerLayer:
+        layer_spec = spec
+    else:
+        raise ValueError(f"get_gpt_mtp_block_spec needs a TransformerBlockSubmodules or a TransformerLayer spec, "
+                         f"got {type(spec).__name__}")
+    mtp_layer = get_mtp_layer_spec_for_backend(layer_spec, backend)
+    if config.mtp_use_repeated_layer:
+        return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer])
+    offset = get_mtp_layer_offset(config, vp_stage=vp_stage)
+    specs = ([mtp_layer] * (config.mtp_num_layers or 0))[offset:offset + num_layers]
+    if specs and len(specs) != config.mtp_num_layers:
+        raise ValueError("all MTP layers must be on the same pipeline stage")
+    return MultiTokenPredictionBlockSubmodules(layer_specs=specs) if specs else None
+
+
+def get_gpt_mtp_block_spec(config: TransformerConfig, spec: ModuleSpec | TransformerBlockSubmodules,
+                           use_transformer_engine: bool, vp_stage: int | None = None,
+                           pp_rank: int | None = None) -> MultiTokenPredictionBlockSubmodules | None:
+    """The MTP block spec (see :func:`get_gpt_mtp_block_spec_for_backend`) with Transformer Engine's or the local
+    layers."""
+    backend = _te_spec_provider() if use_transformer_engine else LocalSpecProvider()
+    return get_gpt_mtp_block_spec_for_backend(config, spec, backend, vp_stage=vp_stage, pp_rank=pp_rank)

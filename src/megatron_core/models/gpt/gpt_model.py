@@ -21,6 +21,11 @@ from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron_core.models.common.language_module.language_module import LanguageModule
 from megatron_core.process_groups_config import check_parallel_size
 from megatron_core.transformer.enums import ModelType
+from megatron_core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    mtp_on_this_rank,
+    process_mtp_loss,
+)
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron_core.transformer.transformer_config import TransformerConfig
@@ -62,8 +67,6 @@ class GPTModel(LanguageModule):
             raise ValueError(
                 f"position_embedding_type ({position_embedding_type!r}) must be one of {list(_POSITION_EMBEDDING_TYPES)}"
             )
-        if mtp_block_spec is not None:
-            raise ValueError("GPTModel: multi-token prediction (mtp_block_spec) is not supported")
         _check_model_sizes(vocab_size, max_sequence_length)
         # Every part gets the same groups (self.pg_collection: the argument, else parallel_state's).
         tp_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
@@ -86,7 +89,14 @@ class GPTModel(LanguageModule):
         self.model_type = ModelType.encoder_or_decoder
         self.logit_dtype = logit_dtype
 
-        if pre_process:
+        self.mtp_block_spec = mtp_block_spec
+        self.mtp_process = mtp_block_spec is not None and mtp_on_this_rank(
+            layout=config.pipeline_model_parallel_layout, mtp_num_layers=config.mtp_num_layers,
+            ignore_virtual=False, vp_stage=vp_stage)
+        if self.mtp_process and not pre_process:
+            raise ValueError("multi-token prediction on a pipeline stage without the embedding is not supported yet: "
+                             "use pipeline_model_parallel_size 1 with mtp_num_layers (docs/compat.md)")
+        if pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(
                 config=config,
                 vocab_size=vocab_size,
@@ -115,6 +125,9 @@ class GPTModel(LanguageModule):
             pg_collection=self.pg_collection,
             vp_stage=vp_stage,
         )
+        if self.mtp_process:
+            self.mtp = MultiTokenPredictionBlock(config=config, spec=mtp_block_spec, vp_stage=vp_stage,
+                                                 pg_collection=self.pg_collection)
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size,
@@ -182,8 +195,22 @@ class GPTModel(LanguageModule):
             packed_seq_params=packed_seq_params,
             **(extra_block_kwargs or {}),
         )
+        if self.mtp_process and inference_context is None:  # MTP depths after the decoder's (concatenated)
+            hidden_states = self.mtp(
+                input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+                attention_mask=attention_mask, padding_mask=padding_mask, rotary_pos_emb=rotary_pos_emb,
+                packed_seq_params=packed_seq_params, embedding=self.embedding)
         if not self.post_process:
             return hidden_states
+        if self.config.mtp_num_layers and self.mtp_process and inference_context is None:
+            hidden_states = process_mtp_loss(
+                hidden_states=hidden_states, labels=labels, loss_mask=loss_mask, output_layer=self.output_layer,
+                output_weight=(self.shared_embedding_or_output_weight()
+                               if self.share_embeddings_and_output_weights else None),
+                runtime_gather_output=runtime_gather_output, is_training=self.training,
+                compute_language_model_loss=self.compute_language_model_loss, config=self.config,
+                cp_group=self.pg_collection.cp, tp_group=self.tp_group, packed_seq_params=packed_seq_params,
+                input_ids=input_ids)
         if inference_context is not None:  # only the positions whose logits generation needs
             hidden_states = inference_context.select_logit_hidden_states(hidden_states)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
