@@ -51,8 +51,7 @@ class MegatronOnlyParallelFields:
     delay_wgrad_compute: bool = _refused(False, _EP_OVERLAP)
     overlap_dispatch_backward_with_experts_wgrad: bool = _refused(False, _EP_OVERLAP)
     ep_overlap_early_attn_memory_release: bool = _refused(False, _EP_OVERLAP)
-    mtp_standalone: bool = _refused(False, "multi-token prediction")
-    mtp_grad_scale_func: Callable | None = _ignored(None, "a multi-token-prediction hook (MTP is refused by GPTModel)")
+    mtp_standalone: bool = _refused(False, "standalone multi-token-prediction pipeline stages")
     tp_comm_bulk_wgrad: bool = _ignored(True, _TP_OVERLAP)
     tp_comm_bulk_dgrad: bool = _ignored(True, _TP_OVERLAP)
     tp_comm_overlap_ag: bool = _ignored(True, _TP_OVERLAP)
@@ -77,9 +76,6 @@ class MegatronOnlyTransformerFields:
     """``TransformerConfig`` fields of Megatron-Core features this library does not have."""
 
     # Architecture variants
-    softmax_type: str = _refused("vanilla", "attention softmax variants ('off-by-one', 'learnable')")
-    glu_linear_offset: float = _refused(0.0, "an offset on the GLU's linear half")
-    activation_func_clamp_value: float | None = _refused(None, "clamping the activation's input")
     qk_l2_norm: bool = _refused(False, "L2-normalised queries and keys")
     qk_clip: bool = _refused(False, "QK-clip")
     qk_clip_alpha: float = _ignored(0.5, "only used with qk_clip")
@@ -127,10 +123,7 @@ class MegatronOnlyTransformerFields:
     mup_output_mult: float = _ignored(1.0, "only used with use_mup")
     mup_base_head_dim: float | None = _ignored(None, "only used with use_mup")
     mup_attn_scale_power: float = _ignored(1.0, "only used with use_mup")
-    mtp_loss_scaling_factor: float | None = _ignored(0.1, "only used with multi-token prediction (refused by GPTModel)")
-    mtp_use_repeated_layer: bool = _ignored(False, "only used with multi-token prediction (refused by GPTModel)")
-    mtp_detach_heads: bool = _ignored(False, "only used with multi-token prediction (refused by GPTModel)")
-    mtp_hybrid_override_pattern: str | None = _ignored(None, "only used with multi-token prediction")
+    mtp_hybrid_override_pattern: str | None = _ignored(None, "hybrid (Mamba) multi-token-prediction layers")
 
     # Kernels, fusions and precision
     disable_bf16_reduced_precision_matmul: bool = _refused(False, "switching off reduced-precision bf16 matmul")

@@ -49,6 +49,7 @@ class ModelParallelConfig(_MegatronOnlyParallelFields):
     finalize_model_grads_func: Callable | None = None
     grad_scale_func: Callable | None = None
     moe_grad_scale_func: Callable | None = None
+    mtp_grad_scale_func: Callable | None = None  # the MTP losses' backward scale (else grad_scale_func)
     no_sync_func: Callable | None = None
     grad_sync_func: Callable | None = None
     param_sync_func: Callable | None = None

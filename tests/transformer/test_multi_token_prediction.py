@@ -304,3 +304,12 @@ def test_schedule_scales_mtp_losses_like_the_main_loss_over_micro_batches():
     MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     for name, param in model.named_parameters():
         torch.testing.assert_close(got[name], param.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(mtp_num_layers=0), r"mtp_num_layers \(0\) must be a positive integer"),
+    (dict(mtp_num_layers=1, mtp_loss_scaling_factor=None), "mtp_loss_scaling_factor must be a number"),
+])
+def test_bad_mtp_fields_are_refused_naming_them(fields: dict, match: str):
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(**{**CONFIG, **fields})

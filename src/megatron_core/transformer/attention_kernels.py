@@ -9,6 +9,8 @@ Tensors are ``[b, heads, s, d]`` (SDPA's layout); key/value may have fewer heads
 :func:`block_backward` computes the block's gradients from the *merged* output and log-sum-exp
 (the flash-attention backward identity), so ring attention can merge partial results exactly.
 They compute in fp32 on any device, materialising one block's ``[sq, sk]`` scores.
+
+:func:`attend_with_sink` is SDPA with an attention sink (``softmax_type`` 'off-by-one' / 'learnable').
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-__all__ = ["attend", "block_backward", "block_forward", "window_keep"]
+__all__ = ["attend", "attend_with_sink", "block_backward", "block_forward", "window_keep"]
 
 
 def window_keep(
@@ -68,6 +70,45 @@ def attend(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
     )
+
+
+def attend_with_sink(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, *, scale: float,
+    mask: torch.Tensor | None = None, is_causal: bool = False, dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """SDPA whose softmax also sees, in every row, one extra logit ``sink[h]`` per query head (an attention sink).
+
+    ``mask`` is SDPA's (bool, True = attend, or additive float) over the real keys, or None; ``is_causal`` is
+    SDPA's top-left causal flag. The sink is an extra key, visible to every query, whose value is zero: it
+    only enlarges the softmax's denominator by ``exp(sink[h])``. Its logit travels on one extra channel (the
+    query holds ``sink[h] / scale`` there, the sink key 1, every real key 0; zero channels pad the head size to
+    a multiple of 8), so keys and values stay per key/value head (GQA) and the plain causal case keeps SDPA's
+    fused kernels (a lower-right causal bias over the prepended sink). Gradients reach ``sink`` through the
+    query's extra channel.
+    """
+    b, heads, sq, d = q.shape
+    groups, sk = k.shape[1], k.shape[2]
+    extra = 8 - d % 8  # channel d carries the sink; the head size stays a multiple of 8 for the fused kernels
+    logit = (sink.float() / scale).to(q.dtype).view(1, heads, 1, 1).expand(b, heads, sq, 1)
+    q = torch.cat((q, F.pad(logit, (0, extra - 1))), dim=-1)
+    sink_key = k.new_zeros(b, groups, 1, d + extra)
+    sink_key[..., d] = 1
+    k = torch.cat((sink_key, F.pad(k, (0, extra))), dim=2)
+    v = F.pad(v, (0, extra, 1, 0))  # a zero value row for the sink; zero channels keep q, k and v alike
+    if is_causal and sq == sk:
+        mask = causal_lower_right(sq, sk + 1)
+    else:
+        if is_causal:
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            mask = mask.expand(*mask.shape[:-2], sq, sk)
+            visible = mask.new_ones(*mask.shape[:-1], 1) if mask.dtype == torch.bool else mask.new_zeros(
+                *mask.shape[:-1], 1)
+            mask = torch.cat((visible, mask), dim=-1)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=groups != heads
+    )
+    return out[..., :d]
 
 
 def _expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:

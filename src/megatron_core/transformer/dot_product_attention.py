@@ -11,6 +11,11 @@ heads' probabilities), except under sequence parallelism where the block already
 Grouped-query attention is passed to SDPA as ``enable_gqa`` (no key/value copies).
 Sliding windows (``config.window_size``), packed sequences (``packed_seq_params``) and context
 parallelism (``cp_comm_type``; see ``context_parallel``) are handled here too.
+Attention sinks (``config.softmax_type``, as Megatron-Core): 'off-by-one' adds ``exp(0)`` and 'learnable'
+adds ``exp(softmax_offset[h])`` to every softmax denominator; ``softmax_offset`` is a parameter of this
+rank's heads (split over TP like the heads, key ``...core_attention.softmax_offset``). They run on the
+plain path only (:func:`~megatron_core.transformer.attention_kernels.attend_with_sink`): packed sequences
+and context parallelism refuse them.
 Inputs are ``[s, b, heads, head_dim]`` (this TP rank's heads); the output is ``[sq, b, heads * head_dim]``.
 """
 
@@ -23,8 +28,13 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state, tensor_parallel
-from megatron_core.process_groups_config import resolve_pg_collection
-from megatron_core.transformer.attention_kernels import attend, window_keep
+from megatron_core.device import get_current_device
+from megatron_core.process_groups_config import resolve_pg_collection, resolve_process_group
+from megatron_core.tensor_parallel.weight_init import (
+    _initialize_affine_weight_gpu,
+    set_tensor_model_parallel_attributes,
+)
+from megatron_core.transformer.attention_kernels import attend, attend_with_sink, window_keep
 from megatron_core.transformer.causal_mask import is_causal_rows, is_plain_causal_mask, sdpa_mask
 from megatron_core.transformer.context_parallel import CP_COMM_TYPES, context_parallel_attention
 from megatron_core.transformer.enums import AttnMaskType
@@ -116,6 +126,39 @@ class DotProductAttention(MegatronModule):
         if softmax_scale is None:
             softmax_scale = config.softmax_scale
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        self.softmax_offset = None
+        if self.softmax_type != "vanilla":
+            self._build_softmax_offset(config, pg_collection)
+
+    def _build_softmax_offset(self, config: TransformerConfig, pg_collection: Any) -> None:
+        """The per-head sink logits of this TP rank's heads: zeros ('off-by-one') or a parameter ('learnable')."""
+        if get_pg_size(self.cp_group) > 1:
+            raise ValueError(
+                f"softmax_type={self.softmax_type!r} (attention sinks) is not supported with context parallelism "
+                f"({get_pg_size(self.cp_group)} CP ranks)"
+            )
+        self.tp_group = resolve_process_group("tp", pg_collection=pg_collection)
+        tp_size, tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        heads = config.num_attention_heads // tp_size
+        device = torch.device("cpu") if config.use_cpu_initialization else get_current_device()
+        offset = torch.zeros(heads, dtype=config.params_dtype, device=device)
+        if self.softmax_type == "off-by-one":  # a constant (not saved, as in Megatron-Core) that moves with the module
+            del self.softmax_offset
+            self.register_buffer("softmax_offset", offset, persistent=False)
+            return
+        param = torch.nn.Parameter(offset)
+        if config.perform_initialization and not config.use_cpu_initialization:
+            _initialize_affine_weight_gpu(param, config.init_method, partition_dim=0)  # (sets the TP attributes)
+        else:
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+        if config.perform_initialization and config.use_cpu_initialization:
+            # The heads' values do not depend on the TP size: a full vector, of which this rank keeps its heads.
+            master = torch.empty(config.num_attention_heads, dtype=torch.float32)
+            config.init_method(master)
+            with torch.no_grad():
+                param.copy_(master[tp_rank * heads:(tp_rank + 1) * heads])
+        self.softmax_offset = param
 
     def _uses_ring(self) -> bool:
         """Whether this layer's CP attention passes key/value blocks around a ring (no dropout there)."""
@@ -182,6 +225,9 @@ class DotProductAttention(MegatronModule):
                 is_causal = False
             keep = _merge_bias(keep, attention_bias, is_causal, sq, sk, q.dtype, q.device)
             is_causal = False
+        if self.softmax_offset is not None:
+            return attend_with_sink(q, k, v, self.softmax_offset, scale=self.softmax_scale, mask=keep,
+                                    is_causal=is_causal, dropout_p=dropout_p)
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
@@ -194,6 +240,8 @@ class DotProductAttention(MegatronModule):
     ) -> torch.Tensor:
         """Packed documents and/or context parallelism; returns ``[b, h, sq, d]``."""
         what = "packed sequences" if packed_seq_params is not None else "context parallelism"
+        if self.softmax_offset is not None:
+            raise ValueError(f"softmax_type={self.softmax_type!r} (attention sinks) is not supported with {what}")
         if attention_bias is not None:
             raise ValueError(f"attention_bias is not supported with {what}")
         causal = mask_type in _WINDOW_TYPES

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core import tensor_parallel
+from megatron_core.activations import gated_linear_unit
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.fusions.fused_bias_swiglu import bias_swiglu_impl
@@ -84,6 +85,9 @@ class MLP(MegatronModule):
         )
         self.activation_func = submodules.activation_func or config.activation_func
         self.gated = config.gated_linear_unit
+        # GPT-OSS's GLU: act(min(gate, v)) * (clamp(up, -v, v) + offset); the fused SwiGLU has neither.
+        self.glu_linear_offset = config.glu_linear_offset
+        self.glu_clamp_value = config.activation_func_clamp_value
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
             ffn_hidden_size,
@@ -104,6 +108,7 @@ class MLP(MegatronModule):
 
     def _activate(self, intermediate: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if (self.config.bias_activation_fusion and self.gated and self.activation_func is F.silu
+                and self.glu_linear_offset == 0.0 and self.glu_clamp_value is None
                 and not torch.compiler.is_compiling()):
             # One fused kernel each way (jit_fuser on GPUs), saving only the input; a compiled layer fuses
             # the plain expression below itself.
@@ -111,8 +116,7 @@ class MLP(MegatronModule):
         if bias is not None:
             intermediate = intermediate + bias
         if self.gated:
-            gate, up = torch.chunk(intermediate, 2, dim=-1)
-            return self.activation_func(gate) * up
+            return gated_linear_unit(intermediate, self.activation_func, self.glu_linear_offset, self.glu_clamp_value)
         return self.activation_func(intermediate)
 
     def _activate_scaled(self, intermediate: torch.Tensor, bias: torch.Tensor | None,

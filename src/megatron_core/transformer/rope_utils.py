@@ -15,6 +15,7 @@ is traced as is (the compiler fuses it).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -31,19 +32,50 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by ``scale``: ``0.1 * mscale * ln(scale) + 1`` (1 at
+    ``scale <= 1``)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_concentration_factor(config: object) -> float:
+    """The factor YaRN multiplies the cosines and sines by (its "attention factor"), from ``config``'s ``yarn_*``.
+
+    ``yarn_mscale(f, yarn_mscale) / yarn_mscale(f, yarn_mscale_all_dim)`` with ``f = yarn_rotary_scaling_factor``
+    (``yarn_mscale(f)`` alone when either is None); 1.0 for a config without YaRN fields or with ``f <= 1``.
+    """
+    factor = getattr(config, "yarn_rotary_scaling_factor", None)
+    if factor is None:
+        return 1.0
+    return yarn_concentration(factor, getattr(config, "yarn_mscale", None), getattr(config, "yarn_mscale_all_dim", None))
+
+
+def yarn_concentration(scaling_factor: float, mscale: float | None, mscale_all_dim: float | None) -> float:
+    """``yarn_mscale(f, mscale) / yarn_mscale(f, mscale_all_dim)``, or ``yarn_mscale(f)`` when either is None."""
+    if mscale is None or mscale_all_dim is None:
+        return yarn_mscale(scaling_factor)
+    return float(yarn_mscale(scaling_factor, mscale) / yarn_mscale(scaling_factor, mscale_all_dim))
+
+
 def apply_rotary_pos_emb(
     t: torch.Tensor, freqs: torch.Tensor, config: object = None, cu_seqlens: torch.Tensor | None = None,
-    rotary_interleaved: bool | None = None, mscale: float = 1.0, cp_group: Any = None,
+    rotary_interleaved: bool | None = None, mscale: float | None = None, cp_group: Any = None,
 ) -> torch.Tensor:
     """Rotate ``t`` ``[s, b, heads, dim]`` by the angles ``freqs`` ``[s, 1, 1, rot_dim]``.
 
     ``rotary_interleaved`` defaults to ``config.rotary_interleaved``. With ``cu_seqlens`` (a packed
     sequence, padded offsets) each token uses its position inside its document; ``freqs`` must
     then cover the longest document (not CP-split), and under context parallelism ``cp_group``
-    says which per-document chunks this rank holds.
+    says which per-document chunks this rank holds. The cosines and sines are scaled by ``mscale``,
+    by default YaRN's :func:`yarn_concentration_factor` of ``config`` (1.0 without YaRN), as Megatron-Core's
+    attention passes it.
     """
     if rotary_interleaved is None:
         rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
+    if mscale is None:
+        mscale = yarn_concentration_factor(config)
     seq_len = t.shape[0]
     cos, sin = rotary_cos_sin(freqs, seq_len, t.dtype, mscale, cu_seqlens=cu_seqlens, cp_group=cp_group)
     if _traced(freqs):

@@ -17,15 +17,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core.activations import quick_gelu
 from megatron_core.config_rules import TRANSFORMER_RULES as _TRANSFORMER_RULES
 from megatron_core.config_rules import apply_rules as _apply_rules
+from megatron_core.fusions.fused_bias_geglu import quick_gelu as _fused_quick_gelu
 from megatron_core.megatron_only_fields import MegatronOnlyTransformerFields as _MegatronOnlyTransformerFields
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer.enums import AttnBackend
 from megatron_core.transformer.moe_validation import apply_deprecated_moe_aliases, check_moe_config
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
+from megatron_core.transformer.rope_utils import yarn_concentration_factor
 from megatron_core.utils import init_method_normal, scaled_init_method_normal
 
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+# Megatron-Core has quick_gelu in both ``activations`` and ``fusions.fused_bias_geglu``: either one is accepted.
+QUICK_GELUS = (quick_gelu, _fused_quick_gelu)
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts", "mla_up_proj")
 
 
@@ -41,6 +47,9 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     ffn_hidden_size: int | None = None
     kv_channels: int | None = None
     mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float | None = 0.1  # weight of the MTP losses (averaged over the depths)
+    mtp_use_repeated_layer: bool = False  # one MTP layer applied mtp_num_layers times
+    mtp_detach_heads: bool = False  # MTP trains its own layers only (decoder, embedding and head detached)
 
     # Pipeline split
     num_layers_in_first_pipeline_stage: int | None = None
@@ -66,12 +75,15 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     add_qkv_bias: bool = False
     gated_linear_unit: bool = False
     activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
+    glu_linear_offset: float = 0.0  # gated MLPs: act(gate) * (up + glu_linear_offset)
+    activation_func_clamp_value: float | None = None  # gated MLPs: gate <= v, -v <= up <= v before the GLU
     bias_activation_fusion: bool = False
     bias_dropout_fusion: bool = False
 
     # Attention
     attention_backend: AttnBackend = AttnBackend.auto
     softmax_scale: float | None = None
+    softmax_type: str = "vanilla"  # 'off-by-one' / 'learnable': a per-head sink logit joins every softmax
     window_size: tuple[int, int] | None = None
     window_attn_skip_freq: int | list[int] | None = None
     cp_comm_type: str | list[str] | None = None
@@ -82,6 +94,15 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     apply_rope_fusion: bool = False
     fused_single_qkv_rope: bool = False
     multi_latent_attention: bool = False
+
+    # YaRN rotary embeddings (GPTModel position_embedding_type='yarn'; Megatron-Core reads them as attributes)
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float | None = 1.0
+    yarn_mscale_all_dim: float | None = 0.0
+    yarn_correction_range_round_to_int: bool = True
 
     # Initialization
     init_method: Callable[[torch.Tensor], Any] | None = None
@@ -166,14 +187,23 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         apply_deprecated_moe_aliases(self)
         _check_parallel_shapes(self)
         _check_normalization_and_activation(self)
+        _check_gpt_oss_options(self)
         _check_recompute(self)
         check_moe_config(self)
         _check_pipeline_split(self)
+        _check_mtp(self)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
         if self.fp32_residual_connection and self.pipeline_model_parallel_size > 1:
             self.pipeline_dtype = torch.float32
         _derive_init_methods(self)
+
+
+def _check_mtp(cfg: TransformerConfig) -> None:
+    if cfg.mtp_num_layers is not None and (not isinstance(cfg.mtp_num_layers, int) or cfg.mtp_num_layers < 1):
+        raise ValueError(f"mtp_num_layers ({cfg.mtp_num_layers!r}) must be a positive integer (or None: no MTP)")
+    if cfg.mtp_num_layers is not None and cfg.mtp_loss_scaling_factor is None:
+        raise ValueError(f"mtp_loss_scaling_factor must be a number with mtp_num_layers ({cfg.mtp_num_layers})")
 
 
 def _check_shape(cfg: TransformerConfig) -> None:
@@ -233,8 +263,17 @@ def _check_normalization_and_activation(cfg: TransformerConfig) -> None:
         raise ValueError(f"layernorm_epsilon ({cfg.layernorm_epsilon}) must be > 0")
     if cfg.bias_activation_fusion:
         act = cfg.activation_func
-        if act not in (F.gelu, F.silu):
-            raise ValueError(f"bias_activation_fusion=True needs activation_func F.gelu or F.silu, got {act!r}")
+        if act not in (F.gelu, F.silu, *QUICK_GELUS):
+            raise ValueError(
+                f"bias_activation_fusion=True needs activation_func F.gelu, F.silu or quick_gelu, got {act!r}"
+            )
+        if act in QUICK_GELUS and not cfg.gated_linear_unit:
+            raise ValueError("bias_activation_fusion=True with activation_func=quick_gelu needs gated_linear_unit=True")
+        if cfg.glu_linear_offset != 0.0 and act not in QUICK_GELUS:
+            raise ValueError(
+                f"bias_activation_fusion=True with glu_linear_offset={cfg.glu_linear_offset} needs "
+                f"activation_func=quick_gelu, got {act!r}"
+            )
         if act is F.gelu and not cfg.gated_linear_unit and not cfg.add_bias_linear:
             raise ValueError(
                 "bias_activation_fusion=True with activation_func=F.gelu and gated_linear_unit=False needs "
@@ -245,6 +284,30 @@ def _check_normalization_and_activation(cfg: TransformerConfig) -> None:
     _check_fp8(cfg)
     if cfg.transformer_impl not in ("local", "transformer_engine"):
         raise ValueError(f"transformer_impl ({cfg.transformer_impl!r}) must be 'local' or 'transformer_engine'")
+
+
+def _check_gpt_oss_options(cfg: TransformerConfig) -> None:
+    """Attention sinks, the offset / clamped GLU and YaRN's settings (the features of GPT-OSS)."""
+    if cfg.softmax_type not in SOFTMAX_TYPES:
+        raise ValueError(f"softmax_type ({cfg.softmax_type!r}) must be one of {list(SOFTMAX_TYPES)}")
+    clamp = cfg.activation_func_clamp_value
+    if clamp is not None and not clamp > 0:
+        raise ValueError(f"activation_func_clamp_value ({clamp}) must be None or > 0")
+    if (cfg.glu_linear_offset != 0.0 or clamp is not None) and not cfg.gated_linear_unit:
+        raise ValueError(
+            f"glu_linear_offset ({cfg.glu_linear_offset}) and activation_func_clamp_value ({clamp}) act on a gated "
+            "MLP's two halves: they need gated_linear_unit=True"
+        )
+    for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} ({getattr(cfg, name)}) must be > 0")
+    mscale = yarn_concentration_factor(cfg)
+    if mscale != 1.0 and (cfg.apply_rope_fusion or cfg.fused_single_qkv_rope):
+        raise ValueError(
+            f"apply_rope_fusion ({cfg.apply_rope_fusion}) / fused_single_qkv_rope ({cfg.fused_single_qkv_rope}) "
+            f"cannot be used with YaRN's attention scaling ({mscale:.6g}, from yarn_rotary_scaling_factor="
+            f"{cfg.yarn_rotary_scaling_factor}): the fused rotary kernel does not scale; set both to False"
+        )
 
 
 _FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom", "rowwise")

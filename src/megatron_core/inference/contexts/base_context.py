@@ -52,6 +52,7 @@ class BaseInferenceContext(abc.ABC):
         if getattr(attention.config, "window_size", None) is not None:
             raise ValueError(f"inference with sliding-window attention (window_size={attention.config.window_size}) "
                              "is not supported")
+        _check_gpt_oss_features(attention.config)
 
     def select_logit_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The hidden states ``[s, b, h]`` whose logits are needed (all of them by default)."""
@@ -65,3 +66,23 @@ class BaseInferenceContext(abc.ABC):
     @max_sequence_length.setter
     def max_sequence_length(self, value: int) -> None:
         self._max_sequence_length = value
+
+
+def _check_gpt_oss_features(config: Any) -> None:
+    """Refuse what the KV-cache path would silently drop: attention sinks, YaRN's cosine/sine scaling, and the
+    offset / clamped GLU on a SiLU MLP (which the fused decode step would run as a plain SwiGLU)."""
+    import torch.nn.functional as F
+
+    from megatron_core.transformer.rope_utils import yarn_concentration_factor
+
+    softmax_type = getattr(config, "softmax_type", "vanilla")
+    if softmax_type != "vanilla":
+        raise ValueError(f"inference with attention sinks (softmax_type={softmax_type!r}) is not supported")
+    factor = yarn_concentration_factor(config)
+    if factor != 1.0:
+        raise ValueError(f"inference with YaRN's attention scaling ({factor:.6g}, from yarn_rotary_scaling_factor="
+                         f"{config.yarn_rotary_scaling_factor}) is not supported")
+    offset, clamp = getattr(config, "glu_linear_offset", 0.0), getattr(config, "activation_func_clamp_value", None)
+    if getattr(config, "activation_func", None) is F.silu and (offset != 0.0 or clamp is not None):
+        raise ValueError(f"inference with a SiLU GLU with glu_linear_offset={offset} / activation_func_clamp_value="
+                         f"{clamp} is not supported")

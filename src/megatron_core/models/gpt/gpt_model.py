@@ -18,6 +18,7 @@ from megatron_core.config_rules import check_model_sizes as _check_model_sizes
 from megatron_core.config_rules import check_sequence_fits as _check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron_core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
 from megatron_core.process_groups_config import check_parallel_size
 from megatron_core.transformer.enums import ModelType
@@ -33,7 +34,7 @@ from megatron_core.utils import get_pg_size
 
 __all__ = ["GPTModel"]
 
-_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 
 
 class GPTModel(LanguageModule):
@@ -117,6 +118,23 @@ class GPTModel(LanguageModule):
                 use_cpu_initialization=config.use_cpu_initialization,
                 cp_group=self.pg_collection.cp,
             )
+        elif position_embedding_type == "yarn":  # the config's yarn_* fields (Megatron-Core reads them likewise)
+            self.rotary_pos_emb = YarnRotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                use_cpu_initialization=config.use_cpu_initialization,
+                scaling_factor=config.yarn_rotary_scaling_factor,
+                original_max_position_embeddings=config.yarn_original_max_position_embeddings,
+                beta_fast=config.yarn_beta_fast,
+                beta_slow=config.yarn_beta_slow,
+                mscale=config.yarn_mscale,
+                mscale_all_dim=config.yarn_mscale_all_dim,
+                correction_range_round_to_int=config.yarn_correction_range_round_to_int,
+                cp_group=self.pg_collection.cp,
+            )
         self.decoder = TransformerBlock(
             config=config,
             spec=transformer_layer_spec,
@@ -176,13 +194,15 @@ class GPTModel(LanguageModule):
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type in ("rope", "yarn"):
             seq_len = self.rotary_pos_emb.get_rotary_seq_len(
                 inference_context, self.decoder, decoder_input, self.config, packed_seq_params
             )
             rotary_pos_emb = self.rotary_pos_emb(
                 seq_len, packed_seq=packed_seq_params is not None and packed_seq_params.qkv_format in (None, "thd")
             )
+            if self.position_embedding_type == "yarn":  # (angles, factor): attention takes the factor from the config
+                rotary_pos_emb = rotary_pos_emb[0]
             # The angles follow the activations (a CPU model on a machine whose current device is a GPU).
             hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
             if rotary_pos_emb.device != hidden.device:

@@ -110,6 +110,10 @@ def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
         return (hd,)
     if name.endswith("mlp.router.weight"):
         return (c["num_moe_experts"], hidden)
+    if name.endswith("mlp.router.bias"):
+        return (c["num_moe_experts"],)
+    if name.endswith("core_attention.softmax_offset"):
+        return (heads,)
     if name.endswith("shared_experts.gate_weight"):
         return (1, hidden)
     if "local_experts" in name:

@@ -81,6 +81,14 @@ def flags_cannot_express(bridge) -> list[str]:
         missing.append("QKV-only biases")
     if c["activation_func"] not in (F.silu, F.gelu):
         missing.append(f"activation {c['activation_func'].__name__}")
+    if c.get("softmax_type", "vanilla") != "vanilla":
+        missing.append("attention sinks")
+    if c.get("glu_linear_offset") or c.get("activation_func_clamp_value") is not None:
+        missing.append("the offset / clamped GLU")
+    if c.get("window_size") is not None:
+        missing.append("sliding-window attention")
+    if bridge.family.model_kwargs["position_embedding_type"] == "yarn":
+        missing.append("YaRN RoPE")
     return missing
 
 

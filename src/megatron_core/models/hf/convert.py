@@ -44,6 +44,7 @@ from megatron_core.models.hf.families import family_from_config
 from megatron_core.models.hf.progress import progress as progress_iter
 from megatron_core.models.hf.rules import Copy, fmt
 from megatron_core.models.hf.safetensors_io import HFConversionError
+from megatron_core.models.hf.stacked_rules import hf_row
 
 HF_SUBDIR = "hf"
 CHECKPOINT_VERSION = 3.0
@@ -139,6 +140,8 @@ def model_layout(bridge: AutoBridge) -> tuple[dict[str, str], dict[str, str]]:
     tiny = dict(num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=2 if mha else 1, kv_channels=4,
                 ffn_hidden_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                 perform_initialization=False, use_cpu_initialization=True)
+    if isinstance(c.get("window_attn_skip_freq"), list):  # one flag per layer of the real model
+        tiny.update(window_attn_skip_freq=None)
     if c.get("num_moe_experts"):
         tiny.update(num_moe_experts=2, moe_router_topk=1, moe_ffn_hidden_size=4)
         if c.get("moe_shared_expert_intermediate_size"):
@@ -294,7 +297,7 @@ def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = Non
     for rule, layer, _, _, stored_dtype in todo:
         for name, shape in expected_hf_shape(rule, mcore_shape(rule.mcore, bridge.family, vocab)).items():
             entries.append((fmt(name, layer), shape, dtype or stored_dtype))
-    writer.plan(entries)
+    writer.plan(list({entry[0]: entry for entry in entries}.values()))  # a stacked tensor once, for all its rows
     error = None
     try:
         for rule, layer, key, full, stored_dtype in progress_iter(todo, len(todo), "mcore-to-hf", progress):
@@ -304,7 +307,7 @@ def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = Non
             tensor = strategy.load({"t": request}, checkpoint_dir)["t"]
             extra = {"hf_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
             for name, value in rule.to_hf([tensor], layer, **extra).items():
-                writer.write(name, value.to(dtype) if dtype is not None else value)
+                writer.write(name, value.to(dtype) if dtype is not None else value, row=hf_row(rule, layer))
     except Exception as e:  # noqa: BLE001 - reported by finish(), which removes the temporary directory
         error = e
     writer.finish(error)

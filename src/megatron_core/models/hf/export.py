@@ -40,6 +40,7 @@ from megatron_core.models.hf.safetensors_io import (
     plan_shards,
     shard_file_names,
 )
+from megatron_core.models.hf.stacked_rules import StackedExpertRule, hf_row
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
@@ -96,12 +97,15 @@ class HFDirectoryWriter:
         dtypes = {d for _, _, d, _ in entries}
         self.dtype = dtypes.pop() if len(dtypes) == 1 else None
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one planned tensor (its shard file is created on first use)."""
+    def write(self, name: str, tensor: torch.Tensor, row: int | None = None) -> None:
+        """Write one planned tensor, or its row ``row`` (its shard file is created on first use)."""
         file_name = self.file_of[name]
         if file_name not in self._writers:
             self._writers[file_name] = SafetensorsShardWriter(os.path.join(self.tmp, file_name), self._plan[file_name])
-        self._writers[file_name].write(name, tensor)
+        if row is None:
+            self._writers[file_name].write(name, tensor)
+        else:
+            self._writers[file_name].write_row(name, tensor, row)
 
     def finish(self, error: BaseException | None) -> None:
         """Close this rank's shards; if every rank succeeded, rank 0 publishes the directory (collective)."""
@@ -188,12 +192,14 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
         return (rule.mcore, layer) in held and (edp_rank if is_expert_rule(rule) else dp_rank) == 0
 
     todo = [(rule, layer) for rule, layer in bridge.rules() if mine(rule, layer)]
+    _check_stacked_experts(bridge)
     vocab = bridge.family.vocab_size
     local: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     for rule, layer in todo:
         if (expert if is_expert_rule(rule) else dense)[0] == 0:
             for name, shape in expected_hf_shape(rule, mcore_shape(rule.mcore, bridge.family, vocab)).items():
                 local.append((fmt(name, layer), shape, held[(rule.mcore, layer)].dtype))
+    local = list({entry[0]: entry for entry in local}.values())  # a stacked tensor once, for all its rows
     writer = HFDirectoryWriter(bridge, path, overwrite, max_shard_size)
     writer.plan(local)
     error: BaseException | None = None
@@ -206,10 +212,24 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
         try:
             extra = {"hf_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
             for name, tensor in rule.to_hf(shards, layer, **extra).items():
-                writer.write(name, tensor)
+                writer.write(name, tensor, row=hf_row(rule, layer))
         except Exception as e:  # noqa: BLE001 - keep taking part in the gathers; reported in finish()
             error = e
     writer.finish(error)
+
+
+def _check_stacked_experts(bridge: Any) -> None:
+    """Refuse (on every rank alike) an export whose stacked expert tensors would be spread over EP ranks."""
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    stacked = [r.hf for r in bridge.family.layer_rules if isinstance(r, StackedExpertRule)]
+    if ep > 1 and stacked:
+        raise HFConversionError(
+            f"exporting {bridge.architecture} with expert_model_parallel_size {ep} is not supported: its expert "
+            f"tensors ({stacked[0]!r}, ...) hold every expert of a layer; export from expert parallelism 1, or save "
+            "a distributed checkpoint and convert it with megatron-convert mcore-to-hf"
+        )
 
 
 def _gather_for(rule: Any, param: torch.Tensor, tp_rank: int, tp_size: int, group: Any) -> list[torch.Tensor] | None:

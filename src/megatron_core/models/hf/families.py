@@ -4,7 +4,9 @@ Supported ``architectures``: ``LlamaForCausalLM`` (Llama 2, 3, 3.1+ with ``llama
 scaling), ``MistralForCausalLM`` (sliding window), ``Qwen2ForCausalLM`` (QKV biases), ``Qwen3ForCausalLM`` (per-head q/k RMSNorm),
 ``GPT2LMHeadModel`` (``Conv1D`` layout, learned positions, tied embeddings), and the MoE models
 ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (router, per-expert tensors, shared expert
-with its sigmoid gate), in the per-expert tensor names ``save_pretrained`` writes. Architectures
+with its sigmoid gate), in the per-expert tensor names ``save_pretrained`` writes, and
+``GptOssForCausalLM`` (attention sinks, YaRN, alternating sliding windows, biased router and stacked
+experts with a clamped, offset GLU: :mod:`.gpt_oss`). Architectures
 that the model code cannot express yet are listed in :data:`NOT_SUPPORTED` with the reason.
 Every config field that changes the computation and is not supported raises
 :class:`HFConversionError` naming ``config.json``, the field and its value.
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core.models.hf.gpt_oss import gpt_oss_config_kwargs, gpt_oss_rules
 from megatron_core.models.hf.rules import Copy, FusedQKV, GateUp, WeightRule
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
@@ -208,7 +211,14 @@ def _gpt2(path: str, cfg: dict) -> Family:
 
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
-             "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")
+
+
+def _gpt_oss(path: str, cfg: dict) -> Family:
+    config_kwargs, model_kwargs = gpt_oss_config_kwargs(path, cfg)
+    layer_rules, global_rules = gpt_oss_rules(config_kwargs, model_kwargs["share_embeddings_and_output_weights"])
+    return Family("GptOssForCausalLM", config_kwargs, model_kwargs, layer_rules, global_rules, int(cfg["vocab_size"]),
+                  config_kwargs["num_layers"], _dtype(cfg), ignored_suffixes=("rotary_emb.inv_freq",))
 
 
 def _moe(path: str, cfg: dict, kind: str) -> tuple[dict[str, Any], list[WeightRule]]:
@@ -270,6 +280,8 @@ def family_from_config(cfg: dict, path: str = "config.json") -> Family:
             return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=False)
         if arch == "MixtralForCausalLM":
             return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=False, moe="mixtral")
+        if arch == "GptOssForCausalLM":
+            return _gpt_oss(path, cfg)
         if arch == "Qwen2MoeForCausalLM":
             return _llama_like(path, cfg, arch, qkv_bias=bool(cfg.get("qkv_bias", True)), qk_norm=False,
                                moe="qwen2_moe")

@@ -198,6 +198,8 @@ def fmt(template: str, index: Index) -> str:
 
 def expected_hf_shape(rule: WeightRule, mcore_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     """HF tensor shapes implied by the full (TP=1) Megatron shape of ``rule``'s parameter."""
+    if hasattr(rule, "hf_shapes"):  # a rule that knows its HF shapes (stacked_rules)
+        return rule.hf_shapes(mcore_shape)
     if isinstance(rule, Copy):
         return {rule.hf: tuple(reversed(mcore_shape)) if rule.transpose else tuple(mcore_shape)}
     if isinstance(rule, GateUp):

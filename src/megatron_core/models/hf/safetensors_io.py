@@ -157,7 +157,8 @@ def _header_bytes(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tu
 class SafetensorsShardWriter:
     """One safetensors file whose tensors (names, shapes, dtypes) are known before any data exists.
 
-    The header is written on creation; :meth:`write` puts each tensor at its offset, in any order;
+    The header is written on creation; :meth:`write` puts each tensor at its offset, in any order (or
+    :meth:`write_row` one row of a tensor stacked along dim 0);
     :meth:`close` checks that every tensor was written and syncs the file to disk.
     """
 
@@ -168,20 +169,35 @@ class SafetensorsShardWriter:
         self._data_start = len(header)
         self._offsets = offsets
         self._written: set[str] = set()
+        self._rows: dict[str, set[int]] = {}
         self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
         self._file.write(header)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Store ``tensor`` (its shape and dtype must be the planned ones) at its place in the file."""
+        self._put(name, tensor, None)
+        self._written.add(name)
+
+    def write_row(self, name: str, tensor: torch.Tensor, row: int) -> None:
+        """Store row ``row`` (along dim 0) of a planned tensor; the tensor counts as written once every row is."""
+        self._put(name, tensor, row)
+        rows = self._rows.setdefault(name, set())
+        rows.add(row)
+        if len(rows) == self._entries[name][0][0]:
+            self._written.add(name)
+
+    def _put(self, name: str, tensor: torch.Tensor, row: int | None) -> None:
         shape, dtype = self._entries[name]
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        want = shape if row is None else shape[1:]
+        if tuple(tensor.shape) != want or tensor.dtype != dtype or (row is not None and not 0 <= row < shape[0]):
+            where = "" if row is None else f" row {row}"
             raise HFConversionError(
-                f"{self.path}: tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, planned {shape} {dtype}"
+                f"{self.path}: tensor {name!r}{where} is {tuple(tensor.shape)} {tensor.dtype}, planned {shape} {dtype}"
             )
         data = tensor.detach().to("cpu").contiguous()
-        self._file.seek(self._data_start + self._offsets[name])
+        row_offset = 0 if row is None else row * data.numel() * data.element_size()
+        self._file.seek(self._data_start + self._offsets[name] + row_offset)
         self._file.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-        self._written.add(name)
 
     def close(self) -> None:
         """Check completeness, flush and fsync."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core.activations import gated_linear_unit
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
@@ -155,7 +156,8 @@ class TEGroupedMLP(MegatronModule):
 
     def _fused_weighted_swiglu(self, intermediate: torch.Tensor) -> bool:
         return (self.config.gated_linear_unit and self.activation_func is F.silu and intermediate.dim() == 2
-                and intermediate.device.type != "cpu")
+                and intermediate.device.type != "cpu" and self.config.glu_linear_offset == 0.0
+                and self.config.activation_func_clamp_value is None)
 
     def _weighted_activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         if self._fused_weighted_swiglu(intermediate):
@@ -165,8 +167,8 @@ class TEGroupedMLP(MegatronModule):
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.gated_linear_unit:
-            gate, up = torch.chunk(x, 2, dim=-1)
-            return self.activation_func(gate) * up
+            return gated_linear_unit(x, self.activation_func, self.config.glu_linear_offset,
+                                     self.config.activation_func_clamp_value)
         return self.activation_func(x)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor | list[int],
