@@ -131,8 +131,8 @@ def test_prefix_cached_blocks_bring_their_routing():
     second = engine.add_request(1, prompts[1], params)
     while not (first.done() and second.done()):
         engine.step_modern()
-    assert second.result().num_cached_tokens == 8
-    _check(model, [first.result(), second.result()])
+    assert second.result(timeout=60).num_cached_tokens == 8
+    _check(model, [first.result(timeout=60), second.result(timeout=60)])
 
 
 def test_without_routing_replay_nothing_is_recorded():

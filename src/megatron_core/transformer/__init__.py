@@ -15,7 +15,7 @@ from megatron_core.transformer.pipeline_layout import (
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module, get_submodules, import_module
 from megatron_core.transformer.torch_norm import LayerNorm, RMSNorm, WrappedTorchNorm
 from megatron_core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
-from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron_core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "IdentityOp",
     "LayerNorm",
     "LayerType",
+    "MLATransformerConfig",
     "MLP",
     "MLPSubmodules",
     "MegatronModule",

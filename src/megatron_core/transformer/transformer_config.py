@@ -5,7 +5,8 @@ come from :mod:`megatron_core.megatron_only_fields` (accepted at their defaults)
 defaults (``ffn_hidden_size = 4 * hidden_size``, ``kv_channels = hidden_size / num_attention_heads``,
 ``num_query_groups = num_attention_heads``, init methods from ``init_method_std`` with the output projections
 scaled by ``1 / sqrt(2 * num_layers)``) and validates: each rule is one small function below, and each
-error names the fields, their values and the rule.
+error names the fields, their values and the rule. ``MLATransformerConfig`` adds the multi-latent attention
+fields (validated in :mod:`megatron_core.transformer.mla_validation`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megatron_core.fusions.fused_bias_geglu import quick_gelu as _fused_quick_ge
 from megatron_core.megatron_only_fields import MegatronOnlyTransformerFields as _MegatronOnlyTransformerFields
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer.enums import AttnBackend
+from megatron_core.transformer.mla_validation import check_mla_config
 from megatron_core.transformer.moe_validation import apply_deprecated_moe_aliases, check_moe_config
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
 from megatron_core.transformer.rope_utils import yarn_concentration_factor
@@ -279,8 +281,11 @@ def _check_normalization_and_activation(cfg: TransformerConfig) -> None:
                 "bias_activation_fusion=True with activation_func=F.gelu and gated_linear_unit=False needs "
                 "add_bias_linear=True"
             )
-    if cfg.multi_latent_attention:
-        raise ValueError("multi_latent_attention=True is not supported by this library")
+    if cfg.multi_latent_attention and not isinstance(cfg, MLATransformerConfig):
+        raise ValueError(
+            "multi_latent_attention=True needs an MLATransformerConfig (its q_lora_rank, kv_lora_rank, qk_head_dim, "
+            "qk_pos_emb_head_dim, v_head_dim and rope fields), not a plain TransformerConfig"
+        )
     _check_fp8(cfg)
     if cfg.transformer_impl not in ("local", "transformer_engine"):
         raise ValueError(f"transformer_impl ({cfg.transformer_impl!r}) must be 'local' or 'transformer_engine'")
@@ -360,11 +365,14 @@ def _check_recompute(cfg: TransformerConfig) -> None:
         unknown = sorted(set(cfg.recompute_modules) - set(RECOMPUTE_MODULES))
         if unknown:
             raise ValueError(f"recompute_modules {unknown} not in the allowed set {list(RECOMPUTE_MODULES)}")
-        supported = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts"}
+        supported = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj"}
         unsupported = sorted(set(cfg.recompute_modules) - supported)
         if unsupported:
             raise ValueError(f"recompute_modules {unsupported} are not supported by this library (supported: "
                              f"{sorted(supported)})")
+        if "mla_up_proj" in cfg.recompute_modules and not cfg.multi_latent_attention:
+            raise ValueError(f"recompute_modules ({cfg.recompute_modules}) has 'mla_up_proj', which needs "
+                             f"multi_latent_attention=True (got {cfg.multi_latent_attention})")
     if cfg.distribute_saved_activations and cfg.sequence_parallel:
         raise ValueError("distribute_saved_activations=True cannot be used with sequence_parallel=True")
 
@@ -398,3 +406,40 @@ def _derive_init_methods(cfg: TransformerConfig) -> None:
     if cfg.embedding_init_method is None:
         std = cfg.embedding_init_method_std if cfg.embedding_init_method_std is not None else cfg.init_method_std
         cfg.embedding_init_method = init_method_normal(std)
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """Configuration of a multi-latent attention (DeepSeek-V2/V3) transformer (Megatron-Core's
+    ``MLATransformerConfig``).
+
+    Queries are rebuilt from a rank-``q_lora_rank`` latent (or projected directly when it is None), keys and
+    values from one shared rank-``kv_lora_rank`` latent; every head has ``qk_head_dim`` channels without
+    position and ``qk_pos_emb_head_dim`` rotated ones (the rotated key part is shared by all heads), and
+    ``v_head_dim`` value channels. MLA builds its own rotary embedding from the ``rope_type`` fields below
+    (``GPTModel`` then builds none for ``position_embedding_type='rope'``).
+    """
+
+    multi_latent_attention: bool = True
+    q_lora_rank: int | None = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128  # a query/key head's channels without position (the head has qk_pos_emb_head_dim more)
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"  # 'rope' or 'yarn'
+    rotary_base: float = 10000
+    rotary_percent: float = 1.0  # used by 'rope' only
+    rotary_scaling_factor: float = 40  # YaRN's context stretch; also sets the softmax mscale with mscale_all_dim
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    cache_mla_latents: bool = False  # refused (needs the absorbed FlashMLA decode)
+    mla_down_proj_fusion: bool = False  # a Transformer Engine spec option; the local spec has no fused form
+
+    def __post_init__(self) -> None:
+        """Validate the transformer fields, then the MLA ones (``mla_validation``)."""
+        super().__post_init__()
+        check_mla_config(self)

@@ -17,6 +17,7 @@ from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
+from megatron_core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron_core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlockSubmodules,
     get_mtp_layer_offset,
@@ -59,9 +60,7 @@ def _te_spec_provider() -> BackendSpecProvider:
     )
 
 
-def _reject_unsupported(multi_latent_attention: bool, qk_l2_norm: bool, **flags: bool) -> None:
-    if multi_latent_attention:
-        raise ValueError("multi_latent_attention=True is not supported by this library")
+def _reject_unsupported(qk_l2_norm: bool, **flags: bool) -> None:
     if qk_l2_norm:
         raise ValueError("qk_l2_norm=True is not supported by this library")
     enabled = sorted(name for name, value in flags.items() if value)
@@ -95,8 +94,42 @@ def get_mlp_module_spec(
     return get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm)
 
 
+def _mla_layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_experts: int | None = None,
+                    moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """A GPT layer with multi-latent attention: separate norms (no keys map), as Megatron-Core's local MLA spec."""
+    linear = backend.column_parallel_linear()
+    qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=backend.layer_norm(),
+            self_attention=ModuleSpec(
+                module=MLASelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=MLASelfAttentionSubmodules(
+                    linear_q_proj=linear,
+                    linear_q_down_proj=linear,
+                    linear_q_up_proj=linear,
+                    linear_kv_down_proj=linear,
+                    linear_kv_up_proj=linear,
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=qk_norm,
+                    kv_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=backend.layer_norm(),
+            mlp=get_mlp_module_spec_for_backend(backend, num_experts, moe_grouped_gemm),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
 def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_experts: int | None = None,
-                moe_grouped_gemm: bool = False) -> ModuleSpec:
+                moe_grouped_gemm: bool = False, multi_latent_attention: bool = False) -> ModuleSpec:
+    if multi_latent_attention:
+        return _mla_layer_spec(backend, qk_layernorm, num_experts, moe_grouped_gemm)
     fused = backend.fuse_layernorm_and_linear()
     norm = IdentityOp if fused else backend.layer_norm()
     # An MoE layer's experts have no fused norm: it keeps a separate pre-MLP norm.
@@ -171,11 +204,13 @@ def get_gpt_layer_local_spec(
     *,
     backend: BackendSpecProvider | None = None,
 ) -> ModuleSpec:
-    """A GPT layer from PyTorch and this library's TP layers; ``normalization`` is taken from the config."""
-    _reject_unsupported(
-        multi_latent_attention, qk_l2_norm, use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention
-    )
-    return _layer_spec(backend or LocalSpecProvider(), qk_layernorm, num_experts, moe_grouped_gemm)
+    """A GPT layer from PyTorch and this library's TP layers; ``normalization`` is taken from the config.
+
+    ``multi_latent_attention`` builds ``MLASelfAttention`` (its q/kv latent norms only with ``qk_layernorm``).
+    """
+    _reject_unsupported(qk_l2_norm, use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention)
+    return _layer_spec(backend or LocalSpecProvider(), qk_layernorm, num_experts, moe_grouped_gemm,
+                       multi_latent_attention)
 
 
 def get_gpt_layer_with_transformer_engine_spec(
@@ -195,11 +230,11 @@ def get_gpt_layer_with_transformer_engine_spec(
 ) -> ModuleSpec:
     """A GPT layer on Transformer Engine modules (raises ``ImportError`` naming the ``te`` extra when missing)."""
     _reject_unsupported(
-        multi_latent_attention, qk_l2_norm, use_te_op_fuser=use_te_op_fuser, use_kitchen=use_kitchen,
+        qk_l2_norm, use_te_op_fuser=use_te_op_fuser, use_kitchen=use_kitchen,
         use_te_activation_func=use_te_activation_func, use_kitchen_attention=use_kitchen_attention,
         use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp,
     )
-    return _layer_spec(_te_spec_provider(), qk_layernorm, num_experts, moe_grouped_gemm)
+    return _layer_spec(_te_spec_provider(), qk_layernorm, num_experts, moe_grouped_gemm, multi_latent_attention)
 
 
 def get_gpt_decoder_layer_specs(config: TransformerConfig, use_transformer_engine: bool,
@@ -210,11 +245,12 @@ def get_gpt_decoder_layer_specs(config: TransformerConfig, use_transformer_engin
     ``moe_layer_freq`` N means layers 0, N, 2N, ... are MoE; a list gives 1 (MoE) or 0 (dense) per layer.
     """
     get_spec = get_gpt_layer_with_transformer_engine_spec if use_transformer_engine else get_gpt_layer_local_spec
-    dense = get_spec(None, qk_layernorm=config.qk_layernorm, qk_l2_norm=bool(qk_l2_norm))
+    common = dict(qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
+                  qk_l2_norm=bool(qk_l2_norm))
+    dense = get_spec(None, **common)
     if config.num_moe_experts is None:
         return [dense] * config.num_layers
-    moe = get_spec(config.num_moe_experts, config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm,
-                   qk_l2_norm=bool(qk_l2_norm))
+    moe = get_spec(config.num_moe_experts, config.moe_grouped_gemm, **common)
     freq = config.moe_layer_freq
     pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
     if len(pattern) != config.num_layers:

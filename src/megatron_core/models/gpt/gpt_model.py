@@ -106,7 +106,12 @@ class GPTModel(LanguageModule):
                 scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
                 tp_group=self.tp_group,
             )
-        if position_embedding_type == "rope":
+        if config.multi_latent_attention and position_embedding_type == "yarn":
+            raise ValueError(
+                "position_embedding_type='yarn' with multi_latent_attention=True: MLA applies its own rotary "
+                "embedding (MLATransformerConfig.rope_type='yarn'); use position_embedding_type='rope'"
+            )
+        if position_embedding_type == "rope" and not config.multi_latent_attention:  # MLA rotates by itself
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
                 rotary_percent=rotary_percent,
@@ -194,7 +199,7 @@ class GPTModel(LanguageModule):
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
-        if self.position_embedding_type in ("rope", "yarn"):
+        if self.position_embedding_type in ("rope", "yarn") and not self.config.multi_latent_attention:
             seq_len = self.rotary_pos_emb.get_rotary_seq_len(
                 inference_context, self.decoder, decoder_input, self.config, packed_seq_params
             )

@@ -50,10 +50,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def hf_mappable_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_mappable_parameters(model: torch.nn.Module, buffers: tuple[str, ...] = ()
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """``model.named_parameters()`` with each grouped-expert parameter (``TEGroupedMLP``'s ``[E, ...]`` weights)
     given as one view per local expert, under the ``SequentialMLP`` name the conversion rules know
-    (``...mlp.experts.local_experts.<e>.linear_fc1.weight``): both expert layouts convert alike."""
+    (``...mlp.experts.local_experts.<e>.linear_fc1.weight``): both expert layouts convert alike. Then the
+    persistent buffers whose names end with one of ``buffers`` (e.g. the router's ``expert_bias``)."""
     for name, param in model.named_parameters():
         grouped = _GROUPED_EXPERTS.match(name)
         if grouped is None:
@@ -61,6 +63,10 @@ def hf_mappable_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.
             continue
         for e in range(param.shape[0]):
             yield f"{grouped.group(1)}.local_experts.{e}.{grouped.group(2)}", param[e]
+    if buffers:
+        for name, buffer in model.named_buffers():
+            if name.endswith(buffers):
+                yield name, buffer
 
 
 def tp_rank_size(pg_collection: Any = None) -> tuple[int, int, Any]:
@@ -102,6 +108,8 @@ def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
     hidden, hd = c["hidden_size"], c.get("kv_channels") or c["hidden_size"] // c["num_attention_heads"]
     heads, groups = c["num_attention_heads"], c.get("num_query_groups") or c["num_attention_heads"]
     ffn = c["ffn_hidden_size"]
+    if c.get("multi_latent_attention") and ".self_attention." in name:
+        return _mla_shape(name, c)
     if name.endswith(("word_embeddings.weight", "output_layer.weight")):
         return (vocab, hidden)
     if name.endswith("position_embeddings.weight"):
@@ -110,7 +118,7 @@ def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
         return (hd,)
     if name.endswith("mlp.router.weight"):
         return (c["num_moe_experts"], hidden)
-    if name.endswith("mlp.router.bias"):
+    if name.endswith(("mlp.router.bias", "mlp.router.expert_bias")):
         return (c["num_moe_experts"],)
     if name.endswith("core_attention.softmax_offset"):
         return (heads,)
@@ -131,6 +139,27 @@ def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
     if "linear_fc2" in name:
         return (hidden, ffn) if name.endswith("weight") else (hidden,)
     return (hidden,)
+
+
+def _mla_shape(name: str, c: dict[str, Any]) -> tuple[int, ...]:
+    """Full shapes of multi-latent attention's parameters (``MLATransformerConfig`` fields in ``c``)."""
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    rope, v = c["qk_pos_emb_head_dim"], c["v_head_dim"]
+    shapes = {
+        "linear_q_down_proj.weight": (c["q_lora_rank"], hidden),
+        "linear_q_up_proj.weight": (heads * (c["qk_head_dim"] + rope), c["q_lora_rank"]),
+        "linear_q_proj.weight": (heads * (c["qk_head_dim"] + rope), hidden),
+        "linear_kv_down_proj.weight": (c["kv_lora_rank"] + rope, hidden),
+        "linear_kv_up_proj.weight": (heads * (c["qk_head_dim"] + v), c["kv_lora_rank"]),
+        "q_layernorm.weight": (c["q_lora_rank"],),
+        "kv_layernorm.weight": (c["kv_lora_rank"],),
+        "linear_proj.weight": (hidden, heads * v),
+        "linear_proj.bias": (hidden,),
+    }
+    suffix = name.split(".self_attention.", 1)[1]
+    if suffix not in shapes:
+        raise HFConversionError(f"{name}: no shape known for this multi-latent attention parameter")
+    return shapes[suffix]
 
 
 class AutoBridge:
@@ -178,7 +207,7 @@ class AutoBridge:
                                                     if r.mcore.startswith("embedding.")]
         experts = self.family.config_kwargs.get("num_moe_experts") or 0
         for i in range(self.family.num_layers):
-            for r in self.family.layer_rules:
+            for r in self.family.layer_rules_of(i):
                 out += [(r, (i, e)) for e in range(experts)] if "{e}" in r.mcore else [(r, i)]
         out += [(r, None) for r in self.family.global_rules if not r.mcore.startswith("embedding.")]
         if self.family.model_kwargs["share_embeddings_and_output_weights"]:
@@ -212,7 +241,8 @@ class AutoBridge:
         ignorable = self.family.ignored_suffixes
         if self.family.model_kwargs["share_embeddings_and_output_weights"]:
             ignorable = (*ignorable, "lm_head.weight")
-        extra = sorted(n for n in stored - set(expected) if not n.endswith(ignorable))
+        skipped = self.family.ignored_prefixes
+        extra = sorted(n for n in stored - set(expected) if not n.endswith(ignorable) and not n.startswith(skipped))
         if extra:
             raise HFConversionError(
                 f"{self.reader.path_of(extra[0])}: tensor {extra[0]!r} (and {len(extra) - 1} more) has no place in a "
@@ -236,8 +266,9 @@ class AutoBridge:
         return vocab
 
     def transformer_config(self, **overrides: Any):
-        """The TransformerConfig for this model under the current parallel layout; ``overrides`` win."""
-        from megatron_core.transformer import TransformerConfig
+        """The TransformerConfig (``MLATransformerConfig`` for multi-latent attention) for this model under the
+        current parallel layout; ``overrides`` win."""
+        from megatron_core.transformer import MLATransformerConfig, TransformerConfig
 
         kwargs = dict(self.family.config_kwargs)
         if parallel_state.model_parallel_is_initialized():
@@ -250,7 +281,7 @@ class AutoBridge:
         kwargs.update(overrides)
         if kwargs.get("pipeline_model_parallel_size", 1) > 1:
             kwargs.setdefault("pipeline_dtype", dtype)
-        return TransformerConfig(**kwargs)
+        return (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
 
     def gpt_model_kwargs(self) -> dict[str, Any]:
         """GPTModel keyword arguments for this model (position embeddings, RoPE, tying, maximum length)."""
@@ -260,7 +291,7 @@ class AutoBridge:
                           make_vocab_size_divisible_by: int | None = None, pg_collection: Any = None,
                           **model_kwargs: Any) -> list[torch.nn.Module]:
         """This rank's GPTModel chunks (one per virtual pipeline stage), with the HF weights unless not ``load_weights``."""
-        from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+        from megatron_core.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
         config = config or self.transformer_config(perform_initialization=not load_weights)
         _, tp_size, _ = tp_rank_size(pg_collection)
@@ -268,7 +299,9 @@ class AutoBridge:
         kwargs = {**self.family.model_kwargs, **model_kwargs}
         max_seq = kwargs.pop("max_sequence_length")
         spec = get_gpt_layer_local_spec(config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
-                                        qk_layernorm=config.qk_layernorm)
+                                        qk_layernorm=config.qk_layernorm,
+                                        multi_latent_attention=config.multi_latent_attention)
+        mixed = config.num_moe_experts is not None and isinstance(config.moe_layer_freq, list)  # dense + MoE layers
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() \
             if parallel_state.model_parallel_is_initialized() else None
         chunks = []
@@ -279,7 +312,8 @@ class AutoBridge:
                 post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
             else:
                 pre = post = True
-            chunks.append(GPTModel(config, spec, vocab, max_seq, pre_process=pre, post_process=post,
+            chunk_spec = get_gpt_decoder_block_spec(config, False, vp_stage=stage) if mixed else spec
+            chunks.append(GPTModel(config, chunk_spec, vocab, max_seq, pre_process=pre, post_process=post,
                                    vp_stage=stage, pg_collection=pg_collection, **kwargs))
         if load_weights:
             self.load_hf_weights(chunks, pg_collection=pg_collection)
@@ -312,7 +346,7 @@ class AutoBridge:
             inner = unwrap(chunk)
             self.set_rotary_frequencies(inner)
             with torch.no_grad():
-                for name, param in hf_mappable_parameters(inner):
+                for name, param in hf_mappable_parameters(inner, self.family.buffers):
                     rule, layer = self._rule_for(inner, name, by_name)
                     tp_rank, tp_size = expert_tp if is_expert_rule(rule) else dense_tp
                     if isinstance(rule, Copy) and rule.vocab:

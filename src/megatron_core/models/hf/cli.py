@@ -75,7 +75,7 @@ def flags_cannot_express(bridge) -> list[str]:
     missing = []
     if bridge.family.rope_llama3:
         missing.append("llama3 RoPE scaling")
-    if c.get("qk_layernorm"):
+    if c.get("qk_layernorm") and not c.get("multi_latent_attention"):
         missing.append("q/k layernorm")
     if c.get("add_qkv_bias") and not c.get("add_bias_linear"):
         missing.append("QKV-only biases")
@@ -89,6 +89,10 @@ def flags_cannot_express(bridge) -> list[str]:
         missing.append("sliding-window attention")
     if bridge.family.model_kwargs["position_embedding_type"] == "yarn":
         missing.append("YaRN RoPE")
+    if c.get("multi_latent_attention"):
+        missing.append("multi-latent attention")
+    if c.get("moe_router_score_function", "softmax") != "softmax" or c.get("moe_router_num_groups"):
+        missing.append("sigmoid / group-limited MoE routing")
     return missing
 
 

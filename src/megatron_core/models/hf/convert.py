@@ -136,6 +136,13 @@ def model_layout(bridge: AutoBridge) -> tuple[dict[str, str], dict[str, str]]:
     from megatron_core.dist_checkpointing.mapping import ShardedTensorFactory
 
     c = bridge.family.config_kwargs
+    if c.get("num_moe_experts") and isinstance(c.get("moe_layer_freq"), list):
+        raise HFConversionError(
+            f"{bridge.architecture} with dense and MoE layers (moe_layer_freq {c['moe_layer_freq']}) cannot go "
+            "through a distributed checkpoint yet: such layers need per-layer checkpoint keys (Megatron-Core's "
+            "non_homogeneous_layers), which this library's dist_checkpointing does not write; convert in process "
+            "with AutoBridge (to_megatron_model / save_hf_pretrained) instead"
+        )
     mha = c.get("num_query_groups") in (None, c["num_attention_heads"])
     tiny = dict(num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=2 if mha else 1, kv_channels=4,
                 ffn_hidden_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -143,9 +150,13 @@ def model_layout(bridge: AutoBridge) -> tuple[dict[str, str], dict[str, str]]:
     if isinstance(c.get("window_attn_skip_freq"), list):  # one flag per layer of the real model
         tiny.update(window_attn_skip_freq=None)
     if c.get("num_moe_experts"):
-        tiny.update(num_moe_experts=2, moe_router_topk=1, moe_ffn_hidden_size=4)
+        tiny.update(num_moe_experts=2, moe_router_topk=1, moe_ffn_hidden_size=4, moe_router_num_groups=None,
+                    moe_router_group_topk=None)
         if c.get("moe_shared_expert_intermediate_size"):
             tiny.update(moe_shared_expert_intermediate_size=4)
+    if c.get("multi_latent_attention"):
+        tiny.update(q_lora_rank=4 if c.get("q_lora_rank") else None, kv_lora_rank=4, qk_head_dim=2,
+                    qk_pos_emb_head_dim=2, v_head_dim=2)
     config = bridge.transformer_config(**tiny)
     (model,) = bridge.to_megatron_model(load_weights=False, config=config, max_sequence_length=4)
     tensors: dict[str, str] = {}

@@ -184,7 +184,7 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
     by_name = {r.mcore: r for r in bridge.family.layer_rules + bridge.family.global_rules}
     held: dict[tuple[str, Index], torch.Tensor] = {}
     for chunk in chunks:
-        for name, param in hf_mappable_parameters(chunk):
+        for name, param in hf_mappable_parameters(chunk, bridge.family.buffers):
             rule, layer = bridge._rule_for(chunk, name, by_name)
             held[(rule.mcore, layer)] = param
 

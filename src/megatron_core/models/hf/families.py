@@ -6,7 +6,9 @@ scaling), ``MistralForCausalLM`` (sliding window), ``Qwen2ForCausalLM`` (QKV bia
 ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (router, per-expert tensors, shared expert
 with its sigmoid gate), in the per-expert tensor names ``save_pretrained`` writes, and
 ``GptOssForCausalLM`` (attention sinks, YaRN, alternating sliding windows, biased router and stacked
-experts with a clamped, offset GLU: :mod:`.gpt_oss`). Architectures
+experts with a clamped, offset GLU: :mod:`.gpt_oss`), and ``DeepseekV3ForCausalLM`` (multi-latent attention,
+first dense layers, sigmoid-routed MoE with expert bias, group-limited routing and shared experts:
+:mod:`.deepseek`). Architectures
 that the model code cannot express yet are listed in :data:`NOT_SUPPORTED` with the reason.
 Every config field that changes the computation and is not supported raises
 :class:`HFConversionError` naming ``config.json``, the field and its value.
@@ -14,12 +16,14 @@ Every config field that changes the computation and is not supported raises
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_core.models.hf.deepseek import deepseek_config_kwargs, deepseek_rules_for_layer
 from megatron_core.models.hf.gpt_oss import gpt_oss_config_kwargs, gpt_oss_rules
 from megatron_core.models.hf.rules import Copy, FusedQKV, GateUp, WeightRule
 from megatron_core.models.hf.safetensors_io import HFConversionError
@@ -56,6 +60,16 @@ class Family:
     dtype: torch.dtype | None
     rope_llama3: dict[str, float] | None = None
     ignored_suffixes: tuple[str, ...] = field(default_factory=tuple)
+    # HF tensors that are read by no rule and may be present (e.g. multi-token-prediction layers)
+    ignored_prefixes: tuple[str, ...] = field(default_factory=tuple)
+    # The rules of one layer, where layers differ (dense and MoE); None: every layer has all layer_rules
+    rules_for_layer: Callable[[int], list[WeightRule]] | None = None
+    # Suffixes of the persistent buffers converted like parameters (e.g. the router's expert_bias)
+    buffers: tuple[str, ...] = field(default_factory=tuple)
+
+    def layer_rules_of(self, layer: int) -> list[WeightRule]:
+        """The rules of global layer ``layer``."""
+        return self.rules_for_layer(layer) if self.rules_for_layer is not None else self.layer_rules
 
 
 def _get(cfg: dict, *names: str, default: Any = None) -> Any:
@@ -211,7 +225,26 @@ def _gpt2(path: str, cfg: dict) -> Family:
 
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
-             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def _deepseek_v3(path: str, cfg: dict) -> Family:
+    config_kwargs, model_kwargs = deepseek_config_kwargs(path, cfg)
+    dense, moe, rules_for = deepseek_rules_for_layer(config_kwargs)
+    union = list({r.mcore: r for r in dense + moe}.values())
+    tied = model_kwargs["share_embeddings_and_output_weights"]
+    global_rules: list[WeightRule] = [
+        Copy("embedding.word_embeddings.weight", hf="model.embed_tokens.weight", tp_axis=0, vocab=True),
+        Copy("decoder.final_layernorm.weight", hf="model.norm.weight"),
+        Copy("output_layer.weight", hf="model.embed_tokens.weight" if tied else "lm_head.weight", tp_axis=0,
+             vocab=True),
+    ]
+    layers = config_kwargs["num_layers"]
+    mtp = int(_get(cfg, "num_nextn_predict_layers", "num_mtp_layers", default=0))  # their layers are skipped
+    return Family("DeepseekV3ForCausalLM", config_kwargs, model_kwargs, union, global_rules, int(cfg["vocab_size"]),
+                  layers, _dtype(cfg), ignored_suffixes=("rotary_emb.inv_freq",),
+                  ignored_prefixes=tuple(f"model.layers.{i}." for i in range(layers, layers + mtp)),
+                  rules_for_layer=rules_for, buffers=("router.expert_bias",))
 
 
 def _gpt_oss(path: str, cfg: dict) -> Family:
@@ -282,6 +315,8 @@ def family_from_config(cfg: dict, path: str = "config.json") -> Family:
             return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=False, moe="mixtral")
         if arch == "GptOssForCausalLM":
             return _gpt_oss(path, cfg)
+        if arch == "DeepseekV3ForCausalLM":
+            return _deepseek_v3(path, cfg)
         if arch == "Qwen2MoeForCausalLM":
             return _llama_like(path, cfg, arch, qkv_bias=bool(cfg.get("qkv_bias", True)), qk_norm=False,
                                moe="qwen2_moe")
