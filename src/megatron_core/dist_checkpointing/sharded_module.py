@@ -128,23 +128,24 @@ def sharded_state_dict_default(module: torch.nn.Module, prefix: str = "", sharde
 
 def sharded_state_dict_for_layers(layers: torch.nn.ModuleList, prefix: str, global_layer_indices: list[int],
                                   num_layers: int, sharded_offsets: tuple = (),
-                                  metadata: dict | None = None) -> ShardedStateDict:
-    """Stacked-layer sharded state of a ``TransformerBlock``'s ``layers`` (keys ``<prefix><local i>.*``).
+                                  metadata: dict | None = None, stacked: bool = True) -> ShardedStateDict:
+    """Sharded state of a ``TransformerBlock``'s ``layers`` (dict keys ``<prefix><local i>.*``).
 
-    Each layer's tensors get the prepended axis ``(len(sharded_offsets), global_idx, num_layers)``
-    and their sharding key loses the local index (``decoder.layers.self_attention...``), so
-    checkpoints reshard across pipeline stages.
+    ``stacked``: each layer's tensors get the prepended axis ``(len(sharded_offsets), global_idx, num_layers)``
+    and their sharding key loses the layer index (``decoder.layers.self_attention...``). Otherwise (layers of
+    different kinds, e.g. dense and MoE) each layer keeps its own keys under its global index
+    (``decoder.layers.<global_idx>.``). Either way checkpoints reshard across pipeline stages.
     """
     if len(global_layer_indices) != len(layers):
         raise ValueError(f"{len(layers)} layers but {len(global_layer_indices)} global layer indices")
     out: ShardedStateDict = {}
     for local_idx, (layer, global_idx) in enumerate(zip(layers, global_layer_indices)):
         layer_prefix = f"{prefix}{local_idx}."
-        offsets = (*sharded_offsets, (len(sharded_offsets), global_idx, num_layers))
+        offsets = (*sharded_offsets, (len(sharded_offsets), global_idx, num_layers)) if stacked else sharded_offsets
         if hasattr(layer, "sharded_state_dict"):
             layer_sd = layer.sharded_state_dict(prefix=layer_prefix, sharded_offsets=offsets, metadata=metadata)
         else:
             layer_sd = sharded_state_dict_default(layer, layer_prefix, offsets, metadata)
-        replace_prefix_for_sharding(layer_sd, layer_prefix, prefix)
+        replace_prefix_for_sharding(layer_sd, layer_prefix, prefix if stacked else f"{prefix}{global_idx}.")
         out.update(layer_sd)
     return out

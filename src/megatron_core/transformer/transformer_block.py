@@ -121,12 +121,14 @@ class TransformerBlock(MegatronModule):
         """Sharded state with this chunk's layers stacked on a global layer axis (``decoder.layers.*``).
 
         Layer ``i`` of this chunk is global layer ``layer_offset + i``; the checkpoint keys carry no
-        local index, so a checkpoint reshards across pipeline layouts.
+        local index, so a checkpoint reshards across pipeline layouts. Layers of different kinds (dense and MoE
+        layers mixed by ``moe_layer_freq``, or ``metadata["non_homogeneous_layers"]``) are not stacked: each is
+        saved under ``decoder.layers.<global index>.``, as Megatron-Core does.
         """
         layers_prefix = f"{prefix}layers."
         out = sharded_state_dict_for_layers(
             self.layers, layers_prefix, [self.layer_offset + i for i in range(len(self.layers))],
-            self.config.num_layers, sharded_offsets, metadata,
+            self.config.num_layers, sharded_offsets, metadata, stacked=not _non_homogeneous_layers(self.config, metadata),
         )
         for name, child in self.named_children():
             if name != "layers":
@@ -224,3 +226,12 @@ class TransformerBlock(MegatronModule):
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
+
+
+def _non_homogeneous_layers(config: TransformerConfig, metadata: dict | None) -> bool:
+    """Whether the layers differ in kind, so that they cannot share stacked checkpoint keys (Megatron-Core's rule)."""
+    metadata = metadata or {}
+    if metadata.get("non_homogeneous_layers") or metadata.get("singleton_local_shards"):
+        return True
+    freq = config.moe_layer_freq
+    return isinstance(freq, list) or (isinstance(freq, int) and freq > 1)

@@ -139,9 +139,9 @@ def model_layout(bridge: AutoBridge) -> tuple[dict[str, str], dict[str, str]]:
     if c.get("num_moe_experts") and isinstance(c.get("moe_layer_freq"), list):
         raise HFConversionError(
             f"{bridge.architecture} with dense and MoE layers (moe_layer_freq {c['moe_layer_freq']}) cannot go "
-            "through a distributed checkpoint yet: such layers need per-layer checkpoint keys (Megatron-Core's "
-            "non_homogeneous_layers), which this library's dist_checkpointing does not write; convert in process "
-            "with AutoBridge (to_megatron_model / save_hf_pretrained) instead"
+            "through megatron-convert yet: such layers are checkpointed under per-layer keys (Megatron-Core's "
+            "non_homogeneous_layers), which the offline converter does not map; convert in process with "
+            "AutoBridge (to_megatron_model, then dist_checkpointing or save_hf_pretrained) instead"
         )
     mha = c.get("num_query_groups") in (None, c["num_attention_heads"])
     tiny = dict(num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=2 if mha else 1, kv_channels=4,
