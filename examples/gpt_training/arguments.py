@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 
 from gpt_training.hf_model import apply_hf_model_args
 from gpt_training.presets import PRESETS, apply_preset
@@ -90,6 +91,45 @@ def _model(parser: argparse.ArgumentParser) -> None:
                    help="torch.compile each transformer layer and the loss (GPU speed-up; first steps compile)")
 
 
+def parse_layer_freq(text: str) -> int | list[int]:
+    """``--moe-layer-freq``: an int, or a list written with literals, ``+`` and ``*`` (e.g. ``([0]*1+[1]*2)``)."""
+    try:
+        value = _evaluate_list_expression(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: {err}") from None
+    if isinstance(value, list) and not all(v in (0, 1) for v in value):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: a list holds 0 (dense) or 1 (MoE) per layer")
+    if isinstance(value, int) and value < 1:
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: must be >= 1")
+    return value
+
+
+def _evaluate_list_expression(node: ast.AST) -> int | list[int]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.List):
+        return [_evaluate_list_expression(item) for item in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _evaluate_list_expression(node.left), _evaluate_list_expression(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError("only integers, lists, + and * are allowed")
+
+
+def _mla(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("multi-latent attention (DeepSeek-V2/V3)")
+    g.add_argument("--multi-latent-attention", action="store_true", help="MLA (builds an MLATransformerConfig)")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="query latent width (None: one q projection)")
+    g.add_argument("--kv-lora-rank", type=int, default=512)
+    g.add_argument("--qk-head-dim", type=int, default=128)
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
+    g.add_argument("--v-head-dim", type=int, default=128)
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None, help="MLA's RoPE (default: yarn)")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0)
+    g.add_argument("--mscale", type=float, default=1.0)
+    g.add_argument("--mscale-all-dim", type=float, default=0.0)
+    g.add_argument("--qk-layernorm", action="store_true", help="q/k norms (MLA: the latent RMSNorms)")
+
+
 def _mtp(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("multi-token prediction (DeepSeek-V3's MTP)")
     g.add_argument("--mtp-num-layers", type=int, default=None,
@@ -104,7 +144,9 @@ def _moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
-    g.add_argument("--moe-layer-freq", type=int, default=1, help="one MoE layer every N layers (layer 0 first)")
+    g.add_argument("--moe-layer-freq", type=parse_layer_freq, default=1,
+                   help="N: one MoE layer every N layers (layer 0 first); or a list with 1 (MoE) / 0 (dense) per "
+                        "layer, such as [0,1,1] or ([0]*1+[1]*2) (Megatron-LM's forms)")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
     g.add_argument("--moe-router-pre-softmax", action="store_true")
@@ -245,7 +287,7 @@ def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every flag ``pretrain_gpt.py`` accepts."""
     parser = argparse.ArgumentParser(description="Pretrain a GPT with megatron_core.", allow_abbrev=False)
-    for add in (_parallel, _model, _moe, _mtp, _training, _data, _logging_and_checkpoints):
+    for add in (_parallel, _model, _mla, _moe, _mtp, _training, _data, _logging_and_checkpoints):
         add(parser)
     return parser
 
@@ -276,7 +318,7 @@ def _validate_torch_fsdp2(args: argparse.Namespace) -> None:
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Apply the preset, derive data-parallel size and gradient accumulation, and check the flags."""
     apply_hf_model_args(args)
-    apply_preset(args)
+    apply_preset(args, {action.dest: action.default for action in build_parser()._actions})
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         _require(getattr(args, name) is not None, f"--{name.replace('_', '-')} is required (or pick --model-preset)")
     args.position_embedding_type = args.position_embedding_type or "learned_absolute"

@@ -16,13 +16,15 @@ from megatron_core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_mtp_block_spec,
 )
-from megatron_core.transformer import TransformerConfig
+from megatron_core.transformer import MLATransformerConfig, TransformerConfig
 
 
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     """The TransformerConfig the flags describe."""
     params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    return TransformerConfig(
+    config_class, mla = (MLATransformerConfig, _mla_config(args)) if getattr(args, "multi_latent_attention", False) \
+        else (TransformerConfig, {})
+    return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -38,7 +40,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         bias_activation_fusion=bool(args.swiglu and getattr(args, "bias_swiglu_fusion", True)),
         cross_entropy_loss_fusion=getattr(args, "cross_entropy_loss_fusion", False),
         cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"),
-        apply_rope_fusion=getattr(args, "apply_rope_fusion", True),
+        # MLA's fused RoPE exists for YaRN only (Megatron-Core's rule): plain RoPE runs unfused there.
+        apply_rope_fusion=getattr(args, "apply_rope_fusion", True) and not (mla and args.rope_type == "rope"),
         add_bias_linear=not args.disable_bias_linear,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -61,8 +64,22 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         use_cpu_initialization=args.use_cpu_initialization,
         mtp_num_layers=getattr(args, "mtp_num_layers", None),
         mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1),
+        qk_layernorm=getattr(args, "qk_layernorm", False),
         **_moe_config(args),
+        **mla,
     )
+
+
+def _mla_config(args: argparse.Namespace) -> dict:
+    """The MLATransformerConfig fields of the flags (Megatron-LM's names)."""
+    fields = dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                  qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+                  rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale,
+                  mscale_all_dim=args.mscale_all_dim, rotary_base=args.rotary_base or 10000,
+                  original_max_position_embeddings=args.max_position_embeddings)
+    if args.rope_type is not None:
+        fields["rope_type"] = args.rope_type
+    return fields
 
 
 def _moe_config(args: argparse.Namespace) -> dict:
@@ -110,7 +127,8 @@ def model_provider(args: argparse.Namespace, vocab_size: int, models: list[torch
     else:
         # MoE models get one spec per layer (dense and MoE layers interleaved by --moe-layer-freq).
         spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
-                if config.num_moe_experts is not None else get_gpt_layer_local_spec())
+                if config.num_moe_experts is not None or config.multi_latent_attention
+                else get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm))
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,

@@ -150,3 +150,36 @@ def test_mtp_num_layers_trains_and_logs_each_depth(tmp_path: Path) -> None:
         for depth in (1, 2):
             assert 3.0 < record[f"mtp_{depth} loss"] < 6.0, record  # about ln(127) for a fresh model
             assert 0.0 <= record[f"mtp_{depth} acceptance %"] <= 100.0
+
+
+def test_deepseek_tiny_preset_trains_saves_and_resumes(tmp_path: Path) -> None:
+    # MLA, a dense first layer then MoE layers (per-layer checkpoint keys), sigmoid routing, MTP: through a checkpoint.
+    common = ["--model-preset", "deepseek-tiny", "--mock-data", "--vocab-size", "127", "--seq-length", "32",
+              "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
+              "--log-interval", "1", "--no-progress", "--eval-interval", "0", "--eval-iters", "1", "--save", "ckpt",
+              "--log-json", str(tmp_path / "log.jsonl")]
+
+    def run(*flags: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, str(SCRIPT), *common, *flags], cwd=tmp_path, text=True,
+                              capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return proc
+
+    run("--train-iters", "2", "--save-interval", "2")
+    assert "start at 2" in run("--train-iters", "3", "--load", "ckpt").stdout
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["iteration"] for r in train] == [1, 2, 3]
+    assert all("mtp_1 loss" in r and "load_imbalance" in r for r in train)
+
+
+def test_moe_layer_freq_takes_megatron_lms_list_forms() -> None:
+    sys.path.insert(0, str(REPO / "examples"))
+    from gpt_training.arguments import parse_layer_freq
+
+    assert parse_layer_freq("2") == 2
+    assert parse_layer_freq("[0,1,1]") == [0, 1, 1]
+    assert parse_layer_freq("([0]*1+[1]*3)") == [0, 1, 1, 1]
+    for bad in ("[0,2]", "__import__('os')", "0"):
+        with pytest.raises(Exception, match="moe-layer-freq"):
+            parse_layer_freq(bad)
