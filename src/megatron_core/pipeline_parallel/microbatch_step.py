@@ -181,34 +181,34 @@ def forward_step(
     return (output_tensor if unwrap_output else [output_tensor]), num_tokens
 
 
+def _main_loss_backward_scale(config: Any, own_scale_func: str) -> torch.Tensor:
+    """The main loss's backward scale for an auxiliary loss: ``config.<own_scale_func>()``, else
+    ``grad_scale_func(1)``, else 1 (Megatron-Core's order)."""
+    if getattr(config, own_scale_func, None) is not None:
+        return torch.as_tensor(getattr(config, own_scale_func)(), dtype=torch.float32)
+    if getattr(config, "grad_scale_func", None) is not None:
+        return config.grad_scale_func(torch.ones(1, device=device.get_current_device()))
+    return torch.ones(1)
+
+
 def _set_moe_aux_loss_scale(config: Any, num_microbatches: int, cp_size: int) -> None:
     """MoE aux losses get the main loss's backward scale: ``loss_scale * cp / num_microbatches`` (per token: ``loss_scale``)."""
     # Imported here: the schedules sit below the transformer package and only MoE models need it.
     from megatron_core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    if getattr(config, "moe_grad_scale_func", None) is not None:
-        scale = torch.as_tensor(config.moe_grad_scale_func(), dtype=torch.float32)
-    elif getattr(config, "grad_scale_func", None) is not None:
-        scale = config.grad_scale_func(torch.ones(1, device=device.get_current_device()))
-    else:
-        scale = torch.ones(1)
+    scale = _main_loss_backward_scale(config, "moe_grad_scale_func")
     if not getattr(config, "calculate_per_token_loss", False):
         scale = scale * cp_size / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def _set_mtp_loss_scale(config: Any, num_microbatches: int) -> None:
-    """MTP losses get the main loss's backward scale, as Megatron-Core's schedules set it: ``mtp_grad_scale_func()``,
-    else ``grad_scale_func(1)``, else 1, divided by ``num_microbatches`` (not with ``calculate_per_token_loss``)."""
+    """MTP losses get the main loss's backward scale divided by ``num_microbatches`` (per token: undivided), as
+    Megatron-Core's schedules set it (no context-parallel factor, unlike the MoE aux losses)."""
     # Imported here: the schedules sit below the transformer package and only MTP models need it.
     from megatron_core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-    if getattr(config, "mtp_grad_scale_func", None) is not None:
-        scale = torch.as_tensor(config.mtp_grad_scale_func(), dtype=torch.float32)
-    elif getattr(config, "grad_scale_func", None) is not None:
-        scale = config.grad_scale_func(torch.ones(1, device=device.get_current_device()))
-    else:
-        scale = torch.ones(1)
+    scale = _main_loss_backward_scale(config, "mtp_grad_scale_func")
     if not getattr(config, "calculate_per_token_loss", False):
         scale = scale / num_microbatches
     MTPLossAutoScaler.set_loss_scale(scale)
