@@ -156,7 +156,8 @@ def _moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-enable-expert-bias", action="store_true")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
-    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"],
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                                                  "quantile_balancing", "none"],
                    default="aux_loss")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)

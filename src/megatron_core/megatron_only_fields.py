@@ -211,7 +211,6 @@ class MegatronOnlyTransformerFields:
                                                       "here already hold one 3-D parameter per projection)")
     moe_single_grouped_bias: bool = _refused(False, "Transformer Engine's GroupedTensor")
     moe_pad_experts_for_cuda_graph_inference: bool = _refused(False, "padded experts for CUDA-graph inference")
-    moe_router_quantile_balancing_ema: float = _ignored(0.0, "only used with quantile balancing, which is refused")
     moe_paged_stash: bool = _refused(False, "the MoE paged stash")
     moe_paged_stash_page_size: int = _ignored(64, "only used with moe_paged_stash")
     moe_paged_stash_buffer_size_factor_cuda: float = _ignored(1.1, "only used with moe_paged_stash")

@@ -5,7 +5,8 @@ Megatron-Core's function of the same name, called by the pipeline schedules thro
 all-reduce the gradients of sequence-parallel params (layernorms, row-parallel biases) over TP;
 all-reduce tied word-embedding gradients over the embedding group (first and last PP stage) and
 position-embedding gradients over the position-embedding group; update the MoE routers' expert
-biases (aux-loss-free balancing) from the step's token counts summed over TP x DP x CP; optionally
+biases (aux-loss-free balancing) from the step's token counts summed over TP x DP x CP; update the
+quantile-balancing routers' ``qb_beta`` from the step's quantiles averaged over DP x CP; optionally
 divide every gradient by the number of tokens of the global batch.
 """
 
@@ -88,21 +89,51 @@ def _allreduce_grads(params: list[torch.nn.Parameter], group: Any) -> None:
     collectives.all_reduce_coalesced(grads, group)
 
 
+def _routers(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The MoE routers of every chunk (the modules with balancing state)."""
+    return [module for chunk in model
+            for module in submodules_with_attribute(unwrap_model(chunk), "enable_expert_bias",
+                                                    "reset_global_aux_loss_tracker")]
+
+
 def _update_router_expert_bias(model: list[torch.nn.Module]) -> None:
     """Move each MoE router's ``expert_bias`` toward balance and restart its step counters."""
     # Imported here: distributed sits below the transformer package, and dense models never need it.
     from megatron_core.transformer.moe.moe_utils import get_updated_expert_bias
 
-    for chunk in model:
-        for module in submodules_with_attribute(unwrap_model(chunk), "enable_expert_bias",
-                                                "reset_global_aux_loss_tracker"):
-            if getattr(module, "enable_expert_bias", False) and getattr(module, "expert_bias", None) is not None:
-                updated = get_updated_expert_bias(module.local_tokens_per_expert, module.expert_bias,
-                                                  module.config.moe_router_bias_update_rate, module.tp_dp_cp_group)
-                module.expert_bias.copy_(updated)
-                module.local_tokens_per_expert.zero_()
-            if hasattr(module, "reset_global_aux_loss_tracker"):
-                module.reset_global_aux_loss_tracker()
+    for module in _routers(model):
+        if getattr(module, "enable_expert_bias", False) and getattr(module, "expert_bias", None) is not None:
+            updated = get_updated_expert_bias(module.local_tokens_per_expert, module.expert_bias,
+                                              module.config.moe_router_bias_update_rate, module.tp_dp_cp_group)
+            module.expert_bias.copy_(updated)
+            module.local_tokens_per_expert.zero_()
+        if hasattr(module, "reset_global_aux_loss_tracker"):
+            module.reset_global_aux_loss_tracker()
+
+
+def _update_router_qb_beta(model: list[torch.nn.Module], dp_cp_group: Any) -> None:
+    """Move each quantile-balancing router's ``qb_beta`` to the step's quantile and restart its accumulators.
+
+    A router in training mode averages its micro-batches' quantiles (``qb_beta_accum / qb_beta_count``),
+    then averages that over ``dp_cp_group`` (one collective for all routers); the new bias is
+    ``ema * qb_beta + (1 - ema) * average`` (``moe_router_quantile_balancing_ema``) minus its mean over
+    the experts. Every quantile-balancing router's accumulators are zeroed.
+    """
+    routers = [m for m in _routers(model) if getattr(m, "qb_beta_accum", None) is not None]
+    training = [m for m in routers if m.training]
+    with torch.no_grad():
+        if training:
+            averages = torch.stack([m.qb_beta_accum / m.qb_beta_count.clamp(min=1).to(m.qb_beta_accum.dtype)
+                                    for m in training])
+            collectives.all_reduce(averages, dp_cp_group)
+            averages /= get_pg_size(dp_cp_group)
+            for module, average in zip(training, averages):
+                ema = module.config.moe_router_quantile_balancing_ema
+                blended = ema * module.qb_beta + (1.0 - ema) * average
+                module.qb_beta.copy_(blended - blended.mean())
+        for module in routers:
+            module.qb_beta_accum.zero_()
+            module.qb_beta_count.zero_()
 
 
 def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
@@ -130,6 +161,7 @@ def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor 
         _allreduce_grads(_position_embedding_params(model), groups["pos_embd"])
 
     _update_router_expert_bias(model)
+    _update_router_qb_beta(model, groups["dp_cp"])
 
     if num_tokens is not None:
         pp_group = groups["pp"]

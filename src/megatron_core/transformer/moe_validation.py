@@ -11,12 +11,14 @@ import math
 import warnings
 from typing import Any
 
-MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 MOE_DISPATCHERS = ("allgather", "alltoall")
 MOE_DROP_POLICIES = ("probs", "position")
 MOE_ROUTER_DTYPES = (None, "fp32", "fp64")
 _CAPACITY_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+# Types that choose the experts themselves (not balance losses): a single string only.
+_SELECTION_BALANCING_TYPES = ("sinkhorn", "quantile_balancing")
 
 
 def _choice(cfg: Any, name: str, allowed: tuple) -> None:
@@ -39,7 +41,42 @@ def _balancing_types(cfg: Any) -> list[str]:
             raise ValueError(
                 f"moe_aux_loss_coeff ({coeff!r}) must be a list as long as moe_router_load_balancing_type ({kind!r})"
             )
+        selecting = [k for k in kinds if k in _SELECTION_BALANCING_TYPES]
+        if selecting:
+            raise ValueError(
+                f"moe_router_load_balancing_type ({kind!r}): {selecting} choose the experts themselves and must be "
+                "given alone, as a string (a list combines balance losses)"
+            )
     return kinds
+
+
+def _check_selection_balancing(cfg: Any) -> None:
+    """Rules of the Sinkhorn and quantile-balancing routers (Megatron-Core's router assertions)."""
+    kind = cfg.moe_router_load_balancing_type
+    if kind not in _SELECTION_BALANCING_TYPES:
+        return
+    if cfg.moe_aux_loss_coeff != 0:
+        raise ValueError(
+            f"moe_router_load_balancing_type={kind!r} balances without an auxiliary loss: moe_aux_loss_coeff "
+            f"({cfg.moe_aux_loss_coeff!r}) must be 0"
+        )
+    if kind != "quantile_balancing":
+        return
+    if cfg.moe_router_fusion:
+        raise ValueError("moe_router_load_balancing_type='quantile_balancing' does not support moe_router_fusion=True")
+    if cfg.moe_router_num_groups is not None or cfg.moe_router_group_topk is not None:
+        raise ValueError(
+            "moe_router_load_balancing_type='quantile_balancing' does not support group-limited routing "
+            f"(moe_router_num_groups={cfg.moe_router_num_groups}, moe_router_group_topk={cfg.moe_router_group_topk})"
+        )
+    if cfg.moe_router_topk >= cfg.num_moe_experts:
+        raise ValueError(
+            f"moe_router_load_balancing_type='quantile_balancing' needs moe_router_topk ({cfg.moe_router_topk}) < "
+            f"num_moe_experts ({cfg.num_moe_experts}): with every expert chosen there is nothing to balance"
+        )
+    ema = cfg.moe_router_quantile_balancing_ema
+    if not 0.0 <= ema <= 1.0:
+        raise ValueError(f"moe_router_quantile_balancing_ema ({ema}) must be in [0, 1]")
 
 
 def _check_layer_freq(cfg: Any) -> None:
@@ -185,6 +222,7 @@ def check_moe_config(cfg: Any) -> None:
     _check_layer_freq(cfg)
     _check_router(cfg)
     _check_capacity(cfg, _balancing_types(cfg))
+    _check_selection_balancing(cfg)
     _choice(cfg, "moe_token_dispatcher_type", MOE_DISPATCHERS)
     _check_routing_overrides(cfg)
     if cfg.moe_latent_size is not None and cfg.moe_latent_size <= 0:
@@ -197,6 +235,5 @@ def check_moe_config(cfg: Any) -> None:
             "moe_shared_expert_overlap=True only works with moe_token_dispatcher_type='alltoall' "
             f"(got {cfg.moe_token_dispatcher_type!r})"
         )
-    for flag in ("moe_router_fusion", "moe_permute_fusion"):
-        if getattr(cfg, flag):
-            raise ValueError(f"{flag}=True needs Transformer Engine's fused MoE kernels, which this library does not use")
+    # moe_router_fusion / moe_permute_fusion choose Transformer Engine kernels with the same maths: accepted, no
+    # effect (the PyTorch routing and permutation run); their combination rules are checked above.

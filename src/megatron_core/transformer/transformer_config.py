@@ -137,6 +137,8 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     moe_router_group_topk: int | None = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
+    # quantile balancing: qb_beta <- ema * qb_beta + (1 - ema) * the global batch's quantile (0: no memory)
+    moe_router_quantile_balancing_ema: float = 0.0
     moe_router_dtype: str | None = None
     moe_router_fusion: bool = False
     moe_token_dispatcher_type: str = "allgather"

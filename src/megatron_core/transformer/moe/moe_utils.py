@@ -53,7 +53,9 @@ __all__ = [
     "group_limited_topk",
     "padded_expert_capacity",
     "permute",
+    "qb_dual_update",
     "router_gating_linear",
+    "sinkhorn",
     "sort_chunks_by_idxs",
     "switch_load_balancing_loss_func",
     "topk_routing_with_score_function",
@@ -105,6 +107,55 @@ def z_loss_func(logits: torch.Tensor, z_loss_coeff: float, padding_mask: torch.T
         return values.mean() * z_loss_coeff
     valid = ~padding_mask
     return (values * valid).sum() / torch.clamp(valid.sum(), min=1.0) * z_loss_coeff
+
+
+_SINKHORN_EPS = 1e-8
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
+    """Sinkhorn-Knopp balancing of ``exp(cost)`` ``[num_tokens, num_experts]`` (S-BASE routing).
+
+    Alternately rescales the rows to sum to ``1 / num_tokens`` and the columns to ``1 / num_experts``
+    until the mean change of the column scales drops to ``tol``; returns the rescaled matrix, whose
+    per-row top-k gives a balanced assignment.
+    """
+    kernel = torch.exp(cost)
+    num_rows, num_cols = kernel.shape
+    col_scale = torch.ones(num_cols, device=kernel.device, dtype=kernel.dtype)
+    row_scale = torch.ones(num_rows, device=kernel.device, dtype=kernel.dtype)
+    change = math.inf
+    while change > tol:
+        row_scale = (1.0 / num_rows) / ((kernel * col_scale).sum(dim=1) + _SINKHORN_EPS)
+        new_col_scale = (1.0 / num_cols) / ((kernel * row_scale.unsqueeze(1)).sum(dim=0) + _SINKHORN_EPS)
+        change = (new_col_scale - col_scale).abs().mean().item()
+        col_scale = new_col_scale
+    return kernel * row_scale.unsqueeze(1) * col_scale
+
+
+def qb_dual_update(scores: torch.Tensor, k: int, beta: torch.Tensor, update_beta: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantile balancing: each token's top-``k`` experts of ``scores - beta``, and the next bias.
+
+    ``scores [m, n]`` (tokens, experts), ``beta [n]``. Returns ``(indices [m, k], b)``: ``b`` is ``beta``
+    itself when ``update_beta`` is False, else the per-expert quantile that would give every expert
+    ``m * k / n`` tokens: with ``alpha_t`` the ``(k + 1)``-th largest ``scores[t] - beta`` of token ``t``,
+    ``b_e`` is the ``(m * k / n + 1)``-th largest of ``scores[:, e] - alpha`` over the tokens.
+    """
+    num_tokens, num_experts = scores.shape
+    # One more than k: the (k + 1)-th best is the token's threshold alpha.
+    best = (scores - beta).topk(min(k + 1, num_experts), dim=1)
+    indices = best.indices[:, :k]
+    if not update_beta:
+        return indices, beta
+    if k >= num_experts or (num_tokens * k) % num_experts != 0:
+        raise ValueError(
+            f"quantile balancing needs moe_router_topk ({k}) < num_moe_experts ({num_experts}) and tokens * "
+            f"moe_router_topk ({num_tokens} * {k}) divisible by num_moe_experts (tokens counted over TP x CP)"
+        )
+    alpha = best.values[:, k:]
+    per_expert = num_tokens * k // num_experts
+    quantile = (scores - alpha).topk(per_expert + 1, dim=0).values[per_expert]
+    return indices, quantile.contiguous()
 
 
 def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int | None = None) -> int:
@@ -198,9 +249,12 @@ def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_so
     multiplies the probs. With ``dense_output`` returns ``(probs, indices)`` ``[num_tokens, topk]``.
     ``precomputed_indices [num_tokens, topk]`` replaces the top-k selection (probs are computed at
     those experts); a ``router_replay`` (:class:`.router_replay.RouterReplay`) records or replays it.
+    ``fused`` (``moe_router_fusion``, Transformer Engine's kernel in Megatron-Core) computes the same
+    result with the PyTorch operations above.
     """
-    if fused:
-        raise ValueError("fused routing (moe_router_fusion) needs Transformer Engine, which this library does not use")
+    if fused and precomputed_indices is not None:
+        raise ValueError("topk_routing_with_score_function: fused=True (moe_router_fusion) cannot take "
+                         "precomputed_indices (quantile balancing), as in Megatron-Core")
     num_tokens, num_experts = logits.shape
 
     def default_topk(scores: torch.Tensor, k: int, groups: int | None = None, group_k: int | None = None

@@ -7,6 +7,12 @@ dropping to capacity, the balance losses (attached to ``probs`` by :class:`MoEAu
 and, with aux-loss-free balancing, the per-expert token count that ``finalize_model_grads``
 turns into an ``expert_bias`` update once per step. The gating weight is replicated on every rank
 (marked ``sequence_parallel`` under sequence parallelism so its gradient is summed over TP).
+
+Two load-balancing types replace the top-k selection: ``"sinkhorn"`` (S-BASE: in training the experts
+are the top-k of the Sinkhorn-balanced logits, probs the sigmoid (top-1) or softmax of the logits) and
+``"quantile_balancing"`` (the top-k of ``logits - qb_beta``; each training micro-batch adds the quantile
+of :func:`.moe_utils.qb_dual_update` to ``qb_beta_accum``, and ``finalize_model_grads`` moves ``qb_beta``
+to its data-parallel average once per global batch).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -25,18 +32,32 @@ from megatron_core.transformer.moe.moe_utils import (
     compute_routing_scores_for_aux_loss,
     get_default_pg_collection,
     get_tokens_per_expert_and_token_count,
+    qb_dual_update,
     router_gating_linear,
+    sinkhorn,
     switch_load_balancing_loss_func,
     topk_routing_with_score_function,
     z_loss_func,
 )
 from megatron_core.transformer.moe.router_replay import RouterReplay
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_size
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["Router", "TopKRouter"]
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+# Buffers kept in fp32 whatever the model's dtype (Float16Module casts floating buffers).
+_FP32_BUFFERS = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "qb_beta", "qb_beta_accum")
+
+
+def _gather_rows(tensor: torch.Tensor, group: Any) -> tuple[torch.Tensor, int]:
+    """``tensor``'s rows from every rank of ``group`` (rank order), and this rank's index; not differentiable."""
+    size = get_pg_size(group)
+    if size == 1:
+        return tensor, 0
+    out = tensor.new_empty((tensor.shape[0] * size, *tensor.shape[1:]))
+    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    return out, get_pg_rank(group)
 
 
 class Router(MegatronModule):
@@ -119,10 +140,18 @@ class TopKRouter(Router):
         else:
             self.global_tokens_per_expert = None
             self.ga_steps = None
+        self._init_quantile_balancing(device)
         # moe_enable_routing_replay: this layer's top-k can be recorded and replayed (see .router_replay).
         self.router_replay = RouterReplay() if config.moe_enable_routing_replay else None
-        if self.routing_type == "sinkhorn":
-            raise ValueError("moe_router_load_balancing_type='sinkhorn' is not supported by this library")
+
+    def _init_quantile_balancing(self, device: torch.device) -> None:
+        """Quantile balancing's buffers: the bias ``qb_beta`` (saved) and the step's accumulators (not saved)."""
+        if self.routing_type != "quantile_balancing":
+            self.qb_beta = self.qb_beta_accum = self.qb_beta_count = None
+            return
+        self.register_buffer("qb_beta", torch.zeros(self.num_experts, device=device))
+        self.register_buffer("qb_beta_accum", torch.zeros(self.num_experts, device=device), persistent=False)
+        self.register_buffer("qb_beta_count", torch.zeros((), dtype=torch.long, device=device), persistent=False)
 
     def get_aux_loss_coeff(self, aux_loss_type: str) -> float:
         """The coefficient of ``aux_loss_type`` (0 when that loss is not configured)."""
@@ -213,6 +242,68 @@ class TopKRouter(Router):
                 get_moe_metrics_tracker().record("load_imbalance", imbalance, layer, num_layers,
                                                  avg_group=self.tp_cp_group)
 
+    def _sinkhorn_activation(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sinkhorn routing's probabilities over all experts: sigmoid for top-1, else softmax (fp32, cast back)."""
+        if self.topk == 1:
+            return torch.sigmoid(logits)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+
+    def sinkhorn_load_balancing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sinkhorn (S-BASE) routing of ``logits [num_tokens, num_experts]``: ``(probs, routing_map)``.
+
+        Training picks each token's top-k of the Sinkhorn-balanced fp32 logits (no gradient); evaluation
+        the top-k of the activated logits. The probs are the activated logits on the chosen experts.
+        """
+        activated = self._sinkhorn_activation(logits)
+        if self.training:
+            with torch.no_grad():
+                indices = torch.topk(sinkhorn(logits.detach().float()), k=self.topk, dim=1).indices
+        else:
+            indices = torch.topk(activated, k=self.topk, dim=1).indices
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+        return activated * routing_map, routing_map
+
+    def quantile_balancing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantile-balancing routing of ``logits [num_tokens, num_experts]``: ``(probs, routing_map)``.
+
+        The experts are the top-k of ``logits - qb_beta`` over the TP x CP group's tokens (fp32, no
+        gradient); a training micro-batch with gradients adds its quantile to ``qb_beta_accum``. The probs
+        come from the score function at the chosen experts (``topk_routing_with_score_function``).
+        """
+        update = self.training and torch.is_grad_enabled()
+        local_tokens = logits.shape[0]
+        with torch.no_grad():
+            full, rank = _gather_rows(logits.detach().float(), self.tp_cp_group)
+            indices, quantile = qb_dual_update(full, self.topk, self.qb_beta, update_beta=update)
+            if update:
+                self.qb_beta_accum.add_(quantile)
+                self.qb_beta_count.add_(1)
+            indices = indices[rank * local_tokens:(rank + 1) * local_tokens]
+        cfg = self.config
+        return topk_routing_with_score_function(
+            logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+            scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
+            fused=cfg.moe_router_fusion, precomputed_indices=indices,
+        )
+
+    def _select_experts(self, logits: torch.Tensor, padding_mask: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs, routing_map)`` by the configured load-balancing type."""
+        if self.routing_type == "sinkhorn":
+            return self.sinkhorn_load_balancing(logits)
+        if self.routing_type == "quantile_balancing":
+            if padding_mask is not None:
+                raise ValueError("moe_router_load_balancing_type='quantile_balancing' does not take a padding_mask "
+                                 "(as in Megatron-Core)")
+            return self.quantile_balancing(logits)
+        cfg = self.config
+        return topk_routing_with_score_function(
+            logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
+            group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
+            score_function=self.score_function, expert_bias=self.expert_bias, fused=cfg.moe_router_fusion,
+            router_replay=self.router_replay,
+        )
+
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(probs, routing_map)`` ``[s * b, num_experts]`` from ``logits [s, b, num_experts]``."""
@@ -222,11 +313,7 @@ class TopKRouter(Router):
             padding_mask = padding_mask.reshape(-1)
         logits = self.apply_z_loss(logits, padding_mask)
         cfg = self.config
-        probs, routing_map = topk_routing_with_score_function(
-            logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
-            group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
-            score_function=self.score_function, expert_bias=self.expert_bias, router_replay=self.router_replay,
-        )
+        probs, routing_map = self._select_experts(logits, padding_mask)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
                 probs, routing_map, self.topk, cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy,
@@ -241,8 +328,8 @@ class TopKRouter(Router):
         return probs, routing_map
 
     def _maintain_float32_expert_bias(self) -> None:
-        """Keep the bias and the token counts in fp32 (``Float16Module`` casts buffers to half precision)."""
-        for name in ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert"):
+        """Keep the biases and their accumulators in fp32 (``Float16Module`` casts buffers to half precision)."""
+        for name in _FP32_BUFFERS:
             buffer = getattr(self, name, None)
             if buffer is not None and buffer.dtype != torch.float32:
                 buffer.data = buffer.data.float()
