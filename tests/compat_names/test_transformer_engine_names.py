@@ -123,3 +123,11 @@ def test_wrapper_argument_rules(fake_te):
     fused = te_ext.TELayerNormColumnParallelLinear(8, 24, config=config, init_method=None, gather_output=False,
                                                    bias=True, skip_bias_add=False, is_expert=False)
     assert fused.kwargs["normalization"] == "LayerNorm" and fused.kwargs["parallel_mode"] == "column"
+
+
+def test_te_attention_refuses_attention_sinks(fake_te):
+    fake_te.pytorch.DotProductAttention = type("DotProductAttention", (_Recorder,), {})
+    from megatron_core.transformer.enums import AttnMaskType
+
+    with pytest.raises(ValueError, match="softmax_type='learnable'"):
+        te_ext.TEDotProductAttention(_config(softmax_type="learnable"), 1, AttnMaskType.causal, "self")

@@ -163,6 +163,9 @@ class TEDotProductAttention(LazyTEModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  k_channels: int | None = None, v_channels: int | None = None, num_splits: int | None = None,
                  cp_comm_type: str | None = "p2p", pg_collection: Any = None) -> None:
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r} (attention sinks) is not passed to Transformer "
+                             "Engine here; use the local spec's DotProductAttention")
         tp_group = resolve_process_group("tp", pg_collection=pg_collection)
         kv_channels = (k_channels, v_channels) if k_channels is not None else config.kv_channels
         super().__init__(

@@ -25,7 +25,8 @@ CONFIG_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
     "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "normalization", "qk_layernorm",
     "layernorm_zero_centered_gamma", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-    "multi_latent_attention", "mtp_num_layers",
+    "multi_latent_attention", "mtp_num_layers", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+    "v_head_dim", "moe_latent_size", "softmax_type",
 )
 MODEL_ATTRS = ("vocab_size", "position_embedding_type", "share_embeddings_and_output_weights")
 
