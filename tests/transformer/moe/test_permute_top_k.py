@@ -99,3 +99,17 @@ def test_aligned_permutation_places_the_same_rows_at_aligned_group_starts(alignm
                         tokens.grad, p.grad))
     for name, a, b in zip(("rows", "probs", "sorted_indices", "output", "grad tokens", "grad probs"), *results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_fused_flag_gives_the_unfused_permutation():
+    """``fused=True`` (Transformer Engine's kernel in Megatron-Core) computes the same rows here."""
+    torch.manual_seed(0)
+    tokens, probs = torch.randn(6, 4), torch.rand(6, 3)
+    routing_map = torch.rand(6, 3) > 0.4
+    plain = permute(tokens, routing_map, probs)
+    fused = permute(tokens, routing_map, probs, fused=True)
+    for a, b in zip(plain, fused):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    back = unpermute(plain[0], plain[2], tokens.shape, probs=probs, routing_map=routing_map)
+    torch.testing.assert_close(unpermute(plain[0], plain[2], tokens.shape, probs=probs, routing_map=routing_map,
+                                         fused=True), back, rtol=0, atol=0)

@@ -31,10 +31,9 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(permuted_tokens [N, H], permuted_probs [N] or None, sorted_indices [N])``.
 
-    ``num_out_tokens`` (``N``, when the caller knows it) avoids a device-to-host synchronisation.
+    ``num_out_tokens`` (``N``, when the caller knows it) avoids a device-to-host synchronisation. ``fused``
+    (Transformer Engine's kernel in Megatron-Core) gives the same result here.
     """
-    if fused:
-        raise ValueError("fused permutation needs Transformer Engine, which this library does not use")
     flat, sorted_indices = _sorted_rows(routing_map, num_out_tokens, drop_and_pad)
     permuted_probs = probs.T.contiguous().reshape(-1).index_select(0, flat) if probs is not None else None
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
@@ -223,10 +222,9 @@ def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, resto
               drop_and_pad: bool = False) -> torch.Tensor:
     """Sum each row back into its source token: ``[T, H]`` of ``restore_shape``.
 
-    With ``probs`` (``[T, E]``, needs ``routing_map``) each row is first weighted by its probability.
+    With ``probs`` (``[T, E]``, needs ``routing_map``) each row is first weighted by its probability. ``fused``
+    (Transformer Engine's kernel in Megatron-Core) gives the same result here.
     """
-    if fused:
-        raise ValueError("fused permutation needs Transformer Engine, which this library does not use")
     if probs is not None:
         if routing_map is None:
             raise ValueError("unpermute: routing_map is needed to weight rows by probs")
