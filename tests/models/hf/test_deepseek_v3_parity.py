@@ -7,7 +7,10 @@ correction bias selects, group-limited top-2 of 8 experts, ``routed_scaling_fact
 Imported in one process (both expert layouts) and under TP=2 / EP=2 on gloo ranks, its logits are within 1e-4
 of transformers'; exports load back bitwise-identical tensors, a trained model's export reproduces our logits
 in transformers, and an all-MoE model round-trips through the offline converter. The config mapping (YaRN's
-scales against transformers' own) and its refusals are checked too.
+scales against transformers' own) and its refusals are checked too. A checkpoint with one multi-token-prediction
+depth (written by hand in DeepSeek's layout, as transformers does not instantiate MTP layers) imports every MTP
+tensor to its place, computes the depth's hidden states as the HF weights define them, trains its MTP loss and
+exports back bitwise.
 """
 
 from __future__ import annotations
@@ -181,20 +184,168 @@ def test_offline_converter_refuses_mixed_dense_and_moe_layers(hf_model, tmp_path
     assert not os.path.exists(tmp_path / "ckpt")
 
 
-def test_multi_token_prediction_layers_are_skipped(hf_model, tmp_path) -> None:
+def test_partial_or_unknown_layers_are_refused(hf_model, tmp_path) -> None:
+    """transformers' files keep num_nextn_predict_layers but hold no MTP layer (imported without MTP); a partial MTP
+    layer and a tensor of no known place are refused."""
     from safetensors.torch import save_file
 
     src, _ = hf_model
+    assert _hf_config().num_nextn_predict_layers == 1 and AutoBridge.from_hf_pretrained(src).family.mtp_num_layers == 0
     tensors = safetensors_tensors(src)
-    for name, extra in (("model.layers.3.eh_proj.weight", True), ("model.layers.0.mlp.unknown.weight", False)):
+    for name, match in (("model.layers.3.eh_proj.weight", "missing"), ("model.layers.0.mlp.unknown.weight",
+                                                                       "has no place")):
         target = tmp_path / name
         shutil.copytree(src, target)
         save_file({**tensors, name: torch.zeros(2, 2)}, str(target / "model.safetensors"), metadata={"format": "pt"})
-        if extra:
-            AutoBridge.from_hf_pretrained(target)  # the MTP layer after the last decoder layer is ignored
-        else:
-            with pytest.raises(HFConversionError, match="has no place"):
-                AutoBridge.from_hf_pretrained(target)
+        with pytest.raises(HFConversionError, match=match):
+            AutoBridge.from_hf_pretrained(target)
+
+
+# --- multi-token prediction ------------------------------------------------------------------------------------------
+LAYERS, HIDDEN = 3, 32
+
+
+def _mtp_tensors(tmp_path, seed: int = 5) -> dict[str, torch.Tensor]:
+    """HF-named tensors of one MTP depth (``model.layers.3.*``): a fourth decoder layer of a random 4-layer
+    DeepSeek-V3 saved by transformers (a MoE layer), random norms and ``eh_proj``, and the shared copies."""
+    big = str(tmp_path / "big")
+    _make(big, seed=seed, num_hidden_layers=LAYERS + 1)
+    prefix = f"model.layers.{LAYERS}."
+    out = {n: t for n, t in safetensors_tensors(big).items() if n.startswith(prefix)}
+    gen = torch.Generator().manual_seed(seed + 1)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"{prefix}{norm}.weight"] = 1 + 0.3 * torch.randn(HIDDEN, generator=gen)
+    out[prefix + "eh_proj.weight"] = 0.2 * torch.randn(HIDDEN, 2 * HIDDEN, generator=gen)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> tuple[str, torch.Tensor, dict[str, torch.Tensor]]:
+    """A DeepSeek-V3 directory with one MTP depth (as DeepSeek's checkpoints store it), its logits and tensors."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("deepseek_v3_mtp")
+    path = str(root / "hf")
+    expected = _make(path, num_nextn_predict_layers=1)
+    tensors = safetensors_tensors(path)
+    mtp = _mtp_tensors(root)
+    mtp[f"model.layers.{LAYERS}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    mtp[f"model.layers.{LAYERS}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path, expected, mtp
+
+
+def _hf_mtp_name(name: str) -> list[str]:
+    """HF tensor names of an ``mtp.layers.0.`` parameter, written out independently of the bridge's rules."""
+    p = f"model.layers.{LAYERS}."
+    top = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+           "final_layernorm.weight": "shared_head.norm.weight"}
+    rest = name.removeprefix("mtp.layers.0.")
+    if rest in top:
+        return [p + top[rest]]
+    rest = rest.removeprefix("mtp_model_layer.")
+    fixed = {"input_layernorm.weight": "input_layernorm.weight",
+             "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+             "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+             "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+             "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+             "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+             "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+             "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+             "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+             "mlp.router.weight": "mlp.gate.weight", "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+             "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight"}
+    if rest in fixed:
+        return [p + fixed[rest]]
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        return [p + "mlp.shared_experts.gate_proj.weight", p + "mlp.shared_experts.up_proj.weight"]
+    e, tail = rest.removeprefix("mlp.experts.local_experts.").split(".", 1)
+    if tail == "linear_fc1.weight":
+        return [p + f"mlp.experts.{e}.gate_proj.weight", p + f"mlp.experts.{e}.up_proj.weight"]
+    assert tail == "linear_fc2.weight", name
+    return [p + f"mlp.experts.{e}.down_proj.weight"]
+
+
+def test_mtp_import_places_every_tensor_and_trains(mtp_model) -> None:
+    src, expected, mtp = mtp_model
+    bridge = AutoBridge.from_hf_pretrained(src)
+    model = _ours(bridge)
+    assert model.config.mtp_num_layers == 1 and len(model.mtp.layers) == 1
+    assert type(model.mtp.layers[0].mtp_model_layer.mlp).__name__ == "MoELayer"
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-4, atol=1e-4)
+    state = {n: t for n, t in model.state_dict().items() if n.startswith("mtp.") and not n.endswith("_extra_state")}
+    used = set()
+    for name, value in state.items():
+        hf = _hf_mtp_name(name)
+        used.update(hf)
+        assert torch.equal(value, torch.cat([mtp[n] for n in hf], dim=0)), name
+    shared = {f"model.layers.{LAYERS}.embed_tokens.weight", f"model.layers.{LAYERS}.shared_head.head.weight"}
+    assert used == set(mtp) - shared  # every stored MTP tensor has its place
+    model.train()
+    ids, pos = _batch()
+    model(ids, pos, None, labels=torch.roll(ids, -1, dims=1)).mean().backward()
+    grad = model.mtp.layers[0].eh_proj.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def test_mtp_hidden_states_computed_from_hf_weights(mtp_model) -> None:
+    """Depth 1 by hand from the HF-named tensors: ``shared_head.norm(layer(eh_proj([enorm(E[ids shifted left]);
+    hnorm(h)])))`` (the transformer layer is the model's own, loaded with the mapped weights)."""
+    src, _, mtp = mtp_model
+    model = _ours(AutoBridge.from_hf_pretrained(src))
+    hf = safetensors_tensors(src)
+    p = f"model.layers.{LAYERS}."
+    ids, pos = _batch()
+    with torch.no_grad():
+        hidden = model.decoder(hidden_states=model.embedding(input_ids=ids, position_ids=pos), attention_mask=None)
+        shifted = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+        emb = hf["model.embed_tokens.weight"][shifted].transpose(0, 1)  # [s, b, h]
+        x = torch.cat([_rms(emb, mtp[p + "enorm.weight"]), _rms(hidden, mtp[p + "hnorm.weight"])], dim=-1)
+        x = x @ mtp[p + "eh_proj.weight"].t()
+        x, _ = model.mtp.layers[0].mtp_model_layer(hidden_states=x, attention_mask=None)
+        want = _rms(x, mtp[p + "shared_head.norm.weight"])
+        got = model.mtp(input_ids=ids, position_ids=pos, hidden_states=hidden, attention_mask=None,
+                        embedding=model.embedding)
+    assert got.shape[0] == 2 * SEQ
+    torch.testing.assert_close(got[SEQ:], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:SEQ], hidden, rtol=0, atol=0)
+
+
+def test_mtp_export_round_trips_bitwise(mtp_model, tmp_path) -> None:
+    src, _, mtp = mtp_model
+    bridge = AutoBridge.from_hf_pretrained(src)
+    model = _ours(bridge)
+    bridge.save_hf_pretrained(model, tmp_path / "export")
+    assert_same_tensors(src, tmp_path / "export")  # the MTP layer's tensors, embed_tokens / shared_head.head too
+    back = safetensors_tensors(tmp_path / "export")
+    assert all(torch.equal(back[n], t) for n, t in mtp.items())
+
+
+def test_mtp_can_be_skipped(mtp_model, tmp_path) -> None:
+    src, expected, _ = mtp_model
+    bridge = AutoBridge.from_hf_pretrained(src)
+    (model,) = bridge.to_megatron_model(mtp=False)
+    assert not hasattr(model, "mtp") and model.config.mtp_num_layers is None
+    torch.testing.assert_close(_logits(model.eval()), expected, rtol=1e-4, atol=1e-4)
+    bridge.save_hf_pretrained(model, tmp_path / "export")
+    assert not any(n.startswith(f"model.layers.{LAYERS}.") for n in safetensors_tensors(tmp_path / "export"))
+
+
+def test_mtp_shared_copies_must_equal_the_main_tensors(mtp_model, tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    src, _, _ = mtp_model
+    target = tmp_path / "hf"
+    shutil.copytree(src, target)
+    tensors = safetensors_tensors(src)
+    tensors[f"model.layers.{LAYERS}.shared_head.head.weight"] = tensors["lm_head.weight"] + 1
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFConversionError, match="differs from 'lm_head.weight'"):
+        AutoBridge.from_hf_pretrained(target).to_megatron_model()
 
 
 def _family(**overrides):

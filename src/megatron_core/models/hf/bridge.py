@@ -30,13 +30,15 @@ from megatron_core.models.hf.families import (
     family_from_config,
     llama3_inv_freq,
 )
-from megatron_core.models.hf.rules import Copy, Index, WeightRule, expected_hf_shape, fmt
+from megatron_core.models.hf.rules import Copy, Index, SharedCopy, WeightRule, expected_hf_shape, fmt
 from megatron_core.models.hf.safetensors_io import HFCheckpointReader, HFConversionError
 from megatron_core.utils import unwrap_model
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
-_GROUPED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12]\.(?:weight|bias))$")
+_GROUPED_EXPERTS = re.compile(
+    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.mtp_model_layer)\.mlp\.experts)\.(linear_fc[12]\.(?:weight|bias))$")
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -112,6 +114,8 @@ def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
         return _mla_shape(name, c)
     if name.endswith(("word_embeddings.weight", "output_layer.weight")):
         return (vocab, hidden)
+    if name.endswith("eh_proj.weight"):
+        return (hidden, 2 * hidden)
     if name.endswith("position_embeddings.weight"):
         return (family.model_kwargs["max_sequence_length"], hidden)
     if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
@@ -179,6 +183,11 @@ class AutoBridge:
         cfg = read_hf_config(directory)
         family = family_from_config(cfg, os.path.join(directory, "config.json"))
         reader = HFCheckpointReader(directory) if load_weights else None
+        if reader is not None and family.mtp_num_layers:
+            # transformers' save_pretrained keeps num_nextn_predict_layers but writes no MTP layer: convert without
+            mtp = tuple(f"model.layers.{family.num_layers + k}." for k in range(family.mtp_num_layers))
+            if not any(name.startswith(mtp) for name in reader.names()):
+                family = family.without_mtp()
         bridge = cls(directory, cfg, family, reader)
         if reader is not None:
             bridge._check_tensors()
@@ -201,14 +210,21 @@ class AutoBridge:
         """The HF architecture name, e.g. ``LlamaForCausalLM``."""
         return self.family.architecture
 
-    def rules(self) -> list[tuple[WeightRule, int | None]]:
-        """Every (rule, global layer index) of the full model, in HF file order."""
+    def rules(self, include_mtp: bool = True) -> list[tuple[WeightRule, Index]]:
+        """Every (rule, global layer index) of the full model, in HF file order; the multi-token-prediction
+        depths (``include_mtp``) as HF layers ``num_layers + k``, with the tensors they share last."""
         out: list[tuple[WeightRule, int | None]] = [(r, None) for r in self.family.global_rules
                                                     if r.mcore.startswith("embedding.")]
         experts = self.family.config_kwargs.get("num_moe_experts") or 0
         for i in range(self.family.num_layers):
             for r in self.family.layer_rules_of(i):
                 out += [(r, (i, e)) for e in range(experts)] if "{e}" in r.mcore else [(r, i)]
+        if include_mtp:
+            for k in range(self.family.mtp_num_layers):
+                i = self.family.num_layers + k
+                for r in self.family.mtp_rules:
+                    out += [(r, (i, e)) for e in range(experts)] if "{e}" in r.mcore else [(r, i)]
+                out += [(r, i) for r in self.family.mtp_shared]
         out += [(r, None) for r in self.family.global_rules if not r.mcore.startswith("embedding.")]
         if self.family.model_kwargs["share_embeddings_and_output_weights"]:
             out = [(r, i) for r, i in out if r.mcore != "output_layer.weight"]
@@ -227,7 +243,10 @@ class AutoBridge:
         assert self.reader is not None
         expected = self.expected_hf_shapes()
         stored = set(self.reader.names())
+        optional = {fmt(r.hf, i) for r, i in self.rules() if isinstance(r, SharedCopy)}
         for name, shape in expected.items():
+            if name not in stored and name in optional:
+                continue
             if name not in stored:
                 raise HFConversionError(
                     f"{self.directory}: tensor {name!r} is missing from the safetensors files "
@@ -289,11 +308,25 @@ class AutoBridge:
 
     def to_megatron_model(self, load_weights: bool = True, *, config: Any = None,
                           make_vocab_size_divisible_by: int | None = None, pg_collection: Any = None,
-                          **model_kwargs: Any) -> list[torch.nn.Module]:
-        """This rank's GPTModel chunks (one per virtual pipeline stage), with the HF weights unless not ``load_weights``."""
-        from megatron_core.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+                          mtp: bool = True, **model_kwargs: Any) -> list[torch.nn.Module]:
+        """This rank's GPTModel chunks (one per virtual pipeline stage), with the HF weights unless not ``load_weights``.
 
-        config = config or self.transformer_config(perform_initialization=not load_weights)
+        A checkpoint with multi-token-prediction layers builds them (``config.mtp_num_layers``) unless ``mtp`` is
+        False (or ``config`` has no ``mtp_num_layers``); their HF tensors are then not read."""
+        from megatron_core.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+        from megatron_core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        if config is None:
+            overrides = {} if mtp or not self.family.mtp_num_layers else {"mtp_num_layers": None}
+            config = self.transformer_config(perform_initialization=not load_weights, **overrides)
+        depths = getattr(config, "mtp_num_layers", None) or 0
+        if depths and not mtp:
+            raise ValueError("to_megatron_model(mtp=False) with a config that has mtp_num_layers "
+                             f"({depths}); build the config with transformer_config(mtp_num_layers=None)")
+        if depths and depths != self.family.mtp_num_layers:
+            raise HFConversionError(
+                f"{os.path.join(self.directory, 'config.json')}: the config asks for {depths} multi-token-prediction "
+                f"layers, the checkpoint has {self.family.mtp_num_layers}")
         _, tp_size, _ = tp_rank_size(pg_collection)
         vocab = self.padded_vocab_size(tp_size, make_vocab_size_divisible_by)
         kwargs = {**self.family.model_kwargs, **model_kwargs}
@@ -313,8 +346,12 @@ class AutoBridge:
             else:
                 pre = post = True
             chunk_spec = get_gpt_decoder_block_spec(config, False, vp_stage=stage) if mixed else spec
+            chunk_kwargs = dict(kwargs)
+            if depths:  # the MTP layer is built from the block's last (MoE) layer spec
+                chunk_kwargs.setdefault("mtp_block_spec", get_gpt_mtp_block_spec(
+                    config, get_gpt_decoder_block_spec(config, False) if mixed else spec, False, vp_stage=stage))
             chunks.append(GPTModel(config, chunk_spec, vocab, max_seq, pre_process=pre, post_process=post,
-                                   vp_stage=stage, pg_collection=pg_collection, **kwargs))
+                                   vp_stage=stage, pg_collection=pg_collection, **chunk_kwargs))
         if load_weights:
             self.load_hf_weights(chunks, pg_collection=pg_collection)
         else:
@@ -341,8 +378,11 @@ class AutoBridge:
             raise HFConversionError(f"{self.directory}: the bridge was opened with load_weights=False")
         dense_tp = tp_rank_size(pg_collection)[:2]
         expert_tp = expert_tp_rank_size()[:2]
-        by_name = {r.mcore: r for r in self.family.layer_rules + self.family.global_rules}
-        for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        by_name = self.rules_by_name()
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        if any(getattr(unwrap(chunk), "mtp_process", False) for chunk in chunks):
+            self._check_shared_mtp_tensors()
+        for chunk in chunks:
             inner = unwrap(chunk)
             self.set_rotary_frequencies(inner)
             with torch.no_grad():
@@ -366,12 +406,47 @@ class AutoBridge:
                             f"rank's parameter is {tuple(param.shape)} (TP {tp_rank}/{tp_size})")
                     param.copy_(value)
 
-    @staticmethod
-    def _rule_for(inner: torch.nn.Module, name: str, by_name: dict[str, WeightRule]) -> tuple[WeightRule, Index]:
+    def rules_by_name(self) -> dict[str, WeightRule]:
+        """Every rule of a GPTModel parameter by its ``mcore`` key."""
+        return {r.mcore: r for r in self.family.layer_rules + self.family.global_rules + self.family.mtp_rules}
+
+    def _check_shared_mtp_tensors(self) -> None:
+        """The MTP layers' stored ``embed_tokens`` / ``shared_head.head`` must equal what the model shares."""
+        assert self.reader is not None
+        stored = set(self.reader.names())
+        sources = {r.mcore: r for r in self.family.global_rules}
+        for rule, layer in self.rules():
+            if not isinstance(rule, SharedCopy) or (name := fmt(rule.hf, layer)) not in stored:
+                continue
+            main = sources[rule.source].hf_names(None)[0]
+            rows = self.reader.shape(main)[0]
+            if self.reader.shape(name) != self.reader.shape(main):
+                raise HFConversionError(f"{self.reader.path_of(name)}: {name!r} has shape {self.reader.shape(name)}, "
+                                        f"but the {main!r} it repeats has {self.reader.shape(main)}")
+            for start in range(0, rows, 8192):
+                span = [slice(start, min(start + 8192, rows))]
+                if not torch.equal(self.reader.read(name, span), self.reader.read(main, span)):
+                    raise HFConversionError(
+                        f"{self.reader.path_of(name)}: {name!r} differs from {main!r}; the multi-token-prediction "
+                        "layer must share the model's embedding and output layer")
+
+    def _rule_for(self, inner: torch.nn.Module, name: str, by_name: dict[str, WeightRule]
+                  ) -> tuple[WeightRule, Index]:
         match = _LAYER.match(name)
         layer_index: Index = None
         key = name
-        if match:
+        mtp = _MTP.match(name)
+        if mtp:  # depth k is HF layer num_layers + k; its transformer layer converts like a decoder layer
+            layer = inner.mtp.layers[int(mtp.group(1))]
+            hf_layer = self.family.num_layers + layer.layer_number - 1
+            rest = mtp.group(2)
+            key, layer_index = f"mtp.layers.{{i}}.{rest}", hf_layer
+            expert = _EXPERT.match(rest.removeprefix("mtp_model_layer."))
+            if rest.startswith("mtp_model_layer.") and expert:
+                local = layer.mtp_model_layer.mlp.experts.num_local_experts
+                key = f"mtp.layers.{{i}}.mtp_model_layer.mlp.experts.local_experts.{{e}}.{expert.group(2)}"
+                layer_index = (hf_layer, expert_ep_rank() * local + int(expert.group(1)))
+        elif match:
             layer = inner.decoder.layers[int(match.group(1))]
             rest = match.group(2)
             key, layer_index = f"decoder.layers.{{i}}.{rest}", layer.layer_number - 1

@@ -200,6 +200,10 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     """Write the HF model in ``hf_dir`` as a distributed checkpoint under ``out_dir``; returns the iteration dir."""
     bridge = AutoBridge.from_hf_pretrained(hf_dir)
     assert bridge.reader is not None
+    if bridge.family.mtp_num_layers:
+        raise HFConversionError(
+            f"{hf_dir}: its {bridge.family.mtp_num_layers} multi-token-prediction layer(s) cannot go through "
+            "megatron-convert yet; convert in process with AutoBridge (to_megatron_model) instead")
     bridge.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)  # checks divisibility
     layers = bridge.family.num_layers
     if layers % pp:
@@ -281,6 +285,7 @@ def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = Non
     """Write the model of distributed checkpoint ``ckpt`` (root with a tracker, or an iteration dir) as HF files."""
     checkpoint_dir = _checkpoint_dir(ckpt, iteration)
     bridge = _template(ckpt, checkpoint_dir, hf_template)
+    bridge.family = bridge.family.without_mtp()  # megatron-convert's checkpoints hold no MTP layers
     stored = load_tensors_metadata(checkpoint_dir)
     strategy = TorchDistLoadShardedStrategy()
     layers = bridge.family.num_layers

@@ -18,22 +18,30 @@ get_mscale(f, mscale_all_dim)`` equals the one Hugging Face uses (its ``attentio
 
 Hugging Face scores an expert group by its best two experts, Megatron-Core by its best ``topk / topk_group``:
 configs where those differ are refused, as is every other setting the model cannot compute (see
-:func:`deepseek_config_kwargs`). The multi-token-prediction layers some checkpoints carry after the last
-layer (``model.layers.<num_hidden_layers>.*``, which transformers ignores too) are skipped.
+:func:`deepseek_config_kwargs`).
+
+Multi-token prediction: DeepSeek-V3 checkpoints store ``num_nextn_predict_layers`` MTP depths after the last layer
+(``model.layers.<num_hidden_layers + k>.*``, which transformers does not instantiate). Depth ``k`` maps to
+``mtp.layers.<k>.``: ``enorm`` / ``hnorm`` / ``eh_proj`` as they are (``eh_proj`` takes ``[enorm(embedding);
+hnorm(hidden)]``, the embedding half first, in DeepSeek's inference code as in Megatron-Core), ``shared_head.norm``
+-> ``final_layernorm``, and the decoder-layer tensors (a MoE layer) -> ``mtp_model_layer.*`` with a MoE decoder
+layer's rules. ``embed_tokens`` and ``shared_head.head`` repeat the model's embedding and output layer
+(:class:`~megatron_core.models.hf.rules.SharedCopy`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch.nn.functional as F
 
-from megatron_core.models.hf.rules import Copy, GateUp, WeightRule
+from megatron_core.models.hf.rules import Copy, GateUp, SharedCopy, WeightRule
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
-__all__ = ["deepseek_config_kwargs", "deepseek_rules_for_layer"]
+__all__ = ["deepseek_config_kwargs", "deepseek_mtp_rules", "deepseek_rules_for_layer"]
 
 
 def _get(cfg: dict, name: str, default: Any = None) -> Any:
@@ -188,3 +196,23 @@ def deepseek_rules_for_layer(config: dict[str, Any]
         return moe if (freq[layer] if isinstance(freq, list) else layer % freq == 0) else dense
 
     return dense, (moe if experts else []), rules_for
+
+
+def deepseek_mtp_rules(moe_rules: list[WeightRule], tied: bool) -> tuple[list[WeightRule], list[SharedCopy]]:
+    """``(rules of one MTP depth, its shared embedding / head copies)``: ``{i}`` is the HF layer index
+    ``num_hidden_layers + k`` of depth ``k`` (``mtp.layers.{i}.`` is a key, the bridge finds depth ``k`` itself)."""
+    m, hf = "mtp.layers.{i}.", "model.layers.{i}."
+    rules: list[WeightRule] = [
+        Copy(m + "enorm.weight", hf=hf + "enorm.weight"),
+        Copy(m + "hnorm.weight", hf=hf + "hnorm.weight"),
+        Copy(m + "eh_proj.weight", hf=hf + "eh_proj.weight", tp_axis=0),
+        Copy(m + "final_layernorm.weight", hf=hf + "shared_head.norm.weight"),
+    ]
+    rules += [replace(r, mcore=r.mcore.replace("decoder.layers.{i}.", m + "mtp_model_layer.")) for r in moe_rules]
+    shared = [
+        SharedCopy(m + "shared.word_embeddings.weight", hf=hf + "embed_tokens.weight", tp_axis=0, vocab=True,
+                   source="embedding.word_embeddings.weight"),
+        SharedCopy(m + "shared.output_layer.weight", hf=hf + "shared_head.head.weight", tp_axis=0, vocab=True,
+                   source="embedding.word_embeddings.weight" if tied else "output_layer.weight"),
+    ]
+    return rules, shared

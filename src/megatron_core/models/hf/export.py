@@ -32,7 +32,7 @@ from megatron_core.models.hf.bridge import (
     unwrap,
 )
 from megatron_core.models.hf.progress import progress as progress_iter
-from megatron_core.models.hf.rules import Copy, Index, expected_hf_shape, fmt
+from megatron_core.models.hf.rules import Copy, Index, SharedCopy, expected_hf_shape, fmt
 from megatron_core.models.hf.safetensors_io import (
     INDEX_FILE,
     HFConversionError,
@@ -181,24 +181,30 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
     initialized = parallel_state.model_parallel_is_initialized()
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) if initialized else 0
     edp_rank = parallel_state.get_expert_data_parallel_rank() if initialized else 0
-    by_name = {r.mcore: r for r in bridge.family.layer_rules + bridge.family.global_rules}
+    by_name = bridge.rules_by_name()
     held: dict[tuple[str, Index], torch.Tensor] = {}
     for chunk in chunks:
         for name, param in hf_mappable_parameters(chunk, bridge.family.buffers):
             rule, layer = bridge._rule_for(chunk, name, by_name)
             held[(rule.mcore, layer)] = param
 
-    def mine(rule: Any, layer: Index) -> bool:
-        return (rule.mcore, layer) in held and (edp_rank if is_expert_rule(rule) else dp_rank) == 0
+    def key(rule: Any, layer: Index) -> tuple[str, Index]:  # an MTP layer's embedding / head copy: the shared one
+        return (rule.source, None) if isinstance(rule, SharedCopy) else (rule.mcore, layer)
 
-    todo = [(rule, layer) for rule, layer in bridge.rules() if mine(rule, layer)]
+    def mine(rule: Any, layer: Index) -> bool:
+        return key(rule, layer) in held and (edp_rank if is_expert_rule(rule) else dp_rank) == 0
+
+    # MTP tensors only from a model with MTP layers (every rank's config says so); config.json is kept either way,
+    # as transformers' save_pretrained keeps num_nextn_predict_layers without writing MTP layers
+    with_mtp = bool(bridge.family.mtp_num_layers and getattr(chunks[0].config, "mtp_num_layers", None))
+    todo = [(rule, layer) for rule, layer in bridge.rules(include_mtp=with_mtp) if mine(rule, layer)]
     _check_stacked_experts(bridge)
     vocab = bridge.family.vocab_size
     local: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     for rule, layer in todo:
         if (expert if is_expert_rule(rule) else dense)[0] == 0:
             for name, shape in expected_hf_shape(rule, mcore_shape(rule.mcore, bridge.family, vocab)).items():
-                local.append((fmt(name, layer), shape, held[(rule.mcore, layer)].dtype))
+                local.append((fmt(name, layer), shape, held[key(rule, layer)].dtype))
     local = list({entry[0]: entry for entry in local}.values())  # a stacked tensor once, for all its rows
     writer = HFDirectoryWriter(bridge, path, overwrite, max_shard_size)
     writer.plan(local)
@@ -206,7 +212,7 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
     show = progress and dense[0] == 0 and dp_rank == 0
     for rule, layer in progress_iter(todo, len(todo), f"export {os.path.basename(path)}", show):
         tp_rank, tp_size, tp_group = expert if is_expert_rule(rule) else dense
-        shards = _gather_for(rule, held[(rule.mcore, layer)], tp_rank, tp_size, tp_group)
+        shards = _gather_for(rule, held[key(rule, layer)], tp_rank, tp_size, tp_group)
         if tp_rank != 0 or error is not None:
             continue
         try:

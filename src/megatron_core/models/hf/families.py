@@ -7,8 +7,8 @@ scaling), ``MistralForCausalLM`` (sliding window), ``Qwen2ForCausalLM`` (QKV bia
 with its sigmoid gate), in the per-expert tensor names ``save_pretrained`` writes, and
 ``GptOssForCausalLM`` (attention sinks, YaRN, alternating sliding windows, biased router and stacked
 experts with a clamped, offset GLU: :mod:`.gpt_oss`), and ``DeepseekV3ForCausalLM`` (multi-latent attention,
-first dense layers, sigmoid-routed MoE with expert bias, group-limited routing and shared experts:
-:mod:`.deepseek`). Architectures
+first dense layers, sigmoid-routed MoE with expert bias, group-limited routing, shared experts and the
+multi-token-prediction layers: :mod:`.deepseek`). Architectures
 that the model code cannot express yet are listed in :data:`NOT_SUPPORTED` with the reason.
 Every config field that changes the computation and is not supported raises
 :class:`HFConversionError` naming ``config.json``, the field and its value.
@@ -17,15 +17,19 @@ Every config field that changes the computation and is not supported raises
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from megatron_core.models.hf.deepseek import deepseek_config_kwargs, deepseek_rules_for_layer
+from megatron_core.models.hf.deepseek import (
+    deepseek_config_kwargs,
+    deepseek_mtp_rules,
+    deepseek_rules_for_layer,
+)
 from megatron_core.models.hf.gpt_oss import gpt_oss_config_kwargs, gpt_oss_rules
-from megatron_core.models.hf.rules import Copy, FusedQKV, GateUp, WeightRule
+from megatron_core.models.hf.rules import Copy, FusedQKV, GateUp, SharedCopy, WeightRule
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
 NOT_SUPPORTED = {
@@ -66,6 +70,16 @@ class Family:
     rules_for_layer: Callable[[int], list[WeightRule]] | None = None
     # Suffixes of the persistent buffers converted like parameters (e.g. the router's expert_bias)
     buffers: tuple[str, ...] = field(default_factory=tuple)
+    # Multi-token prediction: depths, the rules of one depth (``{i}`` = HF layer num_layers + depth) and the
+    # HF tensors of a depth that repeat the embedding / output layer
+    mtp_num_layers: int = 0
+    mtp_rules: list[WeightRule] = field(default_factory=list)
+    mtp_shared: list[SharedCopy] = field(default_factory=list)
+
+    def without_mtp(self) -> Family:
+        """This family with no multi-token-prediction layers (a checkpoint that stores none)."""
+        config = {k: v for k, v in self.config_kwargs.items() if k != "mtp_num_layers"}
+        return replace(self, config_kwargs=config, mtp_num_layers=0, mtp_rules=[], mtp_shared=[])
 
     def layer_rules_of(self, layer: int) -> list[WeightRule]:
         """The rules of global layer ``layer``."""
@@ -240,11 +254,19 @@ def _deepseek_v3(path: str, cfg: dict) -> Family:
              vocab=True),
     ]
     layers = config_kwargs["num_layers"]
-    mtp = int(_get(cfg, "num_nextn_predict_layers", "num_mtp_layers", default=0))  # their layers are skipped
+    mtp = int(_get(cfg, "num_nextn_predict_layers", "num_mtp_layers", default=0))
+    _reject(path, cfg, "num_nextn_predict_layers", mtp < 0, "must be >= 0")
+    mtp_rules: list[WeightRule] = []
+    mtp_shared: list[SharedCopy] = []
+    # DeepSeek's MTP layer (index >= first_k_dense_replace) is a MoE layer: an all-dense model converts without
+    # MTP (MTP tensors in its files are then refused as having no place)
+    mtp = mtp if moe else 0
+    if mtp:
+        config_kwargs["mtp_num_layers"] = mtp
+        mtp_rules, mtp_shared = deepseek_mtp_rules(moe, tied)
     return Family("DeepseekV3ForCausalLM", config_kwargs, model_kwargs, union, global_rules, int(cfg["vocab_size"]),
-                  layers, _dtype(cfg), ignored_suffixes=("rotary_emb.inv_freq",),
-                  ignored_prefixes=tuple(f"model.layers.{i}." for i in range(layers, layers + mtp)),
-                  rules_for_layer=rules_for, buffers=("router.expert_bias",))
+                  layers, _dtype(cfg), ignored_suffixes=("rotary_emb.inv_freq",), rules_for_layer=rules_for,
+                  buffers=("router.expert_bias",), mtp_num_layers=mtp, mtp_rules=mtp_rules, mtp_shared=mtp_shared)
 
 
 def _gpt_oss(path: str, cfg: dict) -> Family:

@@ -109,6 +109,16 @@ class Copy(WeightRule):
 
 
 @dataclass(frozen=True)
+class SharedCopy(Copy):
+    """An HF tensor that repeats another parameter (``source``, a GPTModel parameter name outside any layer), e.g.
+    the ``embed_tokens`` / ``shared_head.head`` copies that DeepSeek-V3 stores in each multi-token-prediction layer.
+    Export writes it from ``source``; import reads it only to check that it equals the tensor ``source`` is loaded
+    from, and it may be absent. ``mcore`` is a unique key ending like ``source`` (for its shape)."""
+
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class FusedQKV(WeightRule):
     """``linear_qkv`` weight or bias from q, k, v (three tensors, or one ``[q|k|v]`` tensor for GPT-2).
 
