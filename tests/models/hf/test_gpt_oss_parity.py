@@ -151,7 +151,9 @@ def _parallel_check(src: str, out: str, tp: int, ep: int) -> tuple[torch.Tensor,
     try:
         tensor_parallel.model_parallel_cuda_manual_seed(1)
         bridge = AutoBridge.from_hf_pretrained(src)
-        model = _ours(bridge, grouped=ep > 1, expert_tensor_parallel_size=1, expert_model_parallel_size=ep)
+        config = bridge.transformer_config()  # the expert layout comes from parallel_state
+        assert (config.expert_tensor_parallel_size, config.expert_model_parallel_size) == (1, ep)
+        model = _ours(bridge, grouped=ep > 1)
         logits = _logits(model)
         try:
             bridge.save_hf_pretrained(model, out)

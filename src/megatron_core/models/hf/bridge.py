@@ -295,6 +295,9 @@ class AutoBridge:
             kwargs.update(tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
                           pipeline_model_parallel_size=pp,
                           virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size())
+            if kwargs.get("num_moe_experts"):  # the expert layout initialize_model_parallel was given
+                kwargs.update(expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                              expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size())
         dtype = overrides.pop("params_dtype", None) or self.family.dtype or torch.float32
         kwargs.update(params_dtype=dtype)
         kwargs.update(overrides)
