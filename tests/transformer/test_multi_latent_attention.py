@@ -33,6 +33,7 @@ from megatron_core.transformer.multi_latent_attention import MLASelfAttention
 from megatron_core.transformer.spec_utils import build_module
 from megatron_core.utils import get_batch_on_this_cp_rank
 from tests.dist_harness import run_on_ranks
+from tests.megatron_oracle import megatron_on_cpu
 
 VOCAB, SEQ, BATCH, MAX_SEQ = 64, 12, 2, 32
 SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8,
@@ -154,21 +155,10 @@ def test_softmax_scale_and_query_key_value_shapes():
 # --- Megatron-Core as an oracle ------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _megatron_on_cpu():
-    """Megatron-Core's CUDA-only calls and Transformer Engine class checks made harmless while the oracle runs."""
+    """The shared oracle setup, with the Transformer Engine class checks of Megatron-Core's MLA made harmless."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron.core import parallel_state as their_state
-        from megatron.core.tensor_parallel import random as their_random
         from megatron.core.transformer import multi_latent_attention as their_mla
-    saved = (torch.cuda.synchronize, torch.cuda.current_device)
-    if not torch.cuda.is_available():
-        torch.cuda.synchronize = lambda *args, **kwargs: None
-        torch.cuda.current_device = lambda: "cpu"
-
-    class _NoCudaTracker(their_random.CudaRNGStatesTracker):
-        @contextlib.contextmanager
-        def fork(self, name=None):
-            yield
 
     class _NotTransformerEngine:  # their MLA checks isinstance(linear, TELinear) even without TE
         pass
@@ -177,17 +167,12 @@ def _megatron_on_cpu():
     saved_te = {name: getattr(their_mla, name, None) for name in te_names}
     for name in te_names:
         setattr(their_mla, name, _NotTransformerEngine)
-    saved_tracker = (their_random._CUDA_RNG_STATE_TRACKER, their_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    their_random._CUDA_RNG_STATE_TRACKER, their_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _NoCudaTracker(), True
-    their_state.initialize_model_parallel(1, 1)
     try:
-        yield
+        with megatron_on_cpu():
+            yield
     finally:
-        their_state.destroy_model_parallel()
-        their_random._CUDA_RNG_STATE_TRACKER, their_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker
         for name, value in saved_te.items():
             setattr(their_mla, name, value)
-        torch.cuda.synchronize, torch.cuda.current_device = saved
 
 
 def _compare_with_megatron(overrides: dict) -> list[str]:

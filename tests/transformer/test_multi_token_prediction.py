@@ -28,6 +28,7 @@ from megatron_core.transformer.multi_token_prediction import (
     roll_tensor,
 )
 from tests.dist_harness import run_on_ranks
+from tests.megatron_oracle import megatron_on_cpu
 
 VOCAB, SEQ, MAX_SEQ = 64, 12, 16
 CONFIG = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=32,
@@ -216,33 +217,13 @@ def test_mtp_ranks_and_refusals():
 # --- Megatron-Core as an oracle ------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _megatron_on_cpu():
-    """Megatron-Core's CUDA-only calls made harmless in this process while the oracle runs, then restored."""
-    saved = (torch.cuda.synchronize, torch.cuda.current_device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core import parallel_state as their_state
-        from megatron.core.tensor_parallel import random as their_random
-    if not torch.cuda.is_available():
-        torch.cuda.synchronize = lambda *args, **kwargs: None
-        torch.cuda.current_device = lambda: "cpu"
+    """The shared oracle setup, with Megatron-Core's MTP metrics tracker emptied (it is sized by the depth count of
+    an earlier run in this process)."""
+    with megatron_on_cpu():
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as TheirHelper
 
-    class _NoCudaTracker(their_random.CudaRNGStatesTracker):
-        @contextlib.contextmanager
-        def fork(self, name=None):
-            yield
-
-    saved_tracker = (their_random._CUDA_RNG_STATE_TRACKER, their_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    their_random._CUDA_RNG_STATE_TRACKER, their_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _NoCudaTracker(), True
-    their_state.initialize_model_parallel(1, 1)
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as TheirHelper
-
-    TheirHelper.tracker.clear()  # sized by the depth count of an earlier run in this process
-    try:
+        TheirHelper.tracker.clear()
         yield
-    finally:
-        their_state.destroy_model_parallel()
-        their_random._CUDA_RNG_STATE_TRACKER, their_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker
-        torch.cuda.synchronize, torch.cuda.current_device = saved
 
 
 def _compare_with_megatron(depths: int) -> bool:

@@ -26,7 +26,6 @@ run through the same core attention / context code as ``SelfAttention``. Selecti
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core import tensor_parallel
+from megatron_core._misc_utils import accepts_parameter
 from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -79,12 +79,7 @@ class MLASelfAttentionSubmodules:
 
 def _accepts(spec: Any, name: str) -> bool:
     """Whether the class a spec builds takes the keyword ``name`` (or any keyword)."""
-    module = spec.module if isinstance(spec, ModuleSpec) else spec
-    try:
-        params = inspect.signature(module).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return accepts_parameter(spec.module if isinstance(spec, ModuleSpec) else spec, name)
 
 
 def _is_identity(spec: Any) -> bool:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron_core.transformer.moe.moe_utils import (
@@ -51,13 +51,11 @@ _FP32_BUFFERS = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_ex
 
 
 def _gather_rows(tensor: torch.Tensor, group: Any) -> tuple[torch.Tensor, int]:
-    """``tensor``'s rows from every rank of ``group`` (rank order), and this rank's index; not differentiable."""
-    size = get_pg_size(group)
-    if size == 1:
+    """``tensor``'s rows from every rank of ``group`` (rank order), and this rank's index (``group`` None: this
+    rank alone)."""
+    if get_pg_size(group) == 1:
         return tensor, 0
-    out = tensor.new_empty((tensor.shape[0] * size, *tensor.shape[1:]))
-    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
-    return out, get_pg_rank(group)
+    return gather_from_sequence_parallel_region(tensor, group=group), get_pg_rank(group)
 
 
 class Router(MegatronModule):
