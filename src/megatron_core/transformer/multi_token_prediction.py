@@ -301,16 +301,13 @@ class MTPLossLoggingHelper:
                           / tracker["cumulative_total_values"][depth].clamp(min=1) * 100.0)
             if total_loss_dict is not None:
                 total_loss_dict[f"{name} loss"] = total_loss_dict.get(f"{name} loss", 0) + losses[depth]
-            for sink in (writer, wandb_writer):
-                if sink is None:
-                    continue
-                values = {f"{name} loss": losses[depth], f"{name}_acceptance_rate": rate,
-                          f"{name}_cumulative_acceptance_rate": cumulative}
-                if sink is writer:
-                    for key, value in values.items():
-                        writer.add_scalar(key, value, iteration)
-                else:
-                    wandb_writer.log(values, iteration)
+            values = {f"{name} loss": losses[depth], f"{name}_acceptance_rate": rate,
+                      f"{name}_cumulative_acceptance_rate": cumulative}
+            if writer is not None:
+                for key, value in values.items():
+                    writer.add_scalar(key, value, iteration)
+            if wandb_writer is not None:
+                wandb_writer.log(values, iteration)
         MTPLossLoggingHelper.clean_metrics_in_tracker()
 
 
