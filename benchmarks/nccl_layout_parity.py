@@ -34,27 +34,44 @@ TOLERANCE = 2e-2  # relative Frobenius error, bf16 (reliability requirements, se
 GPU_MODELS = {
     "dense": ["--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16",
               "--num-query-groups", "4", "--ffn-hidden-size", "2816", "--seq-length", "1024",
-              "--max-position-embeddings", "1024", "--vocab-size", "31999"],
+              "--max-position-embeddings", "1024", "--vocab-size", "31999", "--make-vocab-size-divisible-by", "32"],
     "moe": ["--model-preset", "mixtral-tiny", "--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads",
             "16", "--num-query-groups", "4", "--ffn-hidden-size", "2816", "--moe-ffn-hidden-size", "1408",
             "--seq-length", "1024", "--max-position-embeddings", "1024", "--vocab-size", "31999",
             "--moe-token-dispatcher-type", "alltoall"],
 }
+# Eight layers: four pipeline stages of two virtual stages each.
+GPU_MODELS["dense8"] = [*GPU_MODELS["dense"][:2], "--num-layers", "8", *GPU_MODELS["dense"][4:]]
+# Vocabularies (plus the EOD token) that pad to the same size at TP=1, 2 and 4 (the padding multiple is
+# --make-vocab-size-divisible-by x TP), so the one-rank initial checkpoint loads into every layout.
 CPU_MODELS = {
     "dense": ["--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
               "--ffn-hidden-size", "64", "--seq-length", "32", "--max-position-embeddings", "32",
-              "--vocab-size", "200", "--make-vocab-size-divisible-by", "8"],
-    "moe": ["--model-preset", "mixtral-tiny", "--seq-length", "32", "--vocab-size", "200",
-            "--make-vocab-size-divisible-by", "8", "--moe-token-dispatcher-type", "alltoall"],
+              "--vocab-size", "207", "--make-vocab-size-divisible-by", "4"],
+    "moe": ["--model-preset", "mixtral-tiny", "--seq-length", "32", "--vocab-size", "207",
+            "--make-vocab-size-divisible-by", "4", "--moe-token-dispatcher-type", "alltoall"],
 }
+CPU_MODELS["dense8"] = [*CPU_MODELS["dense"][:2], "--num-layers", "8", *CPU_MODELS["dense"][4:]]
+# name: (model, ranks, flags)
 LAYOUTS = {
-    "tp2_sp": ("dense", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "pp2": ("dense", ["--pipeline-model-parallel-size", "2"]),
-    "pp2_vp2": ("dense", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
-    "dp2": ("dense", ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
-    "cp2": ("dense", ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
-    "ep2": ("moe", ["--expert-model-parallel-size", "2"]),
+    "tp2_sp": ("dense", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2": ("dense", 2, ["--pipeline-model-parallel-size", "2"]),
+    "pp2_vp2": ("dense", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "dp2": ("dense", 2, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
+    "cp2": ("dense", 2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    "ep2": ("moe", 2, ["--expert-model-parallel-size", "2"]),
+    "dp4": ("dense", 4, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
+    "tp4_sp": ("dense", 4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"]),
+    "tp2_pp2": ("dense", 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                             "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]),
+    "pp4": ("dense", 4, ["--pipeline-model-parallel-size", "4"]),
+    "pp4_vp2": ("dense8", 4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage",
+                              "1"]),
+    "cp4": ("dense", 4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a"]),
+    "ep4": ("moe", 4, ["--expert-model-parallel-size", "4"]),
 }
+DEFAULT_2GPU = [name for name, (_, ranks, _) in LAYOUTS.items() if ranks == 2]
+DEFAULT_4GPU = [name for name, (_, ranks, _) in LAYOUTS.items() if ranks == 4]
 
 
 def relative_error(values: list[float], reference: list[float]) -> float:
@@ -74,7 +91,8 @@ def _run(args, name: str, nproc: int, flags: list[str], work: Path, out: Path) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {list(LAYOUTS)}")
+    p.add_argument("--gpus", type=int, default=2, help="the default layout list: the 2- or the 4-rank layouts")
+    p.add_argument("--layouts", default=None, help=f"comma-separated, from {list(LAYOUTS)}")
     p.add_argument("--out", default="parity_out")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     p.add_argument("--steps", type=int, default=None, help="training steps (GPU 20, CPU 3)")
@@ -88,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.cpu = args.device == "cpu"
     steps = args.steps or (3 if args.cpu else 20)
-    names = args.layouts.split(",")
+    names = args.layouts.split(",") if args.layouts else (DEFAULT_4GPU if args.gpus >= 4 else DEFAULT_2GPU)
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         p.error(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
@@ -105,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         references: dict[str, list[dict] | None] = {}
         started = time.time()
         for name in names:
-            model, flags = LAYOUTS[name]
+            model, ranks, flags = LAYOUTS[name]
             if args.budget is not None and time.time() - started > args.budget:
                 rows.append({"layout": name, "model": model, "passed": False, "error": "skipped (time budget)"})
                 failed = True
@@ -124,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                       + ("" if ok else f"\n{ref_tail}"), flush=True)
             ref = references[model]
             start = time.time()
-            code, records, tail = _run(args, name, 2, [*base, *load, *flags, "--train-iters", str(steps)], work,
-                                       out)
+            code, records, tail = _run(args, name, ranks, [*base, *load, *flags, "--train-iters", str(steps)],
+                                       work, out)
             row = {"layout": name, "model": model, "exit": code, "wall s": round(time.time() - start, 1)}
             if ref is None or code != 0 or len(records) != steps:
                 row.update(passed=False, error=f"exit {code}, {len(records)}/{steps} steps, reference "
