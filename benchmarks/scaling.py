@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -161,7 +162,18 @@ def child_env(cpu: bool) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1" if cpu else "4")
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        env.setdefault("NCCL_DEBUG", "INFO")  # the log then names each channel's transport (nccl_transports)
     return env
+
+
+def nccl_transports(log_text: str) -> list[str]:
+    """The NCCL transports of a run's channels (``... via P2P/CUMEM/read``, ``via SHM/direct/direct``), sorted.
+
+    A transport through host memory (SHM, NET) where NVLink peer access (P2P) was expected is the first thing
+    to rule out when a data-parallel run scales badly.
+    """
+    return sorted(set(re.findall(r" via (\S+)", log_text)))
 
 
 def run_torchrun(nproc: int, flags: list[str], log_json: Path, out_log: Path, cpu: bool,
@@ -365,6 +377,7 @@ def run_one(args, name: str, layout: Layout, cfg: ModelConfig, extra: list[str],
                 "error": f"exit {code}, {len(records)}/{iters} steps", "flags": flags}
     row = summarize(name, layout, cfg, records, args.warmup)
     row["flags"], row["wall s"] = flags, time.time() - start
+    row["nccl transports"] = nccl_transports((out / f"{name}.log").read_text(errors="replace"))
     print(f"   {row['ms/step']:.1f} ms/step, {row['tokens/s/GPU']:,.0f} tokens/s/GPU ({row['wall s']:.0f} s)",
           flush=True)
     return row
@@ -408,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     env = result["environment"]
     print(f"\n{env.get('device')}, torch {env.get('torch')}, {env['date']}; median of {args.steps} steps after "
           f"{args.warmup} warm-up steps\n\n{table}", flush=True)
+    transports = [f"{r['layout']}: {', '.join(r['nccl transports'])}" for r in rows if r.get("nccl transports")]
+    if transports:
+        print("\nNCCL transports (from NCCL_DEBUG=INFO): " + "; ".join(transports), flush=True)
     (out / "scaling.md").write_text(table + "\n")
     save()
     return 1 if any(r.get("error") for r in rows) else 0

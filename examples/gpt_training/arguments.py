@@ -368,9 +368,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(not args.profile or 1 <= args.profile_step_start <= args.profile_step_end,
              f"--profile-step-start ({args.profile_step_start}) must be >= 1 and <= --profile-step-end "
              f"({args.profile_step_end})")
-    _require(args.mtp_num_layers is None or (args.mtp_num_layers >= 1 and pp == 1),
-             f"--mtp-num-layers ({args.mtp_num_layers}) must be >= 1 and needs --pipeline-model-parallel-size 1 "
-             f"(got {pp})")
+    _require(args.mtp_num_layers is None or args.mtp_num_layers >= 1,
+             f"--mtp-num-layers ({args.mtp_num_layers}) must be >= 1")
     validate_upcycling_args(args)
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     return args

@@ -50,6 +50,22 @@ def test_llama8b_estimate_fits_two_h200s_without_recompute() -> None:
     assert 80 < est["total GB"] < 0.85 * 139
 
 
+def test_nccl_transports_are_read_from_the_log() -> None:
+    log = ("rank0 NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read\n"
+           "rank1 NCCL INFO Channel 01/0 : 1[1] -> 0[0] via SHM/direct/direct\n"
+           "rank0 NCCL INFO Channel 02/0 : 0[0] -> 1[1] via P2P/CUMEM/read\n")
+    assert scaling.nccl_transports(log) == ["P2P/CUMEM/read", "SHM/direct/direct"]
+    assert scaling.nccl_transports("no NCCL here") == []
+    assert scaling.child_env(cpu=False).get("NCCL_DEBUG") is not None
+    assert "NCCL_DEBUG" not in scaling.child_env(cpu=True) or scaling.child_env(cpu=True)["NCCL_DEBUG"] == \
+        scaling.os.environ.get("NCCL_DEBUG")
+
+
+def test_parity_layouts_of_two_and_four_ranks() -> None:
+    assert nccl_layout_parity.DEFAULT_2GPU == ["tp2_sp", "pp2", "pp2_vp2", "dp2", "cp2", "ep2"]
+    assert set(nccl_layout_parity.DEFAULT_4GPU) == {"dp4", "tp4_sp", "tp2_pp2", "pp4", "pp4_vp2", "cp4", "ep4"}
+
+
 def test_relative_error() -> None:
     assert nccl_layout_parity.relative_error([3.0, 4.0], [3.0, 4.0]) == 0.0
     assert nccl_layout_parity.relative_error([3.0, 4.0 + 0.5], [3.0, 4.0]) == pytest.approx(0.1)

@@ -94,9 +94,10 @@ class GPTModel(LanguageModule):
         self.mtp_process = mtp_block_spec is not None and mtp_on_this_rank(
             layout=config.pipeline_model_parallel_layout, mtp_num_layers=config.mtp_num_layers,
             ignore_virtual=False, vp_stage=vp_stage)
-        if self.mtp_process and not pre_process:
-            raise ValueError("multi-token prediction on a pipeline stage without the embedding is not supported yet: "
-                             "use pipeline_model_parallel_size 1 with mtp_num_layers (docs/compat.md)")
+        if self.mtp_process and not pre_process and not post_process:
+            raise ValueError("the MTP layers must be on the first or the last pipeline stage (their embedding copy is "
+                             "synchronised over the embedding group, which holds those two stages); the "
+                             "pipeline_model_parallel_layout puts them on a middle stage")
         if pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(
                 config=config,
@@ -160,10 +161,11 @@ class GPTModel(LanguageModule):
                 bias=False,
                 skip_bias_add=False,
                 gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                # Tied: the stage's embedding weight (the first stage's, or the MTP stage's copy of it) is used.
+                skip_weight_param_allocation=(pre_process or self.mtp_process) and share_embeddings_and_output_weights,
                 tp_group=self.tp_group,
             )
-        if pre_process or post_process:
+        if pre_process or post_process or self.mtp_process:
             self.setup_embeddings_and_output_layer()
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor]) -> None:

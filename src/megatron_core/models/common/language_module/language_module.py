@@ -63,9 +63,14 @@ class LanguageModule(MegatronModule):
         """
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         sharded.pop(f"{prefix}output_layer._extra_state", None)
-        self.tie_embeddings_and_output_weights_state_dict(
-            sharded, f"{prefix}output_layer.weight", f"{prefix}embedding.word_embeddings.weight"
-        )
+        word_emb_key = f"{prefix}embedding.word_embeddings.weight"
+        if getattr(self, "mtp_process", False) and not self.pre_process:
+            # The MTP stage's copy of the first stage's embedding: saved by the first stage only.
+            from megatron_core.transformer.multi_token_prediction import tie_word_embeddings_state_dict
+
+            tie_word_embeddings_state_dict(sharded, self.embedding.word_embeddings.weight, word_emb_key,
+                                           tp_group=self.tp_group, dp_cp_group=self.pg_collection.dp_cp)
+        self.tie_embeddings_and_output_weights_state_dict(sharded, f"{prefix}output_layer.weight", word_emb_key)
         return sharded
 
     def tie_embeddings_and_output_weights_state_dict(
@@ -90,28 +95,38 @@ class LanguageModule(MegatronModule):
         )
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
-        """The word-embedding weight on the first stage, the output weight on the last stage."""
-        if self.pre_process:
+        """The word-embedding weight on the first stage and on a stage with MTP layers (which holds a copy of the
+        embedding), otherwise the output weight on the last stage."""
+        if self.pre_process or getattr(self, "mtp_process", False):
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
         return None
 
     def setup_embeddings_and_output_layer(self) -> None:
-        """Tag embedding/output parameters and, when tied across stages, synchronise the two copies."""
-        if self.pre_process:
+        """Tag embedding/output parameters and synchronise the copies of the word embedding across stages.
+
+        A later stage holds a copy of the first stage's word embedding when the output weights are tied to it
+        (on the last stage) or when it runs the MTP layers (which embed the shifted tokens): that copy starts
+        at zero and takes the first stage's values by an all-reduce over the embedding group, and
+        ``finalize_model_grads`` all-reduces the copies' gradients the same way (``shared_embedding``).
+        """
+        mtp_process = getattr(self, "mtp_process", False)
+        if self.pre_process or mtp_process:
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
-        if not self.share_embeddings_and_output_weights:
+        mtp_elsewhere = bool(getattr(self.config, "mtp_num_layers", None)) and not (self.pre_process and mtp_process)
+        if not self.share_embeddings_and_output_weights and not mtp_elsewhere:
             return
-        if self.pre_process and self.post_process:
-            self.shared_embedding_or_output_weight().zero_out_wgrad = True
+        if self.pre_process and (self.post_process or mtp_process):
+            if self.share_embeddings_and_output_weights:
+                self.shared_embedding_or_output_weight().zero_out_wgrad = True
             return
         if self.pre_process:
             self.shared_embedding_or_output_weight().shared_embedding = True
-        if self.post_process:
-            weight = self.output_layer.weight
+        elif self.post_process or mtp_process:
+            weight = self.shared_embedding_or_output_weight()
             weight.data.fill_(0)
             weight.shared = True
             weight.shared_embedding = True
