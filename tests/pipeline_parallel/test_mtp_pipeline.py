@@ -29,7 +29,7 @@ from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron_core.pipeline_parallel import forward_backward_no_pipelining, get_forward_backward_func
 from megatron_core.transformer import TransformerConfig
-from megatron_core.transformer.multi_token_prediction import MTPLossLoggingHelper
+from megatron_core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import MAX_SEQ, VOCAB, llama_like
@@ -83,9 +83,16 @@ def _reference(name: str):
     batches = make_batches(case["microbatches"] * dp, seed=7)
     losses = forward_backward_no_pipelining(forward_step_func=_forward_step, data_iterator=iter(batches), model=model,
                                             num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=MBS)
-    MTPLossLoggingHelper.tracker.clear()
+    _reset_mtp_state()
     grads = {k: v.grad.detach().clone() for k, v in model.named_parameters()}
     return state, [d["lm loss"] for d in losses], grads
+
+
+def _reset_mtp_state() -> None:
+    """The schedules leave the MTP loss scale at 1/micro-batches and the tracker filled: reset both (processes are
+    reused by later tests)."""
+    MTPLossLoggingHelper.tracker.clear()
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
 
 
 def _global_name(name: str, offset: int) -> str:
@@ -129,7 +136,6 @@ def _run_case(name: str, reference: tuple) -> dict:
         losses = get_forward_backward_func()(
             forward_step_func=_forward_step, data_iterator=iterators if vpp else iterators[0],
             model=models if vpp else models[0], num_microbatches=count, seq_length=SEQ, micro_batch_size=MBS)
-        MTPLossLoggingHelper.tracker.clear()
         grads = {}
         for param, key in names.items():
             grad = param.main_grad if case.get("ddp") else param.grad
@@ -137,6 +143,7 @@ def _run_case(name: str, reference: tuple) -> dict:
         return {"dp_rank": dp_rank, "is_last": parallel_state.is_pipeline_last_stage(),
                 "losses": [d["lm loss"] for d in losses], "grads": grads, "init_copies": init_copies}
     finally:
+        _reset_mtp_state()
         parallel_state.destroy_model_parallel()
 
 
