@@ -366,6 +366,13 @@ def test_dynamic_engine_greedy_equals_full_forwards():
                                     context)
     records = engine.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=new, termination_id=-1))
     assert [list(r.merge().generated_tokens) for r in records] == expected
+    # The block budget counts what the cache holds: every head's key and value at the padded MLA width.
+    keys, values = next(iter(context.kv_memory.values()))
+    per_layer = (keys[0].numel() + values[0].numel()) * keys.element_size() * context.block_size_tokens
+    assert per_layer * context.num_layers_local == context.bytes_per_block
+    assert keys.shape[1:] == (model.config.num_attention_heads,
+                              max(model.config.qk_head_dim + model.config.qk_pos_emb_head_dim,
+                                  model.config.v_head_dim))
 
 
 def _grads(model: GPTModel) -> tuple[torch.Tensor, dict]:

@@ -118,6 +118,21 @@ def _tp_pp_sizes(pg_collection: Any) -> tuple[int, int]:
     return tp, pp
 
 
+def _kv_cache_head_shape(model_config: Any, tp: int) -> tuple[int, int]:
+    """``(KV heads on this TP rank, head width)`` of the cached keys and values of one layer.
+
+    Grouped-query attention caches ``num_query_groups`` heads of ``kv_channels``. Multi-latent attention caches
+    every attention head's key and value, padded to one width: ``qk_head_dim + qk_pos_emb_head_dim`` or
+    ``v_head_dim``, whichever is wider (``MultiLatentAttention._pad``).
+    """
+    if getattr(model_config, "multi_latent_attention", False):
+        qk = model_config.qk_head_dim + model_config.qk_pos_emb_head_dim
+        return max(1, model_config.num_attention_heads // tp), max(qk, model_config.v_head_dim)
+    groups = model_config.num_query_groups or model_config.num_attention_heads
+    head_dim = model_config.kv_channels or model_config.hidden_size // model_config.num_attention_heads
+    return max(1, groups // tp), head_dim
+
+
 class DynamicInferenceContext(BaseInferenceContext):
     """Paged KV cache and the layout of one continuous-batching step."""
 
@@ -134,10 +149,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         self.prefix_cache_blocks_matched = 0
         self.prefix_cache_prefill_skipped_tokens = 0
         tp, pp = _tp_pp_sizes(inference_config.pg_collection)
-        groups = model_config.num_query_groups or model_config.num_attention_heads
         self.num_layers_local = max(1, model_config.num_layers // pp)
-        self.num_groups_local = max(1, groups // tp)
-        self.head_dim = model_config.kv_channels or model_config.hidden_size // model_config.num_attention_heads
+        self.num_groups_local, self.head_dim = _kv_cache_head_shape(model_config, tp)
         dtype = inference_config.kv_cache_dtype or getattr(model_config, "params_dtype", torch.float32)
         self.bytes_per_block = (
             2 * self.num_layers_local * self.block_size_tokens * self.num_groups_local * self.head_dim
