@@ -10,7 +10,8 @@ Transformer Engine's ``GroupedLinear`` that Megatron-Core's ``TEGroupedMLP`` use
 weights: when every expert has the same number of rows (``moe_pad_expert_input_to_capacity``), as one batched
 matmul (``torch.bmm``, which on an H100 runs these GEMMs 4-15% faster than the grouped kernel); otherwise on CUDA,
 in bf16/fp16 with 16-byte-aligned shapes and a torch that has it, with ``torch.nn.functional.grouped_mm`` (one
-kernel); elsewhere with one matmul per expert. The kernel's
+kernel; or, opted into with ``MEGATRON_CORE_MOE_GROUPED_GEMM=cutlass`` on Hopper, :mod:`.cutlass_grouped_gemm`'s);
+elsewhere with one matmul per expert. The kernel's
 weight-gradient GEMM contracts over each expert's rows, whose count must then be a multiple of
 ``GROUPED_MM_ROW_ALIGN``: :func:`pad_expert_rows` pads the groups with zero rows (callers that pad once
 per layer, as ``TEGroupedMLP`` does, pass aligned counts and nothing more is copied).
@@ -28,6 +29,10 @@ import torch.nn.functional as F
 
 from megatron_core.device import get_current_device
 from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
+from megatron_core.transformer.moe.cutlass_grouped_gemm import (
+    cutlass_grouped_gemm_requested,
+    cutlass_grouped_linear,
+)
 from megatron_core.transformer.moe.token_permutation import AlignedRows, aligned_group_starts
 from megatron_core.utils import get_pg_size
 
@@ -176,6 +181,14 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _grouped_mm_kernel(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``cat_e(x_e @ weight[e].T)`` for the groups ending at the device offsets ``offs``: PyTorch's grouped GEMM,
+    or the CUTLASS one when ``MEGATRON_CORE_MOE_GROUPED_GEMM=cutlass`` (:mod:`.cutlass_grouped_gemm`)."""
+    if cutlass_grouped_gemm_requested():
+        return cutlass_grouped_linear(x, weight, offs)
+    return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=offs))
+
+
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int] | AlignedRows
                  ) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` for the row blocks ``x_e`` of sizes ``tokens_per_expert``.
@@ -188,15 +201,14 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[
         return out.view(x.shape[0], weight.shape[1])
     if isinstance(tokens_per_expert, AlignedRows):
         if _use_grouped_mm(x, weight):
-            return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=tokens_per_expert.ends))
+            return _grouped_mm_kernel(x, weight, tokens_per_expert.ends)
         tokens_per_expert = tokens_per_expert.counts.tolist()
     if _use_grouped_mm(x, weight):
         x, padded, index = pad_expert_rows(x, tokens_per_expert)
         if index is not None:
             return unpad_expert_rows(grouped_gemm(x, weight, padded), index)
         ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32)
-        offs = _to_device_without_sync(ends, x.device)
-        return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=offs))
+        return _grouped_mm_kernel(x, weight, _to_device_without_sync(ends, x.device))
     pieces = torch.split(x, tokens_per_expert, dim=0)
     return torch.cat([F.linear(piece, weight[e]) for e, piece in enumerate(pieces)], dim=0)
 
