@@ -32,6 +32,7 @@ from megatron_core import tensor_parallel
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron_core.transformer import TransformerConfig
+from megatron_core.transformer.moe.cutlass_grouped_gemm import set_moe_grouped_gemm_backend
 from megatron_core.transformer.moe.grouped_linear import align_expert_rows, grouped_gemm
 
 PEAK_FLOPS = 989e12
@@ -66,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="print our step's 25 most expensive GPU kernels")
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
+    p.add_argument("--grouped-gemm-backend", choices=["torch", "cutlass"], default=None,
+                   help="the grouped experts' GEMM kernel (default: MEGATRON_CORE_MOE_GROUPED_GEMM, else torch); "
+                        "cutlass: 128-row tiles on Hopper, built with nvcc on first use")
     args = p.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.heads, args.query_groups, args.ffn = 2, 64, 4, 2, 128
@@ -201,6 +205,8 @@ def print_kernel_profile(step: Callable[[], None], steps: int = 3) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.grouped_gemm_backend is not None:
+        set_moe_grouped_gemm_backend(args.grouped_gemm_backend)
     dev = mdevice.get_current_device()
     dtype = torch.float32 if args.tiny or dev.type != "cuda" else torch.bfloat16
     torch.manual_seed(1234)
