@@ -3,11 +3,12 @@
 :func:`import_hf_to_mcore` writes ``<out>/iter_0000000/`` (plus the ``latest_checkpointed_iteration.txt``
 tracker) in the layout of ``dist_checkpointing.training.save_checkpoint``: each model tensor is
 stored in its global (TP- and PP-independent) form, one chunk per layer, under the sharded keys
-GPTModel's ``sharded_state_dict`` uses. ``dist_checkpointing`` reshards on load, so a run with any
-TP/PP that divides the model loads it with ``--load <out> --no-load-optim --no-load-rng``; no
-process per rank is spawned. ``--tp`` only sets the vocabulary padding and checks divisibility.
-The HF ``config.json`` and tokenizer files are copied to ``<out>/hf/`` so the export back needs
-nothing else.
+GPTModel's ``sharded_state_dict`` uses: stacked layers, per-layer keys where dense and MoE layers mix,
+``mtp.layers.<k>.`` for multi-token-prediction depths (:mod:`.checkpoint_layout`). ``dist_checkpointing``
+reshards on load, so a run with any TP/PP/EP that divides the model loads it with ``--load <out>
+--no-load-optim --no-load-rng``; no process per rank is spawned. ``--tp`` only sets the vocabulary
+padding and checks divisibility. The HF ``config.json`` and tokenizer files are copied to ``<out>/hf/``
+so the export back needs nothing else.
 
 :func:`export_mcore_to_hf` reads such a checkpoint (or one saved by a training run) tensor by
 tensor and streams the HF shards (see :mod:`.export`).
@@ -18,10 +19,9 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -39,25 +39,16 @@ from megatron_core.dist_checkpointing.strategies.torch_dist import (
 )
 from megatron_core.dist_checkpointing.training.tracker import get_checkpoint_name, read_tracker, write_tracker
 from megatron_core.models.hf.bridge import TOKENIZER_FILES, AutoBridge, mcore_shape
+from megatron_core.models.hf.checkpoint_layout import CheckpointLayout, model_layout
 from megatron_core.models.hf.export import HFDirectoryWriter
 from megatron_core.models.hf.families import family_from_config
 from megatron_core.models.hf.progress import progress as progress_iter
-from megatron_core.models.hf.rules import Copy, fmt
+from megatron_core.models.hf.rules import Copy, Index, SharedCopy, WeightRule, expected_hf_shape, fmt
 from megatron_core.models.hf.safetensors_io import HFConversionError
 from megatron_core.models.hf.stacked_rules import hf_row
 
 HF_SUBDIR = "hf"
 CHECKPOINT_VERSION = 3.0
-
-
-def _placement(full: tuple[int, ...], index: Any, layers: int, experts: int) -> tuple[tuple, tuple, int]:
-    """``(global_shape, global_offset, prepended axes)`` of one stored chunk (a layer's, or a layer's expert's)."""
-    zeros = (0,) * len(full)
-    if index is None:
-        return full, zeros, 0
-    if isinstance(index, tuple):
-        return (layers, experts, *full), (*index, *zeros), 2
-    return (layers, *full), (index, *zeros), 1
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -119,75 +110,6 @@ class _LazyTorchDistSave(SaveShardedStrategy):
         writer.finish(metadata, [results])
 
 
-def _name_template(local_name: str) -> str | None:
-    """``decoder.layers.0.x`` -> ``decoder.layers.{i}.x``; expert 0 -> ``{e}``; other experts -> ``None``."""
-    name = re.sub(r"^decoder\.layers\.0\.", "decoder.layers.{i}.", local_name)
-    if re.search(r"local_experts\.[1-9]\d*\.", name):
-        return None
-    return re.sub(r"local_experts\.0\.", "local_experts.{e}.", name)
-
-
-def model_layout(bridge: AutoBridge) -> tuple[dict[str, str], dict[str, str]]:
-    """``(tensor keys, object keys)``: the checkpoint key of each parameter / ``_extra_state`` name template.
-
-    Read from the sharded state dict of a one-layer, tiny-width copy of the model (built on CPU in
-    an instant), so the converter follows whatever keys GPTModel's ``sharded_state_dict`` uses.
-    """
-    from megatron_core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    c = bridge.family.config_kwargs
-    if c.get("num_moe_experts") and isinstance(c.get("moe_layer_freq"), list):
-        raise HFConversionError(
-            f"{bridge.architecture} with dense and MoE layers (moe_layer_freq {c['moe_layer_freq']}) cannot go "
-            "through megatron-convert yet: such layers are checkpointed under per-layer keys (Megatron-Core's "
-            "non_homogeneous_layers), which the offline converter does not map; convert in process with "
-            "AutoBridge (to_megatron_model, then dist_checkpointing or save_hf_pretrained) instead"
-        )
-    mha = c.get("num_query_groups") in (None, c["num_attention_heads"])
-    tiny = dict(num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=2 if mha else 1, kv_channels=4,
-                ffn_hidden_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                perform_initialization=False, use_cpu_initialization=True)
-    if isinstance(c.get("window_attn_skip_freq"), list):  # one flag per layer of the real model
-        tiny.update(window_attn_skip_freq=None)
-    if c.get("num_moe_experts"):
-        tiny.update(num_moe_experts=2, moe_router_topk=1, moe_ffn_hidden_size=4, moe_router_num_groups=None,
-                    moe_router_group_topk=None)
-        if c.get("moe_shared_expert_intermediate_size"):
-            tiny.update(moe_shared_expert_intermediate_size=4)
-    if c.get("multi_latent_attention"):
-        tiny.update(q_lora_rank=4 if c.get("q_lora_rank") else None, kv_lora_rank=4, qk_head_dim=2,
-                    qk_pos_emb_head_dim=2, v_head_dim=2)
-    config = bridge.transformer_config(**tiny)
-    (model,) = bridge.to_megatron_model(load_weights=False, config=config, max_sequence_length=4)
-    tensors: dict[str, str] = {}
-    objects: dict[str, str] = {}
-    for local_name, leaf in model.sharded_state_dict().items():
-        template = _name_template(local_name)
-        if template is None:
-            continue
-        if isinstance(leaf, ShardedObject):
-            objects[template] = leaf.key
-        elif isinstance(leaf, (ShardedTensor, ShardedTensorFactory)):
-            tensors[template] = leaf.key
-    return tensors, objects
-
-
-def _extra_state_objects(objects: dict[str, str], layers: int, experts: int) -> dict[str, ShardedObject]:
-    """The (empty) ``_extra_state`` objects GPTModel's sharded state dict has, for every layer and expert."""
-    out = {}
-    for template, key in sorted(objects.items()):
-        if "{e}" in template:
-            for i in range(layers):
-                for e in range(experts):
-                    out[fmt(template, (i, e))] = ShardedObject(key, None, (layers, experts), (i, e), replica_id=0)
-        elif "{i}" in template:
-            for i in range(layers):
-                out[fmt(template, i)] = ShardedObject(key, None, (layers,), (i,), replica_id=0)
-        else:
-            out[template] = ShardedObject(key, None, (1,), (0,), replica_id=0)
-    return out
-
-
 def _copy_hf_files(source: str, target: str) -> None:
     os.makedirs(target, exist_ok=True)
     for name in ("config.json", *TOKENIZER_FILES):
@@ -195,34 +117,21 @@ def _copy_hf_files(source: str, target: str) -> None:
             shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
 
 
-def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
-                       make_vocab_size_divisible_by: int | None = None, progress: bool = True) -> str:
-    """Write the HF model in ``hf_dir`` as a distributed checkpoint under ``out_dir``; returns the iteration dir."""
-    bridge = AutoBridge.from_hf_pretrained(hf_dir)
-    assert bridge.reader is not None
-    if bridge.family.mtp_num_layers:
-        raise HFConversionError(
-            f"{hf_dir}: its {bridge.family.mtp_num_layers} multi-token-prediction layer(s) cannot go through "
-            "megatron-convert yet; convert in process with AutoBridge (to_megatron_model) instead")
-    bridge.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)  # checks divisibility
-    layers = bridge.family.num_layers
-    if layers % pp:
-        raise HFConversionError(f"{hf_dir}/config.json: num_hidden_layers {layers} is not divisible by --pp {pp}")
-    vocab = bridge.padded_vocab_size(tp, make_vocab_size_divisible_by)
-    if read_tracker(out_dir) is not None:
-        raise HFConversionError(f"{out_dir} already holds a checkpoint; choose an empty --out directory")
+def _import_shards(bridge: AutoBridge, layout: CheckpointLayout, vocab: int, tick: Callable[[], None]
+                   ) -> tuple[dict[str, ShardedTensor | ShardedObject], dict[tuple[str, tuple[int, ...]], Callable]]:
+    """The model's sharded state dict (tensors on the meta device, and the ``_extra_state`` objects), and the loader
+    of each tensor's value from the HF files by ``(key, offset)``."""
     reader = bridge.reader
-    keys, objects = model_layout(bridge)
-    experts = bridge.family.config_kwargs.get("num_moe_experts") or 0
-    model: dict[str, ShardedTensor] = {}
+    assert reader is not None
+    model: dict[str, ShardedTensor | ShardedObject] = {}
     loaders: dict[tuple[str, tuple[int, ...]], Callable] = {}
-    rules = bridge.rules()
-    ticks = iter(progress_iter(range(len(rules)), len(rules), f"hf-to-mcore {os.path.basename(out_dir)}", progress))
-    for rule, layer in rules:
+    for rule, layer in bridge.rules():
+        if isinstance(rule, SharedCopy):  # an MTP depth's copy of the embedding / output layer: stored once
+            continue
         full = mcore_shape(rule.mcore, bridge.family, vocab)
         dtype = reader.dtype(rule.hf_names(layer)[0])
-        key = keys[rule.mcore]
-        global_shape, offset, prepended = _placement(full, layer, layers, experts)
+        key = layout.key(rule.mcore, layer)
+        global_shape, offset, prepended = layout.placement(rule.mcore, full, layer)
         model[fmt(rule.mcore, layer)] = ShardedTensor(
             key, torch.empty(full, dtype=dtype, device="meta"), dtype, full, global_shape, offset,
             (1,) * len(global_shape), prepend_axis_num=prepended)
@@ -230,11 +139,33 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
         def load(rule: Any = rule, layer: Any = layer, prepended: int = prepended) -> torch.Tensor:
             extra = {"padded_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
             value = rule.from_hf(reader.read, layer, 0, 1, reader.shape, **extra)
-            next(ticks, None)
+            tick()
             return value.reshape(*(1,) * prepended, *value.shape)
 
         loaders[(key, offset)] = load
-    model.update(_extra_state_objects(objects, layers, experts))
+    model.update(layout.extra_state_objects())
+    return model, loaders
+
+
+def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
+                       make_vocab_size_divisible_by: int | None = None, progress: bool = True) -> str:
+    """Write the HF model in ``hf_dir`` as a distributed checkpoint under ``out_dir``; returns the iteration dir.
+
+    Models mixing dense and MoE layers get per-layer keys and multi-token-prediction depths ``mtp.layers.<k>.``
+    keys, as GPTModel's ``sharded_state_dict`` has them (see :mod:`.checkpoint_layout`)."""
+    bridge = AutoBridge.from_hf_pretrained(hf_dir)
+    bridge.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)  # checks divisibility
+    layers = bridge.family.num_layers
+    if layers % pp:
+        raise HFConversionError(f"{hf_dir}/config.json: num_hidden_layers {layers} is not divisible by --pp {pp}")
+    vocab = bridge.padded_vocab_size(tp, make_vocab_size_divisible_by)
+    if read_tracker(out_dir) is not None:
+        raise HFConversionError(f"{out_dir} already holds a checkpoint; choose an empty --out directory")
+    if bridge.family.mtp_num_layers:
+        bridge._check_shared_mtp_tensors()  # each depth's embed_tokens / shared_head.head must repeat the model's
+    count = sum(not isinstance(rule, SharedCopy) for rule, _ in bridge.rules())
+    ticks = iter(progress_iter(range(count), count, f"hf-to-mcore {os.path.basename(out_dir)}", progress))
+    model, loaders = _import_shards(bridge, model_layout(bridge), vocab, lambda: next(ticks, None))
     extra_state = {"hf_config": json.dumps(bridge.hf_config), "hf_source": os.path.abspath(hf_dir),
                    "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "padded_vocab_size": vocab}
     state = {"model": model, "opt_param_scheduler": None, "iteration": 0, "consumed_train_samples": 0,
@@ -279,51 +210,71 @@ def _template(ckpt_root: str, checkpoint_dir: str, hf_template: str | None) -> A
                             "original HF directory, for config.json and the tokenizer)")
 
 
-def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = None, iteration: int | None = None,
-                       max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None, overwrite: bool = False,
-                       progress: bool = True) -> None:
-    """Write the model of distributed checkpoint ``ckpt`` (root with a tracker, or an iteration dir) as HF files."""
-    checkpoint_dir = _checkpoint_dir(ckpt, iteration)
-    bridge = _template(ckpt, checkpoint_dir, hf_template)
-    bridge.family = bridge.family.without_mtp()  # megatron-convert's checkpoints hold no MTP layers
-    stored = load_tensors_metadata(checkpoint_dir)
-    strategy = TorchDistLoadShardedStrategy()
-    layers = bridge.family.num_layers
-    experts = bridge.family.config_kwargs.get("num_moe_experts") or 0
-    keys, _ = model_layout(bridge)
+class _Stored(NamedTuple):
+    """One HF rule's parameter in the checkpoint: ``source`` / ``index`` name the parameter (the embedding or output
+    layer for an MTP depth's shared copy), ``full`` its shape without the prepended axes."""
+
+    rule: WeightRule
+    layer: Index
+    source: str
+    index: Index
+    key: str
+    full: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _stored_parameters(bridge: AutoBridge, layout: CheckpointLayout, stored: dict[str, Any],
+                       checkpoint_dir: str) -> list[_Stored]:
+    """Every rule's parameter as the checkpoint holds it, its key and global shape checked against the HF config."""
     todo = []
     for rule, layer in bridge.rules():
-        key = keys[rule.mcore]
+        source, index = (rule.source, None) if isinstance(rule, SharedCopy) else (rule.mcore, layer)
+        key = layout.key(source, index)
         if key not in stored:
             raise HFConversionError(f"{checkpoint_dir}: tensor {key!r} is missing (a {bridge.architecture} needs it)")
         shape = tuple(stored[key].global_shape)
-        prepended = 0 if layer is None else 2 if isinstance(layer, tuple) else 1
-        full = shape[prepended:]
-        want = mcore_shape(rule.mcore, bridge.family, full[0] if isinstance(rule, Copy) and rule.vocab else 0)
-        expected = _placement(tuple(want), layer, layers, experts)[0]
+        full = shape[len(layout.axes(source, index)):]
+        want = mcore_shape(source, bridge.family, full[0] if isinstance(rule, Copy) and rule.vocab else 0)
+        expected = layout.placement(source, tuple(want), index)[0]
         if shape != expected:
             raise HFConversionError(f"{checkpoint_dir}: tensor {key!r} has shape {shape}, the HF config implies "
                                     f"{expected}")
-        todo.append((rule, layer, key, full, stored[key].dtype))
+        todo.append(_Stored(rule, layer, source, index, key, full, stored[key].dtype))
+    return todo
+
+
+def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = None, iteration: int | None = None,
+                       max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None, overwrite: bool = False,
+                       progress: bool = True) -> None:
+    """Write the model of distributed checkpoint ``ckpt`` (root with a tracker, or an iteration dir) as HF files.
+
+    Multi-token-prediction depths are written (with the embedding / output layer copies DeepSeek-V3's files hold)
+    when the checkpoint has them; a checkpoint without them exports without them, ``config.json`` unchanged."""
+    checkpoint_dir = _checkpoint_dir(ckpt, iteration)
+    bridge = _template(ckpt, checkpoint_dir, hf_template)
+    stored = load_tensors_metadata(checkpoint_dir)
+    if bridge.family.mtp_num_layers and not any(key.startswith("mtp.layers.") for key in stored):
+        bridge.family = bridge.family.without_mtp()  # e.g. converted from transformers' files, which hold no MTP
+    layout = model_layout(bridge)
+    todo = _stored_parameters(bridge, layout, stored, checkpoint_dir)
+    strategy = TorchDistLoadShardedStrategy()
     vocab = bridge.family.vocab_size
     writer = HFDirectoryWriter(bridge, out_dir, overwrite, max_shard_size)
     entries = []
-    from megatron_core.models.hf.rules import expected_hf_shape
-
-    for rule, layer, _, _, stored_dtype in todo:
-        for name, shape in expected_hf_shape(rule, mcore_shape(rule.mcore, bridge.family, vocab)).items():
-            entries.append((fmt(name, layer), shape, dtype or stored_dtype))
+    for item in todo:
+        for name, shape in expected_hf_shape(item.rule, mcore_shape(item.rule.mcore, bridge.family, vocab)).items():
+            entries.append((fmt(name, item.layer), shape, dtype or item.dtype))
     writer.plan(list({entry[0]: entry for entry in entries}.values()))  # a stacked tensor once, for all its rows
     error = None
     try:
-        for rule, layer, key, full, stored_dtype in progress_iter(todo, len(todo), "mcore-to-hf", progress):
-            global_shape, offset, prepended = _placement(tuple(full), layer, layers, experts)
-            request = ShardedTensor(key, None, stored_dtype, tuple(full), global_shape, offset, (1,) * len(global_shape),
-                                    prepend_axis_num=prepended)
+        for item in progress_iter(todo, len(todo), "mcore-to-hf", progress):
+            global_shape, offset, prepended = layout.placement(item.source, item.full, item.index)
+            request = ShardedTensor(item.key, None, item.dtype, item.full, global_shape, offset,
+                                    (1,) * len(global_shape), prepend_axis_num=prepended)
             tensor = strategy.load({"t": request}, checkpoint_dir)["t"]
-            extra = {"hf_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
-            for name, value in rule.to_hf([tensor], layer, **extra).items():
-                writer.write(name, value.to(dtype) if dtype is not None else value, row=hf_row(rule, layer))
+            extra = {"hf_rows": vocab} if isinstance(item.rule, Copy) and item.rule.vocab else {}
+            for name, value in item.rule.to_hf([tensor], item.layer, **extra).items():
+                writer.write(name, value.to(dtype) if dtype is not None else value, row=hf_row(item.rule, item.layer))
     except Exception as e:  # noqa: BLE001 - reported by finish(), which removes the temporary directory
         error = e
     writer.finish(error)

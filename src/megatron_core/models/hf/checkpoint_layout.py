@@ -1,0 +1,178 @@
+"""Where each GPTModel tensor of a Hugging Face model lives in a distributed checkpoint, without building the model.
+
+:func:`model_layout` reads the sharded state dict of a tiny-width copy of the model (one layer, or one dense and
+one MoE layer where the model mixes them, plus its multi-token-prediction depths) and returns a
+:class:`CheckpointLayout`: the sharded key of every conversion rule's parameter and the ``_extra_state`` objects of
+every layer. Three layouts occur, as in Megatron-Core:
+
+- homogeneous decoder layers are *stacked*: one key per parameter (``decoder.layers.self_attention...``), the
+  global layer index a prepended axis;
+- layers of different kinds (``moe_layer_freq`` a list: dense and MoE layers) keep per-layer keys
+  (``decoder.layers.<global index>....``) with no layer axis (``non_homogeneous_layers``);
+- multi-token-prediction depth ``k`` is saved under ``mtp.layers.<k>.`` (its transformer layer as
+  ``transformer_layer.``), with no layer axis.
+
+A routed expert's tensor has the global expert index as a further prepended axis in all three.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from megatron_core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron_core.models.hf.rules import Index, fmt
+from megatron_core.models.hf.safetensors_io import HFConversionError
+
+if TYPE_CHECKING:
+    from megatron_core.models.hf.bridge import AutoBridge
+
+__all__ = ["CheckpointLayout", "model_layout"]
+
+_DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+_DECODER = "decoder.layers.{i}."
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Sharded keys and prepended axes of one model's checkpoint (see the module docstring).
+
+    ``tensors`` maps a rule's parameter template (``{i}`` global layer, ``{e}`` global expert) to its key template
+    (``{i}`` global layer of a per-layer key, ``{k}`` MTP depth); ``objects`` lists each ``_extra_state`` object as
+    ``(name template, key template, tiny layer)``, the tiny layer being the index of the tiny copy's decoder layer
+    it was seen in (``None`` outside the decoder layers); ``layer_kinds`` gives, for each real layer, the tiny layer
+    of its kind (``None``: every layer is tiny layer 0).
+    """
+
+    tensors: dict[str, str]
+    objects: tuple[tuple[str, str, int | None], ...]
+    stacked: bool
+    num_layers: int
+    experts: int
+    mtp_layers: int = 0
+    layer_kinds: tuple[int, ...] | None = None
+
+    def key(self, template: str, index: Index) -> str:
+        """The sharded key of rule parameter ``template`` at ``index`` (None, a layer, or ``(layer, expert)``)."""
+        if template not in self.tensors:
+            raise HFConversionError(f"parameter {template!r}: the GPTModel's sharded state dict has no such tensor "
+                                    f"(known: {len(self.tensors)} tensors, e.g. {sorted(self.tensors)[:3]})")
+        return self._fill(self.tensors[template], index)
+
+    def _fill(self, key: str, index: Index) -> str:
+        if index is None:
+            return key
+        layer = index[0] if isinstance(index, tuple) else index
+        return key.replace("{i}", str(layer)).replace("{k}", str(layer - self.num_layers))
+
+    def axes(self, template: str, index: Index) -> tuple[tuple[int, int], ...]:
+        """``(size, position)`` of each axis prepended to the parameter: the stacked layer, then the expert."""
+        if index is None:
+            return ()
+        layer = index[0] if isinstance(index, tuple) else index
+        out = ((self.num_layers, layer),) if self.stacked and template.startswith(_DECODER) else ()
+        return (*out, (self.experts, index[1])) if isinstance(index, tuple) else out
+
+    def placement(self, template: str, full: tuple[int, ...], index: Index) -> tuple[tuple, tuple, int]:
+        """``(global_shape, global_offset, prepended axes)`` of the parameter's one stored chunk."""
+        axes = self.axes(template, index)
+        return (*(s for s, _ in axes), *full), (*(p for _, p in axes), *(0,) * len(full)), len(axes)
+
+    def extra_state_objects(self) -> dict[str, ShardedObject]:
+        """The (empty) ``_extra_state`` objects of GPTModel's sharded state dict, for every layer and expert."""
+        out: dict[str, ShardedObject] = {}
+        for template, key, tiny in self.objects:
+            for index in self._indices(template, tiny):
+                axes = self.axes(template, index)
+                shape, offset = (tuple(s for s, _ in axes), tuple(p for _, p in axes)) if axes else ((1,), (0,))
+                out[fmt(template, index)] = ShardedObject(self._fill(key, index), None, shape, offset, replica_id=0)
+        return out
+
+    def _indices(self, template: str, tiny: int | None) -> list[Index]:
+        """The indices (None, layers, or ``(layer, expert)``) at which the object ``template`` exists."""
+        if template.startswith(_DECODER):
+            kinds = self.layer_kinds or (0,) * self.num_layers
+            layers = [i for i in range(self.num_layers) if kinds[i] == tiny]
+        elif template.startswith("mtp.layers.{i}."):
+            layers = list(range(self.num_layers, self.num_layers + self.mtp_layers))
+        else:
+            return [None]
+        if "{e}" in template:
+            return [(i, e) for i in layers for e in range(self.experts)]
+        return list(layers)
+
+
+def _name_template(local_name: str) -> str | None:
+    """``decoder.layers.1.x`` -> ``decoder.layers.{i}.x`` (``mtp.layers.0.`` likewise); expert 0 -> ``{e}``; other
+    experts -> ``None``."""
+    name = _MTP_LAYER.sub("mtp.layers.{i}.", _DECODER_LAYER.sub(_DECODER, local_name))
+    if re.search(r"local_experts\.[1-9]\d*\.", name):
+        return None
+    return re.sub(r"local_experts\.0\.", "local_experts.{e}.", name)
+
+
+def _key_template(key: str) -> str:
+    """``decoder.layers.1.x`` -> ``decoder.layers.{i}.x`` (a per-layer key), ``mtp.layers.0.x`` ->
+    ``mtp.layers.{k}.x``."""
+    return _MTP_LAYER.sub("mtp.layers.{k}.", _DECODER_LAYER.sub(_DECODER, key))
+
+
+def _tiny_overrides(c: dict[str, Any], mixed: bool) -> dict[str, Any]:
+    """TransformerConfig overrides of the tiny copy: tiny widths, 2 experts, one layer (or one dense + one MoE)."""
+    mha = c.get("num_query_groups") in (None, c["num_attention_heads"])
+    tiny: dict[str, Any] = dict(
+        num_layers=2 if mixed else 1, hidden_size=8, num_attention_heads=2, num_query_groups=2 if mha else 1,
+        kv_channels=4, ffn_hidden_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        perform_initialization=False, use_cpu_initialization=True)
+    if isinstance(c.get("window_attn_skip_freq"), list):  # one flag per layer of the real model
+        tiny.update(window_attn_skip_freq=None)
+    if c.get("num_moe_experts"):
+        tiny.update(num_moe_experts=2, moe_router_topk=1, moe_ffn_hidden_size=4, moe_router_num_groups=None,
+                    moe_router_group_topk=None)
+        if mixed:
+            tiny.update(moe_layer_freq=[0, 1])
+        if c.get("moe_shared_expert_intermediate_size"):
+            tiny.update(moe_shared_expert_intermediate_size=4)
+    if c.get("multi_latent_attention"):
+        tiny.update(q_lora_rank=4 if c.get("q_lora_rank") else None, kv_lora_rank=4, qk_head_dim=2,
+                    qk_pos_emb_head_dim=2, v_head_dim=2)
+    return tiny
+
+
+def model_layout(bridge: AutoBridge) -> CheckpointLayout:
+    """The :class:`CheckpointLayout` of ``bridge``'s model.
+
+    Read from the sharded state dict of a tiny-width copy of the model (built on CPU in an instant), so the
+    converter follows whatever keys GPTModel's ``sharded_state_dict`` uses.
+    """
+    c = bridge.family.config_kwargs
+    freq = c.get("moe_layer_freq")
+    mixed = bool(c.get("num_moe_experts")) and isinstance(freq, list)  # dense and MoE layers
+    config = bridge.transformer_config(**_tiny_overrides(c, mixed))
+    (model,) = bridge.to_megatron_model(load_weights=False, config=config, max_sequence_length=4)
+    tensors: dict[str, str] = {}
+    objects: dict[tuple[str, int | None], str] = {}
+    stacked = True
+    for local_name, leaf in model.sharded_state_dict().items():
+        if not isinstance(leaf, (ShardedObject, ShardedTensor, ShardedTensorFactory)):
+            continue
+        stacked = stacked and not _DECODER_LAYER.match(leaf.key)
+        template = _name_template(local_name)
+        if template is None:
+            continue
+        if isinstance(leaf, ShardedObject):
+            layer = _DECODER_LAYER.match(local_name)
+            objects[(template, int(layer.group(1)) if layer else None)] = _key_template(leaf.key)
+        else:
+            tensors[template] = _key_template(leaf.key)
+    kinds = None
+    if mixed:
+        if len(freq) != bridge.family.num_layers:
+            raise HFConversionError(f"{bridge.directory}: moe_layer_freq has {len(freq)} entries for "
+                                    f"{bridge.family.num_layers} layers")
+        kinds = tuple(1 if f else 0 for f in freq)
+    return CheckpointLayout(tensors, tuple((t, k, tiny) for (t, tiny), k in sorted(objects.items(), key=str)),
+                            stacked, bridge.family.num_layers, c.get("num_moe_experts") or 0,
+                            bridge.family.mtp_num_layers, kinds)
