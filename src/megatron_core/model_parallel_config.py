@@ -17,6 +17,38 @@ from megatron_core.megatron_only_fields import MegatronOnlyParallelFields as _Me
 from megatron_core.megatron_only_fields import check_megatron_only_fields as _check_megatron_only_fields
 
 
+def resolve_tensor_parallel_weight_shards(
+    tensor_model_parallel_size: int,
+    tensor_parallel_num_weight_shards: int | None,
+    gtp_weight_remat_size: int,
+    shards_field: str = "tensor_parallel_num_weight_shards",
+    tp_field: str = "tensor_model_parallel_size",
+) -> tuple[int, int]:
+    """Make the weight-shard count and the GTP remat size agree: ``(num_weight_shards, gtp_weight_remat_size)``.
+
+    The shard count (how many pieces each weight is cut into over the TP and GTP axes together) wins
+    when given: it must be a multiple of the TP size, at least the TP size, and the remat size becomes
+    ``num_weight_shards // tensor_model_parallel_size``. When it is ``None`` it is derived as
+    ``tensor_model_parallel_size * gtp_weight_remat_size``. Applying the result again changes nothing.
+    ``shards_field`` / ``tp_field`` name the options in error messages (e.g. the expert variants).
+    """
+    if tensor_model_parallel_size < 1:
+        raise ValueError(f"{tp_field} must be >= 1, got {tensor_model_parallel_size}")
+    if tensor_parallel_num_weight_shards is None:
+        return tensor_model_parallel_size * gtp_weight_remat_size, gtp_weight_remat_size
+    if tensor_parallel_num_weight_shards < tensor_model_parallel_size:
+        raise ValueError(
+            f"{shards_field} ({tensor_parallel_num_weight_shards}) must be >= {tp_field} "
+            f"({tensor_model_parallel_size})"
+        )
+    if tensor_parallel_num_weight_shards % tensor_model_parallel_size:
+        raise ValueError(
+            f"{shards_field} ({tensor_parallel_num_weight_shards}) must be divisible by {tp_field} "
+            f"({tensor_model_parallel_size})"
+        )
+    return tensor_parallel_num_weight_shards, tensor_parallel_num_weight_shards // tensor_model_parallel_size
+
+
 @dataclass
 class ModelParallelConfig(_MegatronOnlyParallelFields):
     """Parallel sizes, initialization, precision, pipeline and communication-overlap settings."""

@@ -197,6 +197,9 @@ from megatron_core._nvtx import configure_nvtx_profiling as configure_nvtx_profi
 from megatron_core._nvtx import nvtx_decorator as nvtx_decorator
 from megatron_core._nvtx import nvtx_range_pop as nvtx_range_pop
 from megatron_core._nvtx import nvtx_range_push as nvtx_range_push
+from megatron_core._packed_batch import (
+    flatten_batch_for_packed_sequences as flatten_batch_for_packed_sequences,
+)
 from megatron_core._rank_utils import log_single_rank as log_single_rank
 from megatron_core._straggler import StragglerDetector as StragglerDetector
 from megatron_core._version_utils import get_fa_version as get_fa_version

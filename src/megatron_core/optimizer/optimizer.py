@@ -41,10 +41,25 @@ from megatron_core.optimizer.clip_grads import (
 from megatron_core.optimizer.fused_clip import fused_adam_step_with_clipping, supports_fused_clipping
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
+from megatron_core.optimizer_param_scheduler import ParamGroupOverride
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.utils import get_pg_rank
 
 _MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+
+param_group_identifier_keys: tuple[str, ...] = (
+    *sorted(ParamGroupOverride.__annotations__),
+    "lr_mult",
+    "is_expert_parallel",
+    "is_decoupled_lr",
+)
+"""The param-group entries that tell groups apart when a saved optimizer state is matched to the current groups.
+
+Every :class:`~megatron_core.optimizer_param_scheduler.ParamGroupOverride` field (sorted: ``end_wd``,
+``max_lr``, ``min_lr``, ``optimizer``, ``start_wd``, ``wd_mult``), then the flags the optimizer sets on
+each group itself: ``lr_mult``, ``is_expert_parallel``, ``is_decoupled_lr``. Two groups that agree on
+all of these behave alike under the scheduler and the optimizer.
+"""
 
 
 def copy_param_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:

@@ -46,3 +46,26 @@ class AttnBackend(enum.Enum):
     unfused = 3
     local = 4
     auto = 5
+
+
+class CudaGraphModule(enum.Enum):
+    """A part of a layer that per-layer CUDA graphs may capture on its own.
+
+    Capturing the whole layer is not a member: it is the empty selection (see
+    :func:`megatron_core.transformer.cuda_graph_config.normalize_cuda_graph_modules`).
+    """
+
+    attn = 1
+    mlp = 2
+    moe = 3
+    moe_router = 4
+    moe_preprocess = 5
+    mamba = 6
+
+
+class InferenceCudaGraphScope(enum.Enum):
+    """Which module owns the CUDA graphs of inference: ``none`` (eager), each ``layer``, or the whole ``block``."""
+
+    none = 1
+    layer = 2
+    block = 3

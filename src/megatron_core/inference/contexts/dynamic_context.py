@@ -50,10 +50,29 @@ __all__ = [
     "BlockOverflowError",
     "StepEntry",
     "DynamicInferenceContext",
+    "get_mem_size_str",
 ]
 
 DEFAULT_MAX_TOKENS = 16384
 DEFAULT_MAX_REQUESTS = 256
+
+_MEM_UNITS = (("TB", 1024**4), ("GB", 1024**3), ("MB", 1024**2), ("KB", 1024), ("bytes", 1))
+
+
+def get_mem_size_str(n_bytes: int) -> str:
+    """A byte count for logs, with three significant digits: ``"1.5 GB"``, ``"0.75 MB"``, ``"12 bytes"``.
+
+    The unit is the largest of TB, GB, MB, KB (powers of 1024) of which the count is more than
+    half (so 768 KiB reads ``"0.75 MB"``); ``0`` is ``"0 bytes"``. Negative counts raise ``ValueError``.
+    """
+    if n_bytes < 0:
+        raise ValueError(f"get_mem_size_str: n_bytes must be >= 0, got {n_bytes}")
+    if n_bytes == 0:
+        return "0 bytes"
+    for suffix, unit in _MEM_UNITS:
+        if round(n_bytes / unit) >= 1:
+            return f"{n_bytes / unit:.3g} {suffix}"
+    return f"{n_bytes:.3g} bytes"
 
 
 class ContextOverflowError(Exception):

@@ -53,7 +53,7 @@ from megatron_core.inference.text_generation_controllers.text_generation_control
     TextGenerationController,
 )
 
-__all__ = ["DynamicInferenceEngine", "EngineState"]
+__all__ = ["DynamicInferenceEngine", "EngineState", "EngineSuspendedError"]
 
 TokenListener = Callable[[DynamicInferenceRequest, "int | None"], None]
 
@@ -65,6 +65,15 @@ class EngineState(Enum):
     PAUSED = 2
     STOPPING = 3
     STOPPED = 4
+
+
+class EngineSuspendedError(Exception):
+    """A step was asked of a suspended engine (GPU state offloaded); the exception's argument is the step count.
+
+    Megatron-Core's engine raises it from a step taken while suspending or suspended. This engine has
+    no suspended state (only running, paused, stopping, stopped), so it never raises it; the class is
+    here for code that catches it.
+    """
 
 
 class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
