@@ -105,3 +105,15 @@ def assert_same_tensors(original: str | os.PathLike, exported: str | os.PathLike
     for name in a:
         assert a[name].dtype == b[name].dtype, (name, a[name].dtype, b[name].dtype)
         assert torch.equal(a[name], b[name]), name
+
+
+def perturb(model: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
+    """Add ``scale`` x N(0, 1) noise to every parameter and to DeepSeek's ``e_score_correction_bias`` buffers, so no
+    norm weight or bias keeps the round value of a fresh initialisation (which would hide a misplaced tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=gen))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(scale * torch.randn(buffer.shape, generator=gen))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_on_ranks
-from tests.models.hf.hf_models import assert_same_tensors, safetensors_tensors
+from tests.models.hf.hf_models import assert_same_tensors, perturb, safetensors_tensors
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -51,13 +51,7 @@ def _save_random(path: str, seed: int, **overrides) -> None:
     """``save_pretrained`` a perturbed random DeepSeek-V3 (score correction biases too)."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(_hf_config(**overrides))
-    gen = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.3 * torch.randn(param.shape, generator=gen))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
+    perturb(model, seed + 7)
     model.save_pretrained(path)
 
 

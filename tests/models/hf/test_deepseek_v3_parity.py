@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_on_ranks
-from tests.models.hf.hf_models import assert_same_tensors, safetensors_tensors
+from tests.models.hf.hf_models import assert_same_tensors, perturb, safetensors_tensors
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -70,13 +70,7 @@ def _make(path: str, seed: int = 0, **overrides) -> torch.Tensor:
     """Save a perturbed random DeepSeek-V3 (score correction biases too) at ``path``; returns its logits."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(_hf_config(**overrides)).eval()
-    gen = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.3 * torch.randn(param.shape, generator=gen))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
+    perturb(model, seed + 7)
     model.config._attn_implementation = "eager"
     model.save_pretrained(path)
     return _hf_logits_of(model)
