@@ -77,34 +77,32 @@ def _make_with_mtp(path: str, seed: int = 0, **overrides) -> None:
         json.dump({**config, "num_hidden_layers": LAYERS}, f)
 
 
+def _convert(tmp_path_factory, name: str, make, **kwargs) -> tuple[str, str]:
+    """``(HF directory written by make(dir, **kwargs), its megatron-convert checkpoint)``."""
+    root = tmp_path_factory.mktemp(name)
+    src, ckpt = str(root / "hf"), str(root / "ckpt")
+    make(src, **kwargs)
+    import_hf_to_mcore(src, ckpt, progress=False)
+    return src, ckpt
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> tuple[str, str]:
     """``(HF directory with an MTP depth, its megatron-convert checkpoint)``."""
-    root = tmp_path_factory.mktemp("deepseek_v3_mtp_convert")
-    src, ckpt = str(root / "hf"), str(root / "ckpt")
-    _make_with_mtp(src)
-    import_hf_to_mcore(src, ckpt, progress=False)
-    return src, ckpt
+    return _convert(tmp_path_factory, "deepseek_v3_mtp_convert", _make_with_mtp)
 
 
 @pytest.fixture(scope="module")
 def without_mtp(tmp_path_factory) -> tuple[str, str]:
     """``(transformers' own save: num_nextn_predict_layers=1 but no MTP tensors, its checkpoint)``."""
-    root = tmp_path_factory.mktemp("deepseek_v3_mixed_convert")
-    src, ckpt = str(root / "hf"), str(root / "ckpt")
-    _save_random(src, seed=3, first_k_dense_replace=2)
-    import_hf_to_mcore(src, ckpt, progress=False)
-    return src, ckpt
+    return _convert(tmp_path_factory, "deepseek_v3_mixed_convert", _save_random, seed=3, first_k_dense_replace=2)
 
 
 @pytest.fixture(scope="module")
 def all_moe_mtp(tmp_path_factory) -> tuple[str, str]:
     """``(every layer MoE (stacked keys) and an MTP depth (per-depth keys), its checkpoint)``."""
-    root = tmp_path_factory.mktemp("deepseek_v3_moe_mtp_convert")
-    src, ckpt = str(root / "hf"), str(root / "ckpt")
-    _make_with_mtp(src, seed=5, first_k_dense_replace=0)
-    import_hf_to_mcore(src, ckpt, progress=False)
-    return src, ckpt
+    return _convert(tmp_path_factory, "deepseek_v3_moe_mtp_convert", _make_with_mtp, seed=5,
+                    first_k_dense_replace=0)
 
 
 MODELS = ["converted", "without_mtp", "all_moe_mtp"]
