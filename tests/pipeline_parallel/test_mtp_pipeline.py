@@ -218,3 +218,60 @@ def test_mtp_on_a_middle_stage_is_refused():
     config = _config(case)
     with pytest.raises(ValueError, match="first or the last pipeline stage"):
         _provider(case, pre_process=False, post_process=False, config=config)
+
+
+# --- a training step of the distributed optimizer keeps the embedding copies equal ---------------------------------
+STEP_CASE = CASES["pp2_untied"]
+
+
+def _train_steps(pp: int, reference: tuple, steps: int = 2) -> dict:
+    """Parameters after ``steps`` Adam steps (distributed optimizer over DP = 4 / pp) from the reference weights."""
+    from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    state = reference[0]
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    try:
+        torch.manual_seed(3)
+        config = _config(STEP_CASE, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                         finalize_model_grads_func=finalize_model_grads)
+        (chunk,) = get_model(partial(_provider, STEP_CASE), wrap_with_ddp=False, config=config)
+        offset = get_transformer_layer_offset(config)
+        names = {}
+        for pname, param in chunk.named_parameters():
+            key = _global_name(pname, offset)
+            names[param] = EMBEDDING_COPY if pname == EMBEDDING and not chunk.pre_process else key
+            with torch.no_grad():
+                param.copy_(state[key])
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), chunk)
+        config.no_sync_func = ddp.no_sync
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0,
+                                                           use_distributed_optimizer=True), [ddp])
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        per_replica = 4 // dp
+        for step in range(steps):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            batches = make_batches(4, seed=20 + step)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+            get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(batches), model=[ddp],
+                                        num_microbatches=per_replica, seq_length=SEQ, micro_batch_size=MBS)
+            assert optimizer.step()[0]
+        return {key: param.detach().clone() for param, key in names.items()}
+    finally:
+        _reset_mtp_state()
+        parallel_state.destroy_model_parallel()
+
+
+def test_distributed_optimizer_steps_keep_the_embedding_copies_equal():
+    reference = _reference("pp2_untied")
+    (single,) = run_on_ranks(1, _train_steps, 1, reference)
+    per_rank = run_on_ranks(4, _train_steps, 2, reference)  # PP=2 x DP=2
+    copies = [r[EMBEDDING_COPY] for r in per_rank if EMBEDDING_COPY in r]
+    firsts = [r[EMBEDDING] for r in per_rank if EMBEDDING in r]
+    assert len(copies) == 2 and len(firsts) == 2
+    for copy in copies:
+        torch.testing.assert_close(copy, firsts[0], rtol=0, atol=0)
+    for params in per_rank:
+        for key, value in params.items():
+            want = single[EMBEDDING if key == EMBEDDING_COPY else key]
+            torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+    assert not torch.equal(single[EMBEDDING], reference[0][EMBEDDING])  # the steps moved the embedding
