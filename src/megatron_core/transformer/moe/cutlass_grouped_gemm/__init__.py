@@ -2,10 +2,10 @@
 
 PyTorch's ``grouped_mm`` rounds every expert's rows up to a multiple of 256 on an H100/H200 (128x256 tiles in
 2-CTA clusters along the rows), so with about a thousand rows per expert 10-30% of its tiles are padding. This
-kernel uses 128-row tiles (128x128x64, 1x2 clusters along the columns, ping-pong): on one H200 it ran the
-forward and data-gradient GEMMs of a Mixtral-shaped layer 5% faster than ``grouped_mm`` at near-uniform routing
-and up to 13% faster at skewed routing, and 5-16% slower when every expert has exactly 1024 rows
-(``benchmarks/RESULTS.md``, session 20). It is therefore opt-in:
+kernel uses 128-row tiles (128x128x64, 1x2 clusters along the columns, ping-pong). On one H200 the four forward
+and data-gradient GEMMs of a Mixtral-shaped layer took 1.86 ms against 1.94 ms for ``grouped_mm`` at
+near-uniform routing (4% less) and 8% less with an empty expert, but 2% more at a skewed routing and 12% more
+when every expert has exactly 1024 rows (``benchmarks/RESULTS.md``, session 20). It is therefore opt-in:
 
     MEGATRON_CORE_MOE_GROUPED_GEMM=cutlass   # default: torch; or set_moe_grouped_gemm_backend("cutlass")
 
