@@ -90,3 +90,13 @@ def unshard(name: str, pieces: list[torch.Tensor], gated: bool) -> torch.Tensor:
     if name.endswith(ROW):
         return torch.cat(pieces, dim=1)
     return pieces[0]
+
+
+def loss_and_grads(model: GPTModel, seed: int = 3) -> tuple[dict, torch.Tensor, dict]:
+    """``(weights, per-token loss, gradients)`` of ``model`` on :func:`batch` (``loss.sum()`` backward)."""
+    ids, pos, labels = batch(seed)
+    loss = model(ids, pos, None, labels=labels)
+    loss.sum().backward()
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    grads = {k: v.grad.detach().clone() for k, v in model.named_parameters()}
+    return state, loss.detach(), grads

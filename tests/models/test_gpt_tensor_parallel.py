@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megatron_core import parallel_state, tensor_parallel
 from tests.dist_harness import run_on_ranks
-from tests.models.gpt_test_utils import batch, build, gpt2_like, llama_like, shard, unshard
+from tests.models.gpt_test_utils import batch, build, gpt2_like, llama_like, loss_and_grads, shard, unshard
 
 WORLD = 4
 
@@ -43,12 +43,7 @@ def _reference(kind: str) -> tuple[dict, torch.Tensor, dict]:
     """TP=1 weights, loss and grads, computed before any model-parallel group exists."""
     torch.manual_seed(1234)
     model = build(_spec(kind))
-    ids, pos, labels = batch()
-    loss = model(ids, pos, None, labels=labels)
-    loss.sum().backward()
-    state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    grads = {k: v.grad.detach().clone() for k, v in model.named_parameters()}
-    return state, loss.detach(), grads
+    return loss_and_grads(model)
 
 
 def _check_cases(cases: list) -> list[str]:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron_core import parallel_state, tensor_parallel
 from megatron_core.activations import quick_gelu
 from tests.dist_harness import run_on_ranks
-from tests.models.gpt_test_utils import batch, build, llama_like, shard, unshard
+from tests.models.gpt_test_utils import batch, build, llama_like, loss_and_grads, shard, unshard
 
 TP = 2
 CASES = [dict(), dict(sequence_parallel=True, recompute_granularity="selective")]  # core attention recomputed
@@ -44,12 +44,7 @@ def _reference() -> tuple[dict, torch.Tensor, dict]:
     with torch.no_grad():  # sinks of a few units, so that they matter
         for layer in model.decoder.layers:
             layer.self_attention.core_attention.softmax_offset.copy_(torch.linspace(-2, 2, 8))
-    ids, pos, labels = batch()
-    loss = model(ids, pos, None, labels=labels)
-    loss.sum().backward()
-    state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    grads = {k: v.grad.detach().clone() for k, v in model.named_parameters()}
-    return state, loss.detach(), grads
+    return loss_and_grads(model)
 
 
 def _check(overrides: dict) -> list[str]:

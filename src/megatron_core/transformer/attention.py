@@ -90,19 +90,8 @@ class SelfAttention(MegatronModule):
             cp_comm_type=cp_comm_type,
             pg_collection=self.pg_collection,
         )
-        self.linear_proj = build_module(
-            submodules.linear_proj,
-            self.query_projection_size,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            is_expert=False,
-            tp_comm_buffer_name="proj",
-            tp_group=self.tp_group,
-        )
+        self.linear_proj = build_output_projection(submodules.linear_proj, self.query_projection_size, config,
+                                                   self.tp_group)
         self.q_layernorm = self._build_qk_norm(submodules.q_layernorm)
         self.k_layernorm = self._build_qk_norm(submodules.k_layernorm)
         self.checkpoint_core_attention = (
@@ -238,6 +227,16 @@ class SelfAttention(MegatronModule):
                                   cu_seqlens=_cu_seqlens(packed_seq_params)[0], cp_group=self._rope_cp_group())
         return split_qkv_with_rope(mixed_qkv, cos, sin, self.num_query_groups_per_partition, self.heads_per_group,
                                    self.config.rotary_interleaved)
+
+
+def build_output_projection(spec: Any, query_projection_size: int, config: TransformerConfig, tp_group: Any
+                            ) -> torch.nn.Module:
+    """The row-parallel projection of the heads' outputs (``query_projection_size``) back to the hidden size, with
+    its bias left for the bias-dropout-add (every attention variant's ``linear_proj``)."""
+    return build_module(spec, query_projection_size, config.hidden_size, config=config,
+                        init_method=config.output_layer_init_method, bias=config.add_bias_linear,
+                        input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj",
+                        tp_group=tp_group)
 
 
 def _query_key_angles(rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any]:

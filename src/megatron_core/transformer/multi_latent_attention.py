@@ -42,7 +42,7 @@ from megatron_core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron_core.tensor_parallel.random import CheckpointWithoutOutput
-from megatron_core.transformer.attention import _cu_seqlens
+from megatron_core.transformer.attention import _cu_seqlens, build_output_projection
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.mla_rope import (
@@ -127,19 +127,8 @@ class MultiLatentAttention(MegatronModule):
             if _accepts(submodules.core_attention, key):  # a Megatron-style core attention sized by them
                 attention_kwargs[key] = value
         self.core_attention = build_module(submodules.core_attention, **attention_kwargs)
-        self.linear_proj = build_module(
-            submodules.linear_proj,
-            self.query_projection_size,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            is_expert=False,
-            tp_comm_buffer_name="proj",
-            tp_group=self.tp_group,
-        )
+        self.linear_proj = build_output_projection(submodules.linear_proj, self.query_projection_size, config,
+                                                   self.tp_group)
         self.checkpoint_core_attention = (
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )

@@ -117,3 +117,16 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(scale * torch.randn(buffer.shape, generator=gen))
+
+
+def megatron_model(bridge, grouped: bool = False, **overrides) -> torch.nn.Module:
+    """The bridge's GPTModel (one chunk) in eval mode, its weights loaded; ``grouped``: grouped-GEMM experts."""
+    config = bridge.transformer_config(perform_initialization=False, moe_grouped_gemm=grouped, **overrides)
+    (model,) = bridge.to_megatron_model(config=config)
+    return model.eval()
+
+
+def eval_logits(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``model``'s full-vocabulary logits of ``ids`` without gradients."""
+    with torch.no_grad():
+        return model(ids, positions, None, runtime_gather_output=True)

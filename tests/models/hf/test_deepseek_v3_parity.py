@@ -24,7 +24,13 @@ import pytest
 import torch
 
 from tests.dist_harness import run_on_ranks
-from tests.models.hf.hf_models import assert_same_tensors, perturb, safetensors_tensors
+from tests.models.hf.hf_models import (
+    assert_same_tensors,
+    eval_logits,
+    megatron_model,
+    perturb,
+    safetensors_tensors,
+)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -76,18 +82,6 @@ def _make(path: str, seed: int = 0, **overrides) -> torch.Tensor:
     return _hf_logits_of(model)
 
 
-def _ours(bridge: AutoBridge, grouped: bool = False, **overrides) -> torch.nn.Module:
-    config = bridge.transformer_config(perform_initialization=False, moe_grouped_gemm=grouped, **overrides)
-    (model,) = bridge.to_megatron_model(config=config)
-    return model.eval()
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids, pos = _batch()
-    with torch.no_grad():
-        return model(ids, pos, None, runtime_gather_output=True)
-
-
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory) -> tuple[str, torch.Tensor]:
     path = str(tmp_path_factory.mktemp("deepseek_v3") / "hf")
@@ -98,11 +92,11 @@ def hf_model(tmp_path_factory) -> tuple[str, torch.Tensor]:
 def test_import_matches_transformers_and_export_round_trips(hf_model, grouped: bool, tmp_path) -> None:
     src, expected = hf_model
     bridge = AutoBridge.from_hf_pretrained(src)
-    model = _ours(bridge, grouped)
+    model = megatron_model(bridge, grouped)
     assert isinstance(model.config, MLATransformerConfig) and model.config.moe_layer_freq == [0, 1, 1]
     assert not hasattr(model, "rotary_pos_emb")  # MLA rotates by itself
     assert [type(layer.mlp).__name__ for layer in model.decoder.layers] == ["MLP", "MoELayer", "MoELayer"]
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(eval_logits(model, *_batch()), expected, rtol=1e-4, atol=1e-4)
     bridge.save_hf_pretrained(model, tmp_path / "export")
     assert_same_tensors(src, tmp_path / "export")
 
@@ -112,10 +106,10 @@ def test_without_q_lora_rank(tmp_path) -> None:
     src = str(tmp_path / "hf")
     expected = _make(src, seed=1, q_lora_rank=None)
     bridge = AutoBridge.from_hf_pretrained(src)
-    model = _ours(bridge)
+    model = megatron_model(bridge)
     attention = model.decoder.layers[1].self_attention
     assert hasattr(attention, "linear_q_proj") and not hasattr(attention, "linear_q_down_proj")
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(eval_logits(model, *_batch()), expected, rtol=1e-4, atol=1e-4)
     bridge.save_hf_pretrained(model, tmp_path / "export")
     assert_same_tensors(src, tmp_path / "export")
 
@@ -123,7 +117,7 @@ def test_without_q_lora_rank(tmp_path) -> None:
 def test_trained_model_exports_to_the_same_logits(hf_model, tmp_path) -> None:
     src, expected = hf_model
     bridge = AutoBridge.from_hf_pretrained(src)
-    model = _ours(bridge).train()
+    model = megatron_model(bridge).train()
     ids, pos = _batch()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(2):
@@ -134,7 +128,7 @@ def test_trained_model_exports_to_the_same_logits(hf_model, tmp_path) -> None:
         model.decoder.layers[2].mlp.router.expert_bias.add_(torch.linspace(-0.2, 0.2, 8))
     latent = model.decoder.layers[1].self_attention.linear_kv_down_proj.weight
     assert latent.grad is not None and latent.grad.abs().sum() > 0
-    trained = _logits(model.eval())
+    trained = eval_logits(model.eval(), *_batch())
     assert (trained - expected).abs().max() > 1e-3
     bridge.save_hf_pretrained(model, tmp_path / "trained")
     torch.testing.assert_close(_hf_logits(str(tmp_path / "trained")), trained, rtol=1e-4, atol=1e-4)
@@ -146,9 +140,9 @@ def _parallel_check(src: str, out: str, tp: int, ep: int) -> torch.Tensor:
     try:
         tensor_parallel.model_parallel_cuda_manual_seed(1)
         bridge = AutoBridge.from_hf_pretrained(src)
-        model = _ours(bridge, grouped=ep > 1, expert_tensor_parallel_size=1,
+        model = megatron_model(bridge, grouped=ep > 1, expert_tensor_parallel_size=1,
                       expert_model_parallel_size=ep)
-        logits = _logits(model)
+        logits = eval_logits(model, *_batch())
         bridge.save_hf_pretrained(model, out)
         return logits
     finally:
@@ -264,10 +258,10 @@ def _hf_mtp_name(name: str) -> list[str]:
 def test_mtp_import_places_every_tensor_and_trains(mtp_model) -> None:
     src, expected, mtp = mtp_model
     bridge = AutoBridge.from_hf_pretrained(src)
-    model = _ours(bridge)
+    model = megatron_model(bridge)
     assert model.config.mtp_num_layers == 1 and len(model.mtp.layers) == 1
     assert type(model.mtp.layers[0].mtp_model_layer.mlp).__name__ == "MoELayer"
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(eval_logits(model, *_batch()), expected, rtol=1e-4, atol=1e-4)
     state = {n: t for n, t in model.state_dict().items() if n.startswith("mtp.") and not n.endswith("_extra_state")}
     used = set()
     for name, value in state.items():
@@ -291,7 +285,7 @@ def test_mtp_hidden_states_computed_from_hf_weights(mtp_model) -> None:
     """Depth 1 by hand from the HF-named tensors: ``shared_head.norm(layer(eh_proj([enorm(E[ids shifted left]);
     hnorm(h)])))`` (the transformer layer is the model's own, loaded with the mapped weights)."""
     src, _, mtp = mtp_model
-    model = _ours(AutoBridge.from_hf_pretrained(src))
+    model = megatron_model(AutoBridge.from_hf_pretrained(src))
     hf = safetensors_tensors(src)
     p = f"model.layers.{LAYERS}."
     ids, pos = _batch()
@@ -313,7 +307,7 @@ def test_mtp_hidden_states_computed_from_hf_weights(mtp_model) -> None:
 def test_mtp_export_round_trips_bitwise(mtp_model, tmp_path) -> None:
     src, _, mtp = mtp_model
     bridge = AutoBridge.from_hf_pretrained(src)
-    model = _ours(bridge)
+    model = megatron_model(bridge)
     bridge.save_hf_pretrained(model, tmp_path / "export")
     assert_same_tensors(src, tmp_path / "export")  # the MTP layer's tensors, embed_tokens / shared_head.head too
     back = safetensors_tensors(tmp_path / "export")
@@ -325,7 +319,7 @@ def test_mtp_can_be_skipped(mtp_model, tmp_path) -> None:
     bridge = AutoBridge.from_hf_pretrained(src)
     (model,) = bridge.to_megatron_model(mtp=False)
     assert not hasattr(model, "mtp") and model.config.mtp_num_layers is None
-    torch.testing.assert_close(_logits(model.eval()), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(eval_logits(model.eval(), *_batch()), expected, rtol=1e-4, atol=1e-4)
     bridge.save_hf_pretrained(model, tmp_path / "export")
     assert not any(n.startswith(f"model.layers.{LAYERS}.") for n in safetensors_tensors(tmp_path / "export"))
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_on_ranks
-from tests.models.hf.hf_models import assert_same_tensors
+from tests.models.hf.hf_models import assert_same_tensors, eval_logits, megatron_model
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -69,18 +69,6 @@ def _hf_logits(path: str) -> torch.Tensor:
     return _hf_logits_of(transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval())
 
 
-def _ours(bridge: AutoBridge, grouped: bool = False, **overrides) -> torch.nn.Module:
-    config = bridge.transformer_config(perform_initialization=False, moe_grouped_gemm=grouped, **overrides)
-    (model,) = bridge.to_megatron_model(config=config)
-    return model.eval()
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids, pos = _batch()
-    with torch.no_grad():
-        return model(ids, pos, None, runtime_gather_output=True)
-
-
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory) -> tuple[str, torch.Tensor]:
     path = str(tmp_path_factory.mktemp("gpt_oss") / "hf")
@@ -91,8 +79,8 @@ def hf_model(tmp_path_factory) -> tuple[str, torch.Tensor]:
 def test_import_matches_transformers_and_export_round_trips(hf_model, grouped: bool, tmp_path) -> None:
     src, expected = hf_model
     bridge = AutoBridge.from_hf_pretrained(src)
-    model = _ours(bridge, grouped)
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-4, atol=1e-4)
+    model = megatron_model(bridge, grouped)
+    torch.testing.assert_close(eval_logits(model, *_batch()), expected, rtol=1e-4, atol=1e-4)
     bridge.save_hf_pretrained(model, tmp_path / "export")
     assert_same_tensors(src, tmp_path / "export")
 
@@ -100,7 +88,7 @@ def test_import_matches_transformers_and_export_round_trips(hf_model, grouped: b
 def test_trained_model_exports_to_the_same_logits(hf_model, tmp_path) -> None:
     src, expected = hf_model
     bridge = AutoBridge.from_hf_pretrained(src)
-    model = _ours(bridge).train()
+    model = megatron_model(bridge).train()
     ids, pos = _batch()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(2):
@@ -109,7 +97,7 @@ def test_trained_model_exports_to_the_same_logits(hf_model, tmp_path) -> None:
         optimizer.step()
     sink = model.decoder.layers[0].self_attention.core_attention.softmax_offset
     assert sink.grad is not None and sink.grad.abs().sum() > 0
-    trained = _logits(model.eval())
+    trained = eval_logits(model.eval(), *_batch())
     assert (trained - expected).abs().max() > 1e-3
     bridge.save_hf_pretrained(model, tmp_path / "trained")
     torch.testing.assert_close(_hf_logits(str(tmp_path / "trained")), trained, rtol=1e-4, atol=1e-4)
@@ -153,8 +141,8 @@ def _parallel_check(src: str, out: str, tp: int, ep: int) -> tuple[torch.Tensor,
         bridge = AutoBridge.from_hf_pretrained(src)
         config = bridge.transformer_config()  # the expert layout comes from parallel_state
         assert (config.expert_tensor_parallel_size, config.expert_model_parallel_size) == (1, ep)
-        model = _ours(bridge, grouped=ep > 1)
-        logits = _logits(model)
+        model = megatron_model(bridge, grouped=ep > 1)
+        logits = eval_logits(model, *_batch())
         try:
             bridge.save_hf_pretrained(model, out)
             outcome = "exported"

@@ -94,36 +94,45 @@ def get_mlp_module_spec(
     return get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm)
 
 
+def _transformer_layer(backend: BackendSpecProvider, input_norm: Any, attention: ModuleSpec, pre_mlp_norm: Any,
+                       num_experts: int | None, moe_grouped_gemm: bool, keys_map: dict | None = None) -> ModuleSpec:
+    """A GPT ``TransformerLayer`` around ``attention``, with the backend's dense or MoE MLP."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=input_norm,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_mlp_norm,
+            mlp=get_mlp_module_spec_for_backend(backend, num_experts, moe_grouped_gemm),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map or {},
+        ),
+    )
+
+
 def _mla_layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_experts: int | None = None,
                     moe_grouped_gemm: bool = False) -> ModuleSpec:
     """A GPT layer with multi-latent attention: separate norms (no keys map), as Megatron-Core's local MLA spec."""
     linear = backend.column_parallel_linear()
     qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else IdentityOp
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=backend.layer_norm(),
-            self_attention=ModuleSpec(
-                module=MLASelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=MLASelfAttentionSubmodules(
-                    linear_q_proj=linear,
-                    linear_q_down_proj=linear,
-                    linear_q_up_proj=linear,
-                    linear_kv_down_proj=linear,
-                    linear_kv_up_proj=linear,
-                    core_attention=backend.core_attention(),
-                    linear_proj=backend.row_parallel_linear(),
-                    q_layernorm=qk_norm,
-                    kv_layernorm=qk_norm,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=backend.layer_norm(),
-            mlp=get_mlp_module_spec_for_backend(backend, num_experts, moe_grouped_gemm),
-            mlp_bda=get_bias_dropout_add,
+    attention = ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=linear,
+            linear_q_down_proj=linear,
+            linear_q_up_proj=linear,
+            linear_kv_down_proj=linear,
+            linear_kv_up_proj=linear,
+            core_attention=backend.core_attention(),
+            linear_proj=backend.row_parallel_linear(),
+            q_layernorm=qk_norm,
+            kv_layernorm=qk_norm,
         ),
     )
+    return _transformer_layer(backend, backend.layer_norm(), attention, backend.layer_norm(), num_experts,
+                              moe_grouped_gemm)
 
 
 def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_experts: int | None = None,
@@ -140,28 +149,18 @@ def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_experts: i
         "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
         "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
     }
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=linear_qkv,
-                    core_attention=backend.core_attention(),
-                    linear_proj=backend.row_parallel_linear(),
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=pre_mlp_norm,
-            mlp=get_mlp_module_spec_for_backend(backend, num_experts, moe_grouped_gemm),
-            mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=keys_map,
+    attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=linear_qkv,
+            core_attention=backend.core_attention(),
+            linear_proj=backend.row_parallel_linear(),
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
         ),
     )
+    return _transformer_layer(backend, norm, attention, pre_mlp_norm, num_experts, moe_grouped_gemm, keys_map)
 
 
 def get_gpt_layer_local_submodules(

@@ -22,6 +22,7 @@ from megatron_core.device import get_current_device
 from megatron_core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.multi_token_prediction import tie_word_embeddings_state_dict
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.utils import get_pg_size
 
@@ -66,8 +67,6 @@ class LanguageModule(MegatronModule):
         word_emb_key = f"{prefix}embedding.word_embeddings.weight"
         if getattr(self, "mtp_process", False) and not self.pre_process:
             # The MTP stage's copy of the first stage's embedding: saved by the first stage only.
-            from megatron_core.transformer.multi_token_prediction import tie_word_embeddings_state_dict
-
             tie_word_embeddings_state_dict(sharded, self.embedding.word_embeddings.weight, word_emb_key,
                                            tp_group=self.tp_group, dp_cp_group=self.pg_collection.dp_cp)
         self.tie_embeddings_and_output_weights_state_dict(sharded, f"{prefix}output_layer.weight", word_emb_key)
@@ -116,8 +115,9 @@ class LanguageModule(MegatronModule):
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
-        mtp_elsewhere = bool(getattr(self.config, "mtp_num_layers", None)) and not (self.pre_process and mtp_process)
-        if not self.share_embeddings_and_output_weights and not mtp_elsewhere:
+        # MTP layers on a stage other than the first: that stage holds a copy of the embedding.
+        mtp_needs_copy = bool(getattr(self.config, "mtp_num_layers", None)) and not (self.pre_process and mtp_process)
+        if not self.share_embeddings_and_output_weights and not mtp_needs_copy:
             return
         if self.pre_process and (self.post_process or mtp_process):
             if self.share_embeddings_and_output_weights:

@@ -46,7 +46,8 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, out: torc
     """Run the kernel on the current stream, writing ``out``."""
     groups, n, k = weight.shape[0], out.shape[1], a.shape[1]
     workspace = torch.empty(_workspace_bytes(groups, a.device.index), dtype=torch.uint8, device=a.device)
-    function = _library().mcore_gmm_tn if transpose_weight else _library().mcore_gmm_nn
+    library = _library()
+    function = library.mcore_gmm_tn if transpose_weight else library.mcore_gmm_nn
     code = function(a.data_ptr(), weight.data_ptr(), out.data_ptr(), offs.data_ptr(), groups, n, k,
                     workspace.data_ptr(), workspace.numel(), torch.cuda.current_stream(a.device).cuda_stream)
     if code != 0:
