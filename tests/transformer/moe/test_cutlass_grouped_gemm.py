@@ -105,6 +105,14 @@ def test_backend_choice_and_errors(monkeypatch):
         cg.check_cutlass_grouped_gemm(torch.zeros(2, 8), torch.zeros(1, 8, 8))
 
 
+def test_mismatched_shapes_are_refused_before_the_kernel(cpu_kernel):
+    offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
+    with pytest.raises(ValueError, match=r"x \(96, 24\) must be \[T, in\]"):
+        cg.cutlass_grouped_linear(torch.zeros(96, 24), torch.zeros(4, 8, 16), offs)
+    with pytest.raises(ValueError, match=r"one end offset per expert \(4\)"):
+        cg.cutlass_grouped_linear(torch.zeros(96, 16), torch.zeros(4, 8, 16), offs[:3])
+
+
 def test_build_errors_name_what_is_missing(monkeypatch, tmp_path):
     monkeypatch.setenv(build.PREBUILT_ENV, str(tmp_path / "missing.so"))
     with pytest.raises(build.CutlassBuildError, match="does not exist"):

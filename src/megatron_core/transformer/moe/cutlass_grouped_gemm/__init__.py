@@ -53,6 +53,17 @@ def _device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _check_shapes(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> None:
+    """``ValueError`` unless ``x [T, in]``, ``weight [E, out, in]`` and ``offs [E]`` fit together (the kernel
+    would otherwise read past them)."""
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+        raise ValueError(f"CUTLASS grouped GEMM: x {tuple(x.shape)} must be [T, in] and weight {tuple(weight.shape)} "
+                         "[experts, out, in] with the same in")
+    if offs.dim() != 1 or offs.numel() != weight.shape[0]:
+        raise ValueError(f"CUTLASS grouped GEMM: offs {tuple(offs.shape)} must hold one end offset per expert "
+                         f"({weight.shape[0]})")
+
+
 def check_cutlass_grouped_gemm(x: torch.Tensor, weight: torch.Tensor) -> None:
     """Raise ``ValueError`` naming what keeps the kernel from ``x @ weight[e]^T`` (device, dtype, shapes)."""
     if x.device.type != "cuda":
@@ -73,5 +84,6 @@ def cutlass_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Te
     (int32, on the device, the last equal to ``x.shape[0]``); differentiable in ``x`` and ``weight``."""
     from megatron_core.transformer.moe.cutlass_grouped_gemm.ops import grouped_mm
 
+    _check_shapes(x, weight, offs)
     check_cutlass_grouped_gemm(x, weight)
     return grouped_mm(x, weight, offs.to(torch.int32), True)
