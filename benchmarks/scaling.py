@@ -44,6 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_monitor import GpuMonitor, describe  # noqa: E402  (a sibling script's module)
+
 SCRIPT = REPO / "examples" / "pretrain_gpt.py"
 NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -176,25 +179,39 @@ def nccl_transports(log_text: str) -> list[str]:
     return sorted(set(re.findall(r" via (\S+)", log_text)))
 
 
-def run_torchrun(nproc: int, flags: list[str], log_json: Path, out_log: Path, cpu: bool,
-                 timeout: float) -> tuple[int, str]:
-    """Run ``pretrain_gpt.py`` on ``nproc`` local ranks; returns (exit code, tail of its output)."""
+def start_torchrun(nproc: int, flags: list[str], log_json: Path, out_log: Path, cpu: bool,
+                   visible_devices: str | None = None) -> subprocess.Popen:
+    """Launch ``pretrain_gpt.py`` on ``nproc`` local ranks in its own session; its output goes to ``out_log``."""
     log_json.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), *flags,
            "--log-json", str(log_json)]
+    env = child_env(cpu)
+    if visible_devices is not None and not cpu:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices
     with open(out_log, "w") as handle:
         handle.write("+ " + " ".join(cmd) + "\n")
         handle.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(cpu), stdout=handle, stderr=subprocess.STDOUT,
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # torchrun's ranks share its session
-            proc.wait()
-            code = 124
+
+
+def wait_torchrun(proc: subprocess.Popen, out_log: Path, deadline: float) -> tuple[int, str]:
+    """Wait for a job until ``deadline`` (``time.time()``), killing its session then; (exit code, output tail)."""
+    try:
+        code = proc.wait(timeout=max(deadline - time.time(), 0.1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # torchrun's ranks share its session
+        proc.wait()
+        code = 124
     return code, out_log.read_text()[-3000:]
+
+
+def run_torchrun(nproc: int, flags: list[str], log_json: Path, out_log: Path, cpu: bool,
+                 timeout: float) -> tuple[int, str]:
+    """Run ``pretrain_gpt.py`` on ``nproc`` local ranks; returns (exit code, tail of its output)."""
+    proc = start_torchrun(nproc, flags, log_json, out_log, cpu)
+    return wait_torchrun(proc, out_log, time.time() + timeout)
 
 
 def train_records(log_json: Path) -> list[dict]:
@@ -282,23 +299,30 @@ def add_comparisons(row: dict, base: dict | None, layout: Layout) -> None:
     row["exposed comm ms"] = (row["grad-sync ms"] or 0.0) + inline
 
 
+def add_loaded_efficiency(row: dict, loaded: dict | None) -> None:
+    """Efficiency against the baseline run on every GPU at once (``--loaded-baseline``), where there is one."""
+    if loaded and not loaded.get("error") and row.get("tokens/s/GPU") and loaded.get("tokens/s/GPU"):
+        row["efficiency vs loaded %"] = 100 * row["tokens/s/GPU"] / loaded["tokens/s/GPU"]
+
+
 def _fmt(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
 def markdown_table(rows: list[dict]) -> str:
     """The results as a markdown table."""
-    head = ("| layout | GPUs | step ms | tokens/s/GPU | eff. vs 1 GPU | MFU | peak GB | compute ms | "
-            "exposed comm ms | bubble ms | bubble % (theory) | optimizer ms |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| layout | GPUs | step ms | tokens/s/GPU | eff. vs 1 GPU | eff. vs loaded GPU | MFU | peak GB | "
+            "compute ms | exposed comm ms | bubble ms | bubble % (theory) | optimizer ms |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['layout']} | {r['gpus']} | failed: {r['error']} |" + " |" * 9)
+            lines.append(f"| {r['layout']} | {r['gpus']} | failed: {r['error']} |" + " |" * 10)
             continue
         bubble = "-" if r["pp"] == 1 else f"{_fmt(r['bubble %'])} ({_fmt(r['theoretical bubble %'])})"
         lines.append(
             f"| {r['layout']} | {r['gpus']} | {_fmt(r['ms/step'])} | {_fmt(r.get('tokens/s/GPU'), ',.0f')} | "
             f"{_fmt(r.get('efficiency %'))}{'%' if r.get('efficiency %') is not None else ''} | "
+            f"{_fmt(r.get('efficiency vs loaded %'))}{'%' if r.get('efficiency vs loaded %') is not None else ''} | "
             f"{_fmt(r['MFU %'])}{'%' if r['MFU %'] is not None else ''} | {_fmt(r['max mem GB'], '.2f')} | "
             f"{_fmt(r['compute ms'])} | {_fmt(r.get('exposed comm ms'))} | {_fmt(r['bubble ms'])} | {bubble} | "
             f"{_fmt(r['optimizer ms'])} |")
@@ -334,6 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=None, help="skip the remaining runs after this many seconds")
     p.add_argument("--device-memory-gb", type=float, default=139.0,
                    help="per-GPU memory for the 8B fit decision (H200: 139)")
+    p.add_argument("--loaded-baseline", action="store_true",
+                   help="also run the one-GPU baseline on every GPU at once (independent jobs) and report each "
+                        "layout's efficiency against that loaded GPU too")
     p.add_argument("extra", nargs="*", help="further pretrain_gpt.py flags for every run (after --), e.g. "
                    "-- --gradient-accumulation-fusion")
     args = p.parse_args(argv)
@@ -368,8 +395,9 @@ def run_one(args, name: str, layout: Layout, cfg: ModelConfig, extra: list[str],
              *extra, *(["--compile"] if args.compile else []), *args.extra]
     print(f"== {name}: {layout.gpus} rank(s)", flush=True)
     start = time.time()
-    code, tail = run_torchrun(layout.gpus, flags, out / f"{name}.jsonl", out / f"{name}.log", args.cpu,
-                              args.timeout)
+    with GpuMonitor(out / f"{name}.gpus.csv", enabled=not args.cpu) as monitor:
+        code, tail = run_torchrun(layout.gpus, flags, out / f"{name}.jsonl", out / f"{name}.log", args.cpu,
+                                  args.timeout)
     records = train_records(out / f"{name}.jsonl")
     if code != 0 or len(records) < iters:
         print(f"   failed (exit {code}, {len(records)}/{iters} steps logged):\n{tail}", flush=True)
@@ -378,8 +406,50 @@ def run_one(args, name: str, layout: Layout, cfg: ModelConfig, extra: list[str],
     row = summarize(name, layout, cfg, records, args.warmup)
     row["flags"], row["wall s"] = flags, time.time() - start
     row["nccl transports"] = nccl_transports((out / f"{name}.log").read_text(errors="replace"))
+    row["gpu clocks"] = monitor.summarize()
     print(f"   {row['ms/step']:.1f} ms/step, {row['tokens/s/GPU']:,.0f} tokens/s/GPU ({row['wall s']:.0f} s)",
           flush=True)
+    return row
+
+
+def run_loaded_baseline(args, config: str, cfg: ModelConfig, copies: int, out: Path) -> dict:
+    """The one-GPU baseline run on ``copies`` GPUs at once, as independent jobs (one per GPU, no communication).
+
+    Each job is timed alone; the row holds the mean of their medians (``ms/step``, ``tokens/s/GPU``, ``compute
+    ms``) and their range. Set against the plain baseline it shows how much a GPU slows down when the whole node
+    is busy (shared power and cooling), which a data-parallel run pays without communicating at all.
+    """
+    name = f"{config}_1gpu_x{copies}"
+    layout = Layout(config, 1, BASELINE_FLAGS)
+    iters = args.warmup + args.steps
+    flags = [*common_flags(cfg, 1, iters, args.cpu), *BASELINE_FLAGS, *(["--compile"] if args.compile else []),
+             *args.extra]
+    print(f"== {name}: {copies} independent one-GPU jobs at once", flush=True)
+    start = time.time()
+    jobs = []
+    with GpuMonitor(out / f"{name}.gpus.csv", enabled=not args.cpu) as monitor:
+        for gpu in range(copies):
+            log_json, log = out / f"{name}.gpu{gpu}.jsonl", out / f"{name}.gpu{gpu}.log"
+            jobs.append((start_torchrun(1, flags, log_json, log, args.cpu, visible_devices=str(gpu)), log_json, log))
+        deadline = time.time() + args.timeout
+        results = [(wait_torchrun(proc, log, deadline), train_records(log_json)) for proc, log_json, log in jobs]
+    failed = [f"gpu{i}: exit {code}, {len(records)}/{iters} steps" for i, ((code, _), records) in enumerate(results)
+              if code != 0 or len(records) < iters]
+    if failed:
+        print(f"   failed: {'; '.join(failed)}", flush=True)
+        return {"layout": name, "gpus": copies, "config": config, "pp": 1, "error": "; ".join(failed), "flags": flags}
+    per_job = [summarize(name, layout, cfg, records, args.warmup) for (_, records) in results]
+    row = {**per_job[0], "layout": name, "gpus": copies, "loaded baseline": True, "flags": flags,
+           "wall s": time.time() - start, "gpu clocks": monitor.summarize()}
+    for key in ("ms/step", "tokens/s", "tokens/s/GPU", "MFU %", "compute ms", "fwd-bwd ms", "optimizer ms",
+                "bubble ms"):
+        values = [job[key] for job in per_job if job.get(key) is not None]
+        row[key] = statistics.mean(values) if values else None
+        if key in ("ms/step", "compute ms") and values:
+            row[f"{key} range"] = [min(values), max(values)]
+    row["dp"] = 1
+    print(f"   {row['ms/step']:.1f} ms/step per job (range {row['ms/step range'][0]:.1f}-"
+          f"{row['ms/step range'][1]:.1f}, {row['wall s']:.0f} s)", flush=True)
     return row
 
 
@@ -391,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"environment": environment(args.cpu), "argv": sys.argv[1:], "rows": []}
     started = time.time()
     baselines: dict[str, dict] = {}
+    loaded: dict[str, dict] = {}
     rows: list[dict] = result["rows"]
 
     def save() -> None:
@@ -410,11 +481,17 @@ def main(argv: list[str] | None = None) -> int:
             baselines[layout.config] = base
             rows.append(base)
             save()
+        if args.loaded_baseline and cfg.baseline and layout.gpus > 1 and layout.config not in loaded:
+            copies = max(LAYOUTS[n].gpus for n in args.names if LAYOUTS[n].config == layout.config)
+            loaded[layout.config] = run_loaded_baseline(args, layout.config, cfg, copies, out)
+            rows.append(loaded[layout.config])
+            save()
         extra = llama8b_fit_flags(args, layout, cfg) if layout.config == "llama8b" else []
         row = run_one(args, name, layout, cfg, extra, out)
         if not row.get("error"):
             base = baselines.get(layout.config)
             add_comparisons(row, None if base is None or base.get("error") else base, layout)
+            add_loaded_efficiency(row, loaded.get(layout.config))
         rows.append(row)
         save()
     table = markdown_table(rows)
@@ -424,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     transports = [f"{r['layout']}: {', '.join(r['nccl transports'])}" for r in rows if r.get("nccl transports")]
     if transports:
         print("\nNCCL transports (from NCCL_DEBUG=INFO): " + "; ".join(transports), flush=True)
+    clocks = [f"{r['layout']}: {describe(r['gpu clocks'])}" for r in rows if r.get("gpu clocks")]
+    if clocks:
+        print("\nGPUs while busy (median SM clock and power, max temperature, limiting reasons):\n"
+              + "\n".join(clocks), flush=True)
     (out / "scaling.md").write_text(table + "\n")
     save()
     return 1 if any(r.get("error") for r in rows) else 0

@@ -1,4 +1,4 @@
-"""``benchmarks/scaling.py`` and ``benchmarks/nccl_layout_parity.py`` keep working: their CPU (gloo) dry runs.
+"""``benchmarks/scaling.py``, ``nccl_layout_parity.py`` and ``nccl_bandwidth.py`` keep working: CPU (gloo) dry runs.
 
 The GPU sweep runs only on a lent multi-GPU machine; these tests run the same launcher, flags and
 summaries on 2 CPU ranks with tiny models, so the scripts do not rot between GPU sessions.
@@ -15,8 +15,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import gpu_monitor  # noqa: E402
+import nccl_bandwidth  # noqa: E402
 import nccl_layout_parity  # noqa: E402
 import scaling  # noqa: E402
+
+from tests.dist_harness import run_on_ranks  # noqa: E402
 
 
 def test_theoretical_bubble_of_both_schedules() -> None:
@@ -102,3 +106,65 @@ def test_parity_dry_run_interleaved_pp2_on_cpu(tmp_path: Path, capsys) -> None:
     assert row["passed"] and row["loss_rel_err"] <= 1e-5  # fp32 on CPU: far inside the bf16 tolerance
     assert len(row["losses"]) == 2
     assert "| pp2_vp2 |" in printed
+
+
+def test_gpu_samples_are_summarized_over_busy_samples_per_gpu() -> None:
+    fields = (*gpu_monitor.FIELDS, gpu_monitor.REASONS_FIELD)
+    lines = ["0, 0, 345, 80.5, 30, 0x0000000000000001",     # idle before the run: left out
+             "0, 100, 1980, 650.0, 55, 0x0000000000000000",
+             "0, 98, 1755, 700.0, 61, 0x0000000000000004",  # software power cap
+             "0, 99, 1900, 690.0, 60, 0x0000000000000000",
+             "1, 100, 1980, 600.0, 50, 0x0000000000000000",
+             "1, [N/A], 1980, 600.0, 50, 0x0000000000000000",  # unreadable utilization: left out
+             "garbage line"]
+    samples = [dict(zip(fields, (v.strip() for v in line.split(",")))) for line in lines
+               if len(line.split(",")) == len(fields)]
+    summary = gpu_monitor.summarize_samples(samples)
+    assert summary["0"] == {"busy samples": 3, "SM MHz": 1900.0, "W": 690.0, "max C": 61.0,
+                            "reasons": ["software power cap"]}
+    assert summary["1"]["busy samples"] == 1 and summary["1"]["reasons"] == []
+    assert gpu_monitor.describe(summary) == "gpu0 1900 MHz 690 W 61 C [software power cap]; gpu1 1980 MHz 600 W 50 C"
+    assert gpu_monitor.reason_names(0x1 | 0x40 | 0x80) == ["hardware thermal", "power brake"]
+
+
+def test_gpu_monitor_is_a_no_op_without_nvidia_smi(tmp_path: Path) -> None:
+    with gpu_monitor.GpuMonitor(tmp_path / "gpus.csv", enabled=False) as monitor:
+        pass
+    assert monitor.summarize() == {} and not (tmp_path / "gpus.csv").exists()
+
+
+def _bandwidth_rows() -> list[dict]:
+    import torch
+
+    return nccl_bandwidth.measure([0.25, 1.0], torch.device("cpu"), warmup=1, iters=2)
+
+
+def test_collective_bandwidth_on_two_gloo_ranks() -> None:
+    assert nccl_bandwidth.bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert nccl_bandwidth.bus_factor("all_gather", 4) == pytest.approx(0.75)
+    rows = run_on_ranks(2, _bandwidth_rows)[0]
+    # gloo has no single-tensor reduce-scatter: all-reduce and all-gather, two sizes each.
+    assert [(r["collective"], r["MB"]) for r in rows] == [("all_reduce", 0.25), ("all_reduce", 1.0),
+                                                          ("all_gather", 0.25), ("all_gather", 1.0)]
+    for row in rows:
+        assert row["ms"] > 0
+        assert row["algbw GB/s"] == pytest.approx(row["MB"] * 2**20 / (row["ms"] / 1e3) / 1e9)
+        assert row["busbw GB/s"] == pytest.approx(row["algbw GB/s"] * nccl_bandwidth.bus_factor(row["collective"], 2))
+
+
+@pytest.mark.slow
+def test_loaded_baseline_dry_run_on_cpu(tmp_path: Path, capsys) -> None:
+    code = scaling.main(["--device", "cpu", "--layouts", "dp2_ddp", "--loaded-baseline", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-3000:]
+    rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["dense_1gpu", "dense_1gpu_x2", "dp2_ddp"]
+    base, loaded, dp2 = rows
+    assert loaded["loaded baseline"] and loaded["gpus"] == 2
+    low, high = loaded["ms/step range"]
+    assert 0 < low <= loaded["ms/step"] <= high
+    for gpu in range(2):  # two independent jobs, each logged on its own
+        assert len(scaling.train_records(tmp_path / f"dense_1gpu_x2.gpu{gpu}.jsonl")) == 2
+    assert dp2["efficiency vs loaded %"] == pytest.approx(100 * dp2["tokens/s/GPU"] / loaded["tokens/s/GPU"])
+    assert dp2["efficiency %"] == pytest.approx(100 * dp2["tokens/s/GPU"] / base["tokens/s/GPU"])
+    assert "| dense_1gpu_x2 | 2 |" in printed and "eff. vs loaded GPU" in printed
