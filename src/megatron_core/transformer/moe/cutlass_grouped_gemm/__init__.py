@@ -5,7 +5,9 @@ PyTorch's ``grouped_mm`` rounds every expert's rows up to a multiple of 256 on a
 kernel uses 128-row tiles (128x128x64, 1x2 clusters along the columns, ping-pong). On one H200 the four forward
 and data-gradient GEMMs of a Mixtral-shaped layer took 1.86 ms against 1.94 ms for ``grouped_mm`` at
 near-uniform routing (4% less) and 8% less with an empty expert, but 2% more at a skewed routing and 12% more
-when every expert has exactly 1024 rows (``benchmarks/RESULTS.md``, session 20). It is therefore opt-in:
+when every expert has exactly 1024 rows (``benchmarks/RESULTS.md``, session 20). In a whole compiled
+Mixtral-shaped training step on one H100, though, it was slower (77.1 against 71.5 ms; session 21): PyTorch's
+kernel is faster on the row counts the library produces than on the microbenchmark's. It is therefore opt-in:
 
     MEGATRON_CORE_MOE_GROUPED_GEMM=cutlass   # default: torch; or set_moe_grouped_gemm_backend("cutlass")
 
