@@ -142,6 +142,8 @@ LAYOUTS = {
     "dp4_distopt": Layout("dense", 4, _DISTOPT),
     "pp4_1f1b": Layout("dense", 4, ["--use-distributed-optimizer"], pp=4),
     "pp4_interleaved": Layout("dense", 4, ["--use-distributed-optimizer"], pp=4, vp=2),
+    "pp4_interleaved_no_overlap": Layout("dense", 4, ["--use-distributed-optimizer", "--no-overlap-p2p-communication"],
+                                         pp=4, vp=2),
     "ep4": Layout("moe", 4, _EP, ep=4),
 }
 BASELINE_FLAGS = ["--use-distributed-optimizer"]

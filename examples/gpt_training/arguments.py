@@ -16,6 +16,10 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
+                   help="interleaved pipelines: exchange activations and gradients between stages without overlapping "
+                        "them with the other half of each step (Megatron-LM's flag; the overlap is on by default and "
+                        "only the interleaved schedule has it)")
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
                    help="count the embedding as one layer of the first pipeline stage when splitting layers")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
@@ -358,6 +362,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                  f"--pipeline-model-parallel-size > 1 and must divide (num_layers + accounted embedding/loss) / pp "
                  f"({per_rank})")
         args.virtual_pipeline_model_parallel_size = per_rank // args.num_layers_per_virtual_pipeline_stage
+    # Megatron-LM's rule: overlapped exchanges exist only in the interleaved schedule, and then unbatched.
+    if args.virtual_pipeline_model_parallel_size is None:
+        args.overlap_p2p_comm = False
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive")
     _require(args.mock_data or args.data_path, "give --data-path PREFIX [...] or --mock-data")
     _require(args.mock_data or args.tokenizer_type, "--data-path needs --tokenizer-type (and its model/vocab files)")

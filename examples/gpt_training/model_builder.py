@@ -47,6 +47,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        overlap_p2p_comm=getattr(args, "overlap_p2p_comm", False),
+        batch_p2p_comm=not getattr(args, "overlap_p2p_comm", False),
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         sequence_parallel=args.sequence_parallel,

@@ -183,3 +183,20 @@ def test_moe_layer_freq_takes_megatron_lms_list_forms() -> None:
     for bad in ("[0,2]", "__import__('os')", "0"):
         with pytest.raises(Exception, match="moe-layer-freq"):
             parse_layer_freq(bad)
+
+
+@pytest.mark.parametrize("extra, overlap", [
+    (["--num-layers-per-virtual-pipeline-stage", "1"], True),  # interleaved: overlapped and unbatched
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--no-overlap-p2p-communication"], False),
+    ([], False),  # 1F1B has no overlapped exchange (Megatron-LM turns the flag off)
+], ids=["interleaved", "interleaved-off", "1f1b"])
+def test_p2p_overlap_follows_megatron_lms_rule(extra, overlap):
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from gpt_training import arguments, model_builder
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    flags = [*TINY, "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+             "--train-iters", "1", *extra]
+    config = model_builder.transformer_config_from_args(arguments.validate_args(arguments.build_parser().parse_args(flags), 2))
+    assert config.overlap_p2p_comm is overlap and config.batch_p2p_comm is not overlap

@@ -45,6 +45,9 @@ CASES = {
                        extra=dict(num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1)),
     "pp2_dp2_ddp": dict(pp=2, kind="gpt2", counts=(1, 4, 8), num_layers=4, ddp=True),
     "pp2_vpp2_dp2_ddp": dict(pp=2, vpp=2, kind="gpt2", counts=(2, 4, 8), num_layers=4, ddp=True),
+    # Megatron's training default for interleaving: each exchange overlapped with the other half of the step.
+    "pp2_vpp2_dp2_ddp_overlap_p2p": dict(pp=2, vpp=2, kind="gpt2", counts=(4,), num_layers=4, ddp=True,
+                                         extra=dict(overlap_p2p_comm=True, batch_p2p_comm=False)),
     "pp2_vpp2_layout": dict(pp=2, vpp=2, kind="llama", counts=(4,), num_layers=5, ddp=True,
                             extra=dict(pipeline_model_parallel_layout="Et|t|tt|tL")),
     "pp2_tp2": dict(pp=2, tp=2, kind="llama", counts=(4,), num_layers=4),

@@ -184,3 +184,40 @@ def _interleaved_bad_count(num_microbatches):
 def test_interleaved_rejects_bad_microbatch_counts(num_microbatches, numbers):
     for message in run_on_ranks(WORLD, _interleaved_bad_count, num_microbatches):
         assert message is not None and all(n in message for n in numbers), message
+
+
+OVERLAP = {"overlap_p2p_comm": True, "batch_p2p_comm": False}  # what Megatron's training sets for interleaving
+
+
+@pytest.mark.parametrize("pp,counts,options", [
+    (2, (2, 4, 8), OVERLAP),
+    (4, (4, 8), OVERLAP),
+    (4, (8,), {"overlap_p2p_comm": True}),  # batched and overlapped
+    (4, (4,), {**OVERLAP, "deallocate_pipeline_outputs": True}),
+    (2, (8,), {**OVERLAP, "microbatch_group_size_per_vp_stage": 4}),
+])
+def test_interleaved_with_overlapped_p2p_matches_single_process(pp, counts, options):
+    _check(run_on_ranks(WORLD, _run, pp, 2, counts, wrap=True, options=options))
+
+
+def test_interleaved_with_overlapped_p2p_forward_only_and_variable_lengths():
+    _check(run_on_ranks(WORLD, _run, 4, 2, (4,), forward_only=True, options=OVERLAP), forward_only=True)
+    seq_lengths = [3, 5, 4, 6]
+    _check(run_on_ranks(WORLD, _run, 2, 2, (4,), seq_lengths=seq_lengths, options=OVERLAP), seq_lengths=seq_lengths)
+
+
+def _overlap_on_1f1b():
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=4)
+    config = ToyConfig(pipeline_model_parallel_size=4, pipeline_dtype=torch.float32, **OVERLAP)
+    stage = ToyStage(config, stage_layer_ids(parallel_state.get_pipeline_model_parallel_rank(), 4), pre_process=True)
+    try:
+        get_forward_backward_func()(forward_step_func=toy_model.forward_step, data_iterator=iter(make_batches(4, 1)),
+                                    model=stage, num_microbatches=4, seq_length=4, micro_batch_size=2)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_overlapped_p2p_is_refused_without_interleaving():
+    for message in run_on_ranks(WORLD, _overlap_on_1f1b):
+        assert message is not None and "overlap_p2p_comm=True needs the interleaved schedule" in message

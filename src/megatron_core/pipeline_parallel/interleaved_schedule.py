@@ -11,6 +11,13 @@ and one backward per step, then the remaining backwards.
 Surprising: rank 0 receives activations for chunk ``c + 1`` before it needs them and queues
 them; every chunk keeps FIFO queues of received inputs, received output gradients and
 ``(input, output)`` pairs awaiting backward.
+
+With ``config.overlap_p2p_comm`` each step's forward exchange (send the activation, receive the
+next input) is posted right after its forward and waited for only before the next forward; the
+backward exchange likewise around the backward. The transfers then run while the other half of
+the step computes, and no exchange waits for the device (with ``batch_p2p_comm=False``, as
+Megatron's training sets it, not even ``batch_p2p_sync``). An output is freed once its send is
+done.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from megatron_core.pipeline_parallel.microbatch_step import (
     new_token_counter,
     resolve_communicator,
 )
+from megatron_core.pipeline_parallel.p2p_communication import wait_handles
 from megatron_core.process_groups_config import resolve_process_group
 
 
@@ -198,6 +206,33 @@ def forward_backward_pipelining_with_interleaving(
     def sendable(output_tensor: Any, chunk: int) -> Any:
         return None if is_last(chunk) else output_tensor
 
+    overlap = bool(getattr(config, "overlap_p2p_comm", False))
+    # overlap_p2p_comm: the posted exchange of each direction, (handles, received, its chunk, sent output).
+    pending: dict[str, tuple | None] = {"forward": None, "backward": None}
+
+    def post_forward(output_tensor: Any, recv_prev: bool, chunk: int) -> None:
+        received, handles = comm.send_forward_recv_forward(output_tensor, recv_prev, tensor_shape,
+                                                           overlap_p2p_comm=True)
+        pending["forward"] = (handles, received if recv_prev else None, chunk, output_tensor)
+
+    def post_backward(input_tensor_grad: Any, recv_next: bool, chunk: int) -> None:
+        received, handles = comm.send_backward_recv_backward(input_tensor_grad, recv_next, tensor_shape,
+                                                             overlap_p2p_comm=True)
+        pending["backward"] = (handles, received if recv_next else None, chunk, None)
+
+    def complete(direction: str) -> None:
+        """Wait for the posted exchange of ``direction``; queue what it received, free what it sent."""
+        posted = pending[direction]
+        if posted is None:
+            return
+        pending[direction] = None
+        handles, received, chunk, sent_output = posted
+        wait_handles(handles)
+        if received is not None:
+            (inputs if direction == "forward" else output_grads)[chunk].append(received)
+        if sent_output is not None:
+            deallocate_output_tensor(sent_output, config.deallocate_pipeline_outputs)
+
     all_warmup = not forward_only and num_microbatches == pp_size
     if forward_only or all_warmup:
         num_warmup = total
@@ -213,8 +248,14 @@ def forward_backward_pipelining_with_interleaving(
         inputs[0].append(comm.recv_forward(tensor_shape, is_first_stage=False))
 
     for k in range(num_warmup):
+        complete("forward")
         output_tensor = sendable(forward_helper(k), chunk_of(k, forward=True))
         recv_prev, next_chunk = receives(k, forward=True)
+        if overlap:
+            post_forward(output_tensor, recv_prev, next_chunk)
+            if k == num_warmup - 1 and not forward_only and not all_warmup:
+                post_backward(None, pp_rank != pp_size - 1, num_chunks - 1)
+            continue
         if k == num_warmup - 1 and not forward_only and not all_warmup:
             recv_next = pp_rank != pp_size - 1
             input_tensor, output_tensor_grad = comm.send_forward_backward_recv_forward_backward(
@@ -230,10 +271,17 @@ def forward_backward_pipelining_with_interleaving(
 
     for step in range(num_remaining):
         forward_k = step + num_warmup
+        complete("forward")
         output_tensor = sendable(forward_helper(forward_k), chunk_of(forward_k, forward=True))
-        input_tensor_grad = backward_helper(step)
         recv_prev, next_forward_chunk = receives(forward_k, forward=True)
+        if overlap:
+            post_forward(output_tensor, recv_prev, next_forward_chunk)
+        complete("backward")
+        input_tensor_grad = backward_helper(step)
         recv_next, next_backward_chunk = receives(step, forward=False)
+        if overlap:
+            post_backward(input_tensor_grad, recv_next, next_backward_chunk)
+            continue
         input_tensor, output_tensor_grad = comm.send_forward_backward_recv_forward_backward(
             output_tensor, input_tensor_grad, recv_prev, recv_next, tensor_shape
         )
@@ -243,15 +291,21 @@ def forward_backward_pipelining_with_interleaving(
         if recv_next:
             output_grads[next_backward_chunk].append(output_tensor_grad)
 
+    complete("forward")
     if not forward_only:
         if all_warmup and pp_rank != pp_size - 1:
             output_grads[num_chunks - 1].append(comm.recv_backward(tensor_shape, is_last_stage=False))
         for k in range(num_remaining, total):
+            complete("backward")
             input_tensor_grad = backward_helper(k)
             recv_next, next_chunk = receives(k, forward=False)
+            if overlap:
+                post_backward(input_tensor_grad, recv_next, next_chunk)
+                continue
             received = comm.send_backward_recv_backward(input_tensor_grad, recv_next, tensor_shape)
             if recv_next:
                 output_grads[next_chunk].append(received)
+        complete("backward")
         sync.enable()
         if grad_sync_funcs is not None:
             for chunk in range(num_chunks):

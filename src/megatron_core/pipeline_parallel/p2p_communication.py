@@ -6,11 +6,17 @@ Megatron-Core's ``p2p_communication``: :class:`P2PCommunicator` plus the module-
 
 Activations travel to the next stage ("forward"), gradients to the previous stage ("backward");
 the last stage's next rank is the first stage and vice versa, which the interleaved schedule
-uses. Every exchange posts its operations in one fixed order (forward sends and receives first,
-then backward ones) and, on gloo, tags them by direction. That order matters when the previous
-and next rank are the same process (two stages): a rank that sends an activation and a gradient
-to its only peer must post them in the order the peer posts the matching receives, otherwise the
-two messages are swapped (NCCL matches by order, gloo by tag and order).
+uses. A batched exchange (``batch_p2p_comm``) posts its operations in one fixed order (forward
+sends and receives first, then backward ones) and, on gloo, tags them by direction. That order
+matters when the previous and next rank are the same process (two stages): a rank that sends an
+activation and a gradient to its only peer must post them in the order the peer posts the
+matching receives, otherwise the two messages are swapped (NCCL matches by order, gloo by tag and
+order). Separate ``isend``/``irecv`` calls (``batch_p2p_comm=False``) run one after another on
+NCCL, where a send waits for its receive: even stages post send-then-receive and odd stages
+receive-then-send, so that neighbours never both wait in a send.
+
+With ``overlap_p2p_comm=True`` (the interleaved schedule), ``send_forward_recv_forward`` and
+``send_backward_recv_backward`` return before the transfer completes, with the requests to wait on.
 """
 
 from __future__ import annotations
@@ -122,18 +128,23 @@ class P2PCommunicator:
     ) -> Any:
         """Send an activation to the next stage and, if ``recv_prev``, receive one from the previous.
 
-        With ``overlap_p2p_comm=True`` returns ``(tensor, handles)``; the transfer has already
-        completed, so ``handles`` is empty.
+        With ``overlap_p2p_comm=True`` returns ``(tensor, handles)`` at once: the transfer is under way,
+        ``handles`` maps ``"send_next"`` / ``"recv_prev"`` to requests whose ``wait()`` must come before
+        the received tensor is read or the sent one is freed (on CUDA it orders the current stream, it
+        does not block the host).
         """
-        received = self._communicate(tensor_send_next=output_tensor, recv_prev=recv_prev, tensor_shape=tensor_shape)[0]
-        return (received, {}) if overlap_p2p_comm else received
+        received, _, handles = self._communicate(tensor_send_next=output_tensor, recv_prev=recv_prev,
+                                                 tensor_shape=tensor_shape, wait=not overlap_p2p_comm)
+        return (received, handles) if overlap_p2p_comm else received
 
     def send_backward_recv_backward(
         self, input_tensor_grad: torch.Tensor | None, recv_next: bool, tensor_shape: Shape, overlap_p2p_comm: bool = False
     ) -> Any:
-        """Send a gradient to the previous stage and, if ``recv_next``, receive one from the next."""
-        received = self._communicate(tensor_send_prev=input_tensor_grad, recv_next=recv_next, tensor_shape=tensor_shape)[1]
-        return (received, {}) if overlap_p2p_comm else received
+        """Send a gradient to the previous stage and, if ``recv_next``, receive one from the next;
+        ``overlap_p2p_comm`` as for :meth:`send_forward_recv_forward` (keys ``"send_prev"`` / ``"recv_next"``)."""
+        _, received, handles = self._communicate(tensor_send_prev=input_tensor_grad, recv_next=recv_next,
+                                                 tensor_shape=tensor_shape, wait=not overlap_p2p_comm)
+        return (received, handles) if overlap_p2p_comm else received
 
     def send_forward_backward_recv_forward_backward(
         self,
@@ -144,13 +155,14 @@ class P2PCommunicator:
         tensor_shape: Shape,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Both directions at once: returns ``(input_tensor, output_tensor_grad)``."""
-        return self._communicate(
+        received_prev, received_next, _ = self._communicate(
             tensor_send_next=output_tensor,
             tensor_send_prev=input_tensor_grad,
             recv_prev=recv_prev,
             recv_next=recv_next,
             tensor_shape=tensor_shape,
         )
+        return received_prev, received_next
 
     # --- internals ------------------------------------------------------------------------------
     @staticmethod
@@ -165,7 +177,7 @@ class P2PCommunicator:
         return self.config.pipeline_dtype or self.config.params_dtype
 
     def _recv(self, shape: Shape, prev: bool) -> torch.Tensor | None:
-        recv_prev, recv_next = self._communicate(recv_prev=prev, recv_next=not prev, tensor_shape=shape)
+        recv_prev, recv_next, _ = self._communicate(recv_prev=prev, recv_next=not prev, tensor_shape=shape)
         return recv_prev if prev else recv_next
 
     def _check_send(self, tensor: torch.Tensor, shape: Shape | None, direction: str) -> None:
@@ -188,8 +200,10 @@ class P2PCommunicator:
         recv_prev: bool = False,
         recv_next: bool = False,
         tensor_shape: Shape | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One exchange with both neighbours; returns ``(tensor_recv_prev, tensor_recv_next)``."""
+        wait: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, Any]]:
+        """One exchange with both neighbours: ``(tensor_recv_prev, tensor_recv_next, handles)``; without
+        ``wait`` the transfers are still under way and ``handles`` holds their requests (else it is empty)."""
         if tensor_send_next is not None:
             self._check_send(tensor_send_next, tensor_shape, "forward")
         if tensor_send_prev is not None:
@@ -213,15 +227,16 @@ class P2PCommunicator:
             if recv_next
             else None
         )
-        self._exchange(
+        handles = self._exchange(
             [
-                (tensor_send_next, True, self.next_rank, _TAG_FORWARD),
-                (tensor_recv_prev, False, self.prev_rank, _TAG_FORWARD),
-                (tensor_send_prev, True, self.prev_rank, _TAG_BACKWARD),
-                (tensor_recv_next, False, self.next_rank, _TAG_BACKWARD),
-            ]
+                ("send_next", tensor_send_next, True, self.next_rank, _TAG_FORWARD),
+                ("recv_prev", tensor_recv_prev, False, self.prev_rank, _TAG_FORWARD),
+                ("send_prev", tensor_send_prev, True, self.prev_rank, _TAG_BACKWARD),
+                ("recv_next", tensor_recv_next, False, self.next_rank, _TAG_BACKWARD),
+            ],
+            wait=wait,
         )
-        return tensor_recv_prev, tensor_recv_next
+        return tensor_recv_prev, tensor_recv_next, handles
 
     def _communicate_shapes(
         self,
@@ -247,10 +262,10 @@ class P2PCommunicator:
         shape_prev, shape_next = buffer(recv_prev), buffer(recv_next)
         self._exchange(
             [
-                (encode(tensor_send_next), True, self.next_rank, _TAG_FORWARD_SHAPE),
-                (shape_prev, False, self.prev_rank, _TAG_FORWARD_SHAPE),
-                (encode(tensor_send_prev), True, self.prev_rank, _TAG_BACKWARD_SHAPE),
-                (shape_next, False, self.next_rank, _TAG_BACKWARD_SHAPE),
+                ("send_next", encode(tensor_send_next), True, self.next_rank, _TAG_FORWARD_SHAPE),
+                ("recv_prev", shape_prev, False, self.prev_rank, _TAG_FORWARD_SHAPE),
+                ("send_prev", encode(tensor_send_prev), True, self.prev_rank, _TAG_BACKWARD_SHAPE),
+                ("recv_next", shape_next, False, self.next_rank, _TAG_BACKWARD_SHAPE),
             ]
         )
 
@@ -262,26 +277,50 @@ class P2PCommunicator:
 
         return decode(shape_prev), decode(shape_next)
 
-    def _exchange(self, ops: list[tuple[torch.Tensor | None, bool, int, int]]) -> None:
-        """Post ``(tensor, is_send, peer, tag)`` operations in the given order and wait for all."""
-        ops = [op for op in ops if op[0] is not None]
+    def _exchange(self, ops: list[tuple[str, torch.Tensor | None, bool, int, int]], wait: bool = True) -> dict[str, Any]:
+        """Post ``(name, tensor, is_send, peer, tag)`` operations (batched in the given order, else in the
+        even/odd stage order) and wait for them unless ``wait=False``; returns the requests by name when not
+        waiting. ``batch_p2p_sync`` synchronizes the device after a batched exchange (as Megatron does)."""
+        ops = [op for op in ops if op[1] is not None]
         if not ops:
-            return
+            return {}
         if self.config.batch_p2p_comm:
             p2p_ops = [
                 dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer, self.pp_group, tag)
-                for tensor, is_send, peer, tag in ops
+                for _, tensor, is_send, peer, tag in ops
             ]
             requests = dist.batch_isend_irecv(p2p_ops)
+            handles = dict(zip([op[0] for op in ops], requests)) if len(requests) == len(ops) else \
+                {f"batch_{i}": request for i, request in enumerate(requests)}
         else:
-            requests = [
-                (dist.isend if is_send else dist.irecv)(tensor, peer, group=self.pp_group, tag=tag)
-                for tensor, is_send, peer, tag in ops
-            ]
-        for request in requests:
-            request.wait()
+            handles = {
+                name: (dist.isend if is_send else dist.irecv)(tensor, peer, group=self.pp_group, tag=tag)
+                for name, tensor, is_send, peer, tag in _stage_order(ops, self.current_stage)
+            }
+        if wait:
+            for request in handles.values():
+                request.wait()
+            handles = {}
         if self.config.batch_p2p_comm and self.config.batch_p2p_sync:
             device.synchronize()
+        return handles
+
+
+_EVEN_STAGE_ORDER = ("send_next", "recv_prev", "send_prev", "recv_next")
+_ODD_STAGE_ORDER = ("recv_prev", "send_next", "recv_next", "send_prev")
+
+
+def _stage_order(ops: list[tuple], stage: int) -> list[tuple]:
+    """The operations of one unbatched exchange in the order this stage posts them: even stages send
+    before they receive, odd stages receive first, so that no two neighbours both start with a send."""
+    order = _EVEN_STAGE_ORDER if stage % 2 == 0 else _ODD_STAGE_ORDER
+    return sorted(ops, key=lambda op: order.index(op[0]))
+
+
+def wait_handles(handles: dict[str, Any] | None) -> None:
+    """Wait for every request of an overlapped exchange (``overlap_p2p_comm=True``)."""
+    for request in (handles or {}).values():
+        request.wait()
 
 
 def _communicator(config: Any) -> P2PCommunicator:
