@@ -207,18 +207,19 @@ def forward_backward_pipelining_with_interleaving(
         return None if is_last(chunk) else output_tensor
 
     overlap = bool(getattr(config, "overlap_p2p_comm", False))
-    # overlap_p2p_comm: the posted exchange of each direction, (handles, received, its chunk, sent output).
+    # overlap_p2p_comm: the posted exchange of each direction, (handles, received, its chunk, sent output, sent
+    # gradient); the sent tensors are held until their sends are done.
     pending: dict[str, tuple | None] = {"forward": None, "backward": None}
 
     def post_forward(output_tensor: Any, recv_prev: bool, chunk: int) -> None:
         received, handles = comm.send_forward_recv_forward(output_tensor, recv_prev, tensor_shape,
                                                            overlap_p2p_comm=True)
-        pending["forward"] = (handles, received if recv_prev else None, chunk, output_tensor)
+        pending["forward"] = (handles, received if recv_prev else None, chunk, output_tensor, None)
 
     def post_backward(input_tensor_grad: Any, recv_next: bool, chunk: int) -> None:
         received, handles = comm.send_backward_recv_backward(input_tensor_grad, recv_next, tensor_shape,
                                                              overlap_p2p_comm=True)
-        pending["backward"] = (handles, received if recv_next else None, chunk, None)
+        pending["backward"] = (handles, received if recv_next else None, chunk, None, input_tensor_grad)
 
     def complete(direction: str) -> None:
         """Wait for the posted exchange of ``direction``; queue what it received, free what it sent."""
@@ -226,7 +227,7 @@ def forward_backward_pipelining_with_interleaving(
         if posted is None:
             return
         pending[direction] = None
-        handles, received, chunk, sent_output = posted
+        handles, received, chunk, sent_output, _ = posted
         wait_handles(handles)
         if received is not None:
             (inputs if direction == "forward" else output_grads)[chunk].append(received)
