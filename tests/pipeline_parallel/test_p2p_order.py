@@ -135,6 +135,7 @@ CASES = {
     "interleaved_pp4_unbatched": (4, 2, 8, {"batch_p2p_comm": False}),
     "interleaved_pp4_overlap": (4, 2, 8, {"overlap_p2p_comm": True, "batch_p2p_comm": False}),
     "interleaved_pp4_overlap_batched": (4, 2, 8, {"overlap_p2p_comm": True}),
+    "interleaved_pp4_overlap_all_warmup": (4, 2, 4, {"overlap_p2p_comm": True, "batch_p2p_comm": False}),
     "interleaved_pp2_overlap": (2, 2, 4, {"overlap_p2p_comm": True, "batch_p2p_comm": False}),
     "interleaved_pp2_overlap_batched": (2, 2, 8, {"overlap_p2p_comm": True}),
     "interleaved_pp4_overlap_variable_lengths": (4, 2, 4, {"overlap_p2p_comm": True, "batch_p2p_comm": False,
