@@ -7,8 +7,9 @@ labels, mean loss, backward): median step time of ``--steps`` steps after ``--wa
 the *active* parameters (attention, norms, router, top-k experts, output layer; not the input
 embedding): FLOPs/token = 6 * N_active + 12 * L * H * T, peak 989 TFLOP/s (H100 SXM dense bf16).
 
-A third measurement times the experts' grouped GEMMs alone (fc1 and fc2, forward + backward, tokens
-spread evenly over the experts) against one dense GEMM of the same total FLOPs.
+A third measurement times the experts' six grouped GEMMs alone (fc1 and fc2: forward, data and weight
+gradients; contiguous operands; tokens spread evenly over the experts) against the same GEMMs dense, with the
+same total FLOPs.
 
     PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --compile   # GPU: reference config + HF baseline
     PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --tiny      # CPU smoke test (fp32, tiny shapes)
@@ -152,7 +153,14 @@ def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch
 
 
 def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype) -> tuple[float, float]:
-    """Seconds of the experts' fc1 + fc2 grouped GEMMs (fwd + bwd) and of one dense GEMM pair of equal FLOPs."""
+    """Seconds of the experts' six GEMMs (fc1 and fc2: forward, data and weight gradients) on the grouped kernel,
+    and of the same six GEMMs dense, with the same total FLOPs.
+
+    Every operand is contiguous, as in the model: fc2 reads the SwiGLU's output and fc1's backward the SwiGLU's
+    gradient, both fresh tensors. (Until session 21 fc2 read a column slice of fc1's output, which the grouped
+    kernel copies first and cuBLAS reads in place, and the slice's backward filled a zero gradient.) The output
+    gradients are fixed tensors and every ``.grad`` is dropped before each backward, so no accumulation is timed.
+    """
     dev = mdevice.get_current_device()
     rows = args.mbs * args.seq * args.topk
     counts = [rows // args.experts] * args.experts
@@ -161,19 +169,26 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype) -> tuple[floa
     # host list of equal counts would take the batched-matmul path of capacity-padded experts instead.
     layout = align_expert_rows(torch.tensor(counts, device=dev), rows) if dev.type == "cuda" else counts
     padded_rows = layout.total_rows if dev.type == "cuda" else rows
-    x = torch.randn(padded_rows, args.hidden, device=dev, dtype=dtype, requires_grad=True)
-    w1 = torch.randn(args.experts, 2 * args.ffn, args.hidden, device=dev, dtype=dtype, requires_grad=True)
-    w2 = torch.randn(args.experts, args.hidden, args.ffn, device=dev, dtype=dtype, requires_grad=True)
-    d1 = torch.randn(2 * args.ffn, args.hidden, device=dev, dtype=dtype, requires_grad=True)
-    d2 = torch.randn(args.hidden, args.ffn, device=dev, dtype=dtype, requires_grad=True)
+
+    def tensor(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, dtype=dtype)
+
+    x, a = tensor(padded_rows, args.hidden).requires_grad_(), tensor(padded_rows, args.ffn).requires_grad_()
+    grad_h, grad_y = tensor(padded_rows, 2 * args.ffn), tensor(padded_rows, args.hidden)
+    w1 = tensor(args.experts, 2 * args.ffn, args.hidden).requires_grad_()
+    w2 = tensor(args.experts, args.hidden, args.ffn).requires_grad_()
+    d1, d2 = tensor(2 * args.ffn, args.hidden).requires_grad_(), tensor(args.hidden, args.ffn).requires_grad_()
+
+    def run(fc1: Callable[[], torch.Tensor], fc2: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        torch.autograd.backward([fc1(), fc2()], [grad_h, grad_y])
 
     def grouped() -> None:
-        h = grouped_gemm(x, w1, layout)[:, : args.ffn]
-        grouped_gemm(h, w2, layout).sum().backward()
+        run(lambda: grouped_gemm(x, w1, layout), lambda: grouped_gemm(a, w2, layout), [x, a, w1, w2])
 
     def dense() -> None:
-        h = F.linear(x, d1)[:, : args.ffn]
-        F.linear(h, d2).sum().backward()
+        run(lambda: F.linear(x, d1), lambda: F.linear(a, d2), [x, a, d1, d2])
 
     return time_steps(grouped, args), time_steps(dense, args)
 
