@@ -83,6 +83,16 @@ class ProcessGroupCollection:
     dp_cp: Any = _group_field()
     expt_dp: Any = _group_field()
 
+    def __init__(self, **groups: Any) -> None:
+        """Set the roles given by keyword (``ProcessGroupCollection(tp=..., pp=...)``, as in Megatron-Core); the
+        others stay ``None``. ``ValueError`` naming any unknown role."""
+        names = [f.name for f in fields(self)]
+        unknown = sorted(set(groups) - set(names))
+        if unknown:
+            raise ValueError(f"unknown process group names {unknown}; known: {names}")
+        for name in names:
+            setattr(self, name, groups.get(name))
+
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: list[str] | None = None) -> ProcessGroupCollection:
         """A collection filled from ``parallel_state``; ``required_pgs`` limits which roles are read.

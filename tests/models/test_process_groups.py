@@ -287,3 +287,11 @@ def test_pipeline_schedule_on_explicit_groups_matches_one_process():
                      VOCAB, MAX_SEQ, **llama_like()["model"])
     assert covered == {name for name, _ in whole.named_parameters()}
     assert sorted(r["pp_rank"] for r in results) == [0, 0, 1, 1]
+
+
+def test_the_collection_takes_its_groups_by_keyword():
+    marker = object()
+    collection = ProcessGroupCollection(tp=marker, ep=None)
+    assert collection.tp is marker and collection.pp is None and collection.ep is None
+    with pytest.raises(ValueError, match=r"unknown process group names \['tensor'\]"):
+        ProcessGroupCollection(tensor=marker)

@@ -1,0 +1,103 @@
+"""Process groups for an inference model whose parallel layout differs from training's (Megatron-Core 0.19's
+``inference.shards.build_inference_pg_collection``).
+
+An inference copy of a model (for example the generator of an RL loop) may run at another TP/PP/EP than the
+training run, on all ranks or on a window of them. :func:`build_inference_pg_collection` lays that window out on
+two :class:`~megatron_core.hyper_comm_grid.HyperCommGrid` s in ``parallel_state``'s rank order, one for the dense
+layers (tp, cp, dp, pp) and one for the experts (expert tp, ep, expert dp, pp), and returns their groups as a
+:class:`~megatron_core.process_groups_config.ProcessGroupCollection` to pass to the model (``pg_collection``).
+Creating groups is collective: every rank of the job calls it, also ranks outside the window, which get
+non-member groups and should not use the result.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_core import parallel_state
+from megatron_core.hyper_comm_grid import HyperCommGrid
+from megatron_core.process_groups_config import ProcessGroupCollection
+
+__all__ = ["build_inference_pg_collection"]
+
+# Groups spanning several dims of each grid: ProcessGroupCollection field -> dims.
+_DENSE_GROUPS = {"tp": ["tp"], "cp": ["cp"], "pp": ["pp"], "dp": ["dp"], "mp": ["tp", "pp"], "tp_cp": ["tp", "cp"],
+                 "dp_cp": ["cp", "dp"], "tp_dp_cp": ["tp", "cp", "dp"]}
+_EXPERT_GROUPS = {"ep": ["ep"], "expt_tp": ["tp"], "expt_dp": ["dp"], "tp_ep": ["tp", "ep"],
+                  "tp_ep_pp": ["tp", "ep", "pp"]}
+
+
+def _data_parallel_size(world_size: int, sizes: dict[str, int], layer: str) -> int:
+    """``world_size`` over the product of ``sizes``; ``ValueError`` naming them when it does not divide."""
+    product = 1
+    for size in sizes.values():
+        product *= size
+    if world_size % product:
+        named = " x ".join(f"{name} {size}" for name, size in sizes.items())
+        raise ValueError(f"build_inference_pg_collection: world_size {world_size} is not divisible by the {layer} "
+                         f"layers' {named} = {product}")
+    return world_size // product
+
+
+def _grid(sizes: dict[str, int], tp_pp_dp_order: bool, rank_offset: int) -> HyperCommGrid:
+    """A grid over ``sizes`` (tp, a middle dim, dp, pp), ordered tp-x-dp-pp or, with ``tp_pp_dp_order``, tp-x-pp-dp."""
+    names = list(sizes)
+    if tp_pp_dp_order:
+        names = [n for n in names if n not in ("dp", "pp")] + ["pp", "dp"]
+    return HyperCommGrid([sizes[n] for n in names], names, rank_offset=rank_offset)
+
+
+def _embedding_groups(pipelines: list[list[int]]) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's embedding group (first and last stage of its pipeline) and position-embedding group (first)."""
+    rank = dist.get_rank()
+    embedding = position = None
+    for stages in pipelines:
+        tied = sorted({stages[0], stages[-1]})
+        group = dist.new_group(ranks=tied)
+        if rank in tied:
+            embedding = group
+        group = dist.new_group(ranks=[stages[0]])
+        if rank == stages[0]:
+            position = group
+    return embedding, position
+
+
+def build_inference_pg_collection(
+    world_size: int,
+    tp_size: int | None = None,
+    pp_size: int | None = None,
+    cp_size: int | None = None,
+    ep_size: int | None = None,
+    expt_tp_size: int | None = None,
+    use_tp_pp_dp_mapping: bool = False,
+    rank_offset: int = 0,
+) -> ProcessGroupCollection:
+    """The process groups of an inference model on global ranks ``[rank_offset, rank_offset + world_size)``.
+
+    Sizes left ``None`` are training's (from ``parallel_state``). Dense layers use ``world_size = tp x cp x dp x
+    pp`` and the experts ``world_size = expt_tp x ep x expt_dp x pp``, both in ``parallel_state``'s order (tp fastest,
+    then cp or ep, then dp, then pp; ``use_tp_pp_dp_mapping`` puts pp before dp). Every rank of the job must call
+    it; ranks outside the window receive non-member groups. ``ValueError`` when a size does not divide.
+    """
+    tp_size = parallel_state.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size() if pp_size is None else pp_size
+    cp_size = parallel_state.get_context_parallel_world_size() if cp_size is None else cp_size
+    ep_size = parallel_state.get_expert_model_parallel_world_size() if ep_size is None else ep_size
+    expt_tp_size = parallel_state.get_expert_tensor_parallel_world_size() if expt_tp_size is None else expt_tp_size
+    if world_size <= 0:
+        raise ValueError(f"build_inference_pg_collection: world_size must be positive, got {world_size}")
+    dense_dp = _data_parallel_size(world_size, {"tp": tp_size, "cp": cp_size, "pp": pp_size}, "dense")
+    expert_dp = _data_parallel_size(world_size, {"expt_tp": expt_tp_size, "ep": ep_size, "pp": pp_size}, "expert")
+    dense = {"tp": tp_size, "cp": cp_size, "dp": dense_dp, "pp": pp_size}
+    expert = {"tp": expt_tp_size, "ep": ep_size, "dp": expert_dp, "pp": pp_size}
+
+    dense_grid = _grid(dense, use_tp_pp_dp_mapping, rank_offset)
+    expert_grid = _grid(expert, use_tp_pp_dp_mapping, rank_offset)
+    pipelines = dense_grid.get_rank_enum("pp")
+    if expert_grid.get_rank_enum("pp") != pipelines:  # cannot differ for these orders; a guard for changes
+        raise RuntimeError(f"the dense and expert grids disagree on the pipelines: {pipelines} vs "
+                           f"{expert_grid.get_rank_enum('pp')}")
+    groups = {name: dense_grid.create_pg(dims) for name, dims in _DENSE_GROUPS.items()}
+    groups.update({name: expert_grid.create_pg(dims) for name, dims in _EXPERT_GROUPS.items()})
+    groups["embd"], groups["pos_embd"] = _embedding_groups(pipelines)
+    return ProcessGroupCollection(**groups)
