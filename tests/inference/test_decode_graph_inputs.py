@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs
+from megatron_core.inference.config import CudaGraphSizingDistribution, InferenceConfig
+from megatron_core.inference.contexts import DynamicInferenceContext
+from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs, graph_batch_sizes
+from megatron_core.transformer import TransformerConfig
 
 
 def test_fill_pads_rows_and_reuses_unchanged_tables() -> None:
@@ -36,3 +40,28 @@ def test_take_tokens_gathers_the_previous_steps_samples_in_place() -> None:
     assert inputs.input_ids.tolist() == [[12, 10, 11, 10]]  # the padding row reads row 0
     assert inputs.input_ids.data_ptr() == address
     assert inputs.position_ids.tolist() == [[4, 1, 2, 0]] and inputs.kv_len.tolist() == [5, 2, 3, 1]
+
+
+def test_graph_batch_sizes_of_both_distributions() -> None:
+    assert graph_batch_sizes(1) == [1] and graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(40, "linear") == [1, 2, 4, 8, 16, 24, 32, 40]
+    linear = graph_batch_sizes(300, "linear")
+    assert linear[:5] == [1, 2, 4, 8, 16] and linear[-4:] == [256, 272, 288, 300]
+    assert all(b % 8 == 0 for b in linear[3:-5]) and all(b % 16 == 0 for b in linear[-4:-1])
+    assert linear == sorted(set(linear))
+    with pytest.raises(ValueError, match="'cubic'"):
+        graph_batch_sizes(8, "cubic")
+
+
+def test_the_context_captures_the_configured_sizes() -> None:
+    model_config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    settings = dict(block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=8,
+                    max_requests=40)
+    linear = DynamicInferenceContext(model_config, InferenceConfig(**settings, cuda_graph_sizing_distribution="linear"))
+    assert linear.graph_sizes == [1, 2, 4, 8, 16, 24, 32, 40]
+    default = DynamicInferenceContext(model_config, InferenceConfig(**settings))
+    assert default.graph_sizes == [1, 2, 4, 8, 16, 32, 40]
+    assert InferenceConfig(**settings).cuda_graph_sizing_distribution is CudaGraphSizingDistribution.EXPONENTIAL
+    with pytest.raises(ValueError, match="cuda_graph_sizing_distribution"):
+        InferenceConfig(**settings, cuda_graph_sizing_distribution="cubic")

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 __all__ = [
     "AsyncScheduleMode",
+    "CudaGraphSizingDistribution",
     "InferenceConfig",
     "KVCacheManagementMode",
     "PrefixCachingCoordinatorPolicy",
@@ -50,6 +51,18 @@ class AsyncScheduleMode(str, Enum):
     ASYNC = "async"
 
 
+class CudaGraphSizingDistribution(str, Enum):
+    """Which padded decode batch sizes get a CUDA graph (``InferenceConfig.cuda_graph_sizing_distribution``).
+
+    ``EXPONENTIAL``: 1, 2, 4, ... below ``max_requests``, then ``max_requests`` (at most 2x padding, few graphs).
+    ``LINEAR``: 1, 2, 4, every multiple of 8 below 256, every multiple of 16 from 256, then ``max_requests``
+    (little padding at large batches, more graphs to capture).
+    """
+
+    EXPONENTIAL = "exponential"
+    LINEAR = "linear"
+
+
 class KVCacheManagementMode(str, Enum):
     """How the KV buffers are treated on suspend / resume."""
 
@@ -77,6 +90,7 @@ class InferenceConfig:
     prefix_caching_routing_alpha: float = 0.5
     num_cuda_graphs: int | None = None
     cuda_graph_max_tokens: int = 512
+    cuda_graph_sizing_distribution: CudaGraphSizingDistribution = CudaGraphSizingDistribution.EXPONENTIAL
     compile_decode_graphs: bool = False  # extension: torch.compile the forward each decode CUDA graph captures
     kv_cache_management_mode: KVCacheManagementMode = KVCacheManagementMode.PERSIST
     unified_memory_level: int = 0
@@ -119,6 +133,8 @@ class InferenceConfig:
         self.prefix_caching_coordinator_policy = _enum_field(
             "prefix_caching_coordinator_policy", PrefixCachingCoordinatorPolicy, self.prefix_caching_coordinator_policy)
         self.async_sched_mode = _enum_field("async_sched_mode", AsyncScheduleMode, self.async_sched_mode)
+        self.cuda_graph_sizing_distribution = _enum_field(
+            "cuda_graph_sizing_distribution", CudaGraphSizingDistribution, self.cuda_graph_sizing_distribution)
         if not 0.0 <= self.prefix_caching_routing_alpha <= 1.0:
             raise ValueError(f"InferenceConfig.prefix_caching_routing_alpha ({self.prefix_caching_routing_alpha}) "
                              "must be in [0, 1]")

@@ -1,7 +1,7 @@
 """Static input tensors of a decode step, for CUDA-graph replay (helper of ``DynamicInferenceContext``).
 
-A decode-only step of ``n`` requests is padded to a batch size ``B`` (a power of two, or
-``max_requests``). For each ``B`` one set of tensors lives at fixed addresses: token ids,
+A decode-only step of ``n`` requests is padded to the next batch size ``B`` that has a graph
+(:func:`graph_batch_sizes`: powers of two, or a linear spacing, and ``max_requests``). For each ``B`` one set of tensors lives at fixed addresses: token ids,
 positions, KV slots, block tables of a fixed width (enough blocks for ``max_sequence_length``),
 KV lengths and the attention mask. Padding rows write their key/value into a scratch block that no
 request owns and attend only to its first slot, so they never touch real requests' data.
@@ -18,13 +18,20 @@ import torch
 __all__ = ["DecodeGraphInputs", "graph_batch_sizes"]
 
 
-def graph_batch_sizes(max_requests: int) -> list[int]:
-    """Padded decode batch sizes: powers of two below ``max_requests``, then ``max_requests``."""
-    sizes, b = [], 1
-    while b < max_requests:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_requests]
+def graph_batch_sizes(max_requests: int, distribution: str = "exponential") -> list[int]:
+    """Padded decode batch sizes, ascending, ending at ``max_requests``: ``"exponential"`` 1, 2, 4, 8, ...;
+    ``"linear"`` 1, 2, 4, then every multiple of 8 below 256 and every multiple of 16 from 256 on (the values of
+    ``InferenceConfig.cuda_graph_sizing_distribution``)."""
+    if distribution == "exponential":
+        below, size = [], 1
+        while size < max_requests:
+            below.append(size)
+            size *= 2
+    elif distribution == "linear":
+        below = [b for b in [1, 2, 4, *range(8, 256, 8), *range(256, max_requests, 16)] if b < max_requests]
+    else:
+        raise ValueError(f"graph batch size distribution {distribution!r}: choose 'exponential' or 'linear'")
+    return below + [max_requests]
 
 
 class DecodeGraphInputs:

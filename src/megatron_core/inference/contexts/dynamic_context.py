@@ -191,7 +191,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         # One extra block past the allocator's range: padding rows of CUDA-graph decode steps write there.
         self.scratch_block = total_blocks
         self.use_cuda_graphs = inference_config.num_cuda_graphs is not None
-        self.graph_sizes = graph_batch_sizes(self.max_requests) if self.use_cuda_graphs else []
+        self.graph_sizes = (graph_batch_sizes(self.max_requests, inference_config.cuda_graph_sizing_distribution.value)
+                            if self.use_cuda_graphs else [])
         self.graph_inputs: dict[int, DecodeGraphInputs] = {}
         self.graph_batch_size: int | None = None
         self.pad_decode_steps_on_cpu = False  # lay out graph-style padded decode steps on CPU too (tests)
