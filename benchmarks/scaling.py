@@ -390,11 +390,16 @@ def llama8b_fit_flags(args: argparse.Namespace, layout: Layout, cfg: ModelConfig
     return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
+def run_flags(args, layout: Layout, cfg: ModelConfig, extra: list[str]) -> list[str]:
+    """The ``pretrain_gpt.py`` flags of one run of ``layout``."""
+    return [*common_flags(cfg, layout.dp, args.warmup + args.steps, args.cpu), *layout.parallel_flags(cfg.layers),
+            *layout.flags, *extra, *(["--compile"] if args.compile else []), *args.extra]
+
+
 def run_one(args, name: str, layout: Layout, cfg: ModelConfig, extra: list[str], out: Path) -> dict:
     """One torchrun job, summarised."""
     iters = args.warmup + args.steps
-    flags = [*common_flags(cfg, layout.dp, iters, args.cpu), *layout.parallel_flags(cfg.layers), *layout.flags,
-             *extra, *(["--compile"] if args.compile else []), *args.extra]
+    flags = run_flags(args, layout, cfg, extra)
     print(f"== {name}: {layout.gpus} rank(s)", flush=True)
     start = time.time()
     with GpuMonitor(out / f"{name}.gpus.csv", enabled=not args.cpu) as monitor:
@@ -424,8 +429,7 @@ def run_loaded_baseline(args, config: str, cfg: ModelConfig, copies: int, out: P
     name = f"{config}_1gpu_x{copies}"
     layout = Layout(config, 1, BASELINE_FLAGS)
     iters = args.warmup + args.steps
-    flags = [*common_flags(cfg, 1, iters, args.cpu), *BASELINE_FLAGS, *(["--compile"] if args.compile else []),
-             *args.extra]
+    flags = run_flags(args, layout, cfg, [])
     print(f"== {name}: {copies} independent one-GPU jobs at once", flush=True)
     start = time.time()
     jobs = []
@@ -449,7 +453,6 @@ def run_loaded_baseline(args, config: str, cfg: ModelConfig, copies: int, out: P
         row[key] = statistics.mean(values) if values else None
         if key in ("ms/step", "compute ms") and values:
             row[f"{key} range"] = [min(values), max(values)]
-    row["dp"] = 1
     print(f"   {row['ms/step']:.1f} ms/step per job (range {row['ms/step range'][0]:.1f}-"
           f"{row['ms/step range'][1]:.1f}, {row['wall s']:.0f} s)", flush=True)
     return row

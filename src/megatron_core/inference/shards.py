@@ -12,6 +12,8 @@ non-member groups and should not use the result.
 
 from __future__ import annotations
 
+import math
+
 import torch.distributed as dist
 
 from megatron_core import parallel_state
@@ -29,9 +31,7 @@ _EXPERT_GROUPS = {"ep": ["ep"], "expt_tp": ["tp"], "expt_dp": ["dp"], "tp_ep": [
 
 def _data_parallel_size(world_size: int, sizes: dict[str, int], layer: str) -> int:
     """``world_size`` over the product of ``sizes``; ``ValueError`` naming them when it does not divide."""
-    product = 1
-    for size in sizes.values():
-        product *= size
+    product = math.prod(sizes.values())
     if world_size % product:
         named = " x ".join(f"{name} {size}" for name, size in sizes.items())
         raise ValueError(f"build_inference_pg_collection: world_size {world_size} is not divisible by the {layer} "
@@ -47,19 +47,14 @@ def _grid(sizes: dict[str, int], tp_pp_dp_order: bool, rank_offset: int) -> Hype
     return HyperCommGrid([sizes[n] for n in names], names, rank_offset=rank_offset)
 
 
-def _embedding_groups(pipelines: list[list[int]]) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """This rank's embedding group (first and last stage of its pipeline) and position-embedding group (first)."""
-    rank = dist.get_rank()
-    embedding = position = None
-    for stages in pipelines:
-        tied = sorted({stages[0], stages[-1]})
-        group = dist.new_group(ranks=tied)
-        if rank in tied:
-            embedding = group
-        group = dist.new_group(ranks=[stages[0]])
-        if rank == stages[0]:
-            position = group
-    return embedding, position
+def _new_groups(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+    """Create a group for each rank list (every rank calls this) and return the one holding this rank."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
 
 
 def build_inference_pg_collection(
@@ -93,11 +88,9 @@ def build_inference_pg_collection(
 
     dense_grid = _grid(dense, use_tp_pp_dp_mapping, rank_offset)
     expert_grid = _grid(expert, use_tp_pp_dp_mapping, rank_offset)
-    pipelines = dense_grid.get_rank_enum("pp")
-    if expert_grid.get_rank_enum("pp") != pipelines:  # cannot differ for these orders; a guard for changes
-        raise RuntimeError(f"the dense and expert grids disagree on the pipelines: {pipelines} vs "
-                           f"{expert_grid.get_rank_enum('pp')}")
     groups = {name: dense_grid.create_pg(dims) for name, dims in _DENSE_GROUPS.items()}
     groups.update({name: expert_grid.create_pg(dims) for name, dims in _EXPERT_GROUPS.items()})
-    groups["embd"], groups["pos_embd"] = _embedding_groups(pipelines)
+    pipelines = dense_grid.get_rank_enum("pp")
+    groups["embd"] = _new_groups([parallel_state.default_embedding_ranks(p) for p in pipelines])
+    groups["pos_embd"] = _new_groups([parallel_state.default_position_embedding_ranks(p) for p in pipelines])
     return ProcessGroupCollection(**groups)

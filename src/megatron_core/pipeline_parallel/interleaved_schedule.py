@@ -207,19 +207,19 @@ def forward_backward_pipelining_with_interleaving(
         return None if is_last(chunk) else output_tensor
 
     overlap = bool(getattr(config, "overlap_p2p_comm", False))
-    # overlap_p2p_comm: the posted exchange of each direction, (handles, received, its chunk, sent output, sent
-    # gradient); the sent tensors are held until their sends are done.
+    # overlap_p2p_comm: the posted exchange of each direction, (handles, received tensor, its chunk, sent tensor);
+    # the sent tensor is held until its send is done.
     pending: dict[str, tuple | None] = {"forward": None, "backward": None}
 
     def post_forward(output_tensor: Any, recv_prev: bool, chunk: int) -> None:
         received, handles = comm.send_forward_recv_forward(output_tensor, recv_prev, tensor_shape,
                                                            overlap_p2p_comm=True)
-        pending["forward"] = (handles, received if recv_prev else None, chunk, output_tensor, None)
+        pending["forward"] = (handles, received, chunk, output_tensor)
 
     def post_backward(input_tensor_grad: Any, recv_next: bool, chunk: int) -> None:
         received, handles = comm.send_backward_recv_backward(input_tensor_grad, recv_next, tensor_shape,
                                                              overlap_p2p_comm=True)
-        pending["backward"] = (handles, received if recv_next else None, chunk, None, input_tensor_grad)
+        pending["backward"] = (handles, received, chunk, input_tensor_grad)
 
     def complete(direction: str) -> None:
         """Wait for the posted exchange of ``direction``; queue what it received, free what it sent."""
@@ -227,12 +227,12 @@ def forward_backward_pipelining_with_interleaving(
         if posted is None:
             return
         pending[direction] = None
-        handles, received, chunk, sent_output, _ = posted
+        handles, received, chunk, sent = posted
         wait_handles(handles)
         if received is not None:
             (inputs if direction == "forward" else output_grads)[chunk].append(received)
-        if sent_output is not None:
-            deallocate_output_tensor(sent_output, config.deallocate_pipeline_outputs)
+        if direction == "forward" and sent is not None:
+            deallocate_output_tensor(sent, config.deallocate_pipeline_outputs)
 
     all_warmup = not forward_only and num_microbatches == pp_size
     if forward_only or all_warmup:

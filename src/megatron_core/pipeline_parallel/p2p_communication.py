@@ -298,8 +298,7 @@ class P2PCommunicator:
                 for name, tensor, is_send, peer, tag in _stage_order(ops, self.current_stage)
             }
         if wait:
-            for request in handles.values():
-                request.wait()
+            wait_handles(handles)
             handles = {}
         if self.config.batch_p2p_comm and self.config.batch_p2p_sync:
             device.synchronize()
