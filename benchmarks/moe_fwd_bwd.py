@@ -8,8 +8,9 @@ the *active* parameters (attention, norms, router, top-k experts, output layer; 
 embedding): FLOPs/token = 6 * N_active + 12 * L * H * T, peak 989 TFLOP/s (H100 SXM dense bf16).
 
 A third measurement times the experts' six grouped GEMMs alone (fc1 and fc2: forward, data and weight
-gradients; contiguous operands; tokens spread evenly over the experts) against the same GEMMs dense, with the
-same total FLOPs.
+gradients; contiguous operands) against the same GEMMs dense, with the same total FLOPs, at two routings: the
+tokens spread evenly over the experts, and the top-k of near-uniform router logits (what a freshly initialised
+router produces; the ``RESULT`` line).
 
     PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --compile   # GPU: reference config + HF baseline
     PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --tiny      # CPU smoke test (fp32, tiny shapes)
@@ -65,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     add_timing_argument(p)
     p.add_argument("--compile-moe", action="store_true",
                    help="torch.compile each whole layer, MoE block included (needs the sync-free EP=1 path)")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode for --compile-moe / --compile, e.g. "
+                   "max-autotune-no-cudagraphs (Inductor then autotunes Triton templates against aten's GEMMs)")
     p.add_argument("--profile", action="store_true", help="print our step's 25 most expensive GPU kernels")
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
@@ -106,17 +109,15 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     model = GPTModel(config, spec, args.vocab, args.seq, position_embedding_type="rope")
     model = model.to(mdevice.get_current_device())
-    if args.compile_moe:
+    if args.compile_moe or args.compile:
+        mode = {"mode": args.compile_mode} if args.compile_mode else {}
         for layer in model.decoder.layers:
-            layer.compile()
-        model.decoder.final_layernorm.compile()
-        model.compute_language_model_loss = torch.compile(model.compute_language_model_loss)
-    elif args.compile:
-        for layer in model.decoder.layers:
-            for part in (layer.input_layernorm, layer.self_attention, layer.pre_mlp_layernorm):
-                part.compile()
-        model.decoder.final_layernorm.compile()
-        model.compute_language_model_loss = torch.compile(model.compute_language_model_loss)
+            parts = [layer] if args.compile_moe else [layer.input_layernorm, layer.self_attention,
+                                                      layer.pre_mlp_layernorm]
+            for part in parts:
+                part.compile(**mode)
+        model.decoder.final_layernorm.compile(**mode)
+        model.compute_language_model_loss = torch.compile(model.compute_language_model_loss, **mode)
     return model
 
 
@@ -152,7 +153,18 @@ def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch
     return mfu
 
 
-def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype) -> tuple[float, float]:
+def expert_counts(args: argparse.Namespace, routing: str) -> list[int]:
+    """Rows per expert: ``even`` (the tokens spread evenly) or ``router`` (the top-k of near-uniform logits)."""
+    rows = args.mbs * args.seq * args.topk
+    if routing == "even":
+        counts = [rows // args.experts] * args.experts
+        counts[-1] += rows - sum(counts)
+        return counts
+    logits = torch.randn(args.mbs * args.seq, args.experts, generator=torch.Generator().manual_seed(0)) * 0.1
+    return torch.topk(logits, args.topk).indices.flatten().bincount(minlength=args.experts).tolist()
+
+
+def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype, counts: list[int]) -> tuple[float, float]:
     """Seconds of the experts' six GEMMs (fc1 and fc2: forward, data and weight gradients) on the grouped kernel,
     and of the same six GEMMs dense, with the same total FLOPs.
 
@@ -160,11 +172,11 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype) -> tuple[floa
     gradient, both fresh tensors. (Until session 21 fc2 read a column slice of fc1's output, which the grouped
     kernel copies first and cuBLAS reads in place, and the slice's backward filled a zero gradient.) The output
     gradients are fixed tensors and every ``.grad`` is dropped before each backward, so no accumulation is timed.
+    The dense GEMMs run the routed rows only, so the grouped layout's alignment rows count against the grouped
+    kernel.
     """
     dev = mdevice.get_current_device()
-    rows = args.mbs * args.seq * args.topk
-    counts = [rows // args.experts] * args.experts
-    counts[-1] += rows - sum(counts)
+    rows = sum(counts)
     # The layout the dropless model runs (device-side counts, groups at aligned starts): the grouped kernel. A
     # host list of equal counts would take the batched-matmul path of capacity-padded experts instead.
     layout = align_expert_rows(torch.tensor(counts, device=dev), rows) if dev.type == "cuda" else counts
@@ -175,6 +187,8 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype) -> tuple[floa
 
     x, a = tensor(padded_rows, args.hidden).requires_grad_(), tensor(padded_rows, args.ffn).requires_grad_()
     grad_h, grad_y = tensor(padded_rows, 2 * args.ffn), tensor(padded_rows, args.hidden)
+    # The dense GEMMs do the routed rows' FLOPs only; the grouped layout's alignment rows count against it.
+    dense_x, dense_a = x[:rows].detach().requires_grad_(), a[:rows].detach().requires_grad_()
     w1 = tensor(args.experts, 2 * args.ffn, args.hidden).requires_grad_()
     w2 = tensor(args.experts, args.hidden, args.ffn).requires_grad_()
     d1, d2 = tensor(2 * args.ffn, args.hidden).requires_grad_(), tensor(args.hidden, args.ffn).requires_grad_()
@@ -182,13 +196,14 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype) -> tuple[floa
     def run(fc1: Callable[[], torch.Tensor], fc2: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> None:
         for leaf in leaves:
             leaf.grad = None
-        torch.autograd.backward([fc1(), fc2()], [grad_h, grad_y])
+        h, y = fc1(), fc2()
+        torch.autograd.backward([h, y], [grad_h[: h.shape[0]], grad_y[: y.shape[0]]])
 
     def grouped() -> None:
         run(lambda: grouped_gemm(x, w1, layout), lambda: grouped_gemm(a, w2, layout), [x, a, w1, w2])
 
     def dense() -> None:
-        run(lambda: F.linear(x, d1), lambda: F.linear(a, d2), [x, a, d1, d2])
+        run(lambda: F.linear(dense_x, d1), lambda: F.linear(dense_a, d2), [dense_x, dense_a, d1, d2])
 
     return time_steps(grouped, args), time_steps(dense, args)
 
@@ -240,9 +255,12 @@ def main() -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
-    grouped_s, dense_s = grouped_vs_dense(args, dtype)
-    print(f"RESULT experts' grouped GEMMs {grouped_s * 1e3:.2f} ms vs one dense GEMM of equal FLOPs "
-          f"{dense_s * 1e3:.2f} ms ({grouped_s / dense_s:.2f}x)")
+    for routing in ("even", "router"):
+        counts = expert_counts(args, routing)
+        grouped_s, dense_s = grouped_vs_dense(args, dtype, counts)
+        print(f"{'RESULT' if routing == 'router' else 'even routing:'} experts' grouped GEMMs "
+              f"{grouped_s * 1e3:.2f} ms vs one dense GEMM of equal FLOPs {dense_s * 1e3:.2f} ms "
+              f"({grouped_s / dense_s:.2f}x); rows per expert {counts}")
 
     if not args.no_hf:
         try:
