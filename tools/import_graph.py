@@ -39,7 +39,7 @@ LAZY_MARK = "lazy-import:"
 OWNER = {
     "_batch_utils": "utils", "_misc_utils": "utils", "_model_utils": "utils", "_nvtx": "utils",
     "_rank_utils": "utils", "_slurm_utils": "utils", "_straggler": "utils", "_version_utils": "utils",
-    "_wrapped_model": "utils",
+    "_wrapped_model": "utils", "_nvml": "utils",
     "_rerun_checkpoint": "rerun_state_machine", "_rerun_parts": "rerun_state_machine",
     "_rerun_reporting": "rerun_state_machine",
 }
@@ -50,10 +50,10 @@ FUSION_ALIASES = {"fused_bias_dropout", "fused_layer_norm"}
 
 # Bottom first. A part may import parts of its own layer or of a lower one.
 LAYERS: list[set[str]] = [
-    {"device", "package_info", "enums", "typed_torch", "jit", "msc_utils", "config", "config_rules"},
+    {"device", "package_info", "enums", "typed_torch", "jit", "msc_utils", "config", "config_rules", "export"},
     {"parallel_state", "utils", "hyper_comm_grid"},
     {"process_groups_config", "model_parallel_config", "num_microbatches_calculator", "timers",
-     "packed_seq_params", "activations"},
+     "packed_seq_params", "activations", "energy_monitor"},
     {"dist_checkpointing"},
     {"tensor_parallel", "rerun_state_machine", "fusions"},
     {"distributed", "pipeline_parallel", "transformer", "dist_checkpointing.training"},

@@ -2,12 +2,27 @@
 
 Unlike ``parallel_state.is_pipeline_first_stage``, these take the pipeline process group (and the
 virtual stage and virtual size) as arguments. A ``None`` group, or no initialised
-``torch.distributed``, means a single stage.
+``torch.distributed``, means a single stage. ``set_ideal_affinity_for_current_gpu`` (CPU pinning
+next to the GPU) lives in :mod:`megatron_core.pipeline_parallel.cpu_affinity` and is re-exported here.
 """
 
 from __future__ import annotations
 
 import torch
+
+from megatron_core.pipeline_parallel.cpu_affinity import set_ideal_affinity_for_current_gpu
+
+__all__ = [
+    "get_pp_first_rank",
+    "get_pp_last_rank",
+    "get_pp_next_rank",
+    "get_pp_prev_rank",
+    "is_pp_first_stage",
+    "is_pp_last_stage",
+    "is_vp_first_stage",
+    "is_vp_last_stage",
+    "set_ideal_affinity_for_current_gpu",
+]
 
 
 def _rank(group: torch.distributed.ProcessGroup | None) -> int:

@@ -1,0 +1,6 @@
+"""Settings shared by Megatron-Core's export paths (Megatron-Core's ``megatron.core.export``).
+
+The enums name the model families and weight data types an exporter understands, and
+:class:`~megatron_core.export.export_config.ExportConfig` holds the target parallel layout. The
+TensorRT-LLM exporter itself (``export.trtllm``) is not part of this library.
+"""
