@@ -77,10 +77,6 @@ class MegatronOnlyTransformerFields:
 
     # Architecture variants
     qk_l2_norm: bool = _refused(False, "L2-normalised queries and keys")
-    qk_clip: bool = _refused(False, "QK-clip")
-    qk_clip_alpha: float = _ignored(0.5, "only used with qk_clip")
-    qk_clip_threshold: float = _ignored(100, "only used with qk_clip")
-    log_max_attention_logit: bool = _refused(False, "logging the largest attention logit")
     attention_output_gate: bool = _refused(False, "gated attention output")
     no_rope_freq: int | list[int] | None = _refused(None, "layers without RoPE")
     mrope_section: list[int] | None = _refused(None, "multimodal RoPE")
@@ -114,8 +110,6 @@ class MegatronOnlyTransformerFields:
     mamba_num_heads: int | None = _ignored(None, "only used with hybrid Mamba models")
     mamba_training_ssm_states_dtype: Any = _ignored(None, "only used with hybrid Mamba models")
     use_mamba_mem_eff_path: bool = _ignored(True, "only used with hybrid Mamba models")
-    heterogeneous_block_specs: bool = _refused(False, "heterogeneous layer specs")
-    hetereogenous_dist_checkpoint: bool = _refused(False, "heterogeneous layer specs")
     use_mup: bool = _refused(False, "muP parametrisation")
     mup_width_mult: float = _ignored(1.0, "only used with use_mup")
     mup_base_hidden_size: int | None = _ignored(None, "only used with use_mup")

@@ -166,6 +166,9 @@ class TEDotProductAttention(LazyTEModule):
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} (attention sinks) is not passed to Transformer "
                              "Engine here; use the local spec's DotProductAttention")
+        if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+            raise ValueError("qk_clip / log_max_attention_logit (per-head max attention logits) are recorded by the "
+                             "local spec's DotProductAttention only; TEDotProductAttention here does not return them")
         tp_group = resolve_process_group("tp", pg_collection=pg_collection)
         kv_channels = (k_channels, v_channels) if k_channels is not None else config.kv_channels
         super().__init__(

@@ -5,7 +5,7 @@ for each of this rank's ``ng`` key/value groups, its ``np/ng`` query heads, then
 then one value head (``[sq, b, ng * (np/ng + 2) * hn]``), not ``[Q | K | V]``. This is the
 layout checkpoints and converters must use. MHA is ``ng = np``, MQA ``ng = 1``.
 Optional q/k layernorm (per head), rotary embedding, then core attention and ``linear_proj``
-(row-parallel, bias returned separately for bias-dropout-add).
+(row-parallel, bias returned separately for bias-dropout-add). ``clip_qk`` is QK-clip's weight update.
 """
 
 from __future__ import annotations
@@ -215,6 +215,26 @@ class SelfAttention(MegatronModule):
                  and type(self)._split_qkv is SelfAttention._split_qkv)
         return q_emb if plain else None
 
+    def clip_qk(self) -> None:
+        """QK-clip (MuonClip): rescale the query/key weights of the groups whose largest recorded logit is too big.
+
+        Per key/value group ``g`` of this rank, ``eta = min(qk_clip_threshold / max over g's query heads, 1)``;
+        the rows of ``linear_qkv.weight`` of g's query heads are multiplied by ``eta ** qk_clip_alpha`` and its
+        key rows by ``eta ** (1 - qk_clip_alpha)`` (value rows and biases untouched), so g's logits shrink by
+        ``eta``. Also applied to a full-precision ``main_param`` copy. Resets the recorded maxima.
+        """
+        logits = _recorded_max_logits(self, self.num_attention_heads_per_partition)
+        groups, per_group = self.num_query_groups_per_partition, self.heads_per_group
+        group_max = logits.view(groups, per_group).amax(dim=1)
+        if torch.any(group_max > self.config.qk_clip_threshold):
+            eta = torch.clamp(self.config.qk_clip_threshold / group_max, max=1.0)
+            hn, alpha = self.hidden_size_per_attention_head, self.config.qk_clip_alpha
+            rows = torch.cat((torch.pow(eta, alpha)[:, None].expand(groups, per_group * hn),
+                              torch.pow(eta, 1 - alpha)[:, None].expand(groups, hn),
+                              torch.ones(groups, hn, dtype=eta.dtype, device=eta.device)), dim=1)
+            _scale_weight_rows_(self.linear_qkv.weight, rows.reshape(-1))
+        self.core_attention.current_max_attn_logits = None
+
     def _split_and_rotate(
         self, hidden_states: torch.Tensor, angles: torch.Tensor, packed_seq_params: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -237,6 +257,36 @@ def build_output_projection(spec: Any, query_projection_size: int, config: Trans
                         init_method=config.output_layer_init_method, bias=config.add_bias_linear,
                         input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj",
                         tp_group=tp_group)
+
+
+def _recorded_max_logits(attention: torch.nn.Module, heads: int) -> torch.Tensor:
+    """The per-head maxima ``clip_qk`` works from, after checking that QK-clip is on and they exist."""
+    if not attention.config.qk_clip:
+        raise ValueError(f"{type(attention).__name__}.clip_qk needs qk_clip=True in the TransformerConfig")
+    logits = getattr(attention.core_attention, "current_max_attn_logits", None)
+    if logits is None:
+        raise ValueError(f"{type(attention).__name__}.clip_qk: core_attention.current_max_attn_logits is None (no "
+                         "forward recorded since the last clip_qk)")
+    if tuple(logits.shape) != (heads,):
+        raise ValueError(f"{type(attention).__name__}.clip_qk: current_max_attn_logits has shape "
+                         f"{tuple(logits.shape)}, expected ({heads},) (this rank's heads)")
+    return logits
+
+
+@torch.no_grad()
+def _scale_weight_rows_(weight: torch.Tensor, rows: torch.Tensor) -> None:
+    """Multiply row ``i`` of ``weight`` (and of its same-shaped ``main_param``, if any) by ``rows[i]`` in place."""
+    targets = [weight]
+    main = getattr(weight, "main_param", None)
+    if main is not None:
+        if main.numel() != weight.numel():
+            raise ValueError(
+                f"clip_qk cannot rescale a sharded main_param ({main.numel()} of {weight.numel()} elements); "
+                "rescale the model weights and call the optimizer's reload_model_params()"
+            )
+        targets.append(main.view(weight.shape))
+    for target in targets:
+        target.mul_(rows.to(target.device)[:, None])
 
 
 def _query_key_angles(rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any]:

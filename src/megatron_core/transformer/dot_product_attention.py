@@ -17,6 +17,8 @@ rank's heads (split over TP like the heads, key ``...core_attention.softmax_offs
 plain path only (:func:`~megatron_core.transformer.attention_kernels.attend_with_sink`): packed sequences
 and context parallelism refuse them.
 Inputs are ``[s, b, heads, head_dim]`` (this TP rank's heads); the output is ``[sq, b, heads * head_dim]``.
+With ``qk_clip`` or ``log_max_attention_logit``, every forward also folds the largest logit of each of this rank's
+heads into ``current_max_attn_logits`` (:mod:`~megatron_core.transformer.attention_max_logit`; reset by ``clip_qk``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ from megatron_core.tensor_parallel.weight_init import (
     set_tensor_model_parallel_attributes,
 )
 from megatron_core.transformer.attention_kernels import attend, attend_with_sink, window_keep
+from megatron_core.transformer.attention_max_logit import (
+    context_parallel_max_logits,
+    max_logits,
+    update_running_max,
+)
 from megatron_core.transformer.causal_mask import is_causal_rows, is_plain_causal_mask, sdpa_mask
 from megatron_core.transformer.context_parallel import CP_COMM_TYPES, context_parallel_attention
 from megatron_core.transformer.enums import AttnMaskType
@@ -130,6 +137,10 @@ class DotProductAttention(MegatronModule):
         self.softmax_offset = None
         if self.softmax_type != "vanilla":
             self._build_softmax_offset(config, pg_collection)
+        # Per-head largest logit of the forwards since the last clip_qk (qk_clip / log_max_attention_logit)
+        self.record_max_logits = bool(getattr(config, "qk_clip", False)
+                                      or getattr(config, "log_max_attention_logit", False))
+        self.current_max_attn_logits: torch.Tensor | None = None
 
     def _build_softmax_offset(self, config: TransformerConfig, pg_collection: Any) -> None:
         """The per-head sink logits of this TP rank's heads: zeros ('off-by-one') or a parameter ('learnable')."""
@@ -218,11 +229,13 @@ class DotProductAttention(MegatronModule):
     ) -> torch.Tensor:
         sq, sk = q.shape[2], k.shape[2]
         keep, is_causal = sdpa_mask(mask_type, attention_mask, sq, sk, q.device)
-        if attention_bias is not None or self.window_size is not None:
-            if self.window_size is not None:
-                pattern = window_keep(sq, sk, self.window_size, True, q.device)
-                keep = pattern if keep is None else keep & pattern
-                is_causal = False
+        if self.window_size is not None:
+            pattern = window_keep(sq, sk, self.window_size, True, q.device)
+            keep = pattern if keep is None else keep & pattern
+            is_causal = False
+        if self.record_max_logits:
+            self._record(max_logits(q, k, self.softmax_scale, keep, causal=is_causal))
+        if attention_bias is not None:
             keep = _merge_bias(keep, attention_bias, is_causal, sq, sk, q.dtype, q.device)
             is_causal = False
         if self.softmax_offset is not None:
@@ -264,8 +277,24 @@ class DotProductAttention(MegatronModule):
 
         with self._rng(dropout_p):
             if packed_seq_params is None:
+                if self.record_max_logits:
+                    self._record_unpadded(query, key, causal, cp_group, cp_size)
                 return run(query, key, value)
             return self._packed(query, key, value, packed_seq_params, cp_size, causal, run)
+
+    def _record(self, batch_max: torch.Tensor) -> None:
+        self.current_max_attn_logits = update_running_max(self.current_max_attn_logits, batch_max)
+
+    def _record_unpadded(self, q: torch.Tensor, k: torch.Tensor, causal: bool, cp_group: Any, cp_size: int) -> None:
+        """The maxima of ``q`` / ``k`` ``[s, b, heads, d]`` (one packed document, or this CP rank's tokens)."""
+        if cp_size > 1:
+            self._record(context_parallel_max_logits(q, k, cp_group, self.softmax_scale, causal, self.window_size))
+            return
+        sq, sk = q.shape[0], k.shape[0]
+        keep = None
+        if causal or self.window_size is not None:
+            keep = window_keep(sq, sk, self.window_size, causal, q.device)
+        self._record(max_logits(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), self.softmax_scale, keep))
 
     @staticmethod
     def _ignorable_mask(mask: torch.Tensor, sq: int, cp_group: Any, cp_size: int) -> bool:
@@ -298,6 +327,11 @@ class DotProductAttention(MegatronModule):
                         f"packed document of padded length {n_pad} is not divisible by 2 * context_parallel_size "
                         f"({2 * cp_size}); pad documents with cu_seqlens_q_padded"
                     )
+            if self.record_max_logits:  # without CP, over the document's real tokens only
+                n_seen = local if cp_size > 1 else n_real
+                self._record_unpadded(*(x[offset:offset + n_seen] for x in (query, key)), causal,
+                                      self._cp_group(), cp_size)
+            if cp_size > 1:
                 outs.append(run(*(x[offset:offset + local] for x in (query, key, value))))
             else:
                 # Without CP, attend over the real tokens only; padding rows come out as zeros.

@@ -22,6 +22,7 @@ query and key) is zero-padded to a common width for ``DotProductAttention`` and 
 Context parallelism, packed sequences (``qkv_format='thd'``) and the KV-cache contexts (static and dynamic)
 run through the same core attention / context code as ``SelfAttention``. Selective recompute of
 ``'mla_up_proj'`` recomputes the up projections and RoPE in the backward instead of keeping their outputs.
+``MLASelfAttention.clip_qk`` is QK-clip's weight update (the shared key position channels are left alone).
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ from megatron_core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron_core.tensor_parallel.random import CheckpointWithoutOutput
-from megatron_core.transformer.attention import _cu_seqlens, build_output_projection
+from megatron_core.transformer.attention import (
+    _cu_seqlens,
+    _recorded_max_logits,
+    _scale_weight_rows_,
+    build_output_projection,
+)
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.mla_rope import (
@@ -367,6 +373,27 @@ class MLASelfAttention(MultiLatentAttention):
             elif get_pg_size(group) > 1:
                 k_pos = copy_to_tensor_model_parallel_region(k_pos, group=group)
         return q_compressed, self.kv_layernorm(kv_compressed), k_pos
+
+    def clip_qk(self) -> None:
+        """QK-clip (MuonClip): rescale the query/key up projections of the heads whose largest logit is too big.
+
+        Per head ``h`` of this rank, ``eta = min(qk_clip_threshold / max logit of h, 1)``: the head's query rows
+        without position are multiplied by ``eta ** qk_clip_alpha``, its query position rows by ``eta`` and its
+        key rows (``linear_kv_up_proj``) by ``eta ** (1 - qk_clip_alpha)``; value rows and the shared key position
+        channels stay. Every logit of ``h`` shrinks by ``eta``. Resets the recorded maxima.
+        """
+        heads, config = self.num_attention_heads_per_partition, self.config
+        logits = _recorded_max_logits(self, heads)
+        if torch.any(logits > config.qk_clip_threshold):
+            eta = torch.clamp(config.qk_clip_threshold / logits, max=1.0)
+            d, r, v, alpha = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim, config.qk_clip_alpha
+            q_rows = torch.cat((torch.pow(eta, alpha)[:, None].expand(heads, d), eta[:, None].expand(heads, r)), dim=1)
+            kv_rows = torch.cat((torch.pow(eta, 1 - alpha)[:, None].expand(heads, d),
+                                 torch.ones(heads, v, dtype=eta.dtype, device=eta.device)), dim=1)
+            q_proj = self.linear_q_proj if config.q_lora_rank is None else self.linear_q_up_proj
+            _scale_weight_rows_(q_proj.weight, q_rows.reshape(-1))
+            _scale_weight_rows_(self.linear_kv_up_proj.weight, kv_rows.reshape(-1))
+        self.core_attention.current_max_attn_logits = None
 
     def up_project(self, q_compressed: torch.Tensor, kv_compressed: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -99,7 +99,8 @@ class TransformerBlock(MegatronModule):
         self.layer_offset = offset
         self.layers = torch.nn.ModuleList(
             build_module(
-                layer_spec, config=config, layer_number=i + 1, pg_collection=self.pg_collection, vp_stage=vp_stage
+                layer_spec, config=_layer_config(config, offset + i + 1), layer_number=i + 1,
+                pg_collection=self.pg_collection, vp_stage=vp_stage,
             )
             for i, layer_spec in enumerate(self.submodules.layer_specs)
         )
@@ -122,8 +123,8 @@ class TransformerBlock(MegatronModule):
 
         Layer ``i`` of this chunk is global layer ``layer_offset + i``; the checkpoint keys carry no
         local index, so a checkpoint reshards across pipeline layouts. Layers of different kinds (dense and MoE
-        layers mixed by ``moe_layer_freq``, or ``metadata["non_homogeneous_layers"]``) are not stacked: each is
-        saved under ``decoder.layers.<global index>.``, as Megatron-Core does.
+        layers mixed by ``moe_layer_freq``, heterogeneous layers, or ``metadata["non_homogeneous_layers"]``) are not
+        stacked: each is saved under ``decoder.layers.<global index>.``, as Megatron-Core does.
         """
         layers_prefix = f"{prefix}layers."
         out = sharded_state_dict_for_layers(
@@ -228,10 +229,23 @@ class TransformerBlock(MegatronModule):
         return hidden_states
 
 
+def _layer_config(config: TransformerConfig, layer_number: int) -> TransformerConfig:
+    """The config global layer ``layer_number`` (1-based) is built with: its own one under
+    ``heterogeneous_block_specs`` (``HeterogeneousTransformerConfig.get_config_for_layer``)."""
+    if not config.heterogeneous_block_specs:
+        return config
+    if not hasattr(config, "get_config_for_layer"):
+        raise ValueError(f"heterogeneous_block_specs=True needs a config with per-layer configs "
+                         f"(HeterogeneousTransformerConfig), got a {type(config).__name__}")
+    return config.get_config_for_layer(layer_number)
+
+
 def _non_homogeneous_layers(config: TransformerConfig, metadata: dict | None) -> bool:
     """Whether the layers differ in kind, so that they cannot share stacked checkpoint keys (Megatron-Core's rule)."""
     metadata = metadata or {}
     if metadata.get("non_homogeneous_layers") or metadata.get("singleton_local_shards"):
+        return True
+    if config.heterogeneous_block_specs or config.hetereogenous_dist_checkpoint:
         return True
     freq = config.moe_layer_freq
     return isinstance(freq, list) or (isinstance(freq, int) and freq > 1)

@@ -11,6 +11,7 @@ fields (validated in :mod:`megatron_core.transformer.mla_validation`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,12 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     layernorm_zero_centered_gamma: bool = False
     normalization: str = "LayerNorm"
     qk_layernorm: bool = False
+    # QK-clip (MuonClip): optimizer.qk_clip.clip_qk rescales each head's query/key weights by
+    # eta = min(qk_clip_threshold / max logit, 1): queries by eta ** qk_clip_alpha, keys by eta ** (1 - alpha)
+    qk_clip: bool = False
+    qk_clip_alpha: float = 0.5
+    qk_clip_threshold: float = 100
+    log_max_attention_logit: bool = False  # record each head's largest logit (qk_clip records it too)
     persist_layer_norm: bool = False
     memory_efficient_layer_norm: bool = False
 
@@ -182,6 +189,11 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     clone_scatter_output_in_embedding: bool = True
     test_mode: bool = False
 
+    # Heterogeneous layers (transformer.heterogeneous): TransformerBlock builds layer n with
+    # get_config_for_layer(n); both flags save each layer under its own checkpoint key.
+    heterogeneous_block_specs: bool = False
+    hetereogenous_dist_checkpoint: bool = False  # sic: Megatron-Core's spelling
+
     def __post_init__(self) -> None:
         """Validate (errors name fields, values and rule) and fill derived defaults."""
         super().__post_init__()
@@ -192,6 +204,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         _check_parallel_shapes(self)
         _check_normalization_and_activation(self)
         _check_gpt_oss_options(self)
+        _check_qk_clip(self)
         _check_recompute(self)
         check_moe_config(self)
         _check_pipeline_split(self)
@@ -201,6 +214,18 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         if self.fp32_residual_connection and self.pipeline_model_parallel_size > 1:
             self.pipeline_dtype = torch.float32
         _derive_init_methods(self)
+
+
+def _check_qk_clip(cfg: TransformerConfig) -> None:
+    """Megatron-LM's rules for QK-clip (checked on its command line there): 0 < alpha < 1, threshold > 0."""
+    if not cfg.qk_clip:
+        return
+    alpha, threshold = cfg.qk_clip_alpha, cfg.qk_clip_threshold
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha < 1.0:
+        raise ValueError(f"qk_clip_alpha ({alpha!r}) must be strictly between 0 and 1 when qk_clip=True")
+    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold)
+            or not threshold > 0):
+        raise ValueError(f"qk_clip_threshold ({threshold!r}) must be a finite number > 0 when qk_clip=True")
 
 
 def _check_mtp(cfg: TransformerConfig) -> None:

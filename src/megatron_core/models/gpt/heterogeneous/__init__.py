@@ -1,0 +1,1 @@
+"""Layer specs of heterogeneous GPT models (``megatron.core.models.gpt.heterogeneous``)."""
