@@ -205,3 +205,20 @@ def _cp_all() -> None:
 
 def test_context_parallel_maxima_match_one_process() -> None:
     run_on_ranks(CP, _cp_all)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bf16_on_cuda_matches_explicit_scores_and_keeps_the_output() -> None:
+    """On CUDA in bf16 (the fused SDPA kernels), at a length that needs several row tiles: the recorded maxima
+    equal the explicit scores of the same bf16 inputs, and recording leaves the output bit-identical."""
+    cfg = _config(bf16=True, params_dtype=torch.bfloat16)
+    sq = 4096
+    q, k, v = (t.cuda().to(torch.bfloat16) for t in _qkv(sq, sq, b=2, seed=5))
+    recording = DotProductAttention(cfg, 1, AttnMaskType.causal).cuda()
+    plain = DotProductAttention(_config(bf16=True, params_dtype=torch.bfloat16, log_max_attention_logit=False), 1,
+                                AttnMaskType.causal).cuda()
+    out = recording(q, k, v, None)
+    assert torch.equal(out, plain(q, k, v, None))
+    want = _reference(q.float().cpu(), k.float().cpu(), _causal(sq, sq), recording.softmax_scale)
+    torch.testing.assert_close(recording.current_max_attn_logits.float().cpu(), want, rtol=1e-5, atol=1e-4)
