@@ -1,0 +1,1 @@
+"""The BERT model, its heads and layer specs (``megatron.core.models.bert``)."""
