@@ -6,6 +6,8 @@ then one value head (``[sq, b, ng * (np/ng + 2) * hn]``), not ``[Q | K | V]``. T
 layout checkpoints and converters must use. MHA is ``ng = np``, MQA ``ng = 1``.
 Optional q/k layernorm (per head), rotary embedding, then core attention and ``linear_proj``
 (row-parallel, bias returned separately for bias-dropout-add). ``clip_qk`` is QK-clip's weight update.
+``CrossAttention`` (encoder-decoder models) takes its queries from the layer input and its keys and
+values from a context (``linear_q`` and ``linear_kv``).
 """
 
 from __future__ import annotations
@@ -304,3 +306,139 @@ def _cu_seqlens(packed_seq_params: Any) -> tuple[Any, Any]:
 
 def _padded_or(padded: Any, plain: Any) -> Any:
     return padded if padded is not None else plain
+
+
+@dataclass
+class CrossAttentionSubmodules:
+    """The parts of cross-attention: query projection, fused key/value projection, core attention, output projection."""
+
+    linear_q: ModuleSpec | type | None = None
+    linear_kv: ModuleSpec | type | None = None
+    core_attention: ModuleSpec | type | None = None
+    linear_proj: ModuleSpec | type | None = None
+
+
+class CrossAttention(MegatronModule):
+    """Attention of ``hidden_states`` ``[sq, b, h]`` (queries) over a context ``[sk, b, h]`` (keys and values).
+
+    ``linear_q`` projects the queries and ``linear_kv`` the context, both column-parallel; ``linear_kv``'s output is
+    grouped per head: for each of this rank's heads, its key rows then its value rows (``[sk, b, np * 2 * hn]``).
+    Every query head has its own key/value head (grouped-query attention is refused, as in Megatron-Core).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: CrossAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(config)
+        if config.num_query_groups != config.num_attention_heads:
+            raise ValueError(
+                f"CrossAttention does not support grouped-query attention: num_query_groups "
+                f"({config.num_query_groups}) must equal num_attention_heads ({config.num_attention_heads})"
+            )
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = "cross"
+        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["tp", "cp"])
+        self.tp_group = self.pg_collection.tp
+        tp = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
+        self.world_size = tp
+        self.hidden_size_per_attention_head = config.kv_channels
+        self.query_projection_size = config.kv_channels * config.num_attention_heads
+        self.kv_projection_size = self.query_projection_size
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp, "num_attention_heads / TP")
+        self.num_query_groups_per_partition = self.num_attention_heads_per_partition
+        linear_kwargs = dict(config=config, init_method=config.init_method, gather_output=False,
+                             bias=config.add_bias_linear, skip_bias_add=False, is_expert=False, tp_group=self.tp_group)
+        self.linear_q = build_module(submodules.linear_q, config.hidden_size, self.query_projection_size,
+                                     **linear_kwargs)
+        self.linear_kv = build_module(submodules.linear_kv, config.hidden_size, 2 * self.kv_projection_size,
+                                      **linear_kwargs)
+        self.core_attention = build_module(
+            submodules.core_attention, config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
+            attention_type=self.attention_type, cp_comm_type=cp_comm_type, pg_collection=self.pg_collection,
+        )
+        self.linear_proj = build_output_projection(submodules.linear_proj, self.query_projection_size, config,
+                                                   self.tp_group)
+        self.checkpoint_core_attention = (
+            config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
+        )
+
+    def get_query_key_value_tensors(
+        self, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query ``[sq, b, np, hn]`` from ``hidden_states``; key and value ``[sk, b, np, hn]`` from the context."""
+        if key_value_states is None:
+            raise ValueError("CrossAttention needs key_value_states (the context to attend over), got None")
+        heads, hn = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
+        mixed_kv, _ = self.linear_kv(key_value_states)
+        key, value = mixed_kv.view(*mixed_kv.shape[:-1], heads, 2 * hn).split(hn, dim=-1)
+        query, _ = self.linear_q(hidden_states)
+        return query.view(*query.shape[:-1], heads, hn), key, value
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        key_value_states: torch.Tensor | None = None,
+        inference_context: Any = None,
+        rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: int | None = None,
+        *,
+        inference_params: Any = None,
+        attn_mask_type: AttnMaskType | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend from ``hidden_states`` ``[sq, b, h]`` over ``key_value_states`` ``[sk, b, h]``.
+
+        ``attention_mask`` is Megatron's boolean mask (True = masked), broadcastable to ``[b, np, sq, sk]``.
+        Returns ``(output [sq, b, h], bias)``. The keys and values depend on the context only, so a decoding step
+        (``inference_context``) attends over the whole context as in training.
+        """
+        if packed_seq_params is not None:
+            raise ValueError("CrossAttention does not support packed sequences (packed_seq_params must be None)")
+        _check_context(hidden_states, key_value_states, attention_mask)
+        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        if rotary_pos_emb is not None:
+            q_emb, k_emb = _query_key_angles(rotary_pos_emb)
+            query = apply_rotary_pos_emb(query, q_emb, config=self.config)
+            key = apply_rotary_pos_emb(key, k_emb, config=self.config)
+        extra = dict(attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+        if self.checkpoint_core_attention and self.training:
+            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                return self.core_attention(q, k, v, mask, **extra)
+
+            context = tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
+        else:
+            context = self.core_attention(query, key, value, attention_mask, **extra)
+        return self.linear_proj(context)
+
+
+def _check_context(hidden_states: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+    """ValueError unless the context is ``[sk, b, h]`` like ``hidden_states`` and the mask fits ``[b, *, sq, sk]``."""
+    if context is None:
+        raise ValueError("CrossAttention needs key_value_states (the context to attend over), got None")
+    if context.dim() != 3 or context.shape[1:] != hidden_states.shape[1:]:
+        raise ValueError(
+            f"CrossAttention: key_value_states has shape {tuple(context.shape)}; expected [sk, b, h] with b, h as in "
+            f"hidden_states {tuple(hidden_states.shape)}"
+        )
+    if mask is None:
+        return
+    sq, b, sk = hidden_states.shape[0], hidden_states.shape[1], context.shape[0]
+    tail = tuple(mask.shape[-2:])
+    if mask.dim() != 4 or mask.shape[0] not in (1, b) or tail[0] not in (1, sq) or tail[1] != sk:
+        raise ValueError(
+            f"CrossAttention: attention_mask (context mask) has shape {tuple(mask.shape)}; expected "
+            f"[b or 1, 1 or heads, sq or 1, sk] = [{b}, 1, {sq}, {sk}] for queries of length {sq} and a context of "
+            f"length {sk}"
+        )
