@@ -5,7 +5,8 @@ cannot vectorise them; in Python they cost about 1 µs per sample and dataset. n
 dependency (the ``fast`` extra), compiles the same loops to machine code at the speed of
 Megatron's C++ helpers. The arithmetic is the same IEEE double arithmetic in the same order (no
 fast-math, no fused multiply-add), so the results are identical to the Python loops. This module is
-the one place numba is imported; without it :func:`compiled_kernels` returns ``None``.
+the one place numba is imported (:func:`njit_or_none`, which ``datasets.sentence_mapping`` also uses);
+without it :func:`compiled_kernels` returns ``None``.
 """
 
 from __future__ import annotations
@@ -53,12 +54,11 @@ def _exhaustive(weights, sizes, taken, dataset_index, dataset_sample_index, tota
         taken[best] += 1
 
 
-@functools.cache
-def compiled_kernels() -> tuple[Any, Any] | None:
-    """``(greedy, exhaustive)`` compiled with numba, or ``None`` when numba is absent or disabled.
+def njit_or_none(function: Any) -> Any:
+    """``function`` compiled with numba, or ``None`` when numba is absent or ``MEGATRON_CORE_DISABLE_NUMBA`` is set.
 
-    Set ``MEGATRON_CORE_DISABLE_NUMBA=1`` to force the pure-Python loops. Compiled code is cached on
-    disk next to this file when that is writable (numba's ``cache=True``), else compiled per process.
+    Compiled code is cached on disk next to its module when that is writable (numba's ``cache=True``),
+    else compiled per process.
     """
     if os.environ.get(_DISABLE_ENV, "0") not in ("", "0"):
         return None
@@ -66,12 +66,21 @@ def compiled_kernels() -> tuple[Any, Any] | None:
         import numba
     except ImportError:
         return None
-    kernels = []
-    for function in (_greedy, _exhaustive):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                kernels.append(numba.njit(cache=True, nogil=True)(function))
-        except Exception:  # an unwritable cache directory: compile without the on-disk cache
-            kernels.append(numba.njit(nogil=True)(function))
-    return kernels[0], kernels[1]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return numba.njit(cache=True, nogil=True)(function)
+    except Exception:  # an unwritable cache directory: compile without the on-disk cache
+        return numba.njit(nogil=True)(function)
+
+
+@functools.cache
+def compiled_kernels() -> tuple[Any, Any] | None:
+    """``(greedy, exhaustive)`` compiled with numba, or ``None`` when numba is absent or disabled.
+
+    Set ``MEGATRON_CORE_DISABLE_NUMBA=1`` to force the pure-Python loops.
+    """
+    greedy = njit_or_none(_greedy)
+    if greedy is None:
+        return None
+    return greedy, njit_or_none(_exhaustive)

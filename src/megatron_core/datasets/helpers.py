@@ -13,6 +13,9 @@ ones). With numba installed (the ``fast`` extra) they run as compiled loops
 (``datasets.blending_jit``), as fast as the C++ helpers; otherwise as plain loops over Python
 floats. Both are the same IEEE double arithmetic as the C++ ``double`` code, in the same order,
 and ties go to the lowest dataset index as in C++, so every path gives identical indices.
+
+``build_mapping`` (the BERT/T5 sentence sample index) lives in ``datasets.sentence_mapping`` and is
+re-exported here under Megatron's name.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import numpy
 
 from megatron_core.datasets.blending_jit import compiled_kernels
+from megatron_core.datasets.sentence_mapping import build_mapping  # noqa: F401 - Megatron's helpers.build_mapping
 
 
 def _num_samples(total_tokens: int, sequence_length: int, drop_last_partial_sequence: bool) -> int:
