@@ -8,6 +8,7 @@ per decode step, timing (``ttft``, ``latency``) and, for MoE models with routing
 that was evicted from the KV cache and re-admitted keeps one object;
 :class:`DynamicInferenceRequestRecord` wraps it for Megatron's record-based APIs
 (``engine.generate`` returns records, ``record.merge()`` gives the request).
+:class:`VLMInferenceRequest` adds the images of a vision-language request.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "DynamicInferenceEvent",
     "DynamicInferenceRequest",
     "DynamicInferenceRequestRecord",
+    "VLMInferenceRequest",
 ]
 
 
@@ -120,6 +122,21 @@ class InferenceRequest:
                 value = [str(v) for v in value]
             out[key] = value
         return out
+
+
+@dataclass(kw_only=True)
+class VLMInferenceRequest(InferenceRequest):
+    """A request with images for a vision-language model (served by the static-batch loop).
+
+    ``imgs`` holds the image tiles ``[tiles, 3, h, w]``, ``num_tiles`` the tile count of each image,
+    ``num_img_embeddings_per_tile`` the embeddings one tile becomes, and ``decoder_seq_length`` the
+    language model's sequence limit (text plus image embeddings).
+    """
+
+    num_img_embeddings_per_tile: int
+    imgs: torch.Tensor
+    num_tiles: torch.Tensor
+    decoder_seq_length: int
 
 
 class DynamicInferenceEventType(Enum):

@@ -24,6 +24,7 @@ from megatron_core.inference.model_inference_wrappers.abstract_model_inference_w
 )
 from megatron_core.inference.sampling.torch_sampling import TorchSampling
 from megatron_core.inference.sampling_params import SamplingParams
+from megatron_core.inference.text_generation_controllers import _static_batch
 from megatron_core.transformer.moe.router_replay import RouterReplay
 
 __all__ = ["TextGenerationController", "DynamicStepOutput"]
@@ -120,6 +121,20 @@ class TextGenerationController:
         if generator is not None or vocab_size is not None:
             sampler = TorchSampling(generator or self.sampling_rng, vocab_size or self.vocab_size)
         return sampler.sample(last_token_logits, params)
+
+    # ---- static batches (the legacy static engine) -----------------------------------------------
+
+    def prep_inference_input(
+        self, prompts_tokens: torch.Tensor, active_requests: dict[Any, Any], use_attention_mask: bool = False,
+    ) -> dict[str, Any]:
+        """The wrapper's inputs for a padded ``[b, s]`` batch (causal attention: no mask is built)."""
+        return self.inference_wrapped_model.prep_inference_input(prompts_tokens)
+
+    def generate_all_output_tokens_static_batch(
+        self, active_requests: dict[Any, Any], active_streams: dict[Any, Any] | None = None,
+    ) -> dict[Any, Any]:
+        """Generate a whole batch to completion (see ``_static_batch``); the requests, filled in."""
+        return _static_batch.generate_all_output_tokens_static_batch(self, active_requests, active_streams)
 
     # ---- one dynamic step -------------------------------------------------------------------------
 
