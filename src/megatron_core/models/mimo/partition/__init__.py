@@ -1,0 +1,1 @@
+"""Sequence sharding of MIMO's combined embeddings for context and sequence parallelism."""

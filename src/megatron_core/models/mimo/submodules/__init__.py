@@ -1,0 +1,1 @@
+"""MIMO modality submodules: the abstract base and the vision and audio modalities."""
