@@ -110,13 +110,6 @@ class MegatronOnlyTransformerFields:
     mamba_num_heads: int | None = _ignored(None, "only used with hybrid Mamba models")
     mamba_training_ssm_states_dtype: Any = _ignored(None, "only used with hybrid Mamba models")
     use_mamba_mem_eff_path: bool = _ignored(True, "only used with hybrid Mamba models")
-    use_mup: bool = _refused(False, "muP parametrisation")
-    mup_width_mult: float = _ignored(1.0, "only used with use_mup")
-    mup_base_hidden_size: int | None = _ignored(None, "only used with use_mup")
-    mup_embedding_mult: float = _ignored(1.0, "only used with use_mup")
-    mup_output_mult: float = _ignored(1.0, "only used with use_mup")
-    mup_base_head_dim: float | None = _ignored(None, "only used with use_mup")
-    mup_attn_scale_power: float = _ignored(1.0, "only used with use_mup")
     mtp_hybrid_override_pattern: str | None = _ignored(None, "hybrid (Mamba) multi-token-prediction layers")
 
     # Kernels, fusions and precision

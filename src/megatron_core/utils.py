@@ -93,6 +93,13 @@ def scaled_init_method_normal(
     return init_method_normal(sigma / math.sqrt(multiplier * num_layers))
 
 
+def mup_scaled_init_method_normal(
+    sigma: float, num_layers: int, width_mult: float, multiplier: float = 2.0
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """N(0, (sigma / (sqrt(multiplier * num_layers) * sqrt(width_mult)))^2): muP's output-projection init."""
+    return init_method_normal(sigma / (math.sqrt(multiplier * num_layers) * math.sqrt(width_mult)))
+
+
 class ExperimentalNotEnabledError(RuntimeError):
     """Raised when an experimental API is used without ``megatron_core.config.ENABLE_EXPERIMENTAL``."""
 

@@ -24,6 +24,7 @@ from megatron_core.optimizer.clip_grads import (
 )
 from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron_core.optimizer.mup import get_mup_config_overrides
 from megatron_core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
@@ -65,6 +66,7 @@ __all__ = [
     "count_zeros_fp32",
     "get_grad_norm_fp32",
     "get_megatron_optimizer",
+    "get_mup_config_overrides",
     "get_param_groups",
     "get_standard_config_overrides",
 ]

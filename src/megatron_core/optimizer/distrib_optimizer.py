@@ -142,6 +142,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """The flat fused step serves the precision-aware Adam when no shard is offloaded."""
         if not owned or not isinstance(self.optimizer, PrecisionAwareAdam) or any(e.offloaded for e in owned.values()):
             return False
+        if len({(tuple(g["betas"]), g["eps"]) for g in self.optimizer.param_groups}) > 1:
+            return False  # per-group betas / eps (e.g. muP's eps): the per-parameter step
         return self.flat_step_on(next(iter(owned.values())).main_param.device)
 
     def _flatten_shards(self, owned: dict[torch.nn.Parameter, _ShardEntry]) -> list[FlatShard]:

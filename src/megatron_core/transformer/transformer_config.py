@@ -28,6 +28,7 @@ from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer.enums import AttnBackend
 from megatron_core.transformer.mla_validation import check_mla_config
 from megatron_core.transformer.moe_validation import apply_deprecated_moe_aliases, check_moe_config
+from megatron_core.transformer.mup_config import apply_mup_config, mup_init_methods
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
 from megatron_core.transformer.rope_utils import yarn_concentration_factor
 from megatron_core.utils import init_method_normal, scaled_init_method_normal
@@ -121,6 +122,15 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     embedding_init_method_std: float | None = None
     init_model_with_meta_device: bool = False
 
+    # muP (maximal update parametrisation): derived and validated in transformer.mup_config
+    use_mup: bool = False
+    mup_width_mult: float = 1.0  # set to hidden_size / mup_base_hidden_size when use_mup
+    mup_base_hidden_size: int | None = None  # None: hidden_size (width multiplier 1)
+    mup_embedding_mult: float = 1.0  # the embedding output is multiplied by it
+    mup_output_mult: float = 1.0  # the logits are multiplied by it (left at 1.0, use_mup makes it 1 / width mult)
+    mup_base_head_dim: float | None = None  # softmax_scale = sqrt(it, or 1) / kv_channels ** mup_attn_scale_power
+    mup_attn_scale_power: float = 1.0
+
     # Activation recompute
     recompute_granularity: str | None = None
     recompute_method: str | None = None
@@ -209,6 +219,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         check_moe_config(self)
         _check_pipeline_split(self)
         _check_mtp(self)
+        apply_mup_config(self)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
         if self.fp32_residual_connection and self.pipeline_model_parallel_size > 1:
@@ -426,6 +437,9 @@ def _check_pipeline_split(cfg: TransformerConfig) -> None:
 
 
 def _derive_init_methods(cfg: TransformerConfig) -> None:
+    if cfg.use_mup:
+        mup_init_methods(cfg)
+        return
     if cfg.init_method is None:
         cfg.init_method = init_method_normal(cfg.init_method_std)
     if cfg.output_layer_init_method is None:

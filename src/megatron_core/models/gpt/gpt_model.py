@@ -157,7 +157,9 @@ class GPTModel(LanguageModule):
                 config.hidden_size,
                 vocab_size,
                 config=config,
-                init_method=config.init_method,
+                # muP: an untied output layer starts like the embedding (width-independent std)
+                init_method=(config.embedding_init_method if config.use_mup and not share_embeddings_and_output_weights
+                             else config.init_method),
                 bias=False,
                 skip_bias_add=False,
                 gather_output=not parallel_output,
@@ -237,11 +239,12 @@ class GPTModel(LanguageModule):
                 runtime_gather_output=runtime_gather_output, is_training=self.training,
                 compute_language_model_loss=self.compute_language_model_loss, config=self.config,
                 cp_group=self.pg_collection.cp, tp_group=self.tp_group, packed_seq_params=packed_seq_params,
-                input_ids=input_ids)
+                scale_logits_fn=self._scale_logits if self.config.use_mup else None, input_ids=input_ids)
         if inference_context is not None:  # only the positions whose logits generation needs
             hidden_states = inference_context.select_logit_hidden_states(hidden_states)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        logits = self._scale_logits(logits)
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()
             return logits if self.logit_dtype is None else logits.to(self.logit_dtype)

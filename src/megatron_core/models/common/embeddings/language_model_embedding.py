@@ -92,6 +92,8 @@ class LanguageModelEmbedding(MegatronModule):
             if self.tokentype_embeddings is None:
                 raise ValueError("tokentype_ids given but the embedding was built with num_tokentypes=0")
             embeddings = embeddings + self.tokentype_embeddings(tokentype_ids).permute(1, 0, 2)
+        if self.config.use_mup and self.config.mup_embedding_mult != 1.0:
+            embeddings = embeddings * self.config.mup_embedding_mult
         if self.config.fp32_residual_connection:
             embeddings = embeddings.float()
         if not self.config.sequence_parallel:

@@ -93,6 +93,12 @@ class LanguageModule(MegatronModule):
             sharded, key=first_stage_word_emb_key, replica_id=(1, tp_replica, dp_rank)
         )
 
+    def _scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits times ``config.mup_output_mult`` under ``use_mup`` (muP's output multiplier), else as given."""
+        if self.config.use_mup and self.config.mup_output_mult != 1.0:
+            return logits * self.config.mup_output_mult
+        return logits
+
     def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
         """The word-embedding weight on the first stage and on a stage with MTP layers (which holds a copy of the
         embedding), otherwise the output weight on the last stage."""
@@ -115,6 +121,12 @@ class LanguageModule(MegatronModule):
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
+        if self.config.use_mup:  # muP's optimizer overrides keep the base lr / eps for these
+            if self.pre_process or mtp_process:
+                for param in self.embedding.parameters():
+                    param.is_embedding_parameter = True
+            if self.post_process and self.output_layer.weight is not None:
+                self.output_layer.weight.is_embedding_parameter = True
         # MTP layers on a stage other than the first: that stage holds a copy of the embedding.
         mtp_needs_copy = bool(getattr(self.config, "mtp_num_layers", None)) and not (self.pre_process and mtp_process)
         if not self.share_embeddings_and_output_weights and not mtp_needs_copy:
@@ -130,6 +142,8 @@ class LanguageModule(MegatronModule):
             weight.data.fill_(0)
             weight.shared = True
             weight.shared_embedding = True
+            if self.config.use_mup:
+                weight.is_embedding_parameter = True
         group = self.pg_collection.embd
         if get_pg_size(group) <= 1:
             return
