@@ -57,6 +57,7 @@ LAYERS: list[set[str]] = [
     {"dist_checkpointing"},
     {"tensor_parallel", "rerun_state_machine", "fusions"},
     {"distributed", "pipeline_parallel", "transformer", "dist_checkpointing.training"},
+    {"ssm"},  # Mamba mixer / layers / hybrid stack: built on transformer, used by models.mamba
     {"optimizer", "optimizer_param_scheduler", "models", "fusions.aliases", "datasets", "tokenizers"},
     {"inference"},
 ]

@@ -1,0 +1,304 @@
+"""The Mamba-2 mixer (Megatron-Core's ``MambaMixer``), in pure PyTorch.
+
+``in_proj`` (column-parallel) gives ``[z, x, B, C, dt]`` for this TP rank's heads and groups; ``x, B, C``
+go through a depthwise causal convolution and SiLU, then the chunked SSD scan
+(:func:`megatron_core.ssm.ssd_scan.ssd_chunk_scan`); the result is gated by ``silu(z)``, normalised per
+group (RMS) and projected back by ``out_proj`` (row-parallel). Parameter names, shapes and the
+sharded checkpoint keys are Megatron-Core 0.19's. Training only: inference state caches are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_core.device import get_current_device
+from megatron_core.dist_checkpointing.sharded_module import (
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
+from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.ssm.ssd_scan import ssd_chunk_scan
+from megatron_core.ssm.utils import _split_tensor_factory
+from megatron_core.tensor_parallel import get_cuda_rng_tracker
+from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_size
+
+__all__ = ["ExtendedRMSNorm", "MambaMixer", "MambaMixerSubmodules"]
+
+
+class ExtendedRMSNorm(nn.Module):
+    """Gated RMSNorm over groups: ``weight * rms_norm_per_group(x * silu(z))`` (``norm_before_gate=False``).
+
+    With ``norm_before_gate=True`` the gate is applied after the normalisation instead. Its weight is
+    TP-sharded along dim 0 in the checkpoint.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, group_size: int | None = None,
+                 norm_before_gate: bool = False, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.group_size = group_size or hidden_size
+        if hidden_size % self.group_size != 0:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by group_size ({self.group_size})")
+        self.norm_before_gate = norm_before_gate
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.tp_group = None
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalise ``x`` (last dim ``hidden_size``), gated by ``silu(z)`` when ``z`` is given."""
+        dtype = x.dtype
+        h = x.float()
+        if z is not None and not self.norm_before_gate:
+            h = h * F.silu(z.float())
+        grouped = h.reshape(*h.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = grouped.reshape(h.shape)
+        if z is not None and self.norm_before_gate:
+            h = h * F.silu(z.float())
+        return (h * self.weight.float()).to(dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """The weight, TP-sharded along dim 0."""
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group)
+
+
+@dataclass
+class MambaMixerSubmodules:
+    """Specs of the mixer's input (column-parallel) and output (row-parallel) projections."""
+
+    in_proj: ModuleSpec | type | None = None
+    out_proj: ModuleSpec | type | None = None
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _model_parallel_rng() -> Any:
+    """The tracker's model-parallel stream when seeded (per-TP-rank parameters), else the default generator."""
+    tracker = get_cuda_rng_tracker()
+    if tracker.is_initialized() and "model-parallel-rng" in tracker.get_states():
+        return tracker.fork()
+    return contextlib.nullcontext()
+
+
+def _mark_tp(param: nn.Parameter) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = 0
+
+
+class MambaMixer(MegatronModule):
+    """Mamba-2 mixer over ``[s, b, h]`` inputs; ``forward`` returns ``(out, out_bias)`` like a row-parallel linear.
+
+    Sizes come from the config: ``mamba_state_dim`` (n), ``mamba_head_dim`` (p), ``mamba_num_groups`` (g)
+    and ``mamba_num_heads`` (else ``expand * d_model / p``). Heads and groups are split over the
+    tensor-parallel group, which must divide both.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MambaMixerSubmodules,
+        d_model: int,
+        d_conv: int = 4,
+        conv_init: float | None = None,
+        expand: int = 2,
+        A_init_range: tuple[float, float] = (1, 16),
+        D_has_hdim: bool = False,
+        rmsnorm: bool = True,
+        norm_before_gate: bool = False,
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init: str = "random",
+        dt_scale: float = 1.0,
+        dt_init_floor: float = 1e-4,
+        bias: bool = False,
+        conv_bias: bool = True,
+        chunk_size: int = 128,
+        layer_number: int | None = None,
+        pg_collection: Any = None,
+        pp_layer_offset: int = 0,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.pg_collection = pg_collection = resolve_pg_collection(pg_collection)
+        self.tp_group = pg_collection.tp
+        self.d_model, self.d_conv, self.conv_init, self.expand = d_model, d_conv, conv_init, expand
+        self.D_has_hdim, self.rmsnorm, self.norm_before_gate = D_has_hdim, rmsnorm, norm_before_gate
+        self.chunk_size, self.layer_number, self.pp_layer_offset = chunk_size, layer_number, pp_layer_offset
+        self.use_mem_eff_path = config.use_mamba_mem_eff_path
+        self.d_state = config.mamba_state_dim
+        self.headdim = config.mamba_head_dim
+        self.ngroups = config.mamba_num_groups
+        for field_name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
+            value = getattr(config, field_name)
+            _require(value is not None and value > 0, f"config.{field_name} ({value}) must be a positive integer")
+        _require(chunk_size > 0, f"chunk_size ({chunk_size}) must be positive")
+        _require(d_conv > 0, f"d_conv ({d_conv}) must be positive")
+        _require(not bias, f"bias={bias}: the Mamba mixer's projections have no bias (as in Megatron-Core)")
+        _require(conv_bias, f"conv_bias={conv_bias}: the Mamba mixer's convolution always has a bias")
+        _require(not norm_before_gate, f"norm_before_gate={norm_before_gate}: only the gate-then-norm order "
+                                       "(False) is supported, as in Megatron-Core")
+        if config.mamba_num_heads is not None:
+            _require(config.mamba_num_heads > 0, f"config.mamba_num_heads ({config.mamba_num_heads}) must be positive")
+            self.nheads = config.mamba_num_heads
+            self.d_inner = self.nheads * self.headdim
+        else:
+            self.d_inner = int(expand * d_model)
+            _require(self.d_inner % self.headdim == 0,
+                     f"d_inner = expand * d_model ({expand} * {d_model} = {self.d_inner}) must be divisible by "
+                     f"config.mamba_head_dim ({self.headdim})")
+            self.nheads = self.d_inner // self.headdim
+        tp_size = get_pg_size(self.tp_group)
+        _require(self.nheads % tp_size == 0,
+                 f"the number of Mamba heads ({self.nheads}) must be divisible by the tensor-parallel size ({tp_size})")
+        _require(self.ngroups % tp_size == 0,
+                 f"config.mamba_num_groups ({self.ngroups}) must be divisible by the tensor-parallel size ({tp_size})")
+        _require(self.nheads % self.ngroups == 0,
+                 f"the number of Mamba heads ({self.nheads}) must be divisible by config.mamba_num_groups "
+                 f"({self.ngroups})")
+        if config.context_parallel_size > 1:
+            raise ValueError(f"context_parallel_size={config.context_parallel_size}: the Mamba mixer does not "
+                             "support context parallelism in this library")
+        self.nheads_local_tp = self.nheads // tp_size
+        self.d_inner_local_tp = self.d_inner // tp_size
+        self.ngroups_local_tp = self.ngroups // tp_size
+
+        self.in_proj = build_module(
+            submodules.in_proj, self.d_model, self.d_inner * 2 + 2 * self.ngroups * self.d_state + self.nheads,
+            config=config, init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False,
+            is_expert=False, tp_comm_buffer_name="fc1", tp_group=self.tp_group,
+            name=f"{name}.in_proj" if name is not None else None,
+        )
+        self.in_proj.weight.partition_sizes = self._in_proj_sections()
+
+        device = torch.device("cpu") if config.use_cpu_initialization else get_current_device()
+        conv_dim = self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state
+        conv_sections = [self.d_inner_local_tp, self.ngroups_local_tp * self.d_state,
+                         self.ngroups_local_tp * self.d_state]
+        self.conv1d_weight = nn.Parameter(torch.empty(conv_dim, 1, d_conv, device=device, dtype=config.params_dtype))
+        self.conv1d_bias = nn.Parameter(torch.empty(conv_dim, device=device, dtype=config.params_dtype))
+        for param in (self.conv1d_weight, self.conv1d_bias):
+            _mark_tp(param)
+            param.partition_sizes = conv_sections
+        with _model_parallel_rng(), torch.no_grad():
+            # nn.Conv1d's default init, then the optional re-init of the weight (Megatron-Core's order).
+            nn.init.kaiming_uniform_(self.conv1d_weight, a=math.sqrt(5))
+            bound = 1 / math.sqrt(d_conv)
+            nn.init.uniform_(self.conv1d_bias, -bound, bound)
+            if config.perform_initialization:
+                if conv_init is not None:
+                    nn.init.uniform_(self.conv1d_weight, -conv_init, conv_init)
+                else:
+                    nn.init.kaiming_uniform_(self.conv1d_weight, a=math.sqrt(5))
+            # dt_bias: softplus(dt_bias) is log-uniform in [dt_min, dt_max] (floored).
+            dt = torch.exp(torch.rand(self.nheads_local_tp, device=device, dtype=config.params_dtype)
+                           * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_init_floor)
+            inv_dt = dt + torch.log(-torch.expm1(-dt))
+            _require(A_init_range[0] > 0 and A_init_range[1] >= A_init_range[0],
+                     f"A_init_range ({A_init_range}) must satisfy 0 < low <= high")
+            A = torch.empty(self.nheads_local_tp, dtype=torch.float32, device=device)
+            if config.perform_initialization:
+                A.uniform_(*A_init_range)
+            else:
+                A.fill_(1.0)
+        self.dt_bias = nn.Parameter(inv_dt)
+        self.A_log = nn.Parameter(torch.log(A))  # kept in fp32
+        self.D = nn.Parameter(torch.ones(self.d_inner_local_tp if D_has_hdim else self.nheads_local_tp,
+                                         device=device))  # kept in fp32
+        for param in (self.dt_bias, self.A_log, self.D):
+            _mark_tp(param)
+        self.activation = "silu"
+        self.act = nn.SiLU()
+        if rmsnorm:
+            self.norm = ExtendedRMSNorm(self.d_inner_local_tp, eps=1e-5,
+                                        group_size=self.d_inner_local_tp // self.ngroups_local_tp,
+                                        norm_before_gate=norm_before_gate, device=device, dtype=config.params_dtype)
+            _mark_tp(self.norm.weight)
+            self.norm.tp_group = self.tp_group
+        self.out_proj = build_module(
+            submodules.out_proj, self.d_inner, self.d_model, config=config,
+            init_method=config.output_layer_init_method, bias=bias, input_is_parallel=True, skip_bias_add=True,
+            is_expert=False, tp_comm_buffer_name="fc2", tp_group=self.tp_group,
+            name=f"{name}.out_proj" if name is not None else None,
+        )
+
+    def _in_proj_sections(self) -> list[int]:
+        """Local sizes of ``z, x, B, C, dt`` along ``in_proj``'s output dimension."""
+        bc = self.ngroups_local_tp * self.d_state
+        return [self.d_inner_local_tp, self.d_inner_local_tp, bc, bc, self.nheads_local_tp]
+
+    def mamba_state_shapes_per_request(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of one sequence's convolution state and SSM state on this TP rank."""
+        return (self.conv1d_weight.shape[0], self.d_conv), (self.nheads_local_tp, self.headdim, self.d_state)
+
+    def forward(self, hidden_states: torch.Tensor, inference_context: Any = None, *,
+                inference_params: Any = None, packed_seq_params: Any = None) -> tuple[torch.Tensor, Any]:
+        """``hidden_states`` ``[s, b, d_model]`` (sequence-split under sequence parallelism) -> ``(out, bias)``."""
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("MambaMixer: inference with state caches (inference_context) is not "
+                                      "supported by this library; run the full sequence without a context")
+        if packed_seq_params is not None:
+            raise NotImplementedError("MambaMixer: packed sequences (packed_seq_params) are not supported "
+                                      "by this library")
+        zxBCdt, _ = self.in_proj(hidden_states)
+        y = self._ssm_training(zxBCdt)
+        return self.out_proj(y)
+
+    def _ssm_training(self, zxBCdt: torch.Tensor) -> torch.Tensor:
+        """Convolution, SSD scan, gate and norm on ``[l, b, in_proj local]``; returns ``[l, b, d_inner local]``."""
+        length, batch, _ = zxBCdt.shape
+        z, x, B, C, dt = torch.split(zxBCdt.transpose(0, 1), self._in_proj_sections(), dim=-1)
+        xBC = torch.cat([x, B, C], dim=-1).transpose(1, 2)  # [b, conv_dim, l]
+        xBC = F.conv1d(xBC, self.conv1d_weight, self.conv1d_bias, padding=self.d_conv - 1,
+                       groups=xBC.shape[1])[..., :length]
+        xBC = self.act(xBC).transpose(1, 2)  # [b, l, conv_dim]
+        bc = self.ngroups_local_tp * self.d_state
+        x, B, C = torch.split(xBC, [self.d_inner_local_tp, bc, bc], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        A = -torch.exp(self.A_log.float())
+        D = self.D.float().view(self.nheads_local_tp, self.headdim) if self.D_has_hdim else self.D
+        y = ssd_chunk_scan(
+            x.reshape(batch, length, self.nheads_local_tp, self.headdim), dt, A,
+            B.reshape(batch, length, self.ngroups_local_tp, self.d_state),
+            C.reshape(batch, length, self.ngroups_local_tp, self.d_state), self.chunk_size, D=D,
+        ).reshape(batch, length, self.d_inner_local_tp)
+        if self.rmsnorm:
+            y = self.norm(y, z)
+        else:
+            y = (y.float() * F.silu(z.float())).to(y.dtype)
+        return y.transpose(0, 1).contiguous()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """Megatron-Core's checkpoint layout: ``conv1d.weight``/``conv1d.bias`` keys and ``in_proj.weight``
+        stored as the TP-independent parts ``.z, .x, .B, .C, .dt``."""
+        own: dict[str, Any] = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        axis_map = {name: 0 for name in ("A_log", "dt_bias", "D", "conv1d_weight", "conv1d_bias")}
+        sharded = make_sharded_tensors_for_checkpoint(own, prefix, axis_map, sharded_offsets, tp_group=self.tp_group)
+        for name, module in self.named_children():
+            child_prefix = f"{prefix}{name}."
+            if hasattr(module, "sharded_state_dict"):
+                sharded.update(module.sharded_state_dict(child_prefix, sharded_offsets, metadata))
+            else:
+                sharded.update(sharded_state_dict_default(module, child_prefix, sharded_offsets, metadata))
+        for param_name, key in (("conv1d_weight", "conv1d.weight"), ("conv1d_bias", "conv1d.bias")):
+            sharded[f"{prefix}{param_name}"].key = f"{prefix}{key}"
+        weight_key = f"{prefix}in_proj.weight"
+        sharded[weight_key] = _split_tensor_factory(sharded[weight_key], self._in_proj_sections(),
+                                                    ["z", "x", "B", "C", "dt"], 0)
+        return sharded
