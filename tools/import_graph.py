@@ -47,6 +47,9 @@ OWNER = {
 # ``fusions`` modules that only re-export transformer pieces at Megatron-Core's paths (above ``transformer``);
 # the other ``fusions`` modules are kernels that ``transformer`` uses (below it).
 FUSION_ALIASES = {"fused_bias_dropout", "fused_layer_norm"}
+# ``ssm`` modules that only re-export ``models.hybrid`` at their pre-0.19 paths (above ``models``, as in
+# Megatron-Core 0.19); the other ``ssm`` modules are the Mamba mixer and layers that ``models.hybrid`` uses.
+SSM_ALIASES = {"mamba_block", "mamba_hybrid_layer_allocation"}
 
 # Bottom first. A part may import parts of its own layer or of a lower one.
 LAYERS: list[set[str]] = [
@@ -57,9 +60,10 @@ LAYERS: list[set[str]] = [
     {"dist_checkpointing"},
     {"tensor_parallel", "rerun_state_machine", "fusions"},
     {"distributed", "pipeline_parallel", "transformer", "dist_checkpointing.training"},
-    {"ssm"},  # Mamba mixer / layers / hybrid stack: built on transformer, used by models.mamba
-    {"optimizer", "optimizer_param_scheduler", "models", "fusions.aliases", "datasets", "tokenizers"},
-    {"inference"},
+    {"ssm"},  # Mamba mixer / layers: built on transformer, used by models.hybrid
+    {"optimizer", "optimizer_param_scheduler", "models", "fusions.aliases", "ssm.aliases",
+     "datasets", "tokenizers"},
+    {"inference", "resharding"},
 ]
 
 
@@ -84,6 +88,8 @@ def part_of(module: str) -> str | None:
         return "dist_checkpointing.training"
     if names[1] == "fusions" and len(names) > 2 and names[2] in FUSION_ALIASES:
         return "fusions.aliases"
+    if names[1] == "ssm" and len(names) > 2 and names[2] in SSM_ALIASES:
+        return "ssm.aliases"
     return OWNER.get(names[1], names[1])
 
 

@@ -6,7 +6,7 @@ Each carries one of two marks in its metadata:
 - ``refused``: a feature switch. At its default it is accepted; any other value raises a ``ValueError``
   naming the field, the value and the missing feature (:func:`check_megatron_only_fields`).
 - ``ignored``: a setting of a refused or absent feature, or a kernel choice with the same results
-  (TP communication overlap's knobs, CUDA graph sizes, Mamba sizes, inference kernel choices, ...).
+  (TP communication overlap's knobs, CUDA graph sizes, inference kernel choices, ...).
   Any value is accepted and has no effect; ``docs/compat.md`` lists them.
 """
 
@@ -103,13 +103,10 @@ class MegatronOnlyTransformerFields:
     linear_value_head_dim: int | None = _ignored(128, "only used with linear attention layers")
     linear_num_key_heads: int | None = _ignored(16, "only used with linear attention layers")
     linear_num_value_heads: int | None = _ignored(32, "only used with linear attention layers")
-    is_hybrid_model: bool = _refused(False, "hybrid Mamba models")
-    mamba_state_dim: int = _ignored(128, "only used with hybrid Mamba models")
-    mamba_head_dim: int = _ignored(64, "only used with hybrid Mamba models")
-    mamba_num_groups: int = _ignored(8, "only used with hybrid Mamba models")
-    mamba_num_heads: int | None = _ignored(None, "only used with hybrid Mamba models")
-    mamba_training_ssm_states_dtype: Any = _ignored(None, "only used with hybrid Mamba models")
-    use_mamba_mem_eff_path: bool = _ignored(True, "only used with hybrid Mamba models")
+    # is_hybrid_model and the Mamba sizes (mamba_state_dim, ...) are TransformerConfig fields: ssm.MambaMixer reads them.
+    mamba_training_ssm_states_dtype: Any = _ignored(None, "a kernel choice: the pure-PyTorch SSD scan computes its "
+                                                          "inter-chunk states in fp32")
+    use_mamba_mem_eff_path: bool = _ignored(True, "a kernel choice: the pure-PyTorch Mamba mixer has one path")
     mtp_hybrid_override_pattern: str | None = _ignored(None, "hybrid (Mamba) multi-token-prediction layers")
 
     # Kernels, fusions and precision

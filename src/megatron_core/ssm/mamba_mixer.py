@@ -30,7 +30,7 @@ from megatron_core.tensor_parallel import get_cuda_rng_tracker
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_size
+from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["ExtendedRMSNorm", "MambaMixer", "MambaMixerSubmodules"]
 
@@ -87,12 +87,23 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _model_parallel_rng() -> Any:
-    """The tracker's model-parallel stream when seeded (per-TP-rank parameters), else the default generator."""
-    tracker = get_cuda_rng_tracker()
-    if tracker.is_initialized() and "model-parallel-rng" in tracker.get_states():
-        return tracker.fork()
-    return contextlib.nullcontext()
+def _init_rng(config: TransformerConfig) -> Any:
+    """Where the mixer's own parameters draw their initial values, as the tensor-parallel linears do.
+
+    With ``use_cpu_initialization`` (or no initialization) the default generator fills full-size tensors
+    that every rank then slices, so the values do not depend on the TP size or on any RNG-tracker state
+    (a tracker seeded for an earlier, since destroyed, model-parallel setup survives
+    ``destroy_model_parallel``). Otherwise each rank draws its shard from the tracker's model-parallel
+    stream (Megatron-Core's behaviour; it raises if ``model_parallel_cuda_manual_seed`` was not called).
+    """
+    if config.use_cpu_initialization or not config.perform_initialization:
+        return contextlib.nullcontext()
+    return get_cuda_rng_tracker().fork()
+
+
+def _local_rows(full: torch.Tensor, sections: list[int], tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's rows of ``full``: its chunk of each stacked section along dim 0."""
+    return torch.cat([part.chunk(tp_size, dim=0)[tp_rank] for part in full.split(sections, dim=0)], dim=0)
 
 
 def _mark_tp(param: nn.Parameter) -> None:
@@ -186,35 +197,43 @@ class MambaMixer(MegatronModule):
         self.in_proj.weight.partition_sizes = self._in_proj_sections()
 
         device = torch.device("cpu") if config.use_cpu_initialization else get_current_device()
-        conv_dim = self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state
-        conv_sections = [self.d_inner_local_tp, self.ngroups_local_tp * self.d_state,
-                         self.ngroups_local_tp * self.d_state]
-        self.conv1d_weight = nn.Parameter(torch.empty(conv_dim, 1, d_conv, device=device, dtype=config.params_dtype))
-        self.conv1d_bias = nn.Parameter(torch.empty(conv_dim, device=device, dtype=config.params_dtype))
-        for param in (self.conv1d_weight, self.conv1d_bias):
-            _mark_tp(param)
-            param.partition_sizes = conv_sections
-        with _model_parallel_rng(), torch.no_grad():
+        bc_local = self.ngroups_local_tp * self.d_state
+        conv_sections = [self.d_inner_local_tp, bc_local, bc_local]
+        # Full-size draws sliced per rank under CPU initialization, this rank's shard otherwise.
+        full = config.use_cpu_initialization and config.perform_initialization
+        draw_tp, tp_rank = (tp_size, get_pg_rank(self.tp_group)) if full else (1, 0)
+        _require(A_init_range[0] > 0 and A_init_range[1] >= A_init_range[0],
+                 f"A_init_range ({A_init_range}) must satisfy 0 < low <= high")
+        with _init_rng(config), torch.no_grad():
+            conv_weight = torch.empty(sum(conv_sections) * draw_tp, 1, d_conv, device=device,
+                                      dtype=config.params_dtype)
+            conv_bias = torch.empty(sum(conv_sections) * draw_tp, device=device, dtype=config.params_dtype)
             # nn.Conv1d's default init, then the optional re-init of the weight (Megatron-Core's order).
-            nn.init.kaiming_uniform_(self.conv1d_weight, a=math.sqrt(5))
+            nn.init.kaiming_uniform_(conv_weight, a=math.sqrt(5))
             bound = 1 / math.sqrt(d_conv)
-            nn.init.uniform_(self.conv1d_bias, -bound, bound)
+            nn.init.uniform_(conv_bias, -bound, bound)
             if config.perform_initialization:
                 if conv_init is not None:
-                    nn.init.uniform_(self.conv1d_weight, -conv_init, conv_init)
+                    nn.init.uniform_(conv_weight, -conv_init, conv_init)
                 else:
-                    nn.init.kaiming_uniform_(self.conv1d_weight, a=math.sqrt(5))
+                    nn.init.kaiming_uniform_(conv_weight, a=math.sqrt(5))
             # dt_bias: softplus(dt_bias) is log-uniform in [dt_min, dt_max] (floored).
-            dt = torch.exp(torch.rand(self.nheads_local_tp, device=device, dtype=config.params_dtype)
+            dt = torch.exp(torch.rand(self.nheads_local_tp * draw_tp, device=device, dtype=config.params_dtype)
                            * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_init_floor)
             inv_dt = dt + torch.log(-torch.expm1(-dt))
-            _require(A_init_range[0] > 0 and A_init_range[1] >= A_init_range[0],
-                     f"A_init_range ({A_init_range}) must satisfy 0 < low <= high")
-            A = torch.empty(self.nheads_local_tp, dtype=torch.float32, device=device)
+            A = torch.empty(self.nheads_local_tp * draw_tp, dtype=torch.float32, device=device)
             if config.perform_initialization:
                 A.uniform_(*A_init_range)
             else:
                 A.fill_(1.0)
+        global_sections = [size * draw_tp for size in conv_sections]
+        self.conv1d_weight = nn.Parameter(_local_rows(conv_weight, global_sections, draw_tp, tp_rank))
+        self.conv1d_bias = nn.Parameter(_local_rows(conv_bias, global_sections, draw_tp, tp_rank))
+        for param in (self.conv1d_weight, self.conv1d_bias):
+            _mark_tp(param)
+            param.partition_sizes = conv_sections
+        inv_dt = inv_dt.chunk(draw_tp)[tp_rank].clone()
+        A = A.chunk(draw_tp)[tp_rank].clone()
         self.dt_bias = nn.Parameter(inv_dt)
         self.A_log = nn.Parameter(torch.log(A))  # kept in fp32
         self.D = nn.Parameter(torch.ones(self.d_inner_local_tp if D_has_hdim else self.nheads_local_tp,

@@ -61,5 +61,5 @@ def mup_init_methods(cfg: Any) -> None:
     if cfg.init_method is None:
         cfg.init_method = init_method_normal(cfg.init_method_std / math.sqrt(cfg.mup_width_mult))
     if cfg.output_layer_init_method is None:
-        cfg.output_layer_init_method = mup_scaled_init_method_normal(cfg.init_method_std, cfg.num_layers,
-                                                                     cfg.mup_width_mult)
+        cfg.output_layer_init_method = mup_scaled_init_method_normal(
+            cfg.init_method_std, cfg.num_layers, cfg.mup_width_mult, multiplier=1.0 if cfg.is_hybrid_model else 2.0)

@@ -131,6 +131,13 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     mup_base_head_dim: float | None = None  # softmax_scale = sqrt(it, or 1) / kv_channels ** mup_attn_scale_power
     mup_attn_scale_power: float = 1.0
 
+    # Hybrid (Mamba) models: read by ssm.MambaMixer; is_hybrid_model halves the output-layer init's depth scaling
+    is_hybrid_model: bool = False
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int | None = None  # None: expand * hidden_size // mamba_head_dim
+
     # Activation recompute
     recompute_granularity: str | None = None
     recompute_method: str | None = None
@@ -443,7 +450,8 @@ def _derive_init_methods(cfg: TransformerConfig) -> None:
     if cfg.init_method is None:
         cfg.init_method = init_method_normal(cfg.init_method_std)
     if cfg.output_layer_init_method is None:
-        cfg.output_layer_init_method = scaled_init_method_normal(cfg.init_method_std, cfg.num_layers)
+        cfg.output_layer_init_method = scaled_init_method_normal(
+            cfg.init_method_std, cfg.num_layers, multiplier=1.0 if cfg.is_hybrid_model else 2.0)
     if cfg.embedding_init_method is None:
         std = cfg.embedding_init_method_std if cfg.embedding_init_method_std is not None else cfg.init_method_std
         cfg.embedding_init_method = init_method_normal(std)

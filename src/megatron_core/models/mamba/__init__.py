@@ -1,5 +1,7 @@
-"""Hybrid Mamba language models (Megatron-Core's ``models.mamba``)."""
+"""Hybrid Mamba language models at their pre-0.19 path (Megatron-Core's ``models.mamba``); the model
+now lives in :mod:`megatron_core.models.hybrid`."""
 
+from megatron_core.models.hybrid.hybrid_model import HybridModel
 from megatron_core.models.mamba.mamba_model import MambaModel
 
-__all__ = ["MambaModel"]
+__all__ = ["HybridModel", "MambaModel"]

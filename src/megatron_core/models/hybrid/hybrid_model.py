@@ -1,0 +1,184 @@
+"""The hybrid language model (Megatron-Core's ``models.hybrid.hybrid_model.HybridModel``).
+
+``embedding`` -> ``decoder`` (:class:`~megatron_core.models.hybrid.hybrid_block.HybridStack` built from this pipeline
+segment of ``hybrid_layer_pattern``) -> ``output_layer``. ``forward`` takes ``[b, s]`` ids and returns
+per-token loss ``[b, s]`` with ``labels``, else logits ``[b, s, V/TP]``; a non-last stage returns hidden
+states ``[s, b, h]``. Training only: an inference context raises; MTP patterns (``/``) are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from megatron_core import tensor_parallel
+from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron_core.models.common.language_module.language_module import LanguageModule
+from megatron_core.models.hybrid.hybrid_layer_allocation import (
+    get_hybrid_total_layer_count,
+    parse_hybrid_pattern,
+    pattern_from_ratios,
+    select_pipeline_segment,
+)
+from megatron_core.transformer.enums import ModelType
+from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.utils import get_pg_size
+
+__all__ = ["HybridModel"]
+
+logger = logging.getLogger(__name__)
+_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+
+
+def _resolve_pattern(config: TransformerConfig, pattern: str | None, attention_ratio: float | None,
+                     mlp_ratio: float | None, override_pattern: str | None) -> str:
+    """The hybrid pattern from the current argument or the deprecated ones (Megatron-Core's precedence)."""
+    if override_pattern is not None:
+        if pattern is not None:
+            raise ValueError(f"hybrid_override_pattern ({override_pattern!r}) and hybrid_layer_pattern "
+                             f"({pattern!r}) cannot both be set; hybrid_override_pattern is deprecated")
+        pattern = override_pattern
+    if (attention_ratio or 0.0) > 0.0 or (mlp_ratio or 0.0) > 0.0:
+        if pattern is not None:
+            raise ValueError(f"hybrid_layer_pattern ({pattern!r}) cannot be combined with the deprecated "
+                             f"hybrid_attention_ratio ({attention_ratio}) / hybrid_mlp_ratio ({mlp_ratio})")
+        pattern = pattern_from_ratios(config.num_layers, attention_ratio or 0.0, mlp_ratio or 0.0)
+    if pattern is None:
+        pattern = "M" * config.num_layers
+    return pattern
+
+
+class HybridModel(LanguageModule):
+    """A hybrid Mamba / attention / MLP language model for one pipeline chunk.
+
+    ``hybrid_stack_spec`` is usually :data:`~megatron_core.models.hybrid.hybrid_layer_specs.hybrid_stack_spec`. ``hybrid_layer_pattern``
+    must have ``config.num_layers`` layer symbols (``|`` marks pipeline segments); without a pattern every
+    layer is a Mamba layer.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hybrid_stack_spec: ModuleSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        hybrid_layer_pattern: str | None = None,
+        hybrid_attention_ratio: float | None = None,
+        hybrid_mlp_ratio: float | None = None,
+        hybrid_override_pattern: str | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: str = "none",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: float | None = None,
+        pg_collection: Any = None,
+        vp_stage: int | None = None,
+    ) -> None:
+        super().__init__(config, pg_collection=pg_collection)
+        for arg_name, value in (("hybrid_stack_spec", hybrid_stack_spec), ("vocab_size", vocab_size),
+                                ("max_sequence_length", max_sequence_length)):
+            if value is None:
+                raise ValueError(f"{type(self).__name__} needs {arg_name}")
+        if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type ({position_embedding_type!r}) must be one of "
+                             f"{list(_POSITION_EMBEDDING_TYPES)}")
+        tp_size = get_pg_size(self.tp_group)
+        if vocab_size % tp_size:
+            raise ValueError(f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size ({tp_size})")
+        pattern = _resolve_pattern(config, hybrid_layer_pattern, hybrid_attention_ratio, hybrid_mlp_ratio,
+                                   hybrid_override_pattern)
+        parsed = parse_hybrid_pattern(pattern)
+        if parsed.mtp_num_depths:
+            raise ValueError(f"hybrid_layer_pattern {pattern!r} has multi-token-prediction depths ('/'), which "
+                             "HybridModel does not support in this library")
+        total = get_hybrid_total_layer_count(pattern)
+        if total != config.num_layers:
+            raise ValueError(f"hybrid_layer_pattern {pattern!r} has {total} layers but config.num_layers is "
+                             f"{config.num_layers}; they must match")
+        self.hybrid_stack_spec = hybrid_stack_spec
+        self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
+        self.hybrid_layer_pattern = pattern
+        self.pre_process, self.post_process = pre_process, post_process
+        self.fp16_lm_cross_entropy, self.parallel_output = fp16_lm_cross_entropy, parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type, self.vp_stage = position_embedding_type, vp_stage
+        self.mtp_pattern, self.mtp_num_depths, self.mtp_process = None, 0, False
+        self.model_type = ModelType.encoder_or_decoder
+        layer_type_list, layer_offset = select_pipeline_segment(
+            parsed.main_pattern or "", getattr(self.pg_collection, "pp", None), vp_stage,
+            first_stage_layers=config.num_layers_in_first_pipeline_stage,
+            last_stage_layers=config.num_layers_in_last_pipeline_stage,
+        )
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                position_embedding_type=position_embedding_type,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel, tp_group=self.tp_group,
+            )
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=config.kv_channels, rotary_percent=rotary_percent,
+                seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base,
+                use_cpu_initialization=config.use_cpu_initialization, cp_group=self.pg_collection.cp,
+            )
+        self.decoder = build_module(
+            hybrid_stack_spec, config, pre_process=pre_process, layer_type_list=layer_type_list,
+            pp_layer_offset=layer_offset, post_process=post_process, dtype=config.params_dtype,
+            pg_collection=self.pg_collection, name="decoder",
+        )
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
+                skip_bias_add=False, gather_output=not parallel_output,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                tp_group=self.tp_group,
+            )
+        if pre_process or post_process:
+            self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor]) -> None:
+        """Feed the previous pipeline stage's output into the decoder."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"HybridModel.set_input_tensor expects one tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+                attention_mask: torch.Tensor | None, decoder_input: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, inference_context: Any = None,
+                runtime_gather_output: bool | None = None, *, inference_params: Any = None,
+                loss_mask: torch.Tensor | None = None, packed_seq_params: Any = None,
+                padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError(f"{type(self).__name__}: inference with KV / SSM state caches (inference_context) is "
+                                      "not supported by this library; call forward without a context")
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        rotary_pos_emb = None
+        if self.position_embedding_type == "rope":
+            seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config,
+                                                             packed_seq_params)
+            rotary_pos_emb = self.rotary_pos_emb(seq_len)
+            hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+            rotary_pos_emb = rotary_pos_emb.to(hidden.device)
+        hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                     rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params,
+                                     padding_mask=padding_mask)
+        if not self.post_process:
+            return hidden_states
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
