@@ -6,22 +6,92 @@ longest sequence (``max_sequence_length``), and scheduling features (``enable_ch
 ``enable_prefix_caching``, ``async_sched_mode``).
 Fields that only matter to Megatron's CUDA kernels (flashinfer, unified memory, Mamba) are
 accepted for signature compatibility and documented as inert in docs/compat.md.
+``MambaInferenceStateConfig`` describes a hybrid model's Mamba state caches (validated, not yet consumed).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
+
+import torch
 
 __all__ = [
     "AsyncScheduleMode",
     "CudaGraphSizingDistribution",
     "InferenceConfig",
     "KVCacheManagementMode",
+    "MambaInferenceStateConfig",
     "PrefixCachingCoordinatorPolicy",
     "PrefixCachingEvictionPolicy",
 ]
+
+
+@dataclass
+class MambaInferenceStateConfig:
+    """Shapes and dtypes of a hybrid model's per-request Mamba state caches (Megatron-Core's dataclass).
+
+    ``layer_type_list`` holds one hybrid-pattern symbol per layer (``"M"`` Mamba, ``"*"`` attention, ...);
+    ``conv_states_shape`` / ``ssm_states_shape`` are one request's convolution and SSM state shapes on this TP
+    rank. This library's Mamba mixer has no inference state caches yet, so nothing consumes this config here.
+    """
+
+    layer_type_list: list[str]
+    conv_states_shape: tuple[int, ...]
+    ssm_states_shape: tuple[int, ...]
+    conv_states_dtype: torch.dtype
+    ssm_states_dtype: torch.dtype
+    mamba_chunk_size: int = 128
+
+    def __post_init__(self) -> None:
+        from megatron_core.ssm.mamba_hybrid_layer_allocation import Symbols
+
+        name = "MambaInferenceStateConfig"
+        layers = self.layer_type_list
+        if isinstance(layers, str) or not isinstance(layers, Sequence):
+            raise ValueError(f"{name}.layer_type_list ({layers!r}) must be a list of layer symbols, one per layer")
+        bad = [symbol for symbol in layers if symbol not in Symbols.VALID_LAYERS]
+        if bad:
+            raise ValueError(f"{name}.layer_type_list has {bad!r}, which are not layer symbols "
+                             f"(valid: {sorted(Symbols.VALID_LAYERS)})")
+        for field in ("conv_states_shape", "ssm_states_shape"):
+            shape = getattr(self, field)
+            if (not isinstance(shape, Sequence) or not shape
+                    or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape)):
+                raise ValueError(f"{name}.{field} ({shape!r}) must be a non-empty sequence of positive ints")
+            setattr(self, field, tuple(shape))
+        for field in ("conv_states_dtype", "ssm_states_dtype"):
+            dtype = getattr(self, field)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"{name}.{field} ({dtype!r}) must be a floating-point torch.dtype")
+        chunk = self.mamba_chunk_size
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise ValueError(f"{name}.mamba_chunk_size ({chunk!r}) must be a positive int")
+
+    @classmethod
+    def from_model(cls, model: Any, conv_states_dtype: torch.dtype | None = None,
+                   ssm_states_dtype: torch.dtype | None = None) -> MambaInferenceStateConfig | None:
+        """The config of ``model``'s decoder (wrappers unwrapped), or None when it has no Mamba layer.
+
+        Shapes come from the first Mamba layer, the chunk size from its mixer; unset dtypes default to
+        ``model.config.params_dtype``.
+        """
+        from megatron_core._wrapped_model import get_attr_wrapped_model
+        from megatron_core.ssm.mamba_hybrid_layer_allocation import Symbols
+
+        decoder = get_attr_wrapped_model(model, "decoder")
+        layer_types = getattr(decoder, "layer_type_list", None)
+        if layer_types is None or Symbols.MAMBA not in layer_types:
+            return None
+        conv_shape, ssm_shape = decoder.mamba_state_shapes_per_request()
+        params_dtype = get_attr_wrapped_model(model, "config").params_dtype
+        chunk = next((layer.mixer.chunk_size for symbol, layer in zip(layer_types, decoder.layers)
+                      if symbol == Symbols.MAMBA and hasattr(layer, "mixer")), 128)
+        return cls(layer_type_list=list(layer_types), conv_states_shape=conv_shape, ssm_states_shape=ssm_shape,
+                   conv_states_dtype=conv_states_dtype or params_dtype, ssm_states_dtype=ssm_states_dtype or params_dtype,
+                   mamba_chunk_size=chunk)
 
 
 class PrefixCachingEvictionPolicy(str, Enum):

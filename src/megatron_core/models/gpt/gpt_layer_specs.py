@@ -2,12 +2,14 @@
 
 ``get_gpt_layer_local_spec()`` is pure PyTorch; ``get_gpt_layer_with_transformer_engine_spec()``
 uses Transformer Engine (installed with the ``te`` extra), whose fused norm + QKV linear means the
-layer has no separate ``input_layernorm``. Both take an optional ``backend`` provider (an
+layer has no separate ``input_layernorm``; ``get_gpt_layer_with_inference_spec()`` is Megatron's
+inference-optimized layer on the local modules. The first two take an optional ``backend`` provider (an
 extension over Megatron-Core) to swap single parts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
@@ -36,6 +38,8 @@ __all__ = [
     "get_gpt_decoder_layer_specs",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_local_submodules",
+    "get_gpt_layer_with_inference_spec",
+    "get_gpt_layer_with_inference_submodules",
     "get_gpt_layer_with_transformer_engine_spec",
     "get_gpt_layer_with_transformer_engine_submodules",
     "get_gpt_mtp_block_spec",
@@ -234,6 +238,41 @@ def get_gpt_layer_with_transformer_engine_spec(
         use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp,
     )
     return _layer_spec(_te_spec_provider(), qk_layernorm, num_experts, moe_grouped_gemm, multi_latent_attention)
+
+
+def get_gpt_layer_with_inference_spec(
+    qk_layernorm: bool = False,
+    multi_latent_attention: bool = False,
+    qk_l2_norm: bool = False,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    moe_use_legacy_grouped_gemm: bool = False,
+) -> ModuleSpec:
+    """The layer of Megatron-Core's ``transformer_impl="inference_optimized"``, on this library's local modules.
+
+    Megatron builds it from Transformer Engine based inference linears (symmetric-memory collectives, fused
+    norms); here the same computation runs on the local layers, as in :func:`get_gpt_layer_local_spec`, and
+    ``sharded_state_dict_keys_map`` stores each separate norm under the checkpoint name of the fused module
+    it stands for: ``self_attention.linear_qkv.layer_norm_*``, ``mlp.linear_fc1.layer_norm_*`` (a dense MLP;
+    an MoE layer keeps ``pre_mlp_layernorm.*``) and, with MLA and ``qk_layernorm``, the ``layer_norm_*`` of
+    ``linear_q_up_proj`` / ``linear_kv_up_proj``; an MLA layer keeps ``input_layernorm.*``.
+    ``moe_use_legacy_grouped_gemm`` is accepted and unused, as in Megatron-Core.
+    """
+    _reject_unsupported(qk_l2_norm)
+    spec = _layer_spec(LocalSpecProvider(), qk_layernorm, num_experts, moe_grouped_gemm, multi_latent_attention)
+    keys_map = {} if multi_latent_attention else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if num_experts is None:
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    if multi_latent_attention and qk_layernorm:
+        keys_map["self_attention.q_layernorm."] = "self_attention.linear_q_up_proj.layer_norm_"
+        keys_map["self_attention.kv_layernorm."] = "self_attention.linear_kv_up_proj.layer_norm_"
+    spec.submodules = dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys_map)
+    return spec
+
+
+def get_gpt_layer_with_inference_submodules(*args: Any, **kwargs: Any) -> TransformerLayerSubmodules:
+    """The submodules of :func:`get_gpt_layer_with_inference_spec`."""
+    return get_gpt_layer_with_inference_spec(*args, **kwargs).submodules
 
 
 def get_gpt_decoder_layer_specs(config: TransformerConfig, use_transformer_engine: bool,
