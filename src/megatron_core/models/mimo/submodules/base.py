@@ -151,4 +151,27 @@ class ModalitySubmodules(ABC, nn.Module):
             return self.project_embeddings([combined], is_input=True)
         return combined
 
-__all__ = ["ModalitySubmodules"]
+class EncoderOnlyModalitySubmodules(ModalitySubmodules):
+    """A modality with encoders, at most one input and one output projection, and no decoder (vision, audio)."""
+
+    def __init__(
+        self,
+        encoders: dict[str, nn.Module] | None = None,
+        decoders: dict[str, nn.Module] | None = None,
+        input_projections: list[nn.Module] | None = None,
+        output_projections: list[nn.Module] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(encoders=encoders, decoders=decoders, input_projections=input_projections,
+                         output_projections=output_projections, **kwargs)
+        for kind, projections in (("input", self.input_projections), ("output", self.output_projections)):
+            if len(projections) > 1:
+                raise ValueError(f"{type(self).__name__} supports at most one {kind} projection, "
+                                 f"got {len(projections)}")
+
+    def decode(self, embeddings: torch.Tensor, data_batch: dict) -> torch.Tensor:
+        """Decoding is not supported for this modality (as in Megatron-Core): raises ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__}.decode: decoders are not supported for this modality")
+
+
+__all__ = ["EncoderOnlyModalitySubmodules", "ModalitySubmodules"]
