@@ -119,14 +119,16 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _allocate_buffers(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup | None,
                           scaling: float, device: torch.device) -> list[_ParamAndGradBuffer]:
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}
+        # One buffer per (param dtype, grad dtype, layer-wise tag): see tag_params_for_buffer_routing.
+        by_key: dict[tuple[torch.dtype, torch.dtype, bool], list[torch.nn.Parameter]] = {}
         for param in params:
             grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            layer_wise = bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
+            by_key.setdefault((param.dtype, grad_dtype, layer_wise), []).append(param)
         return [
             _ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, plist, group, self.bucket_size,
                                 self.param_to_name, scaling, device)
-            for (param_dtype, grad_dtype), plist in by_dtype.items()
+            for (param_dtype, grad_dtype, _), plist in by_key.items()
         ]
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:

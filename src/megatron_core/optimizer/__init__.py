@@ -24,6 +24,10 @@ from megatron_core.optimizer.clip_grads import (
 )
 from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron_core.optimizer.layer_wise_optimizer import (
+    LayerWiseDistributedOptimizer,
+    is_managed_by_layer_wise_optimizer,
+)
 from megatron_core.optimizer.mup import get_mup_config_overrides
 from megatron_core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
@@ -52,6 +56,7 @@ __all__ = [
     "DynamicGradScaler",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
+    "LayerWiseDistributedOptimizer",
     "MegatronGradScaler",
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
@@ -69,6 +74,7 @@ __all__ = [
     "get_mup_config_overrides",
     "get_param_groups",
     "get_standard_config_overrides",
+    "is_managed_by_layer_wise_optimizer",
 ]
 
 
@@ -160,6 +166,23 @@ def _build(config: OptimizerConfig, model_chunks: list[torch.nn.Module], param_g
     return wrapped
 
 
+def _build_layer_wise(config: OptimizerConfig, model_chunks: list[torch.nn.Module], dense: list[dict[str, Any]],
+                      expert: list[dict[str, Any]], pg_collection: Any) -> LayerWiseDistributedOptimizer:
+    """``use_layer_wise_distributed_optimizer``: Adam/SGD over whole params per DP rank (dense, then expert)."""
+    if config.use_distributed_optimizer or _uses_torch_fsdp(model_chunks):
+        raise ValueError("use_layer_wise_distributed_optimizer=True needs use_distributed_optimizer=False and "
+                         f"DistributedDataParallel chunks (use_distributed_optimizer={config.use_distributed_optimizer}"
+                         f", FSDP2={_uses_torch_fsdp(model_chunks)})")
+    parts = [(groups, is_expert) for groups, is_expert in ((dense, False), (expert, True)) if groups]
+    optimizer = LayerWiseDistributedOptimizer([_torch_optimizer(config, groups) for groups, _ in parts], config,
+                                              pg_collection, model_chunks=model_chunks)
+    for wrapped, (_, is_expert) in zip(optimizer.chained_optimizers, parts):
+        groups = _groups(pg_collection, is_expert)
+        wrapped.tp_group = groups["tp"]
+        wrapped.grad_stats_parallel_group = groups["stats"]
+    return optimizer
+
+
 def get_standard_config_overrides(config: OptimizerConfig) -> dict[ParamKey, ParamGroupOverride]:
     """The default overrides: no weight decay for biases and 1-D parameters (except the q/k layernorm weights
     under ``apply_wd_to_qk_layernorm``), and ``decoupled_lr`` / ``decoupled_min_lr`` for the embedding and output
@@ -240,6 +263,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
         raise ValueError("model_chunks have no trainable parameters")
     dense = [g for g in param_groups if not g["is_expert_parallel"]]
     expert = [g for g in param_groups if g["is_expert_parallel"]]
+    if config.use_layer_wise_distributed_optimizer:
+        if dump_param_to_param_group_map is not None:
+            dump_param_group_map(model_chunks, dense + expert, dump_param_to_param_group_map)
+        return _build_layer_wise(config, model_chunks, dense, expert, pg_collection)
     optimizers = []
     if dense:
         optimizers.append(_build(config, model_chunks, dense, expert=False, pg_collection=pg_collection))

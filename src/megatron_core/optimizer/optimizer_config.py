@@ -98,6 +98,7 @@ class OptimizerConfig:
 
     # Distributed optimizer
     use_distributed_optimizer: bool = False
+    use_layer_wise_distributed_optimizer: bool = False  # LayerWiseDistributedOptimizer (whole params per DP rank)
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
 
