@@ -18,6 +18,7 @@ defers to the group; set to anything else it must equal the group's size.
 
 from __future__ import annotations
 
+from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -25,6 +26,7 @@ from megatron_core import parallel_state
 from megatron_core.utils import get_pg_size
 
 __all__ = [
+    "MultiModuleProcessGroupCollection",
     "ProcessGroupCollection",
     "check_parallel_size",
     "resolve_pg_collection",
@@ -150,3 +152,74 @@ def check_parallel_size(config: Any, field_name: str, group: Any, role: str | No
         )
     return size
 
+
+
+@dataclass
+class MultiModuleProcessGroupCollection:
+    """The process groups of every module a rank runs in a multi-module (e.g. encoder + LLM) pipeline.
+
+    ``module_pgs`` maps each module this rank belongs to onto its :class:`ProcessGroupCollection`;
+    ``language_model_module_name`` names the entry holding the language model, or ``None`` when this
+    rank runs no language model (an encoder-only rank). Reads like a dict of module collections.
+    """
+
+    module_pgs: dict[str, ProcessGroupCollection]
+    language_model_module_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.module_pgs:
+            raise ValueError(f"module_pgs must name at least one module, got {self.module_pgs!r}")
+        name = self.language_model_module_name
+        if name is not None and name not in self.module_pgs:
+            raise ValueError(
+                f"language_model_module_name {name!r} is not a key of module_pgs {list(self.module_pgs)}"
+            )
+
+    def get_language_model_collection(self) -> ProcessGroupCollection:
+        """The language model's collection; ``ValueError`` when this rank runs no language model."""
+        if self.language_model_module_name is None:
+            raise ValueError(
+                f"language_model_module_name is None: no language model among modules {list(self.module_pgs)}"
+            )
+        return self.module_pgs[self.language_model_module_name]
+
+    def get_language_model_cp_size(self) -> int:
+        """Context-parallel size of the language model (1 when its ``cp`` group is unset)."""
+        return get_pg_size(self.get_language_model_collection().cp)
+
+    def has_language_model(self) -> bool:
+        """Whether this rank runs the language model."""
+        return self.language_model_module_name is not None
+
+    def get_module_collection(self, module_name: str) -> ProcessGroupCollection:
+        """The collection of ``module_name``; ``ValueError`` naming the known modules if absent."""
+        if module_name not in self.module_pgs:
+            raise ValueError(f"module {module_name!r} is not in module_pgs; available: {list(self.module_pgs)}")
+        return self.module_pgs[module_name]
+
+    def __len__(self) -> int:
+        return len(self.module_pgs)
+
+    def __getitem__(self, module_name: str) -> ProcessGroupCollection:
+        return self.module_pgs[module_name]
+
+    def __iter__(self) -> Iterator[ProcessGroupCollection]:
+        """Iterates over the collections (not the names), as Megatron-Core does."""
+        return iter(self.module_pgs.values())
+
+    def keys(self) -> KeysView[str]:
+        """Module names."""
+        return self.module_pgs.keys()
+
+    def values(self) -> ValuesView[ProcessGroupCollection]:
+        """Module collections."""
+        return self.module_pgs.values()
+
+    def items(self) -> ItemsView[str, ProcessGroupCollection]:
+        """``(module name, collection)`` pairs."""
+        return self.module_pgs.items()
+
+    def __repr__(self) -> str:
+        lm = f", language_model_module_name={self.language_model_module_name!r}" \
+            if self.language_model_module_name else ""
+        return f"MultiModuleProcessGroupCollection(modules=[{', '.join(self.module_pgs)}]{lm})"
