@@ -45,8 +45,10 @@ class MegatronOnlyParallelFields:
     gtp_weight_remat_size: int = _refused(1, _GTP)
     expert_tensor_parallel_num_weight_shards: int | None = _refused(None, _GTP)
     expert_gtp_weight_remat_size: int = _refused(1, _GTP)
-    hybrid_context_parallel: bool = _refused(False, "hybrid context parallelism")
-    max_seqlen_per_dp_cp_rank: int | None = _refused(None, "hybrid context parallelism")
+    # max_seqlen_per_dp_cp_rank is a ModelParallelConfig field: datasets.data_schedule schedules with it.
+    hybrid_context_parallel: bool = _refused(False, "hybrid context parallelism in the schedules and attention "
+                                                    "(per-micro-batch CP groups); its data side is "
+                                                    "datasets.data_schedule.HybridCPDataLoaderWrapper")
     overlap_moe_expert_parallel_comm: bool = _refused(False, _EP_OVERLAP)
     delay_wgrad_compute: bool = _refused(False, _EP_OVERLAP)
     overlap_dispatch_backward_with_experts_wgrad: bool = _refused(False, _EP_OVERLAP)

@@ -61,6 +61,8 @@ class ModelParallelConfig(_MegatronOnlyParallelFields):
     sequence_parallel: bool = False
     context_parallel_size: int = 1
     hierarchical_context_parallel_sizes: list[int] | None = None
+    # Longest sub-sample one DP x CP rank holds; sets sub-sample CP sizes in datasets.data_schedule.
+    max_seqlen_per_dp_cp_rank: int | None = None
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
 
@@ -131,6 +133,9 @@ class ModelParallelConfig(_MegatronOnlyParallelFields):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
+        seqlen = self.max_seqlen_per_dp_cp_rank
+        if seqlen is not None and (not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1):
+            raise ValueError(f"max_seqlen_per_dp_cp_rank ({seqlen!r}) must be None or an integer >= 1")
         if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
             raise ValueError(
                 f"Cannot use sequence parallelism without tensor parallelism: sequence_parallel=True needs "

@@ -8,7 +8,7 @@ groups through the getters. Works on gloo (CPU) and NCCL (GPU); code that wants 
 The package is split by purpose; every public name is importable from here:
 :mod:`.initialize` (create / destroy the groups), :mod:`.model_groups` (dense-grid getters),
 :mod:`.expert_groups` (expert-grid getters), :mod:`.registry` (the groups by name),
-:mod:`.rank_generator` (the rank grid), :mod:`.memory_buffer` and :mod:`.extras`.
+:mod:`.rank_generator` (the rank grid), :mod:`.hybrid_cp` (hybrid DP x CP groups), :mod:`.memory_buffer` and :mod:`.extras`.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ from megatron_core.parallel_state.extras import create_all_gather_groups as crea
 from megatron_core.parallel_state.extras import create_group as create_group
 from megatron_core.parallel_state.extras import destroy_global_memory_buffer as destroy_global_memory_buffer
 from megatron_core.parallel_state.extras import update_pg_timeout as update_pg_timeout
+from megatron_core.parallel_state.hybrid_cp import create_hybrid_dp_cp_groups as create_hybrid_dp_cp_groups
+from megatron_core.parallel_state.hybrid_cp import (
+    get_hybrid_data_context_parallel_groups as get_hybrid_data_context_parallel_groups,
+)
 from megatron_core.parallel_state.initialize import default_embedding_ranks as default_embedding_ranks
 from megatron_core.parallel_state.initialize import (
     default_position_embedding_ranks as default_position_embedding_ranks,

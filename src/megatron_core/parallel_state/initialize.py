@@ -12,12 +12,14 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron_core.config_rules import check_timeout_minutes as _check_timeout_minutes
+from megatron_core.parallel_state.hybrid_cp import _new_hybrid_dp_cp_groups, hybrid_dp_cp_group_sizes
 from megatron_core.parallel_state.rank_generator import ParallelConfigError, RankGenerator
 from megatron_core.parallel_state.registry import (
     _ALL_GROUP_RANKS,
     _GROUP_RANKS,
     _GROUPS,
     _HIERARCHICAL_CP_LEVELS,
+    _HYBRID_DP_CP_SIZES,
     _MEMORY_BUFFER,
     _OVERRIDES,
     _VIRTUAL_PP,
@@ -50,6 +52,7 @@ def initialize_model_parallel(
     use_sharp: bool = False,
     context_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: list[int] | None = None,
+    hybrid_context_parallel: bool = False,
     expert_model_parallel_size: int = 1,
     num_distributed_optimizer_instances: int = 1,
     expert_tensor_parallel_size: int | None = None,
@@ -67,7 +70,8 @@ def initialize_model_parallel(
     ``torch.distributed`` must be initialised. The world is ``local_world_size`` ranks (default:
     all of them), split as ``tp * cp * dp * pp`` for dense layers and ``etp * ep * edp * pp`` for
     experts; the left-most axis of ``order`` varies fastest. Sizes that do not fit raise
-    :class:`ParallelConfigError` naming the numbers.
+    :class:`ParallelConfigError` naming the numbers. ``hybrid_context_parallel`` also builds the
+    power-of-two slices of each DP x CP group (:mod:`.hybrid_cp`).
     """
     _check_timeout_minutes("distributed_timeout_minutes", distributed_timeout_minutes)
     _refuse_unsupported(use_sharp, nccl_communicator_config_path)
@@ -115,6 +119,8 @@ def initialize_model_parallel(
             f"data parallel size ({dp}) is not divisible by num_distributed_optimizer_instances "
             f"({num_distributed_optimizer_instances})"
         )
+    if hybrid_context_parallel:
+        hybrid_dp_cp_group_sizes(dp * cp)  # raises unless DP x CP is even
     if model_parallel_is_initialized():
         raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
 
@@ -133,6 +139,8 @@ def initialize_model_parallel(
         _new_group(name, dense.get_ranks(token), timeout)
         if gloo_needed:
             _new_group(name + "_gloo", dense.get_ranks(token), timeout, backend="gloo")
+    if hybrid_context_parallel:
+        _new_hybrid_dp_cp_groups(dense.get_ranks("dp-cp"), timeout)
     _new_group("cp", dense.get_ranks("cp"), timeout)
     if hierarchical_context_parallel_sizes:
         _new_hierarchical_cp_groups(dense.get_ranks("cp"), list(hierarchical_context_parallel_sizes), cp, timeout)
@@ -218,6 +226,7 @@ def destroy_model_parallel() -> None:
                 dist.destroy_process_group(group)
     _GROUPS.clear()
     _HIERARCHICAL_CP_LEVELS[0] = 0
+    _HYBRID_DP_CP_SIZES.clear()
     _GROUP_RANKS.clear()
     _ALL_GROUP_RANKS.clear()
     _OVERRIDES.clear()

@@ -16,6 +16,8 @@ _ALL_GROUP_RANKS: dict[str, list[list[int]]] = {}
 _VIRTUAL_PP: dict[str, int | None] = {"rank": None, "world_size": None}
 _OVERRIDES: dict[str, int] = {}
 _HIERARCHICAL_CP_LEVELS = [0]
+# Sizes of the hybrid DP x CP groups (hybrid_context_parallel), registered as 'hybrid_dp_cp_<size>'.
+_HYBRID_DP_CP_SIZES: list[int] = []
 # The scratch buffer of get_global_memory_buffer, made on first use; "destroyed" by destroy_global_memory_buffer.
 _MEMORY_BUFFER: dict = {"buffer": None, "destroyed": False}
 
