@@ -9,6 +9,7 @@ starts; exit 0 after the last) and ``no fault`` if a loop ends without one (exit
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -77,6 +78,9 @@ def launch(log_dir: Path, cases: list[str]) -> int:
         fault, delay, *start = case.split(":")
         pid = os.fork()
         if pid == 0:
+            # A training process in the foreground turns SIGINT into KeyboardInterrupt; a shell that starts a job in
+            # the background (as CI runners may) leaves SIGINT ignored, and Python then installs no handler.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             log = os.open(log_dir / f"{fault}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(log, 1)
             os.dup2(log, 2)
