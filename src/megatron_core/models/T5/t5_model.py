@@ -22,7 +22,6 @@ from megatron_core.models.common.embeddings.language_model_embedding import Lang
 from megatron_core.models.common.embeddings.relative_pos_embedding import RelativePositionEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
-from megatron_core.process_groups_config import check_parallel_size
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec
@@ -104,10 +103,7 @@ class T5Model(LanguageModule):
     ) -> None:
         super().__init__(config, pg_collection=pg_collection)
         _check_arguments(vocab_size, max_sequence_length, position_embedding_type, add_encoder, add_decoder)
-        tp_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
-        if vocab_size % tp_size != 0:
-            raise ValueError(f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel group size "
-                             f"({tp_size}); pad it with megatron_core.tensor_parallel.pad_vocab_size")
+        self._check_vocab_split(vocab_size)
         self.config = config
         self.encoder_config = encoder_config
         self.transformer_encoder_layer_spec = transformer_encoder_layer_spec

@@ -28,7 +28,6 @@ from megatron_core.models.bert.pooler import Pooler
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
-from megatron_core.process_groups_config import check_parallel_size
 from megatron_core.transformer.attention import SelfAttentionSubmodules
 from megatron_core.transformer.dot_product_attention import DotProductAttention
 from megatron_core.transformer.enums import AttnBackend, AttnMaskType, ModelType
@@ -78,10 +77,7 @@ class BertModel(LanguageModule):
         if return_embeddings and not (post_process and add_binary_head):
             raise ValueError(f"BertModel return_embeddings=True needs post_process=True and add_binary_head=True, "
                              f"got post_process={post_process}, add_binary_head={add_binary_head}")
-        tp_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
-        if vocab_size % tp_size != 0:
-            raise ValueError(f"BertModel vocab_size ({vocab_size}) must be divisible by the tensor-parallel group "
-                             f"size ({tp_size}); pad it with megatron_core.tensor_parallel.pad_vocab_size")
+        self._check_vocab_split(vocab_size)
 
         self.transformer_layer_spec = transformer_layer_spec
         self.num_tokentypes = num_tokentypes

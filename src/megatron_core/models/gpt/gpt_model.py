@@ -20,7 +20,6 @@ from megatron_core.models.common.embeddings.language_model_embedding import Lang
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
-from megatron_core.process_groups_config import check_parallel_size
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
@@ -70,13 +69,7 @@ class GPTModel(LanguageModule):
             )
         _check_model_sizes(vocab_size, max_sequence_length)
         # Every part gets the same groups (self.pg_collection: the argument, else parallel_state's).
-        tp_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
-        if vocab_size % tp_size != 0:
-            raise ValueError(
-                f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel group size "
-                f"({tp_size}); pad it with megatron_core.tensor_parallel.pad_vocab_size"
-                f"({vocab_size}, make_vocab_size_divisible_by, {tp_size})"
-            )
+        self._check_vocab_split(vocab_size)
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length

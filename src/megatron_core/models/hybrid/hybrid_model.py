@@ -26,7 +26,6 @@ from megatron_core.models.hybrid.hybrid_layer_allocation import (
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_size
 
 __all__ = ["HybridModel"]
 
@@ -91,9 +90,7 @@ class HybridModel(LanguageModule):
         if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type ({position_embedding_type!r}) must be one of "
                              f"{list(_POSITION_EMBEDDING_TYPES)}")
-        tp_size = get_pg_size(self.tp_group)
-        if vocab_size % tp_size:
-            raise ValueError(f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size ({tp_size})")
+        self._check_vocab_split(vocab_size)
         pattern = _resolve_pattern(config, hybrid_layer_pattern, hybrid_attention_ratio, hybrid_mlp_ratio,
                                    hybrid_override_pattern)
         parsed = parse_hybrid_pattern(pattern)

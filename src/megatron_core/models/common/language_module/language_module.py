@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_core import parallel_state, tensor_parallel
 from megatron_core.device import get_current_device
 from megatron_core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.multi_token_prediction import tie_word_embeddings_state_dict
 from megatron_core.transformer.transformer_config import TransformerConfig
@@ -42,6 +42,16 @@ class LanguageModule(MegatronModule):
         self.post_process = True
         self.share_embeddings_and_output_weights = False
         self.fp16_lm_cross_entropy = False
+
+    def _check_vocab_split(self, vocab_size: int) -> None:
+        """The vocabulary is split over the TP group (its size checked against the config): it must divide evenly."""
+        tp_size = check_parallel_size(self.config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
+        if vocab_size % tp_size != 0:
+            raise ValueError(
+                f"{type(self).__name__} vocab_size ({vocab_size}) must be divisible by the tensor-parallel group size "
+                f"({tp_size}); pad it with megatron_core.tensor_parallel.pad_vocab_size"
+                f"({vocab_size}, make_vocab_size_divisible_by, {tp_size})"
+            )
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy ``[b, s]`` from ``labels`` ``[b, s]`` and vocab-parallel ``logits`` ``[s, b, V/TP]``."""
