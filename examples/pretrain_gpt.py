@@ -35,6 +35,7 @@ from gpt_training.metrics import flops_per_token, peak_flops  # noqa: E402
 from gpt_training.model_builder import build_model, count_parameters, transformer_config_from_args  # noqa: E402
 from gpt_training.upcycling import upcycle_dense_checkpoint  # noqa: E402
 from megatron_core import parallel_state  # noqa: E402
+from megatron_core.command_line import run_command  # noqa: E402
 from megatron_core.models.common.model_builder import configure_model_hooks  # noqa: E402
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
@@ -131,13 +132,39 @@ def setup(args: argparse.Namespace) -> TrainingSetup:
                          vocab_size)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse flags, build everything, train, evaluate and checkpoint."""
+PROG = "pretrain_gpt.py"
+
+
+def _prepare(argv: list[str] | None, prepared: dict) -> None:
+    """Flags, process groups and everything :func:`setup` builds, into ``prepared``; user errors raise."""
     args = build_parser().parse_args(argv)
     rank, world_size = init_distributed(args.distributed_timeout_minutes)
+    prepared.update(rank=rank, world_size=world_size)
     args = validate_args(args, world_size)
     logger = TrainingLogger(args, rank)
-    run = setup(args)
+    prepared.update(args=args, logger=logger, run=setup(args))
+
+
+def _tear_down() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, build everything, train, checkpoint and evaluate; returns the exit status.
+
+    A bad flag, path or checkpoint ends the run before training with one line and status 2
+    (:func:`megatron_core.command_line.run_command`); failures while training keep their traceback.
+    """
+    prepared: dict = {}
+    status = run_command(PROG, lambda: _prepare(argv, prepared))
+    if status:
+        _tear_down()
+        return status
+    args, logger, run = prepared["args"], prepared["logger"], prepared["run"]
+    rank, world_size = prepared["rank"], prepared["world_size"]
     logger.info(
         f"world {world_size} = tp {args.tensor_model_parallel_size} x pp {args.pipeline_model_parallel_size} x "
         f"cp {args.context_parallel_size} x "
@@ -158,17 +185,18 @@ def main(argv: list[str] | None = None) -> None:
                       run.valid_data_iterator, logger, run.checkpointer)
     final = trainer.train(run.iteration, flops_per_token(args, run.vocab_size), peak_flops())
     if final >= args.train_iters:
-        if not args.eval_interval or final % args.eval_interval != 0:
-            logger.log(final, {"validation loss": trainer.evaluate()}, kind="valid")
+        # The trained state is saved first: nothing after training (the final evaluation) can lose it.
         if args.save and not (args.save_interval and final % args.save_interval == 0):
             run.checkpointer.save(final)
+        if args.eval_iters > 0 and (not args.eval_interval or final % args.eval_interval != 0):
+            logger.log(final, {"validation loss": trainer.evaluate()}, kind="valid")
     if get_moe_router_tracer() is not None:
         get_moe_router_tracer().flush()
     run.checkpointer.finalize()
     logger.close()
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    _tear_down()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

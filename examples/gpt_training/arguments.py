@@ -378,5 +378,22 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(args.mtp_num_layers is None or args.mtp_num_layers >= 1,
              f"--mtp-num-layers ({args.mtp_num_layers}) must be >= 1")
     validate_upcycling_args(args)
+    _validate_counts(args)
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    _require(args.lr_warmup_iters < args.lr_decay_iters,
+             f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
+             f"({args.lr_decay_iters}; it defaults to --train-iters)")
     return args
+
+
+def _validate_counts(args: argparse.Namespace) -> None:
+    """Step counts and intervals: positive where they divide, ``--eval-iters 0`` meaning no evaluation."""
+    for name in ("eval_iters", "eval_interval", "lr_warmup_iters", "num_workers"):
+        value = getattr(args, name)
+        _require(value is None or value >= 0, f"--{name.replace('_', '-')} ({value}) must be >= 0")
+    for name in ("train_iters", "micro_batch_size", "log_interval", "save_interval", "lr_decay_iters", "lr_wsd_decay_iters"):
+        value = getattr(args, name)
+        _require(value is None or value >= 1, f"--{name.replace('_', '-')} ({value}) must be >= 1")
+    _require(args.lr >= 0 and args.min_lr >= 0, f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must be >= 0")
+    if args.eval_iters == 0:  # no evaluation at all, neither periodic nor at the end
+        args.eval_interval = 0

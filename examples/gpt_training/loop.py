@@ -336,7 +336,7 @@ class Trainer:
                 self.logger.log(iteration, record)
                 window_start, window_steps, self.settled_in_window = time.time(), 0, []
             self._collect_garbage(iteration)
-            if args.eval_interval and iteration % args.eval_interval == 0:
+            if args.eval_interval and args.eval_iters > 0 and iteration % args.eval_interval == 0:
                 self._collect_garbage()
                 self.logger.log(iteration, {"validation loss": self.evaluate()}, kind="valid")
                 self._collect_garbage()
