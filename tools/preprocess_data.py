@@ -9,7 +9,9 @@ Example::
 The logic lives in ``megatron_core.datasets.preprocess_data``.
 """
 
+import sys
+
 from megatron_core.datasets.preprocess_data import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Callable
 
-__all__ = ["TRACEBACK_ENV", "UsageError", "is_user_error", "run_command"]
+__all__ = ["TRACEBACK_ENV", "UsageError", "is_user_error", "one_line", "run_command"]
 
 TRACEBACK_ENV = "MEGATRON_CLI_TRACEBACK"
 
@@ -24,17 +24,19 @@ class UsageError(Exception):
     """An error the user can fix by changing the command line or the files it names."""
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    # ValueError covers the configs' validation, JSON and Unicode decoding, HFConversionError; OSError covers
-    # missing, unreadable and unwritable paths and a full disk; ImportError a missing optional extra.
-    from megatron_core.dist_checkpointing.core import CheckpointingException
-
-    return (UsageError, ValueError, OSError, ImportError, CheckpointingException)
+_USER_ERRORS: tuple[type[BaseException], ...] = (UsageError, ValueError, OSError, ImportError)
+# ValueError covers the configs' validation, JSON and Unicode decoding and HFConversionError; OSError missing,
+# unreadable and unwritable paths and a full disk; ImportError a missing optional extra. A checkpoint that does
+# not fit is a CheckpointingException, recognised by name: importing dist_checkpointing here would load it (and
+# torch's distributed modules) for every tool.
+_CHECKPOINT_ERROR = ("megatron_core.dist_checkpointing.core", "CheckpointingException")
 
 
 def is_user_error(error: BaseException) -> bool:
     """True for the exception types :func:`run_command` reports as one line with exit status 2."""
-    return isinstance(error, _user_error_types())
+    if isinstance(error, _USER_ERRORS):
+        return True
+    return any((cls.__module__, cls.__name__) == _CHECKPOINT_ERROR for cls in type(error).__mro__)
 
 
 def one_line(error: BaseException) -> str:

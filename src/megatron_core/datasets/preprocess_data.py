@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from megatron_core.command_line import run_command
 from megatron_core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron_core.datasets.preprocess_input import BadRecordError, parse_record, read_records
 from megatron_core.datasets.tokenizers.build import TOKENIZER_TYPES, build_tokenizer
@@ -190,11 +191,30 @@ def _check_args(args: argparse.Namespace) -> None:
     build_tokenizer(**_tokenizer_options(args))
 
 
+def _publish(staged: str, prefix: str, keys: list[str], level: str) -> None:
+    """Move the finished ``staged`` pairs to ``prefix``: old ``.idx`` out, new ``.bin`` in, new ``.idx`` last.
+
+    Every moment a reader either finds a complete pair (old or new) or a ``.bin`` without its
+    ``.idx``, which refuses to open: never a new ``.bin`` read through an old ``.idx``.
+    """
+    for key in keys:
+        source, target = _output_prefix(staged, key, level), _output_prefix(prefix, key, level)
+        for path in (get_bin_path(source), get_idx_path(source)):
+            with open(path, "rb") as stream:
+                os.fsync(stream.fileno())
+        if os.path.lexists(get_idx_path(target)):
+            os.unlink(get_idx_path(target))
+        os.replace(get_bin_path(source), get_bin_path(target))
+        os.replace(get_idx_path(source), get_idx_path(target))
+
+
 def preprocess(args: argparse.Namespace) -> list[str]:
     """Run the conversion; returns the output prefixes written (one per JSON key).
 
-    Partitions are encoded one after the other, each with all ``--workers`` processes, and then
-    merged in partition order.
+    Everything is written into a temporary directory beside the outputs and moved into place only
+    when the whole input was encoded (:func:`_publish`): a failure leaves earlier outputs of the same
+    prefix as they were and removes the temporary files. Partitions are encoded one after the other,
+    each with all ``--workers`` processes, and then merged in partition order.
     """
     _check_args(args)
     output_directory = os.path.dirname(os.path.abspath(args.output_prefix))
@@ -202,24 +222,26 @@ def preprocess(args: argparse.Namespace) -> list[str]:
     level = "sentence" if args.split_sentences else "document"
     outputs = [_output_prefix(args.output_prefix, key, level) for key in args.json_keys]
     progress = _Progress(args.log_interval)
-    if args.partitions == 1:
-        _encode_partition(args, read_records(args.input, args.json_keys), args.output_prefix, progress)
-    else:
-        temporary = tempfile.mkdtemp(dir=output_directory, prefix=".preprocess-")
-        try:
+    temporary = tempfile.mkdtemp(dir=output_directory, prefix=".preprocess-")
+    try:
+        staged = os.path.join(temporary, "output")
+        if args.partitions == 1:
+            _encode_partition(args, read_records(args.input, args.json_keys), staged, progress)
+        else:
             parts = [os.path.join(temporary, f"part{index}") for index in range(args.partitions)]
             for index, prefix in enumerate(parts):
                 records = read_records(args.input, args.json_keys, index, args.partitions)
                 _encode_partition(args, records, prefix, progress)
             dtype = DType.optimal_dtype(build_tokenizer(**_tokenizer_options(args)).vocab_size)
-            for key, final in zip(args.json_keys, outputs):
-                builder = IndexedDatasetBuilder(get_bin_path(final), dtype=dtype)
+            for key in args.json_keys:
+                builder = IndexedDatasetBuilder(get_bin_path(_output_prefix(staged, key, level)), dtype=dtype)
                 for prefix in parts:
                     builder.add_index(_output_prefix(prefix, key, level))
-                builder.finalize(get_idx_path(final))
-        finally:
-            shutil.rmtree(temporary, ignore_errors=True)
-    progress.close()
+                builder.finalize(get_idx_path(_output_prefix(staged, key, level)))
+        _publish(staged, args.output_prefix, args.json_keys, level)
+    finally:
+        progress.close()
+        shutil.rmtree(temporary, ignore_errors=True)
     summary = progress.line()
     if progress.skipped:
         summary += f" Skipped {progress.skipped} bad record(s)."
@@ -264,14 +286,17 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point; bad input exits with a one-line error instead of a traceback."""
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; a user error exits with status 2 and one line (:mod:`megatron_core.command_line`)."""
     started = time.time()
-    try:
-        prefixes = preprocess(get_args(argv))
-    except (ValueError, OSError, ImportError) as error:
-        raise SystemExit(f"preprocess_data: error: {error}") from error
-    print(f"Wrote {', '.join(prefixes)} in {time.time() - started:.1f} s", file=sys.stderr)
+    args = get_args(argv)
+
+    def body() -> None:
+        prefixes = preprocess(args)
+        print(f"Wrote {', '.join(prefixes)} in {time.time() - started:.1f} s", file=sys.stderr)
+
+    return run_command("megatron-preprocess-data", body)
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

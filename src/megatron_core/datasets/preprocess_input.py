@@ -1,7 +1,7 @@
 """Input side of ``preprocess_data``: numbered records from JSONL or Parquet files, and their parsing.
 
-A record is ``(number, payload)``: for JSONL the 1-based line number and the raw line (parsed in the
-worker, so a malformed line is reported with its number), for Parquet the 1-based row number and a
+A record is ``(number, payload)``: for JSONL the 1-based line number and the raw line's bytes (decoded
+and parsed in the worker, so a malformed or non-UTF-8 line is reported with its number), for Parquet the 1-based row number and a
 dict of the requested columns. Blank JSONL lines are ignored. Partitioning deals records round-robin
 by number, as Megatron-LM's tool deals lines into its partition files. ``pyarrow`` (Parquet only) is
 imported here, lazily, and nowhere else.
@@ -36,12 +36,12 @@ def is_parquet(path: str) -> bool:
 
 def read_records(
     path: str, json_keys: list[str], partition: int = 0, partitions: int = 1
-) -> Iterator[tuple[int, str | dict[str, Any]]]:
+) -> Iterator[tuple[int, bytes | dict[str, Any]]]:
     """Records of ``path`` whose ``(number - 1) % partitions == partition``."""
     if is_parquet(path):
         yield from _read_parquet(path, json_keys, partition, partitions)
         return
-    with open(path, encoding="utf-8") as stream:
+    with open(path, "rb") as stream:  # decoded per line, so a line that is not UTF-8 is reported by number
         for number, line in enumerate(stream, start=1):
             if (number - 1) % partitions == partition and line.strip():
                 yield number, line
@@ -63,8 +63,13 @@ def _read_parquet(
                 yield number, row
 
 
-def parse_record(payload: str | dict[str, Any], json_keys: list[str]) -> tuple[dict[str, str], int]:
+def parse_record(payload: bytes | str | dict[str, Any], json_keys: list[str]) -> tuple[dict[str, str], int]:
     """The texts under ``json_keys`` and the payload's size in bytes; raises ``BadRecordError``."""
+    if isinstance(payload, bytes):
+        try:
+            payload = payload.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise BadRecordError(f"not UTF-8 text (byte {error.start + 1} of the line); is the input binary?") from None
     if isinstance(payload, str):
         size = len(payload.encode("utf-8"))
         try:
