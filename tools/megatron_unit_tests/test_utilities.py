@@ -4,7 +4,8 @@
 Megatron-LM's unit tests. ``Utils`` keeps the original's interface: ``world_size``/``rank`` from the
 environment (one process by default), ``initialize_distributed`` (gloo on a file store),
 ``initialize_model_parallel`` (skips the test when the requested layout does not fit the world),
-``destroy_model_parallel`` and ``set_world_size``.
+``fake_initialize_model_parallel`` (sizes set through the public setters), ``destroy_model_parallel`` and
+``set_world_size``.
 """
 
 from __future__ import annotations
@@ -96,6 +97,15 @@ class Utils:
         Utils.inited = True
 
     @staticmethod
-    def fake_initialize_model_parallel(*args, **kwargs) -> None:
-        """Not provided: the tests that use it are skipped."""
-        pytest.skip("fake_initialize_model_parallel is not provided by the CPU harness")
+    def fake_initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                                       virtual_pipeline_model_parallel_size: int | None = None,
+                                       expert_model_parallel_size: int = 1) -> None:
+        """Set the sizes (ranks 0) through ``parallel_state``'s public setters, without creating groups."""
+        ps.set_tensor_model_parallel_world_size(tensor_model_parallel_size)
+        ps.set_tensor_model_parallel_rank(0)
+        ps.set_expert_model_parallel_world_size(expert_model_parallel_size)
+        ps.set_expert_model_parallel_rank(0)
+        if virtual_pipeline_model_parallel_size is not None:
+            ps.set_virtual_pipeline_model_parallel_world_size(virtual_pipeline_model_parallel_size)
+        ps.set_virtual_pipeline_model_parallel_rank(0)
+        ps.set_pipeline_model_parallel_world_size(pipeline_model_parallel_size)

@@ -58,6 +58,18 @@ from megatron_core.parallel_state.expert_groups import (
 from megatron_core.parallel_state.expert_groups import (
     get_expert_tensor_parallel_world_size as get_expert_tensor_parallel_world_size,
 )
+from megatron_core.parallel_state.expert_groups import (
+    set_expert_model_parallel_rank as set_expert_model_parallel_rank,
+)
+from megatron_core.parallel_state.expert_groups import (
+    set_expert_model_parallel_world_size as set_expert_model_parallel_world_size,
+)
+from megatron_core.parallel_state.expert_groups import (
+    set_expert_tensor_parallel_rank as set_expert_tensor_parallel_rank,
+)
+from megatron_core.parallel_state.expert_groups import (
+    set_expert_tensor_parallel_world_size as set_expert_tensor_parallel_world_size,
+)
 from megatron_core.parallel_state.extras import create_all_gather_groups as create_all_gather_groups
 from megatron_core.parallel_state.extras import create_group as create_group
 from megatron_core.parallel_state.extras import destroy_global_memory_buffer as destroy_global_memory_buffer

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-from megatron_core.parallel_state.registry import _GROUPS, _group, _rank, _world_size, get_group_ranks
+from megatron_core.parallel_state.registry import (
+    _GROUPS,
+    _OVERRIDES,
+    _group,
+    _rank,
+    _world_size,
+    get_group_ranks,
+)
 
 
 def _refuse_partial_expert_dp(partial_expert_data_parallel: bool) -> None:
     if partial_expert_data_parallel:
         raise NotImplementedError("partial expert data parallel groups need num_distributed_optimizer_instances > 1, "
                                   "which is not supported; pass partial_expert_data_parallel=False")
+
+
+def _set_override(key: str, value: int | None) -> None:
+    if value is None:
+        _OVERRIDES.pop(key, None)
+    else:
+        _OVERRIDES[key] = value
 
 
 # --- experts ---------------------------------------------------------------------------------
@@ -18,13 +32,27 @@ def get_expert_model_parallel_group(check_initialized: bool = True):
 
 
 def get_expert_model_parallel_world_size() -> int:
-    """Size of the expert-parallel group."""
+    """Size of the expert-parallel group (the value of :func:`set_expert_model_parallel_world_size` if set)."""
+    if "ep_world_size" in _OVERRIDES:
+        return _OVERRIDES["ep_world_size"]
     return _world_size("ep") if "ep" in _GROUPS else 1
 
 
+def set_expert_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the expert-parallel size (for code without groups); ``None`` drops the override."""
+    _set_override("ep_world_size", world_size)
+
+
 def get_expert_model_parallel_rank() -> int:
-    """Rank within the expert-parallel group."""
+    """Rank within the expert-parallel group (the value of :func:`set_expert_model_parallel_rank` if set)."""
+    if "ep_rank" in _OVERRIDES:
+        return _OVERRIDES["ep_rank"]
     return _rank("ep") if "ep" in _GROUPS else 0
+
+
+def set_expert_model_parallel_rank(rank: int | None) -> None:
+    """Override the expert-parallel rank (for code without groups); ``None`` drops the override."""
+    _set_override("ep_rank", rank)
 
 
 def get_expert_model_parallel_src_rank() -> int:
@@ -38,13 +66,39 @@ def get_expert_tensor_parallel_group(check_initialized: bool = True):
 
 
 def get_expert_tensor_parallel_world_size() -> int:
-    """Size of the expert tensor-parallel group."""
-    return _world_size("expt_tp") if "expt_tp" in _GROUPS else 1
+    """Size of the expert tensor-parallel group.
+
+    The value of :func:`set_expert_tensor_parallel_world_size` if set; without the group, the tensor-parallel
+    size override (as in Megatron-Core), else 1.
+    """
+    if "etp_world_size" in _OVERRIDES:
+        return _OVERRIDES["etp_world_size"]
+    if "expt_tp" in _GROUPS:
+        return _world_size("expt_tp")
+    return _OVERRIDES.get("tp_world_size", 1)
+
+
+def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
+    """Override the expert tensor-parallel size (for code without groups); ``None`` drops the override."""
+    _set_override("etp_world_size", world_size)
 
 
 def get_expert_tensor_parallel_rank() -> int:
-    """Rank within the expert tensor-parallel group."""
-    return _rank("expt_tp") if "expt_tp" in _GROUPS else 0
+    """Rank within the expert tensor-parallel group.
+
+    The value of :func:`set_expert_tensor_parallel_rank` if set; without the group, the tensor-parallel rank
+    override (as in Megatron-Core), else 0.
+    """
+    if "etp_rank" in _OVERRIDES:
+        return _OVERRIDES["etp_rank"]
+    if "expt_tp" in _GROUPS:
+        return _rank("expt_tp")
+    return _OVERRIDES.get("tp_rank", 0)
+
+
+def set_expert_tensor_parallel_rank(rank: int | None) -> None:
+    """Override the expert tensor-parallel rank (for code without groups); ``None`` drops the override."""
+    _set_override("etp_rank", rank)
 
 
 def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True):
