@@ -54,6 +54,16 @@ class MambaLayer(MegatronModule):
         """The mixer's per-sequence convolution and SSM state shapes."""
         return self.mixer.mamba_state_shapes_per_request()
 
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype the mixer's projections hold: ``config.params_dtype`` until the module is cast.
+
+        Megatron-Core casts the layer input to ``config.params_dtype``; after a plain ``.to(torch.bfloat16)``
+        of a model built in fp32 that would feed fp32 activations to bf16 weights, so the input follows
+        the weights instead (identical whenever the two agree).
+        """
+        weight = getattr(getattr(self.mixer, "in_proj", None), "weight", None)
+        return weight.dtype if isinstance(weight, torch.Tensor) else self.config.params_dtype
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 inference_context: Any = None, rotary_pos_emb: torch.Tensor | None = None, *,
                 inference_params: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -61,7 +71,7 @@ class MambaLayer(MegatronModule):
         residual = hidden_states
         if self.config.fp32_residual_connection:
             residual = residual.float()
-        hidden_states = hidden_states.to(dtype=self.config.params_dtype)
+        hidden_states = hidden_states.to(dtype=self._compute_dtype())
         hidden_states = self.norm(hidden_states)
         out_with_bias = self.mixer(hidden_states, inference_context=inference_context,
                                    inference_params=inference_params, packed_seq_params=packed_seq_params)
