@@ -1,6 +1,6 @@
 """Model and batch helpers that training loops import from ``megatron_core.utils`` (re-exported there).
 
-``unwrap_model`` is the one implementation of "strip DDP/Float16Module wrappers" in the library.
+``unwrap_model`` lives on the ground floor (``_ground.wrappers``); it is re-exported here for older imports.
 """
 
 from __future__ import annotations
@@ -14,40 +14,6 @@ import torch
 from megatron_core import device
 
 logger = logging.getLogger(__name__)
-
-
-def _default_wrapper_types() -> tuple[type, ...]:
-    from megatron_core.distributed import (
-        DistributedDataParallel,  # lazy-import: the wrapper types unwrap_model knows
-    )
-    from megatron_core.transformer.module import (
-        Float16Module,  # lazy-import: the wrapper types unwrap_model knows
-    )
-
-    types: list[type] = [DistributedDataParallel, Float16Module]
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        types.append(FullyShardedDataParallel)
-    except ImportError:  # pragma: no cover - torch without FSDP
-        pass
-    return tuple(types)
-
-
-def unwrap_model(model: Any, module_instances: type | tuple[type, ...] | None = None) -> Any:
-    """Strip wrappers (default: DDP, FSDP, Float16Module) from a model or a list of model chunks.
-
-    Follows ``.module`` while the object is an instance of ``module_instances``; a list in gives a list out.
-    """
-    if module_instances is None:
-        module_instances = _default_wrapper_types()
-    chunks = model if isinstance(model, list) else [model]
-    unwrapped = []
-    for chunk in chunks:
-        while isinstance(chunk, module_instances):
-            chunk = chunk.module
-        unwrapped.append(chunk)
-    return unwrapped if isinstance(model, list) else unwrapped[0]
 
 
 def _param_hash(param: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,10 @@ from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from megatron_core import parallel_state
-from megatron_core.utils import get_pg_size
+from megatron_core._ground import get_pg_size
 
 __all__ = [
     "MultiModuleProcessGroupCollection",
@@ -126,6 +128,26 @@ def resolve_process_group(role: str, pg_collection: Any = None, group: Any = Non
     if pg_collection is not None:
         return getattr(pg_collection, role, None)
     return _GROUP_GETTERS[role]()
+
+
+def get_tensor_model_parallel_group_if_none(
+    tp_group: Any = None, is_expert: bool = False, check_initialized: bool = True
+) -> Any:
+    """Megatron-Core's helper: ``tp_group``, else the (expert) TP group of ``parallel_state``.
+
+    ``None`` before ``torch.distributed`` is initialised. Otherwise the lookup is
+    :func:`resolve_process_group`; when it finds no group, ``check_initialized=True`` raises
+    ``parallel_state``'s "not initialized" error, as Megatron-Core does, and
+    ``check_initialized=False`` returns ``None`` (no TP, size 1).
+    """
+    if not torch.distributed.is_initialized():
+        return None
+    group = resolve_process_group("expt_tp" if is_expert else "tp", group=tp_group)
+    if group is None and check_initialized:
+        getter = (parallel_state.get_expert_tensor_parallel_group if is_expert
+                  else parallel_state.get_tensor_model_parallel_group)
+        getter(check_initialized=True)
+    return group
 
 
 def resolve_pg_collection(pg_collection: Any = None, required_pgs: list[str] | None = None) -> Any:

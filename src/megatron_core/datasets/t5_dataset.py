@@ -19,10 +19,10 @@ import numpy
 import torch
 from packaging.version import Version
 
+from megatron_core._version_utils import get_te_version
 from megatron_core.datasets.indexed_dataset import IndexedDataset
 from megatron_core.datasets.masked_dataset import MaskedWordPieceDataset, MaskedWordPieceDatasetConfig
 from megatron_core.datasets.utils import Split
-from megatron_core.utils import get_te_version
 
 __all__ = ["T5MaskedWordPieceDataset", "T5MaskedWordPieceDatasetConfig"]
 

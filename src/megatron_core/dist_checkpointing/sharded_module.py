@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.dist_checkpointing.mapping import ReplicaId, ShardedObject, ShardedStateDict, ShardedTensor
 from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 EXTRA_STATE_SUFFIX = "_extra_state"
 

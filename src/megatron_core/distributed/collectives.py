@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron_core.utils import get_pg_rank, get_pg_size
+from megatron_core._ground import get_pg_rank, get_pg_size
 
 # torch >= 2.13 renames the single-tensor collectives and deprecates the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state
+from megatron_core._ground import get_pg_size, register_wrapper
 from megatron_core.device import get_current_device
 from megatron_core.distributed import collectives
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
@@ -29,7 +30,6 @@ from megatron_core.distributed.param_and_grad_buffer import (
 )
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.wgrad_accumulation import BACKWARD_ADDS_TO_MAIN_GRAD
-from megatron_core.utils import get_pg_size
 
 
 def _ddp_groups(pg_collection: Any) -> tuple[Any, Any]:
@@ -42,6 +42,7 @@ def _ddp_groups(pg_collection: Any) -> tuple[Any, Any]:
             collectives.local_if_none(resolve_process_group("expt_dp", pg_collection)))
 
 
+@register_wrapper
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module`` so its gradients are reduced across data parallel ranks in buckets.
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank, get_pg_size, unwrap_model
 from megatron_core._wrapped_model import submodules_with_attribute
 from megatron_core.distributed import collectives
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_rank, get_pg_size, unwrap_model
 
 
 def _model_config(model_chunk: torch.nn.Module) -> Any:

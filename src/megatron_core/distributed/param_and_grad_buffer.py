@@ -22,10 +22,10 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.distributed import collectives
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_core.tensor_parallel.wgrad_accumulation import expect_first_write, zero_pending_first_writes
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 _PARAM_START_ALIGNMENT = 64
 _HIGH_BUSBW_PADDING = 2**16

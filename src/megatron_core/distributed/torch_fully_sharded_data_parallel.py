@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_core._ground import get_pg_size, unwrap_model
 from megatron_core.device import get_current_device
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_core.distributed.torch_fully_sharded_data_parallel_checkpoint import (
@@ -33,7 +34,6 @@ from megatron_core.distributed.torch_fully_sharded_data_parallel_checkpoint impo
     local_row_range,
 )
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_size, unwrap_model
 
 try:
     from torch.distributed.device_mesh import DeviceMesh

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_size
 from megatron_core.extensions._te_loader import HAVE_TE, LazyTEModule, import_te
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_size
 
 
 def _tp_group(tp_group: Any, is_expert: bool = False, pg_collection: Any = None) -> Any:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.jit import jit_fuser
-from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
+from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.mappings import _all_reduce_
 from megatron_core.tensor_parallel.utils import VocabUtility
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["fused_vocab_parallel_cross_entropy"]
 
@@ -85,5 +85,5 @@ def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, targ
             f"logits of shape {tuple(vocab_parallel_logits.shape)} do not match target of shape "
             f"{tuple(target.shape)}: expected logits [*target.shape, V / TP]"
         )
-    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    tp_group = resolve_tp_group(tp_group)
     return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group)

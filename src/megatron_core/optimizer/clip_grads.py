@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_core._ground import get_pg_rank
 from megatron_core.distributed import collectives
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.module import param_is_not_shared as param_is_not_shared
-from megatron_core.utils import get_pg_rank
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.nn.Parameter, tp_rank: int) -> bool:

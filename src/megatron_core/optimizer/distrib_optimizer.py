@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import cuda_available
 from megatron_core.dist_checkpointing.optimizer import dp_flat_shard_to_full, full_to_dp_flat_shard
 from megatron_core.distributed import collectives
@@ -43,7 +44,6 @@ from megatron_core.optimizer.optimizer import MixedPrecisionOptimizer, copy_para
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.optimizer.precision_aware_adam import PrecisionAwareAdam
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 
 @dataclass(frozen=True)

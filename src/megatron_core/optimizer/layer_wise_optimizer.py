@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.dist_checkpointing.dict_utils import nested_values
 from megatron_core.distributed import collectives
 from megatron_core.optimizer.chained_optimizer import ChainedOptimizer
@@ -28,7 +29,6 @@ from megatron_core.optimizer.optimizer import (
 )
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 logger = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank
 from megatron_core.distributed import collectives
 from megatron_core.optimizer.checkpoint_state import (
     ParamStateEntry,
@@ -43,7 +44,6 @@ from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.optimizer_param_scheduler import ParamGroupOverride
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_rank
 
 _MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.optimizer.param_keys import ParamKey
 from megatron_core.optimizer_param_scheduler import (
@@ -29,7 +30,6 @@ from megatron_core.optimizer_param_scheduler import (
     combine_param_group_overrides,
     param_group_override_to_tuple,
 )
-from megatron_core.utils import get_pg_rank
 
 ParamCondition = Callable[[str, torch.nn.Parameter], bool]
 

@@ -20,9 +20,9 @@ import torch
 from torch.autograd import Variable
 
 from megatron_core import device
+from megatron_core._ground import get_pg_size
 from megatron_core._wrapped_model import get_attr_wrapped_model
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_size
 
 
 def deallocate_output_tensor(out: torch.Tensor | None, deallocate_pipeline_outputs: bool = False) -> None:

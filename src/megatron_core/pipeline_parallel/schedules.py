@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_core import parallel_state
+from megatron_core._ground import get_pg_size
 from megatron_core._wrapped_model import get_attr_wrapped_model, get_model_config
 from megatron_core.pipeline_parallel.interleaved_schedule import (
     forward_backward_pipelining_with_interleaving,
@@ -39,7 +40,6 @@ from megatron_core.pipeline_parallel.microbatch_step import (
     resolve_communicator,
 )
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_size
 
 __all__ = [
     "backward_step",

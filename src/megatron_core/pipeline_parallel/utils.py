@@ -26,13 +26,13 @@ __all__ = [
 
 
 def _rank(group: torch.distributed.ProcessGroup | None) -> int:
-    from megatron_core.utils import get_pg_rank
+    from megatron_core._ground import get_pg_rank
 
     return get_pg_rank(group)
 
 
 def _size(group: torch.distributed.ProcessGroup | None) -> int:
-    from megatron_core.utils import get_pg_size
+    from megatron_core._ground import get_pg_size
 
     return get_pg_size(group)
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from megatron_core import parallel_state
+from megatron_core._ground import get_pg_size, unwrap_model
 from megatron_core.resharding.copy_services.base import CopyService
 from megatron_core.resharding.copy_services.gloo_copy_service import GlooCopyService
 from megatron_core.resharding.copy_services.nccl_copy_service import NCCLCopyService
@@ -27,7 +28,6 @@ from megatron_core.resharding.utils import (
     invalidate_refit_tensor_cache,
     named_persistent_buffers,
 )
-from megatron_core.utils import get_pg_size, unwrap_model
 
 __all__ = [
     "RefitBackendName",

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.dist_checkpointing.sharded_module import (
     make_sharded_tensors_for_checkpoint,
@@ -30,7 +31,6 @@ from megatron_core.tensor_parallel import get_cuda_rng_tracker
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["ExtendedRMSNorm", "MambaMixer", "MambaMixerSubmodules"]
 

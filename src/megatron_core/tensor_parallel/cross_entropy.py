@@ -14,12 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_core.tensor_parallel.groups import (
-    get_tensor_model_parallel_group_if_none,
-)
+from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.mappings import _all_reduce_
 from megatron_core.tensor_parallel.utils import VocabUtility
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 
 class VocabParallelCrossEntropy:
@@ -157,7 +155,7 @@ def vocab_parallel_cross_entropy(
             f"logits of shape {tuple(vocab_parallel_logits.shape)} do not match target of shape "
             f"{tuple(target.shape)}: expected logits [*target.shape, V / TP]"
         )
-    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    tp_group = resolve_tp_group(tp_group)
     if get_pg_size(tp_group) == 1:
         # The whole vocabulary is local: torch's fused log-softmax kernel, still computed in fp32.
         logits_2d = vocab_parallel_logits.float().reshape(-1, vocab_parallel_logits.size(-1))

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_core._ground import get_pg_rank
 from megatron_core.device import get_current_device
-from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
+from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.mappings import _broadcast_
-from megatron_core.utils import get_pg_rank
 
 _MAX_DATA_DIM = 5
 
@@ -63,7 +63,7 @@ def broadcast_data(
     tp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
     """Return ``{key: tensor}`` on every TP rank, as held by TP rank 0 (on the current device)."""
-    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    tp_group = resolve_tp_group(tp_group)
     shapes = _shapes_from_rank0(keys, data, datatype, tp_group)
     numels = {key: int(torch.Size(shape).numel()) for key, shape in shapes.items()}
     device = get_current_device()

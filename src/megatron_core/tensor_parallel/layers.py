@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.process_groups_config import check_parallel_size
@@ -46,7 +47,6 @@ from megatron_core.tensor_parallel.weight_init import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = [
     "ColumnParallelLinear",

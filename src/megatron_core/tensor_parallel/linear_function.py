@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_core._ground import get_pg_size
 from megatron_core.tensor_parallel.fused_gemv import fused_gemv, fused_gemv_supported
-from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
+from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.mappings import (
     _all_reduce,
     _gather_along_first_dim,
@@ -28,7 +29,6 @@ from megatron_core.tensor_parallel.wgrad_accumulation import (
     accumulate_weight_gradient,
     finish_fused_weight_gradient,
 )
-from megatron_core.utils import get_pg_size
 
 
 def _flatten_tokens(tensor: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,7 @@ def linear_with_grad_accumulation_and_async_allreduce(
         # One row without grad (a decode step at batch 1): a GEMV kernel that streams the weight faster than
         # cuBLAS. The forward has no communication here without sequence parallelism.
         return fused_gemv(input, weight, bias)
-    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    tp_group = resolve_tp_group(tp_group)
     if (get_pg_size(tp_group) == 1 and not gradient_accumulation_fusion and grad_output_buffer is None
             and not sequence_parallel):
         # Nothing to communicate or fuse: plain autograd, which torch.compile traces without a break.

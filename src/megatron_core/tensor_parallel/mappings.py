@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.tensor_parallel.groups import resolve_tp_group
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the former names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -10,11 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_core.tensor_parallel.groups import (
-    get_tensor_model_parallel_group_if_none,
-)
+from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.mappings import _gather_along_first_dim
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 
 def split_tensor_along_last_dim(
@@ -34,7 +32,7 @@ def split_tensor_into_1d_equal_chunks(
     tensor: torch.Tensor, new_buffer: bool = False, tp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """This TP rank's equal piece of ``tensor`` flattened to 1-D (a view unless ``new_buffer``)."""
-    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    tp_group = resolve_tp_group(tp_group)
     world_size = get_pg_size(tp_group)
     flat = tensor.reshape(-1)
     if flat.numel() % world_size != 0:
@@ -49,7 +47,7 @@ def split_tensor_into_1d_equal_chunks(
 
 def gather_split_1d_tensor(tensor: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-gather the 1-D chunks made by :func:`split_tensor_into_1d_equal_chunks` into one 1-D tensor."""
-    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    tp_group = resolve_tp_group(tp_group)
     return _gather_along_first_dim(tensor.reshape(-1), tp_group)
 
 

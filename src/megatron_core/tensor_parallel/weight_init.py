@@ -15,13 +15,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
+from megatron_core._ground import get_pg_rank
+from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.random import (
     _EXPERT_PARALLEL_RNG_TRACKER_NAME,
     _MODEL_PARALLEL_RNG_TRACKER_NAME,
     get_cuda_rng_tracker,
 )
-from megatron_core.utils import get_pg_rank
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
     "tensor_model_parallel": False,
@@ -40,7 +40,7 @@ def param_is_not_tensor_parallel_duplicate(
         return True
     is_expert = not getattr(param, "allreduce", True)
     group = expert_tp_group if is_expert else tp_group
-    group = get_tensor_model_parallel_group_if_none(group, is_expert=is_expert)
+    group = resolve_tp_group(group, is_expert=is_expert)
     return get_pg_rank(group) == 0
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core._ground import divide
 from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.fused_qkv_rope import fused_qkv_rope_supported, split_qkv_with_rope
@@ -26,7 +27,6 @@ from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb, rotary_cos_sin
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import divide
 
 
 @dataclass

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.transformer.attention_kernels import window_keep
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["context_parallel_max_logits", "max_logits", "update_running_max"]
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.transformer.attention_kernels import attend, block_backward, block_forward, window_keep
 from megatron_core.transformer.cp_mappings import (
     all_gather_sequence,
@@ -29,7 +30,6 @@ from megatron_core.transformer.cp_mappings import (
     ring_exchange,
     sequence_to_heads,
 )
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["CP_COMM_TYPES", "context_parallel_attention"]
 

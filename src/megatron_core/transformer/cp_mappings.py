@@ -14,12 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.tensor_parallel.mappings import (
     _all_to_all_single,
     _gather_along_first_dim,
     _reduce_scatter_along_first_dim,
 )
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["all_gather_sequence", "heads_to_sequence", "ring_exchange", "sequence_to_heads"]
 

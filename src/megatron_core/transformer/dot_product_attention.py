@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state, tensor_parallel
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.process_groups_config import resolve_pg_collection, resolve_process_group
 from megatron_core.tensor_parallel.weight_init import (
@@ -48,7 +49,6 @@ from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.packed_sequences import thd_layout
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["DotProductAttention", "is_plain_causal_mask"]
 

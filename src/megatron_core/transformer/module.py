@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state
+from megatron_core._ground import get_pg_rank, get_pg_size, register_wrapper
 from megatron_core._wrapped_model import submodules_with_attribute
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.utils import sharded_state_dict_default
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:
@@ -59,6 +59,7 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+@register_wrapper
 class Float16Module(MegatronModule):
     """Runs ``module`` in bf16 (``config.bf16``) or fp16 (``config.fp16``); outputs fp32 on the last stage."""
 

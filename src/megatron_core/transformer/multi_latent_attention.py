@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core import tensor_parallel
+from megatron_core._ground import divide, get_pg_size
 from megatron_core._misc_utils import accepts_parameter
 from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.tensor_parallel.mappings import (
@@ -62,7 +63,6 @@ from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.selective_recompute import recompute_module_enabled
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import MLATransformerConfig
-from megatron_core.utils import divide, get_pg_size
 
 __all__ = ["MLASelfAttention", "MLASelfAttentionSubmodules", "MultiLatentAttention"]
 

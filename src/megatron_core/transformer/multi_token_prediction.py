@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state, tensor_parallel
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core._misc_utils import make_viewless_tensor
 from megatron_core.dist_checkpointing.sharded_module import make_tp_sharded_tensor_for_checkpoint
 from megatron_core.dist_checkpointing.utils import apply_prefix_mapping, replace_prefix_for_sharding
@@ -35,7 +36,6 @@ from megatron_core.tensor_parallel.mappings import (
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = [
     "MTPLossAutoScaler",

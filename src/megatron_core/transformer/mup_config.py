@@ -14,7 +14,7 @@ import math
 import warnings
 from typing import Any
 
-from megatron_core.utils import init_method_normal, mup_scaled_init_method_normal
+from megatron_core._ground import init_method_normal, mup_scaled_init_method_normal
 
 __all__ = ["apply_mup_config", "mup_init_methods"]
 

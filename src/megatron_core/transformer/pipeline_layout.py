@@ -174,8 +174,8 @@ def _resolve_ranks(
     """``(pp_rank, vp_stage, pp_size)``; unknown pipeline rank and size come from ``parallel_state``'s group."""
     if pp_rank is None:
         from megatron_core import parallel_state
+        from megatron_core._ground import get_pg_rank, get_pg_size
         from megatron_core.process_groups_config import resolve_process_group
-        from megatron_core.utils import get_pg_rank, get_pg_size
 
         group = resolve_process_group("pp")
         if group is not None:

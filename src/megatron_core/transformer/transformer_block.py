@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.dist_checkpointing.sharded_module import (
     sharded_state_dict_default,
     sharded_state_dict_for_layers,
@@ -31,7 +32,6 @@ from megatron_core.transformer.spec_utils import ModuleSpec, build_module, get_m
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.transformer.transformer_layer import TransformerLayer
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["TransformerBlock", "TransformerBlockSubmodules", "get_num_layers_to_build"]
 

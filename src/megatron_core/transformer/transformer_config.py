@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core._ground import init_method_normal, scaled_init_method_normal
 from megatron_core.activations import quick_gelu
 from megatron_core.config_rules import TRANSFORMER_RULES as _TRANSFORMER_RULES
 from megatron_core.config_rules import apply_rules as _apply_rules
@@ -31,7 +32,6 @@ from megatron_core.transformer.moe_validation import apply_deprecated_moe_aliase
 from megatron_core.transformer.mup_config import apply_mup_config, mup_init_methods
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
 from megatron_core.transformer.rope_utils import yarn_concentration_factor
-from megatron_core.utils import init_method_normal, scaled_init_method_normal
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 # Megatron-Core has quick_gelu in both ``activations`` and ``fusions.fused_bias_geglu``: either one is accepted.

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer import fused_decode
 from megatron_core.transformer.identity_op import IdentityFuncOp, IdentityOp
@@ -21,7 +22,6 @@ from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["TransformerLayer", "TransformerLayerSubmodules", "get_transformer_layer_offset"]
 

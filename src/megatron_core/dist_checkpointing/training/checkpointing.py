@@ -4,7 +4,9 @@ A checkpoint ``<save_dir>/iter_0000010/`` is one distributed checkpoint (:func:`
 state dict has Megatron-LM's top-level keys: ``model`` (or ``model0``, ``model1``, ... for
 virtual-pipeline chunks), ``optimizer`` (model-space states, see :mod:`megatron_core.optimizer.checkpoint_state`),
 ``opt_param_scheduler``, ``rng_state`` (see :mod:`.rng`), ``iteration``,
-``consumed_train_samples``, ``extra_state`` and ``checkpoint_version``. The tracker
+``consumed_train_samples``, ``extra_state`` and ``checkpoint_version``; and two records of the model,
+``model_architecture`` (checked on load, :mod:`.architecture`) and ``model_config`` (the whole config as
+JSON, from which inference rebuilds the model, :mod:`.model_config`). The tracker
 ``latest_checkpointed_iteration.txt`` moves only after the checkpoint directory is complete.
 
 Model and optimizer tensors reshard on load (any TP/PP/DP layout, distributed optimizer on or
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import unwrap_model
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.core import CheckpointingException, check_is_distributed_checkpoint
 from megatron_core.dist_checkpointing.manifest import verify_checkpoint
@@ -37,6 +40,7 @@ from megatron_core.dist_checkpointing.training.architecture import (
     check_architecture,
     model_architecture,
 )
+from megatron_core.dist_checkpointing.training.model_config import MODEL_CONFIG_KEY, model_config_record
 from megatron_core.dist_checkpointing.training.rng import (
     RNG_KEY,
     restore_sharded_rng_state,
@@ -49,7 +53,6 @@ from megatron_core.dist_checkpointing.training.tracker import (
     write_tracker,
 )
 from megatron_core.dist_checkpointing.validation import StrictHandling
-from megatron_core.utils import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +141,9 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn
     architecture = model_architecture(chunks)
     if architecture is not None:
         state[ARCHITECTURE_KEY] = architecture
+    record = model_config_record(chunks)
+    if record is not None:
+        state[MODEL_CONFIG_KEY] = record
 
     checkpoint_dir = get_checkpoint_name(save_dir, iteration)
     _on_rank0(lambda: _refuse_foreign_files(checkpoint_dir), f"checking {checkpoint_dir}")

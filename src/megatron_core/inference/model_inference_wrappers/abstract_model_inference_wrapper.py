@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import unwrap_model
 from megatron_core.inference import communication_utils as comm
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.model_inference_wrappers.cuda_graphs import DecodeGraphRunner
-from megatron_core.utils import unwrap_model
 
 __all__ = ["AbstractModelInferenceWrapper"]
 

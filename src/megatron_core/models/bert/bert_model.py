@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core._version_utils import is_te_min_version
 from megatron_core.config_rules import check_sequence_fits, check_value
 from megatron_core.device import get_current_device
 from megatron_core.models.bert.bert_lm_head import BertLMHead
@@ -36,7 +37,6 @@ from megatron_core.transformer.transformer_block import TransformerBlock
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.transformer.transformer_layer import TransformerLayerSubmodules
 from megatron_core.transformer.utils import get_linear_layer
-from megatron_core.utils import is_te_min_version
 
 __all__ = ["BertModel"]
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatron_core import device
+from megatron_core._ground import get_pg_size
 from megatron_core._wrapped_model import get_model_config
 from megatron_core.distributed import (
     DistributedDataParallel,
@@ -47,7 +48,6 @@ from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.module import Float16Module
-from megatron_core.utils import get_pg_size
 
 __all__ = ["configure_model_hooks", "get_model"]
 

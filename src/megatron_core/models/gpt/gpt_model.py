@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core._ground import get_pg_size
 from megatron_core.config_rules import check_model_sizes as _check_model_sizes
 from megatron_core.config_rules import check_sequence_fits as _check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
@@ -29,7 +30,6 @@ from megatron_core.transformer.multi_token_prediction import (
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_size
 
 __all__ = ["GPTModel"]
 

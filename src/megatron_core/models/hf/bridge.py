@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state
+from megatron_core._ground import unwrap_model
 from megatron_core.models.hf.families import (
     NOT_SUPPORTED,
     SUPPORTED,
@@ -32,7 +33,6 @@ from megatron_core.models.hf.families import (
 )
 from megatron_core.models.hf.rules import Copy, Index, SharedCopy, WeightRule, expected_hf_shape, fmt
 from megatron_core.models.hf.safetensors_io import HFCheckpointReader, HFConversionError
-from megatron_core.utils import unwrap_model
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")

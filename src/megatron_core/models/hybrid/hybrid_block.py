@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_core._misc_utils import make_viewless_tensor
 from megatron_core.dist_checkpointing.sharded_module import (
     sharded_state_dict_default,
     sharded_state_dict_for_layers,
@@ -26,7 +27,6 @@ from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.transformer.transformer_layer import TransformerLayer
-from megatron_core.utils import make_viewless_tensor
 
 __all__ = ["HybridStack", "HybridStackSubmodules", "MambaStack", "MambaStackSubmodules"]
 

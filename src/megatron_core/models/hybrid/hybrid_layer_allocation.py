@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from megatron_core.utils import get_pg_rank, get_pg_size
+from megatron_core._ground import get_pg_rank, get_pg_size
 
 __all__ = [
     "ParsedHybridPattern",

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core import tensor_parallel
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.models.multimodal._token_splice import IGNORE_INDEX
 from megatron_core.models.multimodal.context_parallel import get_padding
-from megatron_core.utils import get_batch_on_this_cp_rank, get_pg_rank, get_pg_size
+from megatron_core.transformer.context_parallel_batch import get_batch_on_this_cp_rank
 
 
 def pad_combined(embeddings: torch.Tensor | None, labels: torch.Tensor | None, loss_mask: torch.Tensor | None,

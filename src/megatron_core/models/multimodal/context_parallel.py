@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.packed_seq_params import PackedSeqParams
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.mappings import _gather_along_first_dim, _reduce_scatter_along_first_dim
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = [
     "GatherFromContextParallelRanks",

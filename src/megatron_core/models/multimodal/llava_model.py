@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_size
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.multimodal._pixel_shuffle import pixel_shuffle
 from megatron_core.models.multimodal._sequence_sharding import shard_combined_sequence
@@ -41,7 +42,6 @@ from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_size
 
 __all__ = [
     "DEFAULT_IMAGE_TOKEN_INDEX",

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
+from megatron_core._misc_utils import make_viewless_tensor
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import make_viewless_tensor
 
 __all__ = ["MultimodalProjector"]
 

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear
 from megatron_core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["ColumnParallelLinearGathered"]
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.activations import gated_linear_unit
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
@@ -40,7 +41,6 @@ from megatron_core.transformer.moe.token_permutation import AlignedRows
 from megatron_core.transformer.selective_recompute import ActivationRecompute, recompute_module_enabled
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["GroupedMLP", "GroupedMLPSubmodules", "SequentialMLP", "TEGroupedMLP"]
 

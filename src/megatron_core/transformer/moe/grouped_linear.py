@@ -27,14 +27,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core._ground import get_pg_size
 from megatron_core.device import get_current_device
-from megatron_core.tensor_parallel.groups import get_tensor_model_parallel_group_if_none
+from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.moe.cutlass_grouped_gemm import (
     cutlass_grouped_gemm_requested,
     cutlass_grouped_linear,
 )
 from megatron_core.transformer.moe.token_permutation import AlignedRows, aligned_group_starts
-from megatron_core.utils import get_pg_size
 
 __all__ = ["AlignedExpertRows", "ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "align_expert_rows",
            "grouped_gemm", "unpad_expert_rows"]
@@ -224,7 +224,7 @@ class _GroupedLinear(torch.nn.Module):
         super().__init__()
         if tp_group is None and pg_collection is not None:
             tp_group = pg_collection.expt_tp
-        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=True)
+        self.tp_group = resolve_tp_group(tp_group, is_expert=True)
         self.num_gemms = num_gemms
         self.input_size, self.output_size = input_size, output_size
         self.skip_bias_add = skip_bias_add

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.process_groups_config import check_parallel_size
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.latent_projection import LatentProjection
@@ -28,7 +29,6 @@ from megatron_core.transformer.moe.token_dispatcher import (
 )
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["BaseMoELayer", "MoELayer", "MoESubmodules"]
 

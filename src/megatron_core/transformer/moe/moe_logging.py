@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_core._ground import get_pg_size
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.utils import get_pg_size
 
 __all__ = ["MetricEntry", "MoEMetricsTracker", "destroy_moe_metrics_tracker", "get_moe_metrics_tracker",
            "set_moe_metrics_tracker"]

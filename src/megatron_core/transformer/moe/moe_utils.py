@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_core._ground import get_pg_size
 from megatron_core.process_groups_config import ProcessGroupCollection, resolve_process_group
 from megatron_core.transformer.moe.routing_overrides import (
     RandomSTE,
@@ -29,7 +30,6 @@ from megatron_core.transformer.moe.routing_overrides import (
     pad_routing_map,
 )
 from megatron_core.transformer.moe.token_permutation import permute, sort_chunks_by_idxs, unpermute
-from megatron_core.utils import get_pg_size
 
 __all__ = [
     "MoEAuxLossAutoScaler",

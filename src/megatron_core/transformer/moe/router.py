@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -41,7 +42,6 @@ from megatron_core.transformer.moe.moe_utils import (
 )
 from megatron_core.transformer.moe.router_replay import RouterReplay
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["Router", "TopKRouter"]
 

@@ -40,8 +40,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_core._ground import unwrap_model
 from megatron_core.transformer.moe.router import TopKRouter
-from megatron_core.utils import unwrap_model
 
 __all__ = [
     "RouterTracer",

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.tensor_parallel.mappings import (
     all_to_all,
     gather_from_sequence_parallel_region,
@@ -42,7 +43,6 @@ from megatron_core.transformer.moe.token_permutation import (
     unpermute_top_k,
 )
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher", "MoETokenDispatcher"]
 

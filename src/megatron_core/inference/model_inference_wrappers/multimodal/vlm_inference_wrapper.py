@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_size
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.contexts.static_context import StaticInferenceContext
 from megatron_core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-from megatron_core.utils import get_pg_size
 
 __all__ = ["VLMInferenceWrapper"]
 

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core._ground import get_pg_size
+from megatron_core._wrapped_model import get_attr_wrapped_model
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.model_inference_wrappers.abstract_model_inference_wrapper import (
     AbstractModelInferenceWrapper,
 )
 from megatron_core.models.T5.t5_model import t5_extended_attention_mask
-from megatron_core.utils import get_attr_wrapped_model, get_pg_size
 
 __all__ = ["T5InferenceWrapper"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_core.utils import get_pg_size
+from megatron_core._ground import get_pg_size
 
 __all__ = ["RelativePositionEmbedding"]
 

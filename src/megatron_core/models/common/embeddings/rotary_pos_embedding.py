@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb
-from megatron_core.utils import get_pg_rank, get_pg_size
 
 __all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
 

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state, tensor_parallel
+from megatron_core._ground import get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.multi_token_prediction import tie_word_embeddings_state_dict
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.utils import get_pg_size
 
 __all__ = ["LanguageModule"]
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import unwrap_model
 from megatron_core.device import get_current_device
 from megatron_core.distributed import DistributedDataParallel
 from megatron_core.models.mimo.config.base_configs import MimoModelConfig
@@ -23,7 +24,6 @@ from megatron_core.packed_seq_params import PackedSeqParams
 from megatron_core.transformer.module import Float16Module, MegatronModule
 from megatron_core.transformer.spec_utils import build_module
 from megatron_core.transformer.utils import sharded_state_dict_default
-from megatron_core.utils import unwrap_model
 
 _WRAPPERS = (DistributedDataParallel, Float16Module)
 

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state, tensor_parallel
+from megatron_core._ground import get_pg_size
 from megatron_core.model_parallel_config import ModelParallelConfig
-from megatron_core.utils import get_batch_on_this_cp_rank, get_pg_size
+from megatron_core.transformer.context_parallel_batch import get_batch_on_this_cp_rank
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,50 @@
+"""``unwrap_model``: strip the wrappers (DDP, FSDP, Float16Module, ...) that keep a model in ``.module``.
+
+Wrapper classes register themselves with :func:`register_wrapper` where they are defined, so this
+ground module knows no wrapper and the one implementation serves every layer. PyTorch's own
+``FullyShardedDataParallel`` is registered here (it is not ours).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+T = TypeVar("T", bound=type)
+
+_WRAPPERS: list[type] = []
+
+
+def register_wrapper(cls: T) -> T:
+    """Class decorator: instances of ``cls`` are wrappers that :func:`unwrap_model` strips by default."""
+    if cls not in _WRAPPERS:
+        _WRAPPERS.append(cls)
+    return cls
+
+
+def wrapper_types() -> tuple[type, ...]:
+    """The registered wrapper classes."""
+    return tuple(_WRAPPERS)
+
+
+def unwrap_model(model: Any, module_instances: type | tuple[type, ...] | None = None) -> Any:
+    """Strip wrappers (default: the registered ones) from a model or a list of model chunks.
+
+    Follows ``.module`` while the object is an instance of ``module_instances``; a list in gives a list out.
+    """
+    if module_instances is None:
+        module_instances = wrapper_types()
+    chunks = model if isinstance(model, list) else [model]
+    unwrapped = []
+    for chunk in chunks:
+        while isinstance(chunk, module_instances):
+            chunk = chunk.module
+        unwrapped.append(chunk)
+    return unwrapped if isinstance(model, list) else unwrapped[0]
+
+
+try:
+    from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
+
+    register_wrapper(_TorchFSDP)
+except ImportError:  # pragma: no cover - torch without FSDP
+    pass
