@@ -175,12 +175,16 @@ def combine(entry: Entry, expected: list[str], per_rank: list[tuple[dict[str, st
     return outcomes
 
 
-def run_entry(dest: Path, entry: Entry, expected: list[str], out_dir: Path, timeout: int) -> EntryResult:
-    """Run one entry in a fresh process group (``torchrun`` for several ranks), killed after ``timeout`` s."""
+def run_entry(dest: Path, entry: Entry, expected: list[str], out_dir: Path, timeout: int,
+              src: Path = ROOT / "src") -> EntryResult:
+    """Run one entry in a fresh process group (``torchrun`` for several ranks), killed after ``timeout`` s.
+
+    ``src`` is the directory that holds the ``megatron_core`` package under test.
+    """
     tag = re.sub(r"\W+", "_", entry.target.removeprefix(UT + "/"))
     junit_dir = out_dir / tag
     junit_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{dest}", CUDA_VISIBLE_DEVICES="",
+    env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{dest}", CUDA_VISIBLE_DEVICES="",
                OMP_NUM_THREADS="1", MCORE_JUNIT_DIR=str(junit_dir), MCORE_TEST_STORE=str(junit_dir / "store"),
                MCORE_UNIT_TEST_TIMEOUT=str(timeout))
     pytest_args = ["-q", "-c", str(dest / "pytest.ini"), "--rootdir", str(dest), entry.target]
@@ -252,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dest", type=Path, default=Path(tempfile.gettempdir()) / f"mcore_unit_tests_{os.getpid()}")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "mcore_unit_results.json",
                         help="write the summary as JSON here")
+    parser.add_argument("--src", type=Path, default=ROOT / "src",
+                        help="the directory holding the megatron_core package to test (default: this checkout's)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copy (and the logs) afterwards")
     args = parser.parse_args(argv)
     repo = args.repo / ".git" if (args.repo / ".git").exists() else args.repo
@@ -263,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for entry in entries:
             expected = expected_for(entry, nv_pass)
-            r = run_entry(args.dest, entry, expected, out_dir, args.timeout)
+            r = run_entry(args.dest, entry, expected, out_dir, args.timeout, args.src.resolve())
             print(f"{entry.target}: {r.passed}/{len(expected)} in {r.seconds:.0f}s"
                   f"{' (timed out)' if r.timed_out else ''}", flush=True)
             results.append(r)
