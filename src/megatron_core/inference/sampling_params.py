@@ -7,6 +7,7 @@ the context's ``max_sequence_length``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -38,11 +39,12 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting is out of range."""
-        if not isinstance(self.temperature, (int, float)) or self.temperature <= 0.0:
-            raise ValueError(f"SamplingParams.temperature ({self.temperature}) must be > 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not math.isfinite(self.temperature) or self.temperature <= 0.0):
+            raise ValueError(f"SamplingParams.temperature ({self.temperature}) must be a finite number > 0")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k ({self.top_k}) must be an int >= 0 (0 = off, 1 = greedy)")
-        if not 0.0 <= float(self.top_p) <= 1.0:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p ({self.top_p}) must be in [0, 1] (0 = off)")
         if self.top_k > 0 and self.top_p > 0.0:
             raise ValueError(

@@ -5,6 +5,11 @@ loop; ``await llm.generate(...)`` from any event loop submits requests to it and
 results, so many concurrent callers share continuous batches. :meth:`stream` yields tokens as
 they are generated and cancels the request (freeing its KV blocks) if the consumer stops early.
 :meth:`serve` starts the OpenAI-compatible server (needs the ``server`` extra).
+
+Nobody waits forever: a request that fails finishes as ``FAILED`` (``request.error`` says why); if
+the engine loop itself stops, every pending request fails at once, :attr:`engine_failure` says
+why, and new requests raise ``EngineFailedError``; :meth:`stream` also re-checks the loop every
+``LIVENESS_POLL_S`` seconds while it waits for a token.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from typing import Any
 from megatron_core.inference.apis._llm_base import Prompts, _EventLoopManager, _MegatronLLMBase
 from megatron_core.inference.apis.serve_config import ServeConfig
 from megatron_core.inference.config import InferenceConfig
+from megatron_core.inference.engines.fault_isolation import CANCELLED, EngineFailedError, describe
 from megatron_core.inference.inference_request import DynamicInferenceRequest, Status
 from megatron_core.inference.sampling_params import SamplingParams
 
 __all__ = ["MegatronAsyncLLM"]
+
+LIVENESS_POLL_S = 1.0
 
 
 class MegatronAsyncLLM(_MegatronLLMBase):
@@ -43,9 +51,25 @@ class MegatronAsyncLLM(_MegatronLLMBase):
         if self._shutdown_called:
             raise RuntimeError("MegatronAsyncLLM is shut down")
 
+    @property
+    def engine_failure(self) -> str | None:
+        """Why the engine loop stopped when nobody asked it to (``None`` while it runs or after :meth:`shutdown`)."""
+        if self._engine.failure is not None:
+            return describe(self._engine.failure)
+        if self._engine_task.done() and not self._shutdown_called:
+            error = self._engine_task.exception() if not self._engine_task.cancelled() else None
+            return describe(error) if error is not None else "the engine loop stopped"
+        return None
+
+    def _check_engine(self) -> None:
+        failure = self.engine_failure
+        if failure is not None:
+            raise EngineFailedError(f"the inference engine stopped after an error: {failure}")
+
     def submit(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> tuple[int, Any]:
         """Queue one prompt; returns ``(request_id, concurrent future of the finished request)``."""
         self._check_open()
+        self._check_engine()
         request_id = next(self._engine.request_counter)
         return request_id, self._engine.add_request(request_id, prompt, sampling_params or SamplingParams())
 
@@ -65,18 +89,46 @@ class MegatronAsyncLLM(_MegatronLLMBase):
 
         Closing the iterator early (a client went away) cancels the request and frees its KV blocks.
         """
+        _, tokens = self.open_stream(prompt, sampling_params)
+        try:
+            async for item in tokens:
+                yield item
+        finally:
+            await tokens.aclose()
+
+    def open_stream(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> tuple[int, AsyncIterator[tuple[int | None, DynamicInferenceRequest]]]:
+        """Queue ``prompt`` now (a refused request raises here) and return ``(request_id, token iterator)``.
+
+        The iterator is :meth:`stream`'s; a caller that may never iterate it must :meth:`cancel` the request.
+        """
         self._check_open()
+        self._check_engine()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_id = next(self._engine.request_counter)
         self._engine.add_token_listener(
             request_id, lambda request, token: loop.call_soon_threadsafe(queue.put_nowait, (token, request))
         )
-        finished = False
         try:
             self._engine.add_request(request_id, prompt, sampling_params or SamplingParams())
+        except BaseException:
+            self._engine.remove_token_listeners(request_id)
+            raise
+        return request_id, self._tokens(request_id, queue)
+
+    async def _tokens(
+        self, request_id: int, queue: asyncio.Queue
+    ) -> AsyncIterator[tuple[int | None, DynamicInferenceRequest]]:
+        finished = False
+        try:
             while True:
-                token, request = await queue.get()
+                try:
+                    token, request = await asyncio.wait_for(queue.get(), LIVENESS_POLL_S)
+                except asyncio.TimeoutError:
+                    self._check_engine()  # a dead loop sends no more tokens
+                    continue
                 if token is None:
                     finished = True
                     yield None, request
@@ -104,6 +156,11 @@ class MegatronAsyncLLM(_MegatronLLMBase):
                 await asyncio.sleep(0.01)
             if self._serve_task.done():
                 self._serve_task.result()
+
+    async def wait_for_server(self) -> None:
+        """Wait until a server started with ``serve(..., blocking=False)`` has stopped."""
+        if self._serve_task is not None:
+            await self._serve_task
 
     @property
     def server_port(self) -> int | None:
@@ -139,5 +196,5 @@ class MegatronAsyncLLM(_MegatronLLMBase):
 def request_finish_reason(request: DynamicInferenceRequest) -> str:
     """OpenAI's ``finish_reason``: ``stop`` (termination token / stop word), ``length``, or ``cancelled``."""
     if request.status != Status.COMPLETED:
-        return "cancelled"
+        return CANCELLED
     return request.finish_reason or "length"

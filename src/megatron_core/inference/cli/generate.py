@@ -74,8 +74,11 @@ def build_llm(args: argparse.Namespace, llm_class: Any = None) -> tuple[Any, Any
         init_distributed_for_inference,
         load_gpt_from_checkpoint,
     )
+    from megatron_core.inference.cli.local_process_group import init_local_process_group
     from megatron_core.inference.config import InferenceConfig
 
+    if args.tp * args.pp == 1:
+        init_local_process_group()  # no TCPStore: nothing of this process listens beyond loopback
     init_distributed_for_inference(args.tp, args.pp)
     model, tokenizer, train_args = load_gpt_from_checkpoint(args.load, args.tokenizer_model)
     model.config.inference_sampling_seed = args.seed

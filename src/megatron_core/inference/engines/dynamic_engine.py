@@ -17,7 +17,8 @@ requests) a prompt longer than the step's remaining token budget is split over s
 Requests finish on the termination token, a stop word, ``num_tokens_to_generate``, or
 ``max_sequence_length``; they can be cancelled (:meth:`cancel_request`), which frees their blocks
 at the next step boundary. Requests that can never fit are refused in ``add_request`` with a
-``ValueError``. When the model has ``moe_enable_routing_replay``, a completed request carries
+:class:`RequestRejectedError` (a ``ValueError`` naming the setting). Failures while serving are
+contained as :mod:`.fault_isolation` describes. When the model has ``moe_enable_routing_replay``, a completed request carries
 ``routing_indices``: the experts of each of its tokens fed to the model (see
 :mod:`~megatron_core.inference.contexts.routing_metadata`).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -40,6 +42,13 @@ from megatron_core.inference.config import AsyncScheduleMode
 from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext, StepEntry
 from megatron_core.inference.engines.abstract_engine import AbstractEngine
 from megatron_core.inference.engines.decode_overlap import DecodeOverlap
+from megatron_core.inference.engines.fault_isolation import (
+    CANCELLED,
+    EngineFailedError,
+    FaultIsolation,
+    RequestRejectedError,
+    describe,
+)
 from megatron_core.inference.engines.step_scheduler import StepScheduler
 from megatron_core.inference.inference_request import (
     ENDED_STATUSES,
@@ -53,7 +62,9 @@ from megatron_core.inference.text_generation_controllers.text_generation_control
     TextGenerationController,
 )
 
-__all__ = ["DynamicInferenceEngine", "EngineState", "EngineSuspendedError"]
+__all__ = ["DynamicInferenceEngine", "EngineFailedError", "EngineState", "EngineSuspendedError", "RequestRejectedError"]
+
+logger = logging.getLogger(__name__)
 
 TokenListener = Callable[[DynamicInferenceRequest, "int | None"], None]
 
@@ -76,7 +87,7 @@ class EngineSuspendedError(Exception):
     """
 
 
-class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
+class DynamicInferenceEngine(StepScheduler, DecodeOverlap, FaultIsolation, AbstractEngine):
     """Schedules requests into steps over a :class:`DynamicInferenceContext`.
 
     With ``InferenceConfig.async_sched_mode=AsyncScheduleMode.ASYNC``, decode steps laid out for CUDA
@@ -98,6 +109,7 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         self._step_lock = threading.Lock()
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._init_fault_isolation()
         self.reset()
 
     def reset(self) -> None:
@@ -113,52 +125,77 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         self.step_count = 0
         self.evicted_request_count = 0
         self.cancelled_request_count = 0
+        self._suspects.clear()
         self.context.reset()
 
     # ---- adding and removing requests ---------------------------------------------------------------
 
     def _tokens_of(self, prompt: str | list[int] | torch.Tensor, params: SamplingParams) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.controller.tokenize_prompt(self.controller.tokenizer, prompt, params.add_BOS)
+            try:
+                return prompt, self.controller.tokenize_prompt(self.controller.tokenizer, prompt, params.add_BOS)
+            except (ValueError, TypeError, KeyError, IndexError, UnicodeError) as error:
+                raise RequestRejectedError(f"the prompt cannot be tokenized: {describe(error)}") from error
         if isinstance(prompt, torch.Tensor):
             return None, [int(t) for t in prompt.reshape(-1).tolist()]
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"prompt must be a str, a list of token ids or a 1-D tensor, got {type(prompt).__name__}")
+        raise RequestRejectedError(
+            f"prompt must be a str, a list of token ids or a 1-D tensor, got {type(prompt).__name__}"
+        )
 
     def _validate(self, request_id: Any, tokens: list[int], params: SamplingParams) -> None:
         ctx = self.context
         if not tokens:
-            raise ValueError(f"request {request_id}: the prompt has no tokens")
-        vocab = self.controller.vocab_size or int(self.controller.inference_wrapped_model.inner_model.vocab_size)
+            raise RequestRejectedError(f"request {request_id}: the prompt has no tokens")
+        vocab = self.sampling_vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"request {request_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise RequestRejectedError(
+                f"request {request_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        if params.top_k > vocab:
+            raise RequestRejectedError(
+                f"request {request_id}: top_k ({params.top_k}) is larger than the vocabulary ({vocab})", "top_k"
+            )
+        if params.top_n_logprobs > vocab:
+            raise RequestRejectedError(
+                f"request {request_id}: top_n_logprobs ({params.top_n_logprobs}) is larger than the vocabulary "
+                f"({vocab})", "top_n_logprobs",
+            )
         total = len(tokens) + (params.num_tokens_to_generate or 0)
         if params.num_tokens_total is not None:
             total = max(len(tokens), params.num_tokens_total)
         if total > ctx.max_sequence_length or len(tokens) >= ctx.max_sequence_length:
-            raise ValueError(
+            raise RequestRejectedError(
                 f"request {request_id}: prompt ({len(tokens)} tokens) + num_tokens_to_generate "
-                f"({params.num_tokens_to_generate}) exceeds max_sequence_length ({ctx.max_sequence_length})"
+                f"({params.num_tokens_to_generate}) exceeds max_sequence_length ({ctx.max_sequence_length})",
+                "prompt" if len(tokens) >= ctx.max_sequence_length else "num_tokens_to_generate",
             )
         if not ctx.enable_chunked_prefill and len(tokens) > ctx.max_tokens:
-            raise ValueError(
+            raise RequestRejectedError(
                 f"request {request_id}: prompt ({len(tokens)} tokens) exceeds max_tokens ({ctx.max_tokens}) per step; "
                 "enable InferenceConfig.enable_chunked_prefill or raise max_tokens"
             )
         longest = total if params.num_tokens_to_generate is not None or params.num_tokens_total else ctx.max_sequence_length
         if ctx.blocks_for_tokens(longest) > ctx.total_block_count:
-            raise ValueError(
+            raise RequestRejectedError(
                 f"request {request_id}: up to {longest} tokens need {ctx.blocks_for_tokens(longest)} KV blocks but the "
-                f"cache holds {ctx.total_block_count} (raise buffer_size_gb or set num_tokens_to_generate)"
+                f"cache holds {ctx.total_block_count} (raise buffer_size_gb or set num_tokens_to_generate)",
+                "num_tokens_to_generate",
             )
+
+    @property
+    def sampling_vocab_size(self) -> int:
+        """Tokens the sampler chooses from: the tokenizer's vocabulary, else the model's (padded) one."""
+        return self.controller.vocab_size or int(self.controller.inference_wrapped_model.inner_model.vocab_size)
 
     def add_request(
         self, request_id: Any, prompt: str | list[int] | torch.Tensor, sampling_params: SamplingParams | None = None,
     ) -> concurrent.futures.Future:
         """Queue a request; the future resolves to the finished :class:`DynamicInferenceRequest`."""
         params = sampling_params if sampling_params is not None else SamplingParams()
+        self._check_alive()
         params.validate()
         prompt_text, tokens = self._tokens_of(prompt, params)
         with self._inbox_lock:
@@ -172,15 +209,25 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         request.add_event(DynamicInferenceEventType.ADD)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._inbox_lock:
+            self._check_alive()  # under the lock: a loop failing now either sees this request or refuses it
             self.futures[request_id] = future
             self._inbox.append(request)
         self._notify()
         return future
 
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise EngineFailedError(f"the inference engine stopped after an error: {describe(self.failure)}")
+
     def add_token_listener(self, request_id: Any, listener: TokenListener) -> None:
         """Call ``listener(request, token)`` after each generated token, and ``listener(request, None)`` at the end."""
         with self._inbox_lock:
             self.listeners.setdefault(request_id, []).append(listener)
+
+    def remove_token_listeners(self, request_id: Any) -> None:
+        """Forget the listeners of ``request_id`` (a request that was refused never calls them)."""
+        with self._inbox_lock:
+            self.listeners.pop(request_id, None)
 
     def cancel_request(self, request_id: Any) -> None:
         """Stop a request at the next step boundary and free its KV blocks (it finishes as FAILED)."""
@@ -222,7 +269,7 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
                 self.running.remove(request_id)
             self.context.release_request(request_id)
             self.cancelled_request_count += 1
-            self._finish(request, Status.FAILED, error="cancelled")
+            self._finish(request, Status.FAILED, error=CANCELLED)
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -232,21 +279,12 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         with self._step_lock:
             start = time.perf_counter()
             self._drain_inbox()
-            num_tokens = 0
-            if self._inflight is None:
-                entries = self.schedule_requests()
-                if entries:
-                    self.context.initialize_attention_state(entries)
-                    if self._can_overlap(self.context.step_entries):
-                        self._inflight = self._launch(self.context.step_entries)
-                    else:
-                        params = {e.request_id: self.requests[e.request_id].sampling_params for e in entries}
-                        output = self.controller.generate_output_tokens_dynamic_batch(params)
-                        self._bookkeep(self.context.step_entries, output)
-                        self.step_count += 1
-                        num_tokens = sum(len(e.tokens) for e in entries)
-            if self._inflight is not None:
-                num_tokens = self._advance_overlapped()
+            involved: list[Any] = []
+            try:
+                num_tokens = self._run_step(involved)
+            except Exception as error:  # noqa: BLE001 - contained per request, see fault_isolation
+                self._recover_from_step_error(error, involved)
+                num_tokens = 0
             finished = [DynamicInferenceRequestRecord.from_request(r) for r in self._just_finished]
             self._just_finished = []
             for record in finished:  # finished requests leave the engine
@@ -258,6 +296,27 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
                 "step_time": time.perf_counter() - start,
                 "num_tokens": num_tokens,
             }
+
+    def _run_step(self, involved: list[Any]) -> int:
+        """Schedule, run and book one step; ``involved`` collects its request ids as they are known."""
+        num_tokens = 0
+        if self._inflight is None:
+            entries = self.schedule_requests()
+            involved.extend(e.request_id for e in entries)
+            if entries:
+                self.context.initialize_attention_state(entries)
+                if self._can_overlap(self.context.step_entries):
+                    self._inflight = self._launch(self.context.step_entries)
+                else:
+                    params = {e.request_id: self.requests[e.request_id].sampling_params for e in entries}
+                    output = self.controller.generate_output_tokens_dynamic_batch(params)
+                    self._bookkeep(self.context.step_entries, output)
+                    self.step_count += 1
+                    num_tokens = sum(len(e.tokens) for e in entries)
+        if self._inflight is not None:
+            involved.extend(e.request_id for e in self._inflight.entries)
+            num_tokens = self._advance_overlapped()
+        return num_tokens
 
     def step(self, sampling_params: SamplingParams | None = None) -> tuple[list, list, float]:
         """Legacy form of :meth:`step_modern`: ``(active requests, finished requests, step time)``."""
@@ -271,38 +330,48 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         track_tokens = self.context.inference_config.track_generated_token_events
         for i, entry in enumerate(entries):
             request = self.requests[entry.request_id]
-            params = request.sampling_params
-            if output.chunk_log_probs[i] is not None:
-                have = len(request.prompt_log_probs or [])
-                upto = request.prompt_length - 1
-                new = [lp for j, lp in enumerate(output.chunk_log_probs[i]) if have <= entry.start + j < upto]
-                request.prompt_log_probs = (request.prompt_log_probs or []) + new
-                if params.top_n_logprobs and output.chunk_top_n[i] is not None:
-                    tops = [t for j, t in enumerate(output.chunk_top_n[i]) if have <= entry.start + j < upto]
-                    request.prompt_top_n_logprobs = (request.prompt_top_n_logprobs or []) + [
-                        {tokenizer_top([tok]): lp for tok, lp in top} for top in tops
-                    ]
-            token = output.sampled_tokens[i]
-            if token is None:
-                continue
-            request.status = Status.ACTIVE_AND_GENERATING_TOKENS
-            request.generated_tokens.append(token)
-            if request.ttft is None:
-                request.ttft = now - request.arrival_time
-            if params.return_log_probs:
-                request.generated_log_probs = (request.generated_log_probs or []) + [output.sampled_log_probs[i]]
-            if params.top_n_logprobs and output.sampled_top_n[i] is not None:
-                request.generated_top_n_logprobs = (request.generated_top_n_logprobs or []) + [
-                    {tokenizer_top([tok]): lp for tok, lp in output.sampled_top_n[i]}
+            try:
+                self._bookkeep_entry(i, entry, request, output, now, tokenizer_top, track_tokens)
+            except Exception as error:  # noqa: BLE001 - this request's fault alone
+                logger.error("request %s failed while booking its token", entry.request_id, exc_info=error)
+                self._fail_request(request, f"internal error while generating: {describe(error)}")
+
+    def _bookkeep_entry(self, i: int, entry: StepEntry, request: DynamicInferenceRequest, output: Any, now: float,
+                        tokenizer_top: Callable, track_tokens: bool) -> None:
+        """Book row ``i`` of a step's ``output`` for ``request``: log-probs, its token, the stop checks."""
+        params = request.sampling_params
+        if output.chunk_log_probs[i] is not None:
+            have = len(request.prompt_log_probs or [])
+            upto = request.prompt_length - 1
+            new = [lp for j, lp in enumerate(output.chunk_log_probs[i]) if have <= entry.start + j < upto]
+            request.prompt_log_probs = (request.prompt_log_probs or []) + new
+            if params.top_n_logprobs and output.chunk_top_n[i] is not None:
+                tops = [t for j, t in enumerate(output.chunk_top_n[i]) if have <= entry.start + j < upto]
+                request.prompt_top_n_logprobs = (request.prompt_top_n_logprobs or []) + [
+                    {tokenizer_top([tok]): lp for tok, lp in top} for top in tops
                 ]
-            if track_tokens:
-                request.add_event(DynamicInferenceEventType.GENERATED_TOKEN, payload=token)
-            self._notify_token(request, token)
-            if self._should_stop(request, token):
-                self.running.remove(request.request_id)
-                self._attach_routing(request)
-                self.context.release_request(request.request_id)
-                self._finish(request, Status.COMPLETED)
+        token = output.sampled_tokens[i]
+        if token is None:
+            return
+        self._suspects.discard(request.request_id)  # it sampled: it did not cause the failure it is isolated for
+        request.status = Status.ACTIVE_AND_GENERATING_TOKENS
+        request.generated_tokens.append(token)
+        if request.ttft is None:
+            request.ttft = now - request.arrival_time
+        if params.return_log_probs:
+            request.generated_log_probs = (request.generated_log_probs or []) + [output.sampled_log_probs[i]]
+        if params.top_n_logprobs and output.sampled_top_n[i] is not None:
+            request.generated_top_n_logprobs = (request.generated_top_n_logprobs or []) + [
+                {tokenizer_top([tok]): lp for tok, lp in output.sampled_top_n[i]}
+            ]
+        if track_tokens:
+            request.add_event(DynamicInferenceEventType.GENERATED_TOKEN, payload=token)
+        self._notify_token(request, token)
+        if self._should_stop(request, token):
+            self.running.remove(request.request_id)
+            self._attach_routing(request)
+            self.context.release_request(request.request_id)
+            self._finish(request, Status.COMPLETED)
 
     def _attach_routing(self, request: DynamicInferenceRequest) -> None:
         """With routing replay, give a finishing request (still holding its blocks) ``routing_indices``: every
@@ -345,10 +414,17 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         request.error = error
         request.latency = time.monotonic() - request.arrival_time
         request.generated_length = len(request.generated_tokens)
-        text, segments = self.controller.detokenize_generations(
-            request.generated_tokens, self.controller.termination_id(params), params.detokenize_stop_sequence,
-            params.return_segments,
-        )
+        try:
+            text, segments = self.controller.detokenize_generations(
+                request.generated_tokens, self.controller.termination_id(params), params.detokenize_stop_sequence,
+                params.return_segments,
+            )
+        except Exception as detokenize_error:  # noqa: BLE001 - the request still finishes (its future must resolve)
+            logger.error("request %s: detokenizing its output failed", request.request_id, exc_info=detokenize_error)
+            text, segments = "", None
+            if status == Status.COMPLETED:
+                status, error = Status.FAILED, f"internal error while detokenizing: {describe(detokenize_error)}"
+                self.failed_request_count += 1
         if params.stop_words and not params.detokenize_stop_sequence:
             for word in params.stop_words:
                 if text.endswith(word):
@@ -374,7 +450,15 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
         with self._inbox_lock:
             listeners = list(self.listeners.get(request.request_id, ()))
         for listener in listeners:
-            listener(request, token)
+            try:
+                listener(request, token)
+            except Exception as error:  # noqa: BLE001 - a consumer that went away must not stop the engine
+                logger.warning("request %s: dropping a token listener that raised %s", request.request_id,
+                               describe(error))
+                with self._inbox_lock:
+                    kept = self.listeners.get(request.request_id)
+                    if kept is not None and listener in kept:
+                        kept.remove(listener)
 
     # ---- driving the engine -----------------------------------------------------------------------
 
@@ -406,6 +490,9 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, AbstractEngine):
                     if self.has_unfinished_requests() and self.state == EngineState.RUNNING:
                         continue
                     await self._wake.wait()
+        except Exception as error:
+            self._fail_engine(error)
+            raise
         finally:
             self.state = EngineState.STOPPED
 

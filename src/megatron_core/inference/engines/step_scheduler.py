@@ -15,7 +15,8 @@ from megatron_core.inference.inference_request import DynamicInferenceRequest, S
 
 
 class StepScheduler:
-    """Mixin over the engine's ``context``, ``requests``, ``waiting``, ``running`` and ``paused_request_ids``."""
+    """Mixin over the engine's ``context``, ``requests``, ``waiting``, ``running``, ``paused_request_ids`` and
+    ``_suspects``."""
 
     def _sequence_length(self, request: DynamicInferenceRequest) -> int:
         """Tokens of the request so far: prompt plus generated (no list is built: this runs per request per step)."""
@@ -147,7 +148,14 @@ class StepScheduler:
         self.evicted_request_count += 1
 
     def schedule_requests(self) -> list[StepEntry]:
-        """The entries of the next step (pausing and evicting as needed); empty when idle."""
+        """The entries of the next step (pausing and evicting as needed); empty when idle.
+
+        A request isolated after a failed step (:mod:`.fault_isolation`) runs in a step of its own.
+        """
+        if self._suspects:
+            isolated = self._schedule_isolated()
+            if isolated is not None:
+                return isolated
         while True:
             entries = self._schedule()
             if entries or not self.running:

@@ -4,7 +4,8 @@ Definitions (the reference the tests check against): logits are divided by ``tem
 top-k keeps the ``k`` largest logits (ties at the k-th value are kept); top-p keeps the smallest
 prefix of the tokens sorted by probability whose cumulative probability reaches ``p`` (the first
 token is always kept); everything else gets probability zero and the rest is renormalised.
-``top_k == 1`` is the argmax, without randomness. Draws use an explicit ``torch.Generator``, so a
+``top_k == 1`` is the argmax, without randomness. Temperatures below ``MIN_TEMPERATURE`` (1e-6) count
+as ``MIN_TEMPERATURE`` (smaller ones overflow float32 logits; the result is the argmax anyway). Draws use an explicit ``torch.Generator``, so a
 fixed seed reproduces.
 """
 
@@ -17,13 +18,16 @@ import torch
 
 from megatron_core.inference.sampling_params import SamplingParams
 
-__all__ = ["filter_logits", "sample_from_logits", "TorchSampling"]
+__all__ = ["MIN_TEMPERATURE", "filter_logits", "sample_from_logits", "TorchSampling"]
+
+MIN_TEMPERATURE = 1e-6
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """A new ``[n, V]`` tensor: temperature-scaled, with tokens outside top-k / top-p set to ``-inf``."""
     if top_k > 0 and top_p > 0.0:
         raise ValueError(f"top_k ({top_k}) and top_p ({top_p}) cannot both be greater than zero")
+    temperature = max(temperature, MIN_TEMPERATURE)  # a smaller one would overflow the scaled logits to inf
     out = logits.float() / temperature if temperature != 1.0 else logits.float().clone()
     if top_k > 0:
         if top_k > out.shape[-1]:
