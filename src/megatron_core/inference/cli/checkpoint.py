@@ -1,7 +1,9 @@
 """Rebuild a GPT model and its tokenizer from a checkpoint written by ``examples/pretrain_gpt.py``.
 
-The checkpoint's ``extra_state["args"]`` holds the training flags; they give the model shape and
-the tokenizer (``--tokenizer-type`` / ``--tokenizer-model``). The model is built for this
+The model is rebuilt from the checkpoint's ``model_config`` record (the whole model configuration,
+JSON, :mod:`megatron_core.dist_checkpointing.training.model_config`); the training flags in
+``extra_state["args"]`` give the tokenizer (``--tokenizer-type`` / ``--tokenizer-model``), and the
+model too for checkpoints older than the record (with a warning). The model is built for this
 process's tensor/pipeline layout (``parallel_state``) and the distributed checkpoint reshards
 into it. The vocabulary is padded as in training (``--make-vocab-size-divisible-by`` times the
 training tensor-parallel size), so the saved embedding shapes match.
@@ -10,34 +12,39 @@ training tensor-parallel size), so the saved embedding shapes match.
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["init_distributed_for_inference", "load_training_args", "load_gpt_from_checkpoint"]
+__all__ = [
+    "init_distributed_for_inference", "load_gpt_from_checkpoint", "load_training_args", "model_from_record",
+    "read_checkpoint_common",
+]
 
 
 def init_distributed_for_inference(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
-    """Start ``torch.distributed`` (torchrun's env, else a one-rank gloo group on 127.0.0.1) and the model-parallel groups."""
+    """Start ``torch.distributed`` (torchrun's env, else a one-rank group on an in-memory store) and the model-parallel groups."""
     import torch.distributed as dist
 
     from megatron_core import device, parallel_state
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            import socket
-
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(port))
         backend = device.get_default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+        if os.environ.get("WORLD_SIZE", "1") == "1":  # one process: an in-memory store, no rendezvous port
+            for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+                os.environ.setdefault(name, value)
+            loopback = _loopback_interface()
+            if backend == "gloo" and loopback:  # gloo's own listening socket stays on 127.0.0.1
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(minutes=10))
+        else:
+            dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
@@ -45,16 +52,34 @@ def init_distributed_for_inference(tensor_model_parallel_size: int = 1, pipeline
         )
 
 
-def load_training_args(load_dir: str) -> tuple[dict[str, Any], int]:
-    """``(training flags, iteration)`` of the latest checkpoint in ``load_dir``."""
+def _loopback_interface() -> str | None:
+    import socket
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in names if name.startswith("lo")), None)
+
+
+def read_checkpoint_common(load_dir: str) -> tuple[dict[str, Any], int, str]:
+    """``(common state, iteration, checkpoint directory)`` of the latest checkpoint in ``load_dir``."""
     from megatron_core.dist_checkpointing.serialization import load_common_state_dict
     from megatron_core.dist_checkpointing.training.checkpointing import get_checkpoint_name
     from megatron_core.dist_checkpointing.training.tracker import read_tracker
 
+    if not os.path.isdir(load_dir):
+        raise FileNotFoundError(f"--load {load_dir}: no such directory")
     iteration = read_tracker(load_dir)
     if iteration is None:
         raise FileNotFoundError(f"{load_dir} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    common = load_common_state_dict(get_checkpoint_name(load_dir, iteration))
+    checkpoint_dir = str(get_checkpoint_name(load_dir, iteration))
+    return load_common_state_dict(checkpoint_dir), iteration, checkpoint_dir
+
+
+def load_training_args(load_dir: str) -> tuple[dict[str, Any], int]:
+    """``(training flags, iteration)`` of the latest checkpoint in ``load_dir``."""
+    common, iteration, _ = read_checkpoint_common(load_dir)
     args = (common.get("extra_state") or {}).get("args")
     if not args:
         raise ValueError(f"the checkpoint in {load_dir} (iteration {iteration}) has no training args in extra_state")
@@ -77,25 +102,12 @@ def _config(args: dict[str, Any], tp: int, pp: int) -> Any:
     )
 
 
-def load_gpt_from_checkpoint(load_dir: str, tokenizer_model: str | None = None) -> tuple[torch.nn.Module, Any, dict]:
-    """``(model in eval mode on the current device, tokenizer, training args)``; call :func:`init_distributed_for_inference` first."""
-    from megatron_core import device, parallel_state
-    from megatron_core.datasets.tokenizers import build_tokenizer
-    from megatron_core.dist_checkpointing.training.checkpointing import load_checkpoint
+def _model_from_flags(args: dict[str, Any], vocab_size: int, tp: int, pp: int) -> torch.nn.Module:
+    """The model of a checkpoint without a ``model_config`` record, from the subset of flags it can read."""
+    from megatron_core import parallel_state
     from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
-    from megatron_core.tensor_parallel import pad_vocab_size
 
-    args, _ = load_training_args(load_dir)
-    tokenizer = build_tokenizer(
-        args.get("tokenizer_type") or "NullTokenizer", vocab_file=args.get("vocab_file"),
-        merge_file=args.get("merge_file"), tokenizer_model=tokenizer_model or args.get("tokenizer_model"),
-        vocab_size=args.get("vocab_size"),
-    )
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    vocab_size = pad_vocab_size(tokenizer.vocab_size, args.get("make_vocab_size_divisible_by", 128),
-                                args.get("tensor_model_parallel_size", 1))
-    model = GPTModel(
+    return GPTModel(
         _config(args, tp, pp), get_gpt_layer_local_spec(), vocab_size,
         args.get("max_position_embeddings") or args["seq_length"],
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
@@ -103,6 +115,87 @@ def load_gpt_from_checkpoint(load_dir: str, tokenizer_model: str | None = None) 
         position_embedding_type=args.get("position_embedding_type", "learned_absolute"),
         rotary_percent=args.get("rotary_percent", 1.0), rotary_base=args.get("rotary_base", 10000),
     )
+
+
+def model_from_record(record: dict[str, Any], where: str, tp: int, pp: int) -> torch.nn.Module:
+    """The GPTModel a ``model_config`` record describes, for this process's tensor/pipeline layout."""
+    from megatron_core import parallel_state
+    from megatron_core.dist_checkpointing.training.model_config import transformer_config_from_record
+    from megatron_core.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron_core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    if not str(record.get("model_class", "")).endswith(":GPTModel"):
+        raise ValueError(f"{where} holds a {record.get('model_class')}; only GPTModel checkpoints can be loaded here")
+    dtype = _recorded_dtype(record)
+    config = transformer_config_from_record(
+        record, where, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype if pp > 1 else None, use_cpu_initialization=True, perform_initialization=False)
+    model_args = record["model"]
+    if config.num_moe_experts is not None or config.multi_latent_attention:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm)
+    rotary = model_args.get("rotary") or {}
+    inv_freq = rotary.get("inv_freq")
+    percent = 2 * len(inv_freq) / config.kv_channels if inv_freq else 1.0
+    model = GPTModel(
+        config, spec, int(model_args["vocab_size"]), int(model_args["max_sequence_length"]),
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=bool(model_args.get("share_embeddings_and_output_weights", False)),
+        position_embedding_type=model_args.get("position_embedding_type", "learned_absolute"),
+        rotary_percent=percent, seq_len_interpolation_factor=rotary.get("seq_len_interpolation_factor"),
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, False) if config.mtp_num_layers else None,
+    )
+    module = getattr(model, "rotary_pos_emb", None)
+    if inv_freq and module is not None:  # the exact frequencies (any RoPE scaling) the model was trained with
+        module.inv_freq = torch.tensor(inv_freq, dtype=torch.float32, device=module.inv_freq.device)
+        getattr(module, "_cache", {}).clear()
+    return model
+
+
+def _recorded_dtype(record: dict[str, Any]) -> torch.dtype:
+    fields = record["transformer_config"]
+    return torch.bfloat16 if fields.get("bf16") else torch.float16 if fields.get("fp16") else torch.float32
+
+
+def load_gpt_from_checkpoint(load_dir: str, tokenizer_model: str | None = None) -> tuple[torch.nn.Module, Any, dict]:
+    """``(model in eval mode on the current device, tokenizer, training args)``; call :func:`init_distributed_for_inference` first.
+
+    The model is rebuilt from the checkpoint's ``model_config`` record (the whole configuration it was
+    trained with, JSON); a checkpoint saved before that record existed is rebuilt from its training flags,
+    with a warning (features those flags do not describe, such as sliding windows or RoPE scaling, are lost).
+    """
+    from megatron_core import device, parallel_state
+    from megatron_core.datasets.tokenizers import build_tokenizer
+    from megatron_core.dist_checkpointing.training.checkpointing import load_checkpoint
+    from megatron_core.dist_checkpointing.training.model_config import MODEL_CONFIG_KEY, parse_model_config
+    from megatron_core.tensor_parallel import pad_vocab_size
+
+    common, iteration, checkpoint_dir = read_checkpoint_common(load_dir)
+    args = (common.get("extra_state") or {}).get("args") or {}
+    record = common.get(MODEL_CONFIG_KEY)
+    if record is None and not args:
+        raise ValueError(f"{checkpoint_dir} records neither the model configuration nor training args; it cannot "
+                         "be rebuilt for inference")
+    tokenizer = build_tokenizer(
+        args.get("tokenizer_type") or "NullTokenizer", vocab_file=args.get("vocab_file"),
+        merge_file=args.get("merge_file"), tokenizer_model=tokenizer_model or args.get("tokenizer_model"),
+        vocab_size=args.get("vocab_size"),
+    )
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if record is not None:
+        model = model_from_record(parse_model_config(record, checkpoint_dir), checkpoint_dir, tp, pp)
+    else:
+        warnings.warn(f"{checkpoint_dir} has no model_config record (saved by an older megatron_core): rebuilding "
+                      "the model from its training flags, which do not describe every feature (sliding-window "
+                      "attention, RoPE scaling, q/k norms, ...); re-save it to record the configuration", stacklevel=2)
+        vocab_size = pad_vocab_size(tokenizer.vocab_size, args.get("make_vocab_size_divisible_by", 128),
+                                    args.get("tensor_model_parallel_size", 1))
+        model = _model_from_flags(args, vocab_size, tp, pp)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model in {checkpoint_dir} only "
+                         f"{model.vocab_size}: is --tokenizer-model the one it was trained with?")
     model = model.to(device.get_current_device())
-    load_checkpoint(load_dir, [model], None, None, load_optimizer=False, load_rng=False)
+    load_checkpoint(load_dir, [model], None, None, iteration=iteration, load_optimizer=False, load_rng=False)
     return model.eval(), tokenizer, args

@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from megatron_core.command_line import run_command
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -36,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--iteration", type=int, default=None, help="default: the tracker's latest iteration")
     to_hf.add_argument("--max-shard-size", default="5GB")
     to_hf.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: the checkpoint's dtype")
-    to_hf.add_argument("--overwrite", action="store_true")
+    to_hf.add_argument("--overwrite", action="store_true",
+                       help="replace an earlier export in --out (a directory holding other files is refused)")
     for p in (to_mcore, to_hf):
         p.add_argument("--no-progress", action="store_true", help="no progress bar / lines")
     return parser
@@ -96,33 +99,41 @@ def flags_cannot_express(bridge) -> list[str]:
     return missing
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``megatron-convert``."""
-    args = build_parser().parse_args(argv)
+def convert(args: argparse.Namespace) -> None:
+    """Run the conversion ``args`` describe."""
     from megatron_core.models.hf.bridge import AutoBridge
     from megatron_core.models.hf.convert import export_mcore_to_hf, import_hf_to_mcore
-    try:
-        if args.command == "hf-to-mcore":
-            divisible = args.make_vocab_size_divisible_by if args.make_vocab_size_divisible_by > 1 else None
-            path = import_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp,
-                                      make_vocab_size_divisible_by=divisible, progress=not args.no_progress)
-            bridge = AutoBridge.from_hf_pretrained(args.hf, load_weights=False)
-            print(f"wrote {path}")
-            print("train from it with: --load", args.out, "--no-load-optim --no-load-rng",
-                  training_flags(bridge, args.tp, args.pp, args.make_vocab_size_divisible_by))
-            missing = flags_cannot_express(bridge)
-            if missing:
-                print(f"note: those flags cannot express {', '.join(missing)}; train with --hf-model {args.hf} "
-                      "(which builds the model from config.json) instead")
-        else:
-            export_mcore_to_hf(args.mcore, args.out, hf_template=args.hf_template, iteration=args.iteration,
-                               max_shard_size=args.max_shard_size, dtype=_DTYPES.get(args.dtype) if args.dtype else None,
-                               overwrite=args.overwrite, progress=not args.no_progress)
-            print(f"wrote {args.out}")
-    except ValueError as e:  # HFConversionError and configuration errors: one clear line
-        print(f"megatron-convert: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    if args.command == "hf-to-mcore":
+        if args.tp < 1 or args.pp < 1 or args.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"--tp ({args.tp}), --pp ({args.pp}) and --make-vocab-size-divisible-by "
+                             f"({args.make_vocab_size_divisible_by}) must be >= 1")
+        divisible = args.make_vocab_size_divisible_by if args.make_vocab_size_divisible_by > 1 else None
+        path = import_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp,
+                                  make_vocab_size_divisible_by=divisible, progress=not args.no_progress)
+        bridge = AutoBridge.from_hf_pretrained(args.hf, load_weights=False)
+        print(f"wrote {path}")
+        print("train from it with: --load", args.out, "--no-load-optim --no-load-rng",
+              training_flags(bridge, args.tp, args.pp, args.make_vocab_size_divisible_by))
+        missing = flags_cannot_express(bridge)
+        if missing:
+            print(f"note: those flags cannot express {', '.join(missing)}; train with --hf-model {args.hf} "
+                  "(which builds the model from config.json) instead")
+    else:
+        from megatron_core.models.hf.export import parse_size
+
+        if parse_size(args.max_shard_size) < 1:
+            raise ValueError(f"--max-shard-size {args.max_shard_size!r} must be at least one byte")
+        export_mcore_to_hf(args.mcore, args.out, hf_template=args.hf_template, iteration=args.iteration,
+                           max_shard_size=args.max_shard_size, dtype=_DTYPES.get(args.dtype) if args.dtype else None,
+                           overwrite=args.overwrite, progress=not args.no_progress)
+        print(f"wrote {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``megatron-convert``: a user error is one line and exit status 2 (:mod:`megatron_core.command_line`)."""
+    args = build_parser().parse_args(argv)
+    return run_command("megatron-convert", lambda: convert(args))
 
 
 if __name__ == "__main__":

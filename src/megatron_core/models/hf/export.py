@@ -6,13 +6,16 @@ tensors and written straight to their offsets in a pre-planned safetensors shard
 plan, from shapes and dtypes only, is agreed by all ranks first; a shard holds tensors of one
 stage). Files go into ``<path>.tmp-<id>``; only when every rank succeeded does rank 0 write the
 index, ``config.json`` and the tokenizer files and rename the directory to ``path``, so a failure
-leaves nothing at ``path``. The parameters' dtype (bf16 / fp16 / fp32) is kept.
+leaves nothing at ``path``. With ``overwrite`` an earlier export at ``path`` is replaced, but a
+directory holding anything an export does not write is refused, naming those entries
+(:func:`target_refusal`). The parameters' dtype (bf16 / fp16 / fp32) is kept.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from typing import Any
@@ -35,6 +38,7 @@ from megatron_core.models.hf.progress import progress as progress_iter
 from megatron_core.models.hf.rules import Copy, Index, SharedCopy, expected_hf_shape, fmt
 from megatron_core.models.hf.safetensors_io import (
     INDEX_FILE,
+    SINGLE_FILE,
     HFConversionError,
     SafetensorsShardWriter,
     plan_shards,
@@ -50,10 +54,13 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, int):
         return size
     text = size.strip().upper()
-    for unit in sorted(_UNITS, key=len, reverse=True):
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * _UNITS[unit])
-    return int(text)
+    try:
+        for unit in sorted(_UNITS, key=len, reverse=True):
+            if text.endswith(unit):
+                return int(float(text[: -len(unit)]) * _UNITS[unit])
+        return int(text)
+    except ValueError:
+        raise ValueError(f"shard size {size!r} is not a size such as 500MB, 5GB or a number of bytes") from None
 
 
 class HFDirectoryWriter:
@@ -63,9 +70,9 @@ class HFDirectoryWriter:
         self.bridge, self.path, self.overwrite = bridge, os.path.abspath(path), overwrite
         self.max_shard_bytes = parse_size(max_shard_size)
         self.rank = collectives.get_rank()
-        refused = self.rank == 0 and os.path.exists(self.path) and bool(os.listdir(self.path)) and not overwrite
-        if collectives.broadcast_object(refused, 0):
-            raise HFConversionError(f"{self.path} exists and is not empty; pass overwrite=True to replace it")
+        refusal = collectives.broadcast_object(target_refusal(self.path, overwrite) if self.rank == 0 else None, 0)
+        if refusal is not None:
+            raise HFConversionError(refusal)
         name = f"{os.path.basename(self.path)}.tmp-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None
         self.tmp = os.path.join(os.path.dirname(self.path), collectives.broadcast_object(name, 0))
         error = None
@@ -144,6 +151,9 @@ class HFDirectoryWriter:
             source = os.path.join(self.bridge.directory, name)
             if os.path.isfile(source):
                 shutil.copyfile(source, os.path.join(self.tmp, name))
+        refusal = target_refusal(self.path, self.overwrite)  # again: something may have appeared meanwhile
+        if refusal is not None:
+            raise HFConversionError(refusal)
         old = None
         if os.path.exists(self.path):
             old = f"{self.path}.old-{uuid.uuid4().hex[:8]}"
@@ -151,6 +161,39 @@ class HFDirectoryWriter:
         os.rename(self.tmp, self.path)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def written_by_export(directory: str, name: str) -> bool:
+    """Whether ``directory/name`` is a file an export writes (weights, their index, config, tokenizer files)."""
+    path = os.path.join(directory, name)
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    return name in (SINGLE_FILE, INDEX_FILE, "config.json", *TOKENIZER_FILES) or bool(_SHARD_NAME.fullmatch(name))
+
+
+def target_refusal(path: str, overwrite: bool) -> str | None:
+    """Why ``path`` may not receive an export (``None``: it may); nothing it holds is ever removed unasked.
+
+    An absent or empty directory may; a non-empty one only with ``overwrite``, and then only when it
+    holds nothing but the files of an earlier export, which are replaced.
+    """
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isdir(path) or os.path.islink(path):
+        return f"{path} exists and is not a directory; nothing was changed"
+    entries = sorted(os.listdir(path))
+    if entries and not overwrite:
+        return (f"{path} exists and is not empty ({len(entries)} entries: {entries[:5]}); pass overwrite=True "
+                "(--overwrite) to replace an earlier export there, or choose another output directory")
+    foreign = [name for name in entries if not written_by_export(path, name)]
+    if foreign:
+        return (f"{path} holds {len(foreign)} entries an export does not write: {foreign[:10]}; overwriting replaces "
+                "only an earlier export's files (config.json, *.safetensors, the index, tokenizer files). Move "
+                "them away or choose another output directory; nothing was changed")
+    return None
 
 
 def _write_json(path: str, obj: Any) -> None:
