@@ -16,9 +16,8 @@ from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer
 
 __all__ = [
     "GlobalMemoryBuffer", "MakeViewlessTensor", "WrappedTensor", "accepts_parameter", "assert_viewless_tensor",
-    "get_model_type", "get_model_xattn", "is_submodule",
-    "log_on_each_pipeline_stage", "make_sharded_tensor_for_checkpoint", "make_tp_sharded_tensor_for_checkpoint",
-    "make_viewless_tensor", "round_up_to_nearest_multiple", "safely_set_viewless_tensor_data",
+    "get_model_type", "get_model_xattn", "is_submodule", "log_on_each_pipeline_stage", "make_viewless_tensor",
+    "round_up_to_nearest_multiple", "safely_set_viewless_tensor_data",
 ]
 
 
@@ -53,28 +52,6 @@ def is_submodule(module: torch.nn.Module, parent_module: torch.nn.Module, strict
     if strict and module is parent_module:
         return False
     return any(m is module for m in parent_module.modules())
-
-
-def make_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, prepend_offsets: tuple = (),
-                                       replica_id: Any = None, **kwargs: Any) -> Any:
-    """See :func:`megatron_core.dist_checkpointing.sharded_module.make_sharded_tensor_for_checkpoint`."""
-    from megatron_core.dist_checkpointing import (
-        sharded_module,  # lazy-import: utils is below dist_checkpointing
-    )
-
-    return sharded_module.make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=prepend_offsets,
-                                                             replica_id=replica_id, **kwargs)
-
-
-def make_tp_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, tp_axis: int = 0, replica_id: Any = None,
-                                          prepend_offsets: tuple = (), **kwargs: Any) -> Any:
-    """See :func:`megatron_core.dist_checkpointing.sharded_module.make_tp_sharded_tensor_for_checkpoint`."""
-    from megatron_core.dist_checkpointing import (
-        sharded_module,  # lazy-import: utils is below dist_checkpointing
-    )
-
-    return sharded_module.make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=tp_axis, replica_id=replica_id,
-                                                                prepend_offsets=prepend_offsets, **kwargs)
 
 
 def log_on_each_pipeline_stage(logger: logging.Logger, *args: Any, tp_group: Any = None, dp_cp_group: Any = None,

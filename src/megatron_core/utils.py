@@ -29,10 +29,6 @@ from megatron_core._misc_utils import get_model_type as get_model_type
 from megatron_core._misc_utils import get_model_xattn as get_model_xattn
 from megatron_core._misc_utils import is_submodule as is_submodule
 from megatron_core._misc_utils import log_on_each_pipeline_stage as log_on_each_pipeline_stage
-from megatron_core._misc_utils import make_sharded_tensor_for_checkpoint as make_sharded_tensor_for_checkpoint
-from megatron_core._misc_utils import (
-    make_tp_sharded_tensor_for_checkpoint as make_tp_sharded_tensor_for_checkpoint,
-)
 from megatron_core._misc_utils import make_viewless_tensor as make_viewless_tensor
 from megatron_core._misc_utils import round_up_to_nearest_multiple as round_up_to_nearest_multiple
 from megatron_core._misc_utils import safely_set_viewless_tensor_data as safely_set_viewless_tensor_data
@@ -65,6 +61,12 @@ from megatron_core._version_utils import is_te_min_version as is_te_min_version
 from megatron_core._version_utils import is_torch_min_version as is_torch_min_version
 from megatron_core._wrapped_model import get_attr_wrapped_model as get_attr_wrapped_model
 from megatron_core._wrapped_model import get_model_config as get_model_config
+from megatron_core.dist_checkpointing.sharded_module import (
+    make_sharded_tensor_for_checkpoint as make_sharded_tensor_for_checkpoint,
+)
+from megatron_core.dist_checkpointing.sharded_module import (
+    make_tp_sharded_tensor_for_checkpoint as make_tp_sharded_tensor_for_checkpoint,
+)
 from megatron_core.process_groups_config import (
     get_tensor_model_parallel_group_if_none as get_tensor_model_parallel_group_if_none,
 )

@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_core.jit import jit_fuser
+
 
 def bias_dropout_add(
     x_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor, prob: float, training: bool
@@ -44,3 +46,24 @@ def get_bias_dropout_add(training: bool, fused: bool = False) -> Callable[..., t
         return bias_dropout_add(x_with_bias, residual, prob, training)
 
     return _bias_dropout_add
+
+
+# Megatron-Core's ``fusions.fused_bias_dropout`` names (re-exported there).
+_XWithBias = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def bias_dropout_add_unfused(training: bool) -> Callable[[_XWithBias, torch.Tensor, float], torch.Tensor]:
+    """``(x_with_bias, residual, prob) -> residual + dropout(x + bias)`` for train or eval mode."""
+    return get_bias_dropout_add(training, fused=False)
+
+
+@jit_fuser
+def bias_dropout_add_fused_train(x_with_bias: _XWithBias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+    """``residual + dropout(x + bias, prob)`` in training mode."""
+    return bias_dropout_add(x_with_bias, residual, prob, True)
+
+
+@jit_fuser
+def bias_dropout_add_fused_inference(x_with_bias: _XWithBias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+    """``residual + x + bias`` (no dropout: inference mode)."""
+    return bias_dropout_add(x_with_bias, residual, prob, False)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb, yarn_mscale
+from megatron_core.transformer.rotary_pos_embedding import RotaryEmbedding
+from megatron_core.transformer.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
 __all__ = ["build_mla_rotary_embedding", "deinterleave_rope_channels", "mla_softmax_scale", "rotary_angles",
            "rotate_mla"]
@@ -34,13 +36,6 @@ def mla_softmax_scale(config: Any) -> float:
 
 def build_mla_rotary_embedding(config: Any, cp_group: Any = None) -> torch.nn.Module:
     """The ``RotaryEmbedding`` (``rope_type='rope'``) or ``YarnRotaryEmbedding`` (``'yarn'``) of one MLA layer."""
-    from megatron_core.models.common.embeddings.rotary_pos_embedding import (
-        RotaryEmbedding,  # lazy-import: the rotary modules live in models.common.embeddings, as in Megatron-Core
-    )
-    from megatron_core.models.common.embeddings.yarn_rotary_pos_embedding import (
-        YarnRotaryEmbedding,  # lazy-import: the rotary modules live in models.common.embeddings, as in Megatron-Core
-    )
-
     dim = config.qk_pos_emb_head_dim
     cpu = config.use_cpu_initialization
     if config.rope_type == "rope":
