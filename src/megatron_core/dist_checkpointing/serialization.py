@@ -9,7 +9,8 @@ first, as 0.19 does), always with ``torch.load(weights_only=True)``, and ``save(
 common_strategy="torch")`` writes that older layout for readers that need it.
 
 Crash safety: everything is written into ``<dir>.tmp-<id>`` and renamed to ``<dir>`` only when
-every rank has finished, so ``<dir>`` is either absent, the previous checkpoint, or complete.
+every rank has finished, so ``<dir>`` is either absent, the previous checkpoint, or complete; a
+write that fails because the disk is full says so, with the bytes needed and free (:mod:`.disk_space`).
 Saving never removes what it did not write (:mod:`.save_target`): a complete checkpoint or a
 directory holding other files is refused unless ``overwrite=True``, a regular file at the path is
 an error. Every file is hashed while written and ``sha256_manifest.json`` records the digests
@@ -20,6 +21,7 @@ on every rank if it fails on any, so a model is never loaded partially.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -49,6 +51,7 @@ from megatron_core.dist_checkpointing.dict_utils import (
     nested_values,
     without_matching,
 )
+from megatron_core.dist_checkpointing.disk_space import explain_write_failure, explaining_space, state_nbytes
 from megatron_core.dist_checkpointing.manifest import sha256_bytes, verify_checkpoint, write_manifest
 from megatron_core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
@@ -218,7 +221,7 @@ def save(
             if legacy_common:
                 atomic_write_bytes(tmp_dir / COMMON_STATE_FNAME, common_bytes)
         except Exception as e:  # noqa: BLE001 - sent to every rank below
-            error = e
+            error = explain_write_failure(e, tmp_dir, len(common_bytes))
     if collectives.broadcast_object(error is not None, 0, group):
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -232,6 +235,10 @@ def save(
         raise CheckpointingException(f"{type(strategy).__name__} cannot save asynchronously")
     else:
         request = AsyncRequest(strategy.save, (sharded_part, tmp_dir), [])
+    if request.async_fn is not None:  # a full disk is reported as such (path, bytes needed and free)
+        # (replace() shares finalize_fns and file_digests with the strategy's request, which fills them)
+        request = dataclasses.replace(request, async_fn=explaining_space(
+            request.async_fn, tmp_dir, state_nbytes(nested_values(sharded_part))))
 
     def finalize() -> None:
         failure = None
@@ -248,6 +255,7 @@ def save(
                 save_config(config, tmp_dir)
                 _publish(tmp_dir, final_dir, overwrite)
             except Exception as e:  # noqa: BLE001 - sent to every rank below
+                e = explain_write_failure(e, tmp_dir)
                 failure = f"{type(e).__name__}: {e}"
         failure = collectives.broadcast_object(failure, 0, group)
         if failure is not None:

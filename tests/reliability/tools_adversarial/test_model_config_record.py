@@ -26,8 +26,7 @@ from megatron_core import parallel_state  # noqa: E402
 from megatron_core.dist_checkpointing.training.model_config import MODEL_CONFIG_KEY  # noqa: E402
 from megatron_core.inference.cli import checkpoint as loader  # noqa: E402
 from megatron_core.models.hf import AutoBridge  # noqa: E402
-
-EXAMPLES = str(Path(__file__).resolve().parents[3] / "examples")
+from tests.reliability.tools_adversarial.conftest import EXAMPLES  # noqa: E402
 
 
 def _tear_down() -> None:
@@ -35,13 +34,6 @@ def _tear_down() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-@pytest.fixture(autouse=True)
-def _single_process_env(monkeypatch) -> None:
-    """The single-process launchers set RANK, WORLD_SIZE, ...; each test starts (and ends) without them."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def _train(hf_dir: Path, save: Path) -> None:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
+
+from megatron_core.command_line import run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,11 +56,15 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     """The prompts named on the command line and in ``--prompts-file``."""
     prompts = list(args.prompt)
     if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as f:
+        with open(args.prompts_file, encoding="utf-8", errors="strict") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                record = json.loads(line)
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{args.prompts_file}:{number}: not JSON ({error.msg} at column {error.colno})"
+                                     ) from None
                 text = record.get("prompt", record.get("text")) if isinstance(record, dict) else record
                 if not isinstance(text, str):
                     raise ValueError(f"{args.prompts_file}:{number}: expected a 'prompt' string")
@@ -93,30 +100,71 @@ def build_llm(args: argparse.Namespace, llm_class: Any = None) -> tuple[Any, Any
     return llm_class(model=model, tokenizer=tokenizer, inference_config=config, use_coordinator=False), train_args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
-    import torch.distributed as dist
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad values before the model is loaded."""
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens ({args.max_tokens}) must be >= 1")
+    if args.temperature < 0 or args.top_k < 0 or not 0.0 <= args.top_p <= 1.0:
+        raise ValueError(f"--temperature ({args.temperature}) and --top-k ({args.top_k}) must be >= 0 and --top-p "
+                         f"({args.top_p}) in [0, 1]")
+    if args.tp < 1 or args.pp < 1:
+        raise ValueError(f"--tp ({args.tp}) and --pp ({args.pp}) must be >= 1")
+    if args.buffer_size_gb <= 0 or args.block_size_tokens < 1 or args.max_batch < 1:
+        raise ValueError(f"--buffer-size-gb ({args.buffer_size_gb}) must be > 0, --block-size-tokens "
+                         f"({args.block_size_tokens}) and --max-batch ({args.max_batch}) >= 1")
+    if args.output:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"--output {args.output}: the directory {folder} does not exist")
+        if os.path.isdir(args.output):
+            raise IsADirectoryError(f"--output {args.output} is a directory")
 
-    from megatron_core.inference.sampling_params import SamplingParams
 
-    args = build_parser().parse_args(argv)
-    prompts = read_prompts(args)
-    llm, _ = build_llm(args)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            num_tokens_to_generate=args.max_tokens)
-    results = llm.generate(prompts, params)
-    if dist.get_rank() == 0:
-        out = open(args.output, "w", encoding="utf-8") if args.output else None
-        for prompt, request in zip(prompts, results):
-            if out is not None:
+def _write_results(path: str, prompts: list[str], results: list) -> None:
+    """The JSONL results, written beside ``path`` and renamed onto it (never a half-written file)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for prompt, request in zip(prompts, results):
                 out.write(json.dumps({"prompt": prompt, "generated_text": request.generated_text,
                                       "generated_tokens": request.generated_tokens}) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def generate(args: argparse.Namespace) -> None:
+    """Load, generate, print or write; the process group is torn down either way."""
+    import torch.distributed as dist
+
+    from megatron_core import parallel_state
+    from megatron_core.inference.sampling_params import SamplingParams
+
+    check_args(args)
+    prompts = read_prompts(args)
+    try:
+        llm, _ = build_llm(args)
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                num_tokens_to_generate=args.max_tokens)
+        results = llm.generate(prompts, params)
+        if dist.get_rank() == 0:
+            if args.output:
+                _write_results(args.output, prompts, results)
             else:
-                print(f"=== prompt: {prompt!r}\n{prompt}{request.generated_text}\n", flush=True)
-        if out is not None:
-            out.close()
-    dist.destroy_process_group()
-    return 0
+                for prompt, request in zip(prompts, results):
+                    print(f"=== prompt: {prompt!r}\n{prompt}{request.generated_text}\n", flush=True)
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; a user error is one line and exit status 2 (:mod:`megatron_core.command_line`)."""
+    args = build_parser().parse_args(argv)
+    return run_command("megatron-generate", lambda: generate(args))
 
 
 if __name__ == "__main__":
