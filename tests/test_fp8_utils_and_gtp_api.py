@@ -26,3 +26,12 @@ def test_generalized_tensor_parallelism_is_reported_missing() -> None:
     assert gtp_api.HAVE_GTP is False
     with pytest.raises(ImportError):
         from megatron_core.tensor_parallel.gtp_api import wrap_module_params_gtp  # noqa: F401
+
+
+def test_get_fp8_context_is_a_null_context() -> None:
+    from types import SimpleNamespace
+
+    for config in (SimpleNamespace(fp8=None, fp8_param=False), SimpleNamespace(fp8="e4m3", fp8_param=True)):
+        for is_init in (False, True):
+            with fp8_utils.get_fp8_context(config, layer_no=3, is_init=is_init) as ctx:
+                assert ctx is None

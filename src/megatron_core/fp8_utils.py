@@ -8,9 +8,22 @@ either with Transformer Engine 2 or without it.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
 import torch
 
-__all__ = ["correct_amax_history_if_needed"]
+__all__ = ["correct_amax_history_if_needed", "get_fp8_context"]
+
+
+def get_fp8_context(config: Any, layer_no: int = -1, is_init: bool = False) -> AbstractContextManager:
+    """The context Megatron-Core enters around a layer's forward (``is_init=False``) or construction.
+
+    Always a ``nullcontext()`` here, as in Megatron-Core without Transformer Engine: this library's FP8
+    GEMMs are chosen when the layers are built (``megatron_core.fp8``, from ``config.fp8`` and the
+    first/last BF16 layers), not by a surrounding autocast.
+    """
+    return nullcontext()
 
 
 def correct_amax_history_if_needed(model: list[torch.nn.Module] | torch.nn.Module) -> None:

@@ -11,13 +11,13 @@ from megatron_core.enums import ModelType as ModelType
 
 
 class LayerType(enum.Enum):
-    """Kind of layer inside a block."""
+    """Kind of layer: of a block, and of the entries of a ``PipelineParallelLayerLayout`` (Megatron-Core 0.19)."""
 
-    encoder = 1
-    decoder = 2
-    retro_encoder = 3
-    retro_decoder = 4
-    retro_decoder_with_retriever = 5
+    embedding = 1
+    loss = 2
+    encoder = 3
+    decoder = 4
+    mtp = 5
 
 
 class AttnType(enum.Enum):

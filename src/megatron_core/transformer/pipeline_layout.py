@@ -17,64 +17,190 @@ A count that cannot be placed raises ``ValueError``; layers are never dropped.
 
 from __future__ import annotations
 
+import copy
+import logging
 import re
+from functools import lru_cache
 from typing import Any
 
-_SYMBOLS = {"E": "embedding", "t": "decoder", "m": "mtp", "L": "loss"}
-_NAMES = {v: k for k, v in _SYMBOLS.items()}
+from megatron_core.transformer.enums import LayerType
+
+logger = logging.getLogger(__name__)
+
+_SYMBOLS = {"E": LayerType.embedding, "t": LayerType.decoder, "m": LayerType.mtp, "L": LayerType.loss}
+_LETTERS = {LayerType.embedding: "E", LayerType.decoder: "t", LayerType.mtp: "m", LayerType.loss: "L",
+            LayerType.encoder: "e"}
 
 
 class PipelineParallelLayerLayout:
-    """An explicit assignment of embedding, decoder layers, MTP and loss to model chunks."""
+    """An explicit assignment of embedding, decoder layers, MTP and loss to model chunks (Megatron-Core's).
 
-    def __init__(self, layout: str | list[list[str]], pipeline_model_parallel_size: int) -> None:
-        self.stages: list[str] = _parse(layout)
-        self.pipeline_model_parallel_size = pipeline_model_parallel_size
-        num_stages = len(self.stages)
-        if num_stages % pipeline_model_parallel_size != 0:
+    Attributes (as in Megatron-Core): ``input_data`` (the layout as given), ``layout`` (``[pp_rank][vp_stage]``
+    lists of :class:`LayerType`), ``flatten_layout`` (every layer in layer order),
+    ``pipeline_model_parallel_size`` and ``virtual_pipeline_model_parallel_size``; plus ``stages``, one
+    symbol string per model chunk in chunk order (``"Ett"``). ``repr`` is the input: the string, or ``str``
+    of the list. The constructor checks the format; :meth:`validate_layer_layout` checks the placement.
+    """
+
+    def __init__(self, layout: str | list, pipeline_model_parallel_size: int) -> None:
+        self.input_data = layout
+        chunks = self.parse_str_to_list(layout) if isinstance(layout, str) else _to_layer_types(layout)
+        pp = pipeline_model_parallel_size
+        if len(chunks) % pp != 0:
             raise ValueError(
-                f"pipeline_model_parallel_layout has {num_stages} stages, which is not a multiple of "
-                f"pipeline_model_parallel_size ({pipeline_model_parallel_size})"
+                f"pipeline_model_parallel_layout has {len(chunks)} stages, which is not a multiple of "
+                f"pipeline_model_parallel_size ({pp})"
             )
-        self.virtual_pipeline_model_parallel_size = num_stages // pipeline_model_parallel_size
-        if any("E" in s for s in self.stages[1:]) or self.stages[0].count("E") > 1:
-            raise ValueError(f"pipeline_model_parallel_layout {layout!r}: 'E' (embedding) may only open the first stage")
-        if any("L" in s for s in self.stages[:-1]) or self.stages[-1].count("L") > 1:
-            raise ValueError(f"pipeline_model_parallel_layout {layout!r}: 'L' (loss) may only close the last stage")
+        vpp = len(chunks) // pp
+        self.pipeline_model_parallel_size = pp
+        self.virtual_pipeline_model_parallel_size = vpp
+        self.layout = [[chunks[v * pp + p] for v in range(vpp)] for p in range(pp)]
+        self.flatten_layout = [layer for chunk in chunks for layer in chunk]
+        self.stages = ["".join(_LETTERS[layer] for layer in chunk) for chunk in chunks]
 
     def chunk_layer_counts(self) -> list[int]:
-        """Decoder layers (``t``) per chunk, in chunk order."""
-        return [s.count("t") for s in self.stages]
+        """Decoder layers per model chunk, in chunk order."""
+        return [stage.count("t") for stage in self.stages]
 
     def __repr__(self) -> str:
-        return f"PipelineParallelLayerLayout({'|'.join(self.stages)!r})"
+        return self.input_data if isinstance(self.input_data, str) else str(self.input_data)
 
+    @staticmethod
+    @lru_cache
+    def from_str(layout: str, pipeline_model_parallel_size: int) -> PipelineParallelLayerLayout:
+        """Parse a layout string (cached per string and size) and log its per-stage table."""
+        parsed = PipelineParallelLayerLayout(layout, pipeline_model_parallel_size)
+        logger.info("pipeline model parallel layout %s:\n%s", layout, parsed.pretty_repr())
+        return parsed
 
-def _parse(layout: str | list[list[str]]) -> list[str]:
-    if isinstance(layout, (list, tuple)):
-        stages = []
-        for stage in layout:
-            try:
-                stages.append("".join(_NAMES[name] if name in _NAMES else name for name in stage))
-            except TypeError as err:
-                raise ValueError(f"pipeline_model_parallel_layout stage {stage!r} must be a list of names") from err
-    elif isinstance(layout, str):
-        text = re.sub(r"[\s,]", "", layout)
+    @staticmethod
+    def get_num_stages_from_str(layout: str) -> int:
+        """The number of model chunks (pipeline x virtual stages) of a layout string."""
+        return len(PipelineParallelLayerLayout.parse_str_to_list(layout))
+
+    @staticmethod
+    def parse_str_to_list(layout_str: str) -> list[list[LayerType]]:
+        """``"Et*3|(tt|)*2,L"`` -> per-chunk lists of :class:`LayerType` (commas and spaces are cosmetic)."""
+        text = re.sub(r"[\s,]", "", layout_str)
         group = re.compile(r"\(([^()]*)\)\*(\d+)")
         while group.search(text):
             text = group.sub(lambda m: m.group(1) * int(m.group(2)), text)
-        text = re.sub(r"(\w)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
-        stages = text.split("|")
-    else:
-        raise ValueError(f"pipeline_model_parallel_layout must be a str or a list of lists, got {type(layout).__name__}")
-    for stage in stages:
-        bad = sorted(set(stage) - set(_SYMBOLS))
-        if bad:
-            raise ValueError(
-                f"pipeline_model_parallel_layout {layout!r} has unknown symbols {bad}; "
-                f"allowed: {sorted(_SYMBOLS)} ('|' separates stages)"
-            )
-    return stages
+        text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+        chunks = []
+        for stage in text.split("|"):
+            bad = sorted(set(stage) - set(_SYMBOLS))
+            if bad:
+                raise ValueError(
+                    f"pipeline_model_parallel_layout {layout_str!r} has unknown symbols {bad}; "
+                    f"allowed: {sorted(_SYMBOLS)} ('|' separates stages)"
+                )
+            chunks.append([_SYMBOLS[c] for c in stage])
+        return chunks
+
+    def validate_layer_layout(self, num_layers: int, mtp_num_layers: int | None) -> bool:
+        """Check the placement against the model; return whether MTP sits on a stage before the last rank.
+
+        The embedding opens and the loss closes the layout, once each; ``num_layers`` decoder and
+        ``mtp_num_layers`` MTP layers, every MTP layer after every decoder layer, all in one model chunk.
+        """
+        flat = self.flatten_layout
+        if not flat or flat[0] != LayerType.embedding or flat.count(LayerType.embedding) != 1:
+            raise ValueError(f"pipeline_model_parallel_layout {self!r} must open with the embedding, once")
+        if flat[-1] != LayerType.loss or flat.count(LayerType.loss) != 1:
+            raise ValueError(f"pipeline_model_parallel_layout {self!r} must close with the loss, once")
+        if LayerType.encoder in flat:
+            raise NotImplementedError("encoder layers are not supported in a pipeline_model_parallel_layout")
+        decoders, mtps = flat.count(LayerType.decoder), flat.count(LayerType.mtp)
+        if decoders != num_layers:
+            raise ValueError(f"pipeline_model_parallel_layout places {decoders} decoder layers but num_layers is "
+                             f"{num_layers}")
+        if mtps != (mtp_num_layers or 0):
+            raise ValueError(f"pipeline_model_parallel_layout places {mtps} MTP layers but mtp_num_layers is "
+                             f"{mtp_num_layers}")
+        if mtps:
+            first_mtp = flat.index(LayerType.mtp)
+            if LayerType.decoder in flat[first_mtp:]:
+                raise ValueError("pipeline_model_parallel_layout: decoder layers must come before MTP layers")
+            if max(stage.count("m") for stage in self.stages) != mtps:
+                raise ValueError("pipeline_model_parallel_layout: all MTP layers must be in one stage")
+        last_rank = self.pipeline_model_parallel_size - 1
+        return any(LayerType.mtp in self.layout[p][-1] for p in range(last_rank))
+
+    def get_num_layers_to_build(self, layer_type: LayerType = LayerType.decoder, vp_stage: int | None = None,
+                                pp_rank: int | None = None) -> int:
+        """Layers of ``layer_type`` in the given (default: this rank's) pipeline rank and virtual stage."""
+        pp_rank, vp_stage = self._rank_and_stage(vp_stage, pp_rank)
+        return self.layout[pp_rank][vp_stage].count(layer_type)
+
+    def get_layer_offset(self, layer_type: LayerType = LayerType.decoder, vp_stage: int | None = None,
+                         pp_rank: int | None = None) -> int:
+        """Layers of ``layer_type`` in all model chunks before the given one."""
+        pp_rank, vp_stage = self._rank_and_stage(vp_stage, pp_rank)
+        chunk = vp_stage * self.pipeline_model_parallel_size + pp_rank
+        return sum(stage.count(_LETTERS[layer_type]) for stage in self.stages[:chunk])
+
+    def get_layer_id_list(self, layer_type: LayerType = LayerType.decoder, vp_stage: int | None = None,
+                          pp_rank: int | None = None) -> list[int]:
+        """Global ids (0-based) of the ``layer_type`` layers of the given model chunk."""
+        offset = self.get_layer_offset(layer_type, vp_stage, pp_rank)
+        return list(range(offset, offset + self.get_num_layers_to_build(layer_type, vp_stage, pp_rank)))
+
+    def _rank_and_stage(self, vp_stage: int | None, pp_rank: int | None) -> tuple[int, int]:
+        from megatron_core import parallel_state
+
+        if pp_rank is None:
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        if parallel_state.get_virtual_pipeline_model_parallel_world_size() is None:
+            vp_stage = 0
+        elif vp_stage is None:
+            raise ValueError("vp_stage must be passed under virtual pipeline parallelism")
+        return pp_rank, vp_stage
+
+    def pretty_repr(self) -> str:
+        """A table of the layers each pipeline rank (rows; equal neighbours merged) and virtual stage holds."""
+        def stage_text(stage: list[LayerType]) -> str:
+            runs: list[list] = []
+            for layer in stage:
+                if runs and runs[-1][0] == layer:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([layer, 1])
+            return ",".join(f"{t.name}*{n}" if n > 1 else t.name for t, n in runs) or "(empty stage)"
+
+        rows: list[list[str]] = []
+        if self.virtual_pipeline_model_parallel_size > 1:
+            rows.append([""] + [f"VPP rank {v}" for v in range(self.virtual_pipeline_model_parallel_size)])
+        start = 0
+        texts = [[stage_text(stage) for stage in row] for row in self.layout]
+        for p in range(1, len(texts) + 1):
+            if p == len(texts) or texts[p] != texts[start]:
+                label = f"PP rank {start}" if p - 1 == start else f"PP rank {start}-{p - 1}"
+                rows.append([label] + texts[start])
+                start = p
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        gap = " " * (8 if self.virtual_pipeline_model_parallel_size <= 4 else 4)
+        return "\n".join(gap.join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _to_layer_types(layout: Any) -> list[list[LayerType]]:
+    """Per-chunk lists of :class:`LayerType` from lists of LayerType, names (``"decoder"``) or symbols (``"t"``)."""
+    if not isinstance(layout, (list, tuple)) or not all(isinstance(row, (list, tuple)) for row in layout):
+        raise ValueError(f"pipeline_model_parallel_layout must be a str or a list of lists, got {layout!r}")
+    chunks = []
+    for row in copy.deepcopy(list(layout)):
+        chunk = []
+        for item in row:
+            if isinstance(item, LayerType):
+                chunk.append(item)
+            elif isinstance(item, str) and item.strip() in _SYMBOLS:
+                chunk.append(_SYMBOLS[item.strip()])
+            elif isinstance(item, str) and item.strip().lower() in LayerType.__members__:
+                chunk.append(LayerType[item.strip().lower()])
+            else:
+                raise ValueError(f"pipeline_model_parallel_layout: {item!r} is not a valid LayerType "
+                                 f"({sorted(LayerType.__members__)} or {sorted(_SYMBOLS)})")
+        chunks.append(chunk)
+    return chunks
 
 
 def _vpp(config: Any) -> int:
@@ -90,7 +216,7 @@ def chunk_layer_counts(config: Any, pp_size: int | None = None) -> list[int]:
     layout = config.pipeline_model_parallel_layout
     if layout is not None:
         if not isinstance(layout, PipelineParallelLayerLayout) or layout.pipeline_model_parallel_size != pp:
-            layout = PipelineParallelLayerLayout(getattr(layout, "stages", layout), pp)
+            layout = PipelineParallelLayerLayout(getattr(layout, "input_data", layout), pp)
         counts = layout.chunk_layer_counts()
         if len(counts) != pp * vpp:
             raise ValueError(

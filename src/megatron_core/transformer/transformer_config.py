@@ -434,12 +434,17 @@ def _check_pipeline_split(cfg: TransformerConfig) -> None:
         raise ValueError(
             "num_layers_in_first/last_pipeline_stage cannot be combined with account_for_embedding/loss_in_pipeline_split"
         )
-    if isinstance(cfg.pipeline_model_parallel_layout, (str, list)):
-        layout = PipelineParallelLayerLayout(cfg.pipeline_model_parallel_layout, cfg.pipeline_model_parallel_size)
+    layout = cfg.pipeline_model_parallel_layout
+    if layout is not None:
+        if isinstance(layout, str):
+            layout = PipelineParallelLayerLayout.from_str(layout, cfg.pipeline_model_parallel_size)
+        elif not isinstance(layout, PipelineParallelLayerLayout):
+            layout = PipelineParallelLayerLayout(layout, cfg.pipeline_model_parallel_size)
         vpp = layout.virtual_pipeline_model_parallel_size
         if cfg.virtual_pipeline_model_parallel_size is None and vpp > 1:
             cfg.virtual_pipeline_model_parallel_size = vpp
         cfg.pipeline_model_parallel_layout = layout
+        layout.validate_layer_layout(cfg.num_layers, cfg.mtp_num_layers)
     chunk_layer_counts(cfg)
 
 
