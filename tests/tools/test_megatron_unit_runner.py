@@ -17,6 +17,10 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <testcase classname="tests.unit_tests.test_a.TestX" name="test_one[1-2]"/>
 <testcase classname="tests.unit_tests.test_a.TestX" name="test_two"><failure message="AssertionError: boom&#10;more">tb</failure></testcase>
 <testcase classname="tests.unit_tests.test_a" name="test_free"><skipped message="needs GPU"/></testcase>
+<testcase classname="tests.unit_tests.test_a" name="test_fix"><error message="failed on setup with &quot;file x.py, line 3&quot;">
+file x.py, line 3
+E       fixture 'mocker' not found
+</error></testcase>
 {extra}
 </testsuite></testsuites>"""
 
@@ -43,7 +47,8 @@ def test_junit_scoring_needs_every_rank(tmp_path):
     results, file_error = run.parse_junit(r0, f)
     assert file_error is None
     assert results == {f"{f}::TestX::test_one[1-2]": None, f"{f}::TestX::test_two": "AssertionError: boom",
-                       f"{f}::test_free": "skipped: needs GPU"}
+                       f"{f}::test_free": "skipped: needs GPU",
+                       f"{f}::test_fix": "failed on setup: fixture 'mocker' not found"}
     entry = run.Entry(f, 2)
     expected = [f"{f}::TestX::test_one[1-2]", f"{f}::test_free", f"{f}::test_missing"]
     out = run.combine(entry, expected, [run.parse_junit(r0, f), run.parse_junit(r1, f)], timed_out=False)

@@ -139,6 +139,9 @@ def parse_junit(xml: Path, file: str) -> tuple[dict[str, str | None], str | None
         reason = None
         if bad is not None:
             body = _first_line(bad.get("message")) or _first_line(bad.text)
+            if body.startswith("failed on "):  # a fixture error: the message names only the file
+                e_lines = [ln[1:].strip() for ln in (bad.text or "").splitlines() if ln.startswith("E ")]
+                body = f"{body.split(' with ')[0]}: {e_lines[0][:300]}" if e_lines else body
             reason = f"{'skipped: ' if bad.tag == 'skipped' else ''}{body}"
         if not case.get("classname") and bad is not None and bad.tag == "error":
             e_lines = [ln[1:].strip() for ln in (bad.text or "").splitlines() if ln.startswith("E ")]
