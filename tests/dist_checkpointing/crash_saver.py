@@ -17,7 +17,7 @@ import torch
 
 from megatron_core.dist_checkpointing import serialization, sharded_state_dict_default
 from megatron_core.dist_checkpointing.strategies import torch_dist
-from megatron_core.dist_checkpointing.training import checkpointing, save_checkpoint
+from megatron_core.training import checkpointing, save_checkpoint
 
 
 class TinyModel(torch.nn.Module):

@@ -1,12 +1,15 @@
-"""Training-state checkpoints for training loops (Megatron-LM's ``checkpointing.py`` on ``dist_checkpointing``).
+"""Training-run checkpoints at their former path; the code lives in :mod:`megatron_core.training`
+(the training-loop layer) and :mod:`megatron_core.dist_checkpointing.tracker`."""
 
-:func:`save_checkpoint` writes model chunks, optimizer, scheduler, RNG states, iteration,
-consumed samples and extra plain data into ``<save_dir>/iter_0000010/`` and then moves the
-``latest_checkpointed_iteration.txt`` tracker; :func:`load_checkpoint` restores them under any
-parallel layout. See ``docs/dist_checkpointing.md``.
-"""
 
-from megatron_core.dist_checkpointing.training.checkpointing import (
+from megatron_core.dist_checkpointing.tracker import (
+    TRACKER_FILENAME,
+    get_checkpoint_name,
+    get_checkpoint_tracker_filename,
+    read_tracker,
+    write_tracker,
+)
+from megatron_core.training.checkpointing import (
     CHECKPOINT_VERSION,
     load_checkpoint,
     load_optimizer_state,
@@ -14,14 +17,7 @@ from megatron_core.dist_checkpointing.training.checkpointing import (
     save_checkpoint,
     unwrap_model_chunks,
 )
-from megatron_core.dist_checkpointing.training.rng import get_rng_state, set_rng_state
-from megatron_core.dist_checkpointing.training.tracker import (
-    TRACKER_FILENAME,
-    get_checkpoint_name,
-    get_checkpoint_tracker_filename,
-    read_tracker,
-    write_tracker,
-)
+from megatron_core.training.rng import get_rng_state, set_rng_state
 
 __all__ = [
     "CHECKPOINT_VERSION",

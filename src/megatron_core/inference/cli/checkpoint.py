@@ -1,7 +1,7 @@
 """Rebuild a GPT model and its tokenizer from a checkpoint written by ``examples/pretrain_gpt.py``.
 
 The model is rebuilt from the checkpoint's ``model_config`` record (the whole model configuration,
-JSON, :mod:`megatron_core.dist_checkpointing.training.model_config`); the training flags in
+JSON, :mod:`megatron_core.training.model_config`); the training flags in
 ``extra_state["args"]`` give the tokenizer (``--tokenizer-type`` / ``--tokenizer-model``), and the
 model too for checkpoints older than the record (with a warning). The model is built for this
 process's tensor/pipeline layout (``parallel_state``) and the distributed checkpoint reshards
@@ -65,8 +65,7 @@ def _loopback_interface() -> str | None:
 def read_checkpoint_common(load_dir: str) -> tuple[dict[str, Any], int, str]:
     """``(common state, iteration, checkpoint directory)`` of the latest checkpoint in ``load_dir``."""
     from megatron_core.dist_checkpointing.serialization import load_common_state_dict
-    from megatron_core.dist_checkpointing.training.checkpointing import get_checkpoint_name
-    from megatron_core.dist_checkpointing.training.tracker import read_tracker
+    from megatron_core.dist_checkpointing.tracker import get_checkpoint_name, read_tracker
 
     if not os.path.isdir(load_dir):
         raise FileNotFoundError(f"--load {load_dir}: no such directory")
@@ -120,9 +119,9 @@ def _model_from_flags(args: dict[str, Any], vocab_size: int, tp: int, pp: int) -
 def model_from_record(record: dict[str, Any], where: str, tp: int, pp: int) -> torch.nn.Module:
     """The GPTModel a ``model_config`` record describes, for this process's tensor/pipeline layout."""
     from megatron_core import parallel_state
-    from megatron_core.dist_checkpointing.training.model_config import transformer_config_from_record
     from megatron_core.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron_core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron_core.training.model_config import transformer_config_from_record
 
     if not str(record.get("model_class", "")).endswith(":GPTModel"):
         raise ValueError(f"{where} holds a {record.get('model_class')}; only GPTModel checkpoints can be loaded here")
@@ -167,9 +166,9 @@ def load_gpt_from_checkpoint(load_dir: str, tokenizer_model: str | None = None) 
     """
     from megatron_core import device, parallel_state
     from megatron_core.datasets.tokenizers import build_tokenizer
-    from megatron_core.dist_checkpointing.training.checkpointing import load_checkpoint
-    from megatron_core.dist_checkpointing.training.model_config import MODEL_CONFIG_KEY, parse_model_config
     from megatron_core.tensor_parallel import pad_vocab_size
+    from megatron_core.training.checkpointing import load_checkpoint
+    from megatron_core.training.model_config import MODEL_CONFIG_KEY, parse_model_config
 
     common, iteration, checkpoint_dir = read_checkpoint_common(load_dir)
     args = (common.get("extra_state") or {}).get("args") or {}

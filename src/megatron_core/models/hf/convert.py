@@ -37,7 +37,7 @@ from megatron_core.dist_checkpointing.strategies.torch_dist import (
     VERSION,
     TorchDistLoadShardedStrategy,
 )
-from megatron_core.dist_checkpointing.training.tracker import get_checkpoint_name, read_tracker, write_tracker
+from megatron_core.dist_checkpointing.tracker import get_checkpoint_name, read_tracker, write_tracker
 from megatron_core.models.hf.bridge import TOKENIZER_FILES, AutoBridge, mcore_shape
 from megatron_core.models.hf.checkpoint_layout import CheckpointLayout, model_layout
 from megatron_core.models.hf.export import HFDirectoryWriter
