@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_core import parallel_state
 from megatron_core._ground import get_pg_size, register_wrapper
@@ -26,8 +25,10 @@ from megatron_core.distributed.distributed_data_parallel_config import Distribut
 from megatron_core.distributed.param_and_grad_buffer import (
     _ParamAndGradBucketGroup,
     _ParamAndGradBuffer,
+    group_params_for_buffers,
     partition_buckets,
 )
+from megatron_core.optimizer.param_layout import FullParamLayout
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.wgrad_accumulation import BACKWARD_ADDS_TO_MAIN_GRAD
 
@@ -42,6 +43,17 @@ def _ddp_groups(pg_collection: Any) -> tuple[Any, Any]:
             collectives.local_if_none(resolve_process_group("expt_dp", pg_collection)))
 
 
+def _check_layout_matches(buffer_groups: dict, full_param_layout: FullParamLayout) -> None:
+    """A precomputed layout must place exactly the parameters DDP groups into each buffer."""
+    if set(buffer_groups) != set(full_param_layout.layouts):
+        raise ValueError(f"full_param_layout has buffers {sorted(map(str, full_param_layout.layouts))}, but the "
+                         f"module's parameters group into {sorted(map(str, buffer_groups))}")
+    for key, (params, param_indices) in buffer_groups.items():
+        layout = full_param_layout.layouts[key]
+        if set(params) != set(layout.param_index_map) or param_indices != layout.param_indices:
+            raise ValueError(f"full_param_layout's buffer {key} does not place the module's parameters of that buffer")
+
+
 @register_wrapper
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module`` so its gradients are reduced across data parallel ranks in buckets.
@@ -52,7 +64,8 @@ class DistributedDataParallel(torch.nn.Module):
     """
 
     def __init__(self, config: Any, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
-                 disable_bucketing: bool = False, pg_collection: Any = None) -> None:
+                 disable_bucketing: bool = False, pg_collection: Any = None,
+                 full_param_layout: FullParamLayout | None = None) -> None:
         super().__init__()
         if ddp_config.num_distributed_optimizer_instances > 1:
             raise ValueError(
@@ -85,17 +98,33 @@ class DistributedDataParallel(torch.nn.Module):
             scaling, expert_scaling = 1.0 / dp_cp_size, 1.0 / dp_cp_size
 
         self.param_to_name: dict[torch.nn.Parameter, str] = {}
-        dense, expert = [], []
         for name, param in module.named_parameters():
             if not param.requires_grad:
                 continue
             self.param_to_name[param] = name
             param.grad_added_to_main_grad = False
-            (dense if getattr(param, "allreduce", True) else expert).append(param)
+        all_params = list(self.param_to_name)
+        buffer_groups = group_params_for_buffers(all_params, ddp_config.grad_reduce_in_fp32)
+        if full_param_layout is None and ddp_config.use_distributed_optimizer:
+            from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
+
+            full_param_layout = DistributedOptimizer.compute_full_param_layout(
+                all_params, self.bucket_size, dp_cp_size, ddp_config, expert_data_parallel_world_size=expt_dp_size)
+        if full_param_layout is not None:
+            _check_layout_matches(buffer_groups, full_param_layout)
+        self.full_param_layout = full_param_layout
 
         device = get_current_device()
-        self.buffers = self._allocate_buffers(dense, self.dp_cp_group, scaling, device)
-        self.expert_parallel_buffers = self._allocate_buffers(expert, self.expt_dp_group, expert_scaling, device)
+        self.buffers, self.expert_parallel_buffers = [], []
+        for key, (params, param_indices) in buffer_groups.items():
+            group, factor = (self.expt_dp_group, expert_scaling) if key.is_expert_parallel \
+                else (self.dp_cp_group, scaling)
+            buffer = _ParamAndGradBuffer(
+                ddp_config, key.param_dtype, key.grad_dtype, [(p, self.param_to_name[p]) for p in params], group,
+                self.bucket_size, self.param_to_name, factor, param_indices,
+                param_layout=full_param_layout.layouts[key] if full_param_layout is not None else None,
+                device=device)
+            (self.expert_parallel_buffers if key.is_expert_parallel else self.buffers).append(buffer)
         self.bucket_groups = partition_buckets(self.buffers, force_single_bucket_group=disable_bucketing)
         self.expert_parallel_bucket_groups = partition_buckets(
             self.expert_parallel_buffers, force_single_bucket_group=disable_bucketing
@@ -117,20 +146,6 @@ class DistributedDataParallel(torch.nn.Module):
         self._forward_hook_handles: list = []
         if self.use_forward_hook:
             self.enable_forward_pre_hook()
-
-    def _allocate_buffers(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup | None,
-                          scaling: float, device: torch.device) -> list[_ParamAndGradBuffer]:
-        # One buffer per (param dtype, grad dtype, layer-wise tag): see tag_params_for_buffer_routing.
-        by_key: dict[tuple[torch.dtype, torch.dtype, bool], list[torch.nn.Parameter]] = {}
-        for param in params:
-            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
-            layer_wise = bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
-            by_key.setdefault((param.dtype, grad_dtype, layer_wise), []).append(param)
-        return [
-            _ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, plist, group, self.bucket_size,
-                                self.param_to_name, scaling, device)
-            for (param_dtype, grad_dtype, _), plist in by_key.items()
-        ]
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:

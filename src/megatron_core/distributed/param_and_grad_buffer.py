@@ -15,20 +15,19 @@ own are still pending before it reads or reduces them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core.device import get_current_device
 from megatron_core.distributed import collectives
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron_core.optimizer.param_layout import BufferKey, PerBufferParamLayout
 from megatron_core.tensor_parallel.wgrad_accumulation import expect_first_write, zero_pending_first_writes
-
-_PARAM_START_ALIGNMENT = 64
-_HIGH_BUSBW_PADDING = 2**16
 
 
 class BufferType(Enum):
@@ -203,28 +202,95 @@ class _ParamAndGradBucketGroup:
                 nxt.start_param_sync()
 
 
+def group_params_for_buffers(params: list[torch.nn.Parameter], grad_reduce_in_fp32: bool,
+                             ) -> dict[BufferKey, tuple[list[torch.nn.Parameter], list[int]]]:
+    """Split ``params`` into DDP buffers: ``{BufferKey: (params, param_indices)}``, in first-seen order.
+
+    A buffer holds the parameters of one (param dtype, grad dtype, expert-parallel, layer-wise) key; the
+    grad dtype is fp32 with ``grad_reduce_in_fp32``, else the param dtype; expert parameters are those
+    with ``allreduce == False``. ``param_indices`` numbers each parameter among those of its key.
+    """
+    groups: dict[BufferKey, tuple[list[torch.nn.Parameter], list[int]]] = {}
+    for param in params:
+        if not param.requires_grad:
+            raise ValueError("group_params_for_buffers: every parameter must require grad")
+        key = BufferKey(param.dtype, torch.float if grad_reduce_in_fp32 else param.dtype,
+                        not getattr(param, "allreduce", True),
+                        bool(getattr(param, "is_managed_by_layer_wise_optimizer", False)))
+        plist, indices = groups.setdefault(key, ([], []))
+        indices.append(len(plist))
+        plist.append(param)
+    return groups
+
+
+def _compute_default_per_buffer_param_layout(params: list[torch.nn.Parameter], bucket_size: int | None,
+                                             ) -> PerBufferParamLayout:
+    """The layout without a distributed optimizer: no padding, params in reverse order, buckets of ``bucket_size``.
+
+    A bucket is closed once it holds at least ``bucket_size`` elements (``None``: one bucket).
+    """
+    layout = PerBufferParamLayout()
+    bucket_start = index = 0
+    for param in params[::-1]:
+        end = index + param.data.nelement()
+        layout.param_index_map[param] = (index, end, len(layout.bucket_indices))
+        index = end
+        if bucket_size is not None and end - bucket_start >= bucket_size:
+            layout.bucket_indices.append((bucket_start, end))
+            layout.per_bucket_numel_unpadded.append(end - bucket_start)
+            bucket_start = end
+    if index > bucket_start:
+        layout.bucket_indices.append((bucket_start, index))
+        layout.per_bucket_numel_unpadded.append(index - bucket_start)
+    return layout
+
+
 class _ParamAndGradBuffer:
-    """One contiguous param buffer (distributed optimizer only) and grad buffer for params of one dtype pair."""
+    """One contiguous param buffer (distributed optimizer only) and grad buffer for the params of one BufferKey.
+
+    ``param_layout`` places the params (``DistributedOptimizer.compute_full_param_layout`` gives the padded
+    layout the distributed optimizer needs); without it the unpadded default layout is used, which
+    with the distributed optimizer must still split evenly across the data-parallel ranks.
+    """
 
     def __init__(self, ddp_config: DistributedDataParallelConfig, param_dtype: torch.dtype,
-                 grad_dtype: torch.dtype, params: Sequence[torch.nn.Parameter],
+                 grad_dtype: torch.dtype, params_with_names: Sequence[tuple[torch.nn.Parameter, str]],
                  data_parallel_group: dist.ProcessGroup | None, bucket_size: int | None,
                  param_to_name: dict[torch.nn.Parameter, str], gradient_scaling_factor: float,
-                 device: torch.device) -> None:
+                 param_indices: list[int] | None = None, nccl_ub: bool = False, pg_collection: Any = None,
+                 param_layout: PerBufferParamLayout | None = None, device: torch.device | None = None) -> None:
+        if nccl_ub:
+            raise ValueError("nccl_ub=True (NCCL user-buffer registration) is not supported by megatron_core")
         self.ddp_config = ddp_config
-        self.params = list(params)
+        self.params = [param for param, _ in params_with_names]
+        if len(set(self.params)) != len(self.params):
+            raise ValueError("_ParamAndGradBuffer: a parameter is listed twice")
+        self.param_indices = list(param_indices) if param_indices is not None else list(range(len(self.params)))
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = get_pg_size(data_parallel_group)
         self.gradient_scaling_factor = gradient_scaling_factor
         self.param_to_name = param_to_name
-        self.param_index_map: dict[torch.nn.Parameter, tuple[int, int, int]] = {}
-        self.bucket_indices: list[tuple[int, int]] = []
-        self.per_bucket_numel_unpadded: list[int] = []
+        self.nccl_ub = nccl_ub
 
-        self.numel = self._layout(bucket_size)
-        self.numel_unpadded = sum(p.numel() for p in self.params)
+        if param_layout is None:
+            param_layout = _compute_default_per_buffer_param_layout(self.params, bucket_size)
+        if set(param_layout.param_index_map) != set(self.params):
+            raise ValueError("_ParamAndGradBuffer: param_layout does not place exactly this buffer's parameters")
+        self.param_index_map: dict[torch.nn.Parameter, tuple[int, int, int]] = param_layout.param_index_map
+        self.bucket_indices: list[tuple[int, int]] = param_layout.bucket_indices
+        self.per_bucket_numel_unpadded: list[int] = param_layout.per_bucket_numel_unpadded
+        self.num_optimizer_shards = param_layout.num_optimizer_shards
+        self.numel = self.bucket_indices[-1][1] if self.bucket_indices else 0
+        self.numel_unpadded = sum(self.per_bucket_numel_unpadded)
+        if ddp_config.use_distributed_optimizer and self.numel % self.data_parallel_world_size:
+            raise ValueError(
+                f"the buffer's {self.numel} elements do not split into {self.data_parallel_world_size} data-parallel "
+                "shards: pass the layout of DistributedOptimizer.compute_full_param_layout"
+            )
+
+        device = device if device is not None else get_current_device()
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.param_data = None
         if ddp_config.use_distributed_optimizer:
@@ -259,55 +325,11 @@ class _ParamAndGradBuffer:
                 bucket_id,
                 [p.main_grad for p in plist if p in first_write],
             )
+            bucket.param_to_index = {p: (self.param_index_map[p][0] - start, self.param_index_map[p][1] - start)
+                                     for p in plist}
             self.buckets.append(bucket)
             for param in plist:
                 self.param_to_bucket[param] = bucket
-
-    def _pad(self, index: int, multiple: int) -> int:
-        return int(math.ceil(index / multiple) * multiple)
-
-    def _bucket_end_multiple(self) -> int:
-        if not self.ddp_config.use_distributed_optimizer:
-            return 1
-        multiple = math.lcm(self.data_parallel_world_size, 128)
-        if self.ddp_config.pad_buckets_for_high_nccl_busbw:
-            multiple = math.lcm(multiple, _HIGH_BUSBW_PADDING)
-        return multiple
-
-    def _needs_own_bucket(self, param: torch.nn.Parameter) -> bool:
-        # A tied embedding is all-reduced across pipeline stages after the reduce-scatter; in a bucket of
-        # its own its shards line up on the first and the last stage.
-        return bool(getattr(param, "shared_embedding", False)) and self.ddp_config.use_distributed_optimizer
-
-    def _layout(self, bucket_size: int | None) -> int:
-        """Assign each param its ``[start, end)`` range and bucket; return the padded buffer size."""
-        distopt = self.ddp_config.use_distributed_optimizer
-        end_multiple = self._bucket_end_multiple()
-        index = 0
-        bucket_start = 0
-        unpadded = 0
-
-        def close_bucket(end_index: int) -> int:
-            nonlocal bucket_start, unpadded
-            padded_end = self._pad(end_index, end_multiple)
-            self.bucket_indices.append((bucket_start, padded_end))
-            self.per_bucket_numel_unpadded.append(unpadded)
-            bucket_start, unpadded = padded_end, 0
-            return padded_end
-
-        for param in self.params[::-1]:
-            if self._needs_own_bucket(param) and unpadded > 0:
-                index = close_bucket(index)
-            start = self._pad(index, _PARAM_START_ALIGNMENT) if distopt else index
-            end = start + param.numel()
-            self.param_index_map[param] = (start, end, len(self.bucket_indices))
-            unpadded += param.numel()
-            index = end
-            if (bucket_size is not None and end - bucket_start >= bucket_size) or self._needs_own_bucket(param):
-                index = close_bucket(end)
-        if unpadded > 0 or not self.bucket_indices:
-            index = close_bucket(index)
-        return index
 
     def _complement_of(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
         """Views of ``grad_data`` outside ``params``' ranges (other params, alignment gaps, bucket padding).

@@ -527,3 +527,13 @@ class FP32Optimizer(MegatronOptimizer):
 def combine_grad_norms(norms: list[float]) -> float:
     """The L2 norm of several disjoint sets of gradients, from each set's norm."""
     return math.sqrt(sum(n * n for n in norms))
+
+
+def __getattr__(name: str) -> Any:
+    # Megatron-Core defines ChainedOptimizer in this module; here it lives in chained_optimizer (which imports
+    # this module), so it is resolved on first access.
+    if name == "ChainedOptimizer":
+        from megatron_core.optimizer.chained_optimizer import ChainedOptimizer
+
+        return ChainedOptimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
