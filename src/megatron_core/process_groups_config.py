@@ -50,6 +50,7 @@ _GROUP_GETTERS = {
     "pos_embd": lambda: parallel_state.get_position_embedding_group(check_initialized=False),
     "cp": lambda: parallel_state.get_context_parallel_group(check_initialized=False),
     "tp_cp": lambda: parallel_state.get_tensor_and_context_parallel_group(check_initialized=False),
+    "hcp": lambda: parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False),
     "ep": lambda: parallel_state.get_expert_model_parallel_group(check_initialized=False),
     "expt_tp": lambda: parallel_state.get_expert_tensor_parallel_group(check_initialized=False),
     "tp_ep": lambda: parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False),
@@ -60,6 +61,8 @@ _GROUP_GETTERS = {
     "dp": lambda: _data_parallel(False),
     "dp_cp": lambda: _data_parallel(True),
     "expt_dp": lambda: parallel_state.get_expert_data_parallel_group(check_initialized=False),
+    "dp_cp_ag": lambda: None,
+    "expt_dp_ag": lambda: None,
 }
 
 
@@ -78,6 +81,7 @@ class ProcessGroupCollection:
     pos_embd: Any = _group_field()
     cp: Any = _group_field()
     tp_cp: Any = _group_field()
+    hcp: Any = _group_field()  # a list: the hierarchical context-parallel groups, innermost first
     ep: Any = _group_field()
     expt_tp: Any = _group_field()
     tp_ep: Any = _group_field()
@@ -86,6 +90,10 @@ class ProcessGroupCollection:
     dp: Any = _group_field()
     dp_cp: Any = _group_field()
     expt_dp: Any = _group_field()
+    # Separate all-gather groups for the distributed optimizer's parameter gather (Megatron-Core's
+    # create_all_gather_groups); never filled from parallel_state: callers set them explicitly.
+    dp_cp_ag: Any = _group_field()
+    expt_dp_ag: Any = _group_field()
 
     def __init__(self, **groups: Any) -> None:
         """Set the roles given by keyword (``ProcessGroupCollection(tp=..., pp=...)``, as in Megatron-Core); the
@@ -97,6 +105,17 @@ class ProcessGroupCollection:
         for name in names:
             setattr(self, name, groups.get(name))
 
+    def __repr__(self) -> str:
+        """The roles that hold a group, with their sizes: ``ProcessGroupCollection(tp(4), hcp([2, 4]))``."""
+        active = []
+        for f in fields(self):
+            group = getattr(self, f.name)
+            if isinstance(group, (list, tuple)):
+                active.append(f"{f.name}({[g.size() for g in group]})")
+            elif group is not None:
+                active.append(f"{f.name}({group.size()})")
+        return f"ProcessGroupCollection({', '.join(active) or 'empty'})"
+
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: list[str] | None = None) -> ProcessGroupCollection:
         """A collection filled from ``parallel_state``; ``required_pgs`` limits which roles are read.
@@ -106,9 +125,9 @@ class ProcessGroupCollection:
         """
         names = [f.name for f in fields(cls)]
         wanted = names if required_pgs is None else list(required_pgs)
-        unknown = sorted(set(wanted) - set(names))
+        unknown = [name for name in wanted if name not in names]
         if unknown:
-            raise ValueError(f"unknown process group names {unknown}; known: {names}")
+            raise ValueError(f"Invalid process groups requested: {unknown}; known: {names}")
         pgs = cls()
         for name in wanted:
             setattr(pgs, name, _GROUP_GETTERS[name]())
