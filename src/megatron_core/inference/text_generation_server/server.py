@@ -95,7 +95,8 @@ def _rejected(error: Exception) -> APIError:
     if isinstance(error, EngineFailedError):
         return APIError(503, str(error), code="engine_failed")
     param = getattr(error, "param", "prompt")
-    return APIError(400, str(error), _PARAM_NAMES.get(param, param))
+    name = _PARAM_NAMES.get(param, param)
+    return APIError(400, str(error).replace(param, name), name)
 
 
 def _failure(request: DynamicInferenceRequest, draining: bool) -> APIError | None:
