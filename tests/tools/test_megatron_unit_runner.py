@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("mut_run", ROOT / "tools" / "megatron_unit_tests" / "run.py")
 run = importlib.util.module_from_spec(_spec)
@@ -68,3 +70,20 @@ def test_collection_error_names_the_import(tmp_path):
     assert file_error == "collection error: ModuleNotFoundError: No module named 'foo'"
     out = run.combine(run.Entry(f"{UT}/test_a.py"), [f"{UT}/test_a.py::t"], [(results, file_error)], False)
     assert out == {f"{UT}/test_a.py::t": file_error}
+
+
+def test_module_level_te_imports_become_stand_ins():
+    source = "import os\nfrom transformer_engine.pytorch.fp8 import fp8_autocast, x\n    from transformer_engine.a import b\n"
+    out = run._TE_IMPORT.sub(run._guard_te_import, source)
+    assert "    from transformer_engine.a import b\n" in out  # only module-level imports are guarded
+    namespace: dict = {}
+    harness = importlib.util.spec_from_file_location("harness", ROOT / "tools" / "megatron_unit_tests" /
+                                                     "test_utilities.py")
+    module = importlib.util.module_from_spec(harness)
+    harness.loader.exec_module(module)
+    guarded = out.split("\n", 1)[1].rsplit("    from transformer_engine.a", 1)[0]
+    guarded = guarded.replace("from tests.unit_tests.test_utilities import MissingTE as _MissingTE",
+                              "_MissingTE = MissingTE")
+    exec(guarded, {"MissingTE": module.MissingTE}, namespace)
+    with pytest.raises(ImportError, match="fp8_autocast: Transformer Engine is not installed"):
+        namespace["fp8_autocast"](enabled=True)

@@ -20,6 +20,19 @@ import torch
 import megatron_core.parallel_state as ps
 
 
+class MissingTE:
+    """Stands for a Transformer Engine name the tests import at module level; using it raises ImportError."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise ImportError(f"{self.name}: Transformer Engine is not installed (CPU harness)")
+
+    def __getattr__(self, attr: str):
+        raise ImportError(f"{self.name}.{attr}: Transformer Engine is not installed (CPU harness)")
+
+
 class TestModel(torch.nn.Module):
     """A stack of ``num_layers`` linear layers (the last optionally flagged as a shared embedding)."""
 
