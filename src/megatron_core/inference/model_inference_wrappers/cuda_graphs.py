@@ -5,6 +5,12 @@ A decode step's inputs live in the context's fixed-address tensors for its padde
 stream (allocating the KV buffers and warming the kernels; it writes the same keys and values the
 replay will), then captures one forward into a graph; later steps of that size replay it. All
 graphs share one memory pool. Each replay's logits are valid until the next replay.
+
+The captured forward must run the code the warm-up ran: a ``torch.compile``'d forward that would compile
+again there (a guard that changes on every call, such as one on the length of a list the forward appends
+to) would compile, load and benchmark kernels inside the capture, which invalidates it
+(``cudaErrorStreamCaptureInvalidated`` from a later launch). The capture therefore runs under
+``torch.compiler.set_stance("fail_on_recompile")``: such a forward raises at once, naming the guard.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ class DecodeGraphRunner:
                     forward()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool), torch.compiler.set_stance("fail_on_recompile"):
                 output = forward()
             self.pool = graph.pool()
             entry = self.graphs[batch] = (graph, output)
