@@ -67,6 +67,7 @@ class Encoder:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.tokenizer = build_tokenizer(**_tokenizer_options(args))
+        self.vocab_size = self.tokenizer.vocab_size
 
     def encode(self, record: tuple[int, str | dict[str, Any]]) -> tuple[int, dict, dict, int, str | None]:
         """``(number, payload)`` to ``(number, ids per key, sequence lengths per key, bytes, error or None)``."""
@@ -81,7 +82,14 @@ class Encoder:
             document: list[int] = []
             sentence_lengths: list[int] = []
             for piece in pieces:
-                sentence = self.tokenizer.tokenize(piece)
+                try:
+                    sentence = self.tokenizer.tokenize(piece)
+                except Exception as error:  # noqa: BLE001 - the record is reported with its number
+                    return number, {}, {}, 0, f"key {key!r}: the tokenizer failed ({type(error).__name__}: {error})"
+                outside = [t for t in sentence if not 0 <= t < self.vocab_size]
+                if outside:
+                    return number, {}, {}, 0, (f"key {key!r}: token id {outside[0]} is outside the tokenizer's "
+                                               f"vocabulary (0..{self.vocab_size - 1})")
                 if len(sentence) > 0:
                     document.extend(sentence)
                     sentence_lengths.append(len(sentence))
@@ -184,11 +192,31 @@ def _encode_partition(
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    """Refuse, before anything is written, what would fail later: the input, the counts, the outputs, the tokenizer."""
+    if os.path.isdir(args.input):
+        raise IsADirectoryError(f"--input {args.input} is a directory; give a .jsonl or .parquet file")
     if not os.path.isfile(args.input):
         raise FileNotFoundError(f"--input {args.input} does not exist")
     if args.partitions < 1 or args.workers < 1:
         raise ValueError(f"--workers ({args.workers}) and --partitions ({args.partitions}) must be >= 1")
-    build_tokenizer(**_tokenizer_options(args))
+    if args.log_interval < 0:
+        raise ValueError(f"--log-interval ({args.log_interval}) must be >= 0")
+    if not os.path.basename(args.output_prefix):
+        raise ValueError(f"--output-prefix {args.output_prefix!r} ends with a separator; give a file name prefix")
+    level = "sentence" if args.split_sentences else "document"
+    for key in args.json_keys:
+        prefix = _output_prefix(args.output_prefix, key, level)
+        for path in (get_bin_path(prefix), get_idx_path(prefix)):
+            if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)):
+                raise FileExistsError(f"output {path} exists and is not a regular file; nothing was changed")
+    try:
+        build_tokenizer(**_tokenizer_options(args))
+    except (ValueError, OSError, ImportError):
+        raise
+    except Exception as error:  # noqa: BLE001 - tokenizer libraries raise plain Exception on a bad file
+        files = [f for f in (args.tokenizer_model, args.vocab_file, args.merge_file) if f]
+        raise ValueError(f"cannot build the {args.tokenizer_type} from {files}: {type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''}") from error
 
 
 def _publish(staged: str, prefix: str, keys: list[str], level: str) -> None:

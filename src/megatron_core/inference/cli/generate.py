@@ -56,8 +56,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     """The prompts named on the command line and in ``--prompts-file``."""
     prompts = list(args.prompt)
     if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8", errors="strict") as f:
-            for number, line in enumerate(f, 1):
+        with open(args.prompts_file, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise ValueError(f"{args.prompts_file}:{number}: not UTF-8 text") from None
                 if not line.strip():
                     continue
                 try:
