@@ -72,6 +72,7 @@ __all__ = [
     "get_grad_norm_fp32",
     "get_megatron_optimizer",
     "get_mup_config_overrides",
+    "check_config_overrides_consistency",
     "get_param_groups",
     "get_standard_config_overrides",
     "is_managed_by_layer_wise_optimizer",
@@ -221,6 +222,21 @@ def _check_overrides(config: OptimizerConfig, config_overrides: dict[ParamKey, P
             if name in override and override[name] != getattr(config, name, None):
                 raise ValueError(f"config_overrides[{key}] sets {name}={override[name]!r}, but every param group "
                                  f"uses OptimizerConfig.{name}={getattr(config, name, None)!r}")
+
+
+def check_config_overrides_consistency(config: OptimizerConfig,
+                                       config_overrides: dict[ParamKey, ParamGroupOverride] | None) -> bool:
+    """Check that ``config_overrides`` change no setting every group shares (the optimizer, its CPU offload, the
+    param-gather overlap); ``ValueError`` / ``TypeError`` naming the override otherwise. ``True`` when consistent."""
+    if config_overrides is not None:
+        _check_overrides(config, config_overrides)
+    return True
+
+
+def _get_param_groups(model_chunks: list[torch.nn.Module], config: OptimizerConfig,
+                      config_overrides: dict[ParamKey, ParamGroupOverride] | None) -> list[dict[str, Any]]:
+    """Megatron-Core's (private) name for :func:`get_param_groups_from_overrides`; ``None`` means no overrides."""
+    return get_param_groups_from_overrides(model_chunks, config, config_overrides or {})
 
 
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.Module],

@@ -69,6 +69,18 @@ def copy_param_attributes(destination: torch.Tensor, source: torch.Tensor) -> No
             setattr(destination, name, getattr(source, name))
 
 
+GRAD_NORM_GROUP_ATTR = "grad_norm_group"
+"""The parameter attribute that names a separately-normed gradient group (Megatron-Core 0.19)."""
+
+
+def copy_optimizer_param_metadata(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy what the optimizer reads off a parameter (``allreduce``, ``shared``, ``grad_norm_group``) onto a view or
+    copy of it (Megatron-Core 0.19)."""
+    for name in ("allreduce", "shared", GRAD_NORM_GROUP_ATTR):
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
 def _zero_grad_group(group: list[torch.Tensor], set_to_none: bool) -> None:
     for param in group:
         if param.grad is None:
