@@ -141,6 +141,30 @@ class ShardedTensor(ShardedBase):
         """Number of elements in this shard."""
         return math.prod(self.local_shape)
 
+    def narrow(self, dim: int, start: int, length: int) -> list[ShardedTensor]:
+        """``torch.narrow`` on every rank's local tensor, as a list of one ShardedTensor.
+
+        ``dim`` counts local axes (prepended axes excluded). Every rank keeps ``length`` of its
+        ``local_shape[dim]`` elements, so the global extent and this shard's offset along that axis
+        scale by ``length / local_shape[dim]``; that needs a regular grid of equal local shards
+        (``CheckpointingException`` otherwise).
+        """
+        axis = dim + self.prepend_axis_num
+        local = self.local_shape[dim]
+        if self.global_shape[axis] % local or self.global_offset[axis] % local:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: narrowing needs a regular grid of local shards along axis {axis} "
+                f"(global_shape {self.global_shape}, global_offset {self.global_offset}, local size {local})"
+            )
+
+        def scaled(values: tuple[int, ...]) -> tuple[int, ...]:
+            return values[:axis] + (values[axis] // local * length,) + values[axis + 1:]
+
+        data = self.data.narrow(dim, start, length) if self.data is not None else None
+        local_shape = self.local_shape[:dim] + (length,) + self.local_shape[dim + 1:]
+        return [replace(self, data=data, local_shape=local_shape, global_shape=scaled(self.global_shape),
+                        global_offset=scaled(self.global_offset))]
+
     def without_data(self) -> ShardedTensor:
         """A metadata-only copy."""
         return replace(self, data=None)

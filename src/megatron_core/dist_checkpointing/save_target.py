@@ -30,7 +30,7 @@ MANIFEST_FNAME = "sha256_manifest.json"
 # Every file name ``save`` (and the DCP writer under it) creates inside a checkpoint directory.
 _OWN_FILE = re.compile(
     r"^(?:\.metadata|\.metadata\.tmp|__\d+(?:_\d+)?\.distcp|__\d+\.metadata(?:\.tmp)?|common\.pt|metadata\.json"
-    rf"|{re.escape(MANIFEST_FNAME)}|{re.escape(IN_PROGRESS_MARKER)}|\..+\.tmp)$"
+    rf"|{re.escape(MANIFEST_FNAME)}|{re.escape(IN_PROGRESS_MARKER)}|integrity\.json|\..+\.tmp)$"
 )
 _SHOWN = 10
 

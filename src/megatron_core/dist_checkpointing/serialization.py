@@ -79,6 +79,7 @@ from megatron_core.dist_checkpointing.strategies import (
     get_default_save_sharded_strategy,
 )
 from megatron_core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
+from megatron_core.dist_checkpointing.strategies.torch import get_async_strategy
 from megatron_core.dist_checkpointing.utils import extract_sharded_base
 from megatron_core.dist_checkpointing.validation import (
     StrictHandling,
@@ -86,6 +87,8 @@ from megatron_core.dist_checkpointing.validation import (
     parse_strict_flag,
     validate_common_state_consistency,
     validate_sharding_integrity,
+    verify_integrity_manifest,
+    write_integrity_manifest,
 )
 
 logger = logging.getLogger(__name__)
@@ -155,6 +158,8 @@ def save(
     preprocess_common_before_consistancy_check: Callable[[StateDict], StateDict] | None = None,
     content_metadata: dict | None = None,
     *,
+    async_strategy: str | None = None,
+    verify_integrity: bool = False,
     overwrite: bool = False,
     process_group: Any = None,
 ) -> AsyncRequest | None:
@@ -167,8 +172,12 @@ def save(
     ``checkpoint_dir`` only when it is finalized. ``overwrite`` (not in Megatron-Core) allows
     replacing a complete checkpoint. ``common_strategy`` (megatron-core <= 0.18's argument, gone in
     0.19): ``None`` writes 0.19's layout (common state inside the DCP files), ``"torch"`` writes the
-    older ``common.pt`` layout that megatron-core <= 0.18 needs.
+    older ``common.pt`` layout that megatron-core <= 0.18 needs. ``verify_integrity`` also writes
+    ``integrity.json`` (the SHA-256 of every file, see :func:`.validation.save_integrity_manifest`).
+    ``async_strategy``: ``None`` (default) or ``"mcore"`` use this library's writer; ``"nvrx"`` needs
+    nvidia-resiliency-ext (``ModuleNotFoundError`` without it) and writes the same files.
     """
+    _check_async_strategy(async_strategy)
     final_dir = Path(checkpoint_dir)
     group = process_group
     rank = collectives.get_rank(group)
@@ -253,6 +262,8 @@ def save(
                     config.common_backend, config.common_backend_version = "torch", 1
                 write_manifest(tmp_dir, digests)
                 save_config(config, tmp_dir)
+                if verify_integrity:
+                    write_integrity_manifest(tmp_dir, {name: digest for name, (digest, _) in digests.items()})
                 _publish(tmp_dir, final_dir, overwrite)
             except Exception as e:  # noqa: BLE001 - sent to every rank below
                 e = explain_write_failure(e, tmp_dir)
@@ -266,6 +277,13 @@ def save(
         return request
     _run_now(request, tmp_dir, rank, group)
     return None
+
+
+def _check_async_strategy(async_strategy: str | None) -> None:
+    if async_strategy not in (None, "mcore", "nvrx"):
+        raise TypeError(f"async_strategy {async_strategy} is not supported. Available strategies: nvrx, mcore.")
+    if async_strategy == "nvrx":
+        get_async_strategy("nvrx")  # ModuleNotFoundError without nvidia-resiliency-ext, as Megatron-Core
 
 
 def _run_now(request: AsyncRequest, tmp_dir: Path, rank: int, group: Any) -> None:
@@ -320,6 +338,7 @@ def load(
     *,
     process_group: Any = None,
     verify_checksums: bool = False,
+    verify_integrity: bool = False,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the shards described by ``sharded_state_dict`` (any parallel layout) plus the common state.
 
@@ -329,11 +348,14 @@ def load(
     keys do (see :class:`StrictHandling`); ``return_*`` modes also return the two key sets.
     Collective: if any rank fails, every rank raises ``CheckpointingException``.
     ``verify_checksums`` (not in Megatron-Core) first checks every file against the checkpoint's
-    SHA-256 manifest (see :mod:`.manifest`), the work split across the ranks.
+    SHA-256 manifest (see :mod:`.manifest`), the work split across the ranks. ``verify_integrity``
+    first checks the files against ``integrity.json`` (written by ``save(..., verify_integrity=True)``).
     """
     strict = parse_strict_flag(strict)
     _check_common_strategy(common_strategy)
     group = process_group
+    if verify_integrity:
+        verify_integrity_manifest(checkpoint_dir)
     if verify_checksums:
         verify_checkpoint(checkpoint_dir, group)
     error: BaseException | None = None

@@ -5,29 +5,42 @@ the main replicas tile each global tensor exactly once (no gap, no overlap), tha
 on shape and dtype, and that every replica matches a main shard. Load: :func:`check_load_requests`
 checks every requested key against the checkpoint metadata (existence, kind, global shape) so a
 mismatch is reported with the key and both shapes before any tensor is touched.
+
+Integrity (Megatron-Core 0.19): :func:`save_integrity_manifest` writes ``integrity.json`` (the SHA-256
+of every file) and :func:`verify_integrity_manifest` checks it (``save``/``load`` with ``verify_integrity``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
+import os
 from collections import defaultdict
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from megatron_core.dist_checkpointing import collectives
-from megatron_core.dist_checkpointing.core import CheckpointingException
-from megatron_core.dist_checkpointing.dict_utils import diff
+from megatron_core.dist_checkpointing.core import CheckpointingException, atomic_write_text
+from megatron_core.dist_checkpointing.dict_utils import diff, nested_values
 from megatron_core.dist_checkpointing.mapping import (
     ShardedBase,
     ShardedObject,
     ShardedTensor,
     is_main_replica,
 )
+from megatron_core.dist_checkpointing.save_target import IN_PROGRESS_MARKER
 
 logger = logging.getLogger(__name__)
+
+INTEGRITY_FNAME = "integrity.json"
+HASH_ALGORITHM = "sha256"
+_READ_CHUNK = 1 << 20
 
 
 class StrictHandling(Enum):
@@ -214,3 +227,92 @@ def check_load_requests(sharded_leaves: list[ShardedBase], metadata: Metadata, c
         elif not isinstance(entry, BytesStorageMetadata):
             raise CheckpointingException(f"{checkpoint_dir}: key {storage_key!r} is a tensor, not an object")
     return missing
+
+
+def determine_global_metadata(sharded_state_dict: dict[str, Any], process_group: Any = None,
+                              ) -> tuple[list[ShardedBase], list[list[ShardedBase]]]:
+    """``(this rank's shards without data, every rank's list)``, gathered over ``process_group``.
+
+    Every leaf of ``sharded_state_dict`` must be a sharded object (``ShardedTensor``/``ShardedObject``).
+    Without an initialized ``torch.distributed`` and no ``process_group``, the global list is this rank's.
+    """
+    local_metadata = [sh.without_data() for sh in nested_values(sharded_state_dict)]
+    if process_group is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return local_metadata, [local_metadata]
+    global_metadata: list[Any] = [None] * torch.distributed.get_world_size(group=process_group)
+    torch.distributed.all_gather_object(global_metadata, local_metadata, group=process_group)
+    return local_metadata, global_metadata
+
+
+def _file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_READ_CHUNK), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def write_integrity_manifest(checkpoint_dir: str | os.PathLike, known: dict[str, str] | None = None) -> None:
+    """Write ``integrity.json`` for every file of ``checkpoint_dir``; digests in ``known`` are not recomputed.
+
+    The save-in-progress marker (removed when the checkpoint is published) and the manifest itself are
+    not listed. The file is written atomically.
+    """
+    root = Path(checkpoint_dir)
+    known = known or {}
+    files = {
+        entry.name: known.get(entry.name) or _file_sha256(entry)
+        for entry in sorted(root.iterdir(), key=lambda p: p.name)
+        if entry.is_file() and entry.name not in (INTEGRITY_FNAME, IN_PROGRESS_MARKER)
+    }
+    atomic_write_text(root / INTEGRITY_FNAME, json.dumps({"algorithm": HASH_ALGORITHM, "files": files}, indent=2))
+
+
+def save_integrity_manifest(checkpoint_dir: str | os.PathLike) -> None:
+    """Hash every file of ``checkpoint_dir`` (SHA-256) into ``integrity.json`` (Megatron-Core's integrity manifest).
+
+    ``{"algorithm": "sha256", "files": {name: hex digest}}``; ``save(..., verify_integrity=True)`` writes
+    it as part of the checkpoint and ``load(..., verify_integrity=True)`` checks it.
+    """
+    write_integrity_manifest(checkpoint_dir)
+
+
+def _integrity_errors(checkpoint_dir: Path) -> str | None:
+    path = checkpoint_dir / INTEGRITY_FNAME
+    if not path.is_file():
+        return (f"Integrity manifest not found at {path}. The checkpoint must be saved with integrity verification "
+                "enabled (verify_integrity=True) before it can be verified on load.")
+    try:
+        data = json.loads(path.read_text())
+        algorithm, files = data.get("algorithm", HASH_ALGORITHM), data["files"]
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        return f"cannot read the integrity manifest {path}: {type(e).__name__}: {e}"
+    if algorithm != HASH_ALGORITHM:
+        return f"Unsupported hash algorithm in integrity manifest: {algorithm!r}. Expected: {HASH_ALGORITHM!r}."
+    problems = []
+    for name, expected in files.items():
+        if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", ".."):
+            problems.append(f"  {name!r}: not a plain file name inside the checkpoint")
+            continue
+        try:
+            actual = _file_sha256(checkpoint_dir / name)
+        except OSError as e:
+            problems.append(f"  {name}: file missing or unreadable ({e})")
+            continue
+        if actual != expected:
+            problems.append(f"  {name}: hash mismatch (expected {str(expected)[:16]}..., got {actual[:16]}...)")
+    if problems:
+        return (f"Checkpoint integrity verification failed for {len(problems)} file(s) in {checkpoint_dir}:\n"
+                + "\n".join(problems))
+    return None
+
+
+def verify_integrity_manifest(checkpoint_dir: str | os.PathLike) -> None:
+    """Re-hash the files listed in ``integrity.json``; ``CheckpointingException`` on a missing manifest or file
+    or a mismatch. Rank 0 checks and every rank raises the same error."""
+    errors = None
+    if collectives.get_rank() == 0:
+        errors = _integrity_errors(Path(checkpoint_dir))
+    errors = collectives.broadcast_object(errors, 0)
+    if errors is not None:
+        raise CheckpointingException(errors)

@@ -17,9 +17,19 @@ from megatron_core.dist_checkpointing.strategies.torch_dist import (
 
 
 def _mcore_async_modules() -> dict[str, Any]:
+    from megatron_core.dist_checkpointing.strategies import filesystem_async
     from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+    from megatron_core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+        CachedMetadataFileSystemReader,
+    )
 
-    return {"AsyncCallsQueue": AsyncCallsQueue, "AsyncRequest": AsyncRequest}
+    return {
+        "AsyncCallsQueue": AsyncCallsQueue, "AsyncRequest": AsyncRequest,
+        "CachedMetadataFileSystemReader": CachedMetadataFileSystemReader,
+        "FileSystemWriterAsync": filesystem_async.FileSystemWriterAsync,
+        "_results_queue": filesystem_async._results_queue,
+        "get_write_results_queue": filesystem_async.get_write_results_queue,
+    }
 
 
 def _nvrx_async_modules() -> dict[str, Any]:
@@ -31,7 +41,8 @@ def _nvrx_async_modules() -> dict[str, Any]:
         saver = importlib.import_module(f"{base}.state_dict_saver")
     except ImportError as error:
         raise ModuleNotFoundError(
-            "async_strategy='nvrx' needs nvidia-resiliency-ext; install it or use async_strategy='mcore'"
+            "A compatible `nvidia-resiliency-ext` installation is required for `async_strategy=\"nvrx\"`. "
+            "Please install it or set `async_strategy` to `mcore`."
         ) from error
     return {
         "AsyncCallsQueue": core.AsyncCallsQueue, "AsyncRequest": core.AsyncRequest,
@@ -51,7 +62,7 @@ def get_async_strategy(async_strategy: str = "nvrx", module: str | None = None) 
     elif async_strategy == "mcore":
         modules = _mcore_async_modules()
     else:
-        raise ValueError(f"async_strategy={async_strategy!r} is not supported; use 'nvrx' or 'mcore'")
+        raise TypeError(f"async_strategy {async_strategy} is not supported. Available strategies: nvrx, mcore.")
     if module is None:
         return async_strategy, modules
     if module not in modules:
