@@ -178,9 +178,14 @@ class MegatronAsyncLLM(_MegatronLLMBase):
             if self._serve_task is not None:
                 await self._serve_task
         self._shutdown_called = True
-        await asyncio.wrap_future(self._loop_manager.submit(self._engine.shutdown(cancel_pending=True)))
-        await asyncio.wrap_future(self._engine_task)
-        self._loop_manager.stop()
+        try:
+            await asyncio.wrap_future(self._loop_manager.submit(self._engine.shutdown(cancel_pending=True)))
+            await asyncio.wrap_future(self._engine_task)
+        except Exception:  # noqa: BLE001 - the loop had already failed (logged then); shut down regardless
+            if self._engine.failure is None:
+                raise
+        finally:
+            self._loop_manager.stop()
 
     async def wait_for_shutdown(self) -> None:
         """Wait until the engine loop has stopped."""
