@@ -13,10 +13,11 @@ from megatron_core._ground.init_methods import (
     mup_scaled_init_method_normal,
     scaled_init_method_normal,
 )
-from megatron_core._ground.wrappers import register_wrapper, unwrap_model
+from megatron_core._ground.wrappers import fsdp_unit_types, register_fsdp_unit, register_wrapper, unwrap_model
 
 __all__ = [
     "ExperimentalNotEnabledError", "deprecated", "divide", "ensure_divisibility", "experimental_api", "get_pg_rank",
-    "get_pg_size", "get_pg_src_rank", "init_method_normal", "mup_scaled_init_method_normal", "register_wrapper",
+    "fsdp_unit_types", "get_pg_size", "get_pg_src_rank", "init_method_normal", "mup_scaled_init_method_normal",
+    "register_fsdp_unit", "register_wrapper",
     "scaled_init_method_normal", "unwrap_model",
 ]

@@ -1,8 +1,13 @@
-"""``unwrap_model``: strip the wrappers (DDP, FSDP, Float16Module, ...) that keep a model in ``.module``.
+"""Registries that let a lower layer handle classes defined above it, without importing them.
 
-Wrapper classes register themselves with :func:`register_wrapper` where they are defined, so this
-ground module knows no wrapper and the one implementation serves every layer. PyTorch's own
-``FullyShardedDataParallel`` is registered here (it is not ours).
+``unwrap_model`` strips the wrappers (DDP, FSDP, Float16Module, ...) that keep a model in
+``.module``: wrapper classes register themselves with :func:`register_wrapper` where they are
+defined, so this ground module knows no wrapper and the one implementation serves every layer.
+PyTorch's own ``FullyShardedDataParallel`` is registered here (it is not ours).
+
+FSDP units: model classes that become their own FSDP2 unit by default (``TransformerLayer``,
+``LanguageModelEmbedding``) register with :func:`register_fsdp_unit`; ``TorchFullyShardedDataParallel``
+uses them when its caller passes no ``sub_modules_to_wrap``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,19 @@ from typing import Any, TypeVar
 T = TypeVar("T", bound=type)
 
 _WRAPPERS: list[type] = []
+_FSDP_UNITS: list[type] = []
+
+
+def register_fsdp_unit(cls: T) -> T:
+    """Class decorator: modules of ``cls`` are FSDP2 units unless the caller names its own."""
+    if cls not in _FSDP_UNITS:
+        _FSDP_UNITS.append(cls)
+    return cls
+
+
+def fsdp_unit_types() -> tuple[type, ...]:
+    """The classes registered with :func:`register_fsdp_unit`."""
+    return tuple(_FSDP_UNITS)
 
 
 def register_wrapper(cls: T) -> T:

@@ -92,21 +92,19 @@ def _allreduce_grads(params: list[torch.nn.Parameter], group: Any) -> None:
 def _routers(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """The MoE routers of every chunk (the modules with balancing state)."""
     return [module for chunk in model
-            for module in submodules_with_attribute(unwrap_model(chunk), "enable_expert_bias",
+            for module in submodules_with_attribute(unwrap_model(chunk), "update_expert_bias",
                                                     "reset_global_aux_loss_tracker")]
 
 
 def _update_router_expert_bias(model: list[torch.nn.Module]) -> None:
-    """Move each MoE router's ``expert_bias`` toward balance and restart its step counters."""
-    # Imported here: distributed sits below the transformer package, and dense models never need it.
-    from megatron_core.transformer.moe.moe_utils import get_updated_expert_bias
+    """Ask each MoE router to move its ``expert_bias`` toward balance and restart its step counters.
 
+    The router owns the rule (``TopKRouter.update_expert_bias``); this layer, below ``transformer``,
+    only calls the hook.
+    """
     for module in _routers(model):
-        if getattr(module, "enable_expert_bias", False) and getattr(module, "expert_bias", None) is not None:
-            updated = get_updated_expert_bias(module.local_tokens_per_expert, module.expert_bias,
-                                              module.config.moe_router_bias_update_rate, module.tp_dp_cp_group)
-            module.expert_bias.copy_(updated)
-            module.local_tokens_per_expert.zero_()
+        if hasattr(module, "update_expert_bias"):
+            module.update_expert_bias()
         if hasattr(module, "reset_global_aux_loss_tracker"):
             module.reset_global_aux_loss_tracker()
 

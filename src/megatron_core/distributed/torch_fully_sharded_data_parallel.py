@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_core._ground import get_pg_size, unwrap_model
+from megatron_core._ground import fsdp_unit_types, get_pg_size, unwrap_model
 from megatron_core.device import get_current_device
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_core.distributed.torch_fully_sharded_data_parallel_checkpoint import (
@@ -44,16 +44,6 @@ except ImportError:  # pragma: no cover - torch < 2.4
     HAVE_FSDP = False
 
 __all__ = ["TorchFullyShardedDataParallel", "fsdp_mesh_group", "is_torch_fsdp_module"]
-
-
-def _default_sub_modules() -> set[type]:
-    # The default FSDP units are model classes, above distributed in the layering.
-    from megatron_core.models.common.embeddings.language_model_embedding import (  # lazy-import: model classes
-        LanguageModelEmbedding,
-    )
-    from megatron_core.transformer.transformer_layer import TransformerLayer  # lazy-import: model classes
-
-    return {TransformerLayer, LanguageModelEmbedding}
 
 
 def _validate(config: Any, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
@@ -122,8 +112,8 @@ def _build_mesh(dp_group: Any, tp_group: Any, device_type: str) -> tuple[Any, An
 class TorchFullyShardedDataParallel(torch.nn.Module):
     """Shard ``module`` with PyTorch FSDP2 over the data parallel group (see the module docstring).
 
-    ``sub_modules_to_wrap``: module classes that become their own FSDP unit (default:
-    ``TransformerLayer`` and ``LanguageModelEmbedding``); a module's ``_fsdp_modules`` attribute
+    ``sub_modules_to_wrap``: module classes that become their own FSDP unit (default: the
+    classes registered with ``_ground.register_fsdp_unit``: ``TransformerLayer`` and ``LanguageModelEmbedding``); a module's ``_fsdp_modules`` attribute
     adds more. ``process_group``: the group to shard over (default: DP x CP from ``pg_collection``
     or ``parallel_state``). With ``config.bf16`` the sharded parameters stay fp32 (they are the
     optimizer's main parameters), compute runs in bf16 and gradients are reduced in fp32.
@@ -160,7 +150,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                   "mp_policy": policy}
 
         attrs = {name: dict(vars(param)) for name, param in module.named_parameters()}
-        wrap_types = set(sub_modules_to_wrap) if sub_modules_to_wrap is not None else _default_sub_modules()
+        wrap_types = set(sub_modules_to_wrap) if sub_modules_to_wrap is not None else set(fsdp_unit_types())
         for sub_module in module.modules():
             wrap_types.update(getattr(sub_module, "_fsdp_modules", []))
         self.fsdp_units: list[torch.nn.Module] = []

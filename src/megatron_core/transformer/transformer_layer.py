@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core._ground import get_pg_rank, get_pg_size, register_fsdp_unit
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer import fused_decode
 from megatron_core.transformer.identity_op import IdentityFuncOp, IdentityOp
@@ -42,6 +42,7 @@ class TransformerLayerSubmodules:
     sharded_state_dict_keys_map: dict[str, str] = field(default_factory=dict)
 
 
+@register_fsdp_unit
 class TransformerLayer(MegatronModule):
     """A transformer layer: norm, self-attention, bias-dropout-add, norm, MLP, bias-dropout-add."""
 

@@ -33,6 +33,7 @@ from megatron_core.transformer.moe.moe_utils import (
     compute_routing_scores_for_aux_loss,
     get_default_pg_collection,
     get_tokens_per_expert_and_token_count,
+    get_updated_expert_bias,
     qb_dual_update,
     router_gating_linear,
     sinkhorn,
@@ -335,6 +336,19 @@ class TopKRouter(Router):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._maintain_float32_expert_bias()
         super()._load_from_state_dict(*args, **kwargs)
+
+    def update_expert_bias(self) -> None:
+        """Move ``expert_bias`` toward balance and restart the token counts (aux-loss-free balancing).
+
+        Called once per step by :func:`megatron_core.distributed.finalize_model_grads`, after the
+        gradients are reduced; a no-op unless ``moe_router_enable_expert_bias``.
+        """
+        if not self.enable_expert_bias or self.expert_bias is None:
+            return
+        updated = get_updated_expert_bias(self.local_tokens_per_expert, self.expert_bias,
+                                          self.config.moe_router_bias_update_rate, self.tp_dp_cp_group)
+        self.expert_bias.copy_(updated)
+        self.local_tokens_per_expert.zero_()
 
     def reset_global_aux_loss_tracker(self) -> None:
         """Restart the global-batch token counts of ``global_aux_loss``."""

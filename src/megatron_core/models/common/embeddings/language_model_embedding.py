@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core._ground import register_fsdp_unit
 from megatron_core.device import get_current_device
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.module import MegatronModule
@@ -21,6 +22,7 @@ from megatron_core.transformer.transformer_config import TransformerConfig
 __all__ = ["LanguageModelEmbedding"]
 
 
+@register_fsdp_unit
 class LanguageModelEmbedding(MegatronModule):
     """``word_embeddings`` (vocab-parallel), optional ``position_embeddings`` and ``tokentype_embeddings``."""
 
