@@ -68,7 +68,8 @@ def read_checkpoint_common(load_dir: str) -> tuple[dict[str, Any], int, str]:
     from megatron_core.dist_checkpointing.tracker import get_checkpoint_name, read_tracker
 
     if not os.path.isdir(load_dir):
-        raise FileNotFoundError(f"--load {load_dir}: no such directory")
+        what = "is not a directory" if os.path.exists(load_dir) else "does not exist"
+        raise FileNotFoundError(f"checkpoint directory {load_dir} {what}")
     iteration = read_tracker(load_dir)
     if iteration is None:
         raise FileNotFoundError(f"{load_dir} holds no checkpoint (no latest_checkpointed_iteration.txt)")
