@@ -64,8 +64,11 @@ def golden_path() -> Path:
 
 
 def sibling_goldens() -> list[Path]:
-    """Golden files of this torch version on other CPU kinds (compared within 5 % relative)."""
-    return sorted(p for p in GOLDEN_DIR.glob(f"loss_curve-torch{torch_version()}-cpu_*.json") if p != golden_path())
+    """Golden files of this torch version on other CPU kinds (compared within 5 % relative), those of this
+    machine's vector capability first (another vendor's kernels of the same width are the nearest kin)."""
+    own = device_kind().removesuffix("_amd")
+    others = (p for p in GOLDEN_DIR.glob(f"loss_curve-torch{torch_version()}-cpu_*.json") if p != golden_path())
+    return sorted(others, key=lambda p: (own not in p.name, p.name))
 
 
 def run_curve(steps: int = STEPS) -> dict:
