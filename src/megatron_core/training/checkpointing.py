@@ -26,6 +26,7 @@ import torch
 from megatron_core._ground import unwrap_model
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.core import CheckpointingException, check_is_distributed_checkpoint
+from megatron_core.dist_checkpointing.disk_space import explain_write_failure
 from megatron_core.dist_checkpointing.manifest import verify_checkpoint
 from megatron_core.dist_checkpointing.save_target import foreign_entries
 from megatron_core.dist_checkpointing.serialization import (
@@ -94,13 +95,14 @@ def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     return {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
 
 
-def _on_rank0(fn: Callable[[], None], what: str) -> None:
+def _on_rank0(fn: Callable[[], None], what: str, directory: str | os.PathLike = ".") -> None:
     """Run ``fn`` on rank 0; every rank raises if it failed (no rank is left waiting)."""
     failure = None
     if collectives.get_rank() == 0:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - sent to every rank below
+            e = explain_write_failure(e, directory)
             failure = f"{type(e).__name__}: {e}"
     failure = collectives.broadcast_object(failure, 0)
     if failure is not None:
@@ -150,7 +152,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn
     request = save(state, checkpoint_dir, async_sharded_save=async_queue is not None, overwrite=overwrite)
 
     def move_tracker() -> None:
-        _on_rank0(lambda: write_tracker(save_dir, iteration), f"writing the tracker of {save_dir}")
+        _on_rank0(lambda: write_tracker(save_dir, iteration), f"writing the tracker of {save_dir}", save_dir)
 
     if async_queue is None:
         move_tracker()

@@ -44,3 +44,19 @@ def examples_path(monkeypatch):
     """``examples/`` importable (``pretrain_gpt``, ``main_job``, ``gpt_training``)."""
     monkeypatch.syspath_prepend(EXAMPLES)
     return EXAMPLES
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """A tiny Llama: ``(HF dir, checkpoint converted from it, an HF export of that checkpoint)``."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from megatron_core.models.hf.cli import main as convert
+    from tests.models.hf.hf_models import make_hf_model
+
+    root = tmp_path_factory.mktemp("convert")
+    make_hf_model("llama", root / "hf")
+    assert convert(["hf-to-mcore", "--hf", str(root / "hf"), "--out", str(root / "ckpt"), "--no-progress"]) == 0
+    assert convert(["mcore-to-hf", "--mcore", str(root / "ckpt"), "--out", str(root / "export"),
+                    "--no-progress"]) == 0
+    return root / "hf", root / "ckpt", root / "export"

@@ -149,21 +149,6 @@ def test_preprocess_publishes_bin_then_idx(tmp_path, monkeypatch) -> None:
     assert not list(tmp_path.glob(".preprocess-*"))
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """A Llama checkpoint converted from a tiny HF model: ``(hf dir, checkpoint, an export of it)``."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("safetensors")
-    from tests.models.hf.hf_models import make_hf_model
-
-    root = tmp_path_factory.mktemp("convert")
-    make_hf_model("llama", root / "hf")
-    assert convert(["hf-to-mcore", "--hf", str(root / "hf"), "--out", str(root / "ckpt"), "--no-progress"]) == 0
-    assert convert(["mcore-to-hf", "--mcore", str(root / "ckpt"), "--out", str(root / "export"),
-                    "--no-progress"]) == 0
-    return root / "hf", root / "ckpt", root / "export"
-
-
 def test_convert_overwrite_refuses_foreign_files(exported, tmp_path, capsys) -> None:
     # Reproduction 4: --overwrite deleted files and folders it did not write, without naming them.
     _, ckpt, export = exported
