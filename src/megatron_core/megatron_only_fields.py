@@ -49,7 +49,8 @@ class MegatronOnlyParallelFields:
     hybrid_context_parallel: bool = _refused(False, "hybrid context parallelism in the schedules and attention "
                                                     "(per-micro-batch CP groups); its data side is "
                                                     "datasets.data_schedule.HybridCPDataLoaderWrapper")
-    overlap_moe_expert_parallel_comm: bool = _refused(False, _EP_OVERLAP)
+    # Unmarked: accepted with Megatron-Core's checks (moe_validation.check_ep_overlap) and a warning; no overlap.
+    overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = _refused(False, _EP_OVERLAP)
     overlap_dispatch_backward_with_experts_wgrad: bool = _refused(False, _EP_OVERLAP)
     ep_overlap_early_attn_memory_release: bool = _refused(False, _EP_OVERLAP)

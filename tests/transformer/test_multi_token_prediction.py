@@ -288,7 +288,7 @@ def test_schedule_scales_mtp_losses_like_the_main_loss_over_micro_batches():
 
 
 @pytest.mark.parametrize("fields,match", [
-    (dict(mtp_num_layers=0), r"mtp_num_layers \(0\) must be a positive integer"),
+    (dict(mtp_num_layers=-1), r"mtp_num_layers \(-1\) must be a non-negative integer"),
     (dict(mtp_num_layers=1, mtp_loss_scaling_factor=None), "mtp_loss_scaling_factor must be a number"),
 ])
 def test_bad_mtp_fields_are_refused_naming_them(fields: dict, match: str):

@@ -161,7 +161,7 @@ def forward_step(
     if getattr(config, "num_moe_experts", None) is not None:
         # Before the forward (Megatron sets it after): a compiled layer may read the scale in its forward.
         _set_moe_aux_loss_scale(config, num_microbatches, cp_size)
-    if getattr(config, "mtp_num_layers", None) is not None:
+    if getattr(config, "mtp_num_layers", None):
         _set_mtp_loss_scale(config, num_microbatches)
     with autocast:
         if checkpoint_activations_microbatch is None:

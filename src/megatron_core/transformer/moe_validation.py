@@ -237,3 +237,37 @@ def check_moe_config(cfg: Any) -> None:
         )
     # moe_router_fusion / moe_permute_fusion choose Transformer Engine kernels with the same maths: accepted, no
     # effect (the PyTorch routing and permutation run); their combination rules are checked above.
+
+
+class EPOverlapConfigError(ValueError, AssertionError):
+    """A setting that ``overlap_moe_expert_parallel_comm`` cannot run with (an ``AssertionError`` too, as in
+    Megatron-Core)."""
+
+
+def check_ep_overlap(cfg: Any) -> None:
+    """Megatron-Core's rules for ``overlap_moe_expert_parallel_comm``; the flag is then accepted with a warning.
+
+    This library has no combined 1F1B schedule that runs one micro-batch's expert-parallel all-to-all while
+    another computes: the dispatch and combine all-to-alls run in line with the layer, so results are the
+    same and nothing is overlapped (docs/compat.md).
+    """
+    if not cfg.overlap_moe_expert_parallel_comm:
+        return
+    rules = [
+        (cfg.pipeline_model_parallel_size == 1 or cfg.virtual_pipeline_model_parallel_size is not None,
+         "virtual_pipeline_model_parallel_size must be set when pipeline_model_parallel_size > 1"),
+        (cfg.expert_model_parallel_size > 1, "it needs expert model parallelism (expert_model_parallel_size > 1)"),
+        (cfg.moe_token_dispatcher_type in ("alltoall", "flex"), "it needs the alltoall or flex token dispatcher"),
+        (cfg.recompute_granularity != "full", "disable full recomputation"),
+        (cfg.recompute_method is None, "recompute_method must be None"),
+        (cfg.recompute_num_layers is None, "recompute_num_layers must be None"),
+        ("moe" not in (cfg.recompute_modules or []), "remove 'moe' from recompute_modules"),
+        (cfg.bf16 or cfg.fp16, "it needs a bf16 or fp16 model"),
+        (not cfg.moe_shared_expert_overlap, "disable moe_shared_expert_overlap"),
+        (cfg.mtp_num_layers in (None, 0, 1), "MTP supports at most one layer"),
+    ]
+    for ok, rule in rules:
+        if not ok:
+            raise EPOverlapConfigError(f"overlap_moe_expert_parallel_comm=True: {rule}")
+    warnings.warn("overlap_moe_expert_parallel_comm=True is accepted but has no effect in this library: the MoE "
+                  "all-to-all runs without overlap (same results; docs/compat.md)", UserWarning, stacklevel=3)

@@ -28,7 +28,11 @@ from megatron_core.megatron_only_fields import MegatronOnlyTransformerFields as 
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer.enums import AttnBackend
 from megatron_core.transformer.mla_validation import check_mla_config
-from megatron_core.transformer.moe_validation import apply_deprecated_moe_aliases, check_moe_config
+from megatron_core.transformer.moe_validation import (
+    apply_deprecated_moe_aliases,
+    check_ep_overlap,
+    check_moe_config,
+)
 from megatron_core.transformer.mup_config import apply_mup_config, mup_init_methods
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
 from megatron_core.transformer.rope_utils import yarn_concentration_factor
@@ -224,6 +228,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         _check_qk_clip(self)
         _check_recompute(self)
         check_moe_config(self)
+        check_ep_overlap(self)
         _check_pipeline_split(self)
         _check_mtp(self)
         apply_mup_config(self)
@@ -247,9 +252,9 @@ def _check_qk_clip(cfg: TransformerConfig) -> None:
 
 
 def _check_mtp(cfg: TransformerConfig) -> None:
-    if cfg.mtp_num_layers is not None and (not isinstance(cfg.mtp_num_layers, int) or cfg.mtp_num_layers < 1):
-        raise ValueError(f"mtp_num_layers ({cfg.mtp_num_layers!r}) must be a positive integer (or None: no MTP)")
-    if cfg.mtp_num_layers is not None and cfg.mtp_loss_scaling_factor is None:
+    if cfg.mtp_num_layers is not None and (not isinstance(cfg.mtp_num_layers, int) or cfg.mtp_num_layers < 0):
+        raise ValueError(f"mtp_num_layers ({cfg.mtp_num_layers!r}) must be a non-negative integer (None or 0: no MTP)")
+    if cfg.mtp_num_layers and cfg.mtp_loss_scaling_factor is None:
         raise ValueError(f"mtp_loss_scaling_factor must be a number with mtp_num_layers ({cfg.mtp_num_layers})")
 
 
