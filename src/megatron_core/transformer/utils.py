@@ -61,7 +61,36 @@ def is_layer_window_attention(window_size: tuple[int, int] | None, window_attn_s
         return layer_number % window_attn_skip_freq != 0
     if isinstance(window_attn_skip_freq, list):
         return bool(window_attn_skip_freq[layer_number - 1])
-    raise ValueError(f"window_attn_skip_freq must be None, an int or a list, got {window_attn_skip_freq!r}")
+    raise ValueError(f"Invalid `window_attn_skip_freq`: {type(window_attn_skip_freq).__name__} "
+                     f"{window_attn_skip_freq!r}; it must be None, an int or a list")
+
+
+_SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+def set_model_to_sequence_parallel(model: torch.nn.Module, set_to: bool = False,
+                                   exclude_modules: list[torch.nn.Module] | None = None) -> None:
+    """Switch sequence parallelism of a built model on or off (Megatron-Core's; e.g. for inference).
+
+    Sets ``model.config.sequence_parallel`` and, on every submodule that has them (except ``exclude_modules`` and
+    their children), the attributes ``sequence_parallel``, ``scatter_to_sequence_parallel`` and
+    ``reduce_scatter_embeddings`` (not the last with learned absolute position embeddings, which are added
+    after the embedding's output is scattered).
+    """
+    attrs = [a for a in _SEQUENCE_PARALLEL_ATTRS
+             if not (a == "reduce_scatter_embeddings"
+                     and getattr(model, "position_embedding_type", None) == "learned_absolute")]
+    excluded = {id(m) for m in exclude_modules or ()}
+    model.config.sequence_parallel = set_to
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in excluded:
+            continue
+        for attr in attrs:
+            if hasattr(module, attr):
+                setattr(module, attr, set_to)
+        stack.extend(child for child in module._modules.values() if child is not None)
 
 
 @jit_fuser
@@ -83,4 +112,5 @@ def erf_gelu(x: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["attention_mask_func", "erf_gelu", "gelu_impl", "get_default_causal_mask", "get_linear_layer",
            "get_sliding_window_causal_mask", "is_layer_window_attention", "make_sharded_object_for_checkpoint",
-           "make_sharded_tensors_for_checkpoint", "openai_gelu", "sharded_state_dict_default"]
+           "make_sharded_tensors_for_checkpoint", "openai_gelu", "set_model_to_sequence_parallel",
+           "sharded_state_dict_default"]
