@@ -340,6 +340,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(args.seq_length % (2 * cp) == 0 or cp == 1,
              f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({2 * cp})")
     args.data_parallel_size = world_size // (tp * pp * cp)
+    _require(args.micro_batch_size >= 1, f"--micro-batch-size ({args.micro_batch_size}) must be >= 1")
     if args.gradient_accumulation_fusion is None:
         args.gradient_accumulation_fusion = cuda_available() and not args.use_torch_fsdp2
     if args.overwrite_main_grad_on_first_wgrad is None:

@@ -44,14 +44,15 @@ HF_INPUTS = [
     ("config-a-list", lambda hf: (hf / "config.json").write_text("[1, 2]"), "config.json"),
     ("unknown-architecture", lambda hf: _config(hf, architectures=["FooForCausalLM"]), "FooForCausalLM"),
     ("hidden-size-missing", lambda hf: _config(hf, hidden_size=None), "hidden_size"),
-    ("heads-not-a-number", lambda hf: _config(hf, num_attention_heads="six"), "num_attention_heads"),
-    ("unsupported-rope-scaling", lambda hf: _config(hf, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-     "dynamic"),
+    ("heads-not-a-number", lambda hf: _config(hf, num_attention_heads="six"), "config.json: LlamaForCausalLM config "
+     "holds a value of the wrong type (invalid literal for int() with base 10: 'six')"),
+    ("unsupported-rope-scaling", lambda hf: _config(hf, rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                                                    rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "dynamic"),
     ("weights-missing", lambda hf: (hf / "model.safetensors").unlink(), "safetensors"),
     ("weights-truncated", lambda hf: (hf / "model.safetensors").write_bytes(
         (hf / "model.safetensors").read_bytes()[:1000]), "model.safetensors"),
     ("weights-garbage", lambda hf: (hf / "model.safetensors").write_bytes(b"\x00" * 64), "model.safetensors"),
-    ("weights-of-another-shape", lambda hf: _config(hf, intermediate_size=96), "intermediate_size"),
+    ("weights-of-another-shape", lambda hf: _config(hf, intermediate_size=96), "config.json implies (96, 48)"),
 ]
 
 
@@ -113,7 +114,7 @@ CHECKPOINTS = [
      "iter_0000009"),
     ("dcp-metadata-removed", lambda c: (c / "iter_0000000" / ".metadata").unlink(), ".metadata"),
     ("data-file-removed", lambda c: next((c / "iter_0000000").glob("*.distcp")).unlink(), ".distcp"),
-    ("template-removed", lambda c: shutil.rmtree(c / "hf"), "--hf-template"),
+    ("template-config-garbage", lambda c: (c / "hf" / "config.json").write_text("{"), "config.json"),
 ]
 
 
@@ -138,14 +139,15 @@ def _mismatched_template(exported, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name, flags, fragment", [
     ("iteration-missing", lambda e, t: ["--iteration", "5"], "iter_0000005"),
     ("template-missing", lambda e, t: ["--hf-template", str(t / "none")], "none"),
-    ("template-of-another-model", lambda e, t: ["--hf-template", str(_mismatched_template(e, t))], "hidden"),
+    ("template-of-another-model", lambda e, t: ["--hf-template", str(_mismatched_template(e, t))], "the HF config implies (128, 32)"),
     ("shard-size-garbage", lambda e, t: ["--max-shard-size", "lots"], "'lots'"),
     ("shard-size-zero", lambda e, t: ["--max-shard-size", "0"], "at least one byte"),
 ], ids=lambda v: v if isinstance(v, str) and "-" in v else "")
 def test_bad_mcore_to_hf_flags(exported, tmp_path, capsys, name, flags, fragment) -> None:
     out = tmp_path / "export"
-    assert main(["mcore-to-hf", "--mcore", str(exported[1]), "--out", str(out), *flags(exported, tmp_path),
-                 "--no-progress"]) == 2
+    extra = flags(exported, tmp_path)
+    capsys.readouterr()  # what building a template printed
+    assert main(["mcore-to-hf", "--mcore", str(exported[1]), "--out", str(out), *extra, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err, err
     assert not out.exists() and not list(tmp_path.glob("export.tmp-*"))

@@ -161,6 +161,9 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     vocab = bridge.padded_vocab_size(tp, make_vocab_size_divisible_by)
     if read_tracker(out_dir) is not None:
         raise HFConversionError(f"{out_dir} already holds a checkpoint; choose an empty --out directory")
+    if os.path.lexists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        what = f"holds {sorted(os.listdir(out_dir))[:10]}" if os.path.isdir(out_dir) else "is not a directory"
+        raise HFConversionError(f"--out {out_dir} {what}; choose a new or empty directory (nothing was changed)")
     if bridge.family.mtp_num_layers:
         bridge._check_shared_mtp_tensors()  # each depth's embed_tokens / shared_head.head must repeat the model's
     count = sum(not isinstance(rule, SharedCopy) for rule, _ in bridge.rules())
@@ -174,15 +177,18 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     try:
-        save(state, checkpoint_dir, sharded_strategy=_LazyTorchDistSave(loaders), overwrite=True)
+        save(state, checkpoint_dir, sharded_strategy=_LazyTorchDistSave(loaders))
         for _ in ticks:  # finish the progress display
             pass
         _copy_hf_files(hf_dir, os.path.join(out_dir, HF_SUBDIR))
         write_tracker(out_dir, 0)  # last: the checkpoint counts only once the tracker names it
-    except Exception as e:
-        shutil.rmtree(out_dir if created else checkpoint_dir, ignore_errors=True)
-        if not created:
-            shutil.rmtree(os.path.join(out_dir, HF_SUBDIR), ignore_errors=True)
+    except Exception as e:  # out_dir was new or empty: everything in it is ours
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        else:
+            for name in os.listdir(out_dir):
+                path = os.path.join(out_dir, name)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
         raise HFConversionError(f"converting {hf_dir} to {out_dir} failed (nothing left there): {e}") from e
     return os.fspath(checkpoint_dir)
 

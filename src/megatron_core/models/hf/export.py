@@ -158,7 +158,12 @@ class HFDirectoryWriter:
         if os.path.exists(self.path):
             old = f"{self.path}.old-{uuid.uuid4().hex[:8]}"
             os.rename(self.path, old)
-        os.rename(self.tmp, self.path)
+        try:
+            os.rename(self.tmp, self.path)
+        except BaseException:
+            if old is not None:  # put the earlier export back where it was
+                os.rename(old, self.path)
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -342,8 +342,12 @@ def family_from_config(cfg: dict, path: str = "config.json") -> Family:
         if arch == "Qwen2MoeForCausalLM":
             return _llama_like(path, cfg, arch, qkv_bias=bool(cfg.get("qkv_bias", True)), qk_norm=False,
                                moe="qwen2_moe")
+    except HFConversionError:
+        raise
     except KeyError as e:
         raise HFConversionError(f"{path}: {arch} config lacks the field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:  # e.g. "num_attention_heads": "six"
+        raise HFConversionError(f"{path}: {arch} config holds a value of the wrong type ({e})") from e
     raise HFConversionError(
         f"{path}: architecture {arch!r} is not supported; supported: {list(SUPPORTED)}; "
         f"not supported: {sorted(NOT_SUPPORTED)}"
