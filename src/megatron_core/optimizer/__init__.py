@@ -48,7 +48,21 @@ from megatron_core.optimizer.precision_aware_adam import PrecisionAwareAdam
 from megatron_core.optimizer_param_scheduler import ParamGroupOverride
 from megatron_core.process_groups_config import resolve_process_group
 
+
+def _emerging_optimizers_version() -> tuple[int, ...]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(x) for x in version("emerging-optimizers").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+# Whether NVIDIA's emerging-optimizers (>= 0.2: Muon, Lion, ...) is installed; found without importing it.
+HAVE_EMERGING_OPTIMIZERS = _emerging_optimizers_version() >= (0, 2)
+
 __all__ = [
+    "HAVE_EMERGING_OPTIMIZERS",
     "AdamOptimizerConfig",
     "ChainedOptimizer",
     "ConstantGradScaler",
