@@ -268,6 +268,7 @@ def save(
             except Exception as e:  # noqa: BLE001 - sent to every rank below
                 e = explain_write_failure(e, tmp_dir)
                 failure = f"{type(e).__name__}: {e}"
+                shutil.rmtree(tmp_dir, ignore_errors=True)  # ours alone (a full disk stays full otherwise)
         failure = collectives.broadcast_object(failure, 0, group)
         if failure is not None:
             raise CheckpointingException(f"finalizing checkpoint {final_dir} failed: {failure}")
