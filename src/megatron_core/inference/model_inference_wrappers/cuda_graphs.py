@@ -6,11 +6,12 @@ stream (allocating the KV buffers and warming the kernels; it writes the same ke
 replay will), then captures one forward into a graph; later steps of that size replay it. All
 graphs share one memory pool. Each replay's logits are valid until the next replay.
 
-The captured forward must run the code the warm-up ran: a ``torch.compile``'d forward that would compile
-again there (a guard that changes on every call, such as one on the length of a list the forward appends
-to) would compile, load and benchmark kernels inside the capture, which invalidates it
-(``cudaErrorStreamCaptureInvalidated`` from a later launch). The capture therefore runs under
-``torch.compiler.set_stance("fail_on_recompile")``: such a forward raises at once, naming the guard.
+The captured forward must run the code the warm-up ran. A ``torch.compile``'d forward whose guards change
+on every call (one on the length of a list the forward appends to, say) compiles again inside the capture:
+Inductor then loads new kernels, and on a compile-cache miss benchmarks them, on the captured stream, which
+can invalidate the capture (``cudaErrorStreamCaptureInvalidated``, reported by a later launch). The capture
+therefore runs under ``torch.compiler.set_stance("fail_on_recompile")``: such a forward raises at once,
+naming the guard.
 """
 
 from __future__ import annotations
