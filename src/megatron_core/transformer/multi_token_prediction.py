@@ -33,6 +33,7 @@ from megatron_core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from megatron_core.transformer.backends import LocalSpecProvider, te_spec_provider
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
@@ -405,15 +406,8 @@ def get_mtp_layer_spec_for_backend(mtp_model_layer_spec: ModuleSpec, backend: An
 
 def get_mtp_layer_spec(mtp_model_layer_spec: ModuleSpec, use_transformer_engine: bool) -> ModuleSpec:
     """An MTP layer spec for the Transformer Engine (``use_transformer_engine``) or the local backend."""
-    if use_transformer_engine:
-        from megatron_core.models.gpt.gpt_layer_specs import (
-            _te_spec_provider,  # lazy-import: providers live in models
-        )
-
-        return get_mtp_layer_spec_for_backend(mtp_model_layer_spec, _te_spec_provider())
-    from megatron_core.models.backends import LocalSpecProvider  # lazy-import: providers live in models
-
-    return get_mtp_layer_spec_for_backend(mtp_model_layer_spec, LocalSpecProvider())
+    backend = te_spec_provider() if use_transformer_engine else LocalSpecProvider()
+    return get_mtp_layer_spec_for_backend(mtp_model_layer_spec, backend)
 
 
 class MultiTokenPredictionLayer(MegatronModule):

@@ -15,6 +15,7 @@ from typing import Any
 from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron_core.transformer.backends import te_spec_provider as _te_spec_provider
 from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
@@ -47,21 +48,6 @@ __all__ = [
     "get_mlp_module_spec",
     "get_mlp_module_spec_for_backend",
 ]
-
-
-def _te_spec_provider() -> BackendSpecProvider:
-    """Transformer Engine's spec provider: ``ImportError`` naming the ``te`` extra when TE is not installed."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError as err:
-        raise ImportError(
-            "the Transformer Engine layer spec needs Transformer Engine, which is not installed: "
-            "pip install megatron_core[te] (or build the model with get_gpt_layer_local_spec())"
-        ) from err
-    raise NotImplementedError(
-        "Transformer Engine is installed, but megatron_core provides no Transformer Engine layers yet; "
-        "use get_gpt_layer_local_spec() (docs/compat.md)"
-    )
 
 
 def _reject_unsupported(qk_l2_norm: bool, **flags: bool) -> None:

@@ -8,6 +8,7 @@ grouped experts, and whose shared experts use the same linears.
 from __future__ import annotations
 
 from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron_core.transformer.backends import te_spec_provider
 from megatron_core.transformer.mlp import MLPSubmodules
 from megatron_core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron_core.transformer.moe.shared_experts import SharedExpertMLP
@@ -33,9 +34,5 @@ def get_moe_module_spec(use_te: bool | None = True, num_experts: int | None = No
                         moe_grouped_gemm: bool | None = False) -> ModuleSpec:
     """An ``MoELayer`` spec for the Transformer Engine (``use_te``) or the local backend."""
     if use_te:
-        from megatron_core.models.gpt.gpt_layer_specs import (
-            _te_spec_provider,  # gpt_layer_specs imports this module
-        )
-
-        return get_moe_module_spec_for_backend(_te_spec_provider(), num_experts, moe_grouped_gemm)
+        return get_moe_module_spec_for_backend(te_spec_provider(), num_experts, moe_grouped_gemm)
     return get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm)
