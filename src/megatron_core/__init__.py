@@ -9,8 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from megatron_core import parallel_state
+from megatron_core import parallel_state, safe_globals
 from megatron_core.package_info import __version__
+
+# As Megatron-Core does at import: torch.load(weights_only=True) may rebuild what Megatron checkpoints hold.
+safe_globals.register_light_safe_globals()
 
 mpu = parallel_state
 
@@ -48,4 +51,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'megatron_core' has no attribute '{name}'")
 
 
-__all__ = ["__version__", "mpu", "parallel_state", *_SUBMODULES, *_LAZY_NAMES]
+__all__ = ["__version__", "mpu", "parallel_state", "safe_globals", *_SUBMODULES, *_LAZY_NAMES]
