@@ -8,6 +8,7 @@ the model's weight.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_core import parallel_state, tensor_parallel
@@ -65,6 +66,7 @@ def _final(losses: list[float]) -> float:
     return sum(losses[-TAIL:]) / TAIL
 
 
+@pytest.mark.slow  # four 50-step trainings, about 25 s on 2 cores
 def test_bf16_training_ends_within_the_fp32_run_to_run_spread():
     fp32 = {seed: run_on_ranks(1, _train, seed, False)[0] for seed in SEEDS}
     bf16 = run_on_ranks(1, _train, SEEDS[0], True)[0]
