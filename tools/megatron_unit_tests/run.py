@@ -123,6 +123,8 @@ def prepare(repo: Path, dest: Path, tag: str = TAG) -> None:
             path.write_text(new)
     shutil.copy(HERE / "test_utilities.py", dest / UT / "test_utilities.py")
     shutil.copy(HERE / "conftest.py", dest / UT / "conftest.py")
+    # megatron.training (Megatron-LM's trainer, imported by the dist_checkpointing tests) as a thin stand-in
+    shutil.copytree(HERE / "megatron", dest / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
     (dest / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
     (dest / "_rank_pytest.py").write_text(_LAUNCHER)
 
