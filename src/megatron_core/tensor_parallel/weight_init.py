@@ -35,13 +35,18 @@ def param_is_not_tensor_parallel_duplicate(
     tp_group: dist.ProcessGroup | None = None,
     expert_tp_group: dist.ProcessGroup | None = None,
 ) -> bool:
-    """True if ``param`` is TP-sharded or this is TP rank 0 (so replicated params are counted once)."""
+    """True if ``param`` is TP-sharded or this is TP rank 0 (so replicated params are counted once).
+
+    Expert parameters (``allreduce == False``) are filtered over ``expert_tp_group`` when given. A group passed
+    explicitly is asked for its rank (as in Megatron-Core); otherwise the registered one is used.
+    """
     if getattr(param, "tensor_model_parallel", False):
         return True
     is_expert = not getattr(param, "allreduce", True)
-    group = expert_tp_group if is_expert else tp_group
-    group = resolve_tp_group(group, is_expert=is_expert)
-    return get_pg_rank(group) == 0
+    explicit = expert_tp_group if is_expert and expert_tp_group is not None else tp_group
+    if explicit is not None:
+        return explicit.rank() == 0
+    return get_pg_rank(resolve_tp_group(None, is_expert=is_expert)) == 0
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
@@ -61,9 +66,14 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
             setattr(tensor, attribute, value)
 
 
+# Also copied (Megatron-Core 0.19): an expert-TP mark and a fused QKV weight's split, set by some layers.
+_COPIED_MODEL_PARALLEL_ATTRIBUTES = (*_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS, "expert_tp", "is_qkv", "qkv_split_shapes")
+
+
 def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor) -> None:
-    """Copy whichever TP attributes ``source_tensor`` has onto ``destination_tensor``."""
-    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+    """Copy whichever TP attributes ``source_tensor`` has (also ``expert_tp``, ``is_qkv``, ``qkv_split_shapes``)
+    onto ``destination_tensor``."""
+    for attribute in _COPIED_MODEL_PARALLEL_ATTRIBUTES:
         if hasattr(source_tensor, attribute):
             setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
 

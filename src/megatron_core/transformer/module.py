@@ -44,7 +44,15 @@ class MegatronModule(torch.nn.Module):
         return sharded_state_dict_default(self, prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
 
     def set_is_first_microbatch(self) -> None:
-        """Tell every submodule that the next forward is the first microbatch (weight caches refresh)."""
+        """Tell every submodule that the next forward is the first microbatch (quantized weight caches refresh).
+
+        Only when a quantization mode is configured (``fp8``, ``fp4``, ``use_kitchen`` or ``quant_recipe``), as in
+        Megatron-Core: otherwise no module keeps such a cache and the flags are left alone.
+        """
+        config = self.config
+        if (getattr(config, "fp8", None) is None and getattr(config, "fp4", None) is None
+                and not getattr(config, "use_kitchen", False) and getattr(config, "quant_recipe", None) is None):
+            return
         for module in submodules_with_attribute(self, "is_first_microbatch"):
             module.is_first_microbatch = True
 

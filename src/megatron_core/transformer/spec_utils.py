@@ -61,12 +61,17 @@ def get_module(spec_or_module: ModuleSpec | type | tuple[str, str], **additional
 
 
 def get_submodules(spec_or_module: Any) -> Any:
-    """The ``submodules`` of a ``ModuleSpec`` or of a ``functools.partial(..., submodules=...)``."""
-    if isinstance(spec_or_module, ModuleSpec):
-        return spec_or_module.submodules
+    """The ``submodules`` of a ``ModuleSpec`` (or any object with that attribute) or of a
+    ``functools.partial(..., submodules=...)``.
+
+    As in Megatron-Core: a ``partial`` without a ``submodules`` keyword raises ``KeyError``; anything else
+    without ``submodules`` (a bare class or function) raises ``ValueError``.
+    """
     if isinstance(spec_or_module, partial):
-        return spec_or_module.keywords.get("submodules")
-    return None
+        return spec_or_module.keywords["submodules"]
+    if hasattr(spec_or_module, "submodules"):
+        return spec_or_module.submodules
+    raise ValueError(f"Could not find `submodules` in the provided spec: {spec_or_module!r}")
 
 
 def build_module(spec_or_module: ModuleSpec | type | tuple[str, str] | Any, *args: Any, **kwargs: Any) -> Any:

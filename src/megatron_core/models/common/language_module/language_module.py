@@ -60,7 +60,8 @@ class LanguageModule(MegatronModule):
             # 'native' (the config refuses 'te'). Computed in fp32 from the logits as they are, without an fp32 copy (fusions.fused_cross_entropy).
             loss = fused_vocab_parallel_cross_entropy(logits, labels, self.tp_group)
             return loss.transpose(0, 1).contiguous()
-        if not self.fp16_lm_cross_entropy:
+        # The model's flag, else the config's (a module used without the model's constructor, as Megatron allows).
+        if not getattr(self, "fp16_lm_cross_entropy", getattr(self.config, "fp16_lm_cross_entropy", False)):
             logits = logits.float()
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group)
         return loss.transpose(0, 1).contiguous()
