@@ -22,6 +22,7 @@ from torch.autograd import Variable
 from megatron_core import device
 from megatron_core._ground import get_pg_size
 from megatron_core._wrapped_model import get_attr_wrapped_model
+from megatron_core.pipeline_parallel.p2p_communication import resolve_communicator as resolve_communicator
 from megatron_core.process_groups_config import resolve_process_group
 
 
@@ -265,21 +266,6 @@ def backward_step(input_tensor: Any, output_tensor: Any, output_tensor_grad: Any
     if timers is not None:
         timers("backward-compute").stop()
     return input_grads[0] if unwrap else input_grads
-
-
-def resolve_communicator(config: Any, p2p_communicator: Any = None, pg_collection: Any = None) -> Any:
-    """The communicator given, else one over ``pg_collection.pp``, else over ``parallel_state``'s PP group."""
-    from megatron_core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-    if p2p_communicator is not None:
-        return p2p_communicator
-    pp_group = resolve_process_group("pp", pg_collection)
-    if pp_group is None:
-        raise RuntimeError(
-            "a pipeline schedule needs a pipeline-parallel group: pass pg_collection with pp set, a "
-            "p2p_communicator, or call initialize_model_parallel() first"
-        )
-    return P2PCommunicator(pp_group, config)
 
 
 def new_token_counter() -> torch.Tensor:

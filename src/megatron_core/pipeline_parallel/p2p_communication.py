@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import device
+from megatron_core.process_groups_config import resolve_process_group
 
 Shape = Sequence[int]
 
@@ -322,9 +323,20 @@ def wait_handles(handles: dict[str, Any] | None) -> None:
         request.wait()
 
 
-def _communicator(config: Any) -> P2PCommunicator:
-    from megatron_core.pipeline_parallel.microbatch_step import resolve_communicator
+def resolve_communicator(config: Any, p2p_communicator: Any = None, pg_collection: Any = None) -> Any:
+    """The communicator given, else one over ``pg_collection.pp``, else over ``parallel_state``'s PP group."""
+    if p2p_communicator is not None:
+        return p2p_communicator
+    pp_group = resolve_process_group("pp", pg_collection)
+    if pp_group is None:
+        raise RuntimeError(
+            "a pipeline schedule needs a pipeline-parallel group: pass pg_collection with pp set, a "
+            "p2p_communicator, or call initialize_model_parallel() first"
+        )
+    return P2PCommunicator(pp_group, config)
 
+
+def _communicator(config: Any) -> P2PCommunicator:
     return resolve_communicator(config)
 
 

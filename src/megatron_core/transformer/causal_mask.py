@@ -89,9 +89,8 @@ def drop_plain_causal_mask(module: torch.nn.Module, mask: torch.Tensor | None) -
         return None
     all_causal = module.__dict__.get("_mcore_all_causal_attention")
     if all_causal is None:
-        from megatron_core.transformer.dot_product_attention import DotProductAttention
-
-        attention = [m for m in module.modules() if isinstance(m, DotProductAttention)]
+        # DotProductAttention (which imports this module) marks itself with ``is_dot_product_attention``.
+        attention = [m for m in module.modules() if getattr(type(m), "is_dot_product_attention", False)]
         owners = [m for m in module.modules() if hasattr(m, "core_attention")]
         all_causal = (
             bool(attention) and len(attention) == len(owners)

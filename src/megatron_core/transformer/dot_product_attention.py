@@ -103,6 +103,8 @@ def _resolve_comm_type(cp_comm_type: Any, config: TransformerConfig, layer_numbe
 class DotProductAttention(MegatronModule):
     """Scaled dot-product attention over this tensor-parallel rank's heads (and CP rank's tokens)."""
 
+    is_dot_product_attention = True  # read by causal_mask.drop_plain_causal_mask (subclasses included)
+
     def __init__(
         self,
         config: TransformerConfig,

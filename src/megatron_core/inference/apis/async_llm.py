@@ -19,10 +19,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from megatron_core.inference.apis._llm_base import Prompts, _EventLoopManager, _MegatronLLMBase
+from megatron_core.inference.apis.finish_reason import request_finish_reason as request_finish_reason
 from megatron_core.inference.apis.serve_config import ServeConfig
 from megatron_core.inference.config import InferenceConfig
-from megatron_core.inference.engines.fault_isolation import CANCELLED, EngineFailedError, describe
-from megatron_core.inference.inference_request import DynamicInferenceRequest, Status
+from megatron_core.inference.engines.fault_isolation import EngineFailedError, describe
+from megatron_core.inference.inference_request import DynamicInferenceRequest
 from megatron_core.inference.sampling_params import SamplingParams
 
 __all__ = ["MegatronAsyncLLM"]
@@ -198,8 +199,3 @@ class MegatronAsyncLLM(_MegatronLLMBase):
         await self.shutdown()
 
 
-def request_finish_reason(request: DynamicInferenceRequest) -> str:
-    """OpenAI's ``finish_reason``: ``stop`` (termination token / stop word), ``length``, or ``cancelled``."""
-    if request.status != Status.COMPLETED:
-        return CANCELLED
-    return request.finish_reason or "length"

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from megatron_core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-if TYPE_CHECKING:
-    from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext
 
 __all__ = ["RoutingMetadata"]
 
@@ -39,7 +36,7 @@ class RoutingMetadata:
     order; ``None`` means every registered instance (``RouterReplay.global_router_replay_instances``).
     """
 
-    def __init__(self, context: DynamicInferenceContext, moe_router_topk: int,
+    def __init__(self, context: Any, moe_router_topk: int,
                  num_moe_experts: int | None = None) -> None:
         self.context = context
         self.max_tokens = context.max_tokens

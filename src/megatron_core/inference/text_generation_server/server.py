@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from megatron_core.inference.apis.async_llm import MegatronAsyncLLM, request_finish_reason
+from megatron_core.inference.apis.finish_reason import request_finish_reason
 from megatron_core.inference.apis.serve_config import ServeConfig
 from megatron_core.inference.engines.fault_isolation import (
     CANCELLED,
@@ -68,7 +68,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict]) -> str:
     raise APIError(400, "chat completions need a tokenizer with a chat template (apply_chat_template)", "messages")
 
 
-def _logprobs_block(llm: MegatronAsyncLLM, request: DynamicInferenceRequest) -> dict[str, Any] | None:
+def _logprobs_block(llm: Any, request: DynamicInferenceRequest) -> dict[str, Any] | None:
     if request.generated_log_probs is None:
         return None
     tokens = [llm.controller.detokenize([t]) for t in request.generated_tokens]
@@ -132,7 +132,7 @@ class _Streams:
         self.response = ManagedStream
 
 
-def build_app(llm: MegatronAsyncLLM, serve_config: ServeConfig) -> Any:
+def build_app(llm: Any, serve_config: ServeConfig) -> Any:
     """The FastAPI application (``app.state.begin_drain()`` starts the shutdown sequence)."""
     fastapi, _ = require_server_deps()
     from fastapi.responses import JSONResponse
@@ -370,7 +370,7 @@ def build_app(llm: MegatronAsyncLLM, serve_config: ServeConfig) -> Any:
     return app
 
 
-def create_uvicorn_server(llm: MegatronAsyncLLM, serve_config: ServeConfig) -> Any:
+def create_uvicorn_server(llm: Any, serve_config: ServeConfig) -> Any:
     """A ``uvicorn.Server`` for :func:`build_app` on ``serve_config.host:port`` (not started).
 
     Its shutdown first starts the app's drain (``begin_drain``), so the requests still running after

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state
 from megatron_core.dist_checkpointing import collectives
-from megatron_core.models.hf.bridge import (
+from megatron_core.models.hf.model_view import (
     TOKENIZER_FILES,
     expert_tp_rank_size,
     hf_mappable_parameters,
