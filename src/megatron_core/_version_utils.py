@@ -13,6 +13,7 @@ import torch
 from packaging.version import Version as PkgVersion
 
 _MISSING = PkgVersion("0.0.0")
+HAVE_PACKAGING = True  # Megatron-Core's flag; ``packaging`` is a dependency here (imported above)
 _cache: dict[str, PkgVersion | None] = {}
 
 

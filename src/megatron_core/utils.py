@@ -11,6 +11,8 @@ from megatron_core._ground.api_lifecycle import ExperimentalNotEnabledError as E
 from megatron_core._ground.api_lifecycle import F as F
 from megatron_core._ground.api_lifecycle import deprecated as deprecated
 from megatron_core._ground.api_lifecycle import experimental_api as experimental_api
+from megatron_core._ground.api_lifecycle import experimental_cls as experimental_cls
+from megatron_core._ground.api_lifecycle import experimental_fn as experimental_fn
 from megatron_core._ground.arithmetic import divide as divide
 from megatron_core._ground.arithmetic import ensure_divisibility as ensure_divisibility
 from megatron_core._ground.groups import get_pg_rank as get_pg_rank
@@ -51,6 +53,7 @@ from megatron_core._packed_batch import (
 )
 from megatron_core._rank_utils import log_single_rank as log_single_rank
 from megatron_core._straggler import StragglerDetector as StragglerDetector
+from megatron_core._version_utils import HAVE_PACKAGING as HAVE_PACKAGING
 from megatron_core._version_utils import get_fa_version as get_fa_version
 from megatron_core._version_utils import get_flashinfer_version as get_flashinfer_version
 from megatron_core._version_utils import get_te_version as get_te_version

@@ -78,3 +78,26 @@ def experimental_api(obj: F) -> F:
 
     wrapper._experimental = True
     return wrapper  # type: ignore[return-value]
+
+
+def experimental_fn(introduced_with_version: str) -> Callable[[F], F]:
+    """Megatron-Core's decorator factory for an experimental function: :func:`experimental_api` (the version the
+    function appeared in is recorded as ``_introduced_with_version``)."""
+    def decorate(func: F) -> F:
+        wrapped = experimental_api(func)
+        wrapped._introduced_with_version = introduced_with_version
+        return wrapped
+
+    return decorate
+
+
+def experimental_cls(introduced_with_version: str) -> Callable[[type], type]:
+    """Megatron-Core's decorator factory for an experimental class: :func:`experimental_api` on the class, whose
+    instances report ``is_experimental`` True."""
+    def decorate(cls: type) -> type:
+        cls = experimental_api(cls)
+        cls.is_experimental = True
+        cls._introduced_with_version = introduced_with_version
+        return cls
+
+    return decorate

@@ -64,7 +64,7 @@ from megatron_core.transformer.selective_recompute import recompute_module_enabl
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import MLATransformerConfig
 
-__all__ = ["MLASelfAttention", "MLASelfAttentionSubmodules", "MultiLatentAttention"]
+__all__ = ["FusedMLASelfAttention", "MLASelfAttention", "MLASelfAttentionSubmodules", "MultiLatentAttention"]
 
 
 @dataclass
@@ -427,3 +427,15 @@ def _check_norm_specs(config: MLATransformerConfig, submodules: MLASelfAttention
         if not _is_identity(spec):
             raise ValueError(f"the MLA spec sets {name}={spec!r} but qk_layernorm is False; set qk_layernorm=True "
                              "or leave the norm unset / IdentityOp")
+
+
+class FusedMLASelfAttention(MLASelfAttention):
+    """Megatron-Core's MLA with the fused q/kv down projection (``linear_qkv_down_proj``): not provided here.
+
+    The name exists so that code importing it runs; building one raises ``NotImplementedError`` (use
+    :class:`MLASelfAttention`, whose separate down projections compute the same function; docs/compat.md).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        raise NotImplementedError("FusedMLASelfAttention (the fused q/kv down projection) is not provided by this "
+                                  "library; use MLASelfAttention")
