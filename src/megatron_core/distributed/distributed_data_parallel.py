@@ -25,10 +25,11 @@ from megatron_core.distributed.distributed_data_parallel_config import Distribut
 from megatron_core.distributed.param_and_grad_buffer import (
     _ParamAndGradBucketGroup,
     _ParamAndGradBuffer,
+    compute_full_param_layout,
     group_params_for_buffers,
     partition_buckets,
 )
-from megatron_core.optimizer.param_layout import FullParamLayout
+from megatron_core.distributed.param_layout import FullParamLayout
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.wgrad_accumulation import BACKWARD_ADDS_TO_MAIN_GRAD
 
@@ -106,9 +107,7 @@ class DistributedDataParallel(torch.nn.Module):
         all_params = list(self.param_to_name)
         buffer_groups = group_params_for_buffers(all_params, ddp_config.grad_reduce_in_fp32)
         if full_param_layout is None and ddp_config.use_distributed_optimizer:
-            from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
-
-            full_param_layout = DistributedOptimizer.compute_full_param_layout(
+            full_param_layout = compute_full_param_layout(
                 all_params, self.bucket_size, dp_cp_size, ddp_config, expert_data_parallel_world_size=expt_dp_size)
         if full_param_layout is not None:
             _check_layout_matches(buffer_groups, full_param_layout)

@@ -26,7 +26,12 @@ from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.distributed import collectives
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron_core.optimizer.param_layout import BufferKey, PerBufferParamLayout
+from megatron_core.distributed.param_layout import (
+    BufferKey,
+    FullParamLayout,
+    PerBufferParamLayout,
+    compute_per_buffer_param_layout,
+)
 from megatron_core.tensor_parallel.wgrad_accumulation import expect_first_write, zero_pending_first_writes
 
 
@@ -221,6 +226,29 @@ def group_params_for_buffers(params: list[torch.nn.Parameter], grad_reduce_in_fp
         indices.append(len(plist))
         plist.append(param)
     return groups
+
+
+def compute_full_param_layout(params: list[torch.nn.Parameter], bucket_size: int | None,
+                              data_parallel_world_size: int, ddp_config: Any,
+                              expert_data_parallel_world_size: int | None = None) -> FullParamLayout:
+    """The padded layout of every DDP buffer of ``params`` (grouped by ``group_params_for_buffers``).
+
+    ``DistributedOptimizer.compute_full_param_layout`` (Megatron-Core's name) is this function.
+
+    Expert-parallel buffers are padded for ``expert_data_parallel_world_size`` (default: the dense size).
+    Pass the result to ``DistributedDataParallel(..., full_param_layout=)``.
+    """
+    from megatron_core.distributed.param_and_grad_buffer import group_params_for_buffers
+
+    layouts = {}
+    for key, (group_params, param_indices) in group_params_for_buffers(
+            params, ddp_config.grad_reduce_in_fp32).items():
+        dp_size = data_parallel_world_size
+        if key.is_expert_parallel and expert_data_parallel_world_size is not None:
+            dp_size = expert_data_parallel_world_size
+        layouts[key] = compute_per_buffer_param_layout(
+            group_params, bucket_size, dp_size, ddp_config, param_indices)
+    return FullParamLayout(layouts=layouts)
 
 
 def _compute_default_per_buffer_param_layout(params: list[torch.nn.Parameter], bucket_size: int | None,

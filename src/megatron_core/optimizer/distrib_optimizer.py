@@ -32,6 +32,8 @@ from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import cuda_available
 from megatron_core.dist_checkpointing.optimizer import dp_flat_shard_to_full, full_to_dp_flat_shard
 from megatron_core.distributed import collectives
+from megatron_core.distributed.param_and_grad_buffer import compute_full_param_layout
+from megatron_core.distributed.param_layout import compute_per_buffer_param_layout
 from megatron_core.optimizer.checkpoint_state import (
     ParamStateEntry,
     is_model_space_state,
@@ -42,12 +44,6 @@ from megatron_core.optimizer.flat_adam import FlatAdamShards, FlatShard
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer import MixedPrecisionOptimizer, copy_param_attributes
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
-from megatron_core.optimizer.param_layout import (
-    FullParamLayout,
-    PerBufferParamLayout,
-    pad_bucket_end,
-    pad_param_start,
-)
 from megatron_core.optimizer.precision_aware_adam import PrecisionAwareAdam
 from megatron_core.process_groups_config import resolve_process_group
 
@@ -97,66 +93,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     expert). ``optimizer`` is built on the model params and is re-pointed at the shards here.
     """
 
-    @staticmethod
-    def _compute_per_buffer_param_layout(params: list[torch.nn.Parameter], bucket_size: int | None,
-                                         data_parallel_world_size: int, ddp_config: Any,
-                                         param_indices: list[int] | None = None) -> PerBufferParamLayout:
-        """The padded layout of one buffer: params in reverse order, each starting on a 64-element boundary.
-
-        A bucket is closed once it spans at least ``bucket_size`` elements (``None``: one bucket) and its
-        end is padded by :func:`~megatron_core.optimizer.param_layout.pad_bucket_end` so that it splits into
-        ``data_parallel_world_size`` equal shards. A ``shared_embedding`` parameter (a tied embedding,
-        all-reduced across pipeline stages) gets a bucket of its own.
-        """
-        layout = PerBufferParamLayout(param_indices=list(param_indices) if param_indices is not None else [],
-                                      num_optimizer_shards=data_parallel_world_size)
-        pad_busbw = ddp_config.pad_buckets_for_high_nccl_busbw
-        bucket_start = index = end = 0
-        open_bucket = False
-
-        def close_bucket(bucket_end: int) -> int:
-            layout.per_bucket_numel_unpadded.append(bucket_end - bucket_start)
-            padded = pad_bucket_end(bucket_end, data_parallel_world_size, pad_busbw)
-            layout.bucket_indices.append((bucket_start, padded))
-            return padded
-
-        for param in params[::-1]:
-            index = pad_param_start(index)
-            shared = bool(getattr(param, "shared_embedding", False))
-            if shared and open_bucket:
-                bucket_start = index = close_bucket(index)
-            end = index + param.data.nelement()
-            layout.param_index_map[param] = (index, end, len(layout.bucket_indices))
-            open_bucket = True
-            if (bucket_size is not None and end - bucket_start >= bucket_size) or shared:
-                bucket_start = index = close_bucket(end)
-                open_bucket = False
-            else:
-                index = end
-        if open_bucket:
-            close_bucket(end)
-        return layout
-
-    @staticmethod
-    def compute_full_param_layout(params: list[torch.nn.Parameter], bucket_size: int | None,
-                                  data_parallel_world_size: int, ddp_config: Any,
-                                  expert_data_parallel_world_size: int | None = None) -> FullParamLayout:
-        """The padded layout of every DDP buffer of ``params`` (grouped by ``group_params_for_buffers``).
-
-        Expert-parallel buffers are padded for ``expert_data_parallel_world_size`` (default: the dense size).
-        Pass the result to ``DistributedDataParallel(..., full_param_layout=)``.
-        """
-        from megatron_core.distributed.param_and_grad_buffer import group_params_for_buffers
-
-        layouts = {}
-        for key, (group_params, param_indices) in group_params_for_buffers(
-                params, ddp_config.grad_reduce_in_fp32).items():
-            dp_size = data_parallel_world_size
-            if key.is_expert_parallel and expert_data_parallel_world_size is not None:
-                dp_size = expert_data_parallel_world_size
-            layouts[key] = DistributedOptimizer._compute_per_buffer_param_layout(
-                group_params, bucket_size, dp_size, ddp_config, param_indices)
-        return FullParamLayout(layouts=layouts)
+    # The layout rules live with the buffers they place (distributed.param_layout / param_and_grad_buffer).
+    _compute_per_buffer_param_layout = staticmethod(compute_per_buffer_param_layout)
+    compute_full_param_layout = staticmethod(compute_full_param_layout)
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
                  grad_scaler: MegatronGradScaler | None, init_state_fn: Callable[[torch.optim.Optimizer], None],
