@@ -126,6 +126,9 @@ def model_from_record(record: dict[str, Any], where: str, tp: int, pp: int) -> t
 
     if not str(record.get("model_class", "")).endswith(":GPTModel"):
         raise ValueError(f"{where} holds a {record.get('model_class')}; only GPTModel checkpoints can be loaded here")
+    if record.get("unrecorded_fields"):
+        warnings.warn(f"{where}: config fields {record['unrecorded_fields']} could not be recorded at save time; "
+                      "they take their defaults", stacklevel=2)
     dtype = _recorded_dtype(record)
     config = transformer_config_from_record(
         record, where, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
