@@ -32,6 +32,19 @@ def test_param_groups_from_overrides_split_no_weight_decay_params():
     decayed = next(g for g in groups if g["wd_mult"] == 1.0)
     assert [p.shape for p in decayed["params"]] == [torch.Size([4, 4])]
     assert len(_get_param_groups([net], config, None)) == 1
+    assert set(decayed) == {"params", "is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr",
+                            "max_lr", "min_lr"}
+    assert decayed["min_lr"] is None and decayed["max_lr"] == 0.01  # Megatron-Core's entries, min_lr unset
+
+
+def test_chained_optimizer_may_be_empty_or_hold_torch_optimizers():
+    from megatron_core.optimizer import ChainedOptimizer
+
+    assert ChainedOptimizer([]).get_parameters() == []
+    net = torch.nn.Linear(2, 2)
+    chained = ChainedOptimizer([torch.optim.SGD(net.parameters(), lr=0.1)])
+    chained.param_groups[0]["lr"] = 0.2
+    assert chained.chained_optimizers[0].param_groups[0]["lr"] == 0.2 and chained.config is None
 
 
 def test_copy_optimizer_param_metadata():

@@ -45,7 +45,7 @@ from megatron_core.optimizer.param_groups import (
 )
 from megatron_core.optimizer.param_keys import ParamKey, ParamPredicate, ParamWithNamePredicate
 from megatron_core.optimizer.precision_aware_adam import PrecisionAwareAdam
-from megatron_core.optimizer_param_scheduler import ParamGroupOverride
+from megatron_core.optimizer_param_scheduler import ParamGroupOverride, combine_param_group_overrides
 from megatron_core.process_groups_config import resolve_process_group
 
 
@@ -249,8 +249,24 @@ def check_config_overrides_consistency(config: OptimizerConfig,
 
 def _get_param_groups(model_chunks: list[torch.nn.Module], config: OptimizerConfig,
                       config_overrides: dict[ParamKey, ParamGroupOverride] | None) -> list[dict[str, Any]]:
-    """Megatron-Core's (private) name for :func:`get_param_groups_from_overrides`; ``None`` means no overrides."""
-    return get_param_groups_from_overrides(model_chunks, config, config_overrides or {})
+    """Megatron-Core's (private) param-group builder, with its group entries: the groups of
+    :func:`get_param_groups_from_overrides` (``None`` means no overrides) as ``params``, ``is_expert_parallel``,
+    ``default_config``, ``wd_mult``, ``lr_mult``, ``is_decoupled_lr``, ``max_lr``, ``min_lr`` (``config.min_lr``,
+    possibly ``None``) and the override's own keys; without the initial ``lr`` / ``weight_decay`` this library adds."""
+    overrides = config_overrides or {}
+    groups = get_param_groups_from_overrides(model_chunks, config, overrides)
+    megatron_groups = []
+    for group in groups:
+        sample = group["params"][0]
+        name = next((n for chunk in model_chunks for n, p in chunk.named_parameters() if p is sample), "")
+        matched = [o for key, o in overrides.items() if key.matches(sample, name)]
+        override = dict(combine_param_group_overrides(matched)) if matched else {}
+        megatron_groups.append({
+            "params": group["params"], "is_expert_parallel": group["is_expert_parallel"],
+            "default_config": group["default_config"], "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False,
+            "max_lr": config.lr, "min_lr": config.min_lr, **override,
+        })
+    return megatron_groups
 
 
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.Module],

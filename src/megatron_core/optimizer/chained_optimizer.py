@@ -21,10 +21,10 @@ class ChainedOptimizer(MegatronOptimizer):
     """Step a list of :class:`MegatronOptimizer` together."""
 
     def __init__(self, chained_optimizers: list[MegatronOptimizer]) -> None:
-        if not chained_optimizers:
-            raise ValueError("ChainedOptimizer needs at least one optimizer")
-        super().__init__(None, chained_optimizers[0].config)
-        self.chained_optimizers = chained_optimizers
+        # An empty chain is allowed (a rank without parameters of some kind), as in Megatron-Core; the config is
+        # the first optimizer's (None when it has none, e.g. a plain torch optimizer).
+        super().__init__(None, getattr(chained_optimizers[0], "config", None) if chained_optimizers else None)
+        self.chained_optimizers = list(chained_optimizers)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
