@@ -21,6 +21,10 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "FORMAT_VERSION", "MODEL_CONFIG_KEY", "model_config_record", "parse_model_config", "transformer_config_from_record",
+]
+
 MODEL_CONFIG_KEY = "model_config"
 FORMAT_VERSION = 1
 

@@ -17,9 +17,9 @@ import pytest
 import torch.distributed as dist
 
 from megatron_core import parallel_state
-from megatron_core.dist_checkpointing.training.model_config import MODEL_CONFIG_KEY
 from megatron_core.inference.cli import checkpoint as loader
 from megatron_core.inference.cli.generate import main
+from megatron_core.training.model_config import MODEL_CONFIG_KEY
 from tests.reliability.tools_adversarial.conftest import EXAMPLES, fingerprint
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")

@@ -23,9 +23,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from megatron_core import parallel_state  # noqa: E402
-from megatron_core.dist_checkpointing.training.model_config import MODEL_CONFIG_KEY  # noqa: E402
 from megatron_core.inference.cli import checkpoint as loader  # noqa: E402
 from megatron_core.models.hf import AutoBridge  # noqa: E402
+from megatron_core.training.model_config import MODEL_CONFIG_KEY  # noqa: E402
 from tests.reliability.tools_adversarial.conftest import EXAMPLES  # noqa: E402
 
 

@@ -23,9 +23,9 @@ from megatron_core.datasets import IndexedDataset
 from megatron_core.datasets import preprocess_data as preprocess_module
 from megatron_core.datasets.preprocess_data import main as preprocess
 from megatron_core.dist_checkpointing import CheckpointingException, manifest
-from megatron_core.dist_checkpointing.training import load_checkpoint, read_tracker, save_checkpoint
 from megatron_core.inference.cli.generate import main as generate
 from megatron_core.models.hf.cli import main as convert
+from megatron_core.training import load_checkpoint, read_tracker, save_checkpoint
 from tests.dist_checkpointing.crash_saver import TinyModel
 from tests.reliability.tools_adversarial.conftest import fingerprint
 
