@@ -14,6 +14,7 @@ norm; these do not. The norm is computed for this check even with clipping off (
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -44,6 +45,8 @@ from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.optimizer_param_scheduler import ParamGroupOverride
 from megatron_core.process_groups_config import resolve_process_group
+
+logger = logging.getLogger(__name__)
 
 _MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
 
@@ -289,14 +292,19 @@ class MegatronOptimizer(ABC):
         if self._fold_clipping_into_adam():
             return self._step_with_clipping_in_adam(skip_unless_finite, outcome_known)
         grad_norm = 0.0
+        skip_threshold = self._grad_norm_skip_threshold()
         if self.config.clip_grad > 0.0:
             with self._timer("optimizer-clip-main-grad"):
                 grad_norm = self.clip_grad_norm(self.config.clip_grad)
-        elif not self.prepare_grads_checks_for_inf():
+        elif not self.prepare_grads_checks_for_inf() or skip_threshold is not None:
             with self._timer("optimizer-clip-main-grad"):
                 grad_norm = self.get_grad_norm()
         if not math.isfinite(grad_norm) or (
                 skip_unless_finite is not None and not bool(torch.isfinite(skip_unless_finite).all())):
+            return False, grad_norm, None
+        if skip_threshold is not None and grad_norm > skip_threshold:
+            logger.info("skipping the update: grad norm %s exceeds grad_norm_skip_threshold %s", grad_norm,
+                        skip_threshold)
             return False, grad_norm, None
         num_zeros = None
         if self.config.log_num_zeros_in_grad:
@@ -306,9 +314,15 @@ class MegatronOptimizer(ABC):
             success = self.step_with_ready_grads()
         return success, grad_norm, num_zeros
 
+    def _grad_norm_skip_threshold(self) -> float | None:
+        """``config.grad_norm_skip_threshold`` when it is finite (the skip is enabled), else None."""
+        threshold = getattr(self.config, "grad_norm_skip_threshold", math.inf)
+        return threshold if math.isfinite(threshold) else None
+
     def _fold_clipping_into_adam(self) -> bool:
         """Clip inside the fused Adam step (see :mod:`.fused_clip`): same update, no extra pass, no early sync."""
         return (self.config.clip_grad > 0.0 and not self.config.log_num_zeros_in_grad
+                and self._grad_norm_skip_threshold() is None
                 and not self.prepare_grads_checks_for_inf() and self._step_takes_clip_factor())
 
     def _step_takes_clip_factor(self) -> bool:

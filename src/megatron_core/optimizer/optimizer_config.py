@@ -110,6 +110,7 @@ class OptimizerConfig:
 
     # Miscellaneous
     clip_grad: float = 1.0
+    grad_norm_skip_threshold: float = float("inf")  # skip the update when the grad norm exceeds it (inf: never)
     log_num_zeros_in_grad: bool = False
     barrier_with_L1_time: bool = False
     timers: Any = None

@@ -1,1 +1,7 @@
-"""``megatron.training.utils`` of the stand-in: only what Megatron-LM's ``tests/unit_tests/test_utils.py`` imports."""
+"""``megatron.training.utils`` of the stand-in: ``get_args`` only (the tests patch it); the rest is not provided."""
+
+from __future__ import annotations
+
+from megatron.training.global_vars import get_args
+
+__all__ = ["get_args"]

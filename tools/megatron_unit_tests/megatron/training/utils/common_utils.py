@@ -1,4 +1,4 @@
-"""``megatron.training.utils.common_utils`` of the stand-in."""
+"""``megatron.training.utils.common_utils`` of the stand-in: ``get_local_rank_preinit``."""
 
 from __future__ import annotations
 
@@ -6,5 +6,5 @@ import os
 
 
 def get_local_rank_preinit() -> int:
-    """The local rank before ``torch.distributed`` is initialised: ``LOCAL_RANK``, else ``SLURM_LOCALID``, else 0."""
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    """This process's local rank from the launcher's environment (``LOCAL_RANK``, default 0)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
