@@ -138,3 +138,12 @@ def test_checkpointable_sharded_tensors_roundtrip_through_dcp(tmp_path):
     assert [s._sh_ten.data.tolist() for s in loaded["t"]._local_shards] == [[1.0] * 3, [2.0] * 3]
     with pytest.raises(NotImplementedError):
         loaded["t"] + 1
+
+
+def test_default_load_strategy_without_a_directory(tmp_path):
+    from megatron_core.dist_checkpointing.strategies import get_default_load_sharded_strategy
+    from megatron_core.dist_checkpointing.strategies.torch_dist import TorchDistLoadShardedStrategy
+
+    assert isinstance(get_default_load_sharded_strategy(), TorchDistLoadShardedStrategy)
+    with pytest.raises(CheckpointingException, match="not a distributed checkpoint"):
+        get_default_load_sharded_strategy(tmp_path)

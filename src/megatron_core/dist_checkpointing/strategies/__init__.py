@@ -23,8 +23,11 @@ def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int 
     return TorchDistSaveShardedStrategy(backend, version)
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: str | os.PathLike) -> LoadShardedStrategy:
-    """The load strategy for the backend recorded in ``checkpoint_dir``'s ``metadata.json``."""
+def get_default_load_sharded_strategy(checkpoint_dir: str | os.PathLike | None = None) -> LoadShardedStrategy:
+    """The ``torch_dist`` load strategy; with ``checkpoint_dir``, checked against the backend and version
+    recorded in its ``metadata.json`` (``CheckpointingException`` when it is not a distributed checkpoint)."""
+    if checkpoint_dir is None:
+        return TorchDistLoadShardedStrategy()
     config = maybe_load_config(checkpoint_dir)
     if config is None:
         raise CheckpointingException(f"{checkpoint_dir} is not a distributed checkpoint (no valid metadata.json)")
