@@ -79,8 +79,13 @@ class MegatronAsyncLLM(_MegatronLLMBase):
     ) -> DynamicInferenceRequest | list[DynamicInferenceRequest]:
         """One request for a single prompt, a list (input order) for a batch."""
         normalized, is_batch = self._normalize_prompts(prompts)
-        futures = [self.submit(p, sampling_params)[1] for p in normalized]
-        results = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        futures = [asyncio.wrap_future(self.submit(p, sampling_params)[1]) for p in normalized]
+        while futures:
+            _, pending = await asyncio.wait(futures, timeout=LIVENESS_POLL_S)
+            if not pending:
+                break
+            self._check_engine()  # a dead loop resolves no more futures
+        results = [f.result() for f in futures]
         return results if is_batch else results[0]
 
     async def stream(
