@@ -7,6 +7,7 @@ library lacks come from :mod:`megatron_core.megatron_only_fields`. ``Transformer
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -162,8 +163,10 @@ class ModelParallelConfig(_MegatronOnlyParallelFields):
         if self.cross_entropy_fusion_impl not in ("native", "te"):
             raise ValueError(f"cross_entropy_fusion_impl ({self.cross_entropy_fusion_impl!r}) must be 'native' or 'te'")
         if self.cross_entropy_loss_fusion and self.cross_entropy_fusion_impl == "te":
-            raise ValueError("cross_entropy_loss_fusion=True with cross_entropy_fusion_impl='te' needs Transformer "
-                             "Engine's kernel, which this library does not use; use cross_entropy_fusion_impl='native'")
+            # Megatron-Core's warning; this library has no TE kernel and runs the native fused one (same loss).
+            warnings.warn("Transformer Engine cross entropy loss fusion has known stability issues. Use "
+                          "cross_entropy_fusion_impl='native', or disable cross_entropy_loss_fusion. (This library "
+                          "runs its native fused cross entropy for 'te'.)", UserWarning, stacklevel=3)
         if self.overlap_p2p_comm_warmup_flush and (not self.overlap_p2p_comm or self.batch_p2p_comm):
             raise ValueError(
                 "overlap_p2p_comm_warmup_flush needs overlap_p2p_comm=True and batch_p2p_comm=False "

@@ -111,6 +111,6 @@ def test_cross_entropy_loss_fusion_gives_the_same_loss_and_gradients() -> None:
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    with pytest.raises(ValueError, match="cross_entropy_fusion_impl='te' needs Transformer Engine"):
+    with pytest.warns(UserWarning, match="known stability issues"):  # Megatron-Core's warning; native kernel
         TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, cross_entropy_loss_fusion=True,
                           cross_entropy_fusion_impl="te")

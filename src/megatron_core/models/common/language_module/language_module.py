@@ -57,7 +57,7 @@ class LanguageModule(MegatronModule):
         """Per-token cross entropy ``[b, s]`` from ``labels`` ``[b, s]`` and vocab-parallel ``logits`` ``[s, b, V/TP]``."""
         labels = labels.transpose(0, 1).contiguous()
         if self.config.cross_entropy_loss_fusion and not torch.compiler.is_compiling():
-            # 'native' (the config refuses 'te'). Computed in fp32 from the logits as they are, without an fp32 copy (fusions.fused_cross_entropy).
+            # 'native' (also for 'te': no Transformer Engine kernel here). Computed in fp32 from the logits as they are, without an fp32 copy (fusions.fused_cross_entropy).
             loss = fused_vocab_parallel_cross_entropy(logits, labels, self.tp_group)
             return loss.transpose(0, 1).contiguous()
         # The model's flag, else the config's (a module used without the model's constructor, as Megatron allows).
