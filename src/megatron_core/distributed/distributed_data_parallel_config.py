@@ -12,6 +12,10 @@ from typing import Literal
 _SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
+
+class DDPConfigError(ValueError, AssertionError):
+    """An invalid combination of ``DistributedDataParallelConfig`` fields where Megatron-Core asserts."""
+
 @dataclass
 class DistributedDataParallelConfig:
     """Settings of :class:`~megatron_core.distributed.DistributedDataParallel`."""
@@ -118,7 +122,7 @@ class DistributedDataParallelConfig:
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"bucket_size ({self.bucket_size}) must be > 0")
         if self.param_name_patterns_for_fp32_local_accumulation and self.grad_reduce_in_fp32:
-            raise ValueError(
+            raise DDPConfigError(
                 "param_name_patterns_for_fp32_local_accumulation "
                 f"({self.param_name_patterns_for_fp32_local_accumulation}) cannot be combined with "
                 "grad_reduce_in_fp32=True"
