@@ -14,7 +14,7 @@ import torch
 
 from megatron_core.optimizer.checkpoint_state import is_model_space_state
 from megatron_core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-from megatron_core.optimizer.optimizer import MegatronOptimizer, combine_grad_norms
+from megatron_core.optimizer.megatron_optimizer import MegatronOptimizer, combine_grad_norms
 
 
 class ChainedOptimizer(MegatronOptimizer):
