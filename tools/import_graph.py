@@ -56,7 +56,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
                        "progress", "_straggler", "_misc_utils", "_model_utils"),
      "configs, timers, microbatch arithmetic, optional kernels' feature checks"),
     ("storage", ("dist_checkpointing",),
-     "sharded checkpoint storage: knows tensors and shardings, no model"),
+     "sharded checkpoint storage and its tracker file: knows tensors and shardings, no model"),
     ("parallel primitives", ("tensor_parallel", "fusions", "rerun_state_machine", "_rerun_parts",
                              "_rerun_checkpoint", "_rerun_reporting"),
      "tensor-parallel layers and mappings, RNG tracker, fused kernels, the rerun state machine"),
@@ -67,7 +67,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("models", ("models", "fp8", "optimizer", "optimizer_param_scheduler", "datasets", "tokenizers", "export"),
      "model families, optimizers, data and tokenizers"),
     ("training", ("training", "training_metrics", "fault_injector", "safe_globals"),
-     "the training loop's own state: run checkpoints, RNG state, trackers, get_model"),
+     "the training loop's own state: run checkpoints, RNG state, architecture records, get_model"),
     ("applications", ("inference", "resharding"), "inference engines and servers, weight resharding"),
     ("facades", ("facades", PACKAGE),
      "``utils`` and the other aliases of Megatron-Core's paths, kept for users; nothing inside the package "
