@@ -57,6 +57,24 @@ def set_rng_state(state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def convert_cuda_rng_state(state: torch.Tensor | torch.Generator,
+                           to_graphable: bool = False) -> torch.Tensor | torch.Generator:
+    """Convert a generator state between its tensor form and its generator form (Megatron-Core's helper).
+
+    ``to_graphable=True``: a state tensor becomes a ``torch.Generator`` of the compute device holding it (a
+    generator passes through); otherwise a generator becomes its state tensor (a tensor passes through).
+    """
+    if isinstance(state, torch.Generator):
+        return state if to_graphable else state.get_state()
+    if not isinstance(state, torch.Tensor):
+        raise ValueError(f"Invalid state type: {type(state)}")
+    if not to_graphable:
+        return state
+    generator = torch.Generator(device=device.get_current_device())
+    generator.set_state(state)
+    return generator
+
+
 def _seeded_state(seed: int) -> torch.Tensor:
     """The state a default generator of the compute device would have after ``manual_seed(seed)``."""
     generator = torch.Generator(device=device.get_current_device())
@@ -67,10 +85,14 @@ def _seeded_state(seed: int) -> torch.Tensor:
 class CudaRNGStatesTracker:
     """Named generator states; ``fork(name)`` runs a block with that state swapped in.
 
-    Adding the same name or the same seed twice raises, as in Megatron-Core.
+    Adding the same name or the same seed twice raises, as in Megatron-Core. With ``use_cudagraphable_rng``
+    the states are handed out and taken as ``torch.Generator`` objects (Megatron-Core's graph-safe form; see
+    :func:`convert_cuda_rng_state`); this library captures no CUDA graphs, so forking works the same either way.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
+        self.use_cudagraphable_rng = use_cudagraphable_rng
+        self.is_inference_rng_tracker = is_inference_rng_tracker
         self.reset()
 
     def is_initialized(self) -> bool:
@@ -80,17 +102,22 @@ class CudaRNGStatesTracker:
     def reset(self) -> None:
         """Forget every stream."""
         self._is_initialized = False
+        self._current_state_name: str | None = None
         self.states_: dict[str, torch.Tensor] = {}
         self.seeds_: set[int] = set()
 
-    def get_states(self) -> dict[str, torch.Tensor]:
-        """A copy of the name -> state map (for checkpointing or recompute)."""
-        return {name: state.clone() for name, state in self.states_.items()}
+    def get_states(self) -> dict[str, torch.Tensor | torch.Generator]:
+        """A copy of the name -> state map (for checkpointing or recompute); generators when graphable."""
+        if self.use_cudagraphable_rng:
+            return {name: convert_cuda_rng_state(state, to_graphable=True) for name, state in self.states_.items()}
+        return {name: state.clone() if isinstance(state, torch.Tensor) else state for name, state in self.states_.items()}
 
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Replace the name -> state map (as returned by :meth:`get_states`)."""
+    def set_states(self, states: dict[str, torch.Tensor | torch.Generator]) -> None:
+        """Replace the name -> state map (as returned by :meth:`get_states`: tensors or generators)."""
         self._is_initialized = True
-        self.states_ = {name: state.clone() for name, state in states.items()}
+        self.states_ = {name: state.get_state() if isinstance(state, torch.Generator)
+                        else state.clone() if isinstance(state, torch.Tensor) else state
+                        for name, state in states.items()}
 
     def add(self, name: str, seed: int) -> None:
         """Register stream ``name`` seeded with ``seed``."""
@@ -104,19 +131,28 @@ class CudaRNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
-        """Run the block with stream ``name`` as the default generator state, then advance and restore."""
+        """Run the block with stream ``name`` as the default generator state, then advance and restore.
+
+        Forks nest: a stream forked inside another continues where it left off and the enclosing one resumes.
+        """
         if name not in self.states_:
             raise KeyError(
                 f"RNG state {name} is not added to the tracker; call "
                 f"tensor_parallel.model_parallel_cuda_manual_seed(seed) after initialize_model_parallel()"
             )
+        # Nested forks (as in Megatron-Core): the enclosing stream's progress is saved on entry and resumed on exit.
         original = get_rng_state()
+        outer = self._current_state_name
+        if outer is not None:
+            self.states_[outer] = original
         set_rng_state(self.states_[name])
+        self._current_state_name = name
         try:
             yield
         finally:
             self.states_[name] = get_rng_state()
-            set_rng_state(original)
+            set_rng_state(self.states_[outer] if outer is not None else original)
+            self._current_state_name = outer
 
 
 class InferenceCudaRNGStatesTracker(CudaRNGStatesTracker):
@@ -131,13 +167,10 @@ class InferenceCudaRNGStatesTracker(CudaRNGStatesTracker):
 _CUDA_RNG_STATE_TRACKER: CudaRNGStatesTracker | None = None
 
 
-def _check_supported(use_te_rng_tracker: bool, use_cudagraphable_rng: bool) -> None:
-    if use_te_rng_tracker or use_cudagraphable_rng:
-        raise ValueError(
-            "use_te_rng_tracker / use_cudagraphable_rng need Transformer Engine's graph-safe RNG tracker, "
-            f"which megatron_core does not provide (got use_te_rng_tracker={use_te_rng_tracker}, "
-            f"use_cudagraphable_rng={use_cudagraphable_rng})"
-        )
+def _check_supported(use_te_rng_tracker: bool) -> None:
+    if use_te_rng_tracker:
+        raise ValueError("use_te_rng_tracker=True needs Transformer Engine's RNG tracker, which megatron_core does "
+                         "not provide (use_cudagraphable_rng works with this library's tracker)")
 
 
 def initialize_rng_tracker(
@@ -148,10 +181,12 @@ def initialize_rng_tracker(
 ) -> None:
     """Create the global tracker if it does not exist (or always, with ``force_reset``)."""
     global _CUDA_RNG_STATE_TRACKER
-    _check_supported(use_te_rng_tracker, use_cudagraphable_rng)
+    _check_supported(use_te_rng_tracker)
     if _CUDA_RNG_STATE_TRACKER is not None and not force_reset:
         return
-    _CUDA_RNG_STATE_TRACKER = InferenceCudaRNGStatesTracker() if inference_rng_tracker else CudaRNGStatesTracker()
+    tracker_class = InferenceCudaRNGStatesTracker if inference_rng_tracker else CudaRNGStatesTracker
+    _CUDA_RNG_STATE_TRACKER = tracker_class(use_cudagraphable_rng=use_cudagraphable_rng,
+                                            is_inference_rng_tracker=inference_rng_tracker)
 
 
 def get_cuda_rng_tracker(
