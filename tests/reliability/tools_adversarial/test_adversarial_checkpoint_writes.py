@@ -73,3 +73,19 @@ def test_save_interrupted_at_each_step(tmp_path, monkeypatch, step) -> None:
     assert read_tracker(save) == 1 and torch.equal(model.a.weight, torch.ones(64, 64))
     save_checkpoint(save, 2, TinyModel(2.0), None, None, overwrite=True)  # the next save succeeds
     assert read_tracker(save) == 2
+
+
+def test_asynchronous_save_on_a_full_disk(tmp_path, monkeypatch) -> None:
+    from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    save = tmp_path / "ckpt"
+    save_checkpoint(save, 1, TinyModel(1.0), None, None)
+    _inject(monkeypatch, "data-file")
+    queue = AsyncCallsQueue()
+    try:
+        save_checkpoint(save, 2, TinyModel(2.0), None, None, async_queue=queue)
+        with pytest.raises(CheckpointingException, match="no space left on device"):
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    assert read_tracker(save) == 1 and not (save / "iter_0000002").exists()
