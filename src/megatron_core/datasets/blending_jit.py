@@ -1,8 +1,8 @@
 """Numba-compiled blending loops, used by ``datasets.helpers`` when numba is installed.
 
 The blending builders are greedy and sequential (each choice depends on every earlier one), so numpy
-cannot vectorise them; in Python they cost about 1 µs per sample and dataset. numba, an optional
-dependency (the ``fast`` extra), compiles the same loops to machine code at the speed of
+cannot vectorise them; in Python they cost about 1 µs per sample and dataset. numba, a core
+dependency (the ``fast`` extra is kept as an alias), compiles the same loops to machine code at the speed of
 Megatron's C++ helpers. The arithmetic is the same IEEE double arithmetic in the same order (no
 fast-math, no fused multiply-add), so the results are identical to the Python loops. This module is
 the one place numba is imported (:func:`njit_or_none`, which ``datasets.sentence_mapping`` also uses);

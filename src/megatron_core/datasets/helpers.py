@@ -9,9 +9,10 @@ when ``drop_last_partial_sequence`` is False) ends at ``(last document, its leng
 sample count of that case uses float32 division as the C++ code does.
 
 The blending builders are greedy and sequential by nature (each choice depends on all earlier
-ones). With numba installed (the ``fast`` extra) they run as compiled loops
-(``datasets.blending_jit``), as fast as the C++ helpers; otherwise as plain loops over Python
-floats. Both are the same IEEE double arithmetic as the C++ ``double`` code, in the same order,
+ones). numba is a core dependency, so a default install runs them as compiled loops
+(``datasets.blending_jit``), as fast as the C++ helpers (``benchmarks/RESULTS.md``); with numba
+missing or ``MEGATRON_CORE_DISABLE_NUMBA=1`` they run as plain loops over Python floats (about 35x
+slower). Both are the same IEEE double arithmetic as the C++ ``double`` code, in the same order,
 and ties go to the lowest dataset index as in C++, so every path gives identical indices.
 
 ``build_mapping`` (the BERT/T5 sentence sample index) lives in ``datasets.sentence_mapping`` and is
