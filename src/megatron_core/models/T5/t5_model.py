@@ -21,7 +21,10 @@ from megatron_core.config_rules import check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.relative_pos_embedding import RelativePositionEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron_core.models.common.language_module.language_module import LanguageModule
+from megatron_core.models.common.language_module.language_module import (
+    LanguageModule,
+    output_layer_init_method,
+)
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec
@@ -51,12 +54,11 @@ class T5LMHead(MegatronModule):
     ) -> None:
         super().__init__(config)
         self.parallel_output = parallel_output
-        own_init = getattr(config, "use_mup", False) and not share_embeddings_and_output_weights
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size,
             vocab_size,
             config=config,
-            init_method=config.embedding_init_method if own_init else config.init_method,
+            init_method=output_layer_init_method(config, share_embeddings_and_output_weights),
             bias=share_embeddings_and_output_weights,
             skip_bias_add=not share_embeddings_and_output_weights,
             gather_output=not parallel_output,

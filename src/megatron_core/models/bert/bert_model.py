@@ -123,19 +123,9 @@ class BertModel(LanguageModule):
         )
         if post_process:
             self.lm_head = BertLMHead(config.hidden_size, config)
-            use_mup = getattr(config, "use_mup", False)
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                config=config,
-                init_method=(config.embedding_init_method if use_mup and not share_embeddings_and_output_weights
-                             else config.init_method),
-                bias=True,
-                skip_bias_add=False,
-                gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                tp_group=self.tp_group,
-            )
+            self.output_layer = self.build_output_layer(
+                vocab_size, parallel_output, bias=True,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights)
             self.binary_head = None
             if add_binary_head:
                 self.binary_head = get_linear_layer(

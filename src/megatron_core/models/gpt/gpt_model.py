@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from megatron_core import tensor_parallel
 from megatron_core._ground import get_pg_size
 from megatron_core.config_rules import check_model_sizes as _check_model_sizes
 from megatron_core.config_rules import check_sequence_fits as _check_sequence_fits
@@ -146,20 +145,10 @@ class GPTModel(LanguageModule):
             self.mtp = MultiTokenPredictionBlock(config=config, spec=mtp_block_spec, vp_stage=vp_stage,
                                                  pg_collection=self.pg_collection)
         if post_process:
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                config=config,
-                # muP: an untied output layer starts like the embedding (width-independent std)
-                init_method=(config.embedding_init_method if config.use_mup and not share_embeddings_and_output_weights
-                             else config.init_method),
-                bias=False,
-                skip_bias_add=False,
-                gather_output=not parallel_output,
-                # Tied: the stage's embedding weight (the first stage's, or the MTP stage's copy of it) is used.
-                skip_weight_param_allocation=(pre_process or self.mtp_process) and share_embeddings_and_output_weights,
-                tp_group=self.tp_group,
-            )
+            # Tied: the stage's embedding weight (the first stage's, or the MTP stage's copy of it) is used.
+            self.output_layer = self.build_output_layer(
+                vocab_size, parallel_output,
+                skip_weight_param_allocation=(pre_process or self.mtp_process) and share_embeddings_and_output_weights)
         if pre_process or post_process or self.mtp_process:
             self.setup_embeddings_and_output_layer()
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from megatron_core import tensor_parallel
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
@@ -133,12 +132,9 @@ class HybridModel(LanguageModule):
             pg_collection=self.pg_collection, name="decoder",
         )
         if post_process:
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
-                skip_bias_add=False, gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                tp_group=self.tp_group,
-            )
+            self.output_layer = self.build_output_layer(
+                vocab_size, parallel_output,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights)
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -176,6 +172,7 @@ class HybridModel(LanguageModule):
             return hidden_states
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        logits = self._scale_logits(logits)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)

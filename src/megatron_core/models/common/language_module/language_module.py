@@ -13,6 +13,7 @@ In a checkpoint the last stage's copy is a replica of the first stage's tensor (
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,15 @@ from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.multi_token_prediction import tie_word_embeddings_state_dict
 from megatron_core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["LanguageModule"]
+__all__ = ["LanguageModule", "output_layer_init_method"]
+
+
+def output_layer_init_method(config: TransformerConfig, share_embeddings_and_output_weights: bool) -> Any:
+    """The output layer's init: under muP an untied output layer starts like the embedding
+    (``embedding_init_method``, a width-independent std); otherwise ``config.init_method``."""
+    if getattr(config, "use_mup", False) and not share_embeddings_and_output_weights:
+        return config.embedding_init_method
+    return config.init_method
 
 
 class LanguageModule(MegatronModule):
@@ -102,6 +111,19 @@ class LanguageModule(MegatronModule):
         _, tp_replica, dp_rank = sharded.replica_id
         sharded_state_dict[output_layer_weight_key] = replace(
             sharded, key=first_stage_word_emb_key, replica_id=(1, tp_replica, dp_rank)
+        )
+
+    def build_output_layer(self, vocab_size: int, parallel_output: bool, bias: bool = False,
+                           skip_weight_param_allocation: bool = False) -> tensor_parallel.ColumnParallelLinear:
+        """The vocab-parallel output layer every language model builds the same way (muP's init included).
+
+        ``skip_weight_param_allocation``: the weight is the tied word embedding, passed at call time.
+        """
+        return tensor_parallel.ColumnParallelLinear(
+            self.config.hidden_size, vocab_size, config=self.config,
+            init_method=output_layer_init_method(self.config, self.share_embeddings_and_output_weights),
+            bias=bias, skip_bias_add=False, gather_output=not parallel_output,
+            skip_weight_param_allocation=skip_weight_param_allocation, tp_group=self.tp_group,
         )
 
     def _scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
