@@ -147,3 +147,16 @@ def test_default_load_strategy_without_a_directory(tmp_path):
     assert isinstance(get_default_load_sharded_strategy(), TorchDistLoadShardedStrategy)
     with pytest.raises(CheckpointingException, match="not a distributed checkpoint"):
         get_default_load_sharded_strategy(tmp_path)
+
+
+def test_load_returns_content_metadata_and_names_a_non_checkpoint(tmp_path):
+    from megatron_core.dist_checkpointing import load_common_state_dict, load_content_metadata
+
+    meta = {"nested": {"a": 3}, "flat": [5]}
+    save({"common": (3, 5, 7)}, tmp_path / "c", content_metadata=meta)
+    loaded = load({"common": (3, 5, 7)}, tmp_path / "c")
+    assert loaded["content_metadata"] == meta and load_content_metadata(preloaded_state_dict=loaded) == meta
+    assert load_common_state_dict(tmp_path / "c")["content_metadata"] == meta
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointingException, match="is not a distributed checkpoint"):
+        load({"common": 1}, tmp_path / "empty")

@@ -61,9 +61,18 @@ def _restore_env():
 
 @pytest.fixture(scope="session")
 def tmp_path_dist_ckpt(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("dist_ckpt")
+    # One directory for every rank of the run (as Megatron-LM's fixture): next to the runner's per-file store,
+    # else under the session's temp root with the launcher's pid. Per-rank temp dirs made the ranks of a
+    # multi-rank file save and load in different places and wait on each other until gloo's timeout.
+    store = os.environ.get("MCORE_TEST_STORE")
+    if store:
+        path = Path(store).parent / "dist_ckpt"
+    else:
+        path = tmp_path_factory.getbasetemp().parent / f"dist_ckpt_{os.getppid()}"
+    path.mkdir(parents=True, exist_ok=True)
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

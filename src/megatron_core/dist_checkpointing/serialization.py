@@ -321,7 +321,8 @@ def _require_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
         raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
     if not check_is_distributed_checkpoint(checkpoint_dir):
         raise CheckpointingException(
-            f"{checkpoint_dir} is not a complete distributed checkpoint (metadata.json missing or invalid)"
+            f"{checkpoint_dir} is not a distributed checkpoint (metadata.json missing or invalid: "
+            "another format, or a save that did not complete)"
         )
 
 
@@ -453,14 +454,13 @@ def _read_common_state(checkpoint_dir: str | os.PathLike) -> StateDict:
 
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike) -> StateDict:
-    """The common (non-sharded) state saved by rank 0, read with ``weights_only=True``.
+    """The common (non-sharded) state saved by rank 0, read with ``weights_only=True``; it includes the
+    ``content_metadata`` given to ``save`` (as Megatron-Core's, so ``load`` returns it too).
 
     Read from ``common.pt`` when the checkpoint has one (megatron-core <= 0.18), else from the
     ``common_state`` entry of the DCP files (megatron-core 0.19); no collectives.
     """
-    common = _read_common_state(checkpoint_dir)
-    common.pop(CONTENT_METADATA_KEY, None)
-    return common
+    return _read_common_state(checkpoint_dir)
 
 
 def load_content_metadata(checkpoint_dir: str | os.PathLike | None = None, *,
