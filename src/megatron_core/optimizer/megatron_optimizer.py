@@ -40,8 +40,13 @@ logger = logging.getLogger("megatron_core.optimizer.optimizer")  # the logger na
 
 _MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
 
+def _param_group_override_keys() -> tuple[str, ...]:
+    """Every field declared on ``ParamGroupOverride`` (its annotations, whatever the TypedDict's totality), sorted."""
+    return tuple(sorted(ParamGroupOverride.__annotations__))
+
+
 param_group_identifier_keys: tuple[str, ...] = (
-    *sorted(ParamGroupOverride.__annotations__),
+    *_param_group_override_keys(),
     "lr_mult",
     "is_expert_parallel",
     "is_decoupled_lr",
@@ -146,6 +151,33 @@ class MegatronOptimizer(ABC):
     def count_zeros(self) -> float:
         """Number of zero gradient elements across the model."""
         return count_zeros_fp32(self.get_parameters(), self.get_grad_stats_parallel_group(), tp_group=self.tp_group)
+
+    @staticmethod
+    def _filter_and_reorder_param_groups(current_groups: list[dict], state_dict_groups: list[dict]) -> list[dict]:
+        """The saved groups matched to ``current_groups`` by their :data:`param_group_identifier_keys` values.
+
+        A group's identifier is the tuple of those entries (a missing entry and ``None`` are the same; NeMo's
+        ``pre_<key>`` aliases are read too). The i-th result is the saved group whose identifier equals the i-th
+        current group's, carrying the ``params`` of the i-th saved group (the saved state's ordering).
+        ``ValueError`` names the identifier when a current group has no saved counterpart.
+        """
+        def identifier(group: dict) -> tuple:
+            return tuple(group[key] if key in group else group.get(f"pre_{key}")
+                         for key in param_group_identifier_keys)
+
+        saved = {identifier(group): group for group in state_dict_groups}
+        out = []
+        for group, saved_params in zip(current_groups, [g["params"] for g in state_dict_groups]):
+            key = identifier(group)
+            if key not in saved:
+                available = "\n".join(str(k) for k in saved)
+                raise ValueError(f"Could not find parameter group with key {key} in loaded checkpoint.\n"
+                                 f"Available keys:\n{available}\n"
+                                 f"Parameter group key definition: {param_group_identifier_keys}")
+            match = saved[key]
+            match["params"] = saved_params
+            out.append(match)
+        return out
 
     @abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -33,6 +33,9 @@ from megatron_core.optimizer.megatron_optimizer import (
 from megatron_core.optimizer.megatron_optimizer import GRAD_NORM_GROUP_ATTR as GRAD_NORM_GROUP_ATTR
 from megatron_core.optimizer.megatron_optimizer import MegatronOptimizer as MegatronOptimizer
 from megatron_core.optimizer.megatron_optimizer import OutcomeCallback as OutcomeCallback
+from megatron_core.optimizer.megatron_optimizer import (
+    _param_group_override_keys as _param_group_override_keys,
+)
 from megatron_core.optimizer.megatron_optimizer import _zero_grad_group as _zero_grad_group
 from megatron_core.optimizer.megatron_optimizer import combine_grad_norms as combine_grad_norms
 from megatron_core.optimizer.megatron_optimizer import (
