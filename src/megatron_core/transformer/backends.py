@@ -26,7 +26,18 @@ from megatron_core.transformer.mlp import MLPSubmodules
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
 
-__all__ = ["BackendSpecProvider", "LocalSpecProvider", "te_spec_provider"]
+__all__ = ["INPUT_NORM_KEY", "PRE_MLP_NORM_KEY", "BackendSpecProvider", "LocalSpecProvider", "fused_norm_keys_map",
+           "te_spec_provider"]
+
+# Checkpoint names of the separate local norms: Transformer Engine fuses each norm into the next linear layer,
+# and Megatron-Core's checkpoints store it there, so a local layer maps its norm keys onto those names.
+INPUT_NORM_KEY = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+PRE_MLP_NORM_KEY = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+def fused_norm_keys_map(attention: bool = True, mlp: bool = True) -> dict[str, str]:
+    """``sharded_state_dict_keys_map`` of a local layer whose norms a TE layer would fuse (a fresh dict)."""
+    return {**(INPUT_NORM_KEY if attention else {}), **(PRE_MLP_NORM_KEY if mlp else {})}
 
 
 class BackendSpecProvider(Protocol):

@@ -17,6 +17,7 @@ from megatron_core.transformer.attention import (
     SelfAttention,
     SelfAttentionSubmodules,
 )
+from megatron_core.transformer.backends import fused_norm_keys_map
 from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.dot_product_attention import DotProductAttention
 from megatron_core.transformer.enums import AttnMaskType
@@ -39,10 +40,7 @@ __all__ = [
 ]
 
 # The local layers keep their norms separate; checkpoints store them under Transformer Engine's fused names.
-_LOCAL_KEYS_MAP = {
-    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-}
+_LOCAL_KEYS_MAP = fused_norm_keys_map()
 
 
 def _te_modules(what: str) -> dict[str, type]:

@@ -21,6 +21,7 @@ from megatron_core.extensions.transformer_engine import (
 )
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron_core.transformer.backends import fused_norm_keys_map
 from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.dot_product_attention import DotProductAttention
 from megatron_core.transformer.enums import AttnMaskType
@@ -100,10 +101,7 @@ bert_layer_local_spec = ModuleSpec(
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                             linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add,
-        sharded_state_dict_keys_map={
-            "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-        },
+        sharded_state_dict_keys_map=fused_norm_keys_map(),
     ),
 )
 """Pure PyTorch + this library's tensor-parallel layers (Megatron-Core's ``bert_layer_local_spec``)."""

@@ -15,6 +15,7 @@ from typing import Any
 from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron_core.transformer.backends import fused_norm_keys_map
 from megatron_core.transformer.backends import te_spec_provider as _te_spec_provider
 from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.enums import AttnMaskType
@@ -135,10 +136,7 @@ def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_experts: i
     pre_mlp_norm = backend.layer_norm() if num_experts is not None else norm
     linear_qkv = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
     qk_norm = backend.layer_norm(for_qk=True) if qk_layernorm else None
-    keys_map = {} if fused else {
-        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-    }
+    keys_map = {} if fused else fused_norm_keys_map()
     attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -246,9 +244,7 @@ def get_gpt_layer_with_inference_spec(
     """
     _reject_unsupported(qk_l2_norm)
     spec = _layer_spec(LocalSpecProvider(), qk_layernorm, num_experts, moe_grouped_gemm, multi_latent_attention)
-    keys_map = {} if multi_latent_attention else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
-    if num_experts is None:
-        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    keys_map = fused_norm_keys_map(attention=not multi_latent_attention, mlp=num_experts is None)
     if multi_latent_attention and qk_layernorm:
         keys_map["self_attention.q_layernorm."] = "self_attention.linear_q_up_proj.layer_norm_"
         keys_map["self_attention.kv_layernorm."] = "self_attention.linear_kv_up_proj.layer_norm_"

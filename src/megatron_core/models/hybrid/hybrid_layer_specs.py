@@ -15,6 +15,7 @@ from megatron_core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron_core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
 from megatron_core.ssm.mlp_layer import MLPLayer
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron_core.transformer.backends import fused_norm_keys_map
 from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.dot_product_attention import DotProductAttention
 from megatron_core.transformer.enums import AttnMaskType
@@ -54,7 +55,7 @@ hybrid_stack_spec = ModuleSpec(
                         linear_qkv=_column, core_attention=DotProductAttention, linear_proj=_row),
                 ),
                 self_attn_bda=get_bias_dropout_add,
-                sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"},
+                sharded_state_dict_keys_map=fused_norm_keys_map(mlp=False),
             ),
         ),
         mlp_layer=ModuleSpec(
@@ -63,7 +64,7 @@ hybrid_stack_spec = ModuleSpec(
                 pre_mlp_layernorm=WrappedTorchNorm,
                 mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=_column, linear_fc2=_row)),
                 mlp_bda=get_bias_dropout_add,
-                sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+                sharded_state_dict_keys_map=fused_norm_keys_map(attention=False),
             ),
         ),
         moe_layer=ModuleSpec(

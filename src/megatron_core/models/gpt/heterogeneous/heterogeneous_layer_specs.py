@@ -13,6 +13,7 @@ from __future__ import annotations
 from megatron_core.models.backends import LocalSpecProvider
 from megatron_core.models.gpt.gpt_layer_specs import _te_spec_provider
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron_core.transformer.backends import INPUT_NORM_KEY, PRE_MLP_NORM_KEY
 from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.heterogeneous.heterogeneous_config import (
@@ -70,11 +71,11 @@ def _sharded_state_dict_keys_map(block: TransformerBlockConfig) -> dict[str, str
     """Megatron-Core's checkpoint names of the separate norms (its rule, kept for checkpoint compatibility)."""
     keys_map = {}
     if block.attention.num_query_groups is not None:
-        keys_map["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
+        keys_map.update(INPUT_NORM_KEY)
     if block.attention.replace_with_linear:
         keys_map["input_layernorm."] = "self_attention.layer_norm_"
     if block.mlp.ffn_hidden_size is not None:
-        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+        keys_map.update(PRE_MLP_NORM_KEY)
     if block.mlp.replace_with_linear:
         keys_map["pre_mlp_layernorm."] = "mlp.layer_norm_"
     return keys_map
