@@ -40,7 +40,40 @@ class SelfAttentionSubmodules:
     k_layernorm: ModuleSpec | type | None = None
 
 
-class SelfAttention(MegatronModule):
+class Attention(MegatronModule):
+    """What every attention variant shares (Megatron-Core's ``Attention`` base): its layer number and mask
+    type, its tensor-parallel group checked against ``config.tensor_model_parallel_size``, and the core
+    attention run under activation checkpointing when selective recompute names ``core_attn``.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, pg_collection: Any = None) -> None:
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        # Head counts per rank come from the TP group (pg_collection, else parallel_state), as in Megatron-Core.
+        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["tp", "cp"])
+        self.tp_group = self.pg_collection.tp
+        self.world_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
+        self.checkpoint_core_attention = (
+            config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
+        )
+
+    def _run_core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+        """``self.core_attention(query, key, value, attention_mask, **kwargs)``, recomputed in the backward
+        pass when ``checkpoint_core_attention`` and training."""
+        if not self.checkpoint_core_attention or not self.training:
+            return self.core_attention(query, key, value, attention_mask, **kwargs)
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+            return self.core_attention(q, k, v, mask, **kwargs)
+
+        return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
+
+
+class SelfAttention(Attention):
     """Multi-head / grouped-query / multi-query self-attention over ``[s, b, h]`` activations."""
 
     def __init__(
@@ -54,15 +87,8 @@ class SelfAttention(MegatronModule):
         pp_layer_offset: int | None = None,
         name: str | None = None,
     ) -> None:
-        super().__init__(config)
-        self.layer_number = layer_number
-        self.attn_mask_type = attn_mask_type
-        self.attention_type = "self"
-        # Head counts per rank come from the TP group (pg_collection, else parallel_state), as in Megatron-Core.
-        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["tp", "cp"])
-        self.tp_group = self.pg_collection.tp
-        tp = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
-        self.world_size = tp
+        super().__init__(config, layer_number, attn_mask_type, "self", pg_collection)
+        tp = self.world_size
         self.hidden_size_per_attention_head = config.kv_channels
         self.query_projection_size = config.kv_channels * config.num_attention_heads
         self.kv_projection_size = config.kv_channels * config.num_query_groups
@@ -96,9 +122,6 @@ class SelfAttention(MegatronModule):
                                                    self.tp_group)
         self.q_layernorm = self._build_qk_norm(submodules.q_layernorm)
         self.k_layernorm = self._build_qk_norm(submodules.k_layernorm)
-        self.checkpoint_core_attention = (
-            config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
-        )
 
     def _build_qk_norm(self, spec: Any) -> torch.nn.Module | None:
         if spec is None:
@@ -132,18 +155,8 @@ class SelfAttention(MegatronModule):
         attn_mask_type: AttnMaskType | None, attention_bias: torch.Tensor | None, packed_seq_params: Any = None,
     ) -> torch.Tensor:
         extra = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
-        if not self.checkpoint_core_attention or not self.training:
-            return self.core_attention(
-                query, key, value, attention_mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
-                **extra,
-            )
-
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-            return self.core_attention(
-                q, k, v, mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias, **extra
-            )
-
-        return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
+        return self._run_core_attention(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                        attention_bias=attention_bias, **extra)
 
     def forward(
         self,
@@ -318,7 +331,7 @@ class CrossAttentionSubmodules:
     linear_proj: ModuleSpec | type | None = None
 
 
-class CrossAttention(MegatronModule):
+class CrossAttention(Attention):
     """Attention of ``hidden_states`` ``[sq, b, h]`` (queries) over a context ``[sk, b, h]`` (keys and values).
 
     ``linear_q`` projects the queries and ``linear_kv`` the context, both column-parallel; ``linear_kv``'s output is
@@ -336,19 +349,13 @@ class CrossAttention(MegatronModule):
         pg_collection: Any = None,
         name: str | None = None,
     ) -> None:
-        super().__init__(config)
         if config.num_query_groups != config.num_attention_heads:
             raise ValueError(
                 f"CrossAttention does not support grouped-query attention: num_query_groups "
                 f"({config.num_query_groups}) must equal num_attention_heads ({config.num_attention_heads})"
             )
-        self.layer_number = layer_number
-        self.attn_mask_type = attn_mask_type
-        self.attention_type = "cross"
-        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["tp", "cp"])
-        self.tp_group = self.pg_collection.tp
-        tp = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
-        self.world_size = tp
+        super().__init__(config, layer_number, attn_mask_type, "cross", pg_collection)
+        tp = self.world_size
         self.hidden_size_per_attention_head = config.kv_channels
         self.query_projection_size = config.kv_channels * config.num_attention_heads
         self.kv_projection_size = self.query_projection_size
@@ -366,9 +373,6 @@ class CrossAttention(MegatronModule):
         )
         self.linear_proj = build_output_projection(submodules.linear_proj, self.query_projection_size, config,
                                                    self.tp_group)
-        self.checkpoint_core_attention = (
-            config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
-        )
 
     def get_query_key_value_tensors(
         self, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None
@@ -413,13 +417,7 @@ class CrossAttention(MegatronModule):
             query = apply_rotary_pos_emb(query, q_emb, config=self.config)
             key = apply_rotary_pos_emb(key, k_emb, config=self.config)
         extra = dict(attn_mask_type=attn_mask_type, attention_bias=attention_bias)
-        if self.checkpoint_core_attention and self.training:
-            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-                return self.core_attention(q, k, v, mask, **extra)
-
-            context = tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
-        else:
-            context = self.core_attention(query, key, value, attention_mask, **extra)
+        context = self._run_core_attention(query, key, value, attention_mask, **extra)
         return self.linear_proj(context)
 
 

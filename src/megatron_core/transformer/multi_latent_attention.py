@@ -33,10 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_core import tensor_parallel
 from megatron_core._ground import divide, get_pg_size
 from megatron_core._misc_utils import accepts_parameter
-from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -45,6 +43,7 @@ from megatron_core.tensor_parallel.mappings import (
 )
 from megatron_core.tensor_parallel.random import CheckpointWithoutOutput
 from megatron_core.transformer.attention import (
+    Attention,
     _cu_seqlens,
     _recorded_max_logits,
     _scale_weight_rows_,
@@ -59,7 +58,6 @@ from megatron_core.transformer.mla_rope import (
     rotary_angles,
     rotate_mla,
 )
-from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.selective_recompute import recompute_module_enabled
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import MLATransformerConfig
@@ -93,7 +91,7 @@ def _is_identity(spec: Any) -> bool:
     return module is None or (isinstance(module, type) and issubclass(module, IdentityOp))
 
 
-class MultiLatentAttention(MegatronModule):
+class MultiLatentAttention(Attention):
     """The parts of MLA every variant shares: rotary table, core attention, output projection and forward."""
 
     def __init__(
@@ -108,16 +106,10 @@ class MultiLatentAttention(MegatronModule):
         pp_layer_offset: int | None = None,
         name: str | None = None,
     ) -> None:
-        super().__init__(config)
         if not isinstance(config, MLATransformerConfig):
             raise ValueError(f"multi-latent attention needs an MLATransformerConfig, got {type(config).__name__}")
-        self.layer_number = layer_number
-        self.attn_mask_type = attn_mask_type
-        self.attention_type = attention_type
-        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["tp", "cp"])
-        self.tp_group = self.pg_collection.tp
-        tp = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
-        self.world_size = tp
+        super().__init__(config, layer_number, attn_mask_type, attention_type, pg_collection)
+        tp = self.world_size
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp, "num_attention_heads / TP")
         self.query_projection_size = config.v_head_dim * config.num_attention_heads
         self.q_head_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
@@ -135,9 +127,6 @@ class MultiLatentAttention(MegatronModule):
         self.core_attention = build_module(submodules.core_attention, **attention_kwargs)
         self.linear_proj = build_output_projection(submodules.linear_proj, self.query_projection_size, config,
                                                    self.tp_group)
-        self.checkpoint_core_attention = (
-            config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
-        )
         self.recompute_up_proj = recompute_module_enabled(config, "mla_up_proj")
 
     # ---- to be provided by a variant ------------------------------------------------------------------------
@@ -210,13 +199,7 @@ class MultiLatentAttention(MegatronModule):
                         attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None,
                         packed_seq_params: Any) -> torch.Tensor:
         extra = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
-
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-            return self.core_attention(q, k, v, mask, attn_mask_type=attn_mask_type, **extra)
-
-        if self.checkpoint_core_attention and self.training:
-            return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
-        return run(query, key, value, attention_mask)
+        return self._run_core_attention(query, key, value, attention_mask, attn_mask_type=attn_mask_type, **extra)
 
     def forward(
         self,
