@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 def get_attr_wrapped_model(model: Any, attr: str, allow_none: bool = True, return_model_obj: bool = False) -> Any:
     """``attr`` of the outermost module in the ``.module`` chain of ``model`` that has it.
@@ -43,3 +45,10 @@ def submodules_with_attribute(root: Any, *names: str) -> list[Any]:
     if names not in cache:
         cache[names] = [m for m in root.modules() if any(hasattr(m, name) for name in names)]
     return cache[names]
+
+
+def innermost_module(model: Any) -> Any:
+    """The module at the end of ``model``'s ``.module`` chain (every wrapper stripped, whatever its class)."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model

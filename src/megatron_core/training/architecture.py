@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._wrapped_model import innermost_module
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.core import CheckpointingException
 
@@ -50,18 +51,9 @@ def _layer_specs(chunk: torch.nn.Module) -> dict[int, dict[str, str]]:
     return specs
 
 
-def _innermost(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    out = []
-    for chunk in chunks:
-        while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-            chunk = chunk.module
-        out.append(chunk)
-    return out
-
-
 def model_architecture(chunks: list[torch.nn.Module], group: Any = None) -> dict[str, Any] | None:
     """The architecture of the model (all ranks' chunks); ``None`` for a model without a config. Collective."""
-    chunks = _innermost(chunks)
+    chunks = [innermost_module(chunk) for chunk in chunks]
     config = getattr(chunks[0], "config", None)
     local_specs: dict[int, dict[str, str]] = {}
     for chunk in chunks:
@@ -85,7 +77,7 @@ def check_architecture(saved: dict[str, Any] | None, chunks: list[torch.nn.Modul
     """Raise ``CheckpointingException`` at the first field where the checkpoint and the model differ."""
     if not saved:
         return
-    chunks = _innermost(chunks)
+    chunks = [innermost_module(chunk) for chunk in chunks]
     config = getattr(chunks[0], "config", None)
     if config is None:
         return

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from megatron_core._wrapped_model import innermost_module
+
 __all__ = [
     "FORMAT_VERSION", "MODEL_CONFIG_KEY", "model_config_record", "parse_model_config", "transformer_config_from_record",
 ]
@@ -105,18 +107,12 @@ def _decode(value: Any) -> Any:
     raise ValueError(f"unknown encoded value {value!r}")
 
 
-def _innermost(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
-
-
 def model_config_record(chunks: list[torch.nn.Module]) -> str | None:
     """The JSON record of the model whose chunks these are (``None`` for a model without a dataclass config).
 
     Every rank records the same string (nothing about pipeline stages or ranks enters it).
     """
-    chunk = _innermost(chunks[0])
+    chunk = innermost_module(chunks[0])
     config = getattr(chunk, "config", None)
     if config is None or not dataclasses.is_dataclass(config):
         return None
