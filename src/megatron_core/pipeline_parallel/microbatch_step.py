@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from megatron_core import device
+from megatron_core import device, parallel_state
 from megatron_core._ground import get_pg_size
 from megatron_core._wrapped_model import get_attr_wrapped_model
 from megatron_core.pipeline_parallel.p2p_communication import resolve_communicator as resolve_communicator
@@ -180,6 +180,71 @@ def forward_step(
     if timers is not None:
         timers("forward-compute").stop()
     return (output_tensor if unwrap_output else [output_tensor]), num_tokens
+
+
+def forward_step_calc_loss(
+    model: Any,
+    output_tensor: Any,
+    loss_func: Callable | None,
+    config: Any,
+    vp_stage: int | None,
+    collect_non_loss_data: bool,
+    num_microbatches: int,
+    forward_data_store: list,
+    cp_group_size: int | None = None,
+    is_last_stage: bool | None = None,
+) -> tuple[Any, torch.Tensor]:
+    """The last stage's loss step of Megatron-Core's ``forward_step``; returns ``(output_tensor, num_tokens)``.
+
+    On the last stage: no ``loss_func`` stores ``output_tensor`` as is; otherwise the loss is scaled as in
+    :func:`forward_step` and the logging dict stored (``collect_non_loss_data`` stores ``loss_func``'s
+    non-loss data). Then the backward scales of the MoE, MTP and attention-variant (DSA indexer) auxiliary
+    losses are set. ``cp_group_size`` / ``is_last_stage`` default to ``parallel_state``'s.
+    """
+    model_vp_stage = getattr(model, "vp_stage", None)
+    if vp_stage is not None and model_vp_stage is not None and vp_stage != model_vp_stage:
+        raise ValueError(f"vp_stage ({vp_stage}) does not match the model's vp_stage ({model_vp_stage})")
+    if cp_group_size is None and is_last_stage is None:
+        cp_group_size = parallel_state.get_context_parallel_world_size()
+        is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    elif is_last_stage is None or (is_last_stage and cp_group_size is None):
+        raise ValueError("forward_step_calc_loss needs is_last_stage, and cp_group_size on the last stage")
+    num_tokens = torch.tensor(0, dtype=torch.int)
+    if is_last_stage:
+        if loss_func is None:
+            forward_data_store.append(output_tensor)
+        elif collect_non_loss_data:
+            forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+        else:
+            output_tensor, num_tokens, logs = _apply_loss_func(loss_func, output_tensor, num_microbatches, config,
+                                                               cp_group_size)
+            forward_data_store.append(logs)
+    if getattr(config, "timers", None) is not None:
+        config.timers("forward-compute").stop()
+    per_token = getattr(config, "calculate_per_token_loss", False)
+    cp_size = cp_group_size if cp_group_size is not None else 1
+    if getattr(config, "num_moe_experts", None) is not None:
+        _set_moe_aux_loss_scale(config, num_microbatches, cp_size)
+    if getattr(config, "mtp_num_layers", None):
+        _set_mtp_loss_scale(config, num_microbatches)
+    variant_scale_func = _attention_variant_loss_scale_func(config)
+    if variant_scale_func is not None:
+        scale = _main_loss_backward_scale(config, "_no_own_scale_func")
+        variant_scale_func(scale if per_token else scale * cp_size / num_microbatches)
+    return output_tensor, num_tokens
+
+
+def _attention_variant_loss_scale_func(config: Any) -> Callable | None:
+    """``config.experimental_attention_variant_loss_scale_func``, else DSA's scaler for the 'dsa' variant."""
+    func = getattr(config, "experimental_attention_variant_loss_scale_func", None)
+    if func is not None:
+        return func
+    if getattr(config, "experimental_attention_variant", None) == "dsa":
+        # Imported here: the schedules sit below the transformer package.
+        from megatron_core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+        return DSAIndexerLossAutoScaler.set_loss_scale
+    return None
 
 
 def _main_loss_backward_scale(config: Any, own_scale_func: str) -> torch.Tensor:
