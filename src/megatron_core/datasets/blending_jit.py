@@ -19,8 +19,12 @@ from typing import Any
 _DISABLE_ENV = "MEGATRON_CORE_DISABLE_NUMBA"
 
 
-def _greedy(weights, taken, dataset_index, dataset_sample_index, size):  # pragma: no cover - compiled
-    num_datasets = weights.shape[0]
+# The loops below are the one implementation of the blending rule: numba compiles them, and without numba
+# ``datasets.helpers`` runs them as they are on Python lists (1-D arrays or lists both work).
+
+
+def _greedy(weights, taken, dataset_index, dataset_sample_index, size):
+    num_datasets = len(weights)
     for sample in range(size):
         sample_double = float(sample) if sample > 1 else 1.0
         best = 0
@@ -35,8 +39,8 @@ def _greedy(weights, taken, dataset_index, dataset_sample_index, size):  # pragm
         taken[best] += 1
 
 
-def _exhaustive(weights, sizes, taken, dataset_index, dataset_sample_index, total):  # pragma: no cover
-    num_datasets = weights.shape[0]
+def _exhaustive(weights, sizes, taken, dataset_index, dataset_sample_index, total):
+    num_datasets = len(weights)
     lowest = -1.7976931348623157e308
     for sample in range(total):
         sample_double = float(sample) if sample > 1 else 1.0

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy
 
-from megatron_core.datasets.blending_jit import compiled_kernels
+from megatron_core.datasets.blending_jit import _exhaustive, _greedy, compiled_kernels
 from megatron_core.datasets.sentence_mapping import build_mapping  # noqa: F401 - Megatron's helpers.build_mapping
 
 
@@ -103,20 +103,7 @@ def build_blending_indices(
     taken = [0] * num_datasets
     chosen = [0] * size
     sample_of = [0] * size
-    candidates = range(1, num_datasets)
-    first_weight = weights[0]
-    for sample in range(size):
-        sample_double = float(sample) if sample > 1 else 1.0
-        best = 0
-        best_error = first_weight * sample_double - taken[0]
-        for dataset in candidates:
-            error = weights[dataset] * sample_double - taken[dataset]
-            if error > best_error:
-                best_error = error
-                best = dataset
-        chosen[sample] = best
-        sample_of[sample] = taken[best]
-        taken[best] += 1
+    _greedy(weights, taken, chosen, sample_of, size)  # the kernel's own loop, on Python lists
     dataset_index[:size] = numpy.asarray(chosen, dtype=numpy.int16)
     dataset_sample_index[:size] = numpy.asarray(sample_of, dtype=numpy.int64)
     if verbose:
@@ -148,23 +135,8 @@ def build_exhaustive_blending_indices(
             numpy.zeros(num_datasets, dtype=numpy.int64), dataset_index, dataset_sample_index, total,
         )
         return
-    taken = [0] * num_datasets
-    unspent = [dataset for dataset in range(num_datasets) if sizes[dataset] > 0]
     chosen = [0] * total
     sample_of = [0] * total
-    for sample in range(total):
-        sample_double = float(sample) if sample > 1 else 1.0
-        best = -1
-        best_error = -numpy.finfo(numpy.float64).max
-        for dataset in unspent:
-            error = weights[dataset] * sample_double - taken[dataset]
-            if error > best_error:
-                best_error = error
-                best = dataset
-        chosen[sample] = best
-        sample_of[sample] = taken[best]
-        taken[best] += 1
-        if taken[best] == sizes[best]:
-            unspent.remove(best)
+    _exhaustive(weights, sizes, [0] * num_datasets, chosen, sample_of, total)  # the kernel's loop, on lists
     dataset_index[:total] = numpy.asarray(chosen, dtype=numpy.int16)
     dataset_sample_index[:total] = numpy.asarray(sample_of, dtype=numpy.int64)
