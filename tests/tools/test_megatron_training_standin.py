@@ -52,3 +52,24 @@ def test_runner_copies_the_standin(tmp_path, monkeypatch):
     run.prepare(mirror, tmp_path / "dest")
     assert (tmp_path / "dest" / "megatron" / "training" / "arguments.py").is_file()
     assert not (tmp_path / "dest" / "megatron" / "__init__.py").exists()  # stays a namespace package
+
+
+def test_rank_launcher_reports_failed_tests_in_junit_and_exits_zero(tmp_path, monkeypatch):
+    """torchrun stops every rank when one exits non-zero: a rank whose tests failed must not do that."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mut_run_launcher", HARNESS / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "mut_run_launcher", run)
+    spec.loader.exec_module(run)
+    (tmp_path / "launcher.py").write_text(run._LAUNCHER)
+    (tmp_path / "test_fails.py").write_text("def test_no():\n    assert False\n")
+    env = {"PATH": "/usr/bin:/bin", "MCORE_JUNIT_DIR": str(tmp_path), "RANK": "1"}
+    out = subprocess.run([sys.executable, str(tmp_path / "launcher.py"), "-q", "-p", "no:cacheprovider",
+                          str(tmp_path / "test_fails.py")], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-1000:]
+    assert "failure" in (tmp_path / "rank1.xml").read_text()
+    out = subprocess.run([sys.executable, str(tmp_path / "launcher.py"), "-q", str(tmp_path / "missing.py")],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 4  # usage errors still fail the rank
