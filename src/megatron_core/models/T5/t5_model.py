@@ -20,9 +20,9 @@ from megatron_core import tensor_parallel
 from megatron_core.config_rules import check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.relative_pos_embedding import RelativePositionEmbedding
-from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.language_module.language_module import (
     LanguageModule,
+    check_position_embedding_type,
     output_layer_init_method,
 )
 from megatron_core.transformer.enums import ModelType
@@ -134,12 +134,7 @@ class T5Model(LanguageModule):
             if position_embedding_type == "learned_absolute":
                 self.position_embeddings = self.embedding.position_embeddings
         if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=config.kv_channels, rotary_percent=rotary_percent,
-                rotary_interleaved=config.rotary_interleaved,
-                seq_len_interpolation_factor=seq_len_interpolation_factor,
-                use_cpu_initialization=config.use_cpu_initialization, cp_group=self.pg_collection.cp,
-            )
+            self.rotary_pos_emb = self.build_rotary_embedding(rotary_percent, seq_len_interpolation_factor)
         if position_embedding_type == "relative":
             relative = dict(init_method=config.init_method, num_attention_heads=config.num_attention_heads,
                             relative_attention_num_buckets=relative_attention_num_buckets,
@@ -294,9 +289,7 @@ def _check_arguments(vocab_size: Any, max_sequence_length: Any, position_embeddi
     for name, value in (("vocab_size", vocab_size), ("max_sequence_length", max_sequence_length)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"T5Model: {name} ({value!r}) must be a positive int")
-    if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
-        raise ValueError(f"T5Model: position_embedding_type ({position_embedding_type!r}) must be one of "
-                         f"{list(_POSITION_EMBEDDING_TYPES)}")
+    check_position_embedding_type(position_embedding_type, _POSITION_EMBEDDING_TYPES, "T5Model: ")
     if not (add_encoder or add_decoder):
         raise ValueError("T5Model: add_encoder and add_decoder are both False; a stage needs at least one of them")
 

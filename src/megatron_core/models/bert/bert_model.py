@@ -27,8 +27,10 @@ from megatron_core.device import get_current_device
 from megatron_core.models.bert.bert_lm_head import BertLMHead
 from megatron_core.models.bert.pooler import Pooler
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron_core.models.common.language_module.language_module import LanguageModule
+from megatron_core.models.common.language_module.language_module import (
+    LanguageModule,
+    check_position_embedding_type,
+)
 from megatron_core.transformer.attention import SelfAttentionSubmodules
 from megatron_core.transformer.dot_product_attention import DotProductAttention
 from megatron_core.transformer.enums import AttnBackend, AttnMaskType, ModelType
@@ -67,9 +69,7 @@ class BertModel(LanguageModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
-        if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
-            raise ValueError(f"BertModel position_embedding_type ({position_embedding_type!r}) must be one of "
-                             f"{list(_POSITION_EMBEDDING_TYPES)}")
+        check_position_embedding_type(position_embedding_type, _POSITION_EMBEDDING_TYPES, "BertModel ")
         check_value("BertModel", "vocab_size", vocab_size, "positive int")
         check_value("BertModel", "max_sequence_length", max_sequence_length, "positive int")
         if isinstance(num_tokentypes, bool) or not isinstance(num_tokentypes, int) or num_tokentypes < 0:
@@ -105,14 +105,7 @@ class BertModel(LanguageModule):
                 tp_group=self.tp_group,
             )
         if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=config.kv_channels,
-                rotary_percent=rotary_percent,
-                rotary_interleaved=config.rotary_interleaved,
-                seq_len_interpolation_factor=seq_len_interpolation_factor,
-                use_cpu_initialization=config.use_cpu_initialization,
-                cp_group=self.pg_collection.cp,
-            )
+            self.rotary_pos_emb = self.build_rotary_embedding(rotary_percent, seq_len_interpolation_factor)
         self.encoder = TransformerBlock(
             config=config,
             spec=transformer_layer_spec,

@@ -17,9 +17,11 @@ from megatron_core._ground import get_pg_size
 from megatron_core.config_rules import check_model_sizes as _check_model_sizes
 from megatron_core.config_rules import check_sequence_fits as _check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
-from megatron_core.models.common.language_module.language_module import LanguageModule
+from megatron_core.models.common.language_module.language_module import (
+    LanguageModule,
+    check_position_embedding_type,
+)
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
@@ -62,10 +64,7 @@ class GPTModel(LanguageModule):
         logit_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(config, pg_collection=pg_collection)
-        if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
-            raise ValueError(
-                f"position_embedding_type ({position_embedding_type!r}) must be one of {list(_POSITION_EMBEDDING_TYPES)}"
-            )
+        check_position_embedding_type(position_embedding_type, _POSITION_EMBEDDING_TYPES)
         _check_model_sizes(vocab_size, max_sequence_length)
         # Every part gets the same groups (self.pg_collection: the argument, else parallel_state's).
         self._check_vocab_split(vocab_size)
@@ -105,17 +104,9 @@ class GPTModel(LanguageModule):
                 "embedding (MLATransformerConfig.rope_type='yarn'); use position_embedding_type='rope'"
             )
         if position_embedding_type == "rope" and not config.multi_latent_attention:  # MLA rotates by itself
-            self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=config.kv_channels,
-                rotary_percent=rotary_percent,
-                rotary_interleaved=config.rotary_interleaved,
-                seq_len_interpolation_factor=seq_len_interpolation_factor,
-                rotary_base=rotary_base,
-                rope_scaling=rope_scaling,
-                rope_scaling_factor=rope_scaling_factor,
-                use_cpu_initialization=config.use_cpu_initialization,
-                cp_group=self.pg_collection.cp,
-            )
+            self.rotary_pos_emb = self.build_rotary_embedding(
+                rotary_percent, seq_len_interpolation_factor, rotary_base, rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor)
         elif position_embedding_type == "yarn":  # the config's yarn_* fields (Megatron-Core reads them likewise)
             self.rotary_pos_emb = YarnRotaryEmbedding(
                 kv_channels=config.kv_channels,

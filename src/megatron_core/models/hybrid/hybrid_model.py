@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
 from megatron_core.models.hybrid.hybrid_layer_allocation import (
     get_hybrid_total_layer_count,
@@ -121,11 +120,9 @@ class HybridModel(LanguageModule):
                 scatter_to_sequence_parallel=scatter_embedding_sequence_parallel, tp_group=self.tp_group,
             )
         if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=config.kv_channels, rotary_percent=rotary_percent,
-                seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base,
-                use_cpu_initialization=config.use_cpu_initialization, cp_group=self.pg_collection.cp,
-            )
+            # As Megatron-Core's hybrid model: the rotation is never interleaved here.
+            self.rotary_pos_emb = self.build_rotary_embedding(rotary_percent, seq_len_interpolation_factor,
+                                                              rotary_base, rotary_interleaved=False)
         self.decoder = build_module(
             hybrid_stack_spec, config, pre_process=pre_process, layer_type_list=layer_type_list,
             pp_layer_offset=layer_offset, post_process=post_process, dtype=config.params_dtype,

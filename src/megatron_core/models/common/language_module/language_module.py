@@ -25,9 +25,17 @@ from megatron_core.fusions.fused_cross_entropy import fused_vocab_parallel_cross
 from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.multi_token_prediction import tie_word_embeddings_state_dict
+from megatron_core.transformer.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["LanguageModule", "output_layer_init_method"]
+__all__ = ["LanguageModule", "check_position_embedding_type", "output_layer_init_method"]
+
+
+def check_position_embedding_type(position_embedding_type: str, allowed: tuple[str, ...], who: str = "") -> None:
+    """Raise ``ValueError`` naming the value and the choices unless ``position_embedding_type`` is in ``allowed``;
+    ``who`` prefixes the message (the model's name)."""
+    if position_embedding_type not in allowed:
+        raise ValueError(f"{who}position_embedding_type ({position_embedding_type!r}) must be one of {list(allowed)}")
 
 
 def output_layer_init_method(config: TransformerConfig, share_embeddings_and_output_weights: bool) -> Any:
@@ -111,6 +119,20 @@ class LanguageModule(MegatronModule):
         _, tp_replica, dp_rank = sharded.replica_id
         sharded_state_dict[output_layer_weight_key] = replace(
             sharded, key=first_stage_word_emb_key, replica_id=(1, tp_replica, dp_rank)
+        )
+
+    def build_rotary_embedding(self, rotary_percent: float, seq_len_interpolation_factor: float | None,
+                               rotary_base: int = 10000, rotary_interleaved: bool | None = None,
+                               **scaling: Any) -> RotaryEmbedding:
+        """The model's ``RotaryEmbedding`` (``position_embedding_type='rope'``), on this model's CP group.
+
+        ``rotary_interleaved`` defaults to the config's; ``scaling``: ``rope_scaling`` / ``rope_scaling_factor``.
+        """
+        return RotaryEmbedding(
+            kv_channels=self.config.kv_channels, rotary_percent=rotary_percent,
+            rotary_interleaved=self.config.rotary_interleaved if rotary_interleaved is None else rotary_interleaved,
+            seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base,
+            use_cpu_initialization=self.config.use_cpu_initialization, cp_group=self.pg_collection.cp, **scaling,
         )
 
     def build_output_layer(self, vocab_size: int, parallel_output: bool, bias: bool = False,
