@@ -259,7 +259,7 @@ class AutoBridge:
         if self.reader is None:
             raise HFConversionError(f"{self.directory}: the bridge was opened with load_weights=False")
         dense_tp = tp_rank_size(pg_collection)[:2]
-        expert_tp = expert_tp_rank_size()[:2]
+        expert_tp = expert_tp_rank_size(pg_collection)[:2]
         by_name = self.rules_by_name()
         chunks = model if isinstance(model, (list, tuple)) else [model]
         if any(getattr(unwrap(chunk), "mtp_process", False) for chunk in chunks):

@@ -225,7 +225,7 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
     # Dense weights are written from data-parallel rank 0, routed experts from expert-data-parallel rank 0
     # (each expert-parallel rank writes its own experts); TP shards are gathered to (expert-)TP rank 0.
     dense = tp_rank_size(pg_collection)
-    expert = expert_tp_rank_size()
+    expert = expert_tp_rank_size(pg_collection)
     initialized = parallel_state.model_parallel_is_initialized()
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) if initialized else 0
     edp_rank = parallel_state.get_expert_data_parallel_rank() if initialized else 0

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from megatron_core import parallel_state
-from megatron_core._ground import unwrap_model
+from megatron_core._ground import get_pg_rank, get_pg_size, unwrap_model
 from megatron_core.models.hf.families import (
     Family,
 )
 from megatron_core.models.hf.rules import WeightRule
 from megatron_core.models.hf.safetensors_io import HFConversionError
+from megatron_core.process_groups_config import resolve_process_group
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
@@ -57,18 +57,16 @@ def hf_mappable_parameters(model: torch.nn.Module, buffers: tuple[str, ...] = ()
                 yield name, buffer
 
 
+def _rank_size(role: str, pg_collection: Any) -> tuple[int, int, Any]:
+    """``(rank, size, group)`` of ``role``'s group from the package's one resolver (``pg_collection`` when given,
+    else ``parallel_state``); no group means one rank."""
+    group = resolve_process_group(role, pg_collection)
+    return get_pg_rank(group), get_pg_size(group), group
+
+
 def tp_rank_size(pg_collection: Any = None) -> tuple[int, int, Any]:
     """``(rank, size, group)`` of tensor parallelism: ``pg_collection.tp``, else ``parallel_state``, else one rank."""
-    import torch.distributed as dist
-
-    group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-    if group is not None:
-        return dist.get_rank(group), dist.get_world_size(group), group
-    if parallel_state.model_parallel_is_initialized():
-        return (parallel_state.get_tensor_model_parallel_rank(),
-                parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_tensor_model_parallel_group())
-    return 0, 1, None
+    return _rank_size("tp", pg_collection)
 
 
 def is_expert_rule(rule: WeightRule) -> bool:
@@ -76,18 +74,14 @@ def is_expert_rule(rule: WeightRule) -> bool:
     return "local_experts" in rule.mcore
 
 
-def expert_tp_rank_size() -> tuple[int, int, Any]:
-    """``(rank, size, group)`` of expert tensor parallelism (one rank without model parallelism)."""
-    if parallel_state.model_parallel_is_initialized():
-        return (parallel_state.get_expert_tensor_parallel_rank(),
-                parallel_state.get_expert_tensor_parallel_world_size(),
-                parallel_state.get_expert_tensor_parallel_group())
-    return 0, 1, None
+def expert_tp_rank_size(pg_collection: Any = None) -> tuple[int, int, Any]:
+    """``(rank, size, group)`` of expert tensor parallelism: ``pg_collection.expt_tp``, else ``parallel_state``."""
+    return _rank_size("expt_tp", pg_collection)
 
 
-def expert_ep_rank() -> int:
-    """This rank's expert-parallel rank (0 without model parallelism)."""
-    return parallel_state.get_expert_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+def expert_ep_rank(pg_collection: Any = None) -> int:
+    """This rank's expert-parallel rank: ``pg_collection.ep``, else ``parallel_state``'s (0 without one)."""
+    return _rank_size("ep", pg_collection)[0]
 
 
 def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
