@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_core._ground import get_pg_rank
-from megatron_core._ground import unwrap_model
+from megatron_core._ground import get_pg_rank, unwrap_model
 from megatron_core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron_core.transformer.moe.moe_layer import BaseMoELayer
 
