@@ -171,7 +171,7 @@ def mtp_on_this_rank(layout: Any = None, mtp_num_layers: int | None = None, igno
 
 def get_mtp_ranks(pp_ranks: list[int], config: TransformerConfig) -> list[int]:
     """The global ranks among ``pp_ranks`` (one pipeline group) whose stage holds MTP layers."""
-    if config.mtp_num_layers is None:
+    if not config.mtp_num_layers:  # None or 0: no MTP
         return []
     layout = config.pipeline_model_parallel_layout
     if layout is None:
