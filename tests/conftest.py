@@ -4,6 +4,7 @@ suite-wide check that no test leaves a child process behind."""
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +39,13 @@ SLOW_TESTS = {
     "tests/parallel_state/test_parallel_state.py::test_invalid_sizes_name_the_numbers": 15,
 }
 
+
+# Inductor's cache keys leave ATEN_CPU_CAPABILITY out (torch 2.13): kernels compiled under one CPU capability are
+# reused under another, where they fail to build or compute NaNs. A run under a forced capability gets a cache of
+# its own (set before any rank pool starts, so the ranks inherit it).
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY'].lower()}")
 
 # Tests whose results hang on the exact rounding of CPU kernels (optimizer numerics, the golden curve, run-to-run
 # determinism, parallel-layout parity against one process): `.ci/run` runs them a second time under another
