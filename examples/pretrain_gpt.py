@@ -183,13 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         get_moe_router_tracer().register_hooks(run.model)
     trainer = Trainer(args, run.config, run.model, run.optimizer, run.scheduler, run.train_data_iterator,
                       run.valid_data_iterator, logger, run.checkpointer)
-    final = trainer.train(run.iteration, flops_per_token(args, run.vocab_size), peak_flops())
-    if final >= args.train_iters:
-        # The trained state is saved first: nothing after training (the final evaluation) can lose it.
-        if args.save and not (args.save_interval and final % args.save_interval == 0):
-            run.checkpointer.save(final)
-        if args.eval_iters > 0 and (not args.eval_interval or final % args.eval_interval != 0):
-            logger.log(final, {"validation loss": trainer.evaluate()}, kind="valid")
+    try:
+        final = trainer.train(run.iteration, flops_per_token(args, run.vocab_size), peak_flops())
+        if final >= args.train_iters:
+            # The trained state is saved first: nothing after training (the final evaluation) can lose it.
+            if args.save and not (args.save_interval and final % args.save_interval == 0):
+                run.checkpointer.save(final)
+            if args.eval_iters > 0 and (not args.eval_interval or final % args.eval_interval != 0):
+                logger.log(final, {"validation loss": trainer.evaluate()}, kind="valid")
+    finally:
+        trainer.close()
     if get_moe_router_tracer() is not None:
         get_moe_router_tracer().flush()
     run.checkpointer.finalize()

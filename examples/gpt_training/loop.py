@@ -158,10 +158,17 @@ class Trainer:
             config.timers = self.timers
             if getattr(config, "finalize_model_grads_func", None) is not None:
                 config.finalize_model_grads_func = timed(self.timers, "grads-sync", config.finalize_model_grads_func)
-        signal.signal(signal.SIGTERM, self._request_stop)
+        self._previous_sigterm = signal.signal(signal.SIGTERM, self._request_stop)
 
     def _request_stop(self, signum, frame) -> None:
         self.stop_requested = True
+
+    def close(self) -> None:
+        """Give SIGTERM back to the handler it had before this trainer (a process that goes on, e.g. a test, and
+        the children it forks later must not inherit a handler that only sets this trainer's flag)."""
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     def _iterators(self, iterator):
         if iterator is self.train_iter and self._train_batches is not None:

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -105,6 +106,8 @@ _worker_encoder: Encoder | None = None
 
 def _init_worker(args: argparse.Namespace) -> None:
     global _worker_encoder
+    # A forked worker inherits the parent's SIGTERM handler (a training loop's, say); Pool.terminate() must end it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_encoder = Encoder(args)
 
 
