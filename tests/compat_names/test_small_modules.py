@@ -200,8 +200,11 @@ def test_aliases_at_megatron_paths():
         strategies_torch.get_async_strategy("nvrx")
     with pytest.raises(ValueError, match="not supported"):
         strategies_torch.get_async_strategy("other")
-    with pytest.raises(KeyError, match="FileSystemWriterAsync"):
-        strategies_torch.get_async_strategy("mcore", "FileSystemWriterAsync")
+    # The mcore strategy now provides the async writer (it was missing, and asking for it raised KeyError).
+    from megatron_core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    assert strategies_torch.get_async_strategy("mcore", "FileSystemWriterAsync")[1] is FileSystemWriterAsync
+    with pytest.raises(KeyError, match="NoSuchPart"):
+        strategies_torch.get_async_strategy("mcore", "NoSuchPart")
 
     init_num_microbatches_calculator(0, None, 8, 2, 2)
     assert get_num_microbatches() == 2

@@ -55,6 +55,11 @@ def _nvrx_async_modules() -> dict[str, Any]:
     }
 
 
+class UnsupportedAsyncStrategyError(TypeError, ValueError):
+    """An async strategy name other than ``nvrx`` / ``mcore``: Megatron-Core raises ``TypeError``, our config rule
+    ``ValueError``; both catch it."""
+
+
 def get_async_strategy(async_strategy: str = "nvrx", module: str | None = None) -> tuple[str, Any]:
     """``(strategy name, modules)``: a dict of async-checkpoint classes, or the one named ``module``."""
     if async_strategy == "nvrx":
@@ -62,7 +67,8 @@ def get_async_strategy(async_strategy: str = "nvrx", module: str | None = None) 
     elif async_strategy == "mcore":
         modules = _mcore_async_modules()
     else:
-        raise TypeError(f"async_strategy {async_strategy} is not supported. Available strategies: nvrx, mcore.")
+        raise UnsupportedAsyncStrategyError(
+            f"async_strategy {async_strategy} is not supported. Available strategies: nvrx, mcore.")
     if module is None:
         return async_strategy, modules
     if module not in modules:
