@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import device
+from megatron_core.inference.cli.local_process_group import init_local_process_group
 
 
 def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
@@ -20,29 +21,12 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    backend = device.get_default_backend()
-    single = "RANK" not in os.environ
-    if single:
+    timeout = timedelta(minutes=timeout_minutes)
+    if init_local_process_group(timeout):  # no torchrun: one rank, nothing listening beyond 127.0.0.1
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        loopback = _loopback_interface()
-        if backend == "gloo" and loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo's own listening socket stays on 127.0.0.1
+        return 0, 1
+    backend = device.get_default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = timedelta(minutes=timeout_minutes)
-    if single:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout)
+    dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
-
-
-def _loopback_interface() -> str | None:
-    """The name of the loopback network interface (``lo`` on Linux), if one is found."""
-    import socket
-
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((name for name in names if name.startswith("lo")), None)

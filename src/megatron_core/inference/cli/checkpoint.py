@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core.inference.cli.local_process_group import init_local_process_group
+
 __all__ = [
     "init_distributed_for_inference", "load_gpt_from_checkpoint", "load_training_args", "model_from_record",
     "read_checkpoint_common",
@@ -35,14 +37,10 @@ def init_distributed_for_inference(tensor_model_parallel_size: int = 1, pipeline
         backend = device.get_default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if os.environ.get("WORLD_SIZE", "1") == "1":  # one process: an in-memory store, no rendezvous port
+        # One process: an in-memory store and no rendezvous port (init_local_process_group); under torchrun: env://.
+        if os.environ.get("WORLD_SIZE", "1") == "1" and init_local_process_group(timedelta(minutes=10)):
             for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
                 os.environ.setdefault(name, value)
-            loopback = _loopback_interface()
-            if backend == "gloo" and loopback:  # gloo's own listening socket stays on 127.0.0.1
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timedelta(minutes=10))
         else:
             dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
     if not parallel_state.model_parallel_is_initialized():
@@ -50,16 +48,6 @@ def init_distributed_for_inference(tensor_model_parallel_size: int = 1, pipeline
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
         )
-
-
-def _loopback_interface() -> str | None:
-    import socket
-
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((name for name in names if name.startswith("lo")), None)
 
 
 def read_checkpoint_common(load_dir: str) -> tuple[dict[str, Any], int, str]:

@@ -25,7 +25,7 @@ def loopback_interface() -> str | None:
     return next((name for name in ("lo", "lo0") if name in names), None)
 
 
-def init_local_process_group() -> bool:
+def init_local_process_group(timeout: timedelta = timedelta(minutes=10)) -> bool:
     """Start a one-rank group (rank 0, world size 1) on a ``HashStore``; ``False`` if one already exists
     or this process was launched by torchrun (``RANK`` is set), in which case nothing is changed."""
     import torch
@@ -42,6 +42,5 @@ def init_local_process_group() -> bool:
     backend = device.get_default_backend()
     if backend == "nccl":
         torch.cuda.set_device(0)
-    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timedelta(minutes=10))
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return True
