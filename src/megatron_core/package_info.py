@@ -3,7 +3,7 @@
 MAJOR = 0
 MINOR = 1
 PATCH = 0
-PRE_RELEASE = "dev0"
+PRE_RELEASE = ""
 
 __version__ = f"{MAJOR}.{MINOR}.{PATCH}.{PRE_RELEASE}" if PRE_RELEASE else f"{MAJOR}.{MINOR}.{PATCH}"
 __package_name__ = "megatron-core-lite"
