@@ -26,7 +26,7 @@ def test_import_registers_namespace_for_weights_only_loads():
     code = ("import io, argparse, torch, megatron_core\n"
             "b = io.BytesIO(); torch.save(argparse.Namespace(lr=0.1), b); b.seek(0)\n"
             "print(torch.load(b, weights_only=True).lr)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
     assert out.strip() == "0.1"
 
 
@@ -67,5 +67,6 @@ def test_safe_numpy_load_arrays_and_object_arrays(tmp_path):
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
     assert len(results) == 4 and all(r.tolist() == [0, 1, 2, 3] for r in results.values())

@@ -27,13 +27,14 @@ def loopback_interface() -> str | None:
 
 def init_local_process_group(timeout: timedelta = timedelta(minutes=10)) -> bool:
     """Start a one-rank group (rank 0, world size 1) on a ``HashStore``; ``False`` if one already exists
-    or this process was launched by torchrun (``RANK`` is set), in which case nothing is changed."""
+    or this process is one of several ranks (``WORLD_SIZE`` > 1, e.g. under torchrun), in which case nothing is
+    changed. A one-rank torchrun needs no rendezvous either, so it gets the local group too."""
     import torch
     import torch.distributed as dist
 
     from megatron_core import device
 
-    if dist.is_initialized() or "RANK" in os.environ:
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return False
     interface = loopback_interface()
     if interface is not None:
