@@ -388,11 +388,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
 
 def _validate_counts(args: argparse.Namespace) -> None:
-    """Step counts and intervals: positive where they divide, ``--eval-iters 0`` meaning no evaluation."""
-    for name in ("eval_iters", "eval_interval", "lr_warmup_iters", "num_workers"):
+    """Step counts and intervals: positive where they divide, ``--eval-iters 0`` meaning no evaluation and
+    ``--train-iters 0`` no training (with ``--save``, the initial model is written)."""
+    for name in ("train_iters", "eval_iters", "eval_interval", "lr_warmup_iters", "num_workers"):
         value = getattr(args, name)
         _require(value is None or value >= 0, f"--{name.replace('_', '-')} ({value}) must be >= 0")
-    for name in ("train_iters", "micro_batch_size", "log_interval", "save_interval", "lr_decay_iters", "lr_wsd_decay_iters"):
+    for name in ("micro_batch_size", "log_interval", "save_interval", "lr_decay_iters", "lr_wsd_decay_iters"):
         value = getattr(args, name)
         _require(value is None or value >= 1, f"--{name.replace('_', '-')} ({value}) must be >= 1")
     _require(args.lr >= 0 and args.min_lr >= 0, f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must be >= 0")

@@ -16,7 +16,8 @@ TINY = ["--model-preset", "tiny", "--num-layers", "1", "--hidden-size", "16", "-
         "--seq-length", "8", "--mock-data", "--vocab-size", "64", "--micro-batch-size", "1", "--no-progress"]
 
 PRETRAIN_FLAGS = [
-    ("train-iters-zero", ["--train-iters", "0"], "--train-iters (0) must be >= 1"),
+    # --train-iters 0 is allowed: it writes the initial model with --save (benchmarks/nccl_layout_parity.py).
+    ("train-iters-negative", ["--train-iters", "-1"], "--train-iters (-1) must be >= 0"),
     ("eval-iters-negative", ["--train-iters", "2", "--eval-iters", "-1"], "--eval-iters (-1) must be >= 0"),
     ("eval-interval-negative", ["--train-iters", "2", "--eval-interval", "-5"], "--eval-interval (-5)"),
     ("log-interval-zero", ["--train-iters", "2", "--log-interval", "0"], "--log-interval (0) must be >= 1"),
