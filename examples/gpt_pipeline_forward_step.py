@@ -28,11 +28,11 @@ import torch.distributed as dist
 
 from megatron_core import device, parallel_state
 from megatron_core.distributed import DistributedDataParallelConfig
-from megatron_core.models.common.model_builder import configure_model_hooks, get_model
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron_core.training.model_builder import configure_model_hooks, get_model
 from megatron_core.transformer import TransformerConfig
 
 VOCAB, SEQ_LENGTH, MICRO_BATCH = 128, 16, 4

@@ -36,10 +36,10 @@ from gpt_training.model_builder import build_model, count_parameters, transforme
 from gpt_training.upcycling import upcycle_dense_checkpoint  # noqa: E402
 from megatron_core import parallel_state  # noqa: E402
 from megatron_core.command_line import run_command  # noqa: E402
-from megatron_core.models.common.model_builder import configure_model_hooks  # noqa: E402
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed, pad_vocab_size  # noqa: E402
+from megatron_core.training.model_builder import configure_model_hooks  # noqa: E402
 from megatron_core.transformer import TransformerConfig  # noqa: E402
 from megatron_core.transformer.moe.router_trace import get_moe_router_tracer, init_moe_router_tracer  # noqa: E402
 

@@ -15,11 +15,11 @@ Three checks, each reported with the imports behind it:
 * **upward imports**: an import from a part of a lower layer of ``LAYERS`` into a part of a higher
   layer. Every part must be declared in ``LAYERS`` (an undeclared part is an error).
 
-**Aliases.** Megatron-Core's import paths are kept by thin re-export modules while the code lives in
-the layer that owns it. A file is an *alias* when its body holds nothing but a docstring, imports
-and ``__all__``, and no file of the package imports it: it is then found by that rule (no list of
-names), reported, and counted in the top layer (``facades``), since only users import it. An alias
-that the package itself imports is an ordinary file of its directory, with every edge counted.
+**Aliases are files like any other.** Megatron-Core's import paths are kept by thin re-export
+modules (*aliases*) while the code lives in the layer that owns it. An alias's imports count at its own
+directory's part, like every other file's: so an alias may only re-export from its own layer or a lower
+one. Where Megatron-Core's path sits in a lower layer than the code it names, the code moves down to the
+lowest layer its own imports allow and the higher path becomes the alias (``docs/architecture.md``).
 
 ``LAYERS`` below is the one place where the layer order is written; ``docs/architecture.md`` quotes
 it between markers and a test checks the two agree (``python tools/import_graph.py --layers-markdown``
@@ -69,9 +69,9 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("training", ("training", "training_metrics", "fault_injector", "safe_globals"),
      "the training loop's own state: run checkpoints, RNG state, architecture records, get_model"),
     ("applications", ("inference", "resharding"), "inference engines and servers, weight resharding"),
-    ("facades", ("facades", PACKAGE),
-     "``utils`` and the other aliases of Megatron-Core's paths, kept for users; nothing inside the package "
-     "imports them"),
+    ("facades", ("utils", PACKAGE),
+     "``utils`` (Megatron-Core's grab-bag of helpers, kept for users) and the package's ``__init__``; nothing "
+     "inside the package imports them"),
 ]
 
 
@@ -139,38 +139,10 @@ def scan(root: Path = SRC) -> list[Import]:
     return found
 
 
-def part_of(module: str, aliases: frozenset[str] = frozenset()) -> str:
-    """The part of dotted ``module``: its top-level subpackage or module (the package for its ``__init__``).
-
-    An alias module (see the module docstring) belongs to the ``facades`` part.
-    """
-    if module in aliases:
-        return "facades"
+def part_of(module: str) -> str:
+    """The part of dotted ``module``: its top-level subpackage or module (the package for its ``__init__``)."""
     names = module.split(".")
     return names[1] if len(names) > 1 else PACKAGE
-
-
-def _only_reexports(path: Path) -> bool:
-    """Whether the file holds only a docstring, imports and an ``__all__`` assignment."""
-    for i, node in enumerate(ast.parse(path.read_text()).body):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            continue
-        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue
-        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and all(
-                isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
-            continue
-        return False
-    return True
-
-
-def aliases(imports: list[Import], root: Path = SRC) -> frozenset[str]:
-    """Modules that only re-export and that no file of the package imports (the package's own ``__init__``
-    is the package's facade and not counted here)."""
-    imported = {i.dst for i in imports}
-    return frozenset(m for m, path in modules(root).items()
-                     if m != PACKAGE and m not in imported and _only_reexports(path))
 
 
 def strongly_connected(edges: set[tuple[str, str]]) -> list[list[str]]:
@@ -235,10 +207,9 @@ def report(imports: list[Import]) -> dict:
     """File circles, subpackage cycles, upward imports and undeclared parts as plain data."""
     file_edges = {(i.src, i.dst) for i in imports}
     circles = strongly_connected(file_edges)
-    alias_modules = aliases(imports) if SRC.exists() else frozenset()
     by_part: dict[tuple[str, str], list[Import]] = {}
     for imp in imports:
-        a, b = part_of(imp.src, alias_modules), part_of(imp.dst, alias_modules)
+        a, b = part_of(imp.src), part_of(imp.dst)
         if a != b:
             by_part.setdefault((a, b), []).append(imp)
     part_comps = strongly_connected(set(by_part))
@@ -249,7 +220,7 @@ def report(imports: list[Import]) -> dict:
             {"src": a, "dst": b, "imports": [_where(i) for i in imps]}
             for (a, b), imps in sorted(by_part.items()) if a in members and b in members
         )
-    parts = {part_of(m, alias_modules) for m in modules(SRC)} if SRC.exists() else set()
+    parts = {part_of(m) for m in modules(SRC)} if SRC.exists() else set()
     parts |= {p for edge in by_part for p in edge}
     upward = []
     for (a, b), imps in sorted(by_part.items()):
@@ -265,7 +236,6 @@ def report(imports: list[Import]) -> dict:
         "subpackage_cycles": cycles,
         "upward_imports": upward,
         "undeclared_parts": sorted(p for p in parts if layer_of(p) is None),
-        "aliases": sorted(alias_modules),
     }
 
 
@@ -310,11 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in result["upward_imports"]:
         print(f"  {line}")
     print(f"undeclared parts: {len(result['undeclared_parts'])} {' '.join(result['undeclared_parts'])}")
-    print(f"aliases (re-export only, imported by no file of the package): {len(result['aliases'])}")
     return 1 if failed(result) else 0
 
 
-__all__ = ["Import", "LAYERS", "aliases", "failed", "layer_of", "layers_markdown", "main", "modules", "part_of",
+__all__ = ["Import", "LAYERS", "failed", "layer_of", "layers_markdown", "main", "modules", "part_of",
            "report", "scan", "strongly_connected"]
 
 if __name__ == "__main__":

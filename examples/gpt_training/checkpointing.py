@@ -1,4 +1,4 @@
-"""Checkpoints of ``pretrain_gpt.py`` through ``megatron_core.dist_checkpointing.training``.
+"""Checkpoints of ``pretrain_gpt.py`` through ``megatron_core.training``.
 
 Each save writes ``<save>/iter_0000010/`` (model chunks, optimizer, scheduler, RNG states, iteration,
 consumed samples and the run's flags) and then moves the ``latest_checkpointed_iteration.txt`` tracker.
@@ -12,7 +12,7 @@ import argparse
 import os
 
 from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron_core.dist_checkpointing.training import load_checkpoint, read_tracker, save_checkpoint
+from megatron_core.training import load_checkpoint, read_tracker, save_checkpoint
 
 # Flags that change the trained model or the data order: a resumed run must use the same values.
 _MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size", "seed")

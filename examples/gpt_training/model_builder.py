@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core.distributed import DistributedDataParallelConfig
-from megatron_core.models.common.model_builder import get_model
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_mtp_block_spec,
 )
+from megatron_core.training.model_builder import get_model
 from megatron_core.transformer import MLATransformerConfig, TransformerConfig
 
 

@@ -14,7 +14,7 @@ import copy
 import torch
 
 from gpt_training.model_builder import build_model, transformer_config_from_args
-from megatron_core.dist_checkpointing.training import load_checkpoint, read_tracker
+from megatron_core.training import load_checkpoint, read_tracker
 from megatron_core.transformer.moe.upcycling_utils import load_and_upcycle_model
 
 UPCYCLED_ITERATION = 1

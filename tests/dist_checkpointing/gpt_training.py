@@ -14,11 +14,11 @@ import torch
 from megatron_core import parallel_state, tensor_parallel
 from megatron_core.device import get_current_device
 from megatron_core.distributed import DistributedDataParallelConfig
-from megatron_core.models.common.model_builder import configure_model_hooks, get_model
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_core.pipeline_parallel import get_forward_backward_func
+from megatron_core.training.model_builder import configure_model_hooks, get_model
 from megatron_core.transformer import TransformerConfig
 from tests.models.gpt_test_utils import BATCH as MBS
 from tests.models.gpt_test_utils import MAX_SEQ, SEQ, VOCAB, llama_like

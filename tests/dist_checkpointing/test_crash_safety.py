@@ -27,7 +27,7 @@ from megatron_core.dist_checkpointing import (
     load_common_state_dict,
     load_plain_tensors,
 )
-from megatron_core.dist_checkpointing.training import (
+from megatron_core.training import (
     get_checkpoint_name,
     load_checkpoint,
     read_tracker,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_core.dist_checkpointing import load_plain_tensors
-from megatron_core.dist_checkpointing.training import get_checkpoint_name, load_checkpoint, save_checkpoint
+from megatron_core.training import get_checkpoint_name, load_checkpoint, save_checkpoint
 from tests.dist_checkpointing.gpt_training import build, logits, train_step
 from tests.dist_harness import run_on_ranks
 

@@ -20,7 +20,7 @@ import torch
 
 from megatron_core import parallel_state
 from megatron_core.dist_checkpointing import AsyncCallsQueue, CheckpointingException
-from megatron_core.dist_checkpointing.training import (
+from megatron_core.training import (
     get_checkpoint_name,
     load_checkpoint,
     read_tracker,

@@ -12,7 +12,7 @@ import torch
 
 from megatron_core import parallel_state
 from megatron_core.dist_checkpointing import load_plain_tensors
-from megatron_core.dist_checkpointing.training import get_checkpoint_name, load_checkpoint, save_checkpoint
+from megatron_core.training import get_checkpoint_name, load_checkpoint, save_checkpoint
 from tests.dist_harness import run_on_ranks
 from tests.distributed import fsdp_gpt as fg
 

@@ -1,4 +1,4 @@
-"""``models.common.model_builder``: ``get_model`` gives each virtual stage the right ``pre_process`` /
+"""``training.model_builder``: ``get_model`` gives each virtual stage the right ``pre_process`` /
 ``post_process`` flags and wraps it (Float16Module, DDP); ``configure_model_hooks`` sets the config hooks.
 
 PP=2 with two virtual stages per rank on two CPU ranks: rank 0 holds global stages 0 and 2, rank 1
@@ -18,9 +18,9 @@ from megatron_core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron_core.models.common.model_builder import configure_model_hooks, get_model
 from megatron_core.models.gpt import GPTModel
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_core.training.model_builder import configure_model_hooks, get_model
 from megatron_core.transformer import TransformerConfig
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.module import Float16Module

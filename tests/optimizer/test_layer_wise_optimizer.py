@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from megatron_core import parallel_state
-from megatron_core.dist_checkpointing.training import load_checkpoint, save_checkpoint
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.optimizer import (
@@ -24,6 +23,7 @@ from megatron_core.optimizer import (
     is_managed_by_layer_wise_optimizer,
 )
 from megatron_core.optimizer.layer_wise_optimizer import tag_params_for_buffer_routing
+from megatron_core.training import load_checkpoint, save_checkpoint
 from megatron_core.transformer import TransformerConfig
 from tests.dist_harness import run_on_ranks
 from tests.optimizer.dp_step import dp_train_step

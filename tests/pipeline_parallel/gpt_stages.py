@@ -13,8 +13,8 @@ from functools import partial
 import torch
 
 from megatron_core import parallel_state
-from megatron_core.models.common.model_builder import get_model
 from megatron_core.models.gpt import GPTModel
+from megatron_core.training.model_builder import get_model
 from megatron_core.transformer import TransformerConfig
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
 from tests.models.gpt_test_utils import BATCH as MBS

@@ -24,10 +24,10 @@ from megatron_core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron_core.models.common.model_builder import get_model
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron_core.pipeline_parallel import forward_backward_no_pipelining, get_forward_backward_func
+from megatron_core.training.model_builder import get_model
 from megatron_core.transformer import TransformerConfig
 from megatron_core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset

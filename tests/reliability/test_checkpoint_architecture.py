@@ -15,8 +15,8 @@ import torch
 
 from megatron_core import parallel_state, tensor_parallel
 from megatron_core.dist_checkpointing import CheckpointingException, sharded_state_dict_default
-from megatron_core.dist_checkpointing.training import load_checkpoint, save_checkpoint
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_core.training import load_checkpoint, save_checkpoint
 from megatron_core.transformer import TransformerConfig
 from tests.dist_harness import run_on_ranks
 

@@ -19,7 +19,7 @@ import torch
 from megatron_core.dist_checkpointing import CheckpointingException, ShardedTensor, load, save
 from megatron_core.dist_checkpointing.manifest import read_manifest, sha256_file
 from megatron_core.dist_checkpointing.save_target import MANIFEST_FNAME
-from megatron_core.dist_checkpointing.training import get_checkpoint_name, load_checkpoint, save_checkpoint
+from megatron_core.training import get_checkpoint_name, load_checkpoint, save_checkpoint
 from tests.dist_checkpointing.crash_saver import TinyModel
 from tests.dist_harness import run_on_ranks
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_core.dist_checkpointing import CheckpointingException, core, load_plain_tensors
-from megatron_core.dist_checkpointing.training import (
+from megatron_core.training import (
     get_checkpoint_name,
     load_checkpoint,
     read_tracker,

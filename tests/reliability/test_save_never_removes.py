@@ -22,7 +22,7 @@ from megatron_core.dist_checkpointing import (
     load_plain_tensors,
     save,
 )
-from megatron_core.dist_checkpointing.training import get_checkpoint_name, read_tracker, save_checkpoint
+from megatron_core.training import get_checkpoint_name, read_tracker, save_checkpoint
 from tests.dist_checkpointing.crash_saver import TinyModel
 
 

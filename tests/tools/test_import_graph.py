@@ -80,8 +80,7 @@ def test_circles_are_strongly_connected_components_largest_first():
 def test_every_part_of_the_package_is_declared_once():
     declared = [p for _, parts, _ in import_graph.LAYERS for p in parts]
     assert len(declared) == len(set(declared))
-    aliases = import_graph.aliases(import_graph.scan())
-    parts = {import_graph.part_of(m, aliases) for m in import_graph.modules()}
+    parts = {import_graph.part_of(m) for m in import_graph.modules()}
     assert parts <= set(declared), parts - set(declared)
 
 
@@ -102,15 +101,41 @@ def test_the_package_has_no_circle_no_cycle_no_upward_import():
     assert result["undeclared_parts"] == [], result["undeclared_parts"]
 
 
-def test_utils_and_the_other_aliases_are_imported_by_nothing_inside_src():
-    imports = import_graph.scan()
-    assert not [i for i in imports if i.dst == "megatron_core.utils"]
-    aliases = import_graph.aliases(imports)
-    for alias in ("megatron_core.utils", "megatron_core.fusions.fused_layer_norm",
-                  "megatron_core.fusions.fused_bias_dropout", "megatron_core.ssm.mamba_block",
-                  "megatron_core.ssm.mamba_hybrid_layer_allocation", "megatron_core.dist_checkpointing.training",
-                  "megatron_core.dist_checkpointing.gpt_checkpoint_interop", "megatron_core.optimizer.param_layout"):
-        assert alias in aliases, alias
+def test_an_alias_counts_at_its_own_part(tmp_path, monkeypatch):
+    """A re-export-only module in a lower subpackage that names a higher one is an upward import and a cycle."""
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "fusions/__init__.py": "",
+        "fusions/fused_norm.py": "from megatron_core.transformer.norm import Norm\n\n__all__ = ['Norm']\n",
+        "fusions/kernel.py": "",
+        "transformer/__init__.py": "",
+        "transformer/norm.py": "from megatron_core.fusions import kernel\n",
+    })
+    result = _report(monkeypatch, pkg)
+    assert result["upward_imports"] == ["megatron_core.fusions.fused_norm:1 -> megatron_core.transformer.norm"]
+    assert {(c["src"], c["dst"]) for c in result["subpackage_cycles"]} == {
+        ("fusions", "transformer"), ("transformer", "fusions")}
+
+
+def test_utils_is_imported_by_nothing_inside_src():
+    assert not [i for i in import_graph.scan() if i.dst == "megatron_core.utils"]
+
+
+def test_megatron_paths_whose_code_moved_down_still_name_the_same_objects():
+    """The Megatron-Core paths kept as aliases over lower-layer code give the very objects of the owner."""
+    import importlib
+
+    pairs = {
+        "megatron_core.models.hybrid.hybrid_block": ("megatron_core.ssm.hybrid_stack", "HybridStack"),
+        "megatron_core.ssm.mamba_block": ("megatron_core.ssm.hybrid_stack", "MambaStack"),
+        "megatron_core.models.hybrid.hybrid_layer_allocation": ("megatron_core._ground.hybrid_pattern", "Symbols"),
+        "megatron_core.ssm.mamba_hybrid_layer_allocation": ("megatron_core._ground.hybrid_pattern",
+                                                            "parse_hybrid_pattern"),
+        "megatron_core.transformer.torch_norm": ("megatron_core.fusions.norms", "RMSNorm"),
+        "megatron_core.transformer": ("megatron_core.fusions.fused_bias_dropout", "get_bias_dropout_add"),
+    }
+    for alias, (owner, name) in pairs.items():
+        assert getattr(importlib.import_module(alias), name) is getattr(importlib.import_module(owner), name), alias
 
 
 def test_ground_floor_imports_nothing_above_it():

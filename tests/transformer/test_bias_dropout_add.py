@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from megatron_core.transformer.bias_dropout_add import bias_dropout_add
+from megatron_core.fusions.fused_bias_dropout import bias_dropout_add
 
 
 def test_values_match_the_plain_expression():

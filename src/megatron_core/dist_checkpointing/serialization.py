@@ -21,6 +21,7 @@ on every rank if it fails on any, so a model is never loaded partially.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import logging
@@ -63,7 +64,7 @@ from megatron_core.dist_checkpointing.mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from megatron_core.dist_checkpointing.safe_load import DCP_METADATA_FNAME, read_dcp_metadata, torch_load_safe
+from megatron_core.dist_checkpointing.safe_load import DCP_METADATA_FNAME, torch_load_safe
 from megatron_core.dist_checkpointing.save_target import (
     IN_PROGRESS_MARKER,
     check_save_target,
@@ -304,26 +305,34 @@ def _run_now(request: AsyncRequest, tmp_dir: Path, rank: int, group: Any) -> Non
         fn()
 
 
-def _resolve_load_strategy(strategy: Any, checkpoint_dir: str | os.PathLike) -> TorchDistLoadShardedStrategy:
-    if strategy is None or isinstance(strategy, tuple):
-        resolved = get_default_load_sharded_strategy(checkpoint_dir)
-    elif isinstance(strategy, LoadShardedStrategy):
-        resolved = strategy
-    else:
-        raise CheckpointingException(f"sharded_strategy must be a LoadShardedStrategy, got {strategy!r}")
-    if not isinstance(resolved, TorchDistLoadShardedStrategy):
-        raise CheckpointingException(f"{type(resolved).__name__} is not a torch_dist load strategy")
-    return resolved
+def _checkpoint_strategy(checkpoint_dir: str | os.PathLike, strategy: Any = None) -> TorchDistLoadShardedStrategy:
+    """The load strategy for ``checkpoint_dir``, which must be a complete distributed checkpoint.
 
-
-def _require_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
+    ``strategy`` may be ``None`` or ``(backend, version)`` (a new strategy, checked against
+    ``metadata.json``) or a ``LoadShardedStrategy`` (used as it is). The strategy keeps what it read
+    of the checkpoint; pass it on to the next call so ``metadata.json`` and ``.metadata`` are read once.
+    """
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
-    if not check_is_distributed_checkpoint(checkpoint_dir):
+    fresh = strategy is None or isinstance(strategy, tuple)
+    if not fresh and not isinstance(strategy, LoadShardedStrategy):
+        raise CheckpointingException(f"sharded_strategy must be a LoadShardedStrategy, got {strategy!r}")
+    resolved = TorchDistLoadShardedStrategy() if fresh else strategy
+    if not isinstance(resolved, TorchDistLoadShardedStrategy):
+        raise CheckpointingException(f"{type(resolved).__name__} is not a torch_dist load strategy")
+    try:
+        config = resolved.checkpoint_config(checkpoint_dir)
+    except CheckpointingException:
+        config = None
+    if config is None:
         raise CheckpointingException(
             f"{checkpoint_dir} is not a distributed checkpoint (metadata.json missing or invalid: "
             "another format, or a save that did not complete)"
         )
+    if fresh:
+        resolved.check_backend_compatibility(config.sharded_backend)
+        resolved.check_version_compatibility(config.sharded_backend_version)
+    return resolved
 
 
 def _storage_key(sh: ShardedBase) -> str:
@@ -341,6 +350,7 @@ def load(
     process_group: Any = None,
     verify_checksums: bool = False,
     verify_integrity: bool = False,
+    common_state_dict: StateDict | None = None,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the shards described by ``sharded_state_dict`` (any parallel layout) plus the common state.
 
@@ -352,6 +362,9 @@ def load(
     ``verify_checksums`` (not in Megatron-Core) first checks every file against the checkpoint's
     SHA-256 manifest (see :mod:`.manifest`), the work split across the ranks. ``verify_integrity``
     first checks the files against ``integrity.json`` (written by ``save(..., verify_integrity=True)``).
+    ``common_state_dict`` (not in Megatron-Core): the checkpoint's common state, already read by
+    :func:`load_common_state_dict` (it is copied, not read again). Pass the strategy used to read
+    anything else of the checkpoint as ``sharded_strategy``: it keeps ``metadata.json`` and ``.metadata``.
     """
     strict = parse_strict_flag(strict)
     _check_common_strategy(common_strategy)
@@ -366,9 +379,9 @@ def load(
     requested: set[str] = set()
     strategy: TorchDistLoadShardedStrategy | None = None
     try:
-        _require_checkpoint(checkpoint_dir)
-        strategy = _resolve_load_strategy(sharded_strategy, checkpoint_dir)
-        common_state = load_common_state_dict(checkpoint_dir)
+        strategy = _checkpoint_strategy(checkpoint_dir, sharded_strategy)
+        common_state = (copy.deepcopy(common_state_dict) if common_state_dict is not None
+                        else load_common_state_dict(checkpoint_dir, sharded_strategy=strategy))
         factories, _ = extract_matching_values(
             sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
         )
@@ -432,35 +445,39 @@ def _report_mismatch(strict: StrictHandling, missing: set[str], unexpected: set[
         logger.warning("%s: requested keys missing from the checkpoint: %s", checkpoint_dir, sorted(missing)[:20])
 
 
-def _read_common_state(checkpoint_dir: str | os.PathLike) -> StateDict:
-    """The common state with its content metadata, from ``common.pt`` or the DCP ``common_state`` entry."""
+def _read_common_state(checkpoint_dir: str | os.PathLike,
+                       strategy: TorchDistLoadShardedStrategy | None = None) -> StateDict:
+    """The common state with its content metadata, from ``common.pt`` or the DCP ``common_state`` entry
+    (read through ``strategy``, which keeps the ``.metadata`` it reads)."""
     path = Path(checkpoint_dir) / COMMON_STATE_FNAME
     if path.is_file():  # megatron-core <= 0.18 layout (and ours with common_strategy="torch")
         common = torch_load_safe(path, str(path))
         where = str(path)
     else:
-        metadata = read_dcp_metadata(checkpoint_dir)
-        if COMMON_STATE_UNIQUE_KEY not in metadata.state_dict_metadata:
+        strategy = strategy or TorchDistLoadShardedStrategy()
+        if COMMON_STATE_UNIQUE_KEY not in strategy.metadata(checkpoint_dir).state_dict_metadata:
             raise CheckpointingException(
                 f"{checkpoint_dir} holds no common state: neither {COMMON_STATE_FNAME} nor the DCP entry "
                 f"{COMMON_STATE_UNIQUE_KEY!r}; the checkpoint is incomplete"
             )
         request = {COMMON_STATE_KEY: ShardedObject.empty_from_unique_key(COMMON_STATE_UNIQUE_KEY)}
-        common = TorchDistLoadShardedStrategy().load(request, checkpoint_dir)[COMMON_STATE_KEY]
+        common = strategy.load(request, checkpoint_dir)[COMMON_STATE_KEY]
         where = f"{checkpoint_dir} entry {COMMON_STATE_UNIQUE_KEY!r}"
     if not isinstance(common, dict):
         raise CheckpointingException(f"{where} holds a {type(common).__name__}, expected a dict")
     return common
 
 
-def load_common_state_dict(checkpoint_dir: str | os.PathLike) -> StateDict:
+def load_common_state_dict(checkpoint_dir: str | os.PathLike, *,
+                           sharded_strategy: TorchDistLoadShardedStrategy | None = None) -> StateDict:
     """The common (non-sharded) state saved by rank 0, read with ``weights_only=True``; it includes the
     ``content_metadata`` given to ``save`` (as Megatron-Core's, so ``load`` returns it too).
 
     Read from ``common.pt`` when the checkpoint has one (megatron-core <= 0.18), else from the
-    ``common_state`` entry of the DCP files (megatron-core 0.19); no collectives.
+    ``common_state`` entry of the DCP files (megatron-core 0.19); no collectives. ``sharded_strategy``
+    (not in Megatron-Core): a load strategy that may already hold the checkpoint's ``.metadata``.
     """
-    return _read_common_state(checkpoint_dir)
+    return _read_common_state(checkpoint_dir, sharded_strategy)
 
 
 def load_content_metadata(checkpoint_dir: str | os.PathLike | None = None, *,
@@ -476,22 +493,19 @@ def load_content_metadata(checkpoint_dir: str | os.PathLike | None = None, *,
 def load_tensors_metadata(checkpoint_dir: str | os.PathLike,
                           sharded_strategy: LoadShardedStrategy | None = None) -> ShardedStateDict:
     """Data-less ShardedTensors (global shape, dtype) for every tensor in the checkpoint."""
-    _require_checkpoint(checkpoint_dir)
-    return _resolve_load_strategy(sharded_strategy, checkpoint_dir).load_tensors_metadata(checkpoint_dir)
+    return _checkpoint_strategy(checkpoint_dir, sharded_strategy).load_tensors_metadata(checkpoint_dir)
 
 
 def load_sharded_metadata(checkpoint_dir: str | os.PathLike, sharded_strategy: LoadShardedStrategy | None = None,
                           common_strategy: Any = None) -> ShardedStateDict:
     """Data-less ShardedTensors and ShardedObjects for everything in the checkpoint."""
     _check_common_strategy(common_strategy)
-    _require_checkpoint(checkpoint_dir)
-    return _resolve_load_strategy(sharded_strategy, checkpoint_dir).load_sharded_metadata(checkpoint_dir)
+    return _checkpoint_strategy(checkpoint_dir, sharded_strategy).load_sharded_metadata(checkpoint_dir)
 
 
 def load_plain_tensors(checkpoint_dir: str | os.PathLike) -> StateDict:
     """Every tensor of the checkpoint as one full (unsharded) CPU tensor on this rank; no collectives."""
-    _require_checkpoint(checkpoint_dir)
-    strategy = _resolve_load_strategy(None, checkpoint_dir)
+    strategy = _checkpoint_strategy(checkpoint_dir)
     sharded = strategy.load_tensors_metadata(checkpoint_dir)
     for sh in sharded.values():
         sh.init_data("cpu")
@@ -503,8 +517,7 @@ def remove_sharded_tensors(checkpoint_dir: str | os.PathLike, key_prefix: str) -
 
     The bytes stay in the data files but are no longer reachable; ``.metadata`` is replaced atomically.
     """
-    _require_checkpoint(checkpoint_dir)
-    metadata = read_dcp_metadata(checkpoint_dir)
+    metadata = _checkpoint_strategy(checkpoint_dir, TorchDistLoadShardedStrategy()).metadata(checkpoint_dir)
     metadata.state_dict_metadata = {
         k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
     }
@@ -518,6 +531,7 @@ __all__ = [
     "CheckpointingException",
     "StrictHandling",
     "check_is_distributed_checkpoint",
+    "get_default_load_sharded_strategy",
     "load",
     "load_common_state_dict",
     "load_content_metadata",

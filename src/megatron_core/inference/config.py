@@ -46,7 +46,7 @@ class MambaInferenceStateConfig:
     mamba_chunk_size: int = 128
 
     def __post_init__(self) -> None:
-        from megatron_core.models.hybrid.hybrid_layer_allocation import Symbols
+        from megatron_core._ground.hybrid_pattern import Symbols
 
         name = "MambaInferenceStateConfig"
         layers = self.layer_type_list
@@ -78,8 +78,8 @@ class MambaInferenceStateConfig:
         Shapes come from the first Mamba layer, the chunk size from its mixer; unset dtypes default to
         ``model.config.params_dtype``.
         """
+        from megatron_core._ground.hybrid_pattern import Symbols
         from megatron_core._wrapped_model import get_attr_wrapped_model
-        from megatron_core.models.hybrid.hybrid_layer_allocation import Symbols
 
         decoder = get_attr_wrapped_model(model, "decoder")
         layer_types = getattr(decoder, "layer_type_list", None)

@@ -1,5 +1,5 @@
-"""The hybrid layer stack at its pre-0.19 path; the code lives in
-:mod:`megatron_core.models.hybrid.hybrid_block` (Megatron-Core 0.19 moved it there)."""
+"""The hybrid layer stack at Megatron-Core's path ``ssm.mamba_block`` (before 0.19); the code lives in
+:mod:`megatron_core.ssm.hybrid_stack`."""
 
-from megatron_core.models.hybrid.hybrid_block import *  # noqa: F403
-from megatron_core.models.hybrid.hybrid_block import __all__ as __all__
+from megatron_core.ssm.hybrid_stack import *  # noqa: F403
+from megatron_core.ssm.hybrid_stack import __all__ as __all__

@@ -1,5 +1,5 @@
-"""Hybrid layer patterns at their pre-0.19 path; the code lives in
-:mod:`megatron_core.models.hybrid.hybrid_layer_allocation` (Megatron-Core 0.19 moved it there)."""
+"""Hybrid layer patterns at Megatron-Core's path ``ssm.mamba_hybrid_layer_allocation`` (before 0.19); the code lives in
+:mod:`megatron_core._ground.hybrid_pattern` (pure string handling that the storage layer needs too)."""
 
-from megatron_core.models.hybrid.hybrid_layer_allocation import *  # noqa: F403
-from megatron_core.models.hybrid.hybrid_layer_allocation import __all__ as __all__
+from megatron_core._ground.hybrid_pattern import *  # noqa: F403
+from megatron_core._ground.hybrid_pattern import __all__ as __all__

@@ -17,7 +17,7 @@ sets the ``config`` hooks the schedules and the training step read (``no_sync_fu
 
 Megatron-LM keeps ``get_model`` in ``megatron.training.training``, reading its global ``args``;
 here the same logic lives in the training-loop layer with explicit arguments, and
-``megatron_core.models.common.model_builder`` re-exports it (see ``docs/compat.md``).
+``megatron_core.training.model_builder`` re-exports it (see ``docs/compat.md``).
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core._ground import get_pg_size
+from megatron_core.fusions.norms import RMSNorm
 from megatron_core.tensor_parallel.fused_gemv import fused_gemv, fused_gemv_supported
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_core.transformer.attention import SelfAttention
 from megatron_core.transformer.mlp import MLP
-from megatron_core.transformer.torch_norm import RMSNorm
 
 __all__ = ["enabled", "fused_decode_applies", "fused_decode_forward"]
 

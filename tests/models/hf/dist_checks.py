@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state, tensor_parallel
-from megatron_core.dist_checkpointing.training import load_checkpoint, save_checkpoint
 from megatron_core.models.hf import AutoBridge
+from megatron_core.training import load_checkpoint, save_checkpoint
 from tests.models.hf.hf_models import BATCH, SEQ, batch
 
 

@@ -29,10 +29,10 @@ from megatron_core import dist_checkpointing, parallel_state, tensor_parallel  #
 from megatron_core.dist_checkpointing import apply_factories, load_sharded_metadata  # noqa: E402
 from megatron_core.dist_checkpointing.mapping import ShardedObject, ShardedTensor  # noqa: E402
 from megatron_core.dist_checkpointing.serialization import COMMON_STATE_KEY  # noqa: E402
-from megatron_core.dist_checkpointing.training import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_core.models.hf import AutoBridge  # noqa: E402
 from megatron_core.models.hf.cli import main  # noqa: E402
 from megatron_core.models.hf.convert import export_mcore_to_hf, import_hf_to_mcore  # noqa: E402
+from megatron_core.training import load_checkpoint, save_checkpoint  # noqa: E402
 
 VOCAB, SEQ, BATCH, LAYERS, HIDDEN = 96, 10, 2, 4, 32
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_core.dist_checkpointing.core import CheckpointingException, maybe_load_config
+from megatron_core.dist_checkpointing.core import CheckpointingException
 from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron_core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -26,12 +26,12 @@ def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int 
 def get_default_load_sharded_strategy(checkpoint_dir: str | os.PathLike | None = None) -> LoadShardedStrategy:
     """The ``torch_dist`` load strategy; with ``checkpoint_dir``, checked against the backend and version
     recorded in its ``metadata.json`` (``CheckpointingException`` when it is not a distributed checkpoint)."""
+    strategy = TorchDistLoadShardedStrategy()
     if checkpoint_dir is None:
-        return TorchDistLoadShardedStrategy()
-    config = maybe_load_config(checkpoint_dir)
+        return strategy
+    config = strategy.checkpoint_config(checkpoint_dir)
     if config is None:
         raise CheckpointingException(f"{checkpoint_dir} is not a distributed checkpoint (no valid metadata.json)")
-    strategy = TorchDistLoadShardedStrategy()
     strategy.check_backend_compatibility(config.sharded_backend)
     strategy.check_version_compatibility(config.sharded_backend_version)
     return strategy

@@ -19,7 +19,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from megatron_core.dist_checkpointing import collectives
-from megatron_core.dist_checkpointing.core import CheckpointingException
+from megatron_core.dist_checkpointing.core import (
+    CheckpointingConfig,
+    CheckpointingException,
+    maybe_load_config,
+)
 from megatron_core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
 from megatron_core.dist_checkpointing.manifest import HashingFileSystem
 from megatron_core.dist_checkpointing.mapping import (
@@ -115,10 +119,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
-    """Load shards from DCP files into fresh buffers, resharding to whatever layout is requested."""
+    """Load shards from DCP files into fresh buffers, resharding to whatever layout is requested.
+
+    An instance remembers what it read of each checkpoint directory (``metadata.json``, DCP's
+    ``.metadata``): one load passes its strategy on, so each file is read once.
+    """
 
     def __init__(self) -> None:
         self._metadata_cache: dict[str, Metadata] = {}
+        self._config_cache: dict[str, CheckpointingConfig] = {}
 
     def metadata(self, checkpoint_dir: str | os.PathLike) -> Metadata:
         """The checkpoint's DCP metadata (read safely, validated, cached per directory)."""
@@ -126,6 +135,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if key not in self._metadata_cache:
             self._metadata_cache[key] = read_dcp_metadata(checkpoint_dir)
         return self._metadata_cache[key]
+
+    def checkpoint_config(self, checkpoint_dir: str | os.PathLike) -> CheckpointingConfig | None:
+        """The checkpoint's ``metadata.json`` (:func:`..core.maybe_load_config`; a valid one is cached per directory)."""
+        key = os.path.abspath(checkpoint_dir)
+        if key not in self._config_cache:
+            config = maybe_load_config(checkpoint_dir)
+            if config is None:
+                return None
+            self._config_cache[key] = config
+        return self._config_cache[key]
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         """Read every shard of ``sharded_state_dict``; local to this rank (no collectives)."""

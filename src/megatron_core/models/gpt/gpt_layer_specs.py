@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from megatron_core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron_core.transformer.backends import fused_norm_keys_map
 from megatron_core.transformer.backends import te_spec_provider as _te_spec_provider
-from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.mlp import MLP, MLPSubmodules

@@ -1,7 +1,7 @@
 """Hugging Face directory <-> distributed checkpoint on disk, from one process, one tensor at a time.
 
 :func:`import_hf_to_mcore` writes ``<out>/iter_0000000/`` (plus the ``latest_checkpointed_iteration.txt``
-tracker) in the layout of ``dist_checkpointing.training.save_checkpoint``: each model tensor is
+tracker) in the layout of ``training.save_checkpoint``: each model tensor is
 stored in its global (TP- and PP-independent) form, one chunk per layer, under the sharded keys
 GPTModel's ``sharded_state_dict`` uses: stacked layers, per-layer keys where dense and MoE layers mix,
 ``mtp.layers.<k>.`` for multi-token-prediction depths (:mod:`.checkpoint_layout`). ``dist_checkpointing``

@@ -9,14 +9,14 @@ Megatron-Core's specs use Transformer Engine (fused norm + linear); here each fu
 from __future__ import annotations
 
 from megatron_core import tensor_parallel
+from megatron_core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec
-from megatron_core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+from megatron_core.ssm.hybrid_stack import HybridStack, HybridStackSubmodules
 from megatron_core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron_core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
 from megatron_core.ssm.mlp_layer import MLPLayer
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron_core.transformer.backends import fused_norm_keys_map
-from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.dot_product_attention import DotProductAttention
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.mlp import MLP, MLPSubmodules

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron_core.models.common.language_module.language_module import LanguageModule
-from megatron_core.models.hybrid.hybrid_layer_allocation import (
+from megatron_core._ground.hybrid_pattern import (
     get_hybrid_total_layer_count,
     parse_hybrid_pattern,
     pattern_from_ratios,
     select_pipeline_segment,
 )
+from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron_core.models.common.language_module.language_module import LanguageModule
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig

@@ -9,10 +9,10 @@ the state-dict keys Megatron-Core's specs give.
 
 from __future__ import annotations
 
+from megatron_core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron_core.models.gpt.gpt_layer_specs import _te_spec_provider, get_mlp_module_spec_for_backend
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.spec_utils import ModuleSpec

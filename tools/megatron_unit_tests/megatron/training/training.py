@@ -6,7 +6,7 @@ from megatron.training.global_vars import get_args
 
 from megatron_core.distributed import DistributedDataParallelConfig
 from megatron_core.enums import ModelType
-from megatron_core.models.common import model_builder
+from megatron_core.training import model_builder
 
 
 def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp: bool = True):

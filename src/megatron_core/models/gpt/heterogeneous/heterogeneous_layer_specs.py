@@ -10,11 +10,11 @@ Transformer Engine's fused names, but only for blocks whose JSON sets the query 
 
 from __future__ import annotations
 
+from megatron_core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_core.models.backends import LocalSpecProvider
 from megatron_core.models.gpt.gpt_layer_specs import _te_spec_provider
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron_core.transformer.backends import INPUT_NORM_KEY, PRE_MLP_NORM_KEY
-from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.heterogeneous.heterogeneous_config import (
     AttentionConfig,
