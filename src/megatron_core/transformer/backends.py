@@ -26,8 +26,8 @@ from megatron_core.transformer.mlp import MLPSubmodules
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
 
-__all__ = ["INPUT_NORM_KEY", "PRE_MLP_NORM_KEY", "BackendSpecProvider", "LocalSpecProvider", "fused_norm_keys_map",
-           "te_spec_provider"]
+__all__ = ["INPUT_NORM_KEY", "PRE_MLP_NORM_KEY", "BackendSpecProvider", "LocalSpecProvider", "experts_spec",
+           "fused_norm_keys_map", "te_spec_provider"]
 
 # Checkpoint names of the separate local norms: Transformer Engine fuses each norm into the next linear layer,
 # and Megatron-Core's checkpoints store it there, so a local layer maps its norm keys onto those names.
@@ -101,14 +101,24 @@ class LocalSpecProvider:
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool) -> Any:
         """Routed experts: ``TEGroupedMLP`` on grouped linears (one GEMM per projection) or ``SequentialMLP``."""
-        from megatron_core.transformer.moe import experts, grouped_linear
+        from megatron_core.transformer.moe import grouped_linear
 
-        if moe_use_grouped_gemm:
-            return ModuleSpec(module=experts.TEGroupedMLP, submodules=experts.GroupedMLPSubmodules(
-                linear_fc1=grouped_linear.ColumnParallelGroupedLinear,
-                linear_fc2=grouped_linear.RowParallelGroupedLinear))
-        return ModuleSpec(module=experts.SequentialMLP, submodules=MLPSubmodules(
-            linear_fc1=tensor_parallel.ColumnParallelLinear, linear_fc2=tensor_parallel.RowParallelLinear))
+        return experts_spec(
+            moe_use_grouped_gemm, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear),
+            (grouped_linear.ColumnParallelGroupedLinear, grouped_linear.RowParallelGroupedLinear))
+
+
+def experts_spec(moe_use_grouped_gemm: bool, linears: tuple[type, type], grouped_linears: tuple[type, type]
+                 ) -> ModuleSpec:
+    """A provider's routed experts: ``TEGroupedMLP`` on ``grouped_linears`` (fc1, fc2) with ``moe_use_grouped_gemm``,
+    else ``SequentialMLP`` on ``linears`` (fc1, fc2)."""
+    from megatron_core.transformer.moe import experts
+
+    if moe_use_grouped_gemm:
+        return ModuleSpec(module=experts.TEGroupedMLP, submodules=experts.GroupedMLPSubmodules(
+            linear_fc1=grouped_linears[0], linear_fc2=grouped_linears[1]))
+    return ModuleSpec(module=experts.SequentialMLP, submodules=MLPSubmodules(
+        linear_fc1=linears[0], linear_fc2=linears[1]))
 
 
 def te_spec_provider() -> BackendSpecProvider:

@@ -5,8 +5,9 @@ mask). As in Megatron-Core, the local spec is a module-level object, ``bert_laye
 (PyTorch norms and this library's tensor-parallel layers). The Transformer Engine spec comes from
 :func:`get_bert_layer_with_transformer_engine_spec`, and the old module attribute
 ``bert_layer_with_transformer_engine_spec`` still resolves to it, with a deprecation warning.
-The Transformer Engine classes come from :mod:`megatron_core.extensions.transformer_engine`, which
-imports without Transformer Engine: the spec can always be built and imported, and building a model
+Both are built from a backend spec provider (``LocalSpecProvider``, ``TESpecProvider``), as GPT's are.
+The Transformer Engine classes are the wrappers of :mod:`megatron_core.extensions.transformer_engine`, which
+import without Transformer Engine: the spec can always be built and imported, and building a model
 from it without Transformer Engine raises the ``ImportError`` naming the ``te`` extra.
 """
 
@@ -14,21 +15,16 @@ from __future__ import annotations
 
 import warnings
 
-from megatron_core.extensions.transformer_engine import (
-    TEDotProductAttention,
-    TELayerNormColumnParallelLinear,
-    TERowParallelLinear,
+from megatron_core.extensions.transformer_engine_spec_provider import TESpecProvider
+from megatron_core.transformer.backend_specs import (
+    dense_mlp_spec,
+    pre_norm_layer_submodules,
+    self_attention_spec,
 )
-from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron_core.transformer.backends import fused_norm_keys_map
-from megatron_core.transformer.bias_dropout_add import get_bias_dropout_add
-from megatron_core.transformer.dot_product_attention import DotProductAttention
+from megatron_core.transformer.backends import BackendSpecProvider, LocalSpecProvider
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
-from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.spec_utils import ModuleSpec
-from megatron_core.transformer.torch_norm import WrappedTorchNorm
 from megatron_core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 __all__ = [
@@ -37,30 +33,21 @@ __all__ = [
     "get_bert_layer_with_transformer_engine_submodules",
 ]
 
-LNImpl = WrappedTorchNorm
+LNImpl = LocalSpecProvider().layer_norm()
+
+
+def _bert_layer_submodules(backend: BackendSpecProvider, qk_layernorm: type | None) -> TransformerLayerSubmodules:
+    """A BERT layer from ``backend``'s parts: padding-masked self-attention and a dense MLP, each after its norm."""
+    return pre_norm_layer_submodules(backend, self_attention_spec(backend, AttnMaskType.padding, qk_layernorm),
+                                     dense_mlp_spec(backend))
 
 
 def get_bert_layer_with_transformer_engine_submodules() -> TransformerLayerSubmodules:
-    """The submodules of a BERT layer on Transformer Engine modules (each pre-norm fused into the next linear)."""
-    return TransformerLayerSubmodules(
-        self_attention=ModuleSpec(
-            module=SelfAttention,
-            params={"attn_mask_type": AttnMaskType.padding},
-            submodules=SelfAttentionSubmodules(
-                linear_qkv=TELayerNormColumnParallelLinear,
-                core_attention=TEDotProductAttention,
-                linear_proj=TERowParallelLinear,
-                q_layernorm=None,
-                k_layernorm=None,
-            ),
-        ),
-        self_attn_bda=get_bias_dropout_add,
-        mlp=ModuleSpec(
-            module=MLP,
-            submodules=MLPSubmodules(linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear),
-        ),
-        mlp_bda=get_bias_dropout_add,
-    )
+    """The submodules of a BERT layer on Transformer Engine modules (each pre-norm fused into the next linear).
+
+    The q/k norm slots stay ``None``, so ``config.qk_layernorm`` picks its default norm, as in Megatron-Core.
+    """
+    return _bert_layer_submodules(TESpecProvider(), qk_layernorm=None)
 
 
 def get_bert_layer_with_transformer_engine_spec() -> ModuleSpec:
@@ -82,26 +69,5 @@ def __getattr__(name: str) -> ModuleSpec:
 
 
 bert_layer_local_spec = ModuleSpec(
-    module=TransformerLayer,
-    submodules=TransformerLayerSubmodules(
-        input_layernorm=LNImpl,
-        self_attention=ModuleSpec(
-            module=SelfAttention,
-            params={"attn_mask_type": AttnMaskType.padding},
-            submodules=SelfAttentionSubmodules(
-                linear_qkv=ColumnParallelLinear,
-                core_attention=DotProductAttention,
-                linear_proj=RowParallelLinear,
-                q_layernorm=IdentityOp,
-                k_layernorm=IdentityOp,
-            ),
-        ),
-        self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=LNImpl,
-        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                            linear_fc2=RowParallelLinear)),
-        mlp_bda=get_bias_dropout_add,
-        sharded_state_dict_keys_map=fused_norm_keys_map(),
-    ),
-)
+    module=TransformerLayer, submodules=_bert_layer_submodules(LocalSpecProvider(), qk_layernorm=IdentityOp))
 """Pure PyTorch + this library's tensor-parallel layers (Megatron-Core's ``bert_layer_local_spec``)."""

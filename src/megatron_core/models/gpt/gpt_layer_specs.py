@@ -15,12 +15,16 @@ from typing import Any
 from megatron_core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron_core.transformer.backend_specs import (
+    dense_mlp_spec,
+    norm_keys_map,
+    pre_norm,
+    self_attention_spec,
+)
 from megatron_core.transformer.backends import fused_norm_keys_map
 from megatron_core.transformer.backends import te_spec_provider as _te_spec_provider
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.identity_op import IdentityOp
-from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron_core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlockSubmodules,
@@ -64,15 +68,7 @@ def get_mlp_module_spec_for_backend(backend: BackendSpecProvider, num_experts: i
     """The dense MLP spec built from ``backend``'s linear layers, or the MoE spec when ``num_experts`` is set."""
     if num_experts is not None:
         return get_moe_module_spec_for_backend(backend, num_experts, moe_grouped_gemm)
-    fc1 = backend.column_parallel_layer_norm_linear() if backend.fuse_layernorm_and_linear() else None
-    return ModuleSpec(
-        module=MLP,
-        submodules=MLPSubmodules(
-            linear_fc1=fc1 or backend.column_parallel_linear(),
-            linear_fc2=backend.row_parallel_linear(),
-            activation_func=backend.activation_func(),
-        ),
-    )
+    return dense_mlp_spec(backend)
 
 
 def get_mlp_module_spec(
@@ -130,25 +126,13 @@ def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_experts: i
                 moe_grouped_gemm: bool = False, multi_latent_attention: bool = False) -> ModuleSpec:
     if multi_latent_attention:
         return _mla_layer_spec(backend, qk_layernorm, num_experts, moe_grouped_gemm)
-    fused = backend.fuse_layernorm_and_linear()
-    norm = IdentityOp if fused else backend.layer_norm()
+    norm = pre_norm(backend)
     # An MoE layer's experts have no fused norm: it keeps a separate pre-MLP norm.
     pre_mlp_norm = backend.layer_norm() if num_experts is not None else norm
-    linear_qkv = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
     qk_norm = backend.layer_norm(for_qk=True) if qk_layernorm else None
-    keys_map = {} if fused else fused_norm_keys_map()
-    attention = ModuleSpec(
-        module=SelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=linear_qkv,
-            core_attention=backend.core_attention(),
-            linear_proj=backend.row_parallel_linear(),
-            q_layernorm=qk_norm,
-            k_layernorm=qk_norm,
-        ),
-    )
-    return _transformer_layer(backend, norm, attention, pre_mlp_norm, num_experts, moe_grouped_gemm, keys_map)
+    attention = self_attention_spec(backend, AttnMaskType.causal, qk_norm)
+    return _transformer_layer(backend, norm, attention, pre_mlp_norm, num_experts, moe_grouped_gemm,
+                              norm_keys_map(backend))
 
 
 def get_gpt_layer_local_submodules(
