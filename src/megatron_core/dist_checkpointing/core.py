@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,11 +87,18 @@ def maybe_load_config(checkpoint_dir: str | os.PathLike) -> CheckpointingConfig 
     return CheckpointingConfig(**known)
 
 
-def check_is_distributed_checkpoint(checkpoint_dir: str | os.PathLike) -> bool:
-    """True when ``checkpoint_dir`` holds a complete distributed checkpoint (a valid ``metadata.json``)."""
+def check_is_distributed_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    read_config: Callable[[str | os.PathLike], CheckpointingConfig | None] = maybe_load_config,
+) -> bool:
+    """True when ``checkpoint_dir`` holds a complete distributed checkpoint (a valid ``metadata.json``).
+
+    ``read_config`` (not in Megatron-Core) reads ``metadata.json``; a load strategy's ``checkpoint_config``
+    keeps what it read, so that one load reads the file once.
+    """
     if not Path(checkpoint_dir).is_dir():
         return False
     try:
-        return maybe_load_config(checkpoint_dir) is not None
+        return read_config(checkpoint_dir) is not None
     except CheckpointingException:
         return False

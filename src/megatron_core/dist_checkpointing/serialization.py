@@ -320,18 +320,13 @@ def _checkpoint_strategy(checkpoint_dir: str | os.PathLike, strategy: Any = None
     resolved = TorchDistLoadShardedStrategy() if fresh else strategy
     if not isinstance(resolved, TorchDistLoadShardedStrategy):
         raise CheckpointingException(f"{type(resolved).__name__} is not a torch_dist load strategy")
-    try:
-        config = resolved.checkpoint_config(checkpoint_dir)
-    except CheckpointingException:
-        config = None
-    if config is None:
+    if not check_is_distributed_checkpoint(checkpoint_dir, resolved.checkpoint_config):
         raise CheckpointingException(
             f"{checkpoint_dir} is not a distributed checkpoint (metadata.json missing or invalid: "
             "another format, or a save that did not complete)"
         )
     if fresh:
-        resolved.check_backend_compatibility(config.sharded_backend)
-        resolved.check_version_compatibility(config.sharded_backend_version)
+        resolved.check_checkpoint_compatibility(checkpoint_dir)
     return resolved
 
 

@@ -35,6 +35,7 @@ from megatron_core.dist_checkpointing.serialization import (
     load_sharded_metadata,
     save,
 )
+from megatron_core.dist_checkpointing.strategies import TorchDistLoadShardedStrategy
 from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron_core.dist_checkpointing.tracker import (
     TRACKER_FILENAME,
@@ -161,13 +162,13 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn
     async_queue.schedule_async_request(request)
 
 
-def _rng_compatible(checkpoint_dir: os.PathLike, request: Any) -> bool:
-    saved = {k for k in load_sharded_metadata(checkpoint_dir) if k.startswith(f"{RNG_KEY}/")}
+def _rng_compatible(checkpoint_dir: os.PathLike, request: Any, strategy: TorchDistLoadShardedStrategy) -> bool:
+    saved = {k for k in load_sharded_metadata(checkpoint_dir, strategy) if k.startswith(f"{RNG_KEY}/")}
     return not collectives.any_rank_true(request.unique_key not in saved)
 
 
-def _saved_optimizer_state_names(checkpoint_dir: os.PathLike) -> list[str]:
-    keys = load_sharded_metadata(checkpoint_dir)
+def _saved_optimizer_state_names(checkpoint_dir: os.PathLike, strategy: TorchDistLoadShardedStrategy) -> list[str]:
+    keys = load_sharded_metadata(checkpoint_dir, strategy)
     return sorted({k[len(OPTIMIZER_STATE_PREFIX):].split(".", 1)[0] for k in keys
                    if k.startswith(OPTIMIZER_STATE_PREFIX)})
 
@@ -193,7 +194,8 @@ def _raise_key_mismatch(checkpoint_dir: os.PathLike, missing: set[str], unexpect
 def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module | list[torch.nn.Module],
                     optimizer: Any, opt_param_scheduler: Any, *, iteration: int | None = None, strict: bool = True,
                     load_optimizer: bool = True, load_rng: bool = True, missing_ok: bool = False,
-                    verify: bool = True) -> dict[str, Any] | None:
+                    verify: bool = True, common_state_dict: dict[str, Any] | None = None,
+                    sharded_strategy: TorchDistLoadShardedStrategy | None = None) -> dict[str, Any] | None:
     """Load a checkpoint saved by :func:`save_checkpoint` under any parallel layout; collective.
 
     Restores the model chunks, the optimizer and scheduler (unless ``None`` or not
@@ -208,6 +210,10 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
     the model's (see :mod:`.architecture`), and the iteration in the common state must match the
     directory's. ``strict`` makes model keys missing from the checkpoint and model keys in the
     checkpoint that the model does not have raise, naming them.
+
+    One load reads each file once: a caller that has read the checkpoint's common state
+    (``load_common_state_dict``) passes it as ``common_state_dict``, with ``iteration`` and the
+    ``sharded_strategy`` it read through (the strategy keeps ``metadata.json`` and ``.metadata``).
     """
     if load_dir is None:
         if missing_ok:
@@ -229,11 +235,16 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
                 f"cannot load a checkpoint from {load_dir}: the directory {what}. Check the path; pass "
                 "missing_ok=True to start from scratch when no checkpoint is there")
     checkpoint_dir = get_checkpoint_name(load_dir, iteration)
-    if not check_is_distributed_checkpoint(checkpoint_dir):
+    strategy = sharded_strategy or TorchDistLoadShardedStrategy()  # passed to every read below
+    if not check_is_distributed_checkpoint(checkpoint_dir, strategy.checkpoint_config):
         raise CheckpointingException(f"{checkpoint_dir} is not a complete checkpoint (iteration {iteration})")
+    if sharded_strategy is None:
+        strategy.check_checkpoint_compatibility(checkpoint_dir)
     if verify:
         verify_checkpoint(checkpoint_dir)
-    common = load_common_state_dict(checkpoint_dir)
+    common = common_state_dict
+    if common is None:
+        common = load_common_state_dict(checkpoint_dir, sharded_strategy=strategy)
     saved_iteration = common.get("iteration")
     if saved_iteration is not None and int(saved_iteration) != int(iteration):
         raise CheckpointingException(
@@ -247,20 +258,21 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
     if with_optimizer:
         if "optimizer" not in common:
             raise CheckpointingException(f"{checkpoint_dir} holds no optimizer state; load with load_optimizer=False")
-        names = _saved_optimizer_state_names(checkpoint_dir)
+        names = _saved_optimizer_state_names(checkpoint_dir, strategy)
         state["optimizer"] = optimizer.sharded_state_dict(
             _model_sharded_state_dict(chunks), is_loading=True, state_names=names)
     restore_rng = False
     if load_rng:
         state[RNG_KEY] = sharded_rng_state(for_loading=True)
-        restore_rng = _rng_compatible(checkpoint_dir, state[RNG_KEY])
+        restore_rng = _rng_compatible(checkpoint_dir, state[RNG_KEY], strategy)
         if not restore_rng:
             del state[RNG_KEY]
         if not restore_rng and collectives.get_rank() == 0:
             logger.warning("%s was saved under another (pipeline, tensor) parallel layout: RNG states not restored",
                            checkpoint_dir)
 
-    loaded, missing, unexpected = load(state, checkpoint_dir, strict=StrictHandling.RETURN_ALL)
+    loaded, missing, unexpected = load(state, checkpoint_dir, strategy, strict=StrictHandling.RETURN_ALL,
+                                       common_state_dict=common)
     if strict:
         _raise_key_mismatch(checkpoint_dir, missing, unexpected)
     elif missing or unexpected:

@@ -133,8 +133,8 @@ RECORDS = [
 def test_bad_model_config_records_are_refused(ckpt, monkeypatch, capsys, name, change, fragment) -> None:
     original = loader.read_checkpoint_common
 
-    def corrupted(load_dir: str):
-        common, iteration, where = original(load_dir)
+    def corrupted(load_dir: str, **kwargs):
+        common, iteration, where = original(load_dir, **kwargs)
         common[MODEL_CONFIG_KEY] = change(common[MODEL_CONFIG_KEY])
         return common, iteration, where
 
@@ -147,7 +147,7 @@ def test_bad_model_config_records_are_refused(ckpt, monkeypatch, capsys, name, c
 
 
 def test_checkpoint_without_record_or_args(ckpt, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(loader, "read_checkpoint_common", lambda d: ({"iteration": 2}, 2, str(d)))
+    monkeypatch.setattr(loader, "read_checkpoint_common", lambda d, **_: ({"iteration": 2}, 2, str(d)))
     assert main(["--load", str(ckpt), "--prompt", "1"]) == 2
     assert "records neither the model configuration nor training args" in capsys.readouterr().err
 
@@ -210,8 +210,8 @@ def test_a_good_run_writes_its_output_and_leaves_the_checkpoint(ckpt, tmp_path) 
 def test_an_older_checkpoint_loads_from_its_flags_with_a_warning(ckpt, monkeypatch) -> None:
     original = loader.read_checkpoint_common
 
-    def without_record(load_dir: str):
-        common, iteration, where = original(load_dir)
+    def without_record(load_dir: str, **kwargs):
+        common, iteration, where = original(load_dir, **kwargs)
         return {k: v for k, v in common.items() if k != MODEL_CONFIG_KEY}, iteration, where
 
     monkeypatch.setattr(loader, "read_checkpoint_common", without_record)

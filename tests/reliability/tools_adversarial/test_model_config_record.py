@@ -82,8 +82,8 @@ def test_generate_loader_rebuilds_the_trained_model(kind: str, tmp_path: Path, m
     # A checkpoint without the record (saved before it existed): a warning, and the flags lose the feature.
     original = loader.read_checkpoint_common
 
-    def without_record(load_dir: str):
-        common, iteration, where = original(load_dir)
+    def without_record(load_dir: str, **kwargs):
+        common, iteration, where = original(load_dir, **kwargs)
         return {k: v for k, v in common.items() if k != MODEL_CONFIG_KEY}, iteration, where
 
     monkeypatch.setattr(loader, "read_checkpoint_common", without_record)

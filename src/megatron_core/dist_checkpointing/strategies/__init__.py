@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-from megatron_core.dist_checkpointing.core import CheckpointingException
 from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron_core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -27,13 +26,8 @@ def get_default_load_sharded_strategy(checkpoint_dir: str | os.PathLike | None =
     """The ``torch_dist`` load strategy; with ``checkpoint_dir``, checked against the backend and version
     recorded in its ``metadata.json`` (``CheckpointingException`` when it is not a distributed checkpoint)."""
     strategy = TorchDistLoadShardedStrategy()
-    if checkpoint_dir is None:
-        return strategy
-    config = strategy.checkpoint_config(checkpoint_dir)
-    if config is None:
-        raise CheckpointingException(f"{checkpoint_dir} is not a distributed checkpoint (no valid metadata.json)")
-    strategy.check_backend_compatibility(config.sharded_backend)
-    strategy.check_version_compatibility(config.sharded_backend_version)
+    if checkpoint_dir is not None:
+        strategy.check_checkpoint_compatibility(checkpoint_dir)
     return strategy
 
 

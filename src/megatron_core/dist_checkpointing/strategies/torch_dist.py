@@ -146,6 +146,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             self._config_cache[key] = config
         return self._config_cache[key]
 
+    def check_checkpoint_compatibility(self, checkpoint_dir: str | os.PathLike) -> None:
+        """``checkpoint_dir`` must be a distributed checkpoint whose ``metadata.json`` names this backend and version."""
+        config = self.checkpoint_config(checkpoint_dir)
+        if config is None:
+            raise CheckpointingException(f"{checkpoint_dir} is not a distributed checkpoint (no valid metadata.json)")
+        self.check_backend_compatibility(config.sharded_backend)
+        self.check_version_compatibility(config.sharded_backend_version)
+
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         """Read every shard of ``sharded_state_dict``; local to this rank (no collectives)."""
         metadata = self.metadata(checkpoint_dir)

@@ -50,8 +50,12 @@ def init_distributed_for_inference(tensor_model_parallel_size: int = 1, pipeline
         )
 
 
-def read_checkpoint_common(load_dir: str) -> tuple[dict[str, Any], int, str]:
-    """``(common state, iteration, checkpoint directory)`` of the latest checkpoint in ``load_dir``."""
+def read_checkpoint_common(load_dir: str, sharded_strategy: Any = None) -> tuple[dict[str, Any], int, str]:
+    """``(common state, iteration, checkpoint directory)`` of the latest checkpoint in ``load_dir``.
+
+    The tracker and the common state are read here, once; ``sharded_strategy`` (a ``TorchDistLoadShardedStrategy``)
+    keeps the checkpoint's ``.metadata`` for the load that follows.
+    """
     from megatron_core.dist_checkpointing.serialization import load_common_state_dict
     from megatron_core.dist_checkpointing.tracker import get_checkpoint_name, read_tracker
 
@@ -62,7 +66,7 @@ def read_checkpoint_common(load_dir: str) -> tuple[dict[str, Any], int, str]:
     if iteration is None:
         raise FileNotFoundError(f"{load_dir} holds no checkpoint (no latest_checkpointed_iteration.txt)")
     checkpoint_dir = str(get_checkpoint_name(load_dir, iteration))
-    return load_common_state_dict(checkpoint_dir), iteration, checkpoint_dir
+    return load_common_state_dict(checkpoint_dir, sharded_strategy=sharded_strategy), iteration, checkpoint_dir
 
 
 def load_training_args(load_dir: str) -> tuple[dict[str, Any], int]:
@@ -158,11 +162,13 @@ def load_gpt_from_checkpoint(load_dir: str, tokenizer_model: str | None = None) 
     """
     from megatron_core import device, parallel_state
     from megatron_core.datasets.tokenizers import build_tokenizer
+    from megatron_core.dist_checkpointing.strategies import TorchDistLoadShardedStrategy
     from megatron_core.tensor_parallel import pad_vocab_size
     from megatron_core.training.checkpointing import load_checkpoint
     from megatron_core.training.model_config import MODEL_CONFIG_KEY, parse_model_config
 
-    common, iteration, checkpoint_dir = read_checkpoint_common(load_dir)
+    strategy = TorchDistLoadShardedStrategy()  # one read of each checkpoint file: see load_checkpoint
+    common, iteration, checkpoint_dir = read_checkpoint_common(load_dir, sharded_strategy=strategy)
     args = (common.get("extra_state") or {}).get("args") or {}
     record = common.get(MODEL_CONFIG_KEY)
     if record is None and not args:
@@ -188,5 +194,6 @@ def load_gpt_from_checkpoint(load_dir: str, tokenizer_model: str | None = None) 
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model in {checkpoint_dir} only "
                          f"{model.vocab_size}: is --tokenizer-model the one it was trained with?")
     model = model.to(device.get_current_device())
-    load_checkpoint(load_dir, [model], None, None, iteration=iteration, load_optimizer=False, load_rng=False)
+    load_checkpoint(load_dir, [model], None, None, iteration=iteration, load_optimizer=False, load_rng=False,
+                    common_state_dict=common, sharded_strategy=strategy)
     return model.eval(), tokenizer, args
