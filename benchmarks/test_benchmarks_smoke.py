@@ -5,7 +5,8 @@ Run it when a benchmark changes::
     .venv/bin/python -m pytest -q benchmarks/test_benchmarks_smoke.py
 
 ``benchmarks/gpt_fwd_bwd.py --tiny`` times both contenders (this library and Hugging Face's Llama,
-eager, no compile) on a tiny model and must print a row for each and the closing ``RESULT`` line.
+eager, no compile) on a tiny model and must print a row for each and the closing ``RESULT`` line;
+``benchmarks/hybrid_fwd_bwd.py --tiny`` does the same against Hugging Face's NemotronH.
 """
 
 from __future__ import annotations
@@ -29,6 +30,22 @@ def test_gpt_fwd_bwd_tiny_runs_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: p
     runpy.run_path(str(ROOT / "benchmarks" / "gpt_fwd_bwd.py"), run_name="__main__")
     lines = capsys.readouterr().out.splitlines()
     for name in ("megatron_core eager", "HF Llama sdpa eager"):
+        row = next((line for line in lines if line.startswith(name)), None)
+        assert row is not None, lines
+        assert "tok/s" in row and "MFU" in row
+    assert lines[-1].startswith("RESULT fwd+bwd MFU: megatron_core")
+
+
+def test_hybrid_fwd_bwd_tiny_runs_on_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """``benchmarks/hybrid_fwd_bwd.py --tiny`` times our HybridModel and Hugging Face's NemotronH (eager)."""
+    pytest.importorskip("transformers")
+    if torch.cuda.is_available():
+        pytest.skip("--tiny is the CPU smoke mode")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["hybrid_fwd_bwd.py", "--tiny", "--hf-eager"])
+    runpy.run_path(str(ROOT / "benchmarks" / "hybrid_fwd_bwd.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("megatron_core HybridModel eager", "HF NemotronH (torch path) eager"):
         row = next((line for line in lines if line.startswith(name)), None)
         assert row is not None, lines
         assert "tok/s" in row and "MFU" in row

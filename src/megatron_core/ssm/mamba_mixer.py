@@ -1,9 +1,10 @@
-"""The Mamba-2 mixer (Megatron-Core's ``MambaMixer``), in pure PyTorch.
+"""The Mamba-2 mixer (Megatron-Core's ``MambaMixer``).
 
 ``in_proj`` (column-parallel) gives ``[z, x, B, C, dt]`` for this TP rank's heads and groups; ``x, B, C``
-go through a depthwise causal convolution and SiLU, then the chunked SSD scan
-(:func:`megatron_core.ssm.ssd_scan.ssd_chunk_scan`); the result is gated by ``silu(z)``, normalised per
-group (RMS) and projected back by ``out_proj`` (row-parallel). Parameter names, shapes and the
+go through a depthwise causal convolution and SiLU (:mod:`megatron_core.ssm.causal_conv1d`), then the chunked
+SSD scan: the fused Triton kernels of :mod:`megatron_core.ssm.ssd_scan_triton` on CUDA, else the pure-PyTorch
+:func:`megatron_core.ssm.ssd_scan.ssd_chunk_scan` (the CPU path and the reference); the result is gated by
+``silu(z)``, normalised per group (RMS) and projected back by ``out_proj`` (row-parallel). Parameter names, shapes and the
 sharded checkpoint keys are Megatron-Core 0.19's. Training only: inference state caches are refused.
 """
 
@@ -25,7 +26,9 @@ from megatron_core.dist_checkpointing.sharded_module import (
     sharded_state_dict_default,
 )
 from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.ssm.causal_conv1d import causal_conv1d_silu
 from megatron_core.ssm.ssd_scan import ssd_chunk_scan
+from megatron_core.ssm.ssd_scan_triton import ssd_chunk_scan_triton, ssd_scan_triton_supported
 from megatron_core.ssm.utils import _split_tensor_factory
 from megatron_core.tensor_parallel import get_cuda_rng_tracker
 from megatron_core.transformer.module import MegatronModule
@@ -281,20 +284,20 @@ class MambaMixer(MegatronModule):
         """Convolution, SSD scan, gate and norm on ``[l, b, in_proj local]``; returns ``[l, b, d_inner local]``."""
         length, batch, _ = zxBCdt.shape
         z, x, B, C, dt = torch.split(zxBCdt.transpose(0, 1), self._in_proj_sections(), dim=-1)
-        xBC = torch.cat([x, B, C], dim=-1).transpose(1, 2)  # [b, conv_dim, l]
-        xBC = F.conv1d(xBC, self.conv1d_weight, self.conv1d_bias, padding=self.d_conv - 1,
-                       groups=xBC.shape[1])[..., :length]
-        xBC = self.act(xBC).transpose(1, 2)  # [b, l, conv_dim]
+        xBC = causal_conv1d_silu(torch.cat([x, B, C], dim=-1), self.conv1d_weight, self.conv1d_bias)
         bc = self.ngroups_local_tp * self.d_state
-        x, B, C = torch.split(xBC, [self.d_inner_local_tp, bc, bc], dim=-1)
+        x, B, C = torch.split(xBC, [self.d_inner_local_tp, bc, bc], dim=-1)  # [b, l, *]
         dt = F.softplus(dt.float() + self.dt_bias.float())
         A = -torch.exp(self.A_log.float())
         D = self.D.float().view(self.nheads_local_tp, self.headdim) if self.D_has_hdim else self.D
-        y = ssd_chunk_scan(
-            x.reshape(batch, length, self.nheads_local_tp, self.headdim), dt, A,
-            B.reshape(batch, length, self.ngroups_local_tp, self.d_state),
-            C.reshape(batch, length, self.ngroups_local_tp, self.d_state), self.chunk_size, D=D,
-        ).reshape(batch, length, self.d_inner_local_tp)
+        x = x.reshape(batch, length, self.nheads_local_tp, self.headdim)
+        B = B.reshape(batch, length, self.ngroups_local_tp, self.d_state)
+        C = C.reshape(batch, length, self.ngroups_local_tp, self.d_state)
+        if ssd_scan_triton_supported(x) and self.d_state <= 256:
+            y = ssd_chunk_scan_triton(x, dt, A, B, C, D=D)
+        else:
+            y = ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=D)
+        y = y.reshape(batch, length, self.d_inner_local_tp)
         if self.rmsnorm:
             y = self.norm(y, z)
         else:
