@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import module_chain
+
 
 def get_attr_wrapped_model(model: Any, attr: str, allow_none: bool = True, return_model_obj: bool = False) -> Any:
     """``attr`` of the outermost module in the ``.module`` chain of ``model`` that has it.
@@ -20,14 +22,13 @@ def get_attr_wrapped_model(model: Any, attr: str, allow_none: bool = True, retur
     """
     if isinstance(model, list):
         raise RuntimeError(f"get_attr_wrapped_model needs one model chunk, got a list of {len(model)}")
-    current = model
-    while (not hasattr(current, attr)) if allow_none else (getattr(current, attr, None) is None):
-        if not hasattr(current, "module"):
-            raise RuntimeError(
-                f"get_attr_wrapped_model: no attribute '{attr}' on {type(model).__name__} or the modules it wraps"
-            )
-        current = current.module
-    return current if return_model_obj else getattr(current, attr)
+    found = next((m for m in module_chain(model)
+                  if (hasattr(m, attr) if allow_none else getattr(m, attr, None) is not None)), None)
+    if found is None:
+        raise RuntimeError(
+            f"get_attr_wrapped_model: no attribute '{attr}' on {type(model).__name__} or the modules it wraps"
+        )
+    return found if return_model_obj else getattr(found, attr)
 
 
 def get_model_config(model: Any) -> Any:
@@ -49,6 +50,4 @@ def submodules_with_attribute(root: Any, *names: str) -> list[Any]:
 
 def innermost_module(model: Any) -> Any:
     """The module at the end of ``model``'s ``.module`` chain (every wrapper stripped, whatever its class)."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
+    return next(m for m in module_chain(model) if not isinstance(getattr(m, "module", None), torch.nn.Module))

@@ -13,11 +13,18 @@ from megatron_core._ground.init_methods import (
     mup_scaled_init_method_normal,
     scaled_init_method_normal,
 )
-from megatron_core._ground.wrappers import fsdp_unit_types, register_fsdp_unit, register_wrapper, unwrap_model
+from megatron_core._ground.wrappers import (
+    fsdp_unit_types,
+    module_chain,
+    register_fsdp_unit,
+    register_wrapper,
+    unwrap_model,
+    wrapper_depth,
+)
 
 __all__ = [
     "ExperimentalNotEnabledError", "deprecated", "divide", "ensure_divisibility", "experimental_api", "get_pg_rank",
-    "fsdp_unit_types", "get_pg_size", "get_pg_src_rank", "init_method_normal", "mup_scaled_init_method_normal",
-    "register_fsdp_unit", "register_wrapper",
-    "scaled_init_method_normal", "unwrap_model",
+    "fsdp_unit_types", "get_pg_size", "get_pg_src_rank", "init_method_normal", "module_chain",
+    "mup_scaled_init_method_normal", "register_fsdp_unit", "register_wrapper", "scaled_init_method_normal",
+    "unwrap_model", "wrapper_depth",
 ]

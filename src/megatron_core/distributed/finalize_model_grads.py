@@ -17,19 +17,17 @@ from typing import Any
 import torch
 
 from megatron_core._ground import get_pg_rank, get_pg_size, unwrap_model
-from megatron_core._wrapped_model import submodules_with_attribute
+from megatron_core._wrapped_model import get_model_config, submodules_with_attribute
 from megatron_core.distributed import collectives
 from megatron_core.process_groups_config import resolve_process_group
 
 
 def _model_config(model_chunk: torch.nn.Module) -> Any:
-    """The model's config: ``.config`` of the outermost wrapper that has one."""
-    module: Any = model_chunk
-    while module is not None:
-        if getattr(module, "config", None) is not None:
-            return module.config
-        module = getattr(module, "module", None)
-    return None
+    """The model's config: ``.config`` of the outermost wrapper that has one (``None`` when none has)."""
+    try:
+        return get_model_config(model_chunk)
+    except RuntimeError:
+        return None
 
 
 def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:

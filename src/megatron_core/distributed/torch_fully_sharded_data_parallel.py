@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_core._ground import fsdp_unit_types, get_pg_size, unwrap_model
+from megatron_core._ground import fsdp_unit_types, get_pg_size, module_chain, unwrap_model
 from megatron_core.device import get_current_device
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_core.distributed.torch_fully_sharded_data_parallel_checkpoint import (
@@ -260,10 +260,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def is_torch_fsdp_module(module: Any) -> bool:
     """True for a :class:`TorchFullyShardedDataParallel` wrapper (possibly inside another wrapper)."""
-    while module is not None:
-        if isinstance(module, TorchFullyShardedDataParallel):
-            return True
-        module = getattr(module, "module", None)
-    return False
+    return any(isinstance(m, TorchFullyShardedDataParallel) for m in module_chain(module))
 
 

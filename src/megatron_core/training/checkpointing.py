@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megatron_core._ground import unwrap_model
+from megatron_core._ground import module_chain, unwrap_model
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.core import CheckpointingException, check_is_distributed_checkpoint
 from megatron_core.dist_checkpointing.disk_space import explain_write_failure
@@ -67,10 +67,10 @@ def unwrap_model_chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     out = []
     for chunk in chunks:
-        inner = unwrap_model(chunk)
-        while not hasattr(inner, "sharded_state_dict") and hasattr(inner, "module"):
-            inner = inner.module
-        if not hasattr(inner, "sharded_state_dict"):
+        for inner in module_chain(unwrap_model(chunk)):
+            if hasattr(inner, "sharded_state_dict"):
+                break
+        else:
             raise TypeError(f"{type(chunk).__name__} (unwrapped: {type(inner).__name__}) has no sharded_state_dict")
         out.append(inner)
     return out

@@ -14,18 +14,16 @@ from typing import Any
 
 import torch
 
-from megatron_core._ground import unwrap_model
+from megatron_core._ground import unwrap_model, wrapper_depth
 from megatron_core.device import get_current_device
 from megatron_core.distributed import DistributedDataParallel
 from megatron_core.models.mimo.config.base_configs import MimoModelConfig
 from megatron_core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY, ModuleLayout, RankRole
 from megatron_core.models.mimo.partition.utils import PartitionAdapter, PartitionConfig
 from megatron_core.packed_seq_params import PackedSeqParams
-from megatron_core.transformer.module import Float16Module, MegatronModule
+from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import build_module
 from megatron_core.transformer.utils import sharded_state_dict_default
-
-_WRAPPERS = (DistributedDataParallel, Float16Module)
 
 
 def _grid_dim(grid: Any, dim: str) -> int | None:
@@ -95,13 +93,11 @@ class MimoModel(MegatronModule):
             for sub_name, child in children:
                 child_prefix = f"{prefix}{name}." + (f"{sub_name}." if sub_name is not None else "")
                 child_metadata = metadata
-                pg = getattr(child.module if isinstance(child, DistributedDataParallel) else child,
-                             "pg_collection", None)
+                pg = getattr(unwrap_model(child, DistributedDataParallel), "pg_collection", None)
                 if sub_name is None and getattr(pg, "dp_cp", None) is not None:
                     child_metadata = {**(metadata or {}), "dp_cp_group": pg.dp_cp}
-                while isinstance(child, _WRAPPERS):
-                    child = child.module
-                    child_prefix += "module."
+                child_prefix += "module." * wrapper_depth(child)
+                child = unwrap_model(child)
                 if hasattr(child, "sharded_state_dict"):
                     out.update(child.sharded_state_dict(child_prefix, sharded_offsets, child_metadata))
                 else:
