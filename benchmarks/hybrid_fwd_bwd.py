@@ -205,14 +205,19 @@ def scan_bench(args: argparse.Namespace) -> None:
     if args.scan_variants:
         from megatron_core.ssm import ssd_scan_triton as kernels
 
-        default = (kernels._FWD_BLOCK_P, kernels._FWD_WARPS, kernels._BWD_BLOCK_P, kernels._BWD_WARPS)
-        for variant in ((16, 4, 64, 8), (32, 8, 64, 4), (64, 4, 32, 8), (64, 8, 32, 4), (16, 2, 16, 4)):
-            kernels._FWD_BLOCK_P, kernels._FWD_WARPS, kernels._BWD_BLOCK_P, kernels._BWD_WARPS = variant
+        names = ("_STATE_BLOCK_P", "_STATE_WARPS", "_FWD_BLOCK_P", "_FWD_WARPS", "_BWD_BLOCK_P", "_BWD_WARPS")
+        default = tuple(getattr(kernels, name) for name in names)
+        for variant in ((16, 4, 64, 4, 64, 8), (64, 4, 32, 4, 32, 4), (32, 8, 64, 8, 64, 4), (32, 4, 32, 4, 32, 8)):
+            for name, value in zip(names, variant):
+                setattr(kernels, name, value)
+            kernels._STATE_GRAD_BLOCK_P = kernels._STATE_BLOCK_P
             v_fwd = _event_median(lambda: ssd_chunk_scan_triton(x, dt, A, B, C, D))
             v_both = _event_median(lambda: ssd_chunk_scan_triton(x, dt, A, B, C, D).backward(dy))
-            print(f"variant fwd block_p/warps {variant[:2]}, bwd {variant[2:]}: forward {v_fwd * 1e6:.0f} us, "
-                  f"forward+backward {v_both * 1e6:.0f} us")
-        kernels._FWD_BLOCK_P, kernels._FWD_WARPS, kernels._BWD_BLOCK_P, kernels._BWD_WARPS = default
+            print(f"variant {dict(zip(names, variant))}: forward {v_fwd * 1e6:.0f} us, forward+backward "
+                  f"{v_both * 1e6:.0f} us")
+        for name, value in zip(names, default):
+            setattr(kernels, name, value)
+        kernels._STATE_GRAD_BLOCK_P = kernels._STATE_BLOCK_P
     matmul, copy = measure_ceilings()
     tokens = b * length
     flops_fwd = tokens * scan_flops_per_token(args, KERNEL_CHUNK)
