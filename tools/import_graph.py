@@ -66,7 +66,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("layers", ("ssm",), "the Mamba mixer and layers, built on transformer"),
     ("models", ("models", "fp8", "optimizer", "optimizer_param_scheduler", "datasets", "tokenizers", "export"),
      "model families, optimizers, data and tokenizers"),
-    ("training", ("training", "training_metrics", "fault_injector", "safe_globals"),
+    ("training", ("training", "training_metrics", "fault_injector", "safe_globals", "post_training"),
      "the training loop's own state: run checkpoints, RNG state, architecture records, get_model"),
     ("applications", ("inference", "resharding"), "inference engines and servers, weight resharding"),
     ("facades", ("utils", PACKAGE),

@@ -1,0 +1,26 @@
+"""Integration with NVIDIA Model Optimizer (Megatron-Core's ``post_training.modelopt``).
+
+Model Optimizer (``nvidia-modelopt``, the ``modelopt`` extra) quantizes, prunes and distils models for
+inference; here it quantizes models built from this library's layers. :func:`register_quant_modules`
+registers those layers with its quantization, after which ``modelopt.torch.quantization.quantize``
+works on this library's ``GPTModel`` as it does on Megatron-Core's.
+:func:`~.gpt.model_specs.get_gpt_modelopt_spec` builds a model for it (and registers the layers),
+:mod:`.checkpointing` saves and restores a quantized model through ``dist_checkpointing``.
+
+Importing this package does not import Model Optimizer; :mod:`._backend` does, when a function needs it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["register_quant_modules"]
+
+
+def register_quant_modules() -> list[str]:
+    """Register this library's linear layers (and the MLP's checkpoint layout) with Model Optimizer.
+
+    Idempotent; returns the names of the registered quantized classes. ``ImportError`` naming the
+    ``modelopt`` extra when Model Optimizer is not installed.
+    """
+    from megatron_core.post_training.modelopt import quant_modules
+
+    return list(quant_modules.__all__)

@@ -1,0 +1,37 @@
+"""The one place that imports NVIDIA Model Optimizer (``nvidia-modelopt``, the ``modelopt`` extra).
+
+Every module of :mod:`megatron_core.post_training.modelopt` reaches Model Optimizer through
+:func:`modelopt_modules`, so ``import megatron_core`` (and ``import megatron_core.post_training``)
+works without it, and a missing install is reported once, naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+_INSTALL_HINT = 'pip install "megatron-core-lite[modelopt]" (or pip install "nvidia-modelopt[torch]")'
+
+
+def modelopt_modules(what: str = "post-training quantization") -> SimpleNamespace:
+    """Model Optimizer's modules used here, or ``ImportError`` saying that ``what`` needs ``nvidia-modelopt``.
+
+    Fields: ``mtq`` (``modelopt.torch.quantization``), ``mto`` (``modelopt.torch.opt``), ``version``,
+    ``nn`` (its quantized modules and ``TensorQuantizer``), ``custom`` (its plugin base classes for
+    parallel linear layers), ``distributed`` (its ``ParallelState``), ``dynamic`` (``DynamicModule``).
+    """
+    try:
+        modelopt = importlib.import_module("modelopt")
+        mtq = importlib.import_module("modelopt.torch.quantization")
+    except ImportError as err:
+        raise ImportError(f"{what} needs NVIDIA Model Optimizer, which is not installed: {_INSTALL_HINT}") from err
+    return SimpleNamespace(
+        version=modelopt.__version__,
+        mtq=mtq,
+        mto=importlib.import_module("modelopt.torch.opt"),
+        nn=importlib.import_module("modelopt.torch.quantization.nn"),
+        custom=importlib.import_module("modelopt.torch.quantization.plugins.custom"),
+        distributed=importlib.import_module("modelopt.torch.utils.distributed"),
+        dynamic=importlib.import_module("modelopt.torch.opt.dynamic"),
+        quant_linear=importlib.import_module("modelopt.torch.quantization.nn.modules.quant_linear"),
+    )

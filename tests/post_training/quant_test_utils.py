@@ -1,0 +1,78 @@
+"""Tiny GPT models for the post-training tests: built from the Model Optimizer spec, quantized with a
+predefined Model Optimizer recipe after one calibration batch, on one process or sharded over TP.
+
+Sizes: hidden 128 and FFN 256 so that INT4 AWQ's 128-wide weight blocks fit whole, also in a row-parallel
+layer's input shard at TP=2 (256 / 2). Weights are fp32; the reference model of a seed is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_core.models.gpt import GPTModel
+from megatron_core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
+from megatron_core.transformer import TransformerConfig
+from tests.models.gpt_test_utils import shard
+
+VOCAB, SEQ, BATCH, MAX_SEQ = 128, 16, 2, 32
+RECIPES = ("FP8_DEFAULT_CFG", "INT8_SMOOTHQUANT_CFG", "INT4_AWQ_CFG", "NVFP4_DEFAULT_CFG")
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def config(**overrides) -> TransformerConfig:
+    """Llama-like: RMSNorm, GQA, SwiGLU, RoPE, no biases."""
+    cfg = dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
+               normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+               hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True)
+    cfg.update(overrides)
+    return TransformerConfig(**cfg)
+
+
+def build(seed: int = 1234, **overrides) -> GPTModel:
+    """A GPT on the Model Optimizer spec, full logits (``parallel_output=False``), in eval mode."""
+    torch.manual_seed(seed)
+    cfg = config(**overrides)
+    model = GPTModel(cfg, get_gpt_modelopt_spec(cfg, local_core_attention=True), VOCAB, MAX_SEQ,
+                     position_embedding_type="rope", parallel_output=False)
+    return model.eval()
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, position_ids)``, each ``[b, s]``."""
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+
+
+def logits(model: GPTModel, seed: int = 7) -> torch.Tensor:
+    """``[b, s, vocab]`` logits on the evaluation batch (another batch than calibration's)."""
+    with torch.no_grad():
+        return model(*batch(seed), None)
+
+
+def calibrate(model: GPTModel) -> None:
+    """Model Optimizer's ``forward_loop``: one calibration batch."""
+    model(*batch(0), None)
+
+
+def quantize(model: GPTModel, recipe: str) -> GPTModel:
+    """``mtq.quantize`` with the predefined recipe named ``recipe``."""
+    import modelopt.torch.quantization as mtq
+
+    return mtq.quantize(model, getattr(mtq, recipe), calibrate)
+
+
+def load_sharded(model: GPTModel, full_state: dict, tp: int, tp_rank: int) -> None:
+    """Copy this TP rank's shard of the TP=1 weights ``full_state`` into ``model``."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(shard(name, full_state[name], tp, tp_rank, gated=True))
+
+
+def reference(recipe: str | None) -> tuple[dict, torch.Tensor]:
+    """``(TP=1 weights, logits)`` of the reference model, quantized with ``recipe`` unless it is None."""
+    model = build()
+    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+    if recipe is not None:
+        quantize(model, recipe)
+    return weights, logits(model)

@@ -1,0 +1,104 @@
+"""Post-training quantization of a tiny GPT with Model Optimizer's predefined recipes (fake quant, CPU).
+
+Each recipe must put calibrated quantizers in every linear layer of every transformer layer, change the
+logits (quantization happened) and keep them close to the unquantized model's: the relative error
+``||q - ref|| / ||ref||`` of the logits stays below a bound per recipe, set from the recipe's precision
+(8-bit formats: 2 %; 4-bit ones: 10 %) with a margin over what a random-weight model shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.post_training.quant_test_utils import LINEARS, build, logits, quantize
+
+# Relative logit error bounds (fraction of the logits' norm) per recipe.
+TOLERANCE = {"FP8_DEFAULT_CFG": 0.08, "INT8_SMOOTHQUANT_CFG": 0.25, "INT4_AWQ_CFG": 0.25}
+
+
+def _relative_error(quantized: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((quantized - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("recipe", sorted(TOLERANCE))
+def test_every_linear_is_calibrated_and_logits_stay_close(recipe):
+    model = build()
+    ref = logits(model)
+    quantize(model, recipe)
+    for layer in model.decoder.layers:
+        for name in LINEARS:
+            linear = layer.get_submodule(name)
+            assert type(linear).__name__.startswith("Quant"), f"{name}: {type(linear).__name__} was not converted"
+            assert linear.weight_quantizer.is_enabled and linear.weight_quantizer.amax is not None, name
+            if linear.input_quantizer.is_enabled:
+                assert linear.input_quantizer.amax is not None, f"{name}: input quantizer not calibrated"
+    error = _relative_error(logits(model), ref)
+    assert 1e-4 < error < TOLERANCE[recipe], f"{recipe}: relative logit error {error:.4g}"
+
+
+def test_output_layer_stays_unquantized_and_embedding_untouched():
+    model = build()
+    quantize(model, "FP8_DEFAULT_CFG")
+    assert not model.output_layer.weight_quantizer.is_enabled  # the recipes leave the output layer alone
+    assert not hasattr(model.embedding.word_embeddings, "weight_quantizer")
+
+
+def test_calibration_without_batches_leaves_activation_quantizers_uncalibrated():
+    from megatron_core.post_training.modelopt.calibration import check_calibrated
+
+    model = build()
+    quantize(model, "FP8_DEFAULT_CFG")
+    check_calibrated(model)
+    empty = build()
+    import modelopt.torch.quantization as mtq
+
+    mtq.quantize(empty, mtq.FP8_DEFAULT_CFG, lambda m: None)
+    with pytest.raises(ValueError, match=r"decoder\.layers\.0\.self_attention\.linear_qkv\.input_quantizer"):
+        check_calibrated(empty)
+
+
+
+class _Parallel(torch.nn.Module):
+    """fc1 (column-parallel) -> ReLU -> fc2 (row-parallel), TP=1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from megatron_core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from megatron_core.transformer import TransformerConfig
+
+        cfg = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=4, use_cpu_initialization=True)
+        self.fc1 = ColumnParallelLinear(128, 256, config=cfg, init_method=torch.nn.init.normal_, bias=True)
+        self.fc2 = RowParallelLinear(256, 128, config=cfg, init_method=torch.nn.init.normal_, bias=True,
+                                     input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)[0]))[0]
+
+
+class _Plain(torch.nn.Module):
+    """The same computation on ``torch.nn.Linear``, which Model Optimizer quantizes natively."""
+
+    def __init__(self, parallel: _Parallel) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(128, 256), torch.nn.Linear(256, 128)
+        self.load_state_dict({k: v for k, v in parallel.state_dict().items() if not k.endswith("_extra_state")})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("recipe", sorted(TOLERANCE))
+def test_parallel_linears_quantize_exactly_like_torch_linear(recipe):
+    import modelopt.torch.quantization as mtq
+
+    torch.manual_seed(0)
+    calib, test = torch.randn(16, 2, 128), torch.randn(16, 2, 128)
+    ours = _Parallel()
+    plain = _Plain(ours)
+    for model in (ours, plain):
+        mtq.quantize(model, getattr(mtq, recipe), lambda m: m(calib))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(test), plain(test), rtol=0, atol=0)
+    for name in ("fc1", "fc2"):
+        torch.testing.assert_close(getattr(ours, name).weight_quantizer.amax, getattr(plain, name).weight_quantizer.amax)
