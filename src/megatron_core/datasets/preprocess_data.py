@@ -29,8 +29,8 @@ from typing import Any
 from megatron_core.command_line import run_command
 from megatron_core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron_core.datasets.preprocess_input import BadRecordError, parse_record, read_records
-from megatron_core.datasets.tokenizers.build import TOKENIZER_TYPES, build_tokenizer
 from megatron_core.progress import progress_bar
+from megatron_core.tokenizers.legacy.build import TOKENIZER_TYPES, build_tokenizer
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])[ \t]+|(?<=[.!?])(?=\n)")
 

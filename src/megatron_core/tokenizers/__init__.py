@@ -3,7 +3,7 @@
 A tokenizer is described by a small metadata dict (or the JSON file ``tokenizer_metadata.json`` next
 to the tokenizer files) naming its ``library`` (``"huggingface"``, ``"sentencepiece"``, ``"tiktoken"``,
 ``"megatron"``, ``"byte-level"``, ``"null-text"``) and optionally a ``model_type`` and a chat template.
-The libraries are the tokenizers of :mod:`megatron_core.datasets.tokenizers`, wrapped in one text
+The libraries are the tokenizers of :mod:`megatron_core.tokenizers.legacy`, wrapped in one text
 tokenizer class (:class:`~megatron_core.tokenizers.text.MegatronTokenizerText`).
 """
 

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from megatron_core.datasets.tokenizers.huggingface import HuggingFaceTokenizer
+from megatron_core.tokenizers.legacy.huggingface import HuggingFaceTokenizer
 
 
 def _token_text(value: Any) -> str | None:

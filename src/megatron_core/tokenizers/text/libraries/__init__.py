@@ -1,6 +1,6 @@
 """Library tokenizers behind :class:`~megatron_core.tokenizers.text.MegatronTokenizerText`.
 
-Each adapts one of :mod:`megatron_core.datasets.tokenizers` to the constructor arguments Megatron's
+Each adapts one of :mod:`megatron_core.tokenizers.legacy` to the constructor arguments Megatron's
 tokenizer metadata libraries take (``"huggingface"``, ``"megatron"``, ``"sentencepiece"``,
 ``"tiktoken"``, ``"null-text"``); ``ByteLevelTokenizer`` is the ``"byte-level"`` library.
 """

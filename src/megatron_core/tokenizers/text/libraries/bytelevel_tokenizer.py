@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_core.datasets.megatron_tokenizer import MegatronTokenizer as _LegacyTokenizer
+from megatron_core.tokenizers.legacy.megatron_tokenizer import MegatronTokenizer as _LegacyTokenizer
 
 
 class ByteLevelTokenizer(_LegacyTokenizer):

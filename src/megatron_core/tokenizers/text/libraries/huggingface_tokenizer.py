@@ -1,7 +1,7 @@
 """``huggingface`` library: a ``tokenizer.json`` (with optional ``tokenizer_config.json``) directory.
 
 Takes Megatron's ``HuggingFaceTokenizer`` arguments on top of
-:class:`megatron_core.datasets.tokenizers.HuggingFaceTokenizer` (Hugging Face ``tokenizers`` only, no
+:class:`megatron_core.tokenizers.legacy.HuggingFaceTokenizer` (Hugging Face ``tokenizers`` only, no
 ``transformers``; files are local, never downloaded). Special tokens not given as arguments are read
 from ``tokenizer_config.json`` when present, else found by common names; ``sep`` defaults to eos and
 ``cls`` to bos, as in Megatron. ``include_special_tokens`` (default True) lets the tokenizer's
@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any
 
-from megatron_core.datasets.tokenizers.huggingface import HuggingFaceTokenizer as _HFTokenizer
+from megatron_core.tokenizers.legacy.huggingface import HuggingFaceTokenizer as _HFTokenizer
 
 _ROLES = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token")
 

@@ -2,7 +2,7 @@
 
 ``tokenizer_path`` is a tokenizer name (``"GPT2BPETokenizer"`` or ``"megatron-gpt-345m"``) and
 ``vocab_file``/``merges_file`` are GPT-2's ``vocab.json``/``merges.txt``, read by the pure-Python
-:class:`megatron_core.datasets.tokenizers.GPT2BPETokenizer`. Megatron downloads missing files and
+:class:`megatron_core.tokenizers.legacy.GPT2BPETokenizer`. Megatron downloads missing files and
 also offers BERT WordPiece names; megatron_core does neither (a clear ``ValueError``).
 """
 
@@ -12,7 +12,7 @@ import os
 import shutil
 from typing import Any
 
-from megatron_core.datasets.tokenizers.gpt2_bpe import END_OF_TEXT, GPT2BPETokenizer
+from megatron_core.tokenizers.legacy.gpt2_bpe import END_OF_TEXT, GPT2BPETokenizer
 
 GPT2_NAMES = ("GPT2BPETokenizer", "megatron-gpt-345m")
 """Names served with GPT-2 BPE."""

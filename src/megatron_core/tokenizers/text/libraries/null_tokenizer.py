@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_core.datasets.tokenizers.null import NullTokenizer as _LegacyNullTokenizer
+from megatron_core.tokenizers.legacy.null import NullTokenizer as _LegacyNullTokenizer
 
 
 class NullTokenizer(_LegacyNullTokenizer):

@@ -1,6 +1,6 @@
 """``sentencepiece`` library: a SentencePiece ``.model`` file.
 
-Takes Megatron's arguments on top of :class:`megatron_core.datasets.tokenizers.SentencePieceTokenizer`;
+Takes Megatron's arguments on top of :class:`megatron_core.tokenizers.legacy.SentencePieceTokenizer`;
 the legacy mode, extra special tokens and ``ignore_extra_whitespaces=False`` are not provided
 (a ``ValueError`` names the argument).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from megatron_core.datasets.tokenizers.sentencepiece_tokenizer import (
+from megatron_core.tokenizers.legacy.sentencepiece_tokenizer import (
     SentencePieceTokenizer as _SentencePieceTokenizer,
 )
 

@@ -1,13 +1,13 @@
 """``tiktoken`` library: Megatron's tiktoken JSON rank file, with Megatron's argument names.
 
-Wraps :class:`megatron_core.datasets.tokenizers.TikTokenizer` (same file format and id layout).
+Wraps :class:`megatron_core.tokenizers.legacy.TikTokenizer` (same file format and id layout).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatron_core.datasets.tokenizers.tiktoken_tokenizer import TikTokenizer
+from megatron_core.tokenizers.legacy.tiktoken_tokenizer import TikTokenizer
 
 DEFAULT_TIKTOKEN_MAX_VOCAB = 2**17
 """Default ``vocab_size`` (specials included)."""
@@ -48,11 +48,6 @@ class TikTokenTokenizer(TikTokenizer):
     def ids_to_tokens(self, ids: list[int]) -> list[str]:
         """Ids to token strings (special names for special ids)."""
         return [self._token_bytes(int(token)).decode("utf-8", errors="replace") for token in ids]
-
-    def _token_bytes(self, token: int) -> bytes:
-        if token < self.num_special_tokens:
-            return self.special_tokens[token].encode("utf-8")
-        return self._encoding.decode_single_token_bytes(token)
 
     def ids_to_text(self, ids: Any, remove_special_tokens: bool = False) -> str:
         """Ids to text, optionally dropping the special ids."""

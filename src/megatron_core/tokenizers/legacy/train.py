@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_core.datasets.tokenizers.gpt2_bpe import END_OF_TEXT
-from megatron_core.datasets.tokenizers.optional import import_tokenizers
+from megatron_core.tokenizers.legacy.gpt2_bpe import END_OF_TEXT
+from megatron_core.tokenizers.legacy.optional import import_tokenizers
 
 
 def train_bpe_tokenizer(

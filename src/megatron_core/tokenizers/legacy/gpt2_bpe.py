@@ -16,7 +16,7 @@ import sys
 import unicodedata
 from typing import Any
 
-from megatron_core.datasets.megatron_tokenizer import MegatronTokenizer
+from megatron_core.tokenizers.legacy.megatron_tokenizer import MegatronTokenizer
 
 END_OF_TEXT = "<|endoftext|>"
 

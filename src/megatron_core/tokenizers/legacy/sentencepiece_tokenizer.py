@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from megatron_core.datasets.megatron_tokenizer import MegatronTokenizer
-from megatron_core.datasets.tokenizers.optional import import_sentencepiece
+from megatron_core.tokenizers.legacy.megatron_tokenizer import MegatronTokenizer
+from megatron_core.tokenizers.legacy.optional import import_sentencepiece
 
 
 class SentencePieceTokenizer(MegatronTokenizer):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_core.datasets.megatron_tokenizer import MegatronTokenizer
+from megatron_core.tokenizers.legacy.megatron_tokenizer import MegatronTokenizer
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -41,17 +41,17 @@ def build_tokenizer(
     ``vocab_size``. Extra keyword arguments go to the HuggingFace tokenizer (e.g. ``eod_token``).
     """
     if tokenizer_type == "GPT2BPETokenizer":
-        from megatron_core.datasets.tokenizers.gpt2_bpe import GPT2BPETokenizer
+        from megatron_core.tokenizers.legacy.gpt2_bpe import GPT2BPETokenizer
 
         _require(tokenizer_type, vocab_file=vocab_file, merge_file=merge_file)
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
-        from megatron_core.datasets.tokenizers.huggingface import HuggingFaceTokenizer
+        from megatron_core.tokenizers.legacy.huggingface import HuggingFaceTokenizer
 
         _require(tokenizer_type, tokenizer_model=tokenizer_model)
         return HuggingFaceTokenizer(tokenizer_model, **kwargs)
     if tokenizer_type == "TikTokenizer":
-        from megatron_core.datasets.tokenizers.tiktoken_tokenizer import TikTokenizer
+        from megatron_core.tokenizers.legacy.tiktoken_tokenizer import TikTokenizer
 
         _require(tokenizer_type, tokenizer_model=tokenizer_model)
         options: dict[str, Any] = {"num_special_tokens": tiktoken_num_special_tokens}
@@ -63,12 +63,12 @@ def build_tokenizer(
             options["special_tokens"] = tokenizer_special_tokens
         return TikTokenizer(tokenizer_model, **options)
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
-        from megatron_core.datasets.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
+        from megatron_core.tokenizers.legacy.sentencepiece_tokenizer import SentencePieceTokenizer
 
         _require(tokenizer_type, tokenizer_model=tokenizer_model)
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
-        from megatron_core.datasets.tokenizers.null import NullTokenizer
+        from megatron_core.tokenizers.legacy.null import NullTokenizer
 
         _require(tokenizer_type, vocab_size=vocab_size)
         return NullTokenizer(vocab_size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_core.datasets.megatron_tokenizer import MegatronTokenizer
+from megatron_core.tokenizers.legacy.megatron_tokenizer import MegatronTokenizer
 
 
 class NullTokenizer(MegatronTokenizer):
