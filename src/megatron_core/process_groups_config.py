@@ -149,6 +149,11 @@ def resolve_process_group(role: str, pg_collection: Any = None, group: Any = Non
     return _GROUP_GETTERS[role]()
 
 
+def resolve_tp_group(tp_group: Any = None, pg_collection: Any = None, is_expert: bool = False) -> Any:
+    """The (expert) TP group: :func:`resolve_process_group` for role ``"expt_tp"`` when ``is_expert``, else ``"tp"``."""
+    return resolve_process_group("expt_tp" if is_expert else "tp", pg_collection=pg_collection, group=tp_group)
+
+
 def get_tensor_model_parallel_group_if_none(
     tp_group: Any = None, is_expert: bool = False, check_initialized: bool = True
 ) -> Any:
@@ -161,7 +166,7 @@ def get_tensor_model_parallel_group_if_none(
     """
     if not torch.distributed.is_initialized():
         return None
-    group = resolve_process_group("expt_tp" if is_expert else "tp", group=tp_group)
+    group = resolve_tp_group(tp_group, is_expert=is_expert)
     if group is None and check_initialized:
         getter = (parallel_state.get_expert_tensor_parallel_group if is_expert
                   else parallel_state.get_tensor_model_parallel_group)

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_core import device, parallel_state
+from megatron_core import device
 from megatron_core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-from megatron_core.process_groups_config import ProcessGroupCollection
+from megatron_core.process_groups_config import ProcessGroupCollection, resolve_process_group
 
 __all__ = ["BalancedCPScheduler", "HybridCPDataLoaderWrapper"]
 
@@ -36,14 +36,10 @@ class HybridCPDataLoaderWrapper:
     def __init__(self, data_iterator: Any, config: Any, pg_collection: ProcessGroupCollection | None = None) -> None:
         self.data_iterator = data_iterator
         self.config = config
-        if pg_collection is None:
-            self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            self.dp_group = parallel_state.get_data_parallel_group()
-            self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        else:
-            self.dp_cp_group = getattr(pg_collection, "dp_cp", None)
-            self.dp_group = getattr(pg_collection, "dp", None)
-            self.tp_group = getattr(pg_collection, "tp", None)
+        # pg_collection's groups, else parallel_state's (the package resolver)
+        self.dp_cp_group = resolve_process_group("dp_cp", pg_collection)
+        self.dp_group = resolve_process_group("dp", pg_collection)
+        self.tp_group = resolve_process_group("tp", pg_collection)
         missing = [name for name in ("dp_cp_group", "dp_group", "tp_group") if getattr(self, name) is None]
         if missing:
             raise ValueError(f"HybridCPDataLoaderWrapper: {missing} must not be None (hybrid context parallelism "

@@ -23,11 +23,7 @@ import torch
 
 from megatron_core._ground import get_pg_size
 from megatron_core.extensions._te_loader import HAVE_TE, LazyTEModule, import_te
-from megatron_core.process_groups_config import resolve_process_group
-
-
-def _tp_group(tp_group: Any, is_expert: bool = False, pg_collection: Any = None) -> Any:
-    return resolve_process_group("expt_tp" if is_expert else "tp", pg_collection=pg_collection, group=tp_group)
+from megatron_core.process_groups_config import resolve_tp_group
 
 
 def _rng_tracker() -> Callable[[], Any]:
@@ -87,7 +83,7 @@ class TELinear(LazyTEModule):
                  tp_group: Any = None, name: str | None = None, gtp_remat_group: Any = None) -> None:
         if skip_weight_param_allocation:
             raise ValueError("Transformer Engine linear layers do not support skip_weight_param_allocation=True")
-        group = _tp_group(tp_group, is_expert)
+        group = resolve_tp_group(tp_group, is_expert=is_expert)
         mode = None if parallel_mode == "duplicated" else parallel_mode
         super().__init__(in_features=input_size, out_features=output_size,
                          **_common_linear_kwargs(config, group, init_method, bias, skip_bias_add, mode, is_expert))
@@ -140,7 +136,7 @@ class TELayerNormColumnParallelLinear(LazyTEModule):
             raise ValueError("Transformer Engine linear layers do not support gather_output=True")
         if is_expert or skip_weight_param_allocation:
             raise ValueError("TELayerNormColumnParallelLinear supports neither is_expert nor skip_weight_param_allocation")
-        group = _tp_group(tp_group)
+        group = resolve_tp_group(tp_group)
         super().__init__(in_features=input_size, out_features=output_size, eps=config.layernorm_epsilon,
                          normalization=config.normalization,
                          zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
@@ -169,7 +165,7 @@ class TEDotProductAttention(LazyTEModule):
         if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
             raise ValueError("qk_clip / log_max_attention_logit (per-head max attention logits) are recorded by the "
                              "local spec's DotProductAttention only; TEDotProductAttention here does not return them")
-        tp_group = resolve_process_group("tp", pg_collection=pg_collection)
+        tp_group = resolve_tp_group(None, pg_collection)
         kv_channels = (k_channels, v_channels) if k_channels is not None else config.kv_channels
         super().__init__(
             num_attention_heads=config.num_attention_heads, kv_channels=kv_channels,
@@ -198,7 +194,7 @@ class TEGroupedLinear(LazyTEModule):
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, parallel_mode: str | None,
                  config: Any, init_method: Callable, bias: bool, skip_bias_add: bool, is_expert: bool = False,
                  tp_comm_buffer_name: str | None = None, pg_collection: Any = None, name: str | None = None) -> None:
-        group = _tp_group(None, is_expert, pg_collection)
+        group = resolve_tp_group(None, pg_collection, is_expert)
         super().__init__(num_gemms=num_gemms, in_features=input_size, out_features=output_size,
                          **_common_linear_kwargs(config, group, init_method, bias, skip_bias_add, parallel_mode,
                                                  is_expert))

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from megatron_core import parallel_state
+from megatron_core._ground import module_chain
+from megatron_core.process_groups_config import resolve_process_group
 
 __all__ = ["clip_qk"]
 
@@ -22,10 +23,7 @@ __all__ = ["clip_qk"]
 def _decoder_layers(model_chunk: torch.nn.Module) -> Iterable[torch.nn.Module]:
     """The decoder layers of a model chunk, looking through wrappers (``DistributedDataParallel``,
     ``Float16Module``, ...) by their ``module`` attribute; Megatron-Core reads ``model_chunk.module.module``."""
-    inner: Any = model_chunk
-    while not hasattr(inner, "decoder") and isinstance(getattr(inner, "module", None), torch.nn.Module):
-        inner = inner.module
-    decoder = getattr(inner, "decoder", None)
+    decoder = next((m.decoder for m in module_chain(model_chunk) if hasattr(m, "decoder")), None)
     if decoder is None:
         raise ValueError(f"clip_qk: found no decoder in model chunk {type(model_chunk).__name__} "
                          "(expected a GPTModel-like module, possibly wrapped in modules with a 'module' attribute)")
@@ -36,9 +34,7 @@ def _reduce_group() -> Any:
     """The data-parallel x context-parallel group, or None when there is nothing to reduce over."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return None
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return resolve_process_group("dp_cp")
 
 
 def clip_qk(model: torch.nn.Module | list[torch.nn.Module], log_max_only: bool = False) -> float:

@@ -53,7 +53,7 @@ class Attention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         # Head counts per rank come from the TP group (pg_collection, else parallel_state), as in Megatron-Core.
-        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["tp", "cp"])
+        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["tp", "cp", "hcp"])
         self.tp_group = self.pg_collection.tp
         self.world_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
         self.checkpoint_core_attention = (

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from megatron_core import parallel_state, tensor_parallel
+from megatron_core import tensor_parallel
 from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.process_groups_config import resolve_pg_collection, resolve_process_group
@@ -123,7 +123,7 @@ class DotProductAttention(MegatronModule):
         window = config.window_size if _layer_uses_window(config, self.layer_number) else None
         self.window_size = _check_window(window, attn_mask_type)
         self.cp_comm_type = _resolve_comm_type(cp_comm_type, config, self.layer_number)
-        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["cp"])
+        self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["cp", "hcp"])
         self.cp_group = self.pg_collection.cp
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         if self.dropout_p > 0.0 and self._uses_ring():
@@ -186,10 +186,7 @@ class DotProductAttention(MegatronModule):
         return self.cp_group
 
     def _hierarchical_groups(self) -> list | None:
-        groups = getattr(self.pg_collection, "hcp", None)
-        if groups is None and parallel_state.model_parallel_is_initialized():
-            groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
-        return groups
+        return getattr(self.pg_collection, "hcp", None)
 
     def forward(
         self,

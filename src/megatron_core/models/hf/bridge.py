@@ -7,9 +7,10 @@
     ...                                       # train
     bridge.save_hf_pretrained(model, "/out")  # collective; transformers.AutoModelForCausalLM.from_pretrained("/out")
 
-Parallel sizes and ranks come from ``parallel_state`` (or ``pg_collection.tp``); without
-initialised model parallelism everything is one rank. Each rank reads only the rows/columns
-of the tensors it holds (safetensors slices, memory-mapped), never the whole model.
+Parallel sizes and ranks come from the groups of a passed ``pg_collection`` (a role it leaves unset
+is one rank), else from ``parallel_state``; without initialised model parallelism everything is one
+rank. Each rank reads only the rows/columns of the tensors it holds (safetensors slices,
+memory-mapped), never the whole model.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from megatron_core.models.hf.model_view import (
     _MTP,
     expert_ep_rank,
     expert_tp_rank_size,
+    group_rank_size,
     hf_mappable_parameters,
     is_expert_rule,
     mcore_shape,
@@ -43,6 +45,13 @@ from megatron_core.models.hf.model_view import (
 from megatron_core.models.hf.model_view import TOKENIZER_FILES as TOKENIZER_FILES
 from megatron_core.models.hf.rules import Copy, Index, SharedCopy, WeightRule, expected_hf_shape, fmt
 from megatron_core.models.hf.safetensors_io import HFCheckpointReader, HFConversionError
+from megatron_core.pipeline_parallel.utils import (
+    is_pp_first_stage,
+    is_pp_last_stage,
+    is_vp_first_stage,
+    is_vp_last_stage,
+)
+from megatron_core.process_groups_config import resolve_process_group
 
 
 class AutoBridge:
@@ -163,20 +172,13 @@ class AutoBridge:
             )
         return vocab
 
-    def transformer_config(self, **overrides: Any):
+    def transformer_config(self, *, pg_collection: Any = None, **overrides: Any):
         """The TransformerConfig (``MLATransformerConfig`` for multi-latent attention) for this model under the
-        current parallel layout; ``overrides`` win."""
+        parallel layout of ``pg_collection`` (else ``parallel_state``'s); ``overrides`` win."""
         from megatron_core.transformer import MLATransformerConfig, TransformerConfig
 
         kwargs = dict(self.family.config_kwargs)
-        if parallel_state.model_parallel_is_initialized():
-            pp = parallel_state.get_pipeline_model_parallel_world_size()
-            kwargs.update(tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-                          pipeline_model_parallel_size=pp,
-                          virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size())
-            if kwargs.get("num_moe_experts"):  # the expert layout initialize_model_parallel was given
-                kwargs.update(expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-                              expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size())
+        kwargs.update(_parallel_sizes(pg_collection, moe=bool(kwargs.get("num_moe_experts"))))
         dtype = overrides.pop("params_dtype", None) or self.family.dtype or torch.float32
         kwargs.update(params_dtype=dtype)
         kwargs.update(overrides)
@@ -200,7 +202,8 @@ class AutoBridge:
 
         if config is None:
             overrides = {} if mtp or not self.family.mtp_num_layers else {"mtp_num_layers": None}
-            config = self.transformer_config(perform_initialization=not load_weights, **overrides)
+            config = self.transformer_config(perform_initialization=not load_weights, pg_collection=pg_collection,
+                                             **overrides)
         depths = getattr(config, "mtp_num_layers", None) or 0
         if depths and not mtp:
             raise ValueError("to_megatron_model(mtp=False) with a config that has mtp_num_layers "
@@ -217,16 +220,14 @@ class AutoBridge:
                                         qk_layernorm=config.qk_layernorm,
                                         multi_latent_attention=config.multi_latent_attention)
         mixed = config.num_moe_experts is not None and isinstance(config.moe_layer_freq, list)  # dense + MoE layers
-        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() \
-            if parallel_state.model_parallel_is_initialized() else None
+        # The virtual pipeline: the config's with a pg_collection (which holds no virtual stages), else parallel_state's
+        vpp = config.virtual_pipeline_model_parallel_size if pg_collection is not None else _parallel_state_vpp()
+        pp_group = resolve_process_group("pp", pg_collection)
         chunks = []
         for vp in range(vpp or 1):
             stage = vp if vpp else None
-            if parallel_state.model_parallel_is_initialized():
-                pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
-                post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-            else:
-                pre = post = True
+            pre = is_pp_first_stage(pp_group) and is_vp_first_stage(stage, vpp)
+            post = is_pp_last_stage(pp_group) and is_vp_last_stage(stage, vpp)
             chunk_spec = get_gpt_decoder_block_spec(config, False, vp_stage=stage) if mixed else spec
             chunk_kwargs = dict(kwargs)
             if depths:  # the MTP layer is built from the block's last (MoE) layer spec
@@ -269,7 +270,7 @@ class AutoBridge:
             self.set_rotary_frequencies(inner)
             with torch.no_grad():
                 for name, param in hf_mappable_parameters(inner, self.family.buffers):
-                    rule, layer = self._rule_for(inner, name, by_name)
+                    rule, layer = self._rule_for(inner, name, by_name, pg_collection)
                     tp_rank, tp_size = expert_tp if is_expert_rule(rule) else dense_tp
                     if isinstance(rule, Copy) and rule.vocab:
                         padded = param.shape[0] * (tp_size if rule.tp_axis == 0 else 1)
@@ -312,7 +313,7 @@ class AutoBridge:
                         f"{self.reader.path_of(name)}: {name!r} differs from {main!r}; the multi-token-prediction "
                         "layer must share the model's embedding and output layer")
 
-    def _rule_for(self, inner: torch.nn.Module, name: str, by_name: dict[str, WeightRule]
+    def _rule_for(self, inner: torch.nn.Module, name: str, by_name: dict[str, WeightRule], pg_collection: Any = None
                   ) -> tuple[WeightRule, Index]:
         match = _LAYER.match(name)
         layer_index: Index = None
@@ -327,7 +328,7 @@ class AutoBridge:
             if rest.startswith("mtp_model_layer.") and expert:
                 local = layer.mtp_model_layer.mlp.experts.num_local_experts
                 key = f"mtp.layers.{{i}}.mtp_model_layer.mlp.experts.local_experts.{{e}}.{expert.group(2)}"
-                layer_index = (hf_layer, expert_ep_rank() * local + int(expert.group(1)))
+                layer_index = (hf_layer, expert_ep_rank(pg_collection) * local + int(expert.group(1)))
         elif match:
             layer = inner.decoder.layers[int(match.group(1))]
             rest = match.group(2)
@@ -335,7 +336,7 @@ class AutoBridge:
             expert = _EXPERT.match(rest)
             if expert:
                 local = layer.mlp.experts.num_local_experts
-                global_expert = expert_ep_rank() * local + int(expert.group(1))
+                global_expert = expert_ep_rank(pg_collection) * local + int(expert.group(1))
                 key = f"decoder.layers.{{i}}.mlp.experts.local_experts.{{e}}.{expert.group(2)}"
                 layer_index = (layer.layer_number - 1, global_expert)
         if key not in by_name:
@@ -365,6 +366,27 @@ class AutoBridge:
         from megatron_core.models.hf.tokenizer import HFDirectoryTokenizer
 
         return HFDirectoryTokenizer(self.directory, **kwargs)
+
+
+def _parallel_state_vpp() -> int | None:
+    """``parallel_state``'s virtual pipeline size (``None`` without one or before model parallelism is set up)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_virtual_pipeline_model_parallel_world_size()
+
+
+def _parallel_sizes(pg_collection: Any, moe: bool) -> dict[str, Any]:
+    """Parallel sizes for a TransformerConfig from ``pg_collection``'s groups, else from ``parallel_state``'s
+    (nothing before it is set up); the expert sizes only for an MoE model (``moe``)."""
+    if pg_collection is None and not parallel_state.model_parallel_is_initialized():
+        return {}
+    roles = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp"}
+    if moe:  # the expert layout the groups were built with
+        roles.update(expert_model_parallel_size="ep", expert_tensor_parallel_size="expt_tp")
+    sizes: dict[str, Any] = {name: group_rank_size(role, pg_collection)[1] for name, role in roles.items()}
+    if pg_collection is None:
+        sizes["virtual_pipeline_model_parallel_size"] = _parallel_state_vpp()
+    return sizes
 
 
 def read_hf_config(path: str) -> dict:

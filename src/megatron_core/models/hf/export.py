@@ -23,11 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.models.hf.model_view import (
     TOKENIZER_FILES,
     expert_tp_rank_size,
+    group_rank_size,
     hf_mappable_parameters,
     is_expert_rule,
     mcore_shape,
@@ -226,14 +226,13 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
     # (each expert-parallel rank writes its own experts); TP shards are gathered to (expert-)TP rank 0.
     dense = tp_rank_size(pg_collection)
     expert = expert_tp_rank_size(pg_collection)
-    initialized = parallel_state.model_parallel_is_initialized()
-    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) if initialized else 0
-    edp_rank = parallel_state.get_expert_data_parallel_rank() if initialized else 0
+    dp_rank = group_rank_size("dp_cp", pg_collection)[0]
+    edp_rank = group_rank_size("expt_dp", pg_collection)[0]
     by_name = bridge.rules_by_name()
     held: dict[tuple[str, Index], torch.Tensor] = {}
     for chunk in chunks:
         for name, param in hf_mappable_parameters(chunk, bridge.family.buffers):
-            rule, layer = bridge._rule_for(chunk, name, by_name)
+            rule, layer = bridge._rule_for(chunk, name, by_name, pg_collection)
             held[(rule.mcore, layer)] = param
 
     def key(rule: Any, layer: Index) -> tuple[str, Index]:  # an MTP layer's embedding / head copy: the shared one
@@ -246,7 +245,7 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
     # as transformers' save_pretrained keeps num_nextn_predict_layers without writing MTP layers
     with_mtp = bool(bridge.family.mtp_num_layers and getattr(chunks[0].config, "mtp_num_layers", None))
     todo = [(rule, layer) for rule, layer in bridge.rules(include_mtp=with_mtp) if mine(rule, layer)]
-    _check_stacked_experts(bridge)
+    _check_stacked_experts(bridge, pg_collection)
     vocab = bridge.family.vocab_size
     local: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     for rule, layer in todo:
@@ -272,11 +271,9 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
     writer.finish(error)
 
 
-def _check_stacked_experts(bridge: Any) -> None:
+def _check_stacked_experts(bridge: Any, pg_collection: Any = None) -> None:
     """Refuse (on every rank alike) an export whose stacked expert tensors would be spread over EP ranks."""
-    if not parallel_state.model_parallel_is_initialized():
-        return
-    ep = parallel_state.get_expert_model_parallel_world_size()
+    ep = group_rank_size("ep", pg_collection)[1]
     stacked = [r.hf for r in bridge.family.layer_rules if isinstance(r, StackedExpertRule)]
     if ep > 1 and stacked:
         raise HFConversionError(

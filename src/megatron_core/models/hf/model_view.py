@@ -57,7 +57,7 @@ def hf_mappable_parameters(model: torch.nn.Module, buffers: tuple[str, ...] = ()
                 yield name, buffer
 
 
-def _rank_size(role: str, pg_collection: Any) -> tuple[int, int, Any]:
+def group_rank_size(role: str, pg_collection: Any = None) -> tuple[int, int, Any]:
     """``(rank, size, group)`` of ``role``'s group from the package's one resolver (``pg_collection`` when given,
     else ``parallel_state``); no group means one rank."""
     group = resolve_process_group(role, pg_collection)
@@ -66,7 +66,7 @@ def _rank_size(role: str, pg_collection: Any) -> tuple[int, int, Any]:
 
 def tp_rank_size(pg_collection: Any = None) -> tuple[int, int, Any]:
     """``(rank, size, group)`` of tensor parallelism: ``pg_collection.tp``, else ``parallel_state``, else one rank."""
-    return _rank_size("tp", pg_collection)
+    return group_rank_size("tp", pg_collection)
 
 
 def is_expert_rule(rule: WeightRule) -> bool:
@@ -76,12 +76,12 @@ def is_expert_rule(rule: WeightRule) -> bool:
 
 def expert_tp_rank_size(pg_collection: Any = None) -> tuple[int, int, Any]:
     """``(rank, size, group)`` of expert tensor parallelism: ``pg_collection.expt_tp``, else ``parallel_state``."""
-    return _rank_size("expt_tp", pg_collection)
+    return group_rank_size("expt_tp", pg_collection)
 
 
 def expert_ep_rank(pg_collection: Any = None) -> int:
     """This rank's expert-parallel rank: ``pg_collection.ep``, else ``parallel_state``'s (0 without one)."""
-    return _rank_size("ep", pg_collection)[0]
+    return group_rank_size("ep", pg_collection)[0]
 
 
 def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:

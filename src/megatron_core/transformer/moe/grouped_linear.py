@@ -222,9 +222,7 @@ class _GroupedLinear(torch.nn.Module):
                  bias: bool, skip_bias_add: bool, is_expert: bool = True, tp_comm_buffer_name: str | None = None,
                  tp_group: Any = None, pg_collection: Any = None, name: str | None = None) -> None:
         super().__init__()
-        if tp_group is None and pg_collection is not None:
-            tp_group = pg_collection.expt_tp
-        self.tp_group = resolve_tp_group(tp_group, is_expert=True)
+        self.tp_group = resolve_tp_group(tp_group, pg_collection, is_expert=True)
         self.num_gemms = num_gemms
         self.input_size, self.output_size = input_size, output_size
         self.skip_bias_add = skip_bias_add
