@@ -1,7 +1,8 @@
 """Megatron's data pipeline: ``.bin``/``.idx`` storage, GPT and blended datasets, samplers, tokenizers.
 
 Files and samples are identical to Megatron-Core's (``megatron.core.datasets``); the C++ index
-helpers are replaced by numpy (``helpers``). Tokenizers live in ``megatron_core.datasets.tokenizers``.
+helpers are replaced by numpy (``helpers``). The tokenizers (``megatron_core.datasets.tokenizers``) live in
+``megatron_core.tokenizers.legacy``.
 """
 
 from megatron_core.datasets.blended_dataset import BlendedDataset
@@ -20,8 +21,8 @@ from megatron_core.datasets.gpt_dataset import (
 )
 from megatron_core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from megatron_core.datasets.megatron_dataset import MegatronDataset
-from megatron_core.datasets.megatron_tokenizer import MegatronTokenizer
 from megatron_core.datasets.utils import Split, get_blend_from_list, normalize
+from megatron_core.tokenizers.legacy.megatron_tokenizer import MegatronTokenizer
 
 __all__ = [
     "BlendedDataset",
