@@ -67,3 +67,7 @@ def bias_dropout_add_fused_train(x_with_bias: _XWithBias, residual: torch.Tensor
 def bias_dropout_add_fused_inference(x_with_bias: _XWithBias, residual: torch.Tensor, prob: float) -> torch.Tensor:
     """``residual + x + bias`` (no dropout: inference mode)."""
     return bias_dropout_add(x_with_bias, residual, prob, False)
+
+
+__all__ = ["bias_dropout_add", "bias_dropout_add_fused_inference", "bias_dropout_add_fused_train",
+           "bias_dropout_add_unfused", "get_bias_dropout_add"]
