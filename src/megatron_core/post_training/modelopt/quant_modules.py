@@ -114,6 +114,21 @@ class _QuantParallelLinear(_mo.custom._ParallelLinear):
             self.gradient_accumulation_fusion = False
         super()._setup()
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The layer's forward with the quantizing GEMM swapped in; the module function is restored even on error.
+
+        (Model Optimizer's swap restores it only when the forward returns: after an exception the next
+        forward would wrap the leftover quantized function again.)
+        """
+        name = "linear_with_grad_accumulation_and_async_allreduce"
+        original = getattr(tp_layers, name)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            setattr(tp_layers, name, original)
+            if hasattr(tp_layers, f"_{name}"):
+                delattr(tp_layers, f"_{name}")
+
     def _quantizer_state(self) -> dict[str, tuple[torch.Tensor, int | None]]:
         column = bool(self._is_column_parallel)
         out = {}
@@ -194,7 +209,9 @@ class QuantMLP(_mo.dynamic.DynamicModule):
     """
 
     def _setup(self) -> None:
-        """Nothing to add: only the checkpoint layout changes."""
+        """No quantizer of its own: only the checkpoint layout changes (and no group to sync over)."""
+        if self.parallel_state is None:
+            self.parallel_state = parallel_state_for(self)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """``MLP``'s sharded state with the gated fc1's per-row amax split into gate and up halves."""
