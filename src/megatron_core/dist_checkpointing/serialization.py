@@ -449,7 +449,9 @@ def _read_common_state(checkpoint_dir: str | os.PathLike,
         common = torch_load_safe(path, str(path))
         where = str(path)
     else:
-        strategy = strategy or TorchDistLoadShardedStrategy()
+        # A wrapping strategy (FullyParallelLoadStrategyWrapper) would run collectives and cache a distribution
+        # for this one-entry request: the common state is read locally, through the strategy it wraps.
+        strategy = getattr(strategy, "base_strategy", strategy) or TorchDistLoadShardedStrategy()
         if COMMON_STATE_UNIQUE_KEY not in strategy.metadata(checkpoint_dir).state_dict_metadata:
             raise CheckpointingException(
                 f"{checkpoint_dir} holds no common state: neither {COMMON_STATE_FNAME} nor the DCP entry "
