@@ -146,18 +146,21 @@ def time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
 
 def report(name: str, seconds: float, args: argparse.Namespace, n_params_no_embedding: int) -> float:
     """Print one contender's figures; returns its MFU in percent."""
-    tokens = args.mbs * args.seq
-    tok_s = tokens / seconds
-    tflops = tok_s * flops_per_token(args, n_params_no_embedding) / 1e12
-    peak_gb = mdevice.max_memory_allocated() / 1e9
-    mfu = 100 * model_flops_utilization(tok_s, flops_per_token(args, n_params_no_embedding), PEAK_FLOPS)
-    print(f"{name:<34} {seconds * 1e3:9.1f} ms  {tok_s:11,.0f} tok/s  {tflops:7.1f} TFLOP/s  "
-          f"MFU {mfu:5.1f}%  peak {peak_gb:6.2f} GB")
+    return report_flops(name, seconds, args, flops_per_token(args, n_params_no_embedding))
+
+
+def report_flops(name: str, seconds: float, args: argparse.Namespace, fpt: float, width: int = 34) -> float:
+    """Print one contender's time, tokens/s, TFLOP/s, MFU (``fpt`` FLOPs per token) and peak memory; returns MFU %."""
+    tok_s = args.mbs * args.seq / seconds
+    mfu = 100 * model_flops_utilization(tok_s, fpt, PEAK_FLOPS)
+    print(f"{name:<{width}} {seconds * 1e3:9.1f} ms  {tok_s:11,.0f} tok/s  {tok_s * fpt / 1e12:7.1f} TFLOP/s  "
+          f"MFU {mfu:5.1f}%  peak {mdevice.max_memory_allocated() / 1e9:6.2f} GB")
     return mfu
 
 
-def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
-                  args: argparse.Namespace, n_params_no_embedding: int) -> float:
+def time_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
+                   args: argparse.Namespace, fpt: float, width: int = 34) -> float:
+    """Time one model's fwd+bwd (gradients dropped after each step); prints and returns its MFU in percent."""
     def step() -> None:
         loss_fn().backward()
         for p in model.parameters():
@@ -165,7 +168,26 @@ def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch
 
     if mdevice.get_current_device().type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    return report(name, time_steps(step, args), args, n_params_no_embedding)
+    return report_flops(name, time_steps(step, args), args, fpt, width)
+
+
+def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
+                  args: argparse.Namespace, n_params_no_embedding: int) -> float:
+    """Time one model's fwd+bwd at the dense-transformer FLOP count; prints and returns its MFU in percent."""
+    return time_contender(name, model, loss_fn, args, flops_per_token(args, n_params_no_embedding))
+
+
+def print_kernel_profile(step: Callable[[], None], steps: int = 3, rows: int = 25) -> None:
+    """Profile ``steps`` steps and print the kernels (CPU ops off CUDA) with the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = mdevice.get_current_device().type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        mdevice.synchronize()
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70))
 
 
 def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,

@@ -36,7 +36,11 @@ import importlib.util
 from collections.abc import Callable
 
 import torch
-from gpt_fwd_bwd import add_timing_argument, time_steps  # the same step timer for every fwd+bwd benchmark
+from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd benchmark
+    add_timing_argument,
+    print_kernel_profile,
+    time_contender,
+)
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
@@ -45,7 +49,6 @@ from megatron_core.models.hybrid import HybridModel
 from megatron_core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron_core.transformer import TransformerConfig
 
-PEAK_FLOPS = 989e12
 KERNEL_CHUNK = 64  # megatron_core.ssm.ssd_scan_triton.KERNEL_CHUNK (not imported: it would load the kernels module)
 
 
@@ -134,36 +137,6 @@ def build_hf(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     return model if args.hf_eager else torch.compile(model)
 
 
-def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
-                  args: argparse.Namespace, fpt: float) -> float:
-    """Time one model's fwd+bwd; prints and returns its MFU in percent."""
-    def step() -> None:
-        loss_fn().backward()
-        for p in model.parameters():
-            p.grad = None
-
-    if mdevice.get_current_device().type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    seconds = time_steps(step, args)
-    tok_s = args.mbs * args.seq / seconds
-    tflops = tok_s * fpt / 1e12
-    mfu = 100 * tflops * 1e12 / PEAK_FLOPS
-    print(f"{name:<40} {seconds * 1e3:9.1f} ms  {tok_s:11,.0f} tok/s  {tflops:7.1f} TFLOP/s  "
-          f"MFU {mfu:5.1f}%  peak {mdevice.max_memory_allocated() / 1e9:6.2f} GB")
-    return mfu
-
-
-def print_kernel_profile(step: Callable[[], None], steps: int = 2) -> None:
-    """Profile ``steps`` steps and print the kernels with the most device time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
-
-
 def _event_median(fn: Callable[[], object], reps: int = 20) -> float:
     """Median seconds of ``fn`` over ``reps`` runs after 3 warm-ups, CUDA events around each."""
     for _ in range(3):
@@ -250,9 +223,9 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
         return ours(ids, position_ids, None, labels=labels).mean()
 
     label = "megatron_core HybridModel" + (" (compiled layers)" if args.compile else " eager")
-    mfu = run_contender(label, ours, our_loss, args, fpt)
+    mfu = time_contender(label, ours, our_loss, args, fpt, width=40)
     if args.profile and mdevice.get_current_device().type == "cuda":
-        print_kernel_profile(lambda: our_loss().backward())
+        print_kernel_profile(lambda: our_loss().backward(), steps=2, rows=20)
     return mfu, fpt
 
 
@@ -288,7 +261,7 @@ def main() -> None:
             print("transformers is not installed; skipping the Hugging Face baseline")
             return
         hf_label = "HF NemotronH (torch path)" + (" eager" if args.hf_eager else " torch.compile")
-        hf_mfu = run_contender(hf_label, hf, lambda: hf(input_ids=ids, labels=labels).loss, args, fpt)
+        hf_mfu = time_contender(hf_label, hf, lambda: hf(input_ids=ids, labels=labels).loss, args, fpt, width=40)
         print(f"RESULT fwd+bwd MFU: megatron_core {ours_mfu:.1f}% vs {hf_label} {hf_mfu:.1f}% "
               f"({ours_mfu / hf_mfu if hf_mfu else float('nan'):.2f}x)")
 

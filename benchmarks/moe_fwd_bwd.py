@@ -27,7 +27,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from gpt_fwd_bwd import add_timing_argument, time_steps  # the same step timer for every fwd+bwd benchmark
+from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd benchmark
+    add_timing_argument,
+    print_kernel_profile,
+    time_contender,
+    time_steps,
+)
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
@@ -36,8 +41,6 @@ from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron_core.transformer import TransformerConfig
 from megatron_core.transformer.moe.cutlass_grouped_gemm import set_moe_grouped_gemm_backend
 from megatron_core.transformer.moe.grouped_linear import align_expert_rows, grouped_gemm
-
-PEAK_FLOPS = 989e12
 
 
 def parse_args() -> argparse.Namespace:
@@ -134,25 +137,6 @@ def build_hf(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     return model if args.hf_eager else torch.compile(model)
 
 
-def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
-                  args: argparse.Namespace) -> float:
-    """Time one model's fwd+bwd; prints and returns its MFU in percent."""
-    def step() -> None:
-        loss_fn().backward()
-        for p in model.parameters():
-            p.grad = None
-
-    if mdevice.get_current_device().type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    seconds = time_steps(step, args)
-    tok_s = args.mbs * args.seq / seconds
-    tflops = tok_s * flops_per_token(args) / 1e12
-    mfu = 100 * tflops * 1e12 / PEAK_FLOPS
-    print(f"{name:<36} {seconds * 1e3:9.1f} ms  {tok_s:11,.0f} tok/s  {tflops:7.1f} TFLOP/s  "
-          f"MFU {mfu:5.1f}%  peak {mdevice.max_memory_allocated() / 1e9:6.2f} GB")
-    return mfu
-
-
 def expert_counts(args: argparse.Namespace, routing: str) -> list[int]:
     """Rows per expert: ``even`` (the tokens spread evenly) or ``router`` (the top-k of near-uniform logits)."""
     rows = args.mbs * args.seq * args.topk
@@ -214,23 +198,11 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     ours = build_ours(args, dtype)
     mode = " (compiled layers)" if args.compile_moe else " (compiled attn)" if args.compile else " eager"
     label = "megatron_core " + ("SequentialMLP" if args.sequential else "grouped GEMM") + mode
-    mfu = run_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args)
+    mfu = time_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
+                         flops_per_token(args), width=36)
     if args.profile:
         print_kernel_profile(lambda: ours(ids, position_ids, None, labels=labels).mean().backward())
     return mfu
-
-
-def print_kernel_profile(step: Callable[[], None], steps: int = 3) -> None:
-    """Profile ``steps`` steps and print the kernels with the most device time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        if mdevice.get_current_device().type == "cuda":
-            torch.cuda.synchronize()
-    sort = "cuda_time_total" if mdevice.get_current_device().type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
 
 
 def main() -> None:
@@ -269,7 +241,8 @@ def main() -> None:
             print("transformers is not installed; skipping the Hugging Face baseline")
             return
         hf_label = "HF Mixtral sdpa" + (" eager" if args.hf_eager else " torch.compile")
-        hf_mfu = run_contender(hf_label, hf, lambda: hf(input_ids=ids, labels=labels).loss, args)
+        hf_mfu = time_contender(hf_label, hf, lambda: hf(input_ids=ids, labels=labels).loss, args,
+                                flops_per_token(args), width=36)
         print(f"RESULT fwd+bwd MFU (active params): megatron_core {ours_mfu:.1f}% vs {hf_label} {hf_mfu:.1f}% "
               f"({ours_mfu / hf_mfu if hf_mfu else float('nan'):.2f}x)")
 
