@@ -85,6 +85,8 @@ def test_one_load_reads_each_checkpoint_file_once(trained, monkeypatch) -> None:
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+        for name in ENV:  # set by init_distributed_for_inference; rank pools spawned later would inherit them
+            os.environ.pop(name, None)
     assert model.vocab_size >= 64 and args["train_iters"] == 2
     assert counts["latest_checkpointed_iteration.txt"] == 1, counts
     assert counts["metadata.json"] == 1, counts
