@@ -4,9 +4,11 @@ Sizes the dynamic engine: the paged KV cache (``block_size_tokens``, ``buffer_si
 many requests and tokens one forward step may hold (``max_requests``, ``max_tokens``), the
 longest sequence (``max_sequence_length``), and scheduling features (``enable_chunked_prefill``,
 ``enable_prefix_caching``, ``async_sched_mode``).
-Fields that only matter to Megatron's CUDA kernels (flashinfer, unified memory, Mamba) are
+Fields that only matter to Megatron's CUDA kernels (flashinfer, unified memory) are
 accepted for signature compatibility and documented as inert in docs/compat.md.
-``MambaInferenceStateConfig`` describes a hybrid model's Mamba state caches (validated, not yet consumed).
+``MambaInferenceStateConfig`` describes a hybrid model's per-request Mamba state caches; set as
+``InferenceConfig.mamba_inference_state_config``, it sizes the dynamic context's Mamba state slots
+(:mod:`megatron_core.inference.contexts.mamba_states`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class MambaInferenceStateConfig:
 
     ``layer_type_list`` holds one hybrid-pattern symbol per layer (``"M"`` Mamba, ``"*"`` attention, ...);
     ``conv_states_shape`` / ``ssm_states_shape`` are one request's convolution and SSM state shapes on this TP
-    rank. This library's Mamba mixer has no inference state caches yet, so nothing consumes this config here.
+    rank. The dynamic context keeps one slot of both states per Mamba layer for each request it holds
+    (:class:`~megatron_core.inference.contexts.mamba_states.MambaStateSlots`).
     """
 
     layer_type_list: list[str]
@@ -143,11 +146,18 @@ class KVCacheManagementMode(str, Enum):
 
 @dataclass
 class InferenceConfig:
-    """Sizes and switches of the dynamic inference engine."""
+    """Sizes and switches of the dynamic inference engine.
+
+    For a hybrid model, ``mamba_inference_state_config`` (:meth:`MambaInferenceStateConfig.from_model`) gives
+    the per-request Mamba states; they are taken from ``buffer_size_gb`` first: ``mamba_memory_ratio`` of it
+    (which then caps ``max_requests``), or, when that is None, exactly what ``max_requests`` requests need.
+    """
 
     block_size_tokens: int = 256
     buffer_size_gb: float = 20
     paused_buffer_size_gb: float | None = None
+    mamba_inference_state_config: MambaInferenceStateConfig | None = None
+    mamba_memory_ratio: float | None = None
     max_requests: int | None = None
     max_tokens: int | None = None
     max_sequence_length: int = 2560
@@ -180,6 +190,13 @@ class InferenceConfig:
                 raise ValueError(f"InferenceConfig.{name} ({value}) must be a positive int")
         if self.buffer_size_gb <= 0:
             raise ValueError(f"InferenceConfig.buffer_size_gb ({self.buffer_size_gb}) must be > 0")
+        mamba = self.mamba_inference_state_config
+        if mamba is not None and not isinstance(mamba, MambaInferenceStateConfig):
+            raise ValueError(f"InferenceConfig.mamba_inference_state_config must be a MambaInferenceStateConfig or "
+                             f"None, got {type(mamba).__name__}")
+        if self.mamba_memory_ratio is not None and not 0.0 < self.mamba_memory_ratio < 1.0:
+            raise ValueError(f"InferenceConfig.mamba_memory_ratio ({self.mamba_memory_ratio}) must be in (0, 1) "
+                             "or None")
         for name in ("max_requests", "max_tokens", "num_cuda_graphs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

@@ -115,19 +115,22 @@ class HybridStack(MegatronModule):
                 inference_context: Any = None, rotary_pos_emb: torch.Tensor | None = None, *,
                 inference_params: Any = None, packed_seq_params: Any = None,
                 padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Run every layer over ``[s, b, h]``, then the final norm (last stage)."""
-        if inference_context is not None or inference_params is not None:
-            raise NotImplementedError("the hybrid (Mamba) stack does not support inference state caches "
-                                      "(inference_context) in this library")
+        """Run every layer over ``[s, b, h]``, then the final norm (last stage).
+
+        ``inference_context`` (a dynamic context) reaches every layer: attention layers use its paged KV
+        cache, Mamba layers its per-request state slots.
+        """
+        inference_context = inference_context if inference_context is not None else inference_params
         if not self.pre_process:
             hidden_states = self.input_tensor
         for layer in self.layers:
             if isinstance(layer, TransformerLayer):
                 hidden_states, _ = layer(hidden_states=hidden_states, attention_mask=attention_mask,
-                                         rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
+                                         rotary_pos_emb=rotary_pos_emb, inference_context=inference_context,
+                                         packed_seq_params=packed_seq_params)
             else:
                 hidden_states = layer(hidden_states=hidden_states, attention_mask=attention_mask,
-                                      packed_seq_params=packed_seq_params)
+                                      inference_context=inference_context, packed_seq_params=packed_seq_params)
             if isinstance(hidden_states, tuple):
                 hidden_states = hidden_states[0]
         if self.post_process and self.post_layer_norm:

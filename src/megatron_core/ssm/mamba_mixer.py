@@ -5,7 +5,8 @@ go through a depthwise causal convolution and SiLU (:mod:`megatron_core.ssm.caus
 SSD scan: the fused Triton kernels of :mod:`megatron_core.ssm.ssd_scan_triton` on CUDA, else the pure-PyTorch
 :func:`megatron_core.ssm.ssd_scan.ssd_chunk_scan` (the CPU path and the reference); the result is gated by
 ``silu(z)``, normalised per group (RMS) and projected back by ``out_proj`` (row-parallel). Parameter names, shapes and the
-sharded checkpoint keys are Megatron-Core 0.19's. Training only: inference state caches are refused.
+sharded checkpoint keys are Megatron-Core 0.19's. Under the dynamic inference context each request's states
+live in a slot of the context's Mamba state cache (:func:`megatron_core.ssm.mamba_inference.mixer_inference`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megatron_core.dist_checkpointing.sharded_module import (
 )
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.ssm.causal_conv1d import causal_conv1d_silu
+from megatron_core.ssm.mamba_inference import mixer_inference
 from megatron_core.ssm.ssd_scan import ssd_chunk_scan
 from megatron_core.ssm.ssd_scan_triton import ssd_chunk_scan_triton, ssd_scan_triton_supported
 from megatron_core.ssm.utils import _split_tensor_factory
@@ -270,9 +272,12 @@ class MambaMixer(MegatronModule):
     def forward(self, hidden_states: torch.Tensor, inference_context: Any = None, *,
                 inference_params: Any = None, packed_seq_params: Any = None) -> tuple[torch.Tensor, Any]:
         """``hidden_states`` ``[s, b, d_model]`` (sequence-split under sequence parallelism) -> ``(out, bias)``."""
-        if inference_context is not None or inference_params is not None:
-            raise NotImplementedError("MambaMixer: inference with state caches (inference_context) is not "
-                                      "supported by this library; run the full sequence without a context")
+        inference_context = inference_context if inference_context is not None else inference_params
+        if inference_context is not None:  # the dynamic engine's per-request state slots (ssm.mamba_inference)
+            if not hasattr(inference_context, "mamba_states_cache"):
+                raise NotImplementedError(f"MambaMixer: inference under {type(inference_context).__name__} is not "
+                                          "supported; hybrid models are served by the dynamic engine")
+            return self.out_proj(mixer_inference(self, self.in_proj(hidden_states)[0], inference_context))
         if packed_seq_params is not None:
             raise NotImplementedError("MambaMixer: packed sequences (packed_seq_params) are not supported "
                                       "by this library")

@@ -33,8 +33,9 @@ def test_heads_not_divisible_by_groups():
         build("MM", mamba_num_groups=3)
 
 
-def test_inference_context_refused():
+def test_non_dynamic_inference_context_refused():
+    """Only the dynamic context (with its Mamba state slots) serves the Mamba layers."""
     model = build("MM")
     ids, pos, _ = batch()
-    with pytest.raises(NotImplementedError, match="inference_context"):
+    with pytest.raises(NotImplementedError, match="served by the dynamic engine"):
         model(ids, pos, None, inference_context=object())

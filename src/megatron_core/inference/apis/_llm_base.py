@@ -3,7 +3,8 @@
 Builds the pipeline ``DynamicInferenceContext`` -> ``GPTInferenceWrapper`` ->
 ``TextGenerationController`` -> ``DynamicInferenceEngine`` from a model, a tokenizer and an
 :class:`InferenceConfig`, and normalises prompts (one string, one token list, or a batch of
-either). There is no separate coordinator process: ``use_coordinator=True`` runs the engine
+either). A hybrid model's Mamba state config is read from the model when the inference config
+leaves it unset (:func:`with_mamba_state_config`). There is no separate coordinator process: ``use_coordinator=True`` runs the engine
 loop on a background thread of this process (every rank drives its own engine; under tensor or
 pipeline parallelism all ranks must submit the same requests in the same order).
 """
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 from collections.abc import Coroutine
 from typing import Any
 
-from megatron_core.inference.config import InferenceConfig
+from megatron_core.inference.config import InferenceConfig, MambaInferenceStateConfig
 from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron_core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
@@ -76,6 +78,16 @@ class _EventLoopManager:
         self._thread = None
 
 
+def with_mamba_state_config(inference_config: InferenceConfig, model: Any) -> InferenceConfig:
+    """``inference_config``, with ``mamba_inference_state_config`` read from ``model`` when it is a hybrid model
+    and the field is unset (a copy; the caller's config is not changed)."""
+    if inference_config.mamba_inference_state_config is not None:
+        return inference_config
+    mamba = MambaInferenceStateConfig.from_model(model)
+    return inference_config if mamba is None else dataclasses.replace(inference_config,
+                                                                      mamba_inference_state_config=mamba)
+
+
 class _MegatronLLMBase:
     """Engine pipeline plus prompt normalisation."""
 
@@ -85,7 +97,8 @@ class _MegatronLLMBase:
     ) -> None:
         if (coordinator_host is not None or coordinator_port is not None) and not use_coordinator:
             raise ValueError("coordinator_host/coordinator_port require use_coordinator=True")
-        inference_config = inference_config if inference_config is not None else InferenceConfig()
+        inference_config = with_mamba_state_config(inference_config if inference_config is not None
+                                                   else InferenceConfig(), model)
         context = DynamicInferenceContext(model.config, inference_config)
         wrapper = GPTInferenceWrapper(model, context)
         controller = TextGenerationController(inference_wrapped_model=wrapper, tokenizer=tokenizer)

@@ -34,10 +34,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_core.inference.config import InferenceConfig
+from megatron_core._ground.hybrid_pattern import Symbols
+from megatron_core.inference.config import InferenceConfig, MambaInferenceStateConfig
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs, graph_batch_sizes
 from megatron_core.inference.contexts.kv_block_allocator import KVBlockAllocator
+from megatron_core.inference.contexts.mamba_states import MambaStateSlots
 from megatron_core.inference.contexts.paged_attention import paged_decode_attention, paged_decode_supported
 from megatron_core.inference.contexts.rope_cache_append import rope_cache_append, rope_cache_append_supported
 from megatron_core.inference.contexts.rotary import rotate_at_positions
@@ -120,6 +122,22 @@ class StepEntry:
     logit_rows: list[int] = field(default_factory=list)
 
 
+_ATTENTION_SYMBOLS = (Symbols.ATTENTION, Symbols.DS_ATTENTION, Symbols.MLA)
+
+
+def _check_hybrid_settings(inference_config: InferenceConfig) -> None:
+    """Refuse what the Mamba state slots cannot serve: prefix caching and CUDA-graph decode."""
+    if inference_config.enable_prefix_caching:
+        raise ValueError("InferenceConfig.enable_prefix_caching=True cannot serve a hybrid model "
+                         "(mamba_inference_state_config is set): a request's Mamba state is the state after all of its "
+                         "tokens, not per KV block, so a shared prefix's blocks would leave the Mamba layers without "
+                         "their state at the end of the prefix; turn prefix caching off")
+    if inference_config.num_cuda_graphs is not None:
+        raise ValueError(f"InferenceConfig.num_cuda_graphs={inference_config.num_cuda_graphs}: CUDA-graph decode is not "
+                         "supported for hybrid models (mamba_inference_state_config is set) in this library; the "
+                         "padded graph rows have no Mamba state slots. Set num_cuda_graphs=None")
+
+
 def _tp_pp_sizes(pg_collection: Any) -> tuple[int, int]:
     """Tensor- and pipeline-parallel sizes from ``pg_collection`` or ``parallel_state``."""
     import torch.distributed as dist
@@ -168,22 +186,36 @@ class DynamicInferenceContext(BaseInferenceContext):
         self.prefix_cache_blocks_matched = 0
         self.prefix_cache_prefill_skipped_tokens = 0
         tp, pp = _tp_pp_sizes(inference_config.pg_collection)
-        self.num_layers_local = max(1, model_config.num_layers // pp)
+        mamba_config = inference_config.mamba_inference_state_config
+        self.is_hybrid_model = mamba_config is not None
+        if self.is_hybrid_model:
+            _check_hybrid_settings(inference_config)
+            # Only the attention layers have a KV cache (at least one layer is sized, so the engine's block
+            # bookkeeping works for a model without attention too).
+            self.num_layers_local = max(1, sum(s in _ATTENTION_SYMBOLS for s in mamba_config.layer_type_list))
+        else:
+            self.num_layers_local = max(1, model_config.num_layers // pp)
         self.num_groups_local, self.head_dim = _kv_cache_head_shape(model_config, tp)
         dtype = inference_config.kv_cache_dtype or getattr(model_config, "params_dtype", torch.float32)
         self.bytes_per_block = (
             2 * self.num_layers_local * self.block_size_tokens * self.num_groups_local * self.head_dim
             * torch.empty((), dtype=dtype).element_size()
         )
-        total_blocks = int(inference_config.buffer_size_gb * 1024**3 // self.bytes_per_block)
+        self.max_tokens = inference_config.max_tokens or DEFAULT_MAX_TOKENS
+        self.max_requests = min(inference_config.max_requests or DEFAULT_MAX_REQUESTS, self.max_tokens)
+        kv_bytes = inference_config.buffer_size_gb * 1024**3
+        self.mamba_slots: MambaStateSlots | None = None
+        if self.is_hybrid_model:
+            kv_bytes = self._take_mamba_memory(mamba_config, kv_bytes)
+            self.mamba_slots = MambaStateSlots(mamba_config, self.max_requests)
+        total_blocks = int(kv_bytes // self.bytes_per_block)
         if total_blocks < 1:
             raise ValueError(
                 f"InferenceConfig.buffer_size_gb ({inference_config.buffer_size_gb}) holds no KV block of "
                 f"{self.bytes_per_block} bytes (block_size_tokens={self.block_size_tokens}, "
                 f"{self.num_layers_local} layers, {self.num_groups_local} KV heads of {self.head_dim})"
+                + (" after the Mamba states" if self.is_hybrid_model else "")
             )
-        self.max_tokens = inference_config.max_tokens or DEFAULT_MAX_TOKENS
-        self.max_requests = min(inference_config.max_requests or DEFAULT_MAX_REQUESTS, self.max_tokens)
         # Never more blocks than max_requests full-length sequences can use.
         total_blocks = min(total_blocks, self.max_requests * self.blocks_for_tokens(self.max_sequence_length))
         self.block_allocator = KVBlockAllocator(total_blocks, self.enable_prefix_caching,
@@ -215,6 +247,27 @@ class DynamicInferenceContext(BaseInferenceContext):
                                  "num_moe_experts")
             self.moe_routing_metadata = RoutingMetadata(self, model_config.moe_router_topk,
                                                         model_config.num_moe_experts)
+
+    def _take_mamba_memory(self, mamba_config: MambaInferenceStateConfig, buffer_bytes: float) -> float:
+        """Reserve the Mamba state slots out of ``buffer_bytes`` (capping ``max_requests`` under
+        ``mamba_memory_ratio``); returns the bytes left for KV blocks."""
+        per_request = MambaStateSlots.bytes_per_request(mamba_config)
+        ratio = self.inference_config.mamba_memory_ratio
+        if ratio is not None:
+            budget = buffer_bytes * ratio
+            fit = int(budget // per_request) if per_request else self.max_requests
+            if fit < 1:
+                raise ValueError(f"InferenceConfig.mamba_memory_ratio ({ratio}) of buffer_size_gb "
+                                 f"({self.inference_config.buffer_size_gb}) holds no request's Mamba states "
+                                 f"({per_request} bytes)")
+            self.max_requests = min(self.max_requests, fit)
+            return buffer_bytes - budget
+        needed = self.max_requests * per_request
+        if needed >= buffer_bytes:
+            raise ValueError(f"InferenceConfig.buffer_size_gb ({self.inference_config.buffer_size_gb}) cannot hold the "
+                             f"Mamba states of max_requests ({self.max_requests}) requests ({per_request} bytes each) "
+                             "and any KV block; raise buffer_size_gb or lower max_requests")
+        return buffer_bytes - needed
 
     # ---- capacity ---------------------------------------------------------------------------------
 
@@ -256,6 +309,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         if len(self.request_blocks) >= self.max_requests:
             raise RequestOverflowError(request_id, f"max_requests ({self.max_requests}) reached")
         matched = list(matched_blocks)
+        if self.mamba_slots is not None:
+            self.mamba_slots.allocate(request_id)
         self.block_allocator.pin(matched)
         self.request_blocks[request_id] = matched
         self.block_tables_version += 1
@@ -308,6 +363,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         """Free the request's blocks and forget it (finished, cancelled or evicted)."""
         blocks = self.request_blocks.pop(request_id, None)
         self.block_tables_version += 1
+        if self.mamba_slots is not None:
+            self.mamba_slots.release(request_id)
         self.request_kv_length.pop(request_id, None)
         self.request_block_hashes.pop(request_id, None)
         self._registered_blocks.pop(request_id, None)
@@ -322,6 +379,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         self.request_block_hashes.clear()
         self._registered_blocks.clear()
         self.block_allocator.reset()
+        if self.mamba_slots is not None:
+            self.mamba_slots.reset()
         self.step_entries = []
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -386,6 +445,12 @@ class DynamicInferenceContext(BaseInferenceContext):
             offset += n
         self.num_decode = len(decode)
         self.graph_batch_size = None
+        if self.mamba_slots is not None:
+            slot = self.mamba_slots.slot
+            self._mamba_decode_slots = torch.tensor([slot(e.request_id) for e in decode], dtype=torch.long,
+                                                    device=device)
+            self._mamba_prefill = [(first, n, slot(e.request_id))
+                                   for (first, n, _, _), e in zip(self._prefill_segments, prefill)]
         padded = device.type == "cuda" or self.pad_decode_steps_on_cpu
         if self.use_cuda_graphs and not prefill and padded and self._all_last_rows(logit_index, total):
             self._graph_layout(decode, ids, positions, slots, device, None, device_tokens, device_token_rows)
@@ -490,6 +555,21 @@ class DynamicInferenceContext(BaseInferenceContext):
         if self._all_rows:
             return hidden_states
         return hidden_states.index_select(0, self.logit_index)
+
+    # ---- Mamba states (hybrid models) -------------------------------------------------------------
+
+    def mamba_states_cache(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(conv states, ssm states)`` of Mamba layer ``layer_number``, one row per slot (see :mod:`.mamba_states`)."""
+        if self.mamba_slots is None:
+            raise ValueError("a Mamba layer ran under a DynamicInferenceContext built without "
+                             "InferenceConfig.mamba_inference_state_config; set it from "
+                             "MambaInferenceStateConfig.from_model(model) to serve a hybrid model")
+        return self.mamba_slots.states(layer_number, self.device or torch.device("cpu"))
+
+    def mamba_step_layout(self) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The Mamba slots of the step: the decode rows' slots ``[num_decode]`` and, per prefill chunk,
+        ``(first row, rows, slot)``."""
+        return self._mamba_decode_slots, self._mamba_prefill
 
     # ---- attention --------------------------------------------------------------------------------
 

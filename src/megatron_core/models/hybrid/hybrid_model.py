@@ -3,7 +3,9 @@
 ``embedding`` -> ``decoder`` (:class:`~megatron_core.models.hybrid.hybrid_block.HybridStack` built from this pipeline
 segment of ``hybrid_layer_pattern``) -> ``output_layer``. ``forward`` takes ``[b, s]`` ids and returns
 per-token loss ``[b, s]`` with ``labels``, else logits ``[b, s, V/TP]``; a non-last stage returns hidden
-states ``[s, b, h]``. Training only: an inference context raises; MTP patterns (``/``) are refused.
+states ``[s, b, h]``. Under the dynamic inference context (``inference_context``) the attention layers use the
+paged KV cache and the Mamba layers their per-request state slots, and only the rows the step samples from get
+logits; MTP patterns (``/``) are refused.
 """
 
 from __future__ import annotations
@@ -150,23 +152,23 @@ class HybridModel(LanguageModule):
                 loss_mask: torch.Tensor | None = None, packed_seq_params: Any = None,
                 padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
-        if inference_context is not None or inference_params is not None:
-            raise NotImplementedError(f"{type(self).__name__}: inference with KV / SSM state caches (inference_context) is "
-                                      "not supported by this library; call forward without a context")
+        inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
-            seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config,
-                                                             packed_seq_params)
+            seq_len = self.rotary_pos_emb.get_rotary_seq_len(inference_context, self.decoder, decoder_input,
+                                                             self.config, packed_seq_params)
             rotary_pos_emb = self.rotary_pos_emb(seq_len)
             hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
             rotary_pos_emb = rotary_pos_emb.to(hidden.device)
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                                     rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params,
-                                     padding_mask=padding_mask)
+                                     inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                                     packed_seq_params=packed_seq_params, padding_mask=padding_mask)
         if not self.post_process:
             return hidden_states
+        if inference_context is not None:  # only the positions whose logits generation needs
+            hidden_states = inference_context.select_logit_hidden_states(hidden_states)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         logits = self._scale_logits(logits)
