@@ -1,4 +1,4 @@
-"""``AutoBridge``: a Hugging Face model directory <-> this rank's GPTModel shard.
+"""``AutoBridge``: a Hugging Face model directory <-> this rank's GPTModel (or HybridModel) shard.
 
 ::
 
@@ -55,7 +55,8 @@ from megatron_core.process_groups_config import resolve_process_group
 
 
 class AutoBridge:
-    """Converts between one Hugging Face causal-LM directory and GPTModel shards (see the module docstring)."""
+    """Converts between one Hugging Face causal-LM directory and GPTModel shards (HybridModel for the hybrid
+    Mamba architectures; see the module docstring)."""
 
     def __init__(self, directory: str, hf_config: dict, family: Family, reader: HFCheckpointReader | None) -> None:
         self.directory = directory
@@ -71,6 +72,9 @@ class AutoBridge:
         cfg = read_hf_config(directory)
         family = family_from_config(cfg, os.path.join(directory, "config.json"))
         reader = HFCheckpointReader(directory) if load_weights else None
+        if reader is not None and family.architecture == "NemotronHForCausalLM" and any(
+                name.startswith("model.") for name in reader.names()):  # in-memory names, not NVIDIA's backbone.
+            family = family_from_config(cfg, os.path.join(directory, "config.json"), hf_prefix="model.")
         if reader is not None and family.mtp_num_layers:
             # transformers' save_pretrained keeps num_nextn_predict_layers but writes no MTP layer: convert without
             mtp = tuple(f"model.layers.{family.num_layers + k}." for k in range(family.mtp_num_layers))
@@ -216,6 +220,11 @@ class AutoBridge:
         vocab = self.padded_vocab_size(tp_size, make_vocab_size_divisible_by)
         kwargs = {**self.family.model_kwargs, **model_kwargs}
         max_seq = kwargs.pop("max_sequence_length")
+        if self.family.hybrid_pattern is not None:
+            chunks = [self._hybrid_model(config, vocab, max_seq, kwargs, pg_collection)]
+            if load_weights:
+                self.load_hf_weights(chunks, pg_collection=pg_collection)
+            return chunks
         spec = get_gpt_layer_local_spec(config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
                                         qk_layernorm=config.qk_layernorm,
                                         multi_latent_attention=config.multi_latent_attention)
@@ -241,6 +250,22 @@ class AutoBridge:
             for chunk in chunks:
                 self.set_rotary_frequencies(chunk)
         return chunks
+
+    def _hybrid_model(self, config: Any, vocab: int, max_seq: int, kwargs: dict[str, Any], pg_collection: Any
+                      ) -> torch.nn.Module:
+        """This pipeline stage's HybridModel (the stack's mixers take the checkpoint's conv width and chunk size)."""
+        from megatron_core.models.hf.hybrid import hybrid_stack_spec_for
+        from megatron_core.models.hybrid import HybridModel
+
+        vpp = config.virtual_pipeline_model_parallel_size if pg_collection is not None else _parallel_state_vpp()
+        if vpp:
+            raise HFConversionError(
+                f"{self.architecture}: virtual pipeline stages (virtual_pipeline_model_parallel_size={vpp}) are not "
+                "supported for hybrid models by the bridge (they need '|' stage separators in the layer pattern)")
+        pp_group = resolve_process_group("pp", pg_collection)
+        return HybridModel(config, hybrid_stack_spec_for(self.family.mixer_params), vocab, max_seq,
+                           pre_process=is_pp_first_stage(pp_group), post_process=is_pp_last_stage(pp_group),
+                           pg_collection=pg_collection, **kwargs)
 
     def set_rotary_frequencies(self, model: torch.nn.Module) -> None:
         """Give the model the exact Llama 3.1 RoPE frequencies of config.json (they are not in state dicts)."""

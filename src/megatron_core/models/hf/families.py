@@ -8,7 +8,8 @@ with its sigmoid gate), in the per-expert tensor names ``save_pretrained`` write
 ``GptOssForCausalLM`` (attention sinks, YaRN, alternating sliding windows, biased router and stacked
 experts with a clamped, offset GLU: :mod:`.gpt_oss`), and ``DeepseekV3ForCausalLM`` (multi-latent attention,
 first dense layers, sigmoid-routed MoE with expert bias, group-limited routing, shared experts and the
-multi-token-prediction layers: :mod:`.deepseek`). Architectures
+multi-token-prediction layers: :mod:`.deepseek`); the hybrid Mamba models ``NemotronHForCausalLM`` and
+``Mamba2ForCausalLM`` convert to :class:`~megatron_core.models.hybrid.HybridModel` (:mod:`.hybrid`). Architectures
 that the model code cannot express yet are listed in :data:`NOT_SUPPORTED` with the reason.
 Every config field that changes the computation and is not supported raises
 :class:`HFConversionError` naming ``config.json``, the field and its value.
@@ -29,6 +30,7 @@ from megatron_core.models.hf.deepseek import (
     deepseek_rules_for_layer,
 )
 from megatron_core.models.hf.gpt_oss import gpt_oss_config_kwargs, gpt_oss_rules
+from megatron_core.models.hf.hybrid import mamba2_family_parts, nemotron_h_family_parts
 from megatron_core.models.hf.rules import Copy, FusedQKV, GateUp, SharedCopy, WeightRule
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
@@ -52,7 +54,7 @@ _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_new": gel
 
 @dataclass
 class Family:
-    """Everything needed to build and fill a GPTModel for one HF config."""
+    """Everything needed to build and fill a GPTModel (or, with ``hybrid_pattern``, a HybridModel) for one HF config."""
 
     architecture: str
     config_kwargs: dict[str, Any]
@@ -75,6 +77,9 @@ class Family:
     mtp_num_layers: int = 0
     mtp_rules: list[WeightRule] = field(default_factory=list)
     mtp_shared: list[SharedCopy] = field(default_factory=list)
+    # A hybrid model (HybridModel): its layer pattern and its Mamba mixers' constructor arguments (d_conv, chunk_size)
+    hybrid_pattern: str | None = None
+    mixer_params: dict[str, Any] = field(default_factory=dict)
 
     def without_mtp(self) -> Family:
         """This family with no multi-token-prediction layers (a checkpoint that stores none)."""
@@ -239,7 +244,23 @@ def _gpt2(path: str, cfg: dict) -> Family:
 
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
-             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM")
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
+             "NemotronHForCausalLM", "Mamba2ForCausalLM")
+
+
+def _hybrid(path: str, cfg: dict, arch: str, hf_prefix: str | None) -> Family:
+    """A NemotronH or Mamba2 config as a hybrid family: the rules of each layer follow its pattern symbol."""
+    if arch == "NemotronHForCausalLM":
+        parts = nemotron_h_family_parts(path, cfg, hf_prefix or "backbone.")
+    else:
+        parts = mamba2_family_parts(path, cfg)
+    pattern, by_symbol = parts["pattern"], parts["by_symbol"]
+    union = list({r.mcore: r for rules in by_symbol.values() for r in rules}.values())
+    model_kwargs = dict(position_embedding_type="none", share_embeddings_and_output_weights=parts["tied"],
+                        max_sequence_length=parts["max_sequence_length"], hybrid_layer_pattern=pattern)
+    return Family(arch, parts["config_kwargs"], model_kwargs, union, parts["global_rules"], int(cfg["vocab_size"]),
+                  len(pattern), _dtype(cfg), rules_for_layer=lambda i: by_symbol[pattern[i]],
+                  hybrid_pattern=pattern, mixer_params=parts["mixer_params"])
 
 
 def _deepseek_v3(path: str, cfg: dict) -> Family:
@@ -314,8 +335,9 @@ def _moe(path: str, cfg: dict, kind: str) -> tuple[dict[str, Any], list[WeightRu
     return config, rules
 
 
-def family_from_config(cfg: dict, path: str = "config.json") -> Family:
-    """The :class:`Family` for an HF config dict (``path`` names the file in error messages)."""
+def family_from_config(cfg: dict, path: str = "config.json", hf_prefix: str | None = None) -> Family:
+    """The :class:`Family` for an HF config dict (``path`` names the file in error messages); ``hf_prefix``
+    chooses NemotronH's tensor name prefix (``backbone.``, the default, or ``model.``)."""
     archs = cfg.get("architectures") or []
     if len(archs) != 1:
         raise HFConversionError(f"{path}: 'architectures' must name exactly one model class, got {archs!r}")
@@ -339,6 +361,8 @@ def family_from_config(cfg: dict, path: str = "config.json") -> Family:
             return _gpt_oss(path, cfg)
         if arch == "DeepseekV3ForCausalLM":
             return _deepseek_v3(path, cfg)
+        if arch in ("NemotronHForCausalLM", "Mamba2ForCausalLM"):
+            return _hybrid(path, cfg, arch, hf_prefix)
         if arch == "Qwen2MoeForCausalLM":
             return _llama_like(path, cfg, arch, qkv_bias=bool(cfg.get("qkv_bias", True)), qk_norm=False,
                                moe="qwen2_moe")

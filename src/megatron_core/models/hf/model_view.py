@@ -92,6 +92,8 @@ def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
     ffn = c["ffn_hidden_size"]
     if c.get("multi_latent_attention") and ".self_attention." in name:
         return _mla_shape(name, c)
+    if ".mixer." in name:
+        return _mamba_shape(name, c, family.mixer_params["d_conv"])
     if name.endswith(("word_embeddings.weight", "output_layer.weight")):
         return (vocab, hidden)
     if name.endswith("eh_proj.weight"):
@@ -123,6 +125,24 @@ def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
     if "linear_fc2" in name:
         return (hidden, ffn) if name.endswith("weight") else (hidden,)
     return (hidden,)
+
+
+def _mamba_shape(name: str, c: dict[str, Any], d_conv: int) -> tuple[int, ...]:
+    """Full shapes of a Mamba mixer's parameters (``mamba_*`` TransformerConfig fields in ``c``)."""
+    heads, d_inner = c["mamba_num_heads"], c["mamba_num_heads"] * c["mamba_head_dim"]
+    conv = d_inner + 2 * c["mamba_num_groups"] * c["mamba_state_dim"]
+    shapes = {
+        "in_proj.weight": (d_inner + conv + heads, c["hidden_size"]),
+        "conv1d_weight": (conv, 1, d_conv),
+        "conv1d_bias": (conv,),
+        "dt_bias": (heads,), "A_log": (heads,), "D": (heads,),
+        "norm.weight": (d_inner,),
+        "out_proj.weight": (c["hidden_size"], d_inner),
+    }
+    suffix = name.split(".mixer.", 1)[1]
+    if suffix not in shapes:
+        raise HFConversionError(f"{name}: no shape known for this Mamba mixer parameter")
+    return shapes[suffix]
 
 
 def _mla_shape(name: str, c: dict[str, Any]) -> tuple[int, ...]:

@@ -10,6 +10,9 @@ to the Hugging Face tensors it is built from:
   (for each group, its ``np/ng`` query heads, then its key head, then its value head); a TP rank
   holds whole groups, so its shard is built from the matching rows of q, k and v only.
 - :class:`GateUp`: SwiGLU's ``linear_fc1`` is ``[gate_r; up_r]`` on each TP rank ``r``.
+- :class:`SectionedRows`: one HF tensor stacked from sections along dim 0 (the Mamba mixer's ``in_proj``
+  ``[z, x, B, C, dt]``, its convolution over ``[x, B, C]``); TP rank ``r`` holds its slice of every
+  section, ``[z_r; x_r; B_r; C_r; dt_r]``, not one contiguous block.
 
 ``from_hf(read, layer, tp_rank, tp_size)`` reads only the rows/columns of this rank's shard;
 ``to_hf(shards, layer)`` turns the TP shards (in rank order) back into the HF tensors. Both are
@@ -199,6 +202,39 @@ class GateUp(WeightRule):
         gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
         gate, up = self.hf_names(layer)
         return {gate: torch.cat(gates, dim=0).contiguous(), up: torch.cat(ups, dim=0).contiguous()}
+
+
+@dataclass(frozen=True)
+class SectionedRows(WeightRule):
+    """One HF tensor made of ``sections`` (full sizes along dim 0); each TP rank holds its even slice of every
+    section, in section order."""
+
+    hf: str = ""
+    sections: tuple[int, ...] = ()
+
+    def hf_names(self, layer: Index) -> list[str]:
+        return [_fmt(self.hf, layer)]
+
+    def from_hf(self, read: Reader, layer: Index, tp_rank: int, tp_size: int,
+                shapes: Callable[[str], tuple[int, ...]]) -> torch.Tensor:
+        name = _fmt(self.hf, layer)
+        rest = [slice(None)] * (len(shapes(name)) - 1)
+        pieces, offset = [], 0
+        for size in self.sections:
+            span = _span(size, tp_rank, tp_size)
+            pieces.append(read(name, [slice(offset + span.start, offset + span.stop), *rest]))
+            offset += size
+        return torch.cat(pieces, dim=0).contiguous()
+
+    def to_hf(self, shards: list[torch.Tensor], layer: Index) -> dict[str, torch.Tensor]:
+        local = [size // len(shards) for size in self.sections]
+        split = [shard.split(local, dim=0) for shard in shards]
+        full = torch.cat([torch.cat([parts[k] for parts in split], dim=0) for k in range(len(local))], dim=0)
+        return {_fmt(self.hf, layer): full.contiguous()}
+
+    def hf_shapes(self, mcore_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The HF tensor has the full Megatron shape."""
+        return {self.hf: tuple(mcore_shape)}
 
 
 def fmt(template: str, index: Index) -> str:
