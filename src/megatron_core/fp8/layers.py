@@ -6,8 +6,9 @@ GEMM changes: its input, weight and output gradient are cast to float8 by torcha
 and the tensor-parallel communication is done by the usual mapping functions around it.
 
 :func:`convert_to_float8` switches the linear layers inside every ``TransformerLayer`` of a model
-(QKV, attention projection, MLP fc1/fc2); embeddings and the output layer stay in high precision,
-as do the first/last layers with ``first_last_layers_bf16``.
+(QKV, attention projection, MLP fc1/fc2, and the MoE experts' grouped fc1/fc2, see
+:mod:`megatron_core.fp8.grouped_layers`); embeddings, the router and the output layer stay in high
+precision, as do the first/last layers with ``first_last_layers_bf16``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatron_core.fp8.grouped_layers import GROUPED_FP8_CLASSES
 from megatron_core.fp8.torchao_backend import (
     check_fp8_config,
     check_fp8_device,
@@ -95,7 +97,8 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
     ``config`` defaults to ``model.config`` and must set ``fp8`` (see
     :mod:`megatron_core.fp8.torchao_backend` for the recipes). The model must be on a GPU with FP8
     tensor cores unless ``emulate`` (torchao's fp32 emulation, for tests on CPU). Every converted
-    weight needs both dimensions (per TP rank) to be multiples of 16. Call before wrapping the
+    weight needs both dimensions (per TP rank) to be multiples of 16. The MoE experts' grouped GEMMs use
+    row-wise e4m3 scales whatever ``fp8_recipe`` says (the only FP8 grouped recipe). Call before wrapping the
     model in DDP/FSDP and before building the optimizer; nothing else changes (parameters,
     checkpoints and state-dict keys are those of the high-precision model).
     """
@@ -115,11 +118,11 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
         if not isinstance(layer, TransformerLayer) or _bf16_layer(config, int(layer.layer_number)):
             continue
         for name, sub in layer.named_modules():
-            new_cls = _FP8_CLASSES.get(type(sub))
+            new_cls = _FP8_CLASSES.get(type(sub)) or GROUPED_FP8_CLASSES.get(type(sub))
             if new_cls is None:
                 continue
             full_name = f"{layer_name}.{name}" if layer_name else name
-            shape = tuple(sub.weight.shape)
+            shape = tuple(sub.weight.shape[-2:])
             if any(d % FP8_DIM_MULTIPLE for d in shape):
                 raise ValueError(f"fp8: {full_name} has weight shape {shape} (per tensor-parallel rank); FP8 GEMMs "
                                  f"need both dimensions to be multiples of {FP8_DIM_MULTIPLE}")
@@ -128,6 +131,9 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
     mm_config = linear_mm_config(float8_config)
     for _, sub, new_cls in targets:
         sub.__class__ = new_cls
+        if new_cls in GROUPED_FP8_CLASSES.values():
+            sub.float8_emulate = emulate
+            continue
         sub.float8_config = float8_config
         sub.float8_mm_config = mm_config
     return [name for name, _, _ in targets]

@@ -256,13 +256,17 @@ class _GroupedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(output [N, out_local], bias [E, out_local] when skip_bias_add else None)``."""
-        output = grouped_gemm(x, self.weight, tokens_per_expert)
+        output = self.gemm(x, tokens_per_expert)
         if self.bias is None:
             return output, None
         if self.skip_bias_add:
             return output, self.bias
         counts = group_counts_tensor(tokens_per_expert, x.device)
         return output + self.bias.repeat_interleave(counts, dim=0, output_size=x.shape[0]), None
+
+    def gemm(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows) -> torch.Tensor:
+        """``cat_e(x_e @ weight[e].T)``: :func:`grouped_gemm` (FP8 subclasses quantize it)."""
+        return grouped_gemm(x, self.weight, tokens_per_expert)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         for name in ("weight", "bias"):

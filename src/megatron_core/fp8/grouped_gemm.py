@@ -1,0 +1,120 @@
+"""FP8 grouped GEMM of the MoE experts: e4m3 operands with row-wise scales, forward and backward.
+
+Megatron-Core runs its grouped experts in FP8 through Transformer Engine's ``GroupedLinear``; here the
+experts' grouped GEMM ``cat_e(x_e @ W_e.T)`` (:func:`megatron_core.transformer.moe.grouped_linear.grouped_gemm`)
+is quantized with one scale per row or column of each operand, the only FP8 grouped recipe Hopper's
+``torch._scaled_grouped_mm`` offers:
+
+=========  ======================  ==========================================================
+GEMM       operands                one scale per
+=========  ======================  ==========================================================
+forward    ``x_e @ W_e.T``         row of ``x``; output feature of ``W_e`` (over ``in``)
+dgrad      ``dy_e @ W_e``          row of ``dy``; input feature of ``W_e`` (over ``out``)
+wgrad      ``dy_e.T @ x_e``        column of ``dy_e`` and of ``x_e``, within each expert's rows
+=========  ======================  ==========================================================
+
+Scales are powers of two (``2**floor(log2(448 / amax))``), so quantization only rounds the mantissa.
+On a GPU with FP8 tensor cores the work is done by torchao's MoE training op (Triton casts plus
+``torch._scaled_grouped_mm``; imported lazily by :mod:`.torchao_backend`); each expert's rows must
+start at a multiple of 16, which the experts' aligned layout provides. Elsewhere (a CPU, or
+``emulate=True``) :class:`EmulatedFp8GroupedGemm` does the same arithmetic in fp32: operands quantized
+to e4m3 with the same scales, dequantized, multiplied. It is the reference the GPU path is tested
+against, and what FP8 MoE runs on a CPU for development.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_core.fp8.torchao_backend import torchao_fp8_grouped_mm
+
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+AMAX_EPS = 1e-12
+ROW_ALIGN = 16
+
+
+def quantize_dequantize_e4m3(t: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """``t`` (as fp32) rounded through e4m3 with one power-of-two scale per slice reduced over ``dim``."""
+    t32 = t.float()
+    amax = t32.abs().amax(dim=dim, keepdim=True).clamp(min=AMAX_EPS)
+    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    quantized = (t32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return quantized.float() / scale
+
+
+def _groups(tensor: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, ...]:
+    return torch.split(tensor, counts, dim=0)
+
+
+class EmulatedFp8GroupedGemm(torch.autograd.Function):
+    """``cat_e(x_e @ W_e.T)`` with FP8 (e4m3, row-wise scales) emulated in fp32; see the module docstring.
+
+    ``counts[e]`` rows of ``x`` belong to expert ``e``; rows past ``sum(counts)`` are not allowed.
+    The output and both gradients have the dtypes of ``x`` and ``weight``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        x_q, w_q = quantize_dequantize_e4m3(x, -1), quantize_dequantize_e4m3(weight, -1)
+        out = [xe @ w_q[e].t() for e, xe in enumerate(_groups(x_q, counts))]
+        return torch.cat(out, dim=0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        counts = ctx.counts
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            dy_q, w_q = quantize_dequantize_e4m3(grad, -1), quantize_dequantize_e4m3(weight, 1)
+            grad_x = torch.cat([dy @ w_q[e] for e, dy in enumerate(_groups(dy_q, counts))], dim=0).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            per_expert = []
+            for dy_e, x_e in zip(_groups(grad, counts), _groups(x, counts)):
+                if dy_e.shape[0] == 0:
+                    per_expert.append(weight.new_zeros(weight.shape[1:], dtype=torch.float32))
+                    continue
+                per_expert.append(quantize_dequantize_e4m3(dy_e, 0).t() @ quantize_dequantize_e4m3(x_e, 0))
+            grad_w = torch.stack(per_expert).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
+def group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
+    """The int32 end offsets of groups of ``counts`` rows, on ``device``."""
+    return torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0, dtype=torch.int32).to(device)
+
+
+def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
+                     ends: torch.Tensor | None = None, emulate: bool = False) -> torch.Tensor:
+    """``cat_e(x_e @ weight[e].T)`` with FP8 operands (e4m3, row-wise scales), differentiable.
+
+    ``x [N, in]`` rows grouped by expert, ``weight [E, out, in]``. The groups are given as host
+    ``counts`` or (GPU path only) as device int32 ``ends`` offsets. On CUDA, unless ``emulate``, every
+    group must start at a multiple of 16 rows and ``in``/``out`` be multiples of 16; on a CPU (or with
+    ``emulate``) the arithmetic is emulated in fp32 and ``counts`` is required.
+    """
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
+        raise ValueError(f"fp8_grouped_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [N, in] and "
+                         "[E, out, in]")
+    if emulate or x.device.type != "cuda":
+        if counts is None:
+            raise ValueError("fp8_grouped_gemm: the emulated path needs host counts (ends were given)")
+        if sum(counts) != x.shape[0]:
+            raise ValueError(f"fp8_grouped_gemm: counts sum to {sum(counts)}, x has {x.shape[0]} rows")
+        return EmulatedFp8GroupedGemm.apply(x, weight, list(counts))
+    if ends is None:
+        if counts is None:
+            raise ValueError("fp8_grouped_gemm needs counts or ends")
+        if any(c % ROW_ALIGN for c in counts):
+            raise ValueError(f"fp8_grouped_gemm: every expert's row count must be a multiple of {ROW_ALIGN} on a GPU; "
+                             f"got {list(counts)}")
+        ends = group_ends(counts, x.device)
+    bad = [d for d in weight.shape[1:] if d % ROW_ALIGN]
+    if bad:
+        raise ValueError(f"fp8_grouped_gemm: the expert weight {tuple(weight.shape)} needs out and in to be multiples "
+                         f"of {ROW_ALIGN}")
+    return torchao_fp8_grouped_mm()(x.contiguous(), weight.transpose(-2, -1), ends.to(torch.int32), out_dtype=x.dtype,
+              pad_token_groups_for_grouped_mm=False)
