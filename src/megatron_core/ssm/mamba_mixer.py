@@ -4,7 +4,9 @@
 go through a depthwise causal convolution and SiLU (:mod:`megatron_core.ssm.causal_conv1d`), then the chunked
 SSD scan: the fused Triton kernels of :mod:`megatron_core.ssm.ssd_scan_triton` on CUDA, else the pure-PyTorch
 :func:`megatron_core.ssm.ssd_scan.ssd_chunk_scan` (the CPU path and the reference); the result is gated by
-``silu(z)``, normalised per group (RMS) and projected back by ``out_proj`` (row-parallel). Parameter names, shapes and the
+``silu(z)``, normalised per group (RMS) and projected back by ``out_proj`` (row-parallel). Under context parallelism
+the convolution and scan run on the whole sequence for ``1/cp`` of the heads, between the all-to-alls of
+:class:`megatron_core.ssm.mamba_context_parallel.MambaContextParallel` (``self.cp``). Parameter names, shapes and the
 sharded checkpoint keys are Megatron-Core 0.19's. Under the dynamic inference context each request's states
 live in a slot of the context's Mamba state cache (:func:`megatron_core.ssm.mamba_inference.mixer_inference`).
 """
@@ -20,14 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core._ground import get_pg_rank
 from megatron_core.device import get_current_device
 from megatron_core.dist_checkpointing.sharded_module import (
     make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
 )
-from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.ssm.causal_conv1d import causal_conv1d_silu
+from megatron_core.ssm.mamba_context_parallel import MambaContextParallel
 from megatron_core.ssm.mamba_inference import mixer_inference
 from megatron_core.ssm.ssd_scan import ssd_chunk_scan
 from megatron_core.ssm.ssd_scan_triton import ssd_chunk_scan_triton, ssd_scan_triton_supported
@@ -121,7 +124,8 @@ class MambaMixer(MegatronModule):
 
     Sizes come from the config: ``mamba_state_dim`` (n), ``mamba_head_dim`` (p), ``mamba_num_groups`` (g)
     and ``mamba_num_heads`` (else ``expand * d_model / p``). Heads and groups are split over the
-    tensor-parallel group, which must divide both.
+    tensor-parallel group, which must divide both; the context-parallel group (``pg_collection.cp``) then
+    splits each TP rank's heads for the scan (see :class:`MambaContextParallel` for the divisibility rules).
     """
 
     def __init__(
@@ -178,7 +182,8 @@ class MambaMixer(MegatronModule):
                      f"d_inner = expand * d_model ({expand} * {d_model} = {self.d_inner}) must be divisible by "
                      f"config.mamba_head_dim ({self.headdim})")
             self.nheads = self.d_inner // self.headdim
-        tp_size = get_pg_size(self.tp_group)
+        tp_size = check_parallel_size(config, "tensor_model_parallel_size", self.tp_group, "tensor-parallel")
+        check_parallel_size(config, "context_parallel_size", pg_collection.cp, "context-parallel")
         _require(self.nheads % tp_size == 0,
                  f"the number of Mamba heads ({self.nheads}) must be divisible by the tensor-parallel size ({tp_size})")
         _require(self.ngroups % tp_size == 0,
@@ -186,9 +191,6 @@ class MambaMixer(MegatronModule):
         _require(self.nheads % self.ngroups == 0,
                  f"the number of Mamba heads ({self.nheads}) must be divisible by config.mamba_num_groups "
                  f"({self.ngroups})")
-        if config.context_parallel_size > 1:
-            raise ValueError(f"context_parallel_size={config.context_parallel_size}: the Mamba mixer does not "
-                             "support context parallelism in this library")
         self.nheads_local_tp = self.nheads // tp_size
         self.d_inner_local_tp = self.d_inner // tp_size
         self.ngroups_local_tp = self.ngroups // tp_size
@@ -259,6 +261,13 @@ class MambaMixer(MegatronModule):
             is_expert=False, tp_comm_buffer_name="fc2", tp_group=self.tp_group,
             name=f"{name}.out_proj" if name is not None else None,
         )
+        # Every CP rank holds this TP rank's whole conv1d, dt_bias, A_log and D and uses its heads' slice.
+        self.cp = MambaContextParallel(
+            cp_group=pg_collection.cp, d_inner_local_tp=self.d_inner_local_tp, nheads_local_tp=self.nheads_local_tp,
+            ngroups_local_tp=self.ngroups_local_tp, d_state=self.d_state, conv1d_weight_cp1=self.conv1d_weight,
+            conv1d_bias_cp1=self.conv1d_bias, conv1d_padding=d_conv - 1, dt_bias_cp1=self.dt_bias,
+            A_log_cp1=self.A_log, D_cp1=self.D, D_has_hdim=D_has_hdim,
+        )
 
     def _in_proj_sections(self) -> list[int]:
         """Local sizes of ``z, x, B, C, dt`` along ``in_proj``'s output dimension."""
@@ -282,32 +291,41 @@ class MambaMixer(MegatronModule):
             raise NotImplementedError("MambaMixer: packed sequences (packed_seq_params) are not supported "
                                       "by this library")
         zxBCdt, _ = self.in_proj(hidden_states)
+        zxBCdt = self.cp.pre_conv_ssm(zxBCdt, packed_seq_params)
         y = self._ssm_training(zxBCdt)
         return self.out_proj(y)
 
     def _ssm_training(self, zxBCdt: torch.Tensor) -> torch.Tensor:
-        """Convolution, SSD scan, gate and norm on ``[l, b, in_proj local]``; returns ``[l, b, d_inner local]``."""
+        """Convolution, SSD scan, gate and norm on ``[l, b, .]`` (this CP rank's heads over the whole sequence);
+        returns ``[l / cp, b, d_inner local]`` (this CP rank's part of the sequence, all heads of this TP rank)."""
+        cp = self.cp
         length, batch, _ = zxBCdt.shape
-        z, x, B, C, dt = torch.split(zxBCdt.transpose(0, 1), self._in_proj_sections(), dim=-1)
-        xBC = causal_conv1d_silu(torch.cat([x, B, C], dim=-1), self.conv1d_weight, self.conv1d_bias)
-        bc = self.ngroups_local_tp * self.d_state
-        x, B, C = torch.split(xBC, [self.d_inner_local_tp, bc, bc], dim=-1)  # [b, l, *]
-        dt = F.softplus(dt.float() + self.dt_bias.float())
-        A = -torch.exp(self.A_log.float())
-        D = self.D.float().view(self.nheads_local_tp, self.headdim) if self.D_has_hdim else self.D
-        x = x.reshape(batch, length, self.nheads_local_tp, self.headdim)
-        B = B.reshape(batch, length, self.ngroups_local_tp, self.d_state)
-        C = C.reshape(batch, length, self.ngroups_local_tp, self.d_state)
+        d_inner, ngroups, nheads = cp.d_inner_local_tpcp, cp.ngroups_local_tpcp, cp.nheads_local_tpcp
+        bc = ngroups * self.d_state
+        z, x, B, C, dt = torch.split(zxBCdt.transpose(0, 1), [d_inner, d_inner, bc, bc, nheads], dim=-1)
+        # The mixer's current parameters are sliced (not the references cp keeps), so wrappers that swap them work.
+        xBC = causal_conv1d_silu(torch.cat([x, B, C], dim=-1), cp._slice_conv_param(self.conv1d_weight),
+                                 cp._slice_conv_param(self.conv1d_bias))
+        x, B, C = torch.split(xBC, [d_inner, bc, bc], dim=-1)  # [b, l, *]
+        dt = F.softplus(dt.float() + cp._slice_vector_param(self.dt_bias).float())
+        A = -torch.exp(cp._slice_vector_param(self.A_log).float())
+        D = cp._slice_vector_param(self.D, has_hdim=self.D_has_hdim)
+        D = D.float().view(nheads, self.headdim) if self.D_has_hdim else D
+        x = x.reshape(batch, length, nheads, self.headdim)
+        B = B.reshape(batch, length, ngroups, self.d_state)
+        C = C.reshape(batch, length, ngroups, self.d_state)
         if ssd_scan_triton_supported(x) and self.d_state <= 256:
             y = ssd_chunk_scan_triton(x, dt, A, B, C, D=D)
         else:
             y = ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=D)
-        y = y.reshape(batch, length, self.d_inner_local_tp)
-        if self.rmsnorm:
-            y = self.norm(y, z)
-        else:
-            y = (y.float() * F.silu(z.float())).to(y.dtype)
-        return y.transpose(0, 1).contiguous()
+        y = y.reshape(batch, length, d_inner)
+        if self.rmsnorm and cp.cp_size == 1:
+            return self.norm(y, z).transpose(0, 1).contiguous()
+        # The gate is per channel, so it runs on this CP rank's heads; the norm spans a group's heads, which
+        # may sit on several CP ranks, so it runs after the all-to-all back.
+        y = (y.float() * F.silu(z.float())).to(y.dtype)
+        y = cp.post_conv_ssm(y.transpose(0, 1).contiguous())
+        return self.norm(y) if self.rmsnorm else y
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict[str, Any]:
