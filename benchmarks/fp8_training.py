@@ -9,7 +9,8 @@ TransformerLayer ``torch.compile``d (``--compile-scope model``: the whole GPTMod
 casts need compile to be fast; ``--no-compile`` for eager). MFU counts the bf16-equivalent model
 FLOPs for both.
 
-Part 2, loss: the same model (default: the reference config with a byte-level vocabulary of 256)
+Part 2, loss: the same model (default: the reference config; ``--loss-config moe-small`` for a small
+Mixtral-shaped MoE whose experts' grouped GEMMs run in FP8 too; a byte-level vocabulary of 256)
 trained ``--loss-steps`` steps on the main job's corpus (the Python standard library's sources,
 collected by ``examples/main_job.py``'s ``collect_corpus``), bf16 and FP8 from the same initial
 weights on the same batches, with the library's optimizer (bf16 params, fp32 main params, AdamW)
@@ -46,6 +47,7 @@ from megatron_core import device as mdevice  # noqa: E402
 from megatron_core import tensor_parallel  # noqa: E402
 from megatron_core.fp8 import convert_to_float8  # noqa: E402
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec  # noqa: E402
+from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron_core.transformer import TransformerConfig  # noqa: E402
@@ -53,6 +55,8 @@ from megatron_core.transformer import TransformerConfig  # noqa: E402
 CONFIGS = {
     "reference (tinyllama-1.1b)": dict(layers=22, hidden=2048, heads=32, query_groups=4, ffn=5632),
     "3B-class": dict(layers=28, hidden=3072, heads=24, query_groups=8, ffn=8192),
+    # Mixtral-shaped, small enough for a 200-step loss run with the optimizer on one GPU (0.6B parameters).
+    "moe-small": dict(layers=8, hidden=1024, heads=16, query_groups=4, ffn=2816, experts=8, topk=2),
 }
 
 
@@ -65,7 +69,7 @@ def parse_args() -> argparse.Namespace:
                    help="config.fp8: 'hybrid' keeps e5m2 for the output gradient (Megatron's usual choice)")
     p.add_argument("--variants", default=None,
                    help="speed part: comma-separated recipe:format pairs, e.g. tensorwise:hybrid,rowwise:e4m3")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="speed part: comma-separated config names")
+    p.add_argument("--configs", default="reference (tinyllama-1.1b),3B-class", help="speed part: comma-separated config names")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mbs", default="2", help="speed part: micro-batch size(s), comma-separated")
@@ -107,6 +111,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def moe_fields(shape: dict) -> dict:
+    """The MoE config fields of ``shape`` (grouped-GEMM experts, all-to-all dispatcher, aux loss 1e-2); {} if dense."""
+    if "experts" not in shape:
+        return {}
+    return dict(num_moe_experts=shape["experts"], moe_router_topk=shape["topk"], moe_grouped_gemm=True,
+                moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2)
+
+
 def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: tuple[str, str] | None) -> torch.nn.Module:
     """A Llama-like GPTModel of ``shape``; with ``fp8 = (recipe, format)`` its layer GEMMs will be float8."""
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -116,9 +128,11 @@ def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: tuple[str, str
         num_query_groups=shape["query_groups"], ffn_hidden_size=shape["ffn"], normalization="RMSNorm",
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
-        fp8=fmt, fp8_recipe=recipe,
+        fp8=fmt, fp8_recipe=recipe, **moe_fields(shape),
     )
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab, args.seq, position_embedding_type="rope")
+    spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False) if "experts" in shape
+            else get_gpt_layer_local_spec())
+    model = GPTModel(config, spec, vocab, args.seq, position_embedding_type="rope")
     return model.to(mdevice.get_current_device())
 
 

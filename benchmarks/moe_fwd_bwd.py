@@ -36,6 +36,7 @@ from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd be
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
+from megatron_core.fp8 import convert_to_float8
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron_core.transformer import TransformerConfig
@@ -73,6 +74,8 @@ def parse_args() -> argparse.Namespace:
                    "max-autotune-no-cudagraphs (Inductor then autotunes Triton templates against aten's GEMMs)")
     p.add_argument("--profile", action="store_true", help="print our step's 25 most expensive GPU kernels")
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
+    p.add_argument("--fp8", default=None, metavar="RECIPE:FORMAT",
+                   help="also time our model in FP8 (e.g. tensorwise:hybrid; the experts use row-wise e4m3 scales)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
     p.add_argument("--grouped-gemm-backend", choices=["torch", "cutlass"], default=None,
                    help="the grouped experts' GEMM kernel (default: MEGATRON_CORE_MOE_GROUPED_GEMM, else torch); "
@@ -98,7 +101,8 @@ def flops_per_token(args: argparse.Namespace) -> float:
     return 6 * active_parameters(args) + 12 * args.layers * args.hidden * args.seq
 
 
-def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+def build_ours(args: argparse.Namespace, dtype: torch.dtype, fp8: tuple[str, str] | None = None) -> torch.nn.Module:
+    """Our MoE GPTModel; with ``fp8 = (recipe, format)`` its layer GEMMs (experts included) run in FP8."""
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, normalization="RMSNorm",
@@ -106,12 +110,15 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
         num_moe_experts=args.experts, moe_router_topk=args.topk, moe_grouped_gemm=not args.sequential,
         moe_aux_loss_coeff=args.aux_loss, moe_token_dispatcher_type="alltoall", apply_rope_fusion=not args.no_rope_fusion,
+        **({} if fp8 is None else dict(fp8=fp8[1], fp8_recipe=fp8[0])),
         **({} if args.capacity_factor is None else dict(moe_expert_capacity_factor=args.capacity_factor,
                                                          moe_pad_expert_input_to_capacity=True)),
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     model = GPTModel(config, spec, args.vocab, args.seq, position_embedding_type="rope")
     model = model.to(mdevice.get_current_device())
+    if fp8 is not None:
+        convert_to_float8(model, emulate=model.embedding.word_embeddings.weight.device.type != "cuda")
     if args.compile_moe or args.compile:
         mode = {"mode": args.compile_mode} if args.compile_mode else {}
         for layer in model.decoder.layers:
@@ -193,11 +200,15 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype, counts: list[
 
 
 def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,
-                 labels: torch.Tensor) -> float:
-    """Build and time our MoE GPTModel; returns its MFU in percent (the model is freed on return)."""
-    ours = build_ours(args, dtype)
+                 labels: torch.Tensor, fp8: tuple[str, str] | None = None) -> float:
+    """Build and time our MoE GPTModel (FP8 with ``fp8``); returns its MFU in percent (the model is freed on return).
+
+    MFU counts the same bf16 model FLOPs for FP8, so FP8's MFU is "bf16-equivalent"."""
+    torch._dynamo.reset()
+    ours = build_ours(args, dtype, fp8)
     mode = " (compiled layers)" if args.compile_moe else " (compiled attn)" if args.compile else " eager"
     label = "megatron_core " + ("SequentialMLP" if args.sequential else "grouped GEMM") + mode
+    label += "" if fp8 is None else f" fp8 {fp8[0]}:{fp8[1]}"
     mfu = time_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
                          flops_per_token(args), width=36)
     if args.profile:
@@ -226,6 +237,13 @@ def main() -> None:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    fp8_mfu = None
+    if args.fp8:
+        fp8_mfu = measure_ours(args, dtype, ids, position_ids, labels, fp8=tuple(args.fp8.split(":")))
+        print(f"RESULT fp8 {args.fp8} fwd+bwd: {fp8_mfu / ours_mfu:.3f}x our bf16 step", flush=True)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
     for routing in ("even", "router"):
         counts = expert_counts(args, routing)
@@ -245,6 +263,9 @@ def main() -> None:
                                 flops_per_token(args), width=36)
         print(f"RESULT fwd+bwd MFU (active params): megatron_core {ours_mfu:.1f}% vs {hf_label} {hf_mfu:.1f}% "
               f"({ours_mfu / hf_mfu if hf_mfu else float('nan'):.2f}x)")
+        if fp8_mfu is not None:
+            print(f"RESULT fp8 {args.fp8} fwd+bwd (bf16-equivalent MFU {fp8_mfu:.1f}%) vs {hf_label} in bf16: "
+                  f"{fp8_mfu / hf_mfu if hf_mfu else float('nan'):.2f}x")
 
 
 if __name__ == "__main__":
