@@ -127,7 +127,7 @@ def model_config_record(chunks: list[torch.nn.Module]) -> str | None:
             unrecorded.append(field.name)
     model: dict[str, Any] = {}
     for attr in ("vocab_size", "max_sequence_length", "position_embedding_type", "share_embeddings_and_output_weights",
-                 "parallel_output", "fp16_lm_cross_entropy"):
+                 "parallel_output", "fp16_lm_cross_entropy", "hybrid_layer_pattern"):
         if hasattr(chunk, attr):
             model[attr] = _encode(getattr(chunk, attr))
     rotary = getattr(chunk, "rotary_pos_emb", None)

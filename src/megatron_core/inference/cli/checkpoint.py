@@ -1,4 +1,5 @@
-"""Rebuild a GPT model and its tokenizer from a checkpoint written by ``examples/pretrain_gpt.py``.
+"""Rebuild a GPT or hybrid (Mamba) model and its tokenizer from a checkpoint written by ``examples/pretrain_gpt.py``
+(or any ``training.checkpointing.save_checkpoint`` of a ``GPTModel`` / ``HybridModel`` with its training args).
 
 The model is rebuilt from the checkpoint's ``model_config`` record (the whole model configuration,
 JSON, :mod:`megatron_core.training.model_config`); the training flags in
@@ -110,14 +111,17 @@ def _model_from_flags(args: dict[str, Any], vocab_size: int, tp: int, pp: int) -
 
 
 def model_from_record(record: dict[str, Any], where: str, tp: int, pp: int) -> torch.nn.Module:
-    """The GPTModel a ``model_config`` record describes, for this process's tensor/pipeline layout."""
+    """The ``GPTModel`` or ``HybridModel`` (``MambaModel``) a ``model_config`` record describes, for this process's
+    tensor/pipeline layout."""
     from megatron_core import parallel_state
     from megatron_core.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron_core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron_core.training.model_config import transformer_config_from_record
 
-    if not str(record.get("model_class", "")).endswith(":GPTModel"):
-        raise ValueError(f"{where} holds a {record.get('model_class')}; only GPTModel checkpoints can be loaded here")
+    model_class = str(record.get("model_class", ""))
+    if not model_class.endswith((":GPTModel", ":HybridModel", ":MambaModel")):
+        raise ValueError(f"{where} holds a {record.get('model_class')}; only GPTModel and HybridModel (MambaModel) "
+                         "checkpoints can be loaded here")
     if record.get("unrecorded_fields"):
         warnings.warn(f"{where}: config fields {record['unrecorded_fields']} could not be recorded at save time; "
                       "they take their defaults", stacklevel=2)
@@ -126,6 +130,8 @@ def model_from_record(record: dict[str, Any], where: str, tp: int, pp: int) -> t
         record, where, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=dtype if pp > 1 else None, use_cpu_initialization=True, perform_initialization=False)
     model_args = record["model"]
+    if not model_class.endswith(":GPTModel"):
+        return _hybrid_from_record(config, model_args, where)
     if config.num_moe_experts is not None or config.multi_latent_attention:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     else:
@@ -141,11 +147,41 @@ def model_from_record(record: dict[str, Any], where: str, tp: int, pp: int) -> t
         rotary_percent=percent, seq_len_interpolation_factor=rotary.get("seq_len_interpolation_factor"),
         mtp_block_spec=get_gpt_mtp_block_spec(config, spec, False) if config.mtp_num_layers else None,
     )
+    _set_recorded_rotary(model, inv_freq)
+    return model
+
+
+def _hybrid_from_record(config: Any, model_args: dict[str, Any], where: str) -> torch.nn.Module:
+    """A ``HybridModel`` with the local hybrid stack spec and the recorded layer pattern."""
+    from megatron_core import parallel_state
+    from megatron_core.models.hybrid import HybridModel
+    from megatron_core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    pattern = model_args.get("hybrid_layer_pattern")
+    if not pattern:
+        raise ValueError(f"{where}: the hybrid model's record has no hybrid_layer_pattern (saved by an older "
+                         "megatron_core); re-save it to record the pattern")
+    rotary = model_args.get("rotary") or {}
+    inv_freq = rotary.get("inv_freq")
+    model = HybridModel(
+        config, hybrid_stack_spec, int(model_args["vocab_size"]), int(model_args["max_sequence_length"]),
+        hybrid_layer_pattern=pattern, pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=bool(model_args.get("share_embeddings_and_output_weights", False)),
+        position_embedding_type=model_args.get("position_embedding_type", "none"),
+        rotary_percent=2 * len(inv_freq) / config.kv_channels if inv_freq else 1.0,
+        seq_len_interpolation_factor=rotary.get("seq_len_interpolation_factor"),
+    )
+    _set_recorded_rotary(model, inv_freq)
+    return model
+
+
+def _set_recorded_rotary(model: torch.nn.Module, inv_freq: list[float] | None) -> None:
+    """Give the model's rotary embedding the exact frequencies (any RoPE scaling) it was trained with."""
     module = getattr(model, "rotary_pos_emb", None)
-    if inv_freq and module is not None:  # the exact frequencies (any RoPE scaling) the model was trained with
+    if inv_freq and module is not None:
         module.inv_freq = torch.tensor(inv_freq, dtype=torch.float32, device=module.inv_freq.device)
         getattr(module, "_cache", {}).clear()
-    return model
 
 
 def _recorded_dtype(record: dict[str, Any]) -> torch.dtype:
