@@ -1,5 +1,9 @@
 """HybridModel ("M*M-": Mamba, GQA attention without RoPE, squared-ReLU MLP) against Hugging Face
-``NemotronHForCausalLM`` (torch path, fp32 CPU) on the same random weights: logits within 1e-4."""
+``NemotronHForCausalLM`` (torch path, fp32 CPU) on the same random weights: logits within 1e-4.
+
+The config correspondence and the weight mapping are the HF bridge's (``megatron_core.models.hf.hybrid``):
+the HF model is saved with ``save_pretrained`` and imported with ``AutoBridge``.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,11 @@ import torch
 
 from megatron_core.activations import squared_relu
 from megatron_core.models.hybrid import HybridModel
-from megatron_core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-from megatron_core.transformer import TransformerConfig
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from megatron_core.models.hf import AutoBridge  # noqa: E402
 
 PATTERN, VOCAB = "M*M-", 64
 HEADS, GROUPS, HEAD_DIM = 4, 2, 4  # attention: 4 query heads in 2 KV groups of width 4
@@ -29,55 +34,8 @@ def _hf_model(chunk_size: int):
     return transformers.NemotronHForCausalLM(cfg).eval()
 
 
-def _megatron_model(chunk_size: int) -> HybridModel:
-    config = TransformerConfig(
-        num_layers=len(PATTERN), hidden_size=16, num_attention_heads=HEADS, num_query_groups=GROUPS,
-        kv_channels=HEAD_DIM, ffn_hidden_size=32, activation_func=squared_relu, gated_linear_unit=False,
-        normalization="RMSNorm", layernorm_epsilon=1e-5, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True, mamba_state_dim=8, mamba_head_dim=8,
-        mamba_num_groups=2, mamba_num_heads=4,
-    )
-    model = HybridModel(config, hybrid_stack_spec, VOCAB, 32, hybrid_layer_pattern=PATTERN,
-                        position_embedding_type="none").eval()
-    for layer in model.decoder.layers:
-        if hasattr(layer, "mixer"):
-            layer.mixer.chunk_size = chunk_size
-    return model
-
-
-def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Megatron's ``linear_qkv`` rows: per KV group, its query heads, then its key, then its value."""
-    hidden = q.shape[1]
-    q = q.view(GROUPS, HEADS // GROUPS * HEAD_DIM, hidden)
-    return torch.cat([q, k.view(GROUPS, HEAD_DIM, hidden), v.view(GROUPS, HEAD_DIM, hidden)], dim=1).reshape(-1, hidden)
-
-
-def _hf_to_megatron(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {"embedding.word_embeddings.weight": hf_state["model.embeddings.weight"],
-           "decoder.final_norm.weight": hf_state["model.norm_f.weight"],
-           "output_layer.weight": hf_state["lm_head.weight"]}
-    for i, symbol in enumerate(PATTERN):
-        hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
-        if symbol == "M":
-            out[ours + "norm.weight"] = hf_state[hf + "norm.weight"]
-            for name in ("dt_bias", "A_log", "D", "in_proj.weight", "norm.weight", "out_proj.weight"):
-                out[ours + "mixer." + name] = hf_state[hf + "mixer." + name]
-            out[ours + "mixer.conv1d_weight"] = hf_state[hf + "mixer.conv1d.weight"]
-            out[ours + "mixer.conv1d_bias"] = hf_state[hf + "mixer.conv1d.bias"]
-        elif symbol == "*":
-            out[ours + "input_layernorm.weight"] = hf_state[hf + "norm.weight"]
-            out[ours + "self_attention.linear_qkv.weight"] = _fused_qkv(
-                *(hf_state[hf + f"mixer.{p}_proj.weight"] for p in "qkv"))
-            out[ours + "self_attention.linear_proj.weight"] = hf_state[hf + "mixer.o_proj.weight"]
-        else:
-            out[ours + "pre_mlp_layernorm.weight"] = hf_state[hf + "norm.weight"]
-            out[ours + "mlp.linear_fc1.weight"] = hf_state[hf + "mixer.up_proj.weight"]
-            out[ours + "mlp.linear_fc2.weight"] = hf_state[hf + "mixer.down_proj.weight"]
-    return out
-
-
 @pytest.mark.parametrize("chunk_size", [4, 64])
-def test_logits_match_hf_nemotron_h(chunk_size):
+def test_logits_match_hf_nemotron_h(chunk_size, tmp_path):
     torch.manual_seed(0)
     hf = _hf_model(chunk_size)
     with torch.no_grad():  # random (not initial) values for every parameter
@@ -86,17 +44,25 @@ def test_logits_match_hf_nemotron_h(chunk_size):
         for i, symbol in enumerate(PATTERN):
             if symbol == "M":
                 hf.model.layers[i].mixer.A_log.uniform_(-1.0, 1.0)
-    model = _megatron_model(chunk_size)
-    mapped = _hf_to_megatron({k: v.detach() for k, v in hf.named_parameters()})
+    hf.save_pretrained(tmp_path)
+    bridge = AutoBridge.from_hf_pretrained(tmp_path)
+    (model,) = bridge.to_megatron_model()
+    assert isinstance(model, HybridModel) and model.hybrid_layer_pattern == PATTERN
+    config = model.config
+    assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (HEADS, GROUPS, HEAD_DIM)
+    assert (config.mamba_num_heads, config.mamba_head_dim, config.mamba_num_groups, config.mamba_state_dim) == (
+        4, 8, 2, 8)
+    assert config.activation_func is squared_relu and not config.gated_linear_unit
+    assert model.position_embedding_type == "none" and not model.share_embeddings_and_output_weights
+    assert {layer.mixer.chunk_size for layer in model.decoder.layers if hasattr(layer, "mixer")} == {chunk_size}
+    hf_state = {k: v.detach() for k, v in hf.named_parameters()}
     ours = dict(model.named_parameters())
-    assert set(mapped) == set(ours)
-    with torch.no_grad():
-        for name, value in mapped.items():
-            assert ours[name].shape == value.shape, name
-            ours[name].copy_(value)
+    assert torch.equal(ours["decoder.layers.0.mixer.in_proj.weight"], hf_state["model.layers.0.mixer.in_proj.weight"])
+    assert torch.equal(ours["decoder.layers.3.mlp.linear_fc1.weight"], hf_state["model.layers.3.mixer.up_proj.weight"])
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (2, 11), generator=gen)
     pos = torch.arange(11).unsqueeze(0).expand(2, 11)
+    model.eval()
     with torch.no_grad():
         want = hf(ids).logits
         got = model(ids, pos, None)

@@ -184,7 +184,8 @@ def nemotron_h_family_parts(path: str, cfg: dict, prefix: str = "backbone.") -> 
         Copy("decoder.layers.{i}.mlp.linear_fc2.weight", hf=layer + "mixer.down_proj.weight", tp_axis=1),
     ]
     by_symbol = {"*": attention, "-": mlp, "M": _mamba_rules(layer, config) if "M" in pattern else []}
-    tied = bool(cfg.get("tie_word_embeddings", False))
+    # transformers' NemotronH never ties lm_head to the embeddings (whatever tie_word_embeddings says): always read it
+    tied = False
     return dict(config_kwargs=config, pattern=pattern, mixer_params=mixer, by_symbol=by_symbol,
                 global_rules=_global_rules(prefix, tied), tied=tied,
                 max_sequence_length=int(_first(cfg, "max_position_embeddings", default=4096)))
@@ -206,7 +207,10 @@ def mamba2_family_parts(path: str, cfg: dict) -> dict[str, Any]:
         raise HFConversionError(f"{path}: num_heads * head_dim ({heads} * {head_dim}) must equal expand * "
                                 f"hidden_size ({expand} * {hidden})")
     config: dict[str, Any] = dict(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=4 * hidden,
+        # no attention layer: the attention fields only have to pass TransformerConfig's checks at any TP size
+        # that splits the Mamba heads, so they repeat the Mamba head count and width
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, kv_channels=head_dim,
+        ffn_hidden_size=4 * hidden,
         normalization="RMSNorm", layernorm_epsilon=float(_first(cfg, "layer_norm_epsilon", default=1e-5)),
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         **_mamba_fields(path, cfg, heads, head_dim, int(cfg.get("n_groups", 8)), int(cfg["state_size"])),
