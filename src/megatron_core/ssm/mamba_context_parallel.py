@@ -2,12 +2,12 @@
 
 The sequence arrives split over the CP ranks in the attention layers' load-balanced order (CP rank ``r`` holds
 chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``). The causal convolution and the SSD scan need the whole sequence,
-so :meth:`MambaContextParallel.pre_conv_ssm` trades sequence for channels with one all-to-all per part of
-``in_proj``'s output: afterwards each CP rank holds the FULL sequence (in natural order) for ``1/cp`` of this TP
-rank's heads: the matching slices of ``z``, ``x`` and ``dt``, and the ``B``/``C`` state of the groups those heads
-read. When a TP rank has fewer groups than CP ranks, each group's ``B``/``C`` is repeated so that consecutive CP
-ranks share it. :meth:`MambaContextParallel.post_conv_ssm` restores the load-balanced order and brings the
-result back to sequence-split, all heads.
+so :meth:`MambaContextParallel.pre_conv_ssm` trades sequence for channels with one all-to-all (Megatron-Core runs
+one per part of ``in_proj``'s output; here the parts travel together): afterwards each CP rank holds the FULL
+sequence (in natural order) for ``1/cp`` of this TP rank's heads: the matching slices of ``z``, ``x`` and ``dt``,
+and the ``B``/``C`` state of the groups those heads read. When a TP rank has fewer groups than CP ranks, each
+group's ``B``/``C`` is repeated so that consecutive CP ranks share it. :meth:`MambaContextParallel.post_conv_ssm`
+restores the load-balanced order and brings the result back to sequence-split, all heads.
 
 Every CP rank keeps the whole TP-local ``conv1d``, ``dt_bias``, ``A_log`` and ``D`` and uses the slice of its
 heads, cut in the forward pass: each rank's gradient is non-zero only on its slice, and the data-parallel
@@ -81,8 +81,12 @@ class MambaContextParallel:
         bc = self.ngroups_local_tp * self.d_state
         z, x, B, C, dt = torch.split(
             input_, [self.d_inner_local_tp, self.d_inner_local_tp, bc, bc, self.nheads_local_tp], dim=-1)
+        length, batch, _ = input_.shape
         parts = [z, x, self._repeat_groups(B), self._repeat_groups(C), dt]
-        out = torch.cat([_all_to_all_cp2hp(part, self.cp_group) for part in parts], dim=-1)
+        # One all-to-all for all five parts: lay the channels out destination-major, so that CP rank j's chunk
+        # is [z_j, x_j, B_j, C_j, dt_j], which is also the layout the convolution and scan read.
+        by_rank = torch.cat([part.reshape(length, batch, self.cp_size, -1) for part in parts], dim=-1)
+        out = _all_to_all_cp2hp(by_rank.reshape(length, batch, -1), self.cp_group)
         return _undo_attention_load_balancing(out, self.cp_size)
 
     def post_conv_ssm(self, input_: torch.Tensor, packed_seq_params: Any = None) -> torch.Tensor:
