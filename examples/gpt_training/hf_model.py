@@ -32,6 +32,10 @@ def apply_hf_model_args(args: argparse.Namespace) -> Any:
     if not getattr(args, "hf_model", None):
         return None
     bridge = load_bridge(args.hf_model, load_weights=False)
+    if bridge.family.hybrid_pattern is not None:
+        raise ValueError(f"--hf-model {args.hf_model}: {bridge.architecture} is a hybrid Mamba model (HybridModel); "
+                         "pretrain_gpt.py trains GPTModel only. Load it with megatron_core.models.hf.AutoBridge "
+                         "(to_megatron_model / save_hf_pretrained) in your own training loop")
     c, m = bridge.family.config_kwargs, bridge.family.model_kwargs
     shape = dict(num_layers=c["num_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["ffn_hidden_size"],
                  num_attention_heads=c["num_attention_heads"], num_query_groups=c.get("num_query_groups"),

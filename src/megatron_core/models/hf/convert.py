@@ -110,6 +110,15 @@ class _LazyTorchDistSave(SaveShardedStrategy):
         writer.finish(metadata, [results])
 
 
+def _refuse_hybrid(bridge: AutoBridge, command: str) -> None:
+    """The offline converter writes GPTModel's checkpoint layout only; hybrid models convert in process."""
+    if bridge.family.hybrid_pattern is not None:
+        raise HFConversionError(
+            f"{bridge.directory}: megatron-convert {command} does not support {bridge.architecture} (a HybridModel); "
+            "convert it in process with AutoBridge.from_hf_pretrained(dir).to_megatron_model() and "
+            "save_hf_pretrained(model, out_dir)")
+
+
 def _copy_hf_files(source: str, target: str) -> None:
     os.makedirs(target, exist_ok=True)
     for name in ("config.json", *TOKENIZER_FILES):
@@ -154,6 +163,7 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     Models mixing dense and MoE layers get per-layer keys and multi-token-prediction depths ``mtp.layers.<k>.``
     keys, as GPTModel's ``sharded_state_dict`` has them (see :mod:`.checkpoint_layout`)."""
     bridge = AutoBridge.from_hf_pretrained(hf_dir)
+    _refuse_hybrid(bridge, "hf-to-mcore")
     bridge.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)  # checks divisibility
     layers = bridge.family.num_layers
     if layers % pp:
@@ -258,6 +268,7 @@ def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = Non
     when the checkpoint has them; a checkpoint without them exports without them, ``config.json`` unchanged."""
     checkpoint_dir = _checkpoint_dir(ckpt, iteration)
     bridge = _template(ckpt, checkpoint_dir, hf_template)
+    _refuse_hybrid(bridge, "mcore-to-hf")
     stored = load_tensors_metadata(checkpoint_dir)
     if bridge.family.mtp_num_layers and not any(key.startswith("mtp.layers.") for key in stored):
         bridge.family = bridge.family.without_mtp()  # e.g. converted from transformers' files, which hold no MTP
