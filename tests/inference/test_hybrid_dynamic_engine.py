@@ -188,3 +188,26 @@ def test_engine_greedy_equals_plain_loop_on_cuda():
     assert engine.context.mamba_slots.free_count == 3
     conv, ssm = engine.context.mamba_states_cache(1)
     assert conv.is_cuda and ssm.is_cuda and ssm.dtype == torch.float32
+
+
+def test_static_engine_serves_a_hybrid_model(model):
+    """The (non-legacy) static engine builds its dynamic context with the model's Mamba state config: greedy
+    outputs equal the plain loop's; the legacy static-batch loop refuses the Mamba layers by name."""
+    from megatron_core.inference.contexts.static_context import StaticInferenceContext
+    from megatron_core.inference.engines import StaticInferenceEngine
+    from megatron_core.inference.model_inference_wrappers.gpt import GPTInferenceWrapper
+    from megatron_core.inference.text_generation_controllers import TextGenerationController
+
+    batch = prompts([4, 10, 6], seed=13)
+    expected = [plain_greedy(model, p, NEW) for p in batch]
+    wrapper = GPTInferenceWrapper(model, StaticInferenceContext(max_batch_size=2, max_sequence_length=MAX_SEQ))
+    engine = StaticInferenceEngine(TextGenerationController(wrapper, tokenizer=None), max_batch_size=2,
+                                   buffer_size_gb=0.01)
+    assert engine.dynamic_engine.context.mamba_slots.max_requests == 2
+    results = engine.generate(inference_requests=None, prompts=batch, sampling_params=greedy_params(NEW))
+    assert [r.generated_tokens for r in results] == expected
+    legacy_wrapper = GPTInferenceWrapper(model, StaticInferenceContext(max_batch_size=2, max_sequence_length=MAX_SEQ))
+    legacy = StaticInferenceEngine(TextGenerationController(legacy_wrapper, tokenizer=None), max_batch_size=2,
+                                   legacy=True)
+    with pytest.raises(NotImplementedError, match="StaticInferenceContext is not supported"):
+        legacy.generate(prompts=batch[:1], sampling_params=greedy_params(2))

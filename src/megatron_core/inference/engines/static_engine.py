@@ -3,10 +3,12 @@
 As in Megatron-Core 0.19, the static engine is a thin front over the dynamic engine: it takes a
 controller whose wrapper holds a :class:`StaticInferenceContext` (for its ``max_batch_size`` and
 ``max_sequence_length``), builds a :class:`DynamicInferenceContext` of those sizes, and serves a
-list of prompts to completion, returning :class:`InferenceRequest`-compatible results in order.
+list of prompts to completion, returning :class:`InferenceRequest`-compatible results in order (a hybrid
+model's Mamba state slots are sized from the model: :meth:`MambaInferenceStateConfig.from_model`).
 With ``legacy=True``, and always for encoder-decoder and vision-language controllers, batches of at
 most ``max_batch_size`` requests run through the controller's static-batch loop instead
-(``generate_all_output_tokens_static_batch``), as Megatron-Core's legacy static engine does.
+(``generate_all_output_tokens_static_batch``), as Megatron-Core's legacy static engine does; that loop's
+:class:`StaticInferenceContext` has no Mamba states, so hybrid models need ``legacy=False``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import collections
 import itertools
 from typing import Any
 
-from megatron_core.inference.config import InferenceConfig
+from megatron_core.inference.config import InferenceConfig, MambaInferenceStateConfig
 from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_core.inference.contexts.static_context import StaticInferenceContext
 from megatron_core.inference.engines.abstract_engine import AbstractEngine
@@ -66,6 +68,7 @@ class StaticInferenceEngine(AbstractEngine):
             InferenceConfig(
                 max_sequence_length=original.max_sequence_length, buffer_size_gb=buffer_size_gb or 40,
                 max_requests=max_batch_size, block_size_tokens=64, enable_chunked_prefill=True,
+                mamba_inference_state_config=MambaInferenceStateConfig.from_model(self.inference_wrapped_model.model),
             ),
         )
         self.dynamic_engine = DynamicInferenceEngine(self.controller, context)
