@@ -81,3 +81,20 @@ def load_converted_checkpoint(ckpt: str, hf_dir: str, resave: str, tp: int, pp: 
     logits = logits_of(chunks[0])
     save_checkpoint(resave, 3, chunks, None, None)
     return logits
+
+
+def gradients_as_hf(hf_dir: str, out_dir: str, tp: int) -> float:
+    """Import at TP=``tp``, take the mean next-token loss of :func:`batch` and backpropagate; export every
+    parameter's gradient in place of its value (so ``out_dir`` holds the gradients under HF names); return the loss."""
+    _setup(tp, 1)
+    bridge = AutoBridge.from_hf_pretrained(hf_dir)
+    (model,) = bridge.to_megatron_model()
+    model.eval()
+    ids, pos = batch()
+    loss = model(ids, pos, None, labels=torch.roll(ids, -1, dims=1)).mean()
+    loss.backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.grad)
+    bridge.save_hf_pretrained(model, out_dir)
+    return loss.item()
