@@ -162,6 +162,8 @@ def test_refusals(model):
         _context(model, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="num_cuda_graphs=2: CUDA-graph decode is not supported for hybrid"):
         _context(model, num_cuda_graphs=2)
+    with pytest.raises(ValueError, match=r"prefix_caching_mamba_gb \(1.0\) must be None"):
+        InferenceConfig(prefix_caching_mamba_gb=1.0)
     plain = DynamicInferenceContext(model.config, InferenceConfig(block_size_tokens=4, buffer_size_gb=0.01,
                                                                   max_sequence_length=MAX_SEQ, max_requests=2))
     plain.add_request(0)

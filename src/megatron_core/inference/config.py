@@ -168,6 +168,7 @@ class InferenceConfig:
     prefix_caching_eviction_policy: PrefixCachingEvictionPolicy = PrefixCachingEvictionPolicy.REF_ZERO
     prefix_caching_coordinator_policy: PrefixCachingCoordinatorPolicy = PrefixCachingCoordinatorPolicy.LOAD_BALANCED
     prefix_caching_routing_alpha: float = 0.5
+    prefix_caching_mamba_gb: float | None = None
     num_cuda_graphs: int | None = None
     cuda_graph_max_tokens: int = 512
     cuda_graph_sizing_distribution: CudaGraphSizingDistribution = CudaGraphSizingDistribution.EXPONENTIAL
@@ -194,6 +195,9 @@ class InferenceConfig:
         if mamba is not None and not isinstance(mamba, MambaInferenceStateConfig):
             raise ValueError(f"InferenceConfig.mamba_inference_state_config must be a MambaInferenceStateConfig or "
                              f"None, got {type(mamba).__name__}")
+        if self.prefix_caching_mamba_gb is not None:
+            raise ValueError(f"InferenceConfig.prefix_caching_mamba_gb ({self.prefix_caching_mamba_gb}) must be None: "
+                             "prefix caching of hybrid models' Mamba states is not supported")
         if self.mamba_memory_ratio is not None and not 0.0 < self.mamba_memory_ratio < 1.0:
             raise ValueError(f"InferenceConfig.mamba_memory_ratio ({self.mamba_memory_ratio}) must be in (0, 1) "
                              "or None")
