@@ -197,7 +197,8 @@ class AutoBridge:
     def to_megatron_model(self, load_weights: bool = True, *, config: Any = None,
                           make_vocab_size_divisible_by: int | None = None, pg_collection: Any = None,
                           mtp: bool = True, **model_kwargs: Any) -> list[torch.nn.Module]:
-        """This rank's GPTModel chunks (one per virtual pipeline stage), with the HF weights unless not ``load_weights``.
+        """This rank's GPTModel chunks (one per virtual pipeline stage), with the HF weights unless not ``load_weights``;
+        for a hybrid Mamba architecture one HybridModel (this pipeline stage's layers).
 
         A checkpoint with multi-token-prediction layers builds them (``config.mtp_num_layers``) unless ``mtp`` is
         False (or ``config`` has no ``mtp_num_layers``); their HF tensors are then not read."""
