@@ -22,6 +22,11 @@ With ``enable_prefix_caching``, :meth:`add_request` takes the request's prompt-b
 cached blocks of the longest matching prefix are shared (pinned in the allocator) and count as
 already cached tokens; :meth:`commit_step` registers each prompt block once its tokens are computed.
 
+For a hybrid model (``InferenceConfig.mamba_inference_state_config``), ``mamba_slots`` (:mod:`.mamba_states`)
+gives each request a slot of Mamba convolution and SSM state per Mamba layer, taken in :meth:`add_request`
+and freed in :meth:`release_request`; :meth:`mamba_states_cache` and :meth:`mamba_step_layout` are what the
+Mamba mixers read in a step. Only the attention layers get KV buffers.
+
 With the model's ``moe_enable_routing_replay``, ``moe_routing_metadata`` (:mod:`.routing_metadata`) keeps
 the experts each fed token was routed to, per KV slot.
 """
@@ -34,12 +39,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_core._ground.hybrid_pattern import Symbols
-from megatron_core.inference.config import InferenceConfig, MambaInferenceStateConfig
+from megatron_core.inference.config import InferenceConfig
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs, graph_batch_sizes
 from megatron_core.inference.contexts.kv_block_allocator import KVBlockAllocator
-from megatron_core.inference.contexts.mamba_states import MambaStateSlots
+from megatron_core.inference.contexts.mamba_states import (
+    MambaStateSlots,
+    check_hybrid_inference_config,
+    count_attention_layers,
+    reserve_mamba_memory,
+)
 from megatron_core.inference.contexts.paged_attention import paged_decode_attention, paged_decode_supported
 from megatron_core.inference.contexts.rope_cache_append import rope_cache_append, rope_cache_append_supported
 from megatron_core.inference.contexts.rotary import rotate_at_positions
@@ -122,22 +131,6 @@ class StepEntry:
     logit_rows: list[int] = field(default_factory=list)
 
 
-_ATTENTION_SYMBOLS = (Symbols.ATTENTION, Symbols.DS_ATTENTION, Symbols.MLA)
-
-
-def _check_hybrid_settings(inference_config: InferenceConfig) -> None:
-    """Refuse what the Mamba state slots cannot serve: prefix caching and CUDA-graph decode."""
-    if inference_config.enable_prefix_caching:
-        raise ValueError("InferenceConfig.enable_prefix_caching=True cannot serve a hybrid model "
-                         "(mamba_inference_state_config is set): a request's Mamba state is the state after all of its "
-                         "tokens, not per KV block, so a shared prefix's blocks would leave the Mamba layers without "
-                         "their state at the end of the prefix; turn prefix caching off")
-    if inference_config.num_cuda_graphs is not None:
-        raise ValueError(f"InferenceConfig.num_cuda_graphs={inference_config.num_cuda_graphs}: CUDA-graph decode is not "
-                         "supported for hybrid models (mamba_inference_state_config is set) in this library; the "
-                         "padded graph rows have no Mamba state slots. Set num_cuda_graphs=None")
-
-
 def _tp_pp_sizes(pg_collection: Any) -> tuple[int, int]:
     """Tensor- and pipeline-parallel sizes from ``pg_collection`` or ``parallel_state``."""
     import torch.distributed as dist
@@ -189,10 +182,10 @@ class DynamicInferenceContext(BaseInferenceContext):
         mamba_config = inference_config.mamba_inference_state_config
         self.is_hybrid_model = mamba_config is not None
         if self.is_hybrid_model:
-            _check_hybrid_settings(inference_config)
+            check_hybrid_inference_config(inference_config)
             # Only the attention layers have a KV cache (at least one layer is sized, so the engine's block
             # bookkeeping works for a model without attention too).
-            self.num_layers_local = max(1, sum(s in _ATTENTION_SYMBOLS for s in mamba_config.layer_type_list))
+            self.num_layers_local = max(1, count_attention_layers(mamba_config))
         else:
             self.num_layers_local = max(1, model_config.num_layers // pp)
         self.num_groups_local, self.head_dim = _kv_cache_head_shape(model_config, tp)
@@ -206,7 +199,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         kv_bytes = inference_config.buffer_size_gb * 1024**3
         self.mamba_slots: MambaStateSlots | None = None
         if self.is_hybrid_model:
-            kv_bytes = self._take_mamba_memory(mamba_config, kv_bytes)
+            kv_bytes, self.max_requests = reserve_mamba_memory(inference_config, kv_bytes, self.max_requests)
             self.mamba_slots = MambaStateSlots(mamba_config, self.max_requests)
         total_blocks = int(kv_bytes // self.bytes_per_block)
         if total_blocks < 1:
@@ -247,27 +240,6 @@ class DynamicInferenceContext(BaseInferenceContext):
                                  "num_moe_experts")
             self.moe_routing_metadata = RoutingMetadata(self, model_config.moe_router_topk,
                                                         model_config.num_moe_experts)
-
-    def _take_mamba_memory(self, mamba_config: MambaInferenceStateConfig, buffer_bytes: float) -> float:
-        """Reserve the Mamba state slots out of ``buffer_bytes`` (capping ``max_requests`` under
-        ``mamba_memory_ratio``); returns the bytes left for KV blocks."""
-        per_request = MambaStateSlots.bytes_per_request(mamba_config)
-        ratio = self.inference_config.mamba_memory_ratio
-        if ratio is not None:
-            budget = buffer_bytes * ratio
-            fit = int(budget // per_request) if per_request else self.max_requests
-            if fit < 1:
-                raise ValueError(f"InferenceConfig.mamba_memory_ratio ({ratio}) of buffer_size_gb "
-                                 f"({self.inference_config.buffer_size_gb}) holds no request's Mamba states "
-                                 f"({per_request} bytes)")
-            self.max_requests = min(self.max_requests, fit)
-            return buffer_bytes - budget
-        needed = self.max_requests * per_request
-        if needed >= buffer_bytes:
-            raise ValueError(f"InferenceConfig.buffer_size_gb ({self.inference_config.buffer_size_gb}) cannot hold the "
-                             f"Mamba states of max_requests ({self.max_requests}) requests ({per_request} bytes each) "
-                             "and any KV block; raise buffer_size_gb or lower max_requests")
-        return buffer_bytes - needed
 
     # ---- capacity ---------------------------------------------------------------------------------
 

@@ -21,9 +21,55 @@ from typing import Any
 import torch
 
 from megatron_core._ground.hybrid_pattern import Symbols
-from megatron_core.inference.config import MambaInferenceStateConfig
+from megatron_core.inference.config import InferenceConfig, MambaInferenceStateConfig
 
-__all__ = ["MambaStateSlots"]
+__all__ = ["MambaStateSlots", "check_hybrid_inference_config", "count_attention_layers", "reserve_mamba_memory"]
+
+_ATTENTION_SYMBOLS = (Symbols.ATTENTION, Symbols.DS_ATTENTION, Symbols.MLA)
+
+
+def count_attention_layers(config: MambaInferenceStateConfig) -> int:
+    """Layers of ``config.layer_type_list`` that keep a KV cache (attention, DSA, MLA)."""
+    return sum(symbol in _ATTENTION_SYMBOLS for symbol in config.layer_type_list)
+
+
+def check_hybrid_inference_config(inference_config: InferenceConfig) -> None:
+    """Refuse what the Mamba state slots cannot serve: prefix caching and CUDA-graph decode (``ValueError``)."""
+    if inference_config.enable_prefix_caching:
+        raise ValueError("InferenceConfig.enable_prefix_caching=True cannot serve a hybrid model "
+                         "(mamba_inference_state_config is set): a request's Mamba state is the state after all of its "
+                         "tokens, not per KV block, so a shared prefix's blocks would leave the Mamba layers without "
+                         "their state at the end of the prefix; turn prefix caching off")
+    if inference_config.num_cuda_graphs is not None:
+        raise ValueError(f"InferenceConfig.num_cuda_graphs={inference_config.num_cuda_graphs}: CUDA-graph decode is not "
+                         "supported for hybrid models (mamba_inference_state_config is set) in this library; the "
+                         "padded graph rows have no Mamba state slots. Set num_cuda_graphs=None")
+
+
+def reserve_mamba_memory(inference_config: InferenceConfig, buffer_bytes: float,
+                         max_requests: int) -> tuple[float, int]:
+    """``(bytes left for KV blocks, max_requests)`` after the Mamba slots are taken out of ``buffer_bytes``.
+
+    With ``mamba_memory_ratio`` the slots get that share of the buffer and ``max_requests`` is capped to the
+    requests it holds; otherwise they take exactly ``max_requests`` requests' worth. A buffer that leaves
+    nothing for either raises ``ValueError``.
+    """
+    per_request = MambaStateSlots.bytes_per_request(inference_config.mamba_inference_state_config)
+    ratio = inference_config.mamba_memory_ratio
+    if ratio is not None:
+        budget = buffer_bytes * ratio
+        fit = int(budget // per_request) if per_request else max_requests
+        if fit < 1:
+            raise ValueError(f"InferenceConfig.mamba_memory_ratio ({ratio}) of buffer_size_gb "
+                             f"({inference_config.buffer_size_gb}) holds no request's Mamba states "
+                             f"({per_request} bytes)")
+        return buffer_bytes - budget, min(max_requests, fit)
+    needed = max_requests * per_request
+    if needed >= buffer_bytes:
+        raise ValueError(f"InferenceConfig.buffer_size_gb ({inference_config.buffer_size_gb}) cannot hold the Mamba "
+                         f"states of max_requests ({max_requests}) requests ({per_request} bytes each) and any KV "
+                         "block; raise buffer_size_gb or lower max_requests")
+    return buffer_bytes - needed, max_requests
 
 
 class MambaStateSlots:
