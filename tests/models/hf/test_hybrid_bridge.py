@@ -223,3 +223,20 @@ def test_tp2_loss_and_every_gradient_match_transformers(kind: str, hf_dirs: dict
         want = hf_grads[name.replace("backbone.", "model.", 1) if kind == "nemotron_h" else name]
         assert want.abs().max() > 0, name
         torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_legacy_nemotron_h_config_fields(hf_dirs: dict, tmp_path) -> None:
+    """An older config.json (``hybrid_override_pattern``, ``num_hidden_layers``, ``mamba_*`` aliases) converts alike."""
+    import shutil
+
+    src = hf_dirs["nemotron_h"]
+    cfg = json.loads(open(os.path.join(src, "config.json")).read())
+    del cfg["layers_block_type"]
+    cfg.update(hybrid_override_pattern="M*M-", num_hidden_layers=4, mamba_n_groups=cfg.pop("n_groups"),
+               mamba_d_conv=cfg.pop("conv_kernel"), mamba_chunk_size=cfg.pop("chunk_size"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shutil.copyfile(os.path.join(src, "model.safetensors"), tmp_path / "model.safetensors")
+    bridge = AutoBridge.from_hf_pretrained(tmp_path)
+    assert bridge.family.hybrid_pattern == "M*M-"
+    (model,) = bridge.to_megatron_model()
+    torch.testing.assert_close(_ours(model.eval()), hf_logits(src), rtol=1e-4, atol=1e-4)
