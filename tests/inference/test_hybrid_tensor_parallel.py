@@ -1,0 +1,50 @@
+"""A HybridModel ("M*M-") under TP=2 (gloo ranks) in the dynamic engine gives the single-process plain loop's
+greedy tokens: each rank's Mamba slots hold its heads' states (shapes from its own mixers), with waiting
+requests and chunked prefill."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.dist_harness import run_on_ranks
+
+NEW = 6
+LENGTHS = (5, 13, 9, 3)
+
+
+def _tp_run() -> tuple[list[list[int]], list[list[int]], tuple]:
+    from megatron_core import parallel_state, tensor_parallel
+    from megatron_core.inference.config import MambaInferenceStateConfig
+    from tests.inference.hybrid_fixture import (
+        build_hybrid,
+        greedy_params,
+        hybrid_engine,
+        plain_greedy,
+        prompts,
+    )
+    from tests.models.mamba.test_mamba_tensor_parallel import shard
+
+    ref = build_hybrid("M*M-", chunk_size=4)
+    batch = prompts(list(LENGTHS), seed=21)
+    expected = [plain_greedy(ref, p, NEW) for p in batch]
+    full = {name: param.detach().clone() for name, param in ref.named_parameters()}
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        model = build_hybrid("M*M-", chunk_size=4, tensor_model_parallel_size=2)
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(shard(name, full[name], 2, rank))
+        engine = hybrid_engine(model, max_requests=2, max_tokens=8, enable_chunked_prefill=True)
+        out = [r.merge().generated_tokens for r in engine.generate(batch, greedy_params(NEW))]
+        shapes = MambaInferenceStateConfig.from_model(model)
+        return out, expected, (shapes.conv_states_shape, shapes.ssm_states_shape)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_tp2_greedy_equals_single_process_plain_loop():
+    for out, expected, shapes in run_on_ranks(2, _tp_run):
+        assert out == expected
+        assert shapes == ((32, 4), (2, 8, 8))  # half of x, B, C channels and half the heads per rank
