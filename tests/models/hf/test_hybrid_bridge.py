@@ -240,3 +240,18 @@ def test_legacy_nemotron_h_config_fields(hf_dirs: dict, tmp_path) -> None:
     assert bridge.family.hybrid_pattern == "M*M-"
     (model,) = bridge.to_megatron_model()
     torch.testing.assert_close(_ours(model.eval()), hf_logits(src), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_round_trip_keeps_every_dtype(tmp_path) -> None:
+    """A bf16 checkpoint: A_log and D live in fp32 in the mixer (as in Megatron-Core) and are written back in bf16,
+    so the export is bitwise the source, dtypes included."""
+    src = tmp_path / "bf16"
+    make_hybrid_model("nemotron_h", src).to(torch.bfloat16).save_pretrained(src)
+    bridge = AutoBridge.from_hf_pretrained(src)
+    (model,) = bridge.to_megatron_model()
+    params = dict(model.named_parameters())
+    assert params["decoder.layers.0.mixer.A_log"].dtype == torch.float32
+    assert params["decoder.layers.0.mixer.in_proj.weight"].dtype == torch.bfloat16
+    bridge.save_hf_pretrained(model, tmp_path / "out")
+    assert_same_tensors(src, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"

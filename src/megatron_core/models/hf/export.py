@@ -8,7 +8,8 @@ stage). Files go into ``<path>.tmp-<id>``; only when every rank succeeded does r
 index, ``config.json`` and the tokenizer files and rename the directory to ``path``, so a failure
 leaves nothing at ``path``. With ``overwrite`` an earlier export at ``path`` is replaced, but a
 directory holding anything an export does not write is refused, naming those entries
-(:func:`target_refusal`). The parameters' dtype (bf16 / fp16 / fp32) is kept.
+(:func:`target_refusal`). The parameters' dtype (bf16 / fp16 / fp32) is kept; the parameters Megatron keeps in
+fp32 in any model (the Mamba mixer's ``A_log`` and ``D``) are written in the model's ``params_dtype``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from megatron_core.models.hf.model_view import (
     unwrap,
 )
 from megatron_core.models.hf.progress import progress as progress_iter
-from megatron_core.models.hf.rules import Copy, Index, SharedCopy, expected_hf_shape, fmt
+from megatron_core.models.hf.rules import Copy, Index, ModelDtypeCopy, SharedCopy, expected_hf_shape, fmt
 from megatron_core.models.hf.safetensors_io import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -238,6 +239,11 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
     def key(rule: Any, layer: Index) -> tuple[str, Index]:  # an MTP layer's embedding / head copy: the shared one
         return (rule.source, None) if isinstance(rule, SharedCopy) else (rule.mcore, layer)
 
+    model_dtype = chunks[0].config.params_dtype
+
+    def dtype_of(rule: Any, layer: Index) -> torch.dtype:  # the exported tensor's dtype
+        return model_dtype if isinstance(rule, ModelDtypeCopy) else held[key(rule, layer)].dtype
+
     def mine(rule: Any, layer: Index) -> bool:
         return key(rule, layer) in held and (edp_rank if is_expert_rule(rule) else dp_rank) == 0
 
@@ -251,7 +257,7 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
     for rule, layer in todo:
         if (expert if is_expert_rule(rule) else dense)[0] == 0:
             for name, shape in expected_hf_shape(rule, mcore_shape(rule.mcore, bridge.family, vocab)).items():
-                local.append((fmt(name, layer), shape, held[key(rule, layer)].dtype))
+                local.append((fmt(name, layer), shape, dtype_of(rule, layer)))
     local = list({entry[0]: entry for entry in local}.values())  # a stacked tensor once, for all its rows
     writer = HFDirectoryWriter(bridge, path, overwrite, max_shard_size)
     writer.plan(local)
@@ -265,7 +271,7 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
         try:
             extra = {"hf_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
             for name, tensor in rule.to_hf(shards, layer, **extra).items():
-                writer.write(name, tensor, row=hf_row(rule, layer))
+                writer.write(name, tensor.to(dtype_of(rule, layer)), row=hf_row(rule, layer))
         except Exception as e:  # noqa: BLE001 - keep taking part in the gathers; reported in finish()
             error = e
     writer.finish(error)

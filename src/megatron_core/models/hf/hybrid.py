@@ -29,7 +29,7 @@ import math
 from typing import Any
 
 from megatron_core.activations import squared_relu
-from megatron_core.models.hf.rules import Copy, FusedQKV, SectionedRows, WeightRule
+from megatron_core.models.hf.rules import Copy, FusedQKV, ModelDtypeCopy, SectionedRows, WeightRule
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
 __all__ = ["hybrid_stack_spec_for", "mamba2_family_parts", "nemotron_h_family_parts"]
@@ -127,7 +127,10 @@ def _mamba_rules(hf_layer: str, config: dict[str, Any]) -> list[WeightRule]:
                       sections=(d_inner, d_inner, bc, bc, config["mamba_num_heads"])),
         SectionedRows(ours + "mixer.conv1d_weight", hf=mixer + "conv1d.weight", sections=(d_inner, bc, bc)),
         SectionedRows(ours + "mixer.conv1d_bias", hf=mixer + "conv1d.bias", sections=(d_inner, bc, bc)),
-        *(Copy(ours + f"mixer.{p}", hf=mixer + p, tp_axis=0) for p in ("dt_bias", "A_log", "D", "norm.weight")),
+        Copy(ours + "mixer.dt_bias", hf=mixer + "dt_bias", tp_axis=0),
+        # kept in fp32 by the mixer (Megatron-Core's choice), written back in the model's dtype
+        *(ModelDtypeCopy(ours + f"mixer.{p}", hf=mixer + p, tp_axis=0) for p in ("A_log", "D")),
+        Copy(ours + "mixer.norm.weight", hf=mixer + "norm.weight", tp_axis=0),
         Copy(ours + "mixer.out_proj.weight", hf=mixer + "out_proj.weight", tp_axis=1),
     ]
 

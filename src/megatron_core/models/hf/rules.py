@@ -112,6 +112,12 @@ class Copy(WeightRule):
 
 
 @dataclass(frozen=True)
+class ModelDtypeCopy(Copy):
+    """A :class:`Copy` of a parameter Megatron keeps in fp32 whatever the model's dtype (the Mamba mixer's ``A_log``
+    and ``D``); export writes it in the model's ``params_dtype``, as the HF model holds one dtype throughout."""
+
+
+@dataclass(frozen=True)
 class SharedCopy(Copy):
     """An HF tensor that repeats another parameter (``source``, a GPTModel parameter name outside any layer), e.g.
     the ``embed_tokens`` / ``shared_head.head`` copies that DeepSeek-V3 stores in each multi-token-prediction layer.
