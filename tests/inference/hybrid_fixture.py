@@ -28,12 +28,14 @@ def hybrid_config(pattern: str, **overrides) -> TransformerConfig:
     return TransformerConfig(**cfg)
 
 
-def build_hybrid(pattern: str = "M*M-", seed: int = 0, chunk_size: int | None = None, **overrides) -> HybridModel:
+def build_hybrid(pattern: str = "M*M-", seed: int = 0, chunk_size: int | None = None, pre_process: bool = True,
+                 post_process: bool = True, **overrides) -> HybridModel:
     """A HybridModel with RoPE, in eval mode; the Mamba mixers' scan chunk is ``chunk_size`` when given
     (small chunks make prefill cross several scan chunks)."""
     torch.manual_seed(seed)
     model = HybridModel(hybrid_config(pattern, **overrides), hybrid_stack_spec, VOCAB, MAX_SEQ,
-                        hybrid_layer_pattern=pattern, position_embedding_type="rope").eval()
+                        hybrid_layer_pattern=pattern, position_embedding_type="rope", pre_process=pre_process,
+                        post_process=post_process).eval()
     with torch.no_grad():  # D and the norm weight start at ones: perturb them so every term is exercised
         for name, param in model.named_parameters():
             if name.endswith(("mixer.D", "mixer.norm.weight")):

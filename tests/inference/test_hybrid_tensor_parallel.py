@@ -1,6 +1,6 @@
-"""A HybridModel ("M*M-") under TP=2 (gloo ranks) in the dynamic engine gives the single-process plain loop's
-greedy tokens: each rank's Mamba slots hold its heads' states (shapes from its own mixers), with waiting
-requests and chunked prefill."""
+"""A HybridModel ("M*M-") under TP=2 or PP=2 (gloo ranks) in the dynamic engine gives the single-process plain
+loop's greedy tokens: each rank's Mamba slots hold its heads' states (TP, shapes from its own mixers) or its
+stage's Mamba layers (PP), with waiting requests and chunked prefill."""
 
 from __future__ import annotations
 
@@ -48,3 +48,43 @@ def test_tp2_greedy_equals_single_process_plain_loop():
     for out, expected, shapes in run_on_ranks(2, _tp_run):
         assert out == expected
         assert shapes == ((32, 4), (2, 8, 8))  # half of x, B, C channels and half the heads per rank
+
+
+def _pp_run() -> tuple[list[list[int]], list[list[int]], list[str]]:
+    from megatron_core import parallel_state
+    from megatron_core.inference.config import MambaInferenceStateConfig
+    from tests.inference.hybrid_fixture import (
+        build_hybrid,
+        greedy_params,
+        hybrid_engine,
+        plain_greedy,
+        prompts,
+    )
+
+    ref = build_hybrid("M*M-", chunk_size=4)
+    batch = prompts(list(LENGTHS), seed=22)
+    expected = [plain_greedy(ref, p, NEW) for p in batch]
+    full = {name: param.detach().clone() for name, param in ref.named_parameters()}
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        model = build_hybrid("M*M-", chunk_size=4, pre_process=stage == 0, post_process=stage == 1,
+                             pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.startswith("decoder.layers."):
+                    index, rest = name[len("decoder.layers."):].split(".", 1)
+                    name = f"decoder.layers.{model.decoder.layers[int(index)].layer_number - 1}.{rest}"
+                param.copy_(full[name])
+        engine = hybrid_engine(model, max_requests=2, max_tokens=8, enable_chunked_prefill=True)
+        out = [r.merge().generated_tokens for r in engine.generate(batch, greedy_params(NEW))]
+        return out, expected, MambaInferenceStateConfig.from_model(model).layer_type_list
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_pp2_greedy_equals_single_process_plain_loop():
+    results = run_on_ranks(2, _pp_run)
+    assert [layers for _, _, layers in results] == [["M", "*"], ["M", "-"]]
+    for out, expected, _ in results:
+        assert out == expected
