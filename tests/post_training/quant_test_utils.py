@@ -1,8 +1,9 @@
 """Tiny GPT models for the post-training tests: built from the Model Optimizer spec, quantized with a
 predefined Model Optimizer recipe after one calibration batch, on one process or sharded over TP.
 
-Sizes: hidden 128 and FFN 256 so that INT4 AWQ's 128-wide weight blocks fit whole, also in a row-parallel
-layer's input shard at TP=2 (256 / 2). Weights are fp32; the reference model of a seed is the same on every rank.
+Sizes: hidden 128 and FFN 256 so that INT4 AWQ's 128-wide weight blocks fit whole; at TP=2 use :data:`WIDE`
+(hidden 256, FFN 512), so that they also fit in every row-parallel layer's input shard (256 / 2, 512 / 2).
+Weights are fp32 unless a dtype is given; the reference model of a seed is the same on every rank.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tests.models.gpt_test_utils import shard
 
 VOCAB, SEQ, BATCH, MAX_SEQ = 128, 16, 2, 32
 RECIPES = ("FP8_DEFAULT_CFG", "INT8_SMOOTHQUANT_CFG", "INT4_AWQ_CFG", "NVFP4_DEFAULT_CFG")
+WIDE = {"hidden_size": 256, "ffn_hidden_size": 512}
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
@@ -29,13 +31,13 @@ def config(**overrides) -> TransformerConfig:
     return TransformerConfig(**cfg)
 
 
-def build(seed: int = 1234, **overrides) -> GPTModel:
-    """A GPT on the Model Optimizer spec, full logits (``parallel_output=False``), in eval mode."""
+def build(seed: int = 1234, dtype: torch.dtype = torch.float32, **overrides) -> GPTModel:
+    """A GPT on the Model Optimizer spec, full logits (``parallel_output=False``), in eval mode, in ``dtype``."""
     torch.manual_seed(seed)
     cfg = config(**overrides)
     model = GPTModel(cfg, get_gpt_modelopt_spec(cfg, local_core_attention=True), VOCAB, MAX_SEQ,
                      position_embedding_type="rope", parallel_output=False)
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,9 +71,9 @@ def load_sharded(model: GPTModel, full_state: dict, tp: int, tp_rank: int) -> No
             param.copy_(shard(name, full_state[name], tp, tp_rank, gated=True))
 
 
-def reference(recipe: str | None) -> tuple[dict, torch.Tensor]:
+def reference(recipe: str | None, dtype: torch.dtype = torch.float32, **overrides) -> tuple[dict, torch.Tensor]:
     """``(TP=1 weights, logits)`` of the reference model, quantized with ``recipe`` unless it is None."""
-    model = build()
+    model = build(dtype=dtype, **overrides)
     weights = {k: v.detach().clone() for k, v in model.named_parameters()}
     if recipe is not None:
         quantize(model, recipe)

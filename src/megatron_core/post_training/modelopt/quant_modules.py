@@ -21,6 +21,8 @@ over the data-parallel group always, and over the tensor-parallel group where th
 one scale: a column layer's per-tensor input and weight amax, a row layer's per-tensor input amax and
 its per-tensor or per-output-channel weight amax. Per-output-channel amax of a column layer and
 per-input-block amax of a row layer stay local: they belong to the rows/columns that rank holds.
+AWQ-lite's per-layer statistics of a column layer are averaged over TP (:mod:`.awq_tp`), so TP=N picks
+the one-process scales; a row layer's weight blocks must lie whole in its input shard.
 
 Checkpoints: :meth:`sharded_state_dict` adds the quantizer buffers (``*_quantizer._amax``,
 ``input_quantizer._pre_quant_scale``, ``*_global_amax``) beside the weights, split over TP the way
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -39,6 +43,7 @@ from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_fact
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.dist_checkpointing.sharded_module import make_sharded_tensors_for_checkpoint
 from megatron_core.post_training.modelopt._backend import modelopt_modules
+from megatron_core.post_training.modelopt.awq_tp import sync_awq_statistics
 from megatron_core.post_training.modelopt.layers import Linear
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel import layers as tp_layers
@@ -99,10 +104,26 @@ def _quantizer_shard_axis(name: str, value: torch.Tensor, column: bool) -> tuple
     return value.reshape(-1), (0 if column else None)
 
 
+def _check_blocks_fit(name: str, block_sizes: dict, local_in: int, column: bool) -> None:
+    """``ValueError`` when a row layer's weight blocks straddle its TP input shards (they could not reshard)."""
+    block = block_sizes.get(-1) if isinstance(block_sizes, dict) else None
+    if column or not isinstance(block, int) or local_in % block == 0:
+        return
+    raise ValueError(
+        f"{name}: the weight blocks ({block} input channels) do not divide this row-parallel layer's input shard "
+        f"({local_in} channels per TP rank): its block scales differ from one process's and cannot be resharded; "
+        "use a tensor-parallel size whose input shard is a multiple of the block size"
+    )
+
+
 class _QuantParallelLinear(_mo.custom._ParallelLinear):
     """Shared part of the quantized column- and row-parallel linear layers."""
 
     _functionals_to_replace = [(tp_layers, "linear_with_grad_accumulation_and_async_allreduce")]
+    # Model Optimizer enters ``enable_weight_access_and_writeback()`` of a parallel linear that has this
+    # marker around its calibration steps (it is how TP-sharded Hugging Face linears take part); ours uses
+    # it to make AWQ's statistics those of the whole layer (see ``awq_tp``).
+    _hf_tp_plan = "megatron_core"
 
     def _setup(self) -> None:
         if self.parallel_state is None:
@@ -129,7 +150,14 @@ class _QuantParallelLinear(_mo.custom._ParallelLinear):
             if hasattr(tp_layers, f"_{name}"):
                 delattr(tp_layers, f"_{name}")
 
-    def _quantizer_state(self) -> dict[str, tuple[torch.Tensor, int | None]]:
+    @contextmanager
+    def enable_weight_access_and_writeback(self) -> Iterator[None]:
+        """Model Optimizer's hook around a calibration step: AWQ statistics averaged over TP before and after."""
+        sync_awq_statistics(self)
+        yield
+        sync_awq_statistics(self)
+
+    def _quantizer_state(self, prefix: str = "") -> dict[str, tuple[torch.Tensor, int | None]]:
         column = bool(self._is_column_parallel)
         out = {}
         for name, value in self.state_dict(prefix="", keep_vars=True).items():
@@ -143,14 +171,18 @@ class _QuantParallelLinear(_mo.custom._ParallelLinear):
             tensor, axis = _quantizer_shard_axis(name, value, column)
             if name.startswith("weight_quantizer") and value.numel() > 1:
                 tensor = _matrix(value, self.weight.shape[0])
-                axis = 0 if column else (1 if tensor.shape[1] > 1 else None)
+                # a row layer's input blocks are its own (even one block per row); one amax per output row is shared
+                block_sizes = self.get_submodule(name.rsplit(".", 1)[0]).block_sizes or {}
+                blocked = bool(block_sizes)
+                _check_blocks_fit(prefix + name, block_sizes, self.weight.shape[1], column)
+                axis = 0 if column else (1 if blocked else None)
             out[name] = (tensor, axis)
         return out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The layer's sharded state with its quantizer buffers split over TP (module docstring)."""
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        quantizer_state = self._quantizer_state()
+        quantizer_state = self._quantizer_state(prefix)
         for name in quantizer_state:
             sharded.pop(f"{prefix}{name}", None)
         tensors = {name: tensor for name, (tensor, _) in quantizer_state.items()}
@@ -219,7 +251,7 @@ class QuantMLP(_mo.dynamic.DynamicModule):
         if not self.config.gated_linear_unit:
             return sharded
         for key, value in sharded.items():
-            if (_FC1_ROW_BUFFER.search(key) and isinstance(value, ShardedTensor)
-                    and len(value.local_shape) - value.prepend_axis_num == 2):
+            # local_shape is the rank's own tensor, without the prepended layer axes
+            if _FC1_ROW_BUFFER.search(key) and isinstance(value, ShardedTensor) and len(value.local_shape) == 2:
                 sharded[key] = apply_swiglu_sharded_factory(value)
         return sharded
