@@ -36,7 +36,7 @@ from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd be
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
-from megatron_core.fp8 import convert_to_float8
+from megatron_core.fp8 import convert_to_float8, fp8_grouped_gemm
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron_core.transformer import TransformerConfig
@@ -76,6 +76,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--fp8", default=None, metavar="RECIPE:FORMAT",
                    help="also time our model in FP8 (e.g. tensorwise:hybrid; the experts use row-wise e4m3 scales)")
+    p.add_argument("--skip-ours", action="store_true", help="do not time our bf16 model")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
     p.add_argument("--grouped-gemm-backend", choices=["torch", "cutlass"], default=None,
                    help="the grouped experts' GEMM kernel (default: MEGATRON_CORE_MOE_GROUPED_GEMM, else torch); "
@@ -155,9 +156,11 @@ def expert_counts(args: argparse.Namespace, routing: str) -> list[int]:
     return torch.topk(logits, args.topk).indices.flatten().bincount(minlength=args.experts).tolist()
 
 
-def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype, counts: list[int]) -> tuple[float, float]:
+def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype, counts: list[int]
+                     ) -> tuple[float, float, float | None]:
     """Seconds of the experts' six GEMMs (fc1 and fc2: forward, data and weight gradients) on the grouped kernel,
-    and of the same six GEMMs dense, with the same total FLOPs.
+    of the same six GEMMs dense, with the same total FLOPs, and (``--fp8`` on a GPU, else None) of the grouped
+    GEMMs in FP8 with their casts.
 
     Every operand is contiguous, as in the model: fc2 reads the SwiGLU's output and fc1's backward the SwiGLU's
     gradient, both fresh tensors. (Until session 21 fc2 read a column slice of fc1's output, which the grouped
@@ -196,7 +199,12 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype, counts: list[
     def dense() -> None:
         run(lambda: F.linear(dense_x, d1), lambda: F.linear(dense_a, d2), [dense_x, dense_a, d1, d2])
 
-    return time_steps(grouped, args), time_steps(dense, args)
+    def grouped_fp8() -> None:
+        run(lambda: fp8_grouped_gemm(x, w1, ends=layout.ends), lambda: fp8_grouped_gemm(a, w2, ends=layout.ends),
+            [x, a, w1, w2])
+
+    fp8_s = time_steps(grouped_fp8, args) if args.fp8 and dev.type == "cuda" else None
+    return time_steps(grouped, args), time_steps(dense, args), fp8_s
 
 
 def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,
@@ -233,7 +241,7 @@ def main() -> None:
           f"mbs {args.mbs}; active parameters {active_parameters(args) / 1e9:.3f} B, "
           f"FLOPs/token {flops_per_token(args) / 1e9:.2f} G")
 
-    ours_mfu = measure_ours(args, dtype, ids, position_ids, labels)
+    ours_mfu = measure_ours(args, dtype, ids, position_ids, labels) if not args.skip_ours else float("nan")
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -247,10 +255,13 @@ def main() -> None:
 
     for routing in ("even", "router"):
         counts = expert_counts(args, routing)
-        grouped_s, dense_s = grouped_vs_dense(args, dtype, counts)
+        grouped_s, dense_s, fp8_s = grouped_vs_dense(args, dtype, counts)
         print(f"{'RESULT' if routing == 'router' else 'even routing:'} experts' grouped GEMMs "
               f"{grouped_s * 1e3:.2f} ms vs one dense GEMM of equal FLOPs {dense_s * 1e3:.2f} ms "
               f"({grouped_s / dense_s:.2f}x); rows per expert {counts}")
+        if fp8_s is not None:
+            print(f"  the same grouped GEMMs in FP8 (casts included): {fp8_s * 1e3:.2f} ms "
+                  f"({grouped_s / fp8_s:.2f}x bf16's speed)")
 
     if not args.no_hf:
         try:
