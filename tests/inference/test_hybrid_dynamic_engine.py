@@ -4,7 +4,8 @@ The Mamba layers' state-carrying prefill (also split into chunks) and single-tok
 the full-sequence forward at every position, for requests decoding and prefilling in one step; the engine's
 greedy outputs equal a plain loop that re-runs the full forward on the growing sequence, with more requests
 than fit in a step (some wait), chunked prefill, and pauses/evictions when KV blocks run out; slots are
-freed when requests leave. Prefix caching, CUDA-graph decode and the static context are refused by name.
+freed when requests leave; the padded CUDA-graph decode layout (run without graphs here) gives the same tokens.
+Prefix caching and the legacy static context are refused by name.
 """
 
 from __future__ import annotations
@@ -92,9 +93,9 @@ def test_slots_are_allocated_zeroed_and_freed():
     assert slots.num_mamba_layers == 2 and slots.free_count == 2
     ctx.add_request("a")
     _run_step(model, ctx, [StepEntry("a", prompts([6])[0], 0)])
-    conv, ssm = ctx.mamba_states_cache(1)
-    assert conv.shape == (2, *ctx.inference_config.mamba_inference_state_config.conv_states_shape)
-    assert ssm.shape == (2, 4, 8, 8) and ssm[slots.slot("a")].abs().sum() > 0
+    conv, ssm = ctx.mamba_states_cache(1)  # two slots and the scratch slot
+    assert conv.shape == (3, *ctx.inference_config.mamba_inference_state_config.conv_states_shape)
+    assert ssm.shape == (3, 4, 8, 8) and ssm[slots.slot("a")].abs().sum() > 0
     used = slots.slot("a")
     ctx.release_request("a")
     assert slots.free_count == 2
@@ -129,7 +130,7 @@ def test_engine_chunked_prefill_pauses_and_evictions(model):
     per_request = MambaStateSlots.bytes_per_request(MambaInferenceStateConfig.from_model(model))
     block_bytes = 2 * 1 * 4 * 2 * 4 * 4  # K and V, one attention layer, 4 tokens, 2 groups of 4, fp32
     engine = hybrid_engine(model, max_requests=3, max_tokens=8, enable_chunked_prefill=True,
-                           buffer_size_gb=(3 * per_request + 8 * block_bytes) / 1024**3)
+                           buffer_size_gb=(4 * per_request + 8 * block_bytes) / 1024**3)
     assert engine.context.total_block_count == 8
     futures = [engine.add_request(i, p, greedy_params(8)) for i, p in enumerate(batch)]
     paused = 0
@@ -140,15 +141,70 @@ def test_engine_chunked_prefill_pauses_and_evictions(model):
     assert engine.context.mamba_slots.free_count == 3
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["legacy", "async"])
+def test_padded_graph_decode_layout_equals_plain_loop(model, overlap):
+    """The CUDA-graph decode layout, run without graphs on CPU: decode steps padded to 1, 2, 4 rows whose padding
+    rows use the scratch slot (fixed-address slot tensors per batch size), also with the next step laid out
+    before the previous one's tokens are read (async); greedy outputs equal the plain loop's."""
+    batch = prompts([3, 9, 5, 6, 7], seed=17)
+    lengths = [NEW, 2, 2, NEW, NEW]  # two finish early: 3 decode rows padded to 4 follow
+    expected = [plain_greedy(model, p, n) for p, n in zip(batch, lengths)]
+    engine = hybrid_engine(model, max_requests=4, num_cuda_graphs=4,
+                           async_sched_mode="async" if overlap else "legacy")
+    engine.context.pad_decode_steps_on_cpu = True
+    futures = [engine.add_request(i, p, greedy_params(n)) for i, (p, n) in enumerate(zip(batch, lengths))]
+    padded_batches = set()
+    while not all(f.done() for f in futures):
+        engine.step_modern()
+        if engine.context.graph_batch_size is not None:
+            padded_batches.add((engine.context.graph_batch_size, len(engine.context.step_entries)))
+    assert [f.result().generated_tokens for f in futures] == expected
+    assert any(size > rows for size, rows in padded_batches)  # some steps had padding rows
+    slots = engine.context.mamba_slots
+    assert sorted(slots._graph_slots) == sorted({size for size, _ in padded_batches})
+    assert not overlap or engine.overlapped_step_count > 0
+    assert slots.free_count == 4
+
+
+def test_decode_state_snapshot_undoes_a_forward(model):
+    """What the CUDA-graph warm-up relies on: after a padded decode step's forward, the snapshot taken before it
+    puts every layer's states back, so running the step again gives the same logits and states."""
+    ctx = _context(model, num_cuda_graphs=4, materialize_only_last_token_logits=True)
+    ctx.pad_decode_steps_on_cpu = True
+    for rid, prompt in enumerate(prompts([5, 8, 3], seed=19)):
+        ctx.add_request(rid)
+        _run_step(model, ctx, [StepEntry(rid, prompt, 0)])
+    entries = [StepEntry(rid, [rid + 1], n) for rid, n in enumerate([5, 8, 3])]
+    for e in entries:
+        assert ctx.grow_request(e.request_id, e.start + 1)
+    ctx.initialize_attention_state(entries)
+    assert ctx.graph_batch_size == 4 and ctx.mamba_step_layout()[0].tolist()[3] == ctx.mamba_slots.scratch_slot
+    before = {layer: (conv.clone(), ctx.mamba_slots.ssm_states[layer].clone())
+              for layer, conv in ctx.mamba_slots.conv_states.items()}
+    restore = ctx.snapshot_decode_states()
+    with torch.no_grad():
+        first = model(ctx.input_ids, ctx.position_ids, None, inference_context=ctx)
+        after = {layer: conv.clone() for layer, conv in ctx.mamba_slots.conv_states.items()}
+        restore()
+        for layer, (conv, ssm) in before.items():
+            torch.testing.assert_close(ctx.mamba_slots.conv_states[layer], conv, rtol=0, atol=0)
+            torch.testing.assert_close(ctx.mamba_slots.ssm_states[layer], ssm, rtol=0, atol=0)
+        again = model(ctx.input_ids, ctx.position_ids, None, inference_context=ctx)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    for layer, conv in after.items():
+        torch.testing.assert_close(ctx.mamba_slots.conv_states[layer], conv, rtol=0, atol=0)
+    assert _context(build_hybrid("*-")).snapshot_decode_states() is None  # no Mamba layer: nothing to restore
+
+
 def test_mamba_memory_comes_out_of_the_buffer(model):
-    """Without mamba_memory_ratio the slots of max_requests requests are taken first; with it the ratio caps
-    max_requests; a buffer too small for them is refused by name."""
+    """Without mamba_memory_ratio the slots of max_requests requests (and the scratch slot) are taken first; with it
+    the ratio caps max_requests; a buffer too small for them is refused by name."""
     per_request = MambaStateSlots.bytes_per_request(MambaInferenceStateConfig.from_model(model))
     assert per_request == 2 * (64 * 4 + 4 * 8 * 8) * 4
-    ctx = _context(model, buffer_size_gb=(4 * per_request + 10 * 256) / 1024**3)
+    ctx = _context(model, buffer_size_gb=(5 * per_request + 10 * 256) / 1024**3)
     assert ctx.max_requests == 4 and ctx.total_block_count == 10
-    ctx = _context(model, buffer_size_gb=(10 * per_request) / 1024**3, mamba_memory_ratio=0.25, max_requests=8)
-    assert ctx.max_requests == 2 and ctx.mamba_slots.max_requests == 2
+    ctx = _context(model, buffer_size_gb=(20 * per_request) / 1024**3, mamba_memory_ratio=0.25, max_requests=8)
+    assert ctx.max_requests == 4 and ctx.mamba_slots.max_requests == 4
     with pytest.raises(ValueError, match="cannot hold the Mamba states of max_requests"):
         _context(model, buffer_size_gb=(4 * per_request) / 1024**3)
     with pytest.raises(ValueError, match=r"mamba_memory_ratio \(1.5\)"):
@@ -156,12 +212,10 @@ def test_mamba_memory_comes_out_of_the_buffer(model):
 
 
 def test_refusals(model):
-    """Prefix caching and CUDA-graph decode are refused for hybrid models with the reason; a hybrid model under
-    a context without the Mamba config, or under the static context, fails by name."""
+    """Prefix caching is refused for hybrid models with the reason; a hybrid model under a context without the
+    Mamba config, or under the static context, fails by name."""
     with pytest.raises(ValueError, match="enable_prefix_caching=True cannot serve a hybrid model.*not per KV block"):
         _context(model, enable_prefix_caching=True)
-    with pytest.raises(ValueError, match="num_cuda_graphs=2: CUDA-graph decode is not supported for hybrid"):
-        _context(model, num_cuda_graphs=2)
     with pytest.raises(ValueError, match=r"prefix_caching_mamba_gb \(1.0\) must be None"):
         InferenceConfig(prefix_caching_mamba_gb=1.0)
     plain = DynamicInferenceContext(model.config, InferenceConfig(block_size_tokens=4, buffer_size_gb=0.01,
@@ -177,17 +231,28 @@ def test_refusals(model):
 
 
 @pytest.mark.gpu
-def test_engine_greedy_equals_plain_loop_on_cuda():
-    """fp32 on CUDA (the paged decode kernel for attention, the compiled conv and Triton scan in the plain
-    loop's forward): token-for-token equal to the plain loop, with waiting requests and chunked prefill."""
+@pytest.mark.parametrize("mode", ["eager", "graphs", "graphs_async", "graphs_compiled"])
+def test_engine_greedy_equals_plain_loop_on_cuda(mode):
+    """fp32 on CUDA (the paged decode kernel for attention, the compiled conv and Triton scan in the plain loop's
+    forward), without and with CUDA-graph decode (padding rows on the scratch slot; overlapped scheduling; the
+    compiled captured forward): token-for-token equal to the plain loop, with waiting requests and chunked prefill."""
     model = build_hybrid("M*M-M*", chunk_size=4).cuda()
     batch = prompts([3, 9, 5, 14, 7, 2, 11, 20], seed=9)
-    expected = [plain_greedy(model, p, 10) for p in batch]
-    engine = hybrid_engine(model, max_requests=3, max_tokens=12, enable_chunked_prefill=True)
+    lengths = [10, 4, 10, 7, 10, 3, 10, 10]
+    expected = [plain_greedy(model, p, n) for p, n in zip(batch, lengths)]
+    graphs = {"eager": {}, "graphs": dict(num_cuda_graphs=4),
+              "graphs_async": dict(num_cuda_graphs=4, async_sched_mode="async"),
+              "graphs_compiled": dict(num_cuda_graphs=4, compile_decode_graphs=True)}[mode]
+    engine = hybrid_engine(model, max_requests=4, max_tokens=12, enable_chunked_prefill=True, **graphs)
     assert engine.context.device.type == "cuda"
-    out = [r.merge().generated_tokens for r in engine.generate(batch, greedy_params(10))]
-    assert out == expected
-    assert engine.context.mamba_slots.free_count == 3
+    futures = [engine.add_request(i, p, greedy_params(n)) for i, (p, n) in enumerate(zip(batch, lengths))]
+    graph_steps = 0
+    while not all(f.done() for f in futures):
+        engine.step_modern()
+        graph_steps += engine.context.graph_batch_size is not None
+    assert [f.result().generated_tokens for f in futures] == expected
+    assert (graph_steps > 0) == (mode != "eager")
+    assert engine.context.mamba_slots.free_count == 4
     conv, ssm = engine.context.mamba_states_cache(1)
     assert conv.is_cuda and ssm.is_cuda and ssm.dtype == torch.float32
 

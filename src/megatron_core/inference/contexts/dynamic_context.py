@@ -25,7 +25,8 @@ already cached tokens; :meth:`commit_step` registers each prompt block once its 
 For a hybrid model (``InferenceConfig.mamba_inference_state_config``), ``mamba_slots`` (:mod:`.mamba_states`)
 gives each request a slot of Mamba convolution and SSM state per Mamba layer, taken in :meth:`add_request`
 and freed in :meth:`release_request`; :meth:`mamba_states_cache` and :meth:`mamba_step_layout` are what the
-Mamba mixers read in a step. Only the attention layers get KV buffers.
+Mamba mixers read in a step (in a padded CUDA-graph decode step, a fixed-address slot index per graph batch size
+whose padding rows name a scratch slot). Only the attention layers get KV buffers.
 
 With the model's ``moe_enable_routing_replay``, ``moe_routing_metadata`` (:mod:`.routing_metadata`) keeps
 the experts each fed token was routed to, per KV slot.
@@ -33,6 +34,7 @@ the experts each fed token was routed to, per KV slot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -496,6 +498,9 @@ class DynamicInferenceContext(BaseInferenceContext):
         self._decode_tables, self._decode_mask, self._decode_kv_len = inputs.tables, inputs.mask, inputs.kv_len
         self._prefill_segments = []
         self._all_rows = True
+        if self.mamba_slots is not None:
+            self._mamba_decode_slots = self.mamba_slots.graph_slots(batch, [e.request_id for e in decode], device)
+            self._mamba_prefill = []
 
     def current_input_and_position_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and positions of the step, ``[1, T]`` each."""
@@ -537,6 +542,13 @@ class DynamicInferenceContext(BaseInferenceContext):
                              "InferenceConfig.mamba_inference_state_config; set it from "
                              "MambaInferenceStateConfig.from_model(model) to serve a hybrid model")
         return self.mamba_slots.states(layer_number, self.device or torch.device("cpu"))
+
+    def snapshot_decode_states(self) -> Callable[[], None] | None:
+        """Save the Mamba states of this decode step's slots; returns the function that restores them (None for
+        a model without Mamba layers). The CUDA-graph warm-up runs a step more than once: see ``DecodeGraphRunner``."""
+        if self.mamba_slots is None:
+            return None
+        return self.mamba_slots.snapshot(self._mamba_decode_slots)
 
     def mamba_step_layout(self) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """The Mamba slots of the step: the decode rows' slots ``[num_decode]`` and, per prefill chunk,

@@ -3,8 +3,9 @@
 
 A hybrid model's Mamba layers carry, for every sequence, a convolution state and an SSM state
 (shapes and dtypes from :class:`~megatron_core.inference.config.MambaInferenceStateConfig`). For each
-Mamba layer this holds two buffers of ``max_requests`` slots (``[slots, *conv_states_shape]`` and
-``[slots, *ssm_states_shape]``, allocated zeroed on the layer's first use on the activations' device).
+Mamba layer this holds two buffers of ``max_requests`` slots and one scratch slot (``[slots, *conv_states_shape]``
+and ``[slots, *ssm_states_shape]``, allocated zeroed on the layer's first use on the activations' device); the
+padding rows of a CUDA-graph decode step read and write the scratch slot, which no request owns.
 A request gets a free slot when it enters the context (its states zeroed: a fresh sequence) and gives
 it back when it leaves (finished, cancelled or evicted), so requests join and leave between steps.
 
@@ -16,6 +17,7 @@ hybrid models.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,16 +36,12 @@ def count_attention_layers(config: MambaInferenceStateConfig) -> int:
 
 
 def check_hybrid_inference_config(inference_config: InferenceConfig) -> None:
-    """Refuse what the Mamba state slots cannot serve: prefix caching and CUDA-graph decode (``ValueError``)."""
+    """Refuse what the Mamba state slots cannot serve: prefix caching (``ValueError``)."""
     if inference_config.enable_prefix_caching:
         raise ValueError("InferenceConfig.enable_prefix_caching=True cannot serve a hybrid model "
                          "(mamba_inference_state_config is set): a request's Mamba state is the state after all of its "
                          "tokens, not per KV block, so a shared prefix's blocks would leave the Mamba layers without "
                          "their state at the end of the prefix; turn prefix caching off")
-    if inference_config.num_cuda_graphs is not None:
-        raise ValueError(f"InferenceConfig.num_cuda_graphs={inference_config.num_cuda_graphs}: CUDA-graph decode is not "
-                         "supported for hybrid models (mamba_inference_state_config is set) in this library; the "
-                         "padded graph rows have no Mamba state slots. Set num_cuda_graphs=None")
 
 
 def reserve_mamba_memory(inference_config: InferenceConfig, buffer_bytes: float,
@@ -51,23 +49,23 @@ def reserve_mamba_memory(inference_config: InferenceConfig, buffer_bytes: float,
     """``(bytes left for KV blocks, max_requests)`` after the Mamba slots are taken out of ``buffer_bytes``.
 
     With ``mamba_memory_ratio`` the slots get that share of the buffer and ``max_requests`` is capped to the
-    requests it holds; otherwise they take exactly ``max_requests`` requests' worth. A buffer that leaves
-    nothing for either raises ``ValueError``.
+    requests it holds; otherwise they take exactly ``max_requests`` requests' worth. Either way one more
+    request's worth is the scratch slot. A buffer that leaves nothing for either raises ``ValueError``.
     """
     per_request = MambaStateSlots.bytes_per_request(inference_config.mamba_inference_state_config)
     ratio = inference_config.mamba_memory_ratio
     if ratio is not None:
         budget = buffer_bytes * ratio
-        fit = int(budget // per_request) if per_request else max_requests
+        fit = int(budget // per_request) - 1 if per_request else max_requests
         if fit < 1:
             raise ValueError(f"InferenceConfig.mamba_memory_ratio ({ratio}) of buffer_size_gb "
                              f"({inference_config.buffer_size_gb}) holds no request's Mamba states "
-                             f"({per_request} bytes)")
+                             f"({per_request} bytes) beside the scratch slot")
         return buffer_bytes - budget, min(max_requests, fit)
-    needed = max_requests * per_request
+    needed = (max_requests + 1) * per_request
     if needed >= buffer_bytes:
         raise ValueError(f"InferenceConfig.buffer_size_gb ({inference_config.buffer_size_gb}) cannot hold the Mamba "
-                         f"states of max_requests ({max_requests}) requests ({per_request} bytes each) and any KV "
+                         f"states of max_requests ({max_requests}) requests and the scratch slot ({per_request} bytes each) and any KV "
                          "block; raise buffer_size_gb or lower max_requests")
     return buffer_bytes - needed, max_requests
 
@@ -85,6 +83,8 @@ class MambaStateSlots:
         self.ssm_states: dict[int, torch.Tensor] = {}
         self.request_slot: dict[Any, int] = {}
         self._free = list(range(max_requests - 1, -1, -1))  # popped from the end: slot 0 first
+        self.scratch_slot = max_requests
+        self._graph_slots: dict[int, torch.Tensor] = {}
 
     @staticmethod
     def bytes_per_request(config: MambaInferenceStateConfig) -> int:
@@ -129,7 +129,8 @@ class MambaStateSlots:
         self._free = list(range(self.max_requests - 1, -1, -1))
 
     def states(self, layer_number: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(conv states [slots, *conv shape], ssm states [slots, *ssm shape])`` of one Mamba layer."""
+        """``(conv states [slots + 1, *conv shape], ssm states [slots + 1, *ssm shape])`` of one Mamba layer (the
+        last row is the scratch slot)."""
         conv = self.conv_states.get(layer_number)
         if conv is None:
             if len(self.conv_states) >= self.num_mamba_layers:
@@ -139,7 +140,29 @@ class MambaStateSlots:
                                  "the served model's?")
             cfg = self.config
             conv = self.conv_states[layer_number] = torch.zeros(
-                self.max_requests, *cfg.conv_states_shape, dtype=cfg.conv_states_dtype, device=device)
+                self.max_requests + 1, *cfg.conv_states_shape, dtype=cfg.conv_states_dtype, device=device)
             self.ssm_states[layer_number] = torch.zeros(
-                self.max_requests, *cfg.ssm_states_shape, dtype=cfg.ssm_states_dtype, device=device)
+                self.max_requests + 1, *cfg.ssm_states_shape, dtype=cfg.ssm_states_dtype, device=device)
         return conv, self.ssm_states[layer_number]
+
+    def graph_slots(self, batch: int, request_ids: list[Any], device: torch.device) -> torch.Tensor:
+        """The slots of a padded decode step of ``batch`` rows, in a tensor at a fixed address per ``batch`` (what a
+        captured CUDA graph reads): the requests' slots, then the scratch slot for the padding rows."""
+        slots = self._graph_slots.get(batch)
+        if slots is None:
+            slots = self._graph_slots[batch] = torch.full((batch,), self.scratch_slot, dtype=torch.long, device=device)
+        values = [self.request_slot[r] for r in request_ids] + [self.scratch_slot] * (batch - len(request_ids))
+        slots.copy_(torch.tensor(values, dtype=torch.long))
+        return slots
+
+    def snapshot(self, slots: torch.Tensor) -> Callable[[], None]:
+        """Copies of every layer's states at ``slots``; returns the function that writes them back."""
+        saved = [(self.conv_states[layer], self.ssm_states[layer], self.conv_states[layer][slots].clone(),
+                  self.ssm_states[layer][slots].clone()) for layer in self.conv_states]
+
+        def restore() -> None:
+            for conv, ssm, conv_rows, ssm_rows in saved:
+                conv.index_copy_(0, slots, conv_rows)
+                ssm.index_copy_(0, slots, ssm_rows)
+
+        return restore

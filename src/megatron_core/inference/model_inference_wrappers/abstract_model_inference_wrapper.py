@@ -87,7 +87,8 @@ class AbstractModelInferenceWrapper(abc.ABC):
         graph_batch = getattr(self.inference_context, "graph_batch_size", None)
         if self.pp_group is None and graph_batch is not None:
             if self.device.type == "cuda":
-                return self.decode_graphs.run(graph_batch, lambda: self._decode_forward(inference_input))
+                return self.decode_graphs.run(graph_batch, lambda: self._decode_forward(inference_input),
+                                              getattr(self.inference_context, "snapshot_decode_states", None))
             return self._decode_forward(inference_input)  # the padded layout without graphs (CPU tests)
         if self.pp_group is None:
             return self._forward(inference_input)

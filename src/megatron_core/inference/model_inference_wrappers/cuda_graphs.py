@@ -3,7 +3,8 @@
 A decode step's inputs live in the context's fixed-address tensors for its padded batch size
 (:class:`DecodeGraphInputs`). The first step of each batch size runs the model twice on a side
 stream (allocating the KV buffers and warming the kernels; it writes the same keys and values the
-replay will), then captures one forward into a graph; later steps of that size replay it. All
+replay will, and state that a forward advances, such as Mamba states, is put back after each warm-up run),
+then captures one forward into a graph; later steps of that size replay it. All
 graphs share one memory pool. Each replay's logits are valid until the next replay.
 
 The captured forward must run the code the warm-up ran. A ``torch.compile``'d forward whose guards change
@@ -31,15 +32,24 @@ class DecodeGraphRunner:
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self.pool: Any = None
 
-    def run(self, batch: int, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The logits of ``forward()`` for this padded ``batch`` (captured on first use, then replayed)."""
+    def run(self, batch: int, forward: Callable[[], torch.Tensor],
+            snapshot: Callable[[], Callable[[], None] | None] | None = None) -> torch.Tensor:
+        """The logits of ``forward()`` for this padded ``batch`` (captured on first use, then replayed).
+
+        ``snapshot``, for state a forward advances rather than overwrites (a hybrid model's Mamba states), is
+        called before the warm-up and returns a function that puts that state back: it runs after each warm-up
+        forward, so the replay starts from the state the step began with.
+        """
         entry = self.graphs.get(batch)
         if entry is None:
+            restore = snapshot() if snapshot is not None else None
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
                     forward()
+                    if restore is not None:
+                        restore()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool), torch.compiler.set_stance("fail_on_recompile"):
