@@ -329,8 +329,9 @@ class MambaMixer(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict[str, Any]:
-        """Megatron-Core's checkpoint layout: ``conv1d.weight``/``conv1d.bias`` keys and ``in_proj.weight``
-        stored as the TP-independent parts ``.z, .x, .B, .C, .dt``."""
+        """Megatron-Core's checkpoint layout: ``in_proj.weight`` stored as the TP-independent parts
+        ``.z, .x, .B, .C, .dt`` and ``conv1d.weight`` / ``conv1d.bias`` as ``.x, .B, .C`` (each TP rank's
+        conv channels are its own x, B and C rows, so unsplit they would only reload at the saving TP size)."""
         own: dict[str, Any] = {}
         self._save_to_state_dict(own, "", keep_vars=True)
         axis_map = {name: 0 for name in ("A_log", "dt_bias", "D", "conv1d_weight", "conv1d_bias")}
@@ -346,4 +347,9 @@ class MambaMixer(MegatronModule):
         weight_key = f"{prefix}in_proj.weight"
         sharded[weight_key] = _split_tensor_factory(sharded[weight_key], self._in_proj_sections(),
                                                     ["z", "x", "B", "C", "dt"], 0)
+        conv_sections = self._in_proj_sections()[1:4]
+        for param_name in ("conv1d_weight", "conv1d_bias"):
+            if f"{prefix}{param_name}" in sharded:
+                sharded[f"{prefix}{param_name}"] = _split_tensor_factory(sharded[f"{prefix}{param_name}"],
+                                                                         conv_sections, ["x", "B", "C"], 0)
         return sharded
