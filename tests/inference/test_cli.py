@@ -100,3 +100,22 @@ def test_generate_from_hybrid_checkpoint_matches_naive_decoding(tmp_path: Path):
     assert [r["prompt"] for r in records] == prompts
     assert [r["generated_tokens"] for r in records] == naive
     assert all(len(tokens) == 6 for tokens in naive)
+
+
+def test_hybrid_model_record_round_trip_and_missing_pattern():
+    """A HybridModel's model_config record rebuilds the same model (pattern, parameters); a hybrid record without
+    its hybrid_layer_pattern is refused by name."""
+    from megatron_core.inference.cli.checkpoint import model_from_record
+    from megatron_core.models.hybrid import HybridModel
+    from megatron_core.training.model_config import model_config_record, parse_model_config
+    from tests.inference.hybrid_fixture import build_hybrid
+
+    model = build_hybrid("M*M-")
+    record = parse_model_config(model_config_record([model]), "here")
+    rebuilt = model_from_record(record, "here", 1, 1)
+    assert type(rebuilt) is HybridModel and rebuilt.hybrid_layer_pattern == "M*M-"
+    shapes = [{k: getattr(v, "shape", None) for k, v in m.state_dict().items()} for m in (rebuilt, model)]
+    assert shapes[0] == shapes[1]
+    record["model"].pop("hybrid_layer_pattern")
+    with pytest.raises(ValueError, match="has no hybrid_layer_pattern"):
+        model_from_record(record, "here", 1, 1)
