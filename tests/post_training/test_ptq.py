@@ -102,3 +102,39 @@ def test_parallel_linears_quantize_exactly_like_torch_linear(recipe):
         torch.testing.assert_close(ours(test), plain(test), rtol=0, atol=0)
     for name in ("fc1", "fc2"):
         torch.testing.assert_close(getattr(ours, name).weight_quantizer.amax, getattr(plain, name).weight_quantizer.amax)
+
+
+def test_config_names_resolve_and_unknown_names_are_refused_with_the_known_ones():
+    import modelopt.torch.quantization as mtq
+
+    from megatron_core.post_training.modelopt.recipes import get_quant_config, known_recipes
+
+    config = get_quant_config("INT4_AWQ_CFG")
+    assert config == mtq.INT4_AWQ_CFG and config is not mtq.INT4_AWQ_CFG
+    assert "FP8_DEFAULT_CFG" in known_recipes()
+    with pytest.raises(ValueError, match=r"'fp8_defualt_cfg' is not one Model Optimizer knows \(did you mean "
+                                         r"FP8_DEFAULT_CFG.*known configs: .*INT4_AWQ_CFG, .*INT8_SMOOTHQUANT_CFG"):
+        get_quant_config("fp8_defualt_cfg")
+
+
+@pytest.mark.parametrize("recipe", ["FP8_DEFAULT_CFG", "INT8_SMOOTHQUANT_CFG", "INT8_DEFAULT_CFG"])
+def test_the_recipe_is_named_from_the_recorded_state(recipe):
+    import modelopt.torch.opt as mto
+
+    from megatron_core.post_training.modelopt.recipes import CUSTOM_RECIPE, recipe_of
+
+    assert recipe_of(mto.modelopt_state(quantize(build(), recipe))) == recipe  # INT8 SQ and INT8: same quant_cfg
+    custom = quantize_with(build(), {"quant_cfg": [{"quantizer_name": "*", "enable": False},
+                                                   {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 8}}],
+                                     "algorithm": "max"})
+    assert recipe_of(mto.modelopt_state(custom)) == CUSTOM_RECIPE
+    assert recipe_of(mto.modelopt_state(build())) == "none"
+
+
+def quantize_with(model, config):
+    import modelopt.torch.quantization as mtq
+
+    from tests.post_training.quant_test_utils import calibrate
+
+    return mtq.quantize(model, config, calibrate)
+

@@ -142,7 +142,12 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(recipe, tmp_path):
 
 
 def _load_errors(ckpt: str) -> list[str]:
-    from megatron_core.post_training.modelopt.checkpointing import load_modelopt_state, save_modelopt_state
+    from megatron_core.post_training.modelopt.checkpointing import (
+        check_checkpoint_recipe,
+        checkpoint_recipe,
+        load_modelopt_state,
+        save_modelopt_state,
+    )
 
     errors = []
     weights, _ = reference(None)
@@ -153,6 +158,12 @@ def _load_errors(ckpt: str) -> list[str]:
         with pytest.raises(ValueError, match="already converted"):
             load_modelopt_state(model, ckpt)
         other = quantize(build(tensor_model_parallel_size=2), "FP8_DEFAULT_CFG")  # another recipe
+        both = r"quantized with INT8_SMOOTHQUANT_CFG, but this GPTModel is quantized with FP8_DEFAULT_CFG"
+        with pytest.raises(ValueError, match=both):
+            check_checkpoint_recipe(other, ckpt)
+        with pytest.raises(ValueError, match=both):
+            load_modelopt_state(other, ckpt)
+        assert checkpoint_recipe(ckpt) == "INT8_SMOOTHQUANT_CFG"
         with pytest.raises(Exception, match=r"weight_quantizer\._amax"):
             other.load_state_dict(dist_checkpointing.load(other.sharded_state_dict(), ckpt))
         errors.append("recipe mismatch")
