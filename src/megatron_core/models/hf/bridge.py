@@ -319,6 +319,10 @@ class AutoBridge:
         """Every rule of a GPTModel parameter by its ``mcore`` key."""
         return {r.mcore: r for r in self.family.layer_rules + self.family.global_rules + self.family.mtp_rules}
 
+    def rule_for(self, model: torch.nn.Module, name: str, pg_collection: Any = None) -> tuple[WeightRule, Index]:
+        """``(rule, global layer index)`` converting parameter ``name`` of ``model`` (this rank's chunk) to HF tensors."""
+        return self._rule_for(model, name, self.rules_by_name(), pg_collection)
+
     def _check_shared_mtp_tensors(self) -> None:
         """The MTP layers' stored ``embed_tokens`` / ``shared_head.head`` must equal what the model shares."""
         assert self.reader is not None

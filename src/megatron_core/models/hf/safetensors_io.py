@@ -26,7 +26,7 @@ SINGLE_FILE = "model.safetensors"
 _DTYPE_CODES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
 }
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
@@ -197,7 +197,7 @@ class SafetensorsShardWriter:
         data = tensor.detach().to("cpu").contiguous()
         row_offset = 0 if row is None else row * data.numel() * data.element_size()
         self._file.seek(self._data_start + self._offsets[name] + row_offset)
-        self._file.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        self._file.write(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
 
     def close(self) -> None:
         """Check completeness, flush and fsync."""

@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import importlib
 from types import SimpleNamespace
+from typing import Any
 
 _INSTALL_HINT = 'pip install "megatron-core-lite[modelopt]" (or pip install "nvidia-modelopt[torch]")'
+
+
+def modelopt_hf_config_format(what: str = "exporting a quantized Hugging Face checkpoint") -> Any:
+    """Model Optimizer's ``modelopt.torch.export.convert_hf_config`` (the unified checkpoint's config format)."""
+    modelopt_modules(what)
+    return importlib.import_module("modelopt.torch.export.convert_hf_config")
 
 
 def modelopt_modules(what: str = "post-training quantization") -> SimpleNamespace:
