@@ -26,6 +26,7 @@ from megatron_core.models.gpt import GPTModel
 from megatron_core.post_training.modelopt.calibration import check_calibrated
 from megatron_core.post_training.modelopt.checkpointing import load_modelopt_state, save_modelopt_state
 from megatron_core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
+from megatron_core.post_training.modelopt.recipes import get_quant_config
 from megatron_core.transformer import TransformerConfig
 
 VOCAB, SEQ, BATCH = 128, 32, 8
@@ -77,7 +78,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="FP8_DEFAULT_CFG",
-                        choices=["FP8_DEFAULT_CFG", "INT8_SMOOTHQUANT_CFG", "INT4_AWQ_CFG", "INT8_DEFAULT_CFG"])
+                        help="a Model Optimizer config name; CPU runs FP8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG, "
+                             "INT4_AWQ_CFG, INT8_DEFAULT_CFG (an unknown name lists the known ones)")
     parser.add_argument("--train-steps", type=int, default=60)
     parser.add_argument("--calib-batches", type=int, default=4)
     parser.add_argument("--save", default=None, help="directory for a quantized checkpoint (must not exist)")
@@ -94,7 +96,7 @@ def main() -> None:
             ids, pos, _ = toy_batch(step)
             m(ids, pos, None)
 
-    mtq.quantize(model, getattr(mtq, args.recipe), forward_loop)
+    mtq.quantize(model, get_quant_config(args.recipe), forward_loop)
     check_calibrated(model)
     q_loss, q_acc, q_logits = evaluate(model, held_out)
     rel = ((q_logits - ref_logits).norm() / ref_logits.norm()).item()

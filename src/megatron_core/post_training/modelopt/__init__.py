@@ -5,7 +5,10 @@ inference; here it quantizes models built from this library's layers. :func:`reg
 registers those layers with its quantization, after which ``modelopt.torch.quantization.quantize``
 works on this library's ``GPTModel`` as it does on Megatron-Core's.
 :func:`~.gpt.model_specs.get_gpt_modelopt_spec` builds a model for it (and registers the layers),
-:mod:`.checkpointing` saves and restores a quantized model through ``dist_checkpointing``.
+:mod:`.checkpointing` saves and restores a quantized model through ``dist_checkpointing``,
+:mod:`.recipes` resolves quantization configs by name, :mod:`.calibration_loop` calibrates on this
+library's datasets, and :mod:`.hf_export` writes a quantized model as a Hugging Face checkpoint in
+Model Optimizer's unified format.
 
 Importing this package does not import Model Optimizer; :mod:`._backend` does, when a function needs it.
 """
