@@ -65,7 +65,7 @@ def test_loop_runs_the_dataset_batches_like_a_hand_written_loop(dataset, capsys)
 
 
 def test_batches_stack_samples_from_the_offset(dataset):
-    batches = calibration_batches(dataset, 2, batch_size=3, sample_offset=1)
+    batches = list(calibration_batches(dataset, 2, batch_size=3, sample_offset=1))
     assert [tuple(b["tokens"].shape) for b in batches] == [(3, SEQ), (3, SEQ)]
     torch.testing.assert_close(batches[1]["tokens"][2], dataset[6]["tokens"])
 

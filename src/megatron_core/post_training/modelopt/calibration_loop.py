@@ -14,7 +14,7 @@ to give data-parallel replicas different samples; Model Optimizer takes the maxi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,11 +41,12 @@ def build_calibration_dataset(config: GPTDatasetConfig, num_samples: int, datase
 
 
 def calibration_batches(dataset: Any, num_batches: int, batch_size: int = 1, sample_offset: int = 0,
-                        ) -> list[dict[str, torch.Tensor]]:
+                        ) -> Iterator[dict[str, torch.Tensor]]:
     """The ``num_batches`` micro-batches of ``batch_size`` samples from ``sample_offset`` on, stacked per field.
 
-    ``ValueError`` naming the numbers when ``num_batches`` or ``batch_size`` is not positive or the
-    dataset holds fewer than ``sample_offset + num_batches * batch_size`` samples.
+    The sizes are checked at once (``ValueError`` naming the numbers when ``num_batches`` or ``batch_size``
+    is not positive or the dataset holds fewer than ``sample_offset + num_batches * batch_size`` samples);
+    the samples are read as the returned iterator is consumed.
     """
     if num_batches <= 0:
         raise ValueError(f"num_batches ({num_batches}) must be positive: a calibration loop without batches "
@@ -58,29 +59,33 @@ def calibration_batches(dataset: Any, num_batches: int, batch_size: int = 1, sam
     if len(dataset) < needed:
         raise ValueError(f"the calibration dataset holds {len(dataset)} samples; {num_batches} batches of "
                          f"{batch_size} from sample {sample_offset} need {needed}")
-    batches = []
-    for b in range(num_batches):
-        start = sample_offset + b * batch_size
-        samples = [dataset[i] for i in range(start, start + batch_size)]
-        batches.append({key: torch.stack([s[key] for s in samples]) for key in samples[0]})
-    return batches
+
+    def read() -> Iterator[dict[str, torch.Tensor]]:
+        for b in range(num_batches):
+            start = sample_offset + b * batch_size
+            samples = [dataset[i] for i in range(start, start + batch_size)]
+            yield {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+    return read()
 
 
 def get_forward_loop(dataset: Any, num_batches: int, batch_size: int = 1, sample_offset: int = 0,
                      progress: bool = True) -> Callable[[torch.nn.Module], None]:
     """Model Optimizer's ``forward_loop``: ``model(tokens, position_ids, attention_mask)`` on each calibration batch.
 
-    The batches are read once, here (so bad arguments fail before quantizing); the loop may run several
-    times (AWQ runs it twice). Forwards run without gradients, on the device of the model's first
-    parameter. ``progress`` shows a bar on rank 0's terminal (plain lines when not a terminal).
+    The sizes are checked here (so bad arguments fail before quantizing); each run of the loop reads
+    its batches from the dataset again (AWQ runs it twice), one at a time. Forwards run without
+    gradients, on the device of the model's first parameter. ``progress`` shows a bar on rank 0's
+    terminal (plain lines when not a terminal).
     """
-    batches = calibration_batches(dataset, num_batches, batch_size, sample_offset)
+    calibration_batches(dataset, num_batches, batch_size, sample_offset)  # check the sizes now
     show = progress and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
 
     def forward_loop(model: torch.nn.Module) -> None:
         device = next(model.parameters()).device
         with torch.no_grad():
-            for batch in track(batches, len(batches), "calibrating", unit="batch", enabled=show, lines=4):
+            batches = calibration_batches(dataset, num_batches, batch_size, sample_offset)
+            for batch in track(batches, num_batches, "calibrating", unit="batch", enabled=show, lines=4):
                 mask = batch.get("attention_mask")
                 model(batch["tokens"].to(device), batch["position_ids"].to(device),
                       None if mask is None else mask.to(device))

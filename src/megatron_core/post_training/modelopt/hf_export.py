@@ -52,11 +52,11 @@ def _quantized_linears(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.M
             yield name, module
 
 
-def _scale(quantizer: Any) -> float | None:
+def _scale(quantizer: Any, name: str) -> float | None:
     if not quantizer.is_enabled or quantizer.amax is None:
         return None
     if quantizer.amax.numel() != 1:
-        raise ValueError(f"only per-tensor scales can be exported as FP8; a quantizer has {quantizer.amax.numel()}")
+        raise ValueError(f"{name}: {quantizer.amax.numel()} scales; only per-tensor scales are exported as FP8")
     return float(quantizer.amax.float()) / _FP8_MAX
 
 
@@ -68,7 +68,8 @@ def _hf_scales(bridge: Any, chunks: list[torch.nn.Module], pg_collection: Any) -
             if name.endswith("output_layer"):
                 continue
             rule, layer = bridge.rule_for(chunk, f"{name}.weight", pg_collection)
-            scales = (_scale(module.weight_quantizer), _scale(module.input_quantizer))
+            scales = (_scale(module.weight_quantizer, f"{name}.weight_quantizer"),
+                      _scale(module.input_quantizer, f"{name}.input_quantizer"))
             for hf_name in rule.hf_names(layer):
                 out[hf_name] = scales
     return out
