@@ -136,3 +136,26 @@ def test_unquantized_and_unsupported_models_are_refused(llama_dir, tmp_path):
                                          "FP8_DEFAULT_CFG"):
         export_quantized_hf(bridge, model, tmp_path / "b")
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
+def test_a_failed_rewrite_publishes_nothing_and_keeps_an_earlier_export(exported, llama_dir, tmp_path, monkeypatch):
+    from megatron_core.post_training.modelopt import hf_export
+
+    bridge, model, _, out = exported
+    target = tmp_path / "fp8"
+    hf_export.export_quantized_hf(bridge, model, target)
+    before = sorted(os.listdir(target))
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full while writing hf_quant_config.json")
+
+    monkeypatch.setattr(hf_export, "_write_quant_config", broken)
+    with pytest.raises(Exception, match="disk full"):
+        hf_export.export_quantized_hf(bridge, model, target, overwrite=True)
+    with pytest.raises(Exception, match="disk full"):
+        hf_export.export_quantized_hf(bridge, model, tmp_path / "fresh")
+    assert not os.path.exists(tmp_path / "fresh")
+    assert sorted(os.listdir(target)) == before  # the earlier export is untouched
+    assert sorted(os.listdir(tmp_path)) == ["fp8"]  # no temporary directory left behind
+    monkeypatch.undo()
+    hf_export.export_quantized_hf(bridge, model, target, overwrite=True)  # an export may replace an export

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -376,12 +377,14 @@ class AutoBridge:
     # ---- Hugging Face side --------------------------------------------------------------------------------
     def save_hf_pretrained(self, model: torch.nn.Module | list[torch.nn.Module], path: str | os.PathLike, *,
                            max_shard_size: int | str = "5GB", overwrite: bool = False, progress: bool = False,
-                           pg_collection: Any = None) -> None:
-        """Write the (possibly TP/PP-sharded) model as an HF directory; collective over every rank."""
+                           pg_collection: Any = None, finalize: Callable[[str], None] | None = None) -> None:
+        """Write the (possibly TP/PP-sharded) model as an HF directory; collective over every rank.
+
+        ``finalize(directory)`` runs on rank 0 over the finished temporary directory before it is published."""
         from megatron_core.models.hf.export import export_model
 
         export_model(self, model, os.fspath(path), max_shard_size=max_shard_size, overwrite=overwrite,
-                     progress=progress, pg_collection=pg_collection)
+                     progress=progress, pg_collection=pg_collection, finalize=finalize)
 
     def hf_config_for_export(self, dtype: torch.dtype | None) -> dict:
         """config.json for an export in ``dtype``."""

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,8 +68,10 @@ def parse_size(size: int | str) -> int:
 class HFDirectoryWriter:
     """Streams safetensors shards into a temporary directory and publishes it atomically; collective."""
 
-    def __init__(self, bridge: Any, path: str, overwrite: bool, max_shard_size: int | str) -> None:
+    def __init__(self, bridge: Any, path: str, overwrite: bool, max_shard_size: int | str,
+                 finalize: Callable[[str], None] | None = None) -> None:
         self.bridge, self.path, self.overwrite = bridge, os.path.abspath(path), overwrite
+        self.finalize = finalize
         self.max_shard_bytes = parse_size(max_shard_size)
         self.rank = collectives.get_rank()
         refusal = collectives.broadcast_object(target_refusal(self.path, overwrite) if self.rank == 0 else None, 0)
@@ -152,6 +155,8 @@ class HFDirectoryWriter:
             source = os.path.join(self.bridge.directory, name)
             if os.path.isfile(source):
                 shutil.copyfile(source, os.path.join(self.tmp, name))
+        if self.finalize is not None:  # e.g. the quantized export's rewrite, done before anything is published
+            self.finalize(self.tmp)
         refusal = target_refusal(self.path, self.overwrite)  # again: something may have appeared meanwhile
         if refusal is not None:
             raise HFConversionError(refusal)
@@ -169,6 +174,7 @@ class HFDirectoryWriter:
             shutil.rmtree(old, ignore_errors=True)
 
 
+QUANT_CONFIG_FILE = "hf_quant_config.json"  # Model Optimizer's unified format (post_training.modelopt.hf_export)
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -177,7 +183,8 @@ def written_by_export(directory: str, name: str) -> bool:
     path = os.path.join(directory, name)
     if os.path.islink(path) or not os.path.isfile(path):
         return False
-    return name in (SINGLE_FILE, INDEX_FILE, "config.json", *TOKENIZER_FILES) or bool(_SHARD_NAME.fullmatch(name))
+    return (name in (SINGLE_FILE, INDEX_FILE, "config.json", QUANT_CONFIG_FILE, *TOKENIZER_FILES)
+            or bool(_SHARD_NAME.fullmatch(name)))
 
 
 def target_refusal(path: str, overwrite: bool) -> str | None:
@@ -220,8 +227,12 @@ def _gather(param: torch.Tensor, tp_rank: int, tp_size: int, group: Any) -> list
 
 
 def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], path: str, *,
-                 max_shard_size: int | str, overwrite: bool, progress: bool, pg_collection: Any = None) -> None:
-    """Write ``model`` (this rank's chunks) as an HF directory at ``path``; every rank must call it."""
+                 max_shard_size: int | str, overwrite: bool, progress: bool, pg_collection: Any = None,
+                 finalize: Callable[[str], None] | None = None) -> None:
+    """Write ``model`` (this rank's chunks) as an HF directory at ``path``; every rank must call it.
+
+    ``finalize(directory)``, if given, runs on rank 0 over the complete temporary directory just before it is
+    published: a failure there publishes nothing."""
     chunks = [unwrap(c) for c in (model if isinstance(model, (list, tuple)) else [model])]
     # Dense weights are written from data-parallel rank 0, routed experts from expert-data-parallel rank 0
     # (each expert-parallel rank writes its own experts); TP shards are gathered to (expert-)TP rank 0.
@@ -259,7 +270,7 @@ def export_model(bridge: Any, model: torch.nn.Module | list[torch.nn.Module], pa
             for name, shape in expected_hf_shape(rule, mcore_shape(rule.mcore, bridge.family, vocab)).items():
                 local.append((fmt(name, layer), shape, dtype_of(rule, layer)))
     local = list({entry[0]: entry for entry in local}.values())  # a stacked tensor once, for all its rows
-    writer = HFDirectoryWriter(bridge, path, overwrite, max_shard_size)
+    writer = HFDirectoryWriter(bridge, path, overwrite, max_shard_size, finalize)
     writer.plan(local)
     error: BaseException | None = None
     show = progress and dense[0] == 0 and dp_rank == 0

@@ -12,7 +12,8 @@ bridge exports works the same:
 1. the bridge exports the model with each quantized linear's weight replaced by its fake-quantized
    value (what the quantized model multiplies by), TP shards gathered as usual;
 2. rank 0 rewrites each such HF tensor as FP8 codes (``weight / weight_scale``, exact: the fake-quantized
-   value is an FP8 code times the scale) plus its scales, and writes the quantization config.
+   value is an FP8 code times the scale) plus its scales, and writes the quantization config, inside the
+   bridge's temporary directory before it is published: a failure leaves nothing at the target.
 
 A fused Megatron weight (``linear_qkv``, a gated ``linear_fc1``) has one scale, which its HF parts (q, k, v;
 gate, up) share, as Model Optimizer's own export makes fused HF projections share one.
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from megatron_core.dist_checkpointing import collectives
+from megatron_core.models.hf.export import QUANT_CONFIG_FILE
 from megatron_core.models.hf.model_view import unwrap
 from megatron_core.models.hf.safetensors_io import INDEX_FILE, HFCheckpointReader, SafetensorsShardWriter
 from megatron_core.post_training.modelopt._backend import modelopt_hf_config_format, modelopt_modules
@@ -38,7 +40,7 @@ from megatron_core.post_training.modelopt.recipes import recipe_of
 
 __all__ = ["HF_QUANT_CONFIG", "SUPPORTED_EXPORT_RECIPES", "export_quantized_hf"]
 
-HF_QUANT_CONFIG = "hf_quant_config.json"
+HF_QUANT_CONFIG = QUANT_CONFIG_FILE
 # recipe -> Model Optimizer's quant_algo in hf_quant_config.json
 SUPPORTED_EXPORT_RECIPES = {"FP8_DEFAULT_CFG": "FP8"}
 _FP8_MAX = 448.0  # largest E4M3 value: Model Optimizer's scale is amax / 448
@@ -113,24 +115,17 @@ def export_quantized_hf(bridge: Any, model: torch.nn.Module | list[torch.nn.Modu
     """
     chunks = [unwrap(c) for c in (model if isinstance(model, (list, tuple)) else [model])]
     recipe = _check_recipe(chunks)
-    scales = _hf_scales(bridge, chunks, pg_collection)
+    merged: dict[str, tuple[float, float | None]] = {}
+    for part in collectives.all_gather_object(_hf_scales(bridge, chunks, pg_collection)):
+        merged.update(part)
+
+    def rewrite(directory: str) -> None:  # rank 0, inside the bridge's temporary directory: published only if it works
+        _rewrite_as_fp8(directory, merged)
+        _write_quant_config(directory, SUPPORTED_EXPORT_RECIPES[recipe], modelopt_modules().version, merged)
+
     with _fake_quantized_weights(chunks):
         bridge.save_hf_pretrained(chunks, path, max_shard_size=max_shard_size, overwrite=overwrite,
-                                  progress=progress, pg_collection=pg_collection)
-    merged: dict[str, tuple[float, float | None]] = {}
-    for part in collectives.all_gather_object(scales):
-        merged.update(part)
-    error = None
-    if collectives.get_rank() == 0:
-        try:
-            _rewrite_as_fp8(os.fspath(path), merged)
-            _write_quant_config(os.fspath(path), SUPPORTED_EXPORT_RECIPES[recipe],
-                                modelopt_modules().version, merged)
-        except Exception as e:  # noqa: BLE001 - sent to every rank below
-            error = f"{type(e).__name__}: {e}"
-    error = collectives.broadcast_object(error, 0)
-    if error is not None:
-        raise RuntimeError(f"writing the quantized tensors of {path} failed: {error}")
+                                  progress=progress, pg_collection=pg_collection, finalize=rewrite)
 
 
 def _rewrite_as_fp8(path: str, scales: dict[str, tuple[float, float | None]]) -> None:
