@@ -17,6 +17,7 @@ on static batches of the same sizes (``--hf-batches`` batches per size; its toke
 
     PYTHONPATH=src python3 benchmarks/inference_throughput.py                 # GPU: the full comparison
     PYTHONPATH=src python3 benchmarks/inference_throughput.py --tiny          # CPU smoke test
+    PYTHONPATH=src python3 benchmarks/inference_throughput.py --hybrid --no-eager   # a Nemotron-H-shaped HybridModel
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ import torch.nn.functional as F
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
+from megatron_core.activations import squared_relu
 from megatron_core.inference.apis import MegatronLLM
-from megatron_core.inference.config import InferenceConfig
+from megatron_core.inference.config import InferenceConfig, MambaInferenceStateConfig
 from megatron_core.inference.sampling_params import SamplingParams
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_core.models.hybrid import HybridModel
+from megatron_core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron_core.transformer import TransformerConfig
 
 
@@ -72,12 +76,21 @@ def parse_args() -> argparse.Namespace:
                    help="InferenceConfig.enable_prefix_caching with this eviction policy")
     p.add_argument("--no-overlap", action="store_true",
                    help="step one at a time (InferenceConfig.async_sched_mode='legacy'; default 'async')")
+    p.add_argument("--hybrid", action="store_true",
+                   help="serve a Nemotron-H-shaped HybridModel of about the same size instead of the GPT "
+                        "(pattern --pattern, Mamba-2 64x64 heads, 8 groups, state 128; GQA 16/8 heads of 128; "
+                        "squared-ReLU FFN 8192); the floor adds each request's Mamba states, read and written once")
+    p.add_argument("--pattern", default="M-M-M-M*-M-M-M-M*-M-M-M-M-", help="--hybrid: the layer pattern")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32")
     args = p.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.heads, args.query_groups, args.ffn, args.vocab = 2, 64, 4, 2, 128, 256
         args.requests, args.requests_at_1, args.prompt_len, args.gen_len = 8, 2, 16, 8
         args.concurrency, args.block_size, args.max_tokens = [1, 4], 8, 256
+        args.pattern = "M*M-"
+    if args.hybrid:  # the Nemotron-H-shaped layout; --layers/--heads/--query-groups/--ffn describe it from here on
+        args.layers, args.no_hf = len(args.pattern), True  # HF's NemotronH decodes on its PyTorch path: no baseline
+        args.heads, args.query_groups, args.ffn = (4, 2, 128) if args.tiny else (16, 8, 8192)
     return args
 
 
@@ -93,6 +106,34 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype, dev: torch.device)
     model = GPTModel(config, get_gpt_layer_local_spec(), args.vocab, max_len, position_embedding_type="rope",
                      rotary_base=10000).to(device=dev, dtype=dtype)
     return model.eval()
+
+
+def build_hybrid_model(args: argparse.Namespace, dtype: torch.dtype, dev: torch.device) -> HybridModel:
+    """The Nemotron-H-shaped HybridModel of ``--hybrid`` (no position embedding, as Nemotron-H)."""
+    mamba = dict(mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_num_heads=8) if args.tiny else \
+        dict(mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8, mamba_num_heads=64)
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_query_groups=args.query_groups, kv_channels=16 if args.tiny else 128, ffn_hidden_size=args.ffn,
+        activation_func=squared_relu, gated_linear_unit=False, normalization="RMSNorm", layernorm_epsilon=1e-5,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, use_cpu_initialization=dev.type == "cpu", **mamba,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = HybridModel(config, hybrid_stack_spec, args.vocab, args.prompt_len + args.gen_len + 8,
+                        hybrid_layer_pattern=args.pattern, position_embedding_type="none")
+    return model.to(device=dev, dtype=dtype).eval()
+
+
+def mamba_state_bytes_per_request(model: torch.nn.Module) -> int:
+    """Bytes of one request's convolution and SSM states over all Mamba layers (0 for a GPT)."""
+    config = MambaInferenceStateConfig.from_model(model)
+    if config is None:
+        return 0
+    per_layer = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                    for shape, dtype in ((config.conv_states_shape, config.conv_states_dtype),
+                                         (config.ssm_states_shape, config.ssm_states_dtype)))
+    return per_layer * sum(1 for t in config.layer_type_list if t == "M")
 
 
 def copy_bandwidth(dev: torch.device) -> float:
@@ -221,10 +262,15 @@ def main() -> None:
     print(f"config: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.query_groups} groups, "
           f"ffn {args.ffn}, vocab {args.vocab}; prompt {args.prompt_len}, generate {args.gen_len}")
     torch.manual_seed(0)
-    model = build_model(args, dtype, dev)
+    model = build_hybrid_model(args, dtype, dev) if args.hybrid else build_model(args, dtype, dev)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes_per_token = 2 * args.layers * args.query_groups * (args.hidden // args.heads) * torch.empty(
+    attention_layers = args.pattern.count("*") if args.hybrid else args.layers
+    kv_bytes_per_token = 2 * attention_layers * args.query_groups * model.config.kv_channels * torch.empty(
         (), dtype=dtype).element_size()
+    state_bytes = mamba_state_bytes_per_request(model)
+    if state_bytes:
+        print(f"hybrid {args.pattern}: {weight_bytes / 1e9:.3f} GB of weights, Mamba states {state_bytes / 1e6:.1f} MB "
+              "per request (read and written once per decode step in the floor)")
     bandwidth = copy_bandwidth(dev)
     print(f"weights {weight_bytes / 1e9:.3f} GB, KV {kv_bytes_per_token} B/token, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
@@ -240,7 +286,7 @@ def main() -> None:
             except Exception as error:  # report and go on: one failing variant must not lose the run
                 print(f"megatron_core {variant} c={c}: FAILED {type(error).__name__}: {error}", flush=True)
                 continue
-            floor = (weight_bytes + ours["live_tokens"] * kv_bytes_per_token) / bandwidth
+            floor = (weight_bytes + ours["live_tokens"] * kv_bytes_per_token + 2 * c * state_bytes) / bandwidth
             rows.append((variant, c, ours, floor))
             print(f"megatron_core {variant:14s} c={c:3d}  {n} requests: {ours['tokens_per_s']:9.1f} out tok/s  "
                   f"TTFT median {ours['ttft_median'] * 1e3:8.1f} ms (p90 {ours['ttft_p90'] * 1e3:8.1f})  "
