@@ -75,6 +75,13 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
 
 
+def our_logits(model: torch.nn.Module) -> torch.Tensor:
+    """Logits (fp32) of our ``model`` on :func:`batch`, without gradients."""
+    ids, pos = batch()
+    with torch.no_grad():
+        return model(ids, pos, None).float()
+
+
 def hf_logits(path: str | os.PathLike) -> torch.Tensor:
     """Logits of the HF model saved at ``path`` (loaded back with ``from_pretrained``) on :func:`batch`."""
     import transformers

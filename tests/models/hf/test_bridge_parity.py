@@ -16,7 +16,14 @@ import torch
 
 from tests.dist_harness import run_on_ranks
 from tests.models.hf import dist_checks
-from tests.models.hf.hf_models import FAMILIES, assert_same_tensors, batch, hf_logits, make_hf_model
+from tests.models.hf.hf_models import (
+    FAMILIES,
+    assert_same_tensors,
+    batch,
+    hf_logits,
+    make_hf_model,
+    our_logits,
+)
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -35,12 +42,6 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _ours(model: torch.nn.Module) -> torch.Tensor:
-    ids, pos = batch()
-    with torch.no_grad():
-        return model(ids, pos, None).float()
-
-
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_import_tp1_export_and_train(kind: str, hf_dirs: dict, tmp_path) -> None:
     src = hf_dirs[kind]
@@ -48,7 +49,7 @@ def test_import_tp1_export_and_train(kind: str, hf_dirs: dict, tmp_path) -> None
     bridge = AutoBridge.from_hf_pretrained(src)
     (model,) = bridge.to_megatron_model()
     model.eval()
-    torch.testing.assert_close(_ours(model), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(our_logits(model), expected, rtol=1e-4, atol=1e-4)
 
     bridge.save_hf_pretrained(model, tmp_path / "export")
     assert_same_tensors(src, tmp_path / "export")
@@ -62,7 +63,7 @@ def test_import_tp1_export_and_train(kind: str, hf_dirs: dict, tmp_path) -> None
         model(ids, pos, None, labels=torch.roll(ids, -1, dims=1)).mean().backward()
         optimizer.step()
     model.eval()
-    trained = _ours(model)
+    trained = our_logits(model)
     assert (trained - expected).abs().max() > 1e-3  # training changed the model
     bridge.save_hf_pretrained(model, tmp_path / "trained")
     torch.testing.assert_close(hf_logits(tmp_path / "trained"), trained, rtol=1e-4, atol=1e-4)

@@ -16,7 +16,7 @@ import torch
 
 from tests.dist_harness import run_on_ranks
 from tests.models.hf import dist_checks
-from tests.models.hf.hf_models import assert_same_tensors, batch, hf_logits, safetensors_tensors
+from tests.models.hf.hf_models import assert_same_tensors, batch, hf_logits, our_logits, safetensors_tensors
 from tests.models.hf.hybrid_models import HYBRID_KINDS, make_hybrid_model
 
 pytest.importorskip("transformers")
@@ -37,12 +37,6 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _ours(model: torch.nn.Module) -> torch.Tensor:
-    ids, pos = batch()
-    with torch.no_grad():
-        return model(ids, pos, None).float()
-
-
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
 def test_import_tp1_export_and_train(kind: str, hf_dirs: dict, tmp_path) -> None:
     src = hf_dirs[kind]
@@ -57,7 +51,7 @@ def test_import_tp1_export_and_train(kind: str, hf_dirs: dict, tmp_path) -> None
         if hasattr(layer, "mixer"):
             assert (layer.mixer.d_conv, layer.mixer.chunk_size) == (cfg["conv_kernel"], cfg["chunk_size"])
     model.eval()
-    torch.testing.assert_close(_ours(model), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(our_logits(model), expected, rtol=1e-4, atol=1e-4)
 
     bridge.save_hf_pretrained(model, tmp_path / "export")
     assert_same_tensors(src, tmp_path / "export")
@@ -71,7 +65,7 @@ def test_import_tp1_export_and_train(kind: str, hf_dirs: dict, tmp_path) -> None
         model(ids, pos, None, labels=torch.roll(ids, -1, dims=1)).mean().backward()
         optimizer.step()
     model.eval()
-    trained = _ours(model)
+    trained = our_logits(model)
     assert (trained - expected).abs().max() > 1e-3  # training changed the model
     bridge.save_hf_pretrained(model, tmp_path / "trained")
     torch.testing.assert_close(hf_logits(tmp_path / "trained"), trained, rtol=1e-4, atol=1e-4)
@@ -115,7 +109,7 @@ def test_in_memory_model_prefix_round_trips(hf_dirs: dict, tmp_path) -> None:
     (src / "config.json").write_text(open(os.path.join(hf_dirs["nemotron_h"], "config.json")).read())
     bridge = AutoBridge.from_hf_pretrained(src)
     (model,) = bridge.to_megatron_model()
-    torch.testing.assert_close(_ours(model.eval()), hf_logits(hf_dirs["nemotron_h"]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(our_logits(model.eval()), hf_logits(hf_dirs["nemotron_h"]), rtol=1e-4, atol=1e-4)
     bridge.save_hf_pretrained(model, tmp_path / "out")
     assert_same_tensors(src, tmp_path / "out")
 
@@ -239,7 +233,7 @@ def test_legacy_nemotron_h_config_fields(hf_dirs: dict, tmp_path) -> None:
     bridge = AutoBridge.from_hf_pretrained(tmp_path)
     assert bridge.family.hybrid_pattern == "M*M-"
     (model,) = bridge.to_megatron_model()
-    torch.testing.assert_close(_ours(model.eval()), hf_logits(src), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(our_logits(model.eval()), hf_logits(src), rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_round_trip_keeps_every_dtype(tmp_path) -> None:
