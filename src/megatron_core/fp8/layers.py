@@ -1,9 +1,11 @@
-"""FP8 (torchao) versions of the tensor-parallel linear layers, and the conversion of a model to them.
+"""FP8 versions of the tensor-parallel linear layers, and the conversion of a model to them.
 
 :class:`Float8ColumnParallelLinear` and :class:`Float8RowParallelLinear` keep their parents'
 parameters, state-dict keys and tensor-parallel layout (sequence parallelism included); only the
-GEMM changes: its input, weight and output gradient are cast to float8 by torchao's autograd op,
-and the tensor-parallel communication is done by the usual mapping functions around it.
+GEMM changes: its input, weight and output gradient are cast to float8, by torchao's autograd op
+(``fp8_recipe='tensorwise'``/``'rowwise'``) or by :mod:`megatron_core.fp8.delayed_linear`
+(``'delayed'``, whose scaling state is the layer's ``_extra_state``), and the tensor-parallel
+communication is done by the usual mapping functions around it.
 
 :func:`convert_to_float8` switches the linear layers inside every ``TransformerLayer`` of a model
 (QKV, attention projection, MLP fc1/fc2, and the MoE experts' grouped fc1/fc2, see
@@ -17,6 +19,13 @@ from typing import Any
 
 import torch
 
+from megatron_core.fp8.delayed_linear import delayed_float8_matmul
+from megatron_core.fp8.delayed_scaling import (
+    DelayedScalingRecipe,
+    init_state,
+    pack_extra_state,
+    unpack_extra_state,
+)
 from megatron_core.fp8.grouped_layers import GROUPED_FP8_CLASSES
 from megatron_core.fp8.torchao_backend import (
     check_fp8_config,
@@ -36,11 +45,33 @@ from megatron_core.tensor_parallel.mappings import (
 FP8_DIM_MULTIPLE = 16
 
 
-class Float8ColumnParallelLinear(ColumnParallelLinear):
-    """``ColumnParallelLinear`` whose GEMM runs in float8 (made by :func:`convert_to_float8`)."""
+class _Float8GemmMixin:
+    """The float8 GEMM and the ``_extra_state`` (delayed-scaling state, else None) of a converted layer."""
 
     float8_config: Any = None
     float8_mm_config: Any = None
+    float8_emulate: bool = False
+
+    def float8_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` in float8 (delayed scales if the layer has a delayed-scaling state, else torchao)."""
+        if getattr(self, "float8_recipe", None) is not None:
+            return delayed_float8_matmul(x, weight, self, emulate=self.float8_emulate)
+        return float8_matmul(x, weight, self.float8_config, self.float8_mm_config)
+
+    def get_extra_state(self) -> dict | None:
+        """The delayed-scaling state (amax histories and scales) to checkpoint; None for torchao recipes."""
+        if getattr(self, "float8_recipe", None) is None:
+            return None
+        return pack_extra_state(self)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Load the delayed-scaling state (``None``, from a high-precision checkpoint, keeps the fresh one)."""
+        if getattr(self, "float8_recipe", None) is not None:
+            unpack_extra_state(self, state)
+
+
+class Float8ColumnParallelLinear(_Float8GemmMixin, ColumnParallelLinear):
+    """``ColumnParallelLinear`` whose GEMM runs in float8 (made by :func:`convert_to_float8`)."""
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None):
@@ -54,7 +85,7 @@ class Float8ColumnParallelLinear(ColumnParallelLinear):
             total_input = gather_from_sequence_parallel_region(input_, group=self.tp_group)
         else:
             total_input = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output = float8_matmul(total_input, weight, self.float8_config, self.float8_mm_config)
+        output = self.float8_gemm(total_input, weight)
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias.to(output.dtype)
         gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -65,11 +96,8 @@ class Float8ColumnParallelLinear(ColumnParallelLinear):
         return output, (self.bias if self.skip_bias_add else None)
 
 
-class Float8RowParallelLinear(RowParallelLinear):
+class Float8RowParallelLinear(_Float8GemmMixin, RowParallelLinear):
     """``RowParallelLinear`` whose GEMM runs in float8 (made by :func:`convert_to_float8`)."""
-
-    float8_config: Any = None
-    float8_mm_config: Any = None
 
     def forward(self, input_: torch.Tensor):
         """``(output, bias)`` as the parent's, computed with a float8 GEMM."""
@@ -77,7 +105,7 @@ class Float8RowParallelLinear(RowParallelLinear):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = float8_matmul(input_parallel, self.weight, self.float8_config, self.float8_mm_config)
+        output_parallel = self.float8_gemm(input_parallel, self.weight)
         return self._reduce_output(output_parallel)
 
 
@@ -94,13 +122,16 @@ def _bf16_layer(config: Any, layer_number: int) -> bool:
 def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool = False) -> list[str]:
     """Switch the linear layers of ``model``'s transformer layers to float8 GEMMs; return their names.
 
-    ``config`` defaults to ``model.config`` and must set ``fp8`` (see
-    :mod:`megatron_core.fp8.torchao_backend` for the recipes). The model must be on a GPU with FP8
-    tensor cores unless ``emulate`` (torchao's fp32 emulation, for tests on CPU). Every converted
-    weight needs both dimensions (per TP rank) to be multiples of 16. The MoE experts' grouped GEMMs use
-    row-wise e4m3 scales whatever ``fp8_recipe`` says (the only FP8 grouped recipe). Call before wrapping the
-    model in DDP/FSDP and before building the optimizer; nothing else changes (parameters,
-    checkpoints and state-dict keys are those of the high-precision model).
+    ``config`` defaults to ``model.config`` and must set ``fp8``. ``fp8_recipe='tensorwise'`` or
+    ``'rowwise'`` use torchao (:mod:`megatron_core.fp8.torchao_backend`); ``'delayed'`` (Megatron-Core's
+    default) uses this library's delayed-scaling GEMM (:mod:`megatron_core.fp8.delayed_linear`; no torchao
+    needed for the dense layers), each converted layer getting its own amax histories and scales. The
+    model must be on a GPU with FP8 tensor cores unless ``emulate`` (fp32 emulation of the float8
+    rounding, for tests on CPU). Every converted weight needs both dimensions (per TP rank) to be
+    multiples of 16. The MoE experts' grouped GEMMs use row-wise e4m3 scales whatever ``fp8_recipe`` says
+    (the only FP8 grouped recipe). Call before wrapping the model in DDP/FSDP and before building the
+    optimizer; parameters and state-dict keys are those of the high-precision model (with ``'delayed'``
+    the layers' ``_extra_state`` entries carry the scaling state).
     """
     from megatron_core.transformer.transformer_layer import TransformerLayer
 
@@ -109,7 +140,7 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
         raise ValueError("convert_to_float8 needs a config with fp8 set ('e4m3' or 'hybrid')")
     check_fp8_config(config)
     if getattr(config, "gradient_accumulation_fusion", False):
-        raise ValueError("fp8 with the torchao backend does not support gradient_accumulation_fusion=True")
+        raise ValueError("fp8 without Transformer Engine does not support gradient_accumulation_fusion=True")
     if not emulate:
         param = next(model.parameters(), None)
         check_fp8_device(config, param.device if param is not None else torch.device("cpu"))
@@ -127,13 +158,20 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
                 raise ValueError(f"fp8: {full_name} has weight shape {shape} (per tensor-parallel rank); FP8 GEMMs "
                                  f"need both dimensions to be multiples of {FP8_DIM_MULTIPLE}")
             targets.append((full_name, sub, new_cls))
-    float8_config = float8_linear_config(config, emulate=emulate)
-    mm_config = linear_mm_config(float8_config)
+    delayed = config.fp8_recipe == "delayed"
+    if delayed:
+        recipe = DelayedScalingRecipe.from_config(config)
+    else:
+        float8_config = float8_linear_config(config, emulate=emulate)
+        mm_config = linear_mm_config(float8_config)
     for _, sub, new_cls in targets:
         sub.__class__ = new_cls
+        sub.float8_emulate = emulate
         if new_cls in GROUPED_FP8_CLASSES.values():
-            sub.float8_emulate = emulate
             continue
-        sub.float8_config = float8_config
-        sub.float8_mm_config = mm_config
+        if delayed:
+            init_state(sub, recipe, sub.weight.device)
+        else:
+            sub.float8_config = float8_config
+            sub.float8_mm_config = mm_config
     return [name for name, _, _ in targets]

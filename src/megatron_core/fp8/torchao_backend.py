@@ -5,8 +5,10 @@ Maps Megatron-Core's FP8 config fields onto torchao's ``Float8LinearConfig``:
 row-wise recipe (e4m3 everywhere, power-of-two scales); ``fp8='e4m3'`` casts the output gradient
 to e4m3 as well, ``'hybrid'`` keeps e5m2 for it (tensorwise only: the rowwise recipe is e4m3 by
 design). Both recipes compute scales from the current tensors, so there is no amax history and no
-scaling state to checkpoint: ``fp8_amax_history_len`` and ``fp8_margin`` must keep their defaults
-and ``'delayed'``, ``'blockwise'``, ``'mxfp8'`` and ``'custom'`` raise (they need Transformer Engine).
+scaling state to checkpoint: ``fp8_amax_history_len`` and ``fp8_margin`` must keep their defaults.
+:func:`check_fp8_config` also accepts ``'delayed'``, which this library implements itself
+(:mod:`megatron_core.fp8.delayed_scaling`); ``'blockwise'``, ``'mxfp8'`` and ``'custom'`` raise (they
+need Transformer Engine).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from typing import Any
 
 import torch
 
+from megatron_core.fp8.delayed_scaling import check_delayed_config
+
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
+DELAYED_RECIPE = "delayed"
 MIN_CAPABILITY = (8, 9)
 
 
@@ -54,20 +59,24 @@ def check_fp8_device(config: Any, device: torch.device | str) -> None:
 
 
 def check_fp8_config(config: Any) -> None:
-    """Reject FP8 settings the torchao backend cannot honour (``ValueError`` naming the field)."""
+    """Reject FP8 settings this library cannot honour without Transformer Engine (``ValueError`` naming
+    the field): torchao's dynamic recipes, or ``'delayed'`` (:mod:`megatron_core.fp8.delayed_scaling`)."""
     if config.fp8 not in ("e4m3", "hybrid"):
         raise ValueError(f"fp8 ({config.fp8!r}) must be 'e4m3' or 'hybrid'")
+    if getattr(config, "fp8_param", False):
+        raise ValueError("fp8_param=True (FP8 weights) needs Transformer Engine; not supported without it")
+    if config.fp8_recipe == DELAYED_RECIPE:
+        check_delayed_config(config)
+        return
     if config.fp8_recipe not in TORCHAO_RECIPES:
-        raise ValueError(f"fp8_recipe ({config.fp8_recipe!r}) needs Transformer Engine; the torchao backend "
-                         f"supports {TORCHAO_RECIPES}")
+        raise ValueError(f"fp8_recipe ({config.fp8_recipe!r}) needs Transformer Engine; without it the supported "
+                         f"recipes are {(DELAYED_RECIPE, *TORCHAO_RECIPES)}")
     if config.fp8 == "hybrid" and config.fp8_recipe == "rowwise":
         raise ValueError("fp8='hybrid' (e5m2 gradients) is not available with fp8_recipe='rowwise' (e4m3 only); "
                          "use fp8='e4m3'")
     if config.fp8_amax_history_len != 1 or config.fp8_margin != 0:
         raise ValueError(f"fp8_amax_history_len ({config.fp8_amax_history_len}) and fp8_margin ({config.fp8_margin}) "
                          "belong to delayed scaling; torchao's dynamic recipes need 1 and 0")
-    if getattr(config, "fp8_param", False):
-        raise ValueError("fp8_param=True (FP8 weights) needs Transformer Engine; not supported by the torchao backend")
     if not getattr(config, "fp8_wgrad", True):
         raise ValueError("fp8_wgrad=False is not supported by the torchao backend")
 
