@@ -20,6 +20,12 @@ def modelopt_hf_config_format(what: str = "exporting a quantized Hugging Face ch
     return importlib.import_module("modelopt.torch.export.convert_hf_config")
 
 
+def modelopt_distill(what: str = "knowledge distillation") -> Any:
+    """Model Optimizer's ``modelopt.torch.distill`` (``mtd``), or ``ImportError`` naming the extra to install."""
+    modelopt_modules(what)
+    return importlib.import_module("modelopt.torch.distill")
+
+
 def modelopt_modules(what: str = "post-training quantization") -> SimpleNamespace:
     """Model Optimizer's modules used here, or ``ImportError`` saying that ``what`` needs ``nvidia-modelopt``.
 
