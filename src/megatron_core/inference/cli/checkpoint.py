@@ -12,6 +12,7 @@ training tensor-parallel size), so the saved embedding shapes match.
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from datetime import timedelta
@@ -152,7 +153,7 @@ def model_from_record(record: dict[str, Any], where: str, tp: int, pp: int) -> t
 
 
 def _hybrid_from_record(config: Any, model_args: dict[str, Any], where: str) -> torch.nn.Module:
-    """A ``HybridModel`` with the local hybrid stack spec and the recorded layer pattern."""
+    """A ``HybridModel`` with the local hybrid stack spec, the recorded layer pattern and Mamba mixer settings."""
     from megatron_core import parallel_state
     from megatron_core.models.hybrid import HybridModel
     from megatron_core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
@@ -163,8 +164,14 @@ def _hybrid_from_record(config: Any, model_args: dict[str, Any], where: str) -> 
                          "megatron_core); re-save it to record the pattern")
     rotary = model_args.get("rotary") or {}
     inv_freq = rotary.get("inv_freq")
+    spec = hybrid_stack_spec
+    mixer_params = model_args.get("mamba_mixer")
+    if mixer_params:  # the recorded convolution width and SSD chunk size of the Mamba mixers
+        spec = copy.deepcopy(hybrid_stack_spec)
+        mixer = spec.submodules.mamba_layer.submodules.mixer
+        mixer.params = {**mixer.params, **{k: int(mixer_params[k]) for k in ("d_conv", "chunk_size")}}
     model = HybridModel(
-        config, hybrid_stack_spec, int(model_args["vocab_size"]), int(model_args["max_sequence_length"]),
+        config, spec, int(model_args["vocab_size"]), int(model_args["max_sequence_length"]),
         hybrid_layer_pattern=pattern, pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=bool(model_args.get("share_embeddings_and_output_weights", False)),

@@ -10,7 +10,11 @@ every layer. Three layouts occur, as in Megatron-Core:
 - layers of different kinds (``moe_layer_freq`` a list: dense and MoE layers) keep per-layer keys
   (``decoder.layers.<global index>....``) with no layer axis (``non_homogeneous_layers``);
 - multi-token-prediction depth ``k`` is saved under ``mtp.layers.<k>.`` (its transformer layer as
-  ``transformer_layer.``), with no layer axis.
+  ``transformer_layer.``), with no layer axis;
+- a HybridModel (its pattern of Mamba, attention and MLP layers) keeps per-layer keys; the tiny copy then has
+  the whole pattern, one tiny layer per real one. A Mamba mixer's ``in_proj.weight`` and ``conv1d`` tensors are
+  stored as named row sections (``<key>.z``, ``.x``, ``.B``, ``.C``, ``.dt``; ``<key>.x``, ``.B``, ``.C``), each
+  TP-independent (:attr:`CheckpointLayout.splits`).
 
 A routed expert's tensor has the global expert index as a further prepended axis in all three.
 """
@@ -18,7 +22,7 @@ A routed expert's tensor has the global expert index as a further prepended axis
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
@@ -43,7 +47,8 @@ class CheckpointLayout:
     (``{i}`` global layer of a per-layer key, ``{k}`` MTP depth); ``objects`` lists each ``_extra_state`` object as
     ``(name template, key template, tiny layer)``, the tiny layer being the index of the tiny copy's decoder layer
     it was seen in (``None`` outside the decoder layers); ``layer_kinds`` gives, for each real layer, the tiny layer
-    of its kind (``None``: every layer is tiny layer 0).
+    of its kind (``None``: every layer is tiny layer 0). ``splits`` maps a parameter template stored as row sections
+    to the sections' key suffixes, in row order (the sizes are the rule's ``sections``).
     """
 
     tensors: dict[str, str]
@@ -53,6 +58,7 @@ class CheckpointLayout:
     experts: int
     mtp_layers: int = 0
     layer_kinds: tuple[int, ...] | None = None
+    splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def key(self, template: str, index: Index) -> str:
         """The sharded key of rule parameter ``template`` at ``index`` (None, a layer, or ``(layer, expert)``)."""
@@ -119,11 +125,18 @@ def _key_template(key: str) -> str:
     return _MTP_LAYER.sub("mtp.layers.{k}.", _DECODER_LAYER.sub(_DECODER, key))
 
 
-def _tiny_overrides(c: dict[str, Any], mixed: bool) -> dict[str, Any]:
-    """TransformerConfig overrides of the tiny copy: tiny widths, 2 experts, one layer (or one dense + one MoE)."""
+def _built_keys(factory: ShardedTensorFactory) -> list[str]:
+    """The keys of the tensors ``factory`` stores."""
+    built = factory.build()
+    parts = built.values() if isinstance(built, dict) else built if isinstance(built, list) else [built]
+    return [part.key for part in parts]
+
+
+def _tiny_overrides(c: dict[str, Any], mixed: bool, layers: int) -> dict[str, Any]:
+    """TransformerConfig overrides of the tiny copy: tiny widths, 2 experts, ``layers`` layers."""
     mha = c.get("num_query_groups") in (None, c["num_attention_heads"])
     tiny: dict[str, Any] = dict(
-        num_layers=2 if mixed else 1, hidden_size=8, num_attention_heads=2, num_query_groups=2 if mha else 1,
+        num_layers=layers, hidden_size=8, num_attention_heads=2, num_query_groups=2 if mha else 1,
         kv_channels=4, ffn_hidden_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
         perform_initialization=False, use_cpu_initialization=True)
     if isinstance(c.get("window_attn_skip_freq"), list):  # one flag per layer of the real model
@@ -135,6 +148,8 @@ def _tiny_overrides(c: dict[str, Any], mixed: bool) -> dict[str, Any]:
             tiny.update(moe_layer_freq=[0, 1])
         if c.get("moe_shared_expert_intermediate_size"):
             tiny.update(moe_shared_expert_intermediate_size=4)
+    if c.get("mamba_num_heads"):
+        tiny.update(mamba_num_heads=2, mamba_head_dim=4, mamba_num_groups=1, mamba_state_dim=4)
     if c.get("multi_latent_attention"):
         tiny.update(q_lora_rank=4 if c.get("q_lora_rank") else None, kv_lora_rank=4, qk_head_dim=2,
                     qk_pos_emb_head_dim=2, v_head_dim=2)
@@ -145,14 +160,17 @@ def model_layout(bridge: AutoBridge) -> CheckpointLayout:
     """The :class:`CheckpointLayout` of ``bridge``'s model.
 
     Read from the sharded state dict of a tiny-width copy of the model (built on CPU in an instant), so the
-    converter follows whatever keys GPTModel's ``sharded_state_dict`` uses.
+    converter follows whatever keys GPTModel's (HybridModel's) ``sharded_state_dict`` uses.
     """
     c = bridge.family.config_kwargs
     freq = c.get("moe_layer_freq")
     mixed = bool(c.get("num_moe_experts")) and isinstance(freq, list)  # dense and MoE layers
-    config = bridge.transformer_config(**_tiny_overrides(c, mixed))
+    hybrid = bridge.family.hybrid_pattern is not None
+    tiny_layers = bridge.family.num_layers if hybrid else 2 if mixed else 1
+    config = bridge.transformer_config(**_tiny_overrides(c, mixed, tiny_layers))
     (model,) = bridge.to_megatron_model(load_weights=False, config=config, max_sequence_length=4)
     tensors: dict[str, str] = {}
+    splits: dict[str, tuple[str, ...]] = {}
     objects: dict[tuple[str, int | None], str] = {}
     stacked = True
     for local_name, leaf in model.sharded_state_dict().items():
@@ -167,7 +185,11 @@ def model_layout(bridge: AutoBridge) -> CheckpointLayout:
             objects[(template, int(layer.group(1)) if layer else None)] = _key_template(leaf.key)
         else:
             tensors[template] = _key_template(leaf.key)
-    kinds = None
+            if isinstance(leaf, ShardedTensorFactory):
+                parts = _built_keys(leaf)
+                if all(key.startswith(leaf.key + ".") for key in parts):  # named sections: <key>.<name>
+                    splits[template] = tuple(key[len(leaf.key) + 1:] for key in parts)
+    kinds = tuple(range(tiny_layers)) if hybrid else None
     if mixed:
         if len(freq) != bridge.family.num_layers:
             raise HFConversionError(f"{bridge.directory}: moe_layer_freq has {len(freq)} entries for "
@@ -175,4 +197,4 @@ def model_layout(bridge: AutoBridge) -> CheckpointLayout:
         kinds = tuple(1 if f else 0 for f in freq)
     return CheckpointLayout(tensors, tuple((t, k, tiny) for (t, tiny), k in sorted(objects.items(), key=str)),
                             stacked, bridge.family.num_layers, c.get("num_moe_experts") or 0,
-                            bridge.family.mtp_num_layers, kinds)
+                            bridge.family.mtp_num_layers, kinds, splits)

@@ -110,13 +110,33 @@ class _LazyTorchDistSave(SaveShardedStrategy):
         writer.finish(metadata, [results])
 
 
-def _refuse_hybrid(bridge: AutoBridge, command: str) -> None:
-    """The offline converter writes GPTModel's checkpoint layout only; hybrid models convert in process."""
-    if bridge.family.hybrid_pattern is not None:
-        raise HFConversionError(
-            f"{bridge.directory}: megatron-convert {command} does not support {bridge.architecture} (a HybridModel); "
-            "convert it in process with AutoBridge.from_hf_pretrained(dir).to_megatron_model() and "
-            "save_hf_pretrained(model, out_dir)")
+class _SharedRead:
+    """Reads a rule's full tensor once for all the sections it is stored as, and forgets it after the last one."""
+
+    def __init__(self, load: Callable[[], torch.Tensor], uses: int) -> None:
+        self._load, self._uses, self._value = load, uses, None
+
+    def __call__(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._load()
+        value = self._value
+        self._uses -= 1
+        if self._uses == 0:
+            self._value = None
+        return value
+
+
+def _sections(layout: CheckpointLayout, rule: WeightRule, full: tuple[int, ...]) -> list[tuple[str, int]]:
+    """``(key suffix, rows)`` of each piece a parameter is stored as: ``[("", rows)]`` for one tensor, the named
+    row sections (``.z``, ``.x``, ...) of a Mamba mixer's ``in_proj`` / ``conv1d`` tensors."""
+    names = layout.splits.get(rule.mcore)
+    if not names:
+        return [("", full[0] if full else 0)]
+    sizes = tuple(getattr(rule, "sections", ()))
+    if len(sizes) != len(names) or sum(sizes) != full[0]:
+        raise HFConversionError(f"parameter {rule.mcore!r}: the checkpoint stores it as sections {list(names)} but "
+                                f"the conversion rule has row sections {list(sizes)} of {full[0]} rows")
+    return [(f".{name}", size) for name, size in zip(names, sizes)]
 
 
 def _copy_hf_files(source: str, target: str) -> None:
@@ -140,20 +160,50 @@ def _import_shards(bridge: AutoBridge, layout: CheckpointLayout, vocab: int, tic
         full = mcore_shape(rule.mcore, bridge.family, vocab)
         dtype = reader.dtype(rule.hf_names(layer)[0])
         key = layout.key(rule.mcore, layer)
-        global_shape, offset, prepended = layout.placement(rule.mcore, full, layer)
-        model[fmt(rule.mcore, layer)] = ShardedTensor(
-            key, torch.empty(full, dtype=dtype, device="meta"), dtype, full, global_shape, offset,
-            (1,) * len(global_shape), prepend_axis_num=prepended)
 
-        def load(rule: Any = rule, layer: Any = layer, prepended: int = prepended) -> torch.Tensor:
+        def load(rule: Any = rule, layer: Any = layer) -> torch.Tensor:
             extra = {"padded_rows": vocab} if isinstance(rule, Copy) and rule.vocab else {}
             value = rule.from_hf(reader.read, layer, 0, 1, reader.shape, **extra)
             tick()
-            return value.reshape(*(1,) * prepended, *value.shape)
+            return value
 
-        loaders[(key, offset)] = load
+        parts = _sections(layout, rule, full)
+        read = _SharedRead(load, len(parts))
+        start = 0
+        for suffix, size in parts:
+            part_full = (size, *full[1:]) if suffix else full
+            global_shape, offset, prepended = layout.placement(rule.mcore, part_full, layer)
+            model[fmt(rule.mcore, layer) + suffix] = ShardedTensor(
+                key + suffix, torch.empty(part_full, dtype=dtype, device="meta"), dtype, part_full, global_shape,
+                offset, (1,) * len(global_shape), prepend_axis_num=prepended)
+
+            def load_part(read: _SharedRead = read, start: int = start, size: int = size, split: bool = bool(suffix),
+                          prepended: int = prepended) -> torch.Tensor:
+                value = read().narrow(0, start, size).contiguous() if split else read()
+                return value.reshape(*(1,) * prepended, *value.shape)
+
+            loaders[(key + suffix, offset)] = load_part
+            start += size
     model.update(layout.extra_state_objects())
     return model, loaders
+
+
+def _hybrid_inference_records(bridge: AutoBridge, vocab: int, hf_dir: str, out_dir: str) -> tuple[dict, dict]:
+    """The ``model_config`` record of a converted HybridModel (as ``save_checkpoint`` writes it) and, in
+    ``extra_state["args"]``, its tokenizer: the copied HF tokenizer when the directory has a ``tokenizer.json``,
+    else ``NullTokenizer`` (prompts are token ids) whose end-of-document id is the last vocabulary id."""
+    from megatron_core.models.common.model_config_record import MODEL_CONFIG_KEY, model_config_record_for
+    from megatron_core.models.hybrid import HybridModel
+
+    config = bridge.transformer_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    settings = {**bridge.family.model_kwargs, "vocab_size": vocab, "parallel_output": True,
+                "fp16_lm_cross_entropy": False, "mamba_mixer": dict(bridge.family.mixer_params)}
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        args = {"tokenizer_type": "HuggingFaceTokenizer",
+                "tokenizer_model": os.path.abspath(os.path.join(out_dir, HF_SUBDIR))}
+    else:
+        args = {"tokenizer_type": "NullTokenizer", "vocab_size": bridge.family.vocab_size - 1}
+    return {MODEL_CONFIG_KEY: model_config_record_for(config, HybridModel, settings)}, args
 
 
 def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
@@ -163,7 +213,6 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
     Models mixing dense and MoE layers get per-layer keys and multi-token-prediction depths ``mtp.layers.<k>.``
     keys, as GPTModel's ``sharded_state_dict`` has them (see :mod:`.checkpoint_layout`)."""
     bridge = AutoBridge.from_hf_pretrained(hf_dir)
-    _refuse_hybrid(bridge, "hf-to-mcore")
     bridge.transformer_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)  # checks divisibility
     layers = bridge.family.num_layers
     if layers % pp:
@@ -183,6 +232,9 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
                    "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "padded_vocab_size": vocab}
     state = {"model": model, "opt_param_scheduler": None, "iteration": 0, "consumed_train_samples": 0,
              "extra_state": extra_state, "checkpoint_version": CHECKPOINT_VERSION}
+    if bridge.family.hybrid_pattern is not None:  # what megatron-generate / megatron-serve rebuild the model from
+        records, extra_state["args"] = _hybrid_inference_records(bridge, vocab, hf_dir, out_dir)
+        state.update(records)
     checkpoint_dir = get_checkpoint_name(out_dir, 0)
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -228,7 +280,8 @@ def _template(ckpt_root: str, checkpoint_dir: str, hf_template: str | None) -> A
 
 class _Stored(NamedTuple):
     """One HF rule's parameter in the checkpoint: ``source`` / ``index`` name the parameter (the embedding or output
-    layer for an MTP depth's shared copy), ``full`` its shape without the prepended axes."""
+    layer for an MTP depth's shared copy), ``full`` its shape without the prepended axes, ``parts`` the key suffix
+    and rows of each piece it is stored as (see :func:`_sections`)."""
 
     rule: WeightRule
     layer: Index
@@ -237,25 +290,35 @@ class _Stored(NamedTuple):
     key: str
     full: tuple[int, ...]
     dtype: torch.dtype
+    parts: tuple[tuple[str, int], ...]
 
 
 def _stored_parameters(bridge: AutoBridge, layout: CheckpointLayout, stored: dict[str, Any],
                        checkpoint_dir: str) -> list[_Stored]:
-    """Every rule's parameter as the checkpoint holds it, its key and global shape checked against the HF config."""
+    """Every rule's parameter as the checkpoint holds it, its keys and global shapes checked against the HF config."""
     todo = []
     for rule, layer in bridge.rules():
         source, index = (rule.source, None) if isinstance(rule, SharedCopy) else (rule.mcore, layer)
         key = layout.key(source, index)
-        if key not in stored:
-            raise HFConversionError(f"{checkpoint_dir}: tensor {key!r} is missing (a {bridge.architecture} needs it)")
-        shape = tuple(stored[key].global_shape)
-        full = shape[len(layout.axes(source, index)):]
-        want = mcore_shape(source, bridge.family, full[0] if isinstance(rule, Copy) and rule.vocab else 0)
-        expected = layout.placement(source, tuple(want), index)[0]
-        if shape != expected:
-            raise HFConversionError(f"{checkpoint_dir}: tensor {key!r} has shape {shape}, the HF config implies "
-                                    f"{expected}")
-        todo.append(_Stored(rule, layer, source, index, key, full, stored[key].dtype))
+        names = layout.splits.get(source)
+        first = f"{key}.{names[0]}" if names else key
+        if first not in stored:
+            raise HFConversionError(f"{checkpoint_dir}: tensor {first!r} is missing (a {bridge.architecture} needs it)")
+        shape = tuple(stored[first].global_shape)
+        axes = len(layout.axes(source, index))
+        rows = sum(stored[f"{key}.{n}"].global_shape[axes] for n in names if f"{key}.{n}" in stored) if names else 0
+        full = (rows, *shape[axes + 1:]) if names else shape[axes:]
+        want = tuple(mcore_shape(source, bridge.family, full[0] if isinstance(rule, Copy) and rule.vocab else 0))
+        parts = tuple(_sections(layout, rule, want))
+        for suffix, size in parts:
+            part_want = (size, *want[1:]) if suffix else want
+            expected = layout.placement(source, part_want, index)[0]
+            got = tuple(stored[key + suffix].global_shape) if key + suffix in stored else None
+            if got != expected:
+                what = "is missing" if got is None else f"has shape {got}"
+                raise HFConversionError(f"{checkpoint_dir}: tensor {key + suffix!r} {what}, the HF config implies "
+                                        f"{expected}")
+        todo.append(_Stored(rule, layer, source, index, key, want, stored[first].dtype, parts))
     return todo
 
 
@@ -268,7 +331,6 @@ def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = Non
     when the checkpoint has them; a checkpoint without them exports without them, ``config.json`` unchanged."""
     checkpoint_dir = _checkpoint_dir(ckpt, iteration)
     bridge = _template(ckpt, checkpoint_dir, hf_template)
-    _refuse_hybrid(bridge, "mcore-to-hf")
     stored = load_tensors_metadata(checkpoint_dir)
     if bridge.family.mtp_num_layers and not any(key.startswith("mtp.layers.") for key in stored):
         bridge.family = bridge.family.without_mtp()  # e.g. converted from transformers' files, which hold no MTP
@@ -285,10 +347,14 @@ def export_mcore_to_hf(ckpt: str, out_dir: str, *, hf_template: str | None = Non
     error = None
     try:
         for item in progress_iter(todo, len(todo), "mcore-to-hf", progress):
-            global_shape, offset, prepended = layout.placement(item.source, item.full, item.index)
-            request = ShardedTensor(item.key, None, item.dtype, item.full, global_shape, offset,
-                                    (1,) * len(global_shape), prepend_axis_num=prepended)
-            tensor = strategy.load({"t": request}, checkpoint_dir)["t"]
+            pieces = []
+            for suffix, size in item.parts:
+                part_full = (size, *item.full[1:]) if suffix else item.full
+                global_shape, offset, prepended = layout.placement(item.source, part_full, item.index)
+                request = ShardedTensor(item.key + suffix, None, item.dtype, part_full, global_shape, offset,
+                                        (1,) * len(global_shape), prepend_axis_num=prepended)
+                pieces.append(strategy.load({"t": request}, checkpoint_dir)["t"])
+            tensor = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
             extra = {"hf_rows": vocab} if isinstance(item.rule, Copy) and item.rule.vocab else {}
             for name, value in item.rule.to_hf([tensor], item.layer, **extra).items():
                 writer.write(name, value.to(dtype) if dtype is not None else value, row=hf_row(item.rule, item.layer))
