@@ -78,3 +78,47 @@ def reference(recipe: str | None, dtype: torch.dtype = torch.float32, **override
     if recipe is not None:
         quantize(model, recipe)
     return weights, logits(model)
+
+
+# ---- MoE models (tests/post_training/test_ptq_moe*.py) ----
+# A Mixtral-shaped MoE GPT (4 experts, top-2 softmax router, SwiGLU experts) with hidden 128 and expert FFN 128,
+# so that INT4 AWQ's 128-wide blocks fit whole. Calibration and evaluation batches are [BATCH, SEQ] like the dense
+# (the MoE GPT's vocabulary and sequence length); ``moe_batch(i)`` is the i-th one of a fixed sequence.
+MOE = {"hidden_size": 128, "ffn_hidden_size": 128, "num_attention_heads": 4}
+
+
+def build_moe(grouped: bool, seed: int = 1234, dtype: torch.dtype = torch.float32, **overrides) -> GPTModel:
+    """The Mixtral-like MoE GPT of ``tests.transformer.moe`` (grouped or sequential experts), eval mode, ``dtype``."""
+    from megatron_core.post_training.modelopt import register_quant_modules
+    from tests.transformer.moe.moe_parallel_utils import build as build_moe_gpt
+
+    register_quant_modules()
+    torch.manual_seed(seed)
+    model = build_moe_gpt("mixtral", moe_grouped_gemm=grouped, **{**MOE, **overrides})
+    return model.to(dtype).eval()
+
+
+def moe_batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, position_ids)`` of the MoE GPT's batch ``index``, each ``[BATCH, seq]``."""
+    from tests.transformer.moe.moe_parallel_utils import SEQ as MOE_SEQ
+    from tests.transformer.moe.moe_parallel_utils import VOCAB as MOE_VOCAB
+
+    ids = torch.randint(0, MOE_VOCAB, (BATCH, MOE_SEQ), generator=torch.Generator().manual_seed(100 + index))
+    return ids, torch.arange(MOE_SEQ).unsqueeze(0).expand(BATCH, MOE_SEQ)
+
+
+def moe_logits(model: GPTModel, index: int) -> torch.Tensor:
+    """``[b, s, vocab]`` logits on batch ``index``."""
+    with torch.no_grad():
+        return model(*moe_batch(index), None)
+
+
+def quantize_on(model: GPTModel, recipe: str, indices: list[int]) -> GPTModel:
+    """``mtq.quantize`` with the predefined ``recipe``, calibrating on the batches ``indices``."""
+    import modelopt.torch.quantization as mtq
+
+    def loop(m: GPTModel) -> None:
+        for i in indices:
+            m(*moe_batch(i), None)
+
+    return mtq.quantize(model, getattr(mtq, recipe), loop)
