@@ -5,6 +5,9 @@
     megatron-convert hf-to-mcore --hf /models/llama --out /ckpt/llama --tp 2 --pp 2
     torchrun --nproc-per-node 4 examples/pretrain_gpt.py --load /ckpt/llama --no-load-optim --no-load-rng ...
     megatron-convert mcore-to-hf --mcore /ckpt/run --out /models/llama-tuned [--hf-template /models/llama]
+
+Hybrid Mamba models (NemotronH, Mamba2) convert the same way; their checkpoint also records the model
+configuration, so ``megatron-generate --load`` serves it at any TP size.
 """
 
 from __future__ import annotations
@@ -113,6 +116,10 @@ def convert(args: argparse.Namespace) -> None:
                                   make_vocab_size_divisible_by=divisible, progress=not args.no_progress)
         bridge = AutoBridge.from_hf_pretrained(args.hf, load_weights=False)
         print(f"wrote {path}")
+        if bridge.family.hybrid_pattern is not None:
+            print(f"a {bridge.architecture} (HybridModel): generate with megatron-generate --load {args.out} "
+                  f"(any --tp dividing the model); fine-tune with examples/pretrain_hybrid.py --hf-model {args.hf}")
+            return
         print("train from it with: --load", args.out, "--no-load-optim --no-load-rng",
               training_flags(bridge, args.tp, args.pp, args.make_vocab_size_divisible_by))
         missing = flags_cannot_express(bridge)
