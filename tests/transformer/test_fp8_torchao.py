@@ -56,7 +56,7 @@ def test_fp8_config_rules(kwargs, field):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(fp8_recipe="delayed"), "fp8_recipe"),
+    (dict(fp8_recipe="custom"), "fp8_recipe"),
     (dict(fp8_recipe="mxfp8"), "fp8_recipe"),
     (dict(fp8_recipe="blockwise"), "fp8_recipe"),
     (dict(fp8="hybrid", fp8_recipe="rowwise"), "hybrid"),
