@@ -3,7 +3,9 @@
 The model-shape flags are filled from ``config.json`` (a contradicting flag is an error), the
 TransformerConfig comes from the bridge (q/k norm, QKV biases, RoPE scaling, activation) with
 the run's parallel, precision and recompute settings, each rank loads only its slices of the
-weights, and the directory's tokenizer (with its chat template) is the run's tokenizer.
+weights, and the directory's tokenizer (with its chat template) is the run's tokenizer. A hybrid Mamba
+directory (``NemotronHForCausalLM``, ``Mamba2ForCausalLM``) gives a ``HybridModel`` (its layer pattern, Mamba
+sizes, convolution width and chunk size from config.json); ``pretrain_hybrid.py`` is the entry point for those.
 """
 
 from __future__ import annotations
@@ -32,10 +34,6 @@ def apply_hf_model_args(args: argparse.Namespace) -> Any:
     if not getattr(args, "hf_model", None):
         return None
     bridge = load_bridge(args.hf_model, load_weights=False)
-    if bridge.family.hybrid_pattern is not None:
-        raise ValueError(f"--hf-model {args.hf_model}: {bridge.architecture} is a hybrid Mamba model (HybridModel); "
-                         "pretrain_gpt.py trains GPTModel only. Load it with megatron_core.models.hf.AutoBridge "
-                         "(to_megatron_model / save_hf_pretrained) in your own training loop")
     c, m = bridge.family.config_kwargs, bridge.family.model_kwargs
     shape = dict(num_layers=c["num_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["ffn_hidden_size"],
                  num_attention_heads=c["num_attention_heads"], num_query_groups=c.get("num_query_groups"),
@@ -70,7 +68,8 @@ def hf_tokenizer(bridge: Any, args: argparse.Namespace, fallback):
 
 
 def hf_model_chunks(bridge: Any, args: argparse.Namespace, base_config) -> tuple[object, list, int]:
-    """``(config, chunks, padded vocab)``: this rank's GPTModel chunks with the HF weights loaded."""
+    """``(config, chunks, padded vocab)``: this rank's GPTModel chunks (one HybridModel for a hybrid Mamba model)
+    with the HF weights loaded."""
     run = {name: getattr(base_config, name) for name in _RUN_FIELDS if hasattr(base_config, name)}
     if not bridge.family.config_kwargs.get("num_moe_experts"):
         run = {k: v for k, v in run.items() if not k.startswith("moe_")}

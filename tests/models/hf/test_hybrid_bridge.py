@@ -164,33 +164,6 @@ def test_mixer_tp_shards_hold_a_slice_of_every_section(param: str, hf_dirs: dict
     assert torch.equal(back, full)
 
 
-def test_offline_converter_and_pretrain_gpt_refuse_hybrid_models(hf_dirs: dict, tmp_path, capsys) -> None:
-    """megatron-convert (GPTModel's checkpoint layout only) and pretrain_gpt.py --hf-model (GPTModel only) refuse a
-    hybrid model with a one-line error naming the architecture; nothing is written."""
-    import argparse
-    import sys
-    from pathlib import Path
-
-    from megatron_core.models.hf.cli import main as convert
-
-    assert convert(["hf-to-mcore", "--hf", hf_dirs["nemotron_h"], "--out", str(tmp_path / "ckpt"),
-                    "--no-progress"]) == 2
-    assert "does not support NemotronHForCausalLM" in capsys.readouterr().err
-    assert not (tmp_path / "ckpt").exists()
-    with pytest.raises(HFConversionError, match="mcore-to-hf does not support Mamba2ForCausalLM"):
-        from megatron_core.models.hf.convert import export_mcore_to_hf
-
-        export_mcore_to_hf(str(tmp_path), str(tmp_path / "out"), hf_template=hf_dirs["mamba2"], progress=False)
-    examples = str(Path(__file__).resolve().parents[3] / "examples")
-    sys.path.insert(0, examples)
-    try:
-        from gpt_training.hf_model import apply_hf_model_args
-    finally:
-        sys.path.remove(examples)
-    with pytest.raises(ValueError, match="NemotronHForCausalLM is a hybrid Mamba model"):
-        apply_hf_model_args(argparse.Namespace(hf_model=hf_dirs["nemotron_h"]))
-
-
 @pytest.mark.parametrize("kind", ["nemotron_h", "mamba2"])
 def test_tp2_loss_and_every_gradient_match_transformers(kind: str, hf_dirs: dict, tmp_path) -> None:
     """At TP=2 the imported model's loss equals transformers', and every gradient, gathered back to the HF layout
