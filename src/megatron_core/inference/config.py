@@ -38,7 +38,9 @@ class MambaInferenceStateConfig:
     ``layer_type_list`` holds one hybrid-pattern symbol per layer (``"M"`` Mamba, ``"*"`` attention, ...);
     ``conv_states_shape`` / ``ssm_states_shape`` are one request's convolution and SSM state shapes on this TP
     rank. The dynamic context keeps one slot of both states per Mamba layer for each request it holds
-    (:class:`~megatron_core.inference.contexts.mamba_states.MambaStateSlots`).
+    (:class:`~megatron_core.inference.contexts.mamba_states.MambaStateSlots`). ``mamba_chunk_size`` is the SSD
+    scan chunk of prefill steps (:meth:`from_model` takes the mixers' own); results do not depend on it beyond
+    rounding.
     """
 
     layer_type_list: list[str]

@@ -10,7 +10,9 @@ the stored SSM state, and returns the new states; decode advances every state by
 * SSM: ``h = exp(dt * A) * h + dt * x B^T``, ``y = h C + D * x``.
 
 Everything is computed in fp32 (or wider); the states come back in fp32 and are stored in the slots' dtype.
-:func:`mixer_inference` runs a whole step of the flattened continuous batch for one mixer.
+:func:`mixer_inference` runs a whole step of the flattened continuous batch for one mixer. Its prefill scan
+uses the serving config's ``MambaInferenceStateConfig.mamba_chunk_size`` (Megatron-Core's chunk size of the
+inference SSD kernels; ``from_model`` copies the mixer's own), which changes the rounding only, not the result.
 """
 
 from __future__ import annotations
@@ -100,12 +102,15 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
     ``context.mamba_step_layout()`` the slots of the decode rows (the first ``nd`` rows, one token each,
     advanced together by :func:`conv_step` and :func:`ssm_step`) and ``(first row, rows, slot)`` of each
     prefill chunk (:func:`conv_prefill` behind its stored inputs, :func:`ssm_prefill` from its stored
-    state). The new states are written back into the slots.
+    state, scanned in chunks of the context's ``mamba_chunk_size``). The new states are written back into the
+    slots.
     """
     if getattr(getattr(mixer, "cp", None), "cp_size", 1) > 1:
         raise ValueError(f"MambaMixer inference with context parallelism (cp_size={mixer.cp.cp_size}) is not supported")
     conv_states, ssm_states = context.mamba_states_cache(mixer.layer_number)
     decode_slots, prefill = context.mamba_step_layout()
+    slots = getattr(context, "mamba_slots", None)
+    chunk_size = slots.chunk_size if slots is not None else mixer.chunk_size
     rows = zxBCdt[:, 0]
     bc = mixer.ngroups_local_tp * mixer.d_state
     d_inner = mixer.d_inner_local_tp
@@ -125,7 +130,7 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
         seg = slice(first, first + count)
         xBC, conv = conv_prefill(conv_states[slot], xBC_in[None, seg], weight, bias)
         xs, dts, A, Bs, Cs, D = _scan_inputs(mixer, xBC, dt[None, seg])
-        y, ssm = ssm_prefill(ssm_states[slot], xs, dts, A, Bs, Cs, D, mixer.chunk_size)
+        y, ssm = ssm_prefill(ssm_states[slot], xs, dts, A, Bs, Cs, D, chunk_size)
         conv_states[slot] = conv.to(conv_states.dtype)
         ssm_states[slot] = ssm.to(ssm_states.dtype)
         out[seg] = _gate_norm(mixer, y.reshape(count, d_inner), z[seg])

@@ -86,6 +86,11 @@ class MambaStateSlots:
         self.scratch_slot = max_requests
         self._graph_slots: dict[int, torch.Tensor] = {}
 
+    @property
+    def chunk_size(self) -> int:
+        """The SSD scan chunk of the prefill steps (``MambaInferenceStateConfig.mamba_chunk_size``)."""
+        return self.config.mamba_chunk_size
+
     @staticmethod
     def bytes_per_request(config: MambaInferenceStateConfig) -> int:
         """Bytes of one request's states over every Mamba layer of ``config``."""
