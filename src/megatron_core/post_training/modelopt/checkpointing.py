@@ -18,7 +18,9 @@ layout), then ``dist_checkpointing.load(model.sharded_state_dict(), ...)`` fills
     load_modelopt_state(new_model, ckpt)           # any TP size
     new_model.load_state_dict(dist_checkpointing.load(new_model.sharded_state_dict(), ckpt))
 
-Module names key the saved quantizer settings, so pipeline parallelism (whose stages name their
+Module names key the saved quantizer settings; those of MoE experts (whose names hold the local expert
+index) are re-keyed for the loading model's expert-parallel size (``quant_moe.modelopt_state_for``).
+Pipeline parallelism (whose stages name their
 layers from 0) is not supported yet.
 """
 
@@ -125,4 +127,6 @@ def load_modelopt_state(model: torch.nn.Module, checkpoint_dir: str | os.PathLik
         raise ValueError(f"{type(model).__name__} is already converted by Model Optimizer; load a quantized "
                          "checkpoint into a freshly built model")
     _check_no_pipeline()
-    return mo.mto.restore_from_modelopt_state(model, saved)
+    from megatron_core.post_training.modelopt.quant_moe import modelopt_state_for
+
+    return mo.mto.restore_from_modelopt_state(model, modelopt_state_for(model, saved))

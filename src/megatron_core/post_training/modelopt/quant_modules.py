@@ -152,9 +152,22 @@ class _QuantParallelLinear(_mo.custom._ParallelLinear):
 
     @contextmanager
     def enable_weight_access_and_writeback(self) -> Iterator[None]:
-        """Model Optimizer's hook around a calibration step: AWQ statistics averaged over TP before and after."""
+        """Model Optimizer's hook around a calibration step: AWQ statistics averaged over TP before and after.
+
+        An expert's layer also leaves the expert-parallel group inside it: SmoothQuant and AWQ re-calibrate
+        the smoothed weight by ``max_calibrate`` of the layer alone, which does not know the layer is an
+        expert and would take its weight amax as the maximum over the experts of all EP ranks (each expert's
+        weight amax is its own; the input amax was synced over EP before, by the model's calibration).
+        """
         sync_awq_statistics(self)
-        yield
+        saved = self.parallel_state
+        if getattr(self, "is_expert", False):
+            self.parallel_state = _mo.distributed.ParallelState(
+                _group_or_unused(resolve_process_group("expt_dp")), tensor_parallel_group=_group_or_unused(self.tp_group))
+        try:
+            yield
+        finally:
+            self.parallel_state = saved
         sync_awq_statistics(self)
 
     def _quantizer_state(self, prefix: str = "") -> dict[str, tuple[torch.Tensor, int | None]]:

@@ -38,7 +38,7 @@ from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.dist_checkpointing.sharded_module import make_sharded_tensors_for_checkpoint
 from megatron_core.post_training.modelopt._backend import modelopt_modules
-from megatron_core.post_training.modelopt.quant_modules import parallel_state_for
+from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
 from megatron_core.transformer.moe.grouped_linear import (
     ColumnParallelGroupedLinear,
@@ -48,20 +48,31 @@ from megatron_core.transformer.moe.grouped_linear import (
 
 _mo = modelopt_modules()
 
-__all__ = ["QuantColumnParallelGroupedLinear", "QuantRowParallelGroupedLinear", "QuantSequentialMLP",
-           "QuantTEGroupedMLP", "expert_quantizer_state_for"]
+__all__ = ["QuantColumnParallelGroupedLinear", "QuantGroupedMLP", "QuantRowParallelGroupedLinear",
+           "QuantSequentialMLP", "QuantTEGroupedMLP", "expert_quantizer_state_for", "modelopt_state_for"]
 
 # Per-expert quantizer names: a SequentialMLP's local expert, a grouped linear's per-expert weight quantizer.
 _SEQUENTIAL_EXPERT = re.compile(r"^(?P<head>.*\.local_experts\.)(?P<idx>\d+)(?P<tail>\..*)$")
 _GROUPED_EXPERT = re.compile(r"^(?P<head>.*\.weight_quantizer\.)(?P<idx>\d+)(?P<tail>(\..*)?)$")
 
 
+def _experts_parallel_state(module: torch.nn.Module) -> Any:
+    """Model Optimizer's ``ParallelState`` of experts: expert data-parallel, expert-TP and expert-parallel groups."""
+    return _mo.distributed.ParallelState(
+        _group(resolve_process_group("expt_dp")), tensor_parallel_group=_group(module.tp_group),
+        expert_model_parallel_group=_group(resolve_process_group("ep")))
+
+
+def _group(group: Any) -> Any:
+    return -1 if group is None else group
+
+
 class _QuantGroupedLinear(_mo.nn.QuantModule):
     """Shared part of the quantized grouped expert linears (module docstring)."""
 
     def _setup(self) -> None:
-        if self.parallel_state is None:
-            self.parallel_state = parallel_state_for(self)
+        if self.parallel_state is None:  # always experts: the expert data-parallel and expert-parallel groups
+            self.parallel_state = _experts_parallel_state(self)
         if get_pg_size(self.tp_group) > 1:
             raise NotImplementedError(
                 f"quantizing {type(self).__name__} under expert tensor parallelism (size "
@@ -126,18 +137,6 @@ class QuantRowParallelGroupedLinear(_QuantGroupedLinear):
     """Quantized experts' fc2 (:class:`~megatron_core.transformer.moe.grouped_linear.RowParallelGroupedLinear`)."""
 
     _is_row_parallel = True
-
-
-def _experts_parallel_state(module: torch.nn.Module) -> Any:
-    from megatron_core.process_groups_config import resolve_process_group
-
-    return _mo.distributed.ParallelState(
-        _group(resolve_process_group("expt_dp")), tensor_parallel_group=_group(module.tp_group),
-        expert_model_parallel_group=_group(resolve_process_group("ep")))
-
-
-def _group(group: Any) -> Any:
-    return -1 if group is None else group
 
 
 @_mo.nn.QuantModuleRegistry.register({SequentialMLP: "megatron_core_SequentialMLP"})
@@ -224,3 +223,18 @@ def expert_quantizer_state_for(model: torch.nn.Module, quantizer_state: dict[str
         elif match.group("idx") == "0":
             out.update({f"{match.group('head')}{i}{match.group('tail')}": state for i in range(count)})
     return out
+
+
+def modelopt_state_for(model: torch.nn.Module, modelopt_state: dict[str, Any]) -> dict[str, Any]:
+    """A saved ``mto.modelopt_state`` whose per-expert quantizer settings fit ``model``'s expert-parallel size.
+
+    Applies :func:`expert_quantizer_state_for` to every mode's recorded ``quantizer_state``; the rest is kept.
+    """
+    modes = []
+    for mode, entry in modelopt_state.get("modelopt_state_dict", []):
+        metadata = entry.get("metadata", {}) if isinstance(entry, dict) else {}
+        if "quantizer_state" in metadata:
+            metadata = {**metadata, "quantizer_state": expert_quantizer_state_for(model, metadata["quantizer_state"])}
+            entry = {**entry, "metadata": metadata}
+        modes.append((mode, entry))
+    return {**modelopt_state, "modelopt_state_dict": modes}
