@@ -1,9 +1,10 @@
 """Megatron-Core's ``fp8_utils`` names that training code calls around FP8 checkpoints.
 
-This library's FP8 training (:mod:`megatron_core.fp8`, torchao float8 GEMMs with per-tensor or per-row
-scales computed from the current tensor) keeps no amax history, so the Transformer Engine 1.x repair of
-amax histories after a checkpoint load has nothing to do here; Megatron-Core's own function does nothing
-either with Transformer Engine 2 or without it.
+This library's FP8 training (:mod:`megatron_core.fp8`) either keeps no amax history (torchao's dynamic
+recipes) or, with ``fp8_recipe='delayed'``, restores its histories exactly from each layer's
+``_extra_state`` (no checkpoint-load copy writes into them), so the Transformer Engine 1.x repair of amax
+histories after a checkpoint load has nothing to do here; Megatron-Core's own function does nothing either
+with Transformer Engine 2 or without it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def get_fp8_context(config: Any, layer_no: int = -1, is_init: bool = False) -> A
 
 def correct_amax_history_if_needed(model: list[torch.nn.Module] | torch.nn.Module) -> None:
     """Repair FP8 amax histories after loading a checkpoint (Megatron-Core's call); a no-op in this library,
-    whose FP8 recipes keep no amax history. ``TypeError`` unless given a module or a list of modules."""
+    whose delayed-scaling histories load exactly from ``_extra_state``. ``TypeError`` unless given a module or a list of modules."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     for chunk in chunks:
         if not isinstance(chunk, torch.nn.Module):
