@@ -6,14 +6,14 @@ The model (hidden 32, 2 layers, the Model Optimizer spec) is quantized with a pr
 calibrated on one batch, then trained with the library's optimizer (Adam, clipping at 1.0).
 
 * On one process, 50 steps lower the loss (mean of the last 10 steps below 75 % of the first 10;
-  measured FP8: 5.55 -> 3.21, INT8: 5.55 -> 3.21), the calibrated amax stay as they were, and every
+  measured FP8: 5.086 -> 2.921, INT8: 5.087 -> 2.880), the calibrated amax stay as they were, and every
   quantized linear's weight trains (straight-through gradients).
 * At TP=2 the loss curve of 12 steps and every gradient (steps 0 and 11, each rank's shard) equal one
   process's. The models are float64: in fp32 the row-parallel all-reduce sums in another order than one
   process (1e-7 relative), which can move a fake-quantized value across a rounding midpoint (a whole FP8
   step); in float64 that noise is 1e-16. The cross entropy is computed in fp32 either way (Megatron-Core
   casts the logits), so the bound is 1e-6 relative for the losses and 1e-5 relative (to the largest
-  entry) for the gradients; measured about 1e-8.
+  entry) for the gradients; measured: losses equal, gradients 1.6e-7.
 """
 
 from __future__ import annotations

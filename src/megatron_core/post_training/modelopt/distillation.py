@@ -170,11 +170,15 @@ def convert_to_distillation_model(student: torch.nn.Module, teacher: torch.nn.Mo
 
     Both are ``GPTModel``s of the same vocabulary (``ValueError`` otherwise) on the last pipeline stage (no
     PP). The teacher's LM loss is never computed; the student's is skipped in training when
-    ``skip_lm_loss``; ``state_dict``/``sharded_state_dict`` hold the student (and projection) only.
+    ``skip_lm_loss``; ``state_dict``/``sharded_state_dict`` hold the student (and projection) only. The
+    loss modules (a projection) are cast to the dtype of the student's parameters.
     """
     _check_pair(student, teacher)
     cfg = setup_distillation_config(config, student.config, teacher.config,
                                     tp_group=getattr(student.output_layer, "tp_group", None))
+    dtype = next(student.parameters()).dtype
+    for loss in cfg.criterion.values():
+        loss.to(dtype)  # a projection takes the student's dtype
     model = _mtd.convert(student, mode=[("kd_loss", {"teacher_model": teacher, "criterion": cfg.criterion,
                                                      "loss_balancer": cfg.loss_balancer})])
     model._distillation_config = cfg
