@@ -199,14 +199,13 @@ def test_valid_delayed_configs_pass():
 
 
 class _Probe(torch.nn.Module):
-    """The state :class:`DelayedFloat8Matmul` needs, on one layer: recipe, history, scales, TP group."""
+    """The state :class:`DelayedFloat8Matmul` needs, on one layer: recipe, history, scales, no amax group."""
 
     def __init__(self, fmt: str, device: str) -> None:
         from megatron_core.fp8.delayed_scaling import DelayedScalingRecipe, init_state
 
         super().__init__()
         init_state(self, DelayedScalingRecipe(fp8_format=fmt, amax_history_len=4), torch.device(device))
-        self.tp_group = None
 
 
 @pytest.mark.gpu

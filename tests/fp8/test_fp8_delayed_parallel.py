@@ -10,6 +10,10 @@ and every gradient equal one process within 1e-5 relative to the tensor's larges
 an fp8 rounding boundary could flip; none does on this model and batch). A
 ``dist_checkpointing`` checkpoint saved at TP=2 carries the scaling state (``_extra_state``, one per
 layer, replicated over TP) and loads at TP=1.
+
+As in Megatron-Core the amaxes are reduced over data-parallel ranks too (the TP x DP x CP group): at DP=2
+each rank's scales equal those of one process on both ranks' micro-batches together (``loss.sum()``, so
+the output gradients are the same tensors), and its summed gradients equal that process's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from megatron_core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron_core.fp8 import convert_to_float8
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import VOCAB, batch, build, llama_like, shard
+
+DP_STEPS = 2
 
 SPEC = llama_like(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_amax_compute_algo="max")
 STEPS = 3
@@ -119,3 +125,56 @@ def _tp2_sp_against_one_process(ckpt: str) -> int:
 def test_delayed_fp8_tp2_sp_equals_one_process_and_checkpoint_loads_at_tp1(tmp_path):
     exact = run_on_ranks(2, _tp2_sp_against_one_process, str(tmp_path / "ckpt"), timeout=280)
     assert exact[0] == exact[1] >= (STEPS + 1) * 8 // 2, exact  # most scale vectors are bit-identical to one process
+
+
+def _dp_steps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    for _ in range(DP_STEPS):
+        model.zero_grad()
+        model(ids, pos, None, labels=labels).float().sum().backward()
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids, pos, None)
+    model.train()
+    return logits, {k: v.grad.detach().clone() for k, v in model.named_parameters()}
+
+
+def _dp2_against_one_process() -> int:
+    rank = torch.distributed.get_rank()
+    batches = [batch(3), batch(4)]
+    torch.manual_seed(0)
+    ref = build(SPEC)
+    state = ref.state_dict()
+    convert_to_float8(ref, emulate=True)
+    ref_logits, ref_grads = _dp_steps(ref, torch.cat([b[0] for b in batches]), torch.cat([b[2] for b in batches]))
+    alone = build(SPEC)
+    alone.load_state_dict(state)
+    convert_to_float8(alone, emulate=True)
+    _dp_steps(alone, batches[rank][0], batches[rank][2])
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        model = build(SPEC)
+        model.load_state_dict(state)
+        convert_to_float8(model, emulate=True)
+        logits, grads = _dp_steps(model, batches[rank][0], batches[rank][2])
+        group = parallel_state.get_data_parallel_group()
+        moved = 0
+        for name, scale in _scales(model).items():
+            both = [torch.empty_like(scale) for _ in range(2)]
+            torch.distributed.all_gather(both, scale, group=group)
+            assert torch.equal(both[0], both[1]), f"{name}: the DP ranks' scales differ {both}"
+            torch.testing.assert_close(scale, _scales(ref)[name], rtol=SCALE_RTOL, atol=0)
+            moved += int(not torch.equal(scale, _scales(alone)[name]))
+        half = ref_logits.shape[0] // 2
+        _close(logits, ref_logits[rank * half:(rank + 1) * half], "logits")
+        for name, grad in grads.items():
+            torch.distributed.all_reduce(grad, group=group)
+            _close(grad, ref_grads[name], name)
+        return moved
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_delayed_fp8_amax_is_reduced_over_data_parallel_ranks():
+    moved = run_on_ranks(2, _dp2_against_one_process, timeout=280)
+    assert min(moved) > 0, moved  # some scale differs from the one a rank would compute from its own batch

@@ -5,8 +5,9 @@ Transformer Engine's ``Linear`` under its ``DelayedScaling`` recipe, written wit
 layer's current scales (:mod:`megatron_core.fp8.delayed_scaling`), and in the backward pass the
 output gradient quantized (e4m3, or e5m2 with ``fp8='hybrid'``) for both gradient GEMMs:
 ``dx = dy @ W`` and ``dW = dy.T @ x`` (in high precision with ``fp8_wgrad=False``). The amaxes of the
-three operands are max-reduced over the layer's tensor-parallel group before they are recorded, so
-every rank holds the same scales, equal to those of one process on the whole tensors.
+three operands are max-reduced over the layer's amax reduction group (``fp8_amax_group``: tensor x
+data x context parallel, as Megatron-Core's default) before they are recorded, so every rank holds the
+same scales, equal to those of one process on the whole tensors and the whole global batch.
 
 On a CUDA device the GEMMs are ``torch._scaled_mm`` (first operand row-major, second column-major,
 inverse scales passed to the kernel; the wgrad's inner dimension, the tokens, is zero-padded to a
@@ -59,7 +60,7 @@ def _fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
 class DelayedFloat8Matmul(torch.autograd.Function):
     """``x @ weight.T`` with float8 operands scaled by ``layer``'s delayed-scaling state.
 
-    ``layer`` carries ``float8_recipe``, ``fp8_amax_history``, ``fp8_scale`` and ``tp_group``; ``record``
+    ``layer`` carries ``float8_recipe``, ``fp8_amax_history``, ``fp8_scale`` and ``fp8_amax_group``; ``record``
     says whether this call records amaxes and moves the scales on (training mode).
     """
 
@@ -73,7 +74,7 @@ class DelayedFloat8Matmul(torch.autograd.Function):
         w_q = quantize(weight, scale[WEIGHT], recipe.forward_dtype)
         out = _fp8_mm(x_q, scale[INPUT], w_q.t(), scale[WEIGHT], x.dtype, emulate)
         if record:
-            record_amax(layer, FORWARD_COLUMNS, reduce_amax(_amax(x2, weight), layer.tp_group))
+            record_amax(layer, FORWARD_COLUMNS, reduce_amax(_amax(x2, weight), layer.fp8_amax_group))
         ctx.layer, ctx.record, ctx.emulate = layer, record, emulate
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.save_for_backward(x_q, w_q, scale, None if recipe.fp8_wgrad else x2)
@@ -97,7 +98,7 @@ class DelayedFloat8Matmul(torch.autograd.Function):
                 grad_w = _fp8_mm(_pad_rows(dy_q).t(), g_scale, _pad_rows(x_q), fwd_scale[INPUT], ctx.w_dtype,
                                  emulate)
         if ctx.record:
-            record_amax(layer, BACKWARD_COLUMNS, reduce_amax(_amax(dy), layer.tp_group))
+            record_amax(layer, BACKWARD_COLUMNS, reduce_amax(_amax(dy), layer.fp8_amax_group))
         return grad_x, grad_w, None, None, None
 
 

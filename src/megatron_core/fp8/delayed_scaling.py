@@ -7,8 +7,10 @@ the forward pass (e4m3) and the output gradient in the backward pass (e4m3, or e
 ``fp8='hybrid'``). Each operand keeps an amax history of ``fp8_amax_history_len`` steps:
 
 * step ``t`` quantizes with the scale derived from the steps before ``t`` (the first step uses 1);
-* after the GEMM the tensor's amax (max ``|x|``, reduced over the layer's tensor-parallel group) is
-  recorded in the history, and the scale for step ``t + 1`` is computed at once:
+* after the GEMM the tensor's amax (max ``|x|``, max-reduced over the amax reduction group: as in
+  Megatron-Core, the tensor x data x context parallel group, or the layer's tensor-parallel group when
+  ``parallel_state`` is not initialized) is recorded in the history, and the scale for step ``t + 1``
+  is computed at once:
   ``amax = max(history)`` (``'max'``) or the amax just recorded (``'most_recent'``), then
   ``scale = (fp8_max / amax) / 2**margin``; an amax of 0 or not finite keeps the previous scale;
 * the history is a ring of the last ``fp8_amax_history_len`` amaxes (slot 0 takes the next one).
@@ -91,16 +93,19 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return (t.float() * scale).clamp(-limit, limit).to(dtype)
 
 
-def init_state(layer: torch.nn.Module, recipe: DelayedScalingRecipe, device: torch.device) -> None:
-    """Give ``layer`` a fresh delayed-scaling state (zero histories, unit scales) as non-persistent buffers."""
+def init_state(layer: torch.nn.Module, recipe: DelayedScalingRecipe, device: torch.device,
+               amax_group: Any = None) -> None:
+    """Give ``layer`` a fresh delayed-scaling state (zero histories, unit scales) as non-persistent buffers;
+    its amaxes will be max-reduced over ``amax_group`` (None: not reduced)."""
     layer.float8_recipe = recipe
+    layer.fp8_amax_group = amax_group
     layer.register_buffer("fp8_amax_history", torch.zeros(recipe.amax_history_len, 3, device=device),
                           persistent=False)
     layer.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
 
 
 def reduce_amax(amax: torch.Tensor, group: Any) -> torch.Tensor:
-    """``amax`` (fp32) max-reduced over ``group`` (the tensor-parallel group; nothing to do for one rank)."""
+    """``amax`` (fp32) max-reduced over ``group`` (the amax reduction group; nothing to do for one rank)."""
     if group is not None and get_pg_size(group) > 1:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
     return amax
