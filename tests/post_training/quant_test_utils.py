@@ -122,3 +122,47 @@ def quantize_on(model: GPTModel, recipe: str, indices: list[int]) -> GPTModel:
             m(*moe_batch(i), None)
 
     return mtq.quantize(model, getattr(mtq, recipe), loop)
+
+
+# ---- pipeline stages of the dense GPT (tests/post_training/test_ptq_pipeline*.py) ----
+
+
+def build_stage(weights: dict, dtype: torch.dtype = torch.float32) -> GPTModel:
+    """This pipeline rank's stage of :func:`build`'s GPT holding the one-process ``weights`` (global layer names)."""
+    import re
+
+    from megatron_core import parallel_state
+    from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cfg = config(pipeline_model_parallel_size=pp, pipeline_dtype=dtype)
+    model = GPTModel(cfg, get_gpt_modelopt_spec(cfg, local_core_attention=True), VOCAB, MAX_SEQ,
+                     position_embedding_type="rope", parallel_output=False,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage()).to(dtype).eval()
+    offset = get_transformer_layer_offset(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+            param.copy_(weights[key])
+    return model
+
+
+def pipeline_forward(model: GPTModel, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """One forward-only microbatch through the library's pipeline schedule: the logits on the last stage, else None."""
+    from megatron_core import parallel_state
+    from megatron_core.pipeline_parallel import get_forward_backward_func
+
+    def step(data_iterator, stage):
+        tokens, positions = next(data_iterator)
+        output = stage(tokens, positions, None)
+
+        def collect(output_tensor, non_loss_data=False):
+            return output_tensor.detach().clone()
+
+        return output, collect
+
+    data = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter([(ids, position_ids)]), model=model, num_microbatches=1,
+        seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True, collect_non_loss_data=True)
+    return data[0] if parallel_state.is_pipeline_last_stage() else None
