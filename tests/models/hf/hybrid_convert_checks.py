@@ -9,10 +9,10 @@ from megatron_core.inference.cli.checkpoint import load_gpt_from_checkpoint
 from tests.models.hf.dist_checks import logits_of
 
 
-def logits_from_record(ckpt: str, tp: int) -> torch.Tensor | None:
-    """Rebuild the converted checkpoint's HybridModel at TP=``tp`` from its ``model_config`` record and load it, as
-    ``megatron-generate`` does; return its full-vocabulary logits of the test batch."""
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+def logits_from_record(ckpt: str, tp: int, pp: int = 1) -> torch.Tensor | None:
+    """Rebuild the converted checkpoint's HybridModel at (``tp``, ``pp``) from its ``model_config`` record and load
+    it, as ``megatron-generate`` does; return the last stage's full-vocabulary logits of the test batch."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     model, _, _ = load_gpt_from_checkpoint(ckpt)
     return logits_of(model)

@@ -2,7 +2,7 @@
 
 The converted checkpoint holds exactly the keys and global shapes of HybridModel's sharded state dict (the Mamba
 mixer's ``in_proj`` / ``conv1d`` as TP-independent sections); rebuilt from its ``model_config`` record (as
-``megatron-generate`` does) at TP=1 and TP=2 it gives transformers' logits within 1e-4; ``mcore-to-hf`` gives back
+``megatron-generate`` does) at TP=1, TP=2 and PP=2 it gives transformers' logits within 1e-4; ``mcore-to-hf`` gives back
 the original safetensors bitwise; ``megatron-generate`` on it produces transformers' greedy tokens.
 """
 
@@ -74,15 +74,16 @@ def test_keys_match_and_round_trip_is_bitwise(kind: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["nemotron_h", "mamba2"])
-def test_record_rebuilds_the_model_at_tp1_and_tp2(kind: str, tmp_path) -> None:
+def test_record_rebuilds_the_model_at_tp1_tp2_and_pp2(kind: str, tmp_path) -> None:
     src, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     make_hybrid_model(kind, src)
     expected = hf_logits(src)
     _convert(src, ckpt)
-    for tp in (1, 2):
-        results = run_on_ranks(2, hybrid_convert_checks.logits_from_record, ckpt, tp)
-        assert len(results) == 2
-        for logits in results:
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        results = run_on_ranks(2, hybrid_convert_checks.logits_from_record, ckpt, tp, pp)
+        last = [logits for logits in results if logits is not None]
+        assert len(last) == 2 // pp
+        for logits in last:
             torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
