@@ -222,7 +222,7 @@ def test_scaled_mm_path_matches_the_emulation(fmt):
         probe = _Probe(fmt, "cuda")
         for _ in range(2):  # the second step runs with scales from the first step's amaxes
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-            out = DelayedFloat8Matmul.apply(xi, wi, probe, True, emulate)
+            out = DelayedFloat8Matmul.apply(xi, wi, probe, True, emulate, None)
             out.backward(dy)
         results[emulate] = (out.float(), xi.grad.float(), wi.grad.float(), probe.fp8_scale.clone())
     (out, gx, gw, scale), (e_out, e_gx, e_gw, e_scale) = results[False], results[True]
@@ -230,3 +230,29 @@ def test_scaled_mm_path_matches_the_emulation(fmt):
     for name, got, want in (("output", out, e_out), ("dgrad", gx, e_gx), ("wgrad", gw, e_gw)):
         err = ((got - want).norm() / want.norm()).item()
         assert err < 1e-2, f"{name}: relative error {err:.2e}"
+
+
+def test_activation_recompute_reuses_the_first_pass_scales():
+    torch.manual_seed(0)
+    spec = _delayed(fp8="hybrid", fp8_amax_history_len=4, fp8_amax_compute_algo="most_recent")
+    plain = build(spec)
+    recomputed = build(spec, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    recomputed.load_state_dict(plain.state_dict())
+    for model in (plain, recomputed):
+        convert_to_float8(model, emulate=True)
+    for seed in (3, 4, 5):  # another batch each step, so every step moves the scales
+        ids, pos, labels = batch(seed)
+        losses = []
+        for model in (plain, recomputed):
+            model.zero_grad()
+            loss = model(ids, pos, None, labels=labels).float().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), seed
+        for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=f"step {seed}: {name}")
+        for (name, a), b in zip(plain.named_modules(), recomputed.modules()):
+            if hasattr(a, "fp8_scale"):
+                assert torch.equal(a.fp8_amax_history, b.fp8_amax_history), name
+                assert torch.equal(a.fp8_scale, b.fp8_scale), name
+                assert len(b.fp8_recompute_stash) == 0, name

@@ -61,19 +61,22 @@ class DelayedFloat8Matmul(torch.autograd.Function):
     """``x @ weight.T`` with float8 operands scaled by ``layer``'s delayed-scaling state.
 
     ``layer`` carries ``float8_recipe``, ``fp8_amax_history``, ``fp8_scale`` and ``fp8_amax_group``; ``record``
-    says whether this call records amaxes and moves the scales on (training mode).
+    says whether this call records amaxes and moves the scales on (training mode): the forward's
+    operands unless ``scale`` is given (the scales of a recomputed forward's first pass), and the output
+    gradient in any case.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module, record: bool,
-                emulate: bool) -> torch.Tensor:
+                emulate: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
         recipe = layer.float8_recipe
         x2 = x.reshape(-1, x.shape[-1])
-        scale = layer.fp8_scale.detach().clone()
+        recompute = scale is not None
+        scale = (layer.fp8_scale if scale is None else scale).detach().clone()
         x_q = quantize(x2, scale[INPUT], recipe.forward_dtype)
         w_q = quantize(weight, scale[WEIGHT], recipe.forward_dtype)
         out = _fp8_mm(x_q, scale[INPUT], w_q.t(), scale[WEIGHT], x.dtype, emulate)
-        if record:
+        if record and not recompute:
             record_amax(layer, FORWARD_COLUMNS, reduce_amax(_amax(x2, weight), layer.fp8_amax_group))
         ctx.layer, ctx.record, ctx.emulate = layer, record, emulate
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -99,10 +102,22 @@ class DelayedFloat8Matmul(torch.autograd.Function):
                                  emulate)
         if ctx.record:
             record_amax(layer, BACKWARD_COLUMNS, reduce_amax(_amax(dy), layer.fp8_amax_group))
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def delayed_float8_matmul(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module,
                           emulate: bool = False) -> torch.Tensor:
-    """``x @ weight.T`` in float8 with ``layer``'s delayed scales; records amaxes when ``layer.training``."""
-    return DelayedFloat8Matmul.apply(x, weight, layer, layer.training, emulate or x.device.type != "cuda")
+    """``x @ weight.T`` in float8 with ``layer``'s delayed scales; records amaxes when ``layer.training``.
+
+    Activation recompute (Megatron-Core's reentrant ``tensor_parallel.checkpoint``): a training forward
+    without grad, the first pass of a checkpointed region, stashes the scales it used; the recomputation,
+    a forward run inside the backward pass, takes them back in order and records nothing, so it
+    rebuilds exactly the activations of the first pass and each step records its amaxes once.
+    """
+    emulate = emulate or x.device.type != "cuda"
+    stash = layer.fp8_recompute_stash
+    if torch._C._current_graph_task_id() != -1 and stash:  # run by the autograd engine: a recomputation
+        return DelayedFloat8Matmul.apply(x, weight, layer, layer.training, emulate, stash.popleft())
+    if layer.training and not torch.is_grad_enabled():
+        stash.append(layer.fp8_scale.detach().clone())
+    return DelayedFloat8Matmul.apply(x, weight, layer, layer.training, emulate, None)

@@ -13,7 +13,9 @@ the forward pass (e4m3) and the output gradient in the backward pass (e4m3, or e
   is computed at once:
   ``amax = max(history)`` (``'max'``) or the amax just recorded (``'most_recent'``), then
   ``scale = (fp8_max / amax) / 2**margin``; an amax of 0 or not finite keeps the previous scale;
-* the history is a ring of the last ``fp8_amax_history_len`` amaxes (slot 0 takes the next one).
+* the history is a ring of the last ``fp8_amax_history_len`` amaxes (slot 0 takes the next one);
+* activation recompute reuses the first pass's scales and records nothing (a FIFO ``fp8_recompute_stash``
+  of at most :data:`RECOMPUTE_STASH_LEN` scale vectors, see :func:`megatron_core.fp8.delayed_linear.delayed_float8_matmul`).
 
 The state lives in two non-persistent buffers of the layer (``fp8_amax_history [len, 3]`` and
 ``fp8_scale [3]``, columns: input, weight, output gradient), so it follows ``.to()``/``.cuda()``;
@@ -23,6 +25,7 @@ checkpoints carry it as the layer's ``_extra_state`` (:func:`pack_extra_state` /
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +38,7 @@ FORWARD_COLUMNS = (INPUT, WEIGHT)
 BACKWARD_COLUMNS = (GRAD_OUTPUT,)
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 EXTRA_STATE_VERSION = 1
+RECOMPUTE_STASH_LEN = 1024
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ def init_state(layer: torch.nn.Module, recipe: DelayedScalingRecipe, device: tor
     its amaxes will be max-reduced over ``amax_group`` (None: not reduced)."""
     layer.float8_recipe = recipe
     layer.fp8_amax_group = amax_group
+    layer.fp8_recompute_stash = deque(maxlen=RECOMPUTE_STASH_LEN)
     layer.register_buffer("fp8_amax_history", torch.zeros(recipe.amax_history_len, 3, device=device),
                           persistent=False)
     layer.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
