@@ -304,11 +304,8 @@ def _stored_parameters(bridge: AutoBridge, layout: CheckpointLayout, stored: dic
         first = f"{key}.{names[0]}" if names else key
         if first not in stored:
             raise HFConversionError(f"{checkpoint_dir}: tensor {first!r} is missing (a {bridge.architecture} needs it)")
-        shape = tuple(stored[first].global_shape)
-        axes = len(layout.axes(source, index))
-        rows = sum(stored[f"{key}.{n}"].global_shape[axes] for n in names if f"{key}.{n}" in stored) if names else 0
-        full = (rows, *shape[axes + 1:]) if names else shape[axes:]
-        want = tuple(mcore_shape(source, bridge.family, full[0] if isinstance(rule, Copy) and rule.vocab else 0))
+        stored_rows = stored[first].global_shape[len(layout.axes(source, index))]  # the padded vocabulary, if any
+        want = tuple(mcore_shape(source, bridge.family, stored_rows if isinstance(rule, Copy) and rule.vocab else 0))
         parts = tuple(_sections(layout, rule, want))
         for suffix, size in parts:
             part_want = (size, *want[1:]) if suffix else want
