@@ -119,3 +119,19 @@ def test_megatron_generate_matches_transformers_generate(tmp_path) -> None:
     ours = [json.loads(line)["generated_tokens"] for line in out.read_text().splitlines()]
     assert ours == _hf_greedy(src, prompts, 8)
     assert all(len(tokens) >= 2 for tokens in ours)
+
+
+def test_export_with_a_contradicting_template_names_the_section(tmp_path) -> None:
+    """A template whose Mamba heads are wider than the checkpoint's is refused naming the stored section and both
+    shapes; nothing is written."""
+    from megatron_core.models.hf import HFConversionError
+    from megatron_core.models.hf.convert import export_mcore_to_hf
+
+    src, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    make_hybrid_model("nemotron_h", src)
+    _convert(src, ckpt)
+    make_hybrid_model("nemotron_h", tmp_path / "wider", mamba_head_dim=8)
+    with pytest.raises(HFConversionError, match=r"mixer\.in_proj\.weight\.z' has shape \(24, 16\), the HF config "
+                                                r"implies \(32, 16\)"):
+        export_mcore_to_hf(ckpt, str(tmp_path / "out"), hf_template=str(tmp_path / "wider"), progress=False)
+    assert not (tmp_path / "out").exists()
