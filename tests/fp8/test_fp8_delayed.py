@@ -153,13 +153,20 @@ def test_checkpoint_round_trip_restores_the_scaling_state():
             assert torch.equal(a.fp8_scale, b.fp8_scale), name
             assert a.fp8_amax_history[1:].gt(0).all(), name  # three steps recorded
     torch.testing.assert_close(fresh(*batch(6)[:2], None), model(*batch(6)[:2], None), rtol=0, atol=0)
-    # A high-precision model loads the FP8 checkpoint (scaling state ignored) and vice versa (fresh state).
+    # A high-precision model loads the FP8 checkpoint (scaling state ignored) and vice versa (state reset).
     plain = build(llama_like())
     plain.load_state_dict(state)
-    other = build(spec)
-    convert_to_float8(other, emulate=True)
-    other.load_state_dict(plain.state_dict())
-    assert all(m.fp8_scale.eq(1).all() for m in other.modules() if hasattr(m, "fp8_scale"))
+    model.load_state_dict(plain.state_dict())
+    assert all(m.fp8_amax_history.eq(0).all() and m.fp8_scale.eq(1).all()
+               for m in model.modules() if hasattr(m, "fp8_scale"))
+    # Transformer Engine's serialized state (pickled bytes in a uint8 tensor) cannot be read: fresh state.
+    te_like = dict(state, **{k: torch.frombuffer(bytearray(b"te-fp8-meta"), dtype=torch.uint8) for k in extra})
+    with pytest.warns(UserWarning, match="Transformer Engine's serialized FP8 state"):
+        fresh.load_state_dict(te_like)
+    assert all(m.fp8_amax_history.eq(0).all() and m.fp8_scale.eq(1).all()
+               for m in fresh.modules() if hasattr(m, "fp8_scale"))
+    with pytest.raises(ValueError, match="not FP8 delayed-scaling state"):
+        model.load_state_dict(dict(state, **{extra[0]: {"fp8_recipe": "blockwise"}}))
     longer = build(_delayed(fp8_amax_history_len=8))
     convert_to_float8(longer, emulate=True)
     with pytest.raises(ValueError, match="amax history has 4 steps, fp8_amax_history_len is 8"):

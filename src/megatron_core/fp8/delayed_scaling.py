@@ -25,6 +25,8 @@ checkpoints carry it as the layer's ``_extra_state`` (:func:`pack_extra_state` /
 
 from __future__ import annotations
 
+import io
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -144,9 +146,19 @@ def pack_extra_state(layer: torch.nn.Module) -> dict[str, Any]:
 
 @torch.no_grad()
 def unpack_extra_state(layer: torch.nn.Module, state: Any) -> None:
-    """Load a :func:`pack_extra_state` dict into ``layer`` (``None``, a high-precision checkpoint's, keeps
-    the fresh state). ``ValueError`` for another recipe's state or another ``fp8_amax_history_len``."""
-    if state is None:
+    """Load a :func:`pack_extra_state` dict into ``layer``. ``None`` (a high-precision or torchao-recipe
+    checkpoint) resets the state (zero histories, unit scales); so does Transformer Engine's serialized FP8
+    state (it needs TE's classes to read), with a warning. ``ValueError`` for a dict of another kind or
+    another ``fp8_amax_history_len``."""
+    if state is None or isinstance(state, (torch.Tensor, io.BytesIO)):
+        size = 0 if state is None else state.numel() if isinstance(state, torch.Tensor) else len(state.getbuffer())
+        if size:
+            warnings.warn(f"{type(layer).__name__}: _extra_state holds Transformer Engine's serialized FP8 state, "
+                          "which cannot be read without it; the delayed-scaling state starts afresh "
+                          "(zero amax history, scales 1)", stacklevel=2)
+        layer.fp8_amax_history.zero_()
+        layer.fp8_scale.fill_(1.0)
+        layer.fp8_recompute_stash.clear()
         return
     if not isinstance(state, dict) or state.get("fp8_recipe") != "delayed":
         raise ValueError(f"{type(layer).__name__}: _extra_state is not FP8 delayed-scaling state "
