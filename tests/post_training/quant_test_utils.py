@@ -98,28 +98,28 @@ def build_moe(grouped: bool, seed: int = 1234, dtype: torch.dtype = torch.float3
     return model.to(dtype).eval()
 
 
-def moe_batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, position_ids)`` of the MoE GPT's batch ``index``, each ``[BATCH, seq]``."""
+def moe_batch(index: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, position_ids)`` of the MoE GPT's batch ``index``, each ``[BATCH, seq]``, on ``device``."""
     from tests.transformer.moe.moe_parallel_utils import SEQ as MOE_SEQ
     from tests.transformer.moe.moe_parallel_utils import VOCAB as MOE_VOCAB
 
     ids = torch.randint(0, MOE_VOCAB, (BATCH, MOE_SEQ), generator=torch.Generator().manual_seed(100 + index))
-    return ids, torch.arange(MOE_SEQ).unsqueeze(0).expand(BATCH, MOE_SEQ)
+    return ids.to(device), torch.arange(MOE_SEQ, device=device).unsqueeze(0).expand(BATCH, MOE_SEQ)
 
 
-def moe_logits(model: GPTModel, index: int) -> torch.Tensor:
+def moe_logits(model: GPTModel, index: int, device: str = "cpu") -> torch.Tensor:
     """``[b, s, vocab]`` logits on batch ``index``."""
     with torch.no_grad():
-        return model(*moe_batch(index), None)
+        return model(*moe_batch(index, device), None)
 
 
-def quantize_on(model: GPTModel, recipe: str, indices: list[int]) -> GPTModel:
+def quantize_on(model: GPTModel, recipe: str, indices: list[int], device: str = "cpu") -> GPTModel:
     """``mtq.quantize`` with the predefined ``recipe``, calibrating on the batches ``indices``."""
     import modelopt.torch.quantization as mtq
 
     def loop(m: GPTModel) -> None:
         for i in indices:
-            m(*moe_batch(i), None)
+            m(*moe_batch(i, device), None)
 
     return mtq.quantize(model, getattr(mtq, recipe), loop)
 

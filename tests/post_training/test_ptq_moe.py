@@ -123,3 +123,22 @@ def test_an_expert_without_calibration_tokens_is_still_calibrated(grouped):
                     torch.testing.assert_close(lin.input_quantizer.amax, torch.stack(busy).amax())
             for weight, quantizer in weights:
                 torch.testing.assert_close(quantizer.amax, weight.detach().abs().amax())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NVFP4 fake quantization runs with CUDA kernels only")
+def test_nvfp4_of_grouped_and_sequential_experts_on_cuda():
+    """NVFP4 (Model Optimizer 0.47 has no CPU path): every expert calibrated, grouped equals sequential (1e-6)."""
+    from megatron_core.post_training.modelopt.calibration import check_calibrated
+
+    sequential = build_moe(grouped=False).cuda()
+    grouped = build_moe(grouped=True, seed=5).cuda()
+    grouped.load_state_dict(sequential_to_grouped_state(sequential.state_dict()), strict=False)
+    ref = moe_logits(sequential, 9, "cuda")
+    for model in (sequential, grouped):
+        quantize_on(model, "NVFP4_DEFAULT_CFG", [0, 1], "cuda")
+        check_calibrated(model)
+    quantized = moe_logits(sequential, 9, "cuda")
+    torch.testing.assert_close(moe_logits(grouped, 9, "cuda"), quantized, atol=1e-6, rtol=1e-6)
+    error = ((quantized - ref).norm() / ref.norm()).item()
+    assert 1e-4 < error < 0.25, f"NVFP4: relative logit error {error:.4g}"
