@@ -263,3 +263,21 @@ def test_activation_recompute_reuses_the_first_pass_scales():
                 assert torch.equal(a.fp8_amax_history, b.fp8_amax_history), name
                 assert torch.equal(a.fp8_scale, b.fp8_scale), name
                 assert len(b.fp8_recompute_stash) == 0, name
+
+
+def test_moe_experts_keep_their_rowwise_grouped_gemm_under_delayed():
+    from megatron_core.fp8 import Float8ColumnParallelGroupedLinear
+    from tests.transformer.moe.moe_parallel_utils import batches
+    from tests.transformer.moe.moe_parallel_utils import build as build_moe
+
+    torch.manual_seed(0)
+    model = build_moe("mixtral", moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="delayed")
+    names = convert_to_float8(model, emulate=True)
+    delayed = [n for n, m in model.named_modules() if hasattr(m, "fp8_scale")]
+    assert sorted(delayed) == sorted(n for n in names if ".experts." not in n) and len(delayed) == 4  # qkv, proj
+    experts = model.decoder.layers[0].mlp.experts.linear_fc1
+    assert isinstance(experts, Float8ColumnParallelGroupedLinear) and not hasattr(experts, "fp8_scale")
+    ids, pos, labels = batches(1)[0]
+    model(ids, pos, None, labels=labels).float().mean().backward()
+    assert all(model.get_submodule(n).fp8_scale.ne(1).all() for n in delayed)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
