@@ -12,7 +12,8 @@ the forward pass (e4m3) and the output gradient in the backward pass (e4m3, or e
   ``parallel_state`` is not initialized) is recorded in the history, and the scale for step ``t + 1``
   is computed at once:
   ``amax = max(history)`` (``'max'``) or the amax just recorded (``'most_recent'``), then
-  ``scale = (fp8_max / amax) / 2**margin``; an amax of 0 or not finite keeps the previous scale;
+  ``scale = (fp8_max / amax) / 2**margin`` (at most the largest fp32); an amax of 0 or not finite
+  keeps the previous scale;
 * the history is a ring of the last ``fp8_amax_history_len`` amaxes (slot 0 takes the next one);
 * activation recompute reuses the first pass's scales and records nothing (a FIFO ``fp8_recompute_stash``
   of at most :data:`RECOMPUTE_STASH_LEN` scale vectors, see :func:`megatron_core.fp8.delayed_linear.delayed_float8_matmul`).
@@ -129,6 +130,7 @@ def record_amax(layer: torch.nn.Module, columns: tuple[int, ...], amax: torch.Te
     current = window.amax(dim=0) if recipe.amax_compute_algo == "max" else window[0]
     limits = torch.tensor([fp8_max(recipe.dtype_of(c)) for c in columns], device=history.device)
     candidate = (limits / current) / (2.0 ** recipe.margin)
+    candidate = candidate.clamp(max=torch.finfo(torch.float32).max)  # a tiny amax: the largest fp32, not inf
     previous = scale.index_select(0, index)
     keep = (current <= 0) | ~torch.isfinite(current)
     scale.index_copy_(0, index, torch.where(keep, previous, candidate))
