@@ -10,7 +10,8 @@
   Optimizer's ``test_te_grouped_vs_sequential_quantize`` (tests/gpu_megatron/torch/quantization/plugins/
   test_megatron.py), for the recipes without smoothing (SmoothQuant/AWQ do not act on grouped experts).
 * An expert that gets no calibration token is calibrated the way Model Optimizer does it: its weight amax from
-  its weight, its input amax the maximum of the layer's other local experts.
+  its weight, its input amax the maximum of the layer's other local experts. With no calibration batch at
+  all, ``check_calibrated`` names the experts' input quantizers (their weights calibrate from themselves).
 """
 
 from __future__ import annotations
@@ -123,6 +124,24 @@ def test_an_expert_without_calibration_tokens_is_still_calibrated(grouped):
                     torch.testing.assert_close(lin.input_quantizer.amax, torch.stack(busy).amax())
             for weight, quantizer in weights:
                 torch.testing.assert_close(quantizer.amax, weight.detach().abs().amax())
+
+
+@pytest.mark.parametrize(("grouped", "first_expert_input"), [
+    (False, r"decoder\.layers\.0\.mlp\.experts\.local_experts\.0\.linear_fc1\.input_quantizer"),
+    (True, r"decoder\.layers\.0\.mlp\.experts\.linear_fc1\.input_quantizer"),
+], ids=["sequential", "grouped"])
+def test_check_calibrated_names_expert_quantizers_when_no_batch_ran(grouped, first_expert_input):
+    import modelopt.torch.quantization as mtq
+
+    from megatron_core.post_training.modelopt.calibration import check_calibrated, uncalibrated_quantizers
+
+    model = build_moe(grouped)
+    mtq.quantize(model, mtq.FP8_DEFAULT_CFG, lambda m: None)
+    missing = uncalibrated_quantizers(model)
+    assert not [n for n in missing if "weight_quantizer" in n]  # weights calibrate from themselves
+    assert sum("experts" in n for n in missing) == (16 if not grouped else 4)  # every expert input quantizer
+    with pytest.raises(ValueError, match=first_expert_input):
+        check_calibrated(model)
 
 
 @pytest.mark.gpu
