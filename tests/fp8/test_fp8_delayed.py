@@ -284,13 +284,13 @@ def test_moe_experts_keep_their_rowwise_grouped_gemm_under_delayed():
 
 
 def test_degenerate_amaxes_keep_or_bound_the_scale():
-    from megatron_core.fp8.delayed_scaling import DelayedScalingRecipe, init_state, record_amax
+    from megatron_core.fp8.delayed_scaling import ALL_COLUMNS, DelayedScalingRecipe, init_state, record_amax
 
     layer = torch.nn.Module()
     init_state(layer, DelayedScalingRecipe(amax_history_len=1), torch.device("cpu"))
-    record_amax(layer, (INPUT, WEIGHT, GRAD_OUTPUT), torch.tensor([4.0, 2.0, 1.0]))
+    record_amax(layer, ALL_COLUMNS, torch.tensor([4.0, 2.0, 1.0]))
     assert layer.fp8_scale.tolist() == [112, 224, 448]
-    record_amax(layer, (INPUT, WEIGHT, GRAD_OUTPUT), torch.tensor([0.0, float("nan"), float("inf")]))
+    record_amax(layer, ALL_COLUMNS, torch.tensor([0.0, float("nan"), float("inf")]))
     assert layer.fp8_scale.tolist() == [112, 224, 448]  # kept
-    record_amax(layer, (INPUT,), torch.tensor([1e-45]))  # 448 / 1e-45 overflows fp32
+    record_amax(layer, slice(INPUT, INPUT + 1), torch.tensor([1e-45]))  # 448 / 1e-45 overflows fp32
     assert layer.fp8_scale[INPUT].item() == torch.finfo(torch.float32).max

@@ -19,7 +19,8 @@ the forward pass (e4m3) and the output gradient in the backward pass (e4m3, or e
   of at most :data:`RECOMPUTE_STASH_LEN` scale vectors, see :func:`megatron_core.fp8.delayed_linear.delayed_float8_matmul`).
 
 The state lives in two non-persistent buffers of the layer (``fp8_amax_history [len, 3]`` and
-``fp8_scale [3]``, columns: input, weight, output gradient), so it follows ``.to()``/``.cuda()``;
+``fp8_scale [3]``, columns: input, weight, output gradient; a third, ``fp8_limits``, holds the
+float8 maxima), so it follows ``.to()``/``.cuda()`` and its update needs no host-device copy;
 checkpoints carry it as the layer's ``_extra_state`` (:func:`pack_extra_state` /
 :func:`unpack_extra_state`), as Transformer Engine's modules do.
 """
@@ -37,8 +38,9 @@ import torch
 from megatron_core._ground import get_pg_size
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
-FORWARD_COLUMNS = (INPUT, WEIGHT)
-BACKWARD_COLUMNS = (GRAD_OUTPUT,)
+FORWARD_COLUMNS = slice(INPUT, WEIGHT + 1)
+BACKWARD_COLUMNS = slice(GRAD_OUTPUT, GRAD_OUTPUT + 1)
+ALL_COLUMNS = slice(INPUT, GRAD_OUTPUT + 1)
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 EXTRA_STATE_VERSION = 1
 RECOMPUTE_STASH_LEN = 1024
@@ -110,6 +112,8 @@ def init_state(layer: torch.nn.Module, recipe: DelayedScalingRecipe, device: tor
     layer.register_buffer("fp8_amax_history", torch.zeros(recipe.amax_history_len, 3, device=device),
                           persistent=False)
     layer.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
+    limits = [fp8_max(recipe.dtype_of(c)) for c in (INPUT, WEIGHT, GRAD_OUTPUT)]
+    layer.register_buffer("fp8_limits", torch.tensor(limits, device=device), persistent=False)
 
 
 def reduce_amax(amax: torch.Tensor, group: Any) -> torch.Tensor:
@@ -120,23 +124,22 @@ def reduce_amax(amax: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def record_amax(layer: torch.nn.Module, columns: tuple[int, ...], amax: torch.Tensor) -> None:
-    """Record ``amax`` (one per column) as the newest entry, compute the next scales, roll the history."""
+def record_amax(layer: torch.nn.Module, columns: slice, amax: torch.Tensor) -> None:
+    """Record ``amax`` (one per column of ``columns``) as the newest entry, compute the next scales, roll.
+
+    Slices and the layer's ``fp8_limits`` buffer keep this free of host-to-device copies."""
     recipe: DelayedScalingRecipe = layer.float8_recipe
     history, scale = layer.fp8_amax_history, layer.fp8_scale
-    index = torch.tensor(columns, device=history.device)
-    window = history.index_select(1, index)
+    window = history[:, columns].clone()
     window[0] = amax.to(window)
     current = window.amax(dim=0) if recipe.amax_compute_algo == "max" else window[0]
-    limits = torch.tensor([fp8_max(recipe.dtype_of(c)) for c in columns], device=history.device)
-    candidate = (limits / current) / (2.0 ** recipe.margin)
+    candidate = (layer.fp8_limits[columns] / current) / (2.0 ** recipe.margin)
     candidate = candidate.clamp(max=torch.finfo(torch.float32).max)  # a tiny amax: the largest fp32, not inf
-    previous = scale.index_select(0, index)
     keep = (current <= 0) | ~torch.isfinite(current)
-    scale.index_copy_(0, index, torch.where(keep, previous, candidate))
+    scale[columns] = torch.where(keep, scale[columns], candidate)
     window = torch.roll(window, -1, 0)
     window[0] = 0
-    history.index_copy_(1, index, window)
+    history[:, columns] = window
 
 
 def pack_extra_state(layer: torch.nn.Module) -> dict[str, Any]:
