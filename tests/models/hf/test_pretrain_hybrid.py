@@ -1,7 +1,7 @@
 """``examples/pretrain_hybrid.py --hf-model DIR`` fine-tunes a NemotronH (HybridModel) from its Hugging Face directory.
 
-The first step's loss equals transformers' loss on the same batch (fp32, CPU, 1e-5), a few steps run and lower
-nothing to NaN, and the checkpoint exports back (``megatron-convert mcore-to-hf`` finds the HF directory through
+The first step's loss equals transformers' loss on the same batch (fp32, CPU, 1e-5), a few steps run (the same
+losses and gradient norms under TP=2), and the checkpoint exports back (``megatron-convert mcore-to-hf`` finds the HF directory through
 the saved ``--hf-model`` flag) to files transformers loads. A missing ``--hf-model`` or a non-hybrid model is
 refused with exit status 2.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,18 +66,30 @@ def _hf_loss(hf_dir: Path, batch: dict) -> float:
     return float((losses * mask).sum() / mask.sum())
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(tmp_path: Path, flags: list[str], ranks: int = 1) -> list[dict]:
+    """Run the script (under torchrun on ``ranks`` CPU ranks when more than one); return its train log records."""
+    log = tmp_path / f"log{ranks}.jsonl"
+    launcher = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
+        "--master-port", str(_free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([*launcher, str(SCRIPT), *flags, "--log-interval", "1", "--log-json", str(log)],
+                          cwd=tmp_path, text=True, capture_output=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "train"]
+
+
 def test_first_step_loss_equals_transformers_and_steps_run(tmp_path: Path) -> None:
     src = tmp_path / "nemotron_h"
     make_hybrid_model("nemotron_h", src)
-    log = tmp_path / "log.jsonl"
-    flags = _flags(src, "--train-iters", "3", "--log-interval", "1", "--log-json", str(log),
-                   "--save", str(tmp_path / "tuned"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *flags], cwd=tmp_path, text=True, capture_output=True,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    train = [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "train"]
+    train = _train(tmp_path, _flags(src, "--train-iters", "3", "--save", str(tmp_path / "tuned")))
     assert [r["iteration"] for r in train] == [1, 2, 3]
     assert all(math.isfinite(r["lm loss"]) for r in train)
 
@@ -88,6 +101,19 @@ def test_first_step_loss_equals_transformers_and_steps_run(tmp_path: Path) -> No
     assert convert(["mcore-to-hf", "--mcore", str(tmp_path / "tuned"), "--out", str(tmp_path / "tuned_hf"),
                     "--no-progress"]) == 0
     assert abs(_hf_loss(tmp_path / "tuned_hf", batch) - expected) > 1e-4  # the export holds the trained weights
+
+
+@pytest.mark.slow
+def test_tensor_parallel_training_equals_one_process(tmp_path: Path) -> None:
+    """Under TP=2 (torchrun, 2 CPU ranks) every step's loss and gradient norm equal the single-process run's."""
+    src = tmp_path / "nemotron_h"
+    make_hybrid_model("nemotron_h", src)
+    single = _train(tmp_path, _flags(src, "--train-iters", "3"))
+    parallel = _train(tmp_path, _flags(src, "--train-iters", "3", "--tensor-model-parallel-size", "2"), ranks=2)
+    assert [r["iteration"] for r in parallel] == [1, 2, 3]
+    for one, two in zip(single, parallel):
+        assert abs(one["lm loss"] - two["lm loss"]) < 1e-5, (one, two)
+        assert abs(one["grad norm"] - two["grad norm"]) < 1e-5, (one, two)
 
 
 def test_refuses_a_missing_or_non_hybrid_model(tmp_path: Path, capsys) -> None:
