@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatron_core.distributed.finalize_model_grads import finalize_model_grads
 from megatron_core.post_training.modelopt._backend import modelopt_modules
 from megatron_core.post_training.modelopt.calibration import check_calibrated
 
@@ -82,7 +83,9 @@ def train_steps(model: torch.nn.Module, optimizer: Any, batches: Iterable[dict[s
 
     ``model(tokens, position_ids, None, labels=labels)`` gives the per-token loss; ``loss_func(model,
     per_token_loss, loss_mask)`` reduces it (:func:`lm_loss`, or :func:`.distillation.distillation_loss`);
-    the mean over tokens is backpropagated and ``optimizer`` (a ``MegatronOptimizer``) steps.
+    the mean over tokens is backpropagated, ``finalize_model_grads([model])`` finishes the gradient
+    reductions (data-parallel for a DDP-wrapped model; over TP for ``sequence_parallel`` parameters such
+    as the norms), and ``optimizer`` (a ``MegatronOptimizer``) steps.
     ``on_step(step, info)`` sees each step's ``report`` (means over tokens), ``grad_norm`` and ``loss``.
     ``RuntimeError`` when the optimizer skips a step (inf/nan gradients).
     """
@@ -96,6 +99,7 @@ def train_steps(model: torch.nn.Module, optimizer: Any, batches: Iterable[dict[s
         loss_sum, num_tokens, report = loss_func(model, output, batch["loss_mask"])
         loss = loss_sum / num_tokens.clamp(min=1)
         loss.backward()
+        finalize_model_grads([model])
         success, grad_norm, _ = optimizer.step()
         if not success:
             raise RuntimeError(f"step {step}: the optimizer skipped the update (inf or nan gradients)")
