@@ -205,19 +205,43 @@ def test_valid_delayed_configs_pass():
                                                fp8_amax_compute_algo=algo, fp8_wgrad=False))
 
 
+@pytest.mark.gpu
+def test_delayed_fp8_model_on_gpu_tracks_bf16():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    torch.manual_seed(0)
+    kwargs = dict(hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=512, bf16=True,
+                  params_dtype=torch.bfloat16, use_cpu_initialization=True)
+    model = build(_delayed(fp8="hybrid", fp8_amax_history_len=16, fp8_amax_compute_algo="max", **kwargs)).cuda()
+    reference = build(llama_like(**kwargs)).cuda()
+    reference.load_state_dict(model.state_dict())
+    convert_to_float8(model)
+    ids, pos, labels = (t.cuda() for t in batch())
+    for _ in range(3):  # the first step runs with unit scales
+        model.zero_grad()
+        loss = model(ids, pos, None, labels=labels).float().mean()
+        loss.backward()
+    ref_loss = reference(ids, pos, None, labels=labels).float().mean()
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 2e-2
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    scales = [m.fp8_scale for m in model.modules() if hasattr(m, "fp8_scale")]
+    assert len(scales) == 8 and all(s.is_cuda and s.ne(1).all() for s in scales)
+
+
 class _Probe(torch.nn.Module):
     """The state :class:`DelayedFloat8Matmul` needs, on one layer: recipe, history, scales, no amax group."""
 
-    def __init__(self, fmt: str, device: str) -> None:
+    def __init__(self, fmt: str, device: str, fp8_wgrad: bool = True) -> None:
         from megatron_core.fp8.delayed_scaling import DelayedScalingRecipe, init_state
 
         super().__init__()
-        init_state(self, DelayedScalingRecipe(fp8_format=fmt, amax_history_len=4), torch.device(device))
+        recipe = DelayedScalingRecipe(fp8_format=fmt, amax_history_len=4, fp8_wgrad=fp8_wgrad)
+        init_state(self, recipe, torch.device(device))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
-def test_scaled_mm_path_matches_the_emulation(fmt):
+@pytest.mark.parametrize("fmt, fp8_wgrad", [("e4m3", True), ("hybrid", True), ("hybrid", False)])
+def test_scaled_mm_path_matches_the_emulation(fmt, fp8_wgrad):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs FP8 tensor cores")
     gen = torch.Generator().manual_seed(0)
@@ -226,7 +250,7 @@ def test_scaled_mm_path_matches_the_emulation(fmt):
     dy = (torch.randn(4, 37, 512, generator=gen) * 1e-3).cuda().to(torch.bfloat16)
     results = {}
     for emulate in (False, True):
-        probe = _Probe(fmt, "cuda")
+        probe = _Probe(fmt, "cuda", fp8_wgrad)
         for _ in range(2):  # the second step runs with scales from the first step's amaxes
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
             out = DelayedFloat8Matmul.apply(xi, wi, probe, True, emulate, None)
