@@ -65,7 +65,7 @@ class _Float8GemmMixin:
         return pack_extra_state(self)
 
     def set_extra_state(self, state: Any) -> None:
-        """Load the delayed-scaling state (``None``, from a high-precision checkpoint, keeps the fresh one)."""
+        """Load the delayed-scaling state (``None``, from a high-precision checkpoint, resets it)."""
         if getattr(self, "float8_recipe", None) is not None:
             unpack_extra_state(self, state)
 
