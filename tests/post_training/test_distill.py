@@ -9,8 +9,9 @@
   measured 0.0123 -> 0.0027; the MSE 0.995 -> 0.408), the teacher does not change.
 * At TP=2 (student and teacher sharded) the KL and the intermediate loss of every step and every student
   gradient (projection included) equal one process's: fp32 at the first step within 1e-5 relative
-  (measured 1.4e-6 loss, 1.5e-6 gradients), float64 over 6 steps within 1e-10 (measured 7e-15, 4e-14);
-  see :data:`PARITY` for why later fp32 steps are not compared.
+  (measured 1.4e-6 loss, 1.5e-6 gradients), float64 over 6 steps within 1e-10 (measured 7e-15, 4e-14),
+  and float64 with sequence parallelism over 3 steps (measured 1e-15, 8e-14); see :data:`PARITY` for
+  why later fp32 steps are not compared.
 * Bad input: vocab sizes that differ, a temperature <= 0, an unknown intermediate loss: ``ValueError``.
 """
 
