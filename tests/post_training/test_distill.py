@@ -128,6 +128,10 @@ def _tp2_distillation_against_one_process(dtype: torch.dtype, steps: int, sequen
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
         rank = parallel_state.get_tensor_model_parallel_rank()
         kl_check = _kl_cases(parallel_state.get_tensor_model_parallel_group(), 2, rank)
+        gathered, other = _models(dtype, tensor_model_parallel_size=2)
+        gathered.output_layer.gather_output = True  # as parallel_output=False builds it
+        with pytest.raises(ValueError, match=r"student's output layer gathers its logits over TP"):
+            convert_to_distillation_model(gathered, other)
         student, teacher = _models(dtype, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
         with torch.no_grad():
             for key, model in (("s", student), ("t", teacher)):

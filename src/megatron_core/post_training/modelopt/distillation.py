@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_size
 from megatron_core.post_training.modelopt._backend import modelopt_distill
 from megatron_core.post_training.modelopt.distillation_losses import (
     HiddenStateCosineLoss,
@@ -158,6 +159,11 @@ def _check_pair(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
     if pp is not None and torch.distributed.get_world_size(pp) > 1:
         raise NotImplementedError(f"distillation under pipeline parallelism (size {torch.distributed.get_world_size(pp)}) "
                                   "is not supported yet")
+    for who, model in (("student", student), ("teacher", teacher)):
+        layer = getattr(model, "output_layer", None)
+        if getattr(layer, "gather_output", False) and get_pg_size(getattr(layer, "tp_group", None)) > 1:
+            raise ValueError(f"the {who}'s output layer gathers its logits over TP (parallel_output=False), but the "
+                             f"logit KL reads them vocab-parallel: build the {who} with parallel_output=True")
     s_vocab, t_vocab = getattr(student, "vocab_size", None), getattr(teacher, "vocab_size", None)
     if s_vocab != t_vocab:
         raise ValueError(f"the student's vocab_size ({s_vocab}) and the teacher's ({t_vocab}) must be equal: the logit "
@@ -168,8 +174,8 @@ def convert_to_distillation_model(student: torch.nn.Module, teacher: torch.nn.Mo
                                   config: DistillationConfig | str | os.PathLike | None = None) -> torch.nn.Module:
     """``student`` converted in place to Model Optimizer's ``DistillationModel`` around the frozen ``teacher``.
 
-    Both are ``GPTModel``s of the same vocabulary (``ValueError`` otherwise) on the last pipeline stage (no
-    PP). The teacher's LM loss is never computed; the student's is skipped in training when
+    Both are ``GPTModel``s of the same vocabulary with vocab-parallel logits (``parallel_output=True``;
+    ``ValueError`` otherwise), without pipeline parallelism (``NotImplementedError``). The teacher's LM loss is never computed; the student's is skipped in training when
     ``skip_lm_loss``; ``state_dict``/``sharded_state_dict`` hold the student (and projection) only. The
     loss modules (a projection) are cast to the dtype of the student's parameters.
     """
