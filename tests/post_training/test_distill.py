@@ -12,6 +12,8 @@
   (measured 1.4e-6 loss, 1.5e-6 gradients), float64 over 6 steps within 1e-10 (measured 7e-15, 4e-14),
   and float64 with sequence parallelism over 3 steps (measured 1e-15, 8e-14); see :data:`PARITY` for
   why later fp32 steps are not compared.
+* Quantization-aware distillation: an FP8-quantized student's KL (temperature 2) falls over 20 steps
+  (measured 0.00308 -> 0.00101, means of 5 steps).
 * Bad input: vocab sizes that differ, a temperature <= 0, an unknown intermediate loss: ``ValueError``.
 """
 
@@ -112,6 +114,23 @@ def test_student_kl_to_teacher_falls_and_teacher_stays_frozen():
     assert reports[-1]["intermediate distillation loss"] < reports[0]["intermediate distillation loss"]
     for name, param in teacher.named_parameters():
         assert torch.equal(param.detach(), teacher_before[name]), f"teacher's {name} changed"
+
+
+def test_quantized_student_distils():
+    """Quantization-aware distillation: an FP8 fake-quantized student trained against the teacher."""
+    from megatron_core.post_training.modelopt.qat import quantize_for_training
+    from megatron_core.post_training.modelopt.recipes import get_quant_config
+    from tests.post_training.test_qat import calibration_loop
+
+    student, teacher = _models()
+    student = quantize_for_training(student, get_quant_config("FP8_DEFAULT_CFG"), calibration_loop)
+    model = convert_to_distillation_model(student, teacher, DistillationConfig(logit_kl_temperature=2.0))
+    reports, _ = _distil(model, 20)
+    kl = [r["logits distillation loss"] for r in reports]
+    print(f"quantized student, T=2: KL {sum(kl[:5]) / 5:.5f} -> {sum(kl[-5:]) / 5:.5f}")
+    assert sum(kl[-5:]) < 0.6 * sum(kl[:5]), kl
+    assert all(r["intermediate distillation loss"] == 0 for r in reports)  # logits only
+    assert model.decoder.layers[0].mlp.linear_fc1.weight_quantizer.is_enabled
 
 
 def _tp2_distillation_against_one_process(dtype: torch.dtype, steps: int, sequence_parallel: bool = False) -> dict:
