@@ -11,9 +11,11 @@ an fp8 rounding boundary could flip; none does on this model and batch). A
 ``dist_checkpointing`` checkpoint saved at TP=2 carries the scaling state (``_extra_state``, one per
 layer, replicated over TP) and loads at TP=1.
 
-As in Megatron-Core the amaxes are reduced over data-parallel ranks too (the TP x DP x CP group): at DP=2
-each rank's scales equal those of one process on both ranks' micro-batches together (``loss.sum()``, so
-the output gradients are the same tensors), and its summed gradients equal that process's.
+As in Megatron-Core the amaxes are reduced over data- and context-parallel ranks too (the TP x DP x CP
+group): at DP=2 each rank's scales equal those of one process on both ranks' micro-batches together
+(``loss.sum()``, so the output gradients are the same tensors), and its summed gradients equal that
+process's; at CP=2 (each rank holds half of every sequence) the scales, per-token losses and summed
+gradients equal one process on the whole sequences.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from megatron_core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron_core.fp8 import convert_to_float8
+from megatron_core.utils import get_batch_on_this_cp_rank
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import VOCAB, batch, build, llama_like, shard
 
@@ -178,3 +181,50 @@ def _dp2_against_one_process() -> int:
 def test_delayed_fp8_amax_is_reduced_over_data_parallel_ranks():
     moved = run_on_ranks(2, _dp2_against_one_process, timeout=280)
     assert min(moved) > 0, moved  # some scale differs from the one a rank would compute from its own batch
+
+
+def _cp_steps(model, batch: dict) -> torch.Tensor:
+    for _ in range(DP_STEPS):
+        model.zero_grad()
+        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss.sum().backward()
+    return loss.detach()
+
+
+def _cp2_against_one_process() -> str:
+    gen = torch.Generator().manual_seed(3)
+    seq = 16
+    ids, labels = (torch.randint(0, VOCAB, (2, seq), generator=gen) for _ in range(2))
+    full = {"tokens": ids, "labels": labels, "position_ids": torch.arange(seq).expand(2, seq).contiguous()}
+    torch.manual_seed(0)
+    ref = build(SPEC)
+    state = ref.state_dict()
+    convert_to_float8(ref, emulate=True)
+    ref_loss = _cp_steps(ref, full)
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    try:
+        model = build(SPEC, context_parallel_size=2, cp_comm_type="p2p")
+        model.load_state_dict(state)
+        convert_to_float8(model, emulate=True)
+        loss = _cp_steps(model, get_batch_on_this_cp_rank(dict(full)))
+        group = parallel_state.get_context_parallel_group()
+        rank = parallel_state.get_context_parallel_rank()
+        for name, scale in _scales(model).items():
+            both = [torch.empty_like(scale) for _ in range(2)]
+            torch.distributed.all_gather(both, scale, group=group)
+            assert torch.equal(both[0], both[1]), f"{name}: the CP ranks' scales differ {both}"
+            torch.testing.assert_close(scale, _scales(ref)[name], rtol=SCALE_RTOL, atol=0)
+        quarter = seq // 4  # rank r holds chunks r and 3 - r of 4 (load balancing)
+        mine = list(range(rank * quarter, (rank + 1) * quarter)) + list(range((3 - rank) * quarter, (4 - rank) * quarter))
+        _close(loss, ref_loss[:, mine], "per-token loss")
+        for name, param in model.named_parameters():
+            grad = param.grad.clone()
+            torch.distributed.all_reduce(grad, group=group)
+            _close(grad, ref.get_parameter(name).grad, name)
+        return "ok"
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_delayed_fp8_amax_is_reduced_over_context_parallel_ranks():
+    assert run_on_ranks(2, _cp2_against_one_process, timeout=280) == ["ok", "ok"]
