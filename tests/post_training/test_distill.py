@@ -12,6 +12,10 @@
   (measured 1.4e-6 loss, 1.5e-6 gradients), float64 over 6 steps within 1e-10 (measured 7e-15, 4e-14),
   and float64 with sequence parallelism over 3 steps (measured 1e-15, 8e-14); see :data:`PARITY` for
   why later fp32 steps are not compared.
+* At PP=2 (student and teacher each split into two stages; the stages pass ``[student; teacher]``
+  activations, the schedule's shapes widened by ``get_tensor_shapes_adjust_fn_for_distillation``; an MSE
+  loss on global layer 1, the last stage's local layer 0) the KL of both microbatches and every student
+  gradient of every stage equal one process's in float64 (bound 1e-10; measured equal).
 * Quantization-aware distillation: an FP8-quantized student's KL (temperature 2) falls over 20 steps
   (measured 0.00308 -> 0.00101, means of 5 steps).
 * Bad input: vocab sizes that differ, a temperature <= 0, an unknown intermediate loss: ``ValueError``.
@@ -213,3 +217,102 @@ def test_bad_input_is_refused_with_clear_errors():
         vocab_parallel_kl_divergence(torch.zeros(2, 1, 8), torch.zeros(2, 1, 4))
     with pytest.raises(ValueError, match=r"unknown loss 'l1'; known: cosine, mse"):
         DistillationConfig(intermediate_layer_pairs=[("decoder", "decoder", "l1")])
+
+
+PP_PAIRS = [("decoder.layers.1", "decoder.layers.1", "mse")]  # global layer 1: on the last of 2 stages
+
+
+def _stage(full: dict, hidden: int, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    """This pipeline stage (of 2) of the model ``build(dtype, seed, hidden)``, holding ``full``'s weights."""
+    from megatron_core.models.gpt import GPTModel
+    from megatron_core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
+    from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
+
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    cfg = build(dtype, seed, hidden).config
+    cfg.pipeline_model_parallel_size, cfg.pipeline_dtype = 2, dtype
+    model = GPTModel(cfg, get_gpt_modelopt_spec(cfg, local_core_attention=True), 256, SEQ,
+                     position_embedding_type="rope", pre_process=rank == 0, post_process=rank == 1).to(dtype)
+    offset = get_transformer_layer_offset(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(full[_global(name, offset)])
+    return model
+
+
+def _global(name: str, offset: int) -> str:
+    """A stage's parameter name under the one-process model's layer numbers."""
+    import re
+
+    return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+
+
+def _pp2_distillation_against_one_process() -> dict:
+    """On each stage: max relative differences of the per-microbatch KL and of every student gradient (fp64)."""
+    from megatron_core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+    from megatron_core.post_training.modelopt.distillation_pipeline import (
+        get_tensor_shapes_adjust_fn_for_distillation,
+    )
+    from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
+
+    dtype, config = torch.float64, DistillationConfig(intermediate_layer_pairs=PP_PAIRS)
+    batches = list(token_windows(corpus(), SEQ, BATCH, 2, seed=5))
+    student, teacher = _models(dtype)
+    full = {"s": {n: p.detach().clone() for n, p in student.named_parameters()},
+            "t": {n: p.detach().clone() for n, p in teacher.named_parameters()}}
+    one = convert_to_distillation_model(student, teacher, config)
+    full["s"].update({n: p.detach().clone() for n, p in one.named_parameters() if n.startswith("_loss_modules")})
+    one.train()
+    ref_kl = []
+    for b in batches:
+        loss, num_tokens, report = distillation_loss(one, one(b["tokens"], b["position_ids"], None, labels=b["labels"]),
+                                                     b["loss_mask"])
+        (loss / num_tokens / len(batches)).backward()
+        ref_kl.append((report["logits distillation loss"][0] / num_tokens).item())
+    ref_grads = {n: p.grad for n, p in one.named_parameters() if p.requires_grad}
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        model = convert_to_distillation_model(_stage(full["s"], 32, 1, dtype), _stage(full["t"], 64, 2, dtype),
+                                              DistillationConfig(intermediate_layer_pairs=PP_PAIRS))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.startswith("_loss_modules"):
+                    param.copy_(full["s"][name])
+        model.train()
+        kl = []
+
+        def forward_step(data_iterator, chunk):
+            b = next(data_iterator)
+            output = chunk(b["tokens"], b["position_ids"], None, labels=b["labels"])
+
+            def loss_func(output_tensor):
+                loss, num_tokens, report = distillation_loss(chunk, output_tensor, b["loss_mask"])
+                kl.append((report["logits distillation loss"][0] / num_tokens).item())
+                return loss / num_tokens, {}
+
+            return output, loss_func
+
+        forward_backward_pipelining_without_interleaving(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model], num_microbatches=len(batches),
+            seq_length=SEQ, micro_batch_size=BATCH,
+            adjust_tensor_shapes_fn=get_tensor_shapes_adjust_fn_for_distillation(model))
+        offset = get_transformer_layer_offset(model.config)
+        grads = {_global(n, offset): p.grad for n, p in model.named_parameters() if p.requires_grad}
+        last = model.post_process
+    finally:
+        parallel_state.destroy_model_parallel()
+    grad_diff = max(((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max()).item() for n, g in grads.items())
+    kl_diff = max(abs(a - b) / b for a, b in zip(kl, ref_kl, strict=True)) if last else 0.0
+    return {"kl": kl_diff, "grad": grad_diff, "compared": sorted(grads), "last": last, "kls": kl}
+
+
+def test_distillation_at_pp2_equals_one_process():
+    results = run_on_ranks(2, _pp2_distillation_against_one_process, timeout=280)
+    for result in results:
+        print(f"PP=2 stage (last={result['last']}): KL {result['kl']:.3g}, gradients {result['grad']:.3g} "
+              f"({len(result['compared'])} compared) KL {result['kls']}")
+        assert result["kl"] < 1e-10 and result["grad"] < 1e-10, result
+    first, last = results
+    assert {"embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc1.weight"} <= set(first["compared"])
+    assert "output_layer.weight" in last["compared"] and "decoder.layers.1.mlp.linear_fc1.weight" in last["compared"]
+    assert any(n.startswith("_loss_modules") for n in last["compared"]) and len(last["kls"]) == 2

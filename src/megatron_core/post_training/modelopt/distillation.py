@@ -19,8 +19,8 @@ Model Optimizer's Megatron plugin) distils this way, and so does this module, on
   number of tokens to average by.
 
 Every loss is whole on each TP rank (the logit KL all-reduces its vocabulary parts), so the loss needs no
-further reduction over TP. Pipeline parallelism (Megatron-LM concatenates student and teacher
-activations between stages) is not supported here yet.
+further reduction over TP. Under pipeline parallelism student and teacher activations travel between
+stages together (:mod:`.distillation_pipeline`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ from megatron_core.post_training.modelopt.distillation_losses import (
     LogitsKLLoss,
     MSELoss,
     ProjectionLayer,
+)
+from megatron_core.post_training.modelopt.distillation_pipeline import (
+    adjust_model_for_pipeline,
+    local_layer_name,
 )
 from megatron_core.process_groups_config import resolve_process_group
 
@@ -155,10 +159,6 @@ def setup_distillation_config(config_or_path: DistillationConfig | str | os.Path
 
 
 def _check_pair(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
-    pp = resolve_process_group("pp")
-    if pp is not None and torch.distributed.get_world_size(pp) > 1:
-        raise NotImplementedError(f"distillation under pipeline parallelism (size {torch.distributed.get_world_size(pp)}) "
-                                  "is not supported yet")
     for who, model in (("student", student), ("teacher", teacher)):
         layer = getattr(model, "output_layer", None)
         if getattr(layer, "gather_output", False) and get_pg_size(getattr(layer, "tp_group", None)) > 1:
@@ -174,20 +174,32 @@ def convert_to_distillation_model(student: torch.nn.Module, teacher: torch.nn.Mo
                                   config: DistillationConfig | str | os.PathLike | None = None) -> torch.nn.Module:
     """``student`` converted in place to Model Optimizer's ``DistillationModel`` around the frozen ``teacher``.
 
-    Both are ``GPTModel``s of the same vocabulary with vocab-parallel logits (``parallel_output=True``;
-    ``ValueError`` otherwise), without pipeline parallelism (``NotImplementedError``). The teacher's LM loss is never computed; the student's is skipped in training when
-    ``skip_lm_loss``; ``state_dict``/``sharded_state_dict`` hold the student (and projection) only. The
-    loss modules (a projection) are cast to the dtype of the student's parameters.
+    Both are ``GPTModel``s (or this pipeline stage of them) of the same vocabulary with vocab-parallel logits
+    (``parallel_output=True``; ``ValueError`` otherwise). Under pipeline parallelism the losses are set on
+    the last stage only, intermediate layers renamed to its local numbers, and every stage passes
+    student and teacher activations on together (:mod:`.distillation_pipeline`; give the schedule
+    ``get_tensor_shapes_adjust_fn_for_distillation(model)``). The teacher's LM loss is never computed;
+    the student's is skipped in training when ``skip_lm_loss``; ``state_dict``/``sharded_state_dict``
+    hold the student (and projection) only. The loss modules (a projection) are cast to the dtype of the
+    student's parameters.
     """
     _check_pair(student, teacher)
     cfg = setup_distillation_config(config, student.config, teacher.config,
-                                    tp_group=getattr(student.output_layer, "tp_group", None))
+                                    tp_group=getattr(getattr(student, "output_layer", None), "tp_group", None))
     dtype = next(student.parameters()).dtype
     for loss in cfg.criterion.values():
         loss.to(dtype)  # a projection takes the student's dtype
-    model = _mtd.convert(student, mode=[("kd_loss", {"teacher_model": teacher, "criterion": cfg.criterion,
+    pipelined = get_pg_size(resolve_process_group("pp")) > 1
+    criterion = cfg.criterion
+    if pipelined:  # the losses live on the last stage, under its local layer numbers
+        criterion = {} if not student.post_process else {
+            (local_layer_name(s, student.config), local_layer_name(t, teacher.config)): loss
+            for (s, t), loss in criterion.items()}
+    model = _mtd.convert(student, mode=[("kd_loss", {"teacher_model": teacher, "criterion": criterion,
                                                      "loss_balancer": cfg.loss_balancer})])
     model._distillation_config = cfg
+    if pipelined:
+        adjust_model_for_pipeline(model)
 
     def teacher_lm_loss(self: Any, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(labels, dtype=logits.dtype)
