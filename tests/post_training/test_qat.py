@@ -8,12 +8,16 @@ calibrated on one batch, then trained with the library's optimizer (Adam, clippi
 * On one process, 50 steps lower the loss (mean of the last 10 steps below 75 % of the first 10;
   measured FP8: 5.086 -> 2.921, INT8: 5.087 -> 2.880), the calibrated amax stay as they were, and every
   quantized linear's weight trains (straight-through gradients).
-* At TP=2 the loss curve of 12 steps and every gradient (steps 0 and 11, each rank's shard) equal one
-  process's. The models are float64: in fp32 the row-parallel all-reduce sums in another order than one
-  process (1e-7 relative), which can move a fake-quantized value across a rounding midpoint (a whole FP8
-  step); in float64 that noise is 1e-16. The cross entropy is computed in fp32 either way (Megatron-Core
-  casts the logits), so the bound is 1e-6 relative for the losses and 1e-5 relative (to the largest
-  entry) for the gradients; measured: losses equal, gradients 1.6e-7.
+* At TP=2 the loss and every gradient (each rank's shard) equal one process's: in fp32 for the first step
+  (bounds 1e-6 relative for the loss, 1e-5 relative to the largest entry for the gradients; measured:
+  equal losses, gradients 4.9e-7), and over a 12-step loss curve (gradients at steps 1 and 12) in float64.
+  Later fp32 steps are not compared: the row-parallel all-reduce sums in another order than one process
+  (1e-7 relative), which can move a fake-quantized value across a rounding midpoint (a whole FP8 step),
+  and Adam's first update (about ``lr * sign(gradient)``) turns noise in a near-zero gradient entry into
+  a whole ``lr``. In float64 that noise is 1e-16; the cross entropy is computed in fp32 either way
+  (Megatron-Core casts the logits), so the bounds stay those of fp32; measured: equal losses (the FP8
+  products are exact in fp32 and the input quantizers snap small differences back to the grid),
+  gradients 1.6e-7 (the fp32 softmax of the backward).
 """
 
 from __future__ import annotations
@@ -102,34 +106,36 @@ def test_qat_loss_decreases_over_50_steps_with_amax_kept(recipe):
         assert not torch.equal(linear.weight.detach(), weights[name]), f"{name} did not train"
 
 
-def _run(model: torch.nn.Module, snapshot_steps: tuple[int, ...]) -> tuple[list[float], dict]:
-    """Losses of TP_STEPS QAT steps and every parameter's gradient at ``snapshot_steps``."""
+def _run(model: torch.nn.Module, snapshot_steps: tuple[int, ...], steps: int) -> tuple[list[float], dict]:
+    """Losses of ``steps`` QAT steps and every parameter's gradient at ``snapshot_steps``."""
     grads: dict[int, dict[str, torch.Tensor]] = {}
 
     def on_step(step: int, info: dict) -> None:
         if step in snapshot_steps:
             grads[step] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    losses = train_steps(model, optimizer_for(model), token_windows(corpus(), SEQ, BATCH, TP_STEPS, seed=0),
+    losses = train_steps(model, optimizer_for(model), token_windows(corpus(), SEQ, BATCH, steps, seed=0),
                          on_step=on_step)
     return losses, grads
 
 
-def _tp2_qat_against_one_process(recipe: str) -> dict:
+def _tp2_qat_against_one_process(recipe: str, dtype: torch.dtype, num_steps: int) -> dict:
     """On each rank: (max relative loss difference, max relative gradient difference, parameters compared)."""
-    steps = (0, TP_STEPS - 1)
-    one = build(torch.float64)
+    steps = tuple(sorted({0, num_steps - 1}))
+    one = build(dtype)
     full = {n: p.detach().clone() for n, p in one.named_parameters()}
-    ref_losses, ref_grads = _run(quantize_for_training(one, get_quant_config(recipe), calibration_loop), steps)
+    ref_losses, ref_grads = _run(quantize_for_training(one, get_quant_config(recipe), calibration_loop), steps,
+                                 num_steps)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     try:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
         rank = parallel_state.get_tensor_model_parallel_rank()
-        model = build(torch.float64, tensor_model_parallel_size=2)
+        model = build(dtype, tensor_model_parallel_size=2)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(shard(name, full[name], 2, rank, gated=True))
-        losses, grads = _run(quantize_for_training(model, get_quant_config(recipe), calibration_loop), steps)
+        losses, grads = _run(quantize_for_training(model, get_quant_config(recipe), calibration_loop), steps,
+                             num_steps)
     finally:
         parallel_state.destroy_model_parallel()
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
@@ -143,10 +149,15 @@ def _tp2_qat_against_one_process(recipe: str) -> dict:
     return {"loss": loss_diff, "grad": grad_diff, "compared": compared, "losses": losses}
 
 
-def test_qat_at_tp2_equals_one_process():
-    for result in run_on_ranks(2, _tp2_qat_against_one_process, "FP8_DEFAULT_CFG", timeout=280):
-        print(f"TP=2 vs one process: loss {result['loss']:.3g}, gradients {result['grad']:.3g} "
+# (dtype, steps, loss bound, gradient bound); see the module docstring.
+QAT_PARITY = [(torch.float32, 1, 1e-6, 1e-5), (torch.float64, TP_STEPS, 1e-6, 1e-5)]
+
+
+@pytest.mark.parametrize(("dtype", "steps", "loss_bound", "grad_bound"), QAT_PARITY, ids=["fp32", "fp64"])
+def test_qat_at_tp2_equals_one_process(dtype, steps, loss_bound, grad_bound):
+    for result in run_on_ranks(2, _tp2_qat_against_one_process, "FP8_DEFAULT_CFG", dtype, steps, timeout=280):
+        print(f"TP=2 {dtype} vs one process: loss {result['loss']:.3g}, gradients {result['grad']:.3g} "
               f"({result['compared']} compared); losses {[round(x, 4) for x in result['losses']]}")
-        assert result["compared"] > 20
-        assert result["loss"] < 1e-6 and result["grad"] < 1e-5, result
-        assert result["losses"][-1] < result["losses"][0]
+        assert result["compared"] >= 15 * len({0, steps - 1})
+        assert result["loss"] < loss_bound and result["grad"] < grad_bound, result
+        assert steps == 1 or result["losses"][-1] < result["losses"][0]
