@@ -13,8 +13,8 @@ library's optimizer (Adam, clipping at 1.0):
    outputs (through a projection to the teacher's width); the KL to the teacher before and after.
    ``--quantize-student`` quantizes the student first (quantization-aware distillation).
 
-Needs the ``modelopt`` extra (``pip install "nvidia-modelopt[torch]"``); about 35 s of CPU time with the
-defaults (15 s of it importing Model Optimizer)::
+Needs the ``modelopt`` extra (``pip install "nvidia-modelopt[torch]"``); 16-70 s with the
+defaults (16 s on an idle machine, a third of it importing Model Optimizer)::
 
     python examples/post_training/qat_distill_gpt.py
     python examples/post_training/qat_distill_gpt.py --recipe INT8_DEFAULT_CFG --quantize-student
