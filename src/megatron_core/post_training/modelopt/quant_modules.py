@@ -45,6 +45,7 @@ from megatron_core.dist_checkpointing.sharded_module import make_sharded_tensors
 from megatron_core.post_training.modelopt._backend import modelopt_modules
 from megatron_core.post_training.modelopt.awq_tp import sync_awq_statistics
 from megatron_core.post_training.modelopt.layers import Linear
+from megatron_core.post_training.modelopt.quantizer_buffers import view_quantizer_buffers
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel import layers as tp_layers
 from megatron_core.transformer.mlp import MLP
@@ -206,18 +207,7 @@ class _QuantParallelLinear(_mo.custom._ParallelLinear):
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
         """Quantizer buffers come back in their stored shape (``[1]``, ``[rows, columns]``): view them as ours."""
-        own = self.state_dict(prefix="", keep_vars=True)
-        for key in list(state_dict):
-            name = key[len(prefix):]
-            if key.startswith(prefix) and "_quantizer." in name and name in own:
-                loaded = state_dict[key]
-                if loaded.numel() != own[name].numel():
-                    raise ValueError(
-                        f"{key}: the checkpoint holds {loaded.numel()} values ({tuple(loaded.shape)}), this "
-                        f"layer's quantizer needs {own[name].numel()} ({tuple(own[name].shape)}); the checkpoint "
-                        "was quantized with another recipe or another layout"
-                    )
-                state_dict[key] = loaded.reshape(own[name].shape)
+        view_quantizer_buffers(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

@@ -38,6 +38,7 @@ from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.dist_checkpointing.sharded_module import make_sharded_tensors_for_checkpoint
 from megatron_core.post_training.modelopt._backend import modelopt_modules
+from megatron_core.post_training.modelopt.quantizer_buffers import view_quantizer_buffers
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
 from megatron_core.transformer.moe.grouped_linear import (
@@ -112,16 +113,7 @@ class _QuantGroupedLinear(_mo.nn.QuantModule):
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
         """Quantizer buffers come back flattened (``[n]``): view them in this layer's shapes."""
-        own = self.state_dict(prefix="", keep_vars=True)
-        for key in list(state_dict):
-            name = key[len(prefix):]
-            if key.startswith(prefix) and "_quantizer." in name and name in own:
-                loaded = state_dict[key]
-                if loaded.numel() != own[name].numel():
-                    raise ValueError(
-                        f"{key}: the checkpoint holds {loaded.numel()} values, this layer's quantizer needs "
-                        f"{own[name].numel()} ({tuple(own[name].shape)}): quantized with another recipe")
-                state_dict[key] = loaded.reshape(own[name].shape)
+        view_quantizer_buffers(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
