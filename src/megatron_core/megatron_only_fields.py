@@ -125,7 +125,6 @@ class MegatronOnlyTransformerFields:
     fp8_output_proj: bool = _refused(False, "Transformer Engine FP8")
     fp8_dot_product_attention: bool = _refused(False, "Transformer Engine FP8")
     fp8_multi_head_attention: bool = _refused(False, "Transformer Engine FP8")
-    tp_only_amax_red: bool = _refused(False, "Transformer Engine FP8")
     fp4: str | None = _refused(None, "FP4 training")
     fp4_recipe: str | None = _ignored("nvfp4", "only used with fp4")
     fp4_param: bool = _refused(False, "FP4 training")

@@ -183,6 +183,38 @@ def test_delayed_fp8_amax_is_reduced_over_data_parallel_ranks():
     assert min(moved) > 0, moved  # some scale differs from the one a rank would compute from its own batch
 
 
+def _dp2_tp_only_amax_red() -> int:
+    """With ``tp_only_amax_red`` nothing is reduced over DP: each rank's scales are those of its own batch alone."""
+    spec = llama_like(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_amax_compute_algo="max",
+                      tp_only_amax_red=True)
+    ids, _, labels = [batch(3), batch(4)][torch.distributed.get_rank()]
+    torch.manual_seed(0)
+    alone = build(spec)
+    state = alone.state_dict()
+    convert_to_float8(alone, emulate=True)
+    _dp_steps(alone, ids, labels)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        model = build(spec)
+        model.load_state_dict(state)
+        convert_to_float8(model, emulate=True)
+        _dp_steps(model, ids, labels)
+        differ = 0
+        for name, scale in _scales(model).items():
+            assert torch.equal(scale, _scales(alone)[name]), f"{name}: reduced beyond the TP group"
+            both = [torch.empty_like(scale) for _ in range(2)]
+            torch.distributed.all_gather(both, scale, group=parallel_state.get_data_parallel_group())
+            differ += int(not torch.equal(both[0], both[1]))
+        return differ
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_tp_only_amax_red_keeps_data_parallel_ranks_apart():
+    differ = run_on_ranks(2, _dp2_tp_only_amax_red, timeout=280)
+    assert min(differ) > 0, differ  # the two batches give the ranks different scales
+
+
 def _cp_steps(model, batch: dict) -> torch.Tensor:
     for _ in range(DP_STEPS):
         model.zero_grad()

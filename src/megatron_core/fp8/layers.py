@@ -119,12 +119,13 @@ def _bf16_layer(config: Any, layer_number: int) -> bool:
             or layer_number > config.num_layers - config.num_layers_at_end_in_bf16)
 
 
-def _default_amax_group(layer: torch.nn.Module) -> Any:
-    """Megatron-Core's amax reduction group (TP x DP x CP) if ``parallel_state`` is set up, else the layer's TP group."""
+def _default_amax_group(layer: torch.nn.Module, tp_only: bool = False) -> Any:
+    """Megatron-Core's amax reduction group if ``parallel_state`` is set up (TP x DP x CP, or TP x CP with
+    ``tp_only_amax_red``), else the layer's TP group."""
     from megatron_core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_amax_reduction_group(with_context_parallel=True)
+        return parallel_state.get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red=tp_only)
     return layer.tp_group
 
 
@@ -137,7 +138,8 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
     default) uses this library's delayed-scaling GEMM (:mod:`megatron_core.fp8.delayed_linear`; no torchao
     needed for the dense layers), each converted layer getting its own amax histories and scales, its
     amaxes max-reduced over ``amax_reduction_group`` (default: Megatron-Core's, the tensor x data x
-    context parallel group of ``parallel_state``, or each layer's TP group without ``parallel_state``). The
+    context parallel group of ``parallel_state`` (tensor x context with ``config.tp_only_amax_red``), or each
+    layer's TP group without ``parallel_state``). The
     model must be on a GPU with FP8 tensor cores unless ``emulate`` (fp32 emulation of the float8
     rounding, for tests on CPU). Every converted weight needs both dimensions (per TP rank) to be
     multiples of 16. The MoE experts' grouped GEMMs use row-wise e4m3 scales whatever ``fp8_recipe`` says
@@ -182,7 +184,8 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
         if new_cls in GROUPED_FP8_CLASSES.values():
             continue
         if delayed:
-            group = amax_reduction_group if amax_reduction_group is not None else _default_amax_group(sub)
+            group = (amax_reduction_group if amax_reduction_group is not None
+                     else _default_amax_group(sub, bool(getattr(config, "tp_only_amax_red", False))))
             init_state(sub, recipe, sub.weight.device, group)
         else:
             sub.float8_config = float8_config

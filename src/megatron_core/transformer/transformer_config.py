@@ -203,6 +203,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
     fp8_wgrad: bool = True
+    tp_only_amax_red: bool = False
     first_last_layers_bf16: bool = False
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
