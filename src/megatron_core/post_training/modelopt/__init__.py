@@ -8,7 +8,10 @@ works on this library's ``GPTModel`` as it does on Megatron-Core's.
 :mod:`.checkpointing` saves and restores a quantized model through ``dist_checkpointing``,
 :mod:`.recipes` resolves quantization configs by name, :mod:`.calibration_loop` calibrates on this
 library's datasets, and :mod:`.hf_export` writes a quantized model as a Hugging Face checkpoint in
-Model Optimizer's unified format.
+Model Optimizer's unified format. :mod:`.qat` continues training a quantized model (quantization-aware
+training); :mod:`.distillation` (with :mod:`.distillation_losses`, the tensor-parallel logit KL and
+intermediate losses, and :mod:`.distillation_pipeline`) trains a student against a frozen teacher through
+Model Optimizer's ``modelopt.torch.distill``.
 
 Importing this package does not import Model Optimizer; :mod:`._backend` does, when a function needs it.
 """
