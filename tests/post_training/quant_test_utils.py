@@ -124,6 +124,18 @@ def quantize_on(model: GPTModel, recipe: str, indices: list[int], device: str = 
     return mtq.quantize(model, getattr(mtq, recipe), loop)
 
 
+def quantize_on_global(model: GPTModel, recipe: str, indices: list[int]) -> GPTModel:
+    """``mtq.quantize`` with ``recipe``, calibrating on the batches ``indices`` as one batch (one forward).
+
+    What one process sees of data-parallel ranks that calibrate on one of those batches each.
+    """
+    import modelopt.torch.quantization as mtq
+
+    batches = [moe_batch(i) for i in indices]
+    ids, position_ids = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    return mtq.quantize(model, getattr(mtq, recipe), lambda m: m(ids, position_ids, None))
+
+
 # ---- pipeline stages of the dense GPT (tests/post_training/test_ptq_pipeline*.py) ----
 
 
@@ -166,3 +178,28 @@ def pipeline_forward(model: GPTModel, ids: torch.Tensor, position_ids: torch.Ten
         forward_step_func=step, data_iterator=iter([(ids, position_ids)]), model=model, num_microbatches=1,
         seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True, collect_non_loss_data=True)
     return data[0] if parallel_state.is_pipeline_last_stage() else None
+
+
+# ---- data-parallel calibration of the dense GPT (tests/post_training/test_ptq_parallel.py) ----
+
+
+def sized_batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, position_ids)`` of ``size`` sequences, each ``[size, SEQ]``."""
+    ids = torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.arange(SEQ).unsqueeze(0).expand(size, SEQ)
+
+
+def global_batch(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batches' sequences as one batch (what one process sees of the data-parallel ranks' batches)."""
+    return torch.cat([ids for ids, _ in batches]), torch.cat([pos for _, pos in batches])
+
+
+def quantize_with(model: GPTModel, recipe: str, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> GPTModel:
+    """``mtq.quantize`` with the predefined ``recipe``, calibrating on ``batches`` one after another."""
+    import modelopt.torch.quantization as mtq
+
+    def loop(m: GPTModel) -> None:
+        for ids, position_ids in batches:
+            m(ids, position_ids, None)
+
+    return mtq.quantize(model, getattr(mtq, recipe), loop)

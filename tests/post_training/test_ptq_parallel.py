@@ -34,10 +34,13 @@ from tests.post_training.quant_test_utils import (
     LINEARS,
     WIDE,
     build,
+    global_batch,
     load_sharded,
     logits,
     quantize,
+    quantize_with,
     reference,
+    sized_batch,
 )
 
 RECIPES = ("FP8_DEFAULT_CFG", "INT8_SMOOTHQUANT_CFG", "INT4_AWQ_CFG")
@@ -190,3 +193,48 @@ def test_save_of_an_unquantized_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no modelopt_state to save"):
         save_modelopt_state(build(), tmp_path)
     assert not torch.distributed.is_initialized()
+
+
+# Data-parallel AWQ cases: (name, sequences in rank 0's and rank 1's calibration batch, references).
+# "steps": one process calibrating on the two batches one after another; "global": on both as one batch.
+DP_CASES = [("equal", (2, 2), ("steps", "global")), ("unequal", (1, 3), ("global",))]
+# Bounds on max |logit difference| per reference. "steps" computes every AWQ statistic in the same fp32
+# operations as DP=2 (the mean |x| of each batch, averaged; the per-batch errors, summed), so it is exact
+# (measured 0). "global" takes the mean |x| over all sequences at once and rounds it to fp32 once, DP=2 rounds
+# each rank's mean and then their (token-weighted) average: act_scale differs by about 1 fp32 ulp (6e-8),
+# which moves the scales and block amax by as much (measured 3e-8 / 5e-8 in the logits, no INT4 level changed).
+DP_BOUNDS = {"steps": 1e-9, "global": 1e-6}
+
+
+def _dp2_awq_against_one_process() -> dict[str, tuple[float, int]]:
+    """Per case and reference: (max |logit difference|, most effective weights of one layer off by 1e-5).
+
+    Both ranks hold the same float64 weights (TP=1, DP=2); rank r calibrates INT4 AWQ on its own batch.
+    """
+    rank = torch.distributed.get_rank()
+    out = {}
+    for case, sizes, references in DP_CASES:
+        batches = [sized_batch(10 + i, size) for i, size in enumerate(sizes)]
+        parallel_state.initialize_model_parallel()
+        try:
+            model = quantize_with(build(dtype=torch.float64), "INT4_AWQ_CFG", [batches[rank]])
+            ours, ours_logits = effective_weights(model), logits(model)
+        finally:
+            parallel_state.destroy_model_parallel()
+        for ref in references:
+            one = quantize_with(build(dtype=torch.float64), "INT4_AWQ_CFG",
+                                batches if ref == "steps" else [global_batch(batches)])
+            ref_weights = effective_weights(one)
+            flips = max(_flips(ours[k], ref_weights[k]) for k in ours)
+            out[f"{case} {ref}"] = ((ours_logits - logits(one)).abs().max().item(), flips)
+    return out
+
+
+def test_dp2_awq_equals_one_process_on_both_batches():
+    """INT4 AWQ at DP=2, each rank on its own batch, equals one process on both (before the fix: see the docs)."""
+    for rank_result in run_on_ranks(2, _dp2_awq_against_one_process, timeout=500):
+        assert len(rank_result) == 3
+        for case, (diff, flips) in rank_result.items():
+            bound = DP_BOUNDS[case.split()[1]]
+            assert flips == 0, f"{case}: {flips} effective weights of a layer differ from one process"
+            assert diff < bound, f"{case}: DP=2 logits differ from one process by {diff:.3g} (bound {bound:g})"
