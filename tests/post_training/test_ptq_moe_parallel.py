@@ -3,11 +3,15 @@
 On 2 gloo ranks at EP=2 (and so data-parallel 2 for the dense layers): the Mixtral-shaped MoE GPT holding the
 one-process model's weights (each rank its two local experts), each rank calibrating on its own batch, gives
 the logits of the one-process model calibrated on both batches, for grouped (all-to-all dispatcher) and
-sequential (all-gather dispatcher) experts, FP8 and INT8 SmoothQuant. That needs the input amax of every
-expert the maximum over all tokens of all ranks (Model Optimizer's sync over the EP group, after the local
-experts' sync for ``SequentialMLP``), each expert's weight amax its own, and the dense layers' amax synced
-over data parallelism. float64, so that the ranks' different summation orders cannot move a value across
-a rounding midpoint (see ``test_ptq_parallel``): the bound is 1e-9.
+sequential (all-gather dispatcher) experts, FP8, INT8 SmoothQuant and INT4 AWQ. That needs the input amax of
+every expert the maximum over all tokens of all ranks (Model Optimizer's sync over the EP group, after the local
+experts' sync for ``SequentialMLP``), each expert's weight amax its own, the dense layers' amax synced over data
+parallelism, and AWQ's activation means and per-``alpha`` errors of the dense layers the token-weighted means over
+data parallelism (``awq_tp``). float64, so that the ranks' different summation orders cannot move a value across
+a rounding midpoint (see ``test_ptq_parallel``): the bound is 1e-9. AWQ's reference calibrates on both batches as
+one batch (at EP=2 an expert sees both ranks' tokens in one call, and AWQ's statistics are per-call means); its
+activation means are fp32, and the average of the ranks' rounded means differs from the rounded global mean by
+about one ulp, so its bound is 1e-6 (measured 4e-8 to 5e-8; before the DP fix 0.07-0.11).
 
 A model quantized at EP=2 and saved through ``dist_checkpointing`` (weights, every expert's quantizer buffers
 under its global expert index, Model Optimizer's state re-keyed for the new expert layout) loads into a

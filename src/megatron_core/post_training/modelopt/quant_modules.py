@@ -21,8 +21,9 @@ over the data-parallel group always, and over the tensor-parallel group where th
 one scale: a column layer's per-tensor input and weight amax, a row layer's per-tensor input amax and
 its per-tensor or per-output-channel weight amax. Per-output-channel amax of a column layer and
 per-input-block amax of a row layer stay local: they belong to the rows/columns that rank holds.
-AWQ-lite's per-layer statistics of a column layer are averaged over TP (:mod:`.awq_tp`), so TP=N picks
-the one-process scales; a row layer's weight blocks must lie whole in its input shard.
+AWQ-lite's per-layer statistics of a column layer are averaged over TP, and every layer's activation
+statistic and search errors are token-weighted means over its data-parallel group (:mod:`.awq_tp`), so TP=N
+and DP=N pick the one-process scales; a row layer's weight blocks must lie whole in its input shard.
 
 Checkpoints: :meth:`sharded_state_dict` adds the quantizer buffers (``*_quantizer._amax``,
 ``input_quantizer._pre_quant_scale``, ``*_global_amax``) beside the weights, split over TP the way
@@ -153,7 +154,7 @@ class _QuantParallelLinear(_mo.custom._ParallelLinear):
 
     @contextmanager
     def enable_weight_access_and_writeback(self) -> Iterator[None]:
-        """Model Optimizer's hook around a calibration step: AWQ statistics averaged over TP before and after.
+        """Model Optimizer's hook around a calibration step: AWQ statistics made to agree over TP and DP (``awq_tp``).
 
         An expert's layer also leaves the expert-parallel group inside it: SmoothQuant and AWQ re-calibrate
         the smoothed weight by ``max_calibrate`` of the layer alone, which does not know the layer is an
