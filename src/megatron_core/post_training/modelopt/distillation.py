@@ -46,7 +46,9 @@ from megatron_core.post_training.modelopt.distillation_pipeline import (
 )
 from megatron_core.process_groups_config import resolve_process_group
 
-_mtd = modelopt_distill()
+_BALANCER_CLASS: type | None = None
+# Made on first access by the module's ``__getattr__`` (it subclasses a Model Optimizer class).
+LogitsAndIntermediatesLossBalancer: type
 
 __all__ = ["DistillationConfig", "LogitsAndIntermediatesLossBalancer", "convert_to_distillation_model",
            "distillation_loss", "export_student", "setup_distillation_config"]
@@ -91,12 +93,14 @@ class DistillationConfig:
                              "the logits are divided by it")
 
 
-class LogitsAndIntermediatesLossBalancer(_mtd.DistillationLossBalancer):
+class _LossBalancing:
     """Combines the LM loss, the logit KL and the intermediate losses into ``{"kd_loss", "logits_loss", "intermediate_loss"}``.
 
     The intermediate losses (averaged) are rescaled to the logit loss's magnitude; with
     ``skip_original_loss`` the total is their sum, otherwise that sum is rescaled to the LM loss's
-    magnitude, times ``kd_loss_scale``, plus the LM loss (Megatron-LM's balancing).
+    magnitude, times ``kd_loss_scale``, plus the LM loss (Megatron-LM's balancing). The public class,
+    :class:`LogitsAndIntermediatesLossBalancer`, adds Model Optimizer's ``DistillationLossBalancer`` base
+    when first used, so importing this module needs no Model Optimizer.
     """
 
     def __init__(self, kd_loss_scale: float = 1.0, skip_original_loss: bool = False) -> None:
@@ -107,7 +111,7 @@ class LogitsAndIntermediatesLossBalancer(_mtd.DistillationLossBalancer):
     def forward(self, loss_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The total and its parts from ``compute_kd_loss``'s dict of reduced losses."""
         loss_dict = dict(loss_dict)
-        original = loss_dict.pop(_mtd.loss_balancers.STUDENT_LOSS_KEY, None)
+        original = loss_dict.pop(modelopt_distill().loss_balancers.STUDENT_LOSS_KEY, None)
         logits_keys = [k for k in loss_dict if k.startswith(LogitsKLLoss.__name__)]
         if len(logits_keys) != 1:
             raise ValueError(f"the distillation losses {sorted(loss_dict)} must hold exactly one logit loss")
@@ -125,6 +129,23 @@ class LogitsAndIntermediatesLossBalancer(_mtd.DistillationLossBalancer):
                 kd_loss = kd_loss * (original.detach() / kd_loss.detach())
             total = original + kd_loss * self._kd_loss_scale
         return {"kd_loss": total, "logits_loss": logits_loss, "intermediate_loss": intermediate}
+
+
+def _balancer_class() -> type:
+    """``LogitsAndIntermediatesLossBalancer``: :class:`_LossBalancing` on Model Optimizer's balancer base (made once)."""
+    global _BALANCER_CLASS
+    if _BALANCER_CLASS is None:
+        _BALANCER_CLASS = type("LogitsAndIntermediatesLossBalancer",
+                               (_LossBalancing, modelopt_distill().DistillationLossBalancer),
+                               {"__module__": __name__, "__doc__": _LossBalancing.__doc__})
+    return _BALANCER_CLASS
+
+
+def __getattr__(name: str) -> Any:
+    """``LogitsAndIntermediatesLossBalancer`` on first access (it subclasses a Model Optimizer class)."""
+    if name == "LogitsAndIntermediatesLossBalancer":
+        return _balancer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def setup_distillation_config(config_or_path: DistillationConfig | str | os.PathLike | None, student_cfg: Any,
@@ -154,7 +175,7 @@ def setup_distillation_config(config_or_path: DistillationConfig | str | os.Path
             criterion[(entry[0], entry[1])] = loss_cls(student_cfg, projection_layer=projection)
         cfg.criterion = criterion
     if cfg.loss_balancer is None:
-        cfg.loss_balancer = LogitsAndIntermediatesLossBalancer(cfg.kd_loss_scale, cfg.skip_lm_loss)
+        cfg.loss_balancer = _balancer_class()(cfg.kd_loss_scale, cfg.skip_lm_loss)
     return cfg
 
 
@@ -195,7 +216,7 @@ def convert_to_distillation_model(student: torch.nn.Module, teacher: torch.nn.Mo
         criterion = {} if not student.post_process else {
             (local_layer_name(s, student.config), local_layer_name(t, teacher.config)): loss
             for (s, t), loss in criterion.items()}
-    model = _mtd.convert(student, mode=[("kd_loss", {"teacher_model": teacher, "criterion": criterion,
+    model = modelopt_distill().convert(student, mode=[("kd_loss", {"teacher_model": teacher, "criterion": criterion,
                                                      "loss_balancer": cfg.loss_balancer})])
     model._distillation_config = cfg
     if pipelined:
@@ -249,4 +270,4 @@ def distillation_loss(model: torch.nn.Module, output_tensor: torch.Tensor, loss_
 
 def export_student(model: torch.nn.Module) -> torch.nn.Module:
     """The student alone again (Model Optimizer's ``mtd.export``): the teacher and the hooks removed."""
-    return _mtd.export(model)
+    return modelopt_distill().export(model)
