@@ -61,6 +61,10 @@ def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, r
     sys.path[:] = sys_path
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["MCORE_TEST_RANK"] = str(rank)
+    # This worker's own rank variables, as torchrun sets them: a test that leaves e.g. WORLD_SIZE=1 in the parent's
+    # environment (the in-process CLI setup does) must not reach pools spawned after it (HyperCommGrid reads it).
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     if debug:
         # Read when the process group is created: with DETAIL, gloo checks every collective's op and shapes
         # across ranks first, so a desync raises a RuntimeError naming them instead of hanging or aborting.

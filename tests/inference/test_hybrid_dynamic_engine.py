@@ -118,7 +118,7 @@ def test_engine_greedy_equals_plain_loop_with_waiting_requests(model):
         engine.step_modern()
         waited |= len(engine.waiting) > 0 and len(engine.running) == 2
     assert waited
-    assert [f.result().generated_tokens for f in futures] == expected
+    assert [f.result(timeout=60).generated_tokens for f in futures] == expected
     assert engine.context.mamba_slots.free_count == 2 and engine.context.total_request_count == 0
 
 
@@ -136,7 +136,7 @@ def test_engine_chunked_prefill_pauses_and_evictions(model):
     paused = 0
     while not all(f.done() for f in futures):
         paused += len(engine.step_modern()["paused_request_ids"])
-    assert [f.result().generated_tokens for f in futures] == expected
+    assert [f.result(timeout=60).generated_tokens for f in futures] == expected
     assert engine.evicted_request_count > 0 and paused > 0
     assert engine.context.mamba_slots.free_count == 3
 
@@ -158,7 +158,7 @@ def test_padded_graph_decode_layout_equals_plain_loop(model, overlap):
         engine.step_modern()
         if engine.context.graph_batch_size is not None:
             padded_batches.add((engine.context.graph_batch_size, len(engine.context.step_entries)))
-    assert [f.result().generated_tokens for f in futures] == expected
+    assert [f.result(timeout=60).generated_tokens for f in futures] == expected
     assert any(size > rows for size, rows in padded_batches)  # some steps had padding rows
     slots = engine.context.mamba_slots
     assert sorted(slots._graph_slots) == sorted({size for size, _ in padded_batches})
@@ -250,7 +250,7 @@ def test_engine_greedy_equals_plain_loop_on_cuda(mode):
     while not all(f.done() for f in futures):
         engine.step_modern()
         graph_steps += engine.context.graph_batch_size is not None
-    assert [f.result().generated_tokens for f in futures] == expected
+    assert [f.result(timeout=60).generated_tokens for f in futures] == expected
     assert (graph_steps > 0) == (mode != "eager")
     assert engine.context.mamba_slots.free_count == 4
     conv, ssm = engine.context.mamba_states_cache(1)
