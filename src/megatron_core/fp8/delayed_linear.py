@@ -69,6 +69,7 @@ class DelayedFloat8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module, record: bool,
                 emulate: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The float8 product; records the operands' amaxes unless this is a recompute (``scale`` given)."""
         recipe = layer.float8_recipe
         x2 = x.reshape(-1, x.shape[-1])
         recompute = scale is not None
@@ -85,6 +86,8 @@ class DelayedFloat8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
+        """Data and weight gradients from the float8 output gradient (weight gradient in high precision without
+        ``fp8_wgrad``)."""
         x_q, w_q, fwd_scale, x_hp = ctx.saved_tensors
         layer, emulate = ctx.layer, ctx.emulate
         recipe = layer.float8_recipe
