@@ -12,6 +12,16 @@ NEW = 6
 LENGTHS = (5, 13, 9, 3)
 
 
+def _reference(seed: int) -> tuple[list[list[int]], list[list[int]], dict[str, torch.Tensor]]:
+    """``(prompts, the single-process plain greedy outputs, the reference model's parameters)``."""
+    from tests.inference.hybrid_fixture import build_hybrid, plain_greedy, prompts
+
+    ref = build_hybrid("M*M-", chunk_size=4)
+    batch = prompts(list(LENGTHS), seed=seed)
+    expected = [plain_greedy(ref, p, NEW) for p in batch]
+    return batch, expected, {name: param.detach().clone() for name, param in ref.named_parameters()}
+
+
 def _tp_run() -> tuple[list[list[int]], list[list[int]], tuple]:
     from megatron_core import parallel_state, tensor_parallel
     from megatron_core.inference.config import MambaInferenceStateConfig
@@ -19,15 +29,10 @@ def _tp_run() -> tuple[list[list[int]], list[list[int]], tuple]:
         build_hybrid,
         greedy_params,
         hybrid_engine,
-        plain_greedy,
-        prompts,
     )
     from tests.models.mamba.test_mamba_tensor_parallel import shard
 
-    ref = build_hybrid("M*M-", chunk_size=4)
-    batch = prompts(list(LENGTHS), seed=21)
-    expected = [plain_greedy(ref, p, NEW) for p in batch]
-    full = {name: param.detach().clone() for name, param in ref.named_parameters()}
+    batch, expected, full = _reference(21)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     try:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -57,14 +62,9 @@ def _pp_run() -> tuple[list[list[int]], list[list[int]], list[str]]:
         build_hybrid,
         greedy_params,
         hybrid_engine,
-        plain_greedy,
-        prompts,
     )
 
-    ref = build_hybrid("M*M-", chunk_size=4)
-    batch = prompts(list(LENGTHS), seed=22)
-    expected = [plain_greedy(ref, p, NEW) for p in batch]
-    full = {name: param.detach().clone() for name, param in ref.named_parameters()}
+    batch, expected, full = _reference(22)
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
         stage = parallel_state.get_pipeline_model_parallel_rank()
