@@ -22,11 +22,12 @@ __all__ = ["register_quant_modules"]
 
 
 def register_quant_modules() -> list[str]:
-    """Register this library's linear layers, MoE experts (:mod:`.quant_moe`) and the MLP's checkpoint layout.
+    """Register our linear layers, MoE experts (:mod:`.quant_moe`), attention (:mod:`.quant_attention`), MLP layout.
 
     Idempotent; returns the names of the registered quantized classes. ``ImportError`` naming the
     ``modelopt`` extra when Model Optimizer is not installed.
     """
-    from megatron_core.post_training.modelopt import quant_modules, quant_moe
+    from megatron_core.post_training.modelopt import quant_attention, quant_modules, quant_moe
 
-    return list(quant_modules.__all__) + [name for name in quant_moe.__all__ if name.startswith("Quant")]
+    return list(quant_modules.__all__) + [name for m in (quant_moe, quant_attention) for name in m.__all__
+                                          if name.startswith("Quant")]
