@@ -1,4 +1,4 @@
-"""Functions run on gloo ranks by the hybrid ``megatron-convert`` tests (module level, so the ranks can import them)."""
+"""Functions run on gloo ranks by the ``megatron-convert`` record tests (module level, so the ranks can import them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.models.hf.dist_checks import logits_of
 
 
 def logits_from_record(ckpt: str, tp: int, pp: int = 1) -> torch.Tensor | None:
-    """Rebuild the converted checkpoint's HybridModel at (``tp``, ``pp``) from its ``model_config`` record and load
+    """Rebuild the converted checkpoint's model (GPTModel or HybridModel) at (``tp``, ``pp``) from its ``model_config`` record and load
     it, as ``megatron-generate`` does; return the last stage's full-vocabulary logits of the test batch."""
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_on_ranks
-from tests.models.hf import dist_checks
+from tests.models.hf import dist_checks, hybrid_convert_checks
 from tests.models.hf.hf_models import FAMILIES, MOE_FAMILIES, assert_same_tensors, hf_logits, make_hf_model
 
 pytest.importorskip("transformers")
@@ -96,3 +96,21 @@ def test_cli_padding_dtype_and_errors(tmp_path, capsys) -> None:
     # Exporting over an existing directory needs --overwrite.
     assert main(["mcore-to-hf", "--mcore", ckpt, "--out", str(tmp_path / "bf16"), "--no-progress"]) == 2
     assert "overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral"])
+def test_record_rebuilds_the_converted_model_as_megatron_generate_does(kind: str, tmp_path) -> None:
+    """The converted checkpoint records its model configuration (Llama 3.1 RoPE frequencies and base included), so
+    ``megatron-generate`` / ``megatron-serve`` rebuild it without training flags: at TP=2 it gives transformers'
+    logits; the tokenizer falls back to ``NullTokenizer`` (no tokenizer.json here)."""
+    from megatron_core.dist_checkpointing.serialization import load_common_state_dict
+    from megatron_core.training.model_config import MODEL_CONFIG_KEY
+
+    src, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    make_hf_model(kind, src)
+    path = import_hf_to_mcore(src, ckpt, make_vocab_size_divisible_by=1, progress=False)
+    common = load_common_state_dict(path)
+    assert MODEL_CONFIG_KEY in common and common["extra_state"]["args"]["tokenizer_type"] == "NullTokenizer"
+    expected = hf_logits(src)
+    for logits in (r for r in run_on_ranks(2, hybrid_convert_checks.logits_from_record, ckpt, 2) if r is not None):
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

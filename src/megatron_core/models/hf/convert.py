@@ -188,22 +188,55 @@ def _import_shards(bridge: AutoBridge, layout: CheckpointLayout, vocab: int, tic
     return model, loaders
 
 
-def _hybrid_inference_records(bridge: AutoBridge, vocab: int, hf_dir: str, out_dir: str) -> tuple[dict, dict]:
-    """The ``model_config`` record of a converted HybridModel (as ``save_checkpoint`` writes it) and, in
-    ``extra_state["args"]``, its tokenizer: the copied HF tokenizer when the directory has a ``tokenizer.json``,
-    else ``NullTokenizer`` (prompts are token ids) whose end-of-document id is the last vocabulary id."""
+def _recorded_rotary(bridge: AutoBridge, config: Any) -> dict[str, Any] | None:
+    """The ``rotary`` entry of a converted RoPE model's record: the exact frequencies the bridge gives the model
+    (``rotary_base``, Llama 3.1 scaling), which the rebuilt model takes from the record."""
+    from megatron_core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron_core.models.hf.families import llama3_inv_freq
+
+    kwargs = bridge.family.model_kwargs
+    if kwargs.get("position_embedding_type") != "rope":
+        return None
+    base = kwargs.get("rotary_base", 10000)
+    scaling = bridge.family.rope_llama3
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(config.kv_channels, 1.0, base, scaling)
+    else:
+        inv_freq = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=base,
+                                   use_cpu_initialization=True).inv_freq
+    return {"class": "RotaryEmbedding", "inv_freq": inv_freq.float().cpu().tolist(), "seq_len_interpolation_factor": None}
+
+
+def _inference_records(bridge: AutoBridge, vocab: int, hf_dir: str, out_dir: str) -> tuple[dict, dict]:
+    """The ``model_config`` record of the converted model (as ``save_checkpoint`` writes it), from which
+    ``megatron-generate`` / ``megatron-serve`` rebuild it, and, in ``extra_state["args"]``, its tokenizer: the copied
+    HF tokenizer when the directory has a ``tokenizer.json``, else ``NullTokenizer`` (prompts are token ids) whose
+    end-of-document id is the last vocabulary id. ``({}, {})`` for a model the record cannot describe (YaRN RoPE,
+    multi-latent attention): its conversion is for training, not for the inference commands."""
     from megatron_core.models.common.model_config_record import MODEL_CONFIG_KEY, model_config_record_for
+    from megatron_core.models.gpt import GPTModel
     from megatron_core.models.hybrid import HybridModel
 
     config = bridge.transformer_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     settings = {**bridge.family.model_kwargs, "vocab_size": vocab, "parallel_output": True,
-                "fp16_lm_cross_entropy": False, "mamba_mixer": dict(bridge.family.mixer_params)}
+                "fp16_lm_cross_entropy": False}
+    if bridge.family.hybrid_pattern is not None:
+        model_class = HybridModel
+        settings["mamba_mixer"] = dict(bridge.family.mixer_params)
+    elif settings.get("position_embedding_type") in ("rope", "learned_absolute", "none") and not getattr(
+            config, "multi_latent_attention", False):
+        model_class = GPTModel
+        rotary = _recorded_rotary(bridge, config)
+        if rotary is not None:
+            settings["rotary"] = rotary
+    else:
+        return {}, {}
     if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
         args = {"tokenizer_type": "HuggingFaceTokenizer",
                 "tokenizer_model": os.path.abspath(os.path.join(out_dir, HF_SUBDIR))}
     else:
         args = {"tokenizer_type": "NullTokenizer", "vocab_size": bridge.family.vocab_size - 1}
-    return {MODEL_CONFIG_KEY: model_config_record_for(config, HybridModel, settings)}, args
+    return {MODEL_CONFIG_KEY: model_config_record_for(config, model_class, settings)}, args
 
 
 def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
@@ -232,8 +265,9 @@ def import_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1,
                    "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "padded_vocab_size": vocab}
     state = {"model": model, "opt_param_scheduler": None, "iteration": 0, "consumed_train_samples": 0,
              "extra_state": extra_state, "checkpoint_version": CHECKPOINT_VERSION}
-    if bridge.family.hybrid_pattern is not None:  # what megatron-generate / megatron-serve rebuild the model from
-        records, extra_state["args"] = _hybrid_inference_records(bridge, vocab, hf_dir, out_dir)
+    records, args = _inference_records(bridge, vocab, hf_dir, out_dir)  # what megatron-generate rebuilds it from
+    if records:
+        extra_state["args"] = args
         state.update(records)
     checkpoint_dir = get_checkpoint_name(out_dir, 0)
     created = not os.path.exists(out_dir)
