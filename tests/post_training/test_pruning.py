@@ -145,14 +145,14 @@ def test_hidden_channels_ranked_by_norm_outputs_and_the_pruned_model_trains():
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for step in range(8):
-        ids = tokens(step % 2)
+    ids = tokens(0)
+    for _ in range(6):
         loss = model(ids, POS, None, labels=ids).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.5, losses
+    assert losses[-1] < losses[0] - 1.0, losses  # measured 4.85 -> 2.75
 
 
 def test_depth_pruning_drops_the_named_layers_bitwise():
