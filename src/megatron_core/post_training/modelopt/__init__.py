@@ -11,7 +11,8 @@ library's datasets, and :mod:`.hf_export` writes a quantized model as a Hugging 
 Model Optimizer's unified format. :mod:`.qat` continues training a quantized model (quantization-aware
 training); :mod:`.distillation` (with :mod:`.distillation_losses`, the tensor-parallel logit KL and
 intermediate losses, and :mod:`.distillation_pipeline`) trains a student against a frozen teacher through
-Model Optimizer's ``modelopt.torch.distill``.
+Model Optimizer's ``modelopt.torch.distill``. :mod:`.pruning` (with :mod:`.pruning_importance`) prunes a GPT the Minitron
+way, with the arguments of Model Optimizer's ``mtp.prune`` but without Model Optimizer.
 
 Importing this package does not import Model Optimizer; :mod:`._backend` does, when a function needs it.
 """
