@@ -199,6 +199,34 @@ def test_refusals():
         prune(moe, "mcore_minitron", {"export_config": {"num_layers": 1}}, None, {"forward_loop": loop_over(0)})
 
 
+def test_saved_scores_prune_another_copy_without_calibration(tmp_path):
+    scores = str(tmp_path / "scores.pt")
+    first, second = build(gqa_config(num_layers=2)), build(gqa_config(num_layers=2))
+    export = {"export_config": {"ffn_hidden_size": 48, "num_layers": 1}}
+    prune(first, "mcore_minitron", export, None, {"forward_loop": loop_over(0), "checkpoint": scores})
+    prune(second, "mcore_minitron", export, None, {"checkpoint": scores})
+    assert os.path.isfile(scores)
+    for key, value in first.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(second.state_dict()[key], value), key
+
+
+@pytest.mark.gpu
+def test_prunes_a_model_on_cuda():
+    model = build(gqa_config(params_dtype=torch.float64)).cuda()
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            layer.mlp.linear_fc1.weight[[5, 7, 96 + 5, 96 + 7]] = 0
+    ids, pos = tokens(100).cuda(), POS.cuda()
+    with torch.no_grad():
+        reference = model(ids, pos, None)
+    prune(model, "mcore_minitron", {"export_config": {"ffn_hidden_size": 94}}, None,
+          {"forward_loop": lambda m: m(tokens(0).cuda(), pos, None)})
+    assert all(p.is_cuda and p.dtype == torch.float64 for p in model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, pos, None), reference, rtol=0, atol=1e-10)
+
+
 EXPORT = {"hidden_size": 56, "ffn_hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2}
 
 

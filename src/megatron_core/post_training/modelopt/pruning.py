@@ -185,8 +185,11 @@ def _sliced(old_state: dict[str, Any], new_state: dict[str, Any], kept_layers: l
 
 
 def _rebuild(model: torch.nn.Module, config: Any) -> None:
-    """Replace the model's embedding, decoder and output layer by fresh ones of ``config`` (same kinds, groups)."""
-    device = next(model.parameters()).device
+    """Replace the model's embedding, decoder and output layer by fresh ones of ``config`` (same kinds, groups).
+
+    They are moved to the device and floating dtype of the old parameters (a model cast after it was built, e.g.
+    by ``Float16Module``, keeps its dtype)."""
+    first = next(model.parameters())
     model.config = config
     if model.pre_process:
         old = model.embedding
@@ -202,7 +205,7 @@ def _rebuild(model: torch.nn.Module, config: Any) -> None:
             model.vocab_size, model.parallel_output,
             skip_weight_param_allocation=model.pre_process and model.share_embeddings_and_output_weights)
     model.setup_embeddings_and_output_layer()
-    model.to(device)
+    model.to(device=first.device, dtype=first.dtype)
 
 
 def prune_to_export_config(model: torch.nn.Module, export_config: dict[str, int],
@@ -267,7 +270,8 @@ def prune(model: torch.nn.Module, mode: str, constraints: dict[str, Any], dummy_
     ``mode`` must be ``"mcore_minitron"``; ``constraints`` ``{"export_config": {...}}`` with keys from
     :data:`SUPPORTED_HPARAMS`; ``dummy_input`` is unused (as in Megatron-LM); ``config`` holds ``forward_loop``
     (``forward_loop(model)`` runs the calibration batches) and optionally ``checkpoint``, a file for the scores:
-    read when it exists (pruning the same model to another size needs no calibration), written otherwise.
+    read when it exists (pruning the same model to another size needs no calibration), written otherwise;
+    ``verbose`` (a key Megatron-LM may pass) is accepted and ignored.
     """
     if mode != "mcore_minitron":
         raise ValueError(f"prune: mode {mode!r} is not supported; use 'mcore_minitron'")
