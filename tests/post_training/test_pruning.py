@@ -194,6 +194,13 @@ def test_refusals():
         prune(model, "mcore_minitron", {"export_config": {"num_layers": 1}}, None, {})
     with pytest.raises(ValueError, match=r"layers_to_drop \[3\] must name distinct layers in 1..2"):
         drop_mcore_language_model_layers(model, layers_to_drop=[3])
+    sinks = build(gqa_config(num_layers=1, softmax_type="learnable"))  # per-head attention sinks: not sliced
+    reference = logits(sinks)
+    with pytest.raises(ValueError, match=r"does not know how to slice decoder\.layers\.0\.self_attention\."
+                                         r"core_attention\.softmax_offset \(shape \(8,\)\)"):
+        prune(sinks, "mcore_minitron", {"export_config": {"num_attention_heads": 4}}, None,
+              {"forward_loop": loop_over(0)})
+    assert sinks.config.num_attention_heads == 8 and torch.equal(logits(sinks), reference)  # left as it was
     moe = build(gqa_config(num_layers=1, num_moe_experts=2, moe_router_topk=1, ffn_hidden_size=32))
     with pytest.raises(ValueError, match=r"does not support MoE layers .*: config.num_moe_experts is 2"):
         prune(moe, "mcore_minitron", {"export_config": {"num_layers": 1}}, None, {"forward_loop": loop_over(0)})

@@ -222,10 +222,15 @@ def prune_to_export_config(model: torch.nn.Module, export_config: dict[str, int]
     kept_layers = _top(importance.layers, target["num_layers"]).tolist()
     hidden = _top(importance.hidden, target["hidden_size"])
     old_state = model.state_dict()
-    new_config = dataclasses.replace(config, **target)
-    _rebuild(model, new_config)
-    sliced = _sliced(old_state, model.state_dict(), kept_layers, config, importance, hidden, target)
-    model.load_state_dict(sliced)
+    old_parts = {name: getattr(model, name) for name in ("embedding", "decoder", "output_layer") if hasattr(model, name)}
+    _rebuild(model, dataclasses.replace(config, **target))
+    try:
+        model.load_state_dict(_sliced(old_state, model.state_dict(), kept_layers, config, importance, hidden, target))
+    except Exception:
+        for name, part in old_parts.items():  # leave the model as it was
+            setattr(model, name, part)
+        model.config = config
+        raise
     return model
 
 
