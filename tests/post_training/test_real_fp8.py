@@ -27,7 +27,15 @@ from megatron_core.post_training.modelopt.real_quant_fp8 import (
 )
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import shard
-from tests.post_training.quant_test_utils import LINEARS, MAX_SEQ, build, load_sharded, logits, quantize
+from tests.post_training.quant_test_utils import (
+    LINEARS,
+    MAX_SEQ,
+    batch,
+    build,
+    load_sharded,
+    logits,
+    quantize,
+)
 
 pytest.importorskip("modelopt")
 
@@ -90,6 +98,8 @@ def test_state_dict_round_trip_dtype_casts_and_sharded_checkpoint():
 def test_bad_input_raises_naming_the_layer():
     import modelopt.torch.quantization as mtq
 
+    from megatron_core.post_training.modelopt.quant_attention import kv_cache_quant_config
+
     qkv = r"decoder\.layers\.0\.self_attention\.linear_qkv"
     with pytest.raises(ValueError, match=qkv + r" \(ColumnParallelLinear\) is not FP8-quantized.*FP8_DEFAULT_CFG"):
         convert_to_real_fp8(build())
@@ -103,7 +113,10 @@ def test_bad_input_raises_naming_the_layer():
     int8 = quantize(build(), "INT8_SMOOTHQUANT_CFG")
     with pytest.raises(ValueError, match=qkv + r".*num_bits=8, not FP8"):
         convert_to_real_fp8(int8)
-    assert not _fp8_layers(uncalibrated) and not _fp8_layers(weight_only) and not _fp8_layers(int8)  # left as they were
+    kv = mtq.quantize(build(), kv_cache_quant_config(mtq.FP8_DEFAULT_CFG, "fp8"), lambda m: m(*batch(0), None))
+    with pytest.raises(ValueError, match=r"core_attention \(.*\) has enabled quantizers but is not .* linear layer"):
+        convert_to_real_fp8(kv)
+    assert not any(_fp8_layers(m) for m in (uncalibrated, weight_only, int8, kv))  # left as they were
 
 
 def test_layer_forward_traces_whole_under_torch_compile():

@@ -312,7 +312,9 @@ def convert_to_real_fp8(model: torch.nn.Module) -> torch.nn.Module:
             first_linear = (name, module)
         if not _has_enabled_quantizer(module, mo):
             continue
-        problem = _layer_problem(module, mo) if is_linear else "is not a linear layer this conversion supports"
+        problem = _layer_problem(module, mo) if is_linear else (
+            "has enabled quantizers but is not a column/row-parallel or duplicated linear layer (grouped experts, "
+            "KV-cache quantization of attention): convert_to_real_fp8 converts linear layers only")
         if problem is not None:
             raise ValueError(f"convert_to_real_fp8: {name} ({type(module).__name__}) {problem}")
         convert.append(name)
