@@ -54,7 +54,7 @@ def test_files_hold_fp8_weights_scales_and_the_quantization_config(exported):
     with open(os.path.join(out, "hf_quant_config.json"), encoding="utf-8") as f:
         assert json.load(f) == {"producer": {"name": "modelopt", "version": modelopt.__version__},
                                 "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None,
-                                                 "exclude_modules": ["lm_head"]}}
+                                                 "exclude_modules": ["lm_head", "model.embed_tokens"]}}
     with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
         quantization = json.load(f)["quantization_config"]
     assert quantization["quant_method"] == "modelopt" and quantization["quant_algo"] == "FP8"
@@ -131,9 +131,9 @@ def test_unquantized_and_unsupported_models_are_refused(llama_dir, tmp_path):
     (plain,) = bridge.to_megatron_model()
     with pytest.raises(ValueError, match="is not quantized: export it with AutoBridge.save_hf_pretrained"):
         export_quantized_hf(bridge, plain, tmp_path / "a")
-    bridge, model = quantized_llama(llama_dir, "INT8_SMOOTHQUANT_CFG")
-    with pytest.raises(ValueError, match="quantized with INT8_SMOOTHQUANT_CFG .* not supported; supported recipes: "
-                                         "FP8_DEFAULT_CFG"):
+    bridge, model = quantized_llama(llama_dir, "INT8_DEFAULT_CFG")
+    with pytest.raises(ValueError, match="quantized with INT8_DEFAULT_CFG .* not supported; supported recipes: "
+                                         "FP8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG, INT4_AWQ_CFG, NVFP4_DEFAULT_CFG"):
         export_quantized_hf(bridge, model, tmp_path / "b")
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
 

@@ -20,6 +20,15 @@ def modelopt_hf_config_format(what: str = "exporting a quantized Hugging Face ch
     return importlib.import_module("modelopt.torch.export.convert_hf_config")
 
 
+def modelopt_export_helpers(what: str = "exporting a quantized Hugging Face checkpoint") -> SimpleNamespace:
+    """Model Optimizer's export helpers: ``quant_utils`` (``modelopt.torch.export.quant_utils``: packing and
+    scales) and ``NVFP4QTensor`` (NVFP4 block scales)."""
+    modelopt_modules(what)
+    qtensor = importlib.import_module("modelopt.torch.quantization.qtensor")
+    return SimpleNamespace(quant_utils=importlib.import_module("modelopt.torch.export.quant_utils"),
+                           NVFP4QTensor=qtensor.NVFP4QTensor)
+
+
 def modelopt_distill(what: str = "knowledge distillation") -> Any:
     """Model Optimizer's ``modelopt.torch.distill`` (``mtd``), or ``ImportError`` naming the extra to install."""
     modelopt_modules(what)

@@ -11,20 +11,24 @@ bridge exports works the same:
 
 1. the bridge exports the model with each quantized linear's weight replaced by its fake-quantized
    value (what the quantized model multiplies by), TP shards gathered as usual;
-2. rank 0 rewrites each such HF tensor as FP8 codes (``weight / weight_scale``, exact: the fake-quantized
-   value is an FP8 code times the scale) plus its scales, and writes the quantization config, inside the
-   bridge's temporary directory before it is published: a failure leaves nothing at the target.
+2. rank 0 rewrites each such HF tensor in the recipe's quantized form (codes plus scales, requantized from the
+   fake-quantized value, so the codes are those the model multiplies by) and writes the quantization config,
+   inside the bridge's temporary directory before it is published: a failure leaves nothing at the target.
 
-A fused Megatron weight (``linear_qkv``, a gated ``linear_fc1``) has one scale, which its HF parts (q, k, v;
-gate, up) share, as Model Optimizer's own export makes fused HF projections share one.
-
-Supported: FP8 per tensor (``FP8_DEFAULT_CFG``); other recipes raise ``ValueError`` naming the supported ones.
+The quantizer values (amax, pre-quantization scales) of every rank's linears are gathered to rank 0 and split
+to HF tensors with the bridge's own rules (TP shards joined; pipeline stages each send their own layers), so
+every TP/PP layout exports the same files. The per-recipe rules are in :mod:`.hf_export_formats`: FP8 per
+tensor (``FP8_DEFAULT_CFG``), INT8 SmoothQuant (``INT8_SMOOTHQUANT_CFG``), INT4 AWQ (``INT4_AWQ_CFG``) and
+NVFP4 (``NVFP4_DEFAULT_CFG``); other recipes raise ``ValueError`` naming the supported ones. A fused Megatron
+weight (``linear_qkv``, a gated ``linear_fc1``) has one quantizer, whose per-tensor scales its HF parts (q, k,
+v; gate, up) share, as Model Optimizer's own export makes fused HF projections share them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,15 +40,23 @@ from megatron_core.models.hf.export import QUANT_CONFIG_FILE
 from megatron_core.models.hf.model_view import unwrap
 from megatron_core.models.hf.safetensors_io import INDEX_FILE, HFCheckpointReader, SafetensorsShardWriter
 from megatron_core.post_training.modelopt._backend import modelopt_hf_config_format, modelopt_modules
+from megatron_core.post_training.modelopt.hf_export_formats import (
+    EXPORT_FORMATS,
+    ExportFormat,
+    HFQuantInfo,
+    LinearQuantInfo,
+    hf_quant_info,
+    linear_quant_info,
+    quantized_tensors,
+)
 from megatron_core.post_training.modelopt.recipes import recipe_of
+from megatron_core.tensor_parallel import layers as tp_layers
 
 __all__ = ["HF_QUANT_CONFIG", "SUPPORTED_EXPORT_RECIPES", "export_quantized_hf"]
 
 HF_QUANT_CONFIG = QUANT_CONFIG_FILE
 # recipe -> Model Optimizer's quant_algo in hf_quant_config.json
-SUPPORTED_EXPORT_RECIPES = {"FP8_DEFAULT_CFG": "FP8"}
-_FP8_MAX = 448.0  # largest E4M3 value: Model Optimizer's scale is amax / 448
-_EXCLUDED = ["lm_head"]
+SUPPORTED_EXPORT_RECIPES = {recipe: fmt.quant_algo for recipe, fmt in EXPORT_FORMATS.items()}
 
 
 def _quantized_linears(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -54,26 +66,57 @@ def _quantized_linears(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.M
             yield name, module
 
 
-def _scale(quantizer: Any, name: str) -> float | None:
-    if not quantizer.is_enabled or quantizer.amax is None:
-        return None
-    if quantizer.amax.numel() != 1:
-        raise ValueError(f"{name}: {quantizer.amax.numel()} scales; only per-tensor scales are exported as FP8")
-    return float(quantizer.amax.float()) / _FP8_MAX
+def _layout(module: torch.nn.Module) -> str:
+    if isinstance(module, tp_layers.ColumnParallelLinear):
+        return "column"
+    return "row" if isinstance(module, tp_layers.RowParallelLinear) else "none"
 
 
-def _hf_scales(bridge: Any, chunks: list[torch.nn.Module], pg_collection: Any) -> dict[str, tuple[float, float | None]]:
-    """``{HF weight name: (weight_scale, input_scale or None)}`` of this rank's quantized linears (TP-agreed scales)."""
-    out = {}
+def _tp_rank(module: torch.nn.Module) -> int:
+    group = getattr(module, "tp_group", None)
+    if group is None or not torch.distributed.is_initialized():
+        return 0
+    return torch.distributed.get_rank(group)
+
+
+def _input_norm(bridge: Any, chunk: torch.nn.Module, name: str, pg_collection: Any) -> tuple[str, ...]:
+    """HF names of the norm (weight, bias) whose output is ``name``'s input: q/k/v's and gate/up's norms."""
+    params = dict(chunk.named_parameters())
+    block, _, leaf = name.rpartition(".")
+    layer = block.rpartition(".")[0]
+    norm = {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}.get(leaf)
+    candidates = [f"{name}.layer_norm_weight", f"{name}.layer_norm_bias"]
+    if norm is not None:
+        candidates += [f"{layer}.{norm}.weight", f"{layer}.{norm}.bias"]
+    out = []
+    for param in candidates:
+        if param in params:
+            rule, index = bridge.rule_for(chunk, param, pg_collection)
+            out.extend(rule.hf_names(index))
+    return tuple(out)
+
+
+def _linear_infos(bridge: Any, chunks: list[torch.nn.Module], pg_collection: Any) -> list[LinearQuantInfo]:
+    """This rank's :class:`LinearQuantInfo` of every quantized linear but the output layer."""
+    out = []
     for chunk in chunks:
         for name, module in _quantized_linears(chunk):
             if name.endswith("output_layer"):
                 continue
             rule, layer = bridge.rule_for(chunk, f"{name}.weight", pg_collection)
-            scales = (_scale(module.weight_quantizer, f"{name}.weight_quantizer"),
-                      _scale(module.input_quantizer, f"{name}.input_quantizer"))
-            for hf_name in rule.hf_names(layer):
-                out[hf_name] = scales
+            out.append(linear_quant_info(module, name, rule, layer, _tp_rank(module), _layout(module),
+                                         _input_norm(bridge, chunk, name, pg_collection)))
+    return out
+
+
+def _hf_infos(infos: list[LinearQuantInfo], fmt: ExportFormat) -> dict[str, HFQuantInfo]:
+    """Every rank's linear infos joined per Megatron weight and split to ``{HF weight name: HFQuantInfo}``."""
+    by_weight: dict[tuple[str, str], list[LinearQuantInfo]] = defaultdict(list)
+    for info in infos:
+        by_weight[(info.rule.mcore, repr(info.layer))].append(info)
+    out: dict[str, HFQuantInfo] = {}
+    for shards in by_weight.values():
+        out.update(hf_quant_info(shards, fmt))
     return out
 
 
@@ -114,40 +157,45 @@ def export_quantized_hf(bridge: Any, model: torch.nn.Module | list[torch.nn.Modu
     ``ValueError`` for an unquantized model or a recipe not in :data:`SUPPORTED_EXPORT_RECIPES`.
     """
     chunks = [unwrap(c) for c in (model if isinstance(model, (list, tuple)) else [model])]
-    recipe = _check_recipe(chunks)
-    merged: dict[str, tuple[float, float | None]] = {}
-    for part in collectives.all_gather_object(_hf_scales(bridge, chunks, pg_collection)):
-        merged.update(part)
+    fmt = EXPORT_FORMATS[_check_recipe(chunks)]
+    zero_centered = bool(getattr(chunks[0].config, "layernorm_zero_centered_gamma", False))
+    gathered = collectives.all_gather_object(_linear_infos(bridge, chunks, pg_collection))
 
     def rewrite(directory: str) -> None:  # rank 0, inside the bridge's temporary directory: published only if it works
-        _rewrite_as_fp8(directory, merged)
-        _write_quant_config(directory, SUPPORTED_EXPORT_RECIPES[recipe], modelopt_modules().version, merged)
+        infos = _hf_infos([info for part in gathered for info in part], fmt)
+        excluded = _rewrite_quantized(directory, fmt, infos, zero_centered)
+        _write_quant_config(directory, fmt, modelopt_modules().version, excluded)
 
     with _fake_quantized_weights(chunks):
         bridge.save_hf_pretrained(chunks, path, max_shard_size=max_shard_size, overwrite=overwrite,
                                   progress=progress, pg_collection=pg_collection, finalize=rewrite)
 
 
-def _rewrite_as_fp8(path: str, scales: dict[str, tuple[float, float | None]]) -> None:
-    """Replace each scaled tensor of every safetensors file by FP8 codes plus ``weight_scale`` / ``input_scale``."""
+def _rewrite_quantized(path: str, fmt: ExportFormat, infos: dict[str, HFQuantInfo], zero_centered: bool
+                       ) -> list[str]:
+    """Replace each quantized HF weight by its quantized tensors (and fold AWQ scales into norms), file by file.
+
+    Returns the modules left unquantized (those with an unquantized weight matrix), sorted.
+    """
     reader = HFCheckpointReader(path)
     files = sorted(set(reader.file_of.values()))
+    folds = {norm: info.pre_quant_scale for info in infos.values() for norm in info.fold_into}
     new_map: dict[str, str] = {}
+    excluded = []
     total = 0
     for file_name in files:
         names = [n for n in reader.names() if reader.file_of[n] == file_name]
         tensors: dict[str, torch.Tensor] = {}
         for name in names:
             tensor = reader.read(name)
-            if name not in scales:
-                tensors[name] = tensor
+            if name in infos:
+                tensors.update(quantized_tensors(fmt, name.removesuffix(".weight"), tensor, infos[name]))
                 continue
-            weight_scale, input_scale = scales[name]
-            tensors[name] = (tensor.float() / weight_scale).to(torch.float8_e4m3fn)
-            stem = name.removesuffix(".weight")
-            tensors[f"{stem}.weight_scale"] = torch.tensor(weight_scale, dtype=torch.float32)
-            if input_scale is not None:
-                tensors[f"{stem}.input_scale"] = torch.tensor(input_scale, dtype=torch.float32)
+            if name in folds:
+                tensor = _folded_norm(tensor, folds[name], zero_centered and name.endswith("weight"))
+            elif tensor.ndim == 2 and name.endswith(".weight"):
+                excluded.append(name.removesuffix(".weight"))
+            tensors[name] = tensor
         tmp = os.path.join(path, f"{file_name}.tmp")
         writer = SafetensorsShardWriter(tmp, [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
         for name, tensor in tensors.items():
@@ -159,13 +207,23 @@ def _rewrite_as_fp8(path: str, scales: dict[str, tuple[float, float | None]]) ->
     index_path = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index_path):
         _write_json(index_path, {"metadata": {"total_size": total}, "weight_map": dict(sorted(new_map.items()))})
+    return sorted(excluded)
 
 
-def _write_quant_config(path: str, quant_algo: str, version: str, scales: dict[str, Any]) -> None:
+def _folded_norm(tensor: torch.Tensor, scale: torch.Tensor, plus_one: bool) -> torch.Tensor:
+    """A norm's weight or bias times the AWQ scale of the projections it feeds (``(1 + w) * s - 1`` when the
+    norm's weight is zero-centred), as Model Optimizer folds it."""
+    scale = scale.to(tensor.device)
+    folded = (tensor + 1.0) * scale - 1.0 if plus_one else tensor * scale
+    return folded.to(tensor.dtype)
+
+
+def _write_quant_config(path: str, fmt: ExportFormat, version: str, excluded: list[str]) -> None:
     """``hf_quant_config.json`` and ``config.json``'s ``quantization_config``, as Model Optimizer writes them."""
     hf_quant_config = {
         "producer": {"name": "modelopt", "version": version},
-        "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": None, "exclude_modules": list(_EXCLUDED)},
+        "quantization": {"quant_algo": fmt.quant_algo, "kv_cache_quant_algo": None, **fmt.config,
+                         "exclude_modules": excluded},
     }
     _write_json(os.path.join(path, HF_QUANT_CONFIG), hf_quant_config)
     config_path = os.path.join(path, "config.json")
