@@ -23,6 +23,7 @@ from tests.dist_harness import run_on_ranks  # noqa: E402
 from tests.post_training.quant_test_utils import (  # noqa: E402
     MAX_SEQ,
     VOCAB,
+    batch,
     build,
     calibrate,
     config,
@@ -219,6 +220,26 @@ def test_inference_engines_apply_the_kv_quantization():
             print(f"engine log-probs: {diff:.3g} from the plain loop, {kv_effect:.3g} from the loop without KV quant")
             assert diff < 1e-5
             assert kv_effect > 1e-3  # the engine's cache is quantized: without the KV quantizers they are elsewhere
+
+
+def test_mla_with_kv_quantizers_refuses_the_engine():
+    from megatron_core.inference.contexts import StaticInferenceContext
+    from megatron_core.post_training.modelopt import register_quant_modules
+    from megatron_core.post_training.modelopt.quant_attention import check_kv_cache_quantized
+    from megatron_core.transformer.transformer_config import MLATransformerConfig
+
+    register_quant_modules()
+    torch.manual_seed(0)
+    cfg = MLATransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=12,
+                               qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, ffn_hidden_size=64,
+                               add_bias_linear=False, use_cpu_initialization=True, rope_type="rope")
+    model = GPTModel(cfg, get_gpt_layer_local_spec(multi_latent_attention=True), VOCAB, MAX_SEQ,
+                     position_embedding_type="rope").eval()
+    quantize_kv(model)
+    check_kv_cache_quantized(model)  # the core attention (training / full forward) quantizes K and V
+    ids, pos = batch(1)
+    with pytest.raises(NotImplementedError, match="multi-latent attention in the inference engine"):
+        model(ids, pos, None, inference_context=StaticInferenceContext(max_batch_size=2, max_sequence_length=MAX_SEQ))
 
 
 # ---- tensor parallelism and checkpoints ----
