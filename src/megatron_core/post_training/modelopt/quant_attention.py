@@ -67,13 +67,16 @@ def _group_or_unused(group: Any) -> Any:
     return -1 if group is None else group
 
 
+def _tp_group(core_attention: torch.nn.Module) -> Any:
+    """The attention's tensor-parallel group: its ``pg_collection``'s, else ``parallel_state``'s (None: size 1)."""
+    tp_group = resolve_process_group("tp", pg_collection=getattr(core_attention, "pg_collection", None))
+    return resolve_process_group("tp") if tp_group is None else tp_group
+
+
 def attention_parallel_state(core_attention: torch.nn.Module) -> Any:
     """Model Optimizer's ``ParallelState`` of a core attention: data parallel with CP, and its TP group."""
-    tp_group = resolve_process_group("tp", pg_collection=getattr(core_attention, "pg_collection", None))
-    if tp_group is None:
-        tp_group = resolve_process_group("tp")
     return _mo.distributed.ParallelState(_group_or_unused(resolve_process_group("dp_cp")),
-                                         tensor_parallel_group=_group_or_unused(tp_group))
+                                         tensor_parallel_group=_group_or_unused(_tp_group(core_attention)))
 
 
 def _enabled(module: torch.nn.Module, names: tuple[str, ...] = _BMM_QUANTIZERS) -> list[Any]:
@@ -92,7 +95,7 @@ class QuantDotProductAttention(_mo.nn.QuantModule):
     def _setup(self) -> None:
         for name in _BMM_QUANTIZERS:
             setattr(self, name, _mo.nn.TensorQuantizer())
-        self._kv_tp_group = resolve_process_group("tp", pg_collection=getattr(self, "pg_collection", None))
+        self._kv_tp_group = _tp_group(self)
         if self.parallel_state is None:
             self.parallel_state = attention_parallel_state(self)
 
