@@ -185,12 +185,17 @@ def _tp2_against_one_process() -> dict[str, float | bool]:
                 ref_shard = shard(f"{key}.weight", ref.weight.float(), 2, rank, gated=True)
                 same_codes &= torch.equal(ours.weight.float(), ref_shard)
         diff = (logits(model) - ref_logits).abs().max().item()
+        skewed = quantize(build(tensor_model_parallel_size=2), "FP8_DEFAULT_CFG")
+        if rank == 1:  # ranks that disagree must all raise, not leave the others waiting in a later collective
+            skewed.decoder.layers[1].mlp.linear_fc2.input_quantizer.amax *= 2
+        with pytest.raises(ValueError, match=r"decoder\.layers\.1\.mlp\.linear_fc2: its TP ranks hold different"):
+            convert_to_real_fp8(skewed)
         return {"diff": diff, "same_scales": same_scales, "same_codes": same_codes}
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def test_tp2_converted_logits_equal_one_process():
+def test_tp2_converted_logits_equal_one_process_and_disagreeing_ranks_raise():
     for result in run_on_ranks(2, _tp2_against_one_process, timeout=300):
         assert result["same_scales"], "a TP shard's FP8 scales differ from the one-process layer's"
         assert result["same_codes"], "a TP shard's FP8 codes are not the shard of the one-process codes"

@@ -268,26 +268,34 @@ def _has_enabled_quantizer(module: torch.nn.Module, mo: Any) -> bool:
     return False
 
 
-def _check_tp_agreement(name: str, layer: FP8ParallelLinear) -> None:
-    """``ValueError`` on every TP rank when the ranks' scales of ``layer`` differ (collective over its TP group)."""
-    if get_pg_size(layer.tp_group) == 1 or layer.parallel_mode == "duplicated" or layer.explicit_expert_comm:
+def _check_tp_agreement(name: str, layer: torch.nn.Module) -> None:
+    """``ValueError`` on every TP rank when the ranks' amax of ``layer`` differ (collective over its TP group)."""
+    if not isinstance(layer, tp_layers.ColumnParallelLinear | tp_layers.RowParallelLinear) \
+            or get_pg_size(layer.tp_group) == 1 or layer.explicit_expert_comm:
         return
-    local = torch.stack([layer.weight_scale, layer.input_scale]).reshape(1, 2)
+    local = torch.stack([layer.weight_quantizer.amax.detach().float().reshape(()),
+                         layer.input_quantizer.amax.detach().float().reshape(())]).reshape(1, 2)
     gathered = gather_from_tensor_model_parallel_region(local, group=layer.tp_group).reshape(-1, 2)
     if not bool((gathered == gathered[:1]).all()):
-        raise ValueError(f"{name}: its TP ranks hold different FP8 scales (weight, input) {gathered.tolist()}; "
-                         "calibrate with every TP rank's quantizers synced (Model Optimizer's ParallelState)")
+        raise ValueError(f"convert_to_real_fp8: {name}: its TP ranks hold different amax (weight, input) "
+                         f"{gathered.tolist()}; calibrate with the quantizers synced over TP (Model Optimizer's "
+                         "ParallelState)")
 
 
 def _strip_quantizers(model: torch.nn.Module, mo: Any) -> None:
-    """Turn every remaining Model Optimizer dynamic module back into its own class, without quantizer children."""
+    """Turn the remaining quantization modules back into their own classes, without quantizer children.
+
+    Model Optimizer's record of the conversion goes too once no dynamic module of any mode is left.
+    """
+    quantizer_types = (mo.nn.TensorQuantizer, mo.nn.SequentialQuantizer, mo.nn.GroupedQuantizer)
     for module in reversed(list(model.modules())):
-        if isinstance(module, mo.dynamic.DynamicModule):
+        if isinstance(module, mo.dynamic.DynamicModule) and module.original_cls in mo.nn.QuantModuleRegistry:
             module.export()
         for child_name, child in list(module.named_children()):
-            if isinstance(child, mo.nn.TensorQuantizer | mo.nn.SequentialQuantizer | mo.nn.GroupedQuantizer):
+            if isinstance(child, quantizer_types):
                 delattr(module, child_name)
-    if mo.mto.ModeloptStateManager.is_converted(model):
+    if mo.mto.ModeloptStateManager.is_converted(model) and not any(
+            isinstance(m, mo.dynamic.DynamicModule) for m in model.modules()):
         mo.mto.ModeloptStateManager.remove_state(model)
 
 
@@ -322,12 +330,13 @@ def convert_to_real_fp8(model: torch.nn.Module) -> torch.nn.Module:
         where = f"{first_linear[0]} ({type(first_linear[1]).__name__})" if first_linear else "the model"
         raise ValueError(f"convert_to_real_fp8: {where} is not FP8-quantized, nor is any other linear layer: quantize "
                          "and calibrate first, mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop)")
-    converted = {name: FP8ParallelLinear(model.get_submodule(name)) for name in convert}
-    for name, layer in converted.items():
-        _check_tp_agreement(name, layer)
-    for name, layer in converted.items():
+    for name in convert:
+        _check_tp_agreement(name, model.get_submodule(name))
+    converted = {}
+    for name in convert:  # one layer at a time: its high-precision weight is freed before the next is converted
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
+        converted[name] = FP8ParallelLinear(model.get_submodule(name))
+        setattr(model.get_submodule(parent), child, converted[name])
     _strip_quantizers(model, mo)
     unfit = {name: layer.scaled_mm_unfit for name, layer in converted.items()
              if layer.scaled_mm_unfit is not None and layer.weight.is_cuda}
