@@ -158,24 +158,31 @@ def test_kv_config_on_unregistered_attention_raises():
 # ---- the inference engine: the KV cache holds what the core attention would see ----
 
 
-def _local_spec_kv_model() -> GPTModel:
+def _local_spec_kv_model(device: str, kv_cache_quant: str) -> GPTModel:
+    """A local-spec GPT on ``device`` quantized with ``FP8_DEFAULT_CFG`` and the KV-cache config ``kv_cache_quant``."""
+    import modelopt.torch.quantization as mtq
+
     from megatron_core.post_training.modelopt import register_quant_modules
+    from megatron_core.post_training.modelopt.quant_attention import kv_cache_quant_config
 
     register_quant_modules()
     torch.manual_seed(5)
-    model = GPTModel(config(), get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope").eval()
-    return quantize_kv(model)
+    model = GPTModel(config(), get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope")
+    model = model.to(device).eval()
+    ids, pos = batch(0)
+    return mtq.quantize(model, kv_cache_quant_config(mtq.FP8_DEFAULT_CFG, kv_cache_quant),
+                        lambda m: m(ids.to(device), pos.to(device), None))
 
 
-def _plain_greedy(model: GPTModel, prompt: list[int]) -> tuple[list[int], list[float]]:
+def _plain_greedy(model: GPTModel, prompt: list[int], device: str) -> tuple[list[int], list[float]]:
     """Greedy tokens by full forwards (no cache), and the log-probs of the prompt and generated tokens."""
     tokens = list(prompt)
     with torch.no_grad():
         for _ in range(NEW):
-            ids = torch.tensor([tokens])
-            tokens.append(int(model(ids, torch.arange(len(tokens))[None], None)[0, -1].argmax()))
-        ids = torch.tensor([tokens])
-        logp = torch.log_softmax(model(ids, torch.arange(len(tokens))[None], None)[0].float(), dim=-1)
+            ids = torch.tensor([tokens], device=device)
+            tokens.append(int(model(ids, torch.arange(len(tokens), device=device)[None], None)[0, -1].argmax()))
+        ids = torch.tensor([tokens], device=device)
+        logp = torch.log_softmax(model(ids, torch.arange(len(tokens), device=device)[None], None)[0].float(), dim=-1)
     return tokens[len(prompt):], [float(logp[i, tokens[i + 1]]) for i in range(len(tokens) - 1)]
 
 
@@ -185,7 +192,9 @@ def _set_kv_quantizers(model: GPTModel, on: bool) -> None:
             quantizer.enable() if on else quantizer.disable()
 
 
-def test_inference_engines_apply_the_kv_quantization():
+def _engines_against_plain_loop(device: str, kv_cache_quant: str) -> list[tuple[bool, float, float]]:
+    """Per engine (static-batch, dynamic) and prompt: (same greedy tokens as the plain loop, max |log-prob
+    difference| from the plain loop, the same from the plain loop without the K/V quantizers)."""
     from megatron_core.inference.config import InferenceConfig
     from megatron_core.inference.contexts import DynamicInferenceContext, StaticInferenceContext
     from megatron_core.inference.engines import DynamicInferenceEngine, StaticInferenceEngine
@@ -193,12 +202,12 @@ def test_inference_engines_apply_the_kv_quantization():
     from megatron_core.inference.sampling_params import SamplingParams
     from megatron_core.inference.text_generation_controllers import TextGenerationController
 
-    model = _local_spec_kv_model()
+    model = _local_spec_kv_model(device, kv_cache_quant)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 11)]
-    expected = [_plain_greedy(model, p) for p in prompts]
+    expected = [_plain_greedy(model, p, device) for p in prompts]
     _set_kv_quantizers(model, False)
-    without_kv = [_plain_greedy(model, p)[1] for p in prompts]
+    without_kv = [_plain_greedy(model, p, device)[1] for p in prompts]
     _set_kv_quantizers(model, True)
     params = SamplingParams(top_k=1, num_tokens_to_generate=NEW, termination_id=-1, return_log_probs=True)
 
@@ -212,14 +221,30 @@ def test_inference_engines_apply_the_kv_quantization():
         TextGenerationController(GPTInferenceWrapper(model, context), tokenizer=None), context)
     dynamic_results = [r.merge() for r in dynamic_engine.generate(prompts, params)]
 
+    out = []
     for results in (static_results, dynamic_results):
-        assert [r.generated_tokens for r in results] == [tokens for tokens, _ in expected]
-        for r, (_, logp), logp_without in zip(results, expected, without_kv):
+        for r, (tokens, logp), logp_without in zip(results, expected, without_kv):
             ours = torch.tensor(r.prompt_log_probs + r.generated_log_probs)
             diff, kv_effect = ((ours - torch.tensor(ref)).abs().max().item() for ref in (logp, logp_without))
             print(f"engine log-probs: {diff:.3g} from the plain loop, {kv_effect:.3g} from the loop without KV quant")
-            assert diff < 1e-5
-            assert kv_effect > 1e-3  # the engine's cache is quantized: without the KV quantizers they are elsewhere
+            out.append((r.generated_tokens == tokens, diff, kv_effect))
+    return out
+
+
+def test_inference_engines_apply_the_kv_quantization():
+    for same_tokens, diff, kv_effect in _engines_against_plain_loop("cpu", "fp8"):
+        assert same_tokens and diff < 1e-5
+        assert kv_effect > 1e-3  # the engine's cache is quantized: without the KV quantizers the log-probs move
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_quant", ["fp8", "nvfp4"])
+def test_inference_engines_apply_the_kv_quantization_on_cuda(kv_cache_quant):
+    # CUDA kernels (SDPA, the paged decode attention, Model Optimizer's fake-quant kernels) add and round in
+    # another order than the full forward: 1e-4 on the log-probs (fp32).
+    for same_tokens, diff, kv_effect in _engines_against_plain_loop("cuda", kv_cache_quant):
+        assert same_tokens and diff < 1e-4
+        assert kv_effect > 1e-3
 
 
 def test_mla_with_kv_quantizers_refuses_the_engine():
