@@ -17,9 +17,15 @@ weights on the same batches, with the library's optimizer (bf16 params, fp32 mai
 and LR schedule (warm-up, cosine decay). Prints the means over the last 10 steps and their
 relative difference (target < 1%); ``--noise-seed`` adds a bf16 run from other initial weights.
 
+Part 3, ``--only step`` (:mod:`fp8_param_step`): the full training step (DDP, distributed optimizer,
+``--step-microbatches`` micro-batches, optimizer step and parameter all-gather) of bf16, FP8 and FP8 with
+FP8 parameters (``fp8_param``: no bf16 weight copy, the all-gather moves 1-byte weights) on
+``--step-config``; step time, tokens/s, peak memory and parameter bytes of each. Runs under ``torchrun``.
+
     PYTHONPATH=src:. python3 benchmarks/fp8_training.py                 # GPU, both parts
     PYTHONPATH=src:. python3 benchmarks/fp8_training.py --only speed    # or --only loss
     PYTHONPATH=src:. python3 benchmarks/fp8_training.py --tiny          # CPU smoke test (emulated FP8)
+    PYTHONPATH=src:. python3 benchmarks/fp8_training.py --only step     # full step, fp8_param vs bf16
 
 Needs torchao >= 0.14 (float8 training) and a GPU with compute capability >= 8.9.
 """
@@ -41,6 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fp8_param_step import full_step  # noqa: E402
 from gpt_fwd_bwd import flops_per_token, report, time_steps  # noqa: E402
 
 from megatron_core import device as mdevice  # noqa: E402
@@ -62,7 +69,8 @@ CONFIGS = {
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("speed", "loss"), default=None)
+    p.add_argument("--only", choices=("speed", "loss", "step"), default=None,
+                   help="one part; the full-step part ('step') runs only when asked for")
     p.add_argument("--recipe", choices=("tensorwise", "rowwise"), default="tensorwise",
                    help="FP8 recipe of the loss comparison (and of the speed part unless --variants)")
     p.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default="hybrid",
@@ -89,6 +97,11 @@ def parse_args() -> argparse.Namespace:
                    help="also train bf16 from weights initialised with this seed: the bf16 run-to-run spread")
     p.add_argument("--corpus-mb", type=float, default=6.0)
     p.add_argument("--profile", action="store_true", help="speed part: print the FP8 variants' top kernels")
+    p.add_argument("--step-config", default="reference (tinyllama-1.1b)", choices=list(CONFIGS),
+                   help="full-step part: the model")
+    p.add_argument("--step-microbatches", type=int, default=4, help="full-step part: micro-batches per step")
+    p.add_argument("--overlap", action="store_true",
+                   help="full-step part: overlap_grad_reduce and overlap_param_gather (40M-element buckets)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, emulated FP8, fp32")
     args = p.parse_args()
@@ -99,6 +112,7 @@ def parse_args() -> argparse.Namespace:
         args.vocab, args.seq, args.mbs, args.steps, args.warmup = 256, 32, "2", 2, 1
         args.loss_steps, args.corpus_mb, args.compile = min(args.loss_steps, 10), 0.2, False
         args.lr_warmup_steps = min(args.lr_warmup_steps, 2)
+        args.step_microbatches = min(args.step_microbatches, 2)
     args.variants = [tuple(v.split(":")) for v in (args.variants or f"{args.recipe}:{args.fp8_format}").split(",")]
     for recipe, fmt in args.variants:
         if recipe not in ("tensorwise", "rowwise") or fmt not in ("e4m3", "hybrid"):
@@ -119,8 +133,10 @@ def moe_fields(shape: dict) -> dict:
                 moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2)
 
 
-def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: tuple[str, str] | None) -> torch.nn.Module:
-    """A Llama-like GPTModel of ``shape``; with ``fp8 = (recipe, format)`` its layer GEMMs will be float8."""
+def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: tuple[str, str] | None,
+          fp8_param: bool = False) -> torch.nn.Module:
+    """A Llama-like GPTModel of ``shape``; with ``fp8 = (recipe, format)`` its layer GEMMs will be float8 (and with
+    ``fp8_param`` their weights FP8 parameters, once converted)."""
     dtype = torch.float32 if args.tiny else torch.bfloat16
     recipe, fmt = fp8 if fp8 is not None else ("tensorwise", None)
     config = TransformerConfig(
@@ -128,7 +144,7 @@ def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: tuple[str, str
         num_query_groups=shape["query_groups"], ffn_hidden_size=shape["ffn"], normalization="RMSNorm",
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
-        fp8=fmt, fp8_recipe=recipe, **moe_fields(shape),
+        fp8=fmt, fp8_recipe=recipe, fp8_param=fp8_param, **moe_fields(shape),
     )
     spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False) if "experts" in shape
             else get_gpt_layer_local_spec())
@@ -321,6 +337,8 @@ def main() -> None:
         results["speed"] = speed(args)
     if args.only in (None, "loss"):
         results["loss"] = loss_comparison(args)
+    if args.only == "step":
+        results["step"] = full_step(args, CONFIGS[args.step_config], build, prepare, time_steps, report)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

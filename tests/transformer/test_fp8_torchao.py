@@ -61,7 +61,7 @@ def test_fp8_config_rules(kwargs, field):
     (dict(fp8_recipe="blockwise"), "fp8_recipe"),
     (dict(fp8="hybrid", fp8_recipe="rowwise"), "hybrid"),
     (dict(fp8_recipe="tensorwise", fp8_amax_history_len=16), "fp8_amax_history_len"),
-    (dict(fp8_recipe="tensorwise", fp8_param=True), "fp8_param"),
+    (dict(fp8_recipe="rowwise", fp8_param=True), "fp8_param"),
 ])
 def test_torchao_backend_refuses_what_it_cannot_do(kwargs, field):
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, **{"fp8": "e4m3", **kwargs})

@@ -30,6 +30,7 @@ from megatron_core.distributed.param_and_grad_buffer import (
     partition_buckets,
 )
 from megatron_core.distributed.param_layout import FullParamLayout
+from megatron_core.fp8.fp8_params import check_fp8_params_for_ddp
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.wgrad_accumulation import BACKWARD_ADDS_TO_MAIN_GRAD
 
@@ -105,6 +106,7 @@ class DistributedDataParallel(torch.nn.Module):
             self.param_to_name[param] = name
             param.grad_added_to_main_grad = False
         all_params = list(self.param_to_name)
+        check_fp8_params_for_ddp(all_params, ddp_config)
         buffer_groups = group_params_for_buffers(all_params, ddp_config.grad_reduce_in_fp32)
         if full_param_layout is None and ddp_config.use_distributed_optimizer:
             full_param_layout = compute_full_param_layout(

@@ -66,7 +66,8 @@ class DistributedDataParallelConfig:
     """Average with ``ReduceOp.AVG`` in the collective instead of pre-scaling by 1/DP."""
 
     fp8_param_gather: bool = False
-    """FP8 parameter all-gather (Transformer Engine only; rejected here)."""
+    """All-gather FP8 parameters (``fp8_param``) as their 1-byte values; needs ``use_distributed_optimizer``, and a
+    model with FP8 parameters needs it (see :mod:`megatron_core.fp8.fp8_params`)."""
 
     fp4_param_gather: bool = False
     """FP4 parameter all-gather (Transformer Engine only; rejected here)."""
@@ -110,7 +111,10 @@ class DistributedDataParallelConfig:
                 f"data_parallel_sharding_strategy ({self.data_parallel_sharding_strategy!r}) must be one of "
                 f"{_SHARDING_STRATEGIES}"
             )
-        for name in ("fp8_param_gather", "fp4_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "nccl_ub"):
+        if self.fp8_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("fp8_param_gather=True needs use_distributed_optimizer=True (the FP8 parameters' "
+                             "bytes are all-gathered from the distributed optimizer's shards)")
+        for name in ("fp4_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "nccl_ub"):
             if getattr(self, name):
                 raise ValueError(f"{name}=True needs Transformer Engine / NCCL user buffers, not supported here")
         if self.num_buckets is not None and self.bucket_size is not None:

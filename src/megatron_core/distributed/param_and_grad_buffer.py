@@ -4,7 +4,8 @@ Megatron-Core's ``_ParamAndGradBuffer``. Parameters of one (param dtype, grad dt
 out in **reverse creation order** (roughly the order backward produces their gradients), so a
 bucket at the front of the buffer fills first. Every parameter gets ``param.main_grad``, a view
 into the gradient buffer; with the distributed optimizer ``param.data`` also becomes a view into
-the parameter buffer, and each bucket is padded so that it splits into equal per-rank shards
+the parameter buffer (the raw bytes, ``uint8``, of FP8 parameters: :mod:`megatron_core.fp8.fp8_params`), and
+each bucket is padded so that it splits into equal per-rank shards
 (rank ``r`` owns elements ``[r * n, (r + 1) * n)`` of every bucket).
 
 With ``overwrite_main_grad_on_first_wgrad`` the ``main_grad`` of a weight written only by the fused
@@ -32,6 +33,7 @@ from megatron_core.distributed.param_layout import (
     PerBufferParamLayout,
     compute_per_buffer_param_layout,
 )
+from megatron_core.fp8.fp8_params import FP8_PARAM_BUFFER_DTYPE, is_fp8_param
 from megatron_core.tensor_parallel.wgrad_accumulation import expect_first_write, zero_pending_first_writes
 
 
@@ -213,13 +215,17 @@ def group_params_for_buffers(params: list[torch.nn.Parameter], grad_reduce_in_fp
 
     A buffer holds the parameters of one (param dtype, grad dtype, expert-parallel, layer-wise) key; the
     grad dtype is fp32 with ``grad_reduce_in_fp32``, else the param dtype; expert parameters are those
-    with ``allreduce == False``. ``param_indices`` numbers each parameter among those of its key.
+    with ``allreduce == False``. FP8 parameters (``fp8_param``) have param dtype ``uint8`` (their bytes) and
+    their high-precision dtype as grad dtype. ``param_indices`` numbers each parameter among those of its key.
     """
     groups: dict[BufferKey, tuple[list[torch.nn.Parameter], list[int]]] = {}
     for param in params:
         if not param.requires_grad:
             raise ValueError("group_params_for_buffers: every parameter must require grad")
-        key = BufferKey(param.dtype, torch.float if grad_reduce_in_fp32 else param.dtype,
+        param_dtype, grad_dtype = param.dtype, param.dtype
+        if is_fp8_param(param):  # its bytes in a 1-byte buffer; its gradient in its high-precision dtype
+            param_dtype, grad_dtype = FP8_PARAM_BUFFER_DTYPE, param.fp8_hp_dtype
+        key = BufferKey(param_dtype, torch.float if grad_reduce_in_fp32 else grad_dtype,
                         not getattr(param, "allreduce", True),
                         bool(getattr(param, "is_managed_by_layer_wise_optimizer", False)))
         plist, indices = groups.setdefault(key, ([], []))
@@ -327,7 +333,10 @@ class _ParamAndGradBuffer:
         for param in self.params:
             start, end, _ = self.param_index_map[param]
             if self.param_data is not None:
-                view = self.param_data[start:end].view(param.shape)
+                view = self.param_data[start:end]
+                if view.dtype != param.dtype:  # an FP8 parameter: its float8 view of the uint8 buffer
+                    view = view.view(param.dtype)
+                view = view.view(param.shape)
                 view.copy_(param.data)
                 param.data = view
             param.main_grad = self.grad_data[start:end].view(param.shape)

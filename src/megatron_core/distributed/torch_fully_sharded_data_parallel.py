@@ -33,6 +33,7 @@ from megatron_core.distributed.torch_fully_sharded_data_parallel_checkpoint impo
     is_fsdp_dtensor,
     local_row_range,
 )
+from megatron_core.fp8.fp8_params import is_fp8_param
 from megatron_core.process_groups_config import resolve_process_group
 
 try:
@@ -62,6 +63,9 @@ def _validate(config: Any, ddp_config: DistributedDataParallelConfig, module: to
     if ep_size > 1 or any(not getattr(p, "allreduce", True) for p in module.parameters()):
         raise ValueError(f"TorchFullyShardedDataParallel does not support expert parallel parameters "
                          f"(expert_model_parallel_size={ep_size}); use DistributedDataParallel")
+    if getattr(config, "fp8_param", False) or any(is_fp8_param(p) for p in module.parameters()):
+        raise ValueError("fp8_param=True (FP8 parameters) is not supported with TorchFullyShardedDataParallel; use "
+                         "DistributedDataParallel with use_distributed_optimizer=True and fp8_param_gather=True")
     if getattr(config, "fp16", False):
         raise ValueError("TorchFullyShardedDataParallel does not support fp16=True (use bf16)")
     if getattr(config, "gradient_accumulation_fusion", False):

@@ -26,6 +26,13 @@ from megatron_core.fp8.delayed_scaling import (
     pack_extra_state,
     unpack_extra_state,
 )
+from megatron_core.fp8.fp8_param_linear import fp8_param_matmul
+from megatron_core.fp8.fp8_params import (
+    copy_tensor_to_quantized_param,
+    dequantize_fp8_tensor,
+    is_fp8_param,
+    make_fp8_param,
+)
 from megatron_core.fp8.grouped_layers import GROUPED_FP8_CLASSES
 from megatron_core.fp8.torchao_backend import (
     check_fp8_config,
@@ -53,7 +60,10 @@ class _Float8GemmMixin:
     float8_emulate: bool = False
 
     def float8_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` in float8 (delayed scales if the layer has a delayed-scaling state, else torchao)."""
+        """``x @ weight.T`` in float8: the stored bytes of an FP8 parameter (``fp8_param``), else delayed scales if
+        the layer has a delayed-scaling state, else torchao."""
+        if is_fp8_param(weight):
+            return fp8_param_matmul(x, weight, self)
         if getattr(self, "float8_recipe", None) is not None:
             return delayed_float8_matmul(x, weight, self, emulate=self.float8_emulate)
         return float8_matmul(x, weight, self.float8_config, self.float8_mm_config)
@@ -68,6 +78,30 @@ class _Float8GemmMixin:
         """Load the delayed-scaling state (``None``, from a high-precision checkpoint, resets it)."""
         if getattr(self, "float8_recipe", None) is not None:
             unpack_extra_state(self, state)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """The parent's entries, an FP8 parameter's being its dequantized high-precision value."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, param in self._parameters.items():
+            if is_fp8_param(param) and prefix + name in destination:
+                destination[prefix + name] = dequantize_fp8_tensor(param)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        """The parent's load, then each FP8 parameter re-quantized from its high-precision value."""
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        for name, param in self._parameters.items():
+            value = state_dict.get(prefix + name)
+            if is_fp8_param(param) and isinstance(value, torch.Tensor) and value.shape == param.shape:
+                copy_tensor_to_quantized_param(param, value)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The parent's sharded state; an FP8 parameter's entry (its dequantized value) names the parameter
+        (``fp8_param``) so the optimizer's checkpoint state finds it."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name, param in self._parameters.items():
+            if is_fp8_param(param) and prefix + name in sharded:
+                sharded[prefix + name].fp8_param = param
+        return sharded
 
 
 class Float8ColumnParallelLinear(_Float8GemmMixin, ColumnParallelLinear):
@@ -129,6 +163,13 @@ def _default_amax_group(layer: torch.nn.Module, tp_only: bool = False) -> Any:
     return layer.tp_group
 
 
+def _use_fp8_param(layer: torch.nn.Module, config: Any, amax_group: Any) -> None:
+    """Store ``layer``'s weight as an FP8 parameter (:mod:`megatron_core.fp8.fp8_params`)."""
+    layer.weight = make_fp8_param(layer.weight)
+    layer.fp8_param_grad_dtype = torch.float8_e5m2 if config.fp8 == "hybrid" else torch.float8_e4m3fn
+    layer.fp8_param_amax_group = amax_group
+
+
 def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool = False,
                       amax_reduction_group: Any = None) -> list[str]:
     """Switch the linear layers of ``model``'s transformer layers to float8 GEMMs; return their names.
@@ -146,6 +187,13 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
     (the only FP8 grouped recipe). Call before wrapping the model in DDP/FSDP and before building the
     optimizer; parameters and state-dict keys are those of the high-precision model (with ``'delayed'``
     the layers' ``_extra_state`` entries carry the scaling state).
+
+    With ``config.fp8_param`` (``fp8_recipe='tensorwise'``) the converted dense layers' weights become FP8
+    parameters (:mod:`megatron_core.fp8.fp8_params`, GEMM :mod:`megatron_core.fp8.fp8_param_linear`; no
+    torchao needed), their input / output-gradient amaxes max-reduced over ``amax_reduction_group`` when
+    given (else each rank's own); the MoE experts keep high-precision weights. Convert after any cast of
+    the model's dtype (``.bfloat16()`` would cast the FP8 bytes), then wrap it in DDP with
+    ``use_distributed_optimizer`` and ``fp8_param_gather``; the state dict holds the dequantized weights.
     """
     from megatron_core.transformer.transformer_layer import TransformerLayer
 
@@ -172,10 +220,11 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
                 raise ValueError(f"fp8: {full_name} has weight shape {shape} (per tensor-parallel rank); FP8 GEMMs "
                                  f"need both dimensions to be multiples of {FP8_DIM_MULTIPLE}")
             targets.append((full_name, sub, new_cls))
+    fp8_param = bool(getattr(config, "fp8_param", False))
     delayed = config.fp8_recipe == "delayed"
     if delayed:
         recipe = DelayedScalingRecipe.from_config(config)
-    else:
+    elif not fp8_param:
         float8_config = float8_linear_config(config, emulate=emulate)
         mm_config = linear_mm_config(float8_config)
     for _, sub, new_cls in targets:
@@ -183,7 +232,9 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
         sub.float8_emulate = emulate
         if new_cls in GROUPED_FP8_CLASSES.values():
             continue
-        if delayed:
+        if fp8_param:
+            _use_fp8_param(sub, config, amax_reduction_group)
+        elif delayed:
             group = (amax_reduction_group if amax_reduction_group is not None
                      else _default_amax_group(sub, bool(getattr(config, "tp_only_amax_red", False))))
             init_state(sub, recipe, sub.weight.device, group)

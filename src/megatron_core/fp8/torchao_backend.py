@@ -8,7 +8,8 @@ design). Both recipes compute scales from the current tensors, so there is no am
 scaling state to checkpoint: ``fp8_amax_history_len`` and ``fp8_margin`` must keep their defaults.
 :func:`check_fp8_config` also accepts ``'delayed'``, which this library implements itself
 (:mod:`megatron_core.fp8.delayed_scaling`); ``'blockwise'``, ``'mxfp8'`` and ``'custom'`` raise (they
-need Transformer Engine).
+need Transformer Engine). ``fp8_param`` (FP8 weights, :mod:`megatron_core.fp8.fp8_params`) is accepted with
+``'tensorwise'`` only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron_core.fp8.delayed_scaling import check_delayed_config
+from megatron_core.fp8.fp8_params import FP8_PARAM_RECIPES
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 DELAYED_RECIPE = "delayed"
@@ -63,8 +65,9 @@ def check_fp8_config(config: Any) -> None:
     the field): torchao's dynamic recipes, or ``'delayed'`` (:mod:`megatron_core.fp8.delayed_scaling`)."""
     if config.fp8 not in ("e4m3", "hybrid"):
         raise ValueError(f"fp8 ({config.fp8!r}) must be 'e4m3' or 'hybrid'")
-    if getattr(config, "fp8_param", False):
-        raise ValueError("fp8_param=True (FP8 weights) needs Transformer Engine; not supported without it")
+    if getattr(config, "fp8_param", False) and config.fp8_recipe not in FP8_PARAM_RECIPES:
+        raise ValueError(f"fp8_param=True (FP8 weights) without Transformer Engine needs fp8_recipe in "
+                         f"{FP8_PARAM_RECIPES}; got fp8_recipe={config.fp8_recipe!r}")
     if config.fp8_recipe == DELAYED_RECIPE:
         check_delayed_config(config)
         return

@@ -50,8 +50,9 @@ def model_params_and_paths(model_sharded_state_dict: dict) -> tuple[list[torch.T
     """
     params, sharded, paths = [], {}, {}
     for path, sh in nested_items_iter(model_sharded_state_dict):
-        # An FSDP2 parameter's entry holds its local rows; ``fsdp_param`` is the DTensor parameter.
-        param = getattr(sh, "fsdp_param", getattr(sh, "data", None))
+        # An FSDP2 parameter's entry holds its local rows; ``fsdp_param`` is the DTensor parameter. An FP8
+        # parameter's entry holds its dequantized value; ``fp8_param`` is the parameter.
+        param = getattr(sh, "fsdp_param", getattr(sh, "fp8_param", getattr(sh, "data", None)))
         if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and isinstance(param, torch.nn.Parameter):
             if id(param) not in sharded:
                 params.append(param)

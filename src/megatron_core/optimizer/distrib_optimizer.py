@@ -15,6 +15,11 @@ the param buffer when that is the params' dtype) and the inner optimizer is
 optimizer state) of the first ``optimizer_offload_fraction`` of the shard's elements live on the
 CPU: gradients are copied there, the step runs there, and the results are copied back.
 
+FP8 parameters (``fp8_param``, :mod:`megatron_core.fp8.fp8_params`) get fp32 main weights from their
+high-precision initial values; after each step every rank quantizes its main shards into their bytes
+with per-parameter scales agreed over the DP group (``quantize_param_shard``), and the all-gather moves
+the 1-byte buffer.
+
 ``state_dict`` holds this rank's shard state plus metadata (param names, shapes, flat ranges, DP
 rank and size) so a checkpointing layer can reshard it.
 """
@@ -34,6 +39,12 @@ from megatron_core.dist_checkpointing.optimizer import dp_flat_shard_to_full, fu
 from megatron_core.distributed import collectives
 from megatron_core.distributed.param_and_grad_buffer import compute_full_param_layout
 from megatron_core.distributed.param_layout import compute_per_buffer_param_layout
+from megatron_core.fp8.fp8_params import (
+    clear_high_precision_init_val,
+    is_fp8_param,
+    main_param_shard,
+    quantize_param_shard,
+)
 from megatron_core.optimizer.checkpoint_state import (
     ParamStateEntry,
     is_model_space_state,
@@ -119,7 +130,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             data_parallel_group, collectives.local_if_none(resolve_process_group("mp")))
 
         self.main_params_dtype = config.main_params_dtype if config.use_precision_aware_optimizer else torch.float32
+        # FP8 parameters (fp8_param), in the same order on every DP rank: quantized from the main shards each step.
+        self.fp8_params = [p for buffers in per_model_buffers.values() for buffer in buffers for p in buffer.params
+                           if is_fp8_param(p)]
         owned = self._build_shard_entries()
+        clear_high_precision_init_val(self.fp8_params)
         self._offload_entries(owned)
         flat_shards = self._flatten_shards(owned) if self._uses_flat_step(owned) else None
         self.bucket_groups = self._own_bucket_groups()
@@ -148,6 +163,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """The flat fused step serves the precision-aware Adam when no shard is offloaded."""
         if not owned or not isinstance(self.optimizer, PrecisionAwareAdam) or any(e.offloaded for e in owned.values()):
             return False
+        if self.fp8_params:
+            return False  # the FP8 parameters are quantized from the main shards, not written by the fused kernel
         if len({(tuple(g["betas"]), g["eps"]) for g in self.optimizer.param_groups}) > 1:
             return False  # per-group betas / eps (e.g. muP's eps): the per-parameter step
         return self.flat_step_on(next(iter(owned.values())).main_param.device)
@@ -200,7 +217,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         param_range = Range(lo - start, hi - start)
                         flat = param.detach().view(-1)[param_range.start:param_range.end]
                         dtype = self.main_params_dtype
-                        main = flat if param.dtype == dtype else flat.clone().to(dtype)
+                        if is_fp8_param(param):
+                            main = main_param_shard(param, param_range.start, param_range.end, dtype)
+                        else:
+                            main = flat if param.dtype == dtype else flat.clone().to(dtype)
                         copy_param_attributes(main, param)
                         owned[param] = _ShardEntry(param, main, param_range, Range(lo, hi),
                                                    buffer.param_to_name.get(param, ""), chunk_index)
@@ -268,9 +288,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _copy_main_params_to_model_params(self) -> None:
         for entry in self._entries():
+            if is_fp8_param(entry.model_param):
+                continue
             flat = entry.model_param.detach().view(-1)[entry.param_range.start:entry.param_range.end]
             if entry.main_param.data_ptr() != flat.data_ptr():
                 flat.copy_(entry.main_param, non_blocking=entry.offloaded)
+        if self.fp8_params:
+            self._quantize_fp8_params()
+
+    def _quantize_fp8_params(self) -> None:
+        """Quantize the owned main shards into the FP8 parameters, with scales agreed over the DP group."""
+        owned = {id(e.model_param): e for e in self._entries()}
+        entries = [owned.get(id(p)) for p in self.fp8_params]
+        quantize_param_shard(self.fp8_params, [None if e is None else e.main_param for e in entries],
+                             [0 if e is None else e.param_range.start for e in entries], self.data_parallel_group)
 
     def step_with_ready_grads(self) -> bool:
         """Update the owned shards, write them into the param buffers and all-gather (or dispatch)."""
@@ -293,6 +324,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def reload_model_params(self) -> None:
         """Refresh the fp32 shard main params from the model params."""
         for entry in self._entries():
+            if is_fp8_param(entry.model_param):
+                entry.main_param.data.copy_(main_param_shard(entry.model_param, entry.param_range.start,
+                                                             entry.param_range.end, entry.main_param.dtype))
+                continue
             flat = entry.model_param.detach().view(-1)[entry.param_range.start:entry.param_range.end]
             if entry.main_param.data_ptr() != flat.data_ptr():
                 entry.main_param.data.copy_(flat)
@@ -364,6 +399,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self._flat.bound = False  # the loaded state replaces the flat views; the next step copies it back in
         if is_model_space_state(state_dict):
             load_model_space_state(self, state_dict["optimizer"])
+            if self.fp8_params:  # the FP8 bytes and scales exactly as the loaded main weights give them
+                self._copy_main_params_to_model_params()
+                for group in self.bucket_groups:
+                    group.start_param_sync(force_sync=True)
             return
         saved, current = state_dict["shard_metadata"], self.shard_metadata()
         if saved != current:

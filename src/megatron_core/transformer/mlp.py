@@ -155,6 +155,9 @@ class MLP(MegatronModule):
         if self.config.gated_linear_unit:
             for name in ("weight", "bias"):
                 key = f"{prefix}linear_fc1.{name}"
-                if isinstance(sharded.get(key), ShardedTensor):
-                    sharded[key] = apply_swiglu_sharded_factory(sharded[key])
+                entry = sharded.get(key)
+                if isinstance(entry, ShardedTensor):
+                    sharded[key] = apply_swiglu_sharded_factory(entry)
+                    if hasattr(entry, "fp8_param"):  # an FP8 weight's entry names its parameter (fp8_param)
+                        sharded[key].fp8_param = entry.fp8_param
         return sharded
