@@ -144,7 +144,7 @@ def serve(args, name: str, model: torch.nn.Module, dev: torch.device, bandwidth:
     """``run_engine`` at every concurrency; prints one row each."""
     weight_bytes = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
     kv_bytes_per_token = 2 * model.config.num_layers * model.config.num_query_groups * model.config.kv_channels \
-        * torch.empty((), dtype=model.config.params_dtype).element_size()
+        * next(model.parameters()).element_size()  # the cache takes the activations' dtype (the embedding's)
     cuda_graphs = dev.type == "cuda"
     rows = {}
     for c in args.concurrency:

@@ -129,7 +129,8 @@ def test_layer_forward_traces_whole_under_torch_compile():
         assert torch.equal(compiled(x)[0], layer(x)[0])
 
 
-def _engine_greedy(model, prompts: list[list[int]], **options) -> list[list[int]]:
+def _engine_greedy(model, prompts: list[list[int]], one_at_a_time: bool = False, **options) -> list[list[int]]:
+    """Greedy tokens of the dynamic engine: all prompts in flight together, or one after another on one engine."""
     from megatron_core.inference.config import InferenceConfig
     from megatron_core.inference.contexts import DynamicInferenceContext
     from megatron_core.inference.engines import DynamicInferenceEngine
@@ -141,8 +142,9 @@ def _engine_greedy(model, prompts: list[list[int]], **options) -> list[list[int]
     context = DynamicInferenceContext(model.config, config)
     engine = DynamicInferenceEngine(TextGenerationController(GPTInferenceWrapper(model, context), tokenizer=None),
                                     context)
-    records = engine.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=NEW, termination_id=-1))
-    return [r.merge().generated_tokens for r in records]
+    params = SamplingParams(top_k=1, num_tokens_to_generate=NEW, termination_id=-1)
+    batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+    return [list(r.merge().generated_tokens) for b in batches for r in engine.generate(b, params)]
 
 
 def _loop_greedy(model, prompt: list[int]) -> list[int]:
@@ -226,7 +228,7 @@ def test_scaled_mm_matches_cpu_emulation():
     x = torch.randn(3, 1, 40, device="cuda")
     ref = fp8_linear(x.cpu(), layer.weight.cpu(), layer.weight_scale.cpu(), layer.input_scale.cpu(),
                      layer.input_quant_scale.cpu(), use_scaled_mm=False)
-    torch.testing.assert_close(layer(x)[0].cpu(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x)[0].cpu(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())  # TF32 or not
 
 
 @pytest.mark.gpu
@@ -237,7 +239,7 @@ def test_engine_cuda_graphs_give_eager_greedy_tokens():
     for dtype, compile_decode in ((torch.bfloat16, False), (torch.float32, True)):
         model = converted(dtype)[1].cuda()
         assert set(fp8_gemm_paths(model).values()) == {"scaled_mm"}
-        eager = [_engine_greedy(model, [p])[0] for p in PROMPTS]
-        graphed = [_engine_greedy(model, [p], num_cuda_graphs=2, compile_decode_graphs=compile_decode)[0]
-                   for p in PROMPTS]
+        eager = _engine_greedy(model, PROMPTS, one_at_a_time=True)
+        graphed = _engine_greedy(model, PROMPTS, one_at_a_time=True, num_cuda_graphs=2,
+                                 compile_decode_graphs=compile_decode)
         assert graphed == eager, f"{dtype}, compile_decode_graphs={compile_decode}"
