@@ -91,7 +91,7 @@ def build_weights(args: argparse.Namespace, dtype: torch.dtype, dev: torch.devic
     return model.to(dtype).eval()
 
 
-def quantize_fp8(args: argparse.Namespace, model: torch.nn.Module, dev: torch.device) -> float:
+def ptq_and_convert(args: argparse.Namespace, model: torch.nn.Module, dev: torch.device) -> float:
     """FP8-PTQ ``model`` (calibrated on random tokens) and convert it to real FP8 weights; returns the seconds."""
     import modelopt.torch.quantization as mtq
 
@@ -171,7 +171,7 @@ def main() -> None:
     print(f"config: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads / "
           f"{cfg.num_query_groups} groups, ffn {cfg.ffn_hidden_size}, vocab {args.vocab}; prompt {args.prompt_len}, "
           f"generate {args.gen_len}; {'--load ' + args.load if args.load else 'random weights (seed 0)'}")
-    seconds = quantize_fp8(args, fp8, dev)
+    seconds = ptq_and_convert(args, fp8, dev)
     gc.collect()
     paths = fp8_gemm_paths(fp8)
     converted = [n for n, m in fp8.named_modules() if isinstance(m, FP8ParallelLinear)]
