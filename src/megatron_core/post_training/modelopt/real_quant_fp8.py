@@ -34,9 +34,9 @@ of the layer's whole forward. For NVIDIA's ``megatron.core`` layers its Megatron
 ``_forward_impl``; this library's layers have no such hook, so on CUDA a compressed layer would skip its
 TP communication and return a tensor instead of ``(output, bias)``. Its FP8 GEMM backend also matches only
 that class, computes and caches scales on the first call (an ``assert`` on a tensor, a host sync), has no
-fallback for shapes ``_scaled_mm`` rejects, and its compressed weights are rounded as ``x / (amax / 448)``
-rather than fake quantization's ``x * (448 / amax)``, which moves a value at a rounding midpoint (measured:
-8e-4 in a tiny model's logits). Megatron-Core's ``real_quant_cfg="fp8_real_quant"``
+fallback for shapes ``_scaled_mm`` rejects, and it rounds and dequantizes weights with ``amax / 448`` where fake
+quantization uses ``448 / amax`` and its reciprocal (one fp32 ulp apart at times: in a tiny GPT one weight moved to
+the neighbouring FP8 value, 8e-4 in the logits). Megatron-Core's ``real_quant_cfg="fp8_real_quant"``
 (:class:`~.layers.FP8WeightTransformerLayer`) is weight-only: FP8 storage, no input scale, compute after
 dequantizing. This module is W8A8: it needs the calibrated input scale and refuses that layout.
 
