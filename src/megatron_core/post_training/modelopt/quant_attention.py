@@ -135,7 +135,7 @@ class QuantDotProductAttention(_mo.nn.QuantModule):
         """After ``restore_from_modelopt_state``: scalar states only, on the module's (or the current) device."""
         self._quantizer_buffers()
         own = [t for name, t in self.state_dict(keep_vars=True).items() if name.split(".", 1)[0] not in _BMM_QUANTIZERS]
-        device = own[0].device if own else get_current_device()
+        device = own[0].device if own else getattr(self, "_kv_quantizer_device", None) or get_current_device()
         for name in _BMM_QUANTIZERS:
             getattr(self, name).to(device)
 
@@ -183,12 +183,20 @@ def _inference_context(args: tuple, kwargs: dict) -> tuple[Any, str | int | None
     return (args[3], 3) if len(args) > 3 and args[3] is not None else (None, None)
 
 
-@_mo.nn.QuantModuleRegistry.register({SelfAttention: "megatron_core_SelfAttention"})
-class QuantSelfAttention(_mo.dynamic.DynamicModule):
-    """:class:`SelfAttention` that keeps its core attention's KV-cache quantization in the inference engine."""
+class _AttentionOfQuantCore(_mo.dynamic.DynamicModule):
+    """An attention layer around a quantized core attention: no quantizer of its own."""
 
     def _setup(self) -> None:
-        """No quantizer of its own (they are the core attention's)."""
+        """Tell the core attention (converted after its parent) the device of the layer's weights, where its
+        quantizer states go when Model Optimizer restores them (the core attention usually has no weight)."""
+        param = next(self.parameters(), None)
+        if param is not None:
+            self.core_attention._kv_quantizer_device = param.device
+
+
+@_mo.nn.QuantModuleRegistry.register({SelfAttention: "megatron_core_SelfAttention"})
+class QuantSelfAttention(_AttentionOfQuantCore):
+    """:class:`SelfAttention` that keeps its core attention's KV-cache quantization in the inference engine."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``SelfAttention.forward``; with an inference context and enabled bmm quantizers, see the module docstring."""
@@ -204,11 +212,8 @@ class QuantSelfAttention(_mo.dynamic.DynamicModule):
 
 
 @_mo.nn.QuantModuleRegistry.register({MLASelfAttention: "megatron_core_MLASelfAttention"})
-class QuantMLASelfAttention(_mo.dynamic.DynamicModule):
+class QuantMLASelfAttention(_AttentionOfQuantCore):
     """:class:`MLASelfAttention` that refuses the inference engine when its core attention quantizes the cache."""
-
-    def _setup(self) -> None:
-        """No quantizer of its own (they are the core attention's)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``MLASelfAttention.forward``; ``NotImplementedError`` with an inference context and enabled bmm quantizers."""
