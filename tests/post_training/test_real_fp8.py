@@ -59,11 +59,11 @@ def _fp8_layers(model) -> list[FP8ParallelLinear]:
     return [m for m in model.modules() if isinstance(m, FP8ParallelLinear)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_converted_logits_equal_fake_quant_and_weights_are_fp8_bytes(dtype):
+@pytest.mark.parametrize("dtype, bias", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_converted_logits_equal_fake_quant_and_weights_are_fp8_bytes(dtype, bias):
     import modelopt.torch.opt as mto
 
-    fake, model, high_bytes = converted(dtype)
+    fake, model, high_bytes = converted(dtype, add_bias_linear=bias)
     assert torch.equal(logits(model), fake)  # bound 0: the same operations (module docstring)
     layers = _fp8_layers(model)
     assert len(layers) == 2 * len(LINEARS)
