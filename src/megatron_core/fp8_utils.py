@@ -5,6 +5,10 @@ recipes) or, with ``fp8_recipe='delayed'``, restores its histories exactly from 
 ``_extra_state`` (no checkpoint-load copy writes into them), so the Transformer Engine 1.x repair of amax
 histories after a checkpoint load has nothing to do here; Megatron-Core's own function does nothing either
 with Transformer Engine 2 or without it.
+
+The FP8-parameter helpers Megatron-Core's distributed optimizer calls (``is_float8tensor``,
+``dequantize_fp8_tensor``, ``quantize_param_shard``, ``copy_tensor_to_quantized_param``) are those of
+:mod:`megatron_core.fp8.fp8_params`, for this library's FP8 parameters (``fp8_param``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["correct_amax_history_if_needed", "get_fp8_context"]
+from megatron_core.fp8.fp8_params import (
+    copy_tensor_to_quantized_param,
+    dequantize_fp8_tensor,
+    quantize_param_shard,
+)
+from megatron_core.fp8.fp8_params import is_fp8_param as is_float8tensor
+
+__all__ = ["copy_tensor_to_quantized_param", "correct_amax_history_if_needed", "dequantize_fp8_tensor",
+           "get_fp8_context", "is_float8tensor", "quantize_param_shard"]
 
 
 def get_fp8_context(config: Any, layer_no: int = -1, is_init: bool = False) -> AbstractContextManager:

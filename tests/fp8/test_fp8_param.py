@@ -304,6 +304,26 @@ def test_fp8_param_forward_uses_stored_weight():
         assert torch.equal(scale, weights[ptr].fp8_scale)
 
 
+def test_fp8_param_keeps_its_bytes_through_a_dtype_cast():
+    """``Float16Module`` (``.to(bfloat16)``) after the conversion leaves the FP8 bytes and scale as they are and makes
+    bf16 the weights' high-precision dtype (of their gradients and checkpointed values), as for a bf16 model."""
+    from megatron_core.transformer.module import Float16Module
+
+    model = build(SPEC, fp8_param=True, bf16=True)
+    convert_to_float8(model, emulate=True)
+    before = _fp8_state(model)
+    names = [n for n, _ in model.named_parameters()]
+    wrapped = Float16Module(model.config, model)
+    assert [n for n, _ in model.named_parameters()] == names  # same order (DDP's buffer layout)
+    for name, (bits, scale) in _fp8_state(model).items():
+        assert torch.equal(bits, before[name][0]) and torch.equal(scale, before[name][1]), name
+        assert model.get_parameter(name).fp8_hp_dtype == torch.bfloat16
+    assert model.decoder.final_layernorm.weight.dtype == torch.bfloat16
+    state = wrapped.state_dict()
+    fp8 = [k for k in state if k.endswith(tuple(n for n in before))]
+    assert len(fp8) == len(before) and all(state[k].dtype == torch.bfloat16 for k in fp8)
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_param_scaled_mm_path_matches_emulation(grad_dtype):
     """The ``torch._scaled_mm`` code of the GPU (PyTorch's CPU kernel here; 20 tokens, so the weight-gradient GEMM

@@ -27,6 +27,8 @@ from megatron_core.fp8.delayed_scaling import quantize, reduce_amax
 from megatron_core.fp8.fp8_params import FP8_PARAM_DTYPE, tensorwise_scale
 from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
 
+__all__ = ["Float8ParamMatmul", "fp8_param_matmul"]
+
 
 def _current_scale(t: torch.Tensor, dtype: torch.dtype, group: Any) -> torch.Tensor:
     """The tensorwise scale of ``t`` for float8 ``dtype`` (amax max-reduced over ``group``)."""

@@ -27,6 +27,10 @@ import torch
 from megatron_core.fp8.delayed_scaling import fp8_max, quantize, reduce_amax
 from megatron_core.tensor_parallel.wgrad_accumulation import mark_gradient_into_main_grad
 
+__all__ = ["FP8_PARAM_BUFFER_DTYPE", "FP8_PARAM_DTYPE", "FP8_PARAM_RECIPES", "check_fp8_params_for_ddp",
+           "clear_high_precision_init_val", "copy_tensor_to_quantized_param", "dequantize_fp8_tensor", "is_fp8_param",
+           "main_param_shard", "make_fp8_param", "quantize_param_shard", "tensorwise_scale"]
+
 FP8_PARAM_DTYPE = torch.float8_e4m3fn
 FP8_PARAM_RECIPES = ("tensorwise",)
 AMAX_EPS = 1e-12  # the smallest amax a scale is derived from (torchao's EPS)
