@@ -27,6 +27,8 @@ A tiny llama-like GPT (``fp8_recipe='tensorwise'``) trains with Adam under DDP +
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -405,6 +407,10 @@ CUDA_MAIN_RTOL = 2e-2
 
 def _cuda_run(fp8_param: bool) -> dict:
     """A bf16 llama-like GPT on CUDA, FP8 tensorwise (hybrid), 5 Adam steps; losses, main weights, bytes."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()  # what an earlier run left allocated (cuBLAS workspaces)
     torch.manual_seed(0)
     spec = llama_like(fp8="hybrid", fp8_recipe="tensorwise", hidden_size=256, num_attention_heads=8,
                       num_query_groups=4, ffn_hidden_size=1024, bf16=True, params_dtype=torch.bfloat16)
@@ -414,7 +420,7 @@ def _cuda_run(fp8_param: bool) -> dict:
         use_distributed_optimizer=True, fp8_param_gather=fp8_param), model)
     opt = get_megatron_optimizer(OptimizerConfig(lr=CUDA_LR, bf16=True, use_distributed_optimizer=True), [ddp])
     torch.cuda.synchronize()
-    static = torch.cuda.memory_allocated()  # weights, DDP buffers, fp32 main weights (Adam's moments come later)
+    static = torch.cuda.memory_allocated() - base  # weights, DDP buffers, fp32 main weights (no Adam moments yet)
     ids, _, labels = batch(3)
     losses = [_step(ddp, opt, ids.cuda(), labels.cuda()) for _ in range(CUDA_STEPS)]
     torch.cuda.synchronize()
@@ -444,8 +450,6 @@ def test_fp8_param_on_cuda_tracks_fp8_training_and_halves_weight_bytes(tmp_path)
         parallel_state.initialize_model_parallel()
         runs = {}
         for flag in (False, True):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
             runs[flag] = _cuda_run(flag)
     finally:
         parallel_state.destroy_model_parallel()
