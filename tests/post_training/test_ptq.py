@@ -138,3 +138,38 @@ def quantize_with(model, config):
 
     return mtq.quantize(model, config, calibrate)
 
+
+
+@pytest.mark.parametrize("real_quant_cfg", ["fp8_real_quant", "fp8_blockwise_real_quant"])
+def test_real_quant_spec_stores_fp8_weights_and_runs(real_quant_cfg):
+    """``get_gpt_modelopt_spec(real_quant_cfg=...)`` (Megatron-Core's weight-only real quantization) builds layers whose
+    linear weights are stored compressed, frozen, and whose model still computes logits close to the same
+    weights unquantized (weight-only FP8: 8 % of the logits' norm, as the FP8 recipe above)."""
+    from megatron_core.models.gpt import GPTModel
+    from megatron_core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
+    from tests.post_training.quant_test_utils import MAX_SEQ, VOCAB, config
+
+    ref = build()
+    cfg = config()
+    torch.manual_seed(1234)
+    model = GPTModel(cfg, get_gpt_modelopt_spec(cfg, local_core_attention=True, real_quant_cfg=real_quant_cfg),
+                     VOCAB, MAX_SEQ, position_embedding_type="rope", parallel_output=False).eval()
+    model.embedding.load_state_dict(ref.embedding.state_dict())
+    model.output_layer.load_state_dict(ref.output_layer.state_dict())
+    for layer in model.decoder.layers:
+        for name in LINEARS:
+            weight = layer.get_submodule(name).weight
+            assert not weight.requires_grad
+            assert weight.element_size() == 1, (name, weight.dtype)
+    out = logits(model)
+    assert torch.isfinite(out).all()
+    # The same layers without compression: rebuild the reference from the compressed layers' dequantized weights.
+    for quantized, plain in zip(model.decoder.layers, ref.decoder.layers):
+        with torch.no_grad():
+            for name in LINEARS:
+                module = quantized.get_submodule(name)
+                plain.get_submodule(name).weight.copy_(module.weight_quantizer(module.weight))
+            for key, value in quantized.state_dict().items():
+                if key.endswith("layernorm.weight") or key.endswith("layer_norm_weight"):
+                    plain.state_dict()[key].copy_(value)
+    assert _relative_error(out, logits(ref)) < TOLERANCE["FP8_DEFAULT_CFG"]

@@ -41,13 +41,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Weight-only FP8 (E4M3) with one scale per tensor; activations and the output layer stay unquantized.
+# Weight-only FP8 (E4M3) with one scale per tensor; activations and the output layer stay unquantized. Model
+# Optimizer applies the patterns in order (a later match overrides), so "default" (everything off) comes first.
 FP8_PER_TENSOR_REAL_QUANT_CFG: dict[str, Any] = {
     "quant_cfg": {
+        "default": {"enable": False},
         "*weight_quantizer": {"num_bits": (4, 3), "axis": None},
         "*input_quantizer": {"enable": False},
         "*output_layer*": {"enable": False},
-        "default": {"enable": False},
     },
     "algorithm": "max",
 }
@@ -55,10 +56,10 @@ FP8_PER_TENSOR_REAL_QUANT_CFG: dict[str, Any] = {
 # Weight-only FP8 (E4M3) with one scale per 128 x 128 block (DeepSeek-V3's weight format).
 FP8_2D_BLOCKWISE_REAL_QUANT_CFG: dict[str, Any] = {
     "quant_cfg": {
+        "default": {"enable": False},
         "*weight_quantizer": {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}},
         "*input_quantizer": {"enable": False},
         "*output_layer*": {"enable": False},
-        "default": {"enable": False},
     },
     "algorithm": "max",
 }
