@@ -13,9 +13,11 @@ same value). Where the fake-quantized value sits at a rounding midpoint, requant
 Optimizer's rounding of the weight by one code (at most 1e-4 of the codes; measured 1 in 1.1 M). transformers has no CPU loader for these formats, so a ``LlamaForCausalLM`` gets the dequantized
 weights (each ``pre_quant_scale`` multiplied into its weight's input columns; AWQ's others are already in the
 norms) and gives our logits with input quantizers off (their pre-quantization scales still applied): 1e-5.
-TP=2 and PP=2 exports equal TP=1's (one pool call): the files are written from the model as it is, but TP=2's
-calibration sums the row-parallel outputs in another order, which moves the second layer's amax and smoothing
-scales by float noise (measured 6e-7 relative; bound 1e-5), and codes by one step where they sit at a midpoint. NVFP4 fake quantization needs CUDA in Model Optimizer 0.47,
+TP=2 (INT8 SmoothQuant and INT4 AWQ) and PP=2 (INT4 AWQ) exports equal TP=1's (one pool call): the files are
+written from the model as it is, but TP=2's calibration sums the row-parallel outputs in another order, which
+moves the second layer's amax and smoothing scales by float noise (measured 6e-7 relative; bound 1e-5), and
+codes by one step where they sit at a midpoint. AWQ at TP=2 picks one process's scales also for the
+row-parallel o_proj / down_proj (``awq_tp``). NVFP4 fake quantization needs CUDA in Model Optimizer 0.47,
 so its test is ``gpu``.
 """
 
@@ -45,10 +47,7 @@ CPU_RECIPES = ("INT8_SMOOTHQUANT_CFG", "INT4_AWQ_CFG")
 # Our codes requantize the fake-quantized weight, Model Optimizer's the weight: at a rounding midpoint the two
 # roundings may part by one code (measured: 1 of 1.1 M INT8 codes).
 CODE_TIES = 1e-4
-# INT4 AWQ is left out at TP=2: AWQ-lite picks other scales for the row-parallel layers at TP=2 than in one
-# process (o_proj / down_proj pre-quantization scales 2 % apart, measured), a calibration difference, not
-# the export's (PP=2 covers INT4 AWQ's export of a split model).
-TP2_RECIPES = ("INT8_SMOOTHQUANT_CFG",)
+TP2_RECIPES = CPU_RECIPES
 SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64)
 
 
@@ -176,7 +175,7 @@ def test_transformers_with_the_dequantized_weights_gives_our_logits(exports, rec
 
 
 def _tp2_and_pp2(hf_dir: str, out_dir: str) -> bool:
-    export_at_tp2(hf_dir, os.path.join(out_dir, "tp2", *TP2_RECIPES), TP2_RECIPES)
+    export_at_tp2(hf_dir, os.path.join(out_dir, "tp2"), TP2_RECIPES)
     return export_at_pp2(hf_dir, os.path.join(out_dir, "pp2"), "INT4_AWQ_CFG")
 
 

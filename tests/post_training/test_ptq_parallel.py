@@ -44,14 +44,14 @@ from tests.post_training.quant_test_utils import (
 )
 
 RECIPES = ("FP8_DEFAULT_CFG", "INT8_SMOOTHQUANT_CFG", "INT4_AWQ_CFG")
-# (recipe, model dtype, bound on max |logit difference| from one process); see the module docstring.
+# (recipe, model dtype, bound on max |logit difference| from one process, bound on the relative difference of
+# a pre-quantization scale or weight amax); see the module docstring.
 PARITY = [
-    ("FP8_DEFAULT_CFG", torch.float32, 1e-5),
-    ("FP8_DEFAULT_CFG", torch.float64, 1e-9),
-    ("INT8_SMOOTHQUANT_CFG", torch.float64, 1e-9),
-    ("INT4_AWQ_CFG", torch.float64, 1e-3),
+    ("FP8_DEFAULT_CFG", torch.float32, 1e-5, 1e-5),
+    ("FP8_DEFAULT_CFG", torch.float64, 1e-9, 1e-9),
+    ("INT8_SMOOTHQUANT_CFG", torch.float64, 1e-9, 1e-6),
+    ("INT4_AWQ_CFG", torch.float64, 1e-6, 1e-5),
 ]
-MAX_FLIPS = 2  # effective weights per layer allowed one grid step away (AWQ only; 0 for the others)
 
 
 def _tp2_model(recipe: str, weights: dict, dtype: torch.dtype = torch.float32, **overrides):
@@ -77,38 +77,64 @@ def effective_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def quantizer_values(model) -> dict[str, torch.Tensor]:
+    """Each quantized linear's pre-quantization scale and weight amax, each spread to the weight's shape (so a TP
+    shard of them is the shard of the one-process ones): ``<linear>.weight <scale|amax>``."""
+    out = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.decoder.layers):
+            for name in LINEARS:
+                linear = layer.get_submodule(name)
+                rows, cols = linear.weight.shape
+                scale = linear.input_quantizer.pre_quant_scale
+                scale = torch.ones(1, cols) if scale is None else scale.double().reshape(1, cols)
+                amax = linear.weight_quantizer.amax.double()
+                amax = amax.reshape(rows, -1) if amax.numel() > 1 else amax.reshape(1, 1)
+                amax = amax.repeat_interleave(cols // amax.shape[1], dim=1).expand(rows, cols)
+                out[f"decoder.layers.{i}.{name}.weight scale"] = scale.expand(rows, cols)
+                out[f"decoder.layers.{i}.{name}.weight amax"] = amax
+    return out
+
+
+def _relative(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs() / ref.abs()).max().item()
+
+
 def _flips(ours: torch.Tensor, ref: torch.Tensor) -> int:
     """How many entries of ``ours`` differ from ``ref`` by more than 1e-5 of ``ref``'s largest entry."""
     far = (ours - ref).abs() > 1e-5 * ref.abs().max()
     return int(far.sum())
 
 
-def _tp2_against_one_process(cases: list[tuple[str, torch.dtype]]) -> dict[str, tuple[float, int]]:
-    """Per case: (max |logit difference|, most effective weights of one layer off by more than 1e-5)."""
+def _tp2_against_one_process(cases: list[tuple[str, torch.dtype]]) -> dict[str, tuple[float, int, float]]:
+    """Per case: (max |logit difference|, most effective weights of one layer off by more than 1e-5, largest
+    relative difference of a pre-quantization scale or weight amax)."""
     out = {}
     rank = torch.distributed.get_rank()
     for recipe, dtype in cases:
         weights, _ = reference(None, dtype, **WIDE)
         one = quantize(build(dtype=dtype, **WIDE), recipe)
-        ref_logits, ref_weights = logits(one), effective_weights(one)
+        ref_logits, ref_weights, ref_values = logits(one), effective_weights(one), quantizer_values(one)
         try:
             model = _tp2_model(recipe, weights, dtype, **WIDE)
-            ours = effective_weights(model)
+            ours, values = effective_weights(model), quantizer_values(model)
             flips = max(_flips(ours[k], shard(k, ref_weights[k], 2, rank, gated=True)) for k in ours)
-            out[f"{recipe} {dtype}"] = ((logits(model) - ref_logits).abs().max().item(), flips)
+            apart = max(_relative(v, shard(k.split()[0], ref_values[k], 2, rank, gated=True)) for k, v in values.items())
+            out[f"{recipe} {dtype}"] = ((logits(model) - ref_logits).abs().max().item(), flips, apart)
         finally:
             parallel_state.destroy_model_parallel()
     return out
 
 
 def test_tp2_quantized_model_equals_one_process():
-    cases = [(recipe, dtype) for recipe, dtype, _ in PARITY]
-    bounds = {f"{recipe} {dtype}": (bound, MAX_FLIPS if recipe == "INT4_AWQ_CFG" else 0)
-              for recipe, dtype, bound in PARITY}
+    cases = [(recipe, dtype) for recipe, dtype, _, _ in PARITY]
+    bounds = {f"{recipe} {dtype}": (bound, apart) for recipe, dtype, bound, apart in PARITY}
     for rank_result in run_on_ranks(2, _tp2_against_one_process, cases, timeout=500):
-        for case, (diff, flips) in rank_result.items():
-            bound, max_flips = bounds[case]
-            assert flips <= max_flips, f"{case}: {flips} effective weights of a layer differ from one process"
+        for case, (diff, flips, apart) in rank_result.items():
+            bound, max_apart = bounds[case]
+            print(f"{case}: logits {diff:.3g}, scales/amax {apart:.3g} apart, {flips} effective weights off")
+            assert flips == 0, f"{case}: {flips} effective weights of a layer differ from one process"
+            assert apart < max_apart, f"{case}: a scale or amax is {apart:.3g} from one process's (bound {max_apart:g})"
             assert diff < bound, f"{case}: TP=2 logits differ from one process by {diff:.3g} (bound {bound:g})"
 
 

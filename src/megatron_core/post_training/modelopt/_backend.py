@@ -40,7 +40,8 @@ def modelopt_modules(what: str = "post-training quantization") -> SimpleNamespac
 
     Fields: ``mtq`` (``modelopt.torch.quantization``), ``mto`` (``modelopt.torch.opt``), ``version``,
     ``nn`` (its quantized modules and ``TensorQuantizer``), ``custom`` (its plugin base classes for
-    parallel linear layers), ``distributed`` (its ``ParallelState``), ``dynamic`` (``DynamicModule``).
+    parallel linear layers), ``distributed`` (its ``ParallelState``), ``dynamic`` (``DynamicModule``),
+    ``calib`` (its calibration algorithms, ``model_calib``).
     """
     try:
         modelopt = importlib.import_module("modelopt")
@@ -56,4 +57,5 @@ def modelopt_modules(what: str = "post-training quantization") -> SimpleNamespac
         distributed=importlib.import_module("modelopt.torch.utils.distributed"),
         dynamic=importlib.import_module("modelopt.torch.opt.dynamic"),
         quant_linear=importlib.import_module("modelopt.torch.quantization.nn.modules.quant_linear"),
+        calib=importlib.import_module("modelopt.torch.quantization.model_calib"),
     )

@@ -9,10 +9,22 @@ Megatron-style parallelism each rank computes its inputs from its own part of th
   channel) and the output error of each ``alpha`` (the mean squared error of its output columns) from this
   rank's rows only, then each rank picks its own ``alpha`` and Model Optimizer averages the scales over TP.
   Averaging both statistics over TP first gives every rank the whole layer's (every rank holds as many
-  rows and output columns, so the average of the per-rank means is the layer's mean). A row-parallel
-  layer needs nothing: its statistics belong to its own input channels and its output error is taken
-  after the all-reduce. (Its scales are normalised by this rank's largest and smallest scale rather than
-  the whole layer's; that constant cancels between the input's ``1 / s`` and the weight's ``s``.)
+  rows and output columns, so the average of the per-rank means is the layer's mean).
+  A row-parallel layer (weight ``[out, in / TP]``, the input split over TP, the output all-reduced) sees
+  its own input channels' ``act_scale`` and, when its weight blocks fit whole in its input shard, their
+  ``weight_scale``; its per-``alpha`` output errors are taken after the all-reduce, so every rank scores
+  the whole layer. Two statistics are still this rank's: a weight quantizer without blocks divides each
+  row by its amax over this rank's channels only (made the row's amax over all channels here), and Model
+  Optimizer normalises the chosen scales by ``sqrt(max * min)`` of this rank's scales, not of the whole
+  layer's. That constant cancels between the input's ``1 / s`` and the weight's ``s`` only up to fp32
+  rounding, and it is what the layer stores (pre-quantization scale and weight amax, a few per cent from
+  one process). So after Model Optimizer smooths the layer its weight is restored and smoothed again
+  with the scales normalised by the whole layer's largest and smallest scale: one process's scales,
+  amax and quantized weights. The search itself scores each ``alpha`` with this rank's normalisation:
+  the same errors up to rounding, so the same ``alpha`` unless two ``alpha`` tie to rounding.
+  INT4 blocks that straddle the input shards (``in / TP`` not a multiple of the block size) are
+  quantized per shard, a different quantization than one process's: not equal (and refused by sharded
+  checkpoints).
 * data parallelism (the data-parallel group with context parallelism for dense layers, the expert
   data-parallel group for experts): each rank sees its own batches. Model Optimizer averages
   ``act_scale`` (the mean ``|x|`` per input channel) over the group but lets each rank score ``alpha`` on
@@ -27,7 +39,8 @@ Megatron-style parallelism each rank computes its inputs from its own part of th
 Model Optimizer gives a layer the chance through ``enable_weight_access_and_writeback``, a context it
 enters on every rank in the same order: around creating a layer's AWQ state, around the weight pass of
 ``max_calibrate`` after the caching forward loop, and around choosing its scales. :func:`sync_awq_statistics`
-runs at each entry and exit and acts once per stage.
+runs at each entry and exit and acts once per stage; after choosing the scales it smooths a row-parallel
+layer again (above).
 """
 
 from __future__ import annotations
@@ -35,6 +48,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from megatron_core.post_training.modelopt._backend import modelopt_modules
 
 __all__ = ["sync_awq_statistics"]
 
@@ -52,6 +67,46 @@ def _average_weight_scale_over_tp(layer: torch.nn.Module, helper: Any) -> None:
         return
     torch.distributed.all_reduce(helper.weight_scale, group=group.group)
     helper.weight_scale /= group.world_size()
+
+
+def _row_weight_scale_over_tp(layer: torch.nn.Module, helper: Any) -> None:
+    """A row-parallel ``weight_scale`` without blocks: each row divided by its amax over all input channels."""
+    group = _group(layer.parallel_state.tensor_parallel_group)
+    if group is None or helper.block_size or not torch.is_tensor(helper.weight_scale):
+        return
+    weight = layer.weight.detach().abs()
+    row_amax = weight.amax(dim=1, keepdim=True)
+    torch.distributed.all_reduce(row_amax, op=torch.distributed.ReduceOp.MAX, group=group.group)
+    helper.weight_scale = (weight / (row_amax + torch.finfo(weight.dtype).tiny)).mean(0).to(torch.float32)
+
+
+def _layer_normalised_scale(layer: torch.nn.Module, helper: Any, group: Any) -> torch.Tensor:
+    """AWQ-lite's scales of ``helper.best_alpha`` normalised by the whole layer's largest and smallest scale."""
+    alpha = helper.best_alpha
+    weight_scale = helper.weight_scale.to(helper.act_scale.device)
+    raw = helper.act_scale.pow(alpha) / (weight_scale.pow(1 - alpha) + torch.finfo(torch.float32).tiny)
+    raw = raw.clamp(min=1e-4, max=1e4).view(-1)
+    largest, smallest = raw.max().reshape(1), raw.min().reshape(1)
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=group.group)
+    torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN, group=group.group)
+    return raw / (largest * smallest).sqrt()
+
+
+def _resmooth_row_layer(layer: torch.nn.Module, helper: Any) -> None:
+    """Undo Model Optimizer's smoothing of a row-parallel layer and smooth it with the layer-normalised scales."""
+    saved = getattr(helper, "_weight_before_smoothing", None)
+    group = _group(layer.parallel_state.tensor_parallel_group)
+    if saved is None or group is None or helper.best_alpha is None:
+        return
+    scale = _layer_normalised_scale(layer, helper, group)
+    with torch.no_grad():
+        layer.weight.copy_(saved)
+    del helper._weight_before_smoothing
+    for quantizer in (layer.input_quantizer, layer.weight_quantizer):
+        if hasattr(quantizer, "_pre_quant_scale"):
+            delattr(quantizer, "_pre_quant_scale")
+    helper.best_scale = scale
+    modelopt_modules("AWQ calibration").calib.apply_pre_quant_scale_and_smooth(layer, 1.0 / scale)
 
 
 def _dp_tokens(layer: torch.nn.Module, helper: Any) -> tuple[Any, float, float]:
@@ -90,24 +145,41 @@ def _combine_losses(layer: torch.nn.Module, helper: Any) -> None:
     helper.loss.update({a: losses[i] for i, a in enumerate(alphas)})
 
 
+def _smoothed(layer: torch.nn.Module) -> bool:
+    """Whether Model Optimizer has finished smoothing ``layer``: its scales are set and its weight amax taken.
+
+    (Smoothing re-enters the layer's hook around its weight calibration, before the weight amax is loaded.)
+    """
+    return layer.input_quantizer.pre_quant_scale is not None and layer.weight_quantizer.amax is not None
+
+
 def sync_awq_statistics(layer: torch.nn.Module) -> None:
     """Make ``layer``'s AWQ-lite statistics agree over TP and DP, once per stage (module docstring).
 
     Called on every rank at the same points (collective); does nothing outside AWQ-lite calibration.
-    Stages: after the AWQ state is made (``weight_scale`` averaged over TP), after the caching forward
-    loop (``act_scale`` weighted by this rank's token share), after the search (errors combined).
+    Stages: after the AWQ state is made (``weight_scale`` averaged over TP, or a row layer's made whole),
+    after the caching forward loop (``act_scale`` weighted by this rank's token share), after the search
+    (errors combined), after Model Optimizer smoothed the layer (a row layer smoothed again).
     """
     helper = getattr(layer, "awq_lite", None)
     if helper is None:
         return
     stage = getattr(helper, "_parallel_stage", None)
     cache_mode = bool(getattr(type(helper), "cache_mode", False))
+    row = bool(getattr(layer, "_is_row_parallel", False))
     if stage is None:
         _average_weight_scale_over_tp(layer, helper)
+        if row:
+            _row_weight_scale_over_tp(layer, helper)
         helper._parallel_stage = "created"
     elif stage == "created" and cache_mode:
         _weight_act_scale_by_tokens(layer, helper)
         helper._parallel_stage = "cached"
     elif stage == "cached" and not cache_mode:
         _combine_losses(layer, helper)
+        if row and helper.is_enabled and _group(layer.parallel_state.tensor_parallel_group) is not None:
+            helper._weight_before_smoothing = layer.weight.detach().clone()
         helper._parallel_stage = "searched"
+    elif stage == "searched" and not cache_mode and _smoothed(layer):
+        helper._parallel_stage = "smoothed"  # before smoothing again, which re-enters this hook
+        _resmooth_row_layer(layer, helper)
