@@ -20,8 +20,17 @@ layout), then ``dist_checkpointing.load(model.sharded_state_dict(), ...)`` fills
 
 Module names key the saved quantizer settings; those of MoE experts (whose names hold the local expert
 index) are re-keyed for the loading model's expert-parallel size (``quant_moe.modelopt_state_for``).
-Pipeline parallelism (whose stages name their
-layers from 0) is not supported yet.
+
+Pipeline parallelism: the quantizer buffers are entries of the model's sharded state dict, so they are
+keyed by each layer's global index like the weights (``TransformerBlock.sharded_state_dict``). Model
+Optimizer's state names each quantizer by its module name, in which a stage numbers its layers from 0.
+It is stored layout-independent: :func:`save_modelopt_state` renames every quantizer of
+``decoder.layers.<i>`` to the layer's global index (``layer_offset + i``) and merges the stages' settings
+(gathered over the pipeline group), so the saved state is the one a PP=1 model of the same recipe would
+record (checkpoints saved before this change, all at PP=1, read the same). :func:`load_modelopt_state`
+keeps the settings of this stage's layers, renamed to their local index, and of the modules this stage
+holds (e.g. the output layer on the last stage only), so a checkpoint loads at any pipeline size.
+Virtual pipeline parallelism (several model chunks per rank) is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import torch
 from megatron_core import dist_checkpointing
 from megatron_core.post_training.modelopt._backend import modelopt_modules
 from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.transformer.transformer_block import TransformerBlock
 
 __all__ = ["MODELOPT_STATE_DIR", "check_checkpoint_recipe", "checkpoint_recipe", "has_modelopt_state",
            "load_modelopt_state", "save_modelopt_state"]
@@ -42,13 +52,99 @@ MODELOPT_STATE_DIR = "modelopt_state"
 _KEY = "modelopt_state"
 
 
-def _check_no_pipeline() -> None:
+def _check_no_virtual_pipeline(model: torch.nn.Module) -> None:
+    stages = [m.vp_stage for m in model.modules() if isinstance(m, TransformerBlock) and m.vp_stage is not None]
+    if stages:
+        raise NotImplementedError(
+            f"quantized checkpoints under virtual pipeline parallelism (model chunk vp_stage={stages[0]}) are not "
+            "supported: save and load a model built without virtual_pipeline_model_parallel_size")
+
+
+def _layer_prefixes(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
+    """``{"<block>.layers.": (block name, layer_offset, number of local layers)}`` for each transformer block."""
+    return {f"{name}.layers." if name else "layers.": (name, m.layer_offset, len(m.layers))
+            for name, m in model.named_modules() if isinstance(m, TransformerBlock)}
+
+
+def _split_layer_name(name: str, prefixes: dict[str, tuple[str, int, int]]) -> tuple[str, int, str] | None:
+    """``(layers prefix, layer index, rest)`` when ``name`` lies in a transformer block's layers, else ``None``."""
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            index, _, rest = name[len(prefix):].partition(".")
+            if index.isdigit():
+                return prefix, int(index), rest
+    return None
+
+
+def _quantizer_states(modelopt_state: dict) -> list[dict | None]:
+    """Each recorded mode's ``quantizer_state`` (per-quantizer settings by module name), ``None`` where it has none."""
+    return [entry.get("metadata", {}).get("quantizer_state") if isinstance(entry, dict) else None
+            for _, entry in modelopt_state.get("modelopt_state_dict", [])]
+
+
+def _with_quantizer_states(modelopt_state: dict, states: list[dict | None]) -> dict:
+    """``modelopt_state`` with each mode's ``quantizer_state`` replaced by ``states`` (in mode order)."""
+    modes = []
+    for (mode, entry), quantizer_state in zip(modelopt_state.get("modelopt_state_dict", []), states, strict=True):
+        if quantizer_state is not None:
+            entry = {**entry, "metadata": {**entry["metadata"], "quantizer_state": quantizer_state}}
+        modes.append((mode, entry))
+    return {**modelopt_state, "modelopt_state_dict": modes}
+
+
+def _global_state(model: torch.nn.Module, modelopt_state: dict) -> dict:
+    """``modelopt_state`` with layer-global quantizer names, merged over the pipeline stages (module docstring)."""
+    prefixes = _layer_prefixes(model)
+
+    def to_global(name: str) -> str:
+        split = _split_layer_name(name, prefixes)
+        if split is None:
+            return name
+        prefix, index, rest = split
+        return f"{prefix}{prefixes[prefix][1] + index}.{rest}"
+
+    states = [None if q is None else {to_global(n): v for n, v in q.items()} for q in _quantizer_states(modelopt_state)]
+    modes = [mode for mode, _ in modelopt_state.get("modelopt_state_dict", [])]
     group = resolve_process_group("pp")
     if group is not None and torch.distributed.get_world_size(group) > 1:
-        raise NotImplementedError(
-            f"quantized checkpoints under pipeline parallelism (size {torch.distributed.get_world_size(group)}) "
-            "are not supported yet: Model Optimizer's state is keyed by module names, which differ per stage"
-        )
+        stages: list = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(stages, (modes, states), group=group)
+        for stage_modes, _ in stages:
+            if stage_modes != modes:
+                raise ValueError(f"the pipeline stages were converted by different Model Optimizer modes: "
+                                 f"{stage_modes} vs {modes}")
+        states = [None if q is None else {n: v for _, s in stages for n, v in s[i].items()}  # in layer order
+                  for i, q in enumerate(states)]
+    return _with_quantizer_states(modelopt_state, states)
+
+
+def _local_state(model: torch.nn.Module, modelopt_state: dict) -> dict:
+    """A saved (layer-global) ``modelopt_state`` restricted to ``model``'s modules, with their local layer names."""
+    prefixes = _layer_prefixes(model)
+
+    def to_local(name: str) -> str | None:
+        split = _split_layer_name(name, prefixes)
+        if split is not None:
+            prefix, index, rest = split
+            _, offset, count = prefixes[prefix]
+            if not offset <= index < offset + count:
+                return None  # another stage's layer
+            name = f"{prefix}{index - offset}.{rest}"
+        parts = name.split(".")
+        owner = next((".".join(parts[:i]) for i, part in enumerate(parts) if part.endswith("_quantizer")), name)
+        try:
+            model.get_submodule(owner)
+        except AttributeError:
+            return None  # a module of another stage (e.g. the output layer)
+        return name
+
+    states = []
+    for quantizer_state in _quantizer_states(modelopt_state):
+        if quantizer_state is not None:
+            local = ((to_local(n), v) for n, v in quantizer_state.items())
+            quantizer_state = {n: v for n, v in local if n is not None}
+        states.append(quantizer_state)
+    return _with_quantizer_states(modelopt_state, states)
 
 
 def has_modelopt_state(checkpoint_dir: str | os.PathLike) -> bool:
@@ -65,8 +161,8 @@ def save_modelopt_state(model: torch.nn.Module, checkpoint_dir: str | os.PathLik
     if not mo.mto.ModeloptStateManager.is_converted(model):
         raise ValueError(f"{type(model).__name__} was not quantized or otherwise converted by Model Optimizer: "
                          "there is no modelopt_state to save")
-    _check_no_pipeline()
-    state = mo.mto.modelopt_state(model)
+    _check_no_virtual_pipeline(model)
+    state = _global_state(model, mo.mto.modelopt_state(model))
     dist_checkpointing.save({_KEY: state}, Path(checkpoint_dir) / MODELOPT_STATE_DIR)
 
 
@@ -126,7 +222,7 @@ def load_modelopt_state(model: torch.nn.Module, checkpoint_dir: str | os.PathLik
         check_checkpoint_recipe(model, checkpoint_dir)
         raise ValueError(f"{type(model).__name__} is already converted by Model Optimizer; load a quantized "
                          "checkpoint into a freshly built model")
-    _check_no_pipeline()
+    _check_no_virtual_pipeline(model)
     from megatron_core.post_training.modelopt.quant_moe import modelopt_state_for
 
-    return mo.mto.restore_from_modelopt_state(model, modelopt_state_for(model, saved))
+    return mo.mto.restore_from_modelopt_state(model, modelopt_state_for(model, _local_state(model, saved)))
