@@ -5,6 +5,7 @@ Module level so that the TP=2 rank workers can import them.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -15,9 +16,20 @@ from megatron_core.models.hf import AutoBridge
 from tests.models.hf.hf_models import batch, safetensors_tensors
 
 
+def recipe_config(recipe: str) -> dict:
+    """Model Optimizer's predefined ``recipe`` with AWQ-lite's ``alpha`` searched over 0, 0.5 and 1 only: the
+    tests check where the scales go, not how good they are, and 3 candidates instead of 11 keep them fast."""
+    import modelopt.torch.quantization as mtq
+
+    cfg = copy.deepcopy(getattr(mtq, recipe))
+    if isinstance(cfg["algorithm"], dict) and cfg["algorithm"].get("method") == "awq_lite":
+        cfg["algorithm"]["alpha_step"] = 0.5
+    return cfg
+
+
 def quantized_llama(hf_dir: str, recipe: str = "FP8_DEFAULT_CFG", device: str = "cpu"):
     """``(bridge, model)``: the bridge's GPTModel of ``hf_dir`` (this rank's TP shard) on ``device``, quantized
-    after one batch."""
+    with :func:`recipe_config` after one batch."""
     import modelopt.torch.quantization as mtq
 
     from megatron_core.post_training.modelopt import register_quant_modules
@@ -27,7 +39,7 @@ def quantized_llama(hf_dir: str, recipe: str = "FP8_DEFAULT_CFG", device: str = 
     (model,) = bridge.to_megatron_model()
     model.eval().to(device)
     ids, pos = (t.to(device) for t in batch(3))
-    mtq.quantize(model, getattr(mtq, recipe), lambda m: m(ids, pos, None))
+    mtq.quantize(model, recipe_config(recipe), lambda m: m(ids, pos, None))
     return bridge, model
 
 
@@ -106,14 +118,15 @@ def mirror_into_hf(bridge, model, hf) -> None:
 
 def oracle_export(hf_dir: str, bridge, model, recipe: str, out_dir: str, device: str = "cpu") -> None:
     """Model Optimizer's ``export_hf_checkpoint`` of the transformers Llama of ``hf_dir`` quantized with ``recipe``
-    and holding our quantized ``model``'s weights and quantizer values (:func:`mirror_into_hf`)."""
+    and holding our quantized ``model``'s weights and quantizer values (:func:`mirror_into_hf`). Its calibration
+    is max calibration whatever the recipe's algorithm: the mirror overwrites every value it would compute."""
     import modelopt.torch.quantization as mtq
     import transformers
     from modelopt.torch.export import export_hf_checkpoint
 
     hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval().to(device)
     ids, _ = batch(3)
-    mtq.quantize(hf, getattr(mtq, recipe), lambda m: m(ids.to(device)))
+    mtq.quantize(hf, {**getattr(mtq, recipe), "algorithm": "max"}, lambda m: m(ids.to(device)))
     mirror_into_hf(bridge, model, hf)
     export_hf_checkpoint(hf, export_dir=out_dir)
 
@@ -162,7 +175,7 @@ def export_at_pp2(hf_dir: str, out_dir: str, recipe: str) -> bool:
         model.eval()
         assert len(model.decoder.layers) == 1
         ids, pos = batch(3)
-        mtq.quantize(model, getattr(mtq, recipe), lambda m: pipeline_forward(m, ids, pos))
+        mtq.quantize(model, recipe_config(recipe), lambda m: pipeline_forward(m, ids, pos))
         export_quantized_hf(bridge, model, out_dir)
         return True
     finally:

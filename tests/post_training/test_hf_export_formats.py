@@ -19,6 +19,11 @@ moves the second layer's amax and smoothing scales by float noise (measured 6e-7
 codes by one step where they sit at a midpoint. AWQ at TP=2 picks one process's scales also for the
 row-parallel o_proj / down_proj (``awq_tp``). NVFP4 fake quantization needs CUDA in Model Optimizer 0.47,
 so its test is ``gpu``.
+
+Kept fast: the model is imported and each recipe calibrated and exported once per module (shared by the tests),
+on one batch of 2 x 12 tokens; AWQ-lite searches ``alpha`` over 0, 0.5, 1 (``hf_export_checks.recipe_config``),
+and the oracle's transformers Llama is max-calibrated (the mirror overwrites its values). Hidden 256 everywhere:
+the TP=2 export is compared with these TP=1 exports, and INT4 blocks must fit in its row-parallel shards.
 """
 
 from __future__ import annotations
