@@ -9,7 +9,8 @@ Megatron-style parallelism each rank computes its inputs from its own part of th
   channel) and the output error of each ``alpha`` (the mean squared error of its output columns) from this
   rank's rows only, then each rank picks its own ``alpha`` and Model Optimizer averages the scales over TP.
   Averaging both statistics over TP first gives every rank the whole layer's (every rank holds as many
-  rows and output columns, so the average of the per-rank means is the layer's mean).
+  rows and output columns, so the average of the per-rank means is the layer's mean); ``weight_scale`` is
+  summed over all rows in the weight's dtype before its rounding to fp32, as one process rounds it.
   A row-parallel layer (weight ``[out, in / TP]``, the input split over TP, the output all-reduced) sees
   its own input channels' ``act_scale`` and, when its weight blocks fit whole in its input shard, their
   ``weight_scale``; its per-``alpha`` output errors are taken after the all-reduce, so every rank scores
@@ -62,11 +63,22 @@ def _group(group: Any) -> Any:
 
 
 def _average_weight_scale_over_tp(layer: torch.nn.Module, helper: Any) -> None:
+    """A column-parallel ``weight_scale``: the mean over all TP ranks' rows, summed in the weight's dtype."""
     group = _group(layer.parallel_state.tensor_parallel_group)
     if group is None or not getattr(layer, "_is_column_parallel", False) or not torch.is_tensor(helper.weight_scale):
         return
-    torch.distributed.all_reduce(helper.weight_scale, group=group.group)
-    helper.weight_scale /= group.world_size()
+    weight = layer.weight.detach().abs()
+    rows, cols = weight.shape
+    size = helper.block_size or cols
+    if cols % size:  # padded blocks: average Model Optimizer's per-rank means (in fp32)
+        torch.distributed.all_reduce(helper.weight_scale, group=group.group)
+        helper.weight_scale /= group.world_size()
+        return
+    blocks = weight.reshape(-1, size)
+    normalised = (blocks / (blocks.amax(dim=1, keepdim=True) + torch.finfo(weight.dtype).tiny)).reshape(rows, cols)
+    total = normalised.sum(0)
+    torch.distributed.all_reduce(total, group=group.group)
+    helper.weight_scale = (total / (rows * group.world_size())).to(torch.float32)
 
 
 def _row_weight_scale_over_tp(layer: torch.nn.Module, helper: Any) -> None:
