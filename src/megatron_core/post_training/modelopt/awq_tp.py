@@ -118,7 +118,10 @@ def _resmooth_row_layer(layer: torch.nn.Module, helper: Any) -> None:
         if hasattr(quantizer, "_pre_quant_scale"):
             delattr(quantizer, "_pre_quant_scale")
     helper.best_scale = scale
-    modelopt_modules("AWQ calibration").calib.apply_pre_quant_scale_and_smooth(layer, 1.0 / scale)
+    # inside the layer's own hook again (this stage is done, so it does nothing more), as Model Optimizer
+    # smoothed it: an expert then re-calibrates its weight amax without the expert-parallel group
+    with layer.enable_weight_access_and_writeback():
+        modelopt_modules("AWQ calibration").calib.apply_pre_quant_scale_and_smooth(layer, 1.0 / scale)
 
 
 def _dp_tokens(layer: torch.nn.Module, helper: Any) -> tuple[Any, float, float]:
