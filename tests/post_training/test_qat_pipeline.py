@@ -1,20 +1,22 @@
 """Quantization-aware training under pipeline parallelism equals one process.
 
-The tiny GPT of ``test_qat.py`` (hidden 32, 2 layers, vocabulary 256, untied output layer) on the main job's
-corpus, quantized with FP8_DEFAULT_CFG. On 2 gloo ranks at PP=2 each rank builds its stage (one layer; the
-embedding on the first, the final norm and the output layer on the last) holding the one-process
-model's weights, calibrates it with the calibration batch run through the library's pipeline schedule
-(forward only, so each stage calibrates on the activations the previous one sends), and trains
+The tiny GPT of ``test_qat.py`` (hidden 32, 2 layers, vocabulary 256, untied output layer) on the main
+job's corpus, quantized with FP8_DEFAULT_CFG. On 2 gloo ranks at PP=2 each rank builds its stage (one
+layer; the embedding on the first, the final norm and the output layer on the last) holding the
+one-process model's weights, calibrates it with the calibration batch run through the library's pipeline
+schedule (forward only, so each stage calibrates on the activations the previous one sends), and trains
 ``STEPS`` steps with the schedule (``get_forward_backward_func``: 1F1B over 2 microbatches of 2 windows,
-``finalize_model_grads`` as the config's finalizer) and the library's optimizer (Adam, clipping at 1.0: the gradient norm is taken over both stages).
-The one-process reference is ``qat.train_steps`` on the whole batch of 4 windows.
+``finalize_model_grads`` as the config's finalizer) and the library's optimizer (Adam, clipping at 1.0:
+the gradient norm is taken over both stages). The one-process reference is ``qat.train_steps`` on the
+whole batch of 4 windows.
 
-Compared, in float64 (as ``test_qat.py``'s multi-step TP case, so that other summation orders cannot move a
-fake-quantized value across a rounding midpoint; the cross entropy stays fp32): each step's loss (relative
-1e-6), every final weight (1e-6 relative to the tensor's largest entry) and every quantizer's amax (equal: calibration saw the same values and training
-keeps it). Measured: losses 9.0e-8, weights 2.7e-8, amax equal. The differences come from the fp32
-cross entropy, whose per-token gradients are summed per microbatch here and over the whole batch in one
-process (1e-7 relative), which Adam carries into the weights.
+Compared, in float64 (as ``test_qat.py``'s multi-step TP case, so that other summation orders cannot move
+a fake-quantized value across a rounding midpoint; the cross entropy stays fp32): each step's loss
+(relative 1e-6), every final weight (1e-6 relative to the tensor's largest entry) and every quantizer's
+amax (equal: calibration saw the same values and training keeps it). Measured: losses 9.0e-8, weights
+2.7e-8, amax equal. The differences come from the fp32 cross entropy, whose per-token gradients are summed
+per microbatch here and over the whole batch in one process (1e-7 relative), which Adam carries into the
+weights.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from megatron_core import dist_checkpointing
+from megatron_core._wrapped_model import innermost_module
 from megatron_core.post_training.modelopt._backend import modelopt_modules
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.transformer_block import TransformerBlock
@@ -60,10 +61,16 @@ def _check_no_virtual_pipeline(model: torch.nn.Module) -> None:
             "supported: save and load a model built without virtual_pipeline_model_parallel_size")
 
 
+def _roots(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model`` and, when it is wrapped (DDP, ...), the wrapped module: Model Optimizer may name either way."""
+    inner = innermost_module(model)
+    return [model] if inner is model else [model, inner]
+
+
 def _layer_prefixes(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
     """``{"<block>.layers.": (block name, layer_offset, number of local layers)}`` for each transformer block."""
     return {f"{name}.layers." if name else "layers.": (name, m.layer_offset, len(m.layers))
-            for name, m in model.named_modules() if isinstance(m, TransformerBlock)}
+            for root in _roots(model) for name, m in root.named_modules() if isinstance(m, TransformerBlock)}
 
 
 def _split_layer_name(name: str, prefixes: dict[str, tuple[str, int, int]]) -> tuple[str, int, str] | None:
@@ -132,11 +139,13 @@ def _local_state(model: torch.nn.Module, modelopt_state: dict) -> dict:
             name = f"{prefix}{index - offset}.{rest}"
         parts = name.split(".")
         owner = next((".".join(parts[:i]) for i, part in enumerate(parts) if part.endswith("_quantizer")), name)
-        try:
-            model.get_submodule(owner)
-        except AttributeError:
-            return None  # a module of another stage (e.g. the output layer)
-        return name
+        for root in _roots(model):
+            try:
+                root.get_submodule(owner)
+            except AttributeError:
+                continue
+            return name
+        return None  # a module of another stage (e.g. the output layer)
 
     states = []
     for quantizer_state in _quantizer_states(modelopt_state):

@@ -16,6 +16,10 @@ straight through (Model Optimizer's fake-quant functions). Here:
 
 Under tensor parallelism the quantizers' amax agree over TP (:mod:`.quant_modules`) and the per-token loss
 is whole on every rank, so a TP=N run follows the one-process run.
+Under pipeline parallelism :func:`train_steps` (one model, no schedule) does not apply: each stage is
+quantized with a ``forward_loop`` that runs the calibration batches through the pipeline schedule (forward
+only), then trained with ``get_forward_backward_func()`` (with :func:`lm_loss` as the loss function) and the
+same optimizer; the stages' amax need no agreeing (each holds its own layers).
 """
 
 from __future__ import annotations
