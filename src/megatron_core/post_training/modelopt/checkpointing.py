@@ -15,7 +15,7 @@ layout), then ``dist_checkpointing.load(model.sharded_state_dict(), ...)`` fills
     dist_checkpointing.save(model.sharded_state_dict(), ckpt)
     save_modelopt_state(model, ckpt)
     ...
-    load_modelopt_state(new_model, ckpt)           # any TP size
+    load_modelopt_state(new_model, ckpt)           # any TP or PP size
     new_model.load_state_dict(dist_checkpointing.load(new_model.sharded_state_dict(), ckpt))
 
 Module names key the saved quantizer settings; those of MoE experts (whose names hold the local expert
