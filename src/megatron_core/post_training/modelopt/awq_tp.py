@@ -23,9 +23,13 @@ Megatron-style parallelism each rank computes its inputs from its own part of th
   with the scales normalised by the whole layer's largest and smallest scale: one process's scales,
   amax and quantized weights. The search itself scores each ``alpha`` with this rank's normalisation:
   the same errors up to rounding, so the same ``alpha`` unless two ``alpha`` tie to rounding.
-  INT4 blocks that straddle the input shards (``in / TP`` not a multiple of the block size) are
-  quantized per shard, a different quantization than one process's: not equal (and refused by sharded
-  checkpoints).
+  Not equal to one process: INT4 blocks that straddle the input shards (``in / TP`` not a multiple of
+  the block size) are quantized per shard, a different quantization than one process's (and refused by
+  sharded checkpoints); and a row-parallel weight quantizer without input blocks (one amax per output
+  row, e.g. a per-channel AWQ recipe): during the search each shard is quantized with its own rows'
+  amax, so the errors and then ``alpha`` may differ (measured with per-channel INT4 at TP=2: two of four
+  row layers chose another ``alpha``, scales 13 % apart; the layers that chose the same equal one
+  process's). Model Optimizer's INT4 AWQ recipes have 128-wide blocks.
 * data parallelism (the data-parallel group with context parallelism for dense layers, the expert
   data-parallel group for experts): each rank sees its own batches. Model Optimizer averages
   ``act_scale`` (the mean ``|x|`` per input channel) over the group but lets each rank score ``alpha`` on
