@@ -52,7 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("process groups", ("parallel_state", "hyper_comm_grid", "process_groups_config", "_rank_utils"),
      "the global group registry and the explicit group collections"),
     ("configuration", ("model_parallel_config", "num_microbatches_calculator", "timers", "packed_seq_params",
-                       "activations", "energy_monitor", "fp8_utils", "_batch_utils", "_packed_batch",
+                       "activations", "energy_monitor", "_batch_utils", "_packed_batch",
                        "progress", "_straggler", "_misc_utils", "_model_utils"),
      "configs, timers, microbatch arithmetic, optional kernels' feature checks"),
     ("storage", ("dist_checkpointing",),
@@ -60,15 +60,17 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("parallel primitives", ("tensor_parallel", "fusions", "rerun_state_machine", "_rerun_parts",
                              "_rerun_checkpoint", "_rerun_reporting"),
      "tensor-parallel layers and mappings, RNG tracker, fused kernels, the rerun state machine"),
-    ("blocks", ("transformer", "pipeline_parallel", "distributed", "extensions"),
-     "transformer layers and blocks, pipeline schedules, DDP/FSDP wrappers and gradient finalisation, "
-     "Transformer Engine modules"),
+    ("blocks", ("transformer", "pipeline_parallel", "distributed", "extensions", "fp8_utils"),
+     "transformer layers and blocks, pipeline schedules, DDP/FSDP wrappers and gradient finalisation (with the "
+     "FP8 parameters they store, re-exported at Megatron-Core's ``fp8_utils``), Transformer Engine modules"),
     ("layers", ("ssm",), "the Mamba mixer and layers, built on transformer"),
     ("models", ("models", "fp8", "optimizer", "optimizer_param_scheduler", "datasets", "tokenizers", "export"),
      "model families, optimizers, data and tokenizers"),
-    ("training", ("training", "training_metrics", "fault_injector", "safe_globals", "post_training"),
+    ("training", ("training", "training_metrics", "fault_injector", "safe_globals"),
      "the training loop's own state: run checkpoints, RNG state, architecture records, get_model"),
-    ("applications", ("inference", "resharding"), "inference engines and servers, weight resharding"),
+    ("applications", ("inference", "resharding", "post_training"),
+     "inference engines and servers, weight resharding, post-training quantization for deployment (it quantizes "
+     "the engine's KV cache)"),
     ("facades", ("utils", PACKAGE),
      "``utils`` (Megatron-Core's grab-bag of helpers, kept for users) and the package's ``__init__``; nothing "
      "inside the package imports them"),

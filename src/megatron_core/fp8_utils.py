@@ -8,7 +8,7 @@ with Transformer Engine 2 or without it.
 
 The FP8-parameter helpers Megatron-Core's distributed optimizer calls (``is_float8tensor``,
 ``dequantize_fp8_tensor``, ``quantize_param_shard``, ``copy_tensor_to_quantized_param``) are those of
-:mod:`megatron_core.fp8.fp8_params`, for this library's FP8 parameters (``fp8_param``).
+:mod:`megatron_core.distributed.fp8_params`, for this library's FP8 parameters (``fp8_param``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from megatron_core.fp8.fp8_params import (
+from megatron_core.distributed.fp8_params import (
     copy_tensor_to_quantized_param,
     dequantize_fp8_tensor,
     quantize_param_shard,
 )
-from megatron_core.fp8.fp8_params import is_fp8_param as is_float8tensor
+from megatron_core.distributed.fp8_params import is_fp8_param as is_float8tensor
 
 __all__ = ["copy_tensor_to_quantized_param", "correct_amax_history_if_needed", "dequantize_fp8_tensor",
            "get_fp8_context", "is_float8tensor", "quantize_param_shard"]

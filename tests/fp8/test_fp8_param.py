@@ -40,8 +40,8 @@ from megatron_core.distributed import (
     collectives,
     finalize_model_grads,
 )
+from megatron_core.distributed.fp8_params import dequantize_fp8_tensor, is_fp8_param, make_fp8_param
 from megatron_core.fp8 import check_fp8_config, convert_to_float8, fp8_param_linear
-from megatron_core.fp8.fp8_params import dequantize_fp8_tensor, is_fp8_param, make_fp8_param
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.training.checkpointing import load_checkpoint, save_checkpoint
 from tests.dist_harness import run_on_ranks

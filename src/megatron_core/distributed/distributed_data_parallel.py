@@ -22,6 +22,7 @@ from megatron_core._ground import get_pg_size, register_wrapper
 from megatron_core.device import get_current_device
 from megatron_core.distributed import collectives
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron_core.distributed.fp8_params import check_fp8_params_for_ddp
 from megatron_core.distributed.param_and_grad_buffer import (
     _ParamAndGradBucketGroup,
     _ParamAndGradBuffer,
@@ -30,7 +31,6 @@ from megatron_core.distributed.param_and_grad_buffer import (
     partition_buckets,
 )
 from megatron_core.distributed.param_layout import FullParamLayout
-from megatron_core.fp8.fp8_params import check_fp8_params_for_ddp
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.wgrad_accumulation import BACKWARD_ADDS_TO_MAIN_GRAD
 

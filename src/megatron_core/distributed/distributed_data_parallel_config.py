@@ -67,7 +67,7 @@ class DistributedDataParallelConfig:
 
     fp8_param_gather: bool = False
     """All-gather FP8 parameters (``fp8_param``) as their 1-byte values; needs ``use_distributed_optimizer``, and a
-    model with FP8 parameters needs it (see :mod:`megatron_core.fp8.fp8_params`)."""
+    model with FP8 parameters needs it (see :mod:`megatron_core.distributed.fp8_params`)."""
 
     fp4_param_gather: bool = False
     """FP4 parameter all-gather (Transformer Engine only; rejected here)."""

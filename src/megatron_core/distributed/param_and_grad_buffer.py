@@ -4,7 +4,7 @@ Megatron-Core's ``_ParamAndGradBuffer``. Parameters of one (param dtype, grad dt
 out in **reverse creation order** (roughly the order backward produces their gradients), so a
 bucket at the front of the buffer fills first. Every parameter gets ``param.main_grad``, a view
 into the gradient buffer; with the distributed optimizer ``param.data`` also becomes a view into
-the parameter buffer (the raw bytes, ``uint8``, of FP8 parameters: :mod:`megatron_core.fp8.fp8_params`), and
+the parameter buffer (the raw bytes, ``uint8``, of FP8 parameters: :mod:`megatron_core.distributed.fp8_params`), and
 each bucket is padded so that it splits into equal per-rank shards
 (rank ``r`` owns elements ``[r * n, (r + 1) * n)`` of every bucket).
 
@@ -27,13 +27,13 @@ from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.distributed import collectives
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron_core.distributed.fp8_params import FP8_PARAM_BUFFER_DTYPE, is_fp8_param
 from megatron_core.distributed.param_layout import (
     BufferKey,
     FullParamLayout,
     PerBufferParamLayout,
     compute_per_buffer_param_layout,
 )
-from megatron_core.fp8.fp8_params import FP8_PARAM_BUFFER_DTYPE, is_fp8_param
 from megatron_core.tensor_parallel.wgrad_accumulation import expect_first_write, zero_pending_first_writes
 
 

@@ -28,12 +28,12 @@ import torch.distributed as dist
 from megatron_core._ground import fsdp_unit_types, get_pg_size, module_chain, unwrap_model
 from megatron_core.device import get_current_device
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron_core.distributed.fp8_params import is_fp8_param
 from megatron_core.distributed.torch_fully_sharded_data_parallel_checkpoint import (
     fsdp_sharded_state_dict,
     is_fsdp_dtensor,
     local_row_range,
 )
-from megatron_core.fp8.fp8_params import is_fp8_param
 from megatron_core.process_groups_config import resolve_process_group
 
 try:

@@ -6,7 +6,7 @@ MoE experts' grouped GEMMs.
 :mod:`megatron_core.fp8.layers`, :mod:`megatron_core.fp8.delayed_linear` (delayed scaling, our own op)
 and :mod:`megatron_core.fp8.grouped_layers`. torchao is imported only when a model is converted with a
 torchao recipe (and, for the experts, when their FP8 grouped GEMM first runs on a GPU). With ``fp8_param``
-(``'tensorwise'``) the converted weights are stored in FP8 (:mod:`megatron_core.fp8.fp8_params`, GEMM
+(``'tensorwise'``) the converted weights are stored in FP8 (:mod:`megatron_core.distributed.fp8_params`, GEMM
 :mod:`megatron_core.fp8.fp8_param_linear`), updated by the distributed optimizer.
 """
 

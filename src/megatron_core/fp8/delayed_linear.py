@@ -21,15 +21,14 @@ from typing import Any
 
 import torch
 
+from megatron_core.distributed.fp8_params import quantize, reduce_amax
 from megatron_core.fp8.delayed_scaling import (
     BACKWARD_COLUMNS,
     FORWARD_COLUMNS,
     GRAD_OUTPUT,
     INPUT,
     WEIGHT,
-    quantize,
     record_amax,
-    reduce_amax,
 )
 
 MM_ALIGN = 16

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron_core._ground import get_pg_size
+from megatron_core.distributed.fp8_params import fp8_max
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 FORWARD_COLUMNS = slice(INPUT, WEIGHT + 1)
@@ -91,17 +91,6 @@ def check_delayed_config(config: Any) -> None:
                          "(Transformer Engine deprecated the interval and ignores it)")
 
 
-def fp8_max(dtype: torch.dtype) -> float:
-    """The largest finite value of float8 ``dtype``."""
-    return float(torch.finfo(dtype).max)
-
-
-def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t * scale`` cast to float8 ``dtype``, saturated at its largest finite value."""
-    limit = fp8_max(dtype)
-    return (t.float() * scale).clamp(-limit, limit).to(dtype)
-
-
 def init_state(layer: torch.nn.Module, recipe: DelayedScalingRecipe, device: torch.device,
                amax_group: Any = None) -> None:
     """Give ``layer`` a fresh delayed-scaling state (zero histories, unit scales) as non-persistent buffers;
@@ -114,13 +103,6 @@ def init_state(layer: torch.nn.Module, recipe: DelayedScalingRecipe, device: tor
     layer.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
     limits = [fp8_max(recipe.dtype_of(c)) for c in (INPUT, WEIGHT, GRAD_OUTPUT)]
     layer.register_buffer("fp8_limits", torch.tensor(limits, device=device), persistent=False)
-
-
-def reduce_amax(amax: torch.Tensor, group: Any) -> torch.Tensor:
-    """``amax`` (fp32) max-reduced over ``group`` (the amax reduction group; nothing to do for one rank)."""
-    if group is not None and get_pg_size(group) > 1:
-        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-    return amax
 
 
 @torch.no_grad()

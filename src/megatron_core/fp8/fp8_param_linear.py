@@ -1,7 +1,7 @@
 """The float8 GEMM of a linear layer whose weight is an FP8 parameter (``fp8_param``, tensorwise recipe).
 
 What Transformer Engine's ``Linear`` does with a ``Float8Tensor`` weight under current scaling: the
-stored e4m3 bytes and their scale (:mod:`megatron_core.fp8.fp8_params`) enter the GEMM as they are (no
+stored e4m3 bytes and their scale (:mod:`megatron_core.distributed.fp8_params`) enter the GEMM as they are (no
 cast of the weight); the input and, in the backward pass, the output gradient are quantized with
 per-tensor scales from their current amax (torchao's tensorwise formula; e4m3, or e5m2 for the output
 gradient with ``fp8='hybrid'``), max-reduced over ``layer.fp8_param_amax_group`` when one is set
@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
+from megatron_core.distributed.fp8_params import FP8_PARAM_DTYPE, quantize, reduce_amax, tensorwise_scale
 from megatron_core.fp8.delayed_linear import _fp8_mm, _pad_rows
-from megatron_core.fp8.delayed_scaling import quantize, reduce_amax
-from megatron_core.fp8.fp8_params import FP8_PARAM_DTYPE, tensorwise_scale
 from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
 
 __all__ = ["Float8ParamMatmul", "fp8_param_matmul"]

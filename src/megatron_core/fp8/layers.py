@@ -19,6 +19,12 @@ from typing import Any
 
 import torch
 
+from megatron_core.distributed.fp8_params import (
+    copy_tensor_to_quantized_param,
+    dequantize_fp8_tensor,
+    is_fp8_param,
+    make_fp8_param,
+)
 from megatron_core.fp8.delayed_linear import delayed_float8_matmul
 from megatron_core.fp8.delayed_scaling import (
     DelayedScalingRecipe,
@@ -27,12 +33,6 @@ from megatron_core.fp8.delayed_scaling import (
     unpack_extra_state,
 )
 from megatron_core.fp8.fp8_param_linear import fp8_param_matmul
-from megatron_core.fp8.fp8_params import (
-    copy_tensor_to_quantized_param,
-    dequantize_fp8_tensor,
-    is_fp8_param,
-    make_fp8_param,
-)
 from megatron_core.fp8.grouped_layers import GROUPED_FP8_CLASSES
 from megatron_core.fp8.torchao_backend import (
     check_fp8_config,
@@ -186,7 +186,7 @@ def _default_amax_group(layer: torch.nn.Module, tp_only: bool = False) -> Any:
 
 
 def _use_fp8_param(layer: torch.nn.Module, config: Any, amax_group: Any) -> None:
-    """Store ``layer``'s weight as an FP8 parameter (:mod:`megatron_core.fp8.fp8_params`)."""
+    """Store ``layer``'s weight as an FP8 parameter (:mod:`megatron_core.distributed.fp8_params`)."""
     layer.weight = make_fp8_param(layer.weight)
     layer.fp8_param_grad_dtype = torch.float8_e5m2 if config.fp8 == "hybrid" else torch.float8_e4m3fn
     layer.fp8_param_amax_group = amax_group
@@ -211,7 +211,7 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
     the layers' ``_extra_state`` entries carry the scaling state).
 
     With ``config.fp8_param`` (``fp8_recipe='tensorwise'``) the converted dense layers' weights become FP8
-    parameters (:mod:`megatron_core.fp8.fp8_params`, GEMM :mod:`megatron_core.fp8.fp8_param_linear`; no
+    parameters (:mod:`megatron_core.distributed.fp8_params`, GEMM :mod:`megatron_core.fp8.fp8_param_linear`; no
     torchao needed), their input / output-gradient amaxes max-reduced over ``amax_reduction_group`` when
     given (else each rank's own); the MoE experts keep high-precision weights. A later ``.to()`` /
     ``Float16Module`` moves the FP8 bytes without casting them. Wrap the model in DDP with

@@ -8,7 +8,7 @@ design). Both recipes compute scales from the current tensors, so there is no am
 scaling state to checkpoint: ``fp8_amax_history_len`` and ``fp8_margin`` must keep their defaults.
 :func:`check_fp8_config` also accepts ``'delayed'``, which this library implements itself
 (:mod:`megatron_core.fp8.delayed_scaling`); ``'blockwise'``, ``'mxfp8'`` and ``'custom'`` raise (they
-need Transformer Engine). ``fp8_param`` (FP8 weights, :mod:`megatron_core.fp8.fp8_params`) is accepted with
+need Transformer Engine). ``fp8_param`` (FP8 weights, :mod:`megatron_core.distributed.fp8_params`) is accepted with
 ``'tensorwise'`` only.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from megatron_core.distributed.fp8_params import FP8_PARAM_RECIPES
 from megatron_core.fp8.delayed_scaling import check_delayed_config
-from megatron_core.fp8.fp8_params import FP8_PARAM_RECIPES
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 DELAYED_RECIPE = "delayed"

@@ -15,7 +15,7 @@ the param buffer when that is the params' dtype) and the inner optimizer is
 optimizer state) of the first ``optimizer_offload_fraction`` of the shard's elements live on the
 CPU: gradients are copied there, the step runs there, and the results are copied back.
 
-FP8 parameters (``fp8_param``, :mod:`megatron_core.fp8.fp8_params`) get fp32 main weights from their
+FP8 parameters (``fp8_param``, :mod:`megatron_core.distributed.fp8_params`) get fp32 main weights from their
 high-precision initial values; after each step every rank quantizes its main shards into their bytes
 with per-parameter scales agreed over the DP group (``quantize_param_shard``), and the all-gather moves
 the 1-byte buffer.
@@ -37,14 +37,14 @@ from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import cuda_available
 from megatron_core.dist_checkpointing.optimizer import dp_flat_shard_to_full, full_to_dp_flat_shard
 from megatron_core.distributed import collectives
-from megatron_core.distributed.param_and_grad_buffer import compute_full_param_layout
-from megatron_core.distributed.param_layout import compute_per_buffer_param_layout
-from megatron_core.fp8.fp8_params import (
+from megatron_core.distributed.fp8_params import (
     clear_high_precision_init_val,
     is_fp8_param,
     main_param_shard,
     quantize_param_shard,
 )
+from megatron_core.distributed.param_and_grad_buffer import compute_full_param_layout
+from megatron_core.distributed.param_layout import compute_per_buffer_param_layout
 from megatron_core.optimizer.checkpoint_state import (
     ParamStateEntry,
     is_model_space_state,

@@ -16,6 +16,10 @@ its main shard to ``fp8_hp_dtype`` (as Megatron-Core does, so the numerics equal
 parameter cast to FP8 in the forward), max-reduces the per-parameter amaxes over the data-parallel
 group, derives one scale per parameter (``fp8_max / amax``, torchao's tensorwise formula) and
 quantizes its shard straight into the 1-byte parameter buffer, which the all-gather then moves.
+
+It lives beside the DDP buffers that store these parameters (the FP8 layers, the optimizer and DDP all
+build on it), with the float8 cast primitives every FP8 recipe shares (:func:`fp8_max`, :func:`quantize`,
+:func:`reduce_amax`; :mod:`megatron_core.fp8.delayed_scaling` uses them too).
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ from typing import Any
 
 import torch
 
-from megatron_core.fp8.delayed_scaling import fp8_max, quantize, reduce_amax
+from megatron_core._ground import get_pg_size
 from megatron_core.tensor_parallel.wgrad_accumulation import mark_gradient_into_main_grad
 
-__all__ = ["FP8_PARAM_BUFFER_DTYPE", "FP8_PARAM_DTYPE", "FP8_PARAM_RECIPES", "check_fp8_params_for_ddp",
+__all__ = ["FP8_PARAM_BUFFER_DTYPE", "fp8_max", "quantize", "reduce_amax", "FP8_PARAM_DTYPE", "FP8_PARAM_RECIPES", "check_fp8_params_for_ddp",
            "clear_high_precision_init_val", "copy_tensor_to_quantized_param", "dequantize_fp8_tensor", "is_fp8_param",
            "main_param_shard", "make_fp8_param", "quantize_param_shard", "tensorwise_scale"]
 
@@ -35,6 +39,24 @@ FP8_PARAM_DTYPE = torch.float8_e4m3fn
 FP8_PARAM_RECIPES = ("tensorwise",)
 AMAX_EPS = 1e-12  # the smallest amax a scale is derived from (torchao's EPS)
 FP8_PARAM_BUFFER_DTYPE = torch.uint8  # the DDP parameter buffer of FP8 params (their raw bytes)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of float8 ``dtype``."""
+    return float(torch.finfo(dtype).max)
+
+
+def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t * scale`` cast to float8 ``dtype``, saturated at its largest finite value."""
+    limit = fp8_max(dtype)
+    return (t.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def reduce_amax(amax: torch.Tensor, group: Any) -> torch.Tensor:
+    """``amax`` (fp32) max-reduced over ``group`` (the amax reduction group; nothing to do for one rank)."""
+    if group is not None and get_pg_size(group) > 1:
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    return amax
 
 
 def is_fp8_param(tensor: Any) -> bool:
