@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.main_job import collect_corpus  # noqa: E402
+from examples.post_training.byte_corpus import corpus  # noqa: E402
 
 from megatron_core.models.gpt import GPTModel  # noqa: E402
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
@@ -67,14 +65,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--corpus-mb", type=float, default=0.3)
     return p.parse_args()
 
-
-def corpus(megabytes: float) -> torch.Tensor:
-    """The main job's corpus as a byte stream."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "stdlib.jsonl"
-        collect_corpus(path, int(megabytes * 1e6))
-        text = "\n".join(json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines())
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
 def build(hidden: int, seq: int, seed: int) -> GPTModel:
