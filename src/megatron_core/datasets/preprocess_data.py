@@ -106,7 +106,7 @@ _worker_encoder: Encoder | None = None
 
 def _init_worker(args: argparse.Namespace) -> None:
     global _worker_encoder
-    # A forked worker inherits the parent's SIGTERM handler (a training loop's, say); Pool.terminate() must end it.
+    # Pool.terminate() must end the worker, whatever SIGTERM handler its start method left it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_encoder = Encoder(args)
 
@@ -169,7 +169,9 @@ def _encode_partition(
         for key in args.json_keys
     }
     if args.workers > 1:
-        pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+        # Spawned, not forked: a fork of a process with other threads running (a test session's rank pools, torch's
+        # thread pools) can copy a lock one of them holds and hang the worker for good.
+        pool = multiprocessing.get_context("spawn").Pool(args.workers, initializer=_init_worker, initargs=(args,))
         encoded: Iterator = pool.imap(_encode_in_worker, records, 32)
     else:
         pool = None
