@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.post_training.byte_corpus import corpus  # noqa: E402
+from examples.post_training.byte_corpus import corpus, eval_loss  # noqa: E402
 
 from megatron_core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron_core.models.gpt import GPTModel  # noqa: E402
@@ -62,14 +62,6 @@ def build(config: TransformerConfig, seq: int, seed: int) -> GPTModel:
     return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), VOCAB, seq,
                     position_embedding_type="rope")
 
-
-def eval_loss(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace) -> float:
-    """Mean LM loss on 4 held-out batches (seed 1000)."""
-    model.eval()
-    with torch.no_grad():
-        losses = [model(b["tokens"], b["position_ids"], None, labels=b["labels"]).mean().item()
-                  for b in token_windows(data, args.seq, args.batch, 4, seed=1000)]
-    return sum(losses) / len(losses)
 
 
 def train(model: torch.nn.Module, data: torch.Tensor, steps: int, seed: int, args: argparse.Namespace) -> None:

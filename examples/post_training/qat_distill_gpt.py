@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.post_training.byte_corpus import corpus  # noqa: E402
+from examples.post_training.byte_corpus import corpus, eval_loss  # noqa: E402
 
 from megatron_core.models.gpt import GPTModel  # noqa: E402
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
@@ -80,14 +80,6 @@ def build(hidden: int, seq: int, seed: int) -> GPTModel:
 def optimizer(model: torch.nn.Module, lr: float):
     return get_megatron_optimizer(OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0), [model])
 
-
-def eval_loss(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace) -> float:
-    """Mean LM loss on 4 held-out batches (seed 1000)."""
-    model.eval()
-    with torch.no_grad():
-        losses = [model(b["tokens"], b["position_ids"], None, labels=b["labels"]).mean().item()
-                  for b in token_windows(data, args.seq, args.batch, 4, seed=1000)]
-    return sum(losses) / len(losses)
 
 
 def main() -> None:
