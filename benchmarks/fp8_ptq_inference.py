@@ -30,7 +30,14 @@ import gc
 import time
 
 import torch
-from inference_throughput import add_model_and_workload_args, build_model, copy_bandwidth, prompts, run_engine
+from inference_throughput import (
+    add_model_and_workload_args,
+    apply_tiny_shapes,
+    build_model,
+    copy_bandwidth,
+    prompts,
+    run_engine,
+)
 
 from megatron_core import device as mdevice
 from megatron_core.inference.apis import MegatronLLM
@@ -65,9 +72,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, emulated FP8 GEMMs")
     args = p.parse_args()
     if args.tiny:
-        args.layers, args.hidden, args.heads, args.query_groups, args.ffn, args.vocab = 2, 64, 4, 2, 128, 256
+        apply_tiny_shapes(args)
         args.requests, args.requests_at_1, args.prompt_len, args.gen_len = 4, 2, 16, 6
-        args.concurrency, args.block_size, args.max_tokens = [1, 4], 8, 256
         args.calib_batches, args.calib_batch_size, args.calib_len = 2, 2, 16
         args.agree_prompts, args.agree_prompt_len, args.agree_gen_len = 4, 8, 6
     # run_engine's workload flags that this benchmark keeps at inference_throughput's defaults

@@ -56,6 +56,12 @@ def add_model_and_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=64)
 
 
+def apply_tiny_shapes(args: argparse.Namespace) -> None:
+    """The ``--tiny`` CPU smoke shapes of the model and the engine, shared by the serving benchmarks."""
+    args.layers, args.hidden, args.heads, args.query_groups, args.ffn, args.vocab = 2, 64, 4, 2, 128, 256
+    args.concurrency, args.block_size, args.max_tokens = [1, 4], 8, 256
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_and_workload_args(p)
@@ -84,9 +90,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32")
     args = p.parse_args()
     if args.tiny:
-        args.layers, args.hidden, args.heads, args.query_groups, args.ffn, args.vocab = 2, 64, 4, 2, 128, 256
+        apply_tiny_shapes(args)
         args.requests, args.requests_at_1, args.prompt_len, args.gen_len = 8, 2, 16, 8
-        args.concurrency, args.block_size, args.max_tokens = [1, 4], 8, 256
         args.pattern = "M*M-"
     if args.hybrid:  # the Nemotron-H-shaped layout; --layers/--heads/--query-groups/--ffn describe it from here on
         args.layers, args.no_hf = len(args.pattern), True  # HF's NemotronH decodes on its PyTorch path: no baseline
