@@ -14,12 +14,12 @@ wgrad      ``dy_e.T @ x_e``        column of ``dy_e`` and of ``x_e``, within eac
 =========  ======================  ==========================================================
 
 Scales are powers of two (``2**floor(log2(448 / amax))``), so quantization only rounds the mantissa.
-On a GPU with FP8 tensor cores the work is done by torchao's MoE training op (Triton casts plus
-``torch._scaled_grouped_mm``; imported lazily by :mod:`.torchao_backend`); each expert's rows must
-start at a multiple of 16, which the experts' aligned layout provides. Elsewhere (a CPU, or
-``emulate=True``) :class:`EmulatedFp8GroupedGemm` does the same arithmetic in fp32: operands quantized
-to e4m3 with the same scales, dequantized, multiplied. It is the reference the GPU path is tested
-against, and what FP8 MoE runs on a CPU for development.
+On a Hopper GPU with bf16 inputs the work is done by :class:`megatron_core.fp8.scaled_grouped_mm.ScaledGroupedMm`
+(``torch._scaled_grouped_mm`` with casts written as plain PyTorch ops, so ``torch.compile`` keeps the experts in
+one graph); each expert's rows must start at a multiple of 16, which the experts' aligned layout provides.
+Elsewhere (a CPU, another GPU, fp32/fp16 inputs, or ``emulate=True``) :class:`EmulatedFp8GroupedGemm` does the
+same arithmetic in fp32: operands quantized to e4m3 with the same scales, dequantized, multiplied. It is the
+reference the GPU path is tested against, and what FP8 MoE runs on a CPU for development.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ from typing import Any
 
 import torch
 
-from megatron_core.fp8.torchao_backend import torchao_fp8_grouped_mm
-
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
-AMAX_EPS = 1e-12
-ROW_ALIGN = 16
+from megatron_core.fp8.scaled_grouped_mm import (
+    AMAX_EPS,
+    E4M3_MAX,
+    ROW_ALIGN,
+    ScaledGroupedMm,
+    scaled_grouped_mm_supported,
+)
 
 
 def quantize_dequantize_e4m3(t: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
@@ -92,16 +94,18 @@ def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | 
     """``cat_e(x_e @ weight[e].T)`` with FP8 operands (e4m3, row-wise scales), differentiable.
 
     ``x [N, in]`` rows grouped by expert, ``weight [E, out, in]``. The groups are given as host
-    ``counts`` or (GPU path only) as device int32 ``ends`` offsets. On CUDA, unless ``emulate``, every
-    group must start at a multiple of 16 rows and ``in``/``out`` be multiples of 16; on a CPU (or with
-    ``emulate``) the arithmetic is emulated in fp32 and ``counts`` is required.
+    ``counts`` or as device int32 ``ends`` offsets. On a Hopper GPU with bf16 ``x``, unless ``emulate``, every
+    group must start at a multiple of 16 rows and ``in``/``out`` be multiples of 16; elsewhere (or with
+    ``emulate``) the arithmetic is emulated in fp32 (device ``ends`` are then read back to the host).
     """
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"fp8_grouped_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [N, in] and "
                          "[E, out, in]")
-    if emulate or x.device.type != "cuda":
+    if emulate or not scaled_grouped_mm_supported(x):
         if counts is None:
-            raise ValueError("fp8_grouped_gemm: the emulated path needs host counts (ends were given)")
+            if ends is None:
+                raise ValueError("fp8_grouped_gemm needs counts or ends")
+            counts = torch.diff(ends.to("cpu", torch.int64), prepend=torch.zeros(1, dtype=torch.int64)).tolist()
         if sum(counts) != x.shape[0]:
             raise ValueError(f"fp8_grouped_gemm: counts sum to {sum(counts)}, x has {x.shape[0]} rows")
         return EmulatedFp8GroupedGemm.apply(x, weight, list(counts))
@@ -113,8 +117,7 @@ def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | 
                              f"got {list(counts)}")
         ends = group_ends(counts, x.device)
     bad = [d for d in weight.shape[1:] if d % ROW_ALIGN]
-    if bad:
-        raise ValueError(f"fp8_grouped_gemm: the expert weight {tuple(weight.shape)} needs out and in to be multiples "
-                         f"of {ROW_ALIGN}")
-    return torchao_fp8_grouped_mm()(x.contiguous(), weight.transpose(-2, -1), ends.to(torch.int32), out_dtype=x.dtype,
-              pad_token_groups_for_grouped_mm=False)
+    if bad or x.shape[0] % ROW_ALIGN:
+        raise ValueError(f"fp8_grouped_gemm: the expert weight {tuple(weight.shape)} needs out and in, and x "
+                         f"{tuple(x.shape)} its row count, to be multiples of {ROW_ALIGN}")
+    return ScaledGroupedMm.apply(x.contiguous(), weight, ends.to(torch.int32))

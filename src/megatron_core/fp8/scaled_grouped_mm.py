@@ -1,0 +1,98 @@
+"""The experts' FP8 grouped GEMM on Hopper: ``torch._scaled_grouped_mm`` with casts ``torch.compile`` can fuse.
+
+:func:`megatron_core.fp8.grouped_gemm.fp8_grouped_gemm` runs here on a GPU with FP8 grouped GEMMs. Every step is a
+plain PyTorch op (amax, power-of-two scale, saturating cast, ``torch._scaled_grouped_mm``), so a layer compiled
+with ``torch.compile`` keeps the whole expert MLP in one graph: Inductor fuses each cast with its amax and with
+the transposed copy a column-major operand needs, and the group offsets stay on the device (no host sync).
+
+The scales are those of :class:`megatron_core.fp8.grouped_gemm.EmulatedFp8GroupedGemm` (the CPU reference):
+one per row of ``x`` and ``dy``, one per output (forward) or input (data gradient) feature of each expert's
+weight, and for the weight gradient one per column of ``dy`` and of ``x`` within each expert's rows. Groups start
+at multiples of :data:`ROW_ALIGN` rows (the experts' aligned layout), so the per-expert column maxima are taken
+over blocks of 16 rows and then over each expert's blocks, without a host-known row count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "scaled_grouped_mm_supported"]
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)
+AMAX_EPS = 1e-12
+ROW_ALIGN = 16
+_KERNEL = getattr(torch, "_scaled_grouped_mm", None)
+
+
+def scaled_grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether the FP8 grouped-GEMM kernel serves ``x``: bf16 on a Hopper GPU (compute capability 9.x)."""
+    return (_KERNEL is not None and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] == 9)
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """The power-of-two factor that maps ``amax`` to at most e4m3's largest value (fp32)."""
+    return torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.float().clamp(min=AMAX_EPS))))
+
+
+def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` as e4m3 codes with one scale per slice along the last dimension, and the dequantizing scales."""
+    scale = _scale(t.abs().amax(-1, keepdim=True))
+    return _cast(t, scale), scale.reciprocal().squeeze(-1)
+
+
+def _group_columnwise_transposed(t: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [M, C]`` quantized with one scale per column within each group of rows, returned transposed
+    (``[C, M]``, row-major) with the dequantizing scales ``[groups * C]`` (group-major), as the kernel's 2D x 2D
+    form takes them."""
+    rows, cols = t.shape
+    blocks = t.view(rows // ROW_ALIGN, ROW_ALIGN, cols).abs().amax(1).float()
+    block_starts = torch.arange(0, rows, ROW_ALIGN, device=t.device, dtype=ends.dtype)
+    group_of_block = torch.searchsorted(ends, block_starts, right=True).clamp(max=ends.numel() - 1)
+    amax = blocks.new_zeros(ends.numel(), cols).scatter_reduce(
+        0, group_of_block[:, None].expand(-1, cols), blocks, reduce="amax")
+    scale = _scale(amax)
+    codes = _cast(t.view(rows // ROW_ALIGN, ROW_ALIGN, cols), scale[group_of_block][:, None, :])
+    return codes.view(rows, cols).t().contiguous(), scale.reciprocal().reshape(-1)
+
+
+class ScaledGroupedMm(torch.autograd.Function):
+    """``cat_e(x_e @ weight[e].T)`` with e4m3 operands on Hopper; forward, data and weight gradient in FP8.
+
+    ``x [M, in]`` (bf16, ``M`` a multiple of 16), ``weight [E, out, in]``, ``ends [E]`` int32 group end offsets
+    (each a multiple of 16, the last ``M``). Callers check :func:`scaled_grouped_mm_supported` first.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The forward GEMM: rows of ``x`` and each expert's output features scaled separately."""
+        ctx.save_for_backward(x, weight, ends)
+        x_codes, x_scale = _rowwise(x)
+        w_codes, w_scale = _rowwise(weight)
+        return _KERNEL(x_codes, w_codes.transpose(-2, -1), x_scale, w_scale, offs=ends, out_dtype=x.dtype,
+                       use_fast_accum=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        """``dx = dy_e @ W_e`` and ``dW_e = dy_e.T @ x_e``, both in FP8."""
+        x, weight, ends = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            dy_codes, dy_scale = _rowwise(grad)
+            wt_codes, wt_scale = _rowwise(weight.transpose(-2, -1))
+            grad_x = _KERNEL(dy_codes, wt_codes.contiguous().transpose(-2, -1), dy_scale, wt_scale, offs=ends,
+                             out_dtype=x.dtype, use_fast_accum=True)
+        if ctx.needs_input_grad[1]:
+            dyt_codes, dyt_scale = _group_columnwise_transposed(grad, ends)
+            xt_codes, xt_scale = _group_columnwise_transposed(x, ends)
+            grad_w = _KERNEL(dyt_codes, xt_codes.t(), dyt_scale, xt_scale, offs=ends, out_dtype=x.dtype,
+                             use_fast_accum=True).to(weight.dtype)
+        return grad_x, grad_w, None
