@@ -9,8 +9,13 @@ gradient with ``fp8='hybrid'``), max-reduced over ``layer.fp8_param_amax_group``
 ``dW = dy.T @ x``; ``dW`` is accumulated into ``weight.main_grad`` (the DDP gradient buffer, in the
 parameter's high-precision or fp32 dtype) and the weight's autograd gradient is a placeholder that DDP's
 hook ignores (``grad_added_to_main_grad``, and the parameter's static ``backward_adds_to_main_grad``
-mark), as Megatron-Core's fused weight-gradient accumulation. The op runs eagerly inside a layer
-compiled by ``torch.compile`` (its backward reads and writes parameter attributes).
+mark), as Megatron-Core's fused weight-gradient accumulation.
+
+``torch.compile`` traces the op without a graph break (``fullgraph=True``): the parameter attributes it needs
+(scale, ``main_grad``, the kind of placeholder gradient) are read before the autograd function and passed in, the
+amax / scale / cast of the input and of the output gradient are plain torch ops that Inductor fuses with their
+neighbours (the amax max-reduced by a functional all-reduce), and the GEMMs, the weight-gradient one writing the
+``main_grad`` it is given, are the custom ops of :mod:`megatron_core.fp8.fp8_param_ops`.
 
 GEMMs are ``torch._scaled_mm`` on CUDA, and fp32 emulation (the same quantized operands dequantized)
 elsewhere or with ``emulate``; see :mod:`megatron_core.fp8.delayed_linear`.
@@ -21,61 +26,113 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed import _functional_collectives as funcol
 
-from megatron_core.distributed.fp8_params import FP8_PARAM_DTYPE, quantize, reduce_amax, tensorwise_scale
-from megatron_core.fp8.delayed_linear import _fp8_mm, _pad_rows
+from megatron_core._ground import get_pg_size
+from megatron_core.distributed.fp8_params import FP8_PARAM_DTYPE, quantize, tensorwise_scale
+from megatron_core.fp8.delayed_linear import _fp8_mm
+from megatron_core.fp8.fp8_param_ops import fp8_wgrad_into
 from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
 
 __all__ = ["Float8ParamMatmul", "fp8_param_matmul"]
 
+# What the backward returns as the weight's autograd gradient (see ``finish_fused_weight_gradient``).
+NO_PLACEHOLDER, EMPTY_PLACEHOLDER, ZERO_PLACEHOLDER = "none", "empty", "zeros"
+
+
+def _placeholder_kind(weight: torch.Tensor) -> str:
+    """The placeholder gradient ``finish_fused_weight_gradient`` gives ``weight``: none without DDP, zeros for a
+    ``zero_out_wgrad`` weight, else uninitialized."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return NO_PLACEHOLDER
+    return ZERO_PLACEHOLDER if getattr(weight, "zero_out_wgrad", False) else EMPTY_PLACEHOLDER
+
 
 def _current_scale(t: torch.Tensor, dtype: torch.dtype, group: Any) -> torch.Tensor:
-    """The tensorwise scale of ``t`` for float8 ``dtype`` (amax max-reduced over ``group``)."""
-    return tensorwise_scale(reduce_amax(t.detach().abs().amax().float(), group), dtype)
+    """The tensorwise scale of ``t`` for float8 ``dtype`` (amax max-reduced over ``group``, a functional
+    collective that a compiled graph keeps)."""
+    amax = t.detach().abs().amax().float()
+    if group is not None:
+        amax = funcol.all_reduce(amax, "max", group)
+    return tensorwise_scale(amax, dtype)
+
+
+def _mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
+        emulate: bool) -> torch.Tensor:
+    """The float8 GEMM: the custom op inside a compiled graph, the function itself eagerly."""
+    if torch.compiler.is_compiling():
+        return torch.ops.megatron_core.fp8_param_mm(a, a_scale, b, b_scale, out_dtype, emulate)
+    return _fp8_mm(a, a_scale, b, b_scale, out_dtype, emulate)
 
 
 class Float8ParamMatmul(torch.autograd.Function):
-    """``x @ weight.T`` for an FP8 parameter ``weight``; its gradient goes to ``weight.main_grad``."""
+    """``x @ weight.T`` for an FP8 parameter ``weight``; its gradient goes to ``main_grad``.
+
+    ``w_scale``, ``main_grad`` and ``placeholder`` (one of ``'none'``, ``'empty'``, ``'zeros'``) default to
+    ``weight``'s ``fp8_scale``, ``main_grad`` and DDP marks; :func:`fp8_param_matmul` passes them, so that a
+    compiled graph reads no parameter attribute inside the function.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype, amax_group: Any,
-                emulate: bool) -> torch.Tensor:
+                emulate: bool, w_scale: torch.Tensor | None = None, main_grad: torch.Tensor | None = None,
+                placeholder: str | None = None) -> torch.Tensor:
         """The float8 product with the stored weight bytes and scale; the input cast with its current scale."""
+        if w_scale is None:
+            w_scale = weight.fp8_scale
+        if main_grad is None:
+            main_grad = getattr(weight, "main_grad", None)
         x2 = x.reshape(-1, x.shape[-1])
         x_scale = _current_scale(x2, FP8_PARAM_DTYPE, amax_group)
         x_q = quantize(x2, x_scale, FP8_PARAM_DTYPE)
-        w_scale = weight.fp8_scale.detach().clone()
-        out = _fp8_mm(x_q, x_scale, weight.t(), w_scale, x.dtype, emulate)
-        ctx.weight, ctx.grad_dtype, ctx.amax_group, ctx.emulate = weight, grad_dtype, amax_group, emulate
+        w_scale = w_scale.detach().clone()
+        out = _mm(x_q, x_scale, weight.t(), w_scale, x.dtype, emulate)
+        # main_grad is not a saved tensor: it shares the version counter of DDP's whole buffer, which other
+        # layers' backward passes write before this one runs.
+        ctx.main_grad = main_grad
+        ctx.placeholder = _placeholder_kind(weight) if placeholder is None else placeholder
+        ctx.grad_dtype, ctx.amax_group, ctx.emulate = grad_dtype, amax_group, emulate
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.save_for_backward(x_q, x_scale, w_scale)
+        ctx.save_for_backward(x_q, x_scale, weight, w_scale)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        """Data gradient, and the weight gradient accumulated into ``main_grad`` (dummy autograd gradient)."""
-        x_q, x_scale, w_scale = ctx.saved_tensors
-        weight = ctx.weight
+        """Data gradient, and the weight gradient accumulated into ``main_grad`` (placeholder autograd gradient)."""
+        x_q, x_scale, weight, w_scale = ctx.saved_tensors
         dy = grad.reshape(-1, grad.shape[-1])
         g_scale = _current_scale(dy, ctx.grad_dtype, ctx.amax_group)
         dy_q = quantize(dy, g_scale, ctx.grad_dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = _fp8_mm(dy_q, g_scale, weight, w_scale, ctx.x_dtype, ctx.emulate).reshape(ctx.x_shape)
+            grad_x = _mm(dy_q, g_scale, weight, w_scale, ctx.x_dtype, ctx.emulate).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            main_grad = getattr(weight, "main_grad", None)
+            main_grad = ctx.main_grad
             if main_grad is None:
                 raise RuntimeError("an FP8 parameter (fp8_param=True) accumulates its gradient into main_grad: wrap "
                                    "the model in DistributedDataParallel with use_distributed_optimizer=True")
-            main_grad.add_(_fp8_mm(_pad_rows(dy_q).t(), g_scale, _pad_rows(x_q), x_scale, main_grad.dtype,
-                                   ctx.emulate))
-            grad_w = finish_fused_weight_gradient(weight)
-        return grad_x, grad_w, None, None, None
+            if torch.compiler.is_compiling():
+                torch.ops.megatron_core.fp8_param_wgrad_(main_grad, dy_q, g_scale, x_q, x_scale, ctx.emulate)
+                grad_w = _placeholder(weight, ctx.placeholder)
+            else:
+                fp8_wgrad_into(main_grad, dy_q, g_scale, x_q, x_scale, ctx.emulate)
+                grad_w = finish_fused_weight_gradient(weight)
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
-@torch.compiler.disable
+def _placeholder(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """The placeholder gradient ``kind`` (see :func:`_placeholder_kind`) of ``weight``."""
+    if kind == NO_PLACEHOLDER:
+        return None
+    return torch.zeros_like(weight) if kind == ZERO_PLACEHOLDER else torch.empty_like(weight)
+
+
 def fp8_param_matmul(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     """``x @ weight.T`` for the FP8 parameter ``weight`` of ``layer`` (its ``fp8_param_grad_dtype`` and
-    ``fp8_param_amax_group``; emulated off CUDA or with ``layer.float8_emulate``)."""
+    ``fp8_param_amax_group``; emulated off CUDA or with ``layer.float8_emulate``). Traceable by ``torch.compile``."""
     emulate = bool(getattr(layer, "float8_emulate", False)) or x.device.type != "cuda"
-    return Float8ParamMatmul.apply(x, weight, layer.fp8_param_grad_dtype, layer.fp8_param_amax_group, emulate)
+    group = layer.fp8_param_amax_group
+    if get_pg_size(group) <= 1:
+        group = None
+    return Float8ParamMatmul.apply(x, weight, layer.fp8_param_grad_dtype, group, emulate, weight.fp8_scale,
+                                   getattr(weight, "main_grad", None), _placeholder_kind(weight))
