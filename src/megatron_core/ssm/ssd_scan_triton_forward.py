@@ -1,0 +1,103 @@
+"""The forward Triton kernels of the chunked SSD scan (launched by :mod:`megatron_core.ssm.ssd_scan_triton`).
+
+``ssd_state_kernel`` walks the chunks in order per ``(batch x head, block of head_dim, block of state_dim)``
+and writes the fp32 state entering each chunk; ``ssd_chunk_forward_kernel`` computes one chunk's output per
+``(batch x chunk, head, block of head_dim)`` with its ``state_dim`` products in a loop over blocks of ``BK``
+columns (few live tiles, pipelined loads). Triton is loaded through :mod:`megatron_core.jit` only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from megatron_core.jit import triton_modules
+
+__all__ = ["forward_kernels"]
+
+
+@functools.cache
+def forward_kernels() -> tuple[Any, Any]:
+    """``(ssd_state_kernel, ssd_chunk_forward_kernel)``, built on first call (Triton must be installed)."""
+    triton, tl = triton_modules()
+
+    @triton.jit
+    def ssd_state_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, st_ptr, length, chunks, heads, heads_per_group, head_dim,
+                         state_dim, sx_b, sx_l, sx_h, sdt_b, sdt_l, sB_b, sB_l, sB_g, sst_b, sst_c, sst_h,
+                         Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+        # The state entering each chunk: state_{c+1} = exp(last_c) state_c + sum_j exp(last_c - cum_j) dt_j x_j B_j^T.
+        bh = tl.program_id(0)
+        b, h = bh // heads, bh % heads
+        g = h // heads_per_group
+        cols = tl.program_id(1) * BP + tl.arange(0, BP)
+        col_ok = cols < head_dim
+        ns = tl.program_id(2) * BN + tl.arange(0, BN)
+        n_ok = ns < state_dim
+        qs = tl.arange(0, Q)
+        A = tl.load(A_ptr + h)
+        x_base = x_ptr + b.to(tl.int64) * sx_b + h * sx_h
+        B_base = B_ptr + b.to(tl.int64) * sB_b + g * sB_g
+        st_base = st_ptr + b.to(tl.int64) * sst_b + h * sst_h + cols[:, None] * state_dim + ns[None, :]
+        state = tl.zeros([BP, BN], dtype=tl.float32)
+        for c in range(chunks):
+            tl.store(st_base + c * sst_c, state, mask=col_ok[:, None] & n_ok[None, :])
+            rows = c * Q + qs
+            row_ok = rows < length
+            dt = tl.load(dt_ptr + b.to(tl.int64) * sdt_b + rows * sdt_l + h, mask=row_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_base + rows[:, None] * sx_l + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            Bm = tl.load(B_base + rows[:, None] * sB_l + ns[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+            a = dt * A
+            cum = tl.cumsum(a, 0)
+            last = tl.sum(a, 0)
+            xw = (x.to(tl.float32) * (tl.exp(last - cum) * dt)[:, None]).to(x.dtype)
+            state = state * tl.exp(last) + tl.dot(tl.trans(xw), Bm.to(x.dtype), input_precision=PREC)
+
+    @triton.jit
+    def ssd_chunk_forward_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, st_ptr,
+                                 length, chunks, heads, heads_per_group, head_dim, state_dim,
+                                 sx_b, sx_l, sx_h, sdt_b, sdt_l, sB_b, sB_l, sB_g, sC_b, sC_l, sC_g,
+                                 sy_b, sy_l, sy_h, sst_b, sst_c, sst_h,
+                                 Q: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+        # One chunk's output from its inputs and the state entering it.
+        bc = tl.program_id(0)
+        h = tl.program_id(1)
+        b, c = bc // chunks, bc % chunks
+        g = h // heads_per_group
+        cols = tl.program_id(2) * BP + tl.arange(0, BP)
+        col_ok = cols < head_dim
+        qs = tl.arange(0, Q)
+        rows = c * Q + qs
+        row_ok = rows < length
+        ks = tl.arange(0, BK)
+        B_rows = B_ptr + b.to(tl.int64) * sB_b + g * sB_g + rows[:, None] * sB_l
+        C_rows = C_ptr + b.to(tl.int64) * sC_b + g * sC_g + rows[:, None] * sC_l
+        st_rows = st_ptr + b.to(tl.int64) * sst_b + c * sst_c + h * sst_h + cols[:, None] * state_dim
+        x = tl.load(x_ptr + b.to(tl.int64) * sx_b + h * sx_h + rows[:, None] * sx_l + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        # C B^T and C state^T, both summed over state_dim in blocks of BK.
+        cb = tl.zeros([Q, Q], dtype=tl.float32)
+        inter = tl.zeros([Q, BP], dtype=tl.float32)
+        for k0 in range(0, state_dim, BK):
+            ns = k0 + ks
+            n_ok = ns < state_dim
+            qn_ok = row_ok[:, None] & n_ok[None, :]
+            Cm = tl.load(C_rows + ns[None, :], mask=qn_ok, other=0.0).to(x.dtype)
+            Bm = tl.load(B_rows + ns[None, :], mask=qn_ok, other=0.0).to(x.dtype)
+            state = tl.load(st_rows + ns[None, :], mask=col_ok[:, None] & n_ok[None, :], other=0.0)
+            cb += tl.dot(Cm, tl.trans(Bm), input_precision=PREC)
+            inter += tl.dot(Cm, tl.trans(state.to(x.dtype)), input_precision=PREC)
+        A = tl.load(A_ptr + h)
+        dt = tl.load(dt_ptr + b.to(tl.int64) * sdt_b + rows * sdt_l + h, mask=row_ok, other=0.0).to(tl.float32)
+        cum = tl.cumsum(dt * A, 0)
+        # y_i = sum_{j <= i} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j + exp(cum_i) C_i . state + D x_i.
+        causal = qs[:, None] >= qs[None, :]
+        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+        scores = (cb * decay * dt[None, :]).to(x.dtype)
+        acc = tl.dot(scores, x, input_precision=PREC)
+        Dv = tl.load(D_ptr + h * head_dim + cols, mask=col_ok, other=0.0)
+        acc += tl.exp(cum)[:, None] * inter + Dv[None, :] * x.to(tl.float32)
+        tl.store(y_ptr + b.to(tl.int64) * sy_b + h * sy_h + rows[:, None] * sy_l + cols[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    return ssd_state_kernel, ssd_chunk_forward_kernel
