@@ -8,8 +8,8 @@ the backward), then a chunk-parallel kernel computes each chunk's output. Backwa
 chunk, then two chunk-parallel kernels: ``dx`` with the ``dt``/``A``/``D`` terms per head, and ``dB``/``dC`` per
 group (its heads summed inside the program, no atomics).
 
-The kernels' chunk length is their own (:data:`KERNEL_CHUNK`, 64 rows); the result is the same function as any
-other chunk length, rounded differently. Products take the inputs' dtype (bf16 operands, fp32 accumulation); the
+The kernels' chunk length is their own (``SCAN_BLOCKS["chunk"]``, :data:`KERNEL_CHUNK` = 64 rows unless changed);
+the result is the same function as any other chunk length, rounded differently. Products take the inputs' dtype (bf16 operands, fp32 accumulation); the
 decays, ``dt`` and the states stay fp32, as Megatron-Core keeps them. fp32 inputs use full-precision (not tf32)
 products. Block shapes are :data:`SCAN_BLOCKS` (read at each call). Triton is loaded through
 :mod:`megatron_core.jit` only.
@@ -31,7 +31,9 @@ _MAX_DIM = 256  # head_dim and state_dim up to this
 # Block shapes and warps per kernel, for sm90 (H100/H200); read at every call, so a benchmark may try others.
 # ``*_p``: head_dim columns per program; ``*_n``: state_dim columns per program; ``*_k``: state_dim columns per
 # step of a kernel's loop over state_dim; ``*_stages``: pipeline stages of those loops (fp32 inputs use one).
+# ``chunk``: the kernels' chunk length (a power of two, 16 to 128).
 SCAN_BLOCKS: dict[str, int] = {
+    "chunk": KERNEL_CHUNK,
     "state_p": 32, "state_n": 64, "state_warps": 4, "state_stages": 3,  # the two walks over the chunks
     "fwd_p": 64, "fwd_k": 64, "fwd_warps": 4, "fwd_stages": 2,  # chunk-parallel forward
     "dx_p": 64, "dx_k": 64, "dx_warps": 8, "dx_stages": 2,  # chunk-parallel dx / ddt / dA / dD
@@ -65,10 +67,10 @@ def _stages(name: str, dtype: torch.dtype) -> int:
 
 
 def _forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             D: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     batch, length, heads, head_dim = x.shape
     groups, state_dim = B.shape[2], B.shape[3]
-    chunks = -(-length // KERNEL_CHUNK)
+    chunks = -(-length // chunk)
     y = torch.empty(batch, length, heads, head_dim, device=x.device, dtype=x.dtype)
     states = torch.empty(batch, chunks, heads, head_dim, state_dim, device=x.device, dtype=torch.float32)
     prec = _precision(x.dtype)
@@ -78,7 +80,7 @@ def _forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         x, dt, A, B, states, length, chunks, heads, heads // groups, head_dim, state_dim,
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2),
         states.stride(0), states.stride(1), states.stride(2),
-        Q=KERNEL_CHUNK, BP=block_p, BN=block_n, PREC=prec, num_warps=SCAN_BLOCKS["state_warps"],
+        Q=chunk, BP=block_p, BN=block_n, PREC=prec, num_warps=SCAN_BLOCKS["state_warps"],
         num_stages=_stages("state_stages", x.dtype))
     block_p = _block("fwd_p", head_dim)
     chunk_kernel[(batch * chunks, heads, -(-head_dim // block_p))](
@@ -86,13 +88,13 @@ def _forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2),
         C.stride(0), C.stride(1), C.stride(2), y.stride(0), y.stride(1), y.stride(2),
         states.stride(0), states.stride(1), states.stride(2),
-        Q=KERNEL_CHUNK, BP=block_p, BK=_block("fwd_k", state_dim), PREC=prec, num_warps=SCAN_BLOCKS["fwd_warps"],
+        Q=chunk, BP=block_p, BK=_block("fwd_k", state_dim), PREC=prec, num_warps=SCAN_BLOCKS["fwd_warps"],
         num_stages=_stages("fwd_stages", x.dtype))
     return y, states
 
 
 def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-              C: torch.Tensor, D: torch.Tensor, states: torch.Tensor
+              C: torch.Tensor, D: torch.Tensor, states: torch.Tensor, chunk: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, length, heads, head_dim = x.shape
     groups, state_dim = B.shape[2], B.shape[3]
@@ -106,7 +108,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
         dt, A, C, dy, grad_states, length, chunks, heads, heads // groups, head_dim, state_dim,
         dt.stride(0), dt.stride(1), C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
         grad_states.stride(0), grad_states.stride(1), grad_states.stride(2),
-        Q=KERNEL_CHUNK, BP=block_p, BN=block_n, PREC=prec, num_warps=SCAN_BLOCKS["state_warps"],
+        Q=chunk, BP=block_p, BN=block_n, PREC=prec, num_warps=SCAN_BLOCKS["state_warps"],
         num_stages=_stages("state_stages", x.dtype))
     strides = (x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
                B.stride(2), C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
@@ -120,7 +122,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
     dx_kernel[(batch * chunks, heads, p_blocks)](
         x, dt, A, B, C, D, dy, states, grad_states, dx, ddt, dA, dD,
         length, chunks, heads, heads // groups, head_dim, state_dim, p_blocks, *strides,
-        Q=KERNEL_CHUNK, BP=block_p, BK=_block("dx_k", state_dim), PREC=prec, ATOMIC_DT=p_blocks > 1,
+        Q=chunk, BP=block_p, BK=_block("dx_k", state_dim), PREC=prec, ATOMIC_DT=p_blocks > 1,
         num_warps=SCAN_BLOCKS["dx_warps"], num_stages=_stages("dx_stages", x.dtype))
     dB = torch.empty(batch, length, groups, state_dim, device=x.device, dtype=B.dtype)
     dC = torch.empty(batch, length, groups, state_dim, device=x.device, dtype=C.dtype)
@@ -128,7 +130,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
     dbc_kernel[(batch * chunks, groups, -(-state_dim // block_n))](
         x, dt, A, B, C, dy, states, grad_states, dB, dC,
         length, chunks, heads // groups, head_dim, state_dim, groups, *strides,
-        Q=KERNEL_CHUNK, BP=_block("dbc_p", head_dim), BN=block_n, PREC=prec, num_warps=SCAN_BLOCKS["dbc_warps"],
+        Q=chunk, BP=_block("dbc_p", head_dim), BN=block_n, PREC=prec, num_warps=SCAN_BLOCKS["dbc_warps"],
         num_stages=_stages("dbc_stages", x.dtype))
     return dx, ddt, dA.sum((0, 2)), dB, dC, dD.sum(0)
 
@@ -144,14 +146,18 @@ class _SSDScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 D: torch.Tensor) -> torch.Tensor:
-        y, states = _FORWARD_OP(x, dt, A, B, C, D)
+        chunk = SCAN_BLOCKS["chunk"]
+        if chunk not in (16, 32, 64, 128):
+            raise ValueError(f"SCAN_BLOCKS['chunk'] ({chunk}) must be 16, 32, 64 or 128")
+        y, states = _FORWARD_OP(x, dt, A, B, C, D, chunk)
+        ctx.chunk = chunk
         ctx.save_for_backward(x, dt, A, B, C, D, states)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple:
         x, dt, A, B, C, D, states = ctx.saved_tensors
-        dx, ddt, dA, dB, dC, dD = _BACKWARD_OP(dy.contiguous(), x, dt, A, B, C, D, states)
+        dx, ddt, dA, dB, dC, dD = _BACKWARD_OP(dy.contiguous(), x, dt, A, B, C, D, states, ctx.chunk)
         return dx, ddt, dA, dB, dC, dD
 
 
