@@ -9,7 +9,8 @@ is quantized with one scale per row or column of each operand, the only FP8 grou
 GEMM       operands                one scale per
 =========  ======================  ==========================================================
 forward    ``x_e @ W_e.T``         row of ``x``; output feature of ``W_e`` (over ``in``)
-dgrad      ``dy_e @ W_e``          row of ``dy``; input feature of ``W_e`` (over ``out``)
+dgrad      ``dy_e @ W_e``          row of ``dy * s_e`` (``s_e``: the forward's weight scales), the
+                                   forward's codes of ``W_e``
 wgrad      ``dy_e.T @ x_e``        column of ``dy_e`` and of ``x_e``, within each expert's rows
 =========  ======================  ==========================================================
 
@@ -37,13 +38,19 @@ from megatron_core.fp8.scaled_grouped_mm import (
 )
 
 
-def quantize_dequantize_e4m3(t: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
-    """``t`` (as fp32) rounded through e4m3 with one power-of-two scale per slice reduced over ``dim``."""
+def e4m3_codes(t: torch.Tensor, dim: int | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t``'s e4m3 codes (as fp32 values) with one power-of-two scale per slice reduced over ``dim``, and the
+    dequantizing scales (``codes * scales`` approximates ``t``; the scales keep ``dim`` as size 1)."""
     t32 = t.float()
     amax = t32.abs().amax(dim=dim, keepdim=True).clamp(min=AMAX_EPS)
     scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
-    quantized = (t32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return quantized.float() / scale
+    return (t32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float(), scale.reciprocal()
+
+
+def quantize_dequantize_e4m3(t: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """``t`` (as fp32) rounded through e4m3 with one power-of-two scale per slice reduced over ``dim``."""
+    codes, inverse = e4m3_codes(t, dim)
+    return codes * inverse
 
 
 def _groups(tensor: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, ...]:
@@ -71,8 +78,10 @@ class EmulatedFp8GroupedGemm(torch.autograd.Function):
         counts = ctx.counts
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            dy_q, w_q = quantize_dequantize_e4m3(grad, -1), quantize_dequantize_e4m3(weight, 1)
-            grad_x = torch.cat([dy @ w_q[e] for e, dy in enumerate(_groups(dy_q, counts))], dim=0).to(x.dtype)
+            # The forward's weight codes, their per-output-feature scales folded into dy before its cast.
+            w_codes, w_inverse = e4m3_codes(weight, -1)
+            grad_x = torch.cat([quantize_dequantize_e4m3(dy * w_inverse[e, :, 0], -1) @ w_codes[e]
+                                for e, dy in enumerate(_groups(grad.float(), counts))], dim=0).to(x.dtype)
         if ctx.needs_input_grad[1]:
             per_expert = []
             for dy_e, x_e in zip(_groups(grad, counts), _groups(x, counts)):

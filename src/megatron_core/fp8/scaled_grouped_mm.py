@@ -6,8 +6,10 @@ with ``torch.compile`` keeps the whole expert MLP in one graph: Inductor fuses e
 the transposed copy a column-major operand needs, and the group offsets stay on the device (no host sync).
 
 The scales are those of :class:`megatron_core.fp8.grouped_gemm.EmulatedFp8GroupedGemm` (the CPU reference):
-one per row of ``x`` and ``dy``, one per output (forward) or input (data gradient) feature of each expert's
-weight, and for the weight gradient one per column of ``dy`` and of ``x`` within each expert's rows. Groups start
+one per row of ``x`` and one per output feature of each expert's weight in the forward; the data gradient
+reuses the forward's weight codes (kept for the backward, transposed once) with their scales folded into
+``dy`` before its row-wise cast; the weight gradient takes one per column of ``dy`` and of ``x`` within each
+expert's rows. Groups start
 at multiples of :data:`ROW_ALIGN` rows (the experts' aligned layout), so the per-expert column maxima are taken
 over blocks of 16 rows and then over each expert's blocks, without a host-known row count.
 """
@@ -48,16 +50,22 @@ def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _cast(t, scale), scale.reciprocal().squeeze(-1)
 
 
+def _group_of_rows(ends: torch.Tensor, rows: int, step: int) -> torch.Tensor:
+    """The group of rows ``0, step, 2 step, ..`` for groups ending at ``ends`` (the last ending at ``rows``)."""
+    starts = torch.arange(0, rows, step, device=ends.device, dtype=ends.dtype)
+    return torch.searchsorted(ends, starts, right=True).clamp(max=ends.numel() - 1)
+
+
 def _group_columnwise_transposed(t: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``t [M, C]`` quantized with one scale per column within each group of rows, returned transposed
     (``[C, M]``, row-major) with the dequantizing scales ``[groups * C]`` (group-major), as the kernel's 2D x 2D
     form takes them."""
     rows, cols = t.shape
     blocks = t.view(rows // ROW_ALIGN, ROW_ALIGN, cols).abs().amax(1).float()
-    block_starts = torch.arange(0, rows, ROW_ALIGN, device=t.device, dtype=ends.dtype)
-    group_of_block = torch.searchsorted(ends, block_starts, right=True).clamp(max=ends.numel() - 1)
-    amax = blocks.new_zeros(ends.numel(), cols).scatter_reduce(
-        0, group_of_block[:, None].expand(-1, cols), blocks, reduce="amax")
+    group_of_block = _group_of_rows(ends, rows, ROW_ALIGN)
+    groups = torch.arange(ends.numel(), device=t.device, dtype=group_of_block.dtype)
+    in_group = (group_of_block[None, :] == groups[:, None])[:, :, None]
+    amax = torch.where(in_group, blocks[None], 0.0).amax(1)  # [groups, C]; few groups: a masked max each
     scale = _scale(amax)
     codes = _cast(t.view(rows // ROW_ALIGN, ROW_ALIGN, cols), scale[group_of_block][:, None, :])
     return codes.view(rows, cols).t().contiguous(), scale.reciprocal().reshape(-1)
@@ -73,26 +81,29 @@ class ScaledGroupedMm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """The forward GEMM: rows of ``x`` and each expert's output features scaled separately."""
-        ctx.save_for_backward(x, weight, ends)
         x_codes, x_scale = _rowwise(x)
         w_codes, w_scale = _rowwise(weight)
+        ctx.save_for_backward(x, w_codes, w_scale, ends)
+        ctx.weight_dtype = weight.dtype
         return _KERNEL(x_codes, w_codes.transpose(-2, -1), x_scale, w_scale, offs=ends, out_dtype=x.dtype,
                        use_fast_accum=True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        """``dx = dy_e @ W_e`` and ``dW_e = dy_e.T @ x_e``, both in FP8."""
-        x, weight, ends = ctx.saved_tensors
+        """``dx = dy_e @ W_e`` (the forward's weight codes, their scales folded into ``dy``) and
+        ``dW_e = dy_e.T @ x_e``, both in FP8."""
+        x, w_codes, w_scale, ends = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            dy_codes, dy_scale = _rowwise(grad)
-            wt_codes, wt_scale = _rowwise(weight.transpose(-2, -1))
-            grad_x = _KERNEL(dy_codes, wt_codes.contiguous().transpose(-2, -1), dy_scale, wt_scale, offs=ends,
-                             out_dtype=x.dtype, use_fast_accum=True)
+            row_groups = _group_of_rows(ends, grad.shape[0], 1)
+            dy_codes, dy_scale = _rowwise(grad.float() * w_scale[row_groups])
+            unit = w_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
+            grad_x = _KERNEL(dy_codes, w_codes.transpose(-2, -1).contiguous().transpose(-2, -1), dy_scale, unit,
+                             offs=ends, out_dtype=x.dtype, use_fast_accum=True)
         if ctx.needs_input_grad[1]:
             dyt_codes, dyt_scale = _group_columnwise_transposed(grad, ends)
             xt_codes, xt_scale = _group_columnwise_transposed(x, ends)
             grad_w = _KERNEL(dyt_codes, xt_codes.t(), dyt_scale, xt_scale, offs=ends, out_dtype=x.dtype,
-                             use_fast_accum=True).to(weight.dtype)
+                             use_fast_accum=True).to(ctx.weight_dtype)
         return grad_x, grad_w, None
