@@ -17,14 +17,13 @@ per-group ``C B^T`` of each chunk (``2 Q n`` per group and token), the decay-wei
 halves are not taken off, as for attention. The convolution's FLOPs are in 6 N (its weight is a parameter).
 MFU divides by 989 TFLOP/s (H100/H200 dense bf16).
 
-``--scan-bench`` also times the SSD scan kernels alone at the model's shapes and sets them against their
-bound: max(FLOPs / matmul rate, bytes / copy bandwidth), both ceilings measured in the same run (an 8192^3
-bf16 matmul, a 4 GiB device copy). FLOPs at the kernels' chunk of 64: forward ``2 g Q n + 2 h Q p + 4 h p n``
-per token, backward twice that; bytes: every input read once and every output written once (forward: x, B, C
-in bf16, dt in fp32, y; backward: those, dy, and dx, dB, dC in bf16, ddt in fp32). The states the forward
-keeps for the backward (fp32, one per chunk) are extra traffic of this design, not of the bound.
+``--scan-bench`` also times the SSD scan kernels alone at the model's shapes against their bound, and the reference
+kernel ``mamba_ssm``'s ``mamba_chunk_scan_combined`` at chunk 64 and 128 where it can be imported;
+``--scan-variants`` adds a table of block shapes per kernel; ``--scan-only`` skips the models (see
+``benchmarks/ssd_scan_bench.py``).
 
     PYTHONPATH=src python3 benchmarks/hybrid_fwd_bwd.py --compile --scan-bench   # GPU
+    PYTHONPATH=src:benchmarks python3 benchmarks/hybrid_fwd_bwd.py --scan-bench --scan-variants --scan-only  # GPU
     PYTHONPATH=src python3 benchmarks/hybrid_fwd_bwd.py --tiny --hf-eager          # CPU smoke test
 """
 
@@ -33,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-from collections.abc import Callable
 
 import torch
 from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd benchmark
@@ -41,6 +39,7 @@ from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd be
     print_kernel_profile,
     time_contender,
 )
+from ssd_scan_bench import run_scan_bench, scan_flops
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
@@ -48,8 +47,6 @@ from megatron_core.activations import squared_relu
 from megatron_core.models.hybrid import HybridModel
 from megatron_core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron_core.transformer import TransformerConfig
-
-KERNEL_CHUNK = 64  # megatron_core.ssm.ssd_scan_triton.KERNEL_CHUNK (not imported: it would load the kernels module)
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,6 +73,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--scan-bench", action="store_true", help="time the SSD scan kernels against their bound")
     p.add_argument("--scan-variants", action="store_true", help="with --scan-bench: also time other block sizes")
+    p.add_argument("--scan-only", action="store_true", help="with --scan-bench: time the scan kernels only")
     p.add_argument("--profile", action="store_true", help="print our step's 20 most expensive GPU kernels")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
     add_timing_argument(p)
@@ -89,8 +87,7 @@ def parse_args() -> argparse.Namespace:
 
 def scan_flops_per_token(args: argparse.Namespace, chunk: int) -> float:
     """Forward FLOPs of the chunked scan per token and Mamba layer: ``2 g Q n + 2 h Q p + 4 h p n``."""
-    g, n, h, p = args.groups, args.state, args.mamba_heads, args.mamba_head_dim
-    return 2 * g * chunk * n + 2 * h * chunk * p + 4 * h * p * n
+    return scan_flops(args.groups, args.state, args.mamba_heads, args.mamba_head_dim, chunk)
 
 
 def flops_per_token(args: argparse.Namespace, n_params_no_embedding: int) -> float:
@@ -137,77 +134,6 @@ def build_hf(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     return model if args.hf_eager else torch.compile(model)
 
 
-def _event_median(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs after 3 warm-ups, CUDA events around each."""
-    for _ in range(3):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in events)[reps // 2] / 1e3
-
-
-def measure_ceilings() -> tuple[float, float]:
-    """(bf16 matmul FLOP/s, copy bytes/s) measured here: an 8192^3 matmul, a 4 GiB device-to-device copy."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    matmul = 2 * 8192 ** 3 / _event_median(lambda: a @ a, reps=10)
-    src = torch.randn(2 ** 30, device="cuda")
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() * 4 / _event_median(lambda: dst.copy_(src), reps=10)
-    return matmul, copy
-
-
-def scan_bench(args: argparse.Namespace) -> None:
-    """Time the Triton SSD scan (forward, forward+backward) at the model's shapes against its bound."""
-    from megatron_core.ssm.ssd_scan_triton import ssd_chunk_scan_triton
-
-    b, length, h, p, g, n = args.mbs, args.seq, args.mamba_heads, args.mamba_head_dim, args.groups, args.state
-    dev = torch.device("cuda")
-    x = torch.randn(b, length, h, p, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    dt = (torch.rand(b, length, h, device=dev) * 0.1 + 0.001).requires_grad_()
-    A = (-torch.rand(h, device=dev) * 8 - 1).requires_grad_()
-    B = torch.randn(b, length, g, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    C = torch.randn(b, length, g, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    D = torch.ones(h, device=dev, requires_grad=True)
-    dy = torch.randn_like(x)
-    fwd = _event_median(lambda: ssd_chunk_scan_triton(x, dt, A, B, C, D))
-    both = _event_median(lambda: ssd_chunk_scan_triton(x, dt, A, B, C, D).backward(dy))
-    if args.scan_variants:
-        from megatron_core.ssm import ssd_scan_triton as kernels
-
-        names = ("_STATE_BLOCK_P", "_STATE_WARPS", "_FWD_BLOCK_P", "_FWD_WARPS", "_BWD_BLOCK_P", "_BWD_WARPS")
-        default = tuple(getattr(kernels, name) for name in names)
-        for variant in ((16, 4, 64, 4, 64, 8), (64, 4, 32, 4, 32, 4), (32, 8, 64, 8, 64, 4), (32, 4, 32, 4, 32, 8)):
-            for name, value in zip(names, variant):
-                setattr(kernels, name, value)
-            kernels._STATE_GRAD_BLOCK_P = kernels._STATE_BLOCK_P
-            v_fwd = _event_median(lambda: ssd_chunk_scan_triton(x, dt, A, B, C, D))
-            v_both = _event_median(lambda: ssd_chunk_scan_triton(x, dt, A, B, C, D).backward(dy))
-            print(f"variant {dict(zip(names, variant))}: forward {v_fwd * 1e6:.0f} us, forward+backward "
-                  f"{v_both * 1e6:.0f} us")
-        for name, value in zip(names, default):
-            setattr(kernels, name, value)
-        kernels._STATE_GRAD_BLOCK_P = kernels._STATE_BLOCK_P
-    matmul, copy = measure_ceilings()
-    tokens = b * length
-    flops_fwd = tokens * scan_flops_per_token(args, KERNEL_CHUNK)
-    in_bytes = tokens * (2 * h * p + 2 * 2 * g * n + 4 * h)
-    bytes_fwd = in_bytes + tokens * 2 * h * p
-    bytes_bwd = in_bytes + tokens * 2 * h * p + in_bytes  # inputs and dy read; dx, ddt, dB, dC written
-    bound_fwd = max(flops_fwd / matmul, bytes_fwd / copy)
-    bound_both = bound_fwd + max(2 * flops_fwd / matmul, bytes_bwd / copy)
-    states = b * -(-length // KERNEL_CHUNK) * h * p * n * 4
-    print(f"ceilings measured here: bf16 matmul {matmul / 1e12:.0f} TFLOP/s, copy {copy / 1e12:.2f} TB/s")
-    print(f"scan forward: FLOPs {flops_fwd / 1e9:.1f} G ({flops_fwd / matmul * 1e6:.0f} us), bytes "
-          f"{bytes_fwd / 1e6:.0f} MB ({bytes_fwd / copy * 1e6:.0f} us); kept states {states / 1e6:.0f} MB (extra)")
-    print(f"RESULT scan kernel: forward {fwd * 1e6:.0f} us vs bound {bound_fwd * 1e6:.0f} us "
-          f"({fwd / bound_fwd:.2f}x); forward+backward {both * 1e6:.0f} us vs bound {bound_both * 1e6:.0f} us "
-          f"({both / bound_both:.2f}x)")
-
-
 def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,
                  labels: torch.Tensor) -> tuple[float, float]:
     """Build and time our HybridModel; returns (MFU %, FLOPs per token); the model is freed on return."""
@@ -245,12 +171,17 @@ def main() -> None:
           f"x{args.head_dim}, ffn {args.ffn}, vocab {args.vocab}, seq {args.seq}, mbs {args.mbs}; installed: "
           + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in kernels.items()))
 
+    if args.scan_bench and args.scan_only and dev.type == "cuda":
+        run_scan_bench(args.mbs, args.seq, args.mamba_heads, args.mamba_head_dim, args.groups, args.state,
+                       variants=args.scan_variants)
+        return
     ours_mfu, fpt = measure_ours(args, dtype, ids, position_ids, labels)
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         if args.scan_bench:
-            scan_bench(args)
+            run_scan_bench(args.mbs, args.seq, args.mamba_heads, args.mamba_head_dim, args.groups, args.state,
+                           variants=args.scan_variants)
             gc.collect()
             torch.cuda.empty_cache()
 
