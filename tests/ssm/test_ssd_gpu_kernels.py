@@ -65,6 +65,33 @@ def test_triton_scan_matches_reference(dtype: torch.dtype, tol: float, shape: tu
         assert _rel(got, want) < tol, f"grad {name}: {_rel(got, want):.2e}"
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("blocks", [
+    {"chunk": 128},                                       # the longest chunk the kernels take
+    {"chunk": 32, "fwd_k": 32, "dx_k": 32, "dbc_n": 32},  # short chunks, several state_dim blocks per loop
+    {"dx_p": 32, "dbc_p": 32, "state_p": 16, "state_n": 128, "fwd_p": 32},  # dt's gradient by atomics
+], ids=["chunk128", "chunk32-k32", "p32"])
+def test_triton_scan_block_variants_match_reference(dtype: torch.dtype, tol: float, blocks: dict,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other ``SCAN_BLOCKS`` (what ``--scan-variants`` times) give the same function, outputs and gradients."""
+    from megatron_core.ssm import ssd_scan_triton
+
+    for key, value in blocks.items():
+        monkeypatch.setitem(ssd_scan_triton.SCAN_BLOCKS, key, value)
+    inputs = _inputs(2, 300, 8, 64, 2, 128, False, seed=5)
+    dy = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(8))
+    want_y, want_grads = _value_and_grads(
+        lambda x, dt, A, B, C, D: ssd_chunk_scan(x, dt, A, B, C, 32, D=D), [t.double() for t in inputs], dy.double())
+    cuda = [t.cuda() for t in inputs]
+    for i in (0, 3, 4):
+        cuda[i] = cuda[i].to(dtype)
+    got_y, got_grads = _value_and_grads(ssd_chunk_scan_triton, cuda, dy.cuda().to(dtype))
+    assert _rel(got_y, want_y) < tol, _rel(got_y, want_y)
+    for name, got, want in zip(NAMES, got_grads, want_grads):
+        assert got.shape == want.shape, name
+        assert _rel(got, want) < tol, f"grad {name}: {_rel(got, want):.2e}"
+
+
 def test_triton_scan_reads_strided_slices_and_compiles() -> None:
     """B and C as slices of one projection (the mixer's layout) and the scan inside ``torch.compile``."""
     b, length, h, p, g, n = 2, 200, 4, 32, 2, 64
