@@ -1,0 +1,129 @@
+"""The FP8-parameter GEMM (``fp8_param``) under ``torch.compile(fullgraph=True)``, on CPU (fp32 emulation).
+
+* DP=2, the input / output-gradient amaxes max-reduced over the DP group: the tiny llama-like GPT wrapped in DDP with
+  the distributed optimizer compiles without a graph break (``aot_eager``), the amax all-reduce being a functional
+  collective in the forward and backward graphs and the GEMMs and the ``main_grad`` accumulation custom ops. One
+  compiled forward/backward gives the eager loss and every parameter's ``main_grad`` within 1e-6 (relative to the
+  largest; measured: equal), and the FP8 weights' autograd gradients are placeholders DDP's hook drops.
+* Inductor (one layer's op, its ``main_grad`` a view into a larger buffer as DDP's): the casts it fuses give the
+  eager op's output, input gradient and ``main_grad`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+
+from megatron_core import parallel_state
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_core.distributed.fp8_params import is_fp8_param, make_fp8_param
+from megatron_core.fp8 import convert_to_float8
+from megatron_core.fp8.fp8_param_linear import fp8_param_matmul
+from tests.dist_harness import run_on_ranks
+from tests.models.gpt_test_utils import batch, build, llama_like
+
+SPEC = llama_like(fp8="hybrid", fp8_recipe="tensorwise")
+TOL = 1e-6
+
+
+def _recording_backend(graphs: list[str]):
+    """``aot_eager`` that keeps the code of every forward and backward graph it runs."""
+    def record(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm.code)
+        return boxed_nop(gm, example_inputs)
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
+
+
+def _loss_and_main_grads(ddp, module, ids, pos, labels) -> tuple[torch.Tensor, dict[str, torch.Tensor], list]:
+    ddp.zero_grad_buffer()
+    loss = module(ids, pos, None, labels=labels).float().mean()
+    loss.backward()
+    grads = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
+    leftover = [n for n, p in ddp.module.named_parameters() if p.grad is not None]
+    return loss.detach(), grads, leftover
+
+
+def _eager_and_compiled() -> dict:
+    parallel_state.initialize_model_parallel()
+    try:
+        rank = torch.distributed.get_rank()
+        torch.manual_seed(0)
+        model = build(SPEC, fp8_param=True)
+        convert_to_float8(model, emulate=True, amax_reduction_group=parallel_state.get_data_parallel_group())
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, fp8_param_gather=True), model)
+        ids, pos, labels = batch(3 + rank)  # each rank its own tokens: the reduced amaxes differ from the local ones
+        eager = _loss_and_main_grads(ddp, model, ids, pos, labels)
+        torch._dynamo.reset()
+        graphs: list[str] = []
+        compiled = torch.compile(model, backend=_recording_backend(graphs), fullgraph=True)
+        traced = _loss_and_main_grads(ddp, compiled, ids, pos, labels)
+        fp8_names = [n for n, p in model.named_parameters() if is_fp8_param(p)]
+        return dict(eager=eager, compiled=traced, graphs=graphs, fp8_names=fp8_names)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    return run_on_ranks(2, _eager_and_compiled, timeout=280)
+
+
+@pytest.mark.slow  # the DP=2 pool compiles the GPT on both ranks: ~35 s on 2 busy cores
+def test_compiled_fp8_param_gpt_matches_eager_under_ddp(dp2):
+    for rank in dp2:
+        (loss, grads, leftover), (c_loss, c_grads, c_leftover) = rank["eager"], rank["compiled"]
+        assert len(rank["fp8_names"]) == 8  # qkv, proj, fc1, fc2 of both layers
+        torch.testing.assert_close(c_loss, loss, rtol=TOL, atol=0)
+        assert grads.keys() == c_grads.keys()
+        for name, want in grads.items():
+            assert want.abs().max() > 0, name
+            assert (c_grads[name] - want).abs().max() <= TOL * want.abs().max(), name
+        assert leftover == c_leftover == []  # DDP's hook consumed every .grad (placeholders included)
+    # The two ranks' losses differ (their own tokens) but the amaxes were reduced: both ran the same graphs.
+    assert dp2[0]["eager"][0] != dp2[1]["eager"][0]
+
+
+@pytest.mark.slow
+def test_compiled_fp8_param_graphs_hold_the_custom_ops_and_the_functional_amax_reduce(dp2):
+    forward, backward = dp2[0]["graphs"]  # one forward and one backward graph: no graph break
+    assert forward.count("megatron_core.fp8_param_mm") == 8  # the forward GEMMs
+    assert backward.count("megatron_core.fp8_param_mm") == 8  # the input-gradient GEMMs
+    assert backward.count("fp8_param_wgrad_") == 8  # the weight-gradient GEMMs into main_grad
+    assert forward.count("_c10d_functional.all_reduce") == 8  # the inputs' amaxes
+    assert backward.count("_c10d_functional.all_reduce") == 8  # the output gradients' amaxes
+
+
+class _Layer(torch.nn.Module):
+    """The attributes ``fp8_param_matmul`` reads from a converted layer, around one FP8 weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = make_fp8_param(torch.nn.Parameter(torch.randn(32, 48) * 0.05))
+        self.fp8_param_grad_dtype = torch.float8_e5m2
+        self.fp8_param_amax_group = None
+        self.float8_emulate = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_param_matmul(x, self.weight, self)
+
+
+def test_inductor_fp8_param_matmul_equals_eager_bit_for_bit():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = _Layer()
+    x, grad = torch.randn(2, 10, 48), torch.randn(2, 10, 32)
+    results = []
+    for module in (layer, torch.compile(layer, backend="inductor", fullgraph=True)):
+        # DDP's hook would drop the placeholder .grad (a float8 tensor, which cannot be accumulated)
+        main_grad = torch.ones(2000)[16:16 + 32 * 48].view(32, 48)
+        layer.weight.main_grad, layer.weight.grad_added_to_main_grad, layer.weight.grad = main_grad, False, None
+        xx = x.clone().requires_grad_()
+        out = module(xx)
+        out.backward(grad)
+        results.append((out.detach(), xx.grad, layer.weight.main_grad))
+    for eager, compiled in zip(*results):
+        assert eager.abs().max() > 0 and torch.equal(compiled, eager)
