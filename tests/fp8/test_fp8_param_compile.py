@@ -7,6 +7,8 @@
   largest; measured: equal), and the FP8 weights' autograd gradients are placeholders DDP's hook drops.
 * Inductor (one layer's op, its ``main_grad`` a view into a larger buffer as DDP's): the casts it fuses give the
   eager op's output, input gradient and ``main_grad`` bit for bit.
+* The ``torch._scaled_mm`` path (the GPU's; PyTorch's CPU kernel here) through the custom ops and their fake
+  shapes (``aot_eager``): bit for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from megatron_core import parallel_state
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.distributed.fp8_params import is_fp8_param, make_fp8_param
 from megatron_core.fp8 import convert_to_float8
-from megatron_core.fp8.fp8_param_linear import fp8_param_matmul
+from megatron_core.fp8.fp8_param_linear import Float8ParamMatmul, fp8_param_matmul
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import batch, build, llama_like
 
@@ -125,5 +127,30 @@ def test_inductor_fp8_param_matmul_equals_eager_bit_for_bit():
         out = module(xx)
         out.backward(grad)
         results.append((out.detach(), xx.grad, layer.weight.main_grad))
+    for eager, compiled in zip(*results):
+        assert eager.abs().max() > 0 and torch.equal(compiled, eager)
+
+
+def test_compiled_scaled_mm_path_equals_eager():
+    """The ``torch._scaled_mm`` code of the GPU (PyTorch's CPU kernel here; 20 tokens, so the weight-gradient GEMM
+    pads) through the custom ops and their fake shapes: a traced graph gives the eager numbers bit for bit."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    weight = make_fp8_param(torch.nn.Parameter(torch.randn(32, 48) * 0.05))
+    weight.grad_added_to_main_grad = False
+    x, grad = torch.randn(2, 10, 48), torch.randn(2, 10, 32)
+
+    def gemm(inp: torch.Tensor) -> torch.Tensor:
+        return Float8ParamMatmul.apply(inp, weight, torch.float8_e5m2, None, False, weight.fp8_scale,
+                                       weight.main_grad, "empty")
+
+    results = []
+    for fn in (gemm, torch.compile(gemm, backend="aot_eager", fullgraph=True)):
+        weight.main_grad, weight.grad = torch.zeros(32, 48), None
+        xx = x.clone().requires_grad_()
+        out = fn(xx)
+        out.backward(grad)
+        assert weight.grad.dtype == torch.float8_e4m3fn  # the placeholder
+        results.append((out.detach(), xx.grad, weight.main_grad))
     for eager, compiled in zip(*results):
         assert eager.abs().max() > 0 and torch.equal(compiled, eager)
