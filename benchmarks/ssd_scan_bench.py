@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 # Changes to SCAN_BLOCKS, one kernel's settings at a time (the kernels are independent, so the best of each
-# combine), then the chunk length (which changes every kernel).
+# combine), then C B^T once per group and the chunk length (which change several kernels).
 SCAN_VARIANTS: list[dict[str, int]] = [
     {"state_p": 16}, {"state_p": 64}, {"state_n": 32}, {"state_n": 128}, {"state_p": 16, "state_n": 32},
     {"state_p": 64, "state_n": 32}, {"state_warps": 8}, {"state_stages": 2}, {"state_stages": 4},
@@ -31,11 +31,12 @@ SCAN_VARIANTS: list[dict[str, int]] = [
     {"dx_stages": 3}, {"dx_k": 32, "dx_stages": 4},
     {"dbc_n": 32}, {"dbc_n": 128}, {"dbc_p": 32}, {"dbc_warps": 4}, {"dbc_n": 32, "dbc_warps": 4},
     {"dbc_stages": 1}, {"dbc_stages": 3}, {"dbc_p": 32, "dbc_stages": 3},
-    {"chunk": 128}, {"chunk": 128, "fwd_warps": 8, "dx_p": 32}, {"chunk": 32},
+    {"cb_scratch": 1}, {"cb_scratch": 1, "fwd_warps": 8},
+    {"chunk": 128}, {"chunk": 128, "fwd_warps": 8, "dx_p": 32}, {"chunk": 128, "cb_scratch": 1}, {"chunk": 32},
 ]
 # Which SCAN_BLOCKS keys each kernel reads (the two walks share theirs).
 KERNEL_KEYS = {"ssd_state_kernel": "state", "ssd_state_grad_kernel": "state", "ssd_chunk_forward_kernel": "fwd",
-               "ssd_chunk_dx_kernel": "dx", "ssd_chunk_dbc_kernel": "dbc"}
+               "ssd_chunk_cb_kernel": "cb", "ssd_chunk_dx_kernel": "dx", "ssd_chunk_dbc_kernel": "dbc"}
 
 
 def scan_flops(g: int, n: int, h: int, p: int, chunk: int) -> float:

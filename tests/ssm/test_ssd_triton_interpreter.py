@@ -2,7 +2,7 @@
 
 Outputs and all six gradients within 1e-4 (relative norm of the difference), with a partial last chunk, B and C
 as strided slices of one projection, per-head and per-channel D; once with the default block shapes and once with
-16-wide blocks and a chunk of 32 rows, so that every loop over ``head_dim``/``state_dim`` blocks runs several
+16-wide blocks, a chunk of 32 rows and ``C B^T`` from the per-group scratch, so that every loop over ``head_dim``/``state_dim`` blocks runs several
 steps and ``dt``'s gradient is added by several programs.
 """
 
@@ -41,7 +41,7 @@ def check(b, length, h, p, g, n, per_channel, seed):
 check(1, 80, 4, 16, 2, 16, False, 0)  # two chunks, the last partial
 check(1, 70, 2, 40, 1, 40, True, 1)   # head_dim and state_dim not powers of two
 ssd_scan_triton.SCAN_BLOCKS.update({{key: 16 for key in ssd_scan_triton.SCAN_BLOCKS if key[-2:] in ('_p', '_n', '_k')}})
-ssd_scan_triton.SCAN_BLOCKS["chunk"] = 32
+ssd_scan_triton.SCAN_BLOCKS.update(chunk=32, cb_scratch=1)  # and C B^T computed once per group
 check(1, 80, 4, 40, 2, 40, True, 2)   # 3 head_dim / state_dim blocks per loop, dt's gradient by atomics; 3 chunks
 """
 

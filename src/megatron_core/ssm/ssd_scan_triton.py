@@ -31,9 +31,11 @@ _MAX_DIM = 256  # head_dim and state_dim up to this
 # Block shapes and warps per kernel, for sm90 (H100/H200); read at every call, so a benchmark may try others.
 # ``*_p``: head_dim columns per program; ``*_n``: state_dim columns per program; ``*_k``: state_dim columns per
 # step of a kernel's loop over state_dim; ``*_stages``: pipeline stages of those loops (fp32 inputs use one).
-# ``chunk``: the kernels' chunk length (a power of two, 16 to 128).
+# ``chunk``: the kernels' chunk length (a power of two, 16 to 128). ``cb_scratch``: 1 to compute each chunk's
+# ``C B^T`` once per group in the forward (fp32 scratch, kept for the backward) for the heads to read; 0 to
+# recompute it per head.
 SCAN_BLOCKS: dict[str, int] = {
-    "chunk": KERNEL_CHUNK,
+    "chunk": KERNEL_CHUNK, "cb_scratch": 0,
     "state_p": 32, "state_n": 64, "state_warps": 4, "state_stages": 3,  # the two walks over the chunks
     "fwd_p": 64, "fwd_k": 64, "fwd_warps": 4, "fwd_stages": 2,  # chunk-parallel forward
     "dx_p": 64, "dx_k": 64, "dx_warps": 8, "dx_stages": 2,  # chunk-parallel dx / ddt / dA / dD
@@ -67,14 +69,22 @@ def _stages(name: str, dtype: torch.dtype) -> int:
 
 
 def _forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             D: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+             D: torch.Tensor, chunk: int, cb_scratch: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, length, heads, head_dim = x.shape
     groups, state_dim = B.shape[2], B.shape[3]
     chunks = -(-length // chunk)
     y = torch.empty(batch, length, heads, head_dim, device=x.device, dtype=x.dtype)
     states = torch.empty(batch, chunks, heads, head_dim, state_dim, device=x.device, dtype=torch.float32)
     prec = _precision(x.dtype)
-    state_kernel, chunk_kernel = (torch.library.wrap_triton(k) for k in forward_kernels())
+    state_kernel, chunk_kernel, cb_kernel = (torch.library.wrap_triton(k) for k in forward_kernels())
+    # C B^T per (chunk, group) where cb_scratch; else an empty tensor, and ``states`` stands in for the unused pointer.
+    cb = torch.empty(batch * chunks * groups * chunk * chunk if cb_scratch else 0, device=x.device,
+                     dtype=torch.float32)
+    if cb_scratch:
+        cb_kernel[(batch * chunks, groups)](
+            B, C, cb, length, chunks, groups, state_dim, B.stride(0), B.stride(1), B.stride(2), C.stride(0),
+            C.stride(1), C.stride(2), Q=chunk, BK=_block("fwd_k", state_dim), PREC=prec,
+            num_warps=SCAN_BLOCKS["fwd_warps"], num_stages=_stages("fwd_stages", x.dtype))
     block_p, block_n = _block("state_p", head_dim), _block("state_n", state_dim)
     state_kernel[(batch * heads, -(-head_dim // block_p), -(-state_dim // block_n))](
         x, dt, A, B, states, length, chunks, heads, heads // groups, head_dim, state_dim,
@@ -84,18 +94,19 @@ def _forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         num_stages=_stages("state_stages", x.dtype))
     block_p = _block("fwd_p", head_dim)
     chunk_kernel[(batch * chunks, heads, -(-head_dim // block_p))](
-        x, dt, A, B, C, D, y, states, length, chunks, heads, heads // groups, head_dim, state_dim,
+        x, dt, A, B, C, D, y, states, cb if cb_scratch else states, length, chunks, heads, heads // groups,
+        head_dim, state_dim,
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2),
         C.stride(0), C.stride(1), C.stride(2), y.stride(0), y.stride(1), y.stride(2),
         states.stride(0), states.stride(1), states.stride(2),
-        Q=chunk, BP=block_p, BK=_block("fwd_k", state_dim), PREC=prec, num_warps=SCAN_BLOCKS["fwd_warps"],
-        num_stages=_stages("fwd_stages", x.dtype))
-    return y, states
+        Q=chunk, BP=block_p, BK=_block("fwd_k", state_dim), PREC=prec, CB=cb_scratch,
+        num_warps=SCAN_BLOCKS["fwd_warps"], num_stages=_stages("fwd_stages", x.dtype))
+    return y, states, cb
 
 
 def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-              C: torch.Tensor, D: torch.Tensor, states: torch.Tensor, chunk: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              C: torch.Tensor, D: torch.Tensor, states: torch.Tensor, cb: torch.Tensor, chunk: int,
+              cb_scratch: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, length, heads, head_dim = x.shape
     groups, state_dim = B.shape[2], B.shape[3]
     chunks = states.shape[1]
@@ -120,10 +131,10 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
     dA = torch.empty(batch * chunks, heads, p_blocks, device=x.device, dtype=torch.float32)
     dD = torch.empty(batch * chunks, heads, head_dim, device=x.device, dtype=torch.float32)
     dx_kernel[(batch * chunks, heads, p_blocks)](
-        x, dt, A, B, C, D, dy, states, grad_states, dx, ddt, dA, dD,
+        x, dt, A, B, C, D, dy, states, grad_states, cb if cb_scratch else states, dx, ddt, dA, dD,
         length, chunks, heads, heads // groups, head_dim, state_dim, p_blocks, *strides,
         Q=chunk, BP=block_p, BK=_block("dx_k", state_dim), PREC=prec, ATOMIC_DT=p_blocks > 1,
-        num_warps=SCAN_BLOCKS["dx_warps"], num_stages=_stages("dx_stages", x.dtype))
+        CB=cb_scratch, num_warps=SCAN_BLOCKS["dx_warps"], num_stages=_stages("dx_stages", x.dtype))
     dB = torch.empty(batch, length, groups, state_dim, device=x.device, dtype=B.dtype)
     dC = torch.empty(batch, length, groups, state_dim, device=x.device, dtype=C.dtype)
     block_n = _block("dbc_n", state_dim)
@@ -149,15 +160,17 @@ class _SSDScan(torch.autograd.Function):
         chunk = SCAN_BLOCKS["chunk"]
         if chunk not in (16, 32, 64, 128):
             raise ValueError(f"SCAN_BLOCKS['chunk'] ({chunk}) must be 16, 32, 64 or 128")
-        y, states = _FORWARD_OP(x, dt, A, B, C, D, chunk)
-        ctx.chunk = chunk
-        ctx.save_for_backward(x, dt, A, B, C, D, states)
+        cb_scratch = bool(SCAN_BLOCKS["cb_scratch"])
+        y, states, cb = _FORWARD_OP(x, dt, A, B, C, D, chunk, cb_scratch)
+        ctx.chunk, ctx.cb_scratch = chunk, cb_scratch
+        ctx.save_for_backward(x, dt, A, B, C, D, states, cb)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple:
-        x, dt, A, B, C, D, states = ctx.saved_tensors
-        dx, ddt, dA, dB, dC, dD = _BACKWARD_OP(dy.contiguous(), x, dt, A, B, C, D, states, ctx.chunk)
+        x, dt, A, B, C, D, states, cb = ctx.saved_tensors
+        dx, ddt, dA, dB, dC, dD = _BACKWARD_OP(dy.contiguous(), x, dt, A, B, C, D, states, cb, ctx.chunk,
+                                               ctx.cb_scratch)
         return dx, ddt, dA, dB, dC, dD
 
 

@@ -62,15 +62,16 @@ def backward_kernels() -> tuple[Any, Any, Any]:
                           + tl.exp(tl.sum(a, 0)) * grad_state)
 
     @triton.jit
-    def ssd_chunk_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dy_ptr, st_ptr, gs_ptr,
+    def ssd_chunk_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dy_ptr, st_ptr, gs_ptr, cb_ptr,
                             dx_ptr, ddt_ptr, dA_ptr, dD_ptr,
                             length, chunks, heads, heads_per_group, head_dim, state_dim, p_blocks,
                             sx_b, sx_l, sx_h, sdt_b, sdt_l, sB_b, sB_l, sB_g, sC_b, sC_l, sC_g,
                             sdy_b, sdy_l, sdy_h, sst_b, sst_c, sst_h,
                             Q: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                            ATOMIC_DT: tl.constexpr):
+                            ATOMIC_DT: tl.constexpr, CB: tl.constexpr):
         # y_i = sum_{j <= i} s_ij xdt_j + exp(cum_i) C_i . prev + D x_i with s_ij = (C_i . B_j) exp(cum_i - cum_j),
-        # and the state leaving the chunk exp(last) prev + sum_j exp(last - cum_j) xdt_j B_j^T.
+        # and the state leaving the chunk exp(last) prev + sum_j exp(last - cum_j) xdt_j B_j^T. C B^T is read from
+        # cb_ptr where CB (the forward's per-group scratch).
         bc = tl.program_id(0)
         h = tl.program_id(1)
         pb = tl.program_id(2)
@@ -102,10 +103,14 @@ def backward_kernels() -> tuple[Any, Any, Any]:
             Bm = tl.load(B_rows + ns[None, :], mask=qn_ok, other=0.0).to(dy.dtype)
             prev = tl.load(st_ptr + st_offs + ns[None, :], mask=pn_ok, other=0.0)
             grad_state = tl.load(gs_ptr + st_offs + ns[None, :], mask=pn_ok, other=0.0)
-            cb += tl.dot(Cm, tl.trans(Bm), input_precision=PREC)
+            if not CB:
+                cb += tl.dot(Cm, tl.trans(Bm), input_precision=PREC)
             cp += tl.dot(Cm, tl.trans(prev.to(dy.dtype)), input_precision=PREC)
             gb += tl.dot(Bm, tl.trans(grad_state.to(dy.dtype)), input_precision=PREC)
             gs_prev += tl.sum(grad_state * prev, 1)
+        if CB:
+            cb = tl.load(cb_ptr + (bc.to(tl.int64) * (heads // heads_per_group) + g) * Q * Q + qs[:, None] * Q
+                         + qs[None, :])
         A = tl.load(A_ptr + h)
         dt = tl.load(dt_ptr + b.to(tl.int64) * sdt_b + rows * sdt_l + h, mask=row_ok, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + b.to(tl.int64) * sx_b + h * sx_h + rows[:, None] * sx_l + cols[None, :], mask=qp_ok,

@@ -3,7 +3,9 @@
 ``ssd_state_kernel`` walks the chunks in order per ``(batch x head, block of head_dim, block of state_dim)``
 and writes the fp32 state entering each chunk; ``ssd_chunk_forward_kernel`` computes one chunk's output per
 ``(batch x chunk, head, block of head_dim)`` with its ``state_dim`` products in a loop over blocks of ``BK``
-columns (few live tiles, pipelined loads). Triton is loaded through :mod:`megatron_core.jit` only.
+columns (few live tiles, pipelined loads). ``ssd_chunk_cb_kernel`` optionally writes each chunk's ``C B^T`` per
+group (fp32 scratch ``[b * chunks, g, Q, Q]``) once, for the heads of the group to read instead of recomputing it.
+Triton is loaded through :mod:`megatron_core.jit` only.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ __all__ = ["forward_kernels"]
 
 
 @functools.cache
-def forward_kernels() -> tuple[Any, Any]:
-    """``(ssd_state_kernel, ssd_chunk_forward_kernel)``, built on first call (Triton must be installed)."""
+def forward_kernels() -> tuple[Any, Any, Any]:
+    """``(ssd_state_kernel, ssd_chunk_forward_kernel, ssd_chunk_cb_kernel)``, built on first call (Triton must be
+    installed)."""
     triton, tl = triton_modules()
 
     @triton.jit
@@ -54,12 +57,35 @@ def forward_kernels() -> tuple[Any, Any]:
             state = state * tl.exp(last) + tl.dot(tl.trans(xw), Bm.to(x.dtype), input_precision=PREC)
 
     @triton.jit
-    def ssd_chunk_forward_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, st_ptr,
+    def ssd_chunk_cb_kernel(B_ptr, C_ptr, cb_ptr, length, chunks, groups, state_dim, sB_b, sB_l, sB_g, sC_b, sC_l,
+                            sC_g, Q: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+        # cb[b * chunks + c, g] = C B^T over chunk c (fp32, products in the inputs' dtype).
+        bc = tl.program_id(0)
+        g = tl.program_id(1)
+        b, c = bc // chunks, bc % chunks
+        qs = tl.arange(0, Q)
+        rows = c * Q + qs
+        row_ok = rows < length
+        ks = tl.arange(0, BK)
+        B_rows = B_ptr + b.to(tl.int64) * sB_b + g * sB_g + rows[:, None] * sB_l
+        C_rows = C_ptr + b.to(tl.int64) * sC_b + g * sC_g + rows[:, None] * sC_l
+        cb = tl.zeros([Q, Q], dtype=tl.float32)
+        for k0 in range(0, state_dim, BK):
+            ns = k0 + ks
+            qn_ok = row_ok[:, None] & (ns < state_dim)[None, :]
+            Cm = tl.load(C_rows + ns[None, :], mask=qn_ok, other=0.0)
+            Bm = tl.load(B_rows + ns[None, :], mask=qn_ok, other=0.0).to(Cm.dtype)
+            cb += tl.dot(Cm, tl.trans(Bm), input_precision=PREC)
+        tl.store(cb_ptr + (bc.to(tl.int64) * groups + g) * Q * Q + qs[:, None] * Q + qs[None, :], cb)
+
+    @triton.jit
+    def ssd_chunk_forward_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, st_ptr, cb_ptr,
                                  length, chunks, heads, heads_per_group, head_dim, state_dim,
                                  sx_b, sx_l, sx_h, sdt_b, sdt_l, sB_b, sB_l, sB_g, sC_b, sC_l, sC_g,
                                  sy_b, sy_l, sy_h, sst_b, sst_c, sst_h,
-                                 Q: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-        # One chunk's output from its inputs and the state entering it.
+                                 Q: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                                 CB: tl.constexpr):
+        # One chunk's output from its inputs and the state entering it (C B^T read from cb_ptr where CB).
         bc = tl.program_id(0)
         h = tl.program_id(1)
         b, c = bc // chunks, bc % chunks
@@ -83,10 +109,14 @@ def forward_kernels() -> tuple[Any, Any]:
             n_ok = ns < state_dim
             qn_ok = row_ok[:, None] & n_ok[None, :]
             Cm = tl.load(C_rows + ns[None, :], mask=qn_ok, other=0.0).to(x.dtype)
-            Bm = tl.load(B_rows + ns[None, :], mask=qn_ok, other=0.0).to(x.dtype)
             state = tl.load(st_rows + ns[None, :], mask=col_ok[:, None] & n_ok[None, :], other=0.0)
-            cb += tl.dot(Cm, tl.trans(Bm), input_precision=PREC)
+            if not CB:
+                Bm = tl.load(B_rows + ns[None, :], mask=qn_ok, other=0.0).to(x.dtype)
+                cb += tl.dot(Cm, tl.trans(Bm), input_precision=PREC)
             inter += tl.dot(Cm, tl.trans(state.to(x.dtype)), input_precision=PREC)
+        if CB:
+            cb = tl.load(cb_ptr + (bc.to(tl.int64) * (heads // heads_per_group) + g) * Q * Q + qs[:, None] * Q
+                         + qs[None, :])
         A = tl.load(A_ptr + h)
         dt = tl.load(dt_ptr + b.to(tl.int64) * sdt_b + rows * sdt_l + h, mask=row_ok, other=0.0).to(tl.float32)
         cum = tl.cumsum(dt * A, 0)
@@ -100,4 +130,4 @@ def forward_kernels() -> tuple[Any, Any]:
         tl.store(y_ptr + b.to(tl.int64) * sy_b + h * sy_h + rows[:, None] * sy_l + cols[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    return ssd_state_kernel, ssd_chunk_forward_kernel
+    return ssd_state_kernel, ssd_chunk_forward_kernel, ssd_chunk_cb_kernel
