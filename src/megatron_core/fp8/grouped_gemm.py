@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from megatron_core.fp8.scaled_grouped_mm import (
-    AMAX_EPS,
     E4M3_MAX,
     ROW_ALIGN,
     ScaledGroupedMm,
+    power_of_two_scale,
     scaled_grouped_mm_supported,
 )
 
@@ -42,8 +42,7 @@ def e4m3_codes(t: torch.Tensor, dim: int | tuple[int, ...]) -> tuple[torch.Tenso
     """``t``'s e4m3 codes (as fp32 values) with one power-of-two scale per slice reduced over ``dim``, and the
     dequantizing scales (``codes * scales`` approximates ``t``; the scales keep ``dim`` as size 1)."""
     t32 = t.float()
-    amax = t32.abs().amax(dim=dim, keepdim=True).clamp(min=AMAX_EPS)
-    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    scale = power_of_two_scale(t32.abs().amax(dim=dim, keepdim=True))
     return (t32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float(), scale.reciprocal()
 
 

@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "scaled_grouped_mm_supported"]
+from megatron_core.fp8.cast_kernels import (
+    fp8_cast_kernels_available,
+    group_columnwise_cast_transposed,
+    rowwise_cast,
+)
+
+__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "power_of_two_scale", "scaled_grouped_mm_supported"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
@@ -35,9 +41,14 @@ def scaled_grouped_mm_supported(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
-def _scale(amax: torch.Tensor) -> torch.Tensor:
-    """The power-of-two factor that maps ``amax`` to at most e4m3's largest value (fp32)."""
-    return torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.float().clamp(min=AMAX_EPS))))
+def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``2**floor(log2(448 / amax))`` (fp32), the factor that maps ``amax`` to at most e4m3's largest value: the
+    exponent bits of the correctly rounded quotient, so the floor is exact (``log2`` may round up to an integer
+    just below one)."""
+    ratio = E4M3_MAX / amax.float().clamp(min=AMAX_EPS)
+    return ((ratio.view(torch.int32) >> 23) << 23).view(torch.float32)
+
+
 
 
 def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -46,7 +57,7 @@ def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` as e4m3 codes with one scale per slice along the last dimension, and the dequantizing scales."""
-    scale = _scale(t.abs().amax(-1, keepdim=True))
+    scale = power_of_two_scale(t.abs().amax(-1, keepdim=True))
     return _cast(t, scale), scale.reciprocal().squeeze(-1)
 
 
@@ -66,7 +77,7 @@ def _group_columnwise_transposed(t: torch.Tensor, ends: torch.Tensor) -> tuple[t
     groups = torch.arange(ends.numel(), device=t.device, dtype=group_of_block.dtype)
     in_group = (group_of_block[None, :] == groups[:, None])[:, :, None]
     amax = torch.where(in_group, blocks[None], 0.0).amax(1)  # [groups, C]; few groups: a masked max each
-    scale = _scale(amax)
+    scale = power_of_two_scale(amax)
     codes = _cast(t.view(rows // ROW_ALIGN, ROW_ALIGN, cols), scale[group_of_block][:, None, :])
     return codes.view(rows, cols).t().contiguous(), scale.reciprocal().reshape(-1)
 
@@ -81,8 +92,13 @@ class ScaledGroupedMm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """The forward GEMM: rows of ``x`` and each expert's output features scaled separately."""
-        x_codes, x_scale = _rowwise(x)
-        w_codes, w_scale = _rowwise(weight)
+        if fp8_cast_kernels_available(x) and weight.is_contiguous():
+            x_codes, x_scale = rowwise_cast(x)
+            w_codes, w_scale = rowwise_cast(weight.view(-1, weight.shape[-1]))
+            w_codes, w_scale = w_codes.view(weight.shape), w_scale.view(weight.shape[:-1])
+        else:
+            x_codes, x_scale = _rowwise(x)
+            w_codes, w_scale = _rowwise(weight)
         ctx.save_for_backward(x, w_codes, w_scale, ends)
         ctx.weight_dtype = weight.dtype
         return _KERNEL(x_codes, w_codes.transpose(-2, -1), x_scale, w_scale, offs=ends, out_dtype=x.dtype,
@@ -97,13 +113,21 @@ class ScaledGroupedMm(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             row_groups = _group_of_rows(ends, grad.shape[0], 1)
-            dy_codes, dy_scale = _rowwise(grad.float() * w_scale[row_groups])
+            if fp8_cast_kernels_available(grad):
+                dy_codes, dy_scale = rowwise_cast(grad, w_scale, row_groups)
+            else:
+                dy_codes, dy_scale = _rowwise(grad.float() * w_scale[row_groups])
             unit = w_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
             grad_x = _KERNEL(dy_codes, w_codes.transpose(-2, -1).contiguous().transpose(-2, -1), dy_scale, unit,
                              offs=ends, out_dtype=x.dtype, use_fast_accum=True)
         if ctx.needs_input_grad[1]:
-            dyt_codes, dyt_scale = _group_columnwise_transposed(grad, ends)
-            xt_codes, xt_scale = _group_columnwise_transposed(x, ends)
+            if fp8_cast_kernels_available(grad) and x.is_contiguous():
+                row_groups = _group_of_rows(ends, grad.shape[0], 1)
+                dyt_codes, dyt_scale = group_columnwise_cast_transposed(grad, ends, row_groups)
+                xt_codes, xt_scale = group_columnwise_cast_transposed(x, ends, row_groups)
+            else:
+                dyt_codes, dyt_scale = _group_columnwise_transposed(grad, ends)
+                xt_codes, xt_scale = _group_columnwise_transposed(x, ends)
             grad_w = _KERNEL(dyt_codes, xt_codes.t(), dyt_scale, xt_scale, offs=ends, out_dtype=x.dtype,
                              use_fast_accum=True).to(ctx.weight_dtype)
         return grad_x, grad_w, None

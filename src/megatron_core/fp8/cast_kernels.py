@@ -1,0 +1,144 @@
+"""Triton kernels for the e4m3 casts of the experts' FP8 grouped GEMM (power-of-two scales), on CUDA.
+
+Two casts dominate an FP8 MoE step besides the GEMMs, and Inductor writes neither well from plain PyTorch:
+- :func:`rowwise_cast`: one scale per row of ``t [M, K]`` (optionally after multiplying each row by a per-group
+  row of factors, the weight scales folded into ``dy`` for the data gradient): codes ``[M, K]`` and the
+  dequantizing scales ``[M]``. One program holds a block of rows: a pass for the row maxima, a pass to cast.
+- :func:`group_columnwise_cast_transposed`: one scale per column within each group of rows (the weight
+  gradient's operands), written transposed (``[K, M]`` row-major, as the kernel's 2D x 2D form reads them):
+  a kernel for the per-group column maxima, a tiled kernel that casts and transposes.
+The scale of a slice is ``2**floor(log2(448 / amax))``, taken from the exponent bits of a correctly rounded
+division, so codes and scales equal the PyTorch formula's (:mod:`megatron_core.fp8.scaled_grouped_mm`) bit
+for bit. The ops are ``torch.library.triton_op``s, traced as they are by ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from megatron_core.jit import have_triton, triton_modules, triton_op
+
+__all__ = ["fp8_cast_kernels_available", "group_columnwise_cast_transposed", "rowwise_cast"]
+
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+AMAX_EPS = 1e-12
+_ROW_BLOCK, _COL_BLOCK = 16, 256  # rowwise cast: rows per program, columns per step
+_TILE = 64  # the transposing cast's square tile
+_AMAX_ROWS, _AMAX_COLS = 64, 64  # group column maxima: rows per step, columns per program
+
+
+def fp8_cast_kernels_available(t: torch.Tensor) -> bool:
+    """Whether the Triton casts serve ``t`` (a contiguous CUDA tensor, Triton and ``triton_op`` present)."""
+    return t.is_cuda and t.is_contiguous() and _ROWWISE_OP is not None and have_triton()
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any, Any]:
+    triton, tl = triton_modules()
+
+    @triton.jit
+    def rowwise_kernel(t_ptr, factor_ptr, group_ptr, out_ptr, inv_ptr, rows, cols,
+                       HAS_FACTOR: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        r_ok = r < rows
+        base = r.to(tl.int64)[:, None] * cols
+        if HAS_FACTOR:
+            fbase = tl.load(group_ptr + r, mask=r_ok, other=0).to(tl.int64)[:, None] * cols
+        amax = tl.zeros([BR], dtype=tl.float32)
+        for c0 in range(0, cols, BC):
+            c = c0 + tl.arange(0, BC)
+            ok = r_ok[:, None] & (c < cols)[None, :]
+            v = tl.load(t_ptr + base + c[None, :], mask=ok, other=0.0).to(tl.float32)
+            if HAS_FACTOR:
+                v = v * tl.load(factor_ptr + fbase + c[None, :], mask=ok, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        # 2**floor(log2(448 / amax)): the exponent bits of the correctly rounded quotient
+        ratio = tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.maximum(amax, 1e-12))
+        scale = ((ratio.to(tl.int32, bitcast=True) >> 23) << 23).to(tl.float32, bitcast=True)
+        tl.store(inv_ptr + r, 1.0 / scale, mask=r_ok)
+        for c0 in range(0, cols, BC):
+            c = c0 + tl.arange(0, BC)
+            ok = r_ok[:, None] & (c < cols)[None, :]
+            v = tl.load(t_ptr + base + c[None, :], mask=ok, other=0.0).to(tl.float32)
+            if HAS_FACTOR:
+                v = v * tl.load(factor_ptr + fbase + c[None, :], mask=ok, other=0.0)
+            q = tl.clamp(v * scale[:, None], -448.0, 448.0)
+            tl.store(out_ptr + base + c[None, :], q.to(tl.float8e4nv), mask=ok)
+
+    @triton.jit
+    def group_amax_kernel(t_ptr, ends_ptr, scale_ptr, cols, BR: tl.constexpr, BC: tl.constexpr):
+        g = tl.program_id(1)
+        c = tl.program_id(0) * BC + tl.arange(0, BC)
+        c_ok = c < cols
+        start = tl.load(ends_ptr + tl.maximum(g - 1, 0))
+        start = tl.where(g == 0, 0, start)
+        end = tl.load(ends_ptr + g)
+        amax = tl.zeros([BC], dtype=tl.float32)
+        for r0 in range(start, end, BR):
+            r = r0 + tl.arange(0, BR)
+            ok = (r < end)[:, None] & c_ok[None, :]
+            v = tl.load(t_ptr + r.to(tl.int64)[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+        ratio = tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.maximum(amax, 1e-12))
+        scale = ((ratio.to(tl.int32, bitcast=True) >> 23) << 23).to(tl.float32, bitcast=True)
+        tl.store(scale_ptr + g * cols + c, scale, mask=c_ok)
+
+    @triton.jit
+    def cast_transposed_kernel(t_ptr, group_ptr, scale_ptr, out_ptr, rows, cols, T: tl.constexpr):
+        r = tl.program_id(0) * T + tl.arange(0, T)
+        c = tl.program_id(1) * T + tl.arange(0, T)
+        ok = (r < rows)[:, None] & (c < cols)[None, :]
+        v = tl.load(t_ptr + r.to(tl.int64)[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(group_ptr + r, mask=r < rows, other=0)
+        s = tl.load(scale_ptr + g[:, None] * cols + c[None, :], mask=ok, other=1.0)
+        q = tl.clamp(v * s, -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(out_ptr + c.to(tl.int64)[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(ok))
+
+    return rowwise_kernel, group_amax_kernel, cast_transposed_kernel
+
+
+def _rowwise(t: torch.Tensor, factors: torch.Tensor, row_groups: torch.Tensor, has_factors: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = t.shape
+    out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=t.device)
+    inverse = torch.empty(rows, dtype=torch.float32, device=t.device)
+    kernel = torch.library.wrap_triton(_kernels()[0])
+    kernel[(-(-rows // _ROW_BLOCK),)](t, factors, row_groups, out, inverse, rows, cols, HAS_FACTOR=has_factors,
+                                      BR=_ROW_BLOCK, BC=_COL_BLOCK)
+    return out, inverse
+
+
+def _group_columnwise(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = t.shape
+    groups = ends.numel()
+    scale = torch.empty(groups, cols, dtype=torch.float32, device=t.device)
+    _, amax_kernel, cast_kernel = (torch.library.wrap_triton(k) for k in _kernels())
+    amax_kernel[(-(-cols // _AMAX_COLS), groups)](t, ends, scale, cols, BR=_AMAX_ROWS, BC=_AMAX_COLS)
+    out = torch.empty(cols, rows, dtype=torch.float8_e4m3fn, device=t.device)
+    cast_kernel[(-(-rows // _TILE), -(-cols // _TILE))](t, row_groups, scale, out, rows, cols, T=_TILE)
+    return out, scale.reciprocal().reshape(-1)
+
+
+_ROWWISE_OP = triton_op("megatron_core::fp8_rowwise_cast", _rowwise)
+_GROUP_COLUMNWISE_OP = triton_op("megatron_core::fp8_group_columnwise_cast", _group_columnwise)
+
+
+def rowwise_cast(t: torch.Tensor, factors: torch.Tensor | None = None, row_groups: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [M, K]`` (times ``factors[row_groups[m]]`` per row when given) as e4m3 codes with one power-of-two
+    scale per row, and the dequantizing scales ``[M]``."""
+    if factors is None:
+        return _ROWWISE_OP(t, t, t.new_zeros(1, dtype=torch.int32), False)
+    return _ROWWISE_OP(t, factors.float().contiguous(), row_groups.to(torch.int32), True)
+
+
+def group_columnwise_cast_transposed(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Tensor
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [M, C]`` as e4m3 codes with one power-of-two scale per column within each group of rows (groups end
+    at ``ends``; ``row_groups [M]`` names each row's), transposed to ``[C, M]`` row-major; and the dequantizing
+    scales ``[groups * C]``, group-major."""
+    return _GROUP_COLUMNWISE_OP(t, ends.to(torch.int32), row_groups.to(torch.int32))

@@ -1,0 +1,77 @@
+"""The Triton e4m3 casts of the FP8 grouped GEMM against the PyTorch formulas they replace.
+
+On CPU the kernels run in Triton's interpreter. Its float-to-e4m3 conversion is not the hardware's (a rounding
+that carries into the exponent is lost), so the interpreted check uses inputs that scale to e4m3 values exactly:
+scales, layouts, groups and the transposition are then checked bit for bit, and rounding is left to the GPU
+test, which compares random inputs bit for bit with PyTorch's own conversion.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_interpreter import needs_triton, run_in_triton_interpreter
+
+_CHECK = """
+import torch
+from megatron_core.fp8 import cast_kernels as ck
+from megatron_core.fp8 import scaled_grouped_mm as sgm
+
+def same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype ==
+        torch.float8_e4m3fn else a, b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+def check(x, factors, ends, rowwise, columnwise):
+    rows = x.shape[0]
+    groups = sgm._group_of_rows(ends, rows, 1).to(torch.int32)
+    assert all(same(a, b) for a, b in zip(rowwise(x, None, None), sgm._rowwise(x)))
+    want = sgm._rowwise(x.float() * factors[groups.long()])
+    assert all(same(a, b) for a, b in zip(rowwise(x, factors, groups), want))
+    assert all(same(a, b) for a, b in zip(columnwise(x, ends, groups), sgm._group_columnwise_transposed(x, ends)))
+
+{body}
+"""
+
+_REPRESENTABLE = """
+gen = torch.Generator().manual_seed(0)
+def representable(rows, cols):
+    mantissa = torch.randint(-15, 16, (rows, cols), generator=gen).float() / 8  # e4m3: 3 mantissa bits
+    return mantissa * torch.exp2(torch.randint(-6, 7, (rows, 1), generator=gen).float())
+
+def rowwise(x, factors, groups):
+    if factors is None:
+        return ck._rowwise(x, x, torch.zeros(1, dtype=torch.int32), False)
+    return ck._rowwise(x, factors, groups, True)
+
+x = representable(96, 80).to(torch.bfloat16)
+x[:, 3] = 0.0
+factors = torch.exp2(torch.randint(-3, 4, (4, 80), generator=gen).float())
+check(x, factors, torch.tensor([32, 32, 80, 96], dtype=torch.int32), rowwise, ck._group_columnwise)
+check(x[:48].contiguous(), factors[:1], torch.tensor([48], dtype=torch.int32), rowwise, ck._group_columnwise)
+"""
+
+
+@needs_triton
+def test_interpreted_casts_equal_the_pytorch_formulas():
+    run_in_triton_interpreter(_CHECK.format(body=_REPRESENTABLE))
+
+
+@pytest.mark.gpu
+def test_gpu_casts_equal_pytorch_bit_for_bit():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from megatron_core.fp8 import cast_kernels as ck
+    from megatron_core.fp8 import scaled_grouped_mm as sgm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(1040, 720, device="cuda", generator=gen) * torch.logspace(-4, 4, 720, device="cuda"))
+    x = x.to(torch.bfloat16)
+    ends = torch.tensor([256, 256, 800, 1040], device="cuda", dtype=torch.int32)
+    groups = sgm._group_of_rows(ends, x.shape[0], 1)
+    factors = torch.rand(4, 720, device="cuda", generator=gen) + 0.25
+    for got, want in ((ck.rowwise_cast(x), sgm._rowwise(x)),
+                      (ck.rowwise_cast(x, factors, groups), sgm._rowwise(x.float() * factors[groups])),
+                      (ck.group_columnwise_cast_transposed(x, ends, groups), sgm._group_columnwise_transposed(x, ends))):
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1])
