@@ -1,9 +1,12 @@
 """``examples/pretrain_gpt.py`` under torchrun on 4 CPU ranks: trains, checkpoints, is killed, resumes.
 
-A run saving every 3 iterations kills itself (every rank, SIGKILL) at the end of iteration KILL_AT
-through the example's ``PRETRAIN_GPT_KILL_AT_ITERATION`` test hook, so the last published checkpoint
-is known (6) however loaded the machine is; the resumed run must log exactly (bitwise) the losses of
-an uninterrupted run for every later iteration.
+A run saving every SAVE_INTERVAL iterations kills itself (every rank, SIGKILL) at the end of iteration
+KILL_AT through the example's ``PRETRAIN_GPT_KILL_AT_ITERATION`` test hook, so the last published
+checkpoint is known (the second one, 4) however loaded the machine is; the resumed run must log exactly
+(bitwise) the losses of an uninterrupted run for every later iteration.
+
+The three runs of a layout share one ``--data-cache-path``: the first run's rank 0 builds the mock
+data's indices (millions of samples) and every later rank and run loads them, as Megatron's runs do.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ pytestmark = pytest.mark.slow  # subprocess/torchrun training runs
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "pretrain_gpt.py"
-TRAIN_ITERS, STOP_AT, SAVE_INTERVAL, KILL_AT = 2000, 14, 3, 8
+TRAIN_ITERS, STOP_AT, SAVE_INTERVAL, KILL_AT = 2000, 8, 2, 5
 MODEL = ["--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--ffn-hidden-size", "64", "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data",
          "--vocab-size", "200", "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "2",
@@ -73,7 +76,7 @@ def _tracker(save_dir: Path) -> int:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_killed_run_resumes_with_identical_losses(tmp_path: Path, layout: str) -> None:
-    parallel = LAYOUTS[layout]
+    parallel = [*LAYOUTS[layout], "--data-cache-path", str(tmp_path / "data_cache")]
     straight_log = tmp_path / "straight.jsonl"
     _finish(_launch([*parallel, "--exit-interval", str(STOP_AT)], straight_log))
     straight = _train_losses(straight_log)
