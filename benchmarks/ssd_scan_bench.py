@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 
 # Changes to SCAN_BLOCKS, one kernel's settings at a time (the kernels are independent, so the best of each
-# combine), then C B^T once per group and the chunk length (which change several kernels).
+# combine), the one-program-per-group backward, then C B^T once per group and the chunk length (which change
+# several kernels).
 SCAN_VARIANTS: list[dict[str, int]] = [
     {"state_p": 16}, {"state_p": 64}, {"state_n": 32}, {"state_n": 128}, {"state_p": 16, "state_n": 32},
     {"state_p": 64, "state_n": 32}, {"state_warps": 8}, {"state_stages": 2}, {"state_stages": 4},
@@ -32,11 +33,15 @@ SCAN_VARIANTS: list[dict[str, int]] = [
     {"dbc_n": 32}, {"dbc_n": 128}, {"dbc_p": 32}, {"dbc_warps": 4}, {"dbc_n": 32, "dbc_warps": 4},
     {"dbc_stages": 1}, {"dbc_stages": 3}, {"dbc_p": 32, "dbc_stages": 3},
     {"cb_scratch": 1}, {"cb_scratch": 1, "fwd_warps": 8},
+    {"bwd_fused": 1}, {"bwd_fused": 1, "fused_warps": 4}, {"bwd_fused": 1, "fused_warps": 16},
+    {"bwd_fused": 1, "fused_p": 32}, {"bwd_fused": 1, "fused_p": 32, "fused_warps": 4},
+    {"bwd_fused": 1, "fused_stages": 1}, {"bwd_fused": 1, "fused_stages": 3},
     {"chunk": 128}, {"chunk": 128, "fwd_warps": 8, "dx_p": 32}, {"chunk": 128, "cb_scratch": 1}, {"chunk": 32},
 ]
 # Which SCAN_BLOCKS keys each kernel reads (the two walks share theirs).
 KERNEL_KEYS = {"ssd_state_kernel": "state", "ssd_state_grad_kernel": "state", "ssd_chunk_forward_kernel": "fwd",
-               "ssd_chunk_cb_kernel": "cb", "ssd_chunk_dx_kernel": "dx", "ssd_chunk_dbc_kernel": "dbc"}
+               "ssd_chunk_cb_kernel": "cb", "ssd_chunk_dx_kernel": "dx", "ssd_chunk_dbc_kernel": "dbc",
+               "ssd_chunk_bwd_group_kernel": "fused"}
 
 
 def scan_flops(g: int, n: int, h: int, p: int, chunk: int) -> float:
@@ -147,7 +152,7 @@ def _time_variants(scan: Callable[..., torch.Tensor], leaves: list[torch.Tensor]
     from megatron_core.ssm import ssd_scan_triton
 
     default = dict(ssd_scan_triton.SCAN_BLOCKS)
-    best = {name: (us, {}) for name, us in default_kernels.items()}
+    best = {name: (us or float("inf"), {}) for name, us in default_kernels.items()}
     print("\n| SCAN_BLOCKS change | forward us | fwd+bwd us | " + " | ".join(KERNEL_KEYS) + " | max rel err vs default |")
     print("|---" * (4 + len(KERNEL_KEYS)) + "|")
     for change in SCAN_VARIANTS:
@@ -161,7 +166,8 @@ def _time_variants(scan: Callable[..., torch.Tensor], leaves: list[torch.Tensor]
                   + " | ".join(f"{us:.0f}" for us in per_kernel.values()) + f" | {err:.1e} |")
             if "chunk" not in change and err < 3e-2:
                 for name, us in per_kernel.items():
-                    if all(key.startswith(KERNEL_KEYS[name]) for key in change) and us < best[name][0]:
+                    keys = [key for key in change if key != "bwd_fused"]  # the switch to the fused kernel
+                    if us and all(key.startswith(KERNEL_KEYS[name]) for key in keys) and us < best[name][0]:
                         best[name] = (us, change)
         except Exception as exc:  # noqa: BLE001 - a block shape that does not fit (shared memory) is reported
             print(f"| {change} | failed: {type(exc).__name__}: {str(exc)[:200]} | | " + "| " * len(KERNEL_KEYS) + "|")

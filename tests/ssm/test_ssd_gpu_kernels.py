@@ -71,7 +71,9 @@ def test_triton_scan_matches_reference(dtype: torch.dtype, tol: float, shape: tu
     {"chunk": 32, "fwd_k": 32, "dx_k": 32, "dbc_n": 32},  # short chunks, several state_dim blocks per loop
     {"dx_p": 32, "dbc_p": 32, "state_p": 16, "state_n": 128, "fwd_p": 32},  # dt's gradient by atomics
     {"cb_scratch": 1},                                    # C B^T once per group, read by its heads
-], ids=["chunk128", "chunk32-k32", "p32", "cb-scratch"])
+    {"bwd_fused": 1},                                     # one backward program per (chunk, group)
+    {"bwd_fused": 1, "fused_p": 32, "chunk": 32},
+], ids=["chunk128", "chunk32-k32", "p32", "cb-scratch", "bwd-fused", "bwd-fused-p32"])
 def test_triton_scan_block_variants_match_reference(dtype: torch.dtype, tol: float, blocks: dict,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Other ``SCAN_BLOCKS`` (what ``--scan-variants`` times) give the same function, outputs and gradients."""

@@ -3,7 +3,8 @@
 Outputs and all six gradients within 1e-4 (relative norm of the difference), with a partial last chunk, B and C
 as strided slices of one projection, per-head and per-channel D; once with the default block shapes and once with
 16-wide blocks, a chunk of 32 rows and ``C B^T`` from the per-group scratch, so that every loop over ``head_dim``/``state_dim`` blocks runs several
-steps and ``dt``'s gradient is added by several programs.
+steps and ``dt``'s gradient is added by several programs; then with the one-program-per-group backward
+(``bwd_fused``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ check(1, 70, 2, 40, 1, 40, True, 1)   # head_dim and state_dim not powers of two
 ssd_scan_triton.SCAN_BLOCKS.update({{key: 16 for key in ssd_scan_triton.SCAN_BLOCKS if key[-2:] in ('_p', '_n', '_k')}})
 ssd_scan_triton.SCAN_BLOCKS.update(chunk=32, cb_scratch=1)  # and C B^T computed once per group
 check(1, 80, 4, 40, 2, 40, True, 2)   # 3 head_dim / state_dim blocks per loop, dt's gradient by atomics; 3 chunks
+ssd_scan_triton.SCAN_BLOCKS["bwd_fused"] = 1
+check(1, 80, 4, 40, 2, 40, False, 3)  # the one-program-per-group backward, 3 head_dim blocks per head
 """
 
 

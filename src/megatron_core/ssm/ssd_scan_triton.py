@@ -6,7 +6,7 @@ head_dim block, state_dim block)`` writes the state entering each chunk (fp32 ``
 the backward), then a chunk-parallel kernel computes each chunk's output. Backward
 (:mod:`~megatron_core.ssm.ssd_scan_triton_backward`): a reverse walk writes the gradient of the state leaving each
 chunk, then two chunk-parallel kernels: ``dx`` with the ``dt``/``A``/``D`` terms per head, and ``dB``/``dC`` per
-group (its heads summed inside the program, no atomics).
+group (its heads summed inside the program, no atomics), or both in one program per group (``bwd_fused``).
 
 The kernels' chunk length is their own (``SCAN_BLOCKS["chunk"]``, :data:`KERNEL_CHUNK` = 64 rows unless changed);
 the result is the same function as any other chunk length, rounded differently. Products take the inputs' dtype (bf16 operands, fp32 accumulation); the
@@ -33,13 +33,15 @@ _MAX_DIM = 256  # head_dim and state_dim up to this
 # step of a kernel's loop over state_dim; ``*_stages``: pipeline stages of those loops (fp32 inputs use one).
 # ``chunk``: the kernels' chunk length (a power of two, 16 to 128). ``cb_scratch``: 1 to compute each chunk's
 # ``C B^T`` once per group in the forward (fp32 scratch, kept for the backward) for the heads to read; 0 to
-# recompute it per head.
+# recompute it per head. ``bwd_fused``: 1 for one backward program per (chunk, group) over the whole state_dim
+# (``fused_*``) instead of the ``dx`` and ``dbc`` kernels.
 SCAN_BLOCKS: dict[str, int] = {
-    "chunk": KERNEL_CHUNK, "cb_scratch": 0,
+    "chunk": KERNEL_CHUNK, "cb_scratch": 0, "bwd_fused": 0,
     "state_p": 32, "state_n": 64, "state_warps": 4, "state_stages": 3,  # the two walks over the chunks
     "fwd_p": 64, "fwd_k": 64, "fwd_warps": 4, "fwd_stages": 2,  # chunk-parallel forward
     "dx_p": 64, "dx_k": 64, "dx_warps": 8, "dx_stages": 2,  # chunk-parallel dx / ddt / dA / dD
     "dbc_p": 64, "dbc_n": 64, "dbc_warps": 8, "dbc_stages": 2,  # chunk-parallel dB / dC per group
+    "fused_p": 64, "fused_warps": 8, "fused_stages": 2,  # the two above in one program per group (bwd_fused)
 }
 
 
@@ -111,7 +113,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
     groups, state_dim = B.shape[2], B.shape[3]
     chunks = states.shape[1]
     prec = _precision(x.dtype)
-    state_grad_kernel, dx_kernel, dbc_kernel = (torch.library.wrap_triton(k) for k in backward_kernels())
+    state_grad_kernel, dx_kernel, dbc_kernel, group_kernel = (torch.library.wrap_triton(k) for k in backward_kernels())
     # The gradient of the state leaving each chunk, in a buffer shaped (and strided) like ``states``.
     grad_states = torch.empty_like(states)
     block_p, block_n = _block("state_p", head_dim), _block("state_n", state_dim)
@@ -124,6 +126,19 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
     strides = (x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
                B.stride(2), C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
                states.stride(0), states.stride(1), states.stride(2))
+    dB = torch.empty(batch, length, groups, state_dim, device=x.device, dtype=B.dtype)
+    dC = torch.empty(batch, length, groups, state_dim, device=x.device, dtype=C.dtype)
+    if SCAN_BLOCKS["bwd_fused"]:
+        dx = torch.empty_like(dy)
+        ddt = torch.empty(batch, length, heads, device=x.device, dtype=torch.float32)
+        dA = torch.empty(batch * chunks, heads, device=x.device, dtype=torch.float32)
+        dD = torch.empty(batch * chunks, heads, head_dim, device=x.device, dtype=torch.float32)
+        group_kernel[(batch * chunks, groups)](
+            x, dt, A, B, C, D, dy, states, grad_states, dx, ddt, dA, dD, dB, dC,
+            length, chunks, heads // groups, head_dim, state_dim, groups, *strides,
+            Q=chunk, BP=_block("fused_p", head_dim), BN=max(16, next_power_of_two(state_dim)), PREC=prec,
+            num_warps=SCAN_BLOCKS["fused_warps"], num_stages=_stages("fused_stages", x.dtype))
+        return dx, ddt, dA.sum(0), dB, dC, dD.sum(0)
     block_p = _block("dx_p", head_dim)
     p_blocks = -(-head_dim // block_p)
     dx = torch.empty_like(dy)
@@ -135,8 +150,6 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
         length, chunks, heads, heads // groups, head_dim, state_dim, p_blocks, *strides,
         Q=chunk, BP=block_p, BK=_block("dx_k", state_dim), PREC=prec, ATOMIC_DT=p_blocks > 1,
         CB=cb_scratch, num_warps=SCAN_BLOCKS["dx_warps"], num_stages=_stages("dx_stages", x.dtype))
-    dB = torch.empty(batch, length, groups, state_dim, device=x.device, dtype=B.dtype)
-    dC = torch.empty(batch, length, groups, state_dim, device=x.device, dtype=C.dtype)
     block_n = _block("dbc_n", state_dim)
     dbc_kernel[(batch * chunks, groups, -(-state_dim // block_n))](
         x, dt, A, B, C, dy, states, grad_states, dB, dC,
