@@ -136,7 +136,9 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
         group_kernel[(batch * chunks, groups)](
             x, dt, A, B, C, D, dy, states, grad_states, dx, ddt, dA, dD, dB, dC,
             length, chunks, heads // groups, head_dim, state_dim, groups, *strides,
-            Q=chunk, BP=_block("fused_p", head_dim), BN=max(16, next_power_of_two(state_dim)), PREC=prec,
+            # fp32 tiles: at most 32 head_dim columns per step, so that shared memory holds them.
+            Q=chunk, BP=min(_block("fused_p", head_dim), 32 if x.dtype == torch.float32 else 256),
+            BN=max(16, next_power_of_two(state_dim)), PREC=prec,
             num_warps=SCAN_BLOCKS["fused_warps"], num_stages=_stages("fused_stages", x.dtype))
         return dx, ddt, dA.sum(0), dB, dC, dD.sum(0)
     block_p = _block("dx_p", head_dim)
