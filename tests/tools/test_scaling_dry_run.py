@@ -78,21 +78,54 @@ def test_relative_error() -> None:
 
 
 @pytest.mark.slow
-def test_scaling_dry_run_tp2_sp_on_cpu(tmp_path: Path, capsys) -> None:
-    code = scaling.main(["--device", "cpu", "--layouts", "tp2_sp", "--out", str(tmp_path)])
+def test_scaling_dry_run_tp2_sp_and_loaded_baseline_on_cpu(tmp_path: Path, capsys) -> None:
+    # One sweep of two layouts of the dense config: they share its one-rank baseline and its loaded copy.
+    code = scaling.main(["--device", "cpu", "--layouts", "tp2_sp,dp2_ddp", "--loaded-baseline", "--out",
+                         str(tmp_path)])
     printed = capsys.readouterr().out
     assert code == 0, printed[-3000:]
     rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
-    assert [r["layout"] for r in rows] == ["dense_1gpu", "tp2_sp"]
-    base, tp = rows
+    assert [r["layout"] for r in rows] == ["dense_1gpu", "dense_1gpu_x2", "tp2_sp", "dp2_ddp"]
+    base, loaded, tp, dp2 = rows
     assert base["gpus"] == 1 and tp["gpus"] == 2 and tp["tp"] == 2
-    for row in rows:
+    for row in (base, tp, dp2):
         assert row["ms/step"] > 0 and row["compute ms"] > 0 and row["fwd-bwd ms"] >= row["compute ms"] * 0.5
         assert len(row["losses"]) == 2 and all(math.isfinite(x) for x in row["losses"])
     assert tp["efficiency %"] == pytest.approx(100 * tp["tokens/s/GPU"] / base["tokens/s/GPU"])
     # Weights initialised on the device (per-rank RNG streams), same data: a close first loss.
     assert tp["losses"][0] == pytest.approx(base["losses"][0], rel=5e-2)
     assert "| tp2_sp | 2 |" in printed and "| dense_1gpu | 1 |" in printed
+
+    # The loaded baseline: the one-rank job on both ranks at once, as two independent jobs.
+    assert loaded["loaded baseline"] and loaded["gpus"] == 2
+    low, high = loaded["ms/step range"]
+    assert 0 < low <= loaded["ms/step"] <= high
+    for gpu in range(2):  # two independent jobs, each logged on its own
+        assert len(scaling.train_records(tmp_path / f"dense_1gpu_x2.gpu{gpu}.jsonl")) == 2
+    assert dp2["efficiency vs loaded %"] == pytest.approx(100 * dp2["tokens/s/GPU"] / loaded["tokens/s/GPU"])
+    assert dp2["efficiency %"] == pytest.approx(100 * dp2["tokens/s/GPU"] / base["tokens/s/GPU"])
+    assert "| dense_1gpu_x2 | 2 |" in printed and "eff. vs loaded GPU" in printed
+
+
+def test_sweep_without_loaded_baseline_runs_the_baseline_then_the_layout(tmp_path: Path, monkeypatch,
+                                                                         capsys) -> None:
+    # Which jobs a sweep starts (the jobs themselves are the dry run above): no loaded copy unless asked.
+    started = []
+
+    def fake_run_one(args, name, layout, cfg, extra, out):
+        started.append((name, layout.gpus))
+        return {"layout": name, "gpus": layout.gpus, "config": layout.config, "pp": layout.pp, "error": "not run"}
+
+    def no_loaded_baseline(*args, **kwargs):
+        raise AssertionError("the loaded baseline ran without --loaded-baseline")
+
+    monkeypatch.setattr(scaling, "run_one", fake_run_one)
+    monkeypatch.setattr(scaling, "run_loaded_baseline", no_loaded_baseline)
+    assert scaling.main(["--device", "cpu", "--layouts", "tp2_sp", "--out", str(tmp_path)]) == 1
+    capsys.readouterr()
+    assert started == [("dense_1gpu", 1), ("tp2_sp", 2)]
+    rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["dense_1gpu", "tp2_sp"]
 
 
 @pytest.mark.slow
@@ -150,21 +183,3 @@ def test_collective_bandwidth_on_two_gloo_ranks() -> None:
         assert row["ms"] > 0
         assert row["algbw GB/s"] == pytest.approx(row["MB"] * 2**20 / (row["ms"] / 1e3) / 1e9)
         assert row["busbw GB/s"] == pytest.approx(row["algbw GB/s"] * nccl_bandwidth.bus_factor(row["collective"], 2))
-
-
-@pytest.mark.slow
-def test_loaded_baseline_dry_run_on_cpu(tmp_path: Path, capsys) -> None:
-    code = scaling.main(["--device", "cpu", "--layouts", "dp2_ddp", "--loaded-baseline", "--out", str(tmp_path)])
-    printed = capsys.readouterr().out
-    assert code == 0, printed[-3000:]
-    rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
-    assert [r["layout"] for r in rows] == ["dense_1gpu", "dense_1gpu_x2", "dp2_ddp"]
-    base, loaded, dp2 = rows
-    assert loaded["loaded baseline"] and loaded["gpus"] == 2
-    low, high = loaded["ms/step range"]
-    assert 0 < low <= loaded["ms/step"] <= high
-    for gpu in range(2):  # two independent jobs, each logged on its own
-        assert len(scaling.train_records(tmp_path / f"dense_1gpu_x2.gpu{gpu}.jsonl")) == 2
-    assert dp2["efficiency vs loaded %"] == pytest.approx(100 * dp2["tokens/s/GPU"] / loaded["tokens/s/GPU"])
-    assert dp2["efficiency %"] == pytest.approx(100 * dp2["tokens/s/GPU"] / base["tokens/s/GPU"])
-    assert "| dense_1gpu_x2 | 2 |" in printed and "eff. vs loaded GPU" in printed
