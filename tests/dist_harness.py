@@ -22,6 +22,7 @@ Usage in a test::
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -101,7 +102,19 @@ def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, r
             results.put((task_id, rank, False, traceback.format_exc()))
         finally:
             parallel_state.destroy_model_parallel()
+            _collect_dead_groups()
     dist.destroy_process_group()
+
+
+# A worker at rest holds about 8 threads; every live gloo group adds two or more per peer.
+GC_THREADS_ABOVE = 32
+
+
+def _collect_dead_groups() -> None:
+    """After a task: when the destroyed groups' gloo threads are still alive, free what kept them (models and
+    wrappers in reference cycles, which hold their groups), so the pool is not recycled for them."""
+    if _thread_count(os.getpid()) > GC_THREADS_ABOVE:
+        gc.collect()
 
 
 def _short_subgroup_timeouts(parallel_state: Any) -> None:

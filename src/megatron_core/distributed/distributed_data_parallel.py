@@ -11,6 +11,7 @@ expert DP group. Gradients are pre-divided by the DP x CP size unless ``average_
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -149,6 +150,12 @@ class DistributedDataParallel(torch.nn.Module):
             self.enable_forward_pre_hook()
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
+        # The hook lives in the parameter's autograd metadata, which Python's garbage collector cannot see: a
+        # strong reference to this wrapper (or to ``param``) from it would be a cycle the collector never frees,
+        # keeping the model, its buffers and its process groups (gloo threads and sockets) alive for the
+        # process's lifetime. The wrapper is held weakly and the parameter comes in as the hook's argument.
+        ddp_ref = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
             # A fused weight-gradient GEMM already wrote into main_grad (flag set by the backward, or the
             # layer's static mark inside compiled graphs); .grad is then a dummy, unless zero_out_wgrad.
@@ -157,8 +164,9 @@ class DistributedDataParallel(torch.nn.Module):
             if p.grad is not None and (not fused or getattr(p, "zero_out_wgrad", False)):
                 p.main_grad.add_(p.grad)
             p.grad = None
-            if self.ddp_config.overlap_grad_reduce:
-                self.param_to_bucket_group[param].register_grad_ready(param)
+            ddp = ddp_ref()
+            if ddp is not None and ddp.ddp_config.overlap_grad_reduce:
+                ddp.param_to_bucket_group[p].register_grad_ready(p)
 
         return hook
 
