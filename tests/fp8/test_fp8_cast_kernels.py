@@ -48,6 +48,8 @@ x = representable(96, 80).to(torch.bfloat16)
 x[:, 3] = 0.0
 factors = torch.exp2(torch.randint(-3, 4, (4, 80), generator=gen).float())
 check(x, factors, torch.tensor([32, 32, 80, 96], dtype=torch.int32), rowwise, ck._group_columnwise)
+codes = torch.randint(0, 256, (3, 70, 150), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+assert same(ck._transpose_bytes(codes.view(torch.uint8)).view(codes.dtype), codes.transpose(1, 2).contiguous())
 check(x[:48].contiguous(), factors[:1], torch.tensor([48], dtype=torch.int32), rowwise, ck._group_columnwise)
 """
 
@@ -75,3 +77,5 @@ def test_gpu_casts_equal_pytorch_bit_for_bit():
                       (ck.group_columnwise_cast_transposed(x, ends, groups), sgm._group_columnwise_transposed(x, ends))):
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
         assert torch.equal(got[1], want[1])
+    codes = torch.randint(0, 256, (3, 700, 1500), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert torch.equal(ck.transpose_codes(codes).view(torch.uint8), codes.view(torch.uint8).transpose(1, 2).contiguous())

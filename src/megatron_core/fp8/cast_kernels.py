@@ -7,6 +7,7 @@ Two casts dominate an FP8 MoE step besides the GEMMs, and Inductor writes neithe
 - :func:`group_columnwise_cast_transposed`: one scale per column within each group of rows (the weight
   gradient's operands), written transposed (``[K, M]`` row-major, as the kernel's 2D x 2D form reads them):
   a kernel for the per-group column maxima, a tiled kernel that casts and transposes.
+- :func:`transpose_codes`: the forward's weight codes transposed for the data gradient, by byte tiles.
 The scale of a slice is ``2**floor(log2(448 / amax))``, taken from the exponent bits of a correctly rounded
 division, so codes and scales equal the PyTorch formula's (:mod:`megatron_core.fp8.scaled_grouped_mm`) bit
 for bit. The ops are ``torch.library.triton_op``s, traced as they are by ``torch.compile``.
@@ -21,12 +22,13 @@ import torch
 
 from megatron_core.jit import have_triton, triton_modules, triton_op
 
-__all__ = ["fp8_cast_kernels_available", "group_columnwise_cast_transposed", "rowwise_cast"]
+__all__ = ["fp8_cast_kernels_available", "group_columnwise_cast_transposed", "rowwise_cast", "transpose_codes"]
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 AMAX_EPS = 1e-12
 _ROW_BLOCK, _COL_BLOCK = 16, 256  # rowwise cast: rows per program, columns per step
 _TILE = 64  # the transposing cast's square tile
+_BYTE_TILE = 128  # the byte transpose's square tile
 _AMAX_ROWS, _AMAX_COLS = 64, 64  # group column maxima: rows per step, columns per program
 
 
@@ -36,7 +38,7 @@ def fp8_cast_kernels_available(t: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any, Any]:
+def _kernels() -> tuple[Any, Any, Any, Any]:
     triton, tl = triton_modules()
 
     @triton.jit
@@ -97,7 +99,16 @@ def _kernels() -> tuple[Any, Any, Any]:
         q = tl.clamp(v * s, -448.0, 448.0).to(tl.float8e4nv)
         tl.store(out_ptr + c.to(tl.int64)[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(ok))
 
-    return rowwise_kernel, group_amax_kernel, cast_transposed_kernel
+    @triton.jit
+    def transpose_kernel(src_ptr, dst_ptr, rows, cols, T: tl.constexpr):
+        base = tl.program_id(2).to(tl.int64) * rows * cols
+        r = tl.program_id(0) * T + tl.arange(0, T)
+        c = tl.program_id(1) * T + tl.arange(0, T)
+        ok = (r < rows)[:, None] & (c < cols)[None, :]
+        v = tl.load(src_ptr + base + r.to(tl.int64)[:, None] * cols + c[None, :], mask=ok, other=0)
+        tl.store(dst_ptr + base + c.to(tl.int64)[:, None] * rows + r[None, :], tl.trans(v), mask=tl.trans(ok))
+
+    return rowwise_kernel, group_amax_kernel, cast_transposed_kernel, transpose_kernel
 
 
 def _rowwise(t: torch.Tensor, factors: torch.Tensor, row_groups: torch.Tensor, has_factors: bool
@@ -116,15 +127,30 @@ def _group_columnwise(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Ten
     rows, cols = t.shape
     groups = ends.numel()
     scale = torch.empty(groups, cols, dtype=torch.float32, device=t.device)
-    _, amax_kernel, cast_kernel = (torch.library.wrap_triton(k) for k in _kernels())
+    _, amax_kernel, cast_kernel, _ = (torch.library.wrap_triton(k) for k in _kernels())
     amax_kernel[(-(-cols // _AMAX_COLS), groups)](t, ends, scale, cols, BR=_AMAX_ROWS, BC=_AMAX_COLS)
     out = torch.empty(cols, rows, dtype=torch.float8_e4m3fn, device=t.device)
     cast_kernel[(-(-rows // _TILE), -(-cols // _TILE))](t, row_groups, scale, out, rows, cols, T=_TILE)
     return out, scale.reciprocal().reshape(-1)
 
 
+def _transpose_bytes(t: torch.Tensor) -> torch.Tensor:
+    batch, rows, cols = t.shape
+    out = torch.empty(batch, cols, rows, dtype=t.dtype, device=t.device)
+    kernel = torch.library.wrap_triton(_kernels()[3])
+    kernel[(-(-rows // _BYTE_TILE), -(-cols // _BYTE_TILE), batch)](t, out, rows, cols, T=_BYTE_TILE)
+    return out
+
+
 _ROWWISE_OP = triton_op("megatron_core::fp8_rowwise_cast", _rowwise)
 _GROUP_COLUMNWISE_OP = triton_op("megatron_core::fp8_group_columnwise_cast", _group_columnwise)
+_TRANSPOSE_OP = triton_op("megatron_core::transpose_bytes", _transpose_bytes)
+
+
+def transpose_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The e4m3 ``codes [E, R, C]`` (contiguous) copied to ``[E, C, R]`` contiguous, by tiles (Inductor's
+    transposing copy of one-byte elements is several times slower)."""
+    return _TRANSPOSE_OP(codes.view(torch.uint8)).view(codes.dtype)
 
 
 def rowwise_cast(t: torch.Tensor, factors: torch.Tensor | None = None, row_groups: torch.Tensor | None = None

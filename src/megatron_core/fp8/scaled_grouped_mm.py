@@ -24,6 +24,7 @@ from megatron_core.fp8.cast_kernels import (
     fp8_cast_kernels_available,
     group_columnwise_cast_transposed,
     rowwise_cast,
+    transpose_codes,
 )
 
 __all__ = ["ROW_ALIGN", "ScaledGroupedMm", "power_of_two_scale", "scaled_grouped_mm_supported"]
@@ -118,7 +119,11 @@ class ScaledGroupedMm(torch.autograd.Function):
             else:
                 dy_codes, dy_scale = _rowwise(grad.float() * w_scale[row_groups])
             unit = w_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
-            grad_x = _KERNEL(dy_codes, w_codes.transpose(-2, -1).contiguous().transpose(-2, -1), dy_scale, unit,
+            if fp8_cast_kernels_available(w_codes):
+                w_codes_t = transpose_codes(w_codes)
+            else:
+                w_codes_t = w_codes.transpose(-2, -1).contiguous()
+            grad_x = _KERNEL(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, unit,
                              offs=ends, out_dtype=x.dtype, use_fast_accum=True)
         if ctx.needs_input_grad[1]:
             if fp8_cast_kernels_available(grad) and x.is_contiguous():
