@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,11 +41,15 @@ def test_missing_load_directory_is_an_error(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_load_if_present_and_the_resumable_job_pattern(tmp_path: Path) -> None:
-    proc = _run("--train-iters", "1", "--load", str(tmp_path / "nothing"), "--load-if-present")
+    run_dir = tmp_path / "run"
+    # The --load-if-present run is independent of the resumable job's first run: the two (one process each) run
+    # side by side on two cores.
+    with ThreadPoolExecutor(1) as pool:
+        if_present = pool.submit(_run, "--train-iters", "1", "--load", str(tmp_path / "nothing"), "--load-if-present")
+        first = _run("--train-iters", "2", "--load", str(run_dir), "--save", str(run_dir), "--save-interval", "2")
+        proc = if_present.result()
     assert proc.returncode == 0, proc.stderr[-2000:]
 
-    run_dir = tmp_path / "run"
-    first = _run("--train-iters", "2", "--load", str(run_dir), "--save", str(run_dir), "--save-interval", "2")
     assert first.returncode == 0, first.stderr[-2000:]
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     second = _run("--train-iters", "3", "--load", str(run_dir), "--save", str(run_dir), "--save-interval", "3")
