@@ -1,9 +1,11 @@
 """Index builders of Megatron's ``helpers.cpp`` in numpy: the GPT sample index and the blending indices.
 
 ``build_sample_idx`` is fully vectorised: sample ``i`` starts at flat token position
-``i * sequence_length`` of the documents laid end to end in ``document_indices`` order, so every row
-comes from one ``cumsum`` and one ``searchsorted``. The results (values and dtype) equal the C++
-walk, including its two quirks: with ``add_extra_token_to_sequence`` off a boundary that falls on
+``i * sequence_length`` of the documents laid end to end in ``document_indices`` order, so how many
+sample boundaries each document holds follows from its end alone (one ``cumsum``, one division), and
+the rows are those counts expanded with ``repeat`` (no search per sample: millions of samples, such as
+the mock corpus at a short sequence length, take a fraction of a second). The results (values and
+dtype) equal the C++ walk, including its two quirks: with ``add_extra_token_to_sequence`` off a boundary that falls on
 a document's end is recorded as ``(that document, its length)``, and a partial last sample (kept
 when ``drop_last_partial_sequence`` is False) ends at ``(last document, its length - extra)``; the
 sample count of that case uses float32 division as the C++ code does.
@@ -63,19 +65,20 @@ def build_sample_idx(
 
     document_lengths = sizes[document_indices].astype(numpy.int64)
     document_ends = numpy.cumsum(document_lengths)
-    boundaries = numpy.arange(1, num_samples + 1, dtype=numpy.int64) * sequence_length
-    # The C++ walk stops in the first document whose end reaches boundary + extra.
-    positions = numpy.searchsorted(document_ends, boundaries + extra, side="left")
-    overflow = positions >= len(document_ends)
-    positions = numpy.minimum(positions, len(document_ends) - 1)
-    offsets = boundaries - (document_ends[positions] - document_lengths[positions])
-    if overflow.any():
-        offsets[overflow] = int(sizes[document_indices[-1]]) - extra
+    # Boundary k (1..num_samples) lies at token k * sequence_length; the C++ walk stops in the first document
+    # whose end reaches boundary + extra, so the documents up to j hold the boundaries k <= (end_j - extra) / length.
+    reached = numpy.clip((document_ends - extra) // sequence_length, 0, num_samples)
+    per_document = numpy.diff(reached, prepend=0)
+    inside = int(reached[-1])  # boundaries past the last document's end: the partial last sample's end
 
     sample_index = numpy.empty((num_samples + 1, 2), dtype=dtype)
     sample_index[0] = 0
-    sample_index[1:, 0] = positions
-    sample_index[1:, 1] = offsets
+    sample_index[1 : inside + 1, 0] = numpy.repeat(numpy.arange(len(document_ends), dtype=dtype), per_document)
+    offsets = numpy.arange(1, inside + 1, dtype=numpy.int64) * sequence_length
+    offsets -= numpy.repeat(document_ends - document_lengths, per_document)  # minus the document's start
+    sample_index[1 : inside + 1, 1] = offsets
+    sample_index[inside + 1 :, 0] = len(document_ends) - 1
+    sample_index[inside + 1 :, 1] = int(sizes[document_indices[-1]]) - extra
     return sample_index
 
 
