@@ -28,7 +28,8 @@ __all__ = ["KERNEL_CHUNK", "SCAN_BLOCKS", "ssd_chunk_scan_triton", "ssd_scan_tri
 KERNEL_CHUNK = 64
 _MAX_DIM = 256  # head_dim and state_dim up to this
 
-# Block shapes and warps per kernel, for sm90 (H100/H200); read at every call, so a benchmark may try others.
+# Block shapes and warps per kernel, for sm90 (H100/H200): the best of each kernel in benchmarks/RESULTS.md's
+# variant table (H200, 2026-12-02); read at every call, so a benchmark may try others.
 # ``*_p``: head_dim columns per program; ``*_n``: state_dim columns per program; ``*_k``: state_dim columns per
 # step of a kernel's loop over state_dim; ``*_stages``: pipeline stages of those loops (fp32 inputs use one).
 # ``chunk``: the kernels' chunk length (a power of two, 16 to 128). ``cb_scratch``: 1 to compute each chunk's
@@ -37,10 +38,10 @@ _MAX_DIM = 256  # head_dim and state_dim up to this
 # (``fused_*``) instead of the ``dx`` and ``dbc`` kernels.
 SCAN_BLOCKS: dict[str, int] = {
     "chunk": KERNEL_CHUNK, "cb_scratch": 0, "bwd_fused": 0,
-    "state_p": 32, "state_n": 64, "state_warps": 4, "state_stages": 3,  # the two walks over the chunks
-    "fwd_p": 64, "fwd_k": 64, "fwd_warps": 4, "fwd_stages": 2,  # chunk-parallel forward
-    "dx_p": 64, "dx_k": 64, "dx_warps": 8, "dx_stages": 2,  # chunk-parallel dx / ddt / dA / dD
-    "dbc_p": 64, "dbc_n": 64, "dbc_warps": 8, "dbc_stages": 2,  # chunk-parallel dB / dC per group
+    "state_p": 32, "state_n": 64, "state_warps": 4, "state_stages": 2,  # the two walks over the chunks
+    "fwd_p": 64, "fwd_k": 64, "fwd_warps": 4, "fwd_stages": 1,  # chunk-parallel forward
+    "dx_p": 64, "dx_k": 64, "dx_warps": 4, "dx_stages": 2,  # chunk-parallel dx / ddt / dA / dD
+    "dbc_p": 64, "dbc_n": 128, "dbc_warps": 8, "dbc_stages": 2,  # chunk-parallel dB / dC per group
     "fused_p": 64, "fused_warps": 8, "fused_stages": 2,  # the two above in one program per group (bwd_fused)
 }
 
