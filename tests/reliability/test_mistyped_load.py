@@ -47,7 +47,7 @@ def test_load_if_present_and_the_resumable_job_pattern(tmp_path: Path) -> None:
     with ThreadPoolExecutor(1) as pool:
         if_present = pool.submit(_run, "--train-iters", "1", "--load", str(tmp_path / "nothing"), "--load-if-present")
         first = _run("--train-iters", "2", "--load", str(run_dir), "--save", str(run_dir), "--save-interval", "2")
-        proc = if_present.result()
+        proc = if_present.result(timeout=300)  # the run itself is bounded at 240 s
     assert proc.returncode == 0, proc.stderr[-2000:]
 
     assert first.returncode == 0, first.stderr[-2000:]
