@@ -108,13 +108,17 @@ def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, r
 
 # A worker at rest holds about 8 threads; every live gloo group adds two or more per peer.
 GC_THREADS_ABOVE = 32
+_threads_after_gc = [0]
 
 
 def _collect_dead_groups() -> None:
     """After a task: when the destroyed groups' gloo threads are still alive, free what kept them (models and
-    wrappers in reference cycles, which hold their groups), so the pool is not recycled for them."""
-    if _thread_count(os.getpid()) > GC_THREADS_ABOVE:
+    wrappers in reference cycles, which hold their groups), so the pool is not recycled for them. Threads that
+    a collection could not free do not trigger another one until more have appeared."""
+    threads = _thread_count(os.getpid())
+    if threads > max(GC_THREADS_ABOVE, _threads_after_gc[0] + 16):
         gc.collect()
+        _threads_after_gc[0] = _thread_count(os.getpid())
 
 
 def _short_subgroup_timeouts(parallel_state: Any) -> None:
