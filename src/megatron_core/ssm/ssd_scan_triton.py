@@ -153,7 +153,8 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
         length, chunks, heads, heads // groups, head_dim, state_dim, p_blocks, *strides,
         Q=chunk, BP=block_p, BK=_block("dx_k", state_dim), PREC=prec, ATOMIC_DT=p_blocks > 1,
         CB=cb_scratch, num_warps=SCAN_BLOCKS["dx_warps"], num_stages=_stages("dx_stages", x.dtype))
-    block_n = _block("dbc_n", state_dim)
+    # fp32 tiles: at most 64 state columns per program (the width the GPU tests ran in fp32 with), for shared memory.
+    block_n = min(_block("dbc_n", state_dim), 64 if x.dtype == torch.float32 else 256)
     dbc_kernel[(batch * chunks, groups, -(-state_dim // block_n))](
         x, dt, A, B, C, dy, states, grad_states, dB, dC,
         length, chunks, heads // groups, head_dim, state_dim, groups, *strides,
