@@ -37,16 +37,6 @@ def import_torchao_float8() -> Any:
                           f"{err}") from err
 
 
-def torchao_fp8_grouped_mm() -> Any:
-    """torchao's differentiable FP8 grouped GEMM (row-wise scales; ``torchao.prototype.moe_training``)."""
-    try:
-        module = importlib.import_module("torchao.prototype.moe_training")
-        return module._to_fp8_rowwise_then_scaled_grouped_mm
-    except (ImportError, AttributeError) as err:  # pragma: no cover - depends on the environment
-        raise ImportError("FP8 MoE experts on a GPU need torchao's MoE training op (torchao>=0.14, "
-                          f"torchao.prototype.moe_training): {err}") from err
-
-
 def check_fp8_device(config: Any, device: torch.device | str) -> None:
     """Raise ``ValueError`` naming ``fp8`` and the device unless it has FP8 tensor cores (CUDA, CC >= 8.9)."""
     device = torch.device(device)
