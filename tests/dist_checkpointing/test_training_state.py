@@ -3,7 +3,8 @@
 Round trip in one process (model, Adam states, scheduler, iteration; the tracker, explicit
 iterations, ``load_optimizer=False`` and the overwrite guard).
 
-Bit-exact resume: one run trains 5 steps, saves, trains 5 more (the straight 10 steps); a second
+Bit-exact resume: one run trains 5 steps, saves (once synchronously, once asynchronously: the async save
+finishes while training goes on), trains 5 more (the straight 10 steps); for each checkpoint a second
 call (parallel_state rebuilt, model built from another seed, every RNG reseeded) loads the
 checkpoint and trains steps 6-10: losses and final weights must be bitwise equal. Dropout is on, so
 the RNG states (torch and the tensor-parallel tracker) have to be restored too.
@@ -33,19 +34,21 @@ WORLD = 4
 LAYOUTS = {"tp2_pp2": dict(tp=2, pp=2), "dp2_tp2_distopt": dict(tp=2, pp=1, distributed_optimizer=True)}
 
 
-def _straight(save_dir: str, layout: dict, use_async: bool) -> dict:
+def _straight(sync_dir: str, async_dir: str, layout: dict) -> dict:
+    """Ten steps, saving step 5 twice: synchronously to ``sync_dir``, then asynchronously (finished while steps
+    6-10 run) to ``async_dir``; both checkpoints must resume to this run's steps 6-10."""
     chunks, opt, sched = build(**layout, dropout=0.1)
-    queue = AsyncCallsQueue() if use_async else None
+    queue = AsyncCallsQueue()
     losses = []
     for step in range(1, 11):
         losses += train_step(chunks, opt, sched, step)
         if step == 5:
-            save_checkpoint(save_dir, step, chunks, opt, sched, consumed_train_samples=40,
-                            extra_state={"args": {"seed": 1234}}, async_queue=queue)
-    if queue is not None:
-        assert read_tracker(save_dir) is None and queue.get_num_unfinalized_calls() == 1  # not finalized yet
-        queue.close()
-        assert read_tracker(save_dir) == 5
+            for save_dir, async_queue in ((sync_dir, None), (async_dir, queue)):
+                save_checkpoint(save_dir, step, chunks, opt, sched, consumed_train_samples=40,
+                                extra_state={"args": {"seed": 1234}}, async_queue=async_queue)
+    assert read_tracker(async_dir) is None and queue.get_num_unfinalized_calls() == 1  # not finalized yet
+    queue.close()
+    assert read_tracker(async_dir) == 5
     return {"losses": losses[len(losses) // 2:], "weights": weights(chunks)}
 
 
@@ -63,24 +66,25 @@ def _resumed(save_dir: str, layout: dict) -> dict:
     return {"losses": losses, "weights": weights(chunks)}
 
 
-@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_bit_exact_resume(tmp_path, layout, use_async):
-    save_dir = str(tmp_path / "ckpt")
-    straight = run_on_ranks(WORLD, _straight, save_dir, LAYOUTS[layout], use_async)
-    assert read_tracker(save_dir) == 5
-    assert get_checkpoint_name(save_dir, 5).is_dir()
-    resumed = run_on_ranks(WORLD, _resumed, save_dir, LAYOUTS[layout])
+def test_bit_exact_resume(tmp_path, layout):
+    """Both the synchronous and the asynchronous checkpoint of one straight run resume bit-exactly."""
+    dirs = {"sync": str(tmp_path / "ckpt"), "async": str(tmp_path / "ckpt_async")}
+    straight = run_on_ranks(WORLD, _straight, dirs["sync"], dirs["async"], LAYOUTS[layout])
     assert any(r["losses"] for r in straight)
-    for rank, (a, b) in enumerate(zip(straight, resumed)):
-        assert len(a["losses"]) == len(b["losses"])
-        for x, y in zip(a["losses"], b["losses"]):
-            assert torch.equal(x, y), f"rank {rank}: loss {x.item()} != {y.item()}"
-        assert a["weights"].keys() == b["weights"].keys()
-        for k in a["weights"]:
-            assert torch.equal(a["weights"][k], b["weights"][k]), f"rank {rank}: {k} differs"
-    metadata = json.loads((get_checkpoint_name(save_dir, 5) / "metadata.json").read_text())
-    assert metadata["sharded_backend"] == "torch_dist"
+    for mode, save_dir in dirs.items():
+        assert read_tracker(save_dir) == 5
+        assert get_checkpoint_name(save_dir, 5).is_dir()
+        resumed = run_on_ranks(WORLD, _resumed, save_dir, LAYOUTS[layout])
+        for rank, (a, b) in enumerate(zip(straight, resumed)):
+            assert len(a["losses"]) == len(b["losses"])
+            for x, y in zip(a["losses"], b["losses"]):
+                assert torch.equal(x, y), f"{mode}, rank {rank}: loss {x.item()} != {y.item()}"
+            assert a["weights"].keys() == b["weights"].keys()
+            for k in a["weights"]:
+                assert torch.equal(a["weights"][k], b["weights"][k]), f"{mode}, rank {rank}: {k} differs"
+        metadata = json.loads((get_checkpoint_name(save_dir, 5) / "metadata.json").read_text())
+        assert metadata["sharded_backend"] == "torch_dist"
 
 
 def _adam_states(opt) -> list[torch.Tensor]:
