@@ -4,7 +4,7 @@ The corpus is synthetic (document lengths only, no token file is written): ``--t
 documents of random length in [1, 2 * mean). Timed, each as the median of ``--repeats`` runs:
 
 * ``document index``: one epoch of document ids, shuffled (the same numpy code in both libraries);
-* ``sample index``: ``build_sample_idx`` (ours: numpy ``cumsum`` + ``searchsorted``; megatron-core:
+* ``sample index``: ``build_sample_idx`` (ours: numpy ``cumsum`` + ``repeat``; megatron-core:
   ``helpers_cpp`` C++ loop), asserted equal;
 * ``shuffle index``: a shuffled ``arange`` over the samples (the same numpy code in both);
 * ``blending``: ``build_blending_indices`` for the samples of the corpus spread over 3 datasets
