@@ -29,7 +29,6 @@ SLOW_TESTS = {
     "tests/compat_names/test_distributed_names.py::test_hyper_comm_grid_groups_equal_parallel_state": 36,
     "tests/reliability/test_config_validation.py::test_checks_hold_under_python_O": 27,
     "tests/reliability/test_checkpoint_manifest.py::test_corrupt_shard_of_another_rank_fails_the_load_on_every_rank": 21,
-    "tests/reliability/test_suite_hygiene.py::test_a_process_left_behind_fails_the_session": 19,
     "tests/pipeline_parallel/test_gpt_pipeline.py::test_gpt_pipeline_matches_single_process[pp2_vpp2_dp2_ddp]": 19,
     "tests/models/hf/test_pretrain_hf_model.py::test_pretrain_gpt_hf_model_round_trip": 19,
     "tests/reliability/test_checkpoint_architecture.py::test_architecture_mismatch_names_field_and_both_values": 17,
@@ -111,7 +110,9 @@ def _recycle_bloated_rank_pools(request):
 
 def pytest_sessionfinish(session, exitstatus):
     close_all_pools()
-    deadline = time.monotonic() + 15
+    # How long processes get to exit before they count as left behind (the suite-hygiene test's inner session,
+    # whose child never exits, sets it short).
+    deadline = time.monotonic() + float(os.environ.get("MCORE_TEST_LEFT_BEHIND_GRACE_S", "15"))
     left = _left_behind()
     while left and time.monotonic() < deadline:
         time.sleep(0.2)

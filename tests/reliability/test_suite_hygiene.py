@@ -50,7 +50,9 @@ def test_a_process_left_behind_fails_the_session(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
     test_file = tmp_path / "test_leaky.py"
     test_file.write_text(LEAKY_TEST.format(pid_file=pid_file))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    # The child sleeps 120 s: a 2 s grace (15 s in a real session) is enough to see it left behind.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
+           "MCORE_TEST_LEFT_BEHIND_GRACE_S": "2"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
                            "--rootdir", str(tmp_path), str(test_file)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
