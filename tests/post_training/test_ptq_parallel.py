@@ -9,8 +9,9 @@ the TP ranks agree on and ``awq_tp`` for AWQ's statistics.
 Tolerances (:data:`PARITY`). A quantizer rounds to a grid, so a value within rounding noise of a grid
 midpoint may land on the neighbouring point under TP, moving by a whole step (amax / 127 for INT8). In fp32
 the row-parallel all-reduce sums its partial products in another order than one process (about 1e-7
-relative), which did that to a few activations of INT8 SmoothQuant (1.5e-3 in the logits); FP8 happened to
-see none (below 1e-5). In float64 that noise is 1e-16 and FP8, INT8 SmoothQuant and INT4 AWQ equal one
+relative), which did that to a few activations of INT8 SmoothQuant (1.5e-3 in the logits) and of FP8 (below
+1e-5 until 2026-12-02, 2.4e-4 from 2026-12-02 on, also at the earlier code that had passed: the installed dependencies); the fp32 FP8 bound is
+therefore a few activations moving one step (2e-3), and the exact check is float64's. In float64 that noise is 1e-16 and FP8, INT8 SmoothQuant and INT4 AWQ equal one
 process to 1e-9 (measured 1e-15), and so do their pre-quantization scales and weight amax (measured: equal).
 AWQ computes its statistics and scales in fp32 whatever the model's dtype; ``awq_tp`` makes them the
 whole layer's, rounded as one process rounds them, also for the row-parallel layers (before that fix the
@@ -47,7 +48,7 @@ RECIPES = ("FP8_DEFAULT_CFG", "INT8_SMOOTHQUANT_CFG", "INT4_AWQ_CFG")
 # (recipe, model dtype, bound on max |logit difference| from one process, bound on the relative difference of
 # a pre-quantization scale or weight amax); see the module docstring.
 PARITY = [
-    ("FP8_DEFAULT_CFG", torch.float32, 1e-5, 1e-5),
+    ("FP8_DEFAULT_CFG", torch.float32, 2e-3, 1e-5),
     ("FP8_DEFAULT_CFG", torch.float64, 1e-9, 1e-9),
     ("INT8_SMOOTHQUANT_CFG", torch.float64, 1e-9, 1e-6),
     ("INT4_AWQ_CFG", torch.float64, 1e-9, 1e-9),
