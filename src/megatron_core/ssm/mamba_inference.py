@@ -13,6 +13,9 @@ Everything is computed in fp32 (or wider); the states come back in fp32 and are 
 :func:`mixer_inference` runs a whole step of the flattened continuous batch for one mixer. Its prefill scan
 uses the serving config's ``MambaInferenceStateConfig.mamba_chunk_size`` (Megatron-Core's chunk size of the
 inference SSD kernels; ``from_model`` copies the mixer's own), which changes the rounding only, not the result.
+On CUDA with Triton, prefill runs the Triton scan from the stored state (:mod:`megatron_core.ssm.ssd_scan_triton`,
+in its own chunk length) and decode the two fused kernels of :mod:`megatron_core.ssm.mamba_decode_triton`; the
+functions here stay the CPU path and the reference. Prefill chunks of a step are scanned one sequence at a time.
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core.ssm.causal_conv1d import causal_conv1d_silu
+from megatron_core.ssm.mamba_decode_triton import mamba_decode_step, mamba_decode_supported
 from megatron_core.ssm.ssd_scan import ssd_chunk_scan
+from megatron_core.ssm.ssd_scan_triton import ssd_chunk_scan_triton, ssd_scan_triton_supported
 
 __all__ = ["conv_prefill", "conv_step", "mixer_inference", "ssm_prefill", "ssm_step"]
+
+_TRITON_MAX_DIM = 256  # the Triton kernels' largest d_state
 
 
 def conv_prefill(conv_state: torch.Tensor, xBC: torch.Tensor, weight: torch.Tensor,
@@ -53,9 +60,17 @@ def conv_step(conv_state: torch.Tensor, xBC: torch.Tensor, weight: torch.Tensor,
 
 def ssm_prefill(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                 C: torch.Tensor, D: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SSD scan of one sequence's chunk from ``ssm_state`` ``[h, p, n]``: ``(y [1, n, h, p], new state)``."""
-    y, state = ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, initial_state=ssm_state.unsqueeze(0),
-                              return_final_state=True)
+    """The SSD scan of one sequence's chunk from ``ssm_state`` ``[h, p, n]``: ``(y [1, n, h, p], new state)``.
+
+    On CUDA with Triton the Triton scan runs forward from the state (in its own chunks, ``SCAN_BLOCKS["chunk"]``,
+    as in training); elsewhere the PyTorch scan in chunks of ``chunk_size``.
+    """
+    if ssd_scan_triton_supported(x, ssm_state, True) and B.shape[-1] <= _TRITON_MAX_DIM:
+        y, state = ssd_chunk_scan_triton(x, dt, A, B, C, D, initial_state=ssm_state.unsqueeze(0),
+                                         return_final_state=True)
+    else:
+        y, state = ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, initial_state=ssm_state.unsqueeze(0),
+                                  return_final_state=True)
     return y, state[0]
 
 
@@ -100,10 +115,11 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
 
     ``context.mamba_states_cache(layer_number)`` gives the layer's state slots and
     ``context.mamba_step_layout()`` the slots of the decode rows (the first ``nd`` rows, one token each,
-    advanced together by :func:`conv_step` and :func:`ssm_step`) and ``(first row, rows, slot)`` of each
-    prefill chunk (:func:`conv_prefill` behind its stored inputs, :func:`ssm_prefill` from its stored
-    state, scanned in chunks of the context's ``mamba_chunk_size``). The new states are written back into the
-    slots.
+    advanced together by :func:`conv_step` and :func:`ssm_step`, or on CUDA with Triton by the fused kernels of
+    :mod:`megatron_core.ssm.mamba_decode_triton`, which update the slots in place) and ``(first row, rows, slot)``
+    of each prefill chunk (:func:`conv_prefill` behind its stored inputs, :func:`ssm_prefill` from its stored
+    state, scanned in chunks of the context's ``mamba_chunk_size`` on the PyTorch path). The new states are
+    written back into the slots.
     """
     if getattr(getattr(mixer, "cp", None), "cp_size", 1) > 1:
         raise ValueError(f"MambaMixer inference with context parallelism (cp_size={mixer.cp.cp_size}) is not supported")
@@ -119,7 +135,12 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
     weight, bias = mixer.conv1d_weight, mixer.conv1d_bias
     out = rows.new_empty(rows.shape[0], d_inner)
     nd = decode_slots.numel()
-    if nd:
+    if nd and mamba_decode_supported(rows, conv_states, ssm_states):
+        # x, B, C and dt read in place from in_proj's rows; the slots updated in place.
+        y = mamba_decode_step(rows[:nd, d_inner:], rows[:nd, 2 * d_inner + 2 * bc:], decode_slots, conv_states,
+                              ssm_states, weight, bias, mixer.dt_bias, mixer.A_log, mixer.D, mixer.ngroups_local_tp)
+        out[:nd] = _gate_norm(mixer, y.reshape(nd, d_inner), z[:nd])
+    elif nd:
         xBC, conv = conv_step(conv_states[decode_slots], xBC_in[:nd], weight, bias)
         xs, dts, A, Bs, Cs, D = _scan_inputs(mixer, xBC[:, None], dt[:nd, None])
         y, ssm = ssm_step(ssm_states[decode_slots], xs[:, 0], dts[:, 0], A, Bs[:, 0], Cs[:, 0], D)

@@ -3,7 +3,8 @@
 Same function as :func:`megatron_core.ssm.ssd_scan.ssd_chunk_scan` (the CPU path and the reference). Forward
 (:mod:`~megatron_core.ssm.ssd_scan_triton_forward`): a sequential walk over the chunks per ``(batch x head,
 head_dim block, state_dim block)`` writes the state entering each chunk (fp32 ``[b, chunks, h, p, n]``, kept for
-the backward), then a chunk-parallel kernel computes each chunk's output. Backward
+the backward), then a chunk-parallel kernel computes each chunk's output. Inference prefill runs the same forward
+from a given initial state and gets the final state back (``initial_state`` / ``return_final_state``, no backward). Backward
 (:mod:`~megatron_core.ssm.ssd_scan_triton_backward`): a reverse walk writes the gradient of the state leaving each
 chunk, then two chunk-parallel kernels: ``dx`` with the ``dt``/``A``/``D`` terms per head, and ``dB``/``dC`` per
 group (its heads summed inside the program, no atomics), or both in one program per group (``bwd_fused``).
@@ -50,11 +51,13 @@ def ssd_scan_triton_supported(x: torch.Tensor, initial_state: torch.Tensor | Non
                               return_final_state: bool = False) -> bool:
     """Whether :func:`ssd_chunk_scan_triton` serves these inputs.
 
-    CUDA, bf16/fp16/fp32, ``head_dim`` and ``state_dim`` <= 256 (checked by the caller's shapes), no initial
-    state and no final state (the training path), Triton and ``torch.library.triton_op`` available.
+    CUDA, bf16/fp16/fp32, ``head_dim`` and ``state_dim`` <= 256 (checked by the caller's shapes), Triton and
+    ``torch.library.triton_op`` available. With an initial or a final state (inference prefill) the scan runs
+    forward only.
     """
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and initial_state is None
-            and not return_final_state and x.shape[-1] <= _MAX_DIM and _FORWARD_OP is not None and have_triton())
+    op = _FORWARD_OP if initial_state is None and not return_final_state else _FORWARD_STATE_OP
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.shape[-1] <= _MAX_DIM
+            and op is not None and have_triton())
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -73,6 +76,20 @@ def _stages(name: str, dtype: torch.dtype) -> int:
 
 def _forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              D: torch.Tensor, chunk: int, cb_scratch: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch_forward(x, dt, A, B, C, D, chunk, cb_scratch, None, None)
+
+
+def _forward_with_state(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                        D: torch.Tensor, initial_state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only, from ``initial_state`` ``[b, h, p, n]`` (contiguous): ``(y, final state fp32 [b, h, p, n])``."""
+    final = torch.empty(initial_state.shape, device=x.device, dtype=torch.float32)
+    y, _, _ = _launch_forward(x, dt, A, B, C, D, chunk, False, initial_state, final)
+    return y, final
+
+
+def _launch_forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                    D: torch.Tensor, chunk: int, cb_scratch: bool, initial_state: torch.Tensor | None,
+                    final: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, length, heads, head_dim = x.shape
     groups, state_dim = B.shape[2], B.shape[3]
     chunks = -(-length // chunk)
@@ -89,11 +106,15 @@ def _forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
             C.stride(1), C.stride(2), Q=chunk, BK=_block("fwd_k", state_dim), PREC=prec,
             num_warps=SCAN_BLOCKS["fwd_warps"], num_stages=_stages("fwd_stages", x.dtype))
     block_p, block_n = _block("state_p", head_dim), _block("state_n", state_dim)
+    # Without an initial / final state (training) ``states`` stands in for the unused pointers.
+    init = states if initial_state is None else initial_state
+    fin = states if final is None else final
     state_kernel[(batch * heads, -(-head_dim // block_p), -(-state_dim // block_n))](
-        x, dt, A, B, states, length, chunks, heads, heads // groups, head_dim, state_dim,
+        x, dt, A, B, states, init, fin, length, chunks, heads, heads // groups, head_dim, state_dim,
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2),
-        states.stride(0), states.stride(1), states.stride(2),
-        Q=chunk, BP=block_p, BN=block_n, PREC=prec, num_warps=SCAN_BLOCKS["state_warps"],
+        states.stride(0), states.stride(1), states.stride(2), init.stride(0), init.stride(1), fin.stride(0),
+        fin.stride(1), Q=chunk, BP=block_p, BN=block_n, PREC=prec, HAS_INIT=initial_state is not None,
+        HAS_FINAL=final is not None, num_warps=SCAN_BLOCKS["state_warps"],
         num_stages=_stages("state_stages", x.dtype))
     block_p = _block("fwd_p", head_dim)
     chunk_kernel[(batch * chunks, heads, -(-head_dim // block_p))](
@@ -165,6 +186,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
 
 # Registered at import where Triton is installed (the kernels are built on their first launch).
 _FORWARD_OP = triton_op("megatron_core::ssd_scan_forward", _forward)
+_FORWARD_STATE_OP = triton_op("megatron_core::ssd_scan_forward_with_state", _forward_with_state)
 _BACKWARD_OP = triton_op("megatron_core::ssd_scan_backward", _backward)
 
 
@@ -192,12 +214,15 @@ class _SSDScan(torch.autograd.Function):
 
 
 def ssd_chunk_scan_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                          D: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`~megatron_core.ssm.ssd_scan.ssd_chunk_scan` (no initial or final state) through the Triton kernels.
+                          D: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                          return_final_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~megatron_core.ssm.ssd_scan.ssd_chunk_scan` through the Triton kernels.
 
     ``x`` ``[b, l, h, p]``, ``dt`` ``[b, l, h]`` (any float dtype; fp32 inside), ``A`` ``[h]``, ``B``/``C``
     ``[b, l, g, n]`` (any strides with a unit last stride: slices of one projection are read in place),
-    ``D`` ``[h]`` or ``[h, p]``. Returns ``y`` in ``x``'s dtype; gradients flow to every input.
+    ``D`` ``[h]`` or ``[h, p]``. Returns ``y`` in ``x``'s dtype; gradients flow to every input. With
+    ``initial_state`` ``[b, h, p, n]`` (any float dtype, fp32 inside) or ``return_final_state`` (then
+    ``(y, final state fp32 [b, h, p, n])``) the scan runs forward only (inference prefill): no gradient.
     """
     heads, head_dim = x.shape[2], x.shape[3]
     groups, state_dim = B.shape[2], B.shape[3]
@@ -214,5 +239,18 @@ def ssd_chunk_scan_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
 
     dt32 = dt.float()
     dt32 = dt32 if dt32.stride(-1) == 1 and dt32.stride(1) == heads else dt32.contiguous()
-    y = _SSDScan.apply(unit_last(x), dt32, A.float().contiguous(), unit_last(B), unit_last(C), D_full)
-    return y
+    if initial_state is None and not return_final_state:
+        return _SSDScan.apply(unit_last(x), dt32, A.float().contiguous(), unit_last(B), unit_last(C), D_full)
+    batch = x.shape[0]
+    init = (initial_state.contiguous() if initial_state is not None
+            else torch.zeros(batch, heads, head_dim, state_dim, device=x.device, dtype=torch.float32))
+    if init.shape != (batch, heads, head_dim, state_dim):
+        raise ValueError(f"ssd_chunk_scan_triton: initial_state {tuple(init.shape)} must be "
+                         f"{(batch, heads, head_dim, state_dim)}")
+    chunk = SCAN_BLOCKS["chunk"]
+    if chunk not in (16, 32, 64, 128):
+        raise ValueError(f"SCAN_BLOCKS['chunk'] ({chunk}) must be 16, 32, 64 or 128")
+    with torch.no_grad():
+        y, final = _FORWARD_STATE_OP(unit_last(x), dt32, A.float().contiguous(), unit_last(B), unit_last(C),
+                                     D_full, init, chunk)
+    return (y, final) if return_final_state else y

@@ -1,7 +1,8 @@
 """The forward Triton kernels of the chunked SSD scan (launched by :mod:`megatron_core.ssm.ssd_scan_triton`).
 
 ``ssd_state_kernel`` walks the chunks in order per ``(batch x head, block of head_dim, block of state_dim)``
-and writes the fp32 state entering each chunk; ``ssd_chunk_forward_kernel`` computes one chunk's output per
+and writes the fp32 state entering each chunk (starting from zeros, or from a given initial state; optionally
+writing the state after the last chunk: the inference prefill's mode); ``ssd_chunk_forward_kernel`` computes one chunk's output per
 ``(batch x chunk, head, block of head_dim)`` with its ``state_dim`` products in a loop over blocks of ``BK``
 columns (few live tiles, pipelined loads). ``ssd_chunk_cb_kernel`` optionally writes each chunk's ``C B^T`` per
 group (fp32 scratch ``[b * chunks, g, Q, Q]``) once, for the heads of the group to read instead of recomputing it.
@@ -25,10 +26,14 @@ def forward_kernels() -> tuple[Any, Any, Any]:
     triton, tl = triton_modules()
 
     @triton.jit
-    def ssd_state_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, st_ptr, length, chunks, heads, heads_per_group, head_dim,
-                         state_dim, sx_b, sx_l, sx_h, sdt_b, sdt_l, sB_b, sB_l, sB_g, sst_b, sst_c, sst_h,
-                         Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
-        # The state entering each chunk: state_{c+1} = exp(last_c) state_c + sum_j exp(last_c - cum_j) dt_j x_j B_j^T.
+    def ssd_state_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, st_ptr, init_ptr, final_ptr, length, chunks, heads,
+                         heads_per_group, head_dim, state_dim, sx_b, sx_l, sx_h, sdt_b, sdt_l, sB_b, sB_l, sB_g,
+                         sst_b, sst_c, sst_h, sin_b, sin_h, sfin_b, sfin_h,
+                         Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+                         HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr):
+        # The state entering each chunk: state_{c+1} = exp(last_c) state_c + sum_j exp(last_c - cum_j) dt_j x_j B_j^T,
+        # from zeros or (HAS_INIT) the initial state [b, h, p, n]; HAS_FINAL: the state after the last chunk is
+        # written to final_ptr (fp32 [b, h, p, n]). Both state tensors have unit strides over (p, n) rows of n.
         bh = tl.program_id(0)
         b, h = bh // heads, bh % heads
         g = h // heads_per_group
@@ -41,9 +46,14 @@ def forward_kernels() -> tuple[Any, Any, Any]:
         x_base = x_ptr + b.to(tl.int64) * sx_b + h * sx_h
         B_base = B_ptr + b.to(tl.int64) * sB_b + g * sB_g
         st_base = st_ptr + b.to(tl.int64) * sst_b + h * sst_h + cols[:, None] * state_dim + ns[None, :]
-        state = tl.zeros([BP, BN], dtype=tl.float32)
+        tile = cols[:, None] * state_dim + ns[None, :]
+        tile_ok = col_ok[:, None] & n_ok[None, :]
+        if HAS_INIT:
+            state = tl.load(init_ptr + b.to(tl.int64) * sin_b + h * sin_h + tile, mask=tile_ok, other=0.0).to(tl.float32)
+        else:
+            state = tl.zeros([BP, BN], dtype=tl.float32)
         for c in range(chunks):
-            tl.store(st_base + c * sst_c, state, mask=col_ok[:, None] & n_ok[None, :])
+            tl.store(st_base + c * sst_c, state, mask=tile_ok)
             rows = c * Q + qs
             row_ok = rows < length
             dt = tl.load(dt_ptr + b.to(tl.int64) * sdt_b + rows * sdt_l + h, mask=row_ok, other=0.0).to(tl.float32)
@@ -55,6 +65,8 @@ def forward_kernels() -> tuple[Any, Any, Any]:
             last = tl.sum(a, 0)
             xw = (x.to(tl.float32) * (tl.exp(last - cum) * dt)[:, None]).to(x.dtype)
             state = state * tl.exp(last) + tl.dot(tl.trans(xw), Bm.to(x.dtype), input_precision=PREC)
+        if HAS_FINAL:
+            tl.store(final_ptr + b.to(tl.int64) * sfin_b + h * sfin_h + tile, state, mask=tile_ok)
 
     @triton.jit
     def ssd_chunk_cb_kernel(B_ptr, C_ptr, cb_ptr, length, chunks, groups, state_dim, sB_b, sB_l, sB_g, sC_b, sC_l,
