@@ -2,10 +2,15 @@
 
 Megatron-Core's ``fp8_param`` with Transformer Engine's ``Float8Tensor`` weights and its ``fp8_utils``
 helpers (:func:`quantize_param_shard`, :func:`copy_tensor_to_quantized_param`,
-:func:`dequantize_fp8_tensor`), for this library's tensorwise (current-scaling) recipe. An FP8 parameter
-is an ``nn.Parameter`` of dtype ``float8_e4m3fn`` (1 byte per element) carrying:
+:func:`dequantize_fp8_tensor`), for this library's tensorwise (current-scaling) recipe of the dense layers and
+the row-wise recipe of the MoE experts' grouped weights. An FP8 parameter is an ``nn.Parameter`` of dtype
+``float8_e4m3fn`` (1 byte per element) carrying:
 
-* ``fp8_scale``: a 0-dim fp32 tensor, the quantization multiplier (``value = fp8 / fp8_scale``);
+* ``fp8_scaling``: ``'tensorwise'`` (one scale, ``fp8_max / amax``, torchao's formula) or ``'rowwise'`` (one
+  power-of-two scale per row, i.e. per slice along the last dimension: per (expert, output feature) of an
+  expert weight ``[E, out, in]``; :func:`power_of_two_scale`, the scales the experts' FP8 grouped GEMM takes);
+* ``fp8_scale``: the fp32 quantization multiplier(s) (``value = fp8 / fp8_scale``): a 0-dim tensor
+  (tensorwise) or one per row, shape ``[numel // shape[-1]]`` (rowwise);
 * ``fp8_hp_dtype``: the high-precision dtype it replaces (the model's ``params_dtype``), which is the
   dtype of its gradient, of its checkpointed value and of the cast before quantization;
 * ``fp8_high_precision_init_val``: the initial high-precision value (on the CPU) until the distributed
@@ -15,7 +20,9 @@ The distributed optimizer keeps the fp32 main weights. After each step every dat
 its main shard to ``fp8_hp_dtype`` (as Megatron-Core does, so the numerics equal a high-precision
 parameter cast to FP8 in the forward), max-reduces the per-parameter amaxes over the data-parallel
 group, derives one scale per parameter (``fp8_max / amax``, torchao's tensorwise formula) and
-quantizes its shard straight into the 1-byte parameter buffer, which the all-gather then moves.
+quantizes its shard straight into the 1-byte parameter buffer, which the all-gather then moves. A row-wise
+parameter's shard may cover parts of rows: each rank takes the amax of every row its shard touches, and the
+per-row amax vectors of all row-wise parameters travel in the same single max-reduction as the tensorwise ones.
 
 It lives beside the DDP buffers that store these parameters (the FP8 layers, the optimizer and DDP all
 build on it), with the float8 cast primitives every FP8 recipe shares (:func:`fp8_max`, :func:`quantize`,
@@ -31,12 +38,14 @@ import torch
 from megatron_core._ground import get_pg_size
 from megatron_core.tensor_parallel.wgrad_accumulation import mark_gradient_into_main_grad
 
-__all__ = ["FP8_PARAM_BUFFER_DTYPE", "fp8_max", "quantize", "reduce_amax", "FP8_PARAM_DTYPE", "FP8_PARAM_RECIPES", "check_fp8_params_for_ddp",
-           "clear_high_precision_init_val", "copy_tensor_to_quantized_param", "dequantize_fp8_tensor", "is_fp8_param",
-           "main_param_shard", "make_fp8_param", "quantize_param_shard", "tensorwise_scale"]
+__all__ = ["FP8_PARAM_BUFFER_DTYPE", "fp8_max", "quantize", "reduce_amax", "FP8_PARAM_DTYPE", "FP8_PARAM_RECIPES",
+           "FP8_PARAM_SCALINGS", "check_fp8_params_for_ddp", "clear_high_precision_init_val",
+           "copy_tensor_to_quantized_param", "dequantize_fp8_tensor", "is_fp8_param", "main_param_shard",
+           "make_fp8_param", "power_of_two_scale", "quantize_param_shard", "tensorwise_scale"]
 
 FP8_PARAM_DTYPE = torch.float8_e4m3fn
 FP8_PARAM_RECIPES = ("tensorwise",)
+FP8_PARAM_SCALINGS = ("tensorwise", "rowwise")  # one scale per tensor (dense layers), per row (MoE experts)
 AMAX_EPS = 1e-12  # the smallest amax a scale is derived from (torchao's EPS)
 FP8_PARAM_BUFFER_DTYPE = torch.uint8  # the DDP parameter buffer of FP8 params (their raw bytes)
 
@@ -69,6 +78,37 @@ def tensorwise_scale(amax: torch.Tensor, dtype: torch.dtype = FP8_PARAM_DTYPE) -
     return (fp8_max(dtype) / amax.double().clamp(min=AMAX_EPS)).float()
 
 
+def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``2**floor(log2(448 / amax))`` (fp32), the factor that maps ``amax`` to at most e4m3's largest value: the
+    exponent bits of the correctly rounded quotient, so the floor is exact (``log2`` may round up to an integer
+    just below one)."""
+    ratio = fp8_max(FP8_PARAM_DTYPE) / amax.float().clamp(min=AMAX_EPS)
+    return ((ratio.view(torch.int32) >> 23) << 23).view(torch.float32)
+
+
+def _rowwise(param: torch.Tensor) -> bool:
+    return getattr(param, "fp8_scaling", "tensorwise") == "rowwise"
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, shape[-1]]``."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _scale_of(hp: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """The quantization multiplier(s) of the high-precision value ``hp``: per row or per tensor."""
+    if rowwise:
+        return power_of_two_scale(_rows(hp.detach()).abs().amax(-1).float())
+    return tensorwise_scale(_amax(hp))
+
+
+def _quantize_as(hp: torch.Tensor, scale: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """``hp`` quantized with ``scale`` (broadcast over each row when ``rowwise``), in ``hp``'s shape."""
+    if rowwise:
+        return quantize(_rows(hp), scale[:, None], FP8_PARAM_DTYPE).view(hp.shape)
+    return quantize(hp, scale, FP8_PARAM_DTYPE)
+
+
 def _amax(t: torch.Tensor) -> torch.Tensor:
     """``max |t|`` in fp32 (0 for an empty tensor)."""
     if t.numel() == 0:
@@ -76,12 +116,20 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     return t.detach().abs().amax().float()
 
 
-def make_fp8_param(weight: torch.nn.Parameter) -> torch.nn.Parameter:
-    """An FP8 parameter holding ``weight`` quantized with its own tensorwise scale (attributes copied)."""
+def make_fp8_param(weight: torch.nn.Parameter, scaling: str = "tensorwise") -> torch.nn.Parameter:
+    """An FP8 parameter holding ``weight`` quantized with its own ``scaling`` scale(s) (one of
+    :data:`FP8_PARAM_SCALINGS`; attributes copied)."""
+    if scaling not in FP8_PARAM_SCALINGS:
+        raise ValueError(f"make_fp8_param: scaling={scaling!r} must be one of {FP8_PARAM_SCALINGS}")
+    rowwise = scaling == "rowwise"
+    if rowwise and weight.dim() < 2:
+        raise ValueError(f"make_fp8_param: scaling='rowwise' needs a weight of 2 or more dimensions; got shape "
+                         f"{tuple(weight.shape)}")
     hp = weight.detach()
-    scale = tensorwise_scale(_amax(hp))
-    param = torch.nn.Parameter(quantize(hp, scale, FP8_PARAM_DTYPE), requires_grad=weight.requires_grad)
+    scale = _scale_of(hp, rowwise)
+    param = torch.nn.Parameter(_quantize_as(hp, scale, rowwise), requires_grad=weight.requires_grad)
     param.__dict__.update(weight.__dict__)
+    param.fp8_scaling = scaling
     param.fp8_scale = scale
     param.fp8_hp_dtype = weight.dtype
     param.fp8_high_precision_init_val = hp.to("cpu", copy=True)
@@ -102,18 +150,22 @@ def check_fp8_params_for_ddp(params: list[torch.Tensor], ddp_config: Any) -> Non
 
 def dequantize_fp8_tensor(fp8_tensor: torch.Tensor) -> torch.Tensor:
     """The high-precision value (``fp8_hp_dtype``) of an FP8 parameter."""
-    return (fp8_tensor.detach().float() / fp8_tensor.fp8_scale).to(fp8_tensor.fp8_hp_dtype)
+    codes = fp8_tensor.detach().float()
+    if _rowwise(fp8_tensor):
+        return (_rows(codes) / fp8_tensor.fp8_scale[:, None]).view(codes.shape).to(fp8_tensor.fp8_hp_dtype)
+    return (codes / fp8_tensor.fp8_scale).to(fp8_tensor.fp8_hp_dtype)
 
 
 @torch.no_grad()
 def copy_tensor_to_quantized_param(param: torch.Tensor, src: torch.Tensor) -> None:
-    """Quantize the high-precision ``src`` into FP8 parameter ``param`` with a fresh scale from its amax."""
+    """Quantize the high-precision ``src`` into FP8 parameter ``param`` with fresh scale(s) from its amax(es)."""
     if tuple(src.shape) != tuple(param.shape):
         raise ValueError(f"copy_tensor_to_quantized_param: source shape {tuple(src.shape)} differs from the FP8 "
                          f"parameter's {tuple(param.shape)}")
     hp = src.to(device=param.device, dtype=param.fp8_hp_dtype)
-    param.fp8_scale.copy_(tensorwise_scale(_amax(hp)))
-    param.data.copy_(quantize(hp, param.fp8_scale, FP8_PARAM_DTYPE))
+    rowwise = _rowwise(param)
+    param.fp8_scale.copy_(_scale_of(hp, rowwise))
+    param.data.copy_(_quantize_as(hp, param.fp8_scale, rowwise))
 
 
 def main_param_shard(param: torch.Tensor, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
@@ -131,17 +183,31 @@ def clear_high_precision_init_val(params: list[torch.Tensor]) -> None:
             param.fp8_high_precision_init_val = None
 
 
+def _row_block(shard: torch.Tensor, start: int, cols: int) -> tuple[int, int, torch.Tensor]:
+    """The rows ``[lo, hi)`` that the flat slice ``shard`` (elements ``[start, start + n)`` of a ``[rows, cols]``
+    tensor) touches, and those rows as ``[hi - lo, cols]``: a view when the slice covers whole rows, else a
+    zero-padded copy (zeros leave every row's amax unchanged)."""
+    lo, hi = start // cols, -(-(start + shard.numel()) // cols)
+    offset = start - lo * cols
+    if offset == 0 and shard.numel() == (hi - lo) * cols:
+        return lo, hi, shard.view(hi - lo, cols)
+    block = shard.new_zeros((hi - lo) * cols)
+    block[offset:offset + shard.numel()] = shard
+    return lo, hi, block.view(hi - lo, cols)
+
+
 @torch.no_grad()
 def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[torch.Tensor | None],
                          start_offsets: list[int], data_parallel_group: Any,
                          fsdp_shard_model_params: list[torch.Tensor] | None = None) -> None:
-    """Quantize each rank's main-weight shard into its FP8 parameter with a scale agreed over the DP group.
+    """Quantize each rank's main-weight shard into its FP8 parameter with scales agreed over the DP group.
 
     ``main_params[i]`` is this rank's flat slice of ``model_params[i]`` starting at ``start_offsets[i]``
     (``None`` where another rank owns every element). Every rank of ``data_parallel_group`` calls this
-    with the same ``model_params``: the amaxes (of the slices cast to ``fp8_hp_dtype``) are max-reduced
-    in one all-reduce, so every rank writes its bytes with the scale one process would compute on the
-    whole tensor. Only the owned bytes change; the all-gather of the parameter buffer completes them.
+    with the same ``model_params``: the amaxes (of the slices cast to ``fp8_hp_dtype``; one per tensorwise
+    parameter, one per row of a row-wise one, a row possibly split between ranks) are max-reduced in one
+    all-reduce, so every rank writes its bytes with the scales one process would compute on the whole tensor.
+    Only the owned bytes change; the all-gather of the parameter buffer completes them.
     """
     if fsdp_shard_model_params is not None:
         raise ValueError("quantize_param_shard: fsdp_shard_model_params is not supported (FP8 parameters need "
@@ -151,9 +217,33 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
     device = model_params[0].device
     shards = [None if main is None else main.detach().to(device=device, dtype=param.fp8_hp_dtype)
               for param, main in zip(model_params, main_params)]
-    amax = torch.stack([torch.zeros((), device=device) if s is None else _amax(s) for s in shards])
-    scales = tensorwise_scale(reduce_amax(amax, data_parallel_group))
-    for i, (param, shard, start) in enumerate(zip(model_params, shards, start_offsets)):
-        param.fp8_scale.copy_(scales[i])
+    amaxes, blocks = [], []
+    for param, shard, start in zip(model_params, shards, start_offsets):
+        if not _rowwise(param):
+            amaxes.append((torch.zeros((), device=device) if shard is None else _amax(shard)).reshape(1))
+            blocks.append(None)
+            continue
+        cols = param.shape[-1]
+        amax = torch.zeros(param.numel() // cols, dtype=torch.float32, device=device)
+        block = None
         if shard is not None and shard.numel():
-            param.detach().view(-1)[start:start + shard.numel()].copy_(quantize(shard, scales[i], FP8_PARAM_DTYPE))
+            block = _row_block(shard, start, cols)
+            lo, hi, rows = block
+            amax[lo:hi] = rows.abs().amax(-1).float()
+        amaxes.append(amax)
+        blocks.append(block)
+    reduced = reduce_amax(torch.cat(amaxes), data_parallel_group).split([a.numel() for a in amaxes])
+    for param, shard, start, amax, block in zip(model_params, shards, start_offsets, reduced, blocks):
+        flat = param.detach().view(-1)
+        if not _rowwise(param):
+            scale = tensorwise_scale(amax[0])
+            param.fp8_scale.copy_(scale)
+            if shard is not None and shard.numel():
+                flat[start:start + shard.numel()].copy_(quantize(shard, scale, FP8_PARAM_DTYPE))
+            continue
+        param.fp8_scale.copy_(power_of_two_scale(amax))
+        if block is not None:
+            lo, hi, rows = block
+            codes = quantize(rows, param.fp8_scale[lo:hi, None], FP8_PARAM_DTYPE).view(-1)
+            offset = start - lo * param.shape[-1]
+            flat[start:start + shard.numel()].copy_(codes[offset:offset + shard.numel()])

@@ -6,12 +6,27 @@ parameters, state-dict keys (``weight0 ..``) and expert-parallel layout; only th
 the dense layers use: it is the one FP8 grouped recipe the Hopper kernel has). On a GPU each expert's
 rows must start at a multiple of 16: the aligned layout of the experts provides that, and host-known
 counts are padded here. On a CPU, or with ``float8_emulate``, the GEMM is emulated in fp32.
+
+With ``fp8_param`` (:func:`megatron_core.fp8.convert_to_float8`) the weight is an FP8 parameter with row-wise scales
+(:mod:`megatron_core.distributed.fp8_params`) and the GEMM is
+:func:`megatron_core.fp8.fp8_param_grouped.fp8_param_grouped_gemm` (the stored codes, no cast of the weight). The
+layer then keeps its bytes through ``.to()`` / ``Float16Module``, saves each expert's dequantized weight under
+``weight{e}`` and re-quantizes what it loads.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from megatron_core.distributed.fp8_params import (
+    copy_tensor_to_quantized_param,
+    dequantize_fp8_tensor,
+    is_fp8_param,
+)
+from megatron_core.fp8.fp8_param_grouped import fp8_param_grouped_gemm
+from megatron_core.fp8.fp8_param_module import apply_keeping_fp8_params
 from megatron_core.fp8.grouped_gemm import ROW_ALIGN, fp8_grouped_gemm
 from megatron_core.transformer.moe.grouped_linear import (
     ColumnParallelGroupedLinear,
@@ -24,20 +39,51 @@ from megatron_core.transformer.moe.token_permutation import AlignedRows
 
 def _fp8_gemm(layer: torch.nn.Module, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows) -> torch.Tensor:
     emulate = layer.float8_emulate or x.device.type != "cuda"
+    gemm = fp8_param_grouped_gemm if is_fp8_param(layer.weight) else fp8_grouped_gemm
     if isinstance(tokens_per_expert, AlignedRows):
         if not emulate:
-            return fp8_grouped_gemm(x, layer.weight, ends=tokens_per_expert.ends)
+            return gemm(x, layer.weight, ends=tokens_per_expert.ends)
         tokens_per_expert = tokens_per_expert.counts.tolist()
     counts = list(tokens_per_expert)
     if emulate:
-        return fp8_grouped_gemm(x, layer.weight, counts=counts, emulate=True)
+        return gemm(x, layer.weight, counts=counts, emulate=True)
     if all(c % ROW_ALIGN == 0 for c in counts):
-        return fp8_grouped_gemm(x, layer.weight, counts=counts)
+        return gemm(x, layer.weight, counts=counts)
     padded_x, padded, index = pad_expert_rows(x, counts)
-    return unpad_expert_rows(fp8_grouped_gemm(padded_x, layer.weight, counts=padded), index)
+    return unpad_expert_rows(gemm(padded_x, layer.weight, counts=padded), index)
 
 
-class Float8ColumnParallelGroupedLinear(ColumnParallelGroupedLinear):
+class _Fp8ParamGroupedMixin:
+    """Module behaviour of a grouped layer whose weight may be an FP8 parameter (``fp8_param``)."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """The parent's ``_apply``, an FP8 weight keeping its bytes (see ``apply_keeping_fp8_params``)."""
+        return apply_keeping_fp8_params(self, super()._apply, fn, recurse)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """The parent's ``weight{e}`` entries, from the dequantized weight when it is an FP8 parameter."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if is_fp8_param(self.weight):
+            value = dequantize_fp8_tensor(self.weight)
+            for e in range(self.num_gemms):
+                destination[f"{prefix}weight{e}"] = value[e]
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        """The parent's load; an FP8 weight is loaded into its dequantized value and re-quantized from it."""
+        weight = self._parameters.get("weight")
+        if not is_fp8_param(weight):
+            super()._load_from_state_dict(state_dict, prefix, *args)
+            return
+        staging = torch.nn.Parameter(dequantize_fp8_tensor(weight), requires_grad=False)
+        self._parameters["weight"] = staging
+        try:
+            super()._load_from_state_dict(state_dict, prefix, *args)
+        finally:
+            self._parameters["weight"] = weight
+        copy_tensor_to_quantized_param(weight, staging.detach())
+
+
+class Float8ColumnParallelGroupedLinear(_Fp8ParamGroupedMixin, ColumnParallelGroupedLinear):
     """``ColumnParallelGroupedLinear`` (experts' fc1) whose grouped GEMM runs in FP8."""
 
     float8_emulate: bool = False
@@ -47,7 +93,7 @@ class Float8ColumnParallelGroupedLinear(ColumnParallelGroupedLinear):
         return _fp8_gemm(self, x, tokens_per_expert)
 
 
-class Float8RowParallelGroupedLinear(RowParallelGroupedLinear):
+class Float8RowParallelGroupedLinear(_Fp8ParamGroupedMixin, RowParallelGroupedLinear):
     """``RowParallelGroupedLinear`` (experts' fc2) whose grouped GEMM runs in FP8."""
 
     float8_emulate: bool = False

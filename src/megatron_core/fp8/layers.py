@@ -33,6 +33,7 @@ from megatron_core.fp8.delayed_scaling import (
     unpack_extra_state,
 )
 from megatron_core.fp8.fp8_param_linear import fp8_param_matmul
+from megatron_core.fp8.fp8_param_module import apply_keeping_fp8_params
 from megatron_core.fp8.grouped_layers import GROUPED_FP8_CLASSES
 from megatron_core.fp8.torchao_backend import (
     check_fp8_config,
@@ -82,24 +83,7 @@ class _Float8GemmMixin:
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """The parent's ``_apply`` (``.to()``, ``.cuda()``, ``.bfloat16()``, ``Float16Module``) except that an FP8
         parameter keeps its bytes: it follows the device, and a cast sets its high-precision dtype."""
-        names = list(self._parameters)
-        fp8 = {n: p for n, p in self._parameters.items() if is_fp8_param(p)}
-        for name in fp8:
-            del self._parameters[name]
-        try:
-            result = super()._apply(fn, recurse)
-        finally:
-            params = [(n, fp8[n] if n in fp8 else self._parameters[n]) for n in names]
-            self._parameters.clear()
-            self._parameters.update(params)
-        for param in fp8.values():
-            probe = fn(torch.empty(0, dtype=param.fp8_hp_dtype, device=param.device))
-            if probe.device != param.device:
-                param.data = param.data.to(probe.device)
-                param.fp8_scale = param.fp8_scale.to(probe.device)
-            if probe.dtype.is_floating_point:
-                param.fp8_hp_dtype = probe.dtype
-        return result
+        return apply_keeping_fp8_params(self, super()._apply, fn, recurse)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         """The parent's entries, an FP8 parameter's being its dequantized high-precision value."""
@@ -213,7 +197,9 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
     With ``config.fp8_param`` (``fp8_recipe='tensorwise'``) the converted dense layers' weights become FP8
     parameters (:mod:`megatron_core.distributed.fp8_params`, GEMM :mod:`megatron_core.fp8.fp8_param_linear`; no
     torchao needed), their input / output-gradient amaxes max-reduced over ``amax_reduction_group`` when
-    given (else each rank's own); the MoE experts keep high-precision weights. A later ``.to()`` /
+    given (else each rank's own); the MoE experts' grouped weights become FP8 parameters with one power-of-two
+    scale per (expert, output feature), the codes their FP8 grouped GEMM would cast in the forward
+    (:mod:`megatron_core.fp8.fp8_param_grouped`). A later ``.to()`` /
     ``Float16Module`` moves the FP8 bytes without casting them. Wrap the model in DDP with
     ``use_distributed_optimizer`` and ``fp8_param_gather``; the state dict holds the dequantized weights.
     """
@@ -253,6 +239,8 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
         sub.__class__ = new_cls
         sub.float8_emulate = emulate
         if new_cls in GROUPED_FP8_CLASSES.values():
+            if fp8_param:  # the experts' weights as FP8 parameters with the grouped GEMM's row-wise scales
+                sub.weight = make_fp8_param(sub.weight, scaling="rowwise")
             continue
         if fp8_param:
             _use_fp8_param(sub, config, amax_reduction_group)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from megatron_core.distributed.fp8_params import power_of_two_scale
 from megatron_core.fp8.cast_kernels import (
     fp8_cast_kernels_available,
     group_columnwise_cast_transposed,
@@ -40,16 +41,6 @@ def scaled_grouped_mm_supported(x: torch.Tensor) -> bool:
     """Whether the FP8 grouped-GEMM kernel serves ``x``: bf16 on a Hopper GPU (compute capability 9.x)."""
     return (_KERNEL is not None and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device)[0] == 9)
-
-
-def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
-    """``2**floor(log2(448 / amax))`` (fp32), the factor that maps ``amax`` to at most e4m3's largest value: the
-    exponent bits of the correctly rounded quotient, so the floor is exact (``log2`` may round up to an integer
-    just below one)."""
-    ratio = E4M3_MAX / amax.float().clamp(min=AMAX_EPS)
-    return ((ratio.view(torch.int32) >> 23) << 23).view(torch.float32)
-
-
 
 
 def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -83,6 +74,57 @@ def _group_columnwise_transposed(t: torch.Tensor, ends: torch.Tensor) -> tuple[t
     return codes.view(rows, cols).t().contiguous(), scale.reciprocal().reshape(-1)
 
 
+def quantize_weight_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert weight ``[E, out, in]`` as e4m3 codes with one power-of-two scale per output feature of each expert,
+    and the dequantizing scales ``[E, out]`` (what an FP8 parameter with row-wise scales stores)."""
+    if fp8_cast_kernels_available(weight) and weight.is_contiguous():
+        w_codes, w_scale = rowwise_cast(weight.view(-1, weight.shape[-1]))
+        return w_codes.view(weight.shape), w_scale.view(weight.shape[:-1])
+    return _rowwise(weight)
+
+
+def forward_gemm(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``cat_e(x_e @ W_e.T)``: ``x`` cast with one scale per row, against the given weight codes ``[E, out, in]`` and
+    dequantizing scales ``[E, out]``."""
+    if fp8_cast_kernels_available(x):
+        x_codes, x_scale = rowwise_cast(x)
+    else:
+        x_codes, x_scale = _rowwise(x)
+    return _KERNEL(x_codes, w_codes.transpose(-2, -1), x_scale, w_scale, offs=ends, out_dtype=x.dtype,
+                   use_fast_accum=True)
+
+
+def dgrad_gemm(grad: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, ends: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """``dx = cat_e(dy_e @ W_e)`` from the forward's weight codes (transposed once), their scales folded into ``dy``
+    before its row-wise cast."""
+    row_groups = _group_of_rows(ends, grad.shape[0], 1)
+    if fp8_cast_kernels_available(grad):
+        dy_codes, dy_scale = rowwise_cast(grad, w_scale, row_groups)
+    else:
+        dy_codes, dy_scale = _rowwise(grad.float() * w_scale[row_groups])
+    unit = w_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
+    if fp8_cast_kernels_available(w_codes):
+        w_codes_t = transpose_codes(w_codes)
+    else:
+        w_codes_t = w_codes.transpose(-2, -1).contiguous()
+    return _KERNEL(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, unit, offs=ends, out_dtype=out_dtype,
+                   use_fast_accum=True)
+
+
+def wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``dW_e = dy_e.T @ x_e`` (``[E, out, in]`` in ``x``'s dtype), both operands cast with one scale per column
+    within each expert's rows."""
+    if fp8_cast_kernels_available(grad) and x.is_contiguous():
+        row_groups = _group_of_rows(ends, grad.shape[0], 1)
+        dyt_codes, dyt_scale = group_columnwise_cast_transposed(grad, ends, row_groups)
+        xt_codes, xt_scale = group_columnwise_cast_transposed(x, ends, row_groups)
+    else:
+        dyt_codes, dyt_scale = _group_columnwise_transposed(grad, ends)
+        xt_codes, xt_scale = _group_columnwise_transposed(x, ends)
+    return _KERNEL(dyt_codes, xt_codes.t(), dyt_scale, xt_scale, offs=ends, out_dtype=x.dtype, use_fast_accum=True)
+
+
 class ScaledGroupedMm(torch.autograd.Function):
     """``cat_e(x_e @ weight[e].T)`` with e4m3 operands on Hopper; forward, data and weight gradient in FP8.
 
@@ -93,17 +135,10 @@ class ScaledGroupedMm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """The forward GEMM: rows of ``x`` and each expert's output features scaled separately."""
-        if fp8_cast_kernels_available(x) and weight.is_contiguous():
-            x_codes, x_scale = rowwise_cast(x)
-            w_codes, w_scale = rowwise_cast(weight.view(-1, weight.shape[-1]))
-            w_codes, w_scale = w_codes.view(weight.shape), w_scale.view(weight.shape[:-1])
-        else:
-            x_codes, x_scale = _rowwise(x)
-            w_codes, w_scale = _rowwise(weight)
+        w_codes, w_scale = quantize_weight_rowwise(weight)
         ctx.save_for_backward(x, w_codes, w_scale, ends)
         ctx.weight_dtype = weight.dtype
-        return _KERNEL(x_codes, w_codes.transpose(-2, -1), x_scale, w_scale, offs=ends, out_dtype=x.dtype,
-                       use_fast_accum=True)
+        return forward_gemm(x, w_codes, w_scale, ends)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
@@ -113,26 +148,7 @@ class ScaledGroupedMm(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            row_groups = _group_of_rows(ends, grad.shape[0], 1)
-            if fp8_cast_kernels_available(grad):
-                dy_codes, dy_scale = rowwise_cast(grad, w_scale, row_groups)
-            else:
-                dy_codes, dy_scale = _rowwise(grad.float() * w_scale[row_groups])
-            unit = w_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
-            if fp8_cast_kernels_available(w_codes):
-                w_codes_t = transpose_codes(w_codes)
-            else:
-                w_codes_t = w_codes.transpose(-2, -1).contiguous()
-            grad_x = _KERNEL(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, unit,
-                             offs=ends, out_dtype=x.dtype, use_fast_accum=True)
+            grad_x = dgrad_gemm(grad, w_codes, w_scale, ends, x.dtype)
         if ctx.needs_input_grad[1]:
-            if fp8_cast_kernels_available(grad) and x.is_contiguous():
-                row_groups = _group_of_rows(ends, grad.shape[0], 1)
-                dyt_codes, dyt_scale = group_columnwise_cast_transposed(grad, ends, row_groups)
-                xt_codes, xt_scale = group_columnwise_cast_transposed(x, ends, row_groups)
-            else:
-                dyt_codes, dyt_scale = _group_columnwise_transposed(grad, ends)
-                xt_codes, xt_scale = _group_columnwise_transposed(x, ends)
-            grad_w = _KERNEL(dyt_codes, xt_codes.t(), dyt_scale, xt_scale, offs=ends, out_dtype=x.dtype,
-                             use_fast_accum=True).to(ctx.weight_dtype)
+            grad_w = wgrad_gemm(grad, x, ends).to(ctx.weight_dtype)
         return grad_x, grad_w, None

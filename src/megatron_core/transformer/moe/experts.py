@@ -24,6 +24,7 @@ from megatron_core.activations import gated_linear_unit
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron_core.distributed.fp8_params import dequantize_fp8_tensor, is_fp8_param
 from megatron_core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.module import MegatronModule
@@ -222,13 +223,14 @@ class TEGroupedMLP(MegatronModule):
                 if param is None:
                     continue
                 sharded_tp = getattr(param, "tensor_model_parallel", False)
+                value = dequantize_fp8_tensor(param) if is_fp8_param(param) else param  # fp8_param: high precision
                 for i in range(self.num_local_experts):
                     offsets = (*sharded_offsets, (len(sharded_offsets), ep_rank * self.num_local_experts + i, num_global))
                     axis = len(offsets) + param.partition_dim - 1
                     tp_offsets = ((axis, tp_rank, tp_size),) if sharded_tp else ()
                     replica_id = (0, 0 if sharded_tp else tp_rank, dp_rank)
                     sh = ShardedTensor.from_rank_offsets(
-                        f"{prefix}experts.{layer_name}.{param_name}", param[i], *offsets, *tp_offsets,
+                        f"{prefix}experts.{layer_name}.{param_name}", value[i], *offsets, *tp_offsets,
                         replica_id=replica_id, prepend_axis_num=len(offsets),
                     )
                     if layer_name == "linear_fc1" and self.config.gated_linear_unit:

@@ -1,0 +1,177 @@
+"""The experts' FP8 grouped GEMM when their weight is an FP8 parameter (``fp8_param``, row-wise scales).
+
+:func:`megatron_core.fp8.grouped_gemm.fp8_grouped_gemm` casts the experts' high-precision weight ``[E, out, in]`` to
+e4m3 in every forward (one power-of-two scale per output feature of each expert) and the backward transposes those
+codes. With ``fp8_param`` the weight is stored as exactly those codes and scales
+(:func:`megatron_core.distributed.fp8_params.make_fp8_param` with ``scaling='rowwise'``; the distributed optimizer
+writes them once per step), and the GEMM here takes them as they are:
+
+* forward ``x_e @ W_e.T``: ``x`` cast with one scale per row, the stored codes and their dequantizing scales;
+* data gradient ``dy_e @ W_e``: the stored codes (transposed on the GPU by ``transpose_codes``), their scales folded
+  into ``dy`` before its row-wise cast;
+* weight gradient ``dy_e.T @ x_e``: as today (one scale per column within each expert's rows), in the parameter's
+  high-precision dtype, added to ``weight.main_grad`` (the DDP gradient buffer) by the backward; the weight's
+  autograd gradient is a placeholder that DDP's hook ignores, as for the dense FP8 parameters
+  (:mod:`megatron_core.fp8.fp8_param_linear`).
+
+So FP8-parameter training computes what FP8 experts with a high-precision weight cast in the forward compute. On a
+Hopper GPU with bf16 inputs the GEMMs are ``torch._scaled_grouped_mm`` (the casts and GEMMs of
+:mod:`megatron_core.fp8.scaled_grouped_mm`); elsewhere, or with ``emulate``, the same arithmetic in fp32. Traceable
+by ``torch.compile(fullgraph=True)``: the scale, ``main_grad`` and kind of placeholder gradient are read before the
+autograd function, and the ``main_grad`` addition is a custom op that mutates the buffer it is given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_core.fp8.fp8_param_linear import _placeholder, _placeholder_kind
+from megatron_core.fp8.grouped_gemm import group_ends, quantize_dequantize_e4m3
+from megatron_core.fp8.scaled_grouped_mm import (
+    ROW_ALIGN,
+    dgrad_gemm,
+    forward_gemm,
+    scaled_grouped_mm_supported,
+    wgrad_gemm,
+)
+from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
+
+__all__ = ["EmulatedFp8ParamGroupedGemm", "ScaledGroupedMmFp8Param", "fp8_param_grouped_gemm"]
+
+
+@torch.library.custom_op("megatron_core::fp8_grouped_add_to_main_grad_", mutates_args=("main_grad",))
+def _add_to_main_grad_op(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
+    main_grad.add_(grad)
+
+
+@_add_to_main_grad_op.register_fake
+def _(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
+    return None
+
+
+def _accumulate(weight: torch.Tensor, main_grad: torch.Tensor | None, grad_w: torch.Tensor,
+                placeholder: str) -> torch.Tensor | None:
+    """Add ``grad_w`` to ``main_grad``; the placeholder autograd gradient of ``weight``."""
+    if main_grad is None:
+        raise RuntimeError("an FP8 expert parameter (fp8_param=True) accumulates its gradient into main_grad: wrap "
+                           "the model in DistributedDataParallel with use_distributed_optimizer=True")
+    if torch.compiler.is_compiling():
+        torch.ops.megatron_core.fp8_grouped_add_to_main_grad_(main_grad, grad_w)
+        return _placeholder(weight, placeholder)
+    main_grad.add_(grad_w)
+    return finish_fused_weight_gradient(weight)
+
+
+def _save_main_grad(ctx: Any, weight: torch.Tensor, main_grad: torch.Tensor | None, placeholder: str | None) -> None:
+    # main_grad is not a saved tensor: it shares the version counter of DDP's whole buffer, which other layers'
+    # backward passes write before this one runs.
+    ctx.main_grad = getattr(weight, "main_grad", None) if main_grad is None else main_grad
+    ctx.placeholder = _placeholder_kind(weight) if placeholder is None else placeholder
+
+
+class EmulatedFp8ParamGroupedGemm(torch.autograd.Function):
+    """``cat_e(x_e @ W_e.T)`` for the FP8 expert parameter ``weight`` (codes ``[E, out, in]``, quantization multipliers
+    ``w_scale [E * out]``), emulated in fp32 with the arithmetic of
+    :class:`~megatron_core.fp8.grouped_gemm.EmulatedFp8GroupedGemm`; the weight gradient goes to ``main_grad`` in
+    ``hp_dtype``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int], w_scale: torch.Tensor,
+                hp_dtype: torch.dtype, main_grad: torch.Tensor | None = None,
+                placeholder: str | None = None) -> torch.Tensor:
+        """The product with the stored codes; ``x`` rounded through e4m3 per row."""
+        w_inverse = w_scale.detach().reciprocal().view(*weight.shape[:-1], 1)
+        _save_main_grad(ctx, weight, main_grad, placeholder)
+        ctx.counts, ctx.hp_dtype = counts, hp_dtype
+        ctx.save_for_backward(x, weight, w_inverse)
+        w_q = weight.float() * w_inverse
+        x_q = quantize_dequantize_e4m3(x, -1)
+        out = [xe @ w_q[e].t() for e, xe in enumerate(torch.split(x_q, counts, dim=0))]
+        return torch.cat(out, dim=0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        """Data gradient from the stored codes; weight gradient added to ``main_grad`` (placeholder returned)."""
+        x, weight, w_inverse = ctx.saved_tensors
+        counts = ctx.counts
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w_codes = weight.float()
+            grad_x = torch.cat([quantize_dequantize_e4m3(dy * w_inverse[e, :, 0], -1) @ w_codes[e]
+                                for e, dy in enumerate(torch.split(grad.float(), counts, dim=0))], dim=0).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            per_expert = []
+            for dy_e, x_e in zip(torch.split(grad, counts, dim=0), torch.split(x, counts, dim=0)):
+                if dy_e.shape[0] == 0:
+                    per_expert.append(x.new_zeros(weight.shape[1:], dtype=torch.float32))
+                    continue
+                per_expert.append(quantize_dequantize_e4m3(dy_e, 0).t() @ quantize_dequantize_e4m3(x_e, 0))
+            grad_w = _accumulate(weight, ctx.main_grad, torch.stack(per_expert).to(ctx.hp_dtype), ctx.placeholder)
+        return grad_x, grad_w, None, None, None, None, None
+
+
+class ScaledGroupedMmFp8Param(torch.autograd.Function):
+    """:class:`~megatron_core.fp8.scaled_grouped_mm.ScaledGroupedMm` with the weight given as e4m3 codes
+    ``[E, out, in]`` and quantization multipliers ``w_scale [E * out]`` (no cast of the weight); the weight gradient
+    (bf16, as the kernel writes it) is added to ``main_grad``. Callers check ``scaled_grouped_mm_supported`` first."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, w_scale: torch.Tensor,
+                main_grad: torch.Tensor | None = None, placeholder: str | None = None) -> torch.Tensor:
+        """The forward GEMM with the stored codes and their dequantizing scales."""
+        w_dequant = w_scale.detach().reciprocal().view(weight.shape[:-1])
+        _save_main_grad(ctx, weight, main_grad, placeholder)
+        ctx.save_for_backward(x, weight, w_dequant, ends)
+        return forward_gemm(x, weight.detach(), w_dequant, ends)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        """``dx`` from the stored codes, ``dW`` into ``main_grad``; both GEMMs in FP8."""
+        x, weight, w_dequant, ends = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = dgrad_gemm(grad, weight.detach(), w_dequant, ends, x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = _accumulate(weight, ctx.main_grad, wgrad_gemm(grad, x, ends), ctx.placeholder)
+        return grad_x, grad_w, None, None, None, None
+
+
+def fp8_param_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
+                           ends: torch.Tensor | None = None, emulate: bool = False) -> torch.Tensor:
+    """``cat_e(x_e @ weight[e].T)`` for an FP8 expert parameter ``weight`` (row-wise scales), differentiable, its
+    gradient added to ``weight.main_grad``.
+
+    Groups as in :func:`~megatron_core.fp8.grouped_gemm.fp8_grouped_gemm`: host ``counts`` or device int32 ``ends``;
+    on a Hopper GPU with bf16 ``x`` (unless ``emulate``) every group starts at a multiple of 16 rows.
+    """
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
+        raise ValueError(f"fp8_param_grouped_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be "
+                         "[N, in] and [E, out, in]")
+    if getattr(weight, "fp8_scaling", None) != "rowwise":
+        raise ValueError("fp8_param_grouped_gemm needs an FP8 parameter with row-wise scales "
+                         "(make_fp8_param(weight, scaling='rowwise'))")
+    main_grad, placeholder = getattr(weight, "main_grad", None), _placeholder_kind(weight)
+    if emulate or not scaled_grouped_mm_supported(x):
+        if counts is None:
+            if ends is None:
+                raise ValueError("fp8_param_grouped_gemm needs counts or ends")
+            counts = torch.diff(ends.to("cpu", torch.int64), prepend=torch.zeros(1, dtype=torch.int64)).tolist()
+        if sum(counts) != x.shape[0]:
+            raise ValueError(f"fp8_param_grouped_gemm: counts sum to {sum(counts)}, x has {x.shape[0]} rows")
+        return EmulatedFp8ParamGroupedGemm.apply(x, weight, list(counts), weight.fp8_scale, weight.fp8_hp_dtype,
+                                                 main_grad, placeholder)
+    if ends is None:
+        if counts is None:
+            raise ValueError("fp8_param_grouped_gemm needs counts or ends")
+        if any(c % ROW_ALIGN for c in counts):
+            raise ValueError(f"fp8_param_grouped_gemm: every expert's row count must be a multiple of {ROW_ALIGN} on "
+                             f"a GPU; got {list(counts)}")
+        ends = group_ends(counts, x.device)
+    if any(d % ROW_ALIGN for d in weight.shape[1:]) or x.shape[0] % ROW_ALIGN:
+        raise ValueError(f"fp8_param_grouped_gemm: the expert weight {tuple(weight.shape)} needs out and in, and x "
+                         f"{tuple(x.shape)} its row count, to be multiples of {ROW_ALIGN}")
+    return ScaledGroupedMmFp8Param.apply(x.contiguous(), weight, ends.to(torch.int32), weight.fp8_scale, main_grad,
+                                         placeholder)

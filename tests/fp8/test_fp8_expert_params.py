@@ -1,0 +1,322 @@
+"""FP8 parameters for the MoE experts (``fp8_param``): row-wise FP8 expert weights, on CPU (fp32 emulation).
+
+A tiny Mixtral-like MoE GPT (grouped experts, ``fp8_recipe='tensorwise'``) trains with Adam under DDP + the
+distributed optimizer. With ``fp8_param`` the experts' grouped weights are FP8 parameters holding, per (expert,
+output feature), the power-of-two scale and e4m3 codes their FP8 grouped GEMM casts in the forward from a
+high-precision weight, and the distributed optimizer writes them once per step (the dense layers' weights become
+tensorwise FP8 parameters, as before).
+
+* fp8_param against fp8_param=False (the experts' fp32 weights cast in every forward; torchao's tensorwise recipe
+  for the dense layers), 3 steps: the experts quantize the same values with the same scales, so their GEMMs give
+  the same numbers bit for bit; the dense FP8-parameter GEMMs differ from torchao's by fp32 summation order only
+  (ours pads the weight-gradient GEMM's token dimension to 16). Loss, logits and every parameter's gradient
+  (``main_grad``) at every step agree within 1e-6 relative to the tensor's largest value (fp32), the main weights
+  within 1e-6 absolute (Adam's first steps move each weight by about ``lr``, so a rounding-level difference in a
+  near-zero gradient may move one by up to ``0.1 * lr``: at most 1% of them, as tests/fp8/test_fp8_param.py
+  states). The expert FP8 bytes and scales after every step equal the codes and scales the forward casts from the
+  fp8_param=False run's weights.
+* DP=2 (each rank the same micro-batch, so that every FP8 scale, including the experts' per-column weight-gradient
+  scales taken over a rank's own rows, is that of one process) against one process: losses and main weights equal
+  within 1e-6 relative, FP8 bytes and scales equal; the per-row amax of a row split between two ranks' shards is
+  max-reduced (checked on its own with an uneven split: the bytes and scales of one process, exactly).
+* The expert weights are 1 byte per element, in the model and in the DDP expert buffer (uint8), and the GEMM reads
+  the stored codes (no weight cast in the forward).
+* Checkpoints: the state dict and the sharded (dist_checkpointing) state dict hold the dequantized expert weights;
+  loading them into a fresh fp8_param model re-quantizes them to the same bytes and scales; the distributed
+  optimizer's state round-trips, the next step continuing the run exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_core import dist_checkpointing, parallel_state
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron_core.distributed.fp8_params import (
+    dequantize_fp8_tensor,
+    is_fp8_param,
+    make_fp8_param,
+    quantize_param_shard,
+)
+from megatron_core.fp8 import convert_to_float8
+from megatron_core.fp8 import fp8_param_grouped as fpg
+from megatron_core.fp8.grouped_gemm import e4m3_codes
+from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+from tests.dist_harness import run_on_ranks
+from tests.transformer.moe.moe_parallel_utils import batches, build
+
+pytest.importorskip("torchao.float8")
+
+FP8 = dict(fp8="e4m3", fp8_recipe="tensorwise", moe_grouped_gemm=True, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
+STEPS = 3
+LR = 1e-2
+TOL = 1e-6
+MAIN_ATOL, MAIN_OFF_FRACTION, MAIN_MAX_ABS = 1e-6, 1e-2, 0.1 * LR
+EXPERT_KEYS = ("experts.linear_fc1.weight", "experts.linear_fc2.weight")
+
+
+def _build(fp8_param: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    model = build("mixtral", fp8_param=fp8_param, **FP8)
+    convert_to_float8(model, emulate=True)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, fp8_param_gather=fp8_param), model)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, use_distributed_optimizer=True), [ddp])
+    return model, ddp, opt
+
+
+def _step(model, ddp, opt, batch) -> dict:
+    """One training step; the loss, logits and every parameter's gradient (``main_grad``) before the update."""
+    ids, pos, labels = batch
+    opt.zero_grad()
+    ddp.zero_grad_buffer()
+    logits = ddp(ids, pos, None)
+    loss = ddp(ids, pos, None, labels=labels).float().mean()
+    loss.backward()
+    finalize_model_grads([ddp])
+    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+    assert opt.step()[0]
+    return dict(loss=loss.detach().clone(), logits=logits.detach().clone(), grads=grads)
+
+
+def _expert_fp8(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{name: (bytes, scales)}`` of the expert FP8 parameters."""
+    return {n: (p.detach().view(torch.uint8).clone(), p.fp8_scale.clone())
+            for n, p in model.named_parameters() if is_fp8_param(p) and n.endswith(EXPERT_KEYS)}
+
+
+def _forward_casts(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """What the FP8 grouped GEMM's forward casts from each (high-precision) expert weight: bytes and multipliers."""
+    out = {}
+    for n, p in model.named_parameters():
+        if n.endswith(EXPERT_KEYS):
+            codes, inverse = e4m3_codes(p.detach(), -1)
+            out[n] = (codes.to(torch.float8_e4m3fn).view(torch.uint8), inverse.reciprocal().reshape(-1))
+    return out
+
+
+def _main_weights(model, opt) -> dict[str, torch.Tensor]:
+    """The full fp32 main weights (each rank's slices assembled over the data-parallel group)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    owned = {}
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        for e in inner._entries():
+            owned[names[id(e.model_param)]] = (e.param_range.start, e.main_param.detach().clone())
+    group = parallel_state.get_data_parallel_group()
+    full = {}
+    for name, p in model.named_parameters():
+        flat = torch.zeros(p.numel())
+        if name in owned:
+            start, value = owned[name]
+            flat[start:start + value.numel()] = value
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(flat, group=group)
+        full[name] = flat
+    return full
+
+
+def _train(fp8_param: bool) -> dict:
+    model, ddp, opt = _build(fp8_param)
+    batch = batches(1)[0]
+    steps, fp8, casts = [], [], []
+    for _ in range(STEPS):
+        steps.append(_step(model, ddp, opt, batch))
+        fp8.append(_expert_fp8(model) if fp8_param else {})
+        casts.append({} if fp8_param else _forward_casts(model))
+    expert = [p for n, p in model.named_parameters() if n.endswith(EXPERT_KEYS)]
+    expert_buffers = [(b.param_data.dtype, b.param_data.numel()) for b in ddp.expert_parallel_buffers]
+    return dict(steps=steps, fp8=fp8, casts=casts, main=_main_weights(model, opt),
+                expert_bytes=[(p.dtype, p.element_size(), p.numel()) for p in expert], expert_buffers=expert_buffers)
+
+
+def _split_row_quantization() -> dict:
+    """A row-wise FP8 parameter quantized from two uneven shards (rows split between ranks) by quantize_param_shard."""
+    torch.manual_seed(5)
+    value = torch.randn(3, 24, 40) * torch.logspace(-2, 1, 24)[None, :, None]
+    param = make_fp8_param(torch.nn.Parameter(value.clone()), scaling="rowwise")
+    param.detach().zero_()
+    param.fp8_scale.zero_()
+    rank, cut = torch.distributed.get_rank(), 1013  # inside row 25 (of 72)
+    start, end = (0, cut) if rank == 0 else (cut, value.numel())
+    quantize_param_shard([param], [value.reshape(-1)[start:end]], [start], parallel_state.get_data_parallel_group())
+    bytes_ = param.detach().view(torch.uint8).reshape(-1).clone()
+    full = torch.zeros_like(bytes_)
+    full[start:end] = bytes_[start:end]
+    torch.distributed.all_reduce(full, group=parallel_state.get_data_parallel_group())  # each byte from its owner
+    return dict(bytes=full, scale=param.fp8_scale.clone(), want=make_fp8_param(torch.nn.Parameter(value),
+                                                                              scaling="rowwise"))
+
+
+def _dp_pool(ckpt: str | None) -> dict:
+    parallel_state.initialize_model_parallel()
+    try:
+        out = dict(train=_train(True))
+        if torch.distributed.get_world_size() == 2:
+            out["split"] = _split_row_quantization()
+        else:
+            out["hp"] = _train(False)
+            out["ckpt"] = _checkpoint(ckpt)
+        return out
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _checkpoint(ckpt: str) -> dict:
+    """State-dict and sharded round trips of an fp8_param MoE model, and the distributed optimizer's state."""
+    model, ddp, opt = _build(True)
+    batch = batches(1)[0]
+    _step(model, ddp, opt, batch)
+    saved = _expert_fp8(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    expert_entries = {k: v for k, v in state.items() if ".experts.linear_fc" in k and ".weight" in k}
+    dequantized = {n: dequantize_fp8_tensor(p) for n, p in model.named_parameters() if n.endswith(EXPERT_KEYS)}
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt)
+    opt_state = opt.state_dict()
+    after_save = _step(model, ddp, opt, batch)
+    after_fp8 = _expert_fp8(model)
+
+    fresh, fresh_ddp, fresh_opt = _build(True, seed=7)
+    before_load = _expert_fp8(fresh)
+    fresh.load_state_dict(state)
+    from_state_dict = _expert_fp8(fresh)
+    fresh2, fresh2_ddp, fresh2_opt = _build(True, seed=7)
+    fresh2.load_state_dict(dist_checkpointing.load(fresh2.sharded_state_dict(), ckpt))
+    from_sharded = _expert_fp8(fresh2)
+    fresh2_opt.load_state_dict(opt_state)
+    from_optimizer = _expert_fp8(fresh2)
+    resumed = _step(fresh2, fresh2_ddp, fresh2_opt, batch)
+    return dict(saved=saved, expert_entries=expert_entries, dequantized=dequantized, before_load=before_load,
+                from_state_dict=from_state_dict, from_sharded=from_sharded, from_optimizer=from_optimizer,
+                after_save=after_save, after_fp8=after_fp8, resumed=resumed, resumed_fp8=_expert_fp8(fresh2))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One DP=1 pool call (fp8_param and not, checkpoints) and one DP=2 pool call."""
+    ckpt = str(tmp_path_factory.mktemp("fp8_expert_ckpt"))
+    dp1 = run_on_ranks(1, _dp_pool, ckpt, timeout=280)[0]
+    dp2 = run_on_ranks(2, _dp_pool, None, timeout=280)
+    return dp1, dp2
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.abs().max().clamp(min=1e-30)
+    return ((got - want).abs().max() / scale).item()
+
+
+def _assert_main_close(got: dict, want: dict) -> None:
+    off = total = 0
+    for name, value in want.items():
+        diff = (got[name] - value).abs()
+        assert diff.max() <= MAIN_MAX_ABS, (name, diff.max())
+        off += int((diff > MAIN_ATOL).sum())
+        total += value.numel()
+    assert off <= MAIN_OFF_FRACTION * total, (off, total)
+
+
+def test_fp8_expert_params_equal_high_precision_experts_cast_in_forward(runs):
+    dp1, _ = runs
+    fp8, hp = dp1["train"], dp1["hp"]
+    for step, (got, want) in enumerate(zip(fp8["steps"], hp["steps"])):
+        assert _rel(got["loss"], want["loss"]) < TOL, (step, got["loss"], want["loss"])
+        assert _rel(got["logits"], want["logits"]) < TOL, step
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, grad in want["grads"].items():
+            assert grad.abs().max() > 0 or ".experts." not in name, name
+            assert _rel(got["grads"][name], grad) < TOL, (step, name, _rel(got["grads"][name], grad))
+    for step, (stored, cast) in enumerate(zip(fp8["fp8"], hp["casts"])):
+        assert stored.keys() == cast.keys() and len(stored) == 4  # fc1 and fc2 of both layers
+        for name, (bits, scale) in cast.items():
+            flips = int((stored[name][0] != bits).sum())
+            assert torch.equal(stored[name][1], scale), (step, name)
+            assert flips <= 1e-3 * bits.numel(), (step, name, flips)  # a main weight may differ by an fp32 ulp
+    _assert_main_close(fp8["main"], hp["main"])
+    assert fp8["steps"][-1]["loss"] < fp8["steps"][0]["loss"]  # it trains
+
+
+def test_fp8_expert_params_dp2_equal_one_process(runs):
+    dp1, dp2 = runs
+    ref = dp1["train"]
+    for rank in dp2:
+        got = rank["train"]
+        for a, b in zip(got["steps"], ref["steps"]):
+            assert _rel(a["loss"], b["loss"]) < TOL
+        for name, value in ref["main"].items():
+            assert _rel(got["main"][name], value) < TOL, name
+        for name, (bits, scale) in ref["fp8"][-1].items():
+            assert torch.equal(got["fp8"][-1][name][0], bits) and torch.equal(got["fp8"][-1][name][1], scale), name
+
+
+def test_row_split_between_ranks_quantizes_as_one_process(runs):
+    _, dp2 = runs
+    for rank in dp2:
+        split = rank["split"]
+        want = split["want"]
+        assert torch.equal(split["scale"], want.fp8_scale)
+        assert torch.equal(split["bytes"], want.detach().view(torch.uint8).reshape(-1))
+
+
+def test_fp8_expert_params_are_one_byte(runs):
+    dp1, dp2 = runs
+    for run in (dp1["train"], dp2[0]["train"]):
+        assert len(run["expert_bytes"]) == 4
+        assert all(dtype == torch.float8_e4m3fn and size == 1 for dtype, size, _ in run["expert_bytes"])
+        expert_numel = sum(numel for _, _, numel in run["expert_bytes"])
+        uint8 = [numel for dtype, numel in run["expert_buffers"] if dtype == torch.uint8]
+        assert len(uint8) == 1 and uint8[0] >= expert_numel, run["expert_buffers"]
+    hp = dp1["hp"]
+    assert all(size == 4 for _, size, _ in hp["expert_bytes"])  # fp32 experts without fp8_param
+
+
+def test_fp8_expert_params_checkpoint_round_trip(runs):
+    ck = runs[0]["ckpt"]
+    # The state dict holds each expert's dequantized weight (fp32) under weight{e}.
+    for name, value in ck["dequantized"].items():
+        prefix = name[:-len("weight")]
+        for e in range(value.shape[0]):
+            entry = ck["expert_entries"][f"{prefix}weight{e}"]
+            assert entry.dtype == torch.float32 and torch.equal(entry, value[e]), (name, e)
+    # A fresh model (another seed) loads them into the same bytes and scales: state dict and sharded checkpoint.
+    for name, (bits, scale) in ck["saved"].items():
+        assert not torch.equal(ck["before_load"][name][0], bits)
+        for loaded in (ck["from_state_dict"], ck["from_sharded"], ck["from_optimizer"]):
+            assert torch.equal(loaded[name][0], bits) and torch.equal(loaded[name][1], scale), name
+    # With the optimizer's state the next step continues the run exactly.
+    assert torch.equal(ck["resumed"]["loss"], ck["after_save"]["loss"])
+    for name, (bits, scale) in ck["after_fp8"].items():
+        assert torch.equal(ck["resumed_fp8"][name][0], bits) and torch.equal(ck["resumed_fp8"][name][1], scale)
+
+
+def test_grouped_gemm_reads_the_stored_codes(monkeypatch):
+    """The forward of an FP8 expert parameter casts the input only (the weight enters as its stored codes)."""
+    torch.manual_seed(0)
+    weight = make_fp8_param(torch.nn.Parameter(torch.randn(2, 32, 16) * 0.1), scaling="rowwise")
+    weight.main_grad = torch.zeros(2, 32, 16)
+    casts = []
+    original = fpg.quantize_dequantize_e4m3
+
+    def spy(t, dim):
+        casts.append(tuple(t.shape))
+        return original(t, dim)
+
+    monkeypatch.setattr(fpg, "quantize_dequantize_e4m3", spy)
+    x = torch.randn(24, 16)
+    with torch.no_grad():
+        out = fpg.fp8_param_grouped_gemm(x, weight, counts=[10, 14])
+    assert casts == [(24, 16)]
+    want = torch.cat([original(x[:10], -1) @ dequantize_fp8_tensor(weight)[0].t(),
+                      original(x[10:], -1) @ dequantize_fp8_tensor(weight)[1].t()])
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_fp8_expert_param_needs_main_grad():
+    weight = make_fp8_param(torch.nn.Parameter(torch.randn(2, 16, 16)), scaling="rowwise")
+    x = torch.randn(4, 16, requires_grad=True)
+    out = fpg.fp8_param_grouped_gemm(x, weight, counts=[2, 2])
+    with pytest.raises(RuntimeError, match="main_grad"):
+        out.sum().backward()
+    with pytest.raises(ValueError, match="scaling"):
+        make_fp8_param(torch.nn.Parameter(torch.randn(4)), scaling="rowwise")
+    with pytest.raises(ValueError, match="row-wise"):
+        fpg.fp8_param_grouped_gemm(x, make_fp8_param(torch.nn.Parameter(torch.randn(2, 16, 16))), counts=[2, 2])
