@@ -37,6 +37,7 @@ from megatron_core.activations import squared_relu
 from megatron_core.inference.apis import MegatronLLM
 from megatron_core.inference.config import InferenceConfig, MambaInferenceStateConfig
 from megatron_core.inference.sampling_params import SamplingParams
+from megatron_core.jit import have_triton
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_core.models.hybrid import HybridModel
 from megatron_core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
@@ -276,6 +277,9 @@ def main() -> None:
     if state_bytes:
         print(f"hybrid {args.pattern}: {weight_bytes / 1e9:.3f} GB of weights, Mamba states {state_bytes / 1e6:.1f} MB "
               "per request (read and written once per decode step in the floor)")
+        kernels = dev.type == "cuda" and have_triton()
+        print("Mamba layers: " + ("Triton prefill scan from the stored states, fused decode-step kernels" if kernels
+                                  else "PyTorch (conv_step / ssm_step, chunked scan)"))
     bandwidth = copy_bandwidth(dev)
     print(f"weights {weight_bytes / 1e9:.3f} GB, KV {kv_bytes_per_token} B/token, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
