@@ -7,7 +7,7 @@
   bf16 activations (bf16 or fp32 states) within 3e-2; groups < heads, ``D`` ``[h]`` and ``[h, p]``, slots in
   arbitrary order, the other slots untouched.
 * ``mixer_inference`` of a real ``MambaMixer`` (decode rows and prefill chunks in one step) through the kernels
-  equals its PyTorch path (fp32, 1e-5).
+  equals its PyTorch path (fp32, 1e-5): with the prefill chunks as one padded batch and one at a time.
 
 The interpreter rounds fp32 -> bf16 by truncation (Triton 3.9; the GPU rounds to nearest) and its ``tl.dot`` on
 bf16 operands is wrong, hence the wider bf16 bound and fp16 for the scan; tests/ssm/test_mamba_inference_gpu.py
@@ -94,26 +94,34 @@ import torch
 from megatron_core.ssm import mamba_inference
 from tests.inference.hybrid_fixture import build_hybrid
 
+# 3 decode rows, then prefill chunks: 7, 80 (two kernel chunks) and 60 rows, one padded batch; then 1, 1 and 80
+# rows, too much padding for one batch: one scan per chunk.
+LAYOUTS = ([(3, 7, 1), (10, 80, 4), (90, 60, 6)], [(3, 1, 1), (4, 1, 4), (5, 80, 6)])
+
 class Context:
-    def __init__(self, conv, ssm):
-        self.conv, self.ssm = conv, ssm
+    def __init__(self, conv, ssm, prefill):
+        self.conv, self.ssm, self.prefill = conv, ssm, prefill
     def mamba_states_cache(self, layer):
         return self.conv, self.ssm
-    def mamba_step_layout(self):  # 3 decode rows, then prefill chunks of 7 and 80 rows (two kernel chunks)
-        return torch.tensor([3, 0, 5]), [(3, 7, 1), (10, 80, 4)]
+    def mamba_step_layout(self):
+        return torch.tensor([3, 0, 5]), self.prefill
 
-def run(mixer, proj, conv, ssm, kernels):
+def run(mixer, proj, conv, ssm, prefill, kernels):
     saved = mamba_inference.mamba_decode_supported, mamba_inference.ssd_scan_triton_supported
     if kernels:  # the CUDA checks, passed on the CPU tensors the interpreter runs on
         mamba_inference.mamba_decode_supported = lambda *a: True
         mamba_inference.ssd_scan_triton_supported = lambda *a: True
     try:
         with torch.no_grad():
-            return mamba_inference.mixer_inference(mixer, proj, Context(conv, ssm))
+            context = Context(conv, ssm, prefill)
+            out = mamba_inference.mixer_inference(mixer, proj, context)
+            batched = getattr(context, "_mamba_prefill_batch_plan", None) is not None
+            assert batched == (kernels and prefill is LAYOUTS[0]), batched
+            return out
     finally:
         mamba_inference.mamba_decode_supported, mamba_inference.ssd_scan_triton_supported = saved
 
-for d_has_hdim in (False, True):
+for d_has_hdim, prefill in ((False, LAYOUTS[0]), (True, LAYOUTS[0]), (False, LAYOUTS[1])):
     mixer = build_hybrid("M", chunk_size=16, mamba_num_heads=6, mamba_state_dim=16).decoder.layers[0].mixer
     if d_has_hdim:
         mixer.D = torch.nn.Parameter(torch.randn(mixer.d_inner_local_tp))
@@ -121,13 +129,13 @@ for d_has_hdim in (False, True):
     gen = torch.Generator().manual_seed(0)
     h, p, n, g = mixer.nheads_local_tp, mixer.headdim, mixer.d_state, mixer.ngroups_local_tp
     assert g < h
-    proj = torch.randn(90, 1, 2 * h * p + 2 * g * n + h, generator=gen)
-    conv = torch.randn(7, mixer.conv1d_weight.shape[0], mixer.d_conv, generator=gen)
-    ssm = torch.randn(7, h, p, n, generator=gen)
+    proj = torch.randn(150, 1, 2 * h * p + 2 * g * n + h, generator=gen)
+    conv = torch.randn(8, mixer.conv1d_weight.shape[0], mixer.d_conv, generator=gen)
+    ssm = torch.randn(8, h, p, n, generator=gen)
     results = []
     for kernels in (True, False):
         c, s = conv.clone(), ssm.clone()
-        results.append((run(mixer, proj, c, s, kernels), c, s))
+        results.append((run(mixer, proj[:prefill[-1][0] + prefill[-1][1]], c, s, prefill, kernels), c, s))
     for name, got, want in zip(("out", "conv", "ssm"), *results):
         err = ((got - want).norm() / want.norm()).item()
         assert err < 1e-5, f"{name}: {err:.2e} (D_has_hdim={d_has_hdim})"

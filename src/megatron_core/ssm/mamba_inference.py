@@ -15,7 +15,9 @@ uses the serving config's ``MambaInferenceStateConfig.mamba_chunk_size`` (Megatr
 inference SSD kernels; ``from_model`` copies the mixer's own), which changes the rounding only, not the result.
 On CUDA with Triton, prefill runs the Triton scan from the stored state (:mod:`megatron_core.ssm.ssd_scan_triton`,
 in its own chunk length) and decode the two fused kernels of :mod:`megatron_core.ssm.mamba_decode_triton`; the
-functions here stay the CPU path and the reference. Prefill chunks of a step are scanned one sequence at a time.
+functions here stay the CPU path and the reference. On that path the prefill chunks of a step are convolved and
+scanned together as one padded batch (one Triton call) where the padding stays within
+:data:`~megatron_core.ssm.mamba_prefill_batch.MAX_PADDING_RATIO`, else one at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from megatron_core.ssm.causal_conv1d import causal_conv1d_silu
 from megatron_core.ssm.mamba_decode_triton import mamba_decode_step, mamba_decode_supported
+from megatron_core.ssm.mamba_prefill_batch import PrefillBatchPlan, prefill_batch_plan
 from megatron_core.ssm.ssd_scan import ssd_chunk_scan
 from megatron_core.ssm.ssd_scan_triton import ssd_chunk_scan_triton, ssd_scan_triton_supported
 
@@ -110,6 +113,27 @@ def _gate_norm(mixer: Any, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return (y.float() * F.silu(z.float())).to(y.dtype)
 
 
+def _batched_prefill(mixer: Any, plan: PrefillBatchPlan, xBC_in: torch.Tensor, dt: torch.Tensor, z: torch.Tensor,
+                     conv_states: torch.Tensor, ssm_states: torch.Tensor, out: torch.Tensor) -> None:
+    """Every prefill chunk of the step as one padded batch (:mod:`~megatron_core.ssm.mamba_prefill_batch`): one
+    convolution behind the stored inputs, one Triton scan from the stored states; states and ``out`` written."""
+    S, L = plan.chunks, plan.longest
+    kernel = mixer.conv1d_weight.shape[-1]
+    padded = torch.cat([xBC_in, xBC_in.new_zeros(1, xBC_in.shape[1])]).index_select(0, plan.gather).view(S, L, -1)
+    history = conv_states.index_select(0, plan.slots)[:, :, 1:].transpose(1, 2).to(padded.dtype)  # [S, K-1, ch]
+    full = torch.cat([history, padded], dim=1)
+    xBC = causal_conv1d_silu(full, mixer.conv1d_weight, mixer.conv1d_bias)[:, kernel - 1:]
+    new_conv = torch.gather(full, 1, plan.tail[:, :, None].expand(S, kernel, full.shape[2]))  # [S, K, ch]
+    conv_states.index_copy_(0, plan.slots, new_conv.transpose(1, 2).to(conv_states.dtype))
+    dt_padded = torch.cat([dt, dt.new_zeros(1, dt.shape[1])]).index_select(0, plan.gather).view(S, L, -1)
+    xs, dts, A, Bs, Cs, D = _scan_inputs(mixer, xBC, dt_padded)
+    y, final = ssd_chunk_scan_triton(xs, dts * plan.valid, A, Bs, Cs, D,
+                                     initial_state=ssm_states.index_select(0, plan.slots), return_final_state=True)
+    ssm_states.index_copy_(0, plan.slots, final.to(ssm_states.dtype))
+    y = y.reshape(S * L, -1).index_select(0, plan.src)
+    out.index_copy_(0, plan.dest, _gate_norm(mixer, y, z.index_select(0, plan.dest)).to(out.dtype))
+
+
 def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Tensor:
     """One step of ``mixer`` (a ``MambaMixer``): ``in_proj``'s output ``[T, 1, .]`` -> ``[T, 1, d_inner local]``.
 
@@ -118,8 +142,9 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
     advanced together by :func:`conv_step` and :func:`ssm_step`, or on CUDA with Triton by the fused kernels of
     :mod:`megatron_core.ssm.mamba_decode_triton`, which update the slots in place) and ``(first row, rows, slot)``
     of each prefill chunk (:func:`conv_prefill` behind its stored inputs, :func:`ssm_prefill` from its stored
-    state, scanned in chunks of the context's ``mamba_chunk_size`` on the PyTorch path). The new states are
-    written back into the slots.
+    state, scanned in chunks of the context's ``mamba_chunk_size`` on the PyTorch path; on the Triton path two or
+    more chunks go as one padded batch, :mod:`megatron_core.ssm.mamba_prefill_batch`, where padding stays within
+    its bound). The new states are written back into the slots.
     """
     if getattr(getattr(mixer, "cp", None), "cp_size", 1) > 1:
         raise ValueError(f"MambaMixer inference with context parallelism (cp_size={mixer.cp.cp_size}) is not supported")
@@ -147,6 +172,13 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
         conv_states.index_copy_(0, decode_slots, conv.to(conv_states.dtype))
         ssm_states.index_copy_(0, decode_slots, ssm.to(ssm_states.dtype))
         out[:nd] = _gate_norm(mixer, y.reshape(nd, d_inner), z[:nd])
+    plan = None
+    x_heads = x.reshape(x.shape[0], mixer.nheads_local_tp, mixer.headdim)  # what the scan's check reads
+    if prefill and ssd_scan_triton_supported(x_heads, ssm_states, True) and mixer.d_state <= _TRITON_MAX_DIM:
+        plan = prefill_batch_plan(context, prefill, rows.shape[0], weight.shape[-1], rows.device)
+    if plan is not None:
+        _batched_prefill(mixer, plan, xBC_in, dt, z, conv_states, ssm_states, out)
+        prefill = []
     for first, count, slot in prefill:
         seg = slice(first, first + count)
         xBC, conv = conv_prefill(conv_states[slot], xBC_in[None, seg], weight, bias)
