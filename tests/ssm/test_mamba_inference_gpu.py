@@ -5,7 +5,8 @@
 * The fused decode step against ``conv_step`` + ``ssm_step`` on the same device: fp32 within 1e-5, bf16
   activations and states within 1e-2; groups < heads, ``D`` ``[h]`` and ``[h, p]``, slots in arbitrary order,
   the other slots untouched; then replayed from a captured CUDA graph with new inputs and slots.
-* ``mixer_inference`` of a ``MambaMixer`` on CUDA (kernels) against its PyTorch path on the same device.
+* ``mixer_inference`` of a ``MambaMixer`` on CUDA (kernels; prefill chunks as one padded batch and one at a time)
+  against its PyTorch path on the same device.
 """
 
 from __future__ import annotations
@@ -124,9 +125,11 @@ def test_fused_decode_step_replays_in_a_cuda_graph() -> None:
         assert _rel(conv_states, want_conv) < 1e-5 and _rel(ssm_states, want_ssm) < 1e-5
 
 
+@pytest.mark.parametrize("prefill", [[(3, 7, 1), (10, 140, 4)], [(3, 1, 1), (4, 1, 4), (5, 145, 6)]],
+                         ids=["one_padded_batch", "chunk_by_chunk"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_mixer_inference_kernels_match_the_pytorch_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-                                                        tol: float) -> None:
+                                                        tol: float, prefill: list) -> None:
     from tests.inference.hybrid_fixture import build_hybrid
 
     mixer = build_hybrid("M", chunk_size=16, mamba_num_heads=6, mamba_state_dim=16).decoder.layers[0].mixer
@@ -134,8 +137,8 @@ def test_mixer_inference_kernels_match_the_pytorch_path(monkeypatch: pytest.Monk
     h, p, n, g = mixer.nheads_local_tp, mixer.headdim, mixer.d_state, mixer.ngroups_local_tp
     gen = torch.Generator().manual_seed(0)
     proj = torch.randn(150, 1, 2 * h * p + 2 * g * n + h, generator=gen).to(dtype).cuda()
-    conv = torch.randn(7, mixer.conv1d_weight.shape[0], mixer.d_conv, generator=gen).to(dtype).cuda()
-    ssm = torch.randn(7, h, p, n, generator=gen).to(dtype).cuda()
+    conv = torch.randn(8, mixer.conv1d_weight.shape[0], mixer.d_conv, generator=gen).to(dtype).cuda()
+    ssm = torch.randn(8, h, p, n, generator=gen).to(dtype).cuda()
 
     class Context:
         def __init__(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
@@ -145,7 +148,7 @@ def test_mixer_inference_kernels_match_the_pytorch_path(monkeypatch: pytest.Monk
             return self.conv, self.ssm
 
         def mamba_step_layout(self) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-            return torch.tensor([3, 0, 5], device="cuda"), [(3, 7, 1), (10, 140, 4)]
+            return torch.tensor([3, 0, 5], device="cuda"), prefill
 
     results = []
     for kernels in (True, False):

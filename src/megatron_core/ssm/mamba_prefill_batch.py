@@ -5,7 +5,8 @@ The dynamic context gives each prefill chunk of a step as ``(first row, rows, sl
 ``[chunks, longest, .]`` (padding rows read an appended zero row), convolved behind their stored inputs in one
 call and scanned in one Triton call from their stored states. A padding row's ``dt`` is set to zero, so it neither
 decays nor feeds the state: the final state of each sequence is its last real row's. The index tensors are built
-once per step on the host (one host-to-device copy) and kept on the context for the step's other Mamba layers.
+once per step on the host (copied from pinned memory without waiting on the device) and kept on the context for
+the step's other Mamba layers.
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def _build(prefill: list[tuple[int, int, int]], pad_row: int, kernel: int, devic
     tail = [[count - 1 + k for k in range(kernel)] for _, count, _ in prefill]
     host = [torch.tensor(v, dtype=torch.long) for v in (gather, [slot for _, _, slot in prefill], tail, src, dest)]
     host.append(torch.tensor(valid, dtype=torch.float32).view(chunks, longest, 1))
-    moved = [t.to(device) for t in host]
+    if device.type == "cuda":  # pinned, so the copies need not wait for the device
+        moved = [t.pin_memory().to(device, non_blocking=True) for t in host]
+    else:
+        moved = [t.to(device) for t in host]
     return PrefillBatchPlan(chunks, longest, pad_row, moved[0], moved[5], moved[1], moved[2], moved[3], moved[4])
 
 
