@@ -14,6 +14,14 @@ router produces; the ``RESULT`` line).
 
     PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --compile   # GPU: reference config + HF baseline
     PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --tiny      # CPU smoke test (fp32, tiny shapes)
+    PYTHONPATH=src python3 benchmarks/moe_fwd_bwd.py --compile --fp8 tensorwise:hybrid --fp8-param --skip-ours --no-hf
+
+``--fp8-param`` times the FP8 step twice more, each model wrapped in DDP with the distributed optimizer (one rank):
+with the experts' (and dense layers') high-precision weights cast in every forward, and with them stored as FP8
+parameters (``fp8_param``), which the optimizer step quantizes once per step. It prints each one's ``fwd+bwd``
+(gradient-buffer zeroing, forward, backward) and, separately, its optimizer step (``finalize_model_grads`` and the
+distributed optimizer's step; with ``fp8_param`` that step includes the quantization of the main weights into the
+FP8 parameters), and a ``RESULT`` line with both ratios: ``fwd+bwd`` alone and ``fwd+bwd`` + optimizer step.
 
 ``--compile`` compiles each layer's norms and attention and the loss (the MoE block has data-dependent
 shapes and runs eagerly with one grouped GEMM per projection). The last lines are ``RESULT`` lines.
@@ -76,12 +84,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--fp8", default=None, metavar="RECIPE:FORMAT",
                    help="also time our model in FP8 (e.g. tensorwise:hybrid; the experts use row-wise e4m3 scales)")
+    p.add_argument("--fp8-param", action="store_true",
+                   help="with --fp8 (tensorwise recipe): also time, under DDP with the distributed optimizer, the FP8 "
+                        "step with high-precision weights against FP8 parameters (fp8_param: experts' weights stored "
+                        "as e4m3 codes + row-wise scales); fwd+bwd and the optimizer step (which then does the weight "
+                        "casts) reported separately, and their sum")
     p.add_argument("--skip-ours", action="store_true", help="do not time our bf16 model")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
     p.add_argument("--grouped-gemm-backend", choices=["torch", "cutlass"], default=None,
                    help="the grouped experts' GEMM kernel (default: MEGATRON_CORE_MOE_GROUPED_GEMM, else torch); "
                         "cutlass: 128-row tiles on Hopper, built with nvcc on first use")
     args = p.parse_args()
+    if args.fp8_param and (args.fp8 is None or not args.fp8.startswith("tensorwise:")):
+        p.error("--fp8-param needs --fp8 tensorwise:FORMAT (fp8_param's recipe)")
     if args.tiny:
         args.layers, args.hidden, args.heads, args.query_groups, args.ffn = 2, 64, 4, 2, 128
         args.vocab, args.seq, args.mbs, args.steps, args.warmup = 256, 32, 2, 2, 1
@@ -102,8 +117,10 @@ def flops_per_token(args: argparse.Namespace) -> float:
     return 6 * active_parameters(args) + 12 * args.layers * args.hidden * args.seq
 
 
-def build_ours(args: argparse.Namespace, dtype: torch.dtype, fp8: tuple[str, str] | None = None) -> torch.nn.Module:
-    """Our MoE GPTModel; with ``fp8 = (recipe, format)`` its layer GEMMs (experts included) run in FP8."""
+def build_ours(args: argparse.Namespace, dtype: torch.dtype, fp8: tuple[str, str] | None = None,
+               fp8_param: bool = False) -> torch.nn.Module:
+    """Our MoE GPTModel; with ``fp8 = (recipe, format)`` its layer GEMMs (experts included) run in FP8, with
+    ``fp8_param`` their weights stored as FP8 parameters."""
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, normalization="RMSNorm",
@@ -111,7 +128,7 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype, fp8: tuple[str, str
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
         num_moe_experts=args.experts, moe_router_topk=args.topk, moe_grouped_gemm=not args.sequential,
         moe_aux_loss_coeff=args.aux_loss, moe_token_dispatcher_type="alltoall", apply_rope_fusion=not args.no_rope_fusion,
-        **({} if fp8 is None else dict(fp8=fp8[1], fp8_recipe=fp8[0])),
+        **({} if fp8 is None else dict(fp8=fp8[1], fp8_recipe=fp8[0], fp8_param=fp8_param)),
         **({} if args.capacity_factor is None else dict(moe_expert_capacity_factor=args.capacity_factor,
                                                          moe_pad_expert_input_to_capacity=True)),
     )
@@ -224,6 +241,59 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     return mfu
 
 
+def measure_fp8_param(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,
+                      labels: torch.Tensor) -> None:
+    """``--fp8-param``: the FP8 step under DDP + the distributed optimizer, weights cast in the forward against FP8
+    parameters; fwd+bwd and the optimizer step (which quantizes the FP8 parameters) timed separately."""
+    from fp8_param_step import init_distributed
+    from gpt_fwd_bwd import report_flops
+
+    from megatron_core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    init_distributed()
+    fp8 = tuple(args.fp8.split(":"))
+    times = {}
+    for fp8_param in (False, True):
+        torch._dynamo.reset()
+        model = build_ours(args, dtype, fp8, fp8_param=fp8_param)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, fp8_param_gather=fp8_param), model)
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-5, bf16=dtype == torch.bfloat16,
+                                                     use_distributed_optimizer=True, clip_grad=1.0), [ddp])
+
+        def fwd_bwd(ddp: torch.nn.Module = ddp) -> None:
+            ddp.zero_grad_buffer()
+            ddp(ids, position_ids, None, labels=labels).mean().backward()
+
+        def optimizer_step(ddp: torch.nn.Module = ddp, opt: object = opt) -> None:
+            finalize_model_grads([ddp])
+            opt.step()
+
+        if mdevice.get_current_device().type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        label = f"fp8 {args.fp8} DDP+distopt" + (" fp8_param" if fp8_param else " (hp weights)")
+        fb = time_steps(fwd_bwd, args)
+        report_flops(label + " fwd+bwd", fb, args, flops_per_token(args), width=48)
+        fwd_bwd()
+        step = time_steps(optimizer_step, args)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        print(f"{label + ' optimizer step':<48} {step * 1e3:9.1f} ms  (fwd+bwd + step {(fb + step) * 1e3:.1f} ms; "
+              f"parameter bytes {weights / 1e9:.3f} GB)", flush=True)
+        times[fp8_param] = (fb, step)
+        del model, ddp, opt
+        gc.collect()
+        if mdevice.get_current_device().type == "cuda":
+            torch.cuda.empty_cache()
+    (hp_fb, hp_step), (fp_fb, fp_step) = times[False], times[True]
+    print(f"RESULT fp8_param {args.fp8}: fwd+bwd {hp_fb / fp_fb:.3f}x the FP8 step with high-precision weights; "
+          f"fwd+bwd + optimizer step {(hp_fb + hp_step) / (fp_fb + fp_step):.3f}x", flush=True)
+
+
 def main() -> None:
     args = parse_args()
     if args.grouped_gemm_backend is not None:
@@ -252,6 +322,8 @@ def main() -> None:
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if args.fp8_param:
+        measure_fp8_param(args, dtype, ids, position_ids, labels)
 
     for routing in ("even", "router"):
         counts = expert_counts(args, routing)
