@@ -356,27 +356,25 @@ def _hp_and_fp8_param_paths(x, w, dy, ends, compile_backend: str | None) -> tupl
     from megatron_core.fp8 import scaled_grouped_mm as sgm
 
     def hp_step(x, w):
-        out = sgm.ScaledGroupedMm.apply(x, w, ends)
-        out.backward(dy)
-        return out.detach()
+        return sgm.ScaledGroupedMm.apply(x, w, ends)
 
     def fp8_step(x, w, main_grad):
-        out = fpg.ScaledGroupedMmFp8Param.apply(x, w, ends, w.fp8_scale, main_grad, "empty")
-        out.backward(dy)
-        return out.detach()
+        return fpg.ScaledGroupedMmFp8Param.apply(x, w, ends, w.fp8_scale, main_grad, "empty")
 
     if compile_backend is not None:
         hp_step = torch.compile(hp_step, backend=compile_backend, fullgraph=True)
         fp8_step = torch.compile(fp8_step, backend=compile_backend, fullgraph=True)
     x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
     out1 = hp_step(x1, w1)
+    out1.backward(dy)
     x2 = x.clone().requires_grad_()
     w2 = make_fp8_param(torch.nn.Parameter(w.clone()), scaling="rowwise")
     w2.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     w2.grad_added_to_main_grad = False
     out2 = fp8_step(x2, w2, w2.main_grad)
+    out2.backward(dy)
     assert w2.grad is not None and w2.grad.dtype == torch.float8_e4m3fn  # a placeholder (DDP's hook drops it)
-    return (out1, x1.grad, w1.grad.float()), (out2, x2.grad, w2.main_grad)
+    return (out1.detach(), x1.grad, w1.grad.float()), (out2.detach(), x2.grad, w2.main_grad)
 
 
 @pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
@@ -408,3 +406,22 @@ def test_hopper_fp8_param_grouped_gemm_equals_the_bf16_weight_path(compile_backe
     for got, want in zip(fp8[1:], hp[1:]):
         error = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert error < 1e-2, error
+
+
+def test_fp8_expert_params_keep_their_bytes_through_a_dtype_cast():
+    """``Float16Module`` (``.to(bfloat16)``) leaves the experts' FP8 bytes and scales as they are and makes bf16 their
+    high-precision dtype (of their gradients and of their checkpointed values)."""
+    from megatron_core.transformer.module import Float16Module
+
+    torch.manual_seed(0)
+    model = build("mixtral", fp8_param=True, bf16=True, **FP8)
+    convert_to_float8(model, emulate=True)
+    before = _expert_fp8(model)
+    assert len(before) == 4
+    wrapped = Float16Module(model.config, model)
+    for name, (bits, scale) in _expert_fp8(model).items():
+        assert torch.equal(bits, before[name][0]) and torch.equal(scale, before[name][1]), name
+        assert model.get_parameter(name).fp8_hp_dtype == torch.bfloat16
+    state = wrapped.state_dict()
+    entries = [k for k in state if ".experts.linear_fc" in k and ".weight" in k]
+    assert len(entries) == 4 * 4 and all(state[k].dtype == torch.bfloat16 for k in entries)
