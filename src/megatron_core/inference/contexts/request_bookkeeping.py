@@ -4,8 +4,8 @@ Part of :class:`~.dynamic_context.DynamicInferenceContext` (Megatron-Core keeps 
 enters with :meth:`RequestBookkeeping.add_request`, grows block by block as the engine schedules its tokens
 (:meth:`~RequestBookkeeping.grow_request`), has its cached length advanced after each forward
 (:meth:`~RequestBookkeeping.commit_step`) and leaves with :meth:`~RequestBookkeeping.release_request`.
-``block_tables_version`` changes whenever any request's block list does (the CUDA-graph inputs re-copy
-their tables only then).
+``block_tables_version`` changes whenever any request's block list does (with the rows' request ids it tells
+the CUDA-graph inputs when their block tables must be copied again).
 
 With prefix caching a request may enter holding cached blocks of another request's prompt (pinned in the
 allocator, counted as already cached tokens), and each of its own prompt blocks is registered under its hash
