@@ -8,7 +8,8 @@ with Transformer Engine 2 or without it.
 
 The FP8-parameter helpers Megatron-Core's distributed optimizer calls (``is_float8tensor``,
 ``dequantize_fp8_tensor``, ``quantize_param_shard``, ``copy_tensor_to_quantized_param``) are those of
-:mod:`megatron_core.distributed.fp8_params`, for this library's FP8 parameters (``fp8_param``).
+:mod:`megatron_core.distributed.fp8_params`, for this library's FP8 parameters (``fp8_param``: tensorwise scales
+for the dense layers, row-wise for the MoE experts' grouped weights).
 """
 
 from __future__ import annotations

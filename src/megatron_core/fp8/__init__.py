@@ -7,7 +7,8 @@ MoE experts' grouped GEMMs.
 and :mod:`megatron_core.fp8.grouped_layers`. torchao is imported only when a model is converted with a
 torchao recipe (and, for the experts, when their FP8 grouped GEMM first runs on a GPU). With ``fp8_param``
 (``'tensorwise'``) the converted weights are stored in FP8 (:mod:`megatron_core.distributed.fp8_params`, GEMM
-:mod:`megatron_core.fp8.fp8_param_linear`), updated by the distributed optimizer.
+:mod:`megatron_core.fp8.fp8_param_linear`; the experts' with row-wise scales, GEMM
+:mod:`megatron_core.fp8.fp8_param_grouped`), updated by the distributed optimizer.
 """
 
 from megatron_core.fp8.delayed_linear import DelayedFloat8Matmul, delayed_float8_matmul

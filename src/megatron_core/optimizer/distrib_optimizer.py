@@ -17,7 +17,8 @@ CPU: gradients are copied there, the step runs there, and the results are copied
 
 FP8 parameters (``fp8_param``, :mod:`megatron_core.distributed.fp8_params`) get fp32 main weights from their
 high-precision initial values; after each step every rank quantizes its main shards into their bytes
-with per-parameter scales agreed over the DP group (``quantize_param_shard``), and the all-gather moves
+with per-parameter scales agreed over the DP group (``quantize_param_shard``: one per tensorwise parameter,
+one per row of a row-wise one such as the MoE experts', all in one all-reduce), and the all-gather moves
 the 1-byte buffer.
 
 ``state_dict`` holds this rank's shard state plus metadata (param names, shapes, flat ranges, DP
