@@ -6,6 +6,8 @@
   and written in place in the slot tensors by slot index) against ``conv_step`` + ``ssm_step``: fp32 within 1e-5,
   bf16 activations (bf16 or fp32 states) within 3e-2; groups < heads, ``D`` ``[h]`` and ``[h, p]``, slots in
   arbitrary order, the other slots untouched.
+* The fused decode step compiled by ``torch.compile(fullgraph=True)`` (a custom op mutating the slot tensors)
+  equals the eager step, outputs and states.
 * ``mixer_inference`` of a real ``MambaMixer`` (decode rows and prefill chunks in one step) through the kernels
   equals its PyTorch path (fp32, 1e-5): with the prefill chunks as one padded batch and one at a time.
 
@@ -90,6 +92,32 @@ check(4, 8, 2, 16, 4, True, torch.bfloat16, torch.bfloat16, 3e-2, 2)   # bf16 ac
 check(4, 8, 1, 16, 4, False, torch.bfloat16, torch.float32, 3e-2, 3)   # bf16 activations, fp32 states, one group
 """
 
+_COMPILED = """
+import torch
+from megatron_core.ssm.mamba_decode_triton import mamba_decode_step
+
+gen = torch.Generator().manual_seed(0)
+h, p, g, n, K = 4, 8, 2, 16, 4
+d_inner, ch = h * p, h * p + 2 * g * n
+proj = torch.randn(3, d_inner + ch + h, generator=gen)
+conv_states, ssm_states = torch.randn(6, ch, K, generator=gen), torch.randn(6, h, p, n, generator=gen)
+params = (torch.randn(ch, 1, K, generator=gen), torch.randn(ch, generator=gen), torch.randn(h, generator=gen),
+          torch.rand(h, generator=gen), torch.randn(h, generator=gen))
+
+def step(proj, conv_states, ssm_states, slots):
+    y = mamba_decode_step(proj[:, d_inner:], proj[:, d_inner + ch:], slots, conv_states, ssm_states, *params, g)
+    return y * 2
+
+slots = torch.tensor([4, 0, 2])
+eager = [conv_states.clone(), ssm_states.clone()]
+want = step(proj, *eager, slots)
+compiled = [conv_states.clone(), ssm_states.clone()]
+got = torch.compile(step, fullgraph=True)(proj, *compiled, slots)
+assert torch.equal(got, want)
+assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])  # the slots updated in place
+assert not torch.equal(compiled[1], ssm_states)
+"""
+
 _MIXER = """
 import torch
 from megatron_core.ssm import mamba_inference, ssd_scan_triton
@@ -153,6 +181,13 @@ def test_triton_scan_from_a_state_in_the_interpreter() -> None:
 @needs_triton
 def test_fused_decode_step_in_the_interpreter() -> None:
     run_in_triton_interpreter(_DECODE)
+
+
+@needs_triton
+def test_fused_decode_step_under_torch_compile_in_the_interpreter() -> None:
+    """What ``compile_decode_graphs`` relies on: traced whole (``fullgraph``) as a custom op that mutates the slot
+    tensors, the compiled step gives the eager step's output and states."""
+    run_in_triton_interpreter(_COMPILED)
 
 
 @needs_triton
