@@ -22,8 +22,10 @@ tensorwise FP8 parameters, as before).
 * The expert weights are 1 byte per element, in the model and in the DDP expert buffer (uint8), and the GEMM reads
   the stored codes (no weight cast in the forward).
 * Checkpoints: the state dict and the sharded (dist_checkpointing) state dict hold the dequantized expert weights;
-  loading them into a fresh fp8_param model re-quantizes them to the same bytes and scales; the distributed
-  optimizer's state round-trips, the next step continuing the run exactly.
+  loading them into a fresh fp8_param model re-quantizes them to the same values; the distributed optimizer's state
+  round-trips (``state_dict`` and, through ``save_checkpoint`` / ``load_checkpoint``, the model-space sharded state
+  of the chained dense and expert optimizers, the experts' in per-expert slices), the next step continuing the run
+  exactly.
 """
 
 from __future__ import annotations
@@ -193,9 +195,39 @@ def _checkpoint(ckpt: str) -> dict:
     fresh2_opt.load_state_dict(opt_state)
     from_optimizer = _expert_fp8(fresh2)
     resumed = _step(fresh2, fresh2_ddp, fresh2_opt, batch)
-    return dict(saved=saved, expert_entries=expert_entries, dequantized=dequantized, before_load=before_load,
+    training = _training_checkpoint(ckpt + "_training")
+    return dict(training=training, saved=saved, expert_entries=expert_entries, dequantized=dequantized, before_load=before_load,
                 from_state_dict=from_state_dict, from_sharded=from_sharded, from_optimizer=from_optimizer,
                 after_save=after_save, after_fp8=after_fp8, resumed=resumed, resumed_fp8=_expert_fp8(fresh2))
+
+
+def _optimizer_state(opt) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{name: (main weight shard, exp_avg)}`` of every parameter of the chained (dense, expert) optimizers."""
+    out = {}
+    for inner in opt.chained_optimizers:
+        for e in inner._entries():
+            state = inner.optimizer.state.get(e.main_param, {})
+            out[e.name] = (e.main_param.detach().clone(), state["exp_avg"].clone())
+    return out
+
+
+def _training_checkpoint(ckpt: str) -> dict:
+    """``save_checkpoint`` / ``load_checkpoint`` with the chained dense and expert distributed optimizers: main
+    weights and moments (the experts' in per-expert slices), FP8 bytes and the next step."""
+    from megatron_core.training.checkpointing import load_checkpoint, save_checkpoint
+
+    model, ddp, opt = _build(True)
+    batch = batches(1)[0]
+    _step(model, ddp, opt, batch)
+    save_checkpoint(ckpt, 1, [ddp], opt, None)
+    saved, saved_fp8 = _optimizer_state(opt), _expert_fp8(model)
+    after = _step(model, ddp, opt, batch)
+    fresh, fresh_ddp, fresh_opt = _build(True, seed=7)
+    load_checkpoint(ckpt, [fresh_ddp], fresh_opt, None, load_rng=False)
+    loaded, loaded_fp8 = _optimizer_state(fresh_opt), _expert_fp8(fresh)
+    resumed = _step(fresh, fresh_ddp, fresh_opt, batch)
+    return dict(saved=saved, loaded=loaded, saved_fp8=saved_fp8, loaded_fp8=loaded_fp8, after=after["loss"],
+                resumed=resumed["loss"])
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +334,16 @@ def test_fp8_expert_params_checkpoint_round_trip(runs):
             assert torch.equal(_values(*loaded[name]), _values(bits, scale)), name
         loaded = ck["from_optimizer"][name]
         assert torch.equal(loaded[0], bits) and torch.equal(loaded[1], scale), name
+    # save_checkpoint / load_checkpoint with the distributed optimizers: every main weight and moment (the experts'
+    # included) comes back, the FP8 bytes are those the main weights give, and the next step continues exactly.
+    training = ck["training"]
+    assert training["saved"].keys() == training["loaded"].keys()
+    assert sum(".experts." in n for n in training["saved"]) == 4
+    for name, (main, exp_avg) in training["saved"].items():
+        assert torch.equal(training["loaded"][name][0], main) and torch.equal(training["loaded"][name][1], exp_avg)
+    for name, (bits, scale) in training["saved_fp8"].items():
+        assert torch.equal(training["loaded_fp8"][name][0], bits) and torch.equal(training["loaded_fp8"][name][1], scale)
+    assert torch.equal(training["resumed"], training["after"])
     # With the optimizer's state the next step continues the run exactly.
     assert torch.equal(ck["resumed"]["loss"], ck["after_save"]["loss"])
     for name, (bits, scale) in ck["after_fp8"].items():

@@ -43,13 +43,23 @@ class ParamStateEntry:
     param_range: tuple[int, int] | None = None
 
 
-def model_params_and_paths(model_sharded_state_dict: dict) -> tuple[list[torch.Tensor], dict[int, Any], dict[int, str]]:
+def model_params_and_paths(model_sharded_state_dict: dict) -> tuple[list[torch.Tensor], dict[int, Any], dict[int, Any]]:
     """Parameters in state-dict order, their sharded tensors and their (unique, local) state-dict paths.
 
-    Layers stacked on a global axis share one ShardedTensor key, so the path names the entry.
+    Layers stacked on a global axis share one ShardedTensor key, so the path names the entry. A parameter saved as
+    slices along its first dimension (the grouped experts' ``weight [E, ..]``, one entry per expert, each naming
+    ``sliced_param`` and its ``slice_index``) has ``{index: sharded tensor}`` and ``{index: path}`` instead.
     """
     params, sharded, paths = [], {}, {}
     for path, sh in nested_items_iter(model_sharded_state_dict):
+        whole = getattr(sh, "sliced_param", None)
+        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and isinstance(whole, torch.nn.Parameter):
+            if id(whole) not in sharded:
+                params.append(whole)
+                sharded[id(whole)], paths[id(whole)] = {}, {}
+            sharded[id(whole)][sh.slice_index] = sh
+            paths[id(whole)][sh.slice_index] = ".".join(map(str, path))
+            continue
         # An FSDP2 parameter's entry holds its local rows; ``fsdp_param`` is the DTensor parameter. An FP8
         # parameter's entry holds its dequantized value; ``fp8_param`` is the parameter.
         param = getattr(sh, "fsdp_param", getattr(sh, "fp8_param", getattr(sh, "data", None)))
@@ -107,21 +117,39 @@ def build_sharded_state(opt: Any, model_sharded_state_dict: dict, is_loading: bo
         names = sorted(set(names) | {MAIN_PARAM})
     states: dict[str, Any] = {}
     for e in entries:
-        per_param = {}
+        values = {}
         for name in names:
             if is_loading:
                 local = local_tensor(e.model_param)
-                value = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+                values[name] = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
             else:
-                value = opt._checkpoint_full(e, _main_space_value(opt, e, name))
-            per_param[name] = make_sharded_optimizer_tensor(sharded[id(e.model_param)], value, f"optimizer.state.{name}")
-        states[paths[id(e.model_param)]] = per_param
-    opt._checkpoint_param_paths = {paths[id(p)]: p for p in params}
+                values[name] = opt._checkpoint_full(e, _main_space_value(opt, e, name))
+        sh, path = sharded[id(e.model_param)], paths[id(e.model_param)]
+        if isinstance(sh, dict):  # saved as slices along dim 0: the states too
+            for i in sorted(sh):
+                states[path[i]] = {name: make_sharded_optimizer_tensor(sh[i], value[i], f"optimizer.state.{name}")
+                                   for name, value in values.items()}
+        else:
+            states[path] = {name: make_sharded_optimizer_tensor(sh, value, f"optimizer.state.{name}")
+                            for name, value in values.items()}
+    opt._checkpoint_param_paths = {_path_key(paths[id(p)]): p for p in params}
     leaf: dict[str, Any] = {"state": states, "step": 0 if is_loading else max(collectives.all_gather_object(_step(opt)))}
     scaler = getattr(opt, "grad_scaler", None)
     if scaler is not None:
         leaf["grad_scaler"] = scaler.state_dict()
     return leaf
+
+
+def _path_key(path: str | dict[int, str]) -> str | tuple[str, ...]:
+    """A parameter's path, or the paths of its slices in order."""
+    return tuple(path[i] for i in sorted(path)) if isinstance(path, dict) else path
+
+
+def _loaded_states(states: dict[str, Any], path: str | tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The loaded states of the parameter at ``path`` (a sliced parameter's slices stacked along dim 0)."""
+    if not isinstance(path, tuple):
+        return states[path]
+    return {name: torch.stack([states[p][name] for p in path]) for name in states[path[0]]}
 
 
 def load_model_space_state(opt: Any, leaf: dict[str, Any]) -> None:
@@ -138,7 +166,7 @@ def load_model_space_state(opt: Any, leaf: dict[str, Any]) -> None:
             continue
         state: dict[str, Any] = {}
         main = local_tensor(e.main)
-        for name, full in leaf["state"][path_by_param[id(e.model_param)]].items():
+        for name, full in _loaded_states(leaf["state"], path_by_param[id(e.model_param)]).items():
             value = opt._checkpoint_local(e, full).reshape(main.shape).to(main.device)
             if name == MAIN_PARAM:
                 main.data.copy_(value)

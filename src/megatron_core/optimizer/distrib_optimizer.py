@@ -372,12 +372,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata, state_names)
 
     def _checkpoint_entries(self, model_params: list[torch.Tensor]) -> list[ParamStateEntry]:
-        """Every trainable parameter, with this rank's slice (``main=None`` where it owns none): the
-        assembly is collective, so every DP rank lists the same parameters."""
+        """Every trainable parameter of this optimizer's DDP buffers, with this rank's slice (``main=None`` where it
+        owns none): the assembly is collective, so every DP rank lists the same parameters. (A chained dense and
+        expert optimizer pair thus write disjoint keys.)"""
         owned = {id(e.model_param): e for e in self._entries()}
+        mine = {id(p) for buffers in self.per_model_buffers.values() for buffer in buffers for p in buffer.params}
         out = []
         for p in model_params:
-            if not p.requires_grad:
+            if not p.requires_grad or id(p) not in mine:
                 continue
             e = owned.get(id(p))
             out.append(ParamStateEntry(p, None) if e is None else

@@ -235,6 +235,7 @@ class TEGroupedMLP(MegatronModule):
                     )
                     if layer_name == "linear_fc1" and self.config.gated_linear_unit:
                         sh = apply_swiglu_sharded_factory(sh)
+                    sh.sliced_param, sh.slice_index = param, i  # the optimizer's state is saved in the same slices
                     out[f"{prefix}{layer_name}.{param_name}{i}"] = sh
         return out
 
