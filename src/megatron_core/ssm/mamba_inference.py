@@ -156,7 +156,7 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
     bc = mixer.ngroups_local_tp * mixer.d_state
     d_inner = mixer.d_inner_local_tp
     z, x, B, C, dt = torch.split(rows, [d_inner, d_inner, bc, bc, mixer.nheads_local_tp], dim=-1)
-    xBC_in = torch.cat([x, B, C], dim=-1)  # [T, channels]
+    xBC_in = rows[:, d_inner:2 * d_inner + 2 * bc]  # x, B, C: adjacent columns of in_proj's output [T, channels]
     weight, bias = mixer.conv1d_weight, mixer.conv1d_bias
     out = rows.new_empty(rows.shape[0], d_inner)
     nd = decode_slots.numel()
@@ -173,8 +173,8 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
         ssm_states.index_copy_(0, decode_slots, ssm.to(ssm_states.dtype))
         out[:nd] = _gate_norm(mixer, y.reshape(nd, d_inner), z[:nd])
     plan = None
-    x_heads = x.reshape(x.shape[0], mixer.nheads_local_tp, mixer.headdim)  # what the scan's check reads
-    if prefill and ssd_scan_triton_supported(x_heads, ssm_states, True) and mixer.d_state <= _TRITON_MAX_DIM:
+    if prefill and mixer.d_state <= _TRITON_MAX_DIM and ssd_scan_triton_supported(
+            x.unflatten(-1, (mixer.nheads_local_tp, mixer.headdim)), ssm_states, True):
         plan = prefill_batch_plan(context, prefill, rows.shape[0], weight.shape[-1], rows.device)
     if plan is not None:
         _batched_prefill(mixer, plan, xBC_in, dt, z, conv_states, ssm_states, out)
