@@ -15,10 +15,15 @@ tensorwise FP8 parameters, as before).
   near-zero gradient may move one by up to ``0.1 * lr``: at most 1% of them, as tests/fp8/test_fp8_param.py
   states). The expert FP8 bytes and scales after every step equal the codes and scales the forward casts from the
   fp8_param=False run's weights.
+  Measured: all equal (losses, logits, gradients, main weights, expert bytes and scales).
 * DP=2 (each rank the same micro-batch, so that every FP8 scale, including the experts' per-column weight-gradient
   scales taken over a rank's own rows, is that of one process) against one process: losses and main weights equal
   within 1e-6 relative, FP8 bytes and scales equal; the per-row amax of a row split between two ranks' shards is
   max-reduced (checked on its own with an uneven split: the bytes and scales of one process, exactly).
+* EP=2 (alltoall dispatcher; the dense layers DP=2 on the same micro-batch; weights loaded from the one-process
+  model's globals): losses within 1e-6 relative of one process, the local experts' scales equal and their bytes
+  but 0.1% (an fp32 summation-order difference may move a main weight across a rounding boundary). Measured: DP=2
+  and EP=2 losses, main weights and bytes all equal to one process.
 * The expert weights are 1 byte per element, in the model and in the DDP expert buffer (uint8), and the GEMM reads
   the stored codes (no weight cast in the forward).
 * Checkpoints: the state dict and the sharded (dist_checkpointing) state dict hold the dequantized expert weights;
@@ -35,7 +40,7 @@ import copy
 import pytest
 import torch
 
-from megatron_core import dist_checkpointing, parallel_state
+from megatron_core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron_core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -52,7 +57,7 @@ from megatron_core.fp8 import fp8_param_grouped as fpg
 from megatron_core.fp8.grouped_gemm import e4m3_codes
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.dist_harness import run_on_ranks
-from tests.transformer.moe.moe_parallel_utils import batches, build
+from tests.transformer.moe.moe_parallel_utils import batches, build, global_tensors, load_globals
 
 pytest.importorskip("torchao.float8")
 
@@ -64,9 +69,10 @@ MAIN_ATOL, MAIN_OFF_FRACTION, MAIN_MAX_ABS = 1e-6, 1e-2, 0.1 * LR
 EXPERT_KEYS = ("experts.linear_fc1.weight", "experts.linear_fc2.weight")
 
 
-def _build(fp8_param: bool, seed: int = 0):
-    torch.manual_seed(seed)
-    model = build("mixtral", fp8_param=fp8_param, **FP8)
+def _build(fp8_param: bool, seed: int = 0, model=None):
+    if model is None:
+        torch.manual_seed(seed)
+        model = build("mixtral", fp8_param=fp8_param, **FP8)
     convert_to_float8(model, emulate=True)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, fp8_param_gather=fp8_param), model)
@@ -157,6 +163,25 @@ def _split_row_quantization() -> dict:
                 want_scale=want.fp8_scale)
 
 
+def _ep2_train() -> dict:
+    """EP=2 (alltoall dispatcher, the dense layers DP=2, each rank the same micro-batch) from the global weights of
+    the one-process model: losses and the local experts' FP8 bytes and scales."""
+    torch.manual_seed(0)
+    globals_ = global_tensors(build("mixtral", fp8_param=True, **FP8))  # the weights _build(True) starts from
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    try:
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        model = build("mixtral", fp8_param=True, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                      **FP8)
+        load_globals(model, globals_)
+        model, ddp, opt = _build(True, model=model)
+        batch = batches(1)[0]
+        losses = [_step(model, ddp, opt, batch)["loss"] for _ in range(STEPS)]
+        return dict(losses=losses, fp8=_expert_fp8(model), rank=parallel_state.get_expert_model_parallel_rank())
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def _dp_pool(ckpt: str | None) -> dict:
     parallel_state.initialize_model_parallel()
     try:
@@ -166,9 +191,11 @@ def _dp_pool(ckpt: str | None) -> dict:
         else:
             out["hp"] = _train(False)
             out["ckpt"] = _checkpoint(ckpt)
-        return out
     finally:
         parallel_state.destroy_model_parallel()
+    if torch.distributed.get_world_size() == 2:
+        out["ep2"] = _ep2_train()
+    return out
 
 
 def _checkpoint(ckpt: str) -> dict:
@@ -287,6 +314,22 @@ def test_fp8_expert_params_dp2_equal_one_process(runs):
             assert _rel(got["main"][name], value) < TOL, name
         for name, (bits, scale) in ref["fp8"][-1].items():
             assert torch.equal(got["fp8"][-1][name][0], bits) and torch.equal(got["fp8"][-1][name][1], scale), name
+
+
+@pytest.mark.slow  # the module's two rank pools (DP=1, DP=2): ~30 s on 2 busy cores
+def test_fp8_expert_params_ep2_equal_one_process(runs):
+    dp1, dp2 = runs
+    ref = dp1["train"]
+    for rank in dp2:
+        got = rank["ep2"]
+        for a, b in zip(got["losses"], ref["steps"]):
+            assert _rel(a, b["loss"]) < TOL, (a, b["loss"])
+        local = slice(2 * got["rank"], 2 * got["rank"] + 2)  # 4 experts, 2 per rank
+        for name, (bits, scale) in ref["fp8"][-1].items():
+            want_bits, want_scale = bits[local], scale.view(4, -1)[local].reshape(-1)
+            flips = int((got["fp8"][name][0] != want_bits).sum())
+            assert torch.equal(got["fp8"][name][1], want_scale), name
+            assert flips <= 1e-3 * want_bits.numel(), (name, flips)
 
 
 @pytest.mark.slow  # the module's two rank pools (DP=1, DP=2): ~30 s on 2 busy cores
