@@ -1,10 +1,12 @@
-"""The hybrid engine's CPU tests run again with the Mamba layers on the GPU path's kernels, in Triton's interpreter.
+"""The hybrid engine's CPU tests run again with the Mamba layers on the GPU path's kernels, in Triton's
+interpreter.
 
 ``mixer_inference`` is made to take its CUDA path on CPU tensors (the fused decode step, the Triton prefill scan
-from the stored states and the padded prefill batch), and three tests of test_hybrid_dynamic_engine.py (waiting
-requests; chunked prefill with pauses and evictions; the padded CUDA-graph decode layout with the scratch slot)
-must still give the plain loop's greedy tokens, fp32, with both kernels called. The plain loop's full forward
-stays on the PyTorch path, so the kernels are checked against the reference end to end.
+from the stored states, the padded prefill batch and the gated RMSNorm kernel), and three tests of
+test_hybrid_dynamic_engine.py (waiting requests; chunked prefill with pauses and evictions; the padded CUDA-graph
+decode layout with the scratch slot) must still give the plain loop's greedy tokens, fp32, with the decode and
+scan kernels called. The plain loop's full forward stays on the PyTorch path, so the kernels are checked against
+the reference end to end.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class KernelsOnCpu:
 
         monkeypatch.setattr(mamba_inference, "mamba_decode_supported", lambda *a: True)
         monkeypatch.setattr(mamba_inference, "ssd_scan_triton_supported", lambda *a: True)
+        monkeypatch.setattr(mamba_inference, "gated_rmsnorm_supported", lambda *a: True)
         monkeypatch.setattr(mamba_inference, "mamba_decode_step", counted_decode)
         monkeypatch.setattr(mamba_inference, "ssd_chunk_scan_triton", counted_scan)
 

@@ -5,6 +5,7 @@
 * The fused decode step against ``conv_step`` + ``ssm_step`` on the same device: fp32 within 1e-5, bf16
   activations and states within 1e-2; groups < heads, ``D`` ``[h]`` and ``[h, p]``, slots in arbitrary order,
   the other slots untouched; then replayed from a captured CUDA graph with new inputs and slots.
+* The gated group RMSNorm kernel against ``ExtendedRMSNorm`` (Nemotron-H's 8 groups of 512): fp32 1e-5, bf16 1e-2.
 * ``mixer_inference`` of a ``MambaMixer`` on CUDA (kernels; prefill chunks as one padded batch and one at a time)
   against its PyTorch path on the same device.
 """
@@ -125,6 +126,23 @@ def test_fused_decode_step_replays_in_a_cuda_graph() -> None:
         assert _rel(conv_states, want_conv) < 1e-5 and _rel(ssm_states, want_ssm) < 1e-5
 
 
+@pytest.mark.parametrize("before", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_gated_rmsnorm_matches_extended_rmsnorm(dtype: torch.dtype, tol: float, before: bool) -> None:
+    from megatron_core.ssm.gated_rmsnorm_triton import gated_rmsnorm, gated_rmsnorm_supported
+    from megatron_core.ssm.mamba_mixer import ExtendedRMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = ExtendedRMSNorm(4096, eps=1e-5, group_size=512, norm_before_gate=before).cuda()
+    norm.weight.data = torch.randn(4096, generator=gen).cuda()
+    yz = torch.randn(64, 2 * 4096 + 8, generator=gen).to(dtype).cuda()
+    y, z = yz[:, :4096], yz[:, 4096 + 8:]
+    assert gated_rmsnorm_supported(y, z, 512)
+    with torch.no_grad():
+        want = norm(y, z)
+    assert _rel(gated_rmsnorm(y, z, norm.weight, norm.eps, 512, before), want) < tol
+
+
 @pytest.mark.parametrize("prefill", [[(3, 7, 1), (10, 140, 4)], [(3, 1, 1), (4, 1, 4), (5, 145, 6)]],
                          ids=["one_padded_batch", "chunk_by_chunk"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -155,6 +173,7 @@ def test_mixer_inference_kernels_match_the_pytorch_path(monkeypatch: pytest.Monk
         if not kernels:
             monkeypatch.setattr(mamba_inference, "mamba_decode_supported", lambda *a: False)
             monkeypatch.setattr(mamba_inference, "ssd_scan_triton_supported", lambda *a: False)
+            monkeypatch.setattr(mamba_inference, "gated_rmsnorm_supported", lambda *a: False)
         c, s = conv.clone(), ssm.clone()
         with torch.no_grad():
             results.append((mamba_inference.mixer_inference(mixer, proj, Context(c, s)), c, s))

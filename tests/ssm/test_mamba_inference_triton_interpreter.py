@@ -6,6 +6,8 @@
   and written in place in the slot tensors by slot index) against ``conv_step`` + ``ssm_step``: fp32 within 1e-5,
   bf16 activations (bf16 or fp32 states) within 3e-2; groups < heads, ``D`` ``[h]`` and ``[h, p]``, slots in
   arbitrary order, the other slots untouched.
+* The gated group RMSNorm kernel against ``ExtendedRMSNorm`` (gate before and after the norm, groups not a power
+  of two, ``y``/``z`` as column slices): fp32 within 1e-5, bf16 within 3e-2.
 * The fused decode step compiled by ``torch.compile(fullgraph=True)`` (a custom op mutating the slot tensors)
   equals the eager step, outputs and states.
 * ``mixer_inference`` of a real ``MambaMixer`` (decode rows and prefill chunks in one step) through the kernels
@@ -92,6 +94,29 @@ check(4, 8, 2, 16, 4, True, torch.bfloat16, torch.bfloat16, 3e-2, 2)   # bf16 ac
 check(4, 8, 1, 16, 4, False, torch.bfloat16, torch.float32, 3e-2, 3)   # bf16 activations, fp32 states, one group
 """
 
+_NORM = """
+import torch
+from megatron_core.ssm.gated_rmsnorm_triton import gated_rmsnorm
+from megatron_core.ssm.mamba_mixer import ExtendedRMSNorm
+
+def check(rows, width, group, before, dtype, tol, seed):
+    gen = torch.Generator().manual_seed(seed)
+    norm = ExtendedRMSNorm(width, eps=1e-5, group_size=group, norm_before_gate=before)
+    norm.weight.data = torch.randn(width, generator=gen)
+    yz = torch.randn(rows, 2 * width + 3, generator=gen).to(dtype)
+    y, z = yz[:, :width], yz[:, width + 3:]  # column slices of one tensor, as in_proj's output gives them
+    got = gated_rmsnorm(y, z, norm.weight, norm.eps, group, before)
+    with torch.no_grad():
+        want = norm(y, z)
+    assert got.dtype == dtype and got.shape == want.shape
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < tol, f"{{err:.2e}} {{(rows, width, group, before, dtype)}}"
+
+check(3, 64, 16, False, torch.float32, 1e-5, 0)   # 4 groups, gate before the norm (the mixer's default)
+check(2, 120, 40, True, torch.float32, 1e-5, 1)   # groups of 40 (not a power of two), gate after the norm
+check(3, 64, 32, False, torch.bfloat16, 3e-2, 2)  # bf16
+"""
+
 _COMPILED = """
 import torch
 from megatron_core.ssm.mamba_decode_triton import mamba_decode_step
@@ -137,10 +162,12 @@ class Context:
         return torch.tensor([3, 0, 5]), self.prefill
 
 def run(mixer, proj, conv, ssm, prefill, kernels):
-    saved = mamba_inference.mamba_decode_supported, mamba_inference.ssd_scan_triton_supported
+    saved = (mamba_inference.mamba_decode_supported, mamba_inference.ssd_scan_triton_supported,
+             mamba_inference.gated_rmsnorm_supported)
     if kernels:  # the CUDA checks, passed on the CPU tensors the interpreter runs on
         mamba_inference.mamba_decode_supported = lambda *a: True
         mamba_inference.ssd_scan_triton_supported = lambda *a: True
+        mamba_inference.gated_rmsnorm_supported = lambda *a: True
     try:
         with torch.no_grad():
             context = Context(conv, ssm, prefill)
@@ -149,7 +176,8 @@ def run(mixer, proj, conv, ssm, prefill, kernels):
             assert batched == (kernels and prefill is LAYOUTS[0]), batched
             return out
     finally:
-        mamba_inference.mamba_decode_supported, mamba_inference.ssd_scan_triton_supported = saved
+        (mamba_inference.mamba_decode_supported, mamba_inference.ssd_scan_triton_supported,
+         mamba_inference.gated_rmsnorm_supported) = saved
 
 for d_has_hdim, prefill in ((False, LAYOUTS[0]), (True, LAYOUTS[0]), (False, LAYOUTS[1])):
     mixer = build_hybrid("M", chunk_size=16, mamba_num_heads=6, mamba_state_dim=16).decoder.layers[0].mixer
@@ -181,6 +209,11 @@ def test_triton_scan_from_a_state_in_the_interpreter() -> None:
 @needs_triton
 def test_fused_decode_step_in_the_interpreter() -> None:
     run_in_triton_interpreter(_DECODE)
+
+
+@needs_triton
+def test_gated_rmsnorm_in_the_interpreter() -> None:
+    run_in_triton_interpreter(_NORM.format())
 
 
 @needs_triton

@@ -3,7 +3,8 @@
 Triton's interpreter (the CPU checks of these kernels) runs the kernels' Python, not their compilation: a layout,
 type or barrier that the GPU backend refuses would only show on a GPU. Here each kernel is compiled ahead of time
 down to a cubin for ``GPUTarget("cuda", 90, 32)``: the fused decode step's two kernels (bf16 and fp32 activations,
-``D`` per head and per channel) and the scan's state walk with and without the initial / final state.
+``D`` per head and per channel), the scan's state walk with and without the initial / final state, and the gated
+group RMSNorm.
 """
 
 from __future__ import annotations
@@ -56,3 +57,13 @@ def test_scan_state_walk_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch, wi
     asm = _compile(forward_kernels()[0], pointers, {"Q": 64, "BP": 32, "BN": 64, "PREC": "tf32",
                                                     "HAS_INIT": with_state, "HAS_FINAL": with_state})
     assert asm["cubin"]
+
+
+@needs_triton
+@pytest.mark.parametrize("before", [False, True])
+def test_gated_rmsnorm_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch, before: bool) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from megatron_core.ssm.gated_rmsnorm_triton import _kernel
+
+    pointers = {"y_ptr": "*bf16", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
+    assert _compile(_kernel(), pointers, {"BG": 512, "NORM_BEFORE_GATE": before})["cubin"]

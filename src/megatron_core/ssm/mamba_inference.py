@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core.ssm.causal_conv1d import causal_conv1d_silu
+from megatron_core.ssm.gated_rmsnorm_triton import gated_rmsnorm, gated_rmsnorm_supported
 from megatron_core.ssm.mamba_decode_triton import mamba_decode_step, mamba_decode_supported
 from megatron_core.ssm.mamba_prefill_batch import PrefillBatchPlan, prefill_batch_plan
 from megatron_core.ssm.ssd_scan import ssd_chunk_scan
@@ -107,9 +108,15 @@ def _scan_inputs(mixer: Any, xBC: torch.Tensor, dt: torch.Tensor) -> tuple[torch
 
 
 def _gate_norm(mixer: Any, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """The scan's output ``[..., d_inner local]`` gated by ``silu(z)`` and group-normalised as in training."""
+    """The scan's output ``[..., d_inner local]`` gated by ``silu(z)`` and group-normalised as in training (the
+    mixer's ``ExtendedRMSNorm`` as one Triton kernel on CUDA, :mod:`megatron_core.ssm.gated_rmsnorm_triton`)."""
     if mixer.rmsnorm:
-        return mixer.norm(y, z)
+        from megatron_core.ssm.mamba_mixer import ExtendedRMSNorm  # imported by now; a cycle at import time
+
+        norm = mixer.norm
+        if type(norm) is ExtendedRMSNorm and gated_rmsnorm_supported(y, z, norm.group_size):
+            return gated_rmsnorm(y, z, norm.weight, norm.eps, norm.group_size, norm.norm_before_gate)
+        return norm(y, z)
     return (y.float() * F.silu(z.float())).to(y.dtype)
 
 
