@@ -577,3 +577,30 @@ def test_fp8_expert_params_on_hopper_track_fp8_experts_on_bf16_weights(tmp_path)
     assert ((fp8["losses"] - hp["losses"]).abs() / hp["losses"]).max() < 1e-2, (fp8["losses"], hp["losses"])
     assert fp8["losses"][-1] < fp8["losses"][0]
     assert fp8["expert_bytes"] == fp8["expert_numel"] and hp["expert_bytes"] == 2 * hp["expert_numel"]
+
+
+def test_fp8_param_grouped_gemm_dispatches_to_the_hopper_path(monkeypatch):
+    """``fp8_param_grouped_gemm`` on the Hopper path (forced here, the kernel replaced by its fp32 statement) equals the
+    fp32 emulation on the same FP8 parameter within 1e-5 (as ScaledGroupedMm equals EmulatedFp8GroupedGemm), with
+    host counts and with device-style ``ends``; both add the weight gradient to ``main_grad``."""
+    from megatron_core.fp8 import scaled_grouped_mm as sgm
+    from tests.fp8.test_fp8_scaled_grouped_mm import COUNTS, _reference_kernel
+
+    x, w, dy, ends = _sgm_operands(torch.float32)
+    results = []
+    for path in ("emulated", "counts", "ends"):
+        if path != "emulated":
+            monkeypatch.setattr(sgm, "_KERNEL", _reference_kernel)
+            monkeypatch.setattr(fpg, "scaled_grouped_mm_supported", lambda _: True)
+        weight = make_fp8_param(torch.nn.Parameter(w.clone()), scaling="rowwise")
+        weight.main_grad = torch.zeros(w.shape)
+        xx = x.clone().requires_grad_()
+        groups = dict(ends=ends) if path == "ends" else dict(counts=COUNTS)
+        out = fpg.fp8_param_grouped_gemm(xx, weight, **groups)
+        out.backward(dy)
+        results.append((out.detach(), xx.grad, weight.main_grad))
+    emulated = results[0]
+    for got in results[1:]:
+        for a, b in zip(got, emulated):
+            assert b.abs().max() > 0
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
