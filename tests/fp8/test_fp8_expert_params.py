@@ -223,7 +223,8 @@ def _checkpoint(ckpt: str) -> dict:
     from_optimizer = _expert_fp8(fresh2)
     resumed = _step(fresh2, fresh2_ddp, fresh2_opt, batch)
     training = _training_checkpoint(ckpt + "_training")
-    return dict(training=training, saved=saved, expert_entries=expert_entries, dequantized=dequantized, before_load=before_load,
+    bf16 = _bf16_grouped_optimizer_checkpoint(ckpt + "_bf16")
+    return dict(training=training, bf16=bf16, saved=saved, expert_entries=expert_entries, dequantized=dequantized, before_load=before_load,
                 from_state_dict=from_state_dict, from_sharded=from_sharded, from_optimizer=from_optimizer,
                 after_save=after_save, after_fp8=after_fp8, resumed=resumed, resumed_fp8=_expert_fp8(fresh2))
 
@@ -255,6 +256,42 @@ def _training_checkpoint(ckpt: str) -> dict:
     resumed = _step(fresh, fresh_ddp, fresh_opt, batch)
     return dict(saved=saved, loaded=loaded, saved_fp8=saved_fp8, loaded_fp8=loaded_fp8, after=after["loss"],
                 resumed=resumed["loss"])
+
+
+def _bf16_grouped_optimizer_checkpoint(ckpt: str) -> dict:
+    """``save_checkpoint`` / ``load_checkpoint`` of a bf16 grouped-experts MoE (no FP8) with the non-distributed
+    mixed-precision optimizers (dense and expert, chained): every fp32 main weight and moment."""
+    from megatron_core.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_core.transformer.module import Float16Module
+
+    def make(seed: int):
+        torch.manual_seed(seed)
+        model = build("mixtral", bf16=True, **{k: v for k, v in FP8.items() if not k.startswith("fp8")})
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(),
+                                      Float16Module(model.config, model))
+        return ddp, get_megatron_optimizer(OptimizerConfig(lr=LR, bf16=True), [ddp])
+
+    def states(opt) -> list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]]:
+        out = []
+        for inner in opt.chained_optimizers:
+            model_of = inner._main_to_model()
+            for group in inner.optimizer.param_groups:
+                for main in group["params"]:
+                    shape = tuple(model_of.get(id(main), main).shape)
+                    out.append((shape, main.detach().clone(), inner.optimizer.state[main]["exp_avg"].clone()))
+        return out
+
+    ddp, opt = make(0)
+    ids, pos, labels = batches(1)[0]
+    opt.zero_grad()
+    ddp.zero_grad_buffer()
+    ddp(ids, pos, None, labels=labels).float().mean().backward()
+    finalize_model_grads([ddp])
+    assert opt.step()[0]
+    save_checkpoint(ckpt, 1, [ddp], opt, None)
+    fresh_ddp, fresh_opt = make(7)
+    load_checkpoint(ckpt, [fresh_ddp], fresh_opt, None, load_rng=False)
+    return dict(saved=states(opt), loaded=states(fresh_opt))
 
 
 @pytest.fixture(scope="module")
@@ -387,6 +424,11 @@ def test_fp8_expert_params_checkpoint_round_trip(runs):
     for name, (bits, scale) in training["saved_fp8"].items():
         assert torch.equal(training["loaded_fp8"][name][0], bits) and torch.equal(training["loaded_fp8"][name][1], scale)
     assert torch.equal(training["resumed"], training["after"])
+    # The same for bf16 grouped experts with the non-distributed optimizers (fp32 main weights and moments).
+    saved, loaded = ck["bf16"]["saved"], ck["bf16"]["loaded"]
+    assert len(saved) == len(loaded) and sum(len(shape) == 3 for shape, _, _ in saved) == 4  # the experts' weights
+    for (shape, main, exp_avg), (loaded_shape, loaded_main, loaded_exp_avg) in zip(saved, loaded):
+        assert shape == loaded_shape and torch.equal(loaded_main, main) and torch.equal(loaded_exp_avg, exp_avg)
     # With the optimizer's state the next step continues the run exactly.
     assert torch.equal(ck["resumed"]["loss"], ck["after_save"]["loss"])
     for name, (bits, scale) in ck["after_fp8"].items():
