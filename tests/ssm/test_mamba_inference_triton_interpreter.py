@@ -8,8 +8,8 @@
   arbitrary order, the other slots untouched.
 * The gated group RMSNorm kernel against ``ExtendedRMSNorm`` (gate before and after the norm, groups not a power
   of two, ``y``/``z`` as column slices): fp32 within 1e-5, bf16 within 3e-2.
-* The fused decode step compiled by ``torch.compile(fullgraph=True)`` (a custom op mutating the slot tensors)
-  equals the eager step, outputs and states.
+* The fused decode step and the gated RMSNorm compiled by ``torch.compile(fullgraph=True)`` (custom ops, the
+  first mutating the slot tensors) equal the eager step, outputs and states.
 * ``mixer_inference`` of a real ``MambaMixer`` (decode rows and prefill chunks in one step) through the kernels
   equals its PyTorch path (fp32, 1e-5): with the prefill chunks as one padded batch and one at a time.
 
@@ -119,6 +119,7 @@ check(3, 64, 32, False, torch.bfloat16, 3e-2, 2)  # bf16
 
 _COMPILED = """
 import torch
+from megatron_core.ssm.gated_rmsnorm_triton import gated_rmsnorm
 from megatron_core.ssm.mamba_decode_triton import mamba_decode_step
 
 gen = torch.Generator().manual_seed(0)
@@ -129,9 +130,11 @@ conv_states, ssm_states = torch.randn(6, ch, K, generator=gen), torch.randn(6, h
 params = (torch.randn(ch, 1, K, generator=gen), torch.randn(ch, generator=gen), torch.randn(h, generator=gen),
           torch.rand(h, generator=gen), torch.randn(h, generator=gen))
 
+norm_weight = torch.randn(d_inner, generator=gen)
+
 def step(proj, conv_states, ssm_states, slots):
     y = mamba_decode_step(proj[:, d_inner:], proj[:, d_inner + ch:], slots, conv_states, ssm_states, *params, g)
-    return y * 2
+    return gated_rmsnorm(y.reshape(3, d_inner), proj[:, :d_inner], norm_weight, 1e-5, d_inner // g) * 2
 
 slots = torch.tensor([4, 0, 2])
 eager = [conv_states.clone(), ssm_states.clone()]

@@ -4,7 +4,7 @@
 about ten element-wise and reduction kernels in eager PyTorch; in a decode step of a few rows each costs about as
 much to launch as to run. Here one program per ``(row, group)`` reads the group's ``y`` and ``z`` once and writes
 the result, fp32 inside, in ``y``'s dtype. :class:`~megatron_core.ssm.mamba_mixer.ExtendedRMSNorm` stays the
-reference and the CPU path. Registered as a ``torch.library.triton_op``, so a compiled graph keeps it whole.
+reference and the CPU path. Under ``torch.compile`` it is a custom op, so a compiled graph keeps it whole.
 Triton is loaded through :mod:`megatron_core.jit` only.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_core.jit import have_triton, next_power_of_two, triton_modules, triton_op
+from megatron_core.jit import have_triton, next_power_of_two, triton_modules
 
 __all__ = ["gated_rmsnorm", "gated_rmsnorm_supported"]
 
@@ -24,10 +24,10 @@ _MAX_GROUP = 8192  # the largest group one program holds
 
 def gated_rmsnorm_supported(y: torch.Tensor, z: torch.Tensor, group_size: int) -> bool:
     """Whether :func:`gated_rmsnorm` serves these tensors: CUDA, 2-D with unit last strides, a floating dtype,
-    groups of at most 8192 channels, Triton and ``triton_op`` available."""
+    groups of at most 8192 channels, Triton installed."""
     return (y.is_cuda and z.is_cuda and y.dim() == 2 and z.dim() == 2 and y.stride(-1) == 1 and z.stride(-1) == 1
             and y.dtype in (torch.float32, torch.bfloat16, torch.float16) and group_size <= _MAX_GROUP
-            and _OP is not None and have_triton())
+            and have_triton())
 
 
 @functools.cache
@@ -58,13 +58,22 @@ def _gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
                    norm_before_gate: bool) -> torch.Tensor:
     out = torch.empty(y.shape, device=y.device, dtype=y.dtype)
     if y.shape[0]:
-        torch.library.wrap_triton(_kernel())[(y.shape[0], y.shape[1] // group_size)](
+        _kernel()[(y.shape[0], y.shape[1] // group_size)](
             y, z, weight, out, group_size, eps, y.stride(0), z.stride(0), out.stride(0),
             BG=next_power_of_two(group_size), NORM_BEFORE_GATE=norm_before_gate, num_warps=4)
     return out
 
 
-_OP = triton_op("megatron_core::gated_rmsnorm", _gated_rmsnorm)
+@torch.library.custom_op("megatron_core::gated_rmsnorm", mutates_args=())
+def _gated_rmsnorm_op(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+                      norm_before_gate: bool) -> torch.Tensor:
+    return _gated_rmsnorm(y, z, weight, eps, group_size, norm_before_gate)
+
+
+@_gated_rmsnorm_op.register_fake
+def _gated_rmsnorm_fake(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+                        norm_before_gate: bool) -> torch.Tensor:
+    return torch.empty(y.shape, device=y.device, dtype=y.dtype)
 
 
 def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
@@ -74,4 +83,7 @@ def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     ``y``'s dtype. Check :func:`gated_rmsnorm_supported` first."""
     if y.shape[1] % group_size != 0:
         raise ValueError(f"gated_rmsnorm: width {y.shape[1]} is not a multiple of group_size {group_size}")
-    return _OP(y, z, weight.contiguous(), float(eps), int(group_size), bool(norm_before_gate))
+    args = (y, z, weight.contiguous(), float(eps), int(group_size), bool(norm_before_gate))
+    if torch.compiler.is_compiling():
+        return torch.ops.megatron_core.gated_rmsnorm(*args)
+    return _gated_rmsnorm(*args)
