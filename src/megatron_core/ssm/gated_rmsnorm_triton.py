@@ -57,10 +57,11 @@ def _kernel() -> Any:
 def _gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
                    norm_before_gate: bool) -> torch.Tensor:
     out = torch.empty(y.shape, device=y.device, dtype=y.dtype)
+    block = next_power_of_two(group_size)  # one group per program; more warps for wide groups (registers)
     if y.shape[0]:
         _kernel()[(y.shape[0], y.shape[1] // group_size)](
             y, z, weight, out, group_size, eps, y.stride(0), z.stride(0), out.stride(0),
-            BG=next_power_of_two(group_size), NORM_BEFORE_GATE=norm_before_gate, num_warps=4)
+            BG=block, NORM_BEFORE_GATE=norm_before_gate, num_warps=min(16, max(4, block // 512)))
     return out
 
 
