@@ -107,14 +107,19 @@ def _scan_inputs(mixer: Any, xBC: torch.Tensor, dt: torch.Tensor) -> tuple[torch
             C.reshape(batch, length, groups, state), D)
 
 
+def _is_plain_extended_rmsnorm(norm: Any) -> bool:
+    """Whether ``norm`` is exactly ``mamba_mixer.ExtendedRMSNorm`` (not a subclass), named rather than imported:
+    ``mamba_mixer`` imports this module."""
+    kind = type(norm)
+    return kind.__module__ == "megatron_core.ssm.mamba_mixer" and kind.__qualname__ == "ExtendedRMSNorm"
+
+
 def _gate_norm(mixer: Any, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """The scan's output ``[..., d_inner local]`` gated by ``silu(z)`` and group-normalised as in training (the
     mixer's ``ExtendedRMSNorm`` as one Triton kernel on CUDA, :mod:`megatron_core.ssm.gated_rmsnorm_triton`)."""
     if mixer.rmsnorm:
-        from megatron_core.ssm.mamba_mixer import ExtendedRMSNorm  # imported by now; a cycle at import time
-
         norm = mixer.norm
-        if type(norm) is ExtendedRMSNorm and gated_rmsnorm_supported(y, z, norm.group_size):
+        if _is_plain_extended_rmsnorm(norm) and gated_rmsnorm_supported(y, z, norm.group_size):
             return gated_rmsnorm(y, z, norm.weight, norm.eps, norm.group_size, norm.norm_before_gate)
         return norm(y, z)
     return (y.float() * F.silu(z.float())).to(y.dtype)
