@@ -28,9 +28,8 @@ from typing import Any
 import torch
 
 from megatron_core.fp8.fp8_param_linear import _placeholder, _placeholder_kind
-from megatron_core.fp8.grouped_gemm import group_ends, quantize_dequantize_e4m3
+from megatron_core.fp8.grouped_gemm import device_ends, host_counts, quantize_dequantize_e4m3
 from megatron_core.fp8.scaled_grouped_mm import (
-    ROW_ALIGN,
     dgrad_gemm,
     forward_gemm,
     scaled_grouped_mm_supported,
@@ -155,23 +154,7 @@ def fp8_param_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[i
                          "(make_fp8_param(weight, scaling='rowwise'))")
     main_grad, placeholder = getattr(weight, "main_grad", None), _placeholder_kind(weight)
     if emulate or not scaled_grouped_mm_supported(x):
-        if counts is None:
-            if ends is None:
-                raise ValueError("fp8_param_grouped_gemm needs counts or ends")
-            counts = torch.diff(ends.to("cpu", torch.int64), prepend=torch.zeros(1, dtype=torch.int64)).tolist()
-        if sum(counts) != x.shape[0]:
-            raise ValueError(f"fp8_param_grouped_gemm: counts sum to {sum(counts)}, x has {x.shape[0]} rows")
-        return EmulatedFp8ParamGroupedGemm.apply(x, weight, list(counts), weight.fp8_scale, weight.fp8_hp_dtype,
-                                                 main_grad, placeholder)
-    if ends is None:
-        if counts is None:
-            raise ValueError("fp8_param_grouped_gemm needs counts or ends")
-        if any(c % ROW_ALIGN for c in counts):
-            raise ValueError(f"fp8_param_grouped_gemm: every expert's row count must be a multiple of {ROW_ALIGN} on "
-                             f"a GPU; got {list(counts)}")
-        ends = group_ends(counts, x.device)
-    if any(d % ROW_ALIGN for d in weight.shape[1:]) or x.shape[0] % ROW_ALIGN:
-        raise ValueError(f"fp8_param_grouped_gemm: the expert weight {tuple(weight.shape)} needs out and in, and x "
-                         f"{tuple(x.shape)} its row count, to be multiples of {ROW_ALIGN}")
-    return ScaledGroupedMmFp8Param.apply(x.contiguous(), weight, ends.to(torch.int32), weight.fp8_scale, main_grad,
-                                         placeholder)
+        return EmulatedFp8ParamGroupedGemm.apply(x, weight, host_counts("fp8_param_grouped_gemm", x, counts, ends),
+                                                 weight.fp8_scale, weight.fp8_hp_dtype, main_grad, placeholder)
+    ends = device_ends("fp8_param_grouped_gemm", x, weight, counts, ends)
+    return ScaledGroupedMmFp8Param.apply(x.contiguous(), weight, ends, weight.fp8_scale, main_grad, placeholder)

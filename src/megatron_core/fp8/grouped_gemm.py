@@ -97,6 +97,35 @@ def group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
     return torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0, dtype=torch.int32).to(device)
 
 
+def host_counts(caller: str, x: torch.Tensor, counts: list[int] | None,
+                ends: torch.Tensor | None) -> list[int]:
+    """The groups' row counts on the host (``ends`` read back when no ``counts``), checked to cover ``x``'s rows."""
+    if counts is None:
+        if ends is None:
+            raise ValueError(f"{caller} needs counts or ends")
+        counts = torch.diff(ends.to("cpu", torch.int64), prepend=torch.zeros(1, dtype=torch.int64)).tolist()
+    if sum(counts) != x.shape[0]:
+        raise ValueError(f"{caller}: counts sum to {sum(counts)}, x has {x.shape[0]} rows")
+    return list(counts)
+
+
+def device_ends(caller: str, x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None,
+                ends: torch.Tensor | None) -> torch.Tensor:
+    """The groups' int32 end offsets on ``x``'s device, with the Hopper kernel's alignment rules checked: every
+    group, ``x``'s rows and the weight's ``out`` and ``in`` multiples of :data:`ROW_ALIGN`."""
+    if ends is None:
+        if counts is None:
+            raise ValueError(f"{caller} needs counts or ends")
+        if any(c % ROW_ALIGN for c in counts):
+            raise ValueError(f"{caller}: every expert's row count must be a multiple of {ROW_ALIGN} on a GPU; "
+                             f"got {list(counts)}")
+        ends = group_ends(counts, x.device)
+    if any(d % ROW_ALIGN for d in weight.shape[1:]) or x.shape[0] % ROW_ALIGN:
+        raise ValueError(f"{caller}: the expert weight {tuple(weight.shape)} needs out and in, and x "
+                         f"{tuple(x.shape)} its row count, to be multiples of {ROW_ALIGN}")
+    return ends.to(torch.int32)
+
+
 def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
                      ends: torch.Tensor | None = None, emulate: bool = False) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` with FP8 operands (e4m3, row-wise scales), differentiable.
@@ -110,22 +139,5 @@ def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | 
         raise ValueError(f"fp8_grouped_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [N, in] and "
                          "[E, out, in]")
     if emulate or not scaled_grouped_mm_supported(x):
-        if counts is None:
-            if ends is None:
-                raise ValueError("fp8_grouped_gemm needs counts or ends")
-            counts = torch.diff(ends.to("cpu", torch.int64), prepend=torch.zeros(1, dtype=torch.int64)).tolist()
-        if sum(counts) != x.shape[0]:
-            raise ValueError(f"fp8_grouped_gemm: counts sum to {sum(counts)}, x has {x.shape[0]} rows")
-        return EmulatedFp8GroupedGemm.apply(x, weight, list(counts))
-    if ends is None:
-        if counts is None:
-            raise ValueError("fp8_grouped_gemm needs counts or ends")
-        if any(c % ROW_ALIGN for c in counts):
-            raise ValueError(f"fp8_grouped_gemm: every expert's row count must be a multiple of {ROW_ALIGN} on a GPU; "
-                             f"got {list(counts)}")
-        ends = group_ends(counts, x.device)
-    bad = [d for d in weight.shape[1:] if d % ROW_ALIGN]
-    if bad or x.shape[0] % ROW_ALIGN:
-        raise ValueError(f"fp8_grouped_gemm: the expert weight {tuple(weight.shape)} needs out and in, and x "
-                         f"{tuple(x.shape)} its row count, to be multiples of {ROW_ALIGN}")
-    return ScaledGroupedMm.apply(x.contiguous(), weight, ends.to(torch.int32))
+        return EmulatedFp8GroupedGemm.apply(x, weight, host_counts("fp8_grouped_gemm", x, counts, ends))
+    return ScaledGroupedMm.apply(x.contiguous(), weight, device_ends("fp8_grouped_gemm", x, weight, counts, ends))
