@@ -135,6 +135,24 @@ def test_flat_step_resumes_from_a_checkpoint_exactly():
 PLAIN_ADAM = {"use_precision_aware_optimizer": False}
 
 
+def _train_in_slices(slice_elements: int, steps: int) -> dict:
+    from megatron_core.optimizer import flat_adam
+
+    default, flat_adam.SLICE_ELEMENTS = flat_adam.SLICE_ELEMENTS, slice_elements
+    try:
+        return _train(True, steps, {})
+    finally:
+        flat_adam.SLICE_ELEMENTS = default  # the rank pool's processes serve later tests
+
+
+def test_a_shard_stepped_in_slices_equals_the_whole_shard_step():
+    """Slices of 97 elements (crossing parameter and group boundaries) give the whole-shard step bit for bit."""
+    whole = run_on_ranks(2, _train, True, 3, {})
+    sliced = run_on_ranks(2, _train_in_slices, 97, 3)
+    for got, want in zip(sliced, whole):
+        _close(got, want, 0.0)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"decoupled_weight_decay": False}], ids=["adamw", "l2"])
 def test_plain_adam_as_the_flat_step_equals_torch_adam(overrides):
     # Not flat: torch's Adam/AdamW over the shards; flat: the fp32 precision-aware Adam's fused step.

@@ -1,4 +1,4 @@
-"""The precision-aware distributed optimizer's Adam step over flat bucket shards, one fused kernel per shard.
+"""The precision-aware distributed optimizer's Adam step over flat bucket shards, one fused kernel per shard slice.
 
 A rank of the distributed optimizer owns one contiguous shard of every DDP bucket. Here the main
 params and both Adam moments of a shard are three flat buffers laid out exactly like the bucket's
@@ -15,7 +15,8 @@ side in a shard: a ``uint8`` group id per element selects the group's row of a s
 a step count kept there: a step skipped on the device (non-finite norm) takes its count back by a kernel, so
 nothing is read on the host. The
 arithmetic is that optimizer's, element by element, in fp32, rounded to each buffer's storage dtype.
-On CUDA the update is ``torch.compile``d into one kernel per shard; elsewhere it runs eagerly.
+On CUDA the update is ``torch.compile``d into one kernel (dynamic shapes), run over each shard in slices of at
+most ``SLICE_ELEMENTS``; elsewhere it runs eagerly.
 
 The optimizer's ``state`` keeps its usual per-parameter entries (``exp_avg``, ``exp_avg_sq``,
 ``step``), now views of the flat buffers (``step`` a 0-dim view of the device count), so checkpoints are
@@ -33,6 +34,10 @@ import torch
 __all__ = ["FlatAdamShards", "FlatShard", "flat_adam_update"]
 
 _STEP_SIZE, _DECAY, _BIAS2_SQRT = 0, 1, 2
+# Elements per call of the update: a shard is stepped in slices of at most this many elements, so the eager
+# path's fp32 temporaries and the compiled kernel's autotuning copies of its in-place buffers stay bounded
+# (a whole 4.5B-element shard needed tens of GB beside the optimizer state) at the cost of a few more launches.
+SLICE_ELEMENTS = 1 << 26
 
 
 def flat_adam_update(
@@ -186,17 +191,24 @@ class FlatAdamShards:
         self._fill_table(float(betas[0]), float(betas[1]))
         adam_w = bool(getattr(self.optimizer, "adam_w_mode", True))
         for shard in self.shards:
-            args = (shard.main, shard.grad, shard.exp_avg, shard.exp_avg_sq, shard.model_out, shard.group_ids,
-                    self._table, grad_scale, found_inf, float(betas[0]), float(betas[1]), float(eps), adam_w)
-            try:
-                self._update(*args)
-            except Exception as error:  # torch.compile could not build the kernel (it fails before running)
-                if not self.compiled:
-                    raise
-                warnings.warn(f"flat Adam step: torch.compile failed ({type(error).__name__}: {error}); "
-                              "running the same update eagerly (one pass per operation)", stacklevel=2)
-                self.compiled, self._update = False, flat_adam_update
-                self._update(*args)
+            for start in range(0, shard.main.numel(), SLICE_ELEMENTS):
+                self._step_slice(shard, slice(start, start + SLICE_ELEMENTS), grad_scale, found_inf,
+                                 (float(betas[0]), float(betas[1]), float(eps), adam_w))
         if found_inf is not None:
             self._step_counts.sub_(found_inf.reshape(()))  # a skipped update's count does not stand
 
+    def _step_slice(self, shard: FlatShard, part: slice, grad_scale: torch.Tensor | None,
+                    found_inf: torch.Tensor | None, hyper: tuple[float, float, float, bool]) -> None:
+        """The update of elements ``part`` of one shard (compiled; eager if the compiler fails)."""
+        model_out = None if shard.model_out is None else shard.model_out[part]
+        args = (shard.main[part], shard.grad[part], shard.exp_avg[part], shard.exp_avg_sq[part], model_out,
+                shard.group_ids[part], self._table, grad_scale, found_inf, *hyper)
+        try:
+            self._update(*args)
+        except Exception as error:  # torch.compile could not build the kernel (it fails before running)
+            if not self.compiled:
+                raise
+            warnings.warn(f"flat Adam step: torch.compile failed ({type(error).__name__}: {error}); "
+                          "running the same update eagerly (one pass per operation)", stacklevel=3)
+            self.compiled, self._update = False, flat_adam_update
+            self._update(*args)
