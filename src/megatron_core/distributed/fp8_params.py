@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from megatron_core._ground import get_pg_size
+from megatron_core.jit import jit_fuser
 from megatron_core.tensor_parallel.wgrad_accumulation import mark_gradient_into_main_grad
 
 __all__ = ["FP8_PARAM_BUFFER_DTYPE", "fp8_max", "quantize", "reduce_amax", "FP8_PARAM_DTYPE", "FP8_PARAM_RECIPES",
@@ -196,6 +197,21 @@ def _row_block(shard: torch.Tensor, start: int, cols: int) -> tuple[int, int, to
     return lo, hi, block.view(hi - lo, cols)
 
 
+@jit_fuser
+def _cast_amax(main: torch.Tensor, hp_dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """``max |main cast to hp_dtype|`` in fp32: per row of ``cols`` elements, or of everything when ``cols`` is 0.
+    One read of ``main`` where compiled (on accelerators)."""
+    hp = main.to(hp_dtype).abs()
+    return (hp.view(-1, cols).amax(-1) if cols else hp.amax()).float()
+
+
+@jit_fuser
+def _cast_quantize_into(out: torch.Tensor, main: torch.Tensor, hp_dtype: torch.dtype, scale: torch.Tensor) -> None:
+    """``out`` (FP8) = ``main`` cast to ``hp_dtype`` and quantized with ``scale`` (0-dim, or ``[rows, 1]``): one
+    read of ``main`` and one write of ``out`` where compiled."""
+    out.copy_(quantize(main.to(hp_dtype), scale, FP8_PARAM_DTYPE))
+
+
 @torch.no_grad()
 def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[torch.Tensor | None],
                          start_offsets: list[int], data_parallel_group: Any,
@@ -207,7 +223,9 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
     with the same ``model_params``: the amaxes (of the slices cast to ``fp8_hp_dtype``; one per tensorwise
     parameter, one per row of a row-wise one, a row possibly split between ranks) are max-reduced in one
     all-reduce, so every rank writes its bytes with the scales one process would compute on the whole tensor.
-    Only the owned bytes change; the all-gather of the parameter buffer completes them.
+    Only the owned bytes change; the all-gather of the parameter buffer completes them. On accelerators the
+    cast, amax and quantization are fused kernels (``jit_fuser``): the main shard is read twice, the codes
+    written once.
     """
     if fsdp_shard_model_params is not None:
         raise ValueError("quantize_param_shard: fsdp_shard_model_params is not supported (FP8 parameters need "
@@ -215,21 +233,22 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
     if not model_params:
         return
     device = model_params[0].device
-    shards = [None if main is None else main.detach().to(device=device, dtype=param.fp8_hp_dtype)
-              for param, main in zip(model_params, main_params)]
+    shards = [None if main is None or main.numel() == 0 else main.detach().to(device)
+              for main in main_params]
     amaxes, blocks = [], []
     for param, shard, start in zip(model_params, shards, start_offsets):
         if not _rowwise(param):
-            amaxes.append((torch.zeros((), device=device) if shard is None else _amax(shard)).reshape(1))
+            amaxes.append(torch.zeros(1, device=device) if shard is None
+                          else _cast_amax(shard, param.fp8_hp_dtype, 0).reshape(1))
             blocks.append(None)
             continue
         cols = param.shape[-1]
         amax = torch.zeros(param.numel() // cols, dtype=torch.float32, device=device)
         block = None
-        if shard is not None and shard.numel():
+        if shard is not None:
             block = _row_block(shard, start, cols)
             lo, hi, rows = block
-            amax[lo:hi] = rows.abs().amax(-1).float()
+            amax[lo:hi] = _cast_amax(rows.reshape(-1), param.fp8_hp_dtype, cols)
         amaxes.append(amax)
         blocks.append(block)
     reduced = reduce_amax(torch.cat(amaxes), data_parallel_group).split([a.numel() for a in amaxes])
@@ -238,12 +257,17 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
         if not _rowwise(param):
             scale = tensorwise_scale(amax[0])
             param.fp8_scale.copy_(scale)
-            if shard is not None and shard.numel():
-                flat[start:start + shard.numel()].copy_(quantize(shard, scale, FP8_PARAM_DTYPE))
+            if shard is not None:
+                _cast_quantize_into(flat[start:start + shard.numel()], shard, param.fp8_hp_dtype, scale)
             continue
         param.fp8_scale.copy_(power_of_two_scale(amax))
-        if block is not None:
-            lo, hi, rows = block
-            codes = quantize(rows, param.fp8_scale[lo:hi, None], FP8_PARAM_DTYPE).view(-1)
-            offset = start - lo * param.shape[-1]
-            flat[start:start + shard.numel()].copy_(codes[offset:offset + shard.numel()])
+        if block is None:
+            continue
+        lo, hi, rows = block
+        scale = param.fp8_scale[lo:hi, None]
+        if rows.data_ptr() == shard.data_ptr():  # the shard covers whole rows: quantize straight into the bytes
+            _cast_quantize_into(flat[start:start + shard.numel()].view(rows.shape), rows, param.fp8_hp_dtype, scale)
+            continue
+        codes = quantize(rows.to(param.fp8_hp_dtype), scale, FP8_PARAM_DTYPE).view(-1)
+        offset = start - lo * param.shape[-1]
+        flat[start:start + shard.numel()].copy_(codes[offset:offset + shard.numel()])
