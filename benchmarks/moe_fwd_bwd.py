@@ -279,8 +279,12 @@ def measure_fp8_param(args: argparse.Namespace, dtype: torch.dtype, ids: torch.T
         label = f"fp8 {args.fp8} DDP+distopt" + (" fp8_param" if fp8_param else " (hp weights)")
         fb = time_steps(fwd_bwd, args)
         report_flops(label + " fwd+bwd", fb, args, flops_per_token(args), width=48)
+        if args.profile:
+            print_kernel_profile(fwd_bwd)
         fwd_bwd()
         step = time_steps(optimizer_step, args)
+        if args.profile:
+            print_kernel_profile(optimizer_step, steps=1, rows=12)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         print(f"{label + ' optimizer step':<48} {step * 1e3:9.1f} ms  (fwd+bwd + step {(fb + step) * 1e3:.1f} ms; "
               f"parameter bytes {weights / 1e9:.3f} GB)", flush=True)
