@@ -1,12 +1,12 @@
 """Entry points: ``save`` and ``load`` of sharded state dicts (Megatron-Core ``serialization``).
 
-A checkpoint directory holds DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files and
-``metadata.json`` (backend and version; written last). As in megatron-core 0.19 the common
-(non-sharded) state is one more DCP byte entry, the ShardedObject ``common_state`` (unique key
-``common_state/shard_0_1``, written by rank 0 as ``torch.save([state])``). Checkpoints of
-megatron-core <= 0.18 keep it in a separate ``common.pt`` instead; both are read (``common.pt``
-first, as 0.19 does), always with ``torch.load(weights_only=True)``, and ``save(...,
-common_strategy="torch")`` writes that older layout for readers that need it.
+A checkpoint directory holds DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files and ``metadata.json``
+(backend and version; written last). As in megatron-core 0.19 the common (non-sharded) state is one more
+DCP byte entry, the ShardedObject ``common_state`` (unique key ``common_state/shard_0_1``, written by rank
+0 as ``torch.save([state])``). Checkpoints of megatron-core <= 0.18 keep it in a separate ``common.pt`` instead; both
+are read (``common.pt`` first, as 0.19 does), always with ``torch.load(weights_only=True)``, and ``save(...,
+common_strategy="torch")`` writes that older layout (:mod:`.common_state`). The sharded strategy follows the
+arguments as in Megatron-Core (:mod:`.strategy_resolution`).
 
 Crash safety: everything is written into ``<dir>.tmp-<id>`` and renamed to ``<dir>`` only when
 every rank has finished, so ``<dir>`` is either absent, the previous checkpoint, or complete; a
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
 import logging
 import os
 import pickle
@@ -33,9 +32,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from megatron_core.dist_checkpointing import collectives
+from megatron_core.dist_checkpointing.common_state import COMMON_STATE_FNAME as COMMON_STATE_FNAME
+from megatron_core.dist_checkpointing.common_state import COMMON_STATE_KEY as COMMON_STATE_KEY
+from megatron_core.dist_checkpointing.common_state import COMMON_STATE_UNIQUE_KEY as COMMON_STATE_UNIQUE_KEY
+from megatron_core.dist_checkpointing.common_state import CONTENT_METADATA_KEY as CONTENT_METADATA_KEY
+from megatron_core.dist_checkpointing.common_state import check_common_strategy, common_state_object
+from megatron_core.dist_checkpointing.common_state import read_common_state as _read_common_state
+from megatron_core.dist_checkpointing.common_state import serialize_common as _serialize_common
 from megatron_core.dist_checkpointing.core import (
     CheckpointingConfig,
     CheckpointingException,
@@ -64,7 +68,7 @@ from megatron_core.dist_checkpointing.mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from megatron_core.dist_checkpointing.safe_load import DCP_METADATA_FNAME, torch_load_safe
+from megatron_core.dist_checkpointing.safe_load import DCP_METADATA_FNAME
 from megatron_core.dist_checkpointing.save_target import (
     IN_PROGRESS_MARKER,
     check_save_target,
@@ -77,10 +81,13 @@ from megatron_core.dist_checkpointing.strategies import (
     SaveShardedStrategy,
     TorchDistLoadShardedStrategy,
     get_default_load_sharded_strategy,
-    get_default_save_sharded_strategy,
 )
 from megatron_core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
-from megatron_core.dist_checkpointing.strategies.torch import get_async_strategy
+from megatron_core.dist_checkpointing.strategy_resolution import (
+    check_async_strategy,
+    checkpoint_strategy,
+    resolve_save_strategy,
+)
 from megatron_core.dist_checkpointing.utils import extract_sharded_base
 from megatron_core.dist_checkpointing.validation import (
     StrictHandling,
@@ -93,46 +100,6 @@ from megatron_core.dist_checkpointing.validation import (
 )
 
 logger = logging.getLogger(__name__)
-
-COMMON_STATE_FNAME = "common.pt"
-CONTENT_METADATA_KEY = "content_metadata"
-COMMON_STATE_KEY = "common_state"
-"""Key of the ShardedObject holding the common state (megatron-core 0.19's layout)."""
-COMMON_STATE_UNIQUE_KEY = f"{COMMON_STATE_KEY}/shard_0_1"
-
-
-def _resolve_save_strategy(strategy: Any) -> SaveShardedStrategy:
-    if strategy is None:
-        return get_default_save_sharded_strategy()
-    if isinstance(strategy, tuple):
-        return get_default_save_sharded_strategy(*strategy)
-    if isinstance(strategy, SaveShardedStrategy):
-        return strategy
-    raise CheckpointingException(f"sharded_strategy must be a SaveShardedStrategy or (backend, version), got {strategy!r}")
-
-
-def _check_common_strategy(common_strategy: Any) -> None:
-    if common_strategy not in (None, "torch", ("torch", 1)):
-        raise CheckpointingException(f"common_strategy {common_strategy!r} is not supported; common state is 'torch'")
-
-
-def _common_state_object(common_state: StateDict, rank: int) -> ShardedObject:
-    """The common state as megatron-core 0.19 stores it: one object, written by rank 0 only."""
-    return ShardedObject(COMMON_STATE_KEY, common_state, (1,), (0,), replica_id=rank)
-
-
-def _serialize_common(common_state: StateDict) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(common_state, buffer)
-    data = buffer.getvalue()
-    try:
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - explain which rule the common state broke
-        raise CheckpointingException(
-            "the common (non-sharded) state must be plain data (tensors, numbers, strings, lists, dicts) so it can "
-            f"be loaded with weights_only=True; {type(e).__name__}: {str(e).splitlines()[0]}"
-        ) from e
-    return data
 
 
 def _publish(tmp_dir: Path, final_dir: Path, overwrite: bool) -> None:
@@ -178,12 +145,12 @@ def save(
     ``async_strategy``: ``None`` (default) or ``"mcore"`` use this library's writer; ``"nvrx"`` needs
     nvidia-resiliency-ext (``ModuleNotFoundError`` without it) and writes the same files.
     """
-    _check_async_strategy(async_strategy)
+    check_async_strategy(async_strategy)
     final_dir = Path(checkpoint_dir)
     group = process_group
     rank = collectives.get_rank(group)
-    _check_common_strategy(common_strategy)
-    strategy = _resolve_save_strategy(sharded_strategy)
+    check_common_strategy(common_strategy)
+    strategy = resolve_save_strategy(sharded_strategy)
     refusal = None
     if rank == 0:
         try:
@@ -238,7 +205,7 @@ def save(
         raise CheckpointingException(f"saving {final_dir} failed on rank 0: {error}") from error
 
     if not legacy_common:
-        sharded_part = {**sharded_part, COMMON_STATE_KEY: _common_state_object(common_state, rank)}
+        sharded_part = {**sharded_part, COMMON_STATE_KEY: common_state_object(common_state, rank)}
     if isinstance(strategy, AsyncSaveShardedStrategy):
         request = strategy.save_request(sharded_part, tmp_dir, stage=async_sharded_save)
     elif async_sharded_save:
@@ -281,13 +248,6 @@ def save(
     return None
 
 
-def _check_async_strategy(async_strategy: str | None) -> None:
-    if async_strategy not in (None, "mcore", "nvrx"):
-        raise TypeError(f"async_strategy {async_strategy} is not supported. Available strategies: nvrx, mcore.")
-    if async_strategy == "nvrx":
-        get_async_strategy("nvrx")  # ModuleNotFoundError without nvidia-resiliency-ext, as Megatron-Core
-
-
 def _run_now(request: AsyncRequest, tmp_dir: Path, rank: int, group: Any) -> None:
     """Write, agree across ranks that every write succeeded, then finalize (a synchronous save)."""
     error = None
@@ -303,31 +263,6 @@ def _run_now(request: AsyncRequest, tmp_dir: Path, rank: int, group: Any) -> Non
         raise CheckpointingException(f"saving {tmp_dir} failed: {reason}") from error
     for fn in request.finalize_fns:
         fn()
-
-
-def _checkpoint_strategy(checkpoint_dir: str | os.PathLike, strategy: Any = None) -> TorchDistLoadShardedStrategy:
-    """The load strategy for ``checkpoint_dir``, which must be a complete distributed checkpoint.
-
-    ``strategy`` may be ``None`` or ``(backend, version)`` (a new strategy, checked against
-    ``metadata.json``) or a ``LoadShardedStrategy`` (used as it is). The strategy keeps what it read
-    of the checkpoint; pass it on to the next call so ``metadata.json`` and ``.metadata`` are read once.
-    """
-    if not Path(checkpoint_dir).is_dir():
-        raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
-    fresh = strategy is None or isinstance(strategy, tuple)
-    if not fresh and not isinstance(strategy, LoadShardedStrategy):
-        raise CheckpointingException(f"sharded_strategy must be a LoadShardedStrategy, got {strategy!r}")
-    resolved = TorchDistLoadShardedStrategy() if fresh else strategy
-    if not isinstance(resolved, TorchDistLoadShardedStrategy):
-        raise CheckpointingException(f"{type(resolved).__name__} is not a torch_dist load strategy")
-    if not check_is_distributed_checkpoint(checkpoint_dir, resolved.checkpoint_config):
-        raise CheckpointingException(
-            f"{checkpoint_dir} is not a distributed checkpoint (metadata.json missing or invalid: "
-            "another format, or a save that did not complete)"
-        )
-    if fresh:
-        resolved.check_checkpoint_compatibility(checkpoint_dir)
-    return resolved
 
 
 def _storage_key(sh: ShardedBase) -> str:
@@ -362,7 +297,7 @@ def load(
     anything else of the checkpoint as ``sharded_strategy``: it keeps ``metadata.json`` and ``.metadata``.
     """
     strict = parse_strict_flag(strict)
-    _check_common_strategy(common_strategy)
+    check_common_strategy(common_strategy)
     group = process_group
     if verify_integrity:
         verify_integrity_manifest(checkpoint_dir)
@@ -374,7 +309,7 @@ def load(
     requested: set[str] = set()
     strategy: TorchDistLoadShardedStrategy | None = None
     try:
-        strategy = _checkpoint_strategy(checkpoint_dir, sharded_strategy)
+        strategy = checkpoint_strategy(checkpoint_dir, sharded_strategy)
         common_state = (copy.deepcopy(common_state_dict) if common_state_dict is not None
                         else load_common_state_dict(checkpoint_dir, sharded_strategy=strategy))
         factories, _ = extract_matching_values(
@@ -440,31 +375,6 @@ def _report_mismatch(strict: StrictHandling, missing: set[str], unexpected: set[
         logger.warning("%s: requested keys missing from the checkpoint: %s", checkpoint_dir, sorted(missing)[:20])
 
 
-def _read_common_state(checkpoint_dir: str | os.PathLike,
-                       strategy: TorchDistLoadShardedStrategy | None = None) -> StateDict:
-    """The common state with its content metadata, from ``common.pt`` or the DCP ``common_state`` entry
-    (read through ``strategy``, which keeps the ``.metadata`` it reads)."""
-    path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-    if path.is_file():  # megatron-core <= 0.18 layout (and ours with common_strategy="torch")
-        common = torch_load_safe(path, str(path))
-        where = str(path)
-    else:
-        # A wrapping strategy (FullyParallelLoadStrategyWrapper) would run collectives and cache a distribution
-        # for this one-entry request: the common state is read locally, through the strategy it wraps.
-        strategy = getattr(strategy, "base_strategy", strategy) or TorchDistLoadShardedStrategy()
-        if COMMON_STATE_UNIQUE_KEY not in strategy.metadata(checkpoint_dir).state_dict_metadata:
-            raise CheckpointingException(
-                f"{checkpoint_dir} holds no common state: neither {COMMON_STATE_FNAME} nor the DCP entry "
-                f"{COMMON_STATE_UNIQUE_KEY!r}; the checkpoint is incomplete"
-            )
-        request = {COMMON_STATE_KEY: ShardedObject.empty_from_unique_key(COMMON_STATE_UNIQUE_KEY)}
-        common = strategy.load(request, checkpoint_dir)[COMMON_STATE_KEY]
-        where = f"{checkpoint_dir} entry {COMMON_STATE_UNIQUE_KEY!r}"
-    if not isinstance(common, dict):
-        raise CheckpointingException(f"{where} holds a {type(common).__name__}, expected a dict")
-    return common
-
-
 def load_common_state_dict(checkpoint_dir: str | os.PathLike, *,
                            sharded_strategy: TorchDistLoadShardedStrategy | None = None) -> StateDict:
     """The common (non-sharded) state saved by rank 0, read with ``weights_only=True``; it includes the
@@ -490,19 +400,19 @@ def load_content_metadata(checkpoint_dir: str | os.PathLike | None = None, *,
 def load_tensors_metadata(checkpoint_dir: str | os.PathLike,
                           sharded_strategy: LoadShardedStrategy | None = None) -> ShardedStateDict:
     """Data-less ShardedTensors (global shape, dtype) for every tensor in the checkpoint."""
-    return _checkpoint_strategy(checkpoint_dir, sharded_strategy).load_tensors_metadata(checkpoint_dir)
+    return checkpoint_strategy(checkpoint_dir, sharded_strategy).load_tensors_metadata(checkpoint_dir)
 
 
 def load_sharded_metadata(checkpoint_dir: str | os.PathLike, sharded_strategy: LoadShardedStrategy | None = None,
                           common_strategy: Any = None) -> ShardedStateDict:
     """Data-less ShardedTensors and ShardedObjects for everything in the checkpoint."""
-    _check_common_strategy(common_strategy)
-    return _checkpoint_strategy(checkpoint_dir, sharded_strategy).load_sharded_metadata(checkpoint_dir)
+    check_common_strategy(common_strategy)
+    return checkpoint_strategy(checkpoint_dir, sharded_strategy).load_sharded_metadata(checkpoint_dir)
 
 
 def load_plain_tensors(checkpoint_dir: str | os.PathLike) -> StateDict:
     """Every tensor of the checkpoint as one full (unsharded) CPU tensor on this rank; no collectives."""
-    strategy = _checkpoint_strategy(checkpoint_dir)
+    strategy = checkpoint_strategy(checkpoint_dir)
     sharded = strategy.load_tensors_metadata(checkpoint_dir)
     for sh in sharded.values():
         sh.init_data("cpu")
@@ -514,7 +424,7 @@ def remove_sharded_tensors(checkpoint_dir: str | os.PathLike, key_prefix: str) -
 
     The bytes stay in the data files but are no longer reachable; ``.metadata`` is replaced atomically.
     """
-    metadata = _checkpoint_strategy(checkpoint_dir, TorchDistLoadShardedStrategy()).metadata(checkpoint_dir)
+    metadata = checkpoint_strategy(checkpoint_dir, TorchDistLoadShardedStrategy()).metadata(checkpoint_dir)
     metadata.state_dict_metadata = {
         k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
     }
