@@ -15,7 +15,7 @@ finished :class:`DynamicInferenceRequest`). Each :meth:`step_modern` schedules o
 Prefill and decode share the step. With ``enable_chunked_prefill`` (always for re-admitted
 requests) a prompt longer than the step's remaining token budget is split over several steps.
 Requests finish on the termination token, a stop word, ``num_tokens_to_generate``, or
-``max_sequence_length``; they can be cancelled (:meth:`cancel_request`), which frees their blocks
+``max_sequence_length`` (booked in :mod:`.token_bookkeeping`); they can be cancelled (:meth:`cancel_request`), which frees their blocks
 at the next step boundary. Requests that can never fit are refused in ``add_request`` with a
 :class:`RequestRejectedError` (a ``ValueError`` naming the setting). Failures while serving are
 contained as :mod:`.fault_isolation` describes. When the model has ``moe_enable_routing_replay``, a completed request carries
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from megatron_core.inference.config import AsyncScheduleMode
-from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext, StepEntry
+from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_core.inference.engines.abstract_engine import AbstractEngine
 from megatron_core.inference.engines.decode_overlap import DecodeOverlap
 from megatron_core.inference.engines.fault_isolation import (
@@ -50,6 +50,7 @@ from megatron_core.inference.engines.fault_isolation import (
     describe,
 )
 from megatron_core.inference.engines.step_scheduler import StepScheduler
+from megatron_core.inference.engines.token_bookkeeping import TokenBookkeeping
 from megatron_core.inference.inference_request import (
     ENDED_STATUSES,
     DynamicInferenceEventType,
@@ -87,7 +88,7 @@ class EngineSuspendedError(Exception):
     """
 
 
-class DynamicInferenceEngine(StepScheduler, DecodeOverlap, FaultIsolation, AbstractEngine):
+class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, FaultIsolation, AbstractEngine):
     """Schedules requests into steps over a :class:`DynamicInferenceContext`.
 
     With ``InferenceConfig.async_sched_mode=AsyncScheduleMode.ASYNC``, decode steps laid out for CUDA
@@ -323,90 +324,6 @@ class DynamicInferenceEngine(StepScheduler, DecodeOverlap, FaultIsolation, Abstr
         result = self.step_modern()
         active = [self.requests[i] for i in result["active_request_ids"]]
         return active, [r.merge() for r in result["finished_request_records"]], result["step_time"]
-
-    def _bookkeep(self, entries: list[StepEntry], output: Any) -> None:
-        now = time.monotonic()
-        tokenizer_top = self.controller.detokenize
-        track_tokens = self.context.inference_config.track_generated_token_events
-        for i, entry in enumerate(entries):
-            request = self.requests[entry.request_id]
-            try:
-                self._bookkeep_entry(i, entry, request, output, now, tokenizer_top, track_tokens)
-            except Exception as error:  # noqa: BLE001 - this request's fault alone
-                logger.error("request %s failed while booking its token", entry.request_id, exc_info=error)
-                self._fail_request(request, f"internal error while generating: {describe(error)}")
-
-    def _bookkeep_entry(self, i: int, entry: StepEntry, request: DynamicInferenceRequest, output: Any, now: float,
-                        tokenizer_top: Callable, track_tokens: bool) -> None:
-        """Book row ``i`` of a step's ``output`` for ``request``: log-probs, its token, the stop checks."""
-        params = request.sampling_params
-        if output.chunk_log_probs[i] is not None:
-            have = len(request.prompt_log_probs or [])
-            upto = request.prompt_length - 1
-            new = [lp for j, lp in enumerate(output.chunk_log_probs[i]) if have <= entry.start + j < upto]
-            request.prompt_log_probs = (request.prompt_log_probs or []) + new
-            if params.top_n_logprobs and output.chunk_top_n[i] is not None:
-                tops = [t for j, t in enumerate(output.chunk_top_n[i]) if have <= entry.start + j < upto]
-                request.prompt_top_n_logprobs = (request.prompt_top_n_logprobs or []) + [
-                    {tokenizer_top([tok]): lp for tok, lp in top} for top in tops
-                ]
-        token = output.sampled_tokens[i]
-        if token is None:
-            return
-        self._suspects.discard(request.request_id)  # it sampled: it did not cause the failure it is isolated for
-        request.status = Status.ACTIVE_AND_GENERATING_TOKENS
-        request.generated_tokens.append(token)
-        if request.ttft is None:
-            request.ttft = now - request.arrival_time
-        if params.return_log_probs:
-            request.generated_log_probs = (request.generated_log_probs or []) + [output.sampled_log_probs[i]]
-        if params.top_n_logprobs and output.sampled_top_n[i] is not None:
-            request.generated_top_n_logprobs = (request.generated_top_n_logprobs or []) + [
-                {tokenizer_top([tok]): lp for tok, lp in output.sampled_top_n[i]}
-            ]
-        if track_tokens:
-            request.add_event(DynamicInferenceEventType.GENERATED_TOKEN, payload=token)
-        self._notify_token(request, token)
-        if self._should_stop(request, token):
-            self.running.remove(request.request_id)
-            self._attach_routing(request)
-            self.context.release_request(request.request_id)
-            self._finish(request, Status.COMPLETED)
-
-    def _attach_routing(self, request: DynamicInferenceRequest) -> None:
-        """With routing replay, give a finishing request (still holding its blocks) ``routing_indices``: every
-        token but the last generated one went through the model."""
-        routing = self.context.moe_routing_metadata
-        if routing is not None:
-            num_tokens = self._sequence_length(request) - 1
-            request.routing_indices = routing.request_routing_indices(request.request_id, num_tokens)
-
-    def _should_stop(self, request: DynamicInferenceRequest, token: int) -> bool:
-        """Whether ``request`` is done after ``token``; sets ``request.finish_reason`` ("stop" / "length")."""
-        params = request.sampling_params
-        reason = None
-        if token == self.controller.termination_id(params):
-            reason = "stop"
-        elif params.stop_words and any(
-            self.controller.detokenize(request.generated_tokens[-64:]).endswith(w) for w in params.stop_words
-        ):
-            reason = "stop"
-        else:
-            reason = self._stops_by_length(request, len(request.generated_tokens))
-        request.finish_reason = reason
-        return reason is not None
-
-    def _stops_by_length(self, request: DynamicInferenceRequest, generated: int) -> str | None:
-        """``"length"`` when ``generated`` tokens reach one of the request's length limits."""
-        params = request.sampling_params
-        total = request.prompt_length + generated
-        if params.num_tokens_to_generate is not None and generated >= params.num_tokens_to_generate:
-            return "length"
-        if params.num_tokens_total is not None and total >= params.num_tokens_total:
-            return "length"
-        if total >= self.context.max_sequence_length:
-            return "length"
-        return None
 
     def _finish(self, request: DynamicInferenceRequest, status: Status, error: str | None = None) -> None:
         params = request.sampling_params
