@@ -4,14 +4,14 @@ Mirrors Megatron-Core's dataclass (field names and defaults); the fields of feat
 come from :mod:`megatron_core.megatron_only_fields` (accepted at their defaults). ``__post_init__`` derives
 defaults (``ffn_hidden_size = 4 * hidden_size``, ``kv_channels = hidden_size / num_attention_heads``,
 ``num_query_groups = num_attention_heads``, init methods from ``init_method_std`` with the output projections
-scaled by ``1 / sqrt(2 * num_layers)``) and validates: each rule is one small function below, and each
-error names the fields, their values and the rule. ``MLATransformerConfig`` adds the multi-latent attention
-fields (validated in :mod:`megatron_core.transformer.mla_validation`).
+scaled by ``1 / sqrt(2 * num_layers)``) and validates: each rule is one small function of
+:mod:`.transformer_validation`, and each error names the fields, their values and the rule.
+``MLATransformerConfig`` adds the multi-latent attention fields (validated in
+:mod:`megatron_core.transformer.mla_validation`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core._ground import init_method_normal, scaled_init_method_normal
-from megatron_core.activations import quick_gelu
+from megatron_core.activations import quick_gelu as quick_gelu
 from megatron_core.config_rules import TRANSFORMER_RULES as _TRANSFORMER_RULES
 from megatron_core.config_rules import apply_rules as _apply_rules
-from megatron_core.fusions.fused_bias_geglu import quick_gelu as _fused_quick_gelu
 from megatron_core.megatron_only_fields import MegatronOnlyTransformerFields as _MegatronOnlyTransformerFields
 from megatron_core.model_parallel_config import ModelParallelConfig
+from megatron_core.transformer import transformer_validation as _checks
 from megatron_core.transformer.enums import AttnBackend
 from megatron_core.transformer.mla_validation import check_mla_config
 from megatron_core.transformer.moe_validation import (
@@ -34,13 +34,12 @@ from megatron_core.transformer.moe_validation import (
     check_moe_config,
 )
 from megatron_core.transformer.mup_config import apply_mup_config, mup_init_methods
-from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
-from megatron_core.transformer.rope_utils import yarn_concentration_factor
-
-SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-# Megatron-Core has quick_gelu in both ``activations`` and ``fusions.fused_bias_geglu``: either one is accepted.
-QUICK_GELUS = (quick_gelu, _fused_quick_gelu)
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts", "mla_up_proj")
+from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout
+from megatron_core.transformer.pipeline_layout import chunk_layer_counts as chunk_layer_counts
+from megatron_core.transformer.rope_utils import yarn_concentration_factor as yarn_concentration_factor
+from megatron_core.transformer.transformer_validation import QUICK_GELUS as QUICK_GELUS
+from megatron_core.transformer.transformer_validation import RECOMPUTE_MODULES as RECOMPUTE_MODULES
+from megatron_core.transformer.transformer_validation import SOFTMAX_TYPES as SOFTMAX_TYPES
 
 
 @dataclass
@@ -220,18 +219,20 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         """Validate (errors name fields, values and rule) and fill derived defaults."""
         super().__post_init__()
         _apply_rules("TransformerConfig", self, _TRANSFORMER_RULES)
-        _check_shape(self)
+        _checks.check_shape(self)
         _derive_shape_defaults(self)
         apply_deprecated_moe_aliases(self)
-        _check_parallel_shapes(self)
-        _check_normalization_and_activation(self)
-        _check_gpt_oss_options(self)
-        _check_qk_clip(self)
-        _check_recompute(self)
+        _checks.check_parallel_shapes(self)
+        _checks.check_normalization_and_activation(self)
+        _check_config_class(self)
+        _checks.check_fp8_and_transformer_impl(self)
+        _checks.check_gpt_oss_options(self)
+        _checks.check_qk_clip(self)
+        _checks.check_recompute(self)
         check_moe_config(self)
         check_ep_overlap(self)
-        _check_pipeline_split(self)
-        _check_mtp(self)
+        _checks.check_pipeline_split(self)
+        _checks.check_mtp(self)
         apply_mup_config(self)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
@@ -240,45 +241,12 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         _derive_init_methods(self)
 
 
-def _check_qk_clip(cfg: TransformerConfig) -> None:
-    """Megatron-LM's rules for QK-clip (checked on its command line there): 0 < alpha < 1, threshold > 0."""
-    if not cfg.qk_clip:
-        return
-    alpha, threshold = cfg.qk_clip_alpha, cfg.qk_clip_threshold
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha < 1.0:
-        raise ValueError(f"qk_clip_alpha ({alpha!r}) must be strictly between 0 and 1 when qk_clip=True")
-    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold)
-            or not threshold > 0):
-        raise ValueError(f"qk_clip_threshold ({threshold!r}) must be a finite number > 0 when qk_clip=True")
-
-
-def _check_mtp(cfg: TransformerConfig) -> None:
-    if cfg.mtp_num_layers is not None and (not isinstance(cfg.mtp_num_layers, int) or cfg.mtp_num_layers < 0):
-        raise ValueError(f"mtp_num_layers ({cfg.mtp_num_layers!r}) must be a non-negative integer (None or 0: no MTP)")
-    if cfg.mtp_num_layers and cfg.mtp_loss_scaling_factor is None:
-        raise ValueError(f"mtp_loss_scaling_factor must be a number with mtp_num_layers ({cfg.mtp_num_layers})")
-
-
-def _check_shape(cfg: TransformerConfig) -> None:
-    for name in ("num_layers", "hidden_size", "num_attention_heads"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} ({value!r}) must be a positive integer")
-    for name in ("hidden_dropout", "attention_dropout"):
-        value = getattr(cfg, name)
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{name} ({value}) must be in [0, 1)")
-    if cfg.kv_channels is None and cfg.hidden_size % cfg.num_attention_heads != 0:
+def _check_config_class(cfg: TransformerConfig) -> None:
+    """MLA's fields live on ``MLATransformerConfig``: a plain config cannot turn it on."""
+    if cfg.multi_latent_attention and not isinstance(cfg, MLATransformerConfig):
         raise ValueError(
-            f"hidden_size ({cfg.hidden_size}) must be divisible by num_attention_heads ({cfg.num_attention_heads}) "
-            f"when kv_channels is not set"
-        )
-    if cfg.num_query_groups is not None and (
-        cfg.num_query_groups <= 0 or cfg.num_attention_heads % cfg.num_query_groups != 0
-    ):
-        raise ValueError(
-            f"num_attention_heads ({cfg.num_attention_heads}) must be divisible by num_query_groups "
-            f"({cfg.num_query_groups})"
+            "multi_latent_attention=True needs an MLATransformerConfig (its q_lora_rank, kv_lora_rank, qk_head_dim, "
+            "qk_pos_emb_head_dim, v_head_dim and rope fields), not a plain TransformerConfig"
         )
 
 
@@ -291,167 +259,6 @@ def _derive_shape_defaults(cfg: TransformerConfig) -> None:
         cfg.num_query_groups = cfg.num_attention_heads
     if cfg.recompute_modules is None:
         cfg.recompute_modules = ["core_attn"]
-
-
-def _check_parallel_shapes(cfg: TransformerConfig) -> None:
-    tp = cfg.tensor_model_parallel_size
-    if cfg.num_attention_heads % tp != 0:
-        raise ValueError(
-            f"num_attention_heads ({cfg.num_attention_heads}) must be divisible by "
-            f"tensor_model_parallel_size ({tp})"
-        )
-    if cfg.num_query_groups % tp != 0:
-        raise ValueError(
-            f"num_query_groups ({cfg.num_query_groups}) must be divisible by tensor_model_parallel_size ({tp}); "
-            f"replicating key/value heads across tensor-parallel ranks is not supported"
-        )
-    if cfg.ffn_hidden_size % tp != 0:
-        raise ValueError(f"ffn_hidden_size ({cfg.ffn_hidden_size}) must be divisible by tensor_model_parallel_size ({tp})")
-
-
-def _check_normalization_and_activation(cfg: TransformerConfig) -> None:
-    if cfg.normalization not in ("LayerNorm", "RMSNorm"):
-        raise ValueError(f"normalization ({cfg.normalization!r}) must be 'LayerNorm' or 'RMSNorm'")
-    if cfg.layernorm_epsilon <= 0:
-        raise ValueError(f"layernorm_epsilon ({cfg.layernorm_epsilon}) must be > 0")
-    if cfg.bias_activation_fusion:
-        act = cfg.activation_func
-        if act not in (F.gelu, F.silu, *QUICK_GELUS):
-            raise ValueError(
-                f"bias_activation_fusion=True needs activation_func F.gelu, F.silu or quick_gelu, got {act!r}"
-            )
-        if act in QUICK_GELUS and not cfg.gated_linear_unit:
-            raise ValueError("bias_activation_fusion=True with activation_func=quick_gelu needs gated_linear_unit=True")
-        if cfg.glu_linear_offset != 0.0 and act not in QUICK_GELUS:
-            raise ValueError(
-                f"bias_activation_fusion=True with glu_linear_offset={cfg.glu_linear_offset} needs "
-                f"activation_func=quick_gelu, got {act!r}"
-            )
-        if act is F.gelu and not cfg.gated_linear_unit and not cfg.add_bias_linear:
-            raise ValueError(
-                "bias_activation_fusion=True with activation_func=F.gelu and gated_linear_unit=False needs "
-                "add_bias_linear=True"
-            )
-    if cfg.multi_latent_attention and not isinstance(cfg, MLATransformerConfig):
-        raise ValueError(
-            "multi_latent_attention=True needs an MLATransformerConfig (its q_lora_rank, kv_lora_rank, qk_head_dim, "
-            "qk_pos_emb_head_dim, v_head_dim and rope fields), not a plain TransformerConfig"
-        )
-    _check_fp8(cfg)
-    if cfg.transformer_impl not in ("local", "transformer_engine"):
-        raise ValueError(f"transformer_impl ({cfg.transformer_impl!r}) must be 'local' or 'transformer_engine'")
-
-
-def _check_gpt_oss_options(cfg: TransformerConfig) -> None:
-    """Attention sinks, the offset / clamped GLU and YaRN's settings (the features of GPT-OSS)."""
-    if cfg.softmax_type not in SOFTMAX_TYPES:
-        raise ValueError(f"softmax_type ({cfg.softmax_type!r}) must be one of {list(SOFTMAX_TYPES)}")
-    clamp = cfg.activation_func_clamp_value
-    if clamp is not None and not clamp > 0:
-        raise ValueError(f"activation_func_clamp_value ({clamp}) must be None or > 0")
-    if (cfg.glu_linear_offset != 0.0 or clamp is not None) and not cfg.gated_linear_unit:
-        raise ValueError(
-            f"glu_linear_offset ({cfg.glu_linear_offset}) and activation_func_clamp_value ({clamp}) act on a gated "
-            "MLP's two halves: they need gated_linear_unit=True"
-        )
-    for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"{name} ({getattr(cfg, name)}) must be > 0")
-    mscale = yarn_concentration_factor(cfg)
-    if mscale != 1.0 and (cfg.apply_rope_fusion or cfg.fused_single_qkv_rope):
-        raise ValueError(
-            f"apply_rope_fusion ({cfg.apply_rope_fusion}) / fused_single_qkv_rope ({cfg.fused_single_qkv_rope}) "
-            f"cannot be used with YaRN's attention scaling ({mscale:.6g}, from yarn_rotary_scaling_factor="
-            f"{cfg.yarn_rotary_scaling_factor}): the fused rotary kernel does not scale; set both to False"
-        )
-
-
-_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom", "rowwise")
-
-
-def _check_fp8(cfg: TransformerConfig) -> None:
-    """Megatron-Core's FP8 rules; the recipe itself is checked by the backend that converts the model."""
-    if cfg.fp8 is None:
-        return
-    if cfg.fp8 not in ("e4m3", "hybrid"):
-        raise ValueError(f"fp8 ({cfg.fp8!r}) must be None, 'e4m3' or 'hybrid'")
-    if cfg.fp8_recipe not in _FP8_RECIPES:
-        raise ValueError(f"fp8_recipe ({cfg.fp8_recipe!r}) must be one of {_FP8_RECIPES}")
-    if cfg.fp8_margin < 0 or cfg.fp8_amax_history_len < 1:
-        raise ValueError(f"fp8_margin ({cfg.fp8_margin}) must be >= 0 and fp8_amax_history_len "
-                         f"({cfg.fp8_amax_history_len}) >= 1")
-    if cfg.first_last_layers_bf16:
-        if cfg.fp8_recipe == "delayed":
-            raise ValueError("first_last_layers_bf16=True is not supported with fp8_recipe='delayed'")
-        per_stage = cfg.num_layers // cfg.pipeline_model_parallel_size
-        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
-            value = getattr(cfg, name)
-            if not 0 <= value <= per_stage:
-                raise ValueError(f"{name} ({value}) must be between 0 and the number of layers per pipeline "
-                                 f"stage ({per_stage})")
-
-
-def _check_recompute(cfg: TransformerConfig) -> None:
-    granularity, method, num = cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers
-    if granularity is None:
-        if method is not None:
-            raise ValueError(f"recompute_method ({method!r}) needs recompute_granularity='full'")
-        return
-    if granularity not in ("full", "selective"):
-        raise ValueError(f"recompute_granularity ({granularity!r}) must be 'full' or 'selective'")
-    if granularity == "full":
-        if method not in ("uniform", "block"):
-            raise ValueError(
-                f"recompute_method ({method!r}) must be 'uniform' or 'block' with recompute_granularity='full'"
-            )
-        if num is None or num <= 0:
-            raise ValueError(f"recompute_num_layers ({num}) must be > 0 with recompute_granularity='full'")
-        if method == "block" and num > cfg.num_layers:
-            raise ValueError(f"recompute_num_layers ({num}) must be <= num_layers ({cfg.num_layers}) with method 'block'")
-    else:
-        if num is not None:
-            raise ValueError(f"recompute_num_layers ({num}) must be None with recompute_granularity='selective'")
-        if method is not None:
-            raise ValueError(f"recompute_method ({method!r}) must be None with recompute_granularity='selective'")
-        unknown = sorted(set(cfg.recompute_modules) - set(RECOMPUTE_MODULES))
-        if unknown:
-            raise ValueError(f"recompute_modules {unknown} not in the allowed set {list(RECOMPUTE_MODULES)}")
-        supported = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj"}
-        unsupported = sorted(set(cfg.recompute_modules) - supported)
-        if unsupported:
-            raise ValueError(f"recompute_modules {unsupported} are not supported by this library (supported: "
-                             f"{sorted(supported)})")
-        if "mla_up_proj" in cfg.recompute_modules and not cfg.multi_latent_attention:
-            raise ValueError(f"recompute_modules ({cfg.recompute_modules}) has 'mla_up_proj', which needs "
-                             f"multi_latent_attention=True (got {cfg.multi_latent_attention})")
-    if cfg.distribute_saved_activations and cfg.sequence_parallel:
-        raise ValueError("distribute_saved_activations=True cannot be used with sequence_parallel=True")
-
-
-def _check_pipeline_split(cfg: TransformerConfig) -> None:
-    uneven = cfg.num_layers_in_first_pipeline_stage is not None or cfg.num_layers_in_last_pipeline_stage is not None
-    accounted = cfg.account_for_embedding_in_pipeline_split or cfg.account_for_loss_in_pipeline_split
-    if cfg.pipeline_model_parallel_layout is not None and (uneven or accounted):
-        raise ValueError(
-            "pipeline_model_parallel_layout cannot be combined with num_layers_in_first/last_pipeline_stage or "
-            "account_for_embedding/loss_in_pipeline_split"
-        )
-    if uneven and accounted:
-        raise ValueError(
-            "num_layers_in_first/last_pipeline_stage cannot be combined with account_for_embedding/loss_in_pipeline_split"
-        )
-    layout = cfg.pipeline_model_parallel_layout
-    if layout is not None:
-        if isinstance(layout, str):
-            layout = PipelineParallelLayerLayout.from_str(layout, cfg.pipeline_model_parallel_size)
-        elif not isinstance(layout, PipelineParallelLayerLayout):
-            layout = PipelineParallelLayerLayout(layout, cfg.pipeline_model_parallel_size)
-        vpp = layout.virtual_pipeline_model_parallel_size
-        if cfg.virtual_pipeline_model_parallel_size is None and vpp > 1:
-            cfg.virtual_pipeline_model_parallel_size = vpp
-        cfg.pipeline_model_parallel_layout = layout
-        layout.validate_layer_layout(cfg.num_layers, cfg.mtp_num_layers)
-    chunk_layer_counts(cfg)
 
 
 def _derive_init_methods(cfg: TransformerConfig) -> None:
