@@ -198,18 +198,17 @@ def _row_block(shard: torch.Tensor, start: int, cols: int) -> tuple[int, int, to
 
 
 @jit_fuser
-def _cast_amax(main: torch.Tensor, hp_dtype: torch.dtype, cols: int) -> torch.Tensor:
-    """``max |main cast to hp_dtype|`` in fp32: per row of ``cols`` elements, or of everything when ``cols`` is 0.
-    One read of ``main`` where compiled (on accelerators)."""
-    hp = main.to(hp_dtype).abs()
-    return (hp.view(-1, cols).amax(-1) if cols else hp.amax()).float()
+def _abs_amax(hp: torch.Tensor, cols: int) -> torch.Tensor:
+    """``max |hp|`` in fp32: per row of ``cols`` elements, or of everything when ``cols`` is 0 (one read of ``hp``
+    where compiled, on accelerators)."""
+    return (hp.abs().view(-1, cols).amax(-1) if cols else hp.abs().amax()).float()
 
 
 @jit_fuser
-def _cast_quantize_into(out: torch.Tensor, main: torch.Tensor, hp_dtype: torch.dtype, scale: torch.Tensor) -> None:
-    """``out`` (FP8) = ``main`` cast to ``hp_dtype`` and quantized with ``scale`` (0-dim, or ``[rows, 1]``): one
-    read of ``main`` and one write of ``out`` where compiled."""
-    out.copy_(quantize(main.to(hp_dtype), scale, FP8_PARAM_DTYPE))
+def _quantize_into(out: torch.Tensor, hp: torch.Tensor, scale: torch.Tensor) -> None:
+    """``out`` (FP8) = ``hp`` quantized with ``scale`` (0-dim, or ``[rows, 1]``): one read of ``hp`` and one write
+    of ``out`` where compiled."""
+    out.copy_(quantize(hp, scale, FP8_PARAM_DTYPE))
 
 
 @torch.no_grad()
@@ -223,9 +222,10 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
     with the same ``model_params``: the amaxes (of the slices cast to ``fp8_hp_dtype``; one per tensorwise
     parameter, one per row of a row-wise one, a row possibly split between ranks) are max-reduced in one
     all-reduce, so every rank writes its bytes with the scales one process would compute on the whole tensor.
-    Only the owned bytes change; the all-gather of the parameter buffer completes them. On accelerators the
-    cast, amax and quantization are fused kernels (``jit_fuser``): the main shard is read twice, the codes
-    written once.
+    Only the owned bytes change; the all-gather of the parameter buffer completes them. The cast to
+    ``fp8_hp_dtype`` is its own (eager) pass, so that its rounding is kept (a fused kernel would skip the
+    intermediate rounding); on accelerators the amax and the quantization of the cast values are fused kernels
+    (``jit_fuser``).
     """
     if fsdp_shard_model_params is not None:
         raise ValueError("quantize_param_shard: fsdp_shard_model_params is not supported (FP8 parameters need "
@@ -233,13 +233,13 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
     if not model_params:
         return
     device = model_params[0].device
-    shards = [None if main is None or main.numel() == 0 else main.detach().to(device)
-              for main in main_params]
+    shards = [None if main is None or main.numel() == 0 else main.detach().to(device=device, dtype=param.fp8_hp_dtype)
+              for param, main in zip(model_params, main_params)]
     amaxes, blocks = [], []
     for param, shard, start in zip(model_params, shards, start_offsets):
         if not _rowwise(param):
             amaxes.append(torch.zeros(1, device=device) if shard is None
-                          else _cast_amax(shard, param.fp8_hp_dtype, 0).reshape(1))
+                          else _abs_amax(shard, 0).reshape(1))
             blocks.append(None)
             continue
         cols = param.shape[-1]
@@ -248,7 +248,7 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
         if shard is not None:
             block = _row_block(shard, start, cols)
             lo, hi, rows = block
-            amax[lo:hi] = _cast_amax(rows.reshape(-1), param.fp8_hp_dtype, cols)
+            amax[lo:hi] = _abs_amax(rows.reshape(-1), cols)
         amaxes.append(amax)
         blocks.append(block)
     reduced = reduce_amax(torch.cat(amaxes), data_parallel_group).split([a.numel() for a in amaxes])
@@ -258,7 +258,7 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
             scale = tensorwise_scale(amax[0])
             param.fp8_scale.copy_(scale)
             if shard is not None:
-                _cast_quantize_into(flat[start:start + shard.numel()], shard, param.fp8_hp_dtype, scale)
+                _quantize_into(flat[start:start + shard.numel()], shard, scale)
             continue
         param.fp8_scale.copy_(power_of_two_scale(amax))
         if block is None:
@@ -266,8 +266,8 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
         lo, hi, rows = block
         scale = param.fp8_scale[lo:hi, None]
         if rows.data_ptr() == shard.data_ptr():  # the shard covers whole rows: quantize straight into the bytes
-            _cast_quantize_into(flat[start:start + shard.numel()].view(rows.shape), rows, param.fp8_hp_dtype, scale)
+            _quantize_into(flat[start:start + shard.numel()].view(rows.shape), rows, scale)
             continue
-        codes = quantize(rows.to(param.fp8_hp_dtype), scale, FP8_PARAM_DTYPE).view(-1)
+        codes = quantize(rows, scale, FP8_PARAM_DTYPE).view(-1)
         offset = start - lo * param.shape[-1]
         flat[start:start + shard.numel()].copy_(codes[offset:offset + shard.numel()])
