@@ -141,7 +141,8 @@ def _train(fp8_param: bool) -> dict:
         casts.append({} if fp8_param else _forward_casts(model))
     expert = [p for n, p in model.named_parameters() if n.endswith(EXPERT_KEYS)]
     expert_buffers = [(b.param_data.dtype, b.param_data.numel()) for b in ddp.expert_parallel_buffers]
-    return dict(steps=steps, fp8=fp8, casts=casts, main=_main_weights(model, opt),
+    flat_steps = [getattr(inner, "_flat", None) is not None for inner in getattr(opt, "chained_optimizers", [opt])]
+    return dict(steps=steps, fp8=fp8, casts=casts, main=_main_weights(model, opt), flat_steps=flat_steps,
                 expert_bytes=[(p.dtype, p.element_size(), p.numel()) for p in expert], expert_buffers=expert_buffers)
 
 
@@ -390,6 +391,44 @@ def test_fp8_expert_params_are_one_byte(runs):
         assert len(uint8) == 1 and uint8[0] >= expert_numel, run["expert_buffers"]
     hp = dp1["hp"]
     assert all(size == 4 for _, size, _ in hp["expert_bytes"])  # fp32 experts without fp8_param
+
+
+def _fp8_param_runs_flat_and_per_tensor() -> dict:
+    """The DP=2 FP8-parameter run (dense and expert weights FP8) with the flat fused Adam step and without it."""
+    from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    previous = DistributedOptimizer.flat_shard_step
+    parallel_state.initialize_model_parallel()
+    try:
+        out = {}
+        for flat in (True, False):
+            DistributedOptimizer.flat_shard_step = flat
+            out[flat] = _train(True)
+        return out
+    finally:
+        DistributedOptimizer.flat_shard_step = previous  # the rank pool's processes serve later tests
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.slow  # a DP=2 pool call: two 3-step runs
+def test_flat_adam_step_quantizes_fp8_params_as_the_per_tensor_step():
+    """With FP8 parameters the distributed optimizer's flat fused Adam step (one kernel per bucket shard, then the
+    quantization) gives the per-tensor step's losses, gradients, main weights and FP8 bytes and scales (the two
+    differ only in the fp32 rounding of the clip factor)."""
+    for result in run_on_ranks(2, _fp8_param_runs_flat_and_per_tensor, timeout=280):
+        flat, per_tensor = result[True], result[False]
+        assert flat["flat_steps"] == [True, True] and per_tensor["flat_steps"] == [False, False]  # dense, experts
+        for step, (got, want) in enumerate(zip(flat["steps"], per_tensor["steps"])):
+            assert _rel(got["loss"], want["loss"]) < TOL, (step, got["loss"], want["loss"])
+            for name, grad in want["grads"].items():
+                assert _rel(got["grads"][name], grad) < TOL, (step, name)
+        for step, (got, want) in enumerate(zip(flat["fp8"], per_tensor["fp8"])):
+            assert got.keys() == want.keys() and len(got) == 4
+            for name, (bits, scale) in want.items():
+                assert torch.equal(got[name][1], scale), (step, name)
+                assert int((got[name][0] != bits).sum()) <= 1e-3 * bits.numel(), (step, name)
+        _assert_main_close(flat["main"], per_tensor["main"])
+        assert flat["steps"][-1]["loss"] < flat["steps"][0]["loss"]
 
 
 def _values(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

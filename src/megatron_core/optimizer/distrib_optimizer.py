@@ -39,6 +39,7 @@ from megatron_core.device import cuda_available
 from megatron_core.dist_checkpointing.optimizer import dp_flat_shard_to_full, full_to_dp_flat_shard
 from megatron_core.distributed import collectives
 from megatron_core.distributed.fp8_params import (
+    FP8_PARAM_BUFFER_DTYPE,
     clear_high_precision_init_val,
     is_fp8_param,
     main_param_shard,
@@ -97,7 +98,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     With Adam on CUDA (precision-aware or not; nothing offloaded) the shards' main params and moments
     are flat buffers stepped by one fused kernel per bucket shard that also writes the model params
-    (:mod:`~megatron_core.optimizer.flat_adam`); ``flat_shard_step`` = True / False forces it on (CPU
+    (:mod:`~megatron_core.optimizer.flat_adam`; FP8 parameters are quantized from their main shards after it); ``flat_shard_step`` = True / False forces it on (CPU
     included) or off. Set it before ``get_megatron_optimizer``, which picks the optimizer class by it.
 
     ``model_chunks`` are the DDP-wrapped chunks built with ``use_distributed_optimizer=True``;
@@ -164,8 +165,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """The flat fused step serves the precision-aware Adam when no shard is offloaded."""
         if not owned or not isinstance(self.optimizer, PrecisionAwareAdam) or any(e.offloaded for e in owned.values()):
             return False
-        if self.fp8_params:
-            return False  # the FP8 parameters are quantized from the main shards, not written by the fused kernel
         if len({(tuple(g["betas"]), g["eps"]) for g in self.optimizer.param_groups}) > 1:
             return False  # per-group betas / eps (e.g. muP's eps): the per-parameter step
         return self.flat_step_on(next(iter(owned.values())).main_param.device)
@@ -182,7 +181,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     shard_size = bucket.grad_data.numel() // self.data_parallel_world_size
                     start = bucket.offset + self.data_parallel_rank * shard_size
                     params = buffer.param_data[start:start + shard_size]
-                    if params.dtype == self.main_params_dtype:
+                    if params.dtype == FP8_PARAM_BUFFER_DTYPE:  # FP8 parameters: quantized after the step
+                        main, model_out = params.new_zeros(shard_size, dtype=self.main_params_dtype), None
+                        for entry in entries:
+                            main[entry.gbuf_world_range.start - start:entry.gbuf_world_range.end - start] = \
+                                entry.main_param
+                    elif params.dtype == self.main_params_dtype:
                         main, model_out = params, None
                     else:
                         main, model_out = params.to(self.main_params_dtype), params
@@ -306,8 +310,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def step_with_ready_grads(self) -> bool:
         """Update the owned shards, write them into the param buffers and all-gather (or dispatch)."""
-        if self._flat is not None:  # one kernel per shard, the model params written by it
+        if self._flat is not None:  # one kernel per shard, the model params written by it (FP8 ones quantized after)
             self._flat.step(getattr(self.optimizer, "grad_scale", None), getattr(self.optimizer, "found_inf", None))
+            if self.fp8_params:
+                self._quantize_fp8_params()
         else:
             self.optimizer.step()
             self._copy_main_params_to_model_params()
