@@ -57,7 +57,7 @@ from megatron_core.fp8 import fp8_param_grouped as fpg
 from megatron_core.fp8.grouped_gemm import e4m3_codes
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.dist_harness import run_on_ranks
-from tests.models.gpt_test_utils import MAX_SEQ, VOCAB
+from tests.models.gpt_test_utils import MAX_SEQ
 from tests.transformer.moe.moe_parallel_utils import batches, build, global_tensors, load_globals
 
 pytest.importorskip("torchao.float8")
@@ -624,12 +624,6 @@ CUDA_STEPS = 5
 CUDA_SEQ = MAX_SEQ  # 16 tokens per micro-batch: the dense layers' FP8 weight-gradient GEMM (torchao) needs a multiple of 16
 
 
-def _cuda_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    ids, labels = (torch.randint(0, VOCAB, (1, CUDA_SEQ), generator=gen) for _ in range(2))
-    return ids.cuda(), torch.arange(CUDA_SEQ).unsqueeze(0).cuda(), labels.cuda()
-
-
 def _cuda_moe_run(fp8_param: bool) -> dict:
     torch.manual_seed(0)
     model = build("mixtral", fp8_param=fp8_param, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
@@ -639,7 +633,7 @@ def _cuda_moe_run(fp8_param: bool) -> dict:
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, fp8_param_gather=fp8_param), model)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True), [ddp])
-    batch = _cuda_batch()
+    batch = tuple(t.cuda() for t in batches(1, seq=CUDA_SEQ)[0])
     losses = torch.stack([_step(model, ddp, opt, batch)["loss"] for _ in range(CUDA_STEPS)]).cpu()
     expert = [p for n, p in model.named_parameters() if n.endswith(EXPERT_KEYS)]
     return dict(losses=losses, expert_bytes=sum(p.numel() * p.element_size() for p in expert),

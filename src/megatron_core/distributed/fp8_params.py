@@ -96,10 +96,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+@jit_fuser
+def _abs_amax(hp: torch.Tensor, cols: int) -> torch.Tensor:
+    """``max |hp|`` in fp32: per row of ``cols`` elements, or of everything when ``cols`` is 0 (one read of ``hp``
+    where compiled, on accelerators)."""
+    return (hp.view(-1, cols).abs().amax(-1) if cols else hp.abs().amax()).float()
+
+
 def _scale_of(hp: torch.Tensor, rowwise: bool) -> torch.Tensor:
     """The quantization multiplier(s) of the high-precision value ``hp``: per row or per tensor."""
     if rowwise:
-        return power_of_two_scale(_rows(hp.detach()).abs().amax(-1).float())
+        return power_of_two_scale(_abs_amax(hp.detach().reshape(-1), hp.shape[-1]))
     return tensorwise_scale(_amax(hp))
 
 
@@ -114,7 +121,7 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     """``max |t|`` in fp32 (0 for an empty tensor)."""
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=t.device)
-    return t.detach().abs().amax().float()
+    return _abs_amax(t.detach(), 0)
 
 
 def make_fp8_param(weight: torch.nn.Parameter, scaling: str = "tensorwise") -> torch.nn.Parameter:
@@ -198,13 +205,6 @@ def _row_block(shard: torch.Tensor, start: int, cols: int) -> tuple[int, int, to
 
 
 @jit_fuser
-def _abs_amax(hp: torch.Tensor, cols: int) -> torch.Tensor:
-    """``max |hp|`` in fp32: per row of ``cols`` elements, or of everything when ``cols`` is 0 (one read of ``hp``
-    where compiled, on accelerators)."""
-    return (hp.abs().view(-1, cols).amax(-1) if cols else hp.abs().amax()).float()
-
-
-@jit_fuser
 def _quantize_into(out: torch.Tensor, hp: torch.Tensor, scale: torch.Tensor) -> None:
     """``out`` (FP8) = ``hp`` quantized with ``scale`` (0-dim, or ``[rows, 1]``): one read of ``hp`` and one write
     of ``out`` where compiled."""
@@ -238,8 +238,7 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
     amaxes, blocks = [], []
     for param, shard, start in zip(model_params, shards, start_offsets):
         if not _rowwise(param):
-            amaxes.append(torch.zeros(1, device=device) if shard is None
-                          else _abs_amax(shard, 0).reshape(1))
+            amaxes.append((torch.zeros((), device=device) if shard is None else _amax(shard)).reshape(1))
             blocks.append(None)
             continue
         cols = param.shape[-1]

@@ -98,8 +98,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     With Adam on CUDA (precision-aware or not; nothing offloaded) the shards' main params and moments
     are flat buffers stepped by one fused kernel per bucket shard that also writes the model params
-    (:mod:`~megatron_core.optimizer.flat_adam`; FP8 parameters are quantized from their main shards after it); ``flat_shard_step`` = True / False forces it on (CPU
-    included) or off. Set it before ``get_megatron_optimizer``, which picks the optimizer class by it.
+    (:mod:`~megatron_core.optimizer.flat_adam`; FP8 parameters are quantized from their main shards after
+    it); ``flat_shard_step`` = True / False forces it on (CPU included) or off. Set it before ``get_megatron_optimizer``, which picks the optimizer class by it.
 
     ``model_chunks`` are the DDP-wrapped chunks built with ``use_distributed_optimizer=True``;
     ``per_model_buffers`` maps chunk index to the DDP buffers this optimizer covers (dense or

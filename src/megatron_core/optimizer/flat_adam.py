@@ -189,11 +189,10 @@ class FlatAdamShards:
                              f"{[(g['betas'], g['eps']) for g in groups]}")
         self._step_counts.add_(1.0)
         self._fill_table(float(betas[0]), float(betas[1]))
-        adam_w = bool(getattr(self.optimizer, "adam_w_mode", True))
+        hyper = (float(betas[0]), float(betas[1]), float(eps), bool(getattr(self.optimizer, "adam_w_mode", True)))
         for shard in self.shards:
             for start in range(0, shard.main.numel(), SLICE_ELEMENTS):
-                self._step_slice(shard, slice(start, start + SLICE_ELEMENTS), grad_scale, found_inf,
-                                 (float(betas[0]), float(betas[1]), float(eps), adam_w))
+                self._step_slice(shard, slice(start, start + SLICE_ELEMENTS), grad_scale, found_inf, hyper)
         if found_inf is not None:
             self._step_counts.sub_(found_inf.reshape(()))  # a skipped update's count does not stand
 

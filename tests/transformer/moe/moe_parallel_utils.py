@@ -44,14 +44,14 @@ def build(flavour: str, pre_process: bool = True, post_process: bool = True, **o
                     pre_process=pre_process, post_process=post_process)
 
 
-def batches(num: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``num`` micro-batches ``(ids, position_ids, labels)`` of shape ``[1, SEQ]``."""
+def batches(num: int, seed: int = 3, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``num`` micro-batches ``(ids, position_ids, labels)`` of shape ``[1, seq]``."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(num):
-        ids = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
-        labels = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
-        out.append((ids, torch.arange(SEQ).unsqueeze(0), labels))
+        ids = torch.randint(0, VOCAB, (1, seq), generator=gen)
+        labels = torch.randint(0, VOCAB, (1, seq), generator=gen)
+        out.append((ids, torch.arange(seq).unsqueeze(0), labels))
     return out
 
 
