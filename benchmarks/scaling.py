@@ -153,7 +153,7 @@ DEFAULT_4GPU = ["dp4_ddp", "dp4_distopt", "pp4_1f1b", "pp4_interleaved", "ep4"]
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
+    """A free TCP port on 127.0.0.1 (the tests replace this with ``tests/ports.free_port``: race-free slices)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -5,23 +5,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 pytestmark = pytest.mark.slow  # subprocess/torchrun training runs
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "pretrain_gpt.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 COMMON = ["--mock-data", "--vocab-size", "127", "--seq-length", "32", "--max-position-embeddings", "32",
@@ -32,7 +27,7 @@ def _train_on_two_ranks(tmp_path: Path, *flags: str) -> list[dict]:
     """Run the example under torchrun on 2 CPU ranks; return its train log records."""
     log = tmp_path / "log.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(SCRIPT), *COMMON, *flags, "--log-json", str(log)]
+           "--master-port", str(free_port()), str(SCRIPT), *COMMON, *flags, "--log-json", str(log)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

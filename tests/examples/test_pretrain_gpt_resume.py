@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
 from tests.process_tree import kill_tree
 
 pytestmark = pytest.mark.slow  # subprocess/torchrun training runs
@@ -36,15 +36,9 @@ LAYOUTS = {"tp2_pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-pa
            "dp2_tp2": ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(extra: list[str], log: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(SCRIPT), *MODEL, *extra, "--log-json", str(log)]
+           "--master-port", str(free_port()), str(SCRIPT), *MODEL, *extra, "--log-json", str(log)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
 from tests.process_tree import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,14 +33,6 @@ FLAGS = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "
          "--tensor-model-parallel-size", "2"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Jobs:
     """torchrun jobs of one test, run side by side; each writes its output to a file (no pipe to fill while
     another job is being waited for); ``kill_all`` ends whatever is still running."""
@@ -51,7 +44,7 @@ class _Jobs:
     def start(self, script: Path, extra: list[str], log: Path,
               env_extra: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), str(script), *FLAGS, *extra, "--log-json", str(log)]
+               "127.0.0.1", "--master-port", str(free_port()), str(script), *FLAGS, *extra, "--log-json", str(log)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
                **(env_extra or {})}

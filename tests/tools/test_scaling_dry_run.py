@@ -20,7 +20,15 @@ import nccl_bandwidth  # noqa: E402
 import nccl_layout_parity  # noqa: E402
 import scaling  # noqa: E402
 
+from tests import ports  # noqa: E402
 from tests.dist_harness import run_on_ranks  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _race_free_master_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks' torchrun jobs (``scaling.start_torchrun``, also behind ``nccl_layout_parity``) take their
+    ``--master-port`` from this worker's slice below the ephemeral range, not from a closed port-0 socket."""
+    monkeypatch.setattr(scaling, "free_port", ports.free_port)
 
 
 def test_theoretical_bubble_of_both_schedules() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 
 from tests.models.hf.hf_models import make_hf_model
 from tests.models.hf.hybrid_models import make_hybrid_model
+from tests.ports import free_port
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -66,18 +66,12 @@ def _hf_loss(hf_dir: Path, batch: dict) -> float:
     return float((losses * mask).sum() / mask.sum())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(tmp_path: Path, flags: list[str], ranks: int = 1) -> list[dict]:
     """Run the script (under torchrun on ``ranks`` CPU ranks when more than one); return its train log records."""
     log = tmp_path / f"log{ranks}.jsonl"
     launcher = [sys.executable] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
-        "--master-port", str(_free_port())]
+        "--master-port", str(free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([*launcher, str(SCRIPT), *flags, "--log-interval", "1", "--log-json", str(log)],
