@@ -289,7 +289,7 @@ def measure_fp8_param(args: argparse.Namespace, dtype: torch.dtype, ids: torch.T
         print(f"{label + ' optimizer step':<48} {step * 1e3:9.1f} ms  (fwd+bwd + step {(fb + step) * 1e3:.1f} ms; "
               f"parameter bytes {weights / 1e9:.3f} GB)", flush=True)
         times[fp8_param] = (fb, step)
-        del model, ddp, opt
+        del model, ddp, opt, fwd_bwd, optimizer_step  # the closures' defaults hold the model and optimizer too
         gc.collect()
         if mdevice.get_current_device().type == "cuda":
             torch.cuda.empty_cache()

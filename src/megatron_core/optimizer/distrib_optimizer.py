@@ -139,6 +139,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         clear_high_precision_init_val(self.fp8_params)
         self._offload_entries(owned)
         flat_shards = self._flatten_shards(owned) if self._uses_flat_step(owned) else None
+        self._fp8_bucket_mains = {}  # the entries (or the flat shards) hold what is still used
         self.bucket_groups = self._own_bucket_groups()
         self.shard_groups: list[list[_ShardEntry]] = []
         for group in self.optimizer.param_groups:
@@ -182,10 +183,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     start = bucket.offset + self.data_parallel_rank * shard_size
                     params = buffer.param_data[start:start + shard_size]
                     if params.dtype == FP8_PARAM_BUFFER_DTYPE:  # FP8 parameters: quantized after the step
-                        main, model_out = params.new_zeros(shard_size, dtype=self.main_params_dtype), None
-                        for entry in entries:
-                            main[entry.gbuf_world_range.start - start:entry.gbuf_world_range.end - start] = \
-                                entry.main_param
+                        # The entries' main weights were written into this bucket's buffer (_build_shard_entries).
+                        main, model_out = self._fp8_bucket_mains[id(bucket)], None
                     elif params.dtype == self.main_params_dtype:
                         main, model_out = params, None
                     else:
@@ -203,6 +202,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _build_shard_entries(self) -> dict[torch.nn.Parameter, _ShardEntry]:
         owned: dict[torch.nn.Parameter, _ShardEntry] = {}
+        # FP8 parameters' fp32 main weights: one zero-padded buffer per bucket shard, each entry a view of it, so
+        # the flat step uses it as is (a per-entry copy first would hold the shard's main weights twice).
+        self._fp8_bucket_mains: dict[int, torch.Tensor] = {}
         for chunk_index, buffers in self.per_model_buffers.items():
             for buffer in buffers:
                 if buffer.data_parallel_world_size != self.data_parallel_world_size:
@@ -223,7 +225,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         flat = param.detach().view(-1)[param_range.start:param_range.end]
                         dtype = self.main_params_dtype
                         if is_fp8_param(param):
-                            main = main_param_shard(param, param_range.start, param_range.end, dtype)
+                            if id(bucket) not in self._fp8_bucket_mains:
+                                self._fp8_bucket_mains[id(bucket)] = torch.zeros(shard_size, dtype=dtype,
+                                                                                device=param.device)
+                            main = self._fp8_bucket_mains[id(bucket)][lo - shard.start:hi - shard.start]
+                            main.copy_(main_param_shard(param, param_range.start, param_range.end, dtype))
                         else:
                             main = flat if param.dtype == dtype else flat.clone().to(dtype)
                         copy_param_attributes(main, param)
