@@ -30,7 +30,7 @@ from gpt_training.data import build_datasets, build_loader, build_tokenizer_from
 from gpt_training.distributed_init import init_distributed  # noqa: E402
 from gpt_training.hf_model import hf_model_chunks, hf_tokenizer, load_bridge  # noqa: E402
 from gpt_training.logger import TrainingLogger  # noqa: E402
-from gpt_training.loop import Trainer  # noqa: E402
+from gpt_training.loop import Trainer, exit_run  # noqa: E402
 from gpt_training.metrics import flops_per_token, peak_flops  # noqa: E402
 from gpt_training.model_builder import build_model, count_parameters, transformer_config_from_args  # noqa: E402
 from gpt_training.upcycling import upcycle_dense_checkpoint  # noqa: E402
@@ -202,4 +202,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_run(main())
