@@ -51,4 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    from gpt_training.loop import exit_run  # pretrain_gpt.py's exit (PRETRAIN_GPT_FAST_EXIT)
+
+    exit_run(status)
