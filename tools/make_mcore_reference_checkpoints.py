@@ -155,8 +155,11 @@ def _run(task: str, out: str, entries: dict[str, dict]) -> None:
     for tp in sorted({entry["tp"] for entry in entries.values()}):
         names = [name for name, entry in entries.items() if entry["tp"] == tp]
         with tempfile.TemporaryDirectory() as scratch:
-            mp.start_processes(_worker, args=(tp, os.path.join(scratch, "rendezvous"), task, out, names),
-                               nprocs=tp, join=True, start_method="spawn")
+            args = (tp, os.path.join(scratch, "rendezvous"), task, out, names)
+            if tp == 1:  # one rank runs here: a spawned process would import torch and megatron-core once more
+                _worker(0, *args)
+            else:
+                mp.start_processes(_worker, args=args, nprocs=tp, join=True, start_method="spawn")
 
 
 def main() -> None:
