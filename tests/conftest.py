@@ -89,6 +89,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def _parent(pid: int) -> int | None:
+    """The parent process id of ``pid`` (``None`` once it has gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _left_behind() -> dict[int, str]:
     out = {}
     for pid in descendants(os.getpid()):
@@ -98,7 +106,10 @@ def _left_behind() -> dict[int, str]:
             continue
         if not cmdline.strip():  # a zombie: exited, only not yet reaped
             continue
-        if not any(helper in cmdline for helper in _INTERPRETER_HELPERS):
+        # The fork server is the interpreter's own child; the processes it forked (the rank pools' workers) carry
+        # its command line but are its children, and count.
+        forked = "multiprocessing.forkserver" in cmdline and _parent(pid) != os.getpid()
+        if forked or not any(helper in cmdline for helper in _INTERPRETER_HELPERS):
             out[pid] = cmdline.strip()[:200]
     return out
 

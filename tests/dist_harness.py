@@ -58,8 +58,11 @@ def _resolve(module_name: str, qualname: str) -> Callable[..., Any]:
 
 
 def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, results: mp.Queue,
-                 parent_pid: int, sys_path: list[str], debug: str = "") -> None:
+                 parent_pid: int, sys_path: list[str], debug: str = "", environ: dict[str, str] | None = None) -> None:
     sys.path[:] = sys_path
+    if environ is not None:  # forked from the fork server: the test process's environment now, not at its start
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["MCORE_TEST_RANK"] = str(rank)
     # This worker's own rank variables, as torchrun sets them: a test that leaves e.g. WORLD_SIZE=1 in the parent's
@@ -75,6 +78,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, r
     import torch
     import torch.distributed as dist
 
+    dist.set_debug_level_from_env()  # read at import, which a forked rank's fork server did with its environment
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
@@ -88,7 +92,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, r
         try:
             task = tasks.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent_pid:
+            if _gone(parent_pid):
                 os._exit(0)
             continue
         if task is None:
@@ -105,6 +109,17 @@ def _worker_main(rank: int, world_size: int, store_path: str, tasks: mp.Queue, r
             _collect_dead_groups()
     dist.destroy_process_group()
     _exit_without_teardown()
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (the test process: a rank forked by the fork server is not its child)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _exit_without_teardown() -> None:
@@ -148,13 +163,32 @@ def _short_subgroup_timeouts(parallel_state: Any) -> None:
     parallel_state.initialize_model_parallel = initialize_model_parallel
 
 
+# Imported once by the fork server the ranks are forked from (a spawned rank imported them itself: about 4 s of CPU
+# per rank, 15-20 s of wall time for an 8-rank pool on 2 cores).
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "megatron_core.parallel_state", "megatron_core.distributed",
+                       "megatron_core.transformer"]
+
+
+def _worker_context() -> Any:
+    """The multiprocessing context of the ranks: ``forkserver`` with torch and megatron_core preloaded (a fresh
+    process forked from a server that imported nothing else and started no work), ``spawn`` where there is none
+    or ``MCORE_TEST_POOL_START=spawn``."""
+    method = os.environ.get("MCORE_TEST_POOL_START", "forkserver")
+    if method not in mp.get_all_start_methods():
+        method = "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    return ctx
+
+
 class RankPool:
     """``world_size`` spawned CPU ranks in one gloo process group, fed functions through queues."""
 
     def __init__(self, world_size: int, debug: str = "") -> None:
         self.world_size = world_size
         self.debug = debug
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _worker_context()
         self._tmpdir = tempfile.mkdtemp(prefix=f"mcore_pool{world_size}_")
         store_path = os.path.join(self._tmpdir, "store")
         self._results: mp.Queue = self._ctx.Queue()
@@ -162,7 +196,8 @@ class RankPool:
         self._procs = [
             self._ctx.Process(
                 target=_worker_main,
-                args=(r, world_size, store_path, self._tasks[r], self._results, os.getpid(), list(sys.path), debug),
+                args=(r, world_size, store_path, self._tasks[r], self._results, os.getpid(), list(sys.path), debug,
+                      dict(os.environ)),
                 daemon=True,
             )
             for r in range(world_size)
