@@ -69,13 +69,13 @@ def port_slice(worker: str | None = None, workers: int | None = None) -> range:
 
 
 def _bindable(port: int) -> bool:
-    """Whether ``port`` can be bound right now on 127.0.0.1 and on every interface (what torchrun's store does)."""
-    for address in ("127.0.0.1", ""):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((address, port))
-            except OSError:
-                return False
+    """Whether ``port`` can be bound right now on 127.0.0.1 (tests bind nothing beyond the loopback interface; a
+    socket bound to every interface on ``port`` makes this bind fail too)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
     return True
 
 
