@@ -621,6 +621,10 @@ def test_emulated_fp8_param_grouped_gemm_compiles_without_graph_breaks():
 
 
 CUDA_STEPS = 5
+# At 1e-3 Adam on one batch took the loss from 4.24 to about 1 in 5 steps on the H200, and flipped routing
+# decisions turned the dense kernels' rounding differences into 9% between the two FP8 runs (each about 4% from a
+# run without FP8, on either side): a test of chaos, not of FP8 parameters.
+CUDA_LR = 1e-4
 CUDA_SEQ = MAX_SEQ  # 16 tokens per micro-batch: the dense layers' FP8 weight-gradient GEMM (torchao) needs a multiple of 16
 
 
@@ -635,7 +639,7 @@ def _cuda_moe_run(fp8_param: bool, fp8: bool = True) -> dict:
         convert_to_float8(model)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, fp8_param_gather=fp8_param), model)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=CUDA_LR, bf16=True, use_distributed_optimizer=True), [ddp])
     batch = tuple(t.cuda() for t in batches(1, seq=CUDA_SEQ)[0])
     losses = torch.stack([_step(model, ddp, opt, batch)["loss"] for _ in range(CUDA_STEPS)]).cpu()
     expert = [p for n, p in model.named_parameters() if n.endswith(EXPERT_KEYS)]
@@ -648,9 +652,8 @@ def test_fp8_expert_params_on_hopper_track_fp8_experts_on_bf16_weights(tmp_path)
     """A bf16 MoE GPT on Hopper (``torch._scaled_grouped_mm``), 5 Adam steps under DDP + the distributed optimizer:
     with fp8_param the first loss equals the bf16-weight FP8 run's within 1e-3 (the experts' GEMMs identical, the
     dense ones differing by their kernels: torchao's bf16 weight gradient against ours accumulated in fp32); later
-    ones, where Adam on one batch turns that rounding into diverging updates (the loss falls 4x in 5 steps), within
-    1% or within the distance of the bf16-weight FP8 run from a run without FP8, as the dense test
-    (tests/fp8/test_fp8_param.py) bounds it; expert weights take 1 byte per element."""
+    ones within 1% or within the distance of the bf16-weight FP8 run from a run without FP8, as the dense test
+    (tests/fp8/test_fp8_param.py) bounds it, and falling; expert weights take 1 byte per element."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU (FP8 grouped GEMMs)")
     if torch.distributed.is_initialized():
