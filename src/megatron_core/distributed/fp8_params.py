@@ -96,11 +96,24 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-@jit_fuser
+# Tensors of at least this many elements take the fused (``jit_fuser``) amax and quantization kernels; smaller ones
+# the eager ops. A compiled function's call costs several times the eager ops' launches on the host (measured on
+# CPU: about 0.9 ms against 0.15 ms per tensor for both), which only a tensor large enough for the saved memory
+# passes (about 25 bytes per element) repays: the experts' weights of an MoE model, not a dense layer's.
+FUSED_MIN_ELEMENTS = 2**26
+
+
+def _abs_amax_eager(hp: torch.Tensor, cols: int) -> torch.Tensor:
+    return (hp.view(-1, cols).abs().amax(-1) if cols else hp.abs().amax()).float()
+
+
+_abs_amax_fused = jit_fuser(_abs_amax_eager)
+
+
 def _abs_amax(hp: torch.Tensor, cols: int) -> torch.Tensor:
     """``max |hp|`` in fp32: per row of ``cols`` elements, or of everything when ``cols`` is 0 (one read of ``hp``
-    where compiled, on accelerators)."""
-    return (hp.view(-1, cols).abs().amax(-1) if cols else hp.abs().amax()).float()
+    where fused: on accelerators, for tensors of at least ``FUSED_MIN_ELEMENTS``)."""
+    return (_abs_amax_fused if hp.numel() >= FUSED_MIN_ELEMENTS else _abs_amax_eager)(hp, cols)
 
 
 def _scale_of(hp: torch.Tensor, rowwise: bool) -> torch.Tensor:
@@ -204,11 +217,17 @@ def _row_block(shard: torch.Tensor, start: int, cols: int) -> tuple[int, int, to
     return lo, hi, block.view(hi - lo, cols)
 
 
-@jit_fuser
+def _quantize_into_eager(out: torch.Tensor, hp: torch.Tensor, scale: torch.Tensor) -> None:
+    out.copy_(quantize(hp, scale, FP8_PARAM_DTYPE))
+
+
+_quantize_into_fused = jit_fuser(_quantize_into_eager)
+
+
 def _quantize_into(out: torch.Tensor, hp: torch.Tensor, scale: torch.Tensor) -> None:
     """``out`` (FP8) = ``hp`` quantized with ``scale`` (0-dim, or ``[rows, 1]``): one read of ``hp`` and one write
-    of ``out`` where compiled."""
-    out.copy_(quantize(hp, scale, FP8_PARAM_DTYPE))
+    of ``out`` where fused (as :func:`_abs_amax`)."""
+    (_quantize_into_fused if hp.numel() >= FUSED_MIN_ELEMENTS else _quantize_into_eager)(out, hp, scale)
 
 
 @torch.no_grad()
@@ -225,7 +244,7 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
     Only the owned bytes change; the all-gather of the parameter buffer completes them. The cast to
     ``fp8_hp_dtype`` is its own (eager) pass, so that its rounding is kept (a fused kernel would skip the
     intermediate rounding); on accelerators the amax and the quantization of the cast values are fused kernels
-    (``jit_fuser``).
+    (``jit_fuser``) for tensors of at least ``FUSED_MIN_ELEMENTS``.
     """
     if fsdp_shard_model_params is not None:
         raise ValueError("quantize_param_shard: fsdp_shard_model_params is not supported (FP8 parameters need "
