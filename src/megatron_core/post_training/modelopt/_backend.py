@@ -35,6 +35,15 @@ def modelopt_distill(what: str = "knowledge distillation") -> Any:
     return importlib.import_module("modelopt.torch.distill")
 
 
+def _import_failure(what: str, err: ImportError) -> str:
+    """The message for a failed import of Model Optimizer: not installed, or installed without a module it needs."""
+    missing = getattr(err, "name", None) or ""
+    if missing == "modelopt" or missing.startswith("modelopt."):
+        return f"{what} needs NVIDIA Model Optimizer, which is not installed: {_INSTALL_HINT}"
+    return (f"{what} needs NVIDIA Model Optimizer, which is installed but failed to import ({type(err).__name__}: "
+            f"{err}); install what it needs: {_INSTALL_HINT}")
+
+
 def modelopt_modules(what: str = "post-training quantization") -> SimpleNamespace:
     """Model Optimizer's modules used here, or ``ImportError`` saying that ``what`` needs ``nvidia-modelopt``.
 
@@ -47,7 +56,7 @@ def modelopt_modules(what: str = "post-training quantization") -> SimpleNamespac
         modelopt = importlib.import_module("modelopt")
         mtq = importlib.import_module("modelopt.torch.quantization")
     except ImportError as err:
-        raise ImportError(f"{what} needs NVIDIA Model Optimizer, which is not installed: {_INSTALL_HINT}") from err
+        raise ImportError(_import_failure(what, err)) from err
     return SimpleNamespace(
         version=modelopt.__version__,
         mtq=mtq,
