@@ -19,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpt_training.hf_model import load_bridge  # noqa: E402
+from gpt_training.loop import exit_run  # noqa: E402
 from megatron_core.command_line import run_command  # noqa: E402
 
 PROG = "pretrain_hybrid.py"
@@ -51,7 +52,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    from gpt_training.loop import exit_run  # pretrain_gpt.py's exit (PRETRAIN_GPT_FAST_EXIT)
-
-    exit_run(status)
+    exit_run(main())

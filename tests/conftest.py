@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.dist_harness import close_all_pools, recycle_bloated_pools, set_debug_off_for_current_test
-from tests.process_tree import descendants
+from tests.process_tree import descendants, parent_pid
 
 # Helpers Python and torch keep alive until the interpreter exits (torch.compile's pool of Inductor compile
 # workers among them); not left behind by a test.
@@ -89,14 +89,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def _parent(pid: int) -> int | None:
-    """The parent process id of ``pid`` (``None`` once it has gone)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _left_behind() -> dict[int, str]:
     out = {}
     for pid in descendants(os.getpid()):
@@ -108,7 +100,7 @@ def _left_behind() -> dict[int, str]:
             continue
         # The fork server is the interpreter's own child; the processes it forked (the rank pools' workers) carry
         # its command line but are its children, and count.
-        forked = "multiprocessing.forkserver" in cmdline and _parent(pid) != os.getpid()
+        forked = "multiprocessing.forkserver" in cmdline and parent_pid(pid) != os.getpid()
         if forked or not any(helper in cmdline for helper in _INTERPRETER_HELPERS):
             out[pid] = cmdline.strip()[:200]
     return out

@@ -1,8 +1,8 @@
 """Run test functions on N CPU ranks with gloo, reusing one group of ranks across many checks.
 
 A :class:`RankPool` starts ``world_size`` processes once (forked from a fork server that has torch and
-megatron_core imported), rendezvoused through a FileStore (no ports), with a short process-group timeout. :meth:`RankPool.run` sends a module-level function
-to every rank and returns the per-rank results. A failure on any rank raises with each failing
+megatron_core imported), rendezvoused through a FileStore (no ports), with a short process-group timeout.
+:meth:`RankPool.run` sends a module-level function to every rank and returns the per-rank results. A failure on any rank raises with each failing
 rank's traceback; a hang past the per-call wall limit kills the pool (a new one is spawned on the
 next call). Workers exit when the parent dies, so no process is left behind.
 

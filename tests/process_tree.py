@@ -12,16 +12,22 @@ from pathlib import Path
 REAP_TIMEOUT_S = 30.0
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent process id of ``pid`` (read from /proc; ``None`` once it has gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def descendants(pid: int) -> set[int]:
     """Every live process below ``pid`` (read from /proc)."""
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            parent = parent_pid(int(entry))
+            if parent is not None:
+                parents.setdefault(parent, []).append(int(entry))
     found: set[int] = set()
     todo = [pid]
     while todo:

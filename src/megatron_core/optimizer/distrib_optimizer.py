@@ -99,7 +99,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     With Adam on CUDA (precision-aware or not; nothing offloaded) the shards' main params and moments
     are flat buffers stepped by one fused kernel per bucket shard that also writes the model params
     (:mod:`~megatron_core.optimizer.flat_adam`; FP8 parameters are quantized from their main shards after
-    it); ``flat_shard_step`` = True / False forces it on (CPU included) or off. Set it before ``get_megatron_optimizer``, which picks the optimizer class by it.
+    it); ``flat_shard_step`` = True / False forces it on (CPU included) or off. Set it before
+    ``get_megatron_optimizer``, which picks the optimizer class by it.
 
     ``model_chunks`` are the DDP-wrapped chunks built with ``use_distributed_optimizer=True``;
     ``per_model_buffers`` maps chunk index to the DDP buffers this optimizer covers (dense or
@@ -135,11 +136,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # FP8 parameters (fp8_param), in the same order on every DP rank: quantized from the main shards each step.
         self.fp8_params = [p for buffers in per_model_buffers.values() for buffer in buffers for p in buffer.params
                            if is_fp8_param(p)]
-        owned = self._build_shard_entries()
+        owned, fp8_bucket_mains = self._build_shard_entries()
         clear_high_precision_init_val(self.fp8_params)
         self._offload_entries(owned)
-        flat_shards = self._flatten_shards(owned) if self._uses_flat_step(owned) else None
-        self._fp8_bucket_mains = {}  # the entries (or the flat shards) hold what is still used
+        flat_shards = self._flatten_shards(owned, fp8_bucket_mains) if self._uses_flat_step(owned) else None
         self.bucket_groups = self._own_bucket_groups()
         self.shard_groups: list[list[_ShardEntry]] = []
         for group in self.optimizer.param_groups:
@@ -170,8 +170,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             return False  # per-group betas / eps (e.g. muP's eps): the per-parameter step
         return self.flat_step_on(next(iter(owned.values())).main_param.device)
 
-    def _flatten_shards(self, owned: dict[torch.nn.Parameter, _ShardEntry]) -> list[FlatShard]:
-        """One flat shard per owned bucket slice; each entry's main param becomes a view of its shard."""
+    def _flatten_shards(self, owned: dict[torch.nn.Parameter, _ShardEntry],
+                        fp8_bucket_mains: dict[int, torch.Tensor]) -> list[FlatShard]:
+        """One flat shard per owned bucket slice; each entry's main param becomes a view of its shard (an FP8
+        bucket's shard is the main-weight buffer ``fp8_bucket_mains`` holds for it, by bucket id)."""
         shards = []
         for buffers in self.per_model_buffers.values():
             for buffer in buffers:
@@ -183,8 +185,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     start = bucket.offset + self.data_parallel_rank * shard_size
                     params = buffer.param_data[start:start + shard_size]
                     if params.dtype == FP8_PARAM_BUFFER_DTYPE:  # FP8 parameters: quantized after the step
-                        # The entries' main weights were written into this bucket's buffer (_build_shard_entries).
-                        main, model_out = self._fp8_bucket_mains[id(bucket)], None
+                        main, model_out = fp8_bucket_mains[id(bucket)], None
                     elif params.dtype == self.main_params_dtype:
                         main, model_out = params, None
                     else:
@@ -200,11 +201,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     shards.append(shard)
         return shards
 
-    def _build_shard_entries(self) -> dict[torch.nn.Parameter, _ShardEntry]:
+    def _build_shard_entries(self) -> tuple[dict[torch.nn.Parameter, _ShardEntry], dict[int, torch.Tensor]]:
+        """This rank's shard entries by param, and the FP8 parameters' fp32 main-weight buffers by bucket id: one
+        zero-padded buffer per bucket shard, each entry a view of it, so the flat step uses it as is (a per-entry
+        copy first would hold the shard's main weights twice)."""
         owned: dict[torch.nn.Parameter, _ShardEntry] = {}
-        # FP8 parameters' fp32 main weights: one zero-padded buffer per bucket shard, each entry a view of it, so
-        # the flat step uses it as is (a per-entry copy first would hold the shard's main weights twice).
-        self._fp8_bucket_mains: dict[int, torch.Tensor] = {}
+        fp8_bucket_mains: dict[int, torch.Tensor] = {}
         for chunk_index, buffers in self.per_model_buffers.items():
             for buffer in buffers:
                 if buffer.data_parallel_world_size != self.data_parallel_world_size:
@@ -225,17 +227,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         flat = param.detach().view(-1)[param_range.start:param_range.end]
                         dtype = self.main_params_dtype
                         if is_fp8_param(param):
-                            if id(bucket) not in self._fp8_bucket_mains:
-                                self._fp8_bucket_mains[id(bucket)] = torch.zeros(shard_size, dtype=dtype,
-                                                                                device=param.device)
-                            main = self._fp8_bucket_mains[id(bucket)][lo - shard.start:hi - shard.start]
+                            if id(bucket) not in fp8_bucket_mains:
+                                fp8_bucket_mains[id(bucket)] = torch.zeros(shard_size, dtype=dtype,
+                                                                           device=param.device)
+                            main = fp8_bucket_mains[id(bucket)][lo - shard.start:hi - shard.start]
                             main.copy_(main_param_shard(param, param_range.start, param_range.end, dtype))
                         else:
                             main = flat if param.dtype == dtype else flat.clone().to(dtype)
                         copy_param_attributes(main, param)
                         owned[param] = _ShardEntry(param, main, param_range, Range(lo, hi),
                                                    buffer.param_to_name.get(param, ""), chunk_index)
-        return owned
+        return owned, fp8_bucket_mains
 
     def _offload_entries(self, owned: dict[torch.nn.Parameter, _ShardEntry]) -> None:
         """Move the main params of the first ``optimizer_offload_fraction`` of this rank's elements to the CPU.
