@@ -7,9 +7,11 @@ step is what ``pretrain_gpt.py`` runs: zero the gradient buffer, forward and bac
 ``--step-microbatches`` micro-batches, ``finalize_model_grads``, the optimizer step, which for
 ``fp8_param`` quantizes the main shards into the FP8 weights and all-gathers their bytes. Printed per
 variant: step time, tokens/s, MFU (bf16-equivalent FLOPs), peak memory, the model's parameter bytes
-(FP8 weights count 1 byte per element) and the mean loss of the timed steps (random tokens; a sanity
-check, not a convergence test). Under ``torchrun`` the ranks form the data-parallel group; alone, one
-rank. With ``fp8_param`` the FP8 GEMM runs eagerly inside a compiled layer (a graph break per GEMM).
+(FP8 weights count 1 byte per element), the mean loss of the timed steps (random tokens; a sanity
+check, not a convergence test) and, after the timed steps, where a step's time goes: forward and backward
+of the micro-batches, ``finalize_model_grads`` and the optimizer step, each timed between device
+synchronizations over ``PHASE_STEPS`` further steps. Under ``torchrun`` the ranks form the data-parallel
+group; alone, one rank.
 
     PYTHONPATH=src:. python3 benchmarks/fp8_training.py --only step              # one GPU
     PYTHONPATH=src:. torchrun --nproc-per-node 8 benchmarks/fp8_training.py --only step
@@ -22,6 +24,7 @@ import argparse
 import gc
 import os
 import tempfile
+import time
 from collections.abc import Callable
 
 import torch
@@ -59,14 +62,33 @@ def step_variants(args: argparse.Namespace) -> list[tuple[str, tuple[str, str] |
             (f"fp8_param tensorwise {args.fp8_format}", fp8, True)]
 
 
+PHASE_STEPS = 3  # steps timed phase by phase after the timed steps
+
+
+def phase_times(phases: dict[str, Callable[[], None]], steps: int = PHASE_STEPS) -> dict[str, float]:
+    """Mean milliseconds of each of ``phases`` (run in order as one step, ``steps`` times), each timed between
+    device synchronizations."""
+    totals = dict.fromkeys(phases, 0.0)
+    for _ in range(steps):
+        for name, run in phases.items():
+            mdevice.synchronize()
+            start = time.perf_counter()
+            run()
+            mdevice.synchronize()
+            totals[name] += time.perf_counter() - start
+    return {name: 1e3 * total / steps for name, total in totals.items()}
+
+
 def param_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters (an FP8 weight: 1 per element)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def full_step(args: argparse.Namespace, shape: dict, build: Callable[..., torch.nn.Module],
-              prepare: Callable[..., torch.nn.Module], time_steps: Callable, report: Callable) -> dict:
-    """Time the full step of every variant of :func:`step_variants` on ``shape``; returns their figures."""
+              prepare: Callable[..., torch.nn.Module], time_steps: Callable, report: Callable,
+              profile: Callable[[Callable[[], None], str], None] | None = None) -> dict:
+    """Time the full step of every variant of :func:`step_variants` on ``shape``; returns their figures.
+    ``profile(run, label)``, when given, is called with the forward and backward phase of each FP8 variant."""
     init_distributed()
     dev = mdevice.get_current_device()
     dp = parallel_state.get_data_parallel_world_size()
@@ -95,7 +117,7 @@ def full_step(args: argparse.Namespace, shape: dict, build: Callable[..., torch.
         param_bytes_count = param_bytes(model)
         losses: list[torch.Tensor] = []
 
-        def step(ddp=ddp, opt=opt, losses=losses) -> None:
+        def forward_backward(ddp=ddp, opt=opt, losses=losses) -> None:
             ddp.zero_grad_buffer()
             opt.zero_grad()
             total = torch.zeros((), device=dev)
@@ -103,9 +125,14 @@ def full_step(args: argparse.Namespace, shape: dict, build: Callable[..., torch.
                 loss = ddp(ids[i], positions, None, labels=labels[i]).float().mean() / micro
                 loss.backward()
                 total += loss.detach()
-            finalize_model_grads([ddp])
-            opt.step()
             losses.append(total)
+
+        phases = {"fwd+bwd": forward_backward, "finalize": lambda ddp=ddp: finalize_model_grads([ddp]),
+                  "optimizer": opt.step}
+
+        def step(phases=phases) -> None:
+            for run in phases.values():
+                run()
 
         seconds = time_steps(step, timing_args)
         mfu = report(f"full step {label}", seconds, timing_args, n_no_embedding)
@@ -118,5 +145,10 @@ def full_step(args: argparse.Namespace, shape: dict, build: Callable[..., torch.
               + ("" if baseline is None else f" ({tokens_per_s / baseline:.3f}x bf16)"), flush=True)
         if baseline is None:
             baseline = tokens_per_s
-        del model, ddp, opt, step
+        results[label]["phase_ms"] = phase_times(phases)
+        print(f"RESULT full step {label} phases: " + ", ".join(
+            f"{name} {ms:.1f} ms" for name, ms in results[label]["phase_ms"].items()), flush=True)
+        if profile is not None and fp8 is not None:
+            profile(forward_backward, f"full step {label}, forward and backward")
+        del model, ddp, opt, step, phases, forward_backward
     return results

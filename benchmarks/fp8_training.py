@@ -38,6 +38,7 @@ import gc
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--noise-seed", type=int, default=None,
                    help="also train bf16 from weights initialised with this seed: the bf16 run-to-run spread")
     p.add_argument("--corpus-mb", type=float, default=6.0)
-    p.add_argument("--profile", action="store_true", help="speed part: print the FP8 variants' top kernels")
+    p.add_argument("--profile", action="store_true", help="print the FP8 variants' top kernels (speed part: of the step; step part: of forward and backward)")
     p.add_argument("--step-config", default="reference (tinyllama-1.1b)", choices=list(CONFIGS),
                    help="full-step part: the model")
     p.add_argument("--step-microbatches", type=int, default=4, help="full-step part: micro-batches per step")
@@ -218,15 +219,20 @@ def speed(args: argparse.Namespace) -> dict:
 
 
 def profile_kernels(step: Callable[[], None], label: str, rows: int = 25) -> None:
-    """Print the GPU kernels of two ``step()`` calls, by total time (torch.profiler)."""
+    """Print the GPU kernels of two ``step()`` calls, by total time (torch.profiler), and their sum against the
+    wall time of the two calls (how much of it the device was busy)."""
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
+        mdevice.synchronize()
+        start = time.perf_counter()
         for _ in range(2):
             step()
         mdevice.synchronize()
-    print(f"kernels of 2 steps, {label}:")
+        wall_ms = 1e3 * (time.perf_counter() - start)
+    busy_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    print(f"kernels of 2 steps, {label}: {busy_ms:.1f} ms of kernels in {wall_ms:.1f} ms")
     sort = "cuda_time_total" if activity == ProfilerActivity.CUDA else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70), flush=True)
 
@@ -338,7 +344,8 @@ def main() -> None:
     if args.only in (None, "loss"):
         results["loss"] = loss_comparison(args)
     if args.only == "step":
-        results["step"] = full_step(args, CONFIGS[args.step_config], build, prepare, time_steps, report)
+        results["step"] = full_step(args, CONFIGS[args.step_config], build, prepare, time_steps, report,
+                                    profile_kernels if args.profile else None)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -282,23 +282,23 @@ def test_fp8_param_forward_uses_stored_weight():
     convert_to_float8(model, emulate=True)
     weights = {p.data_ptr(): p for p in model.parameters() if is_fp8_param(p)}
     casts, operands = [], []
-    quantize, fp8_mm = fp8_param_linear.quantize, fp8_param_linear._fp8_mm
+    quantize, fp8_mm = fp8_param_linear.quantize, fp8_param_linear.fp8_mm_nt
 
     def count_quantize(t, scale, dtype):
         casts.append(tuple(t.shape))
         return quantize(t, scale, dtype)
 
-    def record_mm(a, a_scale, b, b_scale, out_dtype, emulate):
-        operands.append((b.data_ptr(), b.dtype, b_scale))
-        return fp8_mm(a, a_scale, b, b_scale, out_dtype, emulate)
+    def record_mm(a, a_scale, b_t, b_scale, out_dtype, emulate):
+        operands.append((b_t.data_ptr(), b_t.dtype, b_scale))
+        return fp8_mm(a, a_scale, b_t, b_scale, out_dtype, emulate)
 
-    fp8_param_linear.quantize, fp8_param_linear._fp8_mm = count_quantize, record_mm
+    fp8_param_linear.quantize, fp8_param_linear.fp8_mm_nt = count_quantize, record_mm
     try:
         ids, pos, _ = batch()
         with torch.no_grad():
             model(ids, pos, None)
     finally:
-        fp8_param_linear.quantize, fp8_param_linear._fp8_mm = quantize, fp8_mm
+        fp8_param_linear.quantize, fp8_param_linear.fp8_mm_nt = quantize, fp8_mm
     assert len(operands) == len(casts) == len(weights) == 8  # one cast per GEMM: the input's
     assert all(shape[0] == ids.numel() for shape in casts)  # [tokens, in]: activations, never a weight
     for ptr, dtype, scale in operands:
@@ -405,13 +405,19 @@ CUDA_LOSS_RTOL = 1e-2
 CUDA_MAIN_RTOL = 2e-2
 
 
+def _requested_bytes() -> int:
+    """The bytes the live CUDA tensors asked for: the caching allocator's ``memory_allocated`` counts whole blocks,
+    which round up a tensor by up to 1 MiB (a 7.5 MiB tensor in a fresh 8 MiB segment takes all of it)."""
+    return torch.cuda.memory_stats()["requested_bytes.all.current"]
+
+
 def _cuda_run(fp8_param: bool, fp8: bool = True) -> dict:
     """A bf16 llama-like GPT on CUDA, FP8 tensorwise (hybrid) unless not ``fp8``, 5 Adam steps; losses, main
     weights, bytes."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()  # what an earlier run left allocated (cuBLAS workspaces)
+    base = _requested_bytes()  # what an earlier run left allocated (cuBLAS workspaces)
     torch.manual_seed(0)
     fp8_fields = dict(fp8="hybrid", fp8_recipe="tensorwise") if fp8 else {}
     spec = llama_like(**fp8_fields, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1024,
@@ -423,7 +429,7 @@ def _cuda_run(fp8_param: bool, fp8: bool = True) -> dict:
         use_distributed_optimizer=True, fp8_param_gather=fp8_param), model)
     opt = get_megatron_optimizer(OptimizerConfig(lr=CUDA_LR, bf16=True, use_distributed_optimizer=True), [ddp])
     torch.cuda.synchronize()
-    static = torch.cuda.memory_allocated() - base  # weights, DDP buffers, fp32 main weights (no Adam moments yet)
+    static = _requested_bytes() - base  # weights, DDP buffers, fp32 main weights (no Adam moments yet)
     ids, _, labels = batch(3)
     losses = [_step(ddp, opt, ids.cuda(), labels.cuda()) for _ in range(CUDA_STEPS)]
     torch.cuda.synchronize()

@@ -154,3 +154,28 @@ def test_compiled_scaled_mm_path_equals_eager():
         results.append((out.detach(), xx.grad, weight.main_grad))
     for eager, compiled in zip(*results):
         assert eager.abs().max() > 0 and torch.equal(compiled, eager)
+
+
+def test_compiled_gemms_get_their_operands_in_the_layout_scaled_mm_wants(monkeypatch):
+    """Inductor makes the transposed copies (input and output gradient for the weight gradient, weight for the input
+    gradient) next to the casts, so each of the three GEMMs receives contiguous ``[m, k]`` / ``[n, k]`` operands and
+    ``torch._scaled_mm``'s layout costs no copy inside the opaque op (20 tokens: the padded weight-gradient GEMM)."""
+    from megatron_core.fp8 import fp8_param_ops
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = _Layer()
+    layer.weight.main_grad, layer.weight.grad_added_to_main_grad = torch.zeros(32, 48), False
+    calls = []
+    gemm = fp8_param_ops.fp8_mm_nt
+
+    def recording_gemm(a, a_scale, b_t, b_scale, out_dtype, emulate):
+        calls.append((tuple(a.shape), tuple(b_t.shape), a.is_contiguous() and b_t.is_contiguous()))
+        return gemm(a, a_scale, b_t, b_scale, out_dtype, emulate)
+
+    monkeypatch.setattr(fp8_param_ops, "fp8_mm_nt", recording_gemm)
+    x = torch.randn(2, 10, 48, requires_grad=True)
+    torch.compile(layer, backend="inductor", fullgraph=True)(x).backward(torch.randn(2, 10, 32))
+    assert calls[0] == ((20, 48), (32, 48), True)  # forward: x_q @ W.T, W as stored
+    assert sorted(calls[1:]) == [((20, 32), (48, 32), True),  # input gradient: dy_q @ W, W transposed
+                                 ((32, 32), (48, 32), True)]  # weight gradient: dy_q.T @ x_q, tokens padded to 32

@@ -13,9 +13,11 @@ mark), as Megatron-Core's fused weight-gradient accumulation.
 
 ``torch.compile`` traces the op without a graph break (``fullgraph=True``): the parameter attributes it needs
 (scale, ``main_grad``, the kind of placeholder gradient) are read before the autograd function and passed in, the
-amax / scale / cast of the input and of the output gradient are plain torch ops that Inductor fuses with their
-neighbours (the amax max-reduced by a functional all-reduce), and the GEMMs, the weight-gradient one writing the
-``main_grad`` it is given, are the custom ops of :mod:`megatron_core.fp8.fp8_param_ops`.
+amax / scale / cast of the input and of the output gradient, and the transposed copies the GEMMs need (the input
+and the output gradient for the weight gradient, the weight for the input gradient), are plain torch ops that
+Inductor fuses with their neighbours (the amax max-reduced by a functional all-reduce), and the GEMMs, the
+weight-gradient one writing the ``main_grad`` it is given, are the custom ops of
+:mod:`megatron_core.fp8.fp8_param_ops`.
 
 GEMMs are ``torch._scaled_mm`` on CUDA, and fp32 emulation (the same quantized operands dequantized)
 elsewhere or with ``emulate``; see :mod:`megatron_core.fp8.delayed_linear`.
@@ -30,8 +32,8 @@ from torch.distributed import _functional_collectives as funcol
 
 from megatron_core._ground import get_pg_size
 from megatron_core.distributed.fp8_params import FP8_PARAM_DTYPE, quantize, tensorwise_scale
-from megatron_core.fp8.delayed_linear import _fp8_mm
-from megatron_core.fp8.fp8_param_ops import fp8_wgrad_into
+from megatron_core.fp8.delayed_linear import _pad_rows
+from megatron_core.fp8.fp8_param_ops import fp8_mm_nt, fp8_wgrad_into
 from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
 
 __all__ = ["Float8ParamMatmul", "fp8_param_matmul"]
@@ -57,12 +59,19 @@ def _current_scale(t: torch.Tensor, dtype: torch.dtype, group: Any) -> torch.Ten
     return tensorwise_scale(amax, dtype)
 
 
-def _mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
+def _mm(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
         emulate: bool) -> torch.Tensor:
-    """The float8 GEMM: the custom op inside a compiled graph, the function itself eagerly."""
+    """The float8 GEMM ``a @ b_t.T`` (both contiguous): the custom op inside a compiled graph, the function itself
+    eagerly."""
     if torch.compiler.is_compiling():
-        return torch.ops.megatron_core.fp8_param_mm(a, a_scale, b, b_scale, out_dtype, emulate)
-    return _fp8_mm(a, a_scale, b, b_scale, out_dtype, emulate)
+        return torch.ops.megatron_core.fp8_param_mm(a, a_scale, b_t, b_scale, out_dtype, emulate)
+    return fp8_mm_nt(a, a_scale, b_t, b_scale, out_dtype, emulate)
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """Float8 ``t [m, k]`` (rows zero-padded to a multiple of 16) as a contiguous ``[k, m]``: an operand of the
+    weight-gradient GEMM, whose reduction runs over the tokens."""
+    return _pad_rows(t).t().contiguous()
 
 
 class Float8ParamMatmul(torch.autograd.Function):
@@ -86,36 +95,37 @@ class Float8ParamMatmul(torch.autograd.Function):
         x_scale = _current_scale(x2, FP8_PARAM_DTYPE, amax_group)
         x_q = quantize(x2, x_scale, FP8_PARAM_DTYPE)
         w_scale = w_scale.detach().clone()
-        out = _mm(x_q, x_scale, weight.t(), w_scale, x.dtype, emulate)
+        out = _mm(x_q, x_scale, weight, w_scale, x.dtype, emulate)
         # main_grad is not a saved tensor: it shares the version counter of DDP's whole buffer, which other
         # layers' backward passes write before this one runs.
         ctx.main_grad = main_grad
         ctx.placeholder = _placeholder_kind(weight) if placeholder is None else placeholder
         ctx.grad_dtype, ctx.amax_group, ctx.emulate = grad_dtype, amax_group, emulate
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.save_for_backward(x_q, x_scale, weight, w_scale)
+        ctx.save_for_backward(_transposed(x_q), x_scale, weight, w_scale)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         """Data gradient, and the weight gradient accumulated into ``main_grad`` (placeholder autograd gradient)."""
-        x_q, x_scale, weight, w_scale = ctx.saved_tensors
+        x_t, x_scale, weight, w_scale = ctx.saved_tensors
         dy = grad.reshape(-1, grad.shape[-1])
         g_scale = _current_scale(dy, ctx.grad_dtype, ctx.amax_group)
         dy_q = quantize(dy, g_scale, ctx.grad_dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = _mm(dy_q, g_scale, weight, w_scale, ctx.x_dtype, ctx.emulate).reshape(ctx.x_shape)
+            grad_x = _mm(dy_q, g_scale, weight.t().contiguous(), w_scale, ctx.x_dtype, ctx.emulate).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             main_grad = ctx.main_grad
             if main_grad is None:
                 raise RuntimeError("an FP8 parameter (fp8_param=True) accumulates its gradient into main_grad: wrap "
                                    "the model in DistributedDataParallel with use_distributed_optimizer=True")
+            dy_t = _transposed(dy_q)
             if torch.compiler.is_compiling():
-                torch.ops.megatron_core.fp8_param_wgrad_(main_grad, dy_q, g_scale, x_q, x_scale, ctx.emulate)
+                torch.ops.megatron_core.fp8_param_wgrad_(main_grad, dy_t, g_scale, x_t, x_scale, ctx.emulate)
                 grad_w = _placeholder(weight, ctx.placeholder)
             else:
-                fp8_wgrad_into(main_grad, dy_q, g_scale, x_q, x_scale, ctx.emulate)
+                fp8_wgrad_into(main_grad, dy_t, g_scale, x_t, x_scale, ctx.emulate)
                 grad_w = finish_fused_weight_gradient(weight)
         return grad_x, grad_w, None, None, None, None, None, None
 
