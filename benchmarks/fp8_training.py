@@ -219,12 +219,13 @@ def speed(args: argparse.Namespace) -> dict:
 
 
 def profile_kernels(step: Callable[[], None], label: str, rows: int = 25) -> None:
-    """Print the GPU kernels of two ``step()`` calls, by total time (torch.profiler), and their sum against the
-    wall time of the two calls (how much of it the device was busy)."""
+    """Print the GPU kernels of two ``step()`` calls, by total time (torch.profiler), their sum against the wall time
+    of the two calls (how much of it the device was busy; the profiler's own host overhead included), and the
+    host-side operators by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, activity]) as prof:
         mdevice.synchronize()
         start = time.perf_counter()
         for _ in range(2):
@@ -235,6 +236,9 @@ def profile_kernels(step: Callable[[], None], label: str, rows: int = 25) -> Non
     print(f"kernels of 2 steps, {label}: {busy_ms:.1f} ms of kernels in {wall_ms:.1f} ms")
     sort = "cuda_time_total" if activity == ProfilerActivity.CUDA else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70), flush=True)
+    print(f"host side of the same 2 steps, {label}, by self CPU time:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70),
+          flush=True)
 
 
 def corpus_bytes(args: argparse.Namespace) -> torch.Tensor:

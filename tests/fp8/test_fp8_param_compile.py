@@ -2,13 +2,15 @@
 
 * DP=2, the input / output-gradient amaxes max-reduced over the DP group: the tiny llama-like GPT wrapped in DDP with
   the distributed optimizer compiles without a graph break (``aot_eager``), the amax all-reduce being a functional
-  collective in the forward and backward graphs and the GEMMs and the ``main_grad`` accumulation custom ops. One
+  collective in the forward and backward graphs, the forward and input-gradient GEMMs traced and the weight-gradient
+  GEMM into ``main_grad`` a custom op. One
   compiled forward/backward gives the eager loss and every parameter's ``main_grad`` within 1e-6 (relative to the
   largest; measured: equal), and the FP8 weights' autograd gradients are placeholders DDP's hook drops.
 * Inductor (one layer's op, its ``main_grad`` a view into a larger buffer as DDP's): the casts it fuses give the
   eager op's output, input gradient and ``main_grad`` bit for bit.
-* The ``torch._scaled_mm`` path (the GPU's; PyTorch's CPU kernel here) through the custom ops and their fake
-  shapes (``aot_eager``): bit for bit.
+* The ``torch._scaled_mm`` path (the GPU's; PyTorch's CPU kernel here) traced and through the weight-gradient op
+  and its fake (``aot_eager``): bit for bit.
+* The weight-gradient op receives its operands already transposed by the traced code (Inductor).
 """
 
 from __future__ import annotations
@@ -90,13 +92,16 @@ def test_compiled_fp8_param_gpt_matches_eager_under_ddp(dp2):
 
 
 @pytest.mark.slow
-def test_compiled_fp8_param_graphs_hold_the_custom_ops_and_the_functional_amax_reduce(dp2):
+def test_compiled_fp8_param_graphs_hold_the_gemms_the_wgrad_op_and_the_functional_amax_reduce(dp2):
     forward, backward = dp2[0]["graphs"]  # one forward and one backward graph: no graph break
-    assert forward.count("megatron_core.fp8_param_mm") == 8  # the forward GEMMs
-    assert backward.count("megatron_core.fp8_param_mm") == 8  # the input-gradient GEMMs
-    assert backward.count("fp8_param_wgrad_") == 8  # the weight-gradient GEMMs into main_grad
-    assert forward.count("_c10d_functional.all_reduce") == 8  # the inputs' amaxes
-    assert backward.count("_c10d_functional.all_reduce") == 8  # the output gradients' amaxes
+    counts = {name: (forward.count(op), backward.count(op)) for name, op in (
+        ("mm", "torch.ops.aten.mm.default"), ("wgrad", "megatron_core.fp8_param_wgrad_"),
+        ("all_reduce", "_c10d_functional.all_reduce.default"))}
+    # The forward and input-gradient GEMMs are traced (emulated here: aten.mm; torch._scaled_mm on a GPU), 8 each,
+    # beside the output layer's (1 forward, 2 backward); the weight-gradient GEMMs are the custom op into main_grad.
+    assert counts["mm"] == (8 + 1, 8 + 2), counts
+    assert counts["wgrad"] == (0, 8), counts
+    assert counts["all_reduce"] == (8, 8), counts  # the inputs' and the output gradients' amaxes
 
 
 class _Layer(torch.nn.Module):
@@ -156,10 +161,10 @@ def test_compiled_scaled_mm_path_equals_eager():
         assert eager.abs().max() > 0 and torch.equal(compiled, eager)
 
 
-def test_compiled_gemms_get_their_operands_in_the_layout_scaled_mm_wants(monkeypatch):
-    """Inductor makes the transposed copies (input and output gradient for the weight gradient, weight for the input
-    gradient) next to the casts, so each of the three GEMMs receives contiguous ``[m, k]`` / ``[n, k]`` operands and
-    ``torch._scaled_mm``'s layout costs no copy inside the opaque op (20 tokens: the padded weight-gradient GEMM)."""
+def test_compiled_wgrad_op_gets_its_operands_in_the_layout_scaled_mm_wants(monkeypatch):
+    """Inductor makes the transposed copies of the input and the output gradient next to their casts, so the
+    weight-gradient custom op receives contiguous ``[out, t]`` / ``[in, t]`` operands and ``torch._scaled_mm``'s
+    layout costs no copy inside the opaque op (20 tokens, padded to 32)."""
     from megatron_core.fp8 import fp8_param_ops
 
     torch._dynamo.reset()
@@ -176,6 +181,4 @@ def test_compiled_gemms_get_their_operands_in_the_layout_scaled_mm_wants(monkeyp
     monkeypatch.setattr(fp8_param_ops, "fp8_mm_nt", recording_gemm)
     x = torch.randn(2, 10, 48, requires_grad=True)
     torch.compile(layer, backend="inductor", fullgraph=True)(x).backward(torch.randn(2, 10, 32))
-    assert calls[0] == ((20, 48), (32, 48), True)  # forward: x_q @ W.T, W as stored
-    assert sorted(calls[1:]) == [((20, 32), (48, 32), True),  # input gradient: dy_q @ W, W transposed
-                                 ((32, 32), (48, 32), True)]  # weight gradient: dy_q.T @ x_q, tokens padded to 32
+    assert calls == [((32, 32), (48, 32), True)]  # dy_q.T @ x_q, the tokens padded to 32

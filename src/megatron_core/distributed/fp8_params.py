@@ -217,6 +217,24 @@ def _row_block(shard: torch.Tensor, start: int, cols: int) -> tuple[int, int, to
     return lo, hi, block.view(hi - lo, cols)
 
 
+def _tensorwise_amaxes(params: list[torch.Tensor], shards: list[torch.Tensor | None],
+                       device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """The indices of the tensorwise parameters among ``params`` (grouped by ``fp8_hp_dtype``, the same order on
+    every rank) and the fp32 vector of their shards' ``max |shard|`` in that order (0 for a ``None`` shard, which
+    another rank owns): one multi-tensor infinity norm per dtype, exact (a maximum of absolute values)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, param in enumerate(params):
+        if not _rowwise(param):
+            groups.setdefault(param.fp8_hp_dtype, []).append(i)
+    parts = []
+    for dtype, index in groups.items():
+        zero = torch.zeros((), dtype=dtype, device=device)
+        norms = torch._foreach_norm([zero if shards[i] is None else shards[i] for i in index], ord=float("inf"))
+        parts.append(torch.stack(norms).float())
+    order = [i for index in groups.values() for i in index]
+    return order, torch.cat(parts) if parts else torch.zeros(0, device=device)
+
+
 def _quantize_into_eager(out: torch.Tensor, hp: torch.Tensor, scale: torch.Tensor) -> None:
     out.copy_(quantize(hp, scale, FP8_PARAM_DTYPE))
 
@@ -254,33 +272,33 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
     device = model_params[0].device
     shards = [None if main is None or main.numel() == 0 else main.detach().to(device=device, dtype=param.fp8_hp_dtype)
               for param, main in zip(model_params, main_params)]
-    amaxes, blocks = [], []
-    for param, shard, start in zip(model_params, shards, start_offsets):
-        if not _rowwise(param):
-            amaxes.append((torch.zeros((), device=device) if shard is None else _amax(shard)).reshape(1))
-            blocks.append(None)
-            continue
-        cols = param.shape[-1]
+    # One amax vector: the tensorwise parameters' (their owned shards' infinity norms, multi-tensor kernels), then
+    # every row of the row-wise ones; one max-reduction over the DP group.
+    tensorwise, tensorwise_amax = _tensorwise_amaxes(model_params, shards, device)
+    rowwise = [i for i, param in enumerate(model_params) if _rowwise(param)]
+    amaxes = [tensorwise_amax]
+    blocks = {}
+    for i in rowwise:
+        param, shard, cols = model_params[i], shards[i], model_params[i].shape[-1]
         amax = torch.zeros(param.numel() // cols, dtype=torch.float32, device=device)
-        block = None
         if shard is not None:
-            block = _row_block(shard, start, cols)
-            lo, hi, rows = block
+            blocks[i] = lo, hi, rows = _row_block(shard, start_offsets[i], cols)
             amax[lo:hi] = _abs_amax(rows.reshape(-1), cols)
         amaxes.append(amax)
-        blocks.append(block)
     reduced = reduce_amax(torch.cat(amaxes), data_parallel_group).split([a.numel() for a in amaxes])
-    for param, shard, start, amax, block in zip(model_params, shards, start_offsets, reduced, blocks):
-        flat = param.detach().view(-1)
-        if not _rowwise(param):
-            scale = tensorwise_scale(amax[0])
-            param.fp8_scale.copy_(scale)
-            if shard is not None:
-                _quantize_into(flat[start:start + shard.numel()], shard, scale)
-            continue
+    if tensorwise:
+        scales = tensorwise_scale(reduced[0]).unbind()
+        torch._foreach_copy_([model_params[i].fp8_scale for i in tensorwise], scales)
+        for i, scale in zip(tensorwise, scales):
+            if shards[i] is not None:
+                start = start_offsets[i]
+                _quantize_into(model_params[i].detach().view(-1)[start:start + shards[i].numel()], shards[i], scale)
+    for i, amax in zip(rowwise, reduced[1:]):
+        param, shard, start, block = model_params[i], shards[i], start_offsets[i], blocks.get(i)
         param.fp8_scale.copy_(power_of_two_scale(amax))
         if block is None:
             continue
+        flat = param.detach().view(-1)
         lo, hi, rows = block
         scale = param.fp8_scale[lo:hi, None]
         if rows.data_ptr() == shard.data_ptr():  # the shard covers whole rows: quantize straight into the bytes

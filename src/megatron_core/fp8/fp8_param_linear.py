@@ -15,9 +15,9 @@ mark), as Megatron-Core's fused weight-gradient accumulation.
 (scale, ``main_grad``, the kind of placeholder gradient) are read before the autograd function and passed in, the
 amax / scale / cast of the input and of the output gradient, and the transposed copies the GEMMs need (the input
 and the output gradient for the weight gradient, the weight for the input gradient), are plain torch ops that
-Inductor fuses with their neighbours (the amax max-reduced by a functional all-reduce), and the GEMMs, the
-weight-gradient one writing the ``main_grad`` it is given, are the custom ops of
-:mod:`megatron_core.fp8.fp8_param_ops`.
+Inductor fuses with their neighbours (the amax max-reduced by a functional all-reduce); the forward and
+input-gradient GEMMs are traced too, and the weight-gradient GEMM, which writes the ``main_grad`` it is given, is
+the custom op of :mod:`megatron_core.fp8.fp8_param_ops`.
 
 GEMMs are ``torch._scaled_mm`` on CUDA, and fp32 emulation (the same quantized operands dequantized)
 elsewhere or with ``emulate``; see :mod:`megatron_core.fp8.delayed_linear`.
@@ -59,15 +59,6 @@ def _current_scale(t: torch.Tensor, dtype: torch.dtype, group: Any) -> torch.Ten
     return tensorwise_scale(amax, dtype)
 
 
-def _mm(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
-        emulate: bool) -> torch.Tensor:
-    """The float8 GEMM ``a @ b_t.T`` (both contiguous): the custom op inside a compiled graph, the function itself
-    eagerly."""
-    if torch.compiler.is_compiling():
-        return torch.ops.megatron_core.fp8_param_mm(a, a_scale, b_t, b_scale, out_dtype, emulate)
-    return fp8_mm_nt(a, a_scale, b_t, b_scale, out_dtype, emulate)
-
-
 def _transposed(t: torch.Tensor) -> torch.Tensor:
     """Float8 ``t [m, k]`` (rows zero-padded to a multiple of 16) as a contiguous ``[k, m]``: an operand of the
     weight-gradient GEMM, whose reduction runs over the tokens."""
@@ -95,7 +86,7 @@ class Float8ParamMatmul(torch.autograd.Function):
         x_scale = _current_scale(x2, FP8_PARAM_DTYPE, amax_group)
         x_q = quantize(x2, x_scale, FP8_PARAM_DTYPE)
         w_scale = w_scale.detach().clone()
-        out = _mm(x_q, x_scale, weight, w_scale, x.dtype, emulate)
+        out = fp8_mm_nt(x_q, x_scale, weight, w_scale, x.dtype, emulate)
         # main_grad is not a saved tensor: it shares the version counter of DDP's whole buffer, which other
         # layers' backward passes write before this one runs.
         ctx.main_grad = main_grad
@@ -114,7 +105,8 @@ class Float8ParamMatmul(torch.autograd.Function):
         dy_q = quantize(dy, g_scale, ctx.grad_dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = _mm(dy_q, g_scale, weight.t().contiguous(), w_scale, ctx.x_dtype, ctx.emulate).reshape(ctx.x_shape)
+            grad_x = fp8_mm_nt(dy_q, g_scale, weight.t().contiguous(), w_scale, ctx.x_dtype, ctx.emulate)
+            grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             main_grad = ctx.main_grad
             if main_grad is None:
