@@ -288,9 +288,9 @@ def test_fp8_param_forward_uses_stored_weight():
         casts.append(tuple(t.shape))
         return quantize(t, scale, dtype)
 
-    def record_mm(a, a_scale, b_t, b_scale, out_dtype, emulate):
+    def record_mm(a, a_scale, b_t, b_scale, out_dtype, emulate, fast_accum=False):
         operands.append((b_t.data_ptr(), b_t.dtype, b_scale))
-        return fp8_mm(a, a_scale, b_t, b_scale, out_dtype, emulate)
+        return fp8_mm(a, a_scale, b_t, b_scale, out_dtype, emulate, fast_accum)
 
     fp8_param_linear.quantize, fp8_param_linear.fp8_mm_nt = count_quantize, record_mm
     try:

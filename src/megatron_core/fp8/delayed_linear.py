@@ -48,12 +48,14 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-            out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
-    """``(a / a_scale) @ (b / b_scale)`` for float8 ``a [m, k]`` and ``b [k, n]``, in ``out_dtype``."""
+            out_dtype: torch.dtype, emulate: bool, fast_accum: bool = False) -> torch.Tensor:
+    """``(a / a_scale) @ (b / b_scale)`` for float8 ``a [m, k]`` and ``b [k, n]``, in ``out_dtype``; ``fast_accum``:
+    Hopper's faster FP8 accumulation (what Transformer Engine and torchao use for the forward GEMM; no effect when
+    emulated)."""
     if emulate:
         return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
     return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
-                            scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+                            scale_b=b_scale.reciprocal(), out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 class DelayedFloat8Matmul(torch.autograd.Function):

@@ -19,8 +19,9 @@ Inductor fuses with their neighbours (the amax max-reduced by a functional all-r
 input-gradient GEMMs are traced too, and the weight-gradient GEMM, which writes the ``main_grad`` it is given, is
 the custom op of :mod:`megatron_core.fp8.fp8_param_ops`.
 
-GEMMs are ``torch._scaled_mm`` on CUDA, and fp32 emulation (the same quantized operands dequantized)
-elsewhere or with ``emulate``; see :mod:`megatron_core.fp8.delayed_linear`.
+GEMMs are ``torch._scaled_mm`` on CUDA (the forward one with fast accumulation, as Transformer Engine's and
+torchao's recipes; the gradients' with full-precision accumulation), and fp32 emulation (the same quantized
+operands dequantized) elsewhere or with ``emulate``; see :mod:`megatron_core.fp8.delayed_linear`.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class Float8ParamMatmul(torch.autograd.Function):
         x_scale = _current_scale(x2, FP8_PARAM_DTYPE, amax_group)
         x_q = quantize(x2, x_scale, FP8_PARAM_DTYPE)
         w_scale = w_scale.detach().clone()
-        out = fp8_mm_nt(x_q, x_scale, weight, w_scale, x.dtype, emulate)
+        out = fp8_mm_nt(x_q, x_scale, weight, w_scale, x.dtype, emulate, fast_accum=True)  # as TE's and torchao's
         # main_grad is not a saved tensor: it shares the version counter of DDP's whole buffer, which other
         # layers' backward passes write before this one runs.
         ctx.main_grad = main_grad

@@ -24,9 +24,10 @@ __all__ = ["fp8_mm_nt", "fp8_wgrad_into"]
 
 
 def fp8_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
-    """``(a / a_scale) @ (b_t / b_scale).T`` in ``out_dtype`` for contiguous float8 ``a [m, k]`` and ``b_t [n, k]``."""
-    return _fp8_mm(a, a_scale, b_t.t(), b_scale, out_dtype, emulate)
+              out_dtype: torch.dtype, emulate: bool, fast_accum: bool = False) -> torch.Tensor:
+    """``(a / a_scale) @ (b_t / b_scale).T`` in ``out_dtype`` for contiguous float8 ``a [m, k]`` and ``b_t [n, k]``
+    (``fast_accum``: see ``_fp8_mm``)."""
+    return _fp8_mm(a, a_scale, b_t.t(), b_scale, out_dtype, emulate, fast_accum)
 
 
 def fp8_wgrad_into(main_grad: torch.Tensor, dy_t: torch.Tensor, dy_scale: torch.Tensor, x_t: torch.Tensor,
