@@ -232,7 +232,8 @@ def profile_kernels(step: Callable[[], None], label: str, rows: int = 25) -> Non
             step()
         mdevice.synchronize()
         wall_ms = 1e3 * (time.perf_counter() - start)
-    busy_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    kernels = [e for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CPU]
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3  # the kernels' own, not the ops' totals
     print(f"kernels of 2 steps, {label}: {busy_ms:.1f} ms of kernels in {wall_ms:.1f} ms")
     sort = "cuda_time_total" if activity == ProfilerActivity.CUDA else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70), flush=True)
