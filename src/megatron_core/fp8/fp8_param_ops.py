@@ -37,13 +37,18 @@ def fp8_wgrad_into(main_grad: torch.Tensor, dy_t: torch.Tensor, dy_scale: torch.
     main_grad.add_(fp8_mm_nt(dy_t, dy_scale, x_t, x_scale, main_grad.dtype, emulate))
 
 
-@torch.library.custom_op("megatron_core::fp8_param_wgrad_", mutates_args=("main_grad",))
-def _fp8_param_wgrad_op(main_grad: torch.Tensor, dy_t: torch.Tensor, dy_scale: torch.Tensor, x_t: torch.Tensor,
-                        x_scale: torch.Tensor, emulate: bool) -> None:
-    fp8_wgrad_into(main_grad, dy_t, dy_scale, x_t, x_scale, emulate)
+# Defined with the plain ``torch.library.Library`` API rather than ``torch.library.custom_op`` (as the bf16
+# weight-gradient op of ``tensor_parallel.wgrad_accumulation``): the dispatcher then calls the Python function directly,
+# without custom_op's Python autograd / view / checking layers (38 us against 4 us per call on the CPU host here; a
+# backward makes one call per FP8 weight and micro-batch, 88 for the 1.1B model). ``main_grad.add_`` bumps its
+# version counter itself.
+_LIBRARY = torch.library.Library("megatron_core", "FRAGMENT")
+_LIBRARY.define("fp8_param_wgrad_(Tensor(a!) main_grad, Tensor dy_t, Tensor dy_scale, Tensor x_t, Tensor x_scale, "
+                "bool emulate) -> ()")
+_LIBRARY.impl("fp8_param_wgrad_", fp8_wgrad_into, "CompositeExplicitAutograd")
 
 
-@_fp8_param_wgrad_op.register_fake
+@torch.library.register_fake("megatron_core::fp8_param_wgrad_", lib=_LIBRARY)
 def _(main_grad: torch.Tensor, dy_t: torch.Tensor, dy_scale: torch.Tensor, x_t: torch.Tensor, x_scale: torch.Tensor,
       emulate: bool) -> None:
     return None
