@@ -444,10 +444,9 @@ def _cuda_run(fp8_param: bool, fp8: bool = True) -> dict:
 def test_fp8_param_on_cuda_tracks_fp8_training_and_halves_weight_bytes(tmp_path):
     """bf16 on an FP8 GPU (torch._scaled_mm), fp8_param against fp8_param=False (torchao's tensorwise recipe).
 
-    Both quantize bf16(main weights) with the same per-tensor scale; they differ by the GEMM kernels'
-    output rounding and accumulation (torchao's forward GEMM uses fast accumulation) and the weight gradient's
-    accumulation (ours adds the fp32 ``_scaled_mm`` result to ``main_grad``, torchao returns a bf16 gradient that
-    DDP adds). The first loss (identical weights) agrees within 1e-3; over the 5 steps on one batch Adam turns that
+    Both quantize bf16(main weights) with the same per-tensor scale and run the forward GEMM with fast
+    accumulation; they differ by the GEMM kernels' output rounding and the weight gradient's accumulation (ours adds
+    the ``_scaled_mm`` result to ``main_grad``, torchao returns a bf16 gradient that DDP adds). The first loss (identical weights) agrees within 1e-3; over the 5 steps on one batch Adam turns that
     rounding into diverging updates, so the yardstick is a bf16 run of the same model: fp8_param stays at most as
     far from torchao's FP8 (losses, main weights) as torchao's FP8 is from bf16, or within 1% / 2%.
     The allocated GPU memory before the first step is smaller by (at least 90% of) one byte per FP8 weight element."""
