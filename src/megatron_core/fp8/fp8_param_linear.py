@@ -94,13 +94,13 @@ class Float8ParamMatmul(torch.autograd.Function):
         ctx.placeholder = _placeholder_kind(weight) if placeholder is None else placeholder
         ctx.grad_dtype, ctx.amax_group, ctx.emulate = grad_dtype, amax_group, emulate
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.save_for_backward(_transposed(x_q), x_scale, weight, w_scale)
+        ctx.save_for_backward(x_q, x_scale, weight, w_scale)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         """Data gradient, and the weight gradient accumulated into ``main_grad`` (placeholder autograd gradient)."""
-        x_t, x_scale, weight, w_scale = ctx.saved_tensors
+        x_q, x_scale, weight, w_scale = ctx.saved_tensors
         dy = grad.reshape(-1, grad.shape[-1])
         g_scale = _current_scale(dy, ctx.grad_dtype, ctx.amax_group)
         dy_q = quantize(dy, g_scale, ctx.grad_dtype)
@@ -113,7 +113,7 @@ class Float8ParamMatmul(torch.autograd.Function):
             if main_grad is None:
                 raise RuntimeError("an FP8 parameter (fp8_param=True) accumulates its gradient into main_grad: wrap "
                                    "the model in DistributedDataParallel with use_distributed_optimizer=True")
-            dy_t = _transposed(dy_q)
+            dy_t, x_t = _transposed(dy_q), _transposed(x_q)
             if torch.compiler.is_compiling():
                 torch.ops.megatron_core.fp8_param_wgrad_(main_grad, dy_t, g_scale, x_t, x_scale, ctx.emulate)
                 grad_w = _placeholder(weight, ctx.placeholder)

@@ -7,8 +7,8 @@ float8 output gradient ``dy_t [out, t]`` and input ``x_t [in, t]`` (token dimens
 attributes (the gradient of a float8 parameter cannot be an ordinary autograd output). It is opaque to
 ``torch.compile``, so it takes its operands in the layout ``torch._scaled_mm`` wants (each contiguous along the
 reduction dimension) and copies nothing: :mod:`megatron_core.fp8.fp8_param_linear` makes the transposed copies in the
-traced code, where Inductor writes them in the same kernels as the casts (an eager strided copy of a float8 tensor
-took 65-107 us per GEMM on an H200). The forward and input-gradient GEMMs (:func:`fp8_mm_nt`) are traced as they
+traced backward, where Inductor writes them with its own transposing kernels (the output gradient's in the kernel
+of its cast; an eager strided copy of a float8 tensor inside the op took 65-107 us per GEMM on an H200). The forward and input-gradient GEMMs (:func:`fp8_mm_nt`) are traced as they
 are: Inductor calls ``torch._scaled_mm`` itself (a custom op for them cost a Python dispatch per GEMM on the host).
 
 Eagerly the layer calls :func:`fp8_wgrad_into` directly; the op runs the same function, so both give the same numbers.
