@@ -85,6 +85,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode, e.g. reduce-overhead (CUDA graphs; the full step marks the main_grad "
+                        "views static, the addresses the FP8-parameter weight-gradient op writes)")
     p.add_argument("--compile-scope", choices=("layer", "model"), default="layer",
                    help="torch.compile each TransformerLayer, or the whole GPTModel")
     p.add_argument("--loss-steps", type=int, default=200)
@@ -159,9 +162,9 @@ def prepare(model: torch.nn.Module, args: argparse.Namespace, fp8: bool) -> torc
         convert_to_float8(model, emulate=args.tiny)
     if args.compile and args.compile_scope == "layer":
         for layer in model.decoder.layers:
-            layer.compile()
+            layer.compile(mode=args.compile_mode)
     elif args.compile:
-        model.compile()
+        model.compile(mode=args.compile_mode)
     return model
 
 
@@ -341,7 +344,7 @@ def main() -> None:
     import torchao
 
     print(f"device {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"torchao {torchao.__version__}, variants {args.variants}, compile {args.compile} ({args.compile_scope})",
+          f"torchao {torchao.__version__}, variants {args.variants}, compile {args.compile} ({args.compile_scope}, mode {args.compile_mode})",
           flush=True)
     results = {}
     if args.only in (None, "speed"):
