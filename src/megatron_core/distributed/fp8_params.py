@@ -217,22 +217,17 @@ def _row_block(shard: torch.Tensor, start: int, cols: int) -> tuple[int, int, to
     return lo, hi, block.view(hi - lo, cols)
 
 
-def _tensorwise_amaxes(params: list[torch.Tensor], shards: list[torch.Tensor | None],
-                       device: torch.device) -> tuple[list[int], torch.Tensor]:
-    """The indices of the tensorwise parameters among ``params`` (grouped by ``fp8_hp_dtype``, the same order on
-    every rank) and the fp32 vector of their shards' ``max |shard|`` in that order (0 for a ``None`` shard, which
-    another rank owns): one multi-tensor infinity norm per dtype, exact (a maximum of absolute values)."""
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, param in enumerate(params):
-        if not _rowwise(param):
-            groups.setdefault(param.fp8_hp_dtype, []).append(i)
-    parts = []
-    for dtype, index in groups.items():
-        zero = torch.zeros((), dtype=dtype, device=device)
-        norms = torch._foreach_norm([zero if shards[i] is None else shards[i] for i in index], ord=float("inf"))
-        parts.append(torch.stack(norms).float())
-    order = [i for index in groups.values() for i in index]
-    return order, torch.cat(parts) if parts else torch.zeros(0, device=device)
+def _tensorwise_amaxes(shards: list[torch.Tensor | None], hp_dtypes: list[torch.dtype],
+                       device: torch.device) -> torch.Tensor:
+    """The fp32 vector of ``max |shard|`` of each of ``shards`` (0 for a ``None`` shard, which another rank owns, as
+    a 0-dim zero of its ``hp_dtypes`` entry): one multi-tensor infinity norm, exact (a maximum of absolute values; the
+    stack's promotion to a common dtype is exact too)."""
+    if not shards:
+        return torch.zeros(0, device=device)
+    zeros = {dtype: torch.zeros((), dtype=dtype, device=device) for dtype in set(hp_dtypes)}
+    norms = torch._foreach_norm([zeros[dtype] if shard is None else shard for shard, dtype in zip(shards, hp_dtypes)],
+                                ord=float("inf"))
+    return torch.stack(norms).float()
 
 
 def _quantize_into_eager(out: torch.Tensor, hp: torch.Tensor, scale: torch.Tensor) -> None:
@@ -272,11 +267,12 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
     device = model_params[0].device
     shards = [None if main is None or main.numel() == 0 else main.detach().to(device=device, dtype=param.fp8_hp_dtype)
               for param, main in zip(model_params, main_params)]
-    # One amax vector: the tensorwise parameters' (their owned shards' infinity norms, multi-tensor kernels), then
-    # every row of the row-wise ones; one max-reduction over the DP group.
-    tensorwise, tensorwise_amax = _tensorwise_amaxes(model_params, shards, device)
+    # One amax vector: the tensorwise parameters' (their owned shards' infinity norms, one multi-tensor kernel),
+    # then every row of the row-wise ones; one max-reduction over the DP group.
+    tensorwise = [i for i, param in enumerate(model_params) if not _rowwise(param)]
     rowwise = [i for i, param in enumerate(model_params) if _rowwise(param)]
-    amaxes = [tensorwise_amax]
+    amaxes = [_tensorwise_amaxes([shards[i] for i in tensorwise], [model_params[i].fp8_hp_dtype for i in tensorwise],
+                                 device)]
     blocks = {}
     for i in rowwise:
         param, shard, cols = model_params[i], shards[i], model_params[i].shape[-1]
