@@ -111,9 +111,6 @@ def full_step(args: argparse.Namespace, shape: dict, build: Callable[..., torch.
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
             use_distributed_optimizer=True, fp8_param_gather=fp8_param, overlap_grad_reduce=args.overlap,
             overlap_param_gather=args.overlap, bucket_size=40_000_000 if args.overlap else None), model)
-        if args.compile_mode == "reduce-overhead":  # CUDA graphs may write only inputs of fixed address
-            for param in model.parameters():
-                torch._dynamo.mark_static_address(param.main_grad)
         opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=not args.tiny,
                                                      use_distributed_optimizer=True), [ddp])
         n_no_embedding = sum(p.numel() for p in model.parameters()) - model.embedding.word_embeddings.weight.numel()

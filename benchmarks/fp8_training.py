@@ -86,8 +86,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-mode", default=None,
-                   help="torch.compile mode, e.g. reduce-overhead (CUDA graphs; the full step marks the main_grad "
-                        "views static, the addresses the FP8-parameter weight-gradient op writes)")
+                   help="torch.compile mode of the compiled layers or model, e.g. max-autotune-no-cudagraphs (for "
+                        "CUDA graphs per layer use --cuda-graph-impl local)")
+    p.add_argument("--cuda-graph-impl", choices=("none", "local"), default="none",
+                   help="TransformerConfig.cuda_graph_impl: 'local' records each layer as CUDA graphs (the layers "
+                        "are then not compiled again here)")
     p.add_argument("--compile-scope", choices=("layer", "model"), default="layer",
                    help="torch.compile each TransformerLayer, or the whole GPTModel")
     p.add_argument("--loss-steps", type=int, default=200)
@@ -148,6 +151,7 @@ def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: tuple[str, str
         num_query_groups=shape["query_groups"], ffn_hidden_size=shape["ffn"], normalization="RMSNorm",
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
+        cuda_graph_impl=args.cuda_graph_impl,
         fp8=fmt, fp8_recipe=recipe, fp8_param=fp8_param, **moe_fields(shape),
     )
     spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False) if "experts" in shape
@@ -160,6 +164,8 @@ def prepare(model: torch.nn.Module, args: argparse.Namespace, fp8: bool) -> torc
     """Convert to float8 (before compiling), then compile each layer or the whole model unless ``--no-compile``."""
     if fp8:
         convert_to_float8(model, emulate=args.tiny)
+    if args.cuda_graph_impl == "local":  # the layers go through their recorded graphs (compiled by the library)
+        return model
     if args.compile and args.compile_scope == "layer":
         for layer in model.decoder.layers:
             layer.compile(mode=args.compile_mode)
@@ -344,7 +350,8 @@ def main() -> None:
     import torchao
 
     print(f"device {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"torchao {torchao.__version__}, variants {args.variants}, compile {args.compile} ({args.compile_scope}, mode {args.compile_mode})",
+          f"torchao {torchao.__version__}, variants {args.variants}, compile {args.compile} ({args.compile_scope}, mode {args.compile_mode}), "
+          f"cuda_graph_impl {args.cuda_graph_impl}",
           flush=True)
     results = {}
     if args.only in (None, "speed"):

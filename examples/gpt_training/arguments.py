@@ -93,6 +93,9 @@ def _model(parser: argparse.ArgumentParser) -> None:
                         "(fast for large models)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer and the loss (GPU speed-up; first steps compile)")
+    g.add_argument("--cuda-graph-impl", choices=("none", "local"), default="none",
+                   help="local: record each transformer layer's forward and backward as CUDA graphs (through "
+                        "torch.compile; on a GPU, in training) and replay them")
 
 
 def parse_layer_freq(text: str) -> int | list[int]:

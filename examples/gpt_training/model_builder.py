@@ -63,6 +63,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         recompute_modules=getattr(args, "recompute_modules", None),
+        cuda_graph_impl=getattr(args, "cuda_graph_impl", "none"),
         use_cpu_initialization=args.use_cpu_initialization,
         mtp_num_layers=getattr(args, "mtp_num_layers", None),
         mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1),
@@ -160,9 +161,11 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
 
 
 def compile_layers_and_loss(model: GPTModel) -> None:
-    """``torch.compile`` every transformer layer and the loss in place (the model's structure is unchanged)."""
+    """``torch.compile`` every transformer layer and the loss in place (the model's structure is unchanged); layers
+    recorded as CUDA graphs (``cuda_graph_impl="local"``) are compiled by the library already."""
     for layer in model.decoder.layers:
-        layer.compile()
+        if layer.config.cuda_graph_impl != "local":
+            layer.compile()
     if model.post_process:
         model.compute_language_model_loss = torch.compile(model.compute_language_model_loss)
 

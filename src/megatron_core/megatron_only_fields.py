@@ -32,7 +32,8 @@ _GTP = "gradient tensor parallelism (weight shards)"
 _TP_OVERLAP = "Transformer Engine's userbuffer overlap of TP communication"
 _CPU_OFFLOAD = "only used with cpu_offloading"
 _EP_OVERLAP = "the combined 1F1B schedule that overlaps the MoE all-to-all with compute"
-_CUDA_GRAPH = "only used with enable_cuda_graph / cuda_graph_impl, which are refused"
+_CUDA_GRAPH = ("a setting of Megatron-Core's CUDA graph manager (cuda_graph_impl='local' records whole layers through "
+               "Inductor here: transformer.layer_cuda_graphs)")
 _INFERENCE_KERNELS = "an inference kernel choice of Megatron-Core's optimized layers"
 _FLEX = "the 'flex' token dispatcher (DeepEP / HybridEP / NCCL-EP)"
 
@@ -143,14 +144,10 @@ class MegatronOnlyTransformerFields:
     config_logger_dir: str = _ignored("", "Megatron-Core's config logger")
 
     # CUDA graphs
-    enable_cuda_graph: bool = _refused(False, "Megatron-Core's CUDA graph manager (compile layers instead)")
-    external_cuda_graph: bool = _refused(False, "Megatron-Core's CUDA graph manager (compile layers instead)")
-    cuda_graph_impl: str = _refused("none", "Megatron-Core's CUDA graph manager (compile layers instead)")
+    external_cuda_graph: bool = _refused(False, "Transformer Engine's CUDA graphs (cuda_graph_impl='local' instead)")
     cuda_graph_use_single_mempool: bool = _ignored(True, _CUDA_GRAPH)
     cuda_graph_retain_backward_graph: bool = _ignored(False, _CUDA_GRAPH)
     cuda_graph_warmup_steps: int = _ignored(3, _CUDA_GRAPH)
-    cuda_graph_modules: Any = _ignored("full", _CUDA_GRAPH)
-    cuda_graph_scope: Any = _ignored(None, _CUDA_GRAPH)
     inference_cuda_graph_scope: Any = _ignored(None, _CUDA_GRAPH)
 
     # Inference kernels (this library's engine has its own settings: InferenceConfig)

@@ -32,6 +32,7 @@ from megatron_core.distributed.param_and_grad_buffer import (
     partition_buckets,
 )
 from megatron_core.distributed.param_layout import FullParamLayout
+from megatron_core.distributed.static_main_grads import local_cuda_graphs_enabled, mark_main_grads_static
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.wgrad_accumulation import BACKWARD_ADDS_TO_MAIN_GRAD
 
@@ -140,6 +141,8 @@ class DistributedDataParallel(torch.nn.Module):
             param: group for group in all_groups for param in group.params
         }
 
+        if local_cuda_graphs_enabled(config):  # layers recorded as CUDA graphs write these views in place
+            mark_main_grads_static(self.param_to_name)
         self._grad_hook_handles = [
             param.register_post_accumulate_grad_hook(self._make_backward_post_hook(param))
             for param in self.param_to_name

@@ -207,6 +207,12 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
     transformer_impl: str = "local"
+
+    # CUDA graphs (transformer.layer_cuda_graphs; checked by transformer_validation.check_cuda_graphs)
+    enable_cuda_graph: bool = False  # deprecated: True means cuda_graph_impl="local"
+    cuda_graph_impl: str = "none"  # "none" or "local" (whole layers recorded through Inductor)
+    cuda_graph_modules: Any = "full"  # "full" or empty (whole layers) with "local"
+    cuda_graph_scope: Any = None  # deprecated name of cuda_graph_modules
     clone_scatter_output_in_embedding: bool = True
     test_mode: bool = False
 
@@ -229,6 +235,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         _checks.check_gpt_oss_options(self)
         _checks.check_qk_clip(self)
         _checks.check_recompute(self)
+        _checks.check_cuda_graphs(self)
         check_moe_config(self)
         check_ep_overlap(self)
         _checks.check_pipeline_split(self)

@@ -18,6 +18,7 @@ from megatron_core._ground import get_pg_rank, get_pg_size, register_fsdp_unit
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer import fused_decode
 from megatron_core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron_core.transformer.layer_cuda_graphs import call_through_cuda_graph, wants_cuda_graph
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
@@ -129,6 +130,13 @@ class TransformerLayer(MegatronModule):
         if getattr(norm, "returns_residual", False):
             return norm(hidden_states, return_residual=True)
         return norm(hidden_states), hidden_states
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the layer: through its recorded CUDA graphs where ``cuda_graph_impl="local"`` applies
+        (:func:`~megatron_core.transformer.layer_cuda_graphs.wants_cuda_graph`), else as any module."""
+        if wants_cuda_graph(self.config, args[0] if args else kwargs.get("hidden_states")):
+            return call_through_cuda_graph(self, args, kwargs)
+        return super().__call__(*args, **kwargs)
 
     def forward(
         self,

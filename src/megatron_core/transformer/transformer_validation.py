@@ -9,19 +9,23 @@ are checked in :mod:`.moe_validation`, :mod:`.mla_validation` and :mod:`.mup_con
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch.nn.functional as F
 
 from megatron_core.activations import quick_gelu
 from megatron_core.fusions.fused_bias_geglu import quick_gelu as _fused_quick_gelu
+from megatron_core.transformer.cuda_graph_config import normalize_cuda_graph_modules
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
 from megatron_core.transformer.rope_utils import yarn_concentration_factor
 
 __all__ = [
+    "CUDA_GRAPH_IMPLS",
     "QUICK_GELUS",
     "RECOMPUTE_MODULES",
     "SOFTMAX_TYPES",
+    "check_cuda_graphs",
     "check_fp8",
     "check_fp8_and_transformer_impl",
     "check_gpt_oss_options",
@@ -37,6 +41,7 @@ __all__ = [
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 # Megatron-Core has quick_gelu in both ``activations`` and ``fusions.fused_bias_geglu``: either one is accepted.
 QUICK_GELUS = (quick_gelu, _fused_quick_gelu)
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")  # Megatron-Core's names
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts", "mla_up_proj")
 
 
@@ -211,6 +216,41 @@ def check_recompute(cfg: Any) -> None:
                              f"multi_latent_attention=True (got {cfg.multi_latent_attention})")
     if cfg.distribute_saved_activations and cfg.sequence_parallel:
         raise ValueError("distribute_saved_activations=True cannot be used with sequence_parallel=True")
+
+
+def check_cuda_graphs(cfg: Any) -> None:
+    """``cuda_graph_impl``: ``'none'`` or ``'local'`` (whole layers recorded through Inductor,
+    :mod:`.layer_cuda_graphs`); the deprecated ``enable_cuda_graph=True`` becomes ``'local'`` with a warning, as in
+    Megatron-Core. Transformer Engine's graphs, the full-iteration graph, partial-layer scopes, full recompute and
+    MoE layers (whose per-expert token counts change every step) are refused by name."""
+    if cfg.enable_cuda_graph:
+        if cfg.cuda_graph_impl != "none":
+            raise ValueError(f"enable_cuda_graph=True (deprecated) cannot be combined with cuda_graph_impl="
+                             f"{cfg.cuda_graph_impl!r}: set only cuda_graph_impl='local'")
+        warnings.warn("enable_cuda_graph is deprecated, use cuda_graph_impl='local' instead", stacklevel=4)
+        cfg.cuda_graph_impl = "local"
+    impl = cfg.cuda_graph_impl
+    if impl not in CUDA_GRAPH_IMPLS:
+        raise ValueError(f"cuda_graph_impl ({impl!r}) must be one of {list(CUDA_GRAPH_IMPLS)}")
+    if impl in ("transformer_engine", "full_iteration"):
+        raise ValueError(f"cuda_graph_impl={impl!r} is not provided by this library (Transformer Engine's graphed "
+                         "callables / one graph of the whole iteration); use 'local' (each TransformerLayer recorded "
+                         "as CUDA graphs through torch.compile) or 'none'")
+    if impl != "local":
+        return
+    scopes = cfg.cuda_graph_scope if cfg.cuda_graph_scope is not None else cfg.cuda_graph_modules
+    modules, deprecated, _ = normalize_cuda_graph_modules(scopes)
+    if modules or deprecated:
+        name = "cuda_graph_scope" if cfg.cuda_graph_scope is not None else "cuda_graph_modules"
+        raise ValueError(f"{name} ({scopes!r}) must be 'full' or empty with cuda_graph_impl='local': this library "
+                         "records whole layers, not parts of them")
+    if cfg.recompute_granularity == "full":
+        raise ValueError("recompute_granularity='full' cannot be used with cuda_graph_impl='local' (a recomputed "
+                         "layer cannot be replayed from a graph; Megatron-Core allows it only with the "
+                         "full-iteration graph)")
+    if cfg.num_moe_experts is not None:
+        raise ValueError(f"cuda_graph_impl='local' with num_moe_experts={cfg.num_moe_experts} is not supported: the "
+                         "tokens per expert change every step, so a recorded MoE layer cannot be replayed")
 
 
 def check_pipeline_split(cfg: Any) -> None:
