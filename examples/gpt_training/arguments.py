@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 
+from gpt_training.fp8 import add_fp8_arguments, validate_fp8_args
 from gpt_training.hf_model import apply_hf_model_args
 from gpt_training.presets import PRESETS, apply_preset
 from gpt_training.upcycling import validate_upcycling_args
@@ -295,7 +296,7 @@ def _logging_and_checkpoints(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every flag ``pretrain_gpt.py`` accepts."""
     parser = argparse.ArgumentParser(description="Pretrain a GPT with megatron_core.", allow_abbrev=False)
-    for add in (_parallel, _model, _mla, _moe, _mtp, _training, _data, _logging_and_checkpoints):
+    for add in (_parallel, _model, _mla, _moe, _mtp, _training, add_fp8_arguments, _data, _logging_and_checkpoints):
         add(parser)
     return parser
 
@@ -344,6 +345,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
              f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({2 * cp})")
     args.data_parallel_size = world_size // (tp * pp * cp)
     _require(args.micro_batch_size >= 1, f"--micro-batch-size ({args.micro_batch_size}) must be >= 1")
+    validate_fp8_args(args, _require)
     if args.gradient_accumulation_fusion is None:
         args.gradient_accumulation_fusion = cuda_available() and not args.use_torch_fsdp2
     if args.overwrite_main_grad_on_first_wgrad is None:

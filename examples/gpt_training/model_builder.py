@@ -8,6 +8,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from gpt_training.fp8 import convert_model_to_fp8, fp8_config_fields
+from megatron_core.device import get_current_device
 from megatron_core.distributed import DistributedDataParallelConfig
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import (
@@ -64,6 +66,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         recompute_num_layers=args.recompute_num_layers,
         recompute_modules=getattr(args, "recompute_modules", None),
         cuda_graph_impl=getattr(args, "cuda_graph_impl", "none"),
+        **fp8_config_fields(args),
         use_cpu_initialization=args.use_cpu_initialization,
         mtp_num_layers=getattr(args, "mtp_num_layers", None),
         mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1),
@@ -118,6 +121,7 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overwrite_main_grad_on_first_wgrad=bool(getattr(args, "overwrite_main_grad_on_first_wgrad", False)),
+        fp8_param_gather=bool(getattr(args, "fp8_param_gather", False)),
     )
 
 
@@ -147,6 +151,8 @@ def model_provider(args: argparse.Namespace, vocab_size: int, models: list[torch
             mtp_block_spec=(get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
                             if config.mtp_num_layers else None),
         )
+    if model.config.fp8:  # before DDP (FP8 parameters live in its buffers) and before compiling
+        convert_model_to_fp8(model, get_current_device())
     if args.compile:
         compile_layers_and_loss(model)
     return model
