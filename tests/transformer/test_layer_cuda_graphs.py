@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from megatron_core import parallel_state
-from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron_core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.transformer import layer_cuda_graphs
 from megatron_core.transformer.transformer_config import TransformerConfig
