@@ -56,6 +56,7 @@ from megatron_core.fp8 import convert_to_float8
 from megatron_core.fp8 import fp8_param_grouped as fpg
 from megatron_core.fp8.grouped_gemm import e4m3_codes
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+from tests.cuda_process_group import one_rank_nccl_group
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import MAX_SEQ
 from tests.transformer.moe.moe_parallel_utils import batches, build, global_tensors, load_globals
@@ -656,15 +657,8 @@ def test_fp8_expert_params_on_hopper_track_fp8_experts_on_bf16_weights(tmp_path)
     (tests/fp8/test_fp8_param.py) bounds it, and falling; expert weights take 1 byte per element."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU (FP8 grouped GEMMs)")
-    if torch.distributed.is_initialized():
-        pytest.skip("needs a process group of its own")
-    torch.distributed.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel()
+    with one_rank_nccl_group(tmp_path):
         hp, fp8, bf16 = _cuda_moe_run(False), _cuda_moe_run(True), _cuda_moe_run(False, fp8=False)
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
     losses = (fp8["losses"], hp["losses"], bf16["losses"])
     assert abs(fp8["losses"][0] - hp["losses"][0]) / hp["losses"][0] < 1e-3, losses
     spread = ((hp["losses"] - bf16["losses"]).abs() / bf16["losses"]).max().item()

@@ -44,6 +44,7 @@ from megatron_core.distributed.fp8_params import dequantize_fp8_tensor, is_fp8_p
 from megatron_core.fp8 import check_fp8_config, convert_to_float8, fp8_param_linear
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.training.checkpointing import load_checkpoint, save_checkpoint
+from tests.cuda_process_group import one_rank_nccl_group
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import batch, build, llama_like
 
@@ -453,16 +454,9 @@ def test_fp8_param_on_cuda_tracks_fp8_training_and_halves_weight_bytes(tmp_path)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
     pytest.importorskip("torchao.float8")
-    if torch.distributed.is_initialized():
-        pytest.skip("needs a process group of its own")
-    torch.distributed.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel()
+    with one_rank_nccl_group(tmp_path):
         runs = {flag: _cuda_run(flag) for flag in (False, True)}
         bf16 = _cuda_run(False, fp8=False)
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
     hp, fp8 = runs[False], runs[True]
     losses = (fp8["losses"], hp["losses"], bf16["losses"])
     assert abs(fp8["losses"][0] - hp["losses"][0]) / hp["losses"][0] < 1e-3, losses

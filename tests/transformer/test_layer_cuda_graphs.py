@@ -23,6 +23,7 @@ from megatron_core.distributed import (
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.transformer import layer_cuda_graphs
 from megatron_core.transformer.transformer_config import TransformerConfig
+from tests.cuda_process_group import one_rank_nccl_group
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import batch, build, llama_like
 
@@ -186,18 +187,13 @@ def test_cuda_graphed_layers_train_exactly_as_the_compiled_layers(fp8_param, tmp
         if torch.cuda.get_device_capability() < (8, 9):
             pytest.skip("needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
         pytest.importorskip("torchao.float8")
-    if torch.distributed.is_initialized():
-        pytest.skip("needs a process group of its own")
-    torch.distributed.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel()
-        graphed = _cuda_train("local", compile_layers=False, fp8_param=fp8_param)
-        compiled = _cuda_train("none", compile_layers=True, fp8_param=fp8_param)
-        eager = _cuda_train("none", compile_layers=False, fp8_param=fp8_param)
-    finally:
-        torch._dynamo.reset()
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+    with one_rank_nccl_group(tmp_path):
+        try:
+            graphed = _cuda_train("local", compile_layers=False, fp8_param=fp8_param)
+            compiled = _cuda_train("none", compile_layers=True, fp8_param=fp8_param)
+            eager = _cuda_train("none", compile_layers=False, fp8_param=fp8_param)
+        finally:
+            torch._dynamo.reset()
     assert graphed["skips"] == 0, graphed["skips"]
     assert graphed["graphs"] >= 2 * SHAPE["num_layers"], graphed["graphs"]  # at least each layer's fwd and bwd
     assert compiled["graphs"] == 0, compiled["graphs"]
