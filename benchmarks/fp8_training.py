@@ -48,11 +48,17 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8_param_step import full_step  # noqa: E402
+from fp8_param_step import full_step, init_distributed  # noqa: E402
 from gpt_fwd_bwd import flops_per_token, report, time_steps  # noqa: E402
 
 from megatron_core import device as mdevice  # noqa: E402
 from megatron_core import tensor_parallel  # noqa: E402
+from megatron_core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron_core.distributed.fp8_params import is_fp8_param  # noqa: E402
 from megatron_core.fp8 import convert_to_float8  # noqa: E402
 from megatron_core.models.gpt import GPTModel, get_gpt_layer_local_spec  # noqa: E402
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
@@ -102,6 +108,9 @@ def parse_args() -> argparse.Namespace:
                    help="linear warm-up, then cosine decay to --min-lr at the last step (0: constant --lr)")
     p.add_argument("--noise-seed", type=int, default=None,
                    help="also train bf16 from weights initialised with this seed: the bf16 run-to-run spread")
+    p.add_argument("--loss-fp8-param", action="store_true",
+                   help="loss part: also train with FP8 parameters (fp8_param, tensorwise); every run then goes "
+                        "through DDP with the distributed optimizer, which FP8 parameters need")
     p.add_argument("--corpus-mb", type=float, default=6.0)
     p.add_argument("--profile", action="store_true", help="print the FP8 variants' top kernels (speed part: of the step; step part: of forward and backward)")
     p.add_argument("--step-config", default="reference (tinyllama-1.1b)", choices=list(CONFIGS),
@@ -262,15 +271,23 @@ def corpus_bytes(args: argparse.Namespace) -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
-def train_curve(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace) -> list[float]:
+def train_curve(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace,
+                distributed: bool = False) -> list[float]:
     """Losses of ``args.loss_steps`` steps on fixed random windows of ``data`` (the same for every call).
 
     The library's optimizer (bf16 params, fp32 main params, AdamW, clipping at 1.0) under the library's
     ``OptimizerParamScheduler``: linear warm-up over ``--lr-warmup-steps``, then cosine decay to ``--min-lr``.
+    ``distributed``: the model wrapped in ``DistributedDataParallel`` with the distributed optimizer (FP8
+    parameters gathered as bytes when the model has them), as ``pretrain_gpt.py`` runs it.
     """
     dev = mdevice.get_current_device()
+    if distributed:
+        fp8_param = any(is_fp8_param(p) for p in model.parameters())
+        model = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, fp8_param_gather=fp8_param), model)
     opt = get_megatron_optimizer(OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=0.1, clip_grad=1.0,
-                                                 bf16=not args.tiny, adam_beta2=0.95), [model])
+                                                 bf16=not args.tiny, adam_beta2=0.95,
+                                                 use_distributed_optimizer=distributed), [model])
     scheduler = None
     if args.lr_warmup_steps > 0:
         scheduler = OptimizerParamScheduler(
@@ -285,8 +302,12 @@ def train_curve(model: torch.nn.Module, data: torch.Tensor, args: argparse.Names
         starts = torch.randint(0, data.numel() - args.seq - 1, (mbs,), generator=gen)
         window = torch.stack([data[s:s + args.seq + 1] for s in starts.tolist()]).to(dev)
         opt.zero_grad()
+        if distributed:
+            model.zero_grad_buffer()
         loss = model(window[:, :-1], positions, None, labels=window[:, 1:]).float().mean()
         loss.backward()
+        if distributed:
+            finalize_model_grads([model])
         success, _, _ = opt.step()
         assert success
         if scheduler is not None:
@@ -309,6 +330,9 @@ def loss_comparison(args: argparse.Namespace) -> dict:
     print(f"loss: {args.loss_config}, byte-level vocab 256, {data.numel() / 1e6:.1f} MB of stdlib sources, "
           f"{args.loss_steps} steps of {args.loss_mbs} x {args.seq} tokens, {schedule}", flush=True)
 
+    if args.loss_fp8_param:
+        init_distributed()
+
     def initial_weights(seed: int) -> dict:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -317,17 +341,20 @@ def loss_comparison(args: argparse.Namespace) -> dict:
         del base
         return weights
 
-    runs = {"bf16": (1234, None), variant_label(fp8_variant): (1234, fp8_variant)}
+    runs = {"bf16": (1234, None, False), variant_label(fp8_variant): (1234, fp8_variant, False)}
+    if args.loss_fp8_param:
+        runs[f"fp8_param tensorwise {args.fp8_format}"] = (1234, ("tensorwise", args.fp8_format), True)
     if args.noise_seed is not None:
-        runs[f"bf16 seed {args.noise_seed}"] = (args.noise_seed, None)
+        runs[f"bf16 seed {args.noise_seed}"] = (args.noise_seed, None, False)
     curves = {}
-    for label, (seed, fp8) in runs.items():
+    for label, (seed, fp8, fp8_param) in runs.items():
         torch._dynamo.reset()
         weights = initial_weights(seed)
-        model = build(shape, args, 256, fp8=fp8)
+        model = build(shape, args, 256, fp8=fp8, fp8_param=fp8_param)
         model.load_state_dict(weights)
         del weights
-        curves[label] = train_curve(prepare(model, args, fp8 is not None), data, args)
+        curves[label] = train_curve(prepare(model, args, fp8 is not None), data, args,
+                                    distributed=args.loss_fp8_param)
         del model
         gc.collect()
         if mdevice.get_current_device().type == "cuda":
