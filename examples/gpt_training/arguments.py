@@ -349,7 +349,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.gradient_accumulation_fusion is None:
         args.gradient_accumulation_fusion = cuda_available() and not args.use_torch_fsdp2
     if args.overwrite_main_grad_on_first_wgrad is None:
-        args.overwrite_main_grad_on_first_wgrad = args.gradient_accumulation_fusion
+        # a recorded layer cannot honour a per-step first write (DistributedDataParallel refuses the pair)
+        args.overwrite_main_grad_on_first_wgrad = args.gradient_accumulation_fusion and args.cuda_graph_impl != "local"
     _require(args.manual_gc_interval >= 0, f"--manual-gc-interval ({args.manual_gc_interval}) must be >= 0")
     _validate_torch_fsdp2(args)
     per_step = args.micro_batch_size * args.data_parallel_size

@@ -114,6 +114,44 @@ def test_ddp_marks_the_gradient_buffer_views_static_for_graphed_layers():
     assert plain and all(mark is None for mark in plain), plain
 
 
+def _ddp_with_overwrite() -> str:
+    parallel_state.initialize_model_parallel()
+    try:
+        model = build(llama_like(), cuda_graph_impl="local")
+        try:
+            DistributedDataParallel(model.config, DistributedDataParallelConfig(
+                use_distributed_optimizer=True, overwrite_main_grad_on_first_wgrad=True), model)
+        except ValueError as err:
+            return str(err)
+        return ""
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_ddp_refuses_first_write_overwrites_under_graphed_layers():
+    (message,) = run_on_ranks(1, _ddp_with_overwrite)
+    assert "overwrite_main_grad_on_first_wgrad" in message and "cuda_graph_impl" in message, message
+
+
+def test_pretrain_gpt_leaves_first_write_overwrites_off_under_graphed_layers(monkeypatch):
+    import sys
+    from pathlib import Path
+
+    examples = str(Path(__file__).resolve().parents[2] / "examples")
+    sys.path.insert(0, examples)
+    try:
+        from gpt_training import arguments
+    finally:
+        sys.path.remove(examples)
+    monkeypatch.setattr(arguments, "cuda_available", lambda: True)
+    tiny = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--mock-data", "--vocab-size", "127", "--train-iters", "1"]
+    plain = arguments.validate_args(arguments.build_parser().parse_args(tiny), 1)
+    graphed = arguments.validate_args(arguments.build_parser().parse_args([*tiny, "--cuda-graph-impl", "local"]), 1)
+    assert plain.overwrite_main_grad_on_first_wgrad and plain.gradient_accumulation_fusion
+    assert graphed.gradient_accumulation_fusion and not graphed.overwrite_main_grad_on_first_wgrad
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 CUDA_STEPS, CUDA_MICROBATCHES, CUDA_LR = 4, 2, 1e-3
 

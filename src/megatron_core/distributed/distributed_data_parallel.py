@@ -32,7 +32,11 @@ from megatron_core.distributed.param_and_grad_buffer import (
     partition_buckets,
 )
 from megatron_core.distributed.param_layout import FullParamLayout
-from megatron_core.distributed.static_main_grads import local_cuda_graphs_enabled, mark_main_grads_static
+from megatron_core.distributed.static_main_grads import (
+    check_ddp_config_for_cuda_graphs,
+    local_cuda_graphs_enabled,
+    mark_main_grads_static,
+)
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.wgrad_accumulation import BACKWARD_ADDS_TO_MAIN_GRAD
 
@@ -76,6 +80,7 @@ class DistributedDataParallel(torch.nn.Module):
                 f"num_distributed_optimizer_instances ({ddp_config.num_distributed_optimizer_instances}) > 1 "
                 "is not supported by megatron_core"
             )
+        check_ddp_config_for_cuda_graphs(config, ddp_config)
         self.config = config
         self.ddp_config = ddp_config
         self.module = module

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["LOCAL_CUDA_GRAPH_IMPL", "local_cuda_graphs_enabled", "mark_main_grads_static"]
+__all__ = ["LOCAL_CUDA_GRAPH_IMPL", "check_ddp_config_for_cuda_graphs", "local_cuda_graphs_enabled",
+           "mark_main_grads_static"]
 
 LOCAL_CUDA_GRAPH_IMPL = "local"  # TransformerConfig.cuda_graph_impl of per-layer graphs
 
@@ -23,6 +24,16 @@ LOCAL_CUDA_GRAPH_IMPL = "local"  # TransformerConfig.cuda_graph_impl of per-laye
 def local_cuda_graphs_enabled(config: Any) -> bool:
     """Whether ``config`` (a ``TransformerConfig``, or any config) asks for per-layer CUDA graphs."""
     return getattr(config, "cuda_graph_impl", "none") == LOCAL_CUDA_GRAPH_IMPL
+
+
+def check_ddp_config_for_cuda_graphs(config: Any, ddp_config: Any) -> None:
+    """Refuse DDP settings a recorded layer cannot honour: ``overwrite_main_grad_on_first_wgrad`` decides on the
+    host, per step, whether a weight-gradient GEMM overwrites or adds; a graph would replay one decision for
+    every micro-batch (wrong gradients), so it raises a ``ValueError`` naming both fields."""
+    if local_cuda_graphs_enabled(config) and getattr(ddp_config, "overwrite_main_grad_on_first_wgrad", False):
+        raise ValueError("DistributedDataParallelConfig.overwrite_main_grad_on_first_wgrad=True cannot be used with "
+                         "TransformerConfig.cuda_graph_impl='local': a recorded backward would replay its first "
+                         "weight-gradient GEMM's overwrite-or-add decision for every micro-batch; set it to False")
 
 
 def mark_main_grads_static(params: Iterable[torch.nn.Parameter]) -> None:
