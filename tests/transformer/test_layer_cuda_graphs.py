@@ -1,7 +1,8 @@
 """Per-layer CUDA graphs in training (``cuda_graph_impl="local"``, ``transformer.layer_cuda_graphs``).
 
 CPU: the config rules (Megatron-Core's names, the refusals by name), the layer runs eagerly and unchanged where no
-CUDA graph exists, and ``DistributedDataParallel`` marks the gradient-buffer views static. GPU: a bf16 GPT trained
+CUDA graph exists, the compiled route traces every layer call into one graph (with an eager backend), and
+``DistributedDataParallel`` marks the gradient-buffer views static and refuses first-write overwrites. GPU: a bf16 GPT trained
 with the distributed optimizer gives bit for bit the losses and main weights of the same layers compiled without
 graphs (the same Inductor kernels; only the launches differ), with and without FP8 parameters, and the graphs were
 recorded, none skipped.
@@ -93,6 +94,48 @@ def test_on_the_cpu_the_layer_runs_eagerly_and_unchanged():
     assert layer_cuda_graphs._compiled == compiled_before  # nothing was compiled for a CPU call
     assert torch.equal(loss, want_loss)
     assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
+
+
+def _train_two_steps(cuda_graph_impl: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = build(llama_like(), cuda_graph_impl=cuda_graph_impl)
+    ids, pos, labels = batch(3)
+    losses = []
+    for _ in range(2):
+        loss = model(ids, pos, None, labels=labels).float().mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_the_graphed_route_traces_every_layer_call_into_one_graph(monkeypatch):
+    """The route a CUDA call takes, run on the CPU: each layer call goes through the one compiled function (here
+    with AOTAutograd's eager backend instead of Inductor's graphs), Dynamo traces through ``TransformerLayer.__call__``
+    into the plain layer, both layers share one graph without breaks, and losses and gradients equal the plain
+    model's exactly."""
+    from torch._dynamo.utils import counters
+
+    from megatron_core.transformer import transformer_layer
+
+    def wants_on_cpu(config, hidden_states) -> bool:  # wants_cuda_graph without the CUDA-device condition
+        return (layer_cuda_graphs.local_cuda_graphs_enabled(config) and isinstance(hidden_states, torch.Tensor)
+                and torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(transformer_layer, "wants_cuda_graph", wants_on_cpu)
+    monkeypatch.setattr(layer_cuda_graphs, "_compiled",
+                        [torch.compile(layer_cuda_graphs._call_layer, backend="aot_eager")])
+    try:
+        losses, grads = _train_two_steps("local")
+        stats, breaks = dict(counters["stats"]), dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+    want_losses, want_grads = _train_two_steps("none")
+    assert stats.get("unique_graphs") == 1 and not breaks, (stats, breaks)
+    assert losses == want_losses
     for name, grad in grads.items():
         assert torch.equal(grad, want_grads[name]), name
 
