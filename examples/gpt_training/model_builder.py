@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from gpt_training.fp8 import convert_model_to_fp8, fp8_config_fields
 from megatron_core.device import get_current_device
 from megatron_core.distributed import DistributedDataParallelConfig
+from megatron_core.distributed.static_main_grads import local_cuda_graphs_enabled
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -170,7 +171,7 @@ def compile_layers_and_loss(model: GPTModel) -> None:
     """``torch.compile`` every transformer layer and the loss in place (the model's structure is unchanged); layers
     recorded as CUDA graphs (``cuda_graph_impl="local"``) are compiled by the library already."""
     for layer in model.decoder.layers:
-        if layer.config.cuda_graph_impl != "local":
+        if not local_cuda_graphs_enabled(layer.config):
             layer.compile()
     if model.post_process:
         model.compute_language_model_loss = torch.compile(model.compute_language_model_loss)

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.examples.example_modules import TINY, gpt_training
+
 pytestmark = pytest.mark.slow  # subprocess/torchrun training runs
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "pretrain_gpt.py"
-TINY = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "127",
-        "--micro-batch-size", "2", "--global-batch-size", "2", "--log-interval", "1", "--no-progress"]
 
 
 def _run(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -58,14 +57,20 @@ def test_fixed_validation_set_repeats_the_same_batches(tmp_path: Path) -> None:
     (False, ["--gradient-accumulation-fusion"], True),
 ], ids=["cpu-default", "cuda-default", "cuda-fsdp2", "cuda-off", "cpu-forced"])
 def test_gradient_accumulation_fusion_default_follows_the_device(monkeypatch, cuda, extra, expected):
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        from gpt_training import arguments
-    finally:
-        sys.path.remove(str(REPO / "examples"))
+    arguments = gpt_training("arguments")
     monkeypatch.setattr(arguments, "cuda_available", lambda: cuda)
     args = arguments.validate_args(arguments.build_parser().parse_args([*TINY, "--train-iters", "1", *extra]), 1)
     assert args.gradient_accumulation_fusion is expected
+
+
+def test_first_write_overwrites_stay_off_under_graphed_layers(monkeypatch):
+    arguments = gpt_training("arguments")
+    monkeypatch.setattr(arguments, "cuda_available", lambda: True)
+    tiny = [*TINY, "--train-iters", "1"]
+    plain = arguments.validate_args(arguments.build_parser().parse_args(tiny), 1)
+    graphed = arguments.validate_args(arguments.build_parser().parse_args([*tiny, "--cuda-graph-impl", "local"]), 1)
+    assert plain.overwrite_main_grad_on_first_wgrad and plain.gradient_accumulation_fusion
+    assert graphed.gradient_accumulation_fusion and not graphed.overwrite_main_grad_on_first_wgrad
 
 
 def _train_records(log: Path) -> list[dict]:
@@ -87,11 +92,7 @@ def test_step_time_breakdown_reports_every_part_and_leaves_the_losses_alone(tmp_
 
 
 def test_recompute_modules_and_moe_benchmark_flags_reach_the_config():
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        from gpt_training import arguments, model_builder
-    finally:
-        sys.path.remove(str(REPO / "examples"))
+    arguments, model_builder = gpt_training("arguments"), gpt_training("model_builder")
     flags = [*TINY, "--train-iters", "1", "--num-experts", "4", "--recompute-granularity", "selective",
              "--recompute-modules", "moe_act", "shared_experts", "--moe-router-force-load-balancing",
              "--moe-shared-expert-intermediate-size", "16", "--disable-bias-linear"]
@@ -174,8 +175,7 @@ def test_deepseek_tiny_preset_trains_saves_and_resumes(tmp_path: Path) -> None:
 
 
 def test_moe_layer_freq_takes_megatron_lms_list_forms() -> None:
-    sys.path.insert(0, str(REPO / "examples"))
-    from gpt_training.arguments import parse_layer_freq
+    parse_layer_freq = gpt_training("arguments").parse_layer_freq
 
     assert parse_layer_freq("2") == 2
     assert parse_layer_freq("[0,1,1]") == [0, 1, 1]
@@ -191,11 +191,7 @@ def test_moe_layer_freq_takes_megatron_lms_list_forms() -> None:
     ([], False),  # 1F1B has no overlapped exchange (Megatron-LM turns the flag off)
 ], ids=["interleaved", "interleaved-off", "1f1b"])
 def test_p2p_overlap_follows_megatron_lms_rule(extra, overlap):
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        from gpt_training import arguments, model_builder
-    finally:
-        sys.path.remove(str(REPO / "examples"))
+    arguments, model_builder = gpt_training("arguments"), gpt_training("model_builder")
     flags = [*TINY, "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
              "--train-iters", "1", *extra]
     config = model_builder.transformer_config_from_args(arguments.validate_args(arguments.build_parser().parse_args(flags), 2))

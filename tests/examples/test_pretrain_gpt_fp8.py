@@ -17,25 +17,17 @@ import pytest
 import torch
 
 from tests.dist_harness import run_on_ranks
+from tests.examples.example_modules import TINY, gpt_training
 
 pytestmark = pytest.mark.slow  # subprocess training runs
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "examples" / "pretrain_gpt.py"
-TINY = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "127",
-        "--micro-batch-size", "2", "--global-batch-size", "2", "--no-progress"]
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "pretrain_gpt.py"
 FP8_PARAM = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather",
              "--use-distributed-optimizer"]
 
 
 def _example_modules():
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        from gpt_training import arguments, model_builder
-    finally:
-        sys.path.remove(str(REPO / "examples"))
-    return arguments, model_builder
+    return gpt_training("arguments"), gpt_training("model_builder")
 
 
 def _args(*extra: str, cuda: bool = False):
@@ -101,8 +93,8 @@ def test_the_model_is_converted_before_ddp_with_fp8_weights_in_byte_buffers():
 
 def _losses(tmp_path: Path, name: str, *flags: str) -> list[float]:
     log = tmp_path / f"{name}.jsonl"
-    proc = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--train-iters", "6", "--log-interval", "1",
-                           "--lr", "1e-3", "--log-json", str(log), *flags], cwd=tmp_path, text=True,
+    proc = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--train-iters", "6", "--lr", "1e-3",
+                           "--log-json", str(log), *flags], cwd=tmp_path, text=True,
                           capture_output=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [r["lm loss"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "train"]

@@ -176,25 +176,6 @@ def test_ddp_refuses_first_write_overwrites_under_graphed_layers():
     assert "overwrite_main_grad_on_first_wgrad" in message and "cuda_graph_impl" in message, message
 
 
-def test_pretrain_gpt_leaves_first_write_overwrites_off_under_graphed_layers(monkeypatch):
-    import sys
-    from pathlib import Path
-
-    examples = str(Path(__file__).resolve().parents[2] / "examples")
-    sys.path.insert(0, examples)
-    try:
-        from gpt_training import arguments
-    finally:
-        sys.path.remove(examples)
-    monkeypatch.setattr(arguments, "cuda_available", lambda: True)
-    tiny = ["--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "32", "--mock-data", "--vocab-size", "127", "--train-iters", "1"]
-    plain = arguments.validate_args(arguments.build_parser().parse_args(tiny), 1)
-    graphed = arguments.validate_args(arguments.build_parser().parse_args([*tiny, "--cuda-graph-impl", "local"]), 1)
-    assert plain.overwrite_main_grad_on_first_wgrad and plain.gradient_accumulation_fusion
-    assert graphed.gradient_accumulation_fusion and not graphed.overwrite_main_grad_on_first_wgrad
-
-
 # ---------------------------------------------------------------------------------------------------- GPU
 CUDA_STEPS, CUDA_MICROBATCHES, CUDA_LR = 4, 2, 1e-3
 

@@ -295,8 +295,8 @@ def _owned(main: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _hp_shard(param: torch.Tensor, main: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """The owned ``main`` cast to ``param.fp8_hp_dtype`` on ``device`` (its own pass: keeps the rounding)."""
-    main = _owned(main)
+    """The owned shard ``main`` (from :func:`_owned`) cast to ``param.fp8_hp_dtype`` on ``device`` (its own pass:
+    keeps the rounding)."""
     return None if main is None else main.to(device=device, dtype=param.fp8_hp_dtype)
 
 
@@ -381,7 +381,7 @@ def quantize_param_shard(model_params: list[torch.Tensor], main_params: list[tor
         shards = [_hp_shard(param, main, device) for param, main in zip(params, mains)]
         tensorwise_amax, write = _tensorwise_eager(params, shards, starts, device)
     amaxes = [tensorwise_amax]
-    rowwise_shards = {i: _hp_shard(model_params[i], main_params[i], device) for i in rowwise}
+    rowwise_shards = {i: _hp_shard(model_params[i], _owned(main_params[i]), device) for i in rowwise}
     blocks = {}
     for i in rowwise:
         param, shard, cols = model_params[i], rowwise_shards[i], model_params[i].shape[-1]

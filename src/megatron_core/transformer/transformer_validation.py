@@ -238,10 +238,10 @@ def check_cuda_graphs(cfg: Any) -> None:
                          "as CUDA graphs through torch.compile) or 'none'")
     if impl != "local":
         return
-    scopes = cfg.cuda_graph_scope if cfg.cuda_graph_scope is not None else cfg.cuda_graph_modules
+    name = "cuda_graph_scope" if cfg.cuda_graph_scope is not None else "cuda_graph_modules"  # the deprecated name wins
+    scopes = getattr(cfg, name)
     modules, deprecated, _ = normalize_cuda_graph_modules(scopes)
     if modules or deprecated:
-        name = "cuda_graph_scope" if cfg.cuda_graph_scope is not None else "cuda_graph_modules"
         raise ValueError(f"{name} ({scopes!r}) must be 'full' or empty with cuda_graph_impl='local': this library "
                          "records whole layers, not parts of them")
     if cfg.recompute_granularity == "full":
