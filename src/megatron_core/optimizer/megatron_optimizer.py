@@ -341,11 +341,20 @@ class MegatronOptimizer(ABC):
         threshold = getattr(self.config, "grad_norm_skip_threshold", math.inf)
         return threshold if math.isfinite(threshold) else None
 
+    def _clipping_can_fold(self) -> bool:
+        """Whether the settings let clipping fold into a step that takes a clip factor: clipping on, no zero count,
+        no skip threshold, no grad scaler (each needs the norm or the gradients on the host before the step)."""
+        return (self.config.clip_grad > 0.0 and not self.config.log_num_zeros_in_grad
+                and self._grad_norm_skip_threshold() is None and not self.prepare_grads_checks_for_inf())
+
     def _fold_clipping_into_adam(self) -> bool:
         """Clip inside the fused Adam step (see :mod:`.fused_clip`): same update, no extra pass, no early sync."""
-        return (self.config.clip_grad > 0.0 and not self.config.log_num_zeros_in_grad
-                and self._grad_norm_skip_threshold() is None
-                and not self.prepare_grads_checks_for_inf() and self._step_takes_clip_factor())
+        return self._clipping_can_fold() and self._step_takes_clip_factor()
+
+    def _main_grads_rewritten_before_step(self) -> bool:
+        """Whether a pass before the inner step rewrites the main gradients in place: a grad scaler's unscaling, or
+        clipping that cannot fold into the step."""
+        return self.prepare_grads_checks_for_inf() or (self.config.clip_grad > 0.0 and not self._clipping_can_fold())
 
     def _step_takes_clip_factor(self) -> bool:
         """Whether the inner step divides by ``grad_scale`` and skips on ``found_inf`` (torch's fused Adam does)."""
