@@ -55,11 +55,18 @@ def init_distributed() -> None:
         parallel_state.initialize_model_parallel()
 
 
-def step_variants(args: argparse.Namespace) -> list[tuple[str, tuple[str, str] | None, bool]]:
-    """``(label, (recipe, format) or None, fp8_param)`` of bf16, FP8 and FP8 with FP8 parameters."""
+def step_variants(args: argparse.Namespace) -> list[tuple[str, tuple[str, str] | None, bool, bool]]:
+    """``(label, (recipe, format) or None, fp8_param, gradient_accumulation_fusion)`` of bf16 (the baseline first),
+    FP8 and FP8 with FP8 parameters. bf16 fuses the weight-gradient accumulation on CUDA, as ``pretrain_gpt.py``
+    does by default there (``--gradient-accumulation-fusion``; the GEMM adds into ``main_grad``); the FP8 paths
+    cannot (``pretrain_gpt.py`` turns it off with FP8; FP8 parameters add their own weight gradient)."""
     fp8 = ("tensorwise", args.fp8_format)
-    return [("bf16", None, False), (f"fp8 tensorwise {args.fp8_format}", fp8, False),
-            (f"fp8_param tensorwise {args.fp8_format}", fp8, True)]
+    fused = torch.cuda.is_available() and not args.tiny
+    variants = [("bf16", None, False, fused)]
+    if fused and getattr(args, "step_bf16_unfused", False):
+        variants.append(("bf16 unfused grad accumulation", None, False, False))
+    return variants + [(f"fp8 tensorwise {args.fp8_format}", fp8, False, False),
+                       (f"fp8_param tensorwise {args.fp8_format}", fp8, True, False)]
 
 
 PHASE_STEPS = 3  # steps timed phase by phase after the timed steps
@@ -99,7 +106,7 @@ def full_step(args: argparse.Namespace, shape: dict, build: Callable[..., torch.
     positions = torch.arange(args.seq, device=dev).unsqueeze(0).expand(mbs, -1)
     timing_args = argparse.Namespace(**{**vars(args), "mbs": mbs * micro}, **shape)
     results, baseline = {}, None
-    for label, fp8, fp8_param in step_variants(args):
+    for label, fp8, fp8_param, fused in step_variants(args):
         torch._dynamo.reset()
         gc.collect()
         if dev.type == "cuda":
@@ -107,9 +114,12 @@ def full_step(args: argparse.Namespace, shape: dict, build: Callable[..., torch.
             torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(1234)
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        model = prepare(build(shape, args, args.vocab, fp8, fp8_param=fp8_param), args, fp8 is not None)
+        model = prepare(build(shape, args, args.vocab, fp8, fp8_param=fp8_param, gradient_accumulation_fusion=fused),
+                        args, fp8 is not None)
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
             use_distributed_optimizer=True, fp8_param_gather=fp8_param, overlap_grad_reduce=args.overlap,
+            # pretrain_gpt.py's default: the first weight-gradient GEMM of a step overwrites, except under graphs
+            overwrite_main_grad_on_first_wgrad=fused and args.cuda_graph_impl != "local",
             overlap_param_gather=args.overlap, bucket_size=40_000_000 if args.overlap else None), model)
         opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=not args.tiny,
                                                      use_distributed_optimizer=True), [ddp])

@@ -116,6 +116,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-config", default="reference (tinyllama-1.1b)", choices=list(CONFIGS),
                    help="full-step part: the model")
     p.add_argument("--step-microbatches", type=int, default=4, help="full-step part: micro-batches per step")
+    p.add_argument("--step-bf16-unfused", action="store_true",
+                   help="full-step part: also time bf16 without gradient-accumulation fusion (pretrain_gpt.py's "
+                        "bf16 default on CUDA, the baseline, has it)")
     p.add_argument("--overlap", action="store_true",
                    help="full-step part: overlap_grad_reduce and overlap_param_gather (40M-element buckets)")
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -150,9 +153,9 @@ def moe_fields(shape: dict) -> dict:
 
 
 def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: tuple[str, str] | None,
-          fp8_param: bool = False) -> torch.nn.Module:
+          fp8_param: bool = False, gradient_accumulation_fusion: bool = False) -> torch.nn.Module:
     """A Llama-like GPTModel of ``shape``; with ``fp8 = (recipe, format)`` its layer GEMMs will be float8 (and with
-    ``fp8_param`` their weights FP8 parameters, once converted)."""
+    ``fp8_param`` their weights FP8 parameters, once converted); ``gradient_accumulation_fusion`` as the config's."""
     dtype = torch.float32 if args.tiny else torch.bfloat16
     recipe, fmt = fp8 if fp8 is not None else ("tensorwise", None)
     config = TransformerConfig(
@@ -160,7 +163,7 @@ def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: tuple[str, str
         num_query_groups=shape["query_groups"], ffn_hidden_size=shape["ffn"], normalization="RMSNorm",
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
-        cuda_graph_impl=args.cuda_graph_impl,
+        cuda_graph_impl=args.cuda_graph_impl, gradient_accumulation_fusion=gradient_accumulation_fusion,
         fp8=fmt, fp8_recipe=recipe, fp8_param=fp8_param, **moe_fields(shape),
     )
     spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False) if "experts" in shape
