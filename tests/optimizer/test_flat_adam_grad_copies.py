@@ -13,6 +13,7 @@ import torch
 
 from megatron_core import parallel_state, tensor_parallel
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_core.fp8 import convert_to_float8
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_core.transformer import Float16Module
@@ -23,14 +24,19 @@ from tests.optimizer.dp_step import dp_train_step
 STEPS = 3
 
 
-def _optimizer(half: str, grad_reduce_in_fp32: bool, overrides: dict):
-    """A tiny GPT in ``half`` ("bf16" / "fp16") under DDP and the distributed optimizer, flat step forced on."""
+def _optimizer(half: str, grad_reduce_in_fp32: bool, overrides: dict, fp8_param: bool = False):
+    """A tiny GPT in ``half`` ("bf16" / "fp16") under DDP and the distributed optimizer, flat step forced on; with
+    ``fp8_param`` its linear weights are FP8 parameters (emulated FP8 GEMMs)."""
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     dtype = torch.bfloat16 if half == "bf16" else torch.float16
-    model = build(llama_like(), **{half: True, "params_dtype": dtype})
+    fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise", fp8_param=True) if fp8_param else {}
+    model = build(llama_like(), **{half: True, "params_dtype": dtype}, **fp8)
+    if fp8_param:
+        convert_to_float8(model, emulate=True)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=grad_reduce_in_fp32), Float16Module(model.config, model))
+        use_distributed_optimizer=True, grad_reduce_in_fp32=grad_reduce_in_fp32, fp8_param_gather=fp8_param),
+        Float16Module(model.config, model))
     previous = DistributedOptimizer.flat_shard_step
     DistributedOptimizer.flat_shard_step = True
     try:
@@ -41,12 +47,12 @@ def _optimizer(half: str, grad_reduce_in_fp32: bool, overrides: dict):
     return model, ddp, opt
 
 
-def _train_with_and_without_copies() -> dict:
+def _train_with_and_without_copies(fp8_param: bool) -> dict:
     runs = {}
     for copies in (False, True):
         parallel_state.initialize_model_parallel()
         try:
-            model, ddp, opt = _optimizer("bf16", False, {})
+            model, ddp, opt = _optimizer("bf16", False, {}, fp8_param)
             skipped = opt._skip_main_grad_copies
             opt._skip_main_grad_copies = not copies  # the same run, the copies made anyway
             losses, grads_after_prepare = [], []
@@ -69,8 +75,9 @@ def _train_with_and_without_copies() -> dict:
     return runs
 
 
-def test_flat_step_makes_no_gradient_copies_nothing_reads_and_trains_the_same():
-    for runs in run_on_ranks(2, _train_with_and_without_copies):
+@pytest.mark.parametrize("fp8_param", [False, True], ids=["bf16", "fp8_param"])
+def test_flat_step_makes_no_gradient_copies_nothing_reads_and_trains_the_same(fp8_param):
+    for runs in run_on_ranks(2, _train_with_and_without_copies, fp8_param):
         without, with_copies = runs[False], runs[True]
         assert without["flat"] and with_copies["flat"]
         assert without["skipped_by_default"]
