@@ -2,7 +2,8 @@
 
 With bf16 gradient buffers and fp32 main params, the main gradients are fp32 copies. The flat step reads the
 gradient buffers themselves, so on 2 CPU ranks (flat step forced on): it makes no copies when nothing reads them,
-and trains bit for bit as the same run that makes them; and it is not used where a pass before the step rewrites
+and trains bit for bit as the same run that makes them (with TP=2, where the norm reads the counted pieces in the
+gradient buffers, to bf16 rounding); and it is not used where a pass before the step rewrites
 the copies (a grad scaler's unscaling, clipping that cannot fold into the step), which it would not see.
 """
 
@@ -24,14 +25,14 @@ from tests.optimizer.dp_step import dp_train_step
 STEPS = 3
 
 
-def _optimizer(half: str, grad_reduce_in_fp32: bool, overrides: dict, fp8_param: bool = False):
+def _optimizer(half: str, grad_reduce_in_fp32: bool, overrides: dict, fp8_param: bool = False, tp: int = 1):
     """A tiny GPT in ``half`` ("bf16" / "fp16") under DDP and the distributed optimizer, flat step forced on; with
     ``fp8_param`` its linear weights are FP8 parameters (emulated FP8 GEMMs)."""
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     dtype = torch.bfloat16 if half == "bf16" else torch.float16
     fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise", fp8_param=True) if fp8_param else {}
-    model = build(llama_like(), **{half: True, "params_dtype": dtype}, **fp8)
+    model = build(llama_like(), **{half: True, "params_dtype": dtype}, **fp8, tensor_model_parallel_size=tp)
     if fp8_param:
         convert_to_float8(model, emulate=True)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
@@ -47,12 +48,12 @@ def _optimizer(half: str, grad_reduce_in_fp32: bool, overrides: dict, fp8_param:
     return model, ddp, opt
 
 
-def _train_with_and_without_copies(fp8_param: bool) -> dict:
+def _train_with_and_without_copies(fp8_param: bool, tp: int) -> dict:
     runs = {}
     for copies in (False, True):
-        parallel_state.initialize_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         try:
-            model, ddp, opt = _optimizer("bf16", False, {}, fp8_param)
+            model, ddp, opt = _optimizer("bf16", False, {}, fp8_param, tp)
             skipped = opt._skip_main_grad_copies
             opt._skip_main_grad_copies = not copies  # the same run, the copies made anyway
             losses, grads_after_prepare = [], []
@@ -68,6 +69,7 @@ def _train_with_and_without_copies(fp8_param: bool) -> dict:
                 gen = torch.Generator().manual_seed(700 + step)
                 losses.append(dp_train_step(ddp, opt, torch.randint(0, VOCAB, (8, SEQ + 1), generator=gen)))
             runs[copies] = {"losses": losses, "skipped_by_default": skipped, "flat": opt._flat is not None,
+                            "norm_over_shards": opt._norm_over_flat_shards,
                             "grads_after_prepare": grads_after_prepare, "params": len(opt.get_parameters()),
                             "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
         finally:
@@ -75,17 +77,25 @@ def _train_with_and_without_copies(fp8_param: bool) -> dict:
     return runs
 
 
-@pytest.mark.parametrize("fp8_param", [False, True], ids=["bf16", "fp8_param"])
-def test_flat_step_makes_no_gradient_copies_nothing_reads_and_trains_the_same(fp8_param):
-    for runs in run_on_ranks(2, _train_with_and_without_copies, fp8_param):
+@pytest.mark.parametrize("fp8_param, tp", [(False, 1), (True, 1), (False, 2)], ids=["bf16", "fp8_param", "bf16-tp2"])
+def test_flat_step_makes_no_gradient_copies_nothing_reads_and_trains_the_same(fp8_param, tp):
+    # TP=2: rank 1's replicated params do not count towards the norm, which then reads the counted pieces' views.
+    for rank, runs in enumerate(run_on_ranks(2, _train_with_and_without_copies, fp8_param, tp)):
         without, with_copies = runs[False], runs[True]
         assert without["flat"] and with_copies["flat"]
+        assert without["norm_over_shards"] == (tp == 1 or rank == 0)
         assert without["skipped_by_default"]
         assert without["grads_after_prepare"] == [0] * STEPS
         assert with_copies["grads_after_prepare"] == [with_copies["params"]] * STEPS
-        assert without["losses"] == with_copies["losses"]
-        for name, weight in without["weights"].items():
-            assert torch.equal(weight, with_copies["weights"][name]), name
+        if tp == 1:  # the same norm (the flat shard slices) and the same step: bit for bit
+            assert without["losses"] == with_copies["losses"]
+            for name, weight in without["weights"].items():
+                assert torch.equal(weight, with_copies["weights"][name]), name
+        else:  # the norm reads bf16 views instead of fp32 copies: the same sum, maybe in another order
+            torch.testing.assert_close(torch.tensor(without["losses"]), torch.tensor(with_copies["losses"]),
+                                       rtol=1e-5, atol=1e-5)
+            for name, weight in without["weights"].items():
+                torch.testing.assert_close(weight, with_copies["weights"][name], msg=name)  # bf16 tolerance
 
 
 def _flat_step_used(half: str, grad_reduce_in_fp32: bool, overrides: dict) -> dict:

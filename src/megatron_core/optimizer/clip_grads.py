@@ -28,6 +28,12 @@ def param_is_not_tensor_parallel_duplicate(param: torch.nn.Parameter, tp_rank: i
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+def counts_towards_grad_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether ``param``'s gradient counts towards the global norm and zero count on TP rank ``tp_rank``: not a
+    tied duplicate, and not a TP-replicated copy off TP rank 0 (each element counted once)."""
+    return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, tp_rank)
+
+
 def _stats_group(group: Any) -> Any:
     """As in Megatron-Core (torch's default): ``None`` is the WORLD group, or this process before init."""
     if group is None:
@@ -109,6 +115,11 @@ def _coalesce_adjacent(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out + rest
 
 
+def _norm_dtype(grad: torch.Tensor) -> torch.dtype:
+    """The dtype a gradient's norm accumulates in: fp32, or fp64 for fp64 gradients."""
+    return torch.float64 if grad.dtype == torch.float64 else torch.float32
+
+
 def _sum_of_powers(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm_type: float,
                    grad_stats_parallel_group: Any) -> torch.Tensor:
     """``sum |g|^p`` over the gradients and the group, as a 1-element fp32 tensor."""
@@ -117,12 +128,16 @@ def _sum_of_powers(grads_for_norm: Iterable[torch.Tensor] | torch.Tensor, norm_t
     device = grads[0].device if grads else torch.device("cpu")
     if grads:
         large, small = [], []
-        for g in _coalesce_adjacent([g.detach().float() for g in grads]):
+        for g in _coalesce_adjacent([g.detach() for g in grads]):
             (large if g.numel() >= _ONE_KERNEL_NORM_NUMEL else small).append(g)
         # One reduction kernel over a large flat tensor runs near the copy bandwidth; the multi-tensor kernel
-        # serves many small tensors in few launches but reads a large one at about three quarters of it.
-        norms = [torch.linalg.vector_norm(g, norm_type) for g in large]
-        norms += list(torch._foreach_norm(small, norm_type)) if small else []
+        # serves many small tensors in few launches but reads a large one at about three quarters of it. Both
+        # accumulate in fp32 whatever the gradients' dtype, reading bf16 gradients as they are (an fp32 copy
+        # first would write and read 6 more bytes per element).
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=_norm_dtype(g)).float() for g in large]
+        for dtype in dict.fromkeys(_norm_dtype(g) for g in small):  # first-seen order: the same sum every run
+            norms += [n.float() for n in torch._foreach_norm([g for g in small if _norm_dtype(g) == dtype], norm_type,
+                                                             dtype=dtype)]
         local = torch.stack(norms).pow(norm_type).sum().reshape(1)
     else:
         local = torch.zeros(1, dtype=torch.float32, device=device)
@@ -160,7 +175,7 @@ def count_zeros_fp32(parameters: Iterable[torch.Tensor] | torch.Tensor, grad_sta
     sharded_group = None
     for p in params:
         grad = getattr(p, attr)
-        if grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_rank):
+        if grad is not None and counts_towards_grad_norm(p, tp_rank):
             group, (grad,) = _sharded_group_and_locals([grad])
             sharded_group = group or sharded_group
             total += grad.numel() - torch.count_nonzero(grad)

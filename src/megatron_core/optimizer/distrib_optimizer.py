@@ -52,7 +52,7 @@ from megatron_core.optimizer.checkpoint_state import (
     is_model_space_state,
     load_model_space_state,
 )
-from megatron_core.optimizer.clip_grads import param_is_not_shared, param_is_not_tensor_parallel_duplicate
+from megatron_core.optimizer.clip_grads import counts_towards_grad_norm
 from megatron_core.optimizer.flat_adam import FlatAdamShards, FlatShard
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer import MixedPrecisionOptimizer, copy_param_attributes
@@ -152,12 +152,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # whole (one tensor per bucket; DDP's padding between params holds zeros).
         tp_rank = get_pg_rank(self.tp_group)
         self._norm_over_flat_shards = self._flat is not None and all(
-            param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_rank)
-            for p in self.get_parameters())
+            counts_towards_grad_norm(p, tp_rank) for p in self.get_parameters())
         # Under the flat step nothing else may need the main params' gradients: the step reads the gradient
-        # buffers, and the norm their flat slices. Copies in another dtype (bf16 buffers, fp32 main params) would
-        # then be a pass over every gradient for nothing (6 bytes an element; 18 ms of a 3B model's step on an H200).
-        self._skip_main_grad_copies = (self._norm_over_flat_shards and self._main_grads_are_copies()
+        # buffers, and the norm their flat slices or the counted pieces' buffer views. Copies in another dtype
+        # (bf16 buffers, fp32 main params) would then be a pass over every gradient for nothing (6 bytes an
+        # element; 10 ms of a 3B model's step on an H200). The zero count still reads them.
+        self._skip_main_grad_copies = (self._flat is not None and self._main_grads_are_copies()
                                        and not self.config.log_num_zeros_in_grad)
 
     flat_shard_step: bool | None = None  # None: on CUDA when eligible; True / False: force on / off
@@ -301,17 +301,25 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """The owned gradients that count towards the norm (whole flat shard slices where every piece counts)."""
         if self._norm_over_flat_shards:
             return [shard.grad for shard in self._flat.shards]
+        if self._skip_main_grad_copies:  # the counted pieces, read in the gradient buffers
+            tp_rank = get_pg_rank(self.tp_group)
+            return [self._grad_view(e) for e in self._entries() if counts_towards_grad_norm(e.main_param, tp_rank)]
         return super().get_main_grads_for_grad_norm()
+
+    @staticmethod
+    def _grad_view(entry: _ShardEntry) -> torch.Tensor:
+        """``entry``'s slice of its model param's ``main_grad`` (made again only when the buffer changed)."""
+        main_grad = entry.model_param.main_grad
+        if entry.grad_view_of is not main_grad:
+            entry.grad_view = main_grad.view(-1)[entry.param_range.start:entry.param_range.end]
+            entry.grad_view_of = main_grad
+        return entry.grad_view
 
     def _copy_model_grads_to_main_grads(self) -> None:
         if self._skip_main_grad_copies:
             return
         for entry in self._entries():
-            main_grad = entry.model_param.main_grad
-            if entry.grad_view_of is not main_grad:
-                entry.grad_view = main_grad.view(-1)[entry.param_range.start:entry.param_range.end]
-                entry.grad_view_of = main_grad
-            flat, main = entry.grad_view, entry.main_param
+            flat, main = self._grad_view(entry), entry.main_param
             same = flat.dtype == main.dtype and flat.device == main.device
             main.grad = flat if same else flat.to(device=main.device, dtype=main.dtype)
 

@@ -26,10 +26,9 @@ from megatron_core.optimizer.checkpoint_state import (
 from megatron_core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
+    counts_towards_grad_norm,
     get_grad_norm_fp32,
     grad_norm_tensor,
-    param_is_not_shared,
-    param_is_not_tensor_parallel_duplicate,
 )
 from megatron_core.optimizer.fused_clip import fused_adam_step_with_clipping, supports_fused_clipping
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
@@ -126,7 +125,7 @@ class MegatronOptimizer(ABC):
         tp_rank = get_pg_rank(self.tp_group)
         return [
             p.grad for p in self.get_parameters()
-            if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_rank)
+            if p.grad is not None and counts_towards_grad_norm(p, tp_rank)
         ]
 
     def get_grad_stats_parallel_group(self) -> Any:
