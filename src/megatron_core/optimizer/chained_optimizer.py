@@ -82,6 +82,17 @@ class ChainedOptimizer(MegatronOptimizer):
         """Zero gradient elements over every sub-optimizer."""
         return sum(opt.count_zeros() for opt in self.chained_optimizers)
 
+    def _step_takes_clip_factor(self) -> bool:
+        # Clipping folds into the chain's step when it folds into every sub-optimizer's: one global factor for all.
+        return bool(self.chained_optimizers) and all(opt._step_takes_clip_factor() for opt in self.chained_optimizers)
+
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [inner for opt in self.chained_optimizers for inner in opt._inner_optimizers()]
+
+    def _grad_norm_tensor(self) -> torch.Tensor:
+        """The global norm over every sub-optimizer (each over its own statistics group), on the device."""
+        return torch.stack([opt._grad_norm_tensor() for opt in self.chained_optimizers]).pow(2).sum().sqrt()
+
     def step_with_ready_grads(self) -> bool:
         """Step every sub-optimizer."""
         results = [opt.step_with_ready_grads() for opt in self.chained_optimizers]

@@ -11,7 +11,7 @@ update, and the norm is read on the host only after the update has been queued.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,18 +25,24 @@ def supports_fused_clipping(optimizer: torch.optim.Optimizer | None) -> bool:
     return all(group.get("fused") for group in optimizer.param_groups)
 
 
-def fused_adam_step_with_clipping(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, clip_grad: float,
-                                  step: Callable[[], None], skip_check: torch.Tensor | None = None) -> None:
-    """Run ``step()`` (which calls ``optimizer.step()``) with the clip factor and the inf check on the device.
+def fused_adam_step_with_clipping(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+                                  grad_norm: torch.Tensor, clip_grad: float, step: Callable[[], None],
+                                  skip_check: torch.Tensor | None = None) -> None:
+    """Run ``step()`` (which calls ``optimizer.step()``, or each one's of a sequence) with the clip factor and the
+    inf check on the device.
 
     ``grad_norm`` is the global gradient norm as a 1-element fp32 tensor on the parameters' device; the
     update is skipped when ``skip_check`` (default: the norm) is not finite.
     """
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     norm = grad_norm.reshape(())
     check = norm if skip_check is None else skip_check.reshape(())
-    optimizer.grad_scale = torch.clamp((norm + 1.0e-6) / clip_grad, min=1.0)
-    optimizer.found_inf = (~torch.isfinite(check)).to(torch.float32)
+    grad_scale = torch.clamp((norm + 1.0e-6) / clip_grad, min=1.0)
+    found_inf = (~torch.isfinite(check)).to(torch.float32)
+    for opt in optimizers:
+        opt.grad_scale, opt.found_inf = grad_scale, found_inf
     try:
         step()
     finally:
-        del optimizer.grad_scale, optimizer.found_inf
+        for opt in optimizers:
+            del opt.grad_scale, opt.found_inf

@@ -21,7 +21,7 @@ from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.dist_checkpointing.dict_utils import nested_values
 from megatron_core.distributed import collectives
 from megatron_core.optimizer.chained_optimizer import ChainedOptimizer
-from megatron_core.optimizer.clip_grads import count_zeros_fp32, get_grad_norm_fp32
+from megatron_core.optimizer.clip_grads import count_zeros_fp32, get_grad_norm_fp32, grad_norm_tensor
 from megatron_core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
@@ -216,6 +216,11 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         """L2 norm of all owned gradients, summed over every rank (each parameter is owned once)."""
         grads = [g for opt in self.chained_optimizers for g in opt.get_main_grads_for_grad_norm()]
         return get_grad_norm_fp32(grads, grad_stats_parallel_group=None)
+
+    def _grad_norm_tensor(self) -> torch.Tensor:
+        """:meth:`get_grad_norm` as a 0-dim device tensor (for clipping folded into the sub-optimizers' steps)."""
+        grads = [g for opt in self.chained_optimizers for g in opt.get_main_grads_for_grad_norm()]
+        return grad_norm_tensor(grads, grad_stats_parallel_group=None).reshape(())
 
     @torch.no_grad()
     def count_zeros(self) -> float:

@@ -355,6 +355,15 @@ class MegatronOptimizer(ABC):
         clipping that cannot fold into the step."""
         return self.prepare_grads_checks_for_inf() or (self.config.clip_grad > 0.0 and not self._clipping_can_fold())
 
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose steps take the clip factor when clipping folds into them."""
+        return [self.optimizer]
+
+    def _grad_norm_tensor(self) -> torch.Tensor:
+        """The global gradient norm as a 0-dim fp32 device tensor (nothing read on the host)."""
+        return grad_norm_tensor(self.get_main_grads_for_grad_norm(),
+                                grad_stats_parallel_group=self.get_grad_stats_parallel_group()).reshape(())
+
     def _step_takes_clip_factor(self) -> bool:
         """Whether the inner step divides by ``grad_scale`` and skips on ``found_inf`` (torch's fused Adam does)."""
         return supports_fused_clipping(self.optimizer)
@@ -364,8 +373,7 @@ class MegatronOptimizer(ABC):
                                     ) -> tuple[torch.Tensor, torch.Tensor, None]:
         """Queue the clipped update; ``(update_successful, grad_norm)`` as unread 0-dim device tensors."""
         with self._timer("optimizer-clip-main-grad"):
-            norm = grad_norm_tensor(self.get_main_grads_for_grad_norm(),
-                                    grad_stats_parallel_group=self.get_grad_stats_parallel_group()).reshape(())
+            norm = self._grad_norm_tensor()
         check = norm  # non-finite when the norm or the caller's value is (x * 0 is nan for an inf or nan x)
         if skip_unless_finite is not None:
             check = norm + skip_unless_finite.detach().to(device=norm.device, dtype=norm.dtype).sum() * 0
@@ -376,7 +384,7 @@ class MegatronOptimizer(ABC):
             outcome_known(success, norm)
         with self._timer("optimizer-inner-step"):
             results: list[bool] = []
-            fused_adam_step_with_clipping(self.optimizer, norm, self.config.clip_grad,
+            fused_adam_step_with_clipping(self._inner_optimizers(), norm, self.config.clip_grad,
                                           lambda: results.append(self.step_with_ready_grads()), check)
         if not results[0]:  # an inner step that failed on the host: a new tensor, not the one announced
             success = torch.zeros((), dtype=torch.bool, device=norm.device)
