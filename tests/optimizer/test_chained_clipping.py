@@ -15,7 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core import parallel_state
-from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron_core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron_core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
 from tests.dist_harness import run_on_ranks
