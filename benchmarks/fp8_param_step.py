@@ -36,6 +36,7 @@ from megatron_core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
+from megatron_core.distributed.static_main_grads import local_cuda_graphs_enabled
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 
@@ -63,7 +64,7 @@ def step_variants(args: argparse.Namespace) -> list[tuple[str, tuple[str, str] |
     fp8 = ("tensorwise", args.fp8_format)
     fused = torch.cuda.is_available() and not args.tiny
     variants = [("bf16", None, False, fused)]
-    if fused and getattr(args, "step_bf16_unfused", False):
+    if fused and args.step_bf16_unfused:
         variants.append(("bf16 unfused grad accumulation", None, False, False))
     return variants + [(f"fp8 tensorwise {args.fp8_format}", fp8, False, False),
                        (f"fp8_param tensorwise {args.fp8_format}", fp8, True, False)]
@@ -119,7 +120,7 @@ def full_step(args: argparse.Namespace, shape: dict, build: Callable[..., torch.
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
             use_distributed_optimizer=True, fp8_param_gather=fp8_param, overlap_grad_reduce=args.overlap,
             # pretrain_gpt.py's default: the first weight-gradient GEMM of a step overwrites, except under graphs
-            overwrite_main_grad_on_first_wgrad=fused and args.cuda_graph_impl != "local",
+            overwrite_main_grad_on_first_wgrad=fused and not local_cuda_graphs_enabled(model.config),
             overlap_param_gather=args.overlap, bucket_size=40_000_000 if args.overlap else None), model)
         opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=not args.tiny,
                                                      use_distributed_optimizer=True), [ddp])

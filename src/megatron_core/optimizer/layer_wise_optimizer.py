@@ -214,13 +214,15 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
     @torch.no_grad()
     def get_grad_norm(self) -> float:
         """L2 norm of all owned gradients, summed over every rank (each parameter is owned once)."""
-        grads = [g for opt in self.chained_optimizers for g in opt.get_main_grads_for_grad_norm()]
-        return get_grad_norm_fp32(grads, grad_stats_parallel_group=None)
+        return get_grad_norm_fp32(self._owned_grads_for_norm(), grad_stats_parallel_group=None)
 
     def _grad_norm_tensor(self) -> torch.Tensor:
         """:meth:`get_grad_norm` as a 0-dim device tensor (for clipping folded into the sub-optimizers' steps)."""
-        grads = [g for opt in self.chained_optimizers for g in opt.get_main_grads_for_grad_norm()]
-        return grad_norm_tensor(grads, grad_stats_parallel_group=None).reshape(())
+        return grad_norm_tensor(self._owned_grads_for_norm(), grad_stats_parallel_group=None).reshape(())
+
+    def _owned_grads_for_norm(self) -> list[torch.Tensor]:
+        """Every sub-optimizer's gradients that count towards the norm (each parameter owned by one rank)."""
+        return [g for opt in self.chained_optimizers for g in opt.get_main_grads_for_grad_norm()]
 
     @torch.no_grad()
     def count_zeros(self) -> float:
