@@ -116,6 +116,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-config", default="reference (tinyllama-1.1b)", choices=list(CONFIGS),
                    help="full-step part: the model")
     p.add_argument("--step-microbatches", type=int, default=4, help="full-step part: micro-batches per step")
+    p.add_argument("--step-layers", type=int, default=None,
+                   help="full-step part: this many layers of --step-config instead of all (for profiles)")
+    p.add_argument("--step-variants", default=None,
+                   help="full-step part: comma-separated subset of bf16,bf16-unfused,fp8,fp8_param (default: all)")
+    p.add_argument("--fp8-plain-casts", action="store_true",
+                   help="FP8 parameters' casts as plain torch ops (fp8_param_linear.FUSED_CASTS = False), for comparison")
+    p.add_argument("--trace-dir", default=None,
+                   help="with --profile: also write each profiled variant's Chrome trace here, bf16 included")
     p.add_argument("--step-bf16-unfused", action="store_true",
                    help="full-step part: also time bf16 without gradient-accumulation fusion (pretrain_gpt.py's "
                         "bf16 default on CUDA, the baseline, has it)")
@@ -239,14 +247,14 @@ def speed(args: argparse.Namespace) -> dict:
     return results
 
 
-def profile_kernels(step: Callable[[], None], label: str, rows: int = 25) -> None:
+def profile_kernels(step: Callable[[], None], label: str, rows: int = 25, trace_dir: str | None = None) -> None:
     """Print the GPU kernels of two ``step()`` calls, by total time (torch.profiler), their sum against the wall time
     of the two calls (how much of it the device was busy; the profiler's own host overhead included), and the
-    host-side operators by self CPU time."""
+    host-side operators by self CPU time; with ``trace_dir``, also write the Chrome trace there."""
     from torch.profiler import ProfilerActivity, profile
 
-    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
-    with profile(activities=[ProfilerActivity.CPU, activity]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
         mdevice.synchronize()
         start = time.perf_counter()
         for _ in range(2):
@@ -256,11 +264,14 @@ def profile_kernels(step: Callable[[], None], label: str, rows: int = 25) -> Non
     kernels = [e for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CPU]
     busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3  # the kernels' own, not the ops' totals
     print(f"kernels of 2 steps, {label}: {busy_ms:.1f} ms of kernels in {wall_ms:.1f} ms")
-    sort = "cuda_time_total" if activity == ProfilerActivity.CUDA else "cpu_time_total"
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70), flush=True)
     print(f"host side of the same 2 steps, {label}, by self CPU time:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70),
           flush=True)
+    if trace_dir is not None:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(trace_dir) / ("".join(c if c.isalnum() else "_" for c in label) + ".json")))
 
 
 def corpus_bytes(args: argparse.Namespace) -> torch.Tensor:
@@ -383,14 +394,24 @@ def main() -> None:
           f"torchao {torchao.__version__}, variants {args.variants}, compile {args.compile} ({args.compile_scope}, mode {args.compile_mode}), "
           f"cuda_graph_impl {args.cuda_graph_impl}",
           flush=True)
+    if args.fp8_plain_casts:
+        from megatron_core.fp8 import fp8_param_linear
+
+        fp8_param_linear.FUSED_CASTS = False
     results = {}
     if args.only in (None, "speed"):
         results["speed"] = speed(args)
     if args.only in (None, "loss"):
         results["loss"] = loss_comparison(args)
     if args.only == "step":
-        results["step"] = full_step(args, CONFIGS[args.step_config], build, prepare, time_steps, report,
-                                    profile_kernels if args.profile else None)
+        shape = dict(CONFIGS[args.step_config])
+        if args.step_layers is not None:
+            shape["layers"] = args.step_layers
+        profile = None
+        if args.profile:
+            def profile(run: Callable[[], None], label: str) -> None:
+                profile_kernels(run, label, trace_dir=args.trace_dir)
+        results["step"] = full_step(args, shape, build, prepare, time_steps, report, profile)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

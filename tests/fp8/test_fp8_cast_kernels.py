@@ -79,3 +79,26 @@ def test_gpu_casts_equal_pytorch_bit_for_bit():
         assert torch.equal(got[1], want[1])
     codes = torch.randint(0, 256, (3, 700, 1500), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
     assert torch.equal(ck.transpose_codes(codes).view(torch.uint8), codes.view(torch.uint8).transpose(1, 2).contiguous())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_gpu_cast_transpose_equals_quantize_and_padded_transpose_bit_for_bit(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from megatron_core.distributed.fp8_params import quantize
+    from megatron_core.fp8 import cast_kernels as ck
+    from megatron_core.fp8.fp8_param_linear import _transposed
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows, cols in ((1000, 720), (4096, 3072), (37, 130)):  # rows not a multiple of 16 are padded with zeros
+        x = torch.randn(rows, cols, device="cuda", generator=gen) * torch.logspace(-3, 3, cols, device="cuda")
+        x = x.to(torch.bfloat16)
+        x[0, 0] = 1e6  # saturates
+        scale = torch.tensor(448.0 / 3e3, device="cuda")
+        assert ck.cast_transpose_serves(x)
+        codes, transposed = ck.cast_transpose(x, scale, dtype)
+        want = quantize(x, scale, dtype)
+        assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
+        assert transposed.shape == (cols, rows + (-rows % 16))
+        assert torch.equal(transposed.view(torch.uint8), _transposed(want).view(torch.uint8))

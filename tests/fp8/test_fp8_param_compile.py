@@ -182,3 +182,36 @@ def test_compiled_wgrad_op_gets_its_operands_in_the_layout_scaled_mm_wants(monke
     x = torch.randn(2, 10, 48, requires_grad=True)
     torch.compile(layer, backend="inductor", fullgraph=True)(x).backward(torch.randn(2, 10, 32))
     assert calls == [((32, 32), (48, 32), True)]  # dy_q.T @ x_q, the tokens padded to 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_cuda_fused_casts_give_the_plain_casts_numbers_bit_for_bit(compiled, monkeypatch):
+    """On a GPU the input's and the output gradient's casts write their row-major and transposed codes in one kernel
+    (``cast_transpose``): output, input gradient and ``main_grad`` equal those of the plain torch casts bit for bit,
+    eager and through Inductor (1000 tokens: the transposed copies are padded)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from megatron_core.fp8 import fp8_param_linear
+
+    torch.manual_seed(0)
+    weight = make_fp8_param(torch.nn.Parameter(torch.randn(256, 384, device="cuda", dtype=torch.bfloat16) * 0.05))
+    weight.grad_added_to_main_grad = False
+    x = torch.randn(2, 500, 384, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(2, 500, 256, device="cuda", dtype=torch.bfloat16)
+
+    def gemm(inp: torch.Tensor) -> torch.Tensor:
+        return Float8ParamMatmul.apply(inp, weight, torch.float8_e5m2, None, False, weight.fp8_scale,
+                                       weight.main_grad, "empty")
+
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(fp8_param_linear, "FUSED_CASTS", fused)
+        torch._dynamo.reset()
+        weight.main_grad, weight.grad = torch.ones(256, 384, device="cuda", dtype=torch.bfloat16), None
+        xx = x.clone().requires_grad_()
+        out = (torch.compile(gemm, fullgraph=True) if compiled else gemm)(xx)
+        out.backward(grad)
+        results.append((out.detach(), xx.grad, weight.main_grad))
+    for fused, plain in zip(*results):
+        assert plain.abs().max() > 0 and torch.equal(fused, plain)

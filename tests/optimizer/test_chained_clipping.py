@@ -4,13 +4,15 @@ The flat Adam step of the distributed optimizer reads the bf16 gradient buffers,
 so clipping the latter (the chain's unfolded path) never reached it. On 2 CPU ranks with the flat step forced on,
 the chain folds clipping into every sub-optimizer's step: each receives the one global factor
 ``max(1, (norm + 1e-6) / clip_grad)``, the norm being the chain's global norm, and training then matches the
-per-tensor step with clipping applied.
+per-tensor step with clipping applied. On one GPU (one NCCL rank) the flat step is the default, bf16 gradient buffers
+and all, and the same holds.
 """
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,7 @@ from megatron_core.distributed import (
 )
 from megatron_core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
+from tests.cuda_process_group import one_rank_nccl_group
 from tests.dist_harness import run_on_ranks
 from tests.distributed import tiny_models as tm
 
@@ -29,10 +32,13 @@ CLIP = 1e-3  # below the gradient norm: every step clips
 STEPS = 3
 
 
-def _train(flat: bool) -> dict:
-    parallel_state.initialize_model_parallel()
+def _train(flat: bool | None, device: str = "cpu") -> dict:
+    """Train the chain for ``STEPS`` steps (``flat``: the flat step forced on / off, ``None``: the default for
+    ``device``); its norms, losses, weights and the clip factors each flat step received."""
+    if device == "cpu":
+        parallel_state.initialize_model_parallel()
     try:
-        model = tm.TiedNetTP(tm.make_reference()).to(torch.bfloat16)
+        model = tm.TiedNetTP(tm.make_reference()).to(device=device, dtype=torch.bfloat16)
         for param in model.l1.parameters():
             param.allreduce = False  # an expert param: the optimizer becomes a chain of two
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
@@ -62,6 +68,7 @@ def _train(flat: bool) -> dict:
             mbs = tm.microbatches(x, y, rank, world)
             total = 0.0
             for xm, ym in mbs:
+                xm, ym = xm.to(device), ym.to(device)
                 loss = F.mse_loss(ddp(xm.unsqueeze(0).to(torch.bfloat16)).float(), ym.unsqueeze(0)) / len(mbs)
                 loss.backward()
                 total += loss.item()
@@ -74,21 +81,37 @@ def _train(flat: bool) -> dict:
                 "factors": factors, "norms": norms, "losses": losses,
                 "weights": {k: v.detach().float().clone() for k, v in model.named_parameters()}}
     finally:
-        parallel_state.destroy_model_parallel()
+        if device == "cpu":
+            parallel_state.destroy_model_parallel()
+
+
+def _check_folded(flat: dict, per_tensor: dict) -> None:
+    """``flat`` received the global clip factor in every sub-optimizer's step and trained as ``per_tensor``."""
+    assert flat["flat"] == [True, True] and flat["fold"]
+    assert len(flat["factors"]) == 2 * STEPS
+    for step, norm in enumerate(flat["norms"]):
+        assert norm > CLIP
+        want = (norm + 1e-6) / CLIP
+        for (factor,) in flat["factors"][2 * step:2 * step + 2]:
+            assert factor is not None and math.isclose(factor, want, rel_tol=1e-5), (step, factor, want)
+    # The same clipped training as the per-tensor step (which clips the main gradients), to bf16 rounding.
+    assert per_tensor["flat"] == [False, False]
+    for a, b in zip(flat["norms"], per_tensor["norms"]):
+        assert math.isclose(a, b, rel_tol=1e-3), (flat["norms"], per_tensor["norms"])
+    for name, weight in flat["weights"].items():
+        torch.testing.assert_close(weight, per_tensor["weights"][name], rtol=1.6e-2, atol=1e-4, msg=name)
 
 
 def test_chain_folds_one_global_clip_factor_into_every_flat_step():
     for flat, per_tensor in zip(run_on_ranks(2, _train, True), run_on_ranks(2, _train, False)):
-        assert flat["flat"] == [True, True] and flat["fold"]
-        assert len(flat["factors"]) == 2 * STEPS
-        for step, norm in enumerate(flat["norms"]):
-            assert norm > CLIP
-            want = (norm + 1e-6) / CLIP
-            for (factor,) in flat["factors"][2 * step:2 * step + 2]:
-                assert factor is not None and math.isclose(factor, want, rel_tol=1e-5), (step, factor, want)
-        # The same clipped training as the per-tensor step (which clips the main gradients), to bf16 rounding.
-        assert per_tensor["flat"] == [False, False]
-        for a, b in zip(flat["norms"], per_tensor["norms"]):
-            assert math.isclose(a, b, rel_tol=1e-3), (flat["norms"], per_tensor["norms"])
-        for name, weight in flat["weights"].items():
-            torch.testing.assert_close(weight, per_tensor["weights"][name], rtol=1.6e-2, atol=1e-4, msg=name)
+        _check_folded(flat, per_tensor)
+
+
+@pytest.mark.gpu
+def test_chain_folds_clipping_into_the_default_flat_step_on_cuda(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with one_rank_nccl_group(tmp_path):
+        flat = _train(None, "cuda")
+        per_tensor = _train(False, "cuda")
+    _check_folded(flat, per_tensor)

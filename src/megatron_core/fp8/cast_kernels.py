@@ -1,4 +1,14 @@
-"""Triton kernels for the e4m3 casts of the experts' FP8 grouped GEMM (power-of-two scales), on CUDA.
+"""Triton kernels for the float8 casts of the FP8 GEMMs, on CUDA.
+
+For the dense FP8-parameter layers (:mod:`megatron_core.fp8.fp8_param_linear`):
+- :func:`cast_transpose`: ``t [M, K]`` times a per-tensor scale as float8 codes, written twice in one pass, row-major
+  ``[M, K]`` and transposed ``[K, M16]`` (rows zero-padded to a multiple of 16): both operands the GEMMs of a
+  backward pass need from one tensor (the output gradient: the data gradient reads it row-major, the weight
+  gradient transposed), where two Inductor kernels read the tensor twice and its transposing copy of one-byte
+  elements runs well below the memory bandwidth. Codes equal :func:`megatron_core.distributed.fp8_params.quantize`'s
+  bit for bit.
+
+For the experts' FP8 grouped GEMM (e4m3, power-of-two scales):
 
 Two casts dominate an FP8 MoE step besides the GEMMs, and Inductor writes neither well from plain PyTorch:
 - :func:`rowwise_cast`: one scale per row of ``t [M, K]`` (optionally after multiplying each row by a per-group
@@ -22,7 +32,8 @@ import torch
 
 from megatron_core.jit import have_triton, triton_modules, triton_op
 
-__all__ = ["fp8_cast_kernels_available", "group_columnwise_cast_transposed", "rowwise_cast", "transpose_codes"]
+__all__ = ["cast_transpose", "cast_transpose_serves", "fp8_cast_kernels_available", "group_columnwise_cast_transposed", "rowwise_cast",
+           "transpose_codes"]
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 AMAX_EPS = 1e-12
@@ -30,6 +41,8 @@ _ROW_BLOCK, _COL_BLOCK = 16, 256  # rowwise cast: rows per program, columns per 
 _TILE = 64  # the transposing cast's square tile
 _BYTE_TILE = 128  # the byte transpose's square tile
 _AMAX_ROWS, _AMAX_COLS = 64, 64  # group column maxima: rows per step, columns per program
+_PAD = 16  # the transposed codes' row padding (the float8 GEMM's alignment of its reduction dimension)
+_DUAL_CONFIGS = ((64, 128, 4), (128, 128, 8), (128, 64, 4), (64, 64, 4))  # cast_transpose: rows, columns, warps
 
 
 def fp8_cast_kernels_available(t: torch.Tensor) -> bool:
@@ -111,6 +124,29 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
     return rowwise_kernel, group_amax_kernel, cast_transposed_kernel, transpose_kernel
 
 
+@functools.cache
+def _dual_kernel() -> Any:
+    triton, tl = triton_modules()
+    configs = [triton.Config({"BR": r, "BC": c}, num_warps=w) for r, c, w in _DUAL_CONFIGS]
+
+    @triton.autotune(configs=configs, key=["rows", "cols", "E5M2"])
+    @triton.jit
+    def cast_dual_kernel(t_ptr, scale_ptr, q_ptr, qt_ptr, rows, cols, padded_rows, limit,
+                         E5M2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        c_ok = (c < cols)[None, :]
+        ok = (r < rows)[:, None] & c_ok
+        v = tl.load(t_ptr + r.to(tl.int64)[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        v = tl.clamp(v * tl.load(scale_ptr), -limit, limit)
+        q = v.to(tl.float8e5) if E5M2 else v.to(tl.float8e4nv)
+        tl.store(q_ptr + r.to(tl.int64)[:, None] * cols + c[None, :], q, mask=ok)
+        padded_ok = (r < padded_rows)[:, None] & c_ok  # the padding rows of the transposed copy get zeros
+        tl.store(qt_ptr + c.to(tl.int64)[:, None] * padded_rows + r[None, :], tl.trans(q), mask=tl.trans(padded_ok))
+
+    return cast_dual_kernel
+
+
 def _rowwise(t: torch.Tensor, factors: torch.Tensor, row_groups: torch.Tensor, has_factors: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = t.shape
@@ -142,9 +178,41 @@ def _transpose_bytes(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _cast_dual(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = t.shape
+    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    padded = rows + (-rows % _PAD)
+    codes = torch.empty(rows, cols, dtype=dtype, device=t.device)
+    transposed = torch.empty(cols, padded, dtype=dtype, device=t.device)
+    kernel = torch.library.wrap_triton(_dual_kernel())
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (-(-padded // meta["BR"]), -(-cols // meta["BC"]))
+
+    kernel[grid](t, scale, codes, transposed, rows, cols, padded, float(torch.finfo(dtype).max), E5M2=e5m2)
+    return codes, transposed
+
+
+_DUAL_OP = triton_op("megatron_core::fp8_cast_transpose", _cast_dual)
 _ROWWISE_OP = triton_op("megatron_core::fp8_rowwise_cast", _rowwise)
 _GROUP_COLUMNWISE_OP = triton_op("megatron_core::fp8_group_columnwise_cast", _group_columnwise)
 _TRANSPOSE_OP = triton_op("megatron_core::transpose_bytes", _transpose_bytes)
+
+
+def cast_transpose_serves(t: torch.Tensor) -> bool:
+    """Whether :func:`cast_transpose` (and :func:`transpose_codes`) serve ``t``: a contiguous 2-D CUDA tensor, Triton
+    present."""
+    return (t.dim() == 2 and t.is_cuda and t.is_contiguous() and _DUAL_OP is not None and _TRANSPOSE_OP is not None
+            and have_triton())
+
+
+def cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [M, K]`` times the one-element fp32 ``scale``, saturated and cast to float8 ``dtype`` (e4m3 or e5m2), as
+    codes ``[M, K]`` and as their transposed copy ``[K, M16]`` whose columns past ``M`` are zeros (``M16``: ``M``
+    rounded up to a multiple of 16); see :func:`cast_transpose_serves`."""
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"cast_transpose: dtype {dtype} is not float8_e4m3fn or float8_e5m2")
+    return _DUAL_OP(t, scale.float().reshape(1), dtype == torch.float8_e5m2)
 
 
 def transpose_codes(codes: torch.Tensor) -> torch.Tensor:

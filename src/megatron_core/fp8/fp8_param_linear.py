@@ -33,6 +33,7 @@ from torch.distributed import _functional_collectives as funcol
 
 from megatron_core._ground import get_pg_size
 from megatron_core.distributed.fp8_params import FP8_PARAM_DTYPE, quantize, tensorwise_scale
+from megatron_core.fp8.cast_kernels import cast_transpose, cast_transpose_serves, transpose_codes
 from megatron_core.fp8.delayed_linear import _pad_rows
 from megatron_core.fp8.fp8_param_ops import fp8_mm_nt, fp8_wgrad_into
 from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
@@ -60,6 +61,14 @@ def _current_scale(t: torch.Tensor, dtype: torch.dtype, group: Any) -> torch.Ten
     return tensorwise_scale(amax, dtype)
 
 
+FUSED_CASTS = True  # the CUDA casts through cast_transpose (False: plain torch ops, the reference it is timed against)
+
+
+def _fused_cast(t: torch.Tensor, emulate: bool) -> bool:
+    """Whether ``t``'s cast writes its row-major and transposed codes in one kernel (:func:`cast_transpose`)."""
+    return FUSED_CASTS and not emulate and cast_transpose_serves(t)
+
+
 def _transposed(t: torch.Tensor) -> torch.Tensor:
     """Float8 ``t [m, k]`` (rows zero-padded to a multiple of 16) as a contiguous ``[k, m]``: an operand of the
     weight-gradient GEMM, whose reduction runs over the tokens."""
@@ -85,7 +94,11 @@ class Float8ParamMatmul(torch.autograd.Function):
             main_grad = getattr(weight, "main_grad", None)
         x2 = x.reshape(-1, x.shape[-1])
         x_scale = _current_scale(x2, FP8_PARAM_DTYPE, amax_group)
-        x_q = quantize(x2, x_scale, FP8_PARAM_DTYPE)
+        if _fused_cast(x2, emulate):  # the weight gradient's transposed input is written with the forward's codes
+            x_q, x_saved = cast_transpose(x2, x_scale, FP8_PARAM_DTYPE)
+        else:
+            x_q = x_saved = quantize(x2, x_scale, FP8_PARAM_DTYPE)
+        ctx.x_transposed = x_saved is not x_q
         w_scale = w_scale.detach().clone()
         out = fp8_mm_nt(x_q, x_scale, weight, w_scale, x.dtype, emulate, fast_accum=True)  # as TE's and torchao's
         # main_grad is not a saved tensor: it shares the version counter of DDP's whole buffer, which other
@@ -94,26 +107,32 @@ class Float8ParamMatmul(torch.autograd.Function):
         ctx.placeholder = _placeholder_kind(weight) if placeholder is None else placeholder
         ctx.grad_dtype, ctx.amax_group, ctx.emulate = grad_dtype, amax_group, emulate
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.save_for_backward(x_q, x_scale, weight, w_scale)
+        ctx.save_for_backward(x_saved, x_scale, weight, w_scale)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         """Data gradient, and the weight gradient accumulated into ``main_grad`` (placeholder autograd gradient)."""
-        x_q, x_scale, weight, w_scale = ctx.saved_tensors
+        x_saved, x_scale, weight, w_scale = ctx.saved_tensors
         dy = grad.reshape(-1, grad.shape[-1])
         g_scale = _current_scale(dy, ctx.grad_dtype, ctx.amax_group)
-        dy_q = quantize(dy, g_scale, ctx.grad_dtype)
+        dy_t = None
+        if _fused_cast(dy, ctx.emulate) and ctx.needs_input_grad[1]:
+            dy_q, dy_t = cast_transpose(dy, g_scale, ctx.grad_dtype)
+        else:
+            dy_q = quantize(dy, g_scale, ctx.grad_dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = fp8_mm_nt(dy_q, g_scale, weight.t().contiguous(), w_scale, ctx.x_dtype, ctx.emulate)
+            w_t = transpose_codes(weight.unsqueeze(0))[0] if _fused_cast(weight, ctx.emulate) else weight.t().contiguous()
+            grad_x = fp8_mm_nt(dy_q, g_scale, w_t, w_scale, ctx.x_dtype, ctx.emulate)
             grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             main_grad = ctx.main_grad
             if main_grad is None:
                 raise RuntimeError("an FP8 parameter (fp8_param=True) accumulates its gradient into main_grad: wrap "
                                    "the model in DistributedDataParallel with use_distributed_optimizer=True")
-            dy_t, x_t = _transposed(dy_q), _transposed(x_q)
+            dy_t = _transposed(dy_q) if dy_t is None else dy_t
+            x_t = x_saved if ctx.x_transposed else _transposed(x_saved)
             if torch.compiler.is_compiling():
                 torch.ops.megatron_core.fp8_param_wgrad_(main_grad, dy_t, g_scale, x_t, x_scale, ctx.emulate)
                 grad_w = _placeholder(weight, ctx.placeholder)
