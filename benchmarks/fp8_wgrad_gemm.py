@@ -5,7 +5,8 @@ dimension), times on one GPU in one process:
 - ``scaled_mm + add``: ``torch._scaled_mm`` (full-precision accumulation) to a bf16 tensor, then ``main_grad.add_``
   (what :func:`megatron_core.fp8.fp8_param_ops.fp8_wgrad_into` did until 2026-12-04);
 - ``scaled_mm alone``: the GEMM without the add (the floor of that path);
-- ``triton accumulate``: :func:`megatron_core.fp8.wgrad_gemm.fp8_gemm_accumulate`, the add in the GEMM's epilogue;
+- ``triton accumulate``: :func:`megatron_core.fp8.wgrad_gemm.fp8_gemm_accumulate` (tensor-memory-accelerator loads,
+  tiles chosen per shape by timing), the add in the GEMM's epilogue;
 and the largest difference of each result from the fp32 product of the same float8 operands (relative to its
 largest entry). TFLOP/s count ``2 M N K``.
 
@@ -46,52 +47,6 @@ def time_ms(fn, iters: int = 30) -> float:
     return start.elapsed_time(end) / iters
 
 
-def tma_accumulate(bm: int = 128, bn: int = 256, bk: int = 128, warps: int = 8, stages: int = 3):
-    """A variant of the accumulating kernel whose operand tiles come through Hopper's tensor memory accelerator
-    (Triton's host-side ``TensorDescriptor``), launched directly: ``fn(c, a, a_scale, b, b_scale)``; ``None`` where
-    this Triton lacks descriptors."""
-    import triton
-    import triton.language as tl
-
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None
-
-    @triton.jit
-    def kernel(a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, STAGES: tl.constexpr, GROUP_M: tl.constexpr):
-        pid = tl.program_id(0)
-        blocks_m, blocks_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-        per_group = GROUP_M * blocks_n
-        first_m = (pid // per_group) * GROUP_M
-        group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_rows
-        pid_n = (pid % per_group) // group_rows
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
-            a = a_desc.load([pid_m * BM, k * BK])
-            b = b_desc.load([pid_n * BN, k * BK])
-            acc = tl.dot(a, b.T, acc)
-        acc = acc * (1.0 / tl.load(a_scale_ptr)) * (1.0 / tl.load(b_scale_ptr))
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
-        mask = (rm < M)[:, None] & (rn < N)[None, :]
-        old = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(c_ptr + offsets, (old + acc).to(c_ptr.dtype.element_ty), mask=mask)
-
-    def run(c, a, a_scale, b, b_scale):
-        (m, k), n = a.shape, b.shape[0]
-        a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-        b_desc = TensorDescriptor.from_tensor(b, [bn, bk])
-        grid = (-(-m // bm) * -(-n // bn),)
-        kernel[grid](a_desc, b_desc, c, a_scale, b_scale, m, n, k, BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=8,
-                     num_warps=warps)
-
-    return run
-
-
 def measure(out: int, inp: int, tokens: int, gen: torch.Generator) -> tuple[dict[str, float], float, float]:
     """Milliseconds of the three paths for a weight ``[out, inp]`` and ``tokens``, and the largest error of the
     ``_scaled_mm`` + add and of the Triton result against fp32 (relative to the largest entry)."""
@@ -119,17 +74,6 @@ def measure(out: int, inp: int, tokens: int, gen: torch.Generator) -> tuple[dict
     c = main_grad.clone()
     times = {"scaled_mm + add": time_ms(lambda: c.add_(mm())), "scaled_mm alone": time_ms(mm),
              "triton accumulate": time_ms(lambda: fp8_gemm_accumulate(c, a, a_scale, b, b_scale))}
-    for tiles in ((128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (256, 128, 128, 8, 3), (128, 256, 64, 8, 4)):
-        try:
-            fn = tma_accumulate(*tiles)
-            if fn is None:
-                break
-            c3 = main_grad.clone()
-            fn(c3, a, a_scale, b, b_scale)
-            err = ((c3.float() - want).abs().max() / scale).item()
-            times[f"tma {tiles} (err {err:.1e})"] = time_ms(lambda fn=fn: fn(c, a, a_scale, b, b_scale))
-        except Exception as error:  # noqa: BLE001 -- an experimental variant: report and go on
-            print(f"tma {tiles}: {type(error).__name__}: {str(error)[:200]}", flush=True)
     return times, err_add, err_triton
 
 
@@ -139,7 +83,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    total: dict[str, float] = {}
+    total = dict.fromkeys(("scaled_mm + add", "scaled_mm alone", "triton accumulate"), 0.0)
     for name, (out, inp) in weight_shapes(*SHAPES[args.config]).items():
         times, err_add, err_triton = measure(out, inp, args.tokens, gen)
         flops = 2 * out * inp * args.tokens
@@ -147,8 +91,7 @@ def main() -> None:
             f"{k} {v * 1e3:.0f} us ({flops / v / 1e9:.0f} TFLOP/s)" for k, v in times.items())
             + f"; max error / max |c|: scaled_mm+add {err_add:.1e}, triton {err_triton:.1e}", flush=True)
         for k, v in times.items():
-            key = k.split(" (err")[0]
-            total[key] = total.get(key, 0.0) + v
+            total[k] += v
     print("RESULT per layer: " + ", ".join(f"{k} {v * 1e3:.0f} us" for k, v in total.items()), flush=True)
 
 

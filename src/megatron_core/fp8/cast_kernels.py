@@ -184,16 +184,29 @@ def _cast_dual(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.
     padded = rows + (-rows % _PAD)
     codes = torch.empty(rows, cols, dtype=dtype, device=t.device)
     transposed = torch.empty(cols, padded, dtype=dtype, device=t.device)
-    kernel = torch.library.wrap_triton(_dual_kernel())
 
     def grid(meta: dict) -> tuple[int, int]:
         return (-(-padded // meta["BR"]), -(-cols // meta["BC"]))
 
-    kernel[grid](t, scale, codes, transposed, rows, cols, padded, float(torch.finfo(dtype).max), E5M2=e5m2)
+    with torch.cuda.device(t.device):
+        _dual_kernel()[grid](t, scale, codes, transposed, rows, cols, padded, float(torch.finfo(dtype).max), E5M2=e5m2)
     return codes, transposed
 
 
-_DUAL_OP = triton_op("megatron_core::fp8_cast_transpose", _cast_dual)
+# An opaque op (Inductor calls it as it is): Inductor's own compilation of this kernel as a user-defined Triton
+# kernel fails in the LLVM lowering of torch 2.11's Triton ("PassManager::run failed"), Triton's own does not.
+_LIBRARY = torch.library.Library("megatron_core", "FRAGMENT")
+_LIBRARY.define("fp8_cast_transpose(Tensor t, Tensor scale, bool e5m2) -> (Tensor, Tensor)")
+_LIBRARY.impl("fp8_cast_transpose", _cast_dual, "CUDA")
+
+
+@torch.library.register_fake("megatron_core::fp8_cast_transpose", lib=_LIBRARY)
+def _(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = t.shape
+    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    return t.new_empty(rows, cols, dtype=dtype), t.new_empty(cols, rows + (-rows % _PAD), dtype=dtype)
+
+
 _ROWWISE_OP = triton_op("megatron_core::fp8_rowwise_cast", _rowwise)
 _GROUP_COLUMNWISE_OP = triton_op("megatron_core::fp8_group_columnwise_cast", _group_columnwise)
 _TRANSPOSE_OP = triton_op("megatron_core::transpose_bytes", _transpose_bytes)
@@ -202,8 +215,7 @@ _TRANSPOSE_OP = triton_op("megatron_core::transpose_bytes", _transpose_bytes)
 def cast_transpose_serves(t: torch.Tensor) -> bool:
     """Whether :func:`cast_transpose` (and :func:`transpose_codes`) serve ``t``: a contiguous 2-D CUDA tensor, Triton
     present."""
-    return (t.dim() == 2 and t.is_cuda and t.is_contiguous() and _DUAL_OP is not None and _TRANSPOSE_OP is not None
-            and have_triton())
+    return t.dim() == 2 and t.is_cuda and t.is_contiguous() and _TRANSPOSE_OP is not None and have_triton()
 
 
 def cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +224,7 @@ def cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     rounded up to a multiple of 16); see :func:`cast_transpose_serves`."""
     if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"cast_transpose: dtype {dtype} is not float8_e4m3fn or float8_e5m2")
-    return _DUAL_OP(t, scale.float().reshape(1), dtype == torch.float8_e5m2)
+    return torch.ops.megatron_core.fp8_cast_transpose(t, scale.float().reshape(1), dtype == torch.float8_e5m2)
 
 
 def transpose_codes(codes: torch.Tensor) -> torch.Tensor:
