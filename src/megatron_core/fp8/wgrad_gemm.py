@@ -86,7 +86,10 @@ def _kernel() -> Any:
         for k in range(0, tl.cdiv(K, BK)):  # pipelined over the config's stages; out-of-range tiles read zeros
             a = a_desc.load([pid_m * BM, k * BK])
             b = b_desc.load([pid_n * BN, k * BK])
-            acc = tl.dot(a, b.T, acc)
+            # Each BK-long partial product is added to the fp32 sum: the float8 tensor cores' own accumulator keeps
+            # fewer bits (Triton's default accumulates the whole K there), so this promotes it every BK elements
+            # as cuBLAS's non-fast accumulation does (every 128).
+            acc += tl.dot(a, b.T)
         acc = acc * (1.0 / tl.load(a_scale_ptr)) * (1.0 / tl.load(b_scale_ptr))
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
