@@ -121,8 +121,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-variants", default=None,
                    help="full-step part: comma-separated subset of bf16,bf16-unfused,fp8,fp8_param (default: all)")
     p.add_argument("--fp8-plain-casts", action="store_true",
-                   help="FP8 parameters' casts as plain torch ops and their weight gradient as _scaled_mm + add (the "
-                        "kernels of 2026-12-04 off), for comparison")
+                   help="FP8 parameters' casts as plain torch ops (fp8_param_linear.FUSED_CASTS = False), for comparison")
     p.add_argument("--trace-dir", default=None,
                    help="with --profile: also write each profiled variant's Chrome trace here, bf16 included")
     p.add_argument("--step-bf16-unfused", action="store_true",
@@ -396,10 +395,9 @@ def main() -> None:
           f"cuda_graph_impl {args.cuda_graph_impl}",
           flush=True)
     if args.fp8_plain_casts:
-        from megatron_core.fp8 import fp8_param_linear, fp8_param_ops
+        from megatron_core.fp8 import fp8_param_linear
 
         fp8_param_linear.FUSED_CASTS = False
-        fp8_param_ops.ACCUMULATING_GEMM = False
     results = {}
     if args.only in (None, "speed"):
         results["speed"] = speed(args)

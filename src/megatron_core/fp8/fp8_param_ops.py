@@ -19,11 +19,8 @@ from __future__ import annotations
 import torch
 
 from megatron_core.fp8.delayed_linear import _fp8_mm
-from megatron_core.fp8.wgrad_gemm import accumulate_kernel_serves, fp8_gemm_accumulate
 
 __all__ = ["fp8_mm_nt", "fp8_wgrad_into"]
-
-ACCUMULATING_GEMM = True  # False: _scaled_mm and a separate add on Hopper too (the path it is timed against)
 
 
 def fp8_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor,
@@ -36,12 +33,7 @@ def fp8_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale
 def fp8_wgrad_into(main_grad: torch.Tensor, dy_t: torch.Tensor, dy_scale: torch.Tensor, x_t: torch.Tensor,
                    x_scale: torch.Tensor, emulate: bool) -> None:
     """``main_grad += (dy_t / dy_scale) @ (x_t / x_scale).T`` for contiguous float8 ``dy_t [out, t]`` and
-    ``x_t [in, t]`` (the output gradient and the input, transposed): on Hopper one GEMM that adds into ``main_grad``
-    (:mod:`megatron_core.fp8.wgrad_gemm`), elsewhere (and with ``ACCUMULATING_GEMM`` off) ``_scaled_mm`` and an
-    add."""
-    if ACCUMULATING_GEMM and not emulate and accumulate_kernel_serves(main_grad, dy_t, x_t):
-        fp8_gemm_accumulate(main_grad, dy_t, dy_scale, x_t, x_scale)
-        return
+    ``x_t [in, t]`` (the output gradient and the input, transposed)."""
     main_grad.add_(fp8_mm_nt(dy_t, dy_scale, x_t, x_scale, main_grad.dtype, emulate))
 
 
