@@ -63,21 +63,20 @@ def step_variants(args: argparse.Namespace) -> list[tuple[str, tuple[str, str] |
     cannot (``pretrain_gpt.py`` turns it off with FP8; FP8 parameters add their own weight gradient)."""
     fp8 = ("tensorwise", args.fp8_format)
     fused = torch.cuda.is_available() and not args.tiny
-    variants = {"bf16": ("bf16", None, False, fused)}
-    if fused and args.step_bf16_unfused:
-        variants["bf16-unfused"] = ("bf16 unfused grad accumulation", None, False, False)
-    variants["fp8"] = (f"fp8 tensorwise {args.fp8_format}", fp8, False, False)
-    variants["fp8_param"] = (f"fp8_param tensorwise {args.fp8_format}", fp8, True, False)
-    wanted = getattr(args, "step_variants", None)
-    if wanted is None:
-        return list(variants.values())
-    names = wanted.split(",")
-    if "bf16-unfused" in names and fused:
-        variants["bf16-unfused"] = ("bf16 unfused grad accumulation", None, False, False)
-    unknown = [n for n in names if n not in variants and n != "bf16-unfused"]
-    if unknown:
-        raise ValueError(f"--step-variants: unknown {unknown}; known: bf16, bf16-unfused, fp8, fp8_param")
-    return [variants[n] for n in names if n in variants]
+    variants = {"bf16": ("bf16", None, False, fused),
+                "bf16-unfused": ("bf16 unfused grad accumulation", None, False, False),
+                "fp8": (f"fp8 tensorwise {args.fp8_format}", fp8, False, False),
+                "fp8_param": (f"fp8_param tensorwise {args.fp8_format}", fp8, True, False)}
+    if args.step_variants is None:
+        names = ["bf16", "bf16-unfused", "fp8", "fp8_param"] if args.step_bf16_unfused else ["bf16", "fp8", "fp8_param"]
+    else:
+        names = args.step_variants.split(",")
+        unknown = [n for n in names if n not in variants]
+        if unknown:
+            raise ValueError(f"--step-variants: unknown {unknown}; known: {', '.join(variants)}")
+    if not fused:  # without fusion bf16 is already unfused
+        names = [n for n in names if n != "bf16-unfused"]
+    return [variants[n] for n in names]
 
 
 PHASE_STEPS = 3  # steps timed phase by phase after the timed steps
@@ -170,7 +169,7 @@ def full_step(args: argparse.Namespace, shape: dict, build: Callable[..., torch.
         results[label]["phase_ms"] = phase_times(phases)
         print(f"RESULT full step {label} phases: " + ", ".join(
             f"{name} {ms:.1f} ms" for name, ms in results[label]["phase_ms"].items()), flush=True)
-        if profile is not None and (fp8 is not None or getattr(args, "trace_dir", None)):
+        if profile is not None and (fp8 is not None or args.trace_dir):
             profile(forward_backward, f"full step {label}, forward and backward")
         del model, ddp, opt, step, phases, forward_backward
     return results

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import sys
@@ -407,10 +408,7 @@ def main() -> None:
         shape = dict(CONFIGS[args.step_config])
         if args.step_layers is not None:
             shape["layers"] = args.step_layers
-        profile = None
-        if args.profile:
-            def profile(run: Callable[[], None], label: str) -> None:
-                profile_kernels(run, label, trace_dir=args.trace_dir)
+        profile = functools.partial(profile_kernels, trace_dir=args.trace_dir) if args.profile else None
         results["step"] = full_step(args, shape, build, prepare, time_steps, report, profile)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
+from megatron_core.fp8.delayed_linear import MM_ALIGN
 from megatron_core.jit import have_triton, triton_modules, triton_op
 
-__all__ = ["cast_transpose", "cast_transpose_serves", "fp8_cast_kernels_available", "group_columnwise_cast_transposed", "rowwise_cast",
-           "transpose_codes"]
+__all__ = ["cast_transpose", "cast_transpose_serves", "fp8_cast_kernels_available", "group_columnwise_cast_transposed",
+           "rowwise_cast", "transpose_codes"]
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 AMAX_EPS = 1e-12
@@ -41,7 +42,6 @@ _ROW_BLOCK, _COL_BLOCK = 16, 256  # rowwise cast: rows per program, columns per 
 _TILE = 64  # the transposing cast's square tile
 _BYTE_TILE = 128  # the byte transpose's square tile
 _AMAX_ROWS, _AMAX_COLS = 64, 64  # group column maxima: rows per step, columns per program
-_PAD = 16  # the transposed codes' row padding (the float8 GEMM's alignment of its reduction dimension)
 _DUAL_CONFIGS = ((64, 128, 4), (128, 128, 8), (128, 64, 4), (64, 64, 4))  # cast_transpose: rows, columns, warps
 
 
@@ -178,10 +178,15 @@ def _transpose_bytes(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _cast_dual(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _dual_layout(t: torch.Tensor, e5m2: bool) -> tuple[torch.dtype, int, int, int]:
+    """``(dtype, rows, cols, padded rows)`` of :func:`cast_transpose`'s outputs for ``t``: the transposed codes'
+    rows padded to the float8 GEMM's alignment of its reduction dimension."""
     rows, cols = t.shape
-    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    padded = rows + (-rows % _PAD)
+    return torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn, rows, cols, rows + (-rows % MM_ALIGN)
+
+
+def _cast_dual(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype, rows, cols, padded = _dual_layout(t, e5m2)
     codes = torch.empty(rows, cols, dtype=dtype, device=t.device)
     transposed = torch.empty(cols, padded, dtype=dtype, device=t.device)
 
@@ -202,9 +207,8 @@ _LIBRARY.impl("fp8_cast_transpose", _cast_dual, "CUDA")
 
 @torch.library.register_fake("megatron_core::fp8_cast_transpose", lib=_LIBRARY)
 def _(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = t.shape
-    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    return t.new_empty(rows, cols, dtype=dtype), t.new_empty(cols, rows + (-rows % _PAD), dtype=dtype)
+    dtype, rows, cols, padded = _dual_layout(t, e5m2)
+    return t.new_empty(rows, cols, dtype=dtype), t.new_empty(cols, padded, dtype=dtype)
 
 
 _ROWWISE_OP = triton_op("megatron_core::fp8_rowwise_cast", _rowwise)

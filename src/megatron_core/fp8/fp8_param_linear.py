@@ -94,11 +94,11 @@ class Float8ParamMatmul(torch.autograd.Function):
             main_grad = getattr(weight, "main_grad", None)
         x2 = x.reshape(-1, x.shape[-1])
         x_scale = _current_scale(x2, FP8_PARAM_DTYPE, amax_group)
-        if _fused_cast(x2, emulate):  # the weight gradient's transposed input is written with the forward's codes
+        ctx.x_transposed = _fused_cast(x2, emulate)
+        if ctx.x_transposed:  # the weight gradient's transposed input is written with the forward's codes
             x_q, x_saved = cast_transpose(x2, x_scale, FP8_PARAM_DTYPE)
         else:
             x_q = x_saved = quantize(x2, x_scale, FP8_PARAM_DTYPE)
-        ctx.x_transposed = x_saved is not x_q
         w_scale = w_scale.detach().clone()
         out = fp8_mm_nt(x_q, x_scale, weight, w_scale, x.dtype, emulate, fast_accum=True)  # as TE's and torchao's
         # main_grad is not a saved tensor: it shares the version counter of DDP's whole buffer, which other
