@@ -38,6 +38,7 @@ from megatron_core.distributed import (
 )
 from megatron_core.distributed.static_main_grads import local_cuda_graphs_enabled
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_core.utils import get_attr_wrapped_model
 
 
 def init_distributed() -> None:
@@ -143,6 +144,8 @@ def full_step(args: argparse.Namespace, shape: dict, build: Callable[..., torch.
             opt.zero_grad()
             total = torch.zeros((), device=dev)
             for i in range(micro):
+                if i == 0 and not args.fp8_uncached_weights:  # as forward_step: FP8 weights cached per step
+                    get_attr_wrapped_model(ddp, "set_is_first_microbatch")()
                 loss = ddp(ids[i], positions, None, labels=labels[i]).float().mean() / micro
                 loss.backward()
                 total += loss.detach()

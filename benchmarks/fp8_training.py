@@ -123,6 +123,12 @@ def parse_args() -> argparse.Namespace:
                    help="full-step part: comma-separated subset of bf16,bf16-unfused,fp8,fp8_param (default: all)")
     p.add_argument("--fp8-plain-casts", action="store_true",
                    help="FP8 parameters' casts as plain torch ops (fp8_param_linear.FUSED_CASTS = False), for comparison")
+    p.add_argument("--fp8-wgrad-add", action="store_true",
+                   help="FP8 parameters' weight gradients as torch._scaled_mm + add (fp8_param_ops.ACCUMULATE_IN_GEMM "
+                        "= False) instead of cuBLASLt's accumulating GEMM, for comparison")
+    p.add_argument("--fp8-uncached-weights", action="store_true",
+                   help="full-step part: no set_is_first_microbatch, so FP8 layers transpose their weights in every "
+                        "backward instead of once per step, for comparison")
     p.add_argument("--trace-dir", default=None,
                    help="with --profile: also write each profiled variant's Chrome trace here, bf16 included")
     p.add_argument("--step-bf16-unfused", action="store_true",
@@ -399,6 +405,10 @@ def main() -> None:
         from megatron_core.fp8 import fp8_param_linear
 
         fp8_param_linear.FUSED_CASTS = False
+    if args.fp8_wgrad_add:
+        from megatron_core.fp8 import fp8_param_ops
+
+        fp8_param_ops.ACCUMULATE_IN_GEMM = False
     results = {}
     if args.only in (None, "speed"):
         results["speed"] = speed(args)

@@ -38,7 +38,7 @@ from megatron_core.fp8.delayed_linear import _pad_rows
 from megatron_core.fp8.fp8_param_ops import fp8_mm_nt, fp8_wgrad_into
 from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
 
-__all__ = ["Float8ParamMatmul", "fp8_param_matmul"]
+__all__ = ["Float8ParamMatmul", "allocate_weight_transpose", "fp8_param_matmul"]
 
 # What the backward returns as the weight's autograd gradient (see ``finish_fused_weight_gradient``).
 NO_PLACEHOLDER, EMPTY_PLACEHOLDER, ZERO_PLACEHOLDER = "none", "empty", "zeros"
@@ -80,13 +80,14 @@ class Float8ParamMatmul(torch.autograd.Function):
 
     ``w_scale``, ``main_grad`` and ``placeholder`` (one of ``'none'``, ``'empty'``, ``'zeros'``) default to
     ``weight``'s ``fp8_scale``, ``main_grad`` and DDP marks; :func:`fp8_param_matmul` passes them, so that a
-    compiled graph reads no parameter attribute inside the function.
+    compiled graph reads no parameter attribute inside the function. ``weight_t``: the weight's transposed codes
+    for the data gradient, cached for the step (``None``: the backward transposes the weight).
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype, amax_group: Any,
                 emulate: bool, w_scale: torch.Tensor | None = None, main_grad: torch.Tensor | None = None,
-                placeholder: str | None = None) -> torch.Tensor:
+                placeholder: str | None = None, weight_t: torch.Tensor | None = None) -> torch.Tensor:
         """The float8 product with the stored weight bytes and scale; the input cast with its current scale."""
         if w_scale is None:
             w_scale = weight.fp8_scale
@@ -107,13 +108,13 @@ class Float8ParamMatmul(torch.autograd.Function):
         ctx.placeholder = _placeholder_kind(weight) if placeholder is None else placeholder
         ctx.grad_dtype, ctx.amax_group, ctx.emulate = grad_dtype, amax_group, emulate
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.save_for_backward(x_saved, x_scale, weight, w_scale)
+        ctx.save_for_backward(x_saved, x_scale, weight, w_scale, weight_t)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         """Data gradient, and the weight gradient accumulated into ``main_grad`` (placeholder autograd gradient)."""
-        x_saved, x_scale, weight, w_scale = ctx.saved_tensors
+        x_saved, x_scale, weight, w_scale, weight_t = ctx.saved_tensors
         dy = grad.reshape(-1, grad.shape[-1])
         g_scale = _current_scale(dy, ctx.grad_dtype, ctx.amax_group)
         dy_t = None
@@ -123,7 +124,7 @@ class Float8ParamMatmul(torch.autograd.Function):
             dy_q = quantize(dy, g_scale, ctx.grad_dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            w_t = transpose_codes(weight.unsqueeze(0))[0] if _fused_cast(weight, ctx.emulate) else weight.t().contiguous()
+            w_t = _weight_transpose(weight, ctx.emulate) if weight_t is None else weight_t
             grad_x = fp8_mm_nt(dy_q, g_scale, w_t, w_scale, ctx.x_dtype, ctx.emulate)
             grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
@@ -139,7 +140,37 @@ class Float8ParamMatmul(torch.autograd.Function):
             else:
                 fp8_wgrad_into(main_grad, dy_t, g_scale, x_t, x_scale, ctx.emulate)
                 grad_w = finish_fused_weight_gradient(weight)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+def _weight_transpose(weight: torch.Tensor, emulate: bool) -> torch.Tensor:
+    """The FP8 weight's codes transposed, contiguous ``[in, out]``: the data-gradient GEMM's operand."""
+    return transpose_codes(weight.unsqueeze(0))[0] if _fused_cast(weight, emulate) else weight.t().contiguous()
+
+
+def allocate_weight_transpose(weight: torch.Tensor) -> None:
+    """Give the FP8 parameter ``weight`` its transposed-codes cache ``weight.fp8_transpose`` (kept while its shape
+    and device hold), at a static address for compiled CUDA graphs, which refresh it in place."""
+    cache = getattr(weight, "fp8_transpose", None)
+    if cache is None or cache.shape != weight.shape[::-1] or cache.device != weight.device:
+        weight.fp8_transpose = torch.empty(weight.shape[::-1], dtype=weight.dtype, device=weight.device)
+        torch._dynamo.mark_static_address(weight.fp8_transpose, guard=False)
+
+
+def _cached_weight_transpose(weight: torch.Tensor, layer: torch.nn.Module, emulate: bool) -> torch.Tensor | None:
+    """``weight``'s transposed codes for the backward, cached across the micro-batches of a step as Transformer
+    Engine caches its FP8 weights: refreshed when ``layer.is_first_microbatch`` is True (then set False), reused
+    while it is False; ``None`` (the backward transposes) when the layer is not told where steps begin (the flag is
+    None) or has no cache (:func:`allocate_weight_transpose`)."""
+    first = getattr(layer, "is_first_microbatch", None)
+    cache = getattr(weight, "fp8_transpose", None)
+    if first is None or cache is None:
+        return None
+    if first:
+        with torch.no_grad():
+            cache.copy_(_weight_transpose(weight, emulate))
+        layer.is_first_microbatch = False
+    return cache
 
 
 def _placeholder(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
@@ -157,4 +188,5 @@ def fp8_param_matmul(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Modu
     if get_pg_size(group) <= 1:
         group = None
     return Float8ParamMatmul.apply(x, weight, layer.fp8_param_grad_dtype, group, emulate, weight.fp8_scale,
-                                   getattr(weight, "main_grad", None), _placeholder_kind(weight))
+                                   getattr(weight, "main_grad", None), _placeholder_kind(weight),
+                                   _cached_weight_transpose(weight, layer, emulate))

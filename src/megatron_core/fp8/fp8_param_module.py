@@ -37,6 +37,7 @@ def apply_keeping_fp8_params(module: torch.nn.Module, parent_apply: Callable[...
         if probe.device != param.device:
             param.data = param.data.to(probe.device)
             param.fp8_scale = param.fp8_scale.to(probe.device)
+            param.__dict__.pop("fp8_transpose", None)  # reallocated on the new device at the next step's start
         if probe.dtype.is_floating_point:
             param.fp8_hp_dtype = probe.dtype
     return result

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from megatron_core.fp8 import cublaslt
 from megatron_core.fp8.delayed_linear import _fp8_mm
 
 __all__ = ["fp8_mm_nt", "fp8_wgrad_into"]
+
+
+ACCUMULATE_IN_GEMM = True  # the weight-gradient GEMM adds into main_grad (False: _scaled_mm + add, to time against)
 
 
 def fp8_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor,
@@ -33,7 +37,11 @@ def fp8_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale
 def fp8_wgrad_into(main_grad: torch.Tensor, dy_t: torch.Tensor, dy_scale: torch.Tensor, x_t: torch.Tensor,
                    x_scale: torch.Tensor, emulate: bool) -> None:
     """``main_grad += (dy_t / dy_scale) @ (x_t / x_scale).T`` for contiguous float8 ``dy_t [out, t]`` and
-    ``x_t [in, t]`` (the output gradient and the input, transposed)."""
+    ``x_t [in, t]`` (the output gradient and the input, transposed): one cuBLASLt GEMM that adds into ``main_grad``
+    where :func:`cublaslt.accumulates` (and ``ACCUMULATE_IN_GEMM``), else ``torch._scaled_mm`` and an add."""
+    if ACCUMULATE_IN_GEMM and not emulate and cublaslt.accumulates(main_grad, dy_t, x_t):
+        cublaslt.scaled_mm_accumulate_(main_grad, dy_t, dy_scale.reciprocal(), x_t, x_scale.reciprocal())
+        return
     main_grad.add_(fp8_mm_nt(dy_t, dy_scale, x_t, x_scale, main_grad.dtype, emulate))
 
 

@@ -32,7 +32,7 @@ from megatron_core.fp8.delayed_scaling import (
     pack_extra_state,
     unpack_extra_state,
 )
-from megatron_core.fp8.fp8_param_linear import fp8_param_matmul
+from megatron_core.fp8.fp8_param_linear import allocate_weight_transpose, fp8_param_matmul
 from megatron_core.fp8.fp8_param_module import apply_keeping_fp8_params
 from megatron_core.fp8.grouped_layers import GROUPED_FP8_CLASSES
 from megatron_core.fp8.torchao_backend import (
@@ -59,6 +59,15 @@ class _Float8GemmMixin:
     float8_config: Any = None
     float8_mm_config: Any = None
     float8_emulate: bool = False
+    # Transformer Engine's flag: True before a step's first micro-batch (``set_is_first_microbatch``), when an FP8
+    # parameter's cached transpose is refreshed; None while no schedule says where steps begin (no cache used).
+    is_first_microbatch: bool | None = None
+
+    def allocate_weight_caches(self) -> None:
+        """Give each FP8 parameter its transposed-codes cache (see ``fp8_param_linear._cached_weight_transpose``)."""
+        for param in self._parameters.values():
+            if is_fp8_param(param):
+                allocate_weight_transpose(param)
 
     def float8_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` in float8: the stored bytes of an FP8 parameter (``fp8_param``), else delayed scales if
@@ -99,6 +108,8 @@ class _Float8GemmMixin:
             value = state_dict.get(prefix + name)
             if is_fp8_param(param) and isinstance(value, torch.Tensor) and value.shape == param.shape:
                 copy_tensor_to_quantized_param(param, value)
+                if self.is_first_microbatch is False:
+                    self.is_first_microbatch = True  # the cached transpose holds the old bytes: refresh it
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The parent's sharded state; an FP8 parameter's entry (its dequantized value) names the parameter

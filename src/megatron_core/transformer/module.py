@@ -55,6 +55,9 @@ class MegatronModule(torch.nn.Module):
             return
         for module in submodules_with_attribute(self, "is_first_microbatch"):
             module.is_first_microbatch = True
+            allocate_caches = getattr(module, "allocate_weight_caches", None)
+            if allocate_caches is not None:  # FP8 layers keep their weights' transposes for the step
+                allocate_caches()
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
