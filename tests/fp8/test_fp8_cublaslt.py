@@ -3,7 +3,7 @@
 GPU: ``out += (a * sa) @ (b_t * sb).T`` against ``out + torch._scaled_mm(...)`` (same descriptor, fast accumulation
 off) for e4m3 x e5m2 / e4m3 x e4m3 operands and fp32 / bf16 outputs, at a layer's weight-gradient shapes (tokens as
 the reduction): fp32 results equal within what another fp32 summation order gives (1e-5 of the sum of the terms'
-magnitudes), bf16 within one bf16 rounding more; two calls add twice; a CUDA graph records and replays the call. Shapes and dtypes cuBLASLt cannot serve are
+magnitudes), bf16 within two bf16 roundings more (the product's and the sum's, as the unfused path); two calls add twice; a CUDA graph records and replays the call. Shapes and dtypes cuBLASLt cannot serve are
 declined (the caller's fallback then runs). CPU: every CPU tensor is declined.
 """
 
@@ -54,11 +54,12 @@ def test_accumulating_gemm_equals_scaled_mm_plus_add(a_dtype, b_dtype, out_dtype
     # Two cuBLAS algorithms may order the fp32 accumulation differently: a few fp32 steps of the sum of |terms|.
     terms = (a.float().abs() @ b_t.float().abs().t()) * sa * sb
     slack = 1e-5 * terms + 1e-6 * start.float().abs()
-    tol = slack if out_dtype == torch.float32 else slack + 2.0 ** -8 * want.abs()
+    # bf16: the product rounded, then the sum (as the unfused GEMM to bf16 and its add): two roundings.
+    tol = slack if out_dtype == torch.float32 else slack + 2.0 ** -7 * want.abs()
     assert ((out.float() - want).abs() <= tol).all(), (out.float() - want).abs().max()
     cublaslt.scaled_mm_accumulate_(out, a, sa, b_t, sb)  # a second call adds again
     twice = start.float() + 2 * product
-    tol = 2 * slack if out_dtype == torch.float32 else 2 * slack + 2.0 ** -7 * twice.abs()
+    tol = 2 * slack if out_dtype == torch.float32 else 2 * slack + 2.0 ** -6 * twice.abs()
     assert ((out.float() - twice).abs() <= tol).all(), (out.float() - twice).abs().max()
 
 

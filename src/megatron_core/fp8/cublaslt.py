@@ -12,8 +12,8 @@ The library is the ``libcublasLt`` that the CUDA build of torch has loaded (foun
 by its soname). :func:`accumulates` says whether a call can be served (library found, compute capability 8.9 or
 newer, float8 operands contiguous along the reduction, 16-byte aligned sizes, an algorithm that cuBLASLt's
 heuristic offers for the shape); callers fall back to ``torch._scaled_mm`` and an add otherwise. The calls are
-recorded by CUDA graphs like any cuBLAS call: the workspace is allocated outside any graph's memory pool, on a side
-stream, at the first call outside a capture.
+recorded by CUDA graphs like any cuBLAS call: the workspace is allocated outside torch's allocator and any graph's
+memory pool, at the first call outside a capture.
 """
 
 from __future__ import annotations
@@ -47,16 +47,28 @@ class _HeuristicResult(ctypes.Structure):
                 ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
-def _loaded_library_path() -> str | None:
-    """The path of the ``libcublasLt`` this process has mapped (torch's), if any."""
+def _loaded_library_path(stem: str) -> str | None:
+    """The path of the library ``stem`` (``libcublasLt``, ``libcudart``) this process has mapped (torch's), if any."""
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
             for line in maps:
                 path = line.split()[-1] if line.strip() else ""
-                if "libcublasLt.so" in os.path.basename(path):
+                if os.path.basename(path).startswith(stem + ".so"):
                     return path
     except OSError:
         return None
+    return None
+
+
+def _load(stem: str) -> Any:
+    """The CUDA library ``stem`` that torch loaded (else found by its soname) as a ``ctypes`` library, or ``None``."""
+    candidates = [p for p in [_loaded_library_path(stem)] if p]
+    candidates += [f"{stem}.so.{v}" for v in (torch.version.cuda or "").split(".")[:1]] + [f"{stem}.so"]
+    for name in candidates:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
     return None
 
 
@@ -66,16 +78,19 @@ def _library() -> Any:
     if not torch.cuda.is_available():
         return None
     torch.cuda.init()
-    candidates = [p for p in [_loaded_library_path()] if p]
-    candidates += [f"libcublasLt.so.{v}" for v in (torch.version.cuda or "").split(".")[:1]] + ["libcublasLt.so"]
-    for name in candidates:
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
+    lib = _load("libcublasLt")
+    if lib is not None:
         _declare(lib)
-        return lib
-    return None
+    return lib
+
+
+@functools.cache
+def _runtime() -> Any:
+    """The CUDA runtime as a ``ctypes`` library (for the workspace's ``cudaMalloc``), or ``None``."""
+    lib = _load("libcudart")
+    if lib is not None:
+        lib.cudaMalloc.argtypes, lib.cudaMalloc.restype = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t], ctypes.c_int
+    return lib
 
 
 def _declare(lib: Any) -> None:
@@ -114,21 +129,26 @@ def _handle(device: int) -> ctypes.c_void_p:
     return handle
 
 
-_workspaces: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> workspace
-_side_streams: dict[int, torch.cuda.Stream] = {}
+_workspaces: dict[tuple[int, int], int] = {}  # (device, stream) -> device pointer of its workspace
 
 
-def _workspace(device: int, stream: int) -> torch.Tensor | None:
-    """The workspace of calls on ``stream``: allocated at the first call outside a stream capture, on a side stream
-    so that no CUDA graph's memory pool holds it; ``None`` inside a capture before that."""
+def _workspace(device: int, stream: int) -> int | None:
+    """The workspace of calls on ``stream``, allocated with ``cudaMalloc`` at the first call outside a stream capture
+    and kept for the process: outside torch's caching allocator, whose allocations during Inductor's CUDA-graph
+    warm-up go to the graphs' private pool (where a buffer kept across calls is an error). ``None`` inside a capture
+    before that, or where the runtime cannot be loaded."""
     key = (device, stream)
     if key not in _workspaces:
-        if torch.cuda.is_current_stream_capturing():
+        runtime = _runtime()
+        if torch.cuda.is_current_stream_capturing() or runtime is None:
             return None
-        side = _side_streams.setdefault(device, torch.cuda.Stream(device))
-        with torch.cuda.stream(side):
-            _workspaces[key] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        torch.cuda.current_stream(device).wait_stream(side)
+        pointer = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            status = runtime.cudaMalloc(ctypes.byref(pointer), _WORKSPACE_BYTES)
+        if status != 0:
+            raise RuntimeError(f"cudaMalloc of the {_WORKSPACE_BYTES}-byte cuBLASLt workspace on device {device} "
+                               f"failed with CUDA error {status}")
+        _workspaces[key] = pointer.value
     return _workspaces[key]
 
 
@@ -172,7 +192,7 @@ class _Plan:
         return layout
 
     def run(self, out: torch.Tensor, a: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor,
-            b_scale_inv: torch.Tensor, workspace: torch.Tensor, stream: int) -> None:
+            b_scale_inv: torch.Tensor, workspace: int, stream: int) -> None:
         """``out += (a * a_scale_inv) @ (b_t * b_scale_inv).T`` on ``stream``."""
         self._set(_DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale_inv.data_ptr()))
         self._set(_DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale_inv.data_ptr()))
@@ -180,7 +200,7 @@ class _Plan:
         _check(_library().cublasLtMatmul(
             _handle(out.device.index), self.desc, ctypes.byref(one), b_t.data_ptr(), self.layout_a, a.data_ptr(),
             self.layout_b, ctypes.byref(one), out.data_ptr(), self.layout_c, out.data_ptr(), self.layout_c,
-            ctypes.byref(self.algo.algo), workspace.data_ptr(), _WORKSPACE_BYTES, stream), "cublasLtMatmul")
+            ctypes.byref(self.algo.algo), workspace, _WORKSPACE_BYTES, stream), "cublasLtMatmul")
 
 
 @functools.cache
