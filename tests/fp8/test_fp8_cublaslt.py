@@ -78,7 +78,9 @@ def test_a_cuda_graph_replays_the_accumulating_gemm():
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, 3 * once, rtol=1e-6, atol=1e-6 * once.abs().max().item())
+    # The capture stream had no workspace: its algorithm needs none and may sum in another order.
+    terms = (a.float().abs() @ b_t.float().abs().t()) * sa * sb
+    assert ((out - 3 * once).abs() <= 3e-5 * terms).all(), (out - 3 * once).abs().max()
 
 
 @pytest.mark.gpu

@@ -12,8 +12,9 @@ The library is the ``libcublasLt`` that the CUDA build of torch has loaded (foun
 by its soname). :func:`accumulates` says whether a call can be served (library found, compute capability 8.9 or
 newer, float8 operands contiguous along the reduction, 16-byte aligned sizes, an algorithm that cuBLASLt's
 heuristic offers for the shape); callers fall back to ``torch._scaled_mm`` and an add otherwise. The calls are
-recorded by CUDA graphs like any cuBLAS call: the workspace is allocated outside torch's allocator and any graph's
-memory pool, at the first call outside a capture.
+recorded by CUDA graphs like any cuBLAS call: a stream's workspace is allocated outside torch's allocator and any
+graph's memory pool, at its first call outside a capture; a stream first seen inside a capture gets an algorithm that
+needs no workspace.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
 _DESC_FAST_ACCUM = 25
 _PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_MIN_ALIGNMENT_BYTES = {"a": 5, "b": 6, "c": 7, "d": 8}
+_MAX_ALIGNMENT = 256  # what cuBLASLt assumes of a pointer unless told less
 _WORKSPACE_BYTES = 32 * 1024 * 1024  # what cuBLASLt's Hopper kernels may ask for (PyTorch's default there)
 _ALIGN_BYTES = 16
 
@@ -133,10 +136,10 @@ _workspaces: dict[tuple[int, int], int] = {}  # (device, stream) -> device point
 
 
 def _workspace(device: int, stream: int) -> int | None:
-    """The workspace of calls on ``stream``, allocated with ``cudaMalloc`` at the first call outside a stream capture
-    and kept for the process: outside torch's caching allocator, whose allocations during Inductor's CUDA-graph
-    warm-up go to the graphs' private pool (where a buffer kept across calls is an error). ``None`` inside a capture
-    before that, or where the runtime cannot be loaded."""
+    """The workspace of calls on ``stream`` (one per stream, as PyTorch's cuBLAS workspaces), allocated with
+    ``cudaMalloc`` at the first call outside a stream capture and kept for the process: outside torch's caching
+    allocator, whose allocations during Inductor's CUDA-graph warm-up go to the graphs' private pool (where a buffer
+    kept across calls is an error). ``None`` inside a capture before that, or where the runtime cannot be loaded."""
     key = (device, stream)
     if key not in _workspaces:
         runtime = _runtime()
@@ -156,7 +159,7 @@ class _Plan:
     """The descriptors and the algorithm of one GEMM shape and its dtypes (``None`` algorithm: not served)."""
 
     def __init__(self, device: int, m: int, n: int, k: int, a_dtype: torch.dtype, b_dtype: torch.dtype,
-                 out_dtype: torch.dtype) -> None:
+                 out_dtype: torch.dtype, alignments: tuple[int, int, int], workspace_bytes: int) -> None:
         lib = _library()
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F, _CUDA_TYPES[torch.float32]),
@@ -171,9 +174,15 @@ class _Plan:
         self.layout_c = self._layout(out_dtype, n, m, n)
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        size = ctypes.c_uint64(_WORKSPACE_BYTES)
-        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size),
-                                                        ctypes.sizeof(size)), "cublasLtMatmulPreferenceSetAttribute")
+        # The pointers' alignments (a, b_t, out): cuBLASLt's A is b_t, its B is a, its C and D are out.
+        align_a, align_b_t, align_out = alignments
+        self.workspace_bytes = workspace_bytes
+        for attr, value in ((_PREF_MAX_WORKSPACE_BYTES, workspace_bytes), (_PREF_MIN_ALIGNMENT_BYTES["a"], align_b_t),
+                            (_PREF_MIN_ALIGNMENT_BYTES["b"], align_a), (_PREF_MIN_ALIGNMENT_BYTES["c"], align_out),
+                            (_PREF_MIN_ALIGNMENT_BYTES["d"], align_out)):
+            size = ctypes.c_uint64(value) if attr == _PREF_MAX_WORKSPACE_BYTES else ctypes.c_uint32(value)
+            _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(size), ctypes.sizeof(size)),
+                   "cublasLtMatmulPreferenceSetAttribute")
         result, found = _HeuristicResult(), ctypes.c_int(0)
         status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), self.desc, self.layout_a, self.layout_b,
                                                     self.layout_c, self.layout_c, pref, 1, ctypes.byref(result),
@@ -192,7 +201,7 @@ class _Plan:
         return layout
 
     def run(self, out: torch.Tensor, a: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor,
-            b_scale_inv: torch.Tensor, workspace: int, stream: int) -> None:
+            b_scale_inv: torch.Tensor, workspace: int | None, stream: int) -> None:
         """``out += (a * a_scale_inv) @ (b_t * b_scale_inv).T`` on ``stream``."""
         self._set(_DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale_inv.data_ptr()))
         self._set(_DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale_inv.data_ptr()))
@@ -200,13 +209,28 @@ class _Plan:
         _check(_library().cublasLtMatmul(
             _handle(out.device.index), self.desc, ctypes.byref(one), b_t.data_ptr(), self.layout_a, a.data_ptr(),
             self.layout_b, ctypes.byref(one), out.data_ptr(), self.layout_c, out.data_ptr(), self.layout_c,
-            ctypes.byref(self.algo.algo), workspace, _WORKSPACE_BYTES, stream), "cublasLtMatmul")
+            ctypes.byref(self.algo.algo), workspace, self.workspace_bytes, stream), "cublasLtMatmul")
 
 
 @functools.cache
-def _plan(device: int, m: int, n: int, k: int, a_dtype: torch.dtype, b_dtype: torch.dtype,
-          out_dtype: torch.dtype) -> _Plan:
-    return _Plan(device, m, n, k, a_dtype, b_dtype, out_dtype)
+def _cached_plan(*key: Any) -> _Plan:
+    return _Plan(*key)
+
+
+def _alignment(t: torch.Tensor) -> int:
+    """The largest power of two up to 256 that divides ``t``'s address."""
+    address = t.data_ptr()
+    return min(_MAX_ALIGNMENT, address & -address) if address else _MAX_ALIGNMENT
+
+
+def _plan(out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> tuple[_Plan, int | None]:
+    """The plan of ``out += a @ b_t.T`` and the workspace of the current stream; without one (a stream first seen
+    inside a capture) the plan of an algorithm that needs none."""
+    device = out.device.index
+    workspace = _workspace(device, torch.cuda.current_stream(device).cuda_stream)
+    plan = _cached_plan(device, a.shape[0], b_t.shape[0], a.shape[1], a.dtype, b_t.dtype, out.dtype,
+                        (_alignment(a), _alignment(b_t), _alignment(out)), _WORKSPACE_BYTES if workspace else 0)
+    return plan, workspace
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -226,12 +250,9 @@ def accumulates(out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> bool:
         return False
     if not (a.is_contiguous() and b_t.is_contiguous() and out.is_contiguous()):
         return False
-    if not (_aligned(a) and _aligned(b_t) and _aligned(out)) or _library() is None:
+    if not (_aligned(a) and _aligned(b_t) and _aligned(out)) or _library() is None or _runtime() is None:
         return False
-    device = out.device.index
-    if _workspace(device, torch.cuda.current_stream(device).cuda_stream) is None:
-        return False
-    return _plan(device, a.shape[0], b_t.shape[0], a.shape[1], a.dtype, b_t.dtype, out.dtype).algo is not None
+    return _plan(out, a, b_t)[0].algo is not None
 
 
 def scaled_mm_accumulate_(out: torch.Tensor, a: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor,
@@ -239,8 +260,6 @@ def scaled_mm_accumulate_(out: torch.Tensor, a: torch.Tensor, a_scale_inv: torch
     """``out += (a * a_scale_inv) @ (b_t * b_scale_inv).T`` in one cuBLASLt GEMM, for float8 ``a [m, k]`` and
     ``b_t [n, k]`` with per-tensor fp32 dequantization factors (one-element CUDA tensors, as ``torch._scaled_mm``'s
     ``scale_a`` / ``scale_b``). Call only where :func:`accumulates` holds."""
-    device = out.device.index
-    stream = torch.cuda.current_stream(device).cuda_stream
-    plan = _plan(device, a.shape[0], b_t.shape[0], a.shape[1], a.dtype, b_t.dtype, out.dtype)
+    plan, workspace = _plan(out, a, b_t)
     a_scale_inv, b_scale_inv = a_scale_inv.float().contiguous(), b_scale_inv.float().contiguous()
-    plan.run(out, a, a_scale_inv, b_t, b_scale_inv, _workspace(device, stream), stream)
+    plan.run(out, a, a_scale_inv, b_t, b_scale_inv, workspace, torch.cuda.current_stream(out.device).cuda_stream)
