@@ -270,22 +270,28 @@ def test_cuda_graphed_layers_train_exactly_as_the_compiled_layers(fp8_param, tmp
 
 
 @pytest.mark.gpu
-def test_cuda_graphed_fp8_layers_with_cached_weight_transposes_train_as_without(tmp_path):
-    """Graphed FP8 layers whose weights' transposes are cached for each step (refreshed in the first micro-batch's
-    recorded forward, read by the others' recorded backward passes) against the layers compiled without graphs and
-    without the cache: bit for bit equal losses and main weights after 4 steps (a refresh that a replay skipped
-    would leave the data gradients of step 2 on step 1's weights), no graph skipped."""
+def test_cuda_graphed_fp8_layers_with_cached_weight_transposes(tmp_path):
+    """FP8 layers whose weights' transposes are cached for each step (``set_is_first_microbatch``: refreshed in the
+    first micro-batch's forward, read by every micro-batch's backward). Graphed against the same layers compiled
+    without graphs, both with the cache: bit for bit equal losses and main weights after 4 steps (a refresh that a
+    replay skipped would leave step 2's data gradients on step 1's weights), no graph skipped. Eagerly, with the cache
+    against without it: bit for bit (the cached codes are the transposed ones). The compiled graphs with the refresh
+    are other graphs than without it, so Inductor's kernels, and bf16 roundings, may differ between those two."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
     with one_rank_nccl_group(tmp_path):
         try:
-            cached = _cuda_train("local", compile_layers=False, fp8_param=True, weight_cache=True)
-            compiled = _cuda_train("none", compile_layers=True, fp8_param=True)
+            graphed = _cuda_train("local", compile_layers=False, fp8_param=True, weight_cache=True)
+            compiled = _cuda_train("none", compile_layers=True, fp8_param=True, weight_cache=True)
+            eager_cached = _cuda_train("none", compile_layers=False, fp8_param=True, weight_cache=True)
+            eager = _cuda_train("none", compile_layers=False, fp8_param=True)
         finally:
             torch._dynamo.reset()
-    assert cached["skips"] == 0, cached["skips"]
-    assert torch.equal(cached["losses"], compiled["losses"]), (cached["losses"], compiled["losses"])
-    for got, want in zip(cached["main"], compiled["main"]):
-        assert torch.equal(got, want), (got - want).abs().max()
+    assert graphed["skips"] == 0, graphed["skips"]
+    for got, want in ((graphed, compiled), (eager_cached, eager)):
+        assert torch.equal(got["losses"], want["losses"]), (got["losses"], want["losses"])
+        for a, b in zip(got["main"], want["main"]):
+            assert torch.equal(a, b), (a - b).abs().max()
+    assert torch.allclose(graphed["losses"], eager["losses"], rtol=2e-2), (graphed["losses"], eager["losses"])
