@@ -24,8 +24,9 @@ from megatron_core import parallel_state
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.distributed.fp8_params import is_fp8_param, make_fp8_param
 from megatron_core.fp8 import convert_to_float8
-from megatron_core.fp8.fp8_param_linear import Float8ParamMatmul, fp8_param_matmul
+from megatron_core.fp8.fp8_param_linear import Float8ParamMatmul
 from tests.dist_harness import run_on_ranks
+from tests.fp8.fp8_param_layer import OneFP8WeightLayer
 from tests.models.gpt_test_utils import batch, build, llama_like
 
 SPEC = llama_like(fp8="hybrid", fp8_recipe="tensorwise")
@@ -104,24 +105,10 @@ def test_compiled_fp8_param_graphs_hold_the_gemms_the_wgrad_op_and_the_functiona
     assert counts["all_reduce"] == (8, 8), counts  # the inputs' and the output gradients' amaxes
 
 
-class _Layer(torch.nn.Module):
-    """The attributes ``fp8_param_matmul`` reads from a converted layer, around one FP8 weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = make_fp8_param(torch.nn.Parameter(torch.randn(32, 48) * 0.05))
-        self.fp8_param_grad_dtype = torch.float8_e5m2
-        self.fp8_param_amax_group = None
-        self.float8_emulate = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_param_matmul(x, self.weight, self)
-
-
 def test_inductor_fp8_param_matmul_equals_eager_bit_for_bit():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = _Layer()
+    layer = OneFP8WeightLayer()
     x, grad = torch.randn(2, 10, 48), torch.randn(2, 10, 32)
     results = []
     for module in (layer, torch.compile(layer, backend="inductor", fullgraph=True)):
@@ -169,7 +156,7 @@ def test_compiled_wgrad_op_gets_its_operands_in_the_layout_scaled_mm_wants(monke
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = _Layer()
+    layer = OneFP8WeightLayer()
     layer.weight.main_grad, layer.weight.grad_added_to_main_grad = torch.zeros(32, 48), False
     calls = []
     gemm = fp8_param_ops.fp8_mm_nt

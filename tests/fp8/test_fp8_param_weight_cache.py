@@ -24,12 +24,13 @@ from megatron_core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron_core.distributed.fp8_params import is_fp8_param, make_fp8_param
+from megatron_core.distributed.fp8_params import is_fp8_param
 from megatron_core.fp8 import convert_to_float8
-from megatron_core.fp8.fp8_param_linear import allocate_weight_transpose, fp8_param_matmul
+from megatron_core.fp8.fp8_param_linear import allocate_weight_transpose
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.pipeline_parallel import forward_backward_no_pipelining
 from tests.dist_harness import run_on_ranks
+from tests.fp8.fp8_param_layer import OneFP8WeightLayer
 from tests.models.gpt_test_utils import build, llama_like
 from tests.pipeline_parallel.gpt_stages import MBS, SEQ, gpt_forward_step, make_batches
 
@@ -96,23 +97,7 @@ def test_cached_transposes_train_bit_for_bit_as_the_uncached_backward(runs):
                            cached["grads"][2]["decoder.layers.0.mlp.linear_fc1.weight"])  # the weights moved
 
 
-class _Layer(torch.nn.Module):
-    """The attributes ``fp8_param_matmul`` reads from a converted layer, around one FP8 weight."""
-
-    is_first_microbatch: bool | None = None
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = make_fp8_param(torch.nn.Parameter(torch.randn(32, 48) * 0.05))
-        self.fp8_param_grad_dtype = torch.float8_e5m2
-        self.fp8_param_amax_group = None
-        self.float8_emulate = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_param_matmul(x, self.weight, self)
-
-
-def _run(module: torch.nn.Module, layer: _Layer, x: torch.Tensor, grad: torch.Tensor):
+def _run(module: torch.nn.Module, layer: OneFP8WeightLayer, x: torch.Tensor, grad: torch.Tensor):
     layer.weight.main_grad = torch.zeros(32, 48)
     layer.weight.grad_added_to_main_grad, layer.weight.grad = False, None
     xx = x.clone().requires_grad_()
@@ -123,7 +108,7 @@ def _run(module: torch.nn.Module, layer: _Layer, x: torch.Tensor, grad: torch.Te
 
 def test_the_first_forward_refreshes_the_cache_and_the_others_reuse_it():
     torch.manual_seed(0)
-    layer = _Layer()
+    layer = OneFP8WeightLayer()
     allocate_weight_transpose(layer.weight)
     cache = layer.weight.fp8_transpose
     x, grad = torch.randn(2, 10, 48), torch.randn(2, 10, 32)
@@ -145,7 +130,7 @@ def test_the_first_forward_refreshes_the_cache_and_the_others_reuse_it():
 def test_a_compiled_layer_refreshes_then_reuses_the_cache_as_eagerly():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = _Layer()
+    layer = OneFP8WeightLayer()
     allocate_weight_transpose(layer.weight)
     x, grad = torch.randn(2, 10, 48), torch.randn(2, 10, 32)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)

@@ -20,8 +20,12 @@ input-gradient GEMMs are traced too, and the weight-gradient GEMM, which writes 
 the custom op of :mod:`megatron_core.fp8.fp8_param_ops`.
 
 GEMMs are ``torch._scaled_mm`` on CUDA (the forward one with fast accumulation, as Transformer Engine's and
-torchao's recipes; the gradients' with full-precision accumulation), and fp32 emulation (the same quantized
-operands dequantized) elsewhere or with ``emulate``; see :mod:`megatron_core.fp8.delayed_linear`.
+torchao's recipes; the gradients' with full-precision accumulation; the weight gradient's a cuBLASLt GEMM that adds
+into ``main_grad``, :mod:`megatron_core.fp8.cublaslt`), and fp32 emulation (the same quantized operands dequantized)
+elsewhere or with ``emulate``; see :mod:`megatron_core.fp8.delayed_linear`.
+
+The weight's transposed codes (the data-gradient GEMM's operand) are cached for a step when the schedule says where
+steps begin (``set_is_first_microbatch``, as Transformer Engine's FP8 weights): see :func:`_cached_weight_transpose`.
 """
 
 from __future__ import annotations
