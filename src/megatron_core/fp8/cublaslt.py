@@ -234,32 +234,46 @@ def _plan(out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> tuple[_Plan,
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    return all(size * t.element_size() % _ALIGN_BYTES == 0 for size in t.shape) and t.data_ptr() % _ALIGN_BYTES == 0
+    """Sizes and address on 16-byte boundaries (what cuBLASLt's float8 GEMMs need at least)."""
+    return all(size * t.element_size() % _ALIGN_BYTES == 0 for size in t.shape) and _alignment(t) >= _ALIGN_BYTES
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _served_plan(out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> tuple[_Plan, int | None] | None:
+    """The plan and workspace of ``out [m, n] += a [m, k] @ b_t [n, k].T``, or ``None`` where it is not served (see
+    the module)."""
+    if not (out.is_cuda and a.is_cuda and b_t.is_cuda) or torch.cuda.get_device_capability(out.device) < (8, 9):
+        return None
+    if a.dtype not in _FP8 or b_t.dtype not in _FP8 or a.dtype == b_t.dtype == torch.float8_e5m2:
+        return None  # cuBLASLt has no e5m2 x e5m2 GEMM
+    if out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    if a.dim() != 2 or b_t.dim() != 2 or out.shape != (a.shape[0], b_t.shape[0]) or a.shape[1] != b_t.shape[1]:
+        return None
+    if not (a.is_contiguous() and b_t.is_contiguous() and out.is_contiguous()):
+        return None
+    if not (_aligned(a) and _aligned(b_t) and _aligned(out)) or _library() is None or _runtime() is None:
+        return None
+    plan, workspace = _plan(out, a, b_t)
+    return (plan, workspace) if plan.algo is not None else None
 
 
 def accumulates(out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> bool:
     """Whether :func:`scaled_mm_accumulate_` serves ``out [m, n] += a [m, k] @ b_t [n, k].T`` (see the module)."""
-    if not (out.is_cuda and a.is_cuda and b_t.is_cuda) or torch.cuda.get_device_capability(out.device) < (8, 9):
-        return False
-    if a.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b_t.dtype not in (torch.float8_e4m3fn,
-                                                                                     torch.float8_e5m2):
-        return False
-    if a.dtype == b_t.dtype == torch.float8_e5m2 or out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False  # cuBLASLt has no e5m2 x e5m2 GEMM
-    if a.dim() != 2 or b_t.dim() != 2 or out.shape != (a.shape[0], b_t.shape[0]) or a.shape[1] != b_t.shape[1]:
-        return False
-    if not (a.is_contiguous() and b_t.is_contiguous() and out.is_contiguous()):
-        return False
-    if not (_aligned(a) and _aligned(b_t) and _aligned(out)) or _library() is None or _runtime() is None:
-        return False
-    return _plan(out, a, b_t)[0].algo is not None
+    return _served_plan(out, a, b_t) is not None
 
 
 def scaled_mm_accumulate_(out: torch.Tensor, a: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor,
-                          b_scale_inv: torch.Tensor) -> None:
+                          b_scale_inv: torch.Tensor) -> bool:
     """``out += (a * a_scale_inv) @ (b_t * b_scale_inv).T`` in one cuBLASLt GEMM, for float8 ``a [m, k]`` and
     ``b_t [n, k]`` with per-tensor fp32 dequantization factors (one-element CUDA tensors, as ``torch._scaled_mm``'s
-    ``scale_a`` / ``scale_b``). Call only where :func:`accumulates` holds."""
-    plan, workspace = _plan(out, a, b_t)
+    ``scale_a`` / ``scale_b``). Returns False, leaving ``out`` untouched, where :func:`accumulates` does not hold."""
+    served = _served_plan(out, a, b_t)
+    if served is None:
+        return False
+    plan, workspace = served
     a_scale_inv, b_scale_inv = a_scale_inv.float().contiguous(), b_scale_inv.float().contiguous()
     plan.run(out, a, a_scale_inv, b_t, b_scale_inv, workspace, torch.cuda.current_stream(out.device).cuda_stream)
+    return True

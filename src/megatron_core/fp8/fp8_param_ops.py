@@ -39,9 +39,9 @@ def fp8_wgrad_into(main_grad: torch.Tensor, dy_t: torch.Tensor, dy_scale: torch.
                    x_scale: torch.Tensor, emulate: bool) -> None:
     """``main_grad += (dy_t / dy_scale) @ (x_t / x_scale).T`` for contiguous float8 ``dy_t [out, t]`` and
     ``x_t [in, t]`` (the output gradient and the input, transposed): one cuBLASLt GEMM that adds into ``main_grad``
-    where :func:`cublaslt.accumulates` (and ``ACCUMULATE_IN_GEMM``), else ``torch._scaled_mm`` and an add."""
-    if ACCUMULATE_IN_GEMM and not emulate and cublaslt.accumulates(main_grad, dy_t, x_t):
-        cublaslt.scaled_mm_accumulate_(main_grad, dy_t, dy_scale.reciprocal(), x_t, x_scale.reciprocal())
+    where it serves (and ``ACCUMULATE_IN_GEMM``), else ``torch._scaled_mm`` and an add."""
+    if ACCUMULATE_IN_GEMM and not emulate and main_grad.is_cuda and cublaslt.scaled_mm_accumulate_(
+            main_grad, dy_t, dy_scale.reciprocal(), x_t, x_scale.reciprocal()):
         return
     main_grad.add_(fp8_mm_nt(dy_t, dy_scale, x_t, x_scale, main_grad.dtype, emulate))
 
