@@ -29,6 +29,7 @@ def kernel_times(path: Path) -> dict[str, list[float]]:
 
 def short_name(name: str) -> str:
     """``name`` without template arguments and parameter lists (Inductor's kernel names kept whole)."""
+    name = name.replace("(anonymous namespace)::", "")
     name = re.sub(r"\(.*\)$", "", name)
     depth, out = 0, []
     for char in name:

@@ -24,7 +24,7 @@ from megatron_core.distributed import (
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.transformer import layer_cuda_graphs
 from megatron_core.transformer.transformer_config import TransformerConfig
-from tests.cuda_process_group import one_rank_nccl_group
+from tests.cuda_process_group import in_fresh_process
 from tests.dist_harness import run_on_ranks
 from tests.models.gpt_test_utils import batch, build, llama_like
 
@@ -242,23 +242,20 @@ def _cuda_train(cuda_graph_impl: str, compile_layers: bool, fp8_param: bool, wei
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_param", [False, True], ids=["bf16", "fp8_param"])
-def test_cuda_graphed_layers_train_exactly_as_the_compiled_layers(fp8_param, tmp_path):
+def test_cuda_graphed_layers_train_exactly_as_the_compiled_layers(fp8_param):
     """The same layers compiled without graphs are the yardstick: bit for bit equal losses and main weights after 4
     steps of 2 micro-batches (a replay that read a stale input or lost a ``main_grad`` write would differ). The
-    eager model agrees within bf16's compile-vs-eager rounding (2% over the run)."""
+    eager model agrees within bf16's compile-vs-eager rounding (2% over the run). Each run has a process of its own:
+    Inductor may fuse differently when it compiles the same layers a second time in a process (``in_fresh_process``)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if fp8_param:
         if torch.cuda.get_device_capability() < (8, 9):
             pytest.skip("needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
         pytest.importorskip("torchao.float8")
-    with one_rank_nccl_group(tmp_path):
-        try:
-            graphed = _cuda_train("local", compile_layers=False, fp8_param=fp8_param)
-            compiled = _cuda_train("none", compile_layers=True, fp8_param=fp8_param)
-            eager = _cuda_train("none", compile_layers=False, fp8_param=fp8_param)
-        finally:
-            torch._dynamo.reset()
+    graphed = in_fresh_process(_cuda_train, "local", False, fp8_param)
+    compiled = in_fresh_process(_cuda_train, "none", True, fp8_param)
+    eager = in_fresh_process(_cuda_train, "none", False, fp8_param)
     assert graphed["skips"] == 0, graphed["skips"]
     assert graphed["graphs"] >= 2 * SHAPE["num_layers"], graphed["graphs"]  # at least each layer's fwd and bwd
     assert compiled["graphs"] == 0, compiled["graphs"]
@@ -270,7 +267,7 @@ def test_cuda_graphed_layers_train_exactly_as_the_compiled_layers(fp8_param, tmp
 
 
 @pytest.mark.gpu
-def test_cuda_graphed_fp8_layers_with_cached_weight_transposes(tmp_path):
+def test_cuda_graphed_fp8_layers_with_cached_weight_transposes():
     """FP8 layers whose weights' transposes are cached for each step (``set_is_first_microbatch``: refreshed in the
     first micro-batch's forward, read by every micro-batch's backward). Graphed against the same layers compiled
     without graphs, both with the cache: bit for bit equal losses and main weights after 4 steps (a refresh that a
@@ -281,14 +278,10 @@ def test_cuda_graphed_fp8_layers_with_cached_weight_transposes(tmp_path):
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
-    with one_rank_nccl_group(tmp_path):
-        try:
-            graphed = _cuda_train("local", compile_layers=False, fp8_param=True, weight_cache=True)
-            compiled = _cuda_train("none", compile_layers=True, fp8_param=True, weight_cache=True)
-            eager_cached = _cuda_train("none", compile_layers=False, fp8_param=True, weight_cache=True)
-            eager = _cuda_train("none", compile_layers=False, fp8_param=True)
-        finally:
-            torch._dynamo.reset()
+    graphed = in_fresh_process(_cuda_train, "local", False, True, True)
+    compiled = in_fresh_process(_cuda_train, "none", True, True, True)
+    eager_cached = in_fresh_process(_cuda_train, "none", False, True, True)
+    eager = in_fresh_process(_cuda_train, "none", False, True)
     assert graphed["skips"] == 0, graphed["skips"]
     for got, want in ((graphed, compiled), (eager_cached, eager)):
         assert torch.equal(got["losses"], want["losses"]), (got["losses"], want["losses"])
