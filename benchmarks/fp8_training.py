@@ -126,6 +126,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fp8-wgrad-add", action="store_true",
                    help="FP8 parameters' weight gradients as torch._scaled_mm + add (fp8_param_ops.ACCUMULATE_IN_GEMM "
                         "= False) instead of cuBLASLt's accumulating GEMM, for comparison")
+    p.add_argument("--fp8-unfused-swiglu", action="store_true",
+                   help="the MLP applies SwiGLU after its FP8 fc1 (fp8_param_linear.FUSED_SWIGLU_GRAD = False) instead "
+                        "of inside fc1's autograd function with swiglu_grad_cast's kernels, for comparison")
     p.add_argument("--fp8-uncached-weights", action="store_true",
                    help="full-step part: no set_is_first_microbatch, so FP8 layers transpose their weights in every "
                         "backward instead of once per step, for comparison")
@@ -405,6 +408,10 @@ def main() -> None:
         from megatron_core.fp8 import fp8_param_linear
 
         fp8_param_linear.FUSED_CASTS = False
+    if args.fp8_unfused_swiglu:
+        from megatron_core.fp8 import fp8_param_linear
+
+        fp8_param_linear.FUSED_SWIGLU_GRAD = False
     if args.fp8_wgrad_add:
         from megatron_core.fp8 import fp8_param_ops
 

@@ -26,6 +26,10 @@ elsewhere or with ``emulate``; see :mod:`megatron_core.fp8.delayed_linear`.
 
 The weight's transposed codes (the data-gradient GEMM's operand) are cached for a step when the schedule says where
 steps begin (``set_is_first_microbatch``, as Transformer Engine's FP8 weights): see :func:`_cached_weight_transpose`.
+
+With ``activation="swiglu"`` (an MLP's ``linear_fc1``, see ``Float8ColumnParallelLinear.forward_swiglu``) the
+function returns ``silu(gate) * up`` of the GEMM's output ``[gate; up]`` and keeps that output for its backward,
+which quantizes SwiGLU's gradient without storing it in bf16 (:mod:`megatron_core.fp8.swiglu_grad_cast`).
 """
 
 from __future__ import annotations
@@ -40,9 +44,18 @@ from megatron_core.distributed.fp8_params import FP8_PARAM_DTYPE, quantize, tens
 from megatron_core.fp8.cast_kernels import cast_transpose, cast_transpose_serves, transpose_codes
 from megatron_core.fp8.delayed_linear import _pad_rows
 from megatron_core.fp8.fp8_param_ops import fp8_mm_nt, fp8_wgrad_into
+from megatron_core.fp8.swiglu_grad_cast import (
+    swiglu,
+    swiglu_grad,
+    swiglu_grad_amax,
+    swiglu_grad_cast_serves,
+    swiglu_grad_cast_transpose,
+)
 from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
 
-__all__ = ["Float8ParamMatmul", "allocate_weight_transpose", "fp8_param_matmul"]
+__all__ = ["SWIGLU", "Float8ParamMatmul", "allocate_weight_transpose", "fp8_param_matmul"]
+
+SWIGLU = "swiglu"  # the activation Float8ParamMatmul can apply to its output
 
 # What the backward returns as the weight's autograd gradient (see ``finish_fused_weight_gradient``).
 NO_PLACEHOLDER, EMPTY_PLACEHOLDER, ZERO_PLACEHOLDER = "none", "empty", "zeros"
@@ -56,16 +69,23 @@ def _placeholder_kind(weight: torch.Tensor) -> str:
     return ZERO_PLACEHOLDER if getattr(weight, "zero_out_wgrad", False) else EMPTY_PLACEHOLDER
 
 
-def _current_scale(t: torch.Tensor, dtype: torch.dtype, group: Any) -> torch.Tensor:
-    """The tensorwise scale of ``t`` for float8 ``dtype`` (amax max-reduced over ``group``, a functional
-    collective that a compiled graph keeps)."""
-    amax = t.detach().abs().amax().float()
+def _scale_of_amax(amax: torch.Tensor, dtype: torch.dtype, group: Any) -> torch.Tensor:
+    """The tensorwise scale for float8 ``dtype`` of a tensor whose amax is ``amax`` (max-reduced over ``group``,
+    a functional collective that a compiled graph keeps)."""
     if group is not None:
         amax = funcol.all_reduce(amax, "max", group)
     return tensorwise_scale(amax, dtype)
 
 
+def _current_scale(t: torch.Tensor, dtype: torch.dtype, group: Any) -> torch.Tensor:
+    """The tensorwise scale of ``t`` for float8 ``dtype`` (see :func:`_scale_of_amax`)."""
+    return _scale_of_amax(t.detach().abs().amax().float(), dtype, group)
+
+
 FUSED_CASTS = True  # the CUDA casts through cast_transpose (False: plain torch ops, the reference it is timed against)
+# An MLP's SwiGLU inside its FP8 fc1's autograd function, whose backward quantizes SwiGLU's gradient with
+# swiglu_grad_cast's kernels (False: the MLP applies SwiGLU itself, the reference it is timed against).
+FUSED_SWIGLU_GRAD = True
 
 
 def _fused_cast(t: torch.Tensor, emulate: bool) -> bool:
@@ -85,13 +105,15 @@ class Float8ParamMatmul(torch.autograd.Function):
     ``w_scale``, ``main_grad`` and ``placeholder`` (one of ``'none'``, ``'empty'``, ``'zeros'``) default to
     ``weight``'s ``fp8_scale``, ``main_grad`` and DDP marks; :func:`fp8_param_matmul` passes them, so that a
     compiled graph reads no parameter attribute inside the function. ``weight_t``: the weight's transposed codes
-    for the data gradient, cached for the step (``None``: the backward transposes the weight).
+    for the data gradient, cached for the step (``None``: the backward transposes the weight). ``activation``:
+    ``None``, or :data:`SWIGLU` for ``swiglu(x @ weight.T)`` (the GEMM's output kept for the backward).
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype, amax_group: Any,
                 emulate: bool, w_scale: torch.Tensor | None = None, main_grad: torch.Tensor | None = None,
-                placeholder: str | None = None, weight_t: torch.Tensor | None = None) -> torch.Tensor:
+                placeholder: str | None = None, weight_t: torch.Tensor | None = None,
+                activation: str | None = None) -> torch.Tensor:
         """The float8 product with the stored weight bytes and scale; the input cast with its current scale."""
         if w_scale is None:
             w_scale = weight.fp8_scale
@@ -112,20 +134,20 @@ class Float8ParamMatmul(torch.autograd.Function):
         ctx.placeholder = _placeholder_kind(weight) if placeholder is None else placeholder
         ctx.grad_dtype, ctx.amax_group, ctx.emulate = grad_dtype, amax_group, emulate
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.save_for_backward(x_saved, x_scale, weight, w_scale, weight_t)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        ctx.activation = activation
+        pre_activation = out if activation == SWIGLU else None
+        ctx.save_for_backward(x_saved, x_scale, weight, w_scale, weight_t, pre_activation)
+        if activation == SWIGLU:
+            out = swiglu(out)
+        elif activation is not None:
+            raise ValueError(f"Float8ParamMatmul: activation {activation!r} is not None or {SWIGLU!r}")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         """Data gradient, and the weight gradient accumulated into ``main_grad`` (placeholder autograd gradient)."""
-        x_saved, x_scale, weight, w_scale, weight_t = ctx.saved_tensors
-        dy = grad.reshape(-1, grad.shape[-1])
-        g_scale = _current_scale(dy, ctx.grad_dtype, ctx.amax_group)
-        dy_t = None
-        if _fused_cast(dy, ctx.emulate) and ctx.needs_input_grad[1]:
-            dy_q, dy_t = cast_transpose(dy, g_scale, ctx.grad_dtype)
-        else:
-            dy_q = quantize(dy, g_scale, ctx.grad_dtype)
+        x_saved, x_scale, weight, w_scale, weight_t, pre_activation = ctx.saved_tensors
+        dy_q, dy_t, g_scale = _quantized_output_grad(ctx, grad.reshape(-1, grad.shape[-1]), pre_activation)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             w_t = _weight_transpose(weight, ctx.emulate) if weight_t is None else weight_t
@@ -144,7 +166,26 @@ class Float8ParamMatmul(torch.autograd.Function):
             else:
                 fp8_wgrad_into(main_grad, dy_t, g_scale, x_t, x_scale, ctx.emulate)
                 grad_w = finish_fused_weight_gradient(weight)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
+
+
+def _quantized_output_grad(ctx: Any, grad: torch.Tensor, pre_activation: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The GEMM output's gradient ``dy`` as float8 codes, their transposed copy where one kernel wrote both (else
+    ``None``), and their scale: ``dy`` is ``grad``, or SwiGLU's gradient at ``pre_activation`` times ``grad``."""
+    transposed = ctx.needs_input_grad[1]
+    if pre_activation is not None:
+        grad = grad.contiguous()
+        if _fused_cast(grad, ctx.emulate) and swiglu_grad_cast_serves(grad, pre_activation):
+            g_scale = _scale_of_amax(swiglu_grad_amax(grad, pre_activation), ctx.grad_dtype, ctx.amax_group)
+            dy_q, dy_t = swiglu_grad_cast_transpose(grad, pre_activation, g_scale, ctx.grad_dtype)
+            return dy_q, dy_t if transposed else None, g_scale
+        grad = swiglu_grad(grad, pre_activation)
+    g_scale = _current_scale(grad, ctx.grad_dtype, ctx.amax_group)
+    if _fused_cast(grad, ctx.emulate) and transposed:
+        dy_q, dy_t = cast_transpose(grad, g_scale, ctx.grad_dtype)
+        return dy_q, dy_t, g_scale
+    return quantize(grad, g_scale, ctx.grad_dtype), None, g_scale
 
 
 def _weight_transpose(weight: torch.Tensor, emulate: bool) -> torch.Tensor:
@@ -184,13 +225,15 @@ def _placeholder(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
     return torch.zeros_like(weight) if kind == ZERO_PLACEHOLDER else torch.empty_like(weight)
 
 
-def fp8_param_matmul(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+def fp8_param_matmul(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module, activation: str | None = None
+                     ) -> torch.Tensor:
     """``x @ weight.T`` for the FP8 parameter ``weight`` of ``layer`` (its ``fp8_param_grad_dtype`` and
-    ``fp8_param_amax_group``; emulated off CUDA or with ``layer.float8_emulate``). Traceable by ``torch.compile``."""
+    ``fp8_param_amax_group``; emulated off CUDA or with ``layer.float8_emulate``), through ``activation`` if given
+    (see :class:`Float8ParamMatmul`). Traceable by ``torch.compile``."""
     emulate = bool(getattr(layer, "float8_emulate", False)) or x.device.type != "cuda"
     group = layer.fp8_param_amax_group
     if get_pg_size(group) <= 1:
         group = None
     return Float8ParamMatmul.apply(x, weight, layer.fp8_param_grad_dtype, group, emulate, weight.fp8_scale,
                                    getattr(weight, "main_grad", None), _placeholder_kind(weight),
-                                   _cached_weight_transpose(weight, layer, emulate))
+                                   _cached_weight_transpose(weight, layer, emulate), activation)

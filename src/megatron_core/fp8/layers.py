@@ -25,6 +25,7 @@ from megatron_core.distributed.fp8_params import (
     is_fp8_param,
     make_fp8_param,
 )
+from megatron_core.fp8 import fp8_param_linear
 from megatron_core.fp8.delayed_linear import delayed_float8_matmul
 from megatron_core.fp8.delayed_scaling import (
     DelayedScalingRecipe,
@@ -32,7 +33,7 @@ from megatron_core.fp8.delayed_scaling import (
     pack_extra_state,
     unpack_extra_state,
 )
-from megatron_core.fp8.fp8_param_linear import allocate_weight_transpose, fp8_param_matmul
+from megatron_core.fp8.fp8_param_linear import SWIGLU, allocate_weight_transpose, fp8_param_matmul
 from megatron_core.fp8.fp8_param_module import apply_keeping_fp8_params
 from megatron_core.fp8.grouped_layers import GROUPED_FP8_CLASSES
 from megatron_core.fp8.torchao_backend import (
@@ -130,13 +131,7 @@ class Float8ColumnParallelLinear(_Float8GemmMixin, ColumnParallelLinear):
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("weight must be passed to forward() when skip_weight_param_allocation=True")
-        if self.explicit_expert_comm or self.disable_grad_reduce:
-            total_input = input_
-        elif self.sequence_parallel:
-            total_input = gather_from_sequence_parallel_region(input_, group=self.tp_group)
-        else:
-            total_input = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output = self.float8_gemm(total_input, weight)
+        output = self.float8_gemm(self._total_input(input_), weight)
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias.to(output.dtype)
         gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -145,6 +140,29 @@ class Float8ColumnParallelLinear(_Float8GemmMixin, ColumnParallelLinear):
         if self.output_dtype is not None:
             output = output.to(self.output_dtype)
         return output, (self.bias if self.skip_bias_add else None)
+
+    def fuses_swiglu(self) -> bool:
+        """Whether :meth:`forward_swiglu` serves this layer: an FP8 parameter weight, no bias, the output neither
+        gathered nor cast (and ``fp8_param_linear.FUSED_SWIGLU_GRAD``)."""
+        return (fp8_param_linear.FUSED_SWIGLU_GRAD and is_fp8_param(self.weight) and self.bias is None
+                and not self.gather_output and self.output_dtype is None)
+
+    def forward_swiglu(self, input_: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this layer's output ``[gate; up]`` (an MLP's gated ``linear_fc1``), the
+        activation inside the FP8 GEMM's autograd function, whose backward quantizes SwiGLU's gradient in two
+        passes over its inputs (:mod:`megatron_core.fp8.swiglu_grad_cast`); see :meth:`fuses_swiglu`."""
+        if not self.fuses_swiglu():
+            raise ValueError("forward_swiglu needs an FP8 parameter weight (fp8_param), no bias, gather_output=False "
+                             "and no output_dtype")
+        return fp8_param_matmul(self._total_input(input_), self.weight, self, activation=SWIGLU)
+
+    def _total_input(self, input_: torch.Tensor) -> torch.Tensor:
+        """The GEMM's input: gathered over the sequence-parallel ranks, or entering the tensor-parallel region."""
+        if self.explicit_expert_comm or self.disable_grad_reduce:
+            return input_
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, group=self.tp_group)
+        return copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
 
 
 class Float8RowParallelLinear(_Float8GemmMixin, RowParallelLinear):

@@ -126,8 +126,17 @@ class MLP(MegatronModule):
             return activated
         return (activated * per_token_scale.unsqueeze(-1)).to(activated.dtype)
 
+    def _swiglu_in_fc1(self) -> bool:
+        """Whether ``linear_fc1`` applies this MLP's SwiGLU itself: an FP8 layer that offers it (``fuses_swiglu``:
+        its backward quantizes SwiGLU's gradient in one go), a plain SwiGLU, no activation recompute."""
+        fuses = getattr(self.linear_fc1, "fuses_swiglu", None)
+        return (self.gated and self.activation_func is F.silu and self.glu_linear_offset == 0.0
+                and self.glu_clamp_value is None and not self.recompute_activation and fuses is not None and fuses())
+
     def _forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if per_token_scale is None and self._swiglu_in_fc1():
+            return self.linear_fc2(self.linear_fc1.forward_swiglu(hidden_states))
         intermediate, bias = self.linear_fc1(hidden_states)
         recompute = ActivationRecompute(self.recompute_activation and self.training)
         intermediate = recompute.run(self._activate_scaled, intermediate, bias, per_token_scale)
