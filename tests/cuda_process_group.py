@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import tempfile
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,11 @@ def one_rank_nccl_group(tmp_path: Path) -> Iterator[None]:
 
 
 def _run_with_group(fn: Callable[..., Any], args: tuple) -> Any:
-    with tempfile.TemporaryDirectory() as store_dir, one_rank_nccl_group(Path(store_dir)):
-        return fn(*args)
+    try:
+        with tempfile.TemporaryDirectory() as store_dir, one_rank_nccl_group(Path(store_dir)):
+            return fn(*args)
+    except Exception as err:  # re-raised as text: an exception holding frames (Dynamo's) cannot be pickled back
+        raise RuntimeError("in the fresh process:\n" + "".join(traceback.format_exception(err))) from None
 
 
 def in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:

@@ -128,7 +128,7 @@ def _outputs(g: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _amax(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    amax = torch.zeros(1, dtype=torch.float32, device=g.device)
+    amax = torch.zeros((), dtype=torch.float32, device=g.device)
     unused = g.new_empty(0, dtype=torch.float8_e4m3fn)  # the cast's outputs, not written by the amax pass
     _launch(g, y, amax, amax, unused, unused, amax_pass=True, e5m2=False)
     return amax
@@ -149,7 +149,7 @@ _LIBRARY.impl("fp8_swiglu_grad_cast_transpose", _cast, "CUDA")
 
 @torch.library.register_fake("megatron_core::fp8_swiglu_grad_amax", lib=_LIBRARY)
 def _(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return g.new_empty(1, dtype=torch.float32)
+    return g.new_empty((), dtype=torch.float32)
 
 
 @torch.library.register_fake("megatron_core::fp8_swiglu_grad_cast_transpose", lib=_LIBRARY)
@@ -158,7 +158,7 @@ def _(g: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tupl
 
 
 def swiglu_grad_amax(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The amax (fp32, one element) of ``swiglu_grad(g, y)`` (see :func:`swiglu_grad_cast_serves`)."""
+    """The amax (a 0-d fp32 tensor, as ``Tensor.amax()``) of ``swiglu_grad(g, y)`` (see :func:`swiglu_grad_cast_serves`)."""
     return torch.ops.megatron_core.fp8_swiglu_grad_amax(g, y)
 
 
