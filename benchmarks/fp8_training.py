@@ -140,6 +140,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true",
                    help="full-step part: overlap_grad_reduce and overlap_param_gather (40M-element buckets)")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--no-rope-fusion", action="store_true",
+                   help="QKV split and RoPE as plain torch ops (apply_rope_fusion=False) instead of pretrain_gpt.py's "
+                        "default fused kernel")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, emulated FP8, fp32")
     args = p.parse_args()
     args.compile = not args.no_compile
@@ -182,7 +185,7 @@ def build(shape: dict, args: argparse.Namespace, vocab: int, fp8: tuple[str, str
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
         cuda_graph_impl=args.cuda_graph_impl, gradient_accumulation_fusion=gradient_accumulation_fusion,
-        fp8=fmt, fp8_recipe=recipe, fp8_param=fp8_param, **moe_fields(shape),
+        apply_rope_fusion=not args.no_rope_fusion, fp8=fmt, fp8_recipe=recipe, fp8_param=fp8_param, **moe_fields(shape),
     )
     spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False) if "experts" in shape
             else get_gpt_layer_local_spec())
