@@ -115,6 +115,8 @@ class Float8ParamMatmul(torch.autograd.Function):
                 placeholder: str | None = None, weight_t: torch.Tensor | None = None,
                 activation: str | None = None) -> torch.Tensor:
         """The float8 product with the stored weight bytes and scale; the input cast with its current scale."""
+        if activation not in (None, SWIGLU):
+            raise ValueError(f"Float8ParamMatmul: activation {activation!r} is not None or {SWIGLU!r}")
         if w_scale is None:
             w_scale = weight.fp8_scale
         if main_grad is None:
@@ -139,8 +141,6 @@ class Float8ParamMatmul(torch.autograd.Function):
         ctx.save_for_backward(x_saved, x_scale, weight, w_scale, weight_t, pre_activation)
         if activation == SWIGLU:
             out = swiglu(out)
-        elif activation is not None:
-            raise ValueError(f"Float8ParamMatmul: activation {activation!r} is not None or {SWIGLU!r}")
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
