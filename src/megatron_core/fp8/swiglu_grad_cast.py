@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
+from megatron_core.activations import gated_linear_unit
 from megatron_core.fp8.delayed_linear import MM_ALIGN
+from megatron_core.fusions.fused_bias_swiglu import swiglu_back
 from megatron_core.jit import have_triton, triton_modules
 
 __all__ = ["swiglu", "swiglu_grad", "swiglu_grad_amax", "swiglu_grad_cast_serves", "swiglu_grad_cast_transpose"]
@@ -35,17 +37,14 @@ _CONFIGS = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (32, 128, 4), (64, 256, 8))
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``y = [gate; up]`` along the last dimension (``gated_linear_unit``'s SwiGLU)."""
-    gate, up = torch.chunk(y, 2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    """``silu(gate) * up`` for ``y = [gate; up]`` along the last dimension (the MLP's ``gated_linear_unit``)."""
+    return gated_linear_unit(y, torch.nn.functional.silu)
 
 
 def swiglu_grad(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The gradient of :func:`swiglu` at ``y`` times ``g``, computed in fp32 and rounded to ``y``'s dtype."""
-    gate, up = torch.chunk(y.float(), 2, dim=-1)
-    g = g.float()
-    sig = torch.sigmoid(gate)
-    return torch.cat((g * sig * (1 + gate * (1 - sig)) * up, g * gate * sig), dim=-1).to(y.dtype)
+    """The gradient of :func:`swiglu` at ``y`` times ``g`` (``fused_bias_swiglu.swiglu_back``), computed in fp32 and
+    rounded to ``y``'s dtype, as the kernels round it."""
+    return swiglu_back(g.float(), y.float()).to(y.dtype)
 
 
 def swiglu_grad_cast_serves(g: torch.Tensor, y: torch.Tensor) -> bool:
