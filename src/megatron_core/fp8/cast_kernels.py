@@ -33,8 +33,8 @@ import torch
 from megatron_core.fp8.delayed_linear import MM_ALIGN
 from megatron_core.jit import have_triton, triton_modules, triton_op
 
-__all__ = ["cast_transpose", "cast_transpose_serves", "fp8_cast_kernels_available", "group_columnwise_cast_transposed",
-           "rowwise_cast", "transpose_codes"]
+__all__ = ["cast_transpose", "cast_transpose_serves", "codes_and_transposed", "fp8_cast_kernels_available",
+           "group_columnwise_cast_transposed", "rowwise_cast", "transpose_codes"]
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 AMAX_EPS = 1e-12
@@ -178,23 +178,25 @@ def _transpose_bytes(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _dual_layout(t: torch.Tensor, e5m2: bool) -> tuple[torch.dtype, int, int, int]:
-    """``(dtype, rows, cols, padded rows)`` of :func:`cast_transpose`'s outputs for ``t``: the transposed codes'
-    rows padded to the float8 GEMM's alignment of its reduction dimension."""
-    rows, cols = t.shape
-    return torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn, rows, cols, rows + (-rows % MM_ALIGN)
+def codes_and_transposed(like: torch.Tensor, rows: int, cols: int, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty e5m2 (else e4m3) codes ``[rows, cols]`` and their transposed copy ``[cols, rows16]`` on ``like``'s
+    device, as :func:`cast_transpose` writes them: the copy's rows padded to the float8 GEMM's alignment of its
+    reduction dimension."""
+    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    return like.new_empty(rows, cols, dtype=dtype), like.new_empty(cols, rows + (-rows % MM_ALIGN), dtype=dtype)
 
 
 def _cast_dual(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype, rows, cols, padded = _dual_layout(t, e5m2)
-    codes = torch.empty(rows, cols, dtype=dtype, device=t.device)
-    transposed = torch.empty(cols, padded, dtype=dtype, device=t.device)
+    rows, cols = t.shape
+    codes, transposed = codes_and_transposed(t, rows, cols, e5m2)
+    padded = transposed.shape[1]
 
     def grid(meta: dict) -> tuple[int, int]:
         return (-(-padded // meta["BR"]), -(-cols // meta["BC"]))
 
     with torch.cuda.device(t.device):
-        _dual_kernel()[grid](t, scale, codes, transposed, rows, cols, padded, float(torch.finfo(dtype).max), E5M2=e5m2)
+        _dual_kernel()[grid](t, scale, codes, transposed, rows, cols, padded, float(torch.finfo(codes.dtype).max),
+                             E5M2=e5m2)
     return codes, transposed
 
 
@@ -207,8 +209,7 @@ _LIBRARY.impl("fp8_cast_transpose", _cast_dual, "CUDA")
 
 @torch.library.register_fake("megatron_core::fp8_cast_transpose", lib=_LIBRARY)
 def _(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype, rows, cols, padded = _dual_layout(t, e5m2)
-    return t.new_empty(rows, cols, dtype=dtype), t.new_empty(cols, padded, dtype=dtype)
+    return codes_and_transposed(t, *t.shape, e5m2)
 
 
 _ROWWISE_OP = triton_op("megatron_core::fp8_rowwise_cast", _rowwise)

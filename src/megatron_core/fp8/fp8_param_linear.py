@@ -136,7 +136,6 @@ class Float8ParamMatmul(torch.autograd.Function):
         ctx.placeholder = _placeholder_kind(weight) if placeholder is None else placeholder
         ctx.grad_dtype, ctx.amax_group, ctx.emulate = grad_dtype, amax_group, emulate
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.activation = activation
         pre_activation = out if activation == SWIGLU else None
         ctx.save_for_backward(x_saved, x_scale, weight, w_scale, weight_t, pre_activation)
         if activation == SWIGLU:

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from megatron_core.activations import gated_linear_unit
-from megatron_core.fp8.delayed_linear import MM_ALIGN
+from megatron_core.distributed.fp8_params import fp8_max
+from megatron_core.fp8.cast_kernels import codes_and_transposed
 from megatron_core.fusions.fused_bias_swiglu import swiglu_back
 from megatron_core.jit import have_triton, triton_modules
 
@@ -103,27 +104,17 @@ def _on_device(t: torch.Tensor) -> Any:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _padded_rows(rows: int) -> int:
-    return rows + (-rows % MM_ALIGN)
-
-
 def _launch(g: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor,
             transposed: torch.Tensor, amax_pass: bool, e5m2: bool) -> None:
     rows, half = g.shape
-    padded = _padded_rows(rows)
+    padded = rows if amax_pass else transposed.shape[1]  # the cast pass also writes the padding rows' zeros
 
     def grid(meta: dict) -> tuple[int, int]:
         return (-(-padded // meta["BR"]), -(-half // meta["BC"]))
 
-    limit = float(torch.finfo(torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn).max)
+    limit = fp8_max(torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
     with _on_device(g):
         _kernel()[grid](g, y, scale, amax, codes, transposed, rows, half, padded, limit, AMAX=amax_pass, E5M2=e5m2)
-
-
-def _outputs(g: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, half = g.shape
-    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    return g.new_empty(rows, 2 * half, dtype=dtype), g.new_empty(2 * half, _padded_rows(rows), dtype=dtype)
 
 
 def _amax(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -134,7 +125,7 @@ def _amax(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _cast(g: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    codes, transposed = _outputs(g, e5m2)
+    codes, transposed = codes_and_transposed(g, g.shape[0], 2 * g.shape[1], e5m2)
     _launch(g, y, scale, scale, codes, transposed, amax_pass=False, e5m2=e5m2)
     return codes, transposed
 
@@ -153,7 +144,7 @@ def _(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @torch.library.register_fake("megatron_core::fp8_swiglu_grad_cast_transpose", lib=_LIBRARY)
 def _(g: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _outputs(g, e5m2)
+    return codes_and_transposed(g, g.shape[0], 2 * g.shape[1], e5m2)
 
 
 def swiglu_grad_amax(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
