@@ -59,15 +59,16 @@ def init_distributed() -> None:
 
 def step_variants(args: argparse.Namespace) -> list[tuple[str, tuple[str, str] | None, bool, bool]]:
     """``(label, (recipe, format) or None, fp8_param, gradient_accumulation_fusion)`` of bf16 (the baseline first),
-    FP8 and FP8 with FP8 parameters. bf16 fuses the weight-gradient accumulation on CUDA, as ``pretrain_gpt.py``
-    does by default there (``--gradient-accumulation-fusion``; the GEMM adds into ``main_grad``); the FP8 paths
-    cannot (``pretrain_gpt.py`` turns it off with FP8; FP8 parameters add their own weight gradient)."""
+    FP8 and FP8 with FP8 parameters. bf16 and ``fp8_param`` fuse the weight-gradient accumulation on CUDA, as
+    ``pretrain_gpt.py`` does by default there (``--gradient-accumulation-fusion``; the GEMM adds into ``main_grad``;
+    with FP8 parameters the FP8 layers add their own gradients and the bf16 embedding, output layer and norms take
+    the fused path); torchao's FP8 GEMMs cannot (``pretrain_gpt.py`` turns it off for them)."""
     fp8 = ("tensorwise", args.fp8_format)
     fused = torch.cuda.is_available() and not args.tiny
     variants = {"bf16": ("bf16", None, False, fused),
                 "bf16-unfused": ("bf16 unfused grad accumulation", None, False, False),
                 "fp8": (f"fp8 tensorwise {args.fp8_format}", fp8, False, False),
-                "fp8_param": (f"fp8_param tensorwise {args.fp8_format}", fp8, True, False)}
+                "fp8_param": (f"fp8_param tensorwise {args.fp8_format}", fp8, True, fused)}
     if args.step_variants is None:
         names = ["bf16", "bf16-unfused", "fp8", "fp8_param"] if args.step_bf16_unfused else ["bf16", "fp8", "fp8_param"]
     else:

@@ -45,13 +45,18 @@ def validate_fp8_args(args: argparse.Namespace, require: Any) -> None:
     """The flag rules FP8 adds; ``require(condition, message)`` raises the parser's error (the recipe and
     ``fp8_param`` rules are the library's: ``check_fp8_config``, ``DistributedDataParallel``).
 
-    Runs before the device defaults: with FP8 the fused weight-gradient GEMM is off by default (the FP8 GEMMs do
-    not take it; FP8 parameters accumulate into ``main_grad`` themselves) and refused when asked for."""
+    Runs before the device defaults. torchao's FP8 GEMMs return their weight gradients, so without
+    ``--fp8-param-gather`` the fused weight-gradient GEMM is off by default and refused when asked for. With FP8
+    parameters it keeps its device default, as in Megatron-LM with Transformer Engine: the FP8 layers add their
+    gradients to ``main_grad`` themselves, the high-precision ones (embedding, output layer, norms, bf16 layers)
+    through the fused path."""
     if args.fp8 is None:
         require(not args.fp8_param_gather, "--fp8-param-gather needs --fp8-format")
         return
+    if args.fp8_param_gather:
+        return
     require(not args.gradient_accumulation_fusion,
-            "--gradient-accumulation-fusion is not supported with --fp8-format (drop it: the FP8 GEMMs "
+            "--gradient-accumulation-fusion with --fp8-format needs --fp8-param-gather (torchao's FP8 GEMMs "
             "compute the weight gradients themselves)")
     args.gradient_accumulation_fusion = False
 

@@ -40,10 +40,14 @@ def _args(*extra: str, cuda: bool = False):
         arguments.cuda_available = original
 
 
-def test_fp8_flags_reach_the_config_and_turn_the_fused_wgrad_off():
+def test_fp8_flags_reach_the_config_and_set_the_fused_wgrad_default():
     _, model_builder = _example_modules()
     args = _args(*FP8_PARAM, "--fp8-margin", "1", "--fp8-amax-history-len", "8", cuda=True)
-    assert args.gradient_accumulation_fusion is False  # the CUDA default is on; FP8 GEMMs do not take it
+    # FP8 parameters keep the CUDA default (on): they add to main_grad, the bf16 layers take the fused GEMM
+    assert args.gradient_accumulation_fusion is True
+    assert _args(*FP8_PARAM).gradient_accumulation_fusion is False  # the CPU default
+    # torchao's FP8 GEMMs return their weight gradients: off, though on by default on CUDA
+    assert _args("--fp8-format", "hybrid", cuda=True).gradient_accumulation_fusion is False
     config = model_builder.transformer_config_from_args(args)
     assert (config.fp8, config.fp8_recipe, config.fp8_param, config.fp8_margin, config.fp8_amax_history_len) == \
         ("hybrid", "tensorwise", True, 1, 8)
@@ -53,7 +57,8 @@ def test_fp8_flags_reach_the_config_and_turn_the_fused_wgrad_off():
 
 
 @pytest.mark.parametrize("extra, names", [
-    (["--fp8-format", "hybrid", "--gradient-accumulation-fusion"], ["--gradient-accumulation-fusion", "--fp8-format"]),
+    (["--fp8-format", "hybrid", "--gradient-accumulation-fusion"],
+     ["--gradient-accumulation-fusion", "--fp8-format", "--fp8-param-gather"]),
     (["--fp8-param-gather"], ["--fp8-param-gather", "--fp8-format"]),
 ])
 def test_fp8_flag_rules_name_the_flags(extra, names):

@@ -159,13 +159,13 @@ def test_compiled_wgrad_op_gets_its_operands_in_the_layout_scaled_mm_wants(monke
     layer = OneFP8WeightLayer()
     layer.weight.main_grad, layer.weight.grad_added_to_main_grad = torch.zeros(32, 48), False
     calls = []
-    gemm = fp8_param_ops.fp8_mm_nt
+    gemm = fp8_param_ops.dequantized_mm_nt
 
-    def recording_gemm(a, a_scale, b_t, b_scale, out_dtype, emulate):
+    def recording_gemm(a, a_scale_inv, b_t, b_scale_inv, out_dtype, emulate):
         calls.append((tuple(a.shape), tuple(b_t.shape), a.is_contiguous() and b_t.is_contiguous()))
-        return gemm(a, a_scale, b_t, b_scale, out_dtype, emulate)
+        return gemm(a, a_scale_inv, b_t, b_scale_inv, out_dtype, emulate)
 
-    monkeypatch.setattr(fp8_param_ops, "fp8_mm_nt", recording_gemm)
+    monkeypatch.setattr(fp8_param_ops, "dequantized_mm_nt", recording_gemm)
     x = torch.randn(2, 10, 48, requires_grad=True)
     torch.compile(layer, backend="inductor", fullgraph=True)(x).backward(torch.randn(2, 10, 32))
     assert calls == [((32, 32), (48, 32), True)]  # dy_q.T @ x_q, the tokens padded to 32

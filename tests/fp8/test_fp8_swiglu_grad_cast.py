@@ -40,6 +40,10 @@ def _run(activation: str | None, x: torch.Tensor, g: torch.Tensor) -> tuple[torc
                                   activation)
     if activation is None:
         out = swiglu(out)
+    else:  # the output's amax comes with it, not differentiable
+        out, amax = out
+        assert not amax.requires_grad and amax.shape == () and amax.dtype == torch.float32
+        assert torch.equal(amax, out.detach().abs().amax().float())
     out.backward(g)
     return out.detach(), x.grad, layer.weight.main_grad
 

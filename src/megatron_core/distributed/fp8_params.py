@@ -152,6 +152,9 @@ def make_fp8_param(weight: torch.nn.Parameter, scaling: str = "tensorwise") -> t
     scale = _scale_of(hp, rowwise)
     param = torch.nn.Parameter(_quantize_as(hp, scale, rowwise), requires_grad=weight.requires_grad)
     param.__dict__.update(weight.__dict__)
+    # Its GEMM adds to main_grad and never overwrites it: not a weight whose first write may skip DDP's zeroing
+    # (``overwrite_main_grad_on_first_wgrad``), as the layer's gradient_accumulation_fusion mark would say.
+    param.__dict__.pop("wgrad_fused_into_main_grad", None)
     param.fp8_scaling = scaling
     param.fp8_scale = scale
     param.fp8_hp_dtype = weight.dtype

@@ -28,8 +28,10 @@ The weight's transposed codes (the data-gradient GEMM's operand) are cached for 
 steps begin (``set_is_first_microbatch``, as Transformer Engine's FP8 weights): see :func:`_cached_weight_transpose`.
 
 With ``activation="swiglu"`` (an MLP's ``linear_fc1``, see ``Float8ColumnParallelLinear.forward_swiglu``) the
-function returns ``silu(gate) * up`` of the GEMM's output ``[gate; up]`` and keeps that output for its backward,
-which quantizes SwiGLU's gradient without storing it in bf16 (:mod:`megatron_core.fp8.swiglu_grad_cast`).
+function returns ``silu(gate) * up`` of the GEMM's output ``[gate; up]`` with its amax, made in one pass
+(:mod:`megatron_core.fp8.swiglu_amax`; ``linear_fc2`` takes it as ``x_amax`` instead of reading its input again),
+and keeps the GEMM's output for its backward, which quantizes SwiGLU's gradient without storing it in bf16
+(:mod:`megatron_core.fp8.swiglu_grad_cast`).
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ from megatron_core.distributed.fp8_params import FP8_PARAM_DTYPE, quantize, tens
 from megatron_core.fp8.cast_kernels import cast_transpose, cast_transpose_serves, transpose_codes
 from megatron_core.fp8.delayed_linear import _pad_rows
 from megatron_core.fp8.fp8_param_ops import fp8_mm_nt, fp8_wgrad_into
+from megatron_core.fp8.swiglu_amax import swiglu_with_amax
 from megatron_core.fp8.swiglu_grad_cast import (
-    swiglu,
     swiglu_grad,
     swiglu_grad_amax,
     swiglu_grad_cast_serves,
@@ -106,14 +108,17 @@ class Float8ParamMatmul(torch.autograd.Function):
     ``weight``'s ``fp8_scale``, ``main_grad`` and DDP marks; :func:`fp8_param_matmul` passes them, so that a
     compiled graph reads no parameter attribute inside the function. ``weight_t``: the weight's transposed codes
     for the data gradient, cached for the step (``None``: the backward transposes the weight). ``activation``:
-    ``None``, or :data:`SWIGLU` for ``swiglu(x @ weight.T)`` (the GEMM's output kept for the backward).
+    ``None``, or :data:`SWIGLU` for ``swiglu(x @ weight.T)`` (the GEMM's output kept for the backward); then the
+    function returns ``(output, amax)``, the output's amax (0-d fp32, not differentiable) made in the same pass
+    (:mod:`megatron_core.fp8.swiglu_amax`) for the next FP8 GEMM's ``x_amax``. ``x_amax``: ``x``'s amax when the
+    caller has it (the input's scale then needs no pass over ``x``).
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype, amax_group: Any,
                 emulate: bool, w_scale: torch.Tensor | None = None, main_grad: torch.Tensor | None = None,
                 placeholder: str | None = None, weight_t: torch.Tensor | None = None,
-                activation: str | None = None) -> torch.Tensor:
+                activation: str | None = None, x_amax: torch.Tensor | None = None) -> Any:
         """The float8 product with the stored weight bytes and scale; the input cast with its current scale."""
         if activation not in (None, SWIGLU):
             raise ValueError(f"Float8ParamMatmul: activation {activation!r} is not None or {SWIGLU!r}")
@@ -122,7 +127,9 @@ class Float8ParamMatmul(torch.autograd.Function):
         if main_grad is None:
             main_grad = getattr(weight, "main_grad", None)
         x2 = x.reshape(-1, x.shape[-1])
-        x_scale = _current_scale(x2, FP8_PARAM_DTYPE, amax_group)
+        x_scale = (_current_scale(x2, FP8_PARAM_DTYPE, amax_group) if x_amax is None
+                   else _scale_of_amax(x_amax.detach().float(), FP8_PARAM_DTYPE, amax_group))
+        x_scale_inv = x_scale.reciprocal()  # the weight gradient's factor, made where the forward GEMM's is
         ctx.x_transposed = _fused_cast(x2, emulate)
         if ctx.x_transposed:  # the weight gradient's transposed input is written with the forward's codes
             x_q, x_saved = cast_transpose(x2, x_scale, FP8_PARAM_DTYPE)
@@ -137,15 +144,17 @@ class Float8ParamMatmul(torch.autograd.Function):
         ctx.grad_dtype, ctx.amax_group, ctx.emulate = grad_dtype, amax_group, emulate
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         pre_activation = out if activation == SWIGLU else None
-        ctx.save_for_backward(x_saved, x_scale, weight, w_scale, weight_t, pre_activation)
+        ctx.save_for_backward(x_saved, x_scale_inv, weight, w_scale, weight_t, pre_activation)
         if activation == SWIGLU:
-            out = swiglu(out)
+            out, out_amax = swiglu_with_amax(out)
+            ctx.mark_non_differentiable(out_amax)
+            return out.reshape(*x.shape[:-1], out.shape[-1]), out_amax
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any):
         """Data gradient, and the weight gradient accumulated into ``main_grad`` (placeholder autograd gradient)."""
-        x_saved, x_scale, weight, w_scale, weight_t, pre_activation = ctx.saved_tensors
+        x_saved, x_scale_inv, weight, w_scale, weight_t, pre_activation = ctx.saved_tensors
         dy_q, dy_t, g_scale = _quantized_output_grad(ctx, grad.reshape(-1, grad.shape[-1]), pre_activation)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
@@ -159,13 +168,14 @@ class Float8ParamMatmul(torch.autograd.Function):
                                    "the model in DistributedDataParallel with use_distributed_optimizer=True")
             dy_t = _transposed(dy_q) if dy_t is None else dy_t
             x_t = x_saved if ctx.x_transposed else _transposed(x_saved)
+            g_scale_inv = g_scale.reciprocal()  # as the data gradient's GEMM takes it: one computation
             if torch.compiler.is_compiling():
-                torch.ops.megatron_core.fp8_param_wgrad_(main_grad, dy_t, g_scale, x_t, x_scale, ctx.emulate)
+                torch.ops.megatron_core.fp8_param_wgrad_(main_grad, dy_t, g_scale_inv, x_t, x_scale_inv, ctx.emulate)
                 grad_w = _placeholder(weight, ctx.placeholder)
             else:
-                fp8_wgrad_into(main_grad, dy_t, g_scale, x_t, x_scale, ctx.emulate)
+                fp8_wgrad_into(main_grad, dy_t, g_scale_inv, x_t, x_scale_inv, ctx.emulate)
                 grad_w = finish_fused_weight_gradient(weight)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def _quantized_output_grad(ctx: Any, grad: torch.Tensor, pre_activation: torch.Tensor | None
@@ -224,15 +234,16 @@ def _placeholder(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
     return torch.zeros_like(weight) if kind == ZERO_PLACEHOLDER else torch.empty_like(weight)
 
 
-def fp8_param_matmul(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module, activation: str | None = None
-                     ) -> torch.Tensor:
+def fp8_param_matmul(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Module, activation: str | None = None,
+                     x_amax: torch.Tensor | None = None) -> Any:
     """``x @ weight.T`` for the FP8 parameter ``weight`` of ``layer`` (its ``fp8_param_grad_dtype`` and
     ``fp8_param_amax_group``; emulated off CUDA or with ``layer.float8_emulate``), through ``activation`` if given
-    (see :class:`Float8ParamMatmul`). Traceable by ``torch.compile``."""
+    (then ``(output, amax)``), with ``x``'s amax if the caller has it (see :class:`Float8ParamMatmul`). Traceable
+    by ``torch.compile``."""
     emulate = bool(getattr(layer, "float8_emulate", False)) or x.device.type != "cuda"
     group = layer.fp8_param_amax_group
     if get_pg_size(group) <= 1:
         group = None
     return Float8ParamMatmul.apply(x, weight, layer.fp8_param_grad_dtype, group, emulate, weight.fp8_scale,
                                    getattr(weight, "main_grad", None), _placeholder_kind(weight),
-                                   _cached_weight_transpose(weight, layer, emulate), activation)
+                                   _cached_weight_transpose(weight, layer, emulate), activation, x_amax)

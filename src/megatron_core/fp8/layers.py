@@ -70,11 +70,12 @@ class _Float8GemmMixin:
             if is_fp8_param(param):
                 allocate_weight_transpose(param)
 
-    def float8_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` in float8: the stored bytes of an FP8 parameter (``fp8_param``), else delayed scales if
-        the layer has a delayed-scaling state, else torchao."""
+    def float8_gemm(self, x: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T`` in float8: the stored bytes of an FP8 parameter (``fp8_param``; ``x_amax``, ``x``'s amax
+        if known, spares it a pass over ``x``), else delayed scales if the layer has a delayed-scaling state, else
+        torchao (both ignore ``x_amax``)."""
         if is_fp8_param(weight):
-            return fp8_param_matmul(x, weight, self)
+            return fp8_param_matmul(x, weight, self, x_amax=x_amax)
         if getattr(self, "float8_recipe", None) is not None:
             return delayed_float8_matmul(x, weight, self, emulate=self.float8_emulate)
         return float8_matmul(x, weight, self.float8_config, self.float8_mm_config)
@@ -147,10 +148,11 @@ class Float8ColumnParallelLinear(_Float8GemmMixin, ColumnParallelLinear):
         return (fp8_param_linear.FUSED_SWIGLU_GRAD and is_fp8_param(self.weight) and self.bias is None
                 and not self.gather_output and self.output_dtype is None)
 
-    def forward_swiglu(self, input_: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of this layer's output ``[gate; up]`` (an MLP's gated ``linear_fc1``), the
-        activation inside the FP8 GEMM's autograd function, whose backward quantizes SwiGLU's gradient in two
-        passes over its inputs (:mod:`megatron_core.fp8.swiglu_grad_cast`); see :meth:`fuses_swiglu`."""
+    def forward_swiglu(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, amax)``: ``h = silu(gate) * up`` of this layer's output ``[gate; up]`` (an MLP's gated
+        ``linear_fc1``) and ``h``'s amax (0-d fp32, for ``linear_fc2``'s ``input_amax``). The activation runs inside
+        the FP8 GEMM's autograd function, whose backward quantizes SwiGLU's gradient in two passes over its inputs
+        (:mod:`megatron_core.fp8.swiglu_grad_cast`); see :meth:`fuses_swiglu`."""
         if not self.fuses_swiglu():
             raise ValueError("forward_swiglu needs an FP8 parameter weight (fp8_param), no bias, gather_output=False "
                              "and no output_dtype")
@@ -168,13 +170,21 @@ class Float8ColumnParallelLinear(_Float8GemmMixin, ColumnParallelLinear):
 class Float8RowParallelLinear(_Float8GemmMixin, RowParallelLinear):
     """``RowParallelLinear`` whose GEMM runs in float8 (made by :func:`convert_to_float8`)."""
 
-    def forward(self, input_: torch.Tensor):
-        """``(output, bias)`` as the parent's, computed with a float8 GEMM."""
+    @property
+    def takes_input_amax(self) -> bool:
+        """Whether :meth:`forward` uses an ``input_amax``: an FP8 parameter weight and an input already parallel."""
+        return is_fp8_param(self.weight) and self.input_is_parallel
+
+    def forward(self, input_: torch.Tensor, input_amax: torch.Tensor | None = None):
+        """``(output, bias)`` as the parent's, computed with a float8 GEMM. ``input_amax``: ``input_``'s amax (this
+        rank's part) where the caller made it with ``input_`` (``Float8ColumnParallelLinear.forward_swiglu``); used
+        when the input is already parallel, else ignored."""
         if self.input_is_parallel:
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = self.float8_gemm(input_parallel, self.weight)
+            input_amax = None  # the amax of the whole input, not of this rank's slice
+        output_parallel = self.float8_gemm(input_parallel, self.weight, input_amax)
         return self._reduce_output(output_parallel)
 
 
@@ -238,8 +248,10 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
     if config is None or getattr(config, "fp8", None) is None:
         raise ValueError("convert_to_float8 needs a config with fp8 set ('e4m3' or 'hybrid')")
     check_fp8_config(config)
-    if getattr(config, "gradient_accumulation_fusion", False):
-        raise ValueError("fp8 without Transformer Engine does not support gradient_accumulation_fusion=True")
+    if getattr(config, "gradient_accumulation_fusion", False) and not getattr(config, "fp8_param", False):
+        raise ValueError("fp8 without Transformer Engine supports gradient_accumulation_fusion=True only with "
+                         "fp8_param=True (torchao's float8 GEMMs return the weight gradient; FP8 parameters add "
+                         "theirs to main_grad); got fp8_param=False")
     if not emulate:
         param = next(model.parameters(), None)
         check_fp8_device(config, param.device if param is not None else torch.device("cpu"))

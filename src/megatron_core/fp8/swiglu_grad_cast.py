@@ -99,7 +99,7 @@ def _kernel() -> Any:
     return swiglu_grad_kernel
 
 
-def _on_device(t: torch.Tensor) -> Any:
+def on_device(t: torch.Tensor) -> Any:
     """Launch on ``t``'s CUDA device (nothing to select for the CPU tensors of Triton's interpreter)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -113,7 +113,7 @@ def _launch(g: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, amax: torch.T
         return (-(-padded // meta["BR"]), -(-half // meta["BC"]))
 
     limit = fp8_max(torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
-    with _on_device(g):
+    with on_device(g):
         _kernel()[grid](g, y, scale, amax, codes, transposed, rows, half, padded, limit, AMAX=amax_pass, E5M2=e5m2)
 
 

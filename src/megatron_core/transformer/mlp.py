@@ -136,7 +136,11 @@ class MLP(MegatronModule):
     def _forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if per_token_scale is None and self._swiglu_in_fc1():
-            return self.linear_fc2(self.linear_fc1.forward_swiglu(hidden_states))
+            intermediate, amax = self.linear_fc1.forward_swiglu(hidden_states)
+            # an FP8 linear_fc2 takes the amax made with the activation (its scale without a pass of its own)
+            if getattr(self.linear_fc2, "takes_input_amax", False):
+                return self.linear_fc2(intermediate, input_amax=amax)
+            return self.linear_fc2(intermediate)
         intermediate, bias = self.linear_fc1(hidden_states)
         recompute = ActivationRecompute(self.recompute_activation and self.training)
         intermediate = recompute.run(self._activate_scaled, intermediate, bias, per_token_scale)
