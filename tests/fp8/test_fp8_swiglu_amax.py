@@ -2,7 +2,8 @@
 
 CPU: the PyTorch path equals ``swiglu`` and its amax; an FP8-parameter GPT's MLPs hand the amax to ``linear_fc2``,
 whose input scale is then the one it computes itself (same logits bit for bit with and without the handover).
-Triton's interpreter and the GPU: the kernel's output and amax against the PyTorch formula.
+Triton's interpreter and the GPU: the kernel's output and amax against the PyTorch formula; compiled code runs
+the kernel, eager code the PyTorch ops (whose rounding it keeps).
 """
 
 from __future__ import annotations
@@ -72,14 +73,27 @@ def test_interpreted_kernel_gives_swiglu_and_its_amax():
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_equals_the_formula():
-    """bf16 inputs: ``h`` within one bf16 rounding of the fp32 formula, the amax exactly ``h``'s."""
+def test_gpu_kernel_equals_the_formula_and_serves_compiled_code():
+    """bf16 inputs: ``h`` within one bf16 rounding of the fp32 formula, the amax exactly ``h``'s; a compiled
+    caller runs the kernel (the op in its graph), an eager one the PyTorch ops."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for rows, half in ((4096, 8192), (1000, 720), (37, 130)):
         y = (torch.randn(rows, 2 * half, device="cuda", generator=gen) * 2).to(torch.bfloat16)
-        h, amax = swiglu_with_amax(y)
+        h, amax = torch.ops.megatron_core.fp8_swiglu_amax(y)
         want = swiglu(y.float())
         assert torch.allclose(h.float(), want, rtol=2 ** -7, atol=1e-6), (h.float() - want).abs().max()
         assert amax.shape == () and torch.equal(amax, h.float().abs().amax())
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    compiled_h, compiled_amax = torch.compile(swiglu_with_amax, backend=backend, fullgraph=True)(y)
+    assert any("fp8_swiglu_amax" in g for g in graphs), graphs
+    assert torch.equal(compiled_h, h) and torch.equal(compiled_amax, amax)
+    eager_h, eager_amax = swiglu_with_amax(y)
+    assert torch.equal(eager_h, swiglu(y)) and torch.equal(eager_amax, eager_h.float().abs().amax())

@@ -5,8 +5,11 @@ An FP8 ``linear_fc2`` quantizes its input, SwiGLU's output ``h = silu(gate) * up
 again for the amax (Inductor does not fuse a whole-tensor reduction into its producer: the loop shapes differ).
 :func:`swiglu_with_amax` writes ``h`` and combines each tile's maximum with an atomic maximum in the same pass, and
 ``Float8ParamMatmul`` hands the amax to ``linear_fc2``'s GEMM (``x_amax``). ``h`` is rounded to ``y``'s dtype before
-its amax, so the amax is the one ``linear_fc2`` would compute from ``h``. Off CUDA (or without Triton) the same
-function runs as PyTorch ops. The op is opaque to ``torch.compile`` (as ``fp8_swiglu_grad_amax``).
+its amax, so the amax is the one ``linear_fc2`` would compute from ``h``. The kernel serves traced code
+(``torch.compile``, and the CUDA graphs of compiled layers), where it replaces what Inductor would generate: both
+compute ``silu(gate) * up`` in fp32 and round once. Eagerly (and off CUDA, or without Triton) the same function
+runs as PyTorch ops, which round ``silu(gate)`` to ``y``'s dtype before the product, as the MLP's own SwiGLU does
+(numbers unchanged for eager runs). The op is opaque to ``torch.compile`` (as ``fp8_swiglu_grad_amax``).
 """
 
 from __future__ import annotations
@@ -77,8 +80,9 @@ def _fused_serves(y: torch.Tensor) -> bool:
 
 def swiglu_with_amax(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, amax)``: ``h = swiglu(y)`` (``[T, F]`` of ``y = [gate; up]`` ``[T, 2F]``, in ``y``'s dtype) and
-    ``h.abs().amax()`` as a 0-d fp32 tensor; one Triton pass on CUDA for a contiguous 2-D ``y``."""
-    if _fused_serves(y):
+    ``h.abs().amax()`` as a 0-d fp32 tensor; one Triton pass in traced code on CUDA for a contiguous 2-D ``y``
+    (see the module)."""
+    if torch.compiler.is_compiling() and _fused_serves(y):
         return torch.ops.megatron_core.fp8_swiglu_amax(y)
     h = swiglu(y)
     return h, h.detach().abs().amax().float()
