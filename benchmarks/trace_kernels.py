@@ -22,16 +22,26 @@ def kernel_times(path: Path, functors: bool = False) -> dict[str, list[float]]:
 
     With ``functors``, PyTorch's generic elementwise and reduction kernels are told apart by the functor they run.
     """
-    events = json.loads(path.read_text())
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
     times: dict[str, list[float]] = defaultdict(list)
-    for event in events:
-        if event.get("cat") == "kernel" and event.get("ph") == "X":
-            name = short_name(event["name"])
-            if functors:
-                name += functor_of(event["name"])
-            times[name].append(float(event["dur"]))
+    for event in _events(path):
+        if _is_kernel(event):
+            times[kernel_name(event["name"], functors)].append(float(event["dur"]))
     return times
+
+
+def _events(path: Path) -> list[dict]:
+    """The events of the Chrome trace at ``path``."""
+    events = json.loads(path.read_text())
+    return events.get("traceEvents", events) if isinstance(events, dict) else events
+
+
+def _is_kernel(event: dict) -> bool:
+    return event.get("cat") == "kernel" and event.get("ph") == "X"
+
+
+def kernel_name(name: str, functors: bool = False) -> str:
+    """:func:`short_name` of a kernel, with :func:`functor_of` appended when ``functors``."""
+    return short_name(name) + (functor_of(name) if functors else "")
 
 
 def short_name(name: str) -> str:
@@ -53,8 +63,7 @@ def launchers(path: Path, pattern: str, functors: bool = False, depth: int = 4) 
     """Durations (us) of the kernels whose name (as :func:`kernel_times` gives it) contains ``pattern``, by the
     innermost ``depth`` CPU operators (outermost first) around the runtime call that launched each; a kernel
     replayed by a CUDA graph is under the graph launch."""
-    events = json.loads(path.read_text())
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    events = _events(path)
     runtime = {e["args"]["correlation"]: e for e in events
                if e.get("cat") == "cuda_runtime" and e.get("ph") == "X" and "correlation" in e.get("args", {})}
     operators: dict[tuple, list[dict]] = defaultdict(list)
@@ -63,10 +72,7 @@ def launchers(path: Path, pattern: str, functors: bool = False, depth: int = 4) 
             operators[(event.get("pid"), event.get("tid"))].append(event)
     times: dict[str, list[float]] = defaultdict(list)
     for event in events:
-        if event.get("cat") != "kernel" or event.get("ph") != "X":
-            continue
-        name = short_name(event["name"]) + (functor_of(event["name"]) if functors else "")
-        if pattern not in name:
+        if not _is_kernel(event) or pattern not in kernel_name(event["name"], functors):
             continue
         launch = runtime.get(event.get("args", {}).get("correlation"))
         stack = "?"

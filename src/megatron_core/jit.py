@@ -8,11 +8,13 @@ enclosing ``torch.compile`` traces, the plain function is inlined into that grap
 
 Triton, which the library's hand-written GPU kernels need, is an optional dependency loaded here only:
 :func:`triton_modules` imports it on first use, :func:`have_triton` says whether it can be, and
-:func:`triton_op` registers a kernel's ``torch.library.triton_op`` only where Triton is installed.
+:func:`triton_op` registers a kernel's ``torch.library.triton_op`` only where Triton is installed, and
+:func:`kernel_device` selects the device a kernel is launched on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 from collections.abc import Callable
@@ -109,6 +111,12 @@ def triton_modules() -> tuple[Any, Any] | None:
 def have_triton() -> bool:
     """Whether Triton can be imported (a constant to ``torch.compile``, which cannot trace the import)."""
     return triton_modules() is not None
+
+
+def kernel_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context that launches a Triton kernel on ``t``'s CUDA device (nothing to select for the CPU tensors of
+    Triton's interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def next_power_of_two(n: int) -> int:

@@ -128,7 +128,7 @@ class Float8ParamMatmul(torch.autograd.Function):
             main_grad = getattr(weight, "main_grad", None)
         x2 = x.reshape(-1, x.shape[-1])
         x_scale = (_current_scale(x2, FP8_PARAM_DTYPE, amax_group) if x_amax is None
-                   else _scale_of_amax(x_amax.detach().float(), FP8_PARAM_DTYPE, amax_group))
+                   else _scale_of_amax(x_amax, FP8_PARAM_DTYPE, amax_group))
         x_scale_inv = x_scale.reciprocal()  # the weight gradient's factor, made where the forward GEMM's is
         ctx.x_transposed = _fused_cast(x2, emulate)
         if ctx.x_transposed:  # the weight gradient's transposed input is written with the forward's codes

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from megatron_core.fp8.swiglu_grad_cast import on_device, swiglu
-from megatron_core.jit import have_triton, triton_modules
+from megatron_core.fp8.swiglu_grad_cast import swiglu
+from megatron_core.jit import have_triton, kernel_device, triton_modules
 
 __all__ = ["swiglu_with_amax"]
 
@@ -58,7 +58,7 @@ def _swiglu_amax(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     def grid(meta: dict) -> tuple[int, int]:
         return (-(-rows // meta["BR"]), -(-half // meta["BC"]))
 
-    with on_device(y):
+    with kernel_device(y):
         _kernel()[grid](y, h, amax, rows, half)
     return h, amax
 

@@ -20,7 +20,6 @@ rounded to ``y``'s dtype before its amax and its cast, so both equal the unfused
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
@@ -30,7 +29,7 @@ from megatron_core.activations import gated_linear_unit
 from megatron_core.distributed.fp8_params import fp8_max
 from megatron_core.fp8.cast_kernels import codes_and_transposed
 from megatron_core.fusions.fused_bias_swiglu import swiglu_back
-from megatron_core.jit import have_triton, triton_modules
+from megatron_core.jit import have_triton, kernel_device, triton_modules
 
 __all__ = ["swiglu", "swiglu_grad", "swiglu_grad_amax", "swiglu_grad_cast_serves", "swiglu_grad_cast_transpose"]
 
@@ -99,11 +98,6 @@ def _kernel() -> Any:
     return swiglu_grad_kernel
 
 
-def on_device(t: torch.Tensor) -> Any:
-    """Launch on ``t``'s CUDA device (nothing to select for the CPU tensors of Triton's interpreter)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _launch(g: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor,
             transposed: torch.Tensor, amax_pass: bool, e5m2: bool) -> None:
     rows, half = g.shape
@@ -113,7 +107,7 @@ def _launch(g: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, amax: torch.T
         return (-(-padded // meta["BR"]), -(-half // meta["BC"]))
 
     limit = fp8_max(torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
-    with on_device(g):
+    with kernel_device(g):
         _kernel()[grid](g, y, scale, amax, codes, transposed, rows, half, padded, limit, AMAX=amax_pass, E5M2=e5m2)
 
 
