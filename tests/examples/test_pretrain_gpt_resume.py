@@ -2,11 +2,12 @@
 
 A run saving every SAVE_INTERVAL iterations kills itself (every rank, SIGKILL) at the end of iteration
 KILL_AT through the example's ``PRETRAIN_GPT_KILL_AT_ITERATION`` test hook, so the last published
-checkpoint is known (the second one, 4) however loaded the machine is; the resumed run must log exactly
-(bitwise) the losses of an uninterrupted run for every later iteration.
+checkpoint is known (the second one, 6) however loaded the machine is. Up to the kill that run is an
+uninterrupted run: the run resumed from iteration 6 must log exactly (bitwise) its losses for iterations 7
+and 8, which it trained after the checkpoint.
 
-The three runs of a layout share one ``--data-cache-path``: the first run's rank 0 builds the mock
-data's indices (millions of samples) and every later rank and run loads them, as Megatron's runs do.
+The two runs of a layout share one ``--data-cache-path``: the first run's rank 0 builds the mock data's
+indices (millions of samples) and the second run loads them, as Megatron's runs do.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow  # subprocess/torchrun training runs
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "pretrain_gpt.py"
-TRAIN_ITERS, STOP_AT, SAVE_INTERVAL, KILL_AT = 2000, 8, 2, 5
+TRAIN_ITERS, SAVE_INTERVAL, KILL_AT = 2000, 3, 8
 MODEL = ["--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--ffn-hidden-size", "64", "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data",
          "--vocab-size", "200", "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "2",
@@ -71,26 +72,23 @@ def _tracker(save_dir: Path) -> int:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_killed_run_resumes_with_identical_losses(tmp_path: Path, layout: str) -> None:
     parallel = [*LAYOUTS[layout], "--data-cache-path", str(tmp_path / "data_cache")]
-    straight_log = tmp_path / "straight.jsonl"
-    _finish(_launch([*parallel, "--exit-interval", str(STOP_AT)], straight_log))
-    straight = _train_losses(straight_log)
-    assert sorted(straight) == list(range(1, STOP_AT + 1))
-
     save = tmp_path / "ckpt"
     killed_log = tmp_path / "killed.jsonl"
     killed = _launch([*parallel, "--save", str(save), "--save-interval", str(SAVE_INTERVAL)], killed_log,
                      {"PRETRAIN_GPT_KILL_AT_ITERATION": str(KILL_AT)})
     out = _finish(killed, expect_success=False)
     assert killed.returncode != 0, f"the killed run exited cleanly:\n{out[-4000:]}"
-    assert max(_train_losses(killed_log)) == KILL_AT, "the run did not stop at the kill iteration"
+    straight = _train_losses(killed_log)
+    assert sorted(straight) == list(range(1, KILL_AT + 1)), "the run did not stop at the kill iteration"
     resumed_from = _tracker(save)
     assert resumed_from == KILL_AT // SAVE_INTERVAL * SAVE_INTERVAL, f"tracker at {resumed_from} after the kill"
+    assert KILL_AT - resumed_from >= 2  # at least two iterations trained after the checkpoint to compare
 
     resumed_log = tmp_path / "resumed.jsonl"
-    _finish(_launch([*parallel, "--load", str(save), "--save", str(save), "--exit-interval", str(STOP_AT)],
+    _finish(_launch([*parallel, "--load", str(save), "--save", str(save), "--exit-interval", str(KILL_AT)],
                     resumed_log))
     resumed = _train_losses(resumed_log)
-    assert sorted(resumed) == list(range(resumed_from + 1, STOP_AT + 1))
+    assert sorted(resumed) == list(range(resumed_from + 1, KILL_AT + 1))
     for iteration, loss in resumed.items():
         assert loss == straight[iteration], f"iteration {iteration}: resumed {loss!r} != straight {straight[iteration]!r}"
 

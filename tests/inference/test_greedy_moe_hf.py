@@ -83,15 +83,21 @@ def test_mixtral_greedy_with_chunked_prefill_matches_hf(mixtral):
 def test_mixtral_padded_decode_layout_matches_hf(mixtral, compiled: bool):
     """The CUDA-graph layout (decode batches padded to fixed sizes) on CPU, with the eager or the compiled
     forward: padding rows go through the router and the experts too, and must not change the real
-    requests' tokens."""
+    requests' tokens. Compiled, three requests run in the graph size of four (one padding row), so that one
+    graph size is compiled (each size compiles the MoE forward anew, in many graphs: the router's counts
+    break it)."""
     hf, prompts, expected = mixtral
+    if compiled:
+        prompts, expected = prompts[:3], expected[:3]
     model = _model(hf, grouped=True)
     context = DynamicInferenceContext(model.config, InferenceConfig(
-        block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4, max_requests=3,
-        compile_decode_graphs=compiled))
+        block_size_tokens=8, buffer_size_gb=0.01, max_sequence_length=64, num_cuda_graphs=4,
+        max_requests=4 if compiled else 3, compile_decode_graphs=compiled))
     context.pad_decode_steps_on_cpu = True
     engine = DynamicInferenceEngine(TextGenerationController(GPTInferenceWrapper(model, context), tokenizer=None),
                                     context)
     params = SamplingParams(top_k=1, num_tokens_to_generate=NEW, termination_id=-1)
     assert [r.merge().generated_tokens for r in engine.generate(prompts, params)] == expected
     assert context.graph_inputs  # padded decode steps ran
+    if compiled:
+        assert set(context.graph_inputs) == {4}

@@ -90,25 +90,27 @@ def _compiled_fused_against_eager_unfused() -> dict[str, int]:
 
     parallel_state.initialize_model_parallel()
     try:
-        for bf16 in (False, True):
-            torch._dynamo.reset()
-            counters.clear()
-            fused = _main_grads(1, True, bf16, compiled=True)
-            breaks = sum(counters["graph_break"].values())
-            assert breaks == 0, dict(counters["graph_break"])  # the fused wgrad stays inside the compiled layer
-            unfused = _main_grads(1, False, bf16)
-            tol = dict(rtol=2e-2, atol=1e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
-            for name in fused:
-                assert fused[name].abs().sum() > 0, f"{name}: no gradient reached main_grad"
-                torch.testing.assert_close(fused[name], unfused[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
-        return {"checked": 2}
+        # fp32 only: the op's bf16 arithmetic is the eager one (checked above at TP=1 and 2); compiling is about
+        # the graph (no break) and the main_grad it writes into, the same in both precisions.
+        torch._dynamo.reset()
+        counters.clear()
+        fused = _main_grads(1, True, False, compiled=True)
+        breaks = sum(counters["graph_break"].values())
+        assert breaks == 0, dict(counters["graph_break"])  # the fused wgrad stays inside the compiled layer
+        unfused = _main_grads(1, False, False)
+        for name in fused:
+            assert fused[name].abs().sum() > 0, f"{name}: no gradient reached main_grad"
+            torch.testing.assert_close(fused[name], unfused[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+        return {"checked": len(fused)}
     finally:
         parallel_state.destroy_model_parallel()
 
 
 def test_fused_weight_gradients_inside_compiled_layers() -> None:
     """Compiled layers keep the fused wgrad in their graph (custom op, no graph break) and get the same main_grad."""
-    assert run_on_ranks(1, _compiled_fused_against_eager_unfused) == [{"checked": 2}]
+    (result,) = run_on_ranks(1, _compiled_fused_against_eager_unfused)
+    assert result["checked"] >= 10  # every fused weight of the 2-layer model, the embedding and output layer
 
 
 def _norm_parameters_add_their_own_gradients(spec_name: str) -> list[str]:
