@@ -20,24 +20,81 @@ _INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.for
                         "torch/_inductor/compile_worker")
 
 
-# Tests over ~15 s in `pytest --durations` on a busy 2-core machine, marked `slow` here (whole modules
-# that are slow carry `pytestmark = pytest.mark.slow` instead). Seconds measured with the suite running
-# beside other jobs; the edit-test loop (`-m "not slow and not gpu"`, README) skips them, CI runs them.
+# Tests over ~12 s in `pytest --durations` (`.ci/run` on 2 cores with a cold Inductor cache, 2026-12-04; a few
+# were over 15 s on a busier machine before), marked `slow` here (whole modules that are slow carry
+# `pytestmark = pytest.mark.slow` instead); the edit-test loop (`-m "not slow and not gpu"`, README) skips them,
+# CI runs them. The seconds also order the files for xdist (`_longest_files_first`).
 SLOW_TESTS = {
-    "tests/parallel_state/test_parallel_state.py::test_group_membership_matches_independent_oracle": 74,
-    "tests/reliability/test_desync_diagnosis.py::test_shape_mismatch_raises_runtime_error_naming_op_and_shapes": 42,
-    "tests/compat_names/test_distributed_names.py::test_hyper_comm_grid_groups_equal_parallel_state": 36,
-    "tests/reliability/test_config_validation.py::test_checks_hold_under_python_O": 27,
+    "tests/examples/test_pretrain_gpt_resume.py::test_killed_run_resumes_with_identical_losses[tp2_pp2]": 62,
+    "tests/tools/test_scaling_dry_run.py::test_scaling_dry_run_tp2_sp_and_loaded_baseline_on_cpu": 51,
+    "tests/examples/test_pretrain_gpt_resume.py::test_killed_run_resumes_with_identical_losses[dp2_tp2]": 48,
+    "tests/inference/test_greedy_moe_hf.py::test_mixtral_padded_decode_layout_matches_hf[compiled]": 41,
+    "tests/distributed/test_overwrite_main_grad.py::test_overwrite_in_compiled_layers_matches_zeroed_buffers": 37,
+    "tests/examples/test_pretrain_gpt_flags.py::test_moe_use_upcycling_starts_a_moe_run_from_a_dense_checkpoint": 36,
+    "tests/inference/test_parallel_inference.py::test_tp2_compiled_decode_layout_matches_hf": 34,
+    "tests/tools/test_scaling_dry_run.py::test_parity_dry_run_interleaved_pp2_on_cpu": 32,
+    "tests/inference/test_greedy_hf.py::test_compiled_padded_decode_matches_hf": 30,
+    "tests/optimizer/test_flat_adam.py::test_flat_kernel_matches_reference_and_skips_on_non_finite_norm[compiled]": 25,
+    "tests/models/hf/test_pretrain_hybrid.py::test_tensor_parallel_training_equals_one_process": 23,
+    "tests/reliability/test_multirank_crash_save.py::test_rank_killed_mid_save_resumes_from_previous_checkpoint_bit_exactly": 23,
+    "tests/dist_checkpointing/test_mcore_interop.py::test_megatron_core_loads_our_checkpoints": 22,
+    "tests/dist_checkpointing/test_training_state.py::test_bit_exact_resume[dp2_tp2_distopt]": 22,
+    "tests/fp8/test_fp8_param_compile.py::test_compiled_fp8_param_gpt_matches_eager_under_ddp": 21,
     "tests/reliability/test_checkpoint_manifest.py::test_corrupt_shard_of_another_rank_fails_the_load_on_every_rank": 21,
-    "tests/pipeline_parallel/test_gpt_pipeline.py::test_gpt_pipeline_matches_single_process[pp2_vpp2_dp2_ddp]": 19,
-    "tests/models/hf/test_pretrain_hf_model.py::test_pretrain_gpt_hf_model_round_trip": 19,
-    "tests/reliability/test_checkpoint_architecture.py::test_architecture_mismatch_names_field_and_both_values": 17,
-    "tests/reliability/test_hang_bound.py::test_withheld_rank_makes_others_raise_within_bound": 15,
-    "tests/reliability/test_mistyped_load.py::test_missing_load_directory_is_an_error": 10,
     "tests/reliability/test_inf_loss.py::test_inf_loss_on_one_rank_skips_the_step_everywhere[dp2]": 19,
+    "tests/examples/test_pretrain_gpt_fsdp2.py::test_fsdp2_trains_like_ddp_and_its_checkpoint_resumes_under_ddp": 18,
+    "tests/optimizer/test_precision_aware_optimizer.py::test_bf16_moments_match_fp32_loss_curve_and_halve_state_bytes": 18,
+    "tests/inference/server_adversarial/test_cli_server.py::test_top_k_above_the_vocabulary_is_a_400_not_a_hang[completion-hi]": 17,
+    "tests/reliability/test_checkpoint_architecture.py::test_architecture_mismatch_names_field_and_both_values": 17,
+    "tests/examples/test_pretrain_gpt_flags.py::test_deepseek_tiny_preset_trains_saves_and_resumes": 16,
+    "tests/inference/test_cli.py::test_generate_from_hybrid_checkpoint_matches_naive_decoding": 16,
+    "tests/models/test_gpt_model_api.py::test_compiled_model_computes_rope_angles_in_graph_and_matches_eager[True]": 15,
+    "tests/dist_checkpointing/test_training_state.py::test_bit_exact_resume[tp2_pp2]": 15,
+    "tests/examples/test_pretrain_gpt_flags.py::test_step_time_breakdown_reports_every_part_and_leaves_the_losses_alone": 15,
     "tests/parallel_state/test_parallel_state.py::test_invalid_sizes_name_the_numbers": 15,
+    "tests/examples/test_pretrain_gpt_flags.py::test_fixed_validation_set_repeats_the_same_batches": 14,
+    "tests/reliability/test_config_validation.py::test_checks_hold_under_python_O": 14,
+    "tests/reliability/test_mistyped_load.py::test_load_if_present_and_the_resumable_job_pattern": 14,
+    "tests/models/hybrid/test_hybrid_bf16_training.py::test_bf16_training_ends_within_the_fp32_run_to_run_spread": 14,
+    "tests/post_training/test_distill.py::test_distillation_at_tp2_equals_one_process[fp32]": 13,
+    "tests/post_training/test_ptq_moe_parallel.py::test_ep2_quantized_moe_equals_one_process": 13,
+    "tests/post_training/test_ptq_moe_parallel.py::test_moe_checkpoint_saved_at_ep2_loads_at_ep1": 12,
+    "tests/parallel_state/test_parallel_state.py::test_group_membership_matches_independent_oracle": 12,
+    "tests/reliability/test_desync_diagnosis.py::test_shape_mismatch_raises_runtime_error_naming_op_and_shapes": 11,
+    "tests/models/hf/test_pretrain_hf_model.py::test_pretrain_gpt_hf_model_round_trip": 9,
+    "tests/reliability/test_hang_bound.py::test_withheld_rank_makes_others_raise_within_bound": 6,
+    "tests/reliability/test_mistyped_load.py::test_missing_load_directory_is_an_error": 4,
+    "tests/pipeline_parallel/test_gpt_pipeline.py::test_gpt_pipeline_matches_single_process[pp2_vpp2_dp2_ddp]": 3,
+    "tests/compat_names/test_distributed_names.py::test_hyper_comm_grid_groups_equal_parallel_state": 2,
 }
+# What a test takes when SLOW_TESTS does not say: a module marked slow starts training runs in subprocesses; the
+# other tests take about 0.1 s on average (the suite's time outside its 250 slowest tests over their number).
+_SECONDS_OF_A_SLOW_TEST, _SECONDS_OF_A_TEST = 8.0, 0.1
 
+
+def _expected_seconds(item: pytest.Item) -> float:
+    if item.nodeid in SLOW_TESTS:
+        return SLOW_TESTS[item.nodeid]
+    if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+        return 0.0  # skipped here
+    return _SECONDS_OF_A_SLOW_TEST if item.get_closest_marker("slow") else _SECONDS_OF_A_TEST
+
+
+def _longest_files_first(items: list[pytest.Item]) -> None:
+    """Order the files by their expected seconds, longest first, keeping each file's own order: `-n 2 --dist
+    loadfile` hands files out in this order, so the long files do not start last and leave one worker alone at the
+    end (xdist's own reorder, by number of tests, put the few-test training files last)."""
+    seconds: dict[str, float] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        seconds[path] = seconds.get(path, 0.0) + _expected_seconds(item)
+    items.sort(key=lambda item: -seconds[item.nodeid.split("::", 1)[0]])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Keep the order `_longest_files_first` gives (xdist's `--loadscope-reorder` is on by default).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def _share_cores_between_xdist_workers() -> None:
@@ -96,6 +153,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.nodeid.startswith(CPU_NUMERICS_PATHS):
             item.add_marker(pytest.mark.cpu_numerics)
+    _longest_files_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
