@@ -61,11 +61,6 @@ SLOW_TESTS = {
     "tests/post_training/test_ptq_moe_parallel.py::test_moe_checkpoint_saved_at_ep2_loads_at_ep1": 12,
     "tests/parallel_state/test_parallel_state.py::test_group_membership_matches_independent_oracle": 12,
     "tests/reliability/test_desync_diagnosis.py::test_shape_mismatch_raises_runtime_error_naming_op_and_shapes": 11,
-    "tests/models/hf/test_pretrain_hf_model.py::test_pretrain_gpt_hf_model_round_trip": 9,
-    "tests/reliability/test_hang_bound.py::test_withheld_rank_makes_others_raise_within_bound": 6,
-    "tests/reliability/test_mistyped_load.py::test_missing_load_directory_is_an_error": 4,
-    "tests/pipeline_parallel/test_gpt_pipeline.py::test_gpt_pipeline_matches_single_process[pp2_vpp2_dp2_ddp]": 3,
-    "tests/compat_names/test_distributed_names.py::test_hyper_comm_grid_groups_equal_parallel_state": 2,
 }
 # What a test takes when SLOW_TESTS does not say: a module marked slow starts training runs in subprocesses; the
 # other tests take about 0.1 s on average (the suite's time outside its 250 slowest tests over their number).
