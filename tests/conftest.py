@@ -70,8 +70,8 @@ _SECONDS_OF_A_SLOW_TEST, _SECONDS_OF_A_TEST = 8.0, 0.1
 def _expected_seconds(item: pytest.Item) -> float:
     if item.nodeid in SLOW_TESTS:
         return SLOW_TESTS[item.nodeid]
-    if item.get_closest_marker("gpu") and not torch.cuda.is_available():
-        return 0.0  # skipped here
+    if item.get_closest_marker("skip"):
+        return 0.0
     return _SECONDS_OF_A_SLOW_TEST if item.get_closest_marker("slow") else _SECONDS_OF_A_TEST
 
 
@@ -81,9 +81,8 @@ def _longest_files_first(items: list[pytest.Item]) -> None:
     end (xdist's own reorder, by number of tests, put the few-test training files last)."""
     seconds: dict[str, float] = {}
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        seconds[path] = seconds.get(path, 0.0) + _expected_seconds(item)
-    items.sort(key=lambda item: -seconds[item.nodeid.split("::", 1)[0]])
+        seconds[item.location[0]] = seconds.get(item.location[0], 0.0) + _expected_seconds(item)
+    items.sort(key=lambda item: -seconds[item.location[0]])
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -148,13 +147,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.nodeid.startswith(CPU_NUMERICS_PATHS):
             item.add_marker(pytest.mark.cpu_numerics)
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
     _longest_files_first(items)
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
 
 
 def _left_behind() -> dict[int, str]:

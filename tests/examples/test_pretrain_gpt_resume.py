@@ -78,8 +78,8 @@ def test_killed_run_resumes_with_identical_losses(tmp_path: Path, layout: str) -
                      {"PRETRAIN_GPT_KILL_AT_ITERATION": str(KILL_AT)})
     out = _finish(killed, expect_success=False)
     assert killed.returncode != 0, f"the killed run exited cleanly:\n{out[-4000:]}"
-    straight = _train_losses(killed_log)
-    assert sorted(straight) == list(range(1, KILL_AT + 1)), "the run did not stop at the kill iteration"
+    uninterrupted = _train_losses(killed_log)  # the killed run is uninterrupted up to the kill
+    assert sorted(uninterrupted) == list(range(1, KILL_AT + 1)), "the run did not stop at the kill iteration"
     resumed_from = _tracker(save)
     assert resumed_from == KILL_AT // SAVE_INTERVAL * SAVE_INTERVAL, f"tracker at {resumed_from} after the kill"
     assert KILL_AT - resumed_from >= 2  # at least two iterations trained after the checkpoint to compare
@@ -90,7 +90,8 @@ def test_killed_run_resumes_with_identical_losses(tmp_path: Path, layout: str) -
     resumed = _train_losses(resumed_log)
     assert sorted(resumed) == list(range(resumed_from + 1, KILL_AT + 1))
     for iteration, loss in resumed.items():
-        assert loss == straight[iteration], f"iteration {iteration}: resumed {loss!r} != straight {straight[iteration]!r}"
+        assert loss == uninterrupted[iteration], (
+            f"iteration {iteration}: resumed {loss!r} != uninterrupted {uninterrupted[iteration]!r}")
 
 
 def test_refuses_to_replace_published_checkpoints_before_training(tmp_path: Path) -> None:

@@ -94,10 +94,10 @@ def _compiled_fused_against_eager_unfused() -> dict[str, int]:
         # the graph (no break) and the main_grad it writes into, the same in both precisions.
         torch._dynamo.reset()
         counters.clear()
-        fused = _main_grads(1, True, False, compiled=True)
+        fused = _main_grads(1, fusion=True, bf16=False, compiled=True)
         breaks = sum(counters["graph_break"].values())
         assert breaks == 0, dict(counters["graph_break"])  # the fused wgrad stays inside the compiled layer
-        unfused = _main_grads(1, False, False)
+        unfused = _main_grads(1, fusion=False, bf16=False)
         for name in fused:
             assert fused[name].abs().sum() > 0, f"{name}: no gradient reached main_grad"
             torch.testing.assert_close(fused[name], unfused[name], rtol=1e-5, atol=1e-6,
