@@ -10,13 +10,21 @@ dy, and dx, dB, dC in bf16, ddt in fp32). The fp32 states kept per chunk are thi
 The reference kernel, ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``, is timed at the same
 shapes with chunk_size 64 and 128 when it can be imported (an optional oracle of this benchmark only; its source
 may be put on PYTHONPATH). ``variants=True`` also times each entry of :data:`SCAN_VARIANTS` (changes to
-``SCAN_BLOCKS``), checks its outputs against the default blocks', and prints the best blocks per kernel.
+``SCAN_BLOCKS``), checks its outputs against the default blocks', and prints the best blocks per kernel. The
+variants run in a worker process that is started again after a variant kills it or leaves a CUDA error (an illegal
+address is sticky: every later launch in that process fails), so one bad block shape costs one row, not the table.
+
+Forward + backward is timed as ``torch.autograd.grad`` (no accumulation into ``.grad``); "outside" is that time less
+our kernels' (the small reductions and allocations around them).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -37,6 +45,8 @@ SCAN_VARIANTS: list[dict[str, int]] = [
     {"bwd_fused": 1, "fused_p": 32}, {"bwd_fused": 1, "fused_p": 32, "fused_warps": 4},
     {"bwd_fused": 1, "fused_stages": 1}, {"bwd_fused": 1, "fused_stages": 3},
     {"chunk": 128}, {"chunk": 128, "fwd_warps": 8, "dx_p": 32}, {"chunk": 128, "cb_scratch": 1}, {"chunk": 32},
+    {"states_lowp": 1}, {"states_lowp": 1, "bwd_fused": 1}, {"states_lowp": 1, "chunk": 128},
+    {"states_lowp": 1, "bwd_fused": 1, "chunk": 128},
 ]
 # Which SCAN_BLOCKS keys each kernel reads (the two walks share theirs).
 KERNEL_KEYS = {"ssd_state_kernel": "state", "ssd_state_grad_kernel": "state", "ssd_chunk_forward_kernel": "fwd",
@@ -95,6 +105,10 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
 
 
+def _fwd_bwd(fn: Callable[..., torch.Tensor], leaves: list[torch.Tensor], dy: torch.Tensor) -> None:
+    torch.autograd.grad(fn(*leaves), leaves, dy)
+
+
 def _outputs(fn: Callable[..., torch.Tensor], leaves: list[torch.Tensor], dy: torch.Tensor) -> list[torch.Tensor]:
     """``y`` and the gradients of every leaf, from fresh copies of the leaves."""
     fresh = [t.detach().clone().requires_grad_() for t in leaves]
@@ -146,43 +160,9 @@ def _time_reference(leaves: list[torch.Tensor], dy: torch.Tensor, ours: list[tor
             print(f"| mamba_ssm mamba_chunk_scan_combined, chunk {chunk} | failed: {type(exc).__name__}: {exc} | | |")
 
 
-def _time_variants(scan: Callable[..., torch.Tensor], leaves: list[torch.Tensor], dy: torch.Tensor,
-                   ours: list[torch.Tensor], default_kernels: dict[str, float]) -> None:
-    """Time every entry of :data:`SCAN_VARIANTS`; print a table and the best settings per kernel."""
-    from megatron_core.ssm import ssd_scan_triton
-
-    default = dict(ssd_scan_triton.SCAN_BLOCKS)
-    best = {name: (us or float("inf"), {}) for name, us in default_kernels.items()}
-    print("\n| SCAN_BLOCKS change | forward us | fwd+bwd us | " + " | ".join(KERNEL_KEYS) + " | max rel err vs default |")
-    print("|---" * (4 + len(KERNEL_KEYS)) + "|")
-    for change in SCAN_VARIANTS:
-        ssd_scan_triton.SCAN_BLOCKS.update(change)
-        try:
-            err = max(_rel(got, want) for got, want in zip(_outputs(scan, leaves, dy), ours))
-            fwd = event_median(lambda: scan(*leaves))
-            both = event_median(lambda: scan(*leaves).backward(dy))
-            per_kernel = kernel_us(lambda: scan(*leaves).backward(dy))
-            print(f"| {change} | {fwd * 1e6:.0f} | {both * 1e6:.0f} | "
-                  + " | ".join(f"{us:.0f}" for us in per_kernel.values()) + f" | {err:.1e} |")
-            if "chunk" not in change and err < 3e-2:
-                for name, us in per_kernel.items():
-                    keys = [key for key in change if key != "bwd_fused"]  # the switch to the fused kernel
-                    if us and all(key.startswith(KERNEL_KEYS[name]) for key in keys) and us < best[name][0]:
-                        best[name] = (us, change)
-        except Exception as exc:  # noqa: BLE001 - a block shape that does not fit (shared memory) is reported
-            print(f"| {change} | failed: {type(exc).__name__}: {str(exc)[:200]} | | " + "| " * len(KERNEL_KEYS) + "|")
-        finally:
-            ssd_scan_triton.SCAN_BLOCKS.clear()
-            ssd_scan_triton.SCAN_BLOCKS.update(default)
-    print("\nbest per kernel (us, change to SCAN_BLOCKS): "
-          + "; ".join(f"{name} {us:.0f} {change}" for name, (us, change) in best.items()))
-
-
-def run_scan_bench(b: int, length: int, h: int, p: int, g: int, n: int, variants: bool = False,
-                   device: str = "cuda") -> None:
-    """Time the scans at these shapes (bf16 x/B/C, fp32 dt/A/D) and print the tables (see the module docstring)."""
-    from megatron_core.ssm.ssd_scan_triton import SCAN_BLOCKS, ssd_chunk_scan_triton
-
+def _scan_inputs(b: int, length: int, h: int, p: int, g: int, n: int, device: str = "cuda"
+                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The scan's leaves (bf16 x/B/C, fp32 dt/A/D, requiring grad) and ``dy``, from a fixed seed."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -193,12 +173,92 @@ def run_scan_bench(b: int, length: int, h: int, p: int, g: int, n: int, variants
               -torch.rand(h, device=device, generator=gen) * 8 - 1,
               rand(b, length, g, n, dtype=torch.bfloat16), rand(b, length, g, n, dtype=torch.bfloat16),
               torch.ones(h, device=device)]
-    leaves = [t.requires_grad_() for t in leaves]
-    dy = rand(b, length, h, p, dtype=torch.bfloat16)
+    return [t.requires_grad_() for t in leaves], rand(b, length, h, p, dtype=torch.bfloat16)
+
+
+def _variant_worker(shape: list[int], start: int) -> None:
+    """Time :data:`SCAN_VARIANTS` from index ``start`` on, one ``ROW <json>`` line each; exit 3 after a CUDA error."""
+    from megatron_core.ssm import ssd_scan_triton
+    from megatron_core.ssm.ssd_scan_triton import ssd_chunk_scan_triton as scan
+
+    leaves, dy = _scan_inputs(*shape)
+    ours = _outputs(scan, leaves, dy)
+    default = dict(ssd_scan_triton.SCAN_BLOCKS)
+    for index in range(start, len(SCAN_VARIANTS)):
+        change = SCAN_VARIANTS[index]
+        ssd_scan_triton.SCAN_BLOCKS.update(change)
+        row: dict = {"index": index}
+        try:
+            row["err"] = max(_rel(got, want) for got, want in zip(_outputs(scan, leaves, dy), ours))
+            row["fwd"] = event_median(lambda: scan(*leaves))
+            row["both"] = event_median(lambda: _fwd_bwd(scan, leaves, dy))
+            row["kernels"] = kernel_us(lambda: _fwd_bwd(scan, leaves, dy))
+        except Exception as exc:  # noqa: BLE001 - a block shape that does not fit (shared memory) is reported
+            row["failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        finally:
+            ssd_scan_triton.SCAN_BLOCKS.clear()
+            ssd_scan_triton.SCAN_BLOCKS.update(default)
+        print("ROW " + json.dumps(row), flush=True)
+        if "failed" in row:
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - the error is sticky: a fresh process takes the next variant
+                sys.exit(3)
+
+
+def _variant_rows(shape: list[int]) -> Iterator[dict]:
+    """The worker's rows for every variant, starting a fresh worker after one dies or leaves a CUDA error."""
+    index = 0
+    while index < len(SCAN_VARIANTS):
+        worker = subprocess.Popen([sys.executable, __file__, "--variant-worker", json.dumps(shape), str(index)],
+                                  stdout=subprocess.PIPE, text=True)
+        for line in worker.stdout:
+            if line.startswith("ROW "):
+                row = json.loads(line[4:])
+                index = row["index"] + 1
+                yield row
+            else:
+                print(line, end="")
+        if worker.wait() not in (0, 3) and index < len(SCAN_VARIANTS):
+            yield {"index": index, "failed": f"worker exited with status {worker.returncode}"}
+            index += 1
+
+
+def _time_variants(shape: list[int], default_kernels: dict[str, float]) -> None:
+    """Time every entry of :data:`SCAN_VARIANTS` (in worker processes); print a table and the best settings per
+    kernel."""
+    best = {name: (us or float("inf"), {}) for name, us in default_kernels.items()}
+    print("\n| SCAN_BLOCKS change | forward us | fwd+bwd us | " + " | ".join(KERNEL_KEYS)
+          + " | outside us | max rel err vs default |")
+    print("|---" * (5 + len(KERNEL_KEYS)) + "|")
+    for row in _variant_rows(shape):
+        change = SCAN_VARIANTS[row["index"]]
+        if "failed" in row:
+            print(f"| {change} | failed: {row['failed']} | | " + "| " * (len(KERNEL_KEYS) + 1) + "|")
+            continue
+        per_kernel, err = row["kernels"], row["err"]
+        outside = row["both"] * 1e6 - sum(per_kernel.values())
+        print(f"| {change} | {row['fwd'] * 1e6:.0f} | {row['both'] * 1e6:.0f} | "
+              + " | ".join(f"{us:.0f}" for us in per_kernel.values()) + f" | {outside:.0f} | {err:.1e} |")
+        if "chunk" not in change and err < 3e-2:
+            for name, us in per_kernel.items():
+                keys = [key for key in change if key not in ("bwd_fused", "states_lowp")]  # switches, not blocks
+                if us and all(key.startswith(KERNEL_KEYS[name]) for key in keys) and us < best[name][0]:
+                    best[name] = (us, change)
+    print("\nbest per kernel (us, change to SCAN_BLOCKS): "
+          + "; ".join(f"{name} {us:.0f} {change}" for name, (us, change) in best.items()))
+
+
+def run_scan_bench(b: int, length: int, h: int, p: int, g: int, n: int, variants: bool = False,
+                   device: str = "cuda") -> None:
+    """Time the scans at these shapes (bf16 x/B/C, fp32 dt/A/D) and print the tables (see the module docstring)."""
+    from megatron_core.ssm.ssd_scan_triton import SCAN_BLOCKS, ssd_chunk_scan_triton
+
+    leaves, dy = _scan_inputs(b, length, h, p, g, n, device)
     ours = _outputs(ssd_chunk_scan_triton, leaves, dy)
     fwd = event_median(lambda: ssd_chunk_scan_triton(*leaves))
-    both = event_median(lambda: ssd_chunk_scan_triton(*leaves).backward(dy))
-    per_kernel = kernel_us(lambda: ssd_chunk_scan_triton(*leaves).backward(dy))
+    both = event_median(lambda: _fwd_bwd(ssd_chunk_scan_triton, leaves, dy))
+    per_kernel = kernel_us(lambda: _fwd_bwd(ssd_chunk_scan_triton, leaves, dy))
 
     matmul, copy = measure_ceilings()
     tokens, chunk = b * length, 64
@@ -208,11 +268,12 @@ def run_scan_bench(b: int, length: int, h: int, p: int, g: int, n: int, variants
     bytes_bwd = in_bytes + tokens * 2 * h * p + in_bytes  # inputs and dy read; dx, ddt, dB, dC written
     bound_fwd = max(flops_fwd / matmul, bytes_fwd / copy)
     bound_both = bound_fwd + max(2 * flops_fwd / matmul, bytes_bwd / copy)
-    states = b * -(-length // SCAN_BLOCKS["chunk"]) * h * p * n * 4
+    states = b * -(-length // SCAN_BLOCKS["chunk"]) * h * p * n * (2 if SCAN_BLOCKS["states_lowp"] else 4)
     print(f"ceilings measured here: bf16 matmul {matmul / 1e12:.0f} TFLOP/s, copy {copy / 1e12:.2f} TB/s")
     print(f"scan forward: FLOPs {flops_fwd / 1e9:.1f} G ({flops_fwd / matmul * 1e6:.0f} us), bytes "
           f"{bytes_fwd / 1e6:.0f} MB ({bytes_fwd / copy * 1e6:.0f} us); kept states {states / 1e6:.0f} MB (extra)")
-    print("our kernels (us per forward+backward): " + ", ".join(f"{k} {v:.0f}" for k, v in per_kernel.items()))
+    print("our kernels (us per forward+backward): " + ", ".join(f"{k} {v:.0f}" for k, v in per_kernel.items())
+          + f"; outside them {both * 1e6 - sum(per_kernel.values()):.0f}")
     print(f"our SCAN_BLOCKS: {SCAN_BLOCKS}")
     print(f"\n| scan (b {b}, l {length}, h {h}, p {p}, g {g}, n {n}, bf16) | forward us | fwd+bwd us | "
           "max rel err vs ours (y and 6 grads) |\n|---|---|---|---|")
@@ -226,4 +287,11 @@ def run_scan_bench(b: int, length: int, h: int, p: int, g: int, n: int, variants
           f"({fwd / bound_fwd:.2f}x); forward+backward {both * 1e6:.0f} us vs bound {bound_both * 1e6:.0f} us "
           f"({both / bound_both:.2f}x)")
     if variants:
-        _time_variants(ssd_chunk_scan_triton, leaves, dy, ours, per_kernel)
+        _time_variants([b, length, h, p, g, n], per_kernel)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--variant-worker":
+        _variant_worker(json.loads(sys.argv[2]), int(sys.argv[3]))
+    else:
+        sys.exit("run through hybrid_fwd_bwd.py --scan-bench (this entry point is the variants' worker)")

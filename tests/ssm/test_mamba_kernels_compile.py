@@ -4,10 +4,13 @@ Triton's interpreter (the CPU checks of these kernels) runs the kernels' Python,
 type or barrier that the GPU backend refuses would only show on a GPU. Here each kernel is compiled ahead of time
 down to a cubin for ``GPUTarget("cuda", 90, 32)``: the fused decode step's two kernels (bf16 and fp32 activations,
 ``D`` per head and per channel), the scan's state walk with and without the initial / final state, and the gated
-group RMSNorm.
+group RMSNorm; and every kernel of the training scan's forward and backward as its launcher issues them (block
+shapes, warps, stages and argument specialisation from ``SCAN_BLOCKS``), through ``benchmarks/triton_resources.py``.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +70,24 @@ def test_gated_rmsnorm_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatc
 
     pointers = {"y_ptr": "*bf16", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
     assert _compile(_kernel(), pointers, {"BG": 512, "NORM_BEFORE_GATE": before})["cubin"]
+
+
+@needs_triton
+@pytest.mark.parametrize("change", [{}, {"states_lowp": 1, "bwd_fused": 1}], ids=["defaults", "bf16-states-fused"])
+def test_every_training_scan_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch, change: dict) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from ssd_scan_resources import scan_resources
+
+    from megatron_core.ssm import ssd_scan_triton
+
+    for key, value in change.items():
+        monkeypatch.setitem(ssd_scan_triton.SCAN_BLOCKS, key, value)
+    # The Nemotron-H-shaped model's head_dim, state_dim and heads per group at a short length.
+    compiled = scan_resources(1, 256, 16, 64, 2, 128)
+    backward = (["ssd_chunk_bwd_group_kernel"] if change.get("bwd_fused")
+                else ["ssd_chunk_dx_kernel", "ssd_chunk_dbc_kernel"])
+    assert [k.name for k in compiled] == ["ssd_state_kernel", "ssd_chunk_forward_kernel", "ssd_state_grad_kernel",
+                                          *backward]
+    for kernel in compiled:  # each fits an SM: registers and shared memory for at least one program
+        assert 0 < kernel.registers <= 255 and kernel.resident_warps >= kernel.warps, kernel

@@ -2,18 +2,21 @@
 
 Same function as :func:`megatron_core.ssm.ssd_scan.ssd_chunk_scan` (the CPU path and the reference). Forward
 (:mod:`~megatron_core.ssm.ssd_scan_triton_forward`): a sequential walk over the chunks per ``(batch x head,
-head_dim block, state_dim block)`` writes the state entering each chunk (fp32 ``[b, chunks, h, p, n]``, kept for
-the backward), then a chunk-parallel kernel computes each chunk's output. Inference prefill runs the same forward
-from a given initial state and gets the final state back (``initial_state`` / ``return_final_state``, no backward). Backward
+head_dim block, state_dim block)`` writes the state entering each chunk (``[b, chunks, h, p, n]``, kept for the
+backward; fp32, or the inputs' dtype with ``states_lowp``), then a chunk-parallel kernel computes each chunk's
+output. Inference prefill runs the same forward from a given initial state and gets the final state back
+(``initial_state`` / ``return_final_state``, no backward). Backward
 (:mod:`~megatron_core.ssm.ssd_scan_triton_backward`): a reverse walk writes the gradient of the state leaving each
 chunk, then two chunk-parallel kernels: ``dx`` with the ``dt``/``A``/``D`` terms per head, and ``dB``/``dC`` per
 group (its heads summed inside the program, no atomics), or both in one program per group (``bwd_fused``).
 
 The kernels' chunk length is their own (``SCAN_BLOCKS["chunk"]``, :data:`KERNEL_CHUNK` = 64 rows unless changed);
-the result is the same function as any other chunk length, rounded differently. Products take the inputs' dtype (bf16 operands, fp32 accumulation); the
-decays, ``dt`` and the states stay fp32, as Megatron-Core keeps them. fp32 inputs use full-precision (not tf32)
-products. Block shapes are :data:`SCAN_BLOCKS` (read at each call). Triton is loaded through
-:mod:`megatron_core.jit` only.
+the result is the same function as any other chunk length, rounded differently. Products take the inputs' dtype
+(bf16 operands, fp32 accumulation); the decays, ``dt`` and the two walks' running states stay fp32, as
+Megatron-Core keeps them; the per-chunk copies the chunk kernels read may be kept in the inputs' dtype
+(``states_lowp``): those kernels use them only as product operands, which take that dtype anyway. fp32 inputs use
+full-precision (not tf32) products. Block shapes are :data:`SCAN_BLOCKS` (read at each call). Triton is loaded
+through :mod:`megatron_core.jit` only.
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ _MAX_DIM = 256  # head_dim and state_dim up to this
 # ``chunk``: the kernels' chunk length (a power of two, 16 to 128). ``cb_scratch``: 1 to compute each chunk's
 # ``C B^T`` once per group in the forward (fp32 scratch, kept for the backward) for the heads to read; 0 to
 # recompute it per head. ``bwd_fused``: 1 for one backward program per (chunk, group) over the whole state_dim
-# (``fused_*``) instead of the ``dx`` and ``dbc`` kernels.
+# (``fused_*``) instead of the ``dx`` and ``dbc`` kernels. ``states_lowp``: 1 to keep the per-chunk states and
+# state gradients in the inputs' dtype (bf16/fp16: half the bytes of fp32, the chunk kernels' largest read; their
+# products round them to that dtype anyway, only dA's <state gradient, state> term sees the rounding); 0 for fp32
+# (the default until a GPU has timed both).
 SCAN_BLOCKS: dict[str, int] = {
-    "chunk": KERNEL_CHUNK, "cb_scratch": 0, "bwd_fused": 0,
+    "chunk": KERNEL_CHUNK, "cb_scratch": 0, "bwd_fused": 0, "states_lowp": 0,
     "state_p": 32, "state_n": 64, "state_warps": 4, "state_stages": 2,  # the two walks over the chunks
     "fwd_p": 64, "fwd_k": 64, "fwd_warps": 4, "fwd_stages": 1,  # chunk-parallel forward
     "dx_p": 64, "dx_k": 64, "dx_warps": 4, "dx_stages": 2,  # chunk-parallel dx / ddt / dA / dD
@@ -69,6 +75,11 @@ def _block(name: str, dim: int) -> int:
     return min(SCAN_BLOCKS[name], max(16, next_power_of_two(dim)))
 
 
+def _states_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the kept per-chunk states and state gradients (``SCAN_BLOCKS["states_lowp"]``)."""
+    return dtype if SCAN_BLOCKS["states_lowp"] else torch.float32
+
+
 def _stages(name: str, dtype: torch.dtype) -> int:
     # fp32 tiles with several pipeline stages can overflow shared memory; one stage fits.
     return 1 if dtype == torch.float32 else SCAN_BLOCKS[name]
@@ -94,7 +105,7 @@ def _launch_forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
     groups, state_dim = B.shape[2], B.shape[3]
     chunks = -(-length // chunk)
     y = torch.empty(batch, length, heads, head_dim, device=x.device, dtype=x.dtype)
-    states = torch.empty(batch, chunks, heads, head_dim, state_dim, device=x.device, dtype=torch.float32)
+    states = torch.empty(batch, chunks, heads, head_dim, state_dim, device=x.device, dtype=_states_dtype(x.dtype))
     prec = _precision(x.dtype)
     state_kernel, chunk_kernel, cb_kernel = (torch.library.wrap_triton(k) for k in forward_kernels())
     # C B^T per (chunk, group) where cb_scratch; else an empty tensor, and ``states`` stands in for the unused pointer.
@@ -191,7 +202,7 @@ _BACKWARD_OP = triton_op("megatron_core::ssd_scan_backward", _backward)
 
 
 class _SSDScan(torch.autograd.Function):
-    """``y`` of the scan; the backward reads the states the forward kept (fp32, one per chunk)."""
+    """``y`` of the scan; the backward reads the states the forward kept (one per chunk)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

@@ -3,7 +3,7 @@
 Three kernels, each with few live tiles:
 
 * ``ssd_state_grad_kernel`` walks the chunks in reverse per ``(batch x head, block of head_dim, block of
-  state_dim)`` and writes the gradient of the state leaving each chunk (fp32, shaped like the kept states);
+  state_dim)`` and writes the gradient of the state leaving each chunk (shaped and typed like the kept states);
 * ``ssd_chunk_dx_kernel``, per ``(batch x chunk, head, block of head_dim)``: ``dx`` and everything that flows
   into ``dt``, ``A`` and ``D`` (per-program partial sums, reduced by the caller);
 * ``ssd_chunk_dbc_kernel``, per ``(batch x chunk, group, block of state_dim)``: ``dB`` and ``dC``, summed over
@@ -53,7 +53,7 @@ def backward_kernels() -> tuple[Any, Any, Any, Any]:
         grad_state = tl.zeros([BP, BN], dtype=tl.float32)
         for step in range(chunks):
             c = chunks - 1 - step
-            tl.store(gs_base + c * sgs_c, grad_state, mask=col_ok[:, None] & n_ok[None, :])
+            tl.store(gs_base + c * sgs_c, grad_state.to(gs_ptr.dtype.element_ty), mask=col_ok[:, None] & n_ok[None, :])
             rows = c * Q + qs
             row_ok = rows < length
             dt = tl.load(dt_ptr + b.to(tl.int64) * sdt_b + rows * sdt_l + h, mask=row_ok, other=0.0).to(tl.float32)
@@ -111,7 +111,7 @@ def backward_kernels() -> tuple[Any, Any, Any, Any]:
                 cb += tl.dot(Cm, tl.trans(Bm), input_precision=PREC)
             cp += tl.dot(Cm, tl.trans(prev.to(dy.dtype)), input_precision=PREC)
             gb += tl.dot(Bm, tl.trans(grad_state.to(dy.dtype)), input_precision=PREC)
-            gs_prev += tl.sum(grad_state * prev, 1)
+            gs_prev += tl.sum(grad_state.to(tl.float32) * prev.to(tl.float32), 1)
         if CB:
             cb = tl.load(cb_ptr + (bc.to(tl.int64) * (heads // heads_per_group) + g) * Q * Q + qs[:, None] * Q
                          + qs[None, :])
@@ -268,7 +268,7 @@ def backward_kernels() -> tuple[Any, Any, Any, Any]:
                 dy = tl.load(dy_rows + cols[None, :], mask=qp_ok, other=0.0)
                 prev = tl.load(st_ptr + st_offs + cols[:, None] * state_dim, mask=pn_ok, other=0.0)
                 grad_state = tl.load(gs_ptr + st_offs + cols[:, None] * state_dim, mask=pn_ok, other=0.0)
-                gs_prev += tl.sum(grad_state * prev, 1)
+                gs_prev += tl.sum(grad_state.to(tl.float32) * prev.to(tl.float32), 1)
                 prev16 = prev.to(Bm.dtype)
                 gs16 = grad_state.to(Bm.dtype)
                 xf = x.to(tl.float32)

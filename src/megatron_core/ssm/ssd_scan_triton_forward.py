@@ -1,7 +1,7 @@
 """The forward Triton kernels of the chunked SSD scan (launched by :mod:`megatron_core.ssm.ssd_scan_triton`).
 
 ``ssd_state_kernel`` walks the chunks in order per ``(batch x head, block of head_dim, block of state_dim)``
-and writes the fp32 state entering each chunk (starting from zeros, or from a given initial state; optionally
+and writes the state entering each chunk (kept in the states buffer's dtype; the walk itself is fp32) (starting from zeros, or from a given initial state; optionally
 writing the state after the last chunk: the inference prefill's mode); ``ssd_chunk_forward_kernel`` computes one chunk's output per
 ``(batch x chunk, head, block of head_dim)`` with its ``state_dim`` products in a loop over blocks of ``BK``
 columns (few live tiles, pipelined loads). ``ssd_chunk_cb_kernel`` optionally writes each chunk's ``C B^T`` per
@@ -53,7 +53,7 @@ def forward_kernels() -> tuple[Any, Any, Any]:
         else:
             state = tl.zeros([BP, BN], dtype=tl.float32)
         for c in range(chunks):
-            tl.store(st_base + c * sst_c, state, mask=tile_ok)
+            tl.store(st_base + c * sst_c, state.to(st_ptr.dtype.element_ty), mask=tile_ok)
             rows = c * Q + qs
             row_ok = rows < length
             dt = tl.load(dt_ptr + b.to(tl.int64) * sdt_b + rows * sdt_l + h, mask=row_ok, other=0.0).to(tl.float32)
