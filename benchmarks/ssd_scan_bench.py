@@ -47,6 +47,11 @@ SCAN_VARIANTS: list[dict[str, int]] = [
     {"chunk": 128}, {"chunk": 128, "fwd_warps": 8, "dx_p": 32}, {"chunk": 128, "cb_scratch": 1}, {"chunk": 32},
     {"states_lowp": 1}, {"states_lowp": 1, "bwd_fused": 1}, {"states_lowp": 1, "chunk": 128},
     {"states_lowp": 1, "bwd_fused": 1, "chunk": 128},
+    # Chunk 128 with bf16 states and the blocks that spill least there (benchmarks/ssd_scan_resources.py).
+    {"chunk": 128, "states_lowp": 1, "fwd_warps": 8, "dx_warps": 8, "dx_p": 32, "dbc_n": 64},
+    {"chunk": 128, "states_lowp": 1, "fwd_warps": 8, "fwd_k": 32, "dx_warps": 8, "dx_k": 32, "dx_p": 32, "dbc_n": 32,
+     "dbc_p": 32},
+    {"states_lowp": 1, "dx_warps": 8, "dbc_n": 64}, {"states_lowp": 1, "fwd_warps": 8, "dx_warps": 8, "dbc_n": 64},
 ]
 # Which SCAN_BLOCKS keys each kernel reads (the two walks share theirs).
 KERNEL_KEYS = {"ssd_state_kernel": "state", "ssd_state_grad_kernel": "state", "ssd_chunk_forward_kernel": "fwd",
