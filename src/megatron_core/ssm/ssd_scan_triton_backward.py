@@ -53,7 +53,8 @@ def backward_kernels() -> tuple[Any, Any, Any, Any]:
         grad_state = tl.zeros([BP, BN], dtype=tl.float32)
         for step in range(chunks):
             c = chunks - 1 - step
-            tl.store(gs_base + c * sgs_c, grad_state.to(gs_ptr.dtype.element_ty), mask=col_ok[:, None] & n_ok[None, :])
+            tl.store(gs_base + c * sgs_c, grad_state.to(gs_ptr.dtype.element_ty),
+                     mask=col_ok[:, None] & n_ok[None, :])
             rows = c * Q + qs
             row_ok = rows < length
             dt = tl.load(dt_ptr + b.to(tl.int64) * sdt_b + rows * sdt_l + h, mask=row_ok, other=0.0).to(tl.float32)

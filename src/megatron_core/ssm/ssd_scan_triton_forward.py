@@ -1,8 +1,9 @@
 """The forward Triton kernels of the chunked SSD scan (launched by :mod:`megatron_core.ssm.ssd_scan_triton`).
 
 ``ssd_state_kernel`` walks the chunks in order per ``(batch x head, block of head_dim, block of state_dim)``
-and writes the state entering each chunk (kept in the states buffer's dtype; the walk itself is fp32) (starting from zeros, or from a given initial state; optionally
-writing the state after the last chunk: the inference prefill's mode); ``ssd_chunk_forward_kernel`` computes one chunk's output per
+in fp32 and writes the state entering each chunk in the states buffer's dtype (starting from zeros, or from a given
+initial state; optionally writing the state after the last chunk: the inference prefill's mode);
+``ssd_chunk_forward_kernel`` computes one chunk's output per
 ``(batch x chunk, head, block of head_dim)`` with its ``state_dim`` products in a loop over blocks of ``BK``
 columns (few live tiles, pipelined loads). ``ssd_chunk_cb_kernel`` optionally writes each chunk's ``C B^T`` per
 group (fp32 scratch ``[b * chunks, g, Q, Q]``) once, for the heads of the group to read instead of recomputing it.
