@@ -89,6 +89,9 @@ def parse_args() -> argparse.Namespace:
                         "step with high-precision weights against FP8 parameters (fp8_param: experts' weights stored "
                         "as e4m3 codes + row-wise scales); fwd+bwd and the optimizer step (which then does the weight "
                         "casts) reported separately, and their sum")
+    p.add_argument("--fp8-wgrad-in-gemm", action="store_true",
+                   help="with --fp8-param: time the fp8_param step once more with the experts' weight gradient added "
+                        "into main_grad by the Triton grouped GEMM (fp8_param_grouped.ACCUMULATE_WGRAD_IN_GEMM)")
     p.add_argument("--skip-ours", action="store_true", help="do not time our bf16 model")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
     p.add_argument("--grouped-gemm-backend", choices=["torch", "cutlass"], default=None,
@@ -97,6 +100,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.fp8_param and (args.fp8 is None or not args.fp8.startswith("tensorwise:")):
         p.error("--fp8-param needs --fp8 tensorwise:FORMAT (fp8_param's recipe)")
+    if args.fp8_wgrad_in_gemm and not args.fp8_param:
+        p.error("--fp8-wgrad-in-gemm needs --fp8-param")
     if args.tiny:
         args.layers, args.hidden, args.heads, args.query_groups, args.ffn = 2, 64, 4, 2, 128
         args.vocab, args.seq, args.mbs, args.steps, args.warmup = 256, 32, 2, 2, 1
@@ -253,13 +258,15 @@ def measure_fp8_param(args: argparse.Namespace, dtype: torch.dtype, ids: torch.T
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
+    from megatron_core.fp8 import fp8_param_grouped
     from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     init_distributed()
     fp8 = tuple(args.fp8.split(":"))
     times = {}
-    for fp8_param in (False, True):
+    for fp8_param, wgrad_in_gemm in [(False, False), (True, False)] + ([(True, True)] if args.fp8_wgrad_in_gemm else []):
         torch._dynamo.reset()
+        fp8_param_grouped.ACCUMULATE_WGRAD_IN_GEMM = wgrad_in_gemm
         model = build_ours(args, dtype, fp8, fp8_param=fp8_param)
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
             use_distributed_optimizer=True, fp8_param_gather=fp8_param), model)
@@ -276,7 +283,8 @@ def measure_fp8_param(args: argparse.Namespace, dtype: torch.dtype, ids: torch.T
 
         if mdevice.get_current_device().type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        label = f"fp8 {args.fp8} DDP+distopt" + (" fp8_param" if fp8_param else " (hp weights)")
+        label = (f"fp8 {args.fp8} DDP+distopt" + (" fp8_param" if fp8_param else " (hp weights)")
+                 + (" wgrad in GEMM" if wgrad_in_gemm else ""))
         fb = time_steps(fwd_bwd, args)
         report_flops(label + " fwd+bwd", fb, args, flops_per_token(args), width=48)
         if args.profile:
@@ -288,14 +296,19 @@ def measure_fp8_param(args: argparse.Namespace, dtype: torch.dtype, ids: torch.T
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         print(f"{label + ' optimizer step':<48} {step * 1e3:9.1f} ms  (fwd+bwd + step {(fb + step) * 1e3:.1f} ms; "
               f"parameter bytes {weights / 1e9:.3f} GB)", flush=True)
-        times[fp8_param] = (fb, step)
+        times[fp8_param, wgrad_in_gemm] = (fb, step)
         del model, ddp, opt, fwd_bwd, optimizer_step  # the closures' defaults hold the model and optimizer too
         gc.collect()
         if mdevice.get_current_device().type == "cuda":
             torch.cuda.empty_cache()
-    (hp_fb, hp_step), (fp_fb, fp_step) = times[False], times[True]
+    fp8_param_grouped.ACCUMULATE_WGRAD_IN_GEMM = False
+    (hp_fb, hp_step), (fp_fb, fp_step) = times[False, False], times[True, False]
     print(f"RESULT fp8_param {args.fp8}: fwd+bwd {hp_fb / fp_fb:.3f}x the FP8 step with high-precision weights; "
           f"fwd+bwd + optimizer step {(hp_fb + hp_step) / (fp_fb + fp_step):.3f}x", flush=True)
+    if (True, True) in times:
+        in_fb, in_step = times[True, True]
+        print(f"RESULT fp8_param wgrad in GEMM: fwd+bwd {fp_fb / in_fb:.3f}x fp8_param with a separate addition, "
+              f"{hp_fb / in_fb:.3f}x the FP8 step with high-precision weights", flush=True)
 
 
 def main() -> None:

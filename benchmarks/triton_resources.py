@@ -29,7 +29,8 @@ _SM_WARPS = 64
 
 @dataclasses.dataclass
 class KernelResources:
-    """One compiled launch: registers per thread, spilled bytes, shared memory, warps, and the grid."""
+    """One compiled launch: registers per thread, spilled bytes, shared memory, warps, the grid, and how many Hopper
+    tensor-core instructions (``wgmma.mma_async``) its PTX holds."""
 
     name: str
     registers: int
@@ -38,6 +39,7 @@ class KernelResources:
     shared: int
     warps: int
     grid: tuple[int, ...]
+    wgmma: int = 0
 
     @property
     def resident_warps(self) -> int:
@@ -94,7 +96,8 @@ def compile_launch(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     return KernelResources(kernel.__name__, registers, int(spills.group(1)), int(spills.group(2)),
-                           int(compiled.metadata.shared), int(options.num_warps), tuple(grid))
+                           int(compiled.metadata.shared), int(options.num_warps), tuple(grid),
+                           compiled.asm["ptx"].count("wgmma.mma_async"))
 
 
 class _Recorder:

@@ -84,8 +84,9 @@ def triton_installed() -> bool:
         return False
 
 
-def triton_op(name: str, fn: Callable) -> Any:
-    """``torch.library.triton_op(name, fn)``, or ``None`` where torch lacks it or Triton is not installed.
+def triton_op(name: str, fn: Callable, mutates_args: tuple[str, ...] = ()) -> Any:
+    """``torch.library.triton_op(name, fn, mutates_args=...)``, or ``None`` where torch lacks it or Triton is not
+    installed.
 
     Registering inspects ``fn`` for Triton kernels, which imports Triton (and logs a warning when it is
     missing): callers register at import, so a machine without Triton gets ``None`` and no warning.
@@ -93,7 +94,7 @@ def triton_op(name: str, fn: Callable) -> Any:
     register = getattr(torch.library, "triton_op", None)
     if register is None or not triton_installed():
         return None
-    return register(name, fn, mutates_args=())
+    return register(name, fn, mutates_args=mutates_args)
 
 
 @functools.cache

@@ -562,12 +562,15 @@ def test_scaled_grouped_mm_with_fp8_param_equals_the_cast_in_forward(monkeypatch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("wgrad_in_gemm", [False, True], ids=["wgrad-add", "wgrad-in-gemm"])
 @pytest.mark.parametrize("compile_backend", [None, "inductor"])
-def test_hopper_fp8_param_grouped_gemm_equals_the_bf16_weight_path(compile_backend):
+def test_hopper_fp8_param_grouped_gemm_equals_the_bf16_weight_path(compile_backend, wgrad_in_gemm, monkeypatch):
     """On Hopper (bf16, the real kernel and Triton casts): the forward with the FP8 parameter equals the bf16-weight path
-    bit for bit; the gradients (dx, and dW in main_grad against the bf16 weight's gradient) within 1e-2 relative."""
+    bit for bit; the gradients (dx, and dW in main_grad against the bf16 weight's gradient) within 1e-2 relative; also
+    with the weight gradient added into main_grad by the Triton grouped GEMM (``ACCUMULATE_WGRAD_IN_GEMM``)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU (FP8 grouped GEMMs)")
+    monkeypatch.setattr(fpg, "ACCUMULATE_WGRAD_IN_GEMM", wgrad_in_gemm)
     x, w, dy, ends = _sgm_operands(torch.bfloat16, "cuda")
     hp, fp8 = _hp_and_fp8_param_paths(x, w, dy, ends, compile_backend)
     assert torch.equal(fp8[0], hp[0])

@@ -12,7 +12,9 @@ writes them once per step), and the GEMM here takes them as they are:
 * weight gradient ``dy_e.T @ x_e``: as today (one scale per column within each expert's rows), in the parameter's
   high-precision dtype, added to ``weight.main_grad`` (the DDP gradient buffer) by the backward; the weight's
   autograd gradient is a placeholder that DDP's hook ignores, as for the dense FP8 parameters
-  (:mod:`megatron_core.fp8.fp8_param_linear`).
+  (:mod:`megatron_core.fp8.fp8_param_linear`). With :data:`ACCUMULATE_WGRAD_IN_GEMM` the GEMM itself adds it into
+  ``main_grad`` (:mod:`megatron_core.fp8.grouped_wgrad_accumulate`, a Triton kernel) instead of writing a bf16
+  ``dW`` for a separate addition.
 
 So FP8-parameter training computes what FP8 experts with a high-precision weight cast in the forward compute. On a
 Hopper GPU with bf16 inputs the GEMMs are ``torch._scaled_grouped_mm`` (the casts and GEMMs of
@@ -29,15 +31,25 @@ import torch
 
 from megatron_core.fp8.fp8_param_linear import _placeholder, _placeholder_kind
 from megatron_core.fp8.grouped_gemm import device_ends, host_counts, quantize_dequantize_e4m3
+from megatron_core.fp8.grouped_wgrad_accumulate import (
+    grouped_wgrad_accumulate_,
+    grouped_wgrad_accumulate_supported,
+)
 from megatron_core.fp8.scaled_grouped_mm import (
     dgrad_gemm,
     forward_gemm,
     scaled_grouped_mm_supported,
     wgrad_gemm,
+    wgrad_operands,
 )
 from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
 
-__all__ = ["EmulatedFp8ParamGroupedGemm", "ScaledGroupedMmFp8Param", "fp8_param_grouped_gemm"]
+__all__ = ["ACCUMULATE_WGRAD_IN_GEMM", "EmulatedFp8ParamGroupedGemm", "ScaledGroupedMmFp8Param",
+           "fp8_param_grouped_gemm"]
+
+# On a GPU, add the experts' weight gradient into main_grad inside the GEMM (Triton) instead of torch's grouped GEMM
+# and a separate addition. Off until a GPU has timed it (benchmarks/moe_fwd_bwd.py --fp8-wgrad-in-gemm).
+ACCUMULATE_WGRAD_IN_GEMM = False
 
 
 @torch.library.custom_op("megatron_core::fp8_grouped_add_to_main_grad_", mutates_args=("main_grad",))
@@ -134,7 +146,14 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = dgrad_gemm(grad, weight.detach(), w_dequant, ends, x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _accumulate(weight, ctx.main_grad, wgrad_gemm(grad, x, ends), ctx.placeholder)
+            main_grad = ctx.main_grad
+            if (ACCUMULATE_WGRAD_IN_GEMM and grouped_wgrad_accumulate_supported(main_grad, grad)
+                    and main_grad.shape == weight.shape):
+                grouped_wgrad_accumulate_(main_grad, *wgrad_operands(grad, x, ends), ends)
+                grad_w = (_placeholder(weight, ctx.placeholder) if torch.compiler.is_compiling()
+                          else finish_fused_weight_gradient(weight))
+            else:
+                grad_w = _accumulate(weight, main_grad, wgrad_gemm(grad, x, ends), ctx.placeholder)
         return grad_x, grad_w, None, None, None, None
 
 

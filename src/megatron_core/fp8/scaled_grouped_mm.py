@@ -112,9 +112,10 @@ def dgrad_gemm(grad: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
                    use_fast_accum=True)
 
 
-def wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """``dW_e = dy_e.T @ x_e`` (``[E, out, in]`` in ``x``'s dtype), both operands cast with one scale per column
-    within each expert's rows."""
+def wgrad_operands(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weight gradient's operands: ``dy`` and ``x`` cast with one scale per column within each expert's rows,
+    transposed: ``(dyt_codes [out, M], xt_codes [in, M], dyt_scale [E * out], xt_scale [E * in])``."""
     if fp8_cast_kernels_available(grad) and x.is_contiguous():
         row_groups = _group_of_rows(ends, grad.shape[0], 1)
         dyt_codes, dyt_scale = group_columnwise_cast_transposed(grad, ends, row_groups)
@@ -122,6 +123,12 @@ def wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch
     else:
         dyt_codes, dyt_scale = _group_columnwise_transposed(grad, ends)
         xt_codes, xt_scale = _group_columnwise_transposed(x, ends)
+    return dyt_codes, xt_codes, dyt_scale, xt_scale
+
+
+def wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``dW_e = dy_e.T @ x_e`` (``[E, out, in]`` in ``x``'s dtype) from :func:`wgrad_operands`."""
+    dyt_codes, xt_codes, dyt_scale, xt_scale = wgrad_operands(grad, x, ends)
     return _KERNEL(dyt_codes, xt_codes.t(), dyt_scale, xt_scale, offs=ends, out_dtype=x.dtype, use_fast_accum=True)
 
 
