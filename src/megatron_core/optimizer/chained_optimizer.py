@@ -2,7 +2,7 @@
 
 The inf/nan check, the gradient norm (combined as ``sqrt(sum(norm_i^2))``), the clipping and the
 skip on a non-finite norm are global over all sub-optimizers, so the chain behaves like one
-optimizer over all parameters.
+optimizer over all parameters; so are the norms of separate grad-norm groups (:mod:`.grad_norm_groups`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,13 @@ from typing import Any
 import torch
 
 from megatron_core.optimizer.checkpoint_state import is_model_space_state
-from megatron_core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-from megatron_core.optimizer.megatron_optimizer import MegatronOptimizer, combine_grad_norms
+from megatron_core.optimizer.clip_grads import get_grad_norm_fp32
+from megatron_core.optimizer.grad_norm_groups import SEPARATE_GRAD_NORM_GROUPS, validate_grad_norm_group
+from megatron_core.optimizer.megatron_optimizer import (
+    MegatronOptimizer,
+    clip_by_group_norms,
+    combine_grad_norms,
+)
 
 
 class ChainedOptimizer(MegatronOptimizer):
@@ -70,12 +75,38 @@ class ChainedOptimizer(MegatronOptimizer):
         """Global norm over every sub-optimizer."""
         return combine_grad_norms([opt.get_grad_norm() for opt in self.chained_optimizers])
 
+    def get_grads_for_grad_norm(self, grad_norm_group: str | None = None) -> list[torch.Tensor]:
+        """Every sub-optimizer's gradients of the main norm or of the named group."""
+        return [g for opt in self.chained_optimizers for g in opt.get_grads_for_grad_norm(grad_norm_group)]
+
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        """Whether any sub-optimizer has the group on any rank (each asks over its own grad-stats group)."""
+        validate_grad_norm_group(grad_norm_group)
+        return any([opt.has_grad_norm_group(grad_norm_group) for opt in self.chained_optimizers])
+
+    def _grad_norm_of_group(self, grad_norm_group: str) -> float:
+        """The group's norm over every sub-optimizer, each reduced over its own grad-stats group."""
+        return combine_grad_norms([
+            get_grad_norm_fp32(opt.get_grads_for_grad_norm(grad_norm_group),
+                               grad_stats_parallel_group=opt.get_grad_stats_parallel_group())
+            for opt in self.chained_optimizers])
+
+    def _compute_grad_norms_by_group(self) -> dict[str, float]:
+        """``{group: its norm over the chain}`` for every separate grad-norm group present."""
+        self.grad_norms_by_group = {group: self._grad_norm_of_group(group) for group in SEPARATE_GRAD_NORM_GROUPS
+                                    if self.has_grad_norm_group(group)}
+        return self.grad_norms_by_group
+
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip every sub-optimizer by the global norm (not when it is non-finite: ``step`` skips then)."""
+        """Clip every sub-optimizer by the global main norm and each separate group by its norm over the chain
+        (not when the main norm is non-finite: ``step`` skips then); return the main norm."""
         grad_norm = self.get_grad_norm()
+        self.grad_norms_by_group = {}
+        if clip_grad > 0.0:
+            self._compute_grad_norms_by_group()
         if math.isfinite(grad_norm):
             for opt in self.chained_optimizers:
-                clip_grad_by_total_norm_fp32(opt.get_parameters(), clip_grad, grad_norm)
+                clip_by_group_norms(opt.get_parameters(), clip_grad, grad_norm, self.grad_norms_by_group)
         return grad_norm
 
     def count_zeros(self) -> float:

@@ -54,6 +54,7 @@ from megatron_core.optimizer.checkpoint_state import (
 )
 from megatron_core.optimizer.clip_grads import counts_towards_grad_norm
 from megatron_core.optimizer.flat_adam import FlatAdamShards, FlatShard
+from megatron_core.optimizer.grad_norm_groups import in_grad_norm
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.optimizer import MixedPrecisionOptimizer, copy_param_attributes
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
@@ -131,6 +132,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # Each rank holds DP shards of its model-parallel shards: statistics sum over DP, then over MP.
         self.grad_stats_parallel_group = collectives.GroupProduct(
             data_parallel_group, collectives.local_if_none(resolve_process_group("mp")))
+        # Asked here, on every rank and over the model params, so that later questions (the flat step's choice
+        # below, clipping) are answered from the cache without a collective that some ranks would skip.
+        separate_norm_groups = self._has_separate_grad_norm_groups()
 
         self.main_params_dtype = config.main_params_dtype if config.use_precision_aware_optimizer else torch.float32
         # FP8 parameters (fp8_param), in the same order on every DP rank: quantized from the main shards each step.
@@ -151,7 +155,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # When every owned piece counts towards the norm, the norm reads each flat shard's gradient slice
         # whole (one tensor per bucket; DDP's padding between params holds zeros).
         tp_rank = get_pg_rank(self.tp_group)
-        self._norm_over_flat_shards = self._flat is not None and all(
+        self._norm_over_flat_shards = self._flat is not None and not separate_norm_groups and all(
             counts_towards_grad_norm(p, tp_rank) for p in self.get_parameters())
         # Under the flat step nothing else may need the main params' gradients: the step reads the gradient
         # buffers, and the norm their flat slices or the counted pieces' buffer views. Copies in another dtype
@@ -297,14 +301,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _collect_main_grad_data_for_unscaling(self) -> list[torch.Tensor]:
         return [e.main_param.grad for e in self._entries() if e.main_param.grad is not None]
 
-    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
-        """The owned gradients that count towards the norm (whole flat shard slices where every piece counts)."""
-        if self._norm_over_flat_shards:
+    def get_grads_for_grad_norm(self, grad_norm_group: str | None = None) -> list[torch.Tensor]:
+        """The owned gradients of the main norm (whole flat shard slices where every piece counts) or of the named
+        group."""
+        if grad_norm_group is None and self._norm_over_flat_shards:
             return [shard.grad for shard in self._flat.shards]
         if self._skip_main_grad_copies:  # the counted pieces, read in the gradient buffers
             tp_rank = get_pg_rank(self.tp_group)
-            return [self._grad_view(e) for e in self._entries() if counts_towards_grad_norm(e.main_param, tp_rank)]
-        return super().get_main_grads_for_grad_norm()
+            return [self._grad_view(e) for e in self._entries()
+                    if counts_towards_grad_norm(e.main_param, tp_rank) and in_grad_norm(e.main_param, grad_norm_group)]
+        return super().get_grads_for_grad_norm(grad_norm_group)
 
     @staticmethod
     def _grad_view(entry: _ShardEntry) -> torch.Tensor:

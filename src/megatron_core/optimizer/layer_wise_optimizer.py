@@ -22,6 +22,7 @@ from megatron_core.dist_checkpointing.dict_utils import nested_values
 from megatron_core.distributed import collectives
 from megatron_core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron_core.optimizer.clip_grads import count_zeros_fp32, get_grad_norm_fp32, grad_norm_tensor
+from megatron_core.optimizer.grad_norm_groups import any_rank_has_grad_norm_group
 from megatron_core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
@@ -219,6 +220,17 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
     def _grad_norm_tensor(self) -> torch.Tensor:
         """:meth:`get_grad_norm` as a 0-dim device tensor (for clipping folded into the sub-optimizers' steps)."""
         return grad_norm_tensor(self._owned_grads_for_norm(), grad_stats_parallel_group=None).reshape(())
+
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        """Whether any rank owns parameters of the group (one max all-reduce over every rank, then cached)."""
+        cache = self.__dict__.setdefault("_has_grad_norm_group_cache", {})
+        if grad_norm_group not in cache:
+            cache[grad_norm_group] = any_rank_has_grad_norm_group(self.get_parameters(), grad_norm_group, None)
+        return cache[grad_norm_group]
+
+    def _grad_norm_of_group(self, grad_norm_group: str) -> float:
+        """The group's norm over the owned gradients of every rank."""
+        return get_grad_norm_fp32(self.get_grads_for_grad_norm(grad_norm_group), grad_stats_parallel_group=None)
 
     def _owned_grads_for_norm(self) -> list[torch.Tensor]:
         """Every sub-optimizer's gradients that count towards the norm (each parameter owned by one rank)."""

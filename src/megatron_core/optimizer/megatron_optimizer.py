@@ -31,13 +31,22 @@ from megatron_core.optimizer.clip_grads import (
     grad_norm_tensor,
 )
 from megatron_core.optimizer.fused_clip import fused_adam_step_with_clipping, supports_fused_clipping
+from megatron_core.optimizer.grad_norm_groups import (
+    GRAD_NORM_GROUP_ATTR,
+    SEPARATE_GRAD_NORM_GROUPS,
+    any_rank_has_grad_norm_group,
+    in_grad_norm,
+    split_by_grad_norm_group,
+    validate_grad_norm_group,
+)
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.optimizer_param_scheduler import ParamGroupOverride
 from megatron_core.process_groups_config import resolve_process_group
 
 logger = logging.getLogger("megatron_core.optimizer.optimizer")  # the logger name of Megatron-Core's module
 
-_MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+_MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
+                              GRAD_NORM_GROUP_ATTR)
 
 def _param_group_override_keys() -> tuple[str, ...]:
     """Every field declared on ``ParamGroupOverride`` (its annotations, whatever the TypedDict's totality), sorted."""
@@ -60,14 +69,11 @@ all of these behave alike under the scheduler and the optimizer.
 
 
 def copy_param_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy the attributes that grad-norm filtering reads (TP-sharded, tied) from a model param."""
+    """Copy the attributes that grad-norm filtering reads (TP-sharded, tied, separate norm group) from a model
+    param."""
     for name in _MODEL_PARALLEL_ATTRIBUTES:
         if hasattr(source, name):
             setattr(destination, name, getattr(source, name))
-
-
-GRAD_NORM_GROUP_ATTR = "grad_norm_group"
-"""The parameter attribute that names a separately-normed gradient group (Megatron-Core 0.19)."""
 
 
 def copy_optimizer_param_metadata(destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -120,31 +126,76 @@ class MegatronOptimizer(ABC):
         """The tensors the inner optimizer updates, group by group."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def _filter_grads_for_norm(self, params: list[torch.Tensor],
+                               param_filter: Callable[[torch.Tensor], bool] | None = None) -> list[torch.Tensor]:
+        """The gradients of ``params`` that count towards a norm: those ``param_filter`` keeps (all without one),
+        not None, no tied duplicates, no TP-replicated copies off TP rank 0."""
+        tp_group = getattr(self, "tp_group", None)
+        tp_rank = get_pg_rank(collectives.local_if_none(tp_group if tp_group is not None
+                                                        else resolve_process_group("tp")))
+        return [p.grad for p in params
+                if (param_filter is None or param_filter(p)) and p.grad is not None
+                and counts_towards_grad_norm(p, tp_rank)]
+
+    def get_grads_for_grad_norm(self, grad_norm_group: str | None = None) -> list[torch.Tensor]:
+        """The gradients of the main norm (``None``: every parameter outside a separate grad-norm group), or of
+        the named group (see :mod:`.grad_norm_groups`)."""
+        if grad_norm_group is not None:
+            validate_grad_norm_group(grad_norm_group)  # raised here even when no parameter is left to filter
+        return self._filter_grads_for_norm(self.get_parameters(), lambda p: in_grad_norm(p, grad_norm_group))
+
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
-        """Gradients that count towards the norm: no tied duplicates, no TP-replicated copies off TP rank 0."""
-        tp_rank = get_pg_rank(self.tp_group)
-        return [
-            p.grad for p in self.get_parameters()
-            if p.grad is not None and counts_towards_grad_norm(p, tp_rank)
-        ]
+        """The main norm's gradients (:meth:`get_grads_for_grad_norm` without a group)."""
+        return self.get_grads_for_grad_norm()
+
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        """Whether any rank of the grad-stats group has parameters tagged ``grad_norm_group``: one collective on
+        the first call (every rank calls it at the same point), cached after."""
+        cache = self.__dict__.setdefault("_has_grad_norm_group_cache", {})
+        if grad_norm_group not in cache:
+            cache[grad_norm_group] = any_rank_has_grad_norm_group(self.get_parameters(), grad_norm_group,
+                                                                  self.get_grad_stats_parallel_group())
+        return cache[grad_norm_group]
+
+    def _has_separate_grad_norm_groups(self) -> bool:
+        """Whether any registered separate grad-norm group has parameters on any rank."""
+        return any([self.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS])
 
     def get_grad_stats_parallel_group(self) -> Any:
-        """The group over which gradient norms, zero counts and inf checks are reduced."""
-        return self.grad_stats_parallel_group
+        """The group over which gradient norms, zero counts and inf checks are reduced (parallel_state's
+        model-parallel group where none was set)."""
+        group = getattr(self, "grad_stats_parallel_group", None)
+        return group if group is not None else collectives.local_if_none(resolve_process_group("mp"))
 
     def get_grad_norm(self) -> float:
-        """Global L2 norm of the gradients."""
+        """Global L2 norm of the main gradients (those outside separate grad-norm groups)."""
         return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
                                   grad_stats_parallel_group=self.get_grad_stats_parallel_group())
 
-    def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip the gradients to global norm ``clip_grad``; return the norm before clipping.
+    @torch.no_grad()
+    def _compute_grad_norms_by_group(self) -> dict[str, float]:
+        """``{group: its gradient norm}`` for every separate grad-norm group present (also kept as
+        ``self.grad_norms_by_group``)."""
+        self.grad_norms_by_group = {
+            group: get_grad_norm_fp32(self.get_grads_for_grad_norm(group),
+                                      grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+            for group in SEPARATE_GRAD_NORM_GROUPS if self.has_grad_norm_group(group)
+        }
+        return self.grad_norms_by_group
 
-        A non-finite norm leaves the gradients as they are (``step`` then skips the update).
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip the main gradients to global norm ``clip_grad`` and each separate grad-norm group's by its own
+        norm; return the main norm before clipping.
+
+        A non-finite main norm leaves the gradients as they are (``step`` then skips the update).
         """
-        grad_norm = self.get_grad_norm()
+        grad_norm = get_grad_norm_fp32(self.get_grads_for_grad_norm(),
+                                       grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        self.grad_norms_by_group = {}
+        if clip_grad > 0.0:
+            self._compute_grad_norms_by_group()  # on every rank, before any early return: the same collectives
         if math.isfinite(grad_norm):
-            clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+            clip_by_group_norms(self.get_parameters(), clip_grad, grad_norm, self.grad_norms_by_group)
         return grad_norm
 
     def count_zeros(self) -> float:
@@ -342,9 +393,11 @@ class MegatronOptimizer(ABC):
 
     def _clipping_can_fold(self) -> bool:
         """Whether the settings let clipping fold into a step that takes a clip factor: clipping on, no zero count,
-        no skip threshold, no grad scaler (each needs the norm or the gradients on the host before the step)."""
+        no skip threshold, no grad scaler (each needs the norm or the gradients on the host before the step), and
+        no separate grad-norm group (its parameters take another factor)."""
         return (self.config.clip_grad > 0.0 and not self.config.log_num_zeros_in_grad
-                and self._grad_norm_skip_threshold() is None and not self.prepare_grads_checks_for_inf())
+                and self._grad_norm_skip_threshold() is None and not self.prepare_grads_checks_for_inf()
+                and not self._has_separate_grad_norm_groups())
 
     def _fold_clipping_into_adam(self) -> bool:
         """Clip inside the fused Adam step (see :mod:`.fused_clip`): same update, no extra pass, no early sync."""
@@ -389,6 +442,17 @@ class MegatronOptimizer(ABC):
         if not results[0]:  # an inner step that failed on the host: a new tensor, not the one announced
             success = torch.zeros((), dtype=torch.bool, device=norm.device)
         return success, norm, None
+
+
+def clip_by_group_norms(params: list[torch.Tensor], clip_grad: float, grad_norm: float,
+                        group_norms: dict[str, float]) -> None:
+    """Clip the main parameters' gradients by ``grad_norm`` and each separate grad-norm group's by its norm in
+    ``group_norms`` (a group without one is left as it is)."""
+    main, grouped = split_by_grad_norm_group(params)
+    clip_grad_by_total_norm_fp32(main, clip_grad, grad_norm)
+    for group, group_params in grouped.items():
+        if group in group_norms:
+            clip_grad_by_total_norm_fp32(group_params, clip_grad, group_norms[group])
 
 
 def combine_grad_norms(norms: list[float]) -> float:

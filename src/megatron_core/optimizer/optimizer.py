@@ -26,11 +26,13 @@ from megatron_core.optimizer.checkpoint_state import (
     is_model_space_state,
     load_model_space_state,
 )
+from megatron_core.optimizer.grad_norm_groups import GRAD_NORM_GROUP_ATTR as GRAD_NORM_GROUP_ATTR
+from megatron_core.optimizer.grad_norm_groups import MTP_GRAD_NORM_GROUP as MTP_GRAD_NORM_GROUP
+from megatron_core.optimizer.grad_norm_groups import SEPARATE_GRAD_NORM_GROUPS as SEPARATE_GRAD_NORM_GROUPS
 from megatron_core.optimizer.grad_scaler import MegatronGradScaler
 from megatron_core.optimizer.megatron_optimizer import (
     _MODEL_PARALLEL_ATTRIBUTES as _MODEL_PARALLEL_ATTRIBUTES,
 )
-from megatron_core.optimizer.megatron_optimizer import GRAD_NORM_GROUP_ATTR as GRAD_NORM_GROUP_ATTR
 from megatron_core.optimizer.megatron_optimizer import MegatronOptimizer as MegatronOptimizer
 from megatron_core.optimizer.megatron_optimizer import OutcomeCallback as OutcomeCallback
 from megatron_core.optimizer.megatron_optimizer import (
