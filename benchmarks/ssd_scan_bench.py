@@ -52,6 +52,8 @@ SCAN_VARIANTS: list[dict[str, int]] = [
     {"chunk": 128, "states_lowp": 1, "fwd_warps": 8, "fwd_k": 32, "dx_warps": 8, "dx_k": 32, "dx_p": 32, "dbc_n": 32,
      "dbc_p": 32},
     {"states_lowp": 1, "dx_warps": 8, "dbc_n": 64}, {"states_lowp": 1, "fwd_warps": 8, "dx_warps": 8, "dbc_n": 64},
+    # Block shapes without spills at the defaults' chunk (ssd_scan_resources.py) that no GPU has timed yet.
+    {"dx_warps": 8}, {"dbc_n": 64}, {"dbc_n": 64, "dbc_warps": 4},
 ]
 # Which SCAN_BLOCKS keys each kernel reads (the two walks share theirs).
 KERNEL_KEYS = {"ssd_state_kernel": "state", "ssd_state_grad_kernel": "state", "ssd_chunk_forward_kernel": "fwd",
