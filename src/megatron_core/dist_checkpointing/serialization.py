@@ -81,6 +81,7 @@ from megatron_core.dist_checkpointing.strategies import (
     SaveShardedStrategy,
     TorchDistLoadShardedStrategy,
     get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
 )
 from megatron_core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
 from megatron_core.dist_checkpointing.strategy_resolution import (
@@ -439,6 +440,7 @@ __all__ = [
     "StrictHandling",
     "check_is_distributed_checkpoint",
     "get_default_load_sharded_strategy",
+    "get_default_save_sharded_strategy",
     "load",
     "load_common_state_dict",
     "load_content_metadata",
