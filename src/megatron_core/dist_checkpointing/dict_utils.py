@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,14 +38,66 @@ def nested_values(x: Any) -> Iterator[Any]:
             yield v
 
 
-def nested_items_iter(x: Any, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """``(path, leaf)`` pairs of nested dicts/lists; ``path`` is the tuple of keys/indices."""
+def nested_items_iter(x: dict | list) -> Iterator[tuple[dict | list, Any, Any]]:
+    """``(container, key, leaf)`` for every leaf of nested dicts/lists: ``container[key]`` is the leaf."""
     items = x.items() if isinstance(x, dict) else enumerate(x)
     for k, v in items:
         if isinstance(v, (dict, list)):
-            yield from nested_items_iter(v, prefix + (k,))
+            yield from nested_items_iter(v)
+        else:
+            yield x, k, v
+
+
+def nested_path_items(x: dict | list, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """``(path, leaf)`` pairs of nested dicts/lists; ``path`` is the tuple of keys/indices (an extension)."""
+    items = x.items() if isinstance(x, dict) else enumerate(x)
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            yield from nested_path_items(v, prefix + (k,))
         else:
             yield prefix + (k,), v
+
+
+def dict_map(f: Callable[[Any], Any], d: dict | list) -> None:
+    """Replace every leaf ``v`` of nested dicts/lists by ``f(v)``, in place."""
+    for container, k, v in nested_items_iter(d):
+        container[k] = f(v)
+
+
+def dict_map_with_key(f: Callable[[Any, Any], Any], d: dict | list) -> None:
+    """Replace every leaf ``v`` (under key or index ``k`` of its container) by ``f(k, v)``, in place."""
+    for container, k, v in nested_items_iter(d):
+        container[k] = f(k, v)
+
+
+def map_reduce(xs: Iterable[Any], key_fn: Callable[[Any], Any] = lambda x: x,
+               value_fn: Callable[[Any], Any] = lambda x: x,
+               reduce_fn: Callable[[list], Any] = lambda x: x) -> dict:
+    """``{key_fn(x): reduce_fn([value_fn(x) for the xs of that key])}``, keys in first-seen order (the interface
+    of ``more_itertools.map_reduce``)."""
+    grouped: dict[Any, list] = {}
+    for x in xs:
+        grouped.setdefault(key_fn(x), []).append(value_fn(x))
+    return {k: reduce_fn(values) for k, values in grouped.items()}
+
+
+def inspect_types(x: Any, prefix: tuple = (), indent: int = 4) -> None:
+    """Print the nested structure of ``x``: keys and indices, tensors' shapes, other leaves' types and values
+    (truncated to 30 characters); a debugging aid."""
+    pad = " " * indent * len(prefix)
+    if isinstance(x, (dict, list)):
+        print()
+        for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+            print(f"{pad}{'>' if isinstance(x, dict) else '-'} {k}: ", end="")
+            inspect_types(v, prefix + (k,), indent)
+    elif isinstance(x, torch.Tensor):
+        print(f"Tensor of shape {x.shape}")
+    else:
+        try:
+            text = str(x)
+        except Exception:  # noqa: BLE001 - any object: its repr may fail
+            text = "<no string repr>"
+        print(f"[{type(x)}]: {text[:30] + '... (truncated)' if len(text) > 30 else text}")
 
 
 def extract_matching_values(

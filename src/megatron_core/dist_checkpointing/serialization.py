@@ -63,6 +63,7 @@ from megatron_core.dist_checkpointing.mapping import (
     ShardedBase,
     ShardedObject,
     ShardedStateDict,
+    ShardedTensor,
     ShardedTensorFactory,
     StateDict,
     apply_factories,
@@ -100,6 +101,8 @@ from megatron_core.dist_checkpointing.validation import (
     write_integrity_manifest,
 )
 
+CkptShardedMetadata = dict[str, ShardedTensor | ShardedObject]
+"""Type of :func:`load_sharded_metadata`'s result: each key's sharded tensor or object."""
 logger = logging.getLogger(__name__)
 
 
@@ -437,6 +440,7 @@ def remove_sharded_tensors(checkpoint_dir: str | os.PathLike, key_prefix: str) -
 
 __all__ = [
     "CheckpointingException",
+    "CkptShardedMetadata",
     "StrictHandling",
     "check_is_distributed_checkpoint",
     "get_default_load_sharded_strategy",

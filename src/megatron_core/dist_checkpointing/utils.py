@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sized
 from typing import Any
 
 from megatron_core.dist_checkpointing.core import CheckpointingException
@@ -14,6 +15,10 @@ from megatron_core.dist_checkpointing.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
 )
+
+__all__ = ["add_prefix_for_sharding", "apply_prefix_mapping", "extract_nonpersistent", "extract_sharded_base",
+           "extract_sharded_tensors", "extract_sharded_tensors_and_factories",
+           "extract_sharded_tensors_or_nonpersistent", "replace_prefix_for_sharding", "zip_strict"]
 
 
 def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, Any]:
@@ -86,3 +91,11 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[
         return x
 
     dict_list_map_inplace(rename, sharded_state_dict)
+
+
+def zip_strict(*args: Sized) -> Iterator[tuple]:
+    """``zip`` of sized iterables that must have equal lengths: ``ValueError`` naming the lengths otherwise."""
+    lengths = [len(a) for a in args]
+    if len(set(lengths)) > 1:
+        raise ValueError(f"zip_strict: iterables of unequal lengths {lengths}")
+    return zip(*args)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from megatron_core.dist_checkpointing import collectives
-from megatron_core.dist_checkpointing.dict_utils import nested_items_iter
+from megatron_core.dist_checkpointing.dict_utils import nested_path_items
 from megatron_core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron_core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
@@ -51,7 +51,7 @@ def model_params_and_paths(model_sharded_state_dict: dict) -> tuple[list[torch.T
     ``sliced_param`` and its ``slice_index``) has ``{index: sharded tensor}`` and ``{index: path}`` instead.
     """
     params, sharded, paths = [], {}, {}
-    for path, sh in nested_items_iter(model_sharded_state_dict):
+    for path, sh in nested_path_items(model_sharded_state_dict):
         whole = getattr(sh, "sliced_param", None)
         if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and isinstance(whole, torch.nn.Parameter):
             if id(whole) not in sharded:

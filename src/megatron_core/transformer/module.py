@@ -9,6 +9,7 @@ tensor-parallel attributes, then each child); a module with its own checkpoint l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +20,9 @@ from megatron_core._wrapped_model import submodules_with_attribute
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.utils import sharded_state_dict_default
+
+__all__ = ["Float16Module", "MegatronModule", "conversion_helper", "float16_to_fp32", "fp32_to_float16",
+           "param_is_not_shared"]
 
 
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:
@@ -58,6 +62,29 @@ class MegatronModule(torch.nn.Module):
             allocate_caches = getattr(module, "allocate_weight_caches", None)
             if allocate_caches is not None:  # FP8 layers keep their weights' transposes for the step
                 allocate_caches()
+
+
+def conversion_helper(val: Any, conversion: Callable[[Any], Any]) -> Any:
+    """``conversion`` applied to ``val``, or to every element of nested tuples/lists (their types kept)."""
+    if not isinstance(val, (tuple, list)):
+        return conversion(val)
+    converted = [conversion_helper(v, conversion) for v in val]
+    return tuple(converted) if isinstance(val, tuple) else converted
+
+
+def _tensor_dtype(val: Any) -> torch.dtype | None:
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def fp32_to_float16(val: Any, float16_convertor: Callable[[torch.Tensor], Any]) -> Any:
+    """``float16_convertor`` applied to every fp32 tensor in ``val`` (a tensor or nested tuples/lists); other
+    values as they are (Megatron-Core's input cast of ``Float16Module``)."""
+    return conversion_helper(val, lambda v: float16_convertor(v) if _tensor_dtype(v) == torch.float32 else v)
+
+
+def float16_to_fp32(val: Any) -> Any:
+    """Every fp16/bf16 tensor in ``val`` (a tensor or nested tuples/lists) as fp32; other values as they are."""
+    return conversion_helper(val, lambda v: v.float() if _tensor_dtype(v) in (torch.float16, torch.bfloat16) else v)
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
