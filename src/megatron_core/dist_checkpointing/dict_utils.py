@@ -38,24 +38,23 @@ def nested_values(x: Any) -> Iterator[Any]:
             yield v
 
 
+def _leaves(x: dict | list, prefix: tuple = ()) -> Iterator[tuple[dict | list, tuple, Any]]:
+    """``(container, path, leaf)`` for every leaf of nested dicts/lists; ``path[-1]`` is its key in ``container``."""
+    for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+        if isinstance(v, (dict, list)):
+            yield from _leaves(v, prefix + (k,))
+        else:
+            yield x, prefix + (k,), v
+
+
 def nested_items_iter(x: dict | list) -> Iterator[tuple[dict | list, Any, Any]]:
     """``(container, key, leaf)`` for every leaf of nested dicts/lists: ``container[key]`` is the leaf."""
-    items = x.items() if isinstance(x, dict) else enumerate(x)
-    for k, v in items:
-        if isinstance(v, (dict, list)):
-            yield from nested_items_iter(v)
-        else:
-            yield x, k, v
+    return ((container, path[-1], v) for container, path, v in _leaves(x))
 
 
 def nested_path_items(x: dict | list, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """``(path, leaf)`` pairs of nested dicts/lists; ``path`` is the tuple of keys/indices (an extension)."""
-    items = x.items() if isinstance(x, dict) else enumerate(x)
-    for k, v in items:
-        if isinstance(v, (dict, list)):
-            yield from nested_path_items(v, prefix + (k,))
-        else:
-            yield prefix + (k,), v
+    return ((path, v) for _, path, v in _leaves(x, prefix))
 
 
 def dict_map(f: Callable[[Any], Any], d: dict | list) -> None:

@@ -70,8 +70,15 @@ def _accumulate(weight: torch.Tensor, main_grad: torch.Tensor | None, grad_w: to
                            "the model in DistributedDataParallel with use_distributed_optimizer=True")
     if torch.compiler.is_compiling():
         torch.ops.megatron_core.fp8_grouped_add_to_main_grad_(main_grad, grad_w)
+    else:
+        main_grad.add_(grad_w)
+    return _weight_grad_after_main_grad(weight, placeholder)
+
+
+def _weight_grad_after_main_grad(weight: torch.Tensor, placeholder: str) -> torch.Tensor | None:
+    """The weight's autograd gradient once its gradient is in ``main_grad``: the placeholder DDP's hook drops."""
+    if torch.compiler.is_compiling():
         return _placeholder(weight, placeholder)
-    main_grad.add_(grad_w)
     return finish_fused_weight_gradient(weight)
 
 
@@ -150,8 +157,7 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
             if (ACCUMULATE_WGRAD_IN_GEMM and grouped_wgrad_accumulate_supported(main_grad, grad)
                     and main_grad.shape == weight.shape):
                 grouped_wgrad_accumulate_(main_grad, *wgrad_operands(grad, x, ends), ends)
-                grad_w = (_placeholder(weight, ctx.placeholder) if torch.compiler.is_compiling()
-                          else finish_fused_weight_gradient(weight))
+                grad_w = _weight_grad_after_main_grad(weight, ctx.placeholder)
             else:
                 grad_w = _accumulate(weight, main_grad, wgrad_gemm(grad, x, ends), ctx.placeholder)
         return grad_x, grad_w, None, None, None, None

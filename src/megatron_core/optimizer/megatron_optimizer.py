@@ -189,6 +189,8 @@ class MegatronOptimizer(ABC):
 
         A non-finite main norm leaves the gradients as they are (``step`` then skips the update).
         """
+        # get_grad_norm's value, from its parts: Megatron-Core's tests bind this method onto objects that have
+        # only get_grads_for_grad_norm and get_grad_stats_parallel_group.
         grad_norm = get_grad_norm_fp32(self.get_grads_for_grad_norm(),
                                        grad_stats_parallel_group=self.get_grad_stats_parallel_group())
         self.grad_norms_by_group = {}
