@@ -4,6 +4,7 @@
   scales against float64, for experts of different sizes (one with no tokens, whose ``main_grad`` stays bit for
   bit), sizes that are not multiples of the tiles, fp32 and bf16 ``main_grad``, small tiles so that every loop runs
   several steps.
+* CPU: wrong shapes and a non-contiguous operand are refused before any launch, naming the tensor.
 * CPU, compiled for sm_90 (no GPU): the kernel at the default tiles fits an SM and uses Hopper's FP8 tensor-core
   instructions.
 * GPU: against ``torch._scaled_grouped_mm``'s ``dW`` added to ``main_grad``, and the FP8-parameter grouped GEMM's
@@ -106,3 +107,18 @@ def test_grouped_wgrad_accumulate_matches_scaled_grouped_mm_plus_add() -> None:
     # The reference's dW is rounded to bf16 before its addition; ours is added in fp32.
     assert ((got - want).norm() / (want - main_grad).norm()).item() < 1e-2
     assert torch.equal(got[1], main_grad[1])
+
+
+def test_wrong_shapes_and_layouts_are_refused_naming_the_tensor():
+    """Checked before any launch: a ``main_grad`` or scale of the wrong shape, or a non-contiguous operand."""
+    from megatron_core.fp8 import grouped_wgrad_accumulate as gw
+
+    codes = torch.zeros(8, 32, dtype=torch.float8_e4m3fn)  # out 8, 32 tokens
+    ends = torch.tensor([16, 32], dtype=torch.int32)
+    args = dict(main_grad=torch.zeros(2, 8, 4), dyt_codes=codes, xt_codes=torch.zeros(4, 32, dtype=codes.dtype),
+                dyt_scale=torch.ones(16), xt_scale=torch.ones(8), ends=ends)
+    for name, bad, message in (("main_grad", torch.zeros(3, 8, 4), r"main_grad \(3, 8, 4\) must be \(2, 8, 4\)"),
+                               ("xt_scale", torch.ones(4), r"xt_scale \(4,\) must be \(8,\)"),
+                               ("xt_codes", torch.zeros(32, 4, dtype=codes.dtype).t(), "xt_codes must be contiguous")):
+        with pytest.raises(ValueError, match=message):
+            gw._accumulate(**{**args, name: bad})
