@@ -1,0 +1,124 @@
+"""List the public names Megatron-Core defines that ``megatron_core`` lacks, module by module.
+
+Every ``megatron/core/**.py`` file at tag ``core_v0.19.0`` of a local Megatron-LM clone is parsed
+(``git show``, no checkout); its top-level ``def``, ``class`` and assigned names that do not start
+with ``_`` are the module's public names. Each is then resolved for real in ``megatron_core``:
+import the same module path, ``getattr`` the name. A module that does not exist here counts all
+of its names as missing. Nothing is exempt; ``--skip PATTERN`` only hides matching modules from
+the listing, and the summary always reports the whole count beside what the listing shows.
+
+Usage::
+
+    python tools/megatron_name_gaps.py --repo /path/to/Megatron-LM             # summary
+    python tools/megatron_name_gaps.py --repo R --missing                      # module: names
+    python tools/megatron_name_gaps.py --repo R --missing --present-modules    # only modules we have
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib
+import io
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass, field
+
+TAG = "core_v0.19.0"
+SOURCE_ROOT = "megatron/core"
+TARGET_PACKAGE = "megatron_core"
+
+
+@dataclass
+class ModuleGap:
+    """One Megatron-Core module: its public names and those ``megatron_core`` lacks."""
+
+    module: str
+    names: list[str]
+    missing: list[str] = field(default_factory=list)
+    module_exists: bool = True
+
+
+def _git(repo: str, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", repo, *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def public_names(source: str) -> list[str]:
+    """Top-level ``def`` / ``class`` / assigned names of a module that do not start with ``_``."""
+    names: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign):
+            names.extend(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.append(node.target.id)
+    return sorted({n for n in names if not n.startswith("_")})
+
+
+def scan(repo: str, tag: str = TAG) -> list[ModuleGap]:
+    """Resolve every public name of every Megatron-Core module at ``tag`` against ``megatron_core``."""
+    files = _git(repo, "ls-tree", "-r", "--name-only", tag, SOURCE_ROOT).split()
+    gaps: list[ModuleGap] = []
+    for path in sorted(f for f in files if f.endswith(".py")):
+        try:
+            names = public_names(_git(repo, "show", f"{tag}:{path}"))
+        except SyntaxError:
+            continue
+        if not names:
+            continue
+        dotted = path[: -len(".py")].replace("/", ".")
+        dotted = dotted.removesuffix(".__init__")
+        target = TARGET_PACKAGE + dotted[len("megatron.core") :]
+        gap = ModuleGap(dotted, names)
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(target)
+        except Exception:
+            gap.module_exists = False
+            gap.missing = list(names)
+        else:
+            gap.missing = [n for n in names if not hasattr(module, n)]
+        gaps.append(gap)
+    return gaps
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the summary (and with ``--missing`` the missing names per module)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repo", required=True, help="a local Megatron-LM clone (git dir or work tree)")
+    parser.add_argument("--tag", default=TAG)
+    parser.add_argument("--missing", action="store_true", help="list the missing names per module")
+    parser.add_argument(
+        "--present-modules", action="store_true", help="list only modules that exist in megatron_core"
+    )
+    parser.add_argument("--skip", action="append", default=[], help="hide modules containing this text")
+    args = parser.parse_args(argv)
+    gaps = scan(args.repo, args.tag)
+    total = sum(len(g.names) for g in gaps)
+    missing = sum(len(g.missing) for g in gaps)
+    present_modules = [g for g in gaps if g.module_exists]
+    total_present = sum(len(g.names) for g in present_modules)
+    missing_present = sum(len(g.missing) for g in present_modules)
+    print(f"all modules: {total - missing}/{total} names ({100 * (total - missing) / total:.1f}%), "
+          f"{len(present_modules)}/{len(gaps)} modules exist")
+    print(f"modules that exist: {total_present - missing_present}/{total_present} names "
+          f"({100 * (total_present - missing_present) / max(total_present, 1):.1f}%)")
+    if args.missing:
+        for gap in gaps:
+            if not gap.missing or (args.present_modules and not gap.module_exists):
+                continue
+            if any(s in gap.module for s in args.skip):
+                continue
+            tag = "" if gap.module_exists else " (no module)"
+            print(f"{gap.module}{tag}: {', '.join(gap.missing)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
