@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
      "the global group registry and the explicit group collections"),
     ("configuration", ("model_parallel_config", "num_microbatches_calculator", "timers", "packed_seq_params",
                        "activations", "energy_monitor", "_batch_utils", "_packed_batch",
-                       "progress", "_straggler", "_misc_utils", "_model_utils"),
+                       "progress", "_straggler", "_misc_utils", "_model_utils", "config_logger"),
      "configs, timers, microbatch arithmetic, optional kernels' feature checks"),
     ("storage", ("dist_checkpointing",),
      "sharded checkpoint storage and its tracker file: knows tensors and shardings, no model"),

@@ -16,7 +16,8 @@ from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer
 
 __all__ = [
     "GlobalMemoryBuffer", "MakeViewlessTensor", "WrappedTensor", "accepts_parameter", "assert_viewless_tensor",
-    "get_model_type", "get_model_xattn", "is_submodule", "log_on_each_pipeline_stage", "make_viewless_tensor",
+    "get_model_type", "get_model_xattn", "is_submodule", "is_using_quantization_scales", "log_on_each_pipeline_stage",
+    "make_viewless_tensor",
     "round_up_to_nearest_multiple", "safely_set_viewless_tensor_data",
 ]
 
@@ -26,6 +27,12 @@ def round_up_to_nearest_multiple(value: int, multiple: int) -> int:
     if multiple <= 0:
         raise ValueError(f"multiple={multiple} must be positive")
     return math.ceil(value / multiple) * multiple
+
+
+def is_using_quantization_scales(config: Any) -> Any:
+    """Whether ``config`` turns on FP8 or FP4 training (a truthy ``fp8`` or ``fp4``, e.g. ``"e4m3"``); the
+    configured value itself is returned, as Megatron-Core does."""
+    return getattr(config, "fp8", False) or getattr(config, "fp4", False)
 
 
 def accepts_parameter(func: Callable[..., Any], name: str) -> bool:

@@ -73,6 +73,17 @@ def to_local_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
 
 
+def get_full_tensor_if_necessary(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s local shard, or its full (replicated) value when some mesh dimension shards a tensor
+    dimension over more ranks than it has elements (a rank would hold an empty shard). Collective then."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard) and tensor.device_mesh.shape[mesh_dim] > tensor.shape[placement.dim]:
+            return tensor.full_tensor()
+    return tensor._local_tensor
+
+
 def get_data_parallel_group_if_dtensor(tensor: torch.Tensor, data_parallel_group: Any = None) -> Any:
     """The process group of a 1-D ``DTensor``'s mesh (checked against ``data_parallel_group``); else None."""
     dtensor = _dtensor_type()

@@ -1,6 +1,7 @@
 """Installed versions of torch and optional packages, and minimum-version checks (re-exported by ``utils``).
 
-A package that is not installed reports version ``0.0.0`` (Transformer Engine, flash-attn) or ``None``
+A package that is not installed reports version ``0.0.0`` (Transformer Engine, flash-attn, mamba-ssm,
+causal-conv1d) or ``None``
 (flashinfer), so ``is_*_min_version`` is simply False for it, as in Megatron-Core.
 """
 
@@ -82,3 +83,23 @@ def get_flashinfer_version() -> PkgVersion | None:
 def is_flashinfer_min_version(version: str, check_equality: bool = True) -> bool:
     """flashinfer >= ``version`` (False when it is not installed)."""
     return _at_least(get_flashinfer_version(), version, check_equality)
+
+
+def get_mamba_version() -> PkgVersion:
+    """mamba-ssm's version; ``0.0.0`` when it is not installed."""
+    return _package_version("mamba_ssm", ("mamba_ssm", "mamba-ssm")) or _MISSING
+
+
+def is_mamba_min_version(version: str, check_equality: bool = True) -> bool:
+    """mamba-ssm >= ``version`` (False when it is not installed)."""
+    return _at_least(get_mamba_version(), version, check_equality)
+
+
+def get_causal_conv1d_version() -> PkgVersion:
+    """causal-conv1d's version; ``0.0.0`` when it is not installed."""
+    return _package_version("causal_conv1d", ("causal_conv1d", "causal-conv1d")) or _MISSING
+
+
+def is_causal_conv1d_min_version(version: str, check_equality: bool = True) -> bool:
+    """causal-conv1d >= ``version`` (False when it is not installed)."""
+    return _at_least(get_causal_conv1d_version(), version, check_equality)

@@ -84,8 +84,7 @@ class MegatronOnlyTransformerFields:
     attention_output_gate: bool = _refused(False, "gated attention output")
     no_rope_freq: int | list[int] | None = _refused(None, "layers without RoPE")
     mrope_section: list[int] | None = _refused(None, "multimodal RoPE")
-    experimental_attention_variant: str | None = _refused(None, "experimental attention variants (gated delta net, "
-                                                                "DeepSeek sparse attention)")
+    # experimental_attention_variant and the linear_* fields are TransformerConfig fields (gated delta net layers).
     experimental_attention_variant_loss_scale_func: Callable | None = _ignored(None, "only used with "
                                                                                      "experimental_attention_variant")
     dsa_indexer_n_heads: int | None = _ignored(None, "only used with DeepSeek sparse attention")
@@ -101,12 +100,6 @@ class MegatronOnlyTransformerFields:
     dsa_indexer_scoring_relu: bool = _ignored(True, "only used with DeepSeek sparse attention")
     dsa_indexer_k_norm_epsilon: float | None = _ignored(None, "only used with DeepSeek sparse attention")
     dsa_indexer_k_norm_fp32: bool = _ignored(False, "only used with DeepSeek sparse attention")
-    linear_attention_freq: int | list[int] | None = _refused(None, "linear attention layers")
-    linear_conv_kernel_dim: int | None = _ignored(4, "only used with linear attention layers")
-    linear_key_head_dim: int | None = _ignored(128, "only used with linear attention layers")
-    linear_value_head_dim: int | None = _ignored(128, "only used with linear attention layers")
-    linear_num_key_heads: int | None = _ignored(16, "only used with linear attention layers")
-    linear_num_value_heads: int | None = _ignored(32, "only used with linear attention layers")
     # is_hybrid_model and the Mamba sizes (mamba_state_dim, ...) are TransformerConfig fields: ssm.MambaMixer reads them.
     mamba_training_ssm_states_dtype: Any = _ignored(None, "a kernel choice: the pure-PyTorch SSD scan computes its "
                                                           "inter-chunk states in fp32")

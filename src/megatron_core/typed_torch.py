@@ -4,14 +4,31 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar
 
 import torch
 
 T = TypeVar("T")
+P = ParamSpec("P")
+R_co = TypeVar("R_co", covariant=True)
+# Of copy_signature: the source's and the decorated function's parameters and return types, and the decorated
+# function's first parameter (kept with handle_first_dst_param="preserve").
+P_src = ParamSpec("P_src")
+P_dst = ParamSpec("P_dst")
+R_src = TypeVar("R_src")
+R_dst = TypeVar("R_dst")
+First_dst = TypeVar("First_dst")
 
 
-def apply_module(m: Any, *, check_subclass: bool = True) -> Any:
+class _Module(Generic[P, R_co], Protocol):
+    """Anything with a ``forward(*P) -> R_co`` (an ``nn.Module`` as the type checker sees it)."""
+
+    def forward(self, *args: P.args, **kwargs: P.kwargs) -> R_co:
+        """The module's forward."""
+        ...
+
+
+def apply_module(m: _Module[P, R_co], *, check_subclass: bool = True) -> Callable[P, R_co]:
     """Return ``m`` unchanged (typed as its ``forward``); ``TypeError`` if it is not an ``nn.Module``."""
     if check_subclass and not isinstance(m, torch.nn.Module):
         raise TypeError(f"{type(m)} is not a subclass of torch.nn.Module")
@@ -26,7 +43,7 @@ def not_none(value: T | None) -> T:
 
 
 def copy_signature(
-    source: Callable[..., Any],
+    source: Callable[P_src, R_src],
     /,
     *,
     handle_return_type: Literal["preserve", "overwrite"] = "preserve",
@@ -48,7 +65,7 @@ def copy_signature(
             raise ValueError(f"copy_signature: {label}={value!r} must be one of {allowed}")
     src_sig = inspect.signature(source)
 
-    def decorate(target: Callable[..., Any], /) -> Callable[..., Any]:
+    def decorate(target: Callable[P_dst, R_dst], /) -> Callable[..., Any]:
         dst_sig = inspect.signature(target)
         params = []
         if handle_first_dst_param == "preserve":

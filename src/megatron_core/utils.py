@@ -13,8 +13,14 @@ from megatron_core._ground.api_lifecycle import deprecated as deprecated
 from megatron_core._ground.api_lifecycle import experimental_api as experimental_api
 from megatron_core._ground.api_lifecycle import experimental_cls as experimental_cls
 from megatron_core._ground.api_lifecycle import experimental_fn as experimental_fn
+from megatron_core._ground.api_lifecycle import internal_api as internal_api
 from megatron_core._ground.arithmetic import divide as divide
 from megatron_core._ground.arithmetic import ensure_divisibility as ensure_divisibility
+from megatron_core._ground.async_utils import get_asyncio_loop as get_asyncio_loop
+from megatron_core._ground.async_utils import trace_async_exceptions as trace_async_exceptions
+from megatron_core._ground.decorators import deprecate_args as deprecate_args
+from megatron_core._ground.decorators import deprecate_inference_params as deprecate_inference_params
+from megatron_core._ground.decorators import null_decorator as null_decorator
 from megatron_core._ground.groups import get_pg_rank as get_pg_rank
 from megatron_core._ground.groups import get_pg_size as get_pg_size
 from megatron_core._ground.groups import get_pg_src_rank as get_pg_src_rank
@@ -30,6 +36,7 @@ from megatron_core._misc_utils import assert_viewless_tensor as assert_viewless_
 from megatron_core._misc_utils import get_model_type as get_model_type
 from megatron_core._misc_utils import get_model_xattn as get_model_xattn
 from megatron_core._misc_utils import is_submodule as is_submodule
+from megatron_core._misc_utils import is_using_quantization_scales as is_using_quantization_scales
 from megatron_core._misc_utils import log_on_each_pipeline_stage as log_on_each_pipeline_stage
 from megatron_core._misc_utils import make_viewless_tensor as make_viewless_tensor
 from megatron_core._misc_utils import round_up_to_nearest_multiple as round_up_to_nearest_multiple
@@ -40,6 +47,7 @@ from megatron_core._model_utils import (
 from megatron_core._model_utils import (
     get_data_parallel_group_if_dtensor as get_data_parallel_group_if_dtensor,
 )
+from megatron_core._model_utils import get_full_tensor_if_necessary as get_full_tensor_if_necessary
 from megatron_core._model_utils import local_multi_tensor_applier as local_multi_tensor_applier
 from megatron_core._model_utils import local_multi_tensor_l2_norm as local_multi_tensor_l2_norm
 from megatron_core._model_utils import local_multi_tensor_scale as local_multi_tensor_scale
@@ -54,12 +62,16 @@ from megatron_core._packed_batch import (
 from megatron_core._rank_utils import log_single_rank as log_single_rank
 from megatron_core._straggler import StragglerDetector as StragglerDetector
 from megatron_core._version_utils import HAVE_PACKAGING as HAVE_PACKAGING
+from megatron_core._version_utils import get_causal_conv1d_version as get_causal_conv1d_version
 from megatron_core._version_utils import get_fa_version as get_fa_version
 from megatron_core._version_utils import get_flashinfer_version as get_flashinfer_version
+from megatron_core._version_utils import get_mamba_version as get_mamba_version
 from megatron_core._version_utils import get_te_version as get_te_version
 from megatron_core._version_utils import get_torch_version as get_torch_version
+from megatron_core._version_utils import is_causal_conv1d_min_version as is_causal_conv1d_min_version
 from megatron_core._version_utils import is_fa_min_version as is_fa_min_version
 from megatron_core._version_utils import is_flashinfer_min_version as is_flashinfer_min_version
+from megatron_core._version_utils import is_mamba_min_version as is_mamba_min_version
 from megatron_core._version_utils import is_te_min_version as is_te_min_version
 from megatron_core._version_utils import is_torch_min_version as is_torch_min_version
 from megatron_core._wrapped_model import get_attr_wrapped_model as get_attr_wrapped_model
@@ -72,6 +84,12 @@ from megatron_core.dist_checkpointing.sharded_module import (
 )
 from megatron_core.process_groups_config import (
     get_tensor_model_parallel_group_if_none as get_tensor_model_parallel_group_if_none,
+)
+from megatron_core.tensor_parallel.deferred_wgrad import (
+    drain_embedding_wgrad_compute as drain_embedding_wgrad_compute,
+)
+from megatron_core.tensor_parallel.deferred_wgrad import (
+    prepare_input_tensors_for_wgrad_compute as prepare_input_tensors_for_wgrad_compute,
 )
 from megatron_core.transformer.context_parallel_batch import (
     get_batch_on_this_cp_rank as get_batch_on_this_cp_rank,

@@ -101,3 +101,10 @@ def experimental_cls(introduced_with_version: str) -> Callable[[type], type]:
         return cls
 
     return decorate
+
+
+def internal_api(obj: F) -> F:
+    """Mark a function or class as internal (``obj._internal_api = True``): not covered by the compatibility
+    policy of ``docs/api_policy.md``. The object itself is returned unchanged."""
+    obj._internal_api = True
+    return obj

@@ -270,6 +270,12 @@ class ShardedObject(ShardedBase):
         return f"{self.__class__.__name__}(key={self.key!r})"
 
 
+FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Union[slice, None]], ShardedStateDict]
+"""``build_fn(key, data, replica_id, flattened_range)`` of a :class:`ShardedTensorFactory`."""
+FactoryMergeFn = Callable[[StateDict], torch.Tensor]
+"""``merge_fn(loaded_sub_state_dict)`` of a :class:`ShardedTensorFactory`."""
+
+
 @dataclass
 class ShardedTensorFactory(ShardedBase):
     """A tensor stored as several sharded pieces: ``build_fn`` splits it, ``merge_fn`` joins them.
@@ -280,8 +286,8 @@ class ShardedTensorFactory(ShardedBase):
 
     key: str
     data: torch.Tensor
-    build_fn: Callable[..., ShardedStateDict]
-    merge_fn: Callable[[StateDict], torch.Tensor]
+    build_fn: FactoryBuildFn
+    merge_fn: FactoryMergeFn
     replica_id: ReplicaId = 0
     flattened_range: slice | None = None
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._model_utils import to_local_if_dtensor
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.dict_utils import nested_values
 from megatron_core.dist_checkpointing.mapping import (
@@ -26,11 +27,26 @@ from megatron_core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 
+KEEP_VARS_HINT = (
+    " The model state dict must hold the model's torch.nn.Parameter objects themselves (call `.state_dict()` with"
+    " `keep_vars=True`); to transform a parameter, use a ShardedTensorFactory."
+)
+"""Appended to errors raised when optimizer tensors cannot be matched to model parameters."""
+
+
+def get_optim_param_to_id_map(optim_params_iter: Iterable[torch.Tensor]) -> dict[int, int]:
+    """``{id(param): index}`` over the optimizer's parameters in order (a DTensor counts as its local shard;
+    a parameter listed twice keeps its first index)."""
+    index_of: dict[int, int] = {}
+    for i, param in enumerate(optim_params_iter):
+        index_of.setdefault(id(to_local_if_dtensor(param)), i)
+    return index_of
+
 
 def get_param_id_to_sharded_param_map(model_sharded_state_dict: ShardedStateDict,
                                       optim_params_iter: Iterable[torch.Tensor]) -> dict[int, Any]:
     """``{optimizer param index: model ShardedTensor}``, matching tensors by identity."""
-    index_of = {id(p): i for i, p in enumerate(optim_params_iter)}
+    index_of = get_optim_param_to_id_map(optim_params_iter)
     out: dict[int, Any] = {}
     for sh in nested_values(model_sharded_state_dict):
         if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and id(sh.data) in index_of:
@@ -47,7 +63,7 @@ def make_sharded_optimizer_tensor(model_param: ShardedTensor | ShardedTensorFact
     if tuple(optim_param.shape) != tuple(model_param.local_shape):
         raise ValueError(
             f"optimizer tensor for {model_param.key!r} has shape {tuple(optim_param.shape)}, "
-            f"the parameter shard has {model_param.local_shape}"
+            f"the parameter shard has {model_param.local_shape}." + KEEP_VARS_HINT
         )
     return replace(model_param, key=key, data=optim_param, dtype=optim_param.dtype)
 

@@ -1,12 +1,26 @@
-"""Filtering sharded state dicts by leaf type and rewriting sharding keys (Megatron-Core ``utils``)."""
+"""Filtering sharded state dicts by leaf type and rewriting sharding keys (Megatron-Core ``utils``).
+
+Also re-exported here, at Megatron-Core's path: the scoped debug timing of :mod:`.debug_logging`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
 from typing import Any
 
+from megatron_core._ground.fp8_values import dequantize_fp8_tensor, is_fp8_param
 from megatron_core.dist_checkpointing.core import CheckpointingException
-from megatron_core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values
+from megatron_core.dist_checkpointing.debug_logging import (
+    debug_msg,
+    debug_time,
+    fallback_logger,
+    logger_stack,
+)
+from megatron_core.dist_checkpointing.dict_utils import (
+    dict_list_map_inplace,
+    extract_matching_values,
+    nested_values,
+)
 from megatron_core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -16,9 +30,10 @@ from megatron_core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 
-__all__ = ["add_prefix_for_sharding", "apply_prefix_mapping", "extract_nonpersistent", "extract_sharded_base",
-           "extract_sharded_tensors", "extract_sharded_tensors_and_factories",
-           "extract_sharded_tensors_or_nonpersistent", "replace_prefix_for_sharding", "zip_strict"]
+__all__ = ["add_prefix_for_sharding", "apply_prefix_mapping", "debug_msg", "debug_time", "extract_nonpersistent",
+           "extract_sharded_base", "extract_sharded_tensors", "extract_sharded_tensors_and_factories",
+           "extract_sharded_tensors_or_nonpersistent", "fallback_logger", "force_all_tensors_to_non_fp8",
+           "logger_stack", "replace_prefix_for_sharding", "zip_strict"]
 
 
 def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, Any]:
@@ -99,3 +114,10 @@ def zip_strict(*args: Sized) -> Iterator[tuple]:
     if len(set(lengths)) > 1:
         raise ValueError(f"zip_strict: iterables of unequal lengths {lengths}")
     return zip(*args)
+
+
+def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
+    """Replace the data of every leaf holding an FP8 parameter by its high-precision value (in place)."""
+    for leaf in nested_values(sharded_state_dict):
+        if is_fp8_param(getattr(leaf, "data", None)):
+            leaf.data = dequantize_fp8_tensor(leaf.data)

@@ -6,6 +6,11 @@ on shape and dtype, and that every replica matches a main shard. Load: :func:`ch
 checks every requested key against the checkpoint metadata (existence, kind, global shape) so a
 mismatch is reported with the key and both shapes before any tensor is touched.
 
+Strict loading (Megatron-Core's helpers, collective-free): :func:`validate_integrity_and_strict_load` finds
+the keys a load misses or does not expect from metadata already gathered, drops the unexpected ones
+(:func:`adjust_non_strict_load`) and reports both as ``strict`` says
+(:func:`maybe_report_missing_and_unexpected_keys`).
+
 Integrity (Megatron-Core 0.19): :func:`save_integrity_manifest` writes ``integrity.json`` (the SHA-256
 of every file) and :func:`verify_integrity_manifest` checks it (``save``/``load`` with ``verify_integrity``).
 """
@@ -26,8 +31,12 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from megatron_core.dist_checkpointing import collectives
-from megatron_core.dist_checkpointing.core import CheckpointingException, atomic_write_text
-from megatron_core.dist_checkpointing.dict_utils import diff, nested_values
+from megatron_core.dist_checkpointing.core import (
+    CheckpointingException,
+    atomic_write_text,
+    check_is_distributed_checkpoint,
+)
+from megatron_core.dist_checkpointing.dict_utils import diff, extract_matching_values, nested_values
 from megatron_core.dist_checkpointing.mapping import (
     ShardedBase,
     ShardedObject,
@@ -158,20 +167,28 @@ def validate_sharding_integrity(sharded_leaves: list[ShardedBase], group: Any = 
     """
     local = [_shard_record(sh) for sh in sharded_leaves]
     gathered = collectives.all_gather_object(local, group)
+    errors = _sharding_errors(gathered) if collectives.get_rank(group) == 0 else []
+    _raise_sharding_errors(collectives.broadcast_object(errors, 0, group))
+    return gathered
+
+
+def _sharding_errors(gathered: list[list[tuple]]) -> list[str]:
+    """Every tiling problem of the shard records of all ranks (one list of records per rank)."""
+    by_key: dict[tuple[str, str], list[tuple]] = defaultdict(list)
+    for rank_records in gathered:
+        for rec in rank_records:
+            by_key[(rec[0], rec[1])].append(rec)
     errors: list[str] = []
-    if collectives.get_rank(group) == 0:
-        by_key: dict[tuple[str, str], list[tuple]] = defaultdict(list)
-        for rank_records in gathered:
-            for rec in rank_records:
-                by_key[(rec[0], rec[1])].append(rec)
-        for (kind, key), records in sorted(by_key.items()):
-            errors += _check_tensor_key(key, records) if kind == "t" else _check_object_key(key, records)
-    errors = collectives.broadcast_object(errors, 0, group)
+    for (kind, key), records in sorted(by_key.items()):
+        errors += _check_tensor_key(key, records) if kind == "t" else _check_object_key(key, records)
+    return errors
+
+
+def _raise_sharding_errors(errors: list[str]) -> None:
     if errors:
         shown = "\n  ".join(errors[:20])
         more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
         raise CheckpointingException(f"invalid sharding of the state dict:\n  {shown}{more}")
-    return gathered
 
 
 def validate_common_state_consistency(common_state: Any, group: Any = None) -> None:
@@ -242,6 +259,105 @@ def determine_global_metadata(sharded_state_dict: dict[str, Any], process_group:
     global_metadata: list[Any] = [None] * torch.distributed.get_world_size(group=process_group)
     torch.distributed.all_gather_object(global_metadata, local_metadata, group=process_group)
     return local_metadata, global_metadata
+
+
+def verify_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
+    """``CheckpointingException`` unless ``checkpoint_dir`` is a directory holding a distributed checkpoint.
+
+    (``manifest.verify_checkpoint``, this library's checksum verification, is another function.)
+    """
+    if not Path(checkpoint_dir).is_dir():
+        raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
+    if not check_is_distributed_checkpoint(checkpoint_dir):
+        raise CheckpointingException(f"{checkpoint_dir} is not a distributed checkpoint (no valid metadata.json)")
+
+
+def adjust_non_strict_load(sharded_state_dict: dict[str, Any], sharded_keys_to_remove: set[str]) -> dict[str, Any]:
+    """``sharded_state_dict`` without the sharded leaves whose key is in ``sharded_keys_to_remove``."""
+
+    def unexpected(leaf: Any) -> bool:
+        if not isinstance(leaf, ShardedBase):
+            raise CheckpointingException(f"adjust_non_strict_load: leaf of type {type(leaf).__name__} is not sharded")
+        return leaf.key in sharded_keys_to_remove
+
+    _, kept = extract_matching_values(sharded_state_dict, unexpected)
+    return kept
+
+
+def _determine_missing_and_unexpected_keys(
+    ckpt_sharded_metadata: dict[str, ShardedBase], local_metadata: list[ShardedBase],
+    global_metadata: list[list[ShardedBase]] | None = None,
+) -> tuple[set[str], set[str]]:
+    """``(missing, unexpected)``: checkpoint keys no rank requests (empty without ``global_metadata``) and keys
+    this rank requests that the checkpoint lacks."""
+    ckpt_keys = {sh.key for sh in ckpt_sharded_metadata.values()}
+    unexpected = {sh.key for sh in local_metadata} - ckpt_keys
+    missing: set[str] = set()
+    if global_metadata is not None:
+        missing = ckpt_keys - {sh.key for rank_metadata in global_metadata for sh in rank_metadata}
+    return missing, unexpected
+
+
+def maybe_report_missing_and_unexpected_keys(missing_keys: set[str], unexpected_keys: set[str],
+                                             raise_error: bool = True) -> None:
+    """Raise ``CheckpointingException`` (or log a warning when ``raise_error`` is False) naming the missing keys
+    (in the checkpoint, requested by no rank) and the unexpected keys (requested here, not in the checkpoint);
+    nothing when both sets are empty."""
+    if not missing_keys and not unexpected_keys:
+        return
+    parts = []
+    if missing_keys:
+        parts.append(f"keys in the checkpoint requested by no rank (missing, all ranks): {sorted(missing_keys)}")
+    if unexpected_keys:
+        parts.append(f"keys requested by this rank that the checkpoint lacks (unexpected): {sorted(unexpected_keys)}")
+    message = "; ".join(parts)
+    if raise_error:
+        raise CheckpointingException(message)
+    logger.warning(message)
+
+
+def validate_integrity_and_strict_load(
+    sharded_state_dict: dict[str, Any],
+    strict: StrictHandling,
+    validate_access_integrity: bool,
+    local_metadata: list[ShardedBase] | None = None,
+    global_metadata: list[list[ShardedBase]] | None = None,
+    ckpt_sharded_metadata: dict[str, ShardedBase] | None = None,
+) -> tuple[dict[str, Any], set[str], set[str]]:
+    """``(sharded_state_dict without unexpected keys, missing_keys, unexpected_keys)`` for a load under ``strict``.
+
+    Megatron-Core's naming (the reverse of :func:`~megatron_core.dist_checkpointing.serialization.load`'s
+    messages): *unexpected* keys are requested by this rank but absent from the checkpoint
+    (``ckpt_sharded_metadata``, e.g. from ``load_sharded_metadata``); *missing* keys are in the checkpoint but
+    requested by no rank (needs ``global_metadata``, every rank's list of requested shards; the ``*_unexpected``
+    modes skip them). ``raise_*`` modes raise, ``log_*`` modes warn, ``ignore_all`` returns empty sets.
+    ``validate_access_integrity`` checks that ``global_metadata`` tiles every tensor exactly once. Runs no
+    collectives: gather ``global_metadata`` first (``determine_global_metadata``).
+    """
+    missing: set[str] = set()
+    unexpected: set[str] = set()
+    if strict != StrictHandling.ASSUME_OK_UNEXPECTED:  # ignore_all too: it drops the unexpected keys silently
+        if ckpt_sharded_metadata is None:
+            raise CheckpointingException(f"strict={strict.value} needs ckpt_sharded_metadata (got None)")
+        if local_metadata is None:
+            local_metadata = [sh.without_data() for sh in nested_values(sharded_state_dict)]
+        only_unexpected = strict in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.LOG_UNEXPECTED,
+                                     StrictHandling.RAISE_UNEXPECTED, StrictHandling.RETURN_UNEXPECTED)
+        missing, unexpected = _determine_missing_and_unexpected_keys(
+            ckpt_sharded_metadata, local_metadata, None if only_unexpected else global_metadata)
+        sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
+        if strict == StrictHandling.IGNORE_ALL:
+            missing, unexpected = set(), set()
+        elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+            maybe_report_missing_and_unexpected_keys(missing, unexpected, True)
+        elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+            maybe_report_missing_and_unexpected_keys(missing, unexpected, False)
+    if validate_access_integrity:
+        if global_metadata is None:
+            raise CheckpointingException("validate_access_integrity=True needs global_metadata (got None)")
+        _raise_sharding_errors(_sharding_errors([[_shard_record(sh) for sh in rank_metadata]
+                                                 for rank_metadata in global_metadata]))
+    return sharded_state_dict, missing, unexpected
 
 
 def _file_sha256(path: Path) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from megatron_core._ground import get_pg_size
+from megatron_core._ground.fp8_values import _rows, _rowwise, dequantize_fp8_tensor, is_fp8_param
 from megatron_core.jit import is_jit_fuser_enabled, jit_fuser
 from megatron_core.tensor_parallel.wgrad_accumulation import mark_gradient_into_main_grad
 
@@ -71,11 +72,6 @@ def reduce_amax(amax: torch.Tensor, group: Any) -> torch.Tensor:
     return amax
 
 
-def is_fp8_param(tensor: Any) -> bool:
-    """Whether ``tensor`` is an FP8 parameter made by :func:`make_fp8_param`."""
-    return bool(getattr(tensor, "is_fp8_param", False))
-
-
 def tensorwise_scale(amax: torch.Tensor, dtype: torch.dtype = FP8_PARAM_DTYPE) -> torch.Tensor:
     """The per-tensor scale(s) ``fp8_max / amax`` in fp32 (computed in fp64, as torchao's tensorwise recipe)."""
     return (fp8_max(dtype) / amax.double().clamp(min=AMAX_EPS)).float()
@@ -87,15 +83,6 @@ def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
     just below one)."""
     ratio = fp8_max(FP8_PARAM_DTYPE) / amax.float().clamp(min=AMAX_EPS)
     return ((ratio.view(torch.int32) >> 23) << 23).view(torch.float32)
-
-
-def _rowwise(param: torch.Tensor) -> bool:
-    return getattr(param, "fp8_scaling", "tensorwise") == "rowwise"
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[rows, shape[-1]]``."""
-    return t.reshape(-1, t.shape[-1])
 
 
 # Tensors of at least this many elements take the fused (``jit_fuser``) amax and quantization kernels; smaller ones
@@ -172,14 +159,6 @@ def check_fp8_params_for_ddp(params: list[torch.Tensor], ddp_config: Any) -> Non
         raise ValueError("a model with FP8 parameters (fp8_param=True) needs DistributedDataParallelConfig("
                          "use_distributed_optimizer=True, fp8_param_gather=True); got use_distributed_optimizer="
                          f"{ddp_config.use_distributed_optimizer}, fp8_param_gather={ddp_config.fp8_param_gather}")
-
-
-def dequantize_fp8_tensor(fp8_tensor: torch.Tensor) -> torch.Tensor:
-    """The high-precision value (``fp8_hp_dtype``) of an FP8 parameter."""
-    codes = fp8_tensor.detach().float()
-    if _rowwise(fp8_tensor):
-        return (_rows(codes) / fp8_tensor.fp8_scale[:, None]).view(codes.shape).to(fp8_tensor.fp8_hp_dtype)
-    return (codes / fp8_tensor.fp8_scale).to(fp8_tensor.fp8_hp_dtype)
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """GeGLU (``gelu_tanh(y1) * y2``) with bias and a hand-written backward, and the quick-GELU variants
-(Megatron-Core's ``fused_bias_geglu``)."""
+(Megatron-Core's ``fused_bias_geglu``), including the per-token weighted quick-GeGLU of MoE experts."""
 
 from __future__ import annotations
 
@@ -104,3 +104,112 @@ def quick_geglu_back(g: torch.Tensor, y: torch.Tensor, linear_offset: float = 0.
     y_1, y_2 = torch.chunk(y, 2, -1)
     sig = torch.sigmoid(1.702 * y_1)
     return torch.cat((g * sig * (1 + 1.702 * y_1 * (1 - sig)) * (y_2 + linear_offset), g * y_1 * sig), -1)
+
+
+@jit_fuser
+def weighted_quick_geglu(y: torch.Tensor, weights: torch.Tensor, linear_offset: float | torch.Tensor = 0.0
+                         ) -> torch.Tensor:
+    """``quick_geglu(y, linear_offset) * weights`` (``weights [tokens, 1]``, e.g. MoE routing probabilities), in
+    ``y``'s dtype."""
+    return (quick_geglu(y, linear_offset) * weights).to(y.dtype)
+
+
+@jit_fuser
+def weighted_quick_geglu_back(g: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
+                              linear_offset: float | torch.Tensor = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`weighted_quick_geglu` with respect to ``y`` (``y``'s dtype) and ``weights`` (theirs)."""
+    grad_y = quick_geglu_back(g * weights, y, linear_offset)
+    grad_w = (quick_geglu(y, linear_offset) * g.to(weights.dtype)).sum(dim=-1, keepdim=True)
+    return grad_y.to(y.dtype), grad_w.to(weights.dtype)
+
+
+@jit_fuser
+def weighted_bias_quick_geglu(y: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor,
+                              linear_offset: float | torch.Tensor = 0.0) -> torch.Tensor:
+    """``weighted_quick_geglu(y + bias, weights, linear_offset)``, in ``y``'s dtype."""
+    return (quick_geglu(y + bias, linear_offset) * weights).to(y.dtype)
+
+
+@jit_fuser
+def weighted_bias_quick_geglu_back(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor,
+                                   linear_offset: float | torch.Tensor = 0.0
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`weighted_bias_quick_geglu` with respect to ``y``, ``bias`` (per element, like ``y``; the
+    caller sums it over tokens) and ``weights``."""
+    grad_y, grad_w = weighted_quick_geglu_back(g, y + bias, weights, linear_offset)
+    return grad_y, grad_y, grad_w
+
+
+def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``grad`` summed over the dimensions that a tensor of ``shape`` was broadcast along."""
+    return grad if grad.shape == shape else grad.sum_to_size(shape)
+
+
+class WeightedQuickGeGLUFunction(torch.autograd.Function):
+    """``weighted_quick_geglu`` saving only its inputs (optionally the input in fp8)."""
+
+    @staticmethod
+    def forward(ctx, input, weights, fp8_input_store, linear_offset):
+        """Compute the weighted activation; ``linear_offset`` is a scalar tensor."""
+        stored = input.to(torch.float8_e4m3fn) if fp8_input_store else input
+        ctx.save_for_backward(stored, weights, linear_offset)
+        ctx.ori_input_dtype, ctx.fp8_input_store = input.dtype, fp8_input_store
+        return weighted_quick_geglu(input, weights, linear_offset)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        """Gradients for ``input`` and ``weights``."""
+        input, weights, linear_offset = ctx.saved_tensors
+        input = input.to(ctx.ori_input_dtype) if ctx.fp8_input_store else input
+        grad_input, grad_weights = weighted_quick_geglu_back(grad_output, input, weights, linear_offset)
+        return grad_input, grad_weights, None, None
+
+
+class WeightedBiasQuickGeGLUFunction(torch.autograd.Function):
+    """``weighted_bias_quick_geglu`` saving only its inputs (optionally the input in fp8)."""
+
+    @staticmethod
+    def forward(ctx, input, bias, weights, fp8_input_store, linear_offset):
+        """Compute the weighted activation of ``input + bias``; ``linear_offset`` is a scalar tensor."""
+        stored = input.to(torch.float8_e4m3fn) if fp8_input_store else input
+        ctx.save_for_backward(stored, bias, weights, linear_offset)
+        ctx.ori_input_dtype, ctx.fp8_input_store = input.dtype, fp8_input_store
+        return weighted_bias_quick_geglu(input, bias, weights, linear_offset)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        """Gradients for ``input``, ``bias`` (summed to the bias' shape) and ``weights``."""
+        input, bias, weights, linear_offset = ctx.saved_tensors
+        input = input.to(ctx.ori_input_dtype) if ctx.fp8_input_store else input
+        grad_input, grad_bias, grad_weights = weighted_bias_quick_geglu_back(
+            grad_output, input, bias, weights, linear_offset)
+        return grad_input, _sum_to(grad_bias, bias.shape), grad_weights, None, None
+
+
+def weighted_bias_quick_geglu_impl(
+    input: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor, fp8_input_store: bool = False,
+    linear_offset: float = 0.0, clamp_value: float | None = None,
+) -> torch.Tensor:
+    """``quick_geglu(input + bias, linear_offset) * weights`` per token: the MoE experts' activation (GPT-OSS).
+
+    ``input`` is ``[tokens, 2h]`` or ``[s, b, 2h]`` and ``weights`` one value per token (``[tokens, 1]``). With
+    ``clamp_value`` ``v`` the gate half is first clamped to at most ``v`` and the linear half to ``[-v, v]``.
+    """
+    shape = input.shape
+    if len(shape) not in (2, 3):
+        raise ValueError(f"weighted_bias_quick_geglu_impl: input must be 2-D or 3-D, got shape {tuple(shape)}")
+    tokens = input.numel() // shape[-1]
+    if weights.numel() != tokens:
+        raise ValueError(f"weighted_bias_quick_geglu_impl: weights {tuple(weights.shape)} must hold one value per "
+                         f"token ({tokens} tokens in input {tuple(shape)})")
+    if clamp_value is not None:
+        gate, linear = input.chunk(2, -1)
+        input = torch.cat((gate.clamp(max=clamp_value), linear.clamp(-clamp_value, clamp_value)), -1)
+    flat = input.reshape(-1, shape[-1])
+    weights = weights.reshape(tokens, 1)
+    offset = torch.tensor(linear_offset, dtype=flat.dtype, device=flat.device)
+    if bias is not None:
+        out = WeightedBiasQuickGeGLUFunction.apply(flat, bias, weights, fp8_input_store, offset)
+    else:
+        out = WeightedQuickGeGLUFunction.apply(flat, weights, fp8_input_store, offset)
+    return out if len(shape) == 2 else out.view(shape[0], shape[1], -1)

@@ -7,6 +7,10 @@ two sums are all-reduced over TP in between) and keeps only the logits it was gi
 log-sum-exp per token; the backward writes ``(softmax - onehot) * grad`` in one pass, in the
 logits' dtype. Each pass is a ``jit_fuser`` function, one kernel on an accelerator. No fp32 copy of
 the logits or of the log-probabilities is stored.
+
+The ``calculate_*`` helpers are Megatron-Core's steps of its own fused cross entropy, each a thin wrapper over
+the matching :class:`~megatron_core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy` step (the target and
+sum-of-exponential logits travel concatenated, ready for one all-reduce); this module's loss does not use them.
 """
 
 from __future__ import annotations
@@ -16,11 +20,56 @@ import torch.distributed as dist
 
 from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.jit import jit_fuser
+from megatron_core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.mappings import _all_reduce_
 from megatron_core.tensor_parallel.utils import VocabUtility
 
-__all__ = ["fused_vocab_parallel_cross_entropy"]
+__all__ = [
+    "calculate_cross_entropy_loss",
+    "calculate_gradients",
+    "calculate_logits_max",
+    "calculate_predicted_logits",
+    "fused_vocab_parallel_cross_entropy",
+]
+
+
+def calculate_logits_max(vocab_parallel_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits in fp32 and their max over this rank's vocabulary shard (to be all-reduced with MAX)."""
+    return VocabParallelCrossEntropy.calculate_logits_max(vocab_parallel_logits)
+
+
+def calculate_predicted_logits(
+    vocab_parallel_logits: torch.Tensor, target: torch.Tensor, logits_max: torch.Tensor, vocab_start_index: int,
+    vocab_end_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(target_mask, masked_target_1d, predicted_and_sum_exp, exp_logits)`` of the max-shifted logits.
+
+    ``predicted_and_sum_exp`` is the target logit (0 where another rank owns the target) followed by the sum of
+    exponentials, concatenated along the first dimension so that one SUM all-reduce covers both.
+    """
+    target_mask, masked_target_1d, predicted, sum_exp, exp_logits = VocabParallelCrossEntropy.calculate_predicted_logits(
+        vocab_parallel_logits, target, logits_max, vocab_start_index, vocab_end_index)
+    return target_mask, masked_target_1d, torch.cat((predicted, sum_exp)), exp_logits
+
+
+def calculate_cross_entropy_loss(
+    exp_logits: torch.Tensor, predicted_logits_sum_exp_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax over this shard, per-token loss)`` from the all-reduced :func:`calculate_predicted_logits` pair."""
+    predicted, sum_exp = torch.split(predicted_logits_sum_exp_logits, predicted_logits_sum_exp_logits.size(0) // 2)
+    return VocabParallelCrossEntropy.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
+
+
+def calculate_gradients(
+    softmax: torch.Tensor, grad_output: torch.Tensor, target_mask: torch.Tensor, masked_target_1d: torch.Tensor
+) -> torch.Tensor:
+    """``(softmax - onehot(target)) * grad_output`` on this shard, returned in bf16 as Megatron-Core's does."""
+    grad_2d, arange_1d, softmax_update, grad_input = VocabParallelCrossEntropy.prepare_gradient_calculation_operands(
+        softmax, target_mask)
+    grad_input = VocabParallelCrossEntropy.calculate_gradients(
+        grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, grad_output)
+    return grad_input.to(torch.bfloat16)
 
 
 @jit_fuser

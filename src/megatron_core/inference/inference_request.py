@@ -34,10 +34,47 @@ __all__ = [
     "DynamicInferenceRequest",
     "DynamicInferenceRequestRecord",
     "VLMInferenceRequest",
+    "deserialize_ndarray",
+    "deserialize_tensor",
+    "serialize_ndarray",
+    "serialize_tensor",
+    "unwrap_serialized_tensors",
 ]
 
 
 _HASH_RANGE = 2**63 - 1
+
+
+def serialize_tensor(tensor: torch.Tensor) -> list:
+    """``tensor`` as (nested) Python lists, moved to the CPU first."""
+    return tensor.cpu().tolist()
+
+
+def deserialize_tensor(tensor_as_list: list) -> torch.Tensor:
+    """The tensor of a :func:`serialize_tensor` list (dtype inferred: int64 for ints, float32 for floats)."""
+    return torch.tensor(tensor_as_list)
+
+
+def serialize_ndarray(arr: np.ndarray) -> dict[str, Any]:
+    """``arr`` as a JSON-compatible ``{"data": nested lists, "dtype": dtype name}``."""
+    return {"data": arr.tolist(), "dtype": str(arr.dtype)}
+
+
+def deserialize_ndarray(obj: dict[str, Any]) -> np.ndarray:
+    """The array of a :func:`serialize_ndarray` dict. Only numeric and boolean dtypes are accepted
+    (``ValueError`` otherwise): an object dtype would turn untrusted input into arbitrary Python objects."""
+    dtype = np.dtype(obj["dtype"])
+    if dtype.kind not in "biufc":
+        raise ValueError(f"deserialize_ndarray: dtype {obj['dtype']!r} is not numeric or boolean")
+    return np.array(obj["data"], dtype=dtype)
+
+
+def unwrap_serialized_tensors(serialized_request: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy of a serialized request whose ``("tensor", values)`` pairs are replaced by ``values``."""
+    return {
+        key: value[1] if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == "tensor" else value
+        for key, value in serialized_request.items()
+    }
 
 
 def compute_block_hashes_batched(prompt_tokens: Sequence[int] | torch.Tensor, block_size: int) -> list[int]:
@@ -113,7 +150,7 @@ class InferenceRequest:
             if isinstance(value, torch.Tensor):
                 value = value.tolist()
             elif isinstance(value, np.ndarray):  # Megatron-Core's form: ("ndarray", {"data", "dtype"})
-                value = ("ndarray", {"data": value.tolist(), "dtype": str(value.dtype)})
+                value = ("ndarray", serialize_ndarray(value))
             elif isinstance(value, Enum):
                 value = value.name
             elif isinstance(value, SamplingParams):

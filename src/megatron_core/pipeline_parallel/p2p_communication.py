@@ -40,6 +40,13 @@ _TAG_BACKWARD_SHAPE = 3
 _MAX_SHAPE_DIMS = 7
 
 
+def is_single_shape(x: Any) -> bool:
+    """Whether ``x`` is one tensor shape (a ``torch.Size`` or a non-empty list/tuple of ints), not a list of shapes."""
+    if isinstance(x, torch.Size):
+        return True
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(d, int) for d in x)
+
+
 def _is_shape_list(shapes: Any) -> bool:
     """True when ``shapes`` is a list of shapes (one tensor each) rather than a single shape."""
     return isinstance(shapes, list) and (len(shapes) == 0 or shapes[0] is None or not isinstance(shapes[0], int))

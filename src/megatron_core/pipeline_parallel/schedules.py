@@ -40,13 +40,23 @@ from megatron_core.pipeline_parallel.microbatch_step import (
     new_token_counter,
     resolve_communicator,
 )
+from megatron_core.pipeline_parallel.p2p_communication import Shape as Shape
+from megatron_core.pipeline_parallel.schedule_helpers import (
+    clear_embedding_activation_buffer,
+    finish_embedding_wgrad_compute,
+    get_pp_rank_microbatches,
+    get_tensor_device,
+)
 from megatron_core.process_groups_config import resolve_process_group
 
 __all__ = [
+    "Shape",
     "backward_step",
     "check_first_val_step",
+    "clear_embedding_activation_buffer",
     "custom_backward",
     "deallocate_output_tensor",
+    "finish_embedding_wgrad_compute",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",
@@ -55,7 +65,9 @@ __all__ = [
     "get_attr_wrapped_model",
     "get_forward_backward_func",
     "get_model_config",
+    "get_pp_rank_microbatches",
     "get_schedule_table",
+    "get_tensor_device",
     "get_tensor_shapes",
 ]
 
@@ -178,6 +190,7 @@ def forward_backward_pipelining_without_interleaving(
     _start_timer(config)
     comm = resolve_communicator(config, p2p_communicator, pg_collection)
     is_first, is_last = comm.is_pp_first_stage(), comm.is_pp_last_stage()
+    embedding_module = clear_embedding_activation_buffer(config, model, is_last)
     cp_size = context_parallel_size(pg_collection)
     sync = GradSyncSwitch(getattr(config, "no_sync_func", None))
     grad_sync_func = getattr(config, "grad_sync_func", None)
@@ -252,6 +265,7 @@ def forward_backward_pipelining_without_interleaving(
             sync.enable()
             if grad_sync_func is not None:
                 grad_sync_func(model.parameters())
+        finish_embedding_wgrad_compute(config, embedding_module, is_last, resolve_process_group("tp", pg_collection))
         finalize_model_grads_if_set(config, [model], total_num_tokens, pg_collection, force_all_reduce)
     else:
         sync.enable()

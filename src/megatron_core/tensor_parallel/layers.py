@@ -25,6 +25,7 @@ from megatron_core.device import get_current_device
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.process_groups_config import check_parallel_size
 from megatron_core.tensor_parallel.embedding_function import embedding_with_grad_accumulation
+from megatron_core.tensor_parallel.frozen_linear import LinearWithFrozenWeight, linear_with_frozen_weight
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.tensor_parallel.linear_function import (
     LinearWithGradAccumulationAndAsyncCommunication,
@@ -52,7 +53,9 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "LinearWithFrozenWeight",
     "LinearWithGradAccumulationAndAsyncCommunication",
+    "linear_with_frozen_weight",
     "linear_with_grad_accumulation_and_async_allreduce",
     "copy_tensor_model_parallel_attributes",
     "param_is_not_tensor_parallel_duplicate",
@@ -108,6 +111,14 @@ def _init_weight(weight, config, init_method, full_shape, per_partition, partiti
     else:
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
     return None
+
+
+def _linear_impl(input: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The parallel linear op: :func:`linear_with_frozen_weight` for a weight that does not require grad,
+    else :func:`linear_with_grad_accumulation_and_async_allreduce` (Megatron-Core's ``_forward_impl``)."""
+    if not weight.requires_grad:
+        return linear_with_frozen_weight(input, weight, *args, **kwargs)
+    return linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
 
 
 def _default_extra_state(state_dict: dict, prefix: str, *args) -> None:
@@ -182,6 +193,10 @@ class ColumnParallelLinear(torch.nn.Module):
         self.allreduce_dgrad = world_size > 1 and not self.sequence_parallel and not disable_grad_reduce
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
 
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The linear op for ``weight``: the frozen-weight op when it does not require grad."""
+        return _linear_impl(input, weight, *args, **kwargs)
+
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None):
         """``(output, bias)``; ``weight`` overrides the layer's own (required with skip_weight_param_allocation)."""
@@ -195,20 +210,22 @@ class ColumnParallelLinear(torch.nn.Module):
                 f"{(self.output_size_per_partition, self.input_size)}"
             )
         if self.config.defer_embedding_wgrad_compute and self.embedding_activation_buffer is not None:
-            self.embedding_activation_buffer.append(input_)
+            limit = self.config.wgrad_deferral_limit
+            if limit == 0 or len(self.embedding_activation_buffer) < limit:  # the op defers the same micro-batches
+                self.embedding_activation_buffer.append(input_)
 
         bias = self.bias if not self.skip_bias_add else None
         if self.allreduce_dgrad or self.sequence_parallel or self.explicit_expert_comm or self.disable_grad_reduce:
             input_parallel = input_
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+        output_parallel = self._forward_impl(
             input=input_parallel, weight=weight, bias=bias,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             allreduce_dgrad=False if self.explicit_expert_comm else self.allreduce_dgrad,
             sequence_parallel=False if self.explicit_expert_comm else self.sequence_parallel,
             grad_output_buffer=self.grad_output_buffer if self.config.defer_embedding_wgrad_compute else None,
-            wgrad_deferral_limit=self.config.wgrad_deferral_limit,
+            wgrad_deferral_limit=self.config.wgrad_deferral_limit if self.config.defer_embedding_wgrad_compute else None,
             tp_group=self.tp_group,
         )
         gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -291,13 +308,17 @@ class RowParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The linear op for ``weight``: the frozen-weight op when it does not require grad."""
+        return _linear_impl(input, weight, *args, **kwargs)
+
     def forward(self, input_: torch.Tensor):
         """``(output, bias)``: the reduced output, and the bias only when ``skip_bias_add``."""
         if self.input_is_parallel:
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+        output_parallel = self._forward_impl(
             input=input_parallel, weight=self.weight, bias=None,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             allreduce_dgrad=False, sequence_parallel=False, tp_group=self.tp_group,

@@ -12,6 +12,7 @@ generator is seeded with ``seed``.
 
 Activation recompute (``checkpoint``, ``CheckpointWithoutOutput``) lives here too, as in
 Megatron-Core, because it must save and restore these states so recomputed dropout matches.
+While ``checkpoint``'s function runs (its forward and its recomputation) ``is_checkpointing()`` is True.
 """
 
 from __future__ import annotations
@@ -248,6 +249,26 @@ def set_all_rng_states(states: tuple[torch.Tensor, torch.Tensor | None, dict[str
     get_cuda_rng_tracker().set_states(tracker_states)
 
 
+IS_CHECKPOINTING = False
+"""True while a function wrapped by :func:`checkpoint` runs; read it through :func:`is_checkpointing`."""
+
+
+def is_checkpointing() -> bool:
+    """Whether the code running now is inside :func:`checkpoint` (its forward or its backward recomputation)."""
+    return IS_CHECKPOINTING
+
+
+@contextlib.contextmanager
+def _checkpointing() -> Iterator[None]:
+    """Set ``IS_CHECKPOINTING`` for the block; the previous value comes back after it (nesting, errors)."""
+    global IS_CHECKPOINTING
+    previous, IS_CHECKPOINTING = IS_CHECKPOINTING, True
+    try:
+        yield
+    finally:
+        IS_CHECKPOINTING = previous
+
+
 @contextlib.contextmanager
 def _rng_states_restored_after() -> Iterator[None]:
     states = get_all_rng_states()
@@ -302,7 +323,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.distribute_saved_activations = distribute_saved_activations
         ctx.rng_states = get_all_rng_states()
-        with torch.no_grad():
+        with torch.no_grad(), _checkpointing():
             outputs = run_function(*args)
         if distribute_saved_activations:
             # Keep only this TP rank's 1-D piece of the first input; backward gathers it again.
@@ -320,7 +341,7 @@ class CheckpointFunction(torch.autograd.Function):
         if ctx.distribute_saved_activations:
             inputs[0].data = gather_split_1d_tensor(inputs[0].data).view(ctx.input_0_shape)
         detached = _detach_inputs(inputs)
-        with _rng_states_restored_after():
+        with _rng_states_restored_after(), _checkpointing():
             set_all_rng_states(ctx.rng_states)
             with torch.enable_grad():
                 outputs = ctx.run_function(*detached)

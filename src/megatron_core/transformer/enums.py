@@ -1,12 +1,14 @@
 """Enums used to describe models, layers and attention (Megatron-Core's ``transformer/enums.py``).
 
-``ModelType`` is defined in :mod:`megatron_core.enums` (below every subpackage) and re-exported here.
+``ModelType`` and ``AttnMaskType`` are defined in :mod:`megatron_core.enums` (below every subpackage) and
+re-exported here.
 """
 
 from __future__ import annotations
 
 import enum
 
+from megatron_core.enums import AttnMaskType as AttnMaskType
 from megatron_core.enums import ModelType as ModelType
 
 
@@ -25,17 +27,6 @@ class AttnType(enum.Enum):
 
     self_attn = 1
     cross_attn = 2
-
-
-class AttnMaskType(enum.Enum):
-    """How the attention mask is formed. A mask tensor is boolean, ``True`` = masked out."""
-
-    padding = 1
-    causal = 2
-    no_mask = 3
-    padding_causal = 4
-    arbitrary = 5
-    causal_bottom_right = 6
 
 
 class AttnBackend(enum.Enum):
@@ -61,6 +52,24 @@ class CudaGraphModule(enum.Enum):
     moe_router = 4
     moe_preprocess = 5
     mamba = 6
+
+
+class CudaGraphScope(enum.Enum):
+    """Megatron-Core's former name for the parts CUDA graphs capture; kept so objects pickled with it still load.
+
+    A separate class, not an alias of :class:`CudaGraphModule`: its values differ (``full_iteration`` is 1 here).
+    New code uses ``CudaGraphModule``; ``full_iteration`` became ``cuda_graph_impl="full_iteration"`` and
+    ``full_iteration_inference`` became ``InferenceCudaGraphScope.block``.
+    """
+
+    full_iteration = 1
+    attn = 2
+    mlp = 3
+    moe = 4
+    moe_router = 5
+    moe_preprocess = 6
+    mamba = 7
+    full_iteration_inference = 8
 
 
 class InferenceCudaGraphScope(enum.Enum):

@@ -7,9 +7,11 @@ without, say, a pre-MLP norm runs the same code path with a no-op in that slot.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class IdentityOp(torch.nn.Module):
@@ -18,7 +20,7 @@ class IdentityOp(torch.nn.Module):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, x: T, *args: Any, **kwargs: Any) -> T:
         """Return ``x``."""
         return x
 

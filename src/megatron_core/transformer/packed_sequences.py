@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ThdLayout", "thd_layout", "thd_partitioned_indices", "thd_positions", "thd_positions_from_cu"]
+__all__ = ["ThdLayout", "thd_layout", "thd_layout_from_cu", "thd_partitioned_indices", "thd_positions",
+           "thd_positions_from_cu"]
 
 _CACHE_ATTR = "_mcore_thd_cache"
 
@@ -143,14 +144,18 @@ class _CuParams:
 _CU_LAYOUTS: dict[tuple, tuple[Any, ThdLayout]] = {}
 
 
-def thd_positions_from_cu(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int = 1, cp_rank: int = 0,
-                          device: Any = None) -> torch.Tensor:
-    """:func:`thd_positions` for a bare (padded) ``cu_seqlens`` tensor; the layout is cached per tensor."""
-    total = local_tokens * cp_size
-    key = (id(cu_seqlens), cu_seqlens._version, total)
+def thd_layout_from_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> ThdLayout:
+    """:func:`thd_layout` of a bare (padded) ``cu_seqlens`` tensor, cached per tensor."""
+    key = (id(cu_seqlens), cu_seqlens._version, total_tokens)
     entry = _CU_LAYOUTS.get(key)
     if entry is None or entry[0]() is not cu_seqlens:
         if len(_CU_LAYOUTS) > 64:
             _CU_LAYOUTS.clear()
-        entry = _CU_LAYOUTS[key] = (weakref.ref(cu_seqlens), thd_layout(_CuParams(cu_seqlens), total))
-    return thd_positions(entry[1], cp_size, cp_rank, device)
+        entry = _CU_LAYOUTS[key] = (weakref.ref(cu_seqlens), thd_layout(_CuParams(cu_seqlens), total_tokens))
+    return entry[1]
+
+
+def thd_positions_from_cu(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int = 1, cp_rank: int = 0,
+                          device: Any = None) -> torch.Tensor:
+    """:func:`thd_positions` for a bare (padded) ``cu_seqlens`` tensor; the layout is cached per tensor."""
+    return thd_positions(thd_layout_from_cu(cu_seqlens, local_tokens * cp_size), cp_size, cp_rank, device)

@@ -78,9 +78,45 @@ def apply_rotary_pos_emb(
         mscale = yarn_concentration_factor(config)
     seq_len = t.shape[0]
     cos, sin = rotary_cos_sin(freqs, seq_len, t.dtype, mscale, cu_seqlens=cu_seqlens, cp_group=cp_group)
-    if _traced(freqs):
+    return rotate(t, cos, sin, rotary_interleaved, traced=_traced(freqs))
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_interleaved: bool,
+           traced: bool | None = None) -> torch.Tensor:
+    """``t * cos + R(t) * sin`` on ``t``'s first ``cos.shape[-1]`` channels (the rest pass through).
+
+    ``cos`` and ``sin`` broadcast against ``t`` (``[s, 1, 1, rot_dim]`` for ``t`` ``[s, b, heads, dim]``) and hold
+    the full rotary width: each angle twice, in the half-split or (``rotary_interleaved``) pairwise layout.
+    ``traced`` (default: under ``torch.compile`` or when ``cos`` / ``sin`` need gradients) runs the plain
+    expression instead of the function with the hand-written backward.
+    """
+    if traced is None:
+        traced = torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad
+    if traced:
         return _rotate(t, cos, sin, rotary_interleaved)
     return _FusedRotation.apply(t, cos, sin, rotary_interleaved)
+
+
+def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """The part of ``pos_emb`` that context-parallel rank ``r`` of ``cp_group`` (size ``cp``) holds along ``seq_dim``.
+
+    The sequence is cut into ``2 * cp`` equal chunks and rank ``r`` keeps chunks ``r`` and ``2 * cp - 1 - r``
+    (the load-balanced split of causal attention), concatenated in that order.
+    """
+    if cp_group is None:
+        raise ValueError("get_pos_emb_on_this_cp_rank needs a cp_group (the context-parallel process group)")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    seq_dim = seq_dim % pos_emb.dim()
+    seq_len = pos_emb.shape[seq_dim]
+    if seq_len % (2 * cp_size) != 0:
+        raise ValueError(
+            f"sequence length ({seq_len}) must be divisible by 2 * context_parallel_size ({2 * cp_size})"
+        )
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, seq_len // (2 * cp_size),
+                          *pos_emb.shape[seq_dim + 1:])
+    index = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=pos_emb.device)
+    kept = chunks.index_select(seq_dim, index)
+    return kept.reshape(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 1:])
 
 
 def rotary_cos_sin(

@@ -22,7 +22,7 @@ import torch
 from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.process_groups_config import resolve_process_group
-from megatron_core.transformer.rope_utils import apply_rotary_pos_emb
+from megatron_core.transformer.rope_utils import apply_rotary_pos_emb, get_pos_emb_on_this_cp_rank
 
 __all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
 
@@ -40,6 +40,24 @@ def _llama3_scaled_inv_freq(
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def rotary_inv_freq(dim: int, rotary_base: float, device: torch.device | str) -> torch.Tensor:
+    """The fp32 inverse frequencies ``base ** (-2i / dim)``, ``i < dim / 2``, of a rotary embedding of width ``dim``."""
+    return 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+def move_inv_freq(module: torch.nn.Module, fn: Any) -> bool:
+    """Move ``module.inv_freq`` (a plain attribute) to the device ``fn`` sends tensors to; True when it moved.
+
+    Called from a rotary module's ``_apply``: moves of the module (``.cuda()``, ``.to(device)``) take ``inv_freq``
+    along while dtype casts leave it fp32.
+    """
+    target = fn(module.inv_freq).device
+    if target == module.inv_freq.device:
+        return False
+    module.inv_freq = module.inv_freq.to(target)
+    return True
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -67,7 +85,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.cp_group = resolve_process_group("cp", group=cp_group)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         device = torch.device("cpu") if use_cpu_initialization else get_current_device()
-        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        inv_freq = rotary_inv_freq(dim, rotary_base, device)
         if rope_scaling:
             inv_freq = _llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
         self.inv_freq = inv_freq
@@ -80,9 +98,7 @@ class RotaryEmbedding(torch.nn.Module):
         whenever the angles are recomputed: inside a compiled graph captured by a CUDA graph, that copy fails.
         """
         super()._apply(fn, recurse)
-        target = fn(self.inv_freq).device
-        if target != self.inv_freq.device:
-            self.inv_freq = self.inv_freq.to(target)
+        if move_inv_freq(self, fn):
             self._cache.clear()
         return self
 
@@ -103,15 +119,9 @@ class RotaryEmbedding(torch.nn.Module):
         return cached
 
     def _local(self, emb: torch.Tensor, packed_seq: bool) -> torch.Tensor:
-        cp_size, cp_rank = self._cp()
-        if cp_size == 1 or packed_seq:
+        if self._cp()[0] == 1 or packed_seq:
             return emb
-        if emb.shape[0] % (2 * cp_size) != 0:
-            raise ValueError(
-                f"sequence length ({emb.shape[0]}) must be divisible by 2 * context_parallel_size ({2 * cp_size})"
-            )
-        chunks = emb.view(2 * cp_size, emb.shape[0] // (2 * cp_size), *emb.shape[1:])
-        return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=0)
+        return get_pos_emb_on_this_cp_rank(emb, 0, self.cp_group)
 
     def _angles(self, max_seq_len: int, offset: int, device: torch.device) -> torch.Tensor:
         inv_freq = self.inv_freq.to(device)

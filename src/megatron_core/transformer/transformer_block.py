@@ -123,8 +123,9 @@ class TransformerBlock(MegatronModule):
 
         Layer ``i`` of this chunk is global layer ``layer_offset + i``; the checkpoint keys carry no
         local index, so a checkpoint reshards across pipeline layouts. Layers of different kinds (dense and MoE
-        layers mixed by ``moe_layer_freq``, heterogeneous layers, or ``metadata["non_homogeneous_layers"]``) are not
-        stacked: each is saved under ``decoder.layers.<global index>.``, as Megatron-Core does.
+        layers mixed by ``moe_layer_freq``, linear and softmax attention by ``linear_attention_freq``, heterogeneous
+        layers, or ``metadata["non_homogeneous_layers"]``) are not stacked: each is saved under
+        ``decoder.layers.<global index>.``, as Megatron-Core does.
         """
         layers_prefix = f"{prefix}layers."
         out = sharded_state_dict_for_layers(
@@ -247,5 +248,5 @@ def _non_homogeneous_layers(config: TransformerConfig, metadata: dict | None) ->
         return True
     if config.heterogeneous_block_specs or config.hetereogenous_dist_checkpoint:
         return True
-    freq = config.moe_layer_freq
-    return isinstance(freq, list) or (isinstance(freq, int) and freq > 1)
+    return any(isinstance(freq, list) or (isinstance(freq, int) and freq > 1)
+               for freq in (config.moe_layer_freq, config.linear_attention_freq))

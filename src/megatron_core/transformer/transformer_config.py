@@ -27,6 +27,7 @@ from megatron_core.megatron_only_fields import MegatronOnlyTransformerFields as 
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer import transformer_validation as _checks
 from megatron_core.transformer.enums import AttnBackend
+from megatron_core.transformer.linear_attention_validation import check_experimental_attention_variant
 from megatron_core.transformer.mla_validation import check_mla_config
 from megatron_core.transformer.moe_validation import (
     apply_deprecated_moe_aliases,
@@ -141,6 +142,16 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     mamba_num_groups: int = 8
     mamba_num_heads: int | None = None  # None: expand * hidden_size // mamba_head_dim
 
+    # Gated delta net (linear attention) layers: ssm.gated_delta_net reads the sizes; checked in
+    # linear_attention_validation. "dsa" (DeepSeek sparse attention) is refused there.
+    experimental_attention_variant: str | None = None  # None or "gated_delta_net"
+    linear_attention_freq: int | list[int] | None = None  # N: every N-th layer is softmax attention; or 0/1 per layer
+    linear_conv_kernel_dim: int | None = 4
+    linear_key_head_dim: int | None = 128
+    linear_value_head_dim: int | None = 128
+    linear_num_key_heads: int | None = 16
+    linear_num_value_heads: int | None = 32
+
     # Activation recompute
     recompute_granularity: str | None = None
     recompute_method: str | None = None
@@ -240,6 +251,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         check_ep_overlap(self)
         _checks.check_pipeline_split(self)
         _checks.check_mtp(self)
+        check_experimental_attention_variant(self)
         apply_mup_config(self)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True

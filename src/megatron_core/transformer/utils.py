@@ -1,17 +1,24 @@
 """Megatron-Core's ``transformer.utils`` helpers: sharded-state-dict builders (defined in
-``dist_checkpointing.sharded_module``), attention masks and GeLU variants."""
+``dist_checkpointing.sharded_module``), attention masks (defined in ``_ground.attention_masks``), GeLU variants
+and a concatenation that falls back to host memory."""
 
 from __future__ import annotations
+
+import gc
+import logging
 
 import torch
 
 from megatron_core import device as _device
+from megatron_core._ground.attention_masks import get_default_causal_mask, get_sliding_window_causal_mask
 from megatron_core.dist_checkpointing.sharded_module import (
     make_sharded_object_for_checkpoint,
     make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
 )
 from megatron_core.jit import jit_fuser
+
+logger = logging.getLogger(__name__)
 
 
 def get_linear_layer(rows: int, columns: int, init_method, perform_initialization: bool = True) -> torch.nn.Linear:
@@ -30,20 +37,23 @@ def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Te
     return attention_scores
 
 
-def get_default_causal_mask(sq: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``[sq, sq]`` bool mask, True above the diagonal (the positions a causal query must not see)."""
-    device = device or _device.get_current_device()
-    return torch.triu(torch.ones(sq, sq, device=device), diagonal=1).bool()
+def cat_with_oom_fallback(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``torch.cat(tensors)``; if that fails (out of device memory), the pieces are concatenated on the CPU instead.
 
-
-def get_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int],
-                                   device: torch.device | str | None = None) -> torch.Tensor:
-    """``[sq, skv]`` bool mask, True outside the window ``(left, right)`` around each query's diagonal."""
-    device = device or _device.get_current_device()
-    allowed = torch.ones(sq, skv, dtype=torch.bool, device=device)
-    allowed = torch.triu(allowed, diagonal=skv - sq - window_size[0])
-    allowed = torch.tril(allowed, diagonal=skv - sq + window_size[1])
-    return ~allowed
+    Used when merging the pieces of a sharded tensor for a checkpoint: the merged tensor may not fit next to its
+    pieces on the device. The fallback result lives on the CPU. An error that is not about memory reappears
+    from the CPU concatenation.
+    """
+    try:
+        return torch.cat(tensors)
+    except RuntimeError as err:  # torch.OutOfMemoryError, or an accelerator's generic allocation failure
+        logger.warning("concatenating %d tensors on the device failed (%s); concatenating on the CPU instead",
+                       len(tensors), err)
+        merged = torch.cat([t.cpu() for t in tensors])
+        gc.collect()
+        if _device.cuda_available():
+            torch.cuda.empty_cache()
+        return merged
 
 
 def is_layer_window_attention(window_size: tuple[int, int] | None, window_attn_skip_freq: int | list | None,
@@ -110,7 +120,7 @@ def erf_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * 0.5 * (torch.erf(x / 1.41421).to(dtype=x.dtype) + torch.ones_like(x).to(dtype=x.dtype))
 
 
-__all__ = ["attention_mask_func", "erf_gelu", "gelu_impl", "get_default_causal_mask", "get_linear_layer",
+__all__ = ["attention_mask_func", "cat_with_oom_fallback", "erf_gelu", "gelu_impl", "get_default_causal_mask", "get_linear_layer",
            "get_sliding_window_causal_mask", "is_layer_window_attention", "make_sharded_object_for_checkpoint",
            "make_sharded_tensors_for_checkpoint", "openai_gelu", "set_model_to_sequence_parallel",
            "sharded_state_dict_default"]

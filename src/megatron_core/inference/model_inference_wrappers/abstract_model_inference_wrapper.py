@@ -105,7 +105,8 @@ class AbstractModelInferenceWrapper(abc.ABC):
         rows = self._logit_rows(b, s)
         logits_dtype = torch.float32
         return comm.broadcast_from_last_pipeline_stage(
-            output.float() if last else None, (b, rows, self._vocab_size()), logits_dtype, self.device, self.pp_group
+            [b, rows, self._vocab_size()], logits_dtype, output.float() if last else None, self.pp_group,
+            device=self.device,
         )
 
     def _logit_rows(self, b: int, s: int) -> int:

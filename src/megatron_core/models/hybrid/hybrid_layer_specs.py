@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from megatron_core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron_core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron_core.ssm.hybrid_stack import HybridStack, HybridStackSubmodules
 from megatron_core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron_core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
@@ -31,10 +32,13 @@ __all__ = ["hybrid_stack_spec", "mamba_stack_spec", "moe"]
 
 # Checkpoint name of a Mamba layer's separate norm: Transformer Engine fuses it into the mixer's in_proj.
 _MAMBA_NORM_KEY = {"norm.": "mixer.in_proj.layer_norm_"}
+# ... and a gated delta net layer's input norm, fused into its in_proj the same way.
+_GDN_NORM_KEY = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
 
 
 def _hybrid_stack_spec(backend: BackendSpecProvider, moe_spec: ModuleSpec) -> ModuleSpec:
-    """A ``HybridStack`` whose Mamba, attention, MLP and MoE (``moe_spec``) layers take ``backend``'s parts."""
+    """A ``HybridStack`` whose Mamba, gated delta net, attention, MLP and MoE (``moe_spec``) layers take
+    ``backend``'s parts."""
     return ModuleSpec(
         module=HybridStack,
         submodules=HybridStackSubmodules(
@@ -48,6 +52,14 @@ def _hybrid_stack_spec(backend: BackendSpecProvider, moe_spec: ModuleSpec) -> Mo
                     sharded_state_dict_keys_map=norm_keys_map(backend, _MAMBA_NORM_KEY),
                 ),
             ),
+            gdn_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+                input_layernorm=pre_norm(backend),
+                self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+                    in_proj=norm_linear(backend), out_norm=backend.layer_norm(rms_norm=True),
+                    out_proj=backend.row_parallel_linear())),
+                self_attn_bda=get_bias_dropout_add,
+                sharded_state_dict_keys_map=norm_keys_map(backend, _GDN_NORM_KEY),
+            )),
             attention_layer=ModuleSpec(module=TransformerLayer, submodules=pre_norm_layer_submodules(
                 backend, self_attention=self_attention_spec(backend, AttnMaskType.causal))),
             mlp_layer=ModuleSpec(module=MLPLayer, submodules=pre_norm_layer_submodules(

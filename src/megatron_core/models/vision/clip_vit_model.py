@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from megatron_core.device import get_current_device
+from megatron_core.models.common.vision_module.vision_module import VisionModule
 from megatron_core.transformer.enums import ModelType
-from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
 from megatron_core.transformer.transformer_block import TransformerBlock
@@ -42,7 +42,7 @@ def _check_patch_grid(img_h: int, img_w: int, patch_dim: int) -> None:
             raise ValueError(f"{name} ({size}) must be a positive multiple of patch_dim ({patch_dim})")
 
 
-class CLIPViTModel(MegatronModule):
+class CLIPViTModel(VisionModule):
     """Vision transformer: patch conv, class token(s), position embeddings, norms, transformer layers."""
 
     def __init__(
