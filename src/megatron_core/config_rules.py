@@ -42,6 +42,13 @@ OPTIMIZER_RULES: tuple[tuple[str, bool, str], ...] = (
     ("initial_loss_scale", False, "positive float"),
     ("min_loss_scale", False, "positive float"),
     ("loss_scale_window", False, "positive float"),
+    ("muon_momentum", False, "probability"),
+    ("muon_num_ns_steps", False, "positive int"),
+    ("muon_extra_scale_factor", False, "positive float"),
+    ("lion_beta1", False, "probability"),
+    ("lion_beta2", False, "probability"),
+    ("adaptive_muon_beta2", False, "probability"),
+    ("adaptive_muon_eps", False, "positive float"),
 )
 
 

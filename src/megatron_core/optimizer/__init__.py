@@ -6,11 +6,14 @@ Megatron-Core 0.19), builds torch's ``AdamW`` /
 ``Adam`` / ``SGD`` (fused on CUDA, foreach on CPU), and wraps it: ``DistributedOptimizer`` when
 ``use_distributed_optimizer``, ``Float16OptimizerWithFloat16Params`` for fp16/bf16, else
 ``FP32Optimizer``. Expert params get a separate optimizer over the expert DP group, and the two
-are combined in a ``ChainedOptimizer``.
+are combined in a ``ChainedOptimizer``. ``optimizer="muon"`` / ``"adaptive_muon"`` sends 2-D weights to
+Muon (:mod:`.emerging_optimizers`) and the rest to ``muon_scalar_optimizer`` (Adam or Lion), chained.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Any
 
 import torch
@@ -23,11 +26,19 @@ from megatron_core.optimizer.clip_grads import (
     get_grad_norm_fp32,
 )
 from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+from megatron_core.optimizer.emerging_optimizers import (
+    _EMERGING_OPTIMIZERS,
+    HAVE_EMERGING_OPTIMIZERS,
+    _create_emerging_optimizer,
+    _emerging_param_overrides,
+    _tag_params_for_emerging_optimizer,
+)
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron_core.optimizer.layer_wise_optimizer import (
     LayerWiseDistributedOptimizer,
     is_managed_by_layer_wise_optimizer,
 )
+from megatron_core.optimizer.lion import Lion
 from megatron_core.optimizer.mup import get_mup_config_overrides
 from megatron_core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
@@ -35,6 +46,7 @@ from megatron_core.optimizer.optimizer import (
     MegatronOptimizer,
     MixedPrecisionOptimizer,
 )
+from megatron_core.optimizer.optimizer_config import EMERGING_OPTIMIZER_NAMES as _EMERGING_OPTIMIZER_NAMES
 from megatron_core.optimizer.optimizer_config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig
 from megatron_core.optimizer.param_groups import (
     ParamCondition,
@@ -47,19 +59,6 @@ from megatron_core.optimizer.param_keys import ParamKey, ParamPredicate, ParamWi
 from megatron_core.optimizer.precision_aware_adam import PrecisionAwareAdam
 from megatron_core.optimizer_param_scheduler import ParamGroupOverride, combine_param_group_overrides
 from megatron_core.process_groups_config import resolve_process_group
-
-
-def _emerging_optimizers_version() -> tuple[int, ...]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return tuple(int(x) for x in version("emerging-optimizers").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return (0, 0)
-
-
-# Whether NVIDIA's emerging-optimizers (>= 0.2: Muon, Lion, ...) is installed; found without importing it.
-HAVE_EMERGING_OPTIMIZERS = _emerging_optimizers_version() >= (0, 2)
 
 __all__ = [
     "HAVE_EMERGING_OPTIMIZERS",
@@ -113,6 +112,9 @@ def _torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]]
                                   betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                                   adam_w_mode=config.decoupled_weight_decay, exp_avg_dtype=config.exp_avg_dtype,
                                   exp_avg_sq_dtype=config.exp_avg_sq_dtype)
+    if config.optimizer == "lion":
+        return Lion(param_groups, lr=config.lr, betas=(config.lion_beta1, config.lion_beta2),
+                    weight_decay=config.weight_decay)
     device = param_groups[0]["params"][0].device
     kernel = {"fused": True} if device.type == "cuda" and allow_fused else {"foreach": True}
     if config.optimizer == "adam":
@@ -269,6 +271,81 @@ def _get_param_groups(model_chunks: list[torch.nn.Module], config: OptimizerConf
     return megatron_groups
 
 
+def _wrap_emerging(optimizer: torch.optim.Optimizer, init_state_fn: Any, config: OptimizerConfig,
+                   expert: bool, pg_collection: Any) -> MegatronOptimizer:
+    """Muon in Megatron's wrapper: fp32 main params for bf16 models, no grad scaler (fp16 is refused)."""
+    if config.bf16:
+        wrapped: MegatronOptimizer = Float16OptimizerWithFloat16Params(optimizer, config, None, init_state_fn)
+    else:
+        wrapped = FP32Optimizer(optimizer, config, init_state_fn)
+    groups = _groups(pg_collection, expert)
+    wrapped.tp_group = groups["tp"]
+    wrapped.grad_stats_parallel_group = groups["stats"]
+    return wrapped
+
+
+def _get_megatron_emerging_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.Module],
+                                     config_overrides: dict[ParamKey, ParamGroupOverride], pg_collection: Any,
+                                     dump_param_to_param_group_map: str | None = None) -> MegatronOptimizer:
+    """Muon (or adaptive Muon) for the 2-D weights, the scalar optimizer for the rest (Megatron-Core 0.19's rule).
+
+    The routing is a config override (``optimizer: "adam"`` / ``"lion"`` for embeddings, the output layer and
+    non-2-D params); groups are bucketed by (optimizer, expert) in order of appearance and each bucket is one
+    optimizer of the returned ``ChainedOptimizer``. With ``use_layer_wise_distributed_optimizer`` (or the deprecated
+    ``optimizer="dist_muon"``) the buckets (by optimizer only) become the inner optimizers of one
+    ``LayerWiseDistributedOptimizer``.
+    """
+    name, layer_wise = config.optimizer, config.use_layer_wise_distributed_optimizer
+    if name.startswith("dist_"):
+        warnings.warn(f"optimizer={name!r} is deprecated: use optimizer={name[5:]!r} with "
+                      "use_layer_wise_distributed_optimizer=True", DeprecationWarning, stacklevel=3)
+        name, layer_wise = name[5:], True
+    if layer_wise and (_uses_torch_fsdp(model_chunks) or any(
+            getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False) for chunk in model_chunks)):
+        raise ValueError(f"optimizer={config.optimizer!r} with the layer-wise optimizer needs DistributedDataParallel "
+                         "chunks built with DistributedDataParallelConfig(use_distributed_optimizer=False) (whole "
+                         "gradients on every rank), not FSDP2 or reduce-scattered gradients")
+    _tag_params_for_emerging_optimizer(model_chunks)
+    overrides = {**config_overrides, **_emerging_param_overrides(name, config)}
+    param_groups = get_param_groups_from_overrides(model_chunks, config, overrides)
+    if not param_groups:
+        raise ValueError("model_chunks have no trainable parameters")
+    if dump_param_to_param_group_map is not None:
+        dump_param_group_map(model_chunks, param_groups, dump_param_to_param_group_map)
+    buckets: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for group in param_groups:
+        key = (group.get("optimizer", name), group["is_expert_parallel"] and not layer_wise)
+        buckets.setdefault(key, []).append(group)
+    raw: list[tuple[torch.optim.Optimizer, Any]] = []
+    results: list[MegatronOptimizer] = []
+    for (opt_name, expert), groups in buckets.items():
+        if opt_name == name and opt_name in _EMERGING_OPTIMIZERS:
+            optimizer, init_fn = _create_emerging_optimizer(config, groups, name, model_chunks, pg_collection)
+            if layer_wise:
+                raw.append((optimizer, init_fn))
+            else:
+                results.append(_wrap_emerging(optimizer, init_fn, config, expert, pg_collection))
+            continue
+        scalar_config = copy.copy(config)  # no re-validation: "lion" is a scalar optimizer, not a config choice
+        scalar_config.optimizer = opt_name
+        if layer_wise:
+            raw.append((_torch_optimizer(scalar_config, groups), None))
+        else:
+            wrapped = _build(scalar_config, model_chunks, groups, expert=expert, pg_collection=pg_collection)
+            wrapped.config = config
+            results.append(wrapped)
+    if layer_wise:
+        optimizers, init_fns = zip(*raw)
+        chained = LayerWiseDistributedOptimizer(list(optimizers), config, pg_collection, list(init_fns),
+                                                model_chunks=model_chunks)
+        for wrapped in chained.chained_optimizers:
+            groups_of = _groups(pg_collection, expert=False)
+            wrapped.tp_group = groups_of["tp"]
+            wrapped.grad_stats_parallel_group = groups_of["stats"]
+        return chained
+    return ChainedOptimizer(results)
+
+
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.Module],
                            config_overrides: dict[ParamKey, ParamGroupOverride] | None = None,
                            use_gloo_process_groups: bool = True, pg_collection: Any = None,
@@ -294,7 +371,11 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
                          "TorchFullyShardedDataParallel model chunks (FSDP2 already shards the optimizer state)")
     legacy = (no_weight_decay_cond is not None or scale_lr_cond is not None or lr_mult != 1.0
               or default_skip_embedding_weight_decay)
+    emerging = config.optimizer in _EMERGING_OPTIMIZER_NAMES
     if legacy:
+        if emerging:
+            raise ValueError(f"optimizer={config.optimizer!r} takes config_overrides, not the earlier "
+                             "no_weight_decay_cond / scale_lr_cond / lr_mult / default_skip_embedding_weight_decay")
         if config_overrides is not None:
             raise ValueError("pass either config_overrides or the earlier no_weight_decay_cond / scale_lr_cond / "
                              "lr_mult / default_skip_embedding_weight_decay, not both")
@@ -304,6 +385,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
         if config_overrides is None:
             config_overrides = get_standard_config_overrides(config)
         _check_overrides(config, config_overrides)
+        if emerging:
+            return _get_megatron_emerging_optimizer(config, model_chunks, config_overrides, pg_collection,
+                                                    dump_param_to_param_group_map)
         param_groups = get_param_groups_from_overrides(model_chunks, config, config_overrides)
     if not param_groups:
         raise ValueError("model_chunks have no trainable parameters")

@@ -99,15 +99,32 @@ def _main_space_value(opt: Any, entry: ParamStateEntry, name: str) -> torch.Tens
     if name == MAIN_PARAM:
         return entry.main.detach()
     value = opt.optimizer.state.get(entry.main, {}).get(name)
-    return torch.zeros_like(entry.main, dtype=torch.float32) if value is None else value
+    if value is None:
+        return torch.zeros_like(entry.main, dtype=torch.float32)
+    if value.numel() != entry.main.numel():
+        raise ValueError(
+            f"sharded optimizer state: state {name!r} has shape {tuple(value.shape)}, not its parameter's "
+            f"{tuple(entry.main.shape)}; sharded checkpoints hold parameter-shaped states only (e.g. "
+            "adaptive_muon_moment2_method='normuon' keeps one value per row: save it with state_dict())")
+    return value
+
+
+def _saved_with(saved_keys: set[str], sh: Any) -> bool:
+    """Whether the model key of ``sh`` (a sharded tensor or ``{slice: sharded tensor}``) is among ``saved_keys``
+    (also as the prefix of a factory's sub-keys)."""
+    for key in {s.key for s in (sh.values() if isinstance(sh, dict) else [sh])}:
+        if key in saved_keys or any(k.startswith(key + ".") for k in saved_keys):
+            return True
+    return False
 
 
 def build_sharded_state(opt: Any, model_sharded_state_dict: dict, is_loading: bool,
-                        state_names: list[str] | None) -> dict[str, Any]:
+                        state_names: list[str] | dict[str, set[str]] | None) -> dict[str, Any]:
     """``{"state": {path: {name: sharded tensor}}, "step": int[, "grad_scaler": ...]}`` of a leaf optimizer.
 
-    When loading, ``state_names`` (read from the checkpoint) says which states to allocate; a
-    checkpoint without ``fp32_param`` (an fp32 model) refreshes the main params from the model.
+    When loading, ``state_names`` (read from the checkpoint) says which states to allocate: a list for every
+    parameter, or ``{name: model keys saved with it}`` where parameters differ (Muon's momentum next to Adam's
+    moments); a checkpoint without ``fp32_param`` (an fp32 model) refreshes the main params from the model.
     Remembers the parameter of every path for :func:`load_model_space_state`.
     """
     params, sharded, paths = model_params_and_paths(model_sharded_state_dict)
@@ -118,13 +135,15 @@ def build_sharded_state(opt: Any, model_sharded_state_dict: dict, is_loading: bo
     states: dict[str, Any] = {}
     for e in entries:
         values = {}
+        sh, path = sharded[id(e.model_param)], paths[id(e.model_param)]
         for name in names:
+            if is_loading and isinstance(state_names, dict) and not _saved_with(state_names[name], sh):
+                continue
             if is_loading:
                 local = local_tensor(e.model_param)
                 values[name] = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
             else:
                 values[name] = opt._checkpoint_full(e, _main_space_value(opt, e, name))
-        sh, path = sharded[id(e.model_param)], paths[id(e.model_param)]
         if isinstance(sh, dict):  # saved as slices along dim 0: the states too
             for i in sorted(sh):
                 states[path[i]] = {name: make_sharded_optimizer_tensor(sh[i], value[i], f"optimizer.state.{name}")

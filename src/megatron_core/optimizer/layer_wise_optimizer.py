@@ -2,7 +2,7 @@
 
 Megatron-Core 0.19's layer-wise sharding: DDP all-reduces the gradients as usual (every rank keeps the
 whole model and every gradient), each data-parallel rank owns a set of whole parameters and runs the
-inner optimizer (Adam or SGD here) on those alone, and the updated parameters are then all-gathered so
+inner optimizer (Muon, Adam, Lion or SGD) on those alone, and the updated parameters are then all-gathered so
 every rank holds the full model again. Parameters are assigned by sorting them by size and dealing them
 to ranks in ping-pong order (0, 1, ..., n-1, n-1, ..., 0), so memory stays balanced. Gradient norm and
 zero counts are reduced over all ranks. Checkpoints use the model-space format of

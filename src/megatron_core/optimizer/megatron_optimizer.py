@@ -45,8 +45,9 @@ from megatron_core.process_groups_config import resolve_process_group
 
 logger = logging.getLogger("megatron_core.optimizer.optimizer")  # the logger name of Megatron-Core's module
 
+# Also what Muon reads off a (main) parameter: the expert-TP mark and a fused QKV weight's split.
 _MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
-                              GRAD_NORM_GROUP_ATTR)
+                              GRAD_NORM_GROUP_ATTR, "expert_tp", "is_qkv", "qkv_split_shapes")
 
 def _param_group_override_keys() -> tuple[str, ...]:
     """Every field declared on ``ParamGroupOverride`` (its annotations, whatever the TypedDict's totality), sorted."""
@@ -69,8 +70,8 @@ all of these behave alike under the scheduler and the optimizer.
 
 
 def copy_param_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy the attributes that grad-norm filtering reads (TP-sharded, tied, separate norm group) from a model
-    param."""
+    """Copy the attributes that grad-norm filtering reads (TP-sharded, tied, separate norm group) and Muon reads
+    (expert TP, QKV split) from a model param."""
     for name in _MODEL_PARALLEL_ATTRIBUTES:
         if hasattr(source, name):
             setattr(destination, name, getattr(source, name))

@@ -1,7 +1,9 @@
 """``OptimizerConfig``: optimizer choice, learning rate, precision, loss scaling and clipping settings.
 
 Mirrors Megatron-Core's dataclass of the same name (field names and defaults). The inner
-optimizer is torch's ``AdamW`` / ``Adam`` / ``SGD`` (fused on CUDA, foreach on CPU).
+optimizer is torch's ``AdamW`` / ``Adam`` / ``SGD`` (fused on CUDA, foreach on CPU), or Muon
+(``optimizer="muon"`` / ``"adaptive_muon"``, :mod:`.emerging_optimizers`) with Adam or Lion for the
+parameters Muon leaves out.
 """
 
 from __future__ import annotations
@@ -13,15 +15,52 @@ import torch
 
 from megatron_core.config_rules import OPTIMIZER_RULES as _OPTIMIZER_RULES
 from megatron_core.config_rules import apply_rules as _apply_rules
+from megatron_core.optimizer.newton_schulz import (
+    COEFFICIENT_SETS,
+    FP32_MATMUL_PRECISIONS,
+    MUON_SCALE_MODES,
+    MUON_TP_MODES,
+)
 from megatron_core.optimizer.param_keys import (  # noqa: F401 - importable from here, as in Megatron-Core
     ParamKey,
     ParamPredicate,
     ParamWithNamePredicate,
 )
 
-_OPTIMIZERS = ("adam", "sgd")
+_OPTIMIZERS = ("adam", "sgd", "muon", "adaptive_muon", "dist_muon")
+# Muon-family names; "dist_muon" is Megatron's deprecated spelling of muon + use_layer_wise_distributed_optimizer.
+EMERGING_OPTIMIZER_NAMES = ("muon", "adaptive_muon", "dist_muon")
+_MUON_CHOICES = (
+    ("muon_scale_mode", MUON_SCALE_MODES),
+    ("muon_fp32_matmul_prec", FP32_MATMUL_PRECISIONS),
+    ("muon_coefficient_type", tuple(COEFFICIENT_SETS)),
+    ("muon_tp_mode", MUON_TP_MODES),
+    ("muon_scalar_optimizer", ("adam", "lion")),
+    ("adaptive_muon_moment2_method", ("adamuon", "normuon")),
+)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PRECISION_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
+def _check_muon(config: OptimizerConfig) -> None:
+    """The Muon fields' choices, and the settings Muon cannot be combined with (``ValueError`` naming them)."""
+    for name, choices in _MUON_CHOICES:
+        if getattr(config, name) not in choices:
+            raise ValueError(f"{name} ({getattr(config, name)!r}) must be one of {choices}")
+    if config.muon_coefficient_type == "cubic5" and config.muon_num_ns_steps != len(COEFFICIENT_SETS["cubic5"]):
+        raise ValueError(f"muon_num_ns_steps ({config.muon_num_ns_steps}) must be 5 with "
+                         "muon_coefficient_type='cubic5' (a fixed 5-step schedule)")
+    if config.optimizer not in EMERGING_OPTIMIZER_NAMES:
+        return
+    if config.fp16:
+        raise ValueError(f"optimizer={config.optimizer!r} does not support fp16=True (use bf16 or fp32), "
+                         "as in Megatron-Core")
+    if config.use_distributed_optimizer:
+        raise ValueError(
+            f"optimizer={config.optimizer!r} cannot use use_distributed_optimizer=True (the distributed optimizer "
+            "splits matrices into element ranges; Muon needs whole matrices): set "
+            "use_layer_wise_distributed_optimizer=True instead, as Megatron-LM's --use-distributed-optimizer does "
+            "for Muon")
 
 
 def _check_precision_and_offload(config: OptimizerConfig) -> None:
@@ -96,6 +135,27 @@ class OptimizerConfig:
     # SGD
     sgd_momentum: float = 0.9
 
+    # Muon (optimizer="muon" / "adaptive_muon"); see megatron_core.optimizer.emerging_optimizers
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True  # orthogonalise a fused QKV weight's query, key and value rows separately
+    muon_nesterov: bool = False
+    muon_scale_mode: str = "spectral"  # "spectral", "unit_rms_norm" or "shape_scaling"
+    muon_fp32_matmul_prec: str = "medium"  # Newton-Schulz matmuls: "medium" (bf16), "high" (TF32), "highest"
+    muon_coefficient_type: str = "quintic"  # see emerging_optimizers.get_supported_coefficient_types()
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"  # TP-sharded weights: "blockwise", "duplicated" or "distributed"
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"  # for embeddings, the output layer, biases and norms: "adam" or "lion"
+
+    # Lion (muon_scalar_optimizer="lion")
+    lion_beta1: float = 0.95
+    lion_beta2: float = 0.98
+
+    # Adaptive Muon (optimizer="adaptive_muon")
+    adaptive_muon_moment2_method: str = "adamuon"  # "adamuon" (element-wise) or "normuon" (per row / column)
+    adaptive_muon_beta2: float = 0.95
+    adaptive_muon_eps: float = 1e-8
+
     # Distributed optimizer
     use_distributed_optimizer: bool = False
     use_layer_wise_distributed_optimizer: bool = False  # LayerWiseDistributedOptimizer (whole params per DP rank)
@@ -153,6 +213,7 @@ class OptimizerConfig:
                 f"overlap_param_gather=True (got {self.use_distributed_optimizer}, {self.overlap_param_gather})"
             )
         _check_precision_and_offload(self)
+        _check_muon(self)
         if self.fp16 and self.params_dtype != torch.float16:
             self.params_dtype = torch.float16
         if self.bf16 and self.params_dtype != torch.bfloat16:

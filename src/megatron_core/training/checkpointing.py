@@ -167,10 +167,16 @@ def _rng_compatible(checkpoint_dir: os.PathLike, request: Any, strategy: TorchDi
     return not collectives.any_rank_true(request.unique_key not in saved)
 
 
-def _saved_optimizer_state_names(checkpoint_dir: os.PathLike, strategy: TorchDistLoadShardedStrategy) -> list[str]:
-    keys = load_sharded_metadata(checkpoint_dir, strategy)
-    return sorted({k[len(OPTIMIZER_STATE_PREFIX):].split(".", 1)[0] for k in keys
-                   if k.startswith(OPTIMIZER_STATE_PREFIX)})
+def _saved_optimizer_state_names(checkpoint_dir: os.PathLike,
+                                 strategy: TorchDistLoadShardedStrategy) -> dict[str, set[str]]:
+    """``{state name: the model keys saved with it}`` (a chain such as Muon + Adam keeps different states per
+    parameter)."""
+    names: dict[str, set[str]] = {}
+    for key in load_sharded_metadata(checkpoint_dir, strategy):
+        if key.startswith(OPTIMIZER_STATE_PREFIX):
+            name, _, model_key = key[len(OPTIMIZER_STATE_PREFIX):].partition(".")
+            names.setdefault(name, set()).add(model_key)
+    return names
 
 
 def _model_keys_only(keys: set[str]) -> set[str]:
