@@ -8,7 +8,8 @@ quantizers into every :class:`~megatron_core.tensor_parallel.ColumnParallelLinea
 (once per process); :func:`megatron_core.post_training.modelopt.register_quant_modules` is the entry.
 
 How a parallel linear is quantized: during its forward, the module-level
-``linear_with_grad_accumulation_and_async_allreduce`` that the layer calls is swapped for one that
+``linear_with_grad_accumulation_and_async_allreduce`` (or, for a frozen weight, ``linear_with_frozen_weight``)
+that the layer calls is swapped for one that
 quantizes the GEMM's input and weight (Model Optimizer's ``_ParallelLinear`` plugin base, the one its
 Megatron, Apex and FairScale plugins use). So the quantizers see exactly the local GEMM operands: a
 column layer's input after the sequence-parallel gather is done inside that function, a row layer's
@@ -118,10 +119,15 @@ def _check_blocks_fit(name: str, block_sizes: dict, local_in: int, column: bool)
     )
 
 
+# The module-level GEMM functions of ``tensor_parallel.layers`` that a parallel linear's forward calls.
+_GEMM_FUNCTIONS = ("linear_with_grad_accumulation_and_async_allreduce", "linear_with_frozen_weight")
+
+
 class _QuantParallelLinear(_mo.custom._ParallelLinear):
     """Shared part of the quantized column- and row-parallel linear layers."""
 
-    _functionals_to_replace = [(tp_layers, "linear_with_grad_accumulation_and_async_allreduce")]
+    # Both GEMM functions a layer may call: frozen weights (real-quantized ones included) take the second.
+    _functionals_to_replace = [(tp_layers, name) for name in _GEMM_FUNCTIONS]
     # Model Optimizer enters ``enable_weight_access_and_writeback()`` of a parallel linear that has this
     # marker around its calibration steps (it is how TP-sharded Hugging Face linears take part); ours uses
     # it to make AWQ's statistics those of the whole layer (see ``awq_tp``).
@@ -143,14 +149,14 @@ class _QuantParallelLinear(_mo.custom._ParallelLinear):
         (Model Optimizer's swap restores it only when the forward returns: after an exception the next
         forward would wrap the leftover quantized function again.)
         """
-        name = "linear_with_grad_accumulation_and_async_allreduce"
-        original = getattr(tp_layers, name)
+        originals = {name: getattr(tp_layers, name) for name in _GEMM_FUNCTIONS}
         try:
             return super().forward(*args, **kwargs)
         finally:
-            setattr(tp_layers, name, original)
-            if hasattr(tp_layers, f"_{name}"):
-                delattr(tp_layers, f"_{name}")
+            for name, original in originals.items():
+                setattr(tp_layers, name, original)
+                if hasattr(tp_layers, f"_{name}"):
+                    delattr(tp_layers, f"_{name}")
 
     @contextmanager
     def enable_weight_access_and_writeback(self) -> Iterator[None]:
