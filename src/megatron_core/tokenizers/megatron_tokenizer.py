@@ -30,12 +30,12 @@ TOKENIZER_MAPPING_NAMES = OrderedDict(
 """``model_type`` to tokenizer class name."""
 
 TEXT_LIBRARIES = ["sentencepiece", "huggingface", "megatron", "tiktoken", "byte-level", "null-text", "sft"]
-"""Text tokenizer libraries Megatron names (``sft`` is not provided by megatron_core)."""
+"""Text tokenizer libraries Megatron names."""
 
 VISION_LIBRARIES = ["multimodal", "null-multimodal"]
 """Vision tokenizer libraries Megatron names (not provided by megatron_core)."""
 
-UNSUPPORTED_LIBRARIES = ["sft", *VISION_LIBRARIES]
+UNSUPPORTED_LIBRARIES = [*VISION_LIBRARIES]
 """Libraries Megatron knows that megatron_core does not provide (see docs/compat.md)."""
 
 PATHLESS_LIBRARIES = ["byte-level", "null-text", "null-multimodal"]

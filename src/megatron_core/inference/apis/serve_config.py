@@ -5,11 +5,16 @@ listen on every interface), one frontend process (``frontend_replicas`` is accep
 and the admission queue is bounded (``max_pending_requests`` generations, streaming or not, each
 counted until its response ends; over it the server answers 429). Request bodies are bounded in
 size (``max_request_bytes``, else 413) and in time (``request_body_timeout_s``, else 408).
+``parsers`` are names in :data:`~megatron_core.tokenizers.text.parsers.PARSER_MAPPING` (checked
+here, so a wrong name fails before the server starts); chat completions then answer with
+``reasoning_content`` and ``tool_calls``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from megatron_core.inference.text_generation_server.response_parsers import resolve_parsers
 
 __all__ = ["ServeConfig"]
 
@@ -40,5 +45,4 @@ class ServeConfig:
         if self.max_request_bytes < 1 or self.request_body_timeout_s <= 0 or self.shutdown_timeout_s < 0:
             raise ValueError("ServeConfig: max_request_bytes and request_body_timeout_s must be > 0, "
                              "shutdown_timeout_s >= 0")
-        if self.parsers:
-            raise ValueError(f"ServeConfig.parsers ({self.parsers}) are not supported; leave it empty")
+        resolve_parsers(self.parsers)

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument("--request-body-timeout", type=float, default=30.0,
                    help="seconds a client may take to send its request body (else 408)")
+    p.add_argument("--parsers", nargs="+", default=[],
+                   help="response parsers for chat completions (reasoning_content, tool_calls), in order, e.g. "
+                        "deepseek-r1-reasoning qwen3-coder-tool")
     p.add_argument("--seed", type=int, default=42)
     add_engine_args(p)
     p.add_argument("--verbose", action="store_true")
@@ -47,10 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.tp = args.pp = 1
+    try:  # checked before the model loads, so a wrong setting (e.g. a parser name) fails at once
+        config = ServeConfig(host=args.host, port=args.port, model_name=args.model_name, verbose=args.verbose,
+                             max_pending_requests=args.max_pending_requests, shutdown_timeout_s=args.shutdown_timeout,
+                             max_request_bytes=args.max_request_bytes, request_body_timeout_s=args.request_body_timeout,
+                             parsers=args.parsers)
+    except ValueError as error:
+        build_parser().error(str(error))
     async_llm, _ = build_llm(args, MegatronAsyncLLM)
-    config = ServeConfig(host=args.host, port=args.port, model_name=args.model_name, verbose=args.verbose,
-                         max_pending_requests=args.max_pending_requests, shutdown_timeout_s=args.shutdown_timeout,
-                         max_request_bytes=args.max_request_bytes, request_body_timeout_s=args.request_body_timeout)
 
     async def run() -> None:
         try:

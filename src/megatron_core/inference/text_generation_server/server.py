@@ -8,6 +8,9 @@ request is at fault, 500 when serving it failed, 503 when the engine has stopped
 shutting down. A stream that fails after its first chunk ends with a ``data: {"error": ...}``
 event, then ``data: [DONE]``.
 
+With ``ServeConfig.parsers`` chat responses carry ``reasoning_content`` and ``tool_calls``
+(:mod:`.response_parsers`); a parsed chat stream sends the whole parsed message in its last chunk.
+
 At most ``max_pending_requests`` generations (streaming or not) are in flight; beyond that the
 server answers 429 (:mod:`.admission`). ``/health`` answers 200 ``{"status": "ok"}`` while the
 engine loop runs, 503 with the reason once it has stopped (every pending request then fails at
@@ -44,6 +47,11 @@ from megatron_core.inference.text_generation_server.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from megatron_core.inference.text_generation_server.response_parsers import (
+    accepts_tools,
+    parse_generation,
+    resolve_parsers,
+)
 
 __all__ = ["build_app", "create_uvicorn_server", "apply_chat_template"]
 
@@ -55,13 +63,18 @@ CANCEL_MARGIN_S = 5.0  # after cancelling what is left, the time responses get b
 _PARAM_NAMES = {"num_tokens_to_generate": "max_tokens", "top_n_logprobs": "logprobs"}
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict]) -> str:
-    """The prompt text for ``messages`` from the tokenizer's (or its wrapped Hugging Face tokenizer's) chat template."""
+def apply_chat_template(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
+                        **template_kwargs: Any) -> str:
+    """The prompt text for ``messages`` from the tokenizer's (or its wrapped Hugging Face tokenizer's) chat template.
+
+    ``tools`` and ``template_kwargs`` (a request's ``chat_template_kwargs``) reach the template only when given.
+    """
+    extra = {**template_kwargs, **({"tools": tools} if tools is not None else {})}
     for candidate in (tokenizer, getattr(tokenizer, "tokenizer", None), getattr(tokenizer, "_tokenizer", None)):
         apply = getattr(candidate, "apply_chat_template", None)
         if apply is not None:
             try:
-                return apply(messages, tokenize=False, add_generation_prompt=True)
+                return apply(messages, tokenize=False, add_generation_prompt=True, **extra)
             except Exception as error:  # noqa: BLE001 - no template configured, or the template refused the messages
                 raise APIError(400, f"the chat template cannot render these messages: {describe(error)}",
                                "messages") from error
@@ -139,10 +152,21 @@ def build_app(llm: Any, serve_config: ServeConfig) -> Any:
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     admission = Admission(serve_config.max_pending_requests)
+    parsers = resolve_parsers(serve_config.parsers)
+    allow_tools = accepts_tools(parsers)
     model_name = serve_config.model_name
     limits = Limits(vocab_size=llm.engine.sampling_vocab_size, max_sequence_length=llm.context.max_sequence_length,
                     max_prompts=serve_config.max_pending_requests)
     streams = _Streams()
+
+    def _parsed_delta(request: DynamicInferenceRequest, parsed: ParsedRequest) -> tuple[dict, str]:
+        """The last chunk's delta of a parsed chat stream (tool calls with their ``index``) and finish reason."""
+        generation = parse_generation(request.generated_text, parsers, parsed.chat)
+        message = generation.message()
+        delta = {key: message[key] for key in ("content", "reasoning_content") if message.get(key)}
+        if generation.tool_calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(generation.tool_calls)]
+        return delta, generation.finish_reason(request_finish_reason(request), parsed.chat)
 
     def cancel_all() -> None:
         for request_id in list(admission.in_flight):
@@ -253,7 +277,8 @@ def build_app(llm: Any, serve_config: ServeConfig) -> Any:
 
     def _prompt_of(parsed: ParsedRequest, messages: list[dict] | None) -> None:
         if messages is not None:
-            parsed.prompts = [apply_chat_template(llm.tokenizer, messages)]
+            chat = parsed.chat
+            parsed.prompts = [apply_chat_template(llm.tokenizer, messages, chat.tools, **chat.chat_template_kwargs)]
         if any(isinstance(p, str) for p in parsed.prompts) and llm.tokenizer is None:
             raise APIError(400, "this server has no tokenizer; send 'prompt' as token ids", "prompt")
 
@@ -271,9 +296,13 @@ def build_app(llm: Any, serve_config: ServeConfig) -> Any:
         state = {"finished": False}
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str, reason: str | None) -> str:
-            choice = ({"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": reason}
-                      if chat else {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None})
+        def chunk(delta: str | dict, reason: str | None) -> str:
+            if isinstance(delta, dict):  # the parsed message of a chat stream, sent whole at its end
+                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            elif chat:
+                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
             return _sse({"id": parsed.request_id, "object": obj, "created": parsed.created, "model": model_name,
                          "choices": [choice]})
 
@@ -299,6 +328,12 @@ def build_app(llm: Any, serve_config: ServeConfig) -> Any:
                             yield _sse(error_body(error.status, error.message, error.param, error.code))
                             yield _sse("[DONE]")
                             return
+                    if chat and parsers:  # parsers read the whole text: send it once, parsed, at the end
+                        if finished:
+                            yield chunk(*_parsed_delta(request, parsed))
+                            yield _sse("[DONE]")
+                            return
+                        continue
                     text = request.generated_text if finished else llm.controller.detokenize_generations(
                         request.generated_tokens, llm.controller.termination_id(request.sampling_params))[0]
                     delta, sent_text = text[len(sent_text):], text
@@ -353,7 +388,7 @@ def build_app(llm: Any, serve_config: ServeConfig) -> Any:
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: fastapi.Request) -> Any:
         parsed, messages = parse_chat_request(await _body(http_request), model_name, serve_config.default_max_tokens,
-                                              limits)
+                                              limits, allow_tools)
         _prompt_of(parsed, messages)
         if parsed.stream:
             return _stream(parsed, chat=True)
@@ -361,9 +396,12 @@ def build_app(llm: Any, serve_config: ServeConfig) -> Any:
         if results is None:
             return JSONResponse(error_body(499, "client disconnected"), 499)
         r = results[0]
+        message, reason = {"role": "assistant", "content": r.generated_text}, request_finish_reason(r)
+        if parsers:
+            generation = parse_generation(r.generated_text, parsers, parsed.chat)
+            message, reason = generation.message(), generation.finish_reason(reason, parsed.chat)
         return {"id": parsed.request_id, "object": "chat.completion", "created": parsed.created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.generated_text},
-                             "finish_reason": request_finish_reason(r), "logprobs": None}],
+                "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
                 "usage": _usage(results)}
 
     app.state.started = time.time()

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from megatron_core.tokenizers.base_tokenizer import MegatronTokenizerBase
+from megatron_core.tokenizers.text.libraries.chat_template import render_and_tokenize
 
 TOKENIZER_MAPPING_LIBRARIES = OrderedDict(
     [
@@ -23,6 +24,7 @@ TOKENIZER_MAPPING_LIBRARIES = OrderedDict(
         ("tiktoken", "TikTokenTokenizer"),
         ("byte-level", "ByteLevelTokenizer"),
         ("null-text", "NullTokenizer"),
+        ("sft", "SFTTokenizer"),
     ]
 )
 """Metadata ``library`` to class name in :mod:`megatron_core.tokenizers.text.libraries`."""
@@ -103,20 +105,10 @@ class MegatronTokenizerText(MegatronTokenizerBase):
         Returns the token ids (cut to ``max_length`` when ``truncation``) or, with
         ``tokenize=False``, the text. Needs the ``jinja2`` package.
         """
-        from megatron_core.tokenizers.text.chat_template import render_chat_template
-
-        template = chat_template or self.chat_template
-        if not template:
-            raise ValueError("apply_chat_template: no chat_template given and the tokenizer has none")
-        if truncation and not max_length:
-            raise ValueError("apply_chat_template: truncation=True needs max_length")
-        text = render_chat_template(
-            template, conversation, add_generation_prompt=add_generation_prompt, **self._template_tokens(), **kwargs
+        return render_and_tokenize(
+            self.tokenize, conversation, chat_template or self.chat_template, tokenize, truncation, max_length,
+            add_generation_prompt, **self._template_tokens(), **kwargs,
         )
-        if not tokenize:
-            return text
-        ids = self.tokenize(text)
-        return ids[:max_length] if truncation else ids
 
     def _template_tokens(self) -> dict[str, str]:
         """The bos/eos token texts, which chat templates commonly reference."""
@@ -130,8 +122,13 @@ class MegatronTokenizerText(MegatronTokenizerBase):
         return names
 
     def tokenize_conversation(self, conversation: list[dict], return_target: bool, add_generation_prompt: bool):
-        """Megatron's SFT tokenizer method; the ``sft`` library is not provided by megatron_core."""
-        raise NotImplementedError("tokenize_conversation is supported only for the 'sft' library (not provided)")
+        """Ids of a chat (and, with ``return_target``, its loss targets); the ``sft`` library only."""
+        if self.library != "sft":
+            raise NotImplementedError(f"tokenize_conversation is supported only for the 'sft' library, "
+                                      f"not {self.library!r}")
+        return self._tokenizer.tokenize_conversation(
+            conversation=conversation, return_target=return_target, add_generation_prompt=add_generation_prompt
+        )
 
     def save_pretrained(self, path: str) -> None:
         """Save the tokenizer files (``huggingface`` and ``megatron`` libraries) into directory ``path``."""

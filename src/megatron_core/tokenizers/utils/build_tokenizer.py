@@ -27,7 +27,7 @@ SUPPORTED_TOKENIZERS = [
     *MEGATRON_TOKENIZERS,
     *SP_TOKENIZERS,
 ]
-"""The ``tokenizer_type`` names Megatron accepts (the multimodal and SFT ones fail later, in ``from_pretrained``)."""
+"""The ``tokenizer_type`` names Megatron accepts (the multimodal ones fail later, in ``from_pretrained``)."""
 
 _DEFAULTS: dict[str, Any] = {
     "special_tokens": None,
@@ -99,6 +99,7 @@ def _library_and_kwargs(args: Any) -> tuple[str, str | None, dict[str, Any]]:
     if kind == "MultimodalTokenizer":
         return "multimodal", None, kwargs
     if kind == "SFTTokenizer":
+        kwargs["prompt_format"] = _arg(args, "sft_tokenizer_prompt_format")
         return "sft", _arg(args, "tokenizer_model"), kwargs
     if kind == "NullMultimodalTokenizer":
         return "null-multimodal", None, kwargs
