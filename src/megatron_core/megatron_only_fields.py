@@ -79,11 +79,7 @@ class MegatronOnlyParallelFields:
 class MegatronOnlyTransformerFields:
     """``TransformerConfig`` fields of Megatron-Core features this library does not have."""
 
-    # Architecture variants
-    qk_l2_norm: bool = _refused(False, "L2-normalised queries and keys")
-    attention_output_gate: bool = _refused(False, "gated attention output")
-    no_rope_freq: int | list[int] | None = _refused(None, "layers without RoPE")
-    mrope_section: list[int] | None = _refused(None, "multimodal RoPE")
+    # Architecture variants (qk_l2_norm, no_rope_freq and mrope_section are TransformerConfig fields)
     # experimental_attention_variant and the linear_* fields are TransformerConfig fields (gated delta net layers).
     experimental_attention_variant_loss_scale_func: Callable | None = _ignored(None, "only used with "
                                                                                      "experimental_attention_variant")

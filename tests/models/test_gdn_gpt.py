@@ -1,9 +1,9 @@
 """GPT decoders with gated delta net layers (``experimental_attention_variant="gated_delta_net"``).
 
 A tiny GPT model whose layers are all gated delta nets matches Hugging Face's ``Qwen3NextForCausalLM`` (all layers
-``linear_attention``, dense MLPs, zero-centred RMSNorms) on identical weights: logits and loss. Qwen3-Next's softmax
-attention layers have an output gate this library does not provide, so mixed patterns are compared layer by layer
-only (``tests/ssm/test_gated_delta_net.py``). The pattern helpers and the per-layer specs are checked here too.
+``linear_attention``, dense MLPs, zero-centred RMSNorms) on identical weights: logits and loss. Mixed patterns with
+Qwen3-Next's gated softmax attention are compared through the HF bridge (``tests/models/hf/
+test_qwen3_moe_next_bridge.py``). The pattern helpers and the per-layer specs are checked here too.
 """
 
 from __future__ import annotations

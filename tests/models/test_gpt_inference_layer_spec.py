@@ -84,8 +84,8 @@ def test_checkpoint_names_are_the_fused_modules() -> None:
     assert {"decoder.layers.input_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight",
             "decoder.layers.self_attention.linear_q_up_proj.layer_norm_weight",
             "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight"} <= mla
-    with pytest.raises(ValueError, match="qk_l2_norm"):
-        get_gpt_layer_with_inference_spec(qk_l2_norm=True)
+    with pytest.raises(ValueError, match="qk_l2_norm=True is not supported with multi_latent_attention"):
+        get_gpt_layer_with_inference_spec(qk_l2_norm=True, multi_latent_attention=True)
 
 
 def test_static_engine_generates_hf_greedy_tokens() -> None:

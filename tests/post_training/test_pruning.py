@@ -204,6 +204,9 @@ def test_refusals():
     moe = build(gqa_config(num_layers=1, num_moe_experts=2, moe_router_topk=1, ffn_hidden_size=32))
     with pytest.raises(ValueError, match=r"does not support MoE layers .*: config.num_moe_experts is 2"):
         prune(moe, "mcore_minitron", {"export_config": {"num_layers": 1}}, None, {"forward_loop": loop_over(0)})
+    gated = build(gqa_config(num_layers=1, attention_output_gate=True))
+    with pytest.raises(ValueError, match=r"does not support gated attention output .*attention_output_gate is True"):
+        prune(gated, "mcore_minitron", {"export_config": {"num_layers": 1}}, None, {"forward_loop": loop_over(0)})
 
 
 def test_saved_scores_prune_another_copy_without_calibration(tmp_path):

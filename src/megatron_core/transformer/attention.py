@@ -3,7 +3,10 @@
 ``linear_qkv`` is one column-parallel GEMM whose output is grouped **per query group**:
 for each of this rank's ``ng`` key/value groups, its ``np/ng`` query heads, then one key head,
 then one value head (``[sq, b, ng * (np/ng + 2) * hn]``), not ``[Q | K | V]``. This is the
-layout checkpoints and converters must use. MHA is ``ng = np``, MQA ``ng = 1``.
+layout checkpoints and converters must use. MHA is ``ng = np``, MQA ``ng = 1``. With
+``attention_output_gate`` each group also holds one gate channel per query channel, right after its query
+heads (``[np/ng * hn query | np/ng * hn gate | hn key | hn value]``), and the core attention's output is
+multiplied by ``sigmoid(gate)`` before ``linear_proj``; a TP rank's gates travel with its heads.
 Optional q/k layernorm (per head), rotary embedding, then core attention and ``linear_proj``
 (row-parallel, bias returned separately for bias-dropout-add). ``clip_qk`` is QK-clip's weight update.
 ``CrossAttention`` (encoder-decoder models) takes its queries from the layer input and its keys and
@@ -24,8 +27,10 @@ from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.fused_qkv_rope import fused_qkv_rope_supported, split_qkv_with_rope
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.rope_options import layer_skips_rope
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb, rotary_cos_sin
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.torch_norm import L2Norm
 from megatron_core.transformer.transformer_config import TransformerConfig
 
 
@@ -95,11 +100,14 @@ class SelfAttention(Attention):
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp, "num_attention_heads / TP")
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp, "num_query_groups / TP")
         self.heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        self.linear_qkv_out_dim = self.query_projection_size + 2 * self.kv_projection_size
+        if config.attention_output_gate:  # one gate channel per query channel, grouped with its heads
+            self.linear_qkv_out_dim += self.query_projection_size
 
         self.linear_qkv = build_module(
             submodules.linear_qkv,
             config.hidden_size,
-            self.query_projection_size + 2 * self.kv_projection_size,
+            self.linear_qkv_out_dim,
             config=config,
             init_method=config.init_method,
             gather_output=False,
@@ -124,6 +132,13 @@ class SelfAttention(Attention):
         self.k_layernorm = self._build_qk_norm(submodules.k_layernorm)
 
     def _build_qk_norm(self, spec: Any) -> torch.nn.Module | None:
+        """A q/k norm from ``spec``; ``qk_l2_norm`` fills an empty slot with ``L2Norm`` (a spec's norm wins, as in
+        Megatron-Core), and a spec's ``L2Norm`` needs ``qk_l2_norm`` or ``qk_layernorm`` in the config."""
+        if spec is None and self.config.qk_l2_norm:
+            spec = L2Norm
+        elif _builds(spec, L2Norm) and not (self.config.qk_l2_norm or self.config.qk_layernorm):
+            raise ValueError("the spec sets a q/k L2Norm but qk_l2_norm and qk_layernorm are False in the "
+                             "TransformerConfig (set qk_l2_norm=True)")
         if spec is None:
             return None
         return build_module(
@@ -131,24 +146,40 @@ class SelfAttention(Attention):
         )
 
     def get_query_key_value_tensors(
-        self, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split the fused QKV output into query ``[sq, b, np, hn]`` and key/value ``[sq, b, ng, hn]``."""
+        self, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None, output_gate: bool = False
+    ) -> tuple[torch.Tensor, ...]:
+        """Split the fused QKV output into query ``[sq, b, np, hn]`` and key/value ``[sq, b, ng, hn]``; with
+        ``output_gate`` (``attention_output_gate`` configs) also the output gate ``[sq, b, np, hn]``."""
         mixed_qkv, _ = self.linear_qkv(hidden_states)
-        return self._split_qkv(mixed_qkv)
+        return self._split_qkv(mixed_qkv, output_gate=output_gate)
 
-    def _split_qkv(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``linear_qkv``'s output ``[sq, b, ...]`` as query, key and value (q/k layernorms applied)."""
+    def _split_qkv(self, mixed_qkv: torch.Tensor, output_gate: bool = False) -> tuple[torch.Tensor, ...]:
+        """``linear_qkv``'s output ``[sq, b, ...]`` as query, key and value (q/k layernorms applied), and the gate
+        with ``output_gate``. A gated layer's group holds ``[its query heads | their gates | key | value]``."""
         sq, b = mixed_qkv.shape[:2]
         hn, ng, per_group = self.hidden_size_per_attention_head, self.num_query_groups_per_partition, self.heads_per_group
-        mixed_qkv = mixed_qkv.view(sq, b, ng, (per_group + 2) * hn)
-        query, key, value = torch.split(mixed_qkv, [per_group * hn, hn, hn], dim=3)
+        gated = self.config.attention_output_gate
+        sections = [per_group * hn] * (2 if gated else 1) + [hn, hn]
+        mixed_qkv = mixed_qkv.view(sq, b, ng, sum(sections))
+        parts = torch.split(mixed_qkv, sections, dim=3)
+        query, key, value = parts[0], parts[-2], parts[-1]
         query = query.reshape(sq, b, ng * per_group, hn)
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
         if self.k_layernorm is not None:
             key = self.k_layernorm(key)
-        return query, key, value
+        if not output_gate:
+            return query, key, value
+        if not gated:
+            raise ValueError("output_gate=True needs a layer built with attention_output_gate=True")
+        return query, key, value, parts[1].reshape(sq, b, ng * per_group, hn)
+
+    def _apply_output_gate(self, context: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """``context * sigmoid(gate)`` (the gate in fp32, the result in ``context``'s dtype); ``context`` is the
+        core attention's output ``[sq, b, np * hn]`` (``[t, 1, np * hn]`` packed). No gate: ``context``."""
+        if gate is None:
+            return context
+        return (context * torch.sigmoid(gate.reshape(context.shape).float())).to(context.dtype)
 
     def _core_attention(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -176,19 +207,27 @@ class SelfAttention(Attention):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend over ``hidden_states`` ``[s, b, h]``; returns ``(output [s, b, h], bias)``."""
         inference_context = inference_context if inference_context is not None else inference_params
+        if rotary_pos_emb is not None and layer_skips_rope(self.config, self.layer_number):
+            rotary_pos_emb = None  # a layer without RoPE (no_rope_freq)
         angles = self._fused_rope_angles(rotary_pos_emb, key_value_states, packed_seq_params, inference_context)
+        gate = None
         if angles is not None:
             query, key, value = self._split_and_rotate(hidden_states, angles, packed_seq_params)
         else:
-            query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+            if self.config.attention_output_gate:
+                query, key, value, gate = self.get_query_key_value_tensors(hidden_states, key_value_states,
+                                                                           output_gate=True)
+            else:
+                query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
             if inference_context is not None:  # KV cache: the context rotates, caches and attends (inference/contexts)
-                return self.linear_proj(inference_context.attention(self, query, key, value, rotary_pos_emb))
+                context = inference_context.attention(self, query, key, value, rotary_pos_emb)
+                return self.linear_proj(self._apply_output_gate(context, gate))
             if rotary_pos_emb is not None:
                 query, key = self._rotate(query, key, rotary_pos_emb, packed_seq_params)
         context = self._core_attention(
             query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
         )
-        return self.linear_proj(context)
+        return self.linear_proj(self._apply_output_gate(context, gate))
 
     def _rotate(
         self, query: torch.Tensor, key: torch.Tensor, rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -222,7 +261,8 @@ class SelfAttention(Attention):
         q_emb, k_emb = _query_key_angles(rotary_pos_emb)
         cu_q, cu_kv = _cu_seqlens(packed_seq_params)
         plain = (key_value_states is None and inference_context is None and cu_kv is cu_q
-                 and q_emb is k_emb and not q_emb.requires_grad
+                 and not config.attention_output_gate
+                 and q_emb is k_emb and not q_emb.requires_grad and q_emb.shape[1] == 1  # not mrope's per sample
                  and q_emb.shape[-1] <= self.hidden_size_per_attention_head
                  and isinstance(self.q_layernorm, (type(None), IdentityOp))
                  and isinstance(self.k_layernorm, (type(None), IdentityOp))
@@ -235,8 +275,8 @@ class SelfAttention(Attention):
 
         Per key/value group ``g`` of this rank, ``eta = min(qk_clip_threshold / max over g's query heads, 1)``;
         the rows of ``linear_qkv.weight`` of g's query heads are multiplied by ``eta ** qk_clip_alpha`` and its
-        key rows by ``eta ** (1 - qk_clip_alpha)`` (value rows and biases untouched), so g's logits shrink by
-        ``eta``. Also applied to a full-precision ``main_param`` copy. Resets the recorded maxima.
+        key rows by ``eta ** (1 - qk_clip_alpha)`` (value rows, output-gate rows and biases untouched), so g's
+        logits shrink by ``eta``. Also applied to a full-precision ``main_param`` copy. Resets the recorded maxima.
         """
         logits = _recorded_max_logits(self, self.num_attention_heads_per_partition)
         groups, per_group = self.num_query_groups_per_partition, self.heads_per_group
@@ -244,9 +284,11 @@ class SelfAttention(Attention):
         if torch.any(group_max > self.config.qk_clip_threshold):
             eta = torch.clamp(self.config.qk_clip_threshold / group_max, max=1.0)
             hn, alpha = self.hidden_size_per_attention_head, self.config.qk_clip_alpha
-            rows = torch.cat((torch.pow(eta, alpha)[:, None].expand(groups, per_group * hn),
-                              torch.pow(eta, 1 - alpha)[:, None].expand(groups, hn),
-                              torch.ones(groups, hn, dtype=eta.dtype, device=eta.device)), dim=1)
+            ones = torch.ones(groups, hn, dtype=eta.dtype, device=eta.device)
+            query_rows = torch.pow(eta, alpha)[:, None].expand(groups, per_group * hn)
+            gate_rows = [ones.repeat(1, per_group)] if self.config.attention_output_gate else []
+            rows = torch.cat((query_rows, *gate_rows, torch.pow(eta, 1 - alpha)[:, None].expand(groups, hn), ones),
+                             dim=1)
             _scale_weight_rows_(self.linear_qkv.weight, rows.reshape(-1))
         self.core_attention.current_max_attn_logits = None
 
@@ -302,6 +344,11 @@ def _scale_weight_rows_(weight: torch.Tensor, rows: torch.Tensor) -> None:
         targets.append(main.view(weight.shape))
     for target in targets:
         target.mul_(rows.to(target.device)[:, None])
+
+
+def _builds(spec: Any, cls: type) -> bool:
+    """Whether ``spec`` (a class or a ``ModuleSpec``) builds ``cls``."""
+    return (spec.module if isinstance(spec, ModuleSpec) else spec) is cls
 
 
 def _query_key_angles(rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any]:
@@ -412,7 +459,7 @@ class CrossAttention(Attention):
             raise ValueError("CrossAttention does not support packed sequences (packed_seq_params must be None)")
         _check_context(hidden_states, key_value_states, attention_mask)
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
-        if rotary_pos_emb is not None:
+        if rotary_pos_emb is not None and not layer_skips_rope(self.config, self.layer_number):
             q_emb, k_emb = _query_key_angles(rotary_pos_emb)
             query = apply_rotary_pos_emb(query, q_emb, config=self.config)
             key = apply_rotary_pos_emb(key, k_emb, config=self.config)

@@ -31,6 +31,7 @@ from megatron_core.tensor_parallel.fused_gemv import fused_gemv, fused_gemv_supp
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_core.transformer.attention import SelfAttention
 from megatron_core.transformer.mlp import MLP
+from megatron_core.transformer.rope_options import layer_skips_rope
 
 __all__ = ["enabled", "fused_decode_applies", "fused_decode_forward"]
 
@@ -53,6 +54,7 @@ def fused_decode_applies(layer: Any, hidden_states: torch.Tensor) -> bool:
     config = layer.config
     attention, mlp = layer.self_attention, layer.mlp
     if (config.fp32_residual_connection or config.apply_residual_connection_post_layernorm
+            or config.attention_output_gate
             or layer.has_cross_attention or not _plain_rmsnorm(layer.input_layernorm)
             or not _plain_rmsnorm(layer.pre_mlp_layernorm)):
         return False
@@ -73,6 +75,8 @@ def fused_decode_forward(layer: Any, hidden_states: torch.Tensor, inference_cont
     qkv_linear = attention.linear_qkv
     mixed_qkv = fused_gemv(hidden_states, qkv_linear.weight, None if qkv_linear.skip_bias_add else qkv_linear.bias,
                            norm_weight=layer.input_layernorm.weight, norm_eps=layer.input_layernorm.eps)
+    if layer_skips_rope(layer.config, attention.layer_number):
+        rotary_pos_emb = None  # a layer without RoPE (no_rope_freq)
     context = inference_context.attention_from_qkv(attention, mixed_qkv, rotary_pos_emb)
     # The projection's and the MLP's biases are added either by the linear or by bias-dropout-add: here, by the GEMV.
     hidden_states = fused_gemv(context, attention.linear_proj.weight, attention.linear_proj.bias,

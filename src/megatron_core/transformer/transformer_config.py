@@ -37,6 +37,7 @@ from megatron_core.transformer.moe_validation import (
 from megatron_core.transformer.mup_config import apply_mup_config, mup_init_methods
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout
 from megatron_core.transformer.pipeline_layout import chunk_layer_counts as chunk_layer_counts
+from megatron_core.transformer.rope_options import check_rope_options
 from megatron_core.transformer.rope_utils import yarn_concentration_factor as yarn_concentration_factor
 from megatron_core.transformer.transformer_validation import QUICK_GELUS as QUICK_GELUS
 from megatron_core.transformer.transformer_validation import RECOMPUTE_MODULES as RECOMPUTE_MODULES
@@ -75,6 +76,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     layernorm_zero_centered_gamma: bool = False
     normalization: str = "LayerNorm"
     qk_layernorm: bool = False
+    qk_l2_norm: bool = False  # Llama 4: each query / key head scaled to unit RMS (L2Norm) before RoPE
     # QK-clip (MuonClip): optimizer.qk_clip.clip_qk rescales each head's query/key weights by
     # eta = min(qk_clip_threshold / max logit, 1): queries by eta ** qk_clip_alpha, keys by eta ** (1 - alpha)
     qk_clip: bool = False
@@ -105,9 +107,12 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     attention_softmax_in_fp32: bool = True
     masked_softmax_fusion: bool = False
     rotary_interleaved: bool = False
+    no_rope_freq: int | list[int] | None = None  # N: every N-th layer without RoPE; or 0/1 per layer (1: none)
+    mrope_section: list[int] | None = None  # multimodal RoPE's temporal / height / width frequency sections
     apply_rope_fusion: bool = False
     fused_single_qkv_rope: bool = False
     multi_latent_attention: bool = False
+    attention_output_gate: bool = False  # linear_qkv also gives a per-head gate; output *= sigmoid(gate)
 
     # YaRN rotary embeddings (GPTModel position_embedding_type='yarn'; Megatron-Core reads them as attributes)
     yarn_rotary_scaling_factor: float = 1.0
@@ -245,6 +250,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         _checks.check_fp8_and_transformer_impl(self)
         _checks.check_gpt_oss_options(self)
         _checks.check_qk_clip(self)
+        _checks.check_attention_output_gate(self)
         _checks.check_recompute(self)
         _checks.check_cuda_graphs(self)
         check_moe_config(self)
@@ -252,6 +258,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         _checks.check_pipeline_split(self)
         _checks.check_mtp(self)
         check_experimental_attention_variant(self)
+        check_rope_options(self)
         apply_mup_config(self)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True

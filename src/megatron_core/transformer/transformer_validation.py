@@ -180,6 +180,18 @@ def check_qk_clip(cfg: Any) -> None:
         raise ValueError(f"qk_clip_threshold ({threshold!r}) must be a finite number > 0 when qk_clip=True")
 
 
+def check_attention_output_gate(cfg: Any) -> None:
+    """Megatron-Core's rules for the gated attention output: a bool, not with multi-latent attention and not with
+    ``fused_single_qkv_rope`` (its kernel splits an ungated QKV)."""
+    gate = cfg.attention_output_gate
+    if not isinstance(gate, bool):
+        raise ValueError(f"attention_output_gate ({gate!r}) must be a bool")
+    if gate and cfg.multi_latent_attention:
+        raise ValueError("attention_output_gate=True is not supported with multi_latent_attention=True")
+    if gate and cfg.fused_single_qkv_rope:
+        raise ValueError("attention_output_gate=True is not supported with fused_single_qkv_rope=True")
+
+
 def check_recompute(cfg: Any) -> None:
     """Megatron-Core's rules for activation recompute (granularity, method, layers, modules)."""
     granularity, method, num = cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers

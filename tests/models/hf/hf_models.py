@@ -14,6 +14,8 @@ import torch
 VOCAB, SEQ, BATCH = 96, 12, 2
 FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
 MOE_FAMILIES = ("mixtral", "qwen2_moe")
+QWEN3_MOE = dict(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
+                 tie_word_embeddings=False)
 
 
 def hf_config(kind: str, **overrides):
@@ -43,6 +45,16 @@ def hf_config(kind: str, **overrides):
         cfg = transformers.Qwen2MoeConfig(**common, moe_intermediate_size=24, shared_expert_intermediate_size=56,
                                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
                                           decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+    elif kind == "qwen3_moe":  # layer 1 dense (mlp_only_layers)
+        cfg = transformers.Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, **QWEN3_MOE, mlp_only_layers=[1])
+    elif kind == "qwen3_next":  # gated delta net, gated attention, dense, MoE; partial RoPE
+        cfg = transformers.Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 3, "num_attention_heads": 4}, head_dim=12, moe_intermediate_size=24,
+            shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+            mlp_only_layers=[2], layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+            linear_num_value_heads=4, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5})
     else:
         raise ValueError(kind)
     for key, value in overrides.items():

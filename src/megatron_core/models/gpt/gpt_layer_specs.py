@@ -34,7 +34,7 @@ from megatron_core.transformer.multi_token_prediction import (
 )
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec
-from megatron_core.transformer.torch_norm import WrappedTorchNorm
+from megatron_core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 from megatron_core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -55,9 +55,7 @@ __all__ = [
 ]
 
 
-def _reject_unsupported(qk_l2_norm: bool, **flags: bool) -> None:
-    if qk_l2_norm:
-        raise ValueError("qk_l2_norm=True is not supported by this library")
+def _reject_unsupported(**flags: bool) -> None:
     enabled = sorted(name for name, value in flags.items() if value)
     if enabled:
         raise ValueError(f"{enabled} are not supported by this library")
@@ -123,13 +121,17 @@ def _mla_layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_expert
 
 
 def _layer_spec(backend: BackendSpecProvider, qk_layernorm: bool, num_experts: int | None = None,
-                moe_grouped_gemm: bool = False, multi_latent_attention: bool = False) -> ModuleSpec:
+                moe_grouped_gemm: bool = False, multi_latent_attention: bool = False,
+                qk_l2_norm: bool = False) -> ModuleSpec:
+    """A GPT layer; ``qk_l2_norm`` puts ``L2Norm`` in both q/k norm slots (it wins over ``qk_layernorm``)."""
     if multi_latent_attention:
+        if qk_l2_norm:
+            raise ValueError("qk_l2_norm=True is not supported with multi_latent_attention=True (as in Megatron-Core)")
         return _mla_layer_spec(backend, qk_layernorm, num_experts, moe_grouped_gemm)
     norm = pre_norm(backend)
     # An MoE layer's experts have no fused norm: it keeps a separate pre-MLP norm.
     pre_mlp_norm = backend.layer_norm() if num_experts is not None else norm
-    qk_norm = backend.layer_norm(for_qk=True) if qk_layernorm else None
+    qk_norm = L2Norm if qk_l2_norm else backend.layer_norm(for_qk=True) if qk_layernorm else None
     attention = self_attention_spec(backend, AttnMaskType.causal, qk_norm)
     return _transformer_layer(backend, norm, attention, pre_mlp_norm, num_experts, moe_grouped_gemm,
                               norm_keys_map(backend))
@@ -177,11 +179,12 @@ def get_gpt_layer_local_spec(
 ) -> ModuleSpec:
     """A GPT layer from PyTorch and this library's TP layers; ``normalization`` is taken from the config.
 
-    ``multi_latent_attention`` builds ``MLASelfAttention`` (its q/kv latent norms only with ``qk_layernorm``).
+    ``multi_latent_attention`` builds ``MLASelfAttention`` (its q/kv latent norms only with ``qk_layernorm``);
+    ``qk_l2_norm`` puts ``L2Norm`` in the q/k norm slots (not with MLA).
     """
-    _reject_unsupported(qk_l2_norm, use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention)
+    _reject_unsupported(use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention)
     return _layer_spec(backend or LocalSpecProvider(), qk_layernorm, num_experts, moe_grouped_gemm,
-                       multi_latent_attention)
+                       multi_latent_attention, qk_l2_norm)
 
 
 def get_gpt_layer_with_transformer_engine_spec(
@@ -201,11 +204,12 @@ def get_gpt_layer_with_transformer_engine_spec(
 ) -> ModuleSpec:
     """A GPT layer on Transformer Engine modules (raises ``ImportError`` naming the ``te`` extra when missing)."""
     _reject_unsupported(
-        qk_l2_norm, use_te_op_fuser=use_te_op_fuser, use_kitchen=use_kitchen,
+        use_te_op_fuser=use_te_op_fuser, use_kitchen=use_kitchen,
         use_te_activation_func=use_te_activation_func, use_kitchen_attention=use_kitchen_attention,
         use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp,
     )
-    return _layer_spec(_te_spec_provider(), qk_layernorm, num_experts, moe_grouped_gemm, multi_latent_attention)
+    return _layer_spec(_te_spec_provider(), qk_layernorm, num_experts, moe_grouped_gemm, multi_latent_attention,
+                       qk_l2_norm)
 
 
 def get_gpt_layer_with_inference_spec(
@@ -226,8 +230,8 @@ def get_gpt_layer_with_inference_spec(
     ``linear_q_up_proj`` / ``linear_kv_up_proj``; an MLA layer keeps ``input_layernorm.*``.
     ``moe_use_legacy_grouped_gemm`` is accepted and unused, as in Megatron-Core.
     """
-    _reject_unsupported(qk_l2_norm)
-    spec = _layer_spec(LocalSpecProvider(), qk_layernorm, num_experts, moe_grouped_gemm, multi_latent_attention)
+    spec = _layer_spec(LocalSpecProvider(), qk_layernorm, num_experts, moe_grouped_gemm, multi_latent_attention,
+                       qk_l2_norm)
     keys_map = fused_norm_keys_map(attention=not multi_latent_attention, mlp=num_experts is None)
     if multi_latent_attention and qk_layernorm:
         keys_map["self_attention.q_layernorm."] = "self_attention.linear_q_up_proj.layer_norm_"

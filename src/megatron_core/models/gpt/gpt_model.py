@@ -5,6 +5,7 @@
 ids and returns per-token loss ``[b, s]`` when ``labels`` are given, else logits ``[b, s, V/TP]``
 (the full vocabulary when ``parallel_output=False``); a stage without the output layer returns
 its hidden states ``[s, b, h]``. State-dict keys match Megatron-Core's GPTModel with the local spec.
+``position_embedding_type="mrope"`` (multimodal RoPE, ``config.mrope_section``) takes ``position_ids`` ``[3, b, s]``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from megatron_core._ground import get_pg_size
 from megatron_core.config_rules import check_model_sizes as _check_model_sizes
 from megatron_core.config_rules import check_sequence_fits as _check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron_core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron_core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron_core.models.common.language_module.language_module import (
     LanguageModule,
@@ -28,13 +30,14 @@ from megatron_core.transformer.multi_token_prediction import (
     mtp_on_this_rank,
     process_mtp_loss,
 )
+from megatron_core.transformer.rope_options import check_mrope_section
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron_core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["GPTModel"]
 
-_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
+_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "mrope", "yarn", "none")
 
 
 class GPTModel(LanguageModule):
@@ -124,6 +127,10 @@ class GPTModel(LanguageModule):
                 correction_range_round_to_int=config.yarn_correction_range_round_to_int,
                 cp_group=self.pg_collection.cp,
             )
+        elif position_embedding_type == "mrope":  # Qwen2-VL's multimodal RoPE from [3, b, s] position ids
+            self.rotary_pos_emb = _multimodal_rotary_embedding(config, rotary_percent, seq_len_interpolation_factor,
+                                                               rotary_base, self.pg_collection.cp)
+            self.mrope_section = list(config.mrope_section)
         self.decoder = TransformerBlock(
             config=config,
             spec=transformer_layer_spec,
@@ -150,6 +157,25 @@ class GPTModel(LanguageModule):
                 raise ValueError(f"GPTModel.set_input_tensor expects one tensor, got {len(input_tensor)}")
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
+
+    def _mrope_angles(self, position_ids: torch.Tensor | None, decoder_input: torch.Tensor | None,
+                      packed_seq_params: Any, inference_context: Any) -> torch.Tensor:
+        """Multimodal rotary angles ``[s, b, 1, rot_dim]`` for ``position_ids`` ``[3, b, s]`` (the whole sequence
+        under context parallelism: this rank's chunks are taken from it), on the activations' device."""
+        if packed_seq_params is not None or inference_context is not None:
+            raise ValueError("position_embedding_type='mrope' supports neither packed sequences (packed_seq_params) "
+                             "nor a KV-cache inference context: both index the angles by 1-D positions")
+        if position_ids is None:
+            raise ValueError("position_embedding_type='mrope' needs position_ids of shape [3, batch, seq] "
+                             "(temporal, height, width), got None")
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        angles = self.rotary_pos_emb(position_ids, self.mrope_section)
+        seq = hidden.size(0) * (get_pg_size(self.tp_group) if self.config.sequence_parallel else 1)
+        if tuple(angles.shape[:2]) != (seq, hidden.size(1)):
+            cp = get_pg_size(self.pg_collection.cp)
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} must be [3, batch, seq] for the whole sequence "
+                             f"(batch {hidden.size(1)}, seq {seq} * context_parallel_size {cp} = {seq * cp})")
+        return angles.to(hidden.device)
 
     def forward(
         self,
@@ -189,6 +215,8 @@ class GPTModel(LanguageModule):
             hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
             if rotary_pos_emb.device != hidden.device:
                 rotary_pos_emb = rotary_pos_emb.to(hidden.device)
+        elif self.position_embedding_type == "mrope":
+            rotary_pos_emb = self._mrope_angles(position_ids, decoder_input, packed_seq_params, inference_context)
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
@@ -222,6 +250,23 @@ class GPTModel(LanguageModule):
             logits = logits.transpose(0, 1).contiguous()
             return logits if self.logit_dtype is None else logits.to(self.logit_dtype)
         return self.compute_language_model_loss(labels, logits)
+
+
+def _multimodal_rotary_embedding(config: TransformerConfig, rotary_percent: float,
+                                 seq_len_interpolation_factor: float | None, rotary_base: int,
+                                 cp_group: Any) -> MultimodalRotaryEmbedding:
+    """The ``MultimodalRotaryEmbedding`` of ``position_embedding_type="mrope"``, after checking ``mrope_section``."""
+    if config.multi_latent_attention:
+        raise ValueError("position_embedding_type='mrope' with multi_latent_attention=True: MLA applies its own "
+                         "rotary embedding from 1-D positions; use position_embedding_type='rope'")
+    if config.mrope_section is None:
+        raise ValueError("position_embedding_type='mrope' needs TransformerConfig.mrope_section (the temporal, height "
+                         "and width sections of the rotary frequencies), got None")
+    embedding = MultimodalRotaryEmbedding(
+        kv_channels=config.kv_channels, rotary_percent=rotary_percent, rotary_interleaved=config.rotary_interleaved,
+        seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base, cp_group=cp_group)
+    check_mrope_section(config.mrope_section, embedding.inv_freq.numel())
+    return embedding
 
 
 def _validate_packed(params: Any, input_ids: torch.Tensor, cp_group: Any) -> None:

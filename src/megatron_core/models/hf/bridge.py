@@ -153,6 +153,11 @@ class AutoBridge:
         ignorable = self.family.ignored_suffixes
         if self.family.model_kwargs["share_embeddings_and_output_weights"]:
             ignorable = (*ignorable, "lm_head.weight")
+        for prefix, why in self.family.refused_prefixes.items():
+            refused = sorted(n for n in stored if n.startswith(prefix))
+            if refused:
+                raise HFConversionError(f"{self.reader.path_of(refused[0])}: tensor {refused[0]!r} (and "
+                                        f"{len(refused) - 1} more under {prefix!r}): {why}")
         skipped = self.family.ignored_prefixes
         extra = sorted(n for n in stored - set(expected) if not n.endswith(ignorable) and not n.startswith(skipped))
         if extra:
@@ -204,6 +209,9 @@ class AutoBridge:
         A checkpoint with multi-token-prediction layers builds them (``config.mtp_num_layers``) unless ``mtp`` is
         False (or ``config`` has no ``mtp_num_layers``); their HF tensors are then not read."""
         from megatron_core.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+        from megatron_core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec,
+        )
         from megatron_core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
         if config is None:
@@ -239,7 +247,11 @@ class AutoBridge:
             stage = vp if vpp else None
             pre = is_pp_first_stage(pp_group) and is_vp_first_stage(stage, vpp)
             post = is_pp_last_stage(pp_group) and is_vp_last_stage(stage, vpp)
-            chunk_spec = get_gpt_decoder_block_spec(config, False, vp_stage=stage) if mixed else spec
+            if config.experimental_attention_variant is not None:  # gated delta net and attention layers mixed
+                chunk_spec = get_transformer_block_with_experimental_attention_variant_spec(
+                    config, vp_stage=stage, pp_rank=group_rank_size("pp", pg_collection)[0])
+            else:
+                chunk_spec = get_gpt_decoder_block_spec(config, False, vp_stage=stage) if mixed else spec
             chunk_kwargs = dict(kwargs)
             if depths:  # the MTP layer is built from the block's last (MoE) layer spec
                 chunk_kwargs.setdefault("mtp_block_spec", get_gpt_mtp_block_spec(

@@ -163,6 +163,11 @@ def model_layout(bridge: AutoBridge) -> CheckpointLayout:
     converter follows whatever keys GPTModel's (HybridModel's) ``sharded_state_dict`` uses.
     """
     c = bridge.family.config_kwargs
+    if c.get("experimental_attention_variant") is not None:
+        raise HFConversionError(
+            f"{bridge.architecture}: megatron-convert does not convert models with "
+            f"experimental_attention_variant={c['experimental_attention_variant']!r} layers on disk yet; convert in "
+            "process (AutoBridge.to_megatron_model, then save_checkpoint; save_hf_pretrained back)")
     freq = c.get("moe_layer_freq")
     mixed = bool(c.get("num_moe_experts")) and isinstance(freq, list)  # dense and MoE layers
     hybrid = bridge.family.hybrid_pattern is not None

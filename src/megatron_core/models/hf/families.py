@@ -3,8 +3,11 @@
 Supported ``architectures``: ``LlamaForCausalLM`` (Llama 2, 3, 3.1+ with ``llama3`` RoPE
 scaling), ``MistralForCausalLM`` (sliding window), ``Qwen2ForCausalLM`` (QKV biases), ``Qwen3ForCausalLM`` (per-head q/k RMSNorm),
 ``GPT2LMHeadModel`` (``Conv1D`` layout, learned positions, tied embeddings), and the MoE models
-``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (router, per-expert tensors, shared expert
-with its sigmoid gate), in the per-expert tensor names ``save_pretrained`` writes, and
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` (router, per-expert tensors, shared expert
+with its sigmoid gate) and ``Qwen3MoeForCausalLM`` (q/k norms, no shared expert), dense layers where
+``mlp_only_layers`` / ``decoder_sparse_step`` put them, in the per-expert tensor names ``save_pretrained`` writes,
+``Qwen3NextForCausalLM`` (gated delta net and gated attention layers, zero-centred norms, partial RoPE, MoE with a
+gated shared expert: :mod:`.qwen3_next`), and
 ``GptOssForCausalLM`` (attention sinks, YaRN, alternating sliding windows, biased router and stacked
 experts with a clamped, offset GLU: :mod:`.gpt_oss`), and ``DeepseekV3ForCausalLM`` (multi-latent attention,
 first dense layers, sigmoid-routed MoE with expert bias, group-limited routing, shared experts and the
@@ -31,6 +34,7 @@ from megatron_core.models.hf.deepseek import (
 )
 from megatron_core.models.hf.gpt_oss import gpt_oss_config_kwargs, gpt_oss_rules
 from megatron_core.models.hf.hybrid import mamba2_family_parts, nemotron_h_family_parts
+from megatron_core.models.hf.qwen3_next import MTP_REFUSAL, linear_attention_pattern, qwen3_next_layer_parts
 from megatron_core.models.hf.rules import Copy, FusedQKV, GateUp, SharedCopy, WeightRule
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
@@ -80,6 +84,9 @@ class Family:
     # A hybrid model (HybridModel): its layer pattern and its Mamba mixers' constructor arguments (d_conv, chunk_size)
     hybrid_pattern: str | None = None
     mixer_params: dict[str, Any] = field(default_factory=dict)
+    # HF tensor name prefixes that are refused with the reason when the checkpoint has any (e.g. MTP layers
+    # the model cannot hold)
+    refused_prefixes: dict[str, str] = field(default_factory=dict)
 
     def without_mtp(self) -> Family:
         """This family with no multi-token-prediction layers (a checkpoint that stores none)."""
@@ -161,29 +168,21 @@ def _llama_like(path: str, cfg: dict, arch: str, qkv_bias: bool, qk_norm: bool, 
         model_kwargs.update(rope_scaling=True, rope_scaling_factor=llama3["factor"])
     qkv = dict(num_heads=heads, num_groups=groups, head_dim=head_dim)
     a = "model.layers.{i}.self_attn."
-    layer_rules: list[WeightRule] = [
+    attention: list[WeightRule] = [
         Copy("decoder.layers.{i}.input_layernorm.weight", hf="model.layers.{i}.input_layernorm.weight"),
         FusedQKV("decoder.layers.{i}.self_attention.linear_qkv.weight",
                  parts=(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), **qkv),
         Copy("decoder.layers.{i}.self_attention.linear_proj.weight", hf=a + "o_proj.weight", tp_axis=1),
-        Copy("decoder.layers.{i}.pre_mlp_layernorm.weight", hf="model.layers.{i}.post_attention_layernorm.weight"),
     ]
-    if moe is None:
-        layer_rules += [
-            GateUp("decoder.layers.{i}.mlp.linear_fc1.weight", gate="model.layers.{i}.mlp.gate_proj.weight",
-                   up="model.layers.{i}.mlp.up_proj.weight"),
-            Copy("decoder.layers.{i}.mlp.linear_fc2.weight", hf="model.layers.{i}.mlp.down_proj.weight", tp_axis=1),
-        ]
-    else:
-        moe_config, moe_rules = _moe(path, cfg, moe)
-        config_kwargs.update(moe_config)
-        layer_rules += moe_rules
     if qkv_bias:
-        layer_rules.append(FusedQKV("decoder.layers.{i}.self_attention.linear_qkv.bias",
-                                    parts=(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), **qkv))
+        attention.append(FusedQKV("decoder.layers.{i}.self_attention.linear_qkv.bias",
+                                  parts=(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), **qkv))
     if qk_norm:
-        layer_rules += [Copy("decoder.layers.{i}.self_attention.q_layernorm.weight", hf=a + "q_norm.weight"),
-                        Copy("decoder.layers.{i}.self_attention.k_layernorm.weight", hf=a + "k_norm.weight")]
+        attention += [Copy("decoder.layers.{i}.self_attention.q_layernorm.weight", hf=a + "q_norm.weight"),
+                      Copy("decoder.layers.{i}.self_attention.k_layernorm.weight", hf=a + "k_norm.weight")]
+    moe_config, moe_rules, moe_pattern = _moe(path, cfg, moe, layers) if moe is not None else ({}, [], [0] * layers)
+    config_kwargs.update(moe_config)
+    layer_rules, rules_for_layer = _layer_rules(layers, lambda i: attention, moe_rules, moe_pattern)
     global_rules: list[WeightRule] = [
         Copy("embedding.word_embeddings.weight", hf="model.embed_tokens.weight", tp_axis=0, vocab=True),
         Copy("decoder.final_layernorm.weight", hf="model.norm.weight"),
@@ -191,7 +190,8 @@ def _llama_like(path: str, cfg: dict, arch: str, qkv_bias: bool, qk_norm: bool, 
              vocab=True),
     ]
     return Family(arch, config_kwargs, model_kwargs, layer_rules, global_rules, int(cfg["vocab_size"]), layers,
-                  _dtype(cfg), rope_llama3=llama3, ignored_suffixes=("rotary_emb.inv_freq",))
+                  _dtype(cfg), rope_llama3=llama3, ignored_suffixes=("rotary_emb.inv_freq",),
+                  rules_for_layer=rules_for_layer)
 
 
 def _gpt2(path: str, cfg: dict) -> Family:
@@ -244,8 +244,32 @@ def _gpt2(path: str, cfg: dict) -> Family:
 
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
-             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
-             "NemotronHForCausalLM", "Mamba2ForCausalLM")
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+             "GptOssForCausalLM", "DeepseekV3ForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM")
+
+
+def _qwen3_next(path: str, cfg: dict) -> Family:
+    """Qwen3-Next: the Qwen3-MoE family's attention, MLPs and globals, with gated delta net layers by
+    ``layer_types``, gated attention, zero-centred norms and partial RoPE (:mod:`.qwen3_next`)."""
+    _reject(path, cfg, "hidden_act", cfg.get("hidden_act", "silu") != "silu",
+            "only 'silu': the delta net's output gate is SiLU in Hugging Face whatever hidden_act says")
+    base = _llama_like(path, cfg, "Qwen3NextForCausalLM", qkv_bias=False, qk_norm=True, moe="qwen3_next")
+    c = base.config_kwargs
+    layers = c["num_layers"]
+    linear = linear_attention_pattern(path, cfg, layers)
+    gdn_config, gdn, attention = qwen3_next_layer_parts(cfg, c["num_attention_heads"], c["num_query_groups"],
+                                                         c["kv_channels"])
+    moe_rules = [r for r in base.layer_rules if ".mlp.router." in r.mcore or ".mlp.experts." in r.mcore
+                 or ".mlp.shared_experts." in r.mcore]
+    moe_pattern = c.get("moe_layer_freq") or [1] * layers
+    layer_rules, rules_for = _layer_rules(layers, lambda i: gdn if linear[i] else attention, moe_rules, moe_pattern)
+    config_kwargs = {**c, **gdn_config, "linear_attention_freq": linear}
+    theta = base.model_kwargs["rotary_base"]
+    percent = float(_get({**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})},
+                         "partial_rotary_factor", default=_get(cfg, "partial_rotary_factor", default=1.0)))
+    model_kwargs = {**base.model_kwargs, "rotary_base": theta, "rotary_percent": percent}
+    return replace(base, config_kwargs=config_kwargs, model_kwargs=model_kwargs, layer_rules=layer_rules,
+                   rules_for_layer=rules_for, refused_prefixes={"mtp.": MTP_REFUSAL})
 
 
 def _hybrid(path: str, cfg: dict, arch: str, hf_prefix: str | None) -> Family:
@@ -297,8 +321,47 @@ def _gpt_oss(path: str, cfg: dict) -> Family:
                   config_kwargs["num_layers"], _dtype(cfg), ignored_suffixes=("rotary_emb.inv_freq",))
 
 
-def _moe(path: str, cfg: dict, kind: str) -> tuple[dict[str, Any], list[WeightRule]]:
-    """MoE config fields and the router / expert / shared-expert rules (HF's per-expert tensor names)."""
+def _dense_mlp_rules() -> list[WeightRule]:
+    """A SwiGLU MLP's ``linear_fc1`` (gate and up) and ``linear_fc2`` from ``mlp.{gate,up,down}_proj``."""
+    return [
+        GateUp("decoder.layers.{i}.mlp.linear_fc1.weight", gate="model.layers.{i}.mlp.gate_proj.weight",
+               up="model.layers.{i}.mlp.up_proj.weight"),
+        Copy("decoder.layers.{i}.mlp.linear_fc2.weight", hf="model.layers.{i}.mlp.down_proj.weight", tp_axis=1),
+    ]
+
+
+def _layer_rules(layers: int, attention_of: Callable[[int], list[WeightRule]], moe_rules: list[WeightRule],
+                 moe_pattern: list[int]) -> tuple[list[WeightRule], Callable[[int], list[WeightRule]] | None]:
+    """``(every rule, layer -> its rules or None where all layers are alike)``: each layer is its attention
+    rules, the pre-MLP norm and the MoE (``moe_pattern`` 1) or dense SwiGLU MLP rules."""
+    pre_mlp = Copy("decoder.layers.{i}.pre_mlp_layernorm.weight", hf="model.layers.{i}.post_attention_layernorm.weight")
+    dense = _dense_mlp_rules()
+    per_layer = [[*attention_of(i), pre_mlp, *(moe_rules if moe_pattern[i] else dense)] for i in range(layers)]
+    if all(rules == per_layer[0] for rules in per_layer):
+        return per_layer[0], None
+    union = list({r.mcore: r for rules in per_layer for r in rules}.values())
+    return union, lambda i: per_layer[i]
+
+
+def _qwen_moe_pattern(path: str, cfg: dict, layers: int) -> list[int]:
+    """1 (MoE) or 0 (dense MLP) per layer by Qwen's rule: MoE unless in ``mlp_only_layers`` and only where
+    ``(layer + 1) % decoder_sparse_step == 0``."""
+    step = int(_get(cfg, "decoder_sparse_step", default=1))
+    _reject(path, cfg, "decoder_sparse_step", step < 1, "must be >= 1")
+    only = cfg.get("mlp_only_layers") or []
+    _reject(path, cfg, "mlp_only_layers", any(not 0 <= int(i) < layers for i in only),
+            f"layer indices must lie in [0, {layers})")
+    experts = int(_get(cfg, "num_experts", "num_local_experts", default=0))
+    pattern = [0 if i in only or (i + 1) % step or experts <= 0 else 1 for i in range(layers)]
+    if not any(pattern):
+        raise HFConversionError(f"{path}: num_experts={experts!r}, decoder_sparse_step={step!r} and mlp_only_layers="
+                                f"{only!r} leave no MoE layer, which is not supported for this architecture")
+    return pattern
+
+
+def _moe(path: str, cfg: dict, kind: str, layers: int) -> tuple[dict[str, Any], list[WeightRule], list[int]]:
+    """MoE config fields, the router / expert / shared-expert rules (HF's per-expert tensor names) and the 0/1
+    MoE pattern over the layers (``moe_layer_freq``, a list where dense layers mix in)."""
     _reject(path, cfg, "router_jitter_noise", float(cfg.get("router_jitter_noise") or 0.0) > 0, "only 0")
     layer = "model.layers.{i}."
     if kind == "mixtral":
@@ -306,14 +369,16 @@ def _moe(path: str, cfg: dict, kind: str) -> tuple[dict[str, Any], list[WeightRu
         prefix = layer + "block_sparse_moe."
         gate, up, down = "w1", "w3", "w2"
         config = dict(moe_ffn_hidden_size=int(cfg["intermediate_size"]), moe_router_pre_softmax=False)
-    else:
-        experts = int(cfg["num_experts"])
-        _reject(path, cfg, "decoder_sparse_step", int(cfg.get("decoder_sparse_step", 1)) != 1, "only 1")
-        _reject(path, cfg, "mlp_only_layers", bool(cfg.get("mlp_only_layers")), "every layer must be MoE")
+        pattern = [1] * layers
+    else:  # Qwen: transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+        experts = int(_get(cfg, "num_experts", "num_local_experts"))
+        pattern = _qwen_moe_pattern(path, cfg, layers)
         prefix = layer + "mlp."
         gate, up, down = "gate_proj", "up_proj", "down_proj"
         config = dict(moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
                       moe_router_pre_softmax=not cfg.get("norm_topk_prob", False))
+        if not all(pattern):
+            config["moe_layer_freq"] = pattern
     config.update(num_moe_experts=experts, moe_router_topk=int(cfg["num_experts_per_tok"]))
     expert = "decoder.layers.{i}.mlp.experts.local_experts.{e}."
     rules: list[WeightRule] = [
@@ -322,7 +387,7 @@ def _moe(path: str, cfg: dict, kind: str) -> tuple[dict[str, Any], list[WeightRu
                up=prefix + f"experts.{{e}}.{up}.weight"),
         Copy(expert + "linear_fc2.weight", hf=prefix + f"experts.{{e}}.{down}.weight", tp_axis=1),
     ]
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if kind in ("qwen2_moe", "qwen3_next") else 0
     if shared:
         config.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
         rules += [
@@ -332,7 +397,7 @@ def _moe(path: str, cfg: dict, kind: str) -> tuple[dict[str, Any], list[WeightRu
                  tp_axis=1),
             Copy("decoder.layers.{i}.mlp.shared_experts.gate_weight", hf=prefix + "shared_expert_gate.weight"),
         ]
-    return config, rules
+    return config, rules, pattern
 
 
 def family_from_config(cfg: dict, path: str = "config.json", hf_prefix: str | None = None) -> Family:
@@ -366,6 +431,10 @@ def family_from_config(cfg: dict, path: str = "config.json", hf_prefix: str | No
         if arch == "Qwen2MoeForCausalLM":
             return _llama_like(path, cfg, arch, qkv_bias=bool(cfg.get("qkv_bias", True)), qk_norm=False,
                                moe="qwen2_moe")
+        if arch == "Qwen3MoeForCausalLM":
+            return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=True, moe="qwen3_moe")
+        if arch == "Qwen3NextForCausalLM":
+            return _qwen3_next(path, cfg)
     except HFConversionError:
         raise
     except KeyError as e:

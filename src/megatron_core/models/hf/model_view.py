@@ -25,6 +25,7 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _GROUPED_EXPERTS = re.compile(
     r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.mtp_model_layer)\.mlp\.experts)\.(linear_fc[12]\.(?:weight|bias))$")
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_GDN = re.compile(r"\.self_attention\.(in_proj\.weight|conv1d\.weight|A_log|dt_bias|out_norm\.weight|out_proj\.weight)$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -94,6 +95,8 @@ def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
         return _mla_shape(name, c)
     if ".mixer." in name:
         return _mamba_shape(name, c, family.mixer_params["d_conv"])
+    if c.get("experimental_attention_variant") == "gated_delta_net" and _GDN.search(name):
+        return _gdn_shape(name, c)
     if name.endswith(("word_embeddings.weight", "output_layer.weight")):
         return (vocab, hidden)
     if name.endswith("eh_proj.weight"):
@@ -115,7 +118,7 @@ def mcore_shape(name: str, family: Family, vocab: int) -> tuple[int, ...]:
     elif "shared_experts" in name:
         ffn = c["moe_shared_expert_intermediate_size"]
     if "linear_qkv" in name:
-        rows = (heads + 2 * groups) * hd
+        rows = (heads * (2 if c.get("attention_output_gate") else 1) + 2 * groups) * hd
         return (rows, hidden) if name.endswith("weight") else (rows,)
     if "linear_proj" in name:
         return (hidden, heads * hd) if name.endswith("weight") else (hidden,)
@@ -143,6 +146,20 @@ def _mamba_shape(name: str, c: dict[str, Any], d_conv: int) -> tuple[int, ...]:
     if suffix not in shapes:
         raise HFConversionError(f"{name}: no shape known for this Mamba mixer parameter")
     return shapes[suffix]
+
+
+def _gdn_shape(name: str, c: dict[str, Any]) -> tuple[int, ...]:
+    """Full shapes of a gated delta net's parameters (the ``linear_*`` TransformerConfig fields in ``c``)."""
+    qk = c["linear_key_head_dim"] * c["linear_num_key_heads"]
+    v, heads = c["linear_value_head_dim"] * c["linear_num_value_heads"], c["linear_num_value_heads"]
+    shapes = {
+        "in_proj.weight": (2 * qk + 2 * v + 2 * heads, c["hidden_size"]),
+        "conv1d.weight": (2 * qk + v, 1, c["linear_conv_kernel_dim"]),
+        "A_log": (heads,), "dt_bias": (heads,),
+        "out_norm.weight": (c["linear_value_head_dim"],),
+        "out_proj.weight": (c["hidden_size"], v),
+    }
+    return shapes[_GDN.search(name).group(1)]
 
 
 def _mla_shape(name: str, c: dict[str, Any]) -> tuple[int, ...]:

@@ -132,7 +132,9 @@ class FusedQKV(WeightRule):
     """``linear_qkv`` weight or bias from q, k, v (three tensors, or one ``[q|k|v]`` tensor for GPT-2).
 
     ``parts`` names the HF tensor of q, k and v; when all three are the same tensor the parts are
-    consecutive blocks of it (along dim 0, or dim 1 when ``transpose``).
+    consecutive blocks of it (along dim 0, or dim 1 when ``transpose``). With ``output_gate`` (Qwen3-Next's gated
+    attention) the q tensor holds ``[query; gate]`` rows per head, and Megatron's group is
+    ``[query heads | their gates | key | value]`` (``attention_output_gate``).
     """
 
     parts: tuple[str, str, str] = ("", "", "")
@@ -140,12 +142,15 @@ class FusedQKV(WeightRule):
     num_groups: int = 1
     head_dim: int = 1
     transpose: bool = False
+    output_gate: bool = False
 
     def hf_names(self, layer: Index) -> list[str]:
         return list(dict.fromkeys(_fmt(p, layer) for p in self.parts))
 
     def _blocks(self) -> tuple[int, int, int]:
-        return self.num_heads * self.head_dim, self.num_groups * self.head_dim, self.num_groups * self.head_dim
+        """Rows of the HF q (with its gates), k and v tensors."""
+        q = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
+        return q, self.num_groups * self.head_dim, self.num_groups * self.head_dim
 
     def _offsets(self) -> tuple[int, int, int]:
         if len(set(self.parts)) == 1:
@@ -158,7 +163,7 @@ class FusedQKV(WeightRule):
         groups = self.num_groups // tp_size
         per_group = self.num_heads // self.num_groups
         g0 = tp_rank * groups
-        rows = (per_group * self.head_dim, self.head_dim, self.head_dim)
+        rows = (per_group * self.head_dim * (2 if self.output_gate else 1), self.head_dim, self.head_dim)
         pieces = []
         for part, offset, row in zip(self.parts, self._offsets(), rows):
             name = _fmt(part, layer)
@@ -169,14 +174,22 @@ class FusedQKV(WeightRule):
             else:
                 piece = read(name, [span] + [slice(None)] * (ndim - 1))
             pieces.append(piece.reshape(groups, row, *piece.shape[1:]))
+        if self.output_gate:  # [groups, per_group * (query; gate) rows] -> query heads, then their gates
+            q_gate = pieces[0].reshape(groups, per_group, 2, self.head_dim, *pieces[0].shape[2:])
+            pieces[:1] = [q_gate[:, :, 0].flatten(1, 2), q_gate[:, :, 1].flatten(1, 2)]
         return torch.cat(pieces, dim=1).reshape(-1, *pieces[0].shape[2:]).contiguous()
 
     def to_hf(self, shards: list[torch.Tensor], layer: Index) -> dict[str, torch.Tensor]:
         per_group = self.num_heads // self.num_groups
         qs, ks, vs = [], [], []
+        query_rows = [per_group * self.head_dim] * (2 if self.output_gate else 1)
         for shard in shards:
-            grouped = shard.reshape(-1, (per_group + 2) * self.head_dim, *shard.shape[1:])
-            q, k, v = torch.split(grouped, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=1)
+            grouped = shard.reshape(-1, sum(query_rows) + 2 * self.head_dim, *shard.shape[1:])
+            *q_gate, k, v = torch.split(grouped, [*query_rows, self.head_dim, self.head_dim], dim=1)
+            q = q_gate[0]
+            if self.output_gate:  # back to HF's per-head [query; gate] rows
+                heads = [t.reshape(t.shape[0], per_group, self.head_dim, *t.shape[2:]) for t in q_gate]
+                q = torch.stack(heads, dim=2).flatten(1, 3)
             for out, t in ((qs, q), (ks, k), (vs, v)):
                 out.append(t.reshape(-1, *shard.shape[1:]))
         q, k, v = (torch.cat(x, dim=0) for x in (qs, ks, vs))

@@ -42,6 +42,8 @@ _UNSUPPORTED_FEATURES = (
     ("multi_latent_attention", "multi-latent attention"),
     ("mtp_num_layers", "multi-token prediction layers"),
     ("heterogeneous_block_specs", "heterogeneous (per-layer) block specs"),
+    ("attention_output_gate", "gated attention output (its gate rows in linear_qkv are not ranked)"),
+    ("experimental_attention_variant", "gated delta net / experimental attention layers"),
 )
 
 

@@ -29,6 +29,7 @@ from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec
+from megatron_core.transformer.torch_norm import L2Norm
 from megatron_core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -59,7 +60,8 @@ def _keys_maps(config: TransformerConfig, remap_te_layernorm: bool) -> tuple[dic
     return {**attention, **fused_norm_keys_map(attention=False, mlp=True)}, dict(attention)
 
 
-def _attention_spec(config: TransformerConfig, core_attention: type, attn_mask_type: AttnMaskType) -> ModuleSpec:
+def _attention_spec(config: TransformerConfig, core_attention: type, attn_mask_type: AttnMaskType,
+                    qk_l2_norm: bool = False) -> ModuleSpec:
     if config.multi_latent_attention:
         # This library's MLA takes the latent norms exactly when qk_layernorm is set.
         latent_norm = Norm if config.qk_layernorm else IdentityOp
@@ -72,7 +74,7 @@ def _attention_spec(config: TransformerConfig, core_attention: type, attn_mask_t
                 linear_kv_up_proj=ColumnParallelLinear, core_attention=core_attention, linear_proj=RowParallelLinear,
             ),
         )
-    qk_norm = Norm if config.qk_layernorm else IdentityOp
+    qk_norm = L2Norm if qk_l2_norm else Norm if config.qk_layernorm else IdentityOp
     return ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": attn_mask_type},
@@ -123,8 +125,8 @@ def get_gpt_modelopt_spec(
             ``mlp.linear_fc1.layer_norm_*``), so checkpoints of the TE layer spec load.
         real_quant_cfg: ``"None"``, or ``"fp8_real_quant"`` / ``"fp8_blockwise_real_quant"`` for
             layers whose linear weights are stored in FP8 (:mod:`..layers`).
-        qk_l2_norm: Llama 4's L2 norm of queries and keys (``config.qk_l2_norm`` wins where set);
-            this library has no L2 norm layer, so ``True`` raises ``ValueError``.
+        qk_l2_norm: Llama 4's L2 norm of queries and keys (``L2Norm`` in both q/k norm slots;
+            ``config.qk_l2_norm`` wins where set, as in Megatron-Core); not with MLA (``ValueError``).
         use_arbitrary_attention_mask: attend by the given mask instead of the causal one.
 
     Also registers this library's layers with Model Optimizer's quantization
@@ -134,12 +136,13 @@ def get_gpt_modelopt_spec(
 
     if real_quant_cfg not in _LAYER_CLASSES:
         raise ValueError(f"real_quant_cfg ({real_quant_cfg!r}) must be one of {sorted(_LAYER_CLASSES)}")
-    if getattr(config, "qk_l2_norm", qk_l2_norm):
-        raise ValueError("qk_l2_norm=True (Llama 4's L2 query/key norm) is not supported by this library")
+    qk_l2_norm = getattr(config, "qk_l2_norm", qk_l2_norm)
+    if qk_l2_norm and config.multi_latent_attention:
+        raise ValueError("qk_l2_norm=True is not supported with multi_latent_attention=True (as in Megatron-Core)")
     register_quant_modules()
     attn_mask_type = AttnMaskType.arbitrary if use_arbitrary_attention_mask else AttnMaskType.causal
     core_attention = TEDotProductAttention if HAVE_TE and not local_core_attention else DotProductAttention
-    attention = _attention_spec(config, core_attention, attn_mask_type)
+    attention = _attention_spec(config, core_attention, attn_mask_type, qk_l2_norm)
     layer = _LAYER_CLASSES[real_quant_cfg]
     dense_keys, moe_keys = _keys_maps(config, remap_te_layernorm)
     dense = _layer_spec(layer, attention, get_mlp_module_spec(use_te=False), dense_keys)
