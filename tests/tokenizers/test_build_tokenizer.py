@@ -33,7 +33,7 @@ def test_build_tokenizer_from_args(bpe_dir, sentencepiece_model):
     assert sp.library == "sentencepiece" and sp.vocab_size == 200
     with pytest.raises(ValueError, match="tokenizer_type Word2Vec is not supported"):
         build_tokenizer(Namespace(tokenizer_type="Word2Vec"))
-    with pytest.raises(ValueError, match="'multimodal' is not provided by megatron_core"):
+    with pytest.raises(ValueError, match="'multimodal' needs tokenizer_path"):
         build_tokenizer(Namespace(tokenizer_type="MultimodalTokenizer"))
     with pytest.raises(ValueError, match="NullTokenizer needs args.vocab_size"):
         build_tokenizer(Namespace(tokenizer_type="NullTokenizer"))

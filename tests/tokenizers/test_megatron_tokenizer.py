@@ -159,7 +159,7 @@ def test_metadata_round_trip(bpe_dir, tmp_path):
 def test_clear_errors(tmp_path, bpe_dir):
     with pytest.raises(ValueError, match=r"library 'word2vec' is not supported; metadata 'library' must be one of"):
         MegatronTokenizer.from_pretrained(str(tmp_path), metadata_path={"library": "word2vec"})
-    with pytest.raises(ValueError, match="'multimodal' is not provided by megatron_core"):
+    with pytest.raises(ValueError, match=r"'multimodal' needs the keyword arguments \['prompt_format'"):
         MegatronTokenizer.from_pretrained(str(tmp_path), metadata_path={"library": "multimodal"})
     with pytest.raises(FileNotFoundError, match="tokenizer_metadata.json does not exist.*write_metadata"):
         MegatronTokenizer.from_pretrained(str(tmp_path))

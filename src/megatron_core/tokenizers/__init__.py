@@ -2,9 +2,10 @@
 
 A tokenizer is described by a small metadata dict (or the JSON file ``tokenizer_metadata.json`` next
 to the tokenizer files) naming its ``library`` (``"huggingface"``, ``"sentencepiece"``, ``"tiktoken"``,
-``"megatron"``, ``"byte-level"``, ``"null-text"``) and optionally a ``model_type`` and a chat template.
-The libraries are the tokenizers of :mod:`megatron_core.tokenizers.legacy`, wrapped in one text
-tokenizer class (:class:`~megatron_core.tokenizers.text.MegatronTokenizerText`).
+``"megatron"``, ``"byte-level"``, ``"null-text"``, ``"sft"``; the vision libraries ``"multimodal"`` and
+``"null-multimodal"``) and optionally a ``model_type`` and a chat template. Text libraries are wrapped
+in :class:`~megatron_core.tokenizers.text.MegatronTokenizerText`, vision libraries in
+:class:`~megatron_core.tokenizers.vision.MegatronTokenizerVision`.
 """
 
 from megatron_core.tokenizers.base_tokenizer import MegatronTokenizerBase

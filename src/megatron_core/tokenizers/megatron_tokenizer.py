@@ -3,7 +3,8 @@
 Metadata is a dict, or a JSON file (by default ``tokenizer_metadata.json`` in the tokenizer's
 directory, written by :meth:`MegatronTokenizer.write_metadata`) with the keys ``library`` (required),
 ``model_type`` (``"gpt"``, ``"bert"``, ``"t5"``, ``"mamba"``, ``"default-text"``; default
-``"default-text"``), ``class_name``/``class_path`` (a custom tokenizer class) and ``chat_template``.
+``"default-text"``; ``"default-vision"`` for the vision libraries ``multimodal`` and
+``null-multimodal``), ``class_name``/``class_path`` (a custom tokenizer class) and ``chat_template``.
 """
 
 from __future__ import annotations
@@ -33,10 +34,7 @@ TEXT_LIBRARIES = ["sentencepiece", "huggingface", "megatron", "tiktoken", "byte-
 """Text tokenizer libraries Megatron names."""
 
 VISION_LIBRARIES = ["multimodal", "null-multimodal"]
-"""Vision tokenizer libraries Megatron names (not provided by megatron_core)."""
-
-UNSUPPORTED_LIBRARIES = [*VISION_LIBRARIES]
-"""Libraries Megatron knows that megatron_core does not provide (see docs/compat.md)."""
+"""Vision tokenizer libraries Megatron names."""
 
 PATHLESS_LIBRARIES = ["byte-level", "null-text", "null-multimodal"]
 """Libraries that need no tokenizer file."""
@@ -91,6 +89,10 @@ class MegatronTokenizer:
             raise ValueError(f"Tokenizer library {library!r} needs tokenizer_path (got {tokenizer_path!r})")
         if tokenizer_path is not None:
             tokenizer_path = os.fspath(tokenizer_path)
+        if library == "multimodal":
+            missing = [name for name in ("prompt_format", "special_tokens", "image_tag_type") if name not in kwargs]
+            if missing:
+                raise ValueError(f"Tokenizer library 'multimodal' needs the keyword arguments {missing}")
         tokenizer_cls = _get_tokenizer_model_class(library, metadata)
         metadata["metadata_path"] = metadata_path
         return tokenizer_cls(path=tokenizer_path, config=metadata, **kwargs)
@@ -138,12 +140,6 @@ def _check_library(library: Any) -> None:
     known = TEXT_LIBRARIES + VISION_LIBRARIES
     if library not in known:
         raise ValueError(f"Tokenizer library {library!r} is not supported; metadata 'library' must be one of {known}")
-    if library in UNSUPPORTED_LIBRARIES:
-        supported = [name for name in known if name not in UNSUPPORTED_LIBRARIES]
-        raise ValueError(
-            f"Tokenizer library {library!r} is not provided by megatron_core (see docs/compat.md); "
-            f"supported libraries: {supported}"
-        )
 
 
 def _get_metadata_path(tokenizer_path: str) -> str:
@@ -161,10 +157,12 @@ def _get_tokenizer_model_class(library: str, metadata: dict) -> type:
         if class_path.startswith("megatron.core."):
             class_path = "megatron_core." + class_path[len("megatron.core."):]
         return getattr(importlib.import_module(class_path), class_name)
+    kind = "text" if library in TEXT_LIBRARIES else "vision"
     if model_type is None:
-        model_type = "default-text"
-    if model_type not in TOKENIZER_MAPPING_NAMES or model_type == "default-vision":
-        supported = [name for name in TOKENIZER_MAPPING_NAMES if name != "default-vision"]
-        raise ValueError(f"Tokenizer model_type {model_type!r} is not supported; use one of {supported}")
-    models = importlib.import_module("megatron_core.tokenizers.text.models")
+        model_type = f"default-{kind}"
+    supported = [name for name in TOKENIZER_MAPPING_NAMES if (name == "default-vision") == (kind == "vision")]
+    if model_type not in supported:
+        raise ValueError(f"Tokenizer model_type {model_type!r} is not supported for library {library!r}; "
+                         f"use one of {supported}")
+    models = importlib.import_module(f"megatron_core.tokenizers.{kind}.models")
     return getattr(models, TOKENIZER_MAPPING_NAMES[model_type])

@@ -38,6 +38,7 @@ from megatron_core.models.multimodal._token_splice import (
 from megatron_core.models.vision.clip_vit_model import CLIPViTModel, get_num_image_embeddings
 from megatron_core.models.vision.multimodal_projector import MultimodalProjector
 from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.tokenizers.vision.image_tokens import DEFAULT_IMAGE_TOKEN_INDEX, IMAGE_TOKEN
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec
@@ -54,9 +55,7 @@ __all__ = [
     "pixel_shuffle",
 ]
 
-DEFAULT_IMAGE_TOKEN_INDEX = -200  # tokenizer dependent: pass image_token_index for real tokenizers
 DEFAULT_SOUND_TOKEN_INDEX = -300
-IMAGE_TOKEN = "<image>"
 VIDEO_TOKEN = "<video>"
 SOUND_TOKEN = "<so_embedding>"
 

@@ -27,7 +27,7 @@ SUPPORTED_TOKENIZERS = [
     *MEGATRON_TOKENIZERS,
     *SP_TOKENIZERS,
 ]
-"""The ``tokenizer_type`` names Megatron accepts (the multimodal ones fail later, in ``from_pretrained``)."""
+"""The ``tokenizer_type`` names Megatron accepts."""
 
 _DEFAULTS: dict[str, Any] = {
     "special_tokens": None,
@@ -97,11 +97,17 @@ def _library_and_kwargs(args: Any) -> tuple[str, str | None, dict[str, Any]]:
         kwargs["include_special_tokens"] = not _arg(args, "tokenizer_hf_no_include_special_tokens")
         return "huggingface", _arg(args, "tokenizer_model"), kwargs
     if kind == "MultimodalTokenizer":
-        return "multimodal", None, kwargs
+        kwargs["prompt_format"] = _arg(args, "tokenizer_prompt_format")
+        kwargs["special_tokens"] = _arg(args, "special_tokens")
+        kwargs["image_tag_type"] = _arg(args, "image_tag_type")
+        kwargs["force_system_message"] = _arg(args, "force_system_message")
+        return "multimodal", _arg(args, "tokenizer_model"), kwargs
     if kind == "SFTTokenizer":
         kwargs["prompt_format"] = _arg(args, "sft_tokenizer_prompt_format")
         return "sft", _arg(args, "tokenizer_model"), kwargs
     if kind == "NullMultimodalTokenizer":
+        if _arg(args, "vocab_size"):
+            kwargs["vocab_size"] = _arg(args, "vocab_size")
         return "null-multimodal", None, kwargs
     # NullTokenizer
     if _arg(args, "vocab_size"):
@@ -122,8 +128,8 @@ def build_tokenizer(args: Any, **kwargs: Any) -> Any:
             f"{SUPPORTED_TOKENIZERS}"
         )
     library, tokenizer_path, library_kwargs = _library_and_kwargs(args)
-    if library == "null-text" and "vocab_size" not in library_kwargs:
-        raise ValueError("build_tokenizer: tokenizer_type NullTokenizer needs args.vocab_size")
+    if library in ("null-text", "null-multimodal") and "vocab_size" not in library_kwargs:
+        raise ValueError(f"build_tokenizer: tokenizer_type {tokenizer_type} needs args.vocab_size")
     metadata: str | dict = {"library": library}
     if library not in ("null-text", "null-multimodal") and _arg(args, "metadata_path"):
         metadata = _arg(args, "metadata_path")

@@ -23,7 +23,8 @@ import numpy as np
 from megatron_core.tokenizers.text.libraries.chat_template import render_and_tokenize
 from megatron_core.tokenizers.text.libraries.huggingface_tokenizer import HuggingFaceTokenizer
 
-__all__ = ["IGNORE_INDEX", "PromptConfig", "SFTTokenizer", "PROMPT_FORMATS"]
+__all__ = ["IGNORE_INDEX", "PromptConfig", "SFTTokenizer", "PROMPT_FORMATS", "mask_conversation_target",
+           "render_conversation_ids", "template_variables"]
 
 IGNORE_INDEX = -100
 """Target value of ids that take no loss."""
@@ -103,6 +104,50 @@ def _token_id(tokenizer: HuggingFaceTokenizer, token: str) -> int | None:
     return tokenizer.vocab.get(token, _special(tokenizer, "unk"))
 
 
+def template_variables(tokenizer: HuggingFaceTokenizer) -> dict[str, str]:
+    """The special tokens' texts (``bos_token``, ``eos_token``, ...), as chat templates expect them."""
+    names = {"bos": "bos_token", "eod": "eos_token", "pad": "pad_token", "unk": "unk_token"}
+    inverse = tokenizer.inv_vocab
+    return {name: inverse[index] for role, name in names.items() if (index := _special(tokenizer, role)) is not None}
+
+
+def render_conversation_ids(tokenizer: HuggingFaceTokenizer, config: PromptConfig, conversation: list[dict],
+                            add_generation_prompt: bool) -> np.ndarray:
+    """Ids of ``conversation`` rendered with ``config``'s template; the template writes its own special tokens."""
+    ids = render_and_tokenize(tokenizer.tokenize, conversation, config.custom_chat_template,
+                              add_generation_prompt=add_generation_prompt, **template_variables(tokenizer))
+    return np.asarray(ids, dtype=np.int64)
+
+
+def mask_conversation_target(target: np.ndarray, conversation: list[dict], tokenizer: HuggingFaceTokenizer,
+                             config: PromptConfig, masked_roles: tuple[str, ...], owner: str) -> None:
+    """Set ``target`` (the conversation's ids, edited in place) to :data:`IGNORE_INDEX` where no loss is taken.
+
+    Each message is rendered alone (its BOS dropped after the first message when ``config.has_bos``)
+    and must match the conversation's next ids. Messages whose role is in ``masked_roles`` are masked
+    whole, the first ``assistant_prefix_len`` ids of an assistant message are masked, other roles are
+    trained. Raises ``ValueError`` (prefixed with ``owner``) when the pieces do not add up to ``target``.
+    """
+    position = 0
+    for index, turn in enumerate(conversation):
+        role = str(turn["role"]).lower()
+        turn_ids = render_conversation_ids(tokenizer, config, [turn], add_generation_prompt=False)
+        if config.has_bos and index > 0 and len(turn_ids) and turn_ids[0] == _special(tokenizer, "bos"):
+            turn_ids = turn_ids[1:]
+        end = position + len(turn_ids)
+        if not np.array_equal(target[position:end], turn_ids):
+            raise ValueError(f"{owner}: messages[{index}] renders differently alone than in the conversation; "
+                             "the template cannot be masked turn by turn")
+        if role == "assistant":
+            target[position:position + config.assistant_prefix_len] = IGNORE_INDEX
+        elif role in masked_roles:
+            target[position:end] = IGNORE_INDEX
+        position = end
+    if position != len(target):
+        raise ValueError(f"{owner}: the messages cover {position} of the conversation's {len(target)} ids "
+                         "(add_generation_prompt=True adds ids no message owns)")
+
+
 class SFTTokenizer:
     """Tokenizer for supervised fine-tuning on conversations (``tokenize_conversation``)."""
 
@@ -112,21 +157,9 @@ class SFTTokenizer:
         self._prompt_format = prompt_format
         self._vocab_size = self._tokenizer.vocab_size
 
-    def _template_variables(self) -> dict[str, str]:
-        """The special tokens' texts (``bos_token``, ``eos_token``, ...), as chat templates expect them."""
-        names = {"bos": "bos_token", "eod": "eos_token", "pad": "pad_token", "unk": "unk_token"}
-        inverse = self._tokenizer.inv_vocab
-        return {name: inverse[index] for role, name in names.items()
-                if (index := _special(self._tokenizer, role)) is not None}
-
     def _render_ids(self, conversation: list[dict], add_generation_prompt: bool) -> np.ndarray:
-        """Ids of the rendered ``conversation``; the template writes its own special tokens, none are added."""
-        ids = render_and_tokenize(
-            self._tokenizer.tokenize,
-            conversation, self._prompt_config.custom_chat_template,
-            add_generation_prompt=add_generation_prompt, **self._template_variables(),
-        )
-        return np.asarray(ids, dtype=np.int64)
+        """Ids of the rendered ``conversation`` (:func:`render_conversation_ids`)."""
+        return render_conversation_ids(self._tokenizer, self._prompt_config, conversation, add_generation_prompt)
 
     def tokenize_conversation(self, conversation: list[dict], return_target: bool, add_generation_prompt: bool):
         """Ids of ``conversation`` (``[{"role", "content"}, ...]``); with ``return_target``, ``(ids, target)``.
@@ -144,7 +177,6 @@ class SFTTokenizer:
         target = tokens.copy()
         if self._prompt_format in ("default", "identity"):
             return tokens, target
-        position = 0
         for index, turn in enumerate(conversation):
             role = str(turn["role"]).lower()
             if role == "assistant":
@@ -155,21 +187,8 @@ class SFTTokenizer:
             elif role not in ("system", "user", "tool"):
                 raise ValueError(f"SFTTokenizer: messages[{index}].role {turn['role']!r} is not system, user, "
                                  "tool or assistant")
-            turn_ids = self._render_ids([turn], add_generation_prompt=False)
-            if config.has_bos and index > 0 and len(turn_ids) and turn_ids[0] == _special(self._tokenizer, "bos"):
-                turn_ids = turn_ids[1:]
-            end = position + len(turn_ids)
-            if not np.array_equal(tokens[position:end], turn_ids):
-                raise ValueError(f"SFTTokenizer: messages[{index}] renders differently alone than in the "
-                                 f"conversation; the {self._prompt_format!r} template cannot be masked turn by turn")
-            if role == "assistant":
-                target[position:position + config.assistant_prefix_len] = IGNORE_INDEX
-            else:
-                target[position:end] = IGNORE_INDEX
-            position = end
-        if position != len(tokens):
-            raise ValueError(f"SFTTokenizer: the messages cover {position} of the conversation's {len(tokens)} ids "
-                             "(add_generation_prompt=True adds ids no message owns)")
+        mask_conversation_target(target, conversation, self._tokenizer, config, ("system", "user", "tool"),
+                                 f"SFTTokenizer ({self._prompt_format!r})")
         return tokens, target
 
     def text_to_ids(self, text: str | list[dict]) -> list[int]:
