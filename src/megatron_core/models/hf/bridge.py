@@ -77,9 +77,12 @@ class AutoBridge:
                 name.startswith("model.") for name in reader.names()):  # in-memory names, not NVIDIA's backbone.
             family = family_from_config(cfg, os.path.join(directory, "config.json"), hf_prefix="model.")
         if reader is not None and family.mtp_num_layers:
-            # transformers' save_pretrained keeps num_nextn_predict_layers but writes no MTP layer: convert without
-            mtp = tuple(f"model.layers.{family.num_layers + k}." for k in range(family.mtp_num_layers))
-            if not any(name.startswith(mtp) for name in reader.names()):
+            # transformers' save_pretrained keeps the MTP depth count in config.json but writes no MTP layer:
+            # convert without
+            stored = set(reader.names())
+            mtp = {name for k in range(family.mtp_num_layers) for r in family.mtp_rules if "{e}" not in r.mcore
+                   for name in r.hf_names(family.num_layers + k)}
+            if stored.isdisjoint(mtp):
                 family = family.without_mtp()
         bridge = cls(directory, cfg, family, reader)
         if reader is not None:
@@ -211,6 +214,7 @@ class AutoBridge:
         from megatron_core.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
         from megatron_core.models.gpt.experimental_attention_variant_module_specs import (
             get_transformer_block_with_experimental_attention_variant_spec,
+            get_transformer_layer_with_experimental_attention_variant_spec,
         )
         from megatron_core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
@@ -253,9 +257,12 @@ class AutoBridge:
             else:
                 chunk_spec = get_gpt_decoder_block_spec(config, False, vp_stage=stage) if mixed else spec
             chunk_kwargs = dict(kwargs)
-            if depths:  # the MTP layer is built from the block's last (MoE) layer spec
-                chunk_kwargs.setdefault("mtp_block_spec", get_gpt_mtp_block_spec(
-                    config, get_gpt_decoder_block_spec(config, False) if mixed else spec, False, vp_stage=stage))
+            if depths:  # the MTP layer is built from the model's last layer spec
+                if config.experimental_attention_variant is not None:
+                    last = get_transformer_layer_with_experimental_attention_variant_spec(config)[-1]
+                else:
+                    last = get_gpt_decoder_block_spec(config, False) if mixed else spec
+                chunk_kwargs.setdefault("mtp_block_spec", get_gpt_mtp_block_spec(config, last, False, vp_stage=stage))
             chunks.append(GPTModel(config, chunk_spec, vocab, max_seq, pre_process=pre, post_process=post,
                                    vp_stage=stage, pg_collection=pg_collection, **chunk_kwargs))
         if load_weights:

@@ -1,14 +1,17 @@
 """Where each GPTModel tensor of a Hugging Face model lives in a distributed checkpoint, without building the model.
 
 :func:`model_layout` reads the sharded state dict of a tiny-width copy of the model (one layer, or one dense and
-one MoE layer where the model mixes them, plus its multi-token-prediction depths) and returns a
+one layer of each kind where the model mixes them, plus its multi-token-prediction depths) and returns a
 :class:`CheckpointLayout`: the sharded key of every conversion rule's parameter and the ``_extra_state`` objects of
 every layer. Three layouts occur, as in Megatron-Core:
 
 - homogeneous decoder layers are *stacked*: one key per parameter (``decoder.layers.self_attention...``), the
   global layer index a prepended axis;
-- layers of different kinds (``moe_layer_freq`` a list: dense and MoE layers) keep per-layer keys
-  (``decoder.layers.<global index>....``) with no layer axis (``non_homogeneous_layers``);
+- layers of different kinds (``moe_layer_freq`` a list: dense and MoE layers; ``linear_attention_freq``: gated
+  delta net and softmax attention layers) keep per-layer keys (``decoder.layers.<global index>....``) with no layer
+  axis (``non_homogeneous_layers``); the tiny copy has one layer per distinct kind. A gated delta net's
+  ``in_proj.weight`` is stored as the row sections ``.query/.key/.value/.z/.beta/.alpha``, its ``conv1d.weight``
+  as ``.query/.key/.value``;
 - multi-token-prediction depth ``k`` is saved under ``mtp.layers.<k>.`` (its transformer layer as
   ``transformer_layer.``), with no layer axis;
 - a HybridModel (its pattern of Mamba, attention and MLP layers) keeps per-layer keys; the tiny copy then has
@@ -26,6 +29,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron_core.models.gpt.experimental_attention_variant_module_specs import (
+    get_linear_attention_pattern,
+    get_moe_layer_pattern,
+)
 from megatron_core.models.hf.rules import Index, fmt
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
@@ -48,7 +55,9 @@ class CheckpointLayout:
     ``(name template, key template, tiny layer)``, the tiny layer being the index of the tiny copy's decoder layer
     it was seen in (``None`` outside the decoder layers); ``layer_kinds`` gives, for each real layer, the tiny layer
     of its kind (``None``: every layer is tiny layer 0). ``splits`` maps a parameter template stored as row sections
-    to the sections' key suffixes, in row order (the sizes are the rule's ``sections``).
+    to the sections' key suffixes, in row order (the sizes are the rule's ``sections``). ``kind_tensors`` maps
+    ``(parameter template, tiny layer)`` to the key template that layer kind uses, where kinds differ (a norm fused
+    into the next linear of one kind but not of another).
     """
 
     tensors: dict[str, str]
@@ -59,13 +68,18 @@ class CheckpointLayout:
     mtp_layers: int = 0
     layer_kinds: tuple[int, ...] | None = None
     splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    kind_tensors: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def key(self, template: str, index: Index) -> str:
         """The sharded key of rule parameter ``template`` at ``index`` (None, a layer, or ``(layer, expert)``)."""
         if template not in self.tensors:
             raise HFConversionError(f"parameter {template!r}: the GPTModel's sharded state dict has no such tensor "
                                     f"(known: {len(self.tensors)} tensors, e.g. {sorted(self.tensors)[:3]})")
-        return self._fill(self.tensors[template], index)
+        key = self.tensors[template]
+        if self.layer_kinds is not None and index is not None and template.startswith(_DECODER):
+            layer = index[0] if isinstance(index, tuple) else index
+            key = self.kind_tensors.get((template, self.layer_kinds[layer]), key)
+        return self._fill(key, index)
 
     def _fill(self, key: str, index: Index) -> str:
         if index is None:
@@ -132,8 +146,24 @@ def _built_keys(factory: ShardedTensorFactory) -> list[str]:
     return [part.key for part in parts]
 
 
-def _tiny_overrides(c: dict[str, Any], mixed: bool, layers: int) -> dict[str, Any]:
-    """TransformerConfig overrides of the tiny copy: tiny widths, 2 experts, ``layers`` layers."""
+def _layer_kinds(bridge: AutoBridge) -> list[tuple[int, int]] | None:
+    """``(MoE, linear attention)`` flags of each real layer, or ``None`` where every layer is of one kind (both
+    patterns read as GPTModel's layer specs read them)."""
+    c = bridge.family.config_kwargs
+    mixes_mlp = bool(c.get("num_moe_experts")) and isinstance(c.get("moe_layer_freq"), list)
+    mixes_attention = c.get("experimental_attention_variant") is not None
+    if not (mixes_mlp or mixes_attention):
+        return None
+    config = bridge.transformer_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    layers = bridge.family.num_layers
+    moe = get_moe_layer_pattern(config) if mixes_mlp else [1 if c.get("num_moe_experts") else 0] * layers
+    linear = get_linear_attention_pattern(config) if mixes_attention else [0] * layers
+    return list(zip(moe, linear))
+
+
+def _tiny_overrides(c: dict[str, Any], kinds: list[tuple[int, int]] | None, layers: int) -> dict[str, Any]:
+    """TransformerConfig overrides of the tiny copy: tiny widths, 2 experts, ``layers`` layers (one per distinct
+    entry of ``kinds``, in that order, where the layers mix kinds)."""
     mha = c.get("num_query_groups") in (None, c["num_attention_heads"])
     tiny: dict[str, Any] = dict(
         num_layers=layers, hidden_size=8, num_attention_heads=2, num_query_groups=2 if mha else 1,
@@ -144,12 +174,15 @@ def _tiny_overrides(c: dict[str, Any], mixed: bool, layers: int) -> dict[str, An
     if c.get("num_moe_experts"):
         tiny.update(num_moe_experts=2, moe_router_topk=1, moe_ffn_hidden_size=4, moe_router_num_groups=None,
                     moe_router_group_topk=None)
-        if mixed:
-            tiny.update(moe_layer_freq=[0, 1])
+        if kinds is not None and isinstance(c.get("moe_layer_freq"), list):
+            tiny.update(moe_layer_freq=[moe for moe, _ in kinds])
         if c.get("moe_shared_expert_intermediate_size"):
             tiny.update(moe_shared_expert_intermediate_size=4)
     if c.get("mamba_num_heads"):
         tiny.update(mamba_num_heads=2, mamba_head_dim=4, mamba_num_groups=1, mamba_state_dim=4)
+    if c.get("experimental_attention_variant") is not None:
+        tiny.update(linear_attention_freq=[linear for _, linear in kinds or ()],
+                    linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4)
     if c.get("multi_latent_attention"):
         tiny.update(q_lora_rank=4 if c.get("q_lora_rank") else None, kv_lora_rank=4, qk_head_dim=2,
                     qk_pos_emb_head_dim=2, v_head_dim=2)
@@ -163,20 +196,18 @@ def model_layout(bridge: AutoBridge) -> CheckpointLayout:
     converter follows whatever keys GPTModel's (HybridModel's) ``sharded_state_dict`` uses.
     """
     c = bridge.family.config_kwargs
-    if c.get("experimental_attention_variant") is not None:
-        raise HFConversionError(
-            f"{bridge.architecture}: megatron-convert does not convert models with "
-            f"experimental_attention_variant={c['experimental_attention_variant']!r} layers on disk yet; convert in "
-            "process (AutoBridge.to_megatron_model, then save_checkpoint; save_hf_pretrained back)")
-    freq = c.get("moe_layer_freq")
-    mixed = bool(c.get("num_moe_experts")) and isinstance(freq, list)  # dense and MoE layers
     hybrid = bridge.family.hybrid_pattern is not None
-    tiny_layers = bridge.family.num_layers if hybrid else 2 if mixed else 1
-    config = bridge.transformer_config(**_tiny_overrides(c, mixed, tiny_layers))
+    per_layer = None if hybrid else _layer_kinds(bridge)
+    # each kind once, in the order of its last layer: the tiny copy's last layer is of the real last layer's kind,
+    # whose spec the multi-token-prediction layers take
+    distinct = list(dict.fromkeys(reversed(per_layer)))[::-1] if per_layer is not None else None
+    tiny_layers = bridge.family.num_layers if hybrid else len(distinct) if distinct else 1
+    config = bridge.transformer_config(**_tiny_overrides(c, distinct, tiny_layers))
     (model,) = bridge.to_megatron_model(load_weights=False, config=config, max_sequence_length=4)
     tensors: dict[str, str] = {}
     splits: dict[str, tuple[str, ...]] = {}
     objects: dict[tuple[str, int | None], str] = {}
+    kind_tensors: dict[tuple[str, int], str] = {}
     stacked = True
     for local_name, leaf in model.sharded_state_dict().items():
         if not isinstance(leaf, (ShardedObject, ShardedTensor, ShardedTensorFactory)):
@@ -185,21 +216,20 @@ def model_layout(bridge: AutoBridge) -> CheckpointLayout:
         template = _name_template(local_name)
         if template is None:
             continue
+        layer = _DECODER_LAYER.match(local_name)
         if isinstance(leaf, ShardedObject):
-            layer = _DECODER_LAYER.match(local_name)
             objects[(template, int(layer.group(1)) if layer else None)] = _key_template(leaf.key)
         else:
             tensors[template] = _key_template(leaf.key)
+            if layer:
+                kind_tensors[(template, int(layer.group(1)))] = _key_template(leaf.key)
             if isinstance(leaf, ShardedTensorFactory):
                 parts = _built_keys(leaf)
                 if all(key.startswith(leaf.key + ".") for key in parts):  # named sections: <key>.<name>
                     splits[template] = tuple(key[len(leaf.key) + 1:] for key in parts)
     kinds = tuple(range(tiny_layers)) if hybrid else None
-    if mixed:
-        if len(freq) != bridge.family.num_layers:
-            raise HFConversionError(f"{bridge.directory}: moe_layer_freq has {len(freq)} entries for "
-                                    f"{bridge.family.num_layers} layers")
-        kinds = tuple(1 if f else 0 for f in freq)
+    if per_layer is not None and distinct is not None:
+        kinds = tuple(distinct.index(kind) for kind in per_layer)
     return CheckpointLayout(tensors, tuple((t, k, tiny) for (t, tiny), k in sorted(objects.items(), key=str)),
                             stacked, bridge.family.num_layers, c.get("num_moe_experts") or 0,
-                            bridge.family.mtp_num_layers, kinds, splits)
+                            bridge.family.mtp_num_layers, kinds, splits, kind_tensors)

@@ -97,6 +97,10 @@ def flags_cannot_express(bridge) -> list[str]:
         missing.append("YaRN RoPE")
     if c.get("multi_latent_attention"):
         missing.append("multi-latent attention")
+    if c.get("experimental_attention_variant") is not None:
+        missing.append(f"{c['experimental_attention_variant']} layers")
+    if c.get("attention_output_gate"):
+        missing.append("gated attention")
     if c.get("moe_router_score_function", "softmax") != "softmax" or c.get("moe_router_num_groups"):
         missing.append("sigmoid / group-limited MoE routing")
     return missing

@@ -212,7 +212,8 @@ def _inference_records(bridge: AutoBridge, vocab: int, hf_dir: str, out_dir: str
     ``megatron-generate`` / ``megatron-serve`` rebuild it, and, in ``extra_state["args"]``, its tokenizer: the copied
     HF tokenizer when the directory has a ``tokenizer.json``, else ``NullTokenizer`` (prompts are token ids) whose
     end-of-document id is the last vocabulary id. ``({}, {})`` for a model the record cannot describe (YaRN RoPE,
-    multi-latent attention): its conversion is for training, not for the inference commands."""
+    multi-latent attention, gated delta net layers): its conversion is for training, not for the inference
+    commands."""
     from megatron_core.models.common.model_config_record import MODEL_CONFIG_KEY, model_config_record_for
     from megatron_core.models.gpt import GPTModel
     from megatron_core.models.hybrid import HybridModel
@@ -224,7 +225,7 @@ def _inference_records(bridge: AutoBridge, vocab: int, hf_dir: str, out_dir: str
         model_class = HybridModel
         settings["mamba_mixer"] = dict(bridge.family.mixer_params)
     elif settings.get("position_embedding_type") in ("rope", "learned_absolute", "none") and not getattr(
-            config, "multi_latent_attention", False):
+            config, "multi_latent_attention", False) and config.experimental_attention_variant is None:
         model_class = GPTModel
         rotary = _recorded_rotary(bridge, config)
         if rotary is not None:

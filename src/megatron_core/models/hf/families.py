@@ -34,7 +34,11 @@ from megatron_core.models.hf.deepseek import (
 )
 from megatron_core.models.hf.gpt_oss import gpt_oss_config_kwargs, gpt_oss_rules
 from megatron_core.models.hf.hybrid import mamba2_family_parts, nemotron_h_family_parts
-from megatron_core.models.hf.qwen3_next import MTP_REFUSAL, linear_attention_pattern, qwen3_next_layer_parts
+from megatron_core.models.hf.qwen3_next import (
+    linear_attention_pattern,
+    qwen3_next_layer_parts,
+    qwen3_next_mtp,
+)
 from megatron_core.models.hf.rules import Copy, FusedQKV, GateUp, SharedCopy, WeightRule
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
@@ -264,12 +268,15 @@ def _qwen3_next(path: str, cfg: dict) -> Family:
     moe_pattern = c.get("moe_layer_freq") or [1] * layers
     layer_rules, rules_for = _layer_rules(layers, lambda i: gdn if linear[i] else attention, moe_rules, moe_pattern)
     config_kwargs = {**c, **gdn_config, "linear_attention_freq": linear}
+    mtp, mtp_rules, refused = qwen3_next_mtp(cfg, (rules_for or (lambda i: layer_rules))(layers - 1), bool(linear[-1]))
+    if mtp:
+        config_kwargs["mtp_num_layers"] = mtp
     theta = base.model_kwargs["rotary_base"]
     percent = float(_get({**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})},
                          "partial_rotary_factor", default=_get(cfg, "partial_rotary_factor", default=1.0)))
     model_kwargs = {**base.model_kwargs, "rotary_base": theta, "rotary_percent": percent}
     return replace(base, config_kwargs=config_kwargs, model_kwargs=model_kwargs, layer_rules=layer_rules,
-                   rules_for_layer=rules_for, refused_prefixes={"mtp.": MTP_REFUSAL})
+                   rules_for_layer=rules_for, refused_prefixes=refused, mtp_num_layers=mtp, mtp_rules=mtp_rules)
 
 
 def _hybrid(path: str, cfg: dict, arch: str, hf_prefix: str | None) -> Family:

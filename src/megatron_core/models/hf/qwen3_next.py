@@ -8,14 +8,20 @@ the delta net's output norm is zero-centred in both libraries (``layernorm_zero_
 where norms live). The MLPs are MoE with a sigmoid-gated shared expert, dense where ``mlp_only_layers`` /
 ``decoder_sparse_step`` say so. Hugging Face's delta net projections are grouped per key head
 (``in_proj_qkvz``: ``[q_g, k_g, v_g, z_g]``, ``in_proj_ba``: ``[b_g, a_g]``); Megatron's ``in_proj`` stacks the
-sections ``q | k | v | z | beta | alpha`` of each TP rank's heads. The multi-token-prediction layers of Qwen's
-checkpoints (``mtp.*``, which transformers also drops on load) are refused by name.
+sections ``q | k | v | z | beta | alpha`` of each TP rank's heads.
+
+The multi-token-prediction layer of Qwen's checkpoints (``mtp.*``; ``config.json`` ``mtp_num_hidden_layers``;
+transformers drops it on load) is GPTModel's MTP depth 0: ``mtp.fc`` is ``eh_proj`` (input ``[embedding;
+hidden]``), ``mtp.pre_fc_norm_embedding`` / ``_hidden`` are ``enorm`` / ``hnorm``, ``mtp.norm`` is
+``final_layernorm`` and ``mtp.layers.0.*`` is the transformer layer, which Megatron builds from the last decoder
+layer's spec (softmax attention in Qwen's models). One depth only: Qwen's layout has one ``fc`` and norm set for
+all its layers where Megatron has one per depth; other layouts are refused by name with the reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -23,11 +29,9 @@ import torch
 from megatron_core.models.hf.rules import Copy, FusedQKV, Index, Reader, SectionedRows, WeightRule, fmt
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
-__all__ = ["GatedDeltaNetInProj", "OffsetCopy", "qwen3_next_layer_parts"]
+__all__ = ["GatedDeltaNetInProj", "OffsetCopy", "qwen3_next_layer_parts", "qwen3_next_mtp"]
 
-MTP_REFUSAL = ("Qwen3-Next's multi-token-prediction layers ('mtp.*', config.json mtp_num_hidden_layers) are not "
-               "converted: GPTModel's MTP block has no Qwen3-Next layout; remove them from the checkpoint to convert "
-               "the main model (transformers ignores them on load too)")
+_MTP_REMEDY = "; remove them from the checkpoint to convert the main model (transformers ignores them on load too)"
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,13 @@ class GatedDeltaNetInProj(WeightRule):
 
     def hf_names(self, layer: Index) -> list[str]:
         return [fmt(self.qkvz, layer), fmt(self.ba, layer)]
+
+    @property
+    def sections(self) -> tuple[int, ...]:
+        """Rows of the full (TP=1) ``in_proj`` per section ``q | k | v | z | beta | alpha``: the row sections the
+        distributed checkpoint stores it as (``.query/.key/.value/.z/.beta/.alpha``)."""
+        qk, v = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        return (qk, qk, v, v, self.value_heads, self.value_heads)
 
     def _group_rows(self) -> tuple[list[int], list[int]]:
         """Rows of one key head's group in ``in_proj_qkvz`` (q, k, v, z) and ``in_proj_ba`` (b, a)."""
@@ -146,3 +157,50 @@ def qwen3_next_layer_parts(cfg: dict, heads: int, groups: int, head_dim: int
         Copy(m + "k_layernorm.weight", hf=a + "k_norm.weight"),
     ]
     return config, gdn, attention
+
+
+def _renamed(rule: WeightRule, mcore: tuple[str, str], hf: tuple[str, str]) -> WeightRule:
+    """``rule`` with ``mcore[0]`` replaced by ``mcore[1]`` in its parameter name and ``hf[0]`` by ``hf[1]`` in every
+    HF name it holds."""
+    changes: dict[str, Any] = {"mcore": rule.mcore.replace(*mcore)}
+    for f in fields(rule):
+        value = getattr(rule, f.name)
+        if f.name == "mcore":
+            continue
+        if isinstance(value, str):
+            changes[f.name] = value.replace(*hf)
+        elif isinstance(value, tuple) and value and all(isinstance(v, str) for v in value):
+            changes[f.name] = tuple(v.replace(*hf) for v in value)
+    return replace(rule, **changes)
+
+
+def qwen3_next_mtp(cfg: dict, last_layer_rules: list[WeightRule], last_layer_linear: bool
+                   ) -> tuple[int, list[WeightRule], dict[str, str]]:
+    """``(MTP depths, rules of depth 0, refused HF prefixes)`` of a Qwen3-Next config (see the module docstring);
+    ``last_layer_rules`` are the rules of the last decoder layer, whose spec the MTP layer takes."""
+    depths = int(cfg.get("mtp_num_hidden_layers") or 0)
+    why = None
+    if depths == 0:
+        why = "config.json has no mtp_num_hidden_layers (or 0)"
+    elif depths > 1:
+        why = (f"mtp_num_hidden_layers={depths}: Qwen's layout shares one mtp.fc / mtp.pre_fc_norm_* / mtp.norm among "
+               "its MTP layers, while each Megatron MTP depth has its own eh_proj / enorm / hnorm / final_layernorm; "
+               "only 1 is supported")
+    elif cfg.get("mtp_use_dedicated_embeddings"):
+        why = "mtp_use_dedicated_embeddings=True: Megatron's MTP layers share the model's embedding"
+    elif last_layer_linear:
+        why = ("the last decoder layer is a gated delta net, and Megatron builds the MTP layer from the last "
+               "layer's spec, while Qwen's MTP layer is softmax attention")
+    if why is not None:
+        return 0, [], {"mtp.": f"Qwen3-Next's multi-token-prediction layers ('mtp.*') are not converted: {why}"
+                                + _MTP_REMEDY}
+    m = "mtp.layers.{i}."
+    rules: list[WeightRule] = [
+        Copy(m + "enorm.weight", hf="mtp.pre_fc_norm_embedding.weight"),
+        Copy(m + "hnorm.weight", hf="mtp.pre_fc_norm_hidden.weight"),
+        Copy(m + "eh_proj.weight", hf="mtp.fc.weight", tp_axis=0),
+        Copy(m + "final_layernorm.weight", hf="mtp.norm.weight"),
+    ]
+    rules += [_renamed(r, ("decoder.layers.{i}.", m + "mtp_model_layer."), ("model.layers.{i}.", "mtp.layers.0."))
+              for r in last_layer_rules]
+    return 1, rules, {}
