@@ -196,9 +196,14 @@ class TensorParallelMuon(torch.optim.Optimizer):
         buffer.lerp_(grad, 1.0 - group["momentum"])
         return grad, grad.lerp(buffer, group["momentum"]) if self.nesterov else buffer
 
+    def _update(self, p: torch.Tensor, direction: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The step's update of ``p`` (subtracted times the learning rate): the scaled orthogonalised direction."""
+        with fp32_matmul_precision(self.fp32_matmul_prec):
+            return self.orthogonalize(p, direction, **{k: v for k, v in group.items() if k != "params"})
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One Muon update of every parameter that has a gradient."""
+        """One update of every parameter that has a gradient."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -209,9 +214,7 @@ class TensorParallelMuon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 _, direction = self._direction(p, group)
-                with fp32_matmul_precision(self.fp32_matmul_prec):
-                    update = self.orthogonalize(p, direction, **{k: v for k, v in group.items() if k != "params"})
-                p.add_(update, alpha=-group["lr"])
+                p.add_(self._update(p, direction, group), alpha=-group["lr"])
         return loss
 
 
@@ -268,25 +271,13 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon):
         update = orth * moment2.clamp_min(eps).rsqrt()
         return update * (torch.linalg.vector_norm(orth) / torch.linalg.vector_norm(update).clamp_min(eps))
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One adaptive Muon update of every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            self._init_group(group)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                _, direction = self._direction(p, group)
-                with fp32_matmul_precision(self.fp32_matmul_prec):
-                    orth = self.orthogonalize(p, direction)
-                update = self._second_moment(orth, self.state[p]["moment2_buffer"], group["beta2"], group["eps"])
-                tp_group = self._tp_group(p)
-                p.add_(update * self._scale(p.shape, tp_group, self._partition_dim(p, tp_group)), alpha=-group["lr"])
-        return loss
+    def _update(self, p: torch.Tensor, direction: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Raw Newton-Schulz, then the second moment, then the whole matrix's Muon scale."""
+        with fp32_matmul_precision(self.fp32_matmul_prec):
+            orth = self.orthogonalize(p, direction)
+        update = self._second_moment(orth, self.state[p]["moment2_buffer"], group["beta2"], group["eps"])
+        tp_group = self._tp_group(p)
+        return update * self._scale(p.shape, tp_group, self._partition_dim(p, tp_group))
 
 
 # -- the registry ----------------------------------------------------------------------------------
