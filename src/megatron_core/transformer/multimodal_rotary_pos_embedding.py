@@ -18,7 +18,7 @@ from megatron_core._ground import get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.transformer.rope_utils import get_pos_emb_on_this_cp_rank
-from megatron_core.transformer.rotary_pos_embedding import move_inv_freq, rotary_inv_freq
+from megatron_core.transformer.rotary_pos_embedding import move_inv_freq, rotary_dim, rotary_inv_freq
 
 __all__ = ["MultimodalRotaryEmbedding"]
 
@@ -41,11 +41,7 @@ class MultimodalRotaryEmbedding(torch.nn.Module):
         cp_group: Any = None,
     ) -> None:
         super().__init__()
-        if not 0.0 < rotary_percent <= 1.0:
-            raise ValueError(f"rotary_percent ({rotary_percent}) must be in (0, 1]")
-        dim = int(kv_channels * rotary_percent)
-        if dim % 2 != 0:
-            raise ValueError(f"kv_channels ({kv_channels}) * rotary_percent ({rotary_percent}) = {dim} must be even")
+        dim = rotary_dim(kv_channels, rotary_percent)
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.inv_freq = rotary_inv_freq(dim, rotary_base, get_current_device())

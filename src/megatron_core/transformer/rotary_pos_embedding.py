@@ -42,6 +42,16 @@ def _llama3_scaled_inv_freq(
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rotary_dim(kv_channels: int, rotary_percent: float) -> int:
+    """The rotated width ``kv_channels * rotary_percent`` of each head (``ValueError`` unless in (0, 1] and even)."""
+    if not 0.0 < rotary_percent <= 1.0:
+        raise ValueError(f"rotary_percent ({rotary_percent}) must be in (0, 1]")
+    dim = int(kv_channels * rotary_percent)
+    if dim % 2 != 0:
+        raise ValueError(f"kv_channels ({kv_channels}) * rotary_percent ({rotary_percent}) = {dim} must be even")
+    return dim
+
+
 def rotary_inv_freq(dim: int, rotary_base: float, device: torch.device | str) -> torch.Tensor:
     """The fp32 inverse frequencies ``base ** (-2i / dim)``, ``i < dim / 2``, of a rotary embedding of width ``dim``."""
     return 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
@@ -76,11 +86,7 @@ class RotaryEmbedding(torch.nn.Module):
         cp_group: Any = None,
     ) -> None:
         super().__init__()
-        if not 0.0 < rotary_percent <= 1.0:
-            raise ValueError(f"rotary_percent ({rotary_percent}) must be in (0, 1]")
-        dim = int(kv_channels * rotary_percent)
-        if dim % 2 != 0:
-            raise ValueError(f"kv_channels ({kv_channels}) * rotary_percent ({rotary_percent}) = {dim} must be even")
+        dim = rotary_dim(kv_channels, rotary_percent)
         self.rotary_interleaved = rotary_interleaved
         self.cp_group = resolve_process_group("cp", group=cp_group)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
