@@ -18,6 +18,20 @@ class MegatronTokenizerBase(ABC):
         for key, value in config.items():
             setattr(self, key, value)
 
+    def _init_library_tokenizer(self, path: str | None, config: dict | None, libraries: dict[str, str],
+                                **kwargs: Any) -> None:
+        """Shared start of the text and vision tokenizers: record the concrete class in the metadata
+        (``class_name``, ``class_path``, so subclasses round-trip through ``from_pretrained``), set the metadata
+        attributes, and check that ``library`` is one of ``libraries`` (``ValueError`` naming it)."""
+        config = dict(config or {})
+        config["class_name"] = type(self).__name__
+        config["class_path"] = type(self).__module__
+        MegatronTokenizerBase.__init__(self, path, config, **kwargs)
+        if getattr(self, "library", None) not in libraries:
+            raise ValueError(
+                f"{type(self).__name__}: library {getattr(self, 'library', None)!r} is not one of {list(libraries)}"
+            )
+
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:
         """Text to token ids."""

@@ -50,15 +50,8 @@ class MegatronTokenizerText(MegatronTokenizerBase):
     """
 
     def __init__(self, path: str | None = None, config: dict | None = None, **kwargs: Any) -> None:
-        config = dict(config or {})
-        config["class_name"] = type(self).__name__
-        config["class_path"] = type(self).__module__
-        super().__init__(path, config, **kwargs)
-        if getattr(self, "library", None) not in TOKENIZER_MAPPING_LIBRARIES:
-            raise ValueError(
-                f"{type(self).__name__}: library {getattr(self, 'library', None)!r} is not one of "
-                f"{list(TOKENIZER_MAPPING_LIBRARIES)}"
-            )
+        self._init_library_tokenizer(path, config, TOKENIZER_MAPPING_LIBRARIES, **kwargs)
+        config = config or {}
         self._tokenizer = self._restore_model(**kwargs)
         self.additional_args = kwargs
         self.path = path
