@@ -18,10 +18,9 @@ from megatron_core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron_core.packed_seq_params import PackedSeqParams
 from megatron_core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron_core.transformer import TransformerConfig
-from megatron_core.transformer.context_parallel_batch import get_batch_on_this_cp_rank
 from megatron_core.transformer.packed_sequences import thd_layout, thd_partitioned_indices
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
-from tests.ssm.mamba_cp_checks import _full_grads, _gather_tp, shard, zigzag
+from tests.ssm.mamba_cp_checks import compare_with_reference
 
 PATTERN = "G*G-"
 VOCAB, S, B = 64, 16, 2
@@ -67,29 +66,10 @@ def _reference() -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
 
 def check_hybrid_parallel(tp: int, cp: int, sp: bool) -> dict:
     """TP x CP (x SP) ``G*G-`` model == the single-process one: logits, per-token loss, every gradient."""
-    state, ref_logits, ref_loss, ref_grads = _reference()
+    reference = _reference()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     try:
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        model = build(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(shard(param, state[name], tp, tp_rank))
-        ids, labels = _data()
-        batch = get_batch_on_this_cp_rank({"tokens": ids, "labels": labels,
-                                           "position_ids": torch.arange(S).expand(B, S).contiguous()})
-        here = zigzag(cp, parallel_state.get_context_parallel_rank())
-        logits = model(batch["tokens"], batch["position_ids"], None).detach()
-        torch.testing.assert_close(torch.cat(_gather_tp(logits, tp), dim=-1), ref_logits[:, here], **TOL)
-        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        torch.testing.assert_close(loss, ref_loss[:, here], **TOL)
-        loss.sum().backward()
-        grads = _full_grads(model, tp)
-        if set(grads) != set(ref_grads):
-            raise AssertionError(f"parameter names differ: {sorted(set(grads) ^ set(ref_grads))}")
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        model, grads = compare_with_reference(build, _data(), reference, tp, cp, sp)
         gdn = [layer.self_attention for layer in model.decoder.layers
                if isinstance(getattr(layer, "self_attention", None), GatedDeltaNet)]
         return {"grads": len(grads), "gdn_layers": len(gdn), "value_heads_here": gdn[0].feat_dim_split[2]}

@@ -9,6 +9,8 @@ TP group; TP shards are reassembled from each parameter's ``partition_dim`` / ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -114,31 +116,43 @@ def _full_grads(model: torch.nn.Module, tp: int) -> dict:
     return out
 
 
+def compare_with_reference(build_fn: Callable[..., torch.nn.Module], data: tuple[torch.Tensor, torch.Tensor],
+                           reference: tuple[dict, torch.Tensor, torch.Tensor, dict], tp: int, cp: int,
+                           sp: bool) -> tuple[torch.nn.Module, dict]:
+    """Build the TP x CP (x SP) model (model parallel already set up), load the single-process weights, and check
+    logits, per-token loss and every gradient against ``reference`` (``_reference()``'s tuple) on ``data``
+    (ids, labels ``[B, S]``); returns the model and its reassembled gradients."""
+    state, ref_logits, ref_loss, ref_grads = reference
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    model = build_fn(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(shard(param, state[name], tp, tp_rank))
+    ids, labels = data
+    batch_size, seq = ids.shape
+    batch = get_batch_on_this_cp_rank({"tokens": ids, "labels": labels,
+                                       "position_ids": torch.arange(seq).expand(batch_size, seq).contiguous()})
+    here = zigzag(cp, parallel_state.get_context_parallel_rank())
+    logits = model(batch["tokens"], batch["position_ids"], None).detach()
+    torch.testing.assert_close(torch.cat(_gather_tp(logits, tp), dim=-1), ref_logits[:, here], **TOL)
+    loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    torch.testing.assert_close(loss, ref_loss[:, here], **TOL)
+    loss.sum().backward()
+    grads = _full_grads(model, tp)
+    if set(grads) != set(ref_grads):
+        raise AssertionError(f"parameter names differ: {sorted(set(grads) ^ set(ref_grads))}")
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return model, grads
+
+
 def check_hybrid_parallel(tp: int, cp: int, sp: bool) -> dict:
     """TP x CP (x SP) hybrid model == the single-process one: logits, per-token loss, every gradient."""
-    state, ref_logits, ref_loss, ref_grads = _reference()
+    reference = _reference()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     try:
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        model = build(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(shard(param, state[name], tp, tp_rank))
-        ids, labels = _data()
-        batch = get_batch_on_this_cp_rank({"tokens": ids, "labels": labels,
-                                           "position_ids": torch.arange(S).expand(B, S).contiguous()})
-        here = zigzag(cp, parallel_state.get_context_parallel_rank())
-        logits = model(batch["tokens"], batch["position_ids"], None).detach()
-        torch.testing.assert_close(torch.cat(_gather_tp(logits, tp), dim=-1), ref_logits[:, here], **TOL)
-        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        torch.testing.assert_close(loss, ref_loss[:, here], **TOL)
-        loss.sum().backward()
-        grads = _full_grads(model, tp)
-        if set(grads) != set(ref_grads):
-            raise AssertionError(f"parameter names differ: {sorted(set(grads) ^ set(ref_grads))}")
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        model, grads = compare_with_reference(build, _data(), reference, tp, cp, sp)
         mixers = [layer.mixer for layer in model.decoder.layers if hasattr(layer, "mixer")]
         return {"grads": len(grads), "mamba_layers": len(mixers), "heads_here": mixers[0].cp.nheads_local_tpcp,
                 "group_repeat": mixers[0].cp.group_repeat_count}
