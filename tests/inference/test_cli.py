@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_core.inference.cli.generate import build_parser, read_prompts
+from megatron_core.inference.cli.generate import build_parser, check_args, read_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
@@ -119,3 +119,12 @@ def test_hybrid_model_record_round_trip_and_missing_pattern():
     record["model"].pop("hybrid_layer_pattern")
     with pytest.raises(ValueError, match="has no hybrid_layer_pattern"):
         model_from_record(record, "here", 1, 1)
+
+
+def test_num_speculative_tokens_flag():
+    args = build_parser().parse_args(["--load", "x", "--prompt", "1", "--num-speculative-tokens", "2"])
+    assert args.num_speculative_tokens == 2
+    check_args(args)
+    args.num_speculative_tokens = -1
+    with pytest.raises(ValueError, match="--num-speculative-tokens"):
+        check_args(args)

@@ -153,6 +153,9 @@ class InferenceConfig:
     For a hybrid model, ``mamba_inference_state_config`` (:meth:`MambaInferenceStateConfig.from_model`) gives
     the per-request Mamba states; they are taken from ``buffer_size_gb`` first: ``mamba_memory_ratio`` of it
     (which then caps ``max_requests``), or, when that is None, exactly what ``max_requests`` requests need.
+
+    ``num_speculative_tokens > 0`` turns on speculative decoding with the model's MTP layers (docs/inference.md);
+    its rules are checked here (:meth:`_check_speculative`) and the model's in the engine.
     """
 
     block_size_tokens: int = 256
@@ -210,15 +213,15 @@ class InferenceConfig:
         if self.compile_decode_graphs and self.num_cuda_graphs is None:
             raise ValueError("InferenceConfig.compile_decode_graphs=True compiles the forward that decode CUDA graphs "
                              "capture, so it needs num_cuda_graphs (got None)")
-        if self.num_speculative_tokens != 0:
-            raise ValueError(
-                f"InferenceConfig.num_speculative_tokens ({self.num_speculative_tokens}) must be 0: "
-                "speculative decoding is not supported"
-            )
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"InferenceConfig.num_speculative_tokens ({k!r}) must be an int >= 0")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(
                 f"InferenceConfig.logprobs_mode ({self.logprobs_mode!r}) must be 'raw_logprobs' or 'processed_logprobs'"
             )
+        if k > 0:
+            self._check_speculative()
         if self.sampling_backend != "torch":
             raise ValueError(f"InferenceConfig.sampling_backend ({self.sampling_backend!r}) must be 'torch'")
         self.prefix_caching_eviction_policy = _enum_field(
@@ -232,6 +235,22 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.prefix_caching_routing_alpha ({self.prefix_caching_routing_alpha}) "
                              "must be in [0, 1]")
         self.kv_cache_management_mode = KVCacheManagementMode(self.kv_cache_management_mode)
+
+    def _check_speculative(self) -> None:
+        """The rules of speculative decoding with MTP drafts (``num_speculative_tokens > 0``)."""
+        k = self.num_speculative_tokens
+        if k >= self.block_size_tokens:
+            raise ValueError(f"InferenceConfig.num_speculative_tokens ({k}) must be < block_size_tokens "
+                             f"({self.block_size_tokens}): a rewind may cross back at most one block")
+        if self.logprobs_mode == "processed_logprobs":
+            raise ValueError(f"InferenceConfig.logprobs_mode='processed_logprobs' is not supported with speculative "
+                             f"decoding (num_speculative_tokens={k}); use 'raw_logprobs'")
+        if self.mamba_inference_state_config is not None:
+            raise ValueError(f"InferenceConfig.num_speculative_tokens ({k}) needs a GPT model: hybrid models "
+                             "(mamba_inference_state_config set) are not supported with speculative decoding")
+        if self.max_tokens is not None and self.max_tokens < k + 1:
+            raise ValueError(f"InferenceConfig.max_tokens ({self.max_tokens}) must be >= num_speculative_tokens + 1 "
+                             f"({k + 1}): one decode step feeds a request's token and its {k} drafts")
 
 
 def _enum_field(name: str, enum: type[Enum], value: Any) -> Any:

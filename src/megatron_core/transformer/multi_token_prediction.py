@@ -197,6 +197,23 @@ class MultiTokenPredictionLayer(MegatronModule):
             hidden_states = self._project_and_layer(hidden_states, decoder_input, **layer_kwargs)
         return hidden_states, input_ids, position_ids, padding_mask
 
+    def forward_single_position(self, hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
+                                position_ids: torch.Tensor, embedding: Any, attention_mask: torch.Tensor | None = None,
+                                rotary_pos_emb: torch.Tensor | None = None, rotary_pos_cos: Any = None,
+                                rotary_pos_sin: Any = None, packed_seq_params: Any = None,
+                                sequence_len_offset: Any = None) -> torch.Tensor:
+        """This depth's hidden states ``[s, b, h]`` given the tokens that follow ``hidden_states`` (speculative drafting).
+
+        Unlike :meth:`forward` nothing is rolled: ``next_token_ids`` / ``position_ids`` ``[b, s]`` are the tokens
+        whose embeddings pair with ``hidden_states`` ``[s, b, h]`` position for position.
+        """
+        decoder_input = embedding(input_ids=next_token_ids, position_ids=position_ids)
+        layer_kwargs: dict[str, Any] = dict(attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                            packed_seq_params=packed_seq_params)
+        if rotary_pos_cos is not None or rotary_pos_sin is not None:
+            layer_kwargs.update(rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin)
+        return self._project_and_layer(hidden_states, decoder_input, **layer_kwargs)
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """The generic sharded state with the transformer layer saved as ``transformer_layer.`` (Megatron's key)."""
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -161,6 +161,9 @@ def _cached_cos_sin(freqs: torch.Tensor, seq_len: int, mscale: float, dtype: tor
     are computed once. The cache holds a reference to that tensor, so its identity cannot be reused, and
     its version counter, so an in-place change is noticed.
     """
+    if freqs.is_inference():  # made under inference_mode: no version counter to notice a change, so not cached
+        with torch.no_grad():
+            return _scaled_cos_sin(freqs[:seq_len], mscale, dtype)
     key = (seq_len, mscale, dtype, freqs._version)
     entry = _COS_SIN_CACHE[0] if _COS_SIN_CACHE else None  # read once: another thread may replace it
     if entry is not None and entry[0] is freqs and entry[1] == key:

@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share the KV blocks of common prompt prefixes between requests")
     p.add_argument("--prefix-caching-eviction-policy", choices=["ref_zero", "lru"], default="ref_zero",
                    help="ref_zero: free a shared block with its last request; lru: keep it for later requests")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative decoding: tokens the checkpoint's MTP layers draft per request per step, verified "
+                        "in the next forward (needs a model trained with MTP layers; 0 = off)")
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -99,6 +102,7 @@ def build_llm(args: argparse.Namespace, llm_class: Any = None) -> tuple[Any, Any
         num_cuda_graphs=8 if args.cuda_graphs else None, compile_decode_graphs=args.compile_decode,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_eviction_policy=args.prefix_caching_eviction_policy, async_sched_mode=args.async_sched_mode,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     llm_class = llm_class or MegatronLLM
     return llm_class(model=model, tokenizer=tokenizer, inference_config=config, use_coordinator=False), train_args
@@ -113,6 +117,8 @@ def check_args(args: argparse.Namespace) -> None:
                          f"({args.top_p}) in [0, 1]")
     if args.tp < 1 or args.pp < 1:
         raise ValueError(f"--tp ({args.tp}) and --pp ({args.pp}) must be >= 1")
+    if args.num_speculative_tokens < 0:
+        raise ValueError(f"--num-speculative-tokens ({args.num_speculative_tokens}) must be >= 0")
     if args.buffer_size_gb <= 0 or args.block_size_tokens < 1 or args.max_batch < 1:
         raise ValueError(f"--buffer-size-gb ({args.buffer_size_gb}) must be > 0, --block-size-tokens "
                          f"({args.block_size_tokens}) and --max-batch ({args.max_batch}) >= 1")

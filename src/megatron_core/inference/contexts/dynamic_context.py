@@ -33,6 +33,11 @@ name a scratch slot). Only the attention layers get KV buffers.
 With the model's ``moe_enable_routing_replay``, ``moe_routing_metadata`` (:mod:`.routing_metadata`) keeps
 the experts each fed token was routed to, per KV slot.
 
+With ``num_speculative_tokens > 0`` a decoding request's entry also carries its MTP drafts (every fed token gets a
+logits row, ``StepEntry.draft_tokens``), the model leaves the logit rows' hidden states in
+``mtp_decoder_hidden_states`` for drafting, and :meth:`rewind_request` drops rejected drafts from the cache
+(releasing blocks crossed back); such steps never use the decode CUDA-graph layout.
+
 The errors (:mod:`.overflow_errors`) and :class:`StepEntry` (:mod:`.step_entry`) are importable from
 here, Megatron-Core's module for them.
 """
@@ -121,7 +126,9 @@ class DynamicInferenceContext(StepLayout, BaseInferenceContext):
                                                 self.prefix_caching_eviction_policy)
         # One extra block past the allocator's range: padding rows of CUDA-graph decode steps write there.
         self.scratch_block = total_blocks
-        self.use_cuda_graphs = inference_config.num_cuda_graphs is not None
+        # Speculative steps feed several tokens per decoding request: they run eagerly (no decode CUDA graphs).
+        self.use_cuda_graphs = (inference_config.num_cuda_graphs is not None
+                                and inference_config.num_speculative_tokens == 0)
         self.graph_sizes = (graph_batch_sizes(self.max_requests, inference_config.cuda_graph_sizing_distribution.value)
                             if self.use_cuda_graphs else [])
         self.graph_inputs: dict[int, DecodeGraphInputs] = {}
@@ -137,6 +144,10 @@ class DynamicInferenceContext(StepLayout, BaseInferenceContext):
         self._registered_blocks: dict[Any, int] = {}
         self.step_entries: list[StepEntry] = []
         self.step_count = 0
+        # Speculative decoding: drafts per decode step; the model leaves its logit rows' hidden states here.
+        self.num_speculative_tokens = inference_config.num_speculative_tokens
+        self.keep_mtp_hidden_states = self.num_speculative_tokens > 0
+        self.mtp_decoder_hidden_states: torch.Tensor | None = None
         # Rollout routing replay: the routing of every token fed (see .routing_metadata).
         self.moe_enable_routing_replay = bool(getattr(model_config, "moe_enable_routing_replay", False))
         self.moe_routing_metadata: RoutingMetadata | None = None

@@ -122,6 +122,26 @@ class RequestBookkeeping:
         self.block_tables_version += 1
         return True
 
+    def rewind_request(self, request_id: Any, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` cached tokens of ``request_id`` (rejected speculative drafts).
+
+        Blocks that then hold none of its tokens are released; their slots are overwritten when it grows again.
+        """
+        if num_tokens <= 0:
+            return
+        kv = self.request_kv_length[request_id] - num_tokens
+        if kv < 0:
+            raise ValueError(f"rewind_request: request {request_id} holds {kv + num_tokens} tokens, cannot drop "
+                             f"{num_tokens}")
+        self.request_kv_length[request_id] = kv
+        blocks = self.request_blocks[request_id]
+        keep = self.blocks_for_tokens(kv)
+        if len(blocks) > keep:
+            crossed = blocks[keep:]
+            del blocks[keep:]
+            self.block_tables_version += 1
+            self.block_allocator.release_memory_blocks(crossed)
+
     def release_request(self, request_id: Any) -> None:
         """Free the request's blocks and forget it (finished, cancelled or evicted)."""
         blocks = self.request_blocks.pop(request_id, None)

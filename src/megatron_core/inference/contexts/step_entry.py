@@ -22,6 +22,8 @@ class StepEntry:
     cache). ``sample``: the chunk reaches the end of the sequence, so a next token is sampled from
     its last logits row. ``all_logits``: materialize logits for every token (prompt log-probs);
     ``next_token`` is then the token after the chunk when the chunk does not end the sequence.
+    ``draft_tokens``: speculative decoding: the last ``draft_tokens`` of ``tokens`` are MTP drafts to
+    verify, so every token gets a logits row.
     The context fills ``logit_rows`` (the rows of this entry in the step's logits).
     """
 
@@ -31,4 +33,5 @@ class StepEntry:
     sample: bool = True
     all_logits: bool = False
     next_token: int | None = None
+    draft_tokens: int = 0
     logit_rows: list[int] = field(default_factory=list)

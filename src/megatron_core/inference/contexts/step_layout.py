@@ -88,7 +88,7 @@ class StepLayout(RequestBookkeeping, MambaStepSlots):
             pos = range(entry.start, end)
             positions.extend(pos)
             slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
-            if entry.all_logits or not self.materialize_only_last_token_logits:
+            if entry.all_logits or entry.draft_tokens or not self.materialize_only_last_token_logits:
                 rows = list(range(offset, offset + n))
             elif entry.sample:
                 rows = [offset + n - 1]

@@ -59,6 +59,7 @@ from megatron_core.inference.inference_request import (
     Status,
 )
 from megatron_core.inference.sampling_params import SamplingParams
+from megatron_core.inference.text_generation_controllers.speculative_step import num_mtp_depths
 from megatron_core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
@@ -102,6 +103,9 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
         controller.inference_wrapped_model.inference_context = context
         controller.inference_wrapped_model.prep_model_for_inference()
         self.overlap_decode_steps = context.inference_config.async_sched_mode == AsyncScheduleMode.ASYNC
+        self.num_speculative_tokens = context.num_speculative_tokens
+        if self.num_speculative_tokens:
+            _check_speculative_model(controller, self.num_speculative_tokens)
         self.request_counter = itertools.count()
         self.state = EngineState.RUNNING
         self._inbox_lock = threading.Lock()
@@ -126,6 +130,10 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
         self.step_count = 0
         self.evicted_request_count = 0
         self.cancelled_request_count = 0
+        # Speculative decoding: each decoding request's MTP drafts for its next step, drafts verified / accepted.
+        self.speculative_drafts: dict[Any, list[int]] = {}
+        self.speculative_drafted_count = 0
+        self.speculative_accepted_count = 0
         self._suspects.clear()
         self.context.reset()
 
@@ -327,6 +335,7 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
 
     def _finish(self, request: DynamicInferenceRequest, status: Status, error: str | None = None) -> None:
         params = request.sampling_params
+        self.speculative_drafts.pop(request.request_id, None)
         request.status = status
         request.error = error
         request.latency = time.monotonic() - request.arrival_time
@@ -432,3 +441,16 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
         """Resume stepping."""
         self.state = EngineState.RUNNING
         self._notify()
+
+
+def _check_speculative_model(controller: TextGenerationController, num_speculative_tokens: int) -> None:
+    """Refuse speculative decoding for a model that cannot draft (no MTP layers here, pipeline stages)."""
+    wrapper = controller.inference_wrapped_model
+    num_mtp_depths(wrapper.config, num_speculative_tokens)
+    if wrapper.pp_group is not None:
+        raise ValueError(f"InferenceConfig.num_speculative_tokens ({num_speculative_tokens}) is not supported with "
+                         "pipeline parallelism (pipeline_model_parallel_size > 1)")
+    if getattr(wrapper.inner_model, "mtp", None) is None or not hasattr(wrapper.inner_model, "compute_mtp_single_step"):
+        raise ValueError(f"InferenceConfig.num_speculative_tokens ({num_speculative_tokens}) drafts with the model's "
+                         f"MTP layers, but {type(wrapper.inner_model).__name__} has none (build it with "
+                         "mtp_block_spec and mtp_num_layers >= 1)")

@@ -4,6 +4,9 @@ Order of a step: decoding requests (oldest first; one that needs a KV block when
 paused), then requests in the middle of their prefill (next chunk), then waiting requests (FIFO,
 only while nobody is paused). When nothing at all can run, the youngest running request is
 evicted (blocks freed, re-queued at the front with its prompt plus generated tokens).
+
+With speculative decoding a decoding request also feeds the MTP drafts of its previous step, as many as fit in
+the step budget, its length limits and the KV blocks (none, and just its token, when they do not fit).
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from megatron_core.inference.inference_request import DynamicInferenceRequest, S
 
 
 class StepScheduler:
-    """Mixin over the engine's ``context``, ``requests``, ``waiting``, ``running``, ``paused_request_ids`` and
-    ``_suspects``."""
+    """Mixin over the engine's ``context``, ``requests``, ``waiting``, ``running``, ``paused_request_ids``,
+    ``speculative_drafts`` and ``_suspects``."""
 
     def _sequence_length(self, request: DynamicInferenceRequest) -> int:
         """Tokens of the request so far: prompt plus generated (no list is built: this runs per request per step)."""
@@ -59,11 +62,25 @@ class StepScheduler:
         owned = len(ctx.request_blocks[request_id]) * ctx.block_size_tokens - ctx.kv_length(request_id)
         return owned + ctx.block_allocator.get_active_avail() * ctx.block_size_tokens
 
-    def _decode_entry(self, request: DynamicInferenceRequest, kv: int) -> StepEntry:
-        """The entry of a decoding request: its last token, at position ``kv``, sampled."""
+    def _decode_entry(self, request: DynamicInferenceRequest, kv: int, drafts: list[int] | None = None) -> StepEntry:
+        """The entry of a decoding request: its last token, at position ``kv``, sampled (then ``drafts`` to verify)."""
         generated = request.generated_tokens
         token = generated[-1] if generated else request.prompt_tokens[-1]
+        if drafts:
+            return StepEntry(request.request_id, [token, *drafts], kv, draft_tokens=len(drafts))
         return StepEntry(request.request_id, [token], kv)
+
+    def _draft_room(self, request: DynamicInferenceRequest, kv: int, budget: int) -> int:
+        """Drafts worth feeding after the token at ``kv``: within the step budget, ``max_sequence_length`` and the
+        tokens the request may still generate (a step emits at most one token more than it verifies)."""
+        params = request.sampling_params
+        length = kv + 1
+        room = min(budget - 1, self.context.max_sequence_length - length - 1)
+        if params.num_tokens_to_generate is not None:
+            room = min(room, params.num_tokens_to_generate - len(request.generated_tokens) - 1)
+        if params.num_tokens_total is not None:
+            room = min(room, params.num_tokens_total - length - 1)
+        return max(0, room)
 
     def _schedule(self) -> list[StepEntry]:
         ctx = self.context
@@ -82,6 +99,13 @@ class StepScheduler:
                 continue
             if pending != 1 or budget < 1:
                 continue
+            drafts = self.speculative_drafts.get(request_id) if self.speculative_drafts else None
+            if drafts:  # speculative decoding: the last token and the drafts to verify, when they fit
+                drafts = drafts[: self._draft_room(request, kv, budget)]
+                if drafts and ctx.grow_request(request_id, kv + 1 + len(drafts)):
+                    entries.append(self._decode_entry(request, kv, drafts))
+                    budget -= 1 + len(drafts)
+                    continue
             # Room in the blocks it holds (the usual case) or one more block.
             if (kv < len(blocks_of[request_id]) * block_size and kv < max_length) or ctx.grow_request(request_id, kv + 1):
                 entries.append(self._decode_entry(request, kv))
@@ -142,6 +166,7 @@ class StepScheduler:
         request_id = self.running.pop()
         request = self.requests[request_id]
         self.context.release_request(request_id)
+        self.speculative_drafts.pop(request_id, None)
         request.add_event_evict()
         request.status = Status.WAITING_IN_QUEUE
         self.waiting.appendleft(request_id)

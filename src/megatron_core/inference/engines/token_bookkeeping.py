@@ -5,6 +5,10 @@ log-probs, the request's first-token time, a token event and the token listeners
 rules (termination token, stop word, length limits). A request that stops is released from the KV
 cache, given its ``routing_indices`` under routing replay, and finished as ``COMPLETED``. An error
 while booking one row fails that request alone (:mod:`.fault_isolation`).
+
+With speculative decoding a row first emits its accepted drafts, one by one with the same checks (a stop
+inside the run drops the rest); then the rejected drafts are rewound out of the KV cache and the row's new
+drafts kept for the request's next step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 class TokenBookkeeping:
     """Mixin over the engine's ``controller``, ``context``, ``requests``, ``running``, ``_suspects``,
+    ``speculative_drafts`` and its counts,
     ``_sequence_length``, ``_notify_token``, ``_fail_request`` and ``_finish``."""
 
     def _bookkeep(self, entries: list[StepEntry], output: Any) -> None:
@@ -63,23 +68,45 @@ class TokenBookkeeping:
             return
         self._suspects.discard(request.request_id)  # it sampled: it did not cause the failure it is isolated for
         request.status = Status.ACTIVE_AND_GENERATING_TOKENS
-        request.generated_tokens.append(token)
         if request.ttft is None:
             request.ttft = now - request.arrival_time
+        accepted = output.accepted_tokens[i] if output.accepted_tokens else None
+        if accepted is not None:  # speculative decoding: the accepted drafts come first
+            self.speculative_drafted_count += entry.draft_tokens
+            self.speculative_accepted_count += len(accepted)
+            lps, tops = output.accepted_log_probs[i], output.accepted_top_n[i]
+            for j, draft in enumerate(accepted):
+                if self._book_token(request, draft, None if lps is None else lps[j],
+                                    None if tops is None else tops[j], tokenizer_top, track_tokens):
+                    return
+        if self._book_token(request, token, output.sampled_log_probs[i], output.sampled_top_n[i], tokenizer_top,
+                            track_tokens):
+            return
+        if accepted is not None:  # take the rejected drafts back out of the cache; keep the next drafts
+            self.context.rewind_request(request.request_id, entry.draft_tokens - len(accepted))
+            self.speculative_drafts[request.request_id] = output.draft_tokens[i]
+
+    def _book_token(self, request: DynamicInferenceRequest, token: int, log_prob: float | None,
+                    top_n: list[tuple[int, float]] | None, tokenizer_top: Callable, track_tokens: bool) -> bool:
+        """Append one generated ``token`` (log-probs, event, listeners); finish the request and return True if it stops."""
+        params = request.sampling_params
+        request.generated_tokens.append(token)
         if params.return_log_probs:
-            request.generated_log_probs = (request.generated_log_probs or []) + [output.sampled_log_probs[i]]
-        if params.top_n_logprobs and output.sampled_top_n[i] is not None:
+            request.generated_log_probs = (request.generated_log_probs or []) + [log_prob]
+        if params.top_n_logprobs and top_n is not None:
             request.generated_top_n_logprobs = (request.generated_top_n_logprobs or []) + [
-                {tokenizer_top([tok]): lp for tok, lp in output.sampled_top_n[i]}
+                {tokenizer_top([tok]): lp for tok, lp in top_n}
             ]
         if track_tokens:
             request.add_event(DynamicInferenceEventType.GENERATED_TOKEN, payload=token)
         self._notify_token(request, token)
-        if self._should_stop(request, token):
-            self.running.remove(request.request_id)
-            self._attach_routing(request)
-            self.context.release_request(request.request_id)
-            self._finish(request, Status.COMPLETED)
+        if not self._should_stop(request, token):
+            return False
+        self.running.remove(request.request_id)
+        self._attach_routing(request)
+        self.context.release_request(request.request_id)
+        self._finish(request, Status.COMPLETED)
+        return True
 
     def _attach_routing(self, request: DynamicInferenceRequest) -> None:
         """With routing replay, give a finishing request (still holding its blocks) ``routing_indices``: every

@@ -14,7 +14,6 @@ Tokenizers are duck-typed like Megatron's: ``tokenize(text) -> list[int]``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,28 +24,13 @@ from megatron_core.inference.model_inference_wrappers.abstract_model_inference_w
 from megatron_core.inference.sampling.torch_sampling import TorchSampling
 from megatron_core.inference.sampling_params import SamplingParams
 from megatron_core.inference.text_generation_controllers import _static_batch
+from megatron_core.inference.text_generation_controllers.speculative_step import speculative_step
+from megatron_core.inference.text_generation_controllers.step_output import DynamicStepOutput, top_n_log_probs
 from megatron_core.transformer.moe.router_replay import RouterReplay
 
 __all__ = ["TextGenerationController", "DynamicStepOutput"]
 
 DEFAULT_SAMPLING_SEED = 42
-
-
-@dataclass
-class DynamicStepOutput:
-    """What one dynamic step produced, per context step entry (``None`` where nothing was asked)."""
-
-    sampled_tokens: list[int | None] = field(default_factory=list)
-    sampled_log_probs: list[float | None] = field(default_factory=list)
-    sampled_top_n: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    chunk_log_probs: list[list[float] | None] = field(default_factory=list)
-    chunk_top_n: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)
-
-    @classmethod
-    def tokens_only(cls, sampled_tokens: list[int | None]) -> DynamicStepOutput:
-        """The output of a step that asked for tokens and nothing else."""
-        none = [None] * len(sampled_tokens)
-        return cls(list(sampled_tokens), none, list(none), list(none), list(none))
 
 
 class TextGenerationController:
@@ -179,6 +163,8 @@ class TextGenerationController:
     def generate_output_tokens_dynamic_batch(self, params_by_request: dict[Any, SamplingParams]) -> DynamicStepOutput:
         """Run the step laid out in the context; sample and score per entry."""
         logits = self._forward_step()
+        if getattr(self.inference_wrapped_model.inference_context, "num_speculative_tokens", 0):
+            return speculative_step(self, logits, params_by_request)
         entries = self.inference_wrapped_model.inference_context.step_entries
         sampled = self._sample_entries(logits, params_by_request).tolist()
         want_log_probs = any(p.return_log_probs or p.top_n_logprobs for p in params_by_request.values())
@@ -196,21 +182,15 @@ class TextGenerationController:
                 if entry.sample:
                     row = log_probs[entry.logit_rows[-1]]
                     lp = float(row[token])
-                    top = _top_n(row, params.top_n_logprobs)
+                    top = top_n_log_probs(row, params.top_n_logprobs)
                 if entry.all_logits:
                     rows = log_probs[entry.logit_rows]
                     targets = entry.tokens[1:] + ([] if entry.next_token is None else [entry.next_token])
                     chunk_lp = [float(rows[i, t]) for i, t in enumerate(targets)]
-                    chunk_top = [_top_n(rows[i], params.top_n_logprobs) for i in range(len(targets))]
+                    chunk_top = [top_n_log_probs(rows[i], params.top_n_logprobs) for i in range(len(targets))]
             out.sampled_log_probs.append(lp)
             out.sampled_top_n.append(top)
             out.chunk_log_probs.append(chunk_lp)
             out.chunk_top_n.append(chunk_top)
         return out
 
-
-def _top_n(row: torch.Tensor, n: int) -> list[tuple[int, float]] | None:
-    if n <= 0:
-        return None
-    values, ids = torch.topk(row, n)
-    return list(zip(ids.tolist(), values.tolist()))

@@ -243,6 +243,8 @@ class GPTModel(LanguageModule):
                 scale_logits_fn=self._scale_logits if self.config.use_mup else None, input_ids=input_ids)
         if inference_context is not None:  # only the positions whose logits generation needs
             hidden_states = inference_context.select_logit_hidden_states(hidden_states)
+            if getattr(inference_context, "keep_mtp_hidden_states", False):  # speculative decoding drafts from them
+                inference_context.mtp_decoder_hidden_states = hidden_states
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         logits = self._scale_logits(logits)

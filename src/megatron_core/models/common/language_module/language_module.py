@@ -154,6 +154,27 @@ class LanguageModule(MegatronModule):
             return logits * self.config.mup_output_mult
         return logits
 
+    def compute_mtp_single_step(self, hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
+                                position_ids: torch.Tensor, depth: int | None = None, eager: bool = False,
+                                cache_key: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP depth for speculative decoding: ``(hidden [N, 1, h], logits [N, 1, V])``.
+
+        ``hidden_states`` ``[N, 1, h]`` are the states after the last verified token of each of N requests and
+        ``next_token_ids`` / ``position_ids`` ``[1, N]`` the token that follows it. Each request's position attends
+        only to itself (requests run as a batch of one-token sequences; no MTP KV cache). ``depth`` picks the MTP
+        layer (None: the first, for ``mtp_use_repeated_layer``); ``eager`` and ``cache_key`` are accepted for
+        signature compatibility (no CUDA-graph manager here).
+        """
+        del eager, cache_key
+        layer = self.mtp.layers[0 if depth is None else depth]
+        mtp_hidden = layer.forward_single_position(
+            hidden_states=hidden_states.transpose(0, 1), next_token_ids=next_token_ids.transpose(0, 1),
+            position_ids=position_ids.transpose(0, 1), embedding=self.embedding,
+        ).transpose(0, 1)
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(mtp_hidden, weight=weight, runtime_gather_output=True)
+        return mtp_hidden, self._scale_logits(logits)
+
     def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
         """The word-embedding weight on the first stage and on a stage with MTP layers (which holds a copy of the
         embedding), otherwise the output weight on the last stage."""
