@@ -128,3 +128,21 @@ def test_num_speculative_tokens_flag():
     args.num_speculative_tokens = -1
     with pytest.raises(ValueError, match="--num-speculative-tokens"):
         check_args(args)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # four subprocesses (train, two generates, reference)
+def test_speculative_generate_from_mtp_pretrain_checkpoint_matches_naive_decoding(tmp_path: Path):
+    """``pretrain_gpt.py --mtp-num-layers 1`` then ``megatron-generate --num-speculative-tokens 1``: the MTP layers
+    draft, and the tokens equal plain generation and the naive full-forward loop."""
+    ckpt = tmp_path / "ckpt"
+    _run([sys.executable, "examples/pretrain_gpt.py", *TRAIN, "--mtp-num-layers", "1", "--save", str(ckpt)])
+    prompts = ["1 2 3 4", "7 8 9 10 11 12 13"]
+    outputs = []
+    for k in ("0", "1"):
+        out = tmp_path / f"out{k}.jsonl"
+        _run([sys.executable, "-m", "megatron_core.inference.cli.generate", "--load", str(ckpt), "--max-tokens", "6",
+              "--num-speculative-tokens", k, "--output", str(out), *[a for p in prompts for a in ("--prompt", p)]])
+        outputs.append([json.loads(line)["generated_tokens"] for line in out.read_text().splitlines()])
+    naive = json.loads(_run([sys.executable, "-c", NAIVE, str(ckpt), *prompts]).strip().splitlines()[-1])
+    assert outputs[0] == outputs[1] == naive
