@@ -78,19 +78,6 @@ class JSONEncoderWithMcoreTypes(json.JSONEncoder):
         return str(o)  # functions, classes, enums, process groups, anything else
 
 
-def _rank_string() -> str:
-    """This process's ``tp_gtp_dp_cp_pp_ep`` ranks (0 where a group is not set up), joined by ``_``."""
-    ranks = (
-        parallel_state.get_tensor_model_parallel_rank(),
-        0,  # generalized tensor-parallel weight rematerialisation: not implemented here
-        parallel_state.get_data_parallel_rank(),
-        parallel_state.get_context_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_expert_model_parallel_rank(),
-    )
-    return "_".join(str(r or 0) for r in ranks)
-
-
 def log_config_to_disk(config: Any, dict_data: dict, prefix: str = "", rank_str: str = "") -> None:
     """Write ``dict_data`` under ``config.config_logger_dir`` (see the module docstring).
 
@@ -105,7 +92,7 @@ def log_config_to_disk(config: Any, dict_data: dict, prefix: str = "", rank_str:
         if prefix == "":
             prefix = type(dict_data["self"]).__name__
         del dict_data["self"]
-    rank_str = rank_str or _rank_string()
+    rank_str = rank_str or parallel_state.get_all_ranks()
     path = get_path_with_count(os.path.join(directory, f"{prefix}.rank_{rank_str}"))
     if isinstance(dict_data, OrderedDict):
         torch.save(dict_data, f"{path}.pth")

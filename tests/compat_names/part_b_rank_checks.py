@@ -130,3 +130,19 @@ def inference_comm_check() -> dict[str, object]:
     finally:
         parallel_state.destroy_model_parallel()
     return out
+
+
+def all_ranks_check() -> list[str]:
+    """``get_all_ranks()`` on 4 ranks: before set-up, at TP=2 x PP=2, and at DP=2 x EP=2 (MoE groups)."""
+    out = [parallel_state.get_all_ranks()]
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    try:
+        out.append(parallel_state.get_all_ranks())
+    finally:
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    try:
+        out.append(parallel_state.get_all_ranks())
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out

@@ -149,3 +149,13 @@ def test_inference_collectives_on_two_ranks():
         assert (out["first"], out["is_last"]) == (rank == 0, rank == 1)
         assert out["dp_list"].tolist() == [100]  # from the model-parallel source rank (global rank 0)
         assert out["first_none"] is True  # PP = 1 under parallel_state
+
+
+def test_get_all_ranks_is_megatrons_rank_string():
+    """Megatron-Core 0.19's ``tp_gtp_dp_cp_pp_ep`` string (GTP always 0 here), which ``config_logger`` names files by."""
+    results = run_on_ranks(4, checks.all_ranks_check)
+    assert [r[0] for r in results] == ["0_0_0_0_0_0"] * 4  # nothing set up: every rank 0
+    # TP=2 x PP=2: tensor rank varies fastest, then the pipeline stage (Megatron's default order tp-cp-ep-dp-pp)
+    assert [r[1] for r in results] == ["0_0_0_0_0_0", "1_0_0_0_0_0", "0_0_0_0_1_0", "1_0_0_0_1_0"]
+    # DP=4 with EP=2: data-parallel rank = global rank, expert rank alternates
+    assert [r[2] for r in results] == ["0_0_0_0_0_0", "0_0_1_0_0_1", "0_0_2_0_0_0", "0_0_3_0_0_1"]

@@ -197,8 +197,8 @@ from megatron_core.parallel_state.rank_generator import RankGenerator as RankGen
 from megatron_core.parallel_state.rank_generator import (
     generate_masked_orthogonal_rank_groups as generate_masked_orthogonal_rank_groups,
 )
+from megatron_core.parallel_state.rank_summary import get_all_ranks as get_all_ranks
 from megatron_core.parallel_state.registry import get_all_group_ranks as get_all_group_ranks
-from megatron_core.parallel_state.registry import get_all_ranks as get_all_ranks
 from megatron_core.parallel_state.registry import get_global_memory_buffer as get_global_memory_buffer
 from megatron_core.parallel_state.registry import get_group_ranks as get_group_ranks
 from megatron_core.parallel_state.registry import is_initialized as is_initialized

@@ -85,8 +85,3 @@ def get_global_memory_buffer() -> GlobalMemoryBuffer:
             raise RuntimeError("the global memory buffer is not initialized; call initialize_model_parallel() first")
         _MEMORY_BUFFER["buffer"] = GlobalMemoryBuffer()
     return _MEMORY_BUFFER["buffer"]
-
-
-def get_all_ranks() -> list[int]:
-    """Every global rank of this job, in order."""
-    return list(range(dist.get_world_size()))
