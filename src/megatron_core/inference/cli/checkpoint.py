@@ -12,6 +12,7 @@ training tensor-parallel size), so the saved embedding shapes match.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
 import warnings
@@ -27,6 +28,16 @@ __all__ = [
     "init_distributed_for_inference", "load_gpt_from_checkpoint", "load_training_args", "model_from_record",
     "read_checkpoint_common",
 ]
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    from megatron_core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init_distributed_for_inference(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
@@ -45,6 +56,9 @@ def init_distributed_for_inference(tensor_model_parallel_size: int = 1, pipeline
                 os.environ.setdefault(name, value)
         else:
             dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+        # A group this function started is torn down at exit: a gloo group left to interpreter shutdown can abort
+        # the process ("terminate called without an active exception") after all work is done.
+        atexit.register(_destroy_process_group)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
