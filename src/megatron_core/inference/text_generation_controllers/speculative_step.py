@@ -20,7 +20,11 @@ from typing import Any
 import torch
 
 from megatron_core.inference.sampling_params import SamplingParams
-from megatron_core.inference.text_generation_controllers.step_output import DynamicStepOutput, top_n_log_probs
+from megatron_core.inference.text_generation_controllers.step_output import (
+    DynamicStepOutput,
+    chunk_log_probs,
+    top_n_log_probs,
+)
 
 __all__ = ["accepted_prefix_length", "num_mtp_depths", "speculative_step"]
 
@@ -95,10 +99,7 @@ def speculative_step(controller: Any, logits: torch.Tensor,
                 lp = float(log_probs[final_row, token])
                 top = top_n_log_probs(log_probs[final_row], p.top_n_logprobs)
         if log_probs is not None and entry.all_logits and (p.return_log_probs or p.top_n_logprobs):
-            entry_lp = log_probs[entry.logit_rows]
-            targets = entry.tokens[1:] + ([] if entry.next_token is None else [entry.next_token])
-            chunk_lp = [float(entry_lp[i, t]) for i, t in enumerate(targets)]
-            chunk_top = [top_n_log_probs(entry_lp[i], p.top_n_logprobs) for i in range(len(targets))]
+            chunk_lp, chunk_top = chunk_log_probs(log_probs, entry, p.top_n_logprobs)
         out.sampled_tokens.append(token)
         out.sampled_log_probs.append(lp)
         out.sampled_top_n.append(top)

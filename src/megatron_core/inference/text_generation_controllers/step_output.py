@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["DynamicStepOutput", "top_n_log_probs"]
+__all__ = ["DynamicStepOutput", "chunk_log_probs", "top_n_log_probs"]
 
 
 @dataclass
@@ -44,3 +45,13 @@ def top_n_log_probs(row: torch.Tensor, n: int) -> list[tuple[int, float]] | None
         return None
     values, ids = torch.topk(row, n)
     return list(zip(ids.tolist(), values.tolist()))
+
+
+def chunk_log_probs(log_probs: torch.Tensor, entry: Any, top_n: int
+                    ) -> tuple[list[float], list[list[tuple[int, float]] | None]]:
+    """Log-probs (and top-n) of a prefill chunk's own tokens: each logit row of ``entry`` scored at the token that
+    follows it (the chunk's next tokens, then ``entry.next_token`` when the chunk ends inside the prompt)."""
+    rows = log_probs[entry.logit_rows]
+    targets = entry.tokens[1:] + ([] if entry.next_token is None else [entry.next_token])
+    return ([float(rows[i, t]) for i, t in enumerate(targets)],
+            [top_n_log_probs(rows[i], top_n) for i in range(len(targets))])

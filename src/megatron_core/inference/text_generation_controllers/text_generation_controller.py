@@ -25,7 +25,11 @@ from megatron_core.inference.sampling.torch_sampling import TorchSampling
 from megatron_core.inference.sampling_params import SamplingParams
 from megatron_core.inference.text_generation_controllers import _static_batch
 from megatron_core.inference.text_generation_controllers.speculative_step import speculative_step
-from megatron_core.inference.text_generation_controllers.step_output import DynamicStepOutput, top_n_log_probs
+from megatron_core.inference.text_generation_controllers.step_output import (
+    DynamicStepOutput,
+    chunk_log_probs,
+    top_n_log_probs,
+)
 from megatron_core.transformer.moe.router_replay import RouterReplay
 
 __all__ = ["TextGenerationController", "DynamicStepOutput"]
@@ -184,10 +188,7 @@ class TextGenerationController:
                     lp = float(row[token])
                     top = top_n_log_probs(row, params.top_n_logprobs)
                 if entry.all_logits:
-                    rows = log_probs[entry.logit_rows]
-                    targets = entry.tokens[1:] + ([] if entry.next_token is None else [entry.next_token])
-                    chunk_lp = [float(rows[i, t]) for i, t in enumerate(targets)]
-                    chunk_top = [top_n_log_probs(rows[i], params.top_n_logprobs) for i in range(len(targets))]
+                    chunk_lp, chunk_top = chunk_log_probs(log_probs, entry, params.top_n_logprobs)
             out.sampled_log_probs.append(lp)
             out.sampled_top_n.append(top)
             out.chunk_log_probs.append(chunk_lp)
