@@ -109,13 +109,20 @@ def _main_space_value(opt: Any, entry: ParamStateEntry, name: str) -> torch.Tens
     return value
 
 
-def _saved_with(saved_keys: set[str], sh: Any) -> bool:
-    """Whether the model key of ``sh`` (a sharded tensor or ``{slice: sharded tensor}``) is among ``saved_keys``
-    (also as the prefix of a factory's sub-keys)."""
-    for key in {s.key for s in (sh.values() if isinstance(sh, dict) else [sh])}:
-        if key in saved_keys or any(k.startswith(key + ".") for k in saved_keys):
-            return True
-    return False
+def _keys_and_dotted_prefixes(keys: set[str]) -> set[str]:
+    """``keys`` and every dotted prefix of each (``a.b.c`` gives ``a``, ``a.b``, ``a.b.c``): a factory's model key
+    is the prefix of the sub-keys it saved under."""
+    out: set[str] = set()
+    for key in keys:
+        parts = key.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return out
+
+
+def _saved_with(saved_keys_and_prefixes: set[str], sh: Any) -> bool:
+    """Whether the model key of ``sh`` (a sharded tensor or ``{slice: sharded tensor}``) is among the saved keys
+    or a dotted prefix of one (``saved_keys_and_prefixes`` from :func:`_keys_and_dotted_prefixes`)."""
+    return any(s.key in saved_keys_and_prefixes for s in (sh.values() if isinstance(sh, dict) else [sh]))
 
 
 def build_sharded_state(opt: Any, model_sharded_state_dict: dict, is_loading: bool,
@@ -132,12 +139,14 @@ def build_sharded_state(opt: Any, model_sharded_state_dict: dict, is_loading: bo
     entries = opt._checkpoint_entries(params)
     if not is_loading and any(e.model_param.dtype != torch.float32 for e in entries):
         names = sorted(set(names) | {MAIN_PARAM})
+    saved_by_name = ({name: _keys_and_dotted_prefixes(keys) for name, keys in state_names.items()}
+                     if is_loading and isinstance(state_names, dict) else None)
     states: dict[str, Any] = {}
     for e in entries:
         values = {}
         sh, path = sharded[id(e.model_param)], paths[id(e.model_param)]
         for name in names:
-            if is_loading and isinstance(state_names, dict) and not _saved_with(state_names[name], sh):
+            if saved_by_name is not None and not _saved_with(saved_by_name[name], sh):
                 continue
             if is_loading:
                 local = local_tensor(e.model_param)
