@@ -42,6 +42,15 @@ def _data_parallel(with_context_parallel: bool) -> Any:
     return parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
 
 
+def _partial_data_parallel(expert: bool) -> Any:
+    """The (expert) data-parallel ranks of this rank's distributed optimizer instance (the whole group with one)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if expert:
+        return parallel_state.get_expert_data_parallel_group(check_initialized=False, partial_expert_data_parallel=True)
+    return parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+
+
 _GROUP_GETTERS = {
     "tp": lambda: parallel_state.get_tensor_model_parallel_group(check_initialized=False),
     "pp": lambda: parallel_state.get_pipeline_model_parallel_group(check_initialized=False),
@@ -63,6 +72,10 @@ _GROUP_GETTERS = {
     "expt_dp": lambda: parallel_state.get_expert_data_parallel_group(check_initialized=False),
     "dp_cp_ag": lambda: None,
     "expt_dp_ag": lambda: None,
+    "intra_dp_cp": lambda: _partial_data_parallel(expert=False),
+    "intra_expt_dp": lambda: _partial_data_parallel(expert=True),
+    "inter_dist_opt": lambda: parallel_state.get_inter_distributed_optimizer_instance_group(check_initialized=False),
+    "intra_dist_opt": lambda: parallel_state.get_intra_distributed_optimizer_instance_group(check_initialized=False),
 }
 
 
@@ -94,6 +107,12 @@ class ProcessGroupCollection:
     # create_all_gather_groups); never filled from parallel_state: callers set them explicitly.
     dp_cp_ag: Any = _group_field()
     expt_dp_ag: Any = _group_field()
+    # The partial distributed optimizer (num_distributed_optimizer_instances): the (expert) DP x CP ranks of one
+    # optimizer instance, the ranks holding the same optimizer shard across instances, and all ranks of one instance.
+    intra_dp_cp: Any = _group_field()
+    intra_expt_dp: Any = _group_field()
+    inter_dist_opt: Any = _group_field()
+    intra_dist_opt: Any = _group_field()
 
     def __init__(self, **groups: Any) -> None:
         """Set the roles given by keyword (``ProcessGroupCollection(tp=..., pp=...)``, as in Megatron-Core); the

@@ -18,15 +18,6 @@ def test_initialize_refuses_unsupported_options(kwargs, match):
     assert not parallel_state.model_parallel_is_initialized()
 
 
-@pytest.mark.parametrize("getter", [
-    parallel_state.get_expert_data_parallel_group, parallel_state.get_expert_data_parallel_group_gloo,
-    parallel_state.get_expert_data_parallel_world_size, parallel_state.get_expert_data_parallel_rank,
-])
-def test_partial_expert_data_parallel_raises(getter):
-    with pytest.raises(NotImplementedError, match="partial_expert_data_parallel"):
-        getter(partial_expert_data_parallel=True)
-
-
 def test_global_memory_buffer_needs_initialisation():
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
         parallel_state.get_global_memory_buffer()

@@ -51,6 +51,33 @@ def _ddp_groups(pg_collection: Any) -> tuple[Any, Any]:
             collectives.local_if_none(resolve_process_group("expt_dp", pg_collection)))
 
 
+def _optimizer_instance_groups(pg_collection: Any, instances: int, dp_cp_group: Any,
+                               expt_dp_group: Any) -> tuple[Any, Any, Any]:
+    """``(intra DP x CP, intra expert DP, inter-instance)`` groups of the partial distributed optimizer.
+
+    With one instance the intra groups are the full ones and there is no inter group. With more, each must be
+    set up (``initialize_model_parallel(num_distributed_optimizer_instances=...)`` or the collection's
+    ``intra_dp_cp`` / ``intra_expt_dp`` / ``inter_dist_opt``) and split the full group ``instances`` ways.
+    """
+    if instances == 1:
+        return dp_cp_group, expt_dp_group, None
+    groups = {role: resolve_process_group(role, pg_collection) for role in ("intra_dp_cp", "intra_expt_dp",
+                                                                            "inter_dist_opt")}
+    missing = sorted(role for role, group in groups.items() if group is None)
+    if missing:
+        raise ValueError(f"num_distributed_optimizer_instances ({instances}) > 1 needs the process groups {missing} "
+                         "(initialize_model_parallel(num_distributed_optimizer_instances=...) or pg_collection)")
+    for role, full in (("intra_dp_cp", dp_cp_group), ("intra_expt_dp", expt_dp_group)):
+        if get_pg_size(groups[role]) * instances != get_pg_size(full):
+            raise ValueError(f"num_distributed_optimizer_instances ({instances}): the {role} group has "
+                             f"{get_pg_size(groups[role])} ranks, but the full group has {get_pg_size(full)} "
+                             f"(expected {get_pg_size(full) // instances})")
+    if get_pg_size(groups["inter_dist_opt"]) != instances:
+        raise ValueError(f"num_distributed_optimizer_instances ({instances}): the inter_dist_opt group has "
+                         f"{get_pg_size(groups['inter_dist_opt'])} ranks (expected one per instance)")
+    return groups["intra_dp_cp"], groups["intra_expt_dp"], groups["inter_dist_opt"]
+
+
 def _check_layout_matches(buffer_groups: dict, full_param_layout: FullParamLayout) -> None:
     """A precomputed layout must place exactly the parameters DDP groups into each buffer."""
     if set(buffer_groups) != set(full_param_layout.layouts):
@@ -75,16 +102,14 @@ class DistributedDataParallel(torch.nn.Module):
                  disable_bucketing: bool = False, pg_collection: Any = None,
                  full_param_layout: FullParamLayout | None = None) -> None:
         super().__init__()
-        if ddp_config.num_distributed_optimizer_instances > 1:
-            raise ValueError(
-                f"num_distributed_optimizer_instances ({ddp_config.num_distributed_optimizer_instances}) > 1 "
-                "is not supported by megatron_core"
-            )
         check_ddp_config_for_cuda_graphs(config, ddp_config)
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
         self.dp_cp_group, self.expt_dp_group = _ddp_groups(pg_collection)
+        # Gradients are reduce-scattered over the intra groups, then each shard all-reduced across instances.
+        self.intra_dp_cp_group, self.intra_expt_dp_group, self.inter_dist_opt_group = _optimizer_instance_groups(
+            pg_collection, ddp_config.num_distributed_optimizer_instances, self.dp_cp_group, self.expt_dp_group)
         dp_cp_size = get_pg_size(self.dp_cp_group)
         expt_dp_size = get_pg_size(self.expt_dp_group)
 
@@ -117,7 +142,8 @@ class DistributedDataParallel(torch.nn.Module):
         buffer_groups = group_params_for_buffers(all_params, ddp_config.grad_reduce_in_fp32)
         if full_param_layout is None and ddp_config.use_distributed_optimizer:
             full_param_layout = compute_full_param_layout(
-                all_params, self.bucket_size, dp_cp_size, ddp_config, expert_data_parallel_world_size=expt_dp_size)
+                all_params, self.bucket_size, get_pg_size(self.intra_dp_cp_group), ddp_config,
+                expert_data_parallel_world_size=get_pg_size(self.intra_expt_dp_group))
         if full_param_layout is not None:
             _check_layout_matches(buffer_groups, full_param_layout)
         self.full_param_layout = full_param_layout
@@ -125,8 +151,8 @@ class DistributedDataParallel(torch.nn.Module):
         device = get_current_device()
         self.buffers, self.expert_parallel_buffers = [], []
         for key, (params, param_indices) in buffer_groups.items():
-            group, factor = (self.expt_dp_group, expert_scaling) if key.is_expert_parallel \
-                else (self.dp_cp_group, scaling)
+            group, factor = (self.intra_expt_dp_group, expert_scaling) if key.is_expert_parallel \
+                else (self.intra_dp_cp_group, scaling)
             buffer = _ParamAndGradBuffer(
                 ddp_config, key.param_dtype, key.grad_dtype, [(p, self.param_to_name[p]) for p in params], group,
                 self.bucket_size, self.param_to_name, factor, param_indices,
@@ -137,6 +163,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.expert_parallel_bucket_groups = partition_buckets(
             self.expert_parallel_buffers, force_single_bucket_group=disable_bucketing
         )
+        for group in self.bucket_groups + self.expert_parallel_bucket_groups:
+            group.inter_distributed_optimizer_instance_group = self.inter_dist_opt_group
         # Forward needs the buckets in reverse (creation) order: chain each group to the one before it.
         all_groups = self.bucket_groups + self.expert_parallel_bucket_groups
         for groups in (self.bucket_groups, self.expert_parallel_bucket_groups):

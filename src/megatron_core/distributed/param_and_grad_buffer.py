@@ -103,6 +103,9 @@ class _ParamAndGradBucketGroup:
         self.param_gather_handles: list | None = None
         self.param_gather_dispatched = False
         self.next_param_gather_bucket_group: _ParamAndGradBucketGroup | None = None
+        # num_distributed_optimizer_instances > 1: after the reduction over ``collective_group`` (one instance's
+        # ranks) each rank's shard is all-reduced over this group (the same shard in every instance).
+        self.inter_distributed_optimizer_instance_group: dist.ProcessGroup | None = None
 
     def reset(self) -> None:
         """Forget ready gradients before the next iteration."""
@@ -141,11 +144,19 @@ class _ParamAndGradBucketGroup:
                 bucket.grad_data.mul_(bucket.gradient_scaling_factor)
             if reduce_scatter:
                 local = shard_buffer(bucket.grad_data, self.data_parallel_world_size)[self.data_parallel_rank]
-                handles.append(collectives.reduce_scatter(local, bucket.grad_data, self.data_parallel_group,
-                                                          op=op, async_op=async_op))
+                handle = collectives.reduce_scatter(local, bucket.grad_data, self.data_parallel_group, op=op,
+                                                    async_op=async_op)
             else:
-                handles.append(collectives.all_reduce(bucket.grad_data, self.data_parallel_group, op=op,
-                                                      async_op=async_op))
+                local = bucket.grad_data
+                handle = collectives.all_reduce(local, self.data_parallel_group, op=op, async_op=async_op)
+            if self.inter_distributed_optimizer_instance_group is not None:
+                # The cross-instance all-reduce reads the intra-instance result: wait for it first (on CUDA this
+                # orders the streams; the host returns at once).
+                if handle is not None:
+                    handle.wait()
+                handle = collectives.all_reduce(local, self.inter_distributed_optimizer_instance_group, op=op,
+                                                async_op=async_op)
+            handles.append(handle)
         self.grad_reduce_handles = [h for h in handles if h is not None]
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:

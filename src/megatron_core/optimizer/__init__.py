@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground import get_pg_rank
 from megatron_core.distributed import collectives
 from megatron_core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron_core.optimizer.clip_grads import (
@@ -144,6 +145,19 @@ def _groups(pg_collection: Any, expert: bool) -> dict[str, Any]:
     return {key: collectives.local_if_none(resolve_process_group(role, pg_collection)) for key, role in roles.items()}
 
 
+def _distributed_optimizer_groups(model_chunks: list[torch.nn.Module], per_model_buffers: dict[int, list[Any]],
+                                  default_group: Any) -> tuple[Any, int]:
+    """The group the distributed optimizer shards over (its DDP buffers' group: one optimizer instance's ranks
+    under ``num_distributed_optimizer_instances``) and this rank's instance id (its rank in the inter group)."""
+    groups = {id(b.data_parallel_group): b.data_parallel_group for bs in per_model_buffers.values() for b in bs}
+    if len(groups) > 1:
+        raise ValueError("the model chunks' DDP buffers reduce over different data-parallel groups; the distributed "
+                         "optimizer needs one")
+    inter = [getattr(chunk, "inter_dist_opt_group", None) for chunk in model_chunks]
+    instance_id = get_pg_rank(inter[0]) if inter and inter[0] is not None else 0
+    return (next(iter(groups.values())) if groups else default_group), instance_id
+
+
 def _uses_torch_fsdp(model_chunks: list[torch.nn.Module]) -> bool:
     from megatron_core.distributed.torch_fully_sharded_data_parallel import is_torch_fsdp_module
 
@@ -167,12 +181,14 @@ def _build(config: OptimizerConfig, model_chunks: list[torch.nn.Module], param_g
     if config.use_distributed_optimizer:
         attr = "expert_parallel_buffers" if expert else "buffers"
         per_model_buffers = {i: getattr(chunk, attr) for i, chunk in enumerate(model_chunks)}
+        dp_group, instance_id = _distributed_optimizer_groups(model_chunks, per_model_buffers, groups["dp"])
         wrapped: MegatronOptimizer = DistributedOptimizer(
             optimizer, config, _grad_scaler(config), lambda opt: None, model_chunks, per_model_buffers,
-            groups["dp"],
+            dp_group, distributed_optimizer_instance_id=instance_id,
         )
         wrapped.tp_group = groups["tp"]
-        wrapped.grad_stats_parallel_group = collectives.GroupProduct(groups["dp"], groups["stats"])
+        # With several optimizer instances each holds whole gradients: the statistics of one instance suffice.
+        wrapped.grad_stats_parallel_group = collectives.GroupProduct(dp_group, groups["stats"])
         return wrapped
     if config.fp16 or config.bf16:
         wrapped = Float16OptimizerWithFloat16Params(optimizer, config, _grad_scaler(config))

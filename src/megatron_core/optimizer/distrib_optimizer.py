@@ -126,6 +126,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.model_chunks = model_chunks
         self.per_model_buffers = per_model_buffers
         self.data_parallel_group = data_parallel_group = collectives.local_if_none(data_parallel_group)
+        # Which replica this is under num_distributed_optimizer_instances (each instance holds the whole state).
+        self.data_parallel_group_idx = data_parallel_group_idx
+        self.distributed_optimizer_instance_id = distributed_optimizer_instance_id
         self.data_parallel_group_gloo = data_parallel_group_gloo
         self.data_parallel_rank = get_pg_rank(data_parallel_group)
         self.data_parallel_world_size = get_pg_size(data_parallel_group)

@@ -8,7 +8,8 @@ groups through the getters. Works on gloo (CPU) and NCCL (GPU); code that wants 
 The package is split by purpose; every public name is importable from here:
 :mod:`.initialize` (create / destroy the groups), :mod:`.model_groups` (dense-grid getters),
 :mod:`.expert_groups` (expert-grid getters), :mod:`.registry` (the groups by name),
-:mod:`.rank_generator` (the rank grid), :mod:`.hybrid_cp` (hybrid DP x CP groups), :mod:`.memory_buffer` and :mod:`.extras`.
+:mod:`.rank_generator` (the rank grid), :mod:`.hybrid_cp` (hybrid DP x CP groups), :mod:`.optimizer_instances`
+(the partial distributed optimizer's groups), :mod:`.memory_buffer` and :mod:`.extras`.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ from megatron_core.parallel_state.expert_groups import (
 from megatron_core.parallel_state.extras import create_all_gather_groups as create_all_gather_groups
 from megatron_core.parallel_state.extras import create_group as create_group
 from megatron_core.parallel_state.extras import destroy_global_memory_buffer as destroy_global_memory_buffer
+from megatron_core.parallel_state.extras import get_nccl_options as get_nccl_options
+from megatron_core.parallel_state.extras import overwrite_nccl_comm_cfgs as overwrite_nccl_comm_cfgs
 from megatron_core.parallel_state.extras import update_pg_timeout as update_pg_timeout
 from megatron_core.parallel_state.hybrid_cp import create_hybrid_dp_cp_groups as create_hybrid_dp_cp_groups
 from megatron_core.parallel_state.hybrid_cp import (
@@ -174,6 +177,7 @@ from megatron_core.parallel_state.model_groups import is_rank_in_embedding_group
 from megatron_core.parallel_state.model_groups import (
     is_rank_in_position_embedding_group as is_rank_in_position_embedding_group,
 )
+from megatron_core.parallel_state.model_groups import set_data_parallel_rank as set_data_parallel_rank
 from megatron_core.parallel_state.model_groups import (
     set_pipeline_model_parallel_rank as set_pipeline_model_parallel_rank,
 )
@@ -191,6 +195,15 @@ from megatron_core.parallel_state.model_groups import (
 )
 from megatron_core.parallel_state.model_groups import (
     set_virtual_pipeline_model_parallel_world_size as set_virtual_pipeline_model_parallel_world_size,
+)
+from megatron_core.parallel_state.optimizer_instances import (
+    create_hierarchical_groups as create_hierarchical_groups,
+)
+from megatron_core.parallel_state.optimizer_instances import (
+    get_inter_distributed_optimizer_instance_group as get_inter_distributed_optimizer_instance_group,
+)
+from megatron_core.parallel_state.optimizer_instances import (
+    get_intra_distributed_optimizer_instance_group as get_intra_distributed_optimizer_instance_group,
 )
 from megatron_core.parallel_state.rank_generator import ParallelConfigError as ParallelConfigError
 from megatron_core.parallel_state.rank_generator import RankGenerator as RankGenerator

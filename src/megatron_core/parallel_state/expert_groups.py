@@ -12,10 +12,9 @@ from megatron_core.parallel_state.registry import (
 )
 
 
-def _refuse_partial_expert_dp(partial_expert_data_parallel: bool) -> None:
-    if partial_expert_data_parallel:
-        raise NotImplementedError("partial expert data parallel groups need num_distributed_optimizer_instances > 1, "
-                                  "which is not supported; pass partial_expert_data_parallel=False")
+def _expert_dp_name(partial_expert_data_parallel: bool) -> str:
+    """The expert data-parallel group, or its ranks in this rank's distributed optimizer instance."""
+    return "intra_expt_dp" if partial_expert_data_parallel else "expt_dp"
 
 
 def _set_override(key: str, value: int | None) -> None:
@@ -122,24 +121,24 @@ def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = Tr
 
 
 def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False):
-    """The expert data-parallel group (gradient reduction of expert weights)."""
-    _refuse_partial_expert_dp(partial_expert_data_parallel)
-    return _group("expt_dp", check_initialized)
+    """The expert data-parallel group (gradient reduction of expert weights); with
+    ``partial_expert_data_parallel`` its ranks in this rank's distributed optimizer instance."""
+    return _group(_expert_dp_name(partial_expert_data_parallel), check_initialized)
 
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False):
-    """A gloo twin of the expert data-parallel group."""
-    _refuse_partial_expert_dp(partial_expert_data_parallel)
-    return _GROUPS.get("expt_dp_gloo") or _group("expt_dp")
+    """A gloo twin of the (partial) expert data-parallel group."""
+    name = _expert_dp_name(partial_expert_data_parallel)
+    return _GROUPS.get(name + "_gloo") or _group(name)
 
 
 def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
-    """Size of the expert data-parallel group."""
-    _refuse_partial_expert_dp(partial_expert_data_parallel)
-    return _world_size("expt_dp") if "expt_dp" in _GROUPS else 1
+    """Size of the (partial) expert data-parallel group."""
+    name = _expert_dp_name(partial_expert_data_parallel)
+    return _world_size(name) if name in _GROUPS else 1
 
 
 def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
-    """Rank within the expert data-parallel group."""
-    _refuse_partial_expert_dp(partial_expert_data_parallel)
-    return _rank("expt_dp") if "expt_dp" in _GROUPS else 0
+    """Rank within the (partial) expert data-parallel group."""
+    name = _expert_dp_name(partial_expert_data_parallel)
+    return _rank(name) if name in _GROUPS else 0

@@ -1,5 +1,6 @@
 """Group helpers of Megatron-Core's ``parallel_state`` beyond the standard layout: ``create_group``,
-``update_pg_timeout``, ``create_all_gather_groups`` and ``destroy_global_memory_buffer``."""
+``update_pg_timeout``, ``create_all_gather_groups``, ``destroy_global_memory_buffer`` and the per-group NCCL
+communicator options (``get_nccl_options``, ``overwrite_nccl_comm_cfgs``)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,38 @@ def create_all_gather_groups(for_expert_parallelism: bool = False, timeout: time
 def destroy_global_memory_buffer() -> None:
     """Drop the global memory buffer (``get_global_memory_buffer`` raises until the next initialisation)."""
     _ps._MEMORY_BUFFER.update(buffer=None, destroyed=True)
+
+
+_NCCL_CONFIG_KEYS = ("cga_cluster_size", "max_ctas", "min_ctas", "net_name")
+
+
+def get_nccl_options(pg_name: str, nccl_comm_cfgs: dict) -> Any:
+    """NCCL process-group options for ``pg_name`` from ``nccl_comm_cfgs`` (``{name: {key: value}}``), or None.
+
+    Keys: ``is_high_priority_stream``, ``cga_cluster_size``, ``max_ctas``, ``min_ctas``, ``net_name`` ("IB" or
+    "socket"); a key left out keeps NCCL's default. Unknown keys raise ``ValueError`` naming them.
+    """
+    if pg_name not in nccl_comm_cfgs:
+        return None
+    cfg = nccl_comm_cfgs[pg_name]
+    unknown = sorted(set(cfg) - set(_NCCL_CONFIG_KEYS) - {"is_high_priority_stream"})
+    if unknown:
+        raise ValueError(f"nccl_comm_cfgs[{pg_name!r}] has unknown keys {unknown}; known: "
+                         f"{['is_high_priority_stream', *_NCCL_CONFIG_KEYS]}")
+    if "net_name" in cfg and str(cfg["net_name"]).lower() not in ("ib", "socket"):
+        raise ValueError(f"nccl_comm_cfgs[{pg_name!r}]['net_name'] ({cfg['net_name']!r}) must be 'IB' or 'socket'")
+    options_cls = getattr(dist, "ProcessGroupNCCL", None)
+    if options_cls is None:
+        raise RuntimeError(f"nccl_comm_cfgs[{pg_name!r}]: this torch build has no NCCL (torch.distributed."
+                           "ProcessGroupNCCL), so NCCL communicator options cannot be made")
+    options = options_cls.Options(is_high_priority_stream=bool(cfg.get("is_high_priority_stream", False)))
+    for key in _NCCL_CONFIG_KEYS:
+        if key in cfg:
+            setattr(options.config, key, cfg[key])
+    return options
+
+
+def overwrite_nccl_comm_cfgs(nccl_comm_cfgs: dict, pg_name: str, key_value_pair: tuple[str, Any]) -> None:
+    """Set ``nccl_comm_cfgs[pg_name][key] = value`` for ``key_value_pair = (key, value)`` (in place)."""
+    key, value = key_value_pair
+    nccl_comm_cfgs.setdefault(pg_name, {})[key] = value

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_core.config_rules import check_timeout_minutes as _check_timeout_minutes
 from megatron_core.parallel_state.hybrid_cp import _new_hybrid_dp_cp_groups, hybrid_dp_cp_group_sizes
+from megatron_core.parallel_state.optimizer_instances import new_distributed_optimizer_instance_groups
 from megatron_core.parallel_state.rank_generator import ParallelConfigError, RankGenerator
 from megatron_core.parallel_state.registry import (
     _ALL_GROUP_RANKS,
@@ -163,6 +164,8 @@ def initialize_model_parallel(
     _new_group("expt_dp", expert.get_ranks("dp"), timeout)
     if gloo_needed:
         _new_group("expt_dp_gloo", expert.get_ranks("dp"), timeout, backend="gloo")
+    new_distributed_optimizer_instance_groups(dense, expert, num_distributed_optimizer_instances, timeout,
+                                              gloo_needed, order)
 
     if virtual_pipeline_model_parallel_size is not None:
         _VIRTUAL_PP["rank"] = 0

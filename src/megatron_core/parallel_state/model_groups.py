@@ -199,12 +199,16 @@ def get_model_parallel_src_rank() -> int:
 
 def _dp_name(with_context_parallel: bool, partial_data_parallel: bool = False) -> str:
     if partial_data_parallel:
-        raise NotImplementedError("partial data parallel groups need num_distributed_optimizer_instances > 1")
+        if not with_context_parallel:
+            raise ValueError("partial_data_parallel=True needs with_context_parallel=True: the partial distributed "
+                             "optimizer's groups include the context-parallel ranks")
+        return "intra_dp_cp"
     return "dp_cp" if with_context_parallel else "dp"
 
 
 def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False):
-    """The data-parallel group; with ``with_context_parallel`` the DP x CP group used for gradients."""
+    """The data-parallel group; with ``with_context_parallel`` the DP x CP group used for gradients; with
+    ``partial_data_parallel`` too, the DP x CP ranks of this rank's distributed optimizer instance."""
     return _group(_dp_name(with_context_parallel, partial_data_parallel))
 
 
@@ -220,8 +224,15 @@ def get_data_parallel_world_size(with_context_parallel: bool = False, partial_da
     return _world_size(name) if name in _GROUPS else 1
 
 
+def set_data_parallel_rank(rank: int | None) -> None:
+    """Override the data-parallel rank that :func:`get_data_parallel_rank` returns (None: the group's again)."""
+    _set_override("dp_rank", rank)
+
+
 def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
-    """Rank within the data-parallel group."""
+    """Rank within the data-parallel group (the value of :func:`set_data_parallel_rank` if set)."""
+    if "dp_rank" in _OVERRIDES:
+        return _OVERRIDES["dp_rank"]
     name = _dp_name(with_context_parallel, partial_data_parallel)
     return _rank(name) if name in _GROUPS else 0
 
