@@ -2,6 +2,7 @@
 
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.contexts.dynamic_context import (
+    ActiveRequestCountOverflowError,
     BlockOverflowError,
     ContextOverflowError,
     DynamicInferenceContext,
@@ -12,6 +13,7 @@ from megatron_core.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megatron_core.inference.contexts.static_context import StaticInferenceContext
 
 __all__ = [
+    "ActiveRequestCountOverflowError",
     "BaseInferenceContext",
     "BlockOverflowError",
     "ContextOverflowError",

@@ -58,9 +58,13 @@ from megatron_core.inference.contexts.kv_cache_sizing import DEFAULT_MAX_TOKENS 
 from megatron_core.inference.contexts.kv_cache_sizing import size_kv_cache
 from megatron_core.inference.contexts.mamba_states import MambaStateSlots
 from megatron_core.inference.contexts.overflow_errors import (
+    ActiveRequestCountOverflowError,
     BlockOverflowError,
+    ContextErrorFactory,
     ContextOverflowError,
+    MaxSequenceLengthOverflowError,
     RequestOverflowError,
+    TensorStateDeallocatedError,
     TokenOverflowError,
 )
 from megatron_core.inference.contexts.paged_attention import paged_decode_attention, paged_decode_supported
@@ -71,8 +75,12 @@ from megatron_core.inference.contexts.step_entry import StepEntry
 from megatron_core.inference.contexts.step_layout import StepLayout
 
 __all__ = [
+    "ActiveRequestCountOverflowError",
+    "ContextErrorFactory",
     "ContextOverflowError",
+    "MaxSequenceLengthOverflowError",
     "RequestOverflowError",
+    "TensorStateDeallocatedError",
     "TokenOverflowError",
     "BlockOverflowError",
     "StepEntry",

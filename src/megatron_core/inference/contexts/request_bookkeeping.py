@@ -18,7 +18,10 @@ from typing import Any
 
 from megatron_core.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megatron_core.inference.contexts.mamba_states import MambaStateSlots
-from megatron_core.inference.contexts.overflow_errors import RequestOverflowError, TokenOverflowError
+from megatron_core.inference.contexts.overflow_errors import (
+    MaxSequenceLengthOverflowError,
+    RequestOverflowError,
+)
 from megatron_core.inference.contexts.step_entry import StepEntry
 
 __all__ = ["RequestBookkeeping"]
@@ -109,7 +112,7 @@ class RequestBookkeeping:
     def grow_request(self, request_id: Any, total_tokens: int) -> bool:
         """Give ``request_id`` blocks for ``total_tokens`` tokens; ``False`` (nothing allocated) if too few are free."""
         if total_tokens > self.max_sequence_length:
-            raise TokenOverflowError(
+            raise MaxSequenceLengthOverflowError(
                 request_id, f"{total_tokens} tokens exceed max_sequence_length ({self.max_sequence_length})"
             )
         need = self.blocks_to_grow(request_id, total_tokens)
