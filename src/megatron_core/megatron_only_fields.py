@@ -103,7 +103,6 @@ class MegatronOnlyTransformerFields:
     mtp_hybrid_override_pattern: str | None = _ignored(None, "hybrid (Mamba) multi-token-prediction layers")
 
     # Kernels, fusions and precision
-    disable_bf16_reduced_precision_matmul: bool = _refused(False, "switching off reduced-precision bf16 matmul")
     use_fused_weighted_squared_relu: bool = _refused(False, "the weighted squared-ReLU kernel")
     use_transformer_engine_op_fuser: bool = _refused(False, "Transformer Engine's op fuser")
     use_te_activation_func: bool = _refused(False, "Transformer Engine's activation modules")

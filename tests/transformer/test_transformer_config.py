@@ -33,6 +33,19 @@ def test_derived_defaults():
     assert abs(w.std().item() - 0.02 / math.sqrt(2 * 4)) < 1e-3
 
 
+def test_disable_bf16_reduced_precision_matmul_sets_the_torch_flag():
+    flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    try:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, disable_bf16_reduced_precision_matmul=True)
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction  # only with bf16
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, bf16=True,
+                          disable_bf16_reduced_precision_matmul=True)
+        assert not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
+
+
 def test_query_key_scaling_forces_fp32_softmax():
     cfg = _cfg(apply_query_key_layer_scaling=True, attention_softmax_in_fp32=False)
     assert cfg.attention_softmax_in_fp32

@@ -157,6 +157,9 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     linear_num_key_heads: int | None = 16
     linear_num_value_heads: int | None = 32
 
+    # bf16=True: turn off cuBLAS's reduced-precision reduction in bf16 GEMMs (a process-wide torch setting)
+    disable_bf16_reduced_precision_matmul: bool = False
+
     # Activation recompute
     recompute_granularity: str | None = None
     recompute_method: str | None = None
@@ -260,6 +263,9 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         check_experimental_attention_variant(self)
         check_rope_options(self)
         apply_mup_config(self)
+        if self.bf16 and self.disable_bf16_reduced_precision_matmul:
+            # Process-wide, as in Megatron-Core: cuBLAS bf16 GEMMs then accumulate without reduced-precision steps.
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
         if self.fp32_residual_connection and self.pipeline_model_parallel_size > 1:
