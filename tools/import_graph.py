@@ -46,7 +46,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 # Bottom first: (name, parts, what it holds). A part may import parts of its own layer or a lower one.
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("ground", ("_ground", "device", "enums", "package_info", "typed_torch", "jit", "msc_utils", "_nvtx",
-                "_nvml", "_version_utils", "_slurm_utils", "_wrapped_model", "config", "config_rules", "megatron_only_fields", "command_line"),
+                "_nvml", "_version_utils", "_slurm_utils", "_wrapped_model", "config", "config_rules", "megatron_only_fields", "command_line",
+                "_activation_offload"),
      "primitives that import nothing of ours above them: divide, group size/rank helpers, init methods, "
      "version and logging helpers, device selection, enums"),
     ("process groups", ("parallel_state", "hyper_comm_grid", "process_groups_config", "_rank_utils"),

@@ -83,19 +83,7 @@ class MegatronOnlyTransformerFields:
     # experimental_attention_variant and the linear_* fields are TransformerConfig fields (gated delta net layers).
     experimental_attention_variant_loss_scale_func: Callable | None = _ignored(None, "only used with "
                                                                                      "experimental_attention_variant")
-    dsa_indexer_n_heads: int | None = _ignored(None, "only used with DeepSeek sparse attention")
-    dsa_indexer_head_dim: int | None = _ignored(None, "only used with DeepSeek sparse attention")
-    dsa_indexer_topk: int | None = _ignored(None, "only used with DeepSeek sparse attention")
-    dsa_indexer_topk_freq: int = _ignored(1, "only used with DeepSeek sparse attention")
-    dsa_indexer_skip_topk_offset: int = _ignored(0, "only used with DeepSeek sparse attention")
-    dsa_indexer_loss_coeff: float | None = _ignored(None, "only used with DeepSeek sparse attention")
-    dsa_indexer_use_sparse_loss: bool = _ignored(False, "only used with DeepSeek sparse attention")
-    dsa_kernel_backend: str = _ignored("none", "only used with DeepSeek sparse attention")
-    dsa_indexer_rope_interleaved: bool = _ignored(False, "only used with DeepSeek sparse attention")
-    dsa_indexer_rotate_activation: bool = _ignored(True, "only used with DeepSeek sparse attention")
-    dsa_indexer_scoring_relu: bool = _ignored(True, "only used with DeepSeek sparse attention")
-    dsa_indexer_k_norm_epsilon: float | None = _ignored(None, "only used with DeepSeek sparse attention")
-    dsa_indexer_k_norm_fp32: bool = _ignored(False, "only used with DeepSeek sparse attention")
+    # the dsa_* fields are TransformerConfig fields (DeepSeek sparse attention, transformer.dsa_validation).
     # is_hybrid_model and the Mamba sizes (mamba_state_dim, ...) are TransformerConfig fields: ssm.MambaMixer reads them.
     mamba_training_ssm_states_dtype: Any = _ignored(None, "a kernel choice: the pure-PyTorch SSD scan computes its "
                                                           "inter-chunk states in fp32")
@@ -151,16 +139,6 @@ class MegatronOnlyTransformerFields:
     inference_moe_disable_fused_quant_kernels: bool = _ignored(False, _INFERENCE_KERNELS)
     inference_moe_token_dispatcher_type: str = _ignored("nvls", _INFERENCE_KERNELS)
 
-    # Activation offloading
-    fine_grained_activation_offloading: bool = _refused(False, "fine-grained activation offloading")
-    offload_modules: list[str] | None = field(default_factory=list, metadata={"ignored": "only used with "
-                                                                             "fine_grained_activation_offloading"})
-    min_offloaded_tensor_size: int = _ignored(1024 * 1024, "only used with fine_grained_activation_offloading")
-    delay_offload_until_cuda_graph: bool = _ignored(False, "only used with fine_grained_activation_offloading")
-    delta_offload_bytes_across_pp_ranks: int = _ignored(0, "only used with fine_grained_activation_offloading")
-    activation_offload_fraction: float = _ignored(1.0, "only used with fine_grained_activation_offloading")
-    fine_grained_offloading_max_inflight_offloads: int | None = _ignored(None, "only used with "
-                                                                               "fine_grained_activation_offloading")
     # Mixture of experts
     moe_token_dropping: bool = _refused(False, "moe_token_dropping (unsupported in Megatron-Core too; use "
                                                "moe_expert_capacity_factor)")

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from megatron_core import _straggler, parallel_state, timers, utils
 from megatron_core.dist_checkpointing import load, save
+from megatron_core.dist_checkpointing.exchange_utils import distribute_shards_to_ranks
 from megatron_core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-from megatron_core.dist_checkpointing.strategies.fully_parallel_load import distribute_shards
 from megatron_core.dist_checkpointing.strategies.torch_dist import TorchDistLoadShardedStrategy
 from megatron_core.hyper_comm_grid import HyperCommGrid
 from megatron_core.pipeline_parallel import utils as pp_utils
@@ -282,8 +282,9 @@ def test_fully_parallel_load_reads_each_shard_once_per_group(tmp_path):
 
 
 def test_distribute_shards_balances_bytes():
-    a, b, c = ("a", (0,), (4,)), ("b", (0,), (4,)), ("c", (0,), (2,))
-    assignment = distribute_shards([[(a, 400), (b, 400), (c, 200)], [(a, 400), (b, 400), (c, 200)]])
+    a, b, c = ("a", (0,), None), ("b", (0,), None), ("c", (0,), None)
+    sizes = {a: 400, b: 400, c: 200}
+    assignment = distribute_shards_to_ranks({a: [0, 1], b: [0, 1], c: [0, 1]}, sizes, 2, set())
     assert sorted(assignment.values()) == [0, 0, 1] or sorted(assignment.values()) == [0, 1, 1]
     assert assignment[a] != assignment[b]
-    assert distribute_shards([[(a, 4)], [(b, 4)]]) == {a: 0, b: 1}
+    assert distribute_shards_to_ranks({a: [0], b: [1]}, {a: 4, b: 4}, 2, set()) == {a: 0, b: 1}

@@ -106,8 +106,8 @@ def test_checkpoint_keys_use_fused_norm_names() -> None:
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys
 
 
-def test_dsa_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"experimental_attention_variant \('dsa'\)"):
+def test_dsa_needs_mla_and_indexer_sizes() -> None:
+    with pytest.raises(ValueError, match=r"multi_latent_attention"):
         get_dsa_module_spec_for_backend(megatron_config())
-    with pytest.raises(ValueError, match=r"experimental_attention_variant \('dsa'\)"):
+    with pytest.raises(ValueError, match=r"dsa_indexer_n_heads \(None\) must be a positive integer"):
         megatron_config(experimental_attention_variant="dsa")

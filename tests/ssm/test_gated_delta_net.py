@@ -93,7 +93,7 @@ def test_inference_is_refused() -> None:
     (dict(linear_num_key_heads=3), r"linear_num_value_heads \(4\) must be a multiple of linear_num_key_heads \(3\)"),
     (dict(linear_key_head_dim=0), r"linear_key_head_dim \(0\) must be a positive integer"),
     (dict(experimental_attention_variant="gated_delta_net"), "needs linear_attention_freq"),
-    (dict(experimental_attention_variant="dsa"), r"experimental_attention_variant \('dsa'\).*DeepSeek sparse"),
+    (dict(experimental_attention_variant="dsa"), r"dsa_indexer_n_heads \(None\) must be a positive integer"),
     (dict(experimental_attention_variant="mamba"), r"experimental_attention_variant \('mamba'\) must be"),
     (dict(linear_attention_freq=0), r"linear_attention_freq \(0\) must be positive"),
     (dict(linear_attention_freq=[1, 0, 1]), r"one 0 \(softmax attention\) or 1"),

@@ -23,15 +23,25 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy
+import torch
 
 from megatron_core.datasets import distributed
 from megatron_core.datasets.blended_dataset import BlendedDataset
 from megatron_core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron_core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
-from megatron_core.datasets.megatron_dataset import MegatronDataset
+from megatron_core.datasets.megatron_dataset import LowLevelDataset, MegatronDataset
 from megatron_core.datasets.utils import Split, log_single_rank, normalize
 
 logger = logging.getLogger(__name__)
+
+MidLevelDataset = MegatronDataset
+"""The per-prefix dataset class the builder instantiates (``cls``)."""
+
+TopLevelDataset = BlendedDataset | MidLevelDataset
+"""What ``build()`` returns per split: a blend, or a single prefix's dataset."""
+
+DistributedDataset = TopLevelDataset | MidLevelDataset | LowLevelDataset | torch.utils.data.Dataset
+"""Any dataset the builder may hand to (or build on) a rank."""
 
 
 def _check_prefixes_exist(config: BlendedMegatronDatasetConfig) -> None:
@@ -53,7 +63,7 @@ class BlendedMegatronDatasetBuilder:
 
     def __init__(
         self,
-        cls: type[MegatronDataset],
+        cls: type[MidLevelDataset],
         sizes: list[int | None],
         is_built_on_rank: Callable[[], bool],
         config: BlendedMegatronDatasetConfig,
@@ -81,7 +91,7 @@ class BlendedMegatronDatasetBuilder:
                     "(give a size, or drop the weights to use every sample once)"
                 )
 
-    def build(self) -> list[Any]:
+    def build(self) -> list[TopLevelDataset | None]:
         """Build every split; call on all ranks."""
         datasets = self._build_blended_dataset_splits()
         for dataset in datasets:
@@ -94,7 +104,7 @@ class BlendedMegatronDatasetBuilder:
                     )
         return datasets
 
-    def _build_blended_dataset_splits(self) -> list[Any]:
+    def _build_blended_dataset_splits(self) -> list[TopLevelDataset | None]:
         if self.config.mock:
             return self._build_megatron_dataset_splits(None, self.config.split_matrix, self.sizes)
         if self.config.blend:

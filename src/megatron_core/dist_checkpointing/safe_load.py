@@ -2,7 +2,8 @@
 
 PyTorch DCP stores its ``.metadata`` file with plain ``pickle`` and reads it back with plain
 ``pickle.load``, so a crafted checkpoint could run arbitrary code when loaded. Here it is read
-with :class:`RestrictedUnpickler`, which only resolves DCP's metadata dataclasses, ``torch.Size``,
+with :class:`RestrictedUnpickler`, which only resolves DCP's metadata dataclasses (and the subclasses older
+megatron-core releases pickled, :class:`MCoreMetadata` / :class:`MCoreSavePlan`), ``torch.Size``,
 dtypes, layouts and paths; any other global raises before anything is constructed. Every other
 file goes through ``torch.load(weights_only=True)``. Storage entries must name plain files inside
 the checkpoint directory, and each (file, offset, length) must lie within the file, so a
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron_core.dist_checkpointing.core import CheckpointingException
 
@@ -39,12 +41,34 @@ _ALLOWED_GLOBALS = {
 }
 
 
+class MCoreMetadata(Metadata):
+    """DCP ``Metadata`` as older megatron-core releases pickled it (their own subclass, for optimizer states).
+
+    Megatron-Core keeps the name so such ``.metadata`` files unpickle; :class:`RestrictedUnpickler` maps
+    it here, so they read as ordinary ``Metadata``.
+    """
+
+
+class MCoreSavePlan(SavePlan):
+    """DCP ``SavePlan`` as older megatron-core releases pickled it (in ``Metadata.all_local_plans``).
+
+    Kept, like :class:`MCoreMetadata`, so older ``.metadata`` files unpickle.
+    """
+
+
+_LEGACY_MCORE_CLASSES = {"MCoreMetadata": MCoreMetadata, "MCoreSavePlan": MCoreSavePlan}
+_LEGACY_MCORE_MODULES = ("megatron.core.dist_checkpointing.strategies.torch",
+                         "megatron_core.dist_checkpointing.strategies.torch")
+
+
 class RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that resolves only DCP metadata classes and plain torch value types."""
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED_GLOBALS.get(module, ()):
             return super().find_class(module, name)
+        if module in _LEGACY_MCORE_MODULES and name in _LEGACY_MCORE_CLASSES:
+            return _LEGACY_MCORE_CLASSES[name]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")

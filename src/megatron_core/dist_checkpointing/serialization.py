@@ -49,24 +49,20 @@ from megatron_core.dist_checkpointing.core import (
     save_config,
 )
 from megatron_core.dist_checkpointing.dict_utils import (
-    dict_list_map_inplace,
     extract_matching_values,
     lists_like,
     merge,
     nested_values,
-    without_matching,
 )
 from megatron_core.dist_checkpointing.disk_space import explain_write_failure, explaining_space, state_nbytes
 from megatron_core.dist_checkpointing.manifest import sha256_bytes, verify_checkpoint, write_manifest
 from megatron_core.dist_checkpointing.mapping import (
-    LocalNonpersistentObject,
     ShardedBase,
     ShardedObject,
     ShardedStateDict,
     ShardedTensor,
     ShardedTensorFactory,
     StateDict,
-    apply_factories,
     apply_factory_merges,
 )
 from megatron_core.dist_checkpointing.safe_load import DCP_METADATA_FNAME
@@ -76,6 +72,7 @@ from megatron_core.dist_checkpointing.save_target import (
     remove_stale_tmp_dirs,
     replace_target,
 )
+from megatron_core.dist_checkpointing.state_dict_utils import load_preprocess, save_preprocess
 from megatron_core.dist_checkpointing.strategies import (
     AsyncRequest,
     LoadShardedStrategy,
@@ -90,13 +87,10 @@ from megatron_core.dist_checkpointing.strategy_resolution import (
     checkpoint_strategy,
     resolve_save_strategy,
 )
-from megatron_core.dist_checkpointing.utils import extract_sharded_base
 from megatron_core.dist_checkpointing.validation import (
     StrictHandling,
     check_load_requests,
     parse_strict_flag,
-    validate_common_state_consistency,
-    validate_sharding_integrity,
     verify_integrity_manifest,
     write_integrity_manifest,
 )
@@ -166,25 +160,16 @@ def save(
         raise CheckpointingException(refusal)
 
     legacy_common = common_strategy is not None
-    apply_factories(sharded_state_dict)
-    leaves = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedBase)]
-    reserved = [sh.key for sh in leaves if sh.key == COMMON_STATE_KEY]
+    if content_metadata is not None:
+        sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
+    reserved = [sh.key for sh in nested_values(sharded_state_dict)
+                if isinstance(sh, (ShardedBase, ShardedTensorFactory)) and sh.key == COMMON_STATE_KEY]
     if reserved:
         raise CheckpointingException(
             f"the key {COMMON_STATE_KEY!r} is reserved for the common state; rename the sharded entry using it"
         )
-    sharded_part, _ = extract_sharded_base(sharded_state_dict)
-    common_state = without_matching(
-        sharded_state_dict, lambda x: isinstance(x, (ShardedBase, LocalNonpersistentObject))
-    )
-    if content_metadata is not None:
-        common_state[CONTENT_METADATA_KEY] = content_metadata
-    if validate_access_integrity:
-        validate_sharding_integrity(leaves, group)
-        checked = common_state
-        if preprocess_common_before_consistancy_check is not None:
-            checked = preprocess_common_before_consistancy_check(common_state)
-        validate_common_state_consistency(checked, group)
+    sharded_part, common_state = save_preprocess(sharded_state_dict, validate_access_integrity,
+                                                 preprocess_common_before_consistancy_check, process_group=group)
 
     tmp_name = f"{final_dir.name}.tmp-{uuid.uuid4().hex[:12]}" if rank == 0 else None
     tmp_dir = final_dir.with_name(collectives.broadcast_object(tmp_name, 0, group))
@@ -316,15 +301,9 @@ def load(
         strategy = checkpoint_strategy(checkpoint_dir, sharded_strategy)
         common_state = (copy.deepcopy(common_state_dict) if common_state_dict is not None
                         else load_common_state_dict(checkpoint_dir, sharded_strategy=strategy))
-        factories, _ = extract_matching_values(
-            sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
-        )
-        apply_factories(sharded_state_dict)
-        nonpersistent, _ = extract_matching_values(
-            sharded_state_dict, lambda x: isinstance(x, LocalNonpersistentObject), return_lists_as_dicts=True
-        )
+        preprocessed, nonpersistent, factories = load_preprocess(sharded_state_dict)
         sharded_part, _ = extract_matching_values(
-            sharded_state_dict, lambda x: isinstance(x, ShardedBase), return_lists_as_dicts=True
+            preprocessed, lambda x: isinstance(x, ShardedBase), return_lists_as_dicts=True
         )
         leaves = [v for v in nested_values(sharded_part) if isinstance(v, ShardedBase)]
         requested = {_storage_key(sh) for sh in leaves}
@@ -339,7 +318,6 @@ def load(
                 return_lists_as_dicts=True,
             )
         loaded = lists_like(strategy.load(sharded_part, checkpoint_dir), sharded_state_dict)
-        dict_list_map_inplace(lambda x: x.unwrap() if isinstance(x, LocalNonpersistentObject) else x, nonpersistent)
         nonpersistent = lists_like(nonpersistent, sharded_state_dict)
         result = merge(merge(common_state, loaded), nonpersistent)
         if factories:

@@ -4,8 +4,8 @@
 checkpoint manager of nvidia-resiliency-ext) saves: the common state plus the sharded entries,
 whose tensor data can be popped out (leaving a *hollow*, cheaply picklable skeleton), inserted
 back, re-allocated, or copied to CPU and restored. With ``algo="fully_parallel"`` each replicated
-tensor shard is kept by one rank of the parallelization group only and broadcast back by
-:meth:`~MCoreTensorAwareStateDict.to_state_dict`.
+tensor shard is kept by one rank of the parallelization group only and sent back by
+:meth:`~MCoreTensorAwareStateDict.to_state_dict` (with its ``exchange_algo``, see :mod:`.exchange_utils`).
 
 The base class is nvidia-resiliency-ext's ``TensorAwareStateDict`` when that package is installed
 (:data:`HAVE_NVRX`); otherwise a local abstract class with the same methods stands in, and
@@ -23,13 +23,6 @@ from typing import Any
 import torch
 
 from megatron_core.dist_checkpointing import collectives
-from megatron_core.dist_checkpointing._replica_exchange import (
-    ShardDistribution,
-    determine_distribution,
-    exchange_by_broadcast,
-    object_shard_id,
-    tensor_shard_id,
-)
 from megatron_core.dist_checkpointing.core import CheckpointingException
 from megatron_core.dist_checkpointing.dict_utils import (
     dict_list_map_inplace,
@@ -39,6 +32,12 @@ from megatron_core.dist_checkpointing.dict_utils import (
     merge,
     nested_values,
     without_matching,
+)
+from megatron_core.dist_checkpointing.exchange_utils import (
+    EXCHANGE_ALGOS,
+    ShardDistribution,
+    determine_main_replica_uniform_distribution,
+    exchange_by_distribution,
 )
 from megatron_core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
@@ -51,6 +50,7 @@ from megatron_core.dist_checkpointing.mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from megatron_core.dist_checkpointing.utils import _sharded_object_id, _sharded_tensor_shard_id
 from megatron_core.dist_checkpointing.validation import (
     StrictHandling,
     parse_strict_flag,
@@ -62,7 +62,6 @@ __all__ = ["HAVE_NVRX", "MCoreTensorAwareStateDict", "ShardDistribution", "Tenso
 
 logger = logging.getLogger(__name__)
 _ALGOS = ("atomic", "fully_parallel")
-_EXCHANGE_ALGOS = ("broadcast", "gather_object", "gather_rounds")
 _ORIG_DEVICE = "orig_device"  # attribute marking a popped (or CPU-copied) tensor's original device type
 
 
@@ -154,11 +153,12 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             validate_common_state_consistency(common)
         distribution = None
         if algo == "fully_parallel":
-            distribution = cached_metadata or determine_distribution(sharded_part, parallelization_group)
+            distribution = cached_metadata or determine_main_replica_uniform_distribution(
+                sharded_part, parallelization_group, True)
         if distribution is not None:
             me = collectives.get_rank(parallelization_group)
             for sh in nested_values(sharded_part):
-                if isinstance(sh, ShardedTensor) and distribution.main_rank_for_shard.get(tensor_shard_id(sh)) != me:
+                if isinstance(sh, ShardedTensor) and distribution.main_rank_for_shard.get(_sharded_tensor_shard_id(sh)) != me:
                     sh.data = None
         return cls(common=common, sharded_state_dict=sharded_part), distribution
 
@@ -247,26 +247,26 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 sh.data = sh.data.to(getattr(sh, _ORIG_DEVICE), non_blocking=non_blocking)
                 delattr(sh, _ORIG_DEVICE)
 
-    def _fill(self, sharded_part: ShardedStateDict, fully_parallel: bool, group: Any) -> None:
+    def _fill(self, sharded_part: ShardedStateDict, fully_parallel: bool, group: Any, exchange_algo: str) -> None:
         """Replace the requested entries of ``sharded_part`` by the stored data (in place)."""
-        tensors = {tensor_shard_id(sh): sh.data for sh in self._sharded_tensors}
+        tensors = {_sharded_tensor_shard_id(sh): sh.data for sh in self._sharded_tensors}
         if fully_parallel:
-            distribution = determine_distribution(sharded_part, group)
+            distribution = determine_main_replica_uniform_distribution(sharded_part, group, True)
             if distribution is not None:
-                needed = {tensor_shard_id(sh): sh for sh in nested_values(sharded_part)
-                          if isinstance(sh, ShardedTensor) and tensor_shard_id(sh) not in tensors}
-                tensors = exchange_by_broadcast(tensors, needed, distribution, group)
-        objects = {object_shard_id(sh): sh.data for sh in nested_values(self.sharded_state_dict)
+                needed = {_sharded_tensor_shard_id(sh): sh for sh in nested_values(sharded_part)
+                          if isinstance(sh, ShardedTensor) and _sharded_tensor_shard_id(sh) not in tensors}
+                tensors = exchange_by_distribution(tensors, needed, distribution, group, exchange_algo)
+        objects = {_sharded_object_id(sh): sh.data for sh in nested_values(self.sharded_state_dict)
                    if isinstance(sh, ShardedObject)}
 
         def fill(x: Any) -> Any:
             if isinstance(x, ShardedTensor):
-                sid = tensor_shard_id(x)
+                sid = _sharded_tensor_shard_id(x)
                 if sid not in tensors:
                     raise CheckpointingException(f"no stored data for tensor {x.key!r} at offset {x.global_offset}")
                 return tensors[sid]
             if isinstance(x, ShardedObject):
-                sid = object_shard_id(x)
+                sid = _sharded_object_id(x)
                 if sid not in objects:
                     raise CheckpointingException(f"no stored object {x.unique_key!r}")
                 return objects[sid]
@@ -282,14 +282,14 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         """The state dict ``sharded_state_dict`` asks for, filled from this object (``load``'s result shape).
 
         ``sharded_state_dict`` is not modified. ``algo`` must match the one used to build this
-        object (``fully_parallel`` is collective and receives deduplicated shards by broadcast, for
-        every ``exchange_algo``). ``strict`` treats keys missing here / never requested as ``load``
+        object (``fully_parallel`` is collective and receives deduplicated shards with ``exchange_algo``,
+        see :func:`.exchange_utils.exchange_by_distribution`). ``strict`` treats keys missing here / never requested as ``load``
         does; ``return_mismatch_keys`` also returns ``(missing_keys, unexpected_keys)``.
         """
         self._require(False, "rebuild the state dict")
         _check_algo(algo)
-        if exchange_algo not in _EXCHANGE_ALGOS:
-            raise ValueError(f"exchange_algo={exchange_algo!r} must be one of {list(_EXCHANGE_ALGOS)}")
+        if exchange_algo not in EXCHANGE_ALGOS:
+            raise ValueError(f"exchange_algo={exchange_algo!r} must be one of {list(EXCHANGE_ALGOS)}")
         strict = parse_strict_flag(strict)
         result = dict_list_map_outplace(lambda x: x, self.common)
         if not sharded_state_dict:
@@ -320,7 +320,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             sharded_part, _ = extract_matching_values(
                 sharded_part, lambda x: isinstance(x, ShardedBase) and x.key not in missing,
                 return_lists_as_dicts=True)
-        self._fill(sharded_part, algo == "fully_parallel", parallelization_group)
+        self._fill(sharded_part, algo == "fully_parallel", parallelization_group, exchange_algo)
         dict_list_map_inplace(lambda x: x.unwrap() if isinstance(x, LocalNonpersistentObject) else x, nonpersistent)
         result = merge(merge(result, lists_like(sharded_part, sharded_state_dict)),
                        lists_like(nonpersistent, sharded_state_dict))

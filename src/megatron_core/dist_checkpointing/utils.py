@@ -1,6 +1,7 @@
 """Filtering sharded state dicts by leaf type and rewriting sharding keys (Megatron-Core ``utils``).
 
-Also re-exported here, at Megatron-Core's path: the scoped debug timing of :mod:`.debug_logging`.
+Also the identity of a shard across ranks (``_sharded_tensor_shard_id``/``_sharded_object_id``, private
+as in Megatron-Core), and re-exported here, at Megatron-Core's path: the scoped debug timing of :mod:`.debug_logging`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,23 @@ __all__ = ["add_prefix_for_sharding", "apply_prefix_mapping", "debug_msg", "debu
            "extract_sharded_base", "extract_sharded_tensors", "extract_sharded_tensors_and_factories",
            "extract_sharded_tensors_or_nonpersistent", "fallback_logger", "force_all_tensors_to_non_fp8",
            "logger_stack", "replace_prefix_for_sharding", "zip_strict"]
+
+
+_ShardId = tuple
+"""A shard's identity, equal on every rank holding a replica of it: a tensor's ``(key, global_offset,
+flattened range as (start, stop) or None)``, an object's ``(key, global_offset, global_shape)``."""
+
+
+def _sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> _ShardId:
+    """Identity of a tensor shard (same on every replica)."""
+    rng = sharded_tensor.flattened_range
+    return (sharded_tensor.key, tuple(sharded_tensor.global_offset),
+            None if rng is None else (rng.start, rng.stop))
+
+
+def _sharded_object_id(sharded_object: ShardedObject) -> _ShardId:
+    """Identity of an object shard (same on every replica)."""
+    return sharded_object.key, tuple(sharded_object.global_offset), tuple(sharded_object.global_shape)
 
 
 def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, Any]:

@@ -20,6 +20,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core.distributed.reduce_scatter_with_fp32_accumulation import (
+    reduce_scatter_with_fp32_accumulation,
+)
 
 # torch >= 2.13 renames the single-tensor collectives and deprecates the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -141,16 +144,19 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum",
 
 
 def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, group: Any,
-                   op: str = "sum", async_op: bool = False) -> dist.Work | None:
+                   op: str = "sum", async_op: bool = False, fp32_accumulation: bool = False) -> dist.Work | None:
     """Reduce ``input_`` (size ``n * group_size``) across ``group`` and keep this rank's ``n`` elements.
 
     ``output`` may be a view of ``input_`` (the distributed optimizer writes into its own shard).
+    ``fp32_accumulation``: add in fp32 (:func:`.reduce_scatter_with_fp32_accumulation`), for low-precision grads.
     """
     if _size(group) == 1:
         if output.data_ptr() != input_.data_ptr():
             output.copy_(input_)
         return None
     reduce_op = dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM
+    if fp32_accumulation:
+        return reduce_scatter_with_fp32_accumulation(output, input_, reduce_op, group, async_op)
     if _is_gloo(group) and _overlaps(output, input_):
         # Gloo may write the output while still reading the input: reduce into scratch, copy on wait.
         scratch = torch.empty_like(output)

@@ -57,7 +57,8 @@ class DistributedDataParallelConfig:
     """Pad each bucket to a multiple of 2**16 elements (and DP size) for better NCCL bus bandwidth."""
 
     reduce_scatter_with_fp32_accumulation: bool = False
-    """Accept for compatibility; gloo and NCCL reduce in the buffer dtype, so set grad_reduce_in_fp32 instead."""
+    """Reduce-scatter gradients (distributed optimizer) by an all-to-all and an fp32 local sum, so low-precision
+    grads are added in fp32; no effect on all-reduce (see ``reduce_scatter_with_fp32_accumulation.py``)."""
 
     param_name_patterns_for_fp32_local_accumulation: tuple[str, ...] = ()
     """Accepted for compatibility; must be empty when ``grad_reduce_in_fp32`` is set."""
@@ -138,6 +139,11 @@ class DistributedDataParallelConfig:
         if self.num_distributed_optimizer_instances < 1:
             raise ValueError(
                 f"num_distributed_optimizer_instances ({self.num_distributed_optimizer_instances}) must be >= 1"
+            )
+        if self.num_distributed_optimizer_instances > 1 and self.reduce_scatter_with_fp32_accumulation:
+            raise ValueError(
+                f"reduce_scatter_with_fp32_accumulation=True is not supported with num_distributed_optimizer_instances "
+                f"({self.num_distributed_optimizer_instances}) > 1"
             )
         if self.num_distributed_optimizer_instances > 1 and not self.use_distributed_optimizer:
             raise ValueError(

@@ -144,8 +144,9 @@ class _ParamAndGradBucketGroup:
                 bucket.grad_data.mul_(bucket.gradient_scaling_factor)
             if reduce_scatter:
                 local = shard_buffer(bucket.grad_data, self.data_parallel_world_size)[self.data_parallel_rank]
-                handle = collectives.reduce_scatter(local, bucket.grad_data, self.data_parallel_group, op=op,
-                                                    async_op=async_op)
+                handle = collectives.reduce_scatter(
+                    local, bucket.grad_data, self.data_parallel_group, op=op, async_op=async_op,
+                    fp32_accumulation=self.ddp_config.reduce_scatter_with_fp32_accumulation)
             else:
                 local = bucket.grad_data
                 handle = collectives.all_reduce(local, self.data_parallel_group, op=op, async_op=async_op)

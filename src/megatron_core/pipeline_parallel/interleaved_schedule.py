@@ -26,6 +26,9 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from megatron_core._activation_offload.interface import (
+    FineGrainedActivationOffloadingInterface as off_interface,
+)
 from megatron_core._wrapped_model import get_model_config
 from megatron_core.pipeline_parallel.microbatch_step import (
     GradSyncSwitch,
@@ -323,6 +326,8 @@ def forward_backward_pipelining_with_interleaving(
         finalize_model_grads_if_set(config, list(model), total_num_tokens, pg_collection, force_all_reduce)
     else:
         sync.enable()
+    if getattr(config, "fine_grained_activation_offloading", False):
+        off_interface.reset()
     if getattr(config, "timers", None) is not None:
         config.timers("forward-backward").stop()
     return forward_data_store

@@ -19,6 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_core import parallel_state
+from megatron_core._activation_offload.interface import (
+    FineGrainedActivationOffloadingInterface as off_interface,
+)
 from megatron_core._ground import get_pg_size
 from megatron_core._wrapped_model import get_attr_wrapped_model, get_model_config
 from megatron_core.pipeline_parallel.interleaved_schedule import (
@@ -161,6 +164,8 @@ def forward_backward_no_pipelining(
 
     if not forward_only:
         finalize_model_grads_if_set(config, [model], total_num_tokens, pg_collection, force_all_reduce)
+    if getattr(config, "fine_grained_activation_offloading", False):
+        off_interface.reset()
     _stop_timer(config)
     return forward_data_store
 
@@ -269,5 +274,7 @@ def forward_backward_pipelining_without_interleaving(
         finalize_model_grads_if_set(config, [model], total_num_tokens, pg_collection, force_all_reduce)
     else:
         sync.enable()
+    if getattr(config, "fine_grained_activation_offloading", False):
+        off_interface.reset()
     _stop_timer(config)
     return forward_data_store

@@ -21,6 +21,9 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
+from megatron_core._activation_offload.interface import (
+    FineGrainedActivationOffloadingInterface as off_interface,
+)
 from megatron_core._ground import divide
 from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
 from megatron_core.transformer.enums import AttnMaskType
@@ -64,6 +67,27 @@ class Attention(MegatronModule):
         self.checkpoint_core_attention = (
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )
+        # Fine-grained activation offloading: the saved activations of these parts move to host memory.
+        offload = set(config.offload_modules or []) if config.fine_grained_activation_offloading else set()
+        self.offload_qkv_linear = "qkv_linear" in offload
+        self.offload_core_attention = "core_attn" in offload
+        self.offload_attn_proj = "attn_proj" in offload
+
+    def _offloaded_core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+        """:meth:`_run_core_attention` in the ``core_attn`` offload group (training without its recompute)."""
+        offload = self.offload_core_attention and self.training and not self.checkpoint_core_attention
+        manager = off_interface(offload, query, "core_attn")
+        with manager as query:
+            context = self._run_core_attention(query, key, value, attention_mask, **kwargs)
+        return manager.group_offload(context, forced_released_tensors=[query, key, value])
+
+    def _offloaded_projection(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``linear_proj(context)`` in the ``attn_proj`` offload group."""
+        manager = off_interface(self.offload_attn_proj, context, "attn_proj")
+        with manager as context:
+            output, bias = self.linear_proj(context)
+        return manager.group_offload(output, forced_released_tensors=[context]), bias
 
     def _run_core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
@@ -186,8 +210,8 @@ class SelfAttention(Attention):
         attn_mask_type: AttnMaskType | None, attention_bias: torch.Tensor | None, packed_seq_params: Any = None,
     ) -> torch.Tensor:
         extra = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
-        return self._run_core_attention(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                        attention_bias=attention_bias, **extra)
+        return self._offloaded_core_attention(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                              attention_bias=attention_bias, **extra)
 
     def forward(
         self,
@@ -210,15 +234,17 @@ class SelfAttention(Attention):
         if rotary_pos_emb is not None and layer_skips_rope(self.config, self.layer_number):
             rotary_pos_emb = None  # a layer without RoPE (no_rope_freq)
         angles = self._fused_rope_angles(rotary_pos_emb, key_value_states, packed_seq_params, inference_context)
-        gate = None
-        if angles is not None:
-            query, key, value = self._split_and_rotate(hidden_states, angles, packed_seq_params)
-        else:
-            if self.config.attention_output_gate:
-                query, key, value, gate = self.get_query_key_value_tensors(hidden_states, key_value_states,
-                                                                           output_gate=True)
+        qkv_manager = off_interface(self.offload_qkv_linear, hidden_states, "qkv_linear")
+        with qkv_manager as hidden_states:
+            if angles is not None:
+                qkv = self._split_and_rotate(hidden_states, angles, packed_seq_params)
+            elif self.config.attention_output_gate:
+                qkv = self.get_query_key_value_tensors(hidden_states, key_value_states, output_gate=True)
             else:
-                query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+                qkv = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        query, key, value, *gate = qkv_manager.group_offload(qkv, forced_released_tensors=[])
+        gate = gate[0] if gate else None
+        if angles is None:
             if inference_context is not None:  # KV cache: the context rotates, caches and attends (inference/contexts)
                 context = inference_context.attention(self, query, key, value, rotary_pos_emb)
                 return self.linear_proj(self._apply_output_gate(context, gate))
@@ -227,7 +253,7 @@ class SelfAttention(Attention):
         context = self._core_attention(
             query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
         )
-        return self.linear_proj(self._apply_output_gate(context, gate))
+        return self._offloaded_projection(self._apply_output_gate(context, gate))
 
     def _rotate(
         self, query: torch.Tensor, key: torch.Tensor, rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor],

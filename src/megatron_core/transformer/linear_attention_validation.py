@@ -3,16 +3,19 @@
 ``experimental_attention_variant="gated_delta_net"`` mixes gated delta net layers
 (:class:`~megatron_core.ssm.gated_delta_net.GatedDeltaNet`) with softmax attention layers in a GPT decoder, as
 ``linear_attention_freq`` lays out; hybrid models place them with the ``G`` pattern symbol instead. DeepSeek sparse
-attention (``"dsa"``) is not provided by this library. Each rule raises a ``ValueError`` naming fields and values.
+attention (``"dsa"``) has its own rules in :mod:`.dsa_validation`. Each rule raises a ``ValueError`` naming fields
+and values.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from megatron_core.transformer.dsa_validation import check_dsa_config
+
 __all__ = ["EXPERIMENTAL_ATTENTION_VARIANTS", "check_experimental_attention_variant", "check_linear_attention_sizes"]
 
-EXPERIMENTAL_ATTENTION_VARIANTS = ("gated_delta_net",)
+EXPERIMENTAL_ATTENTION_VARIANTS = ("gated_delta_net", "dsa")
 _SIZE_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                 "linear_num_value_heads")
 
@@ -49,12 +52,10 @@ def _check_freq(cfg: Any) -> None:
 
 
 def check_experimental_attention_variant(cfg: Any) -> None:
-    """``experimental_attention_variant`` is None or ``"gated_delta_net"`` (which needs ``linear_attention_freq`` and
-    valid ``linear_*`` sizes); ``linear_attention_freq`` is an int > 0 or a 0/1 list of ``num_layers`` entries."""
+    """``experimental_attention_variant`` is None, ``"gated_delta_net"`` (which needs ``linear_attention_freq`` and
+    valid ``linear_*`` sizes) or ``"dsa"`` (:func:`~.dsa_validation.check_dsa_config`); ``linear_attention_freq`` is
+    an int > 0 or a 0/1 list of ``num_layers`` entries."""
     variant = cfg.experimental_attention_variant
-    if variant == "dsa":
-        raise ValueError("experimental_attention_variant ('dsa') is not supported: this library does not provide "
-                         "DeepSeek sparse attention")
     if variant is not None and variant not in EXPERIMENTAL_ATTENTION_VARIANTS:
         raise ValueError(f"experimental_attention_variant ({variant!r}) must be None or one of "
                          f"{list(EXPERIMENTAL_ATTENTION_VARIANTS)}")
@@ -64,3 +65,5 @@ def check_experimental_attention_variant(cfg: Any) -> None:
             raise ValueError("experimental_attention_variant='gated_delta_net' needs linear_attention_freq (an int N: "
                              "every N-th layer is softmax attention; or a 0/1 list per layer), got None")
         check_linear_attention_sizes(cfg, cfg.tensor_model_parallel_size, cfg.context_parallel_size)
+    if variant == "dsa":
+        check_dsa_config(cfg)

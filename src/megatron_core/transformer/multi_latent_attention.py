@@ -18,7 +18,9 @@ every rank's heads, so their gradient is summed over the TP ranks. Every rank ho
 (no grouped-query sharing after the up projection).
 
 Core attention gets query/key of width ``d + r`` and values of ``v_head_dim``; the value (or, if wider, the
-query and key) is zero-padded to a common width for ``DotProductAttention`` and its output trimmed back.
+query and key) is zero-padded to a common width for ``DotProductAttention`` and its output trimmed back. A
+DeepSeek sparse attention core (``requires_dsa_inputs``) gets them unpadded, plus ``x`` (the input) and ``qr``
+(the normed query latent) for its indexer; it has no KV-cache path.
 Context parallelism, packed sequences (``qkv_format='thd'``) and the KV-cache contexts (static and dynamic)
 run through the same core attention / context code as ``SelfAttention``. Selective recompute of
 ``'mla_up_proj'`` recomputes the up projections and RoPE in the backward instead of keeping their outputs.
@@ -33,6 +35,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core._activation_offload.interface import (
+    FineGrainedActivationOffloadingInterface as off_interface,
+)
 from megatron_core._ground import divide, get_pg_size
 from megatron_core._misc_utils import accepts_parameter
 from megatron_core.tensor_parallel.mappings import (
@@ -162,8 +167,11 @@ class MultiLatentAttention(Attention):
 
     def _pad(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Zero-pad value (or query and key) to one head width; the dot products and outputs are unchanged."""
+        """Zero-pad value (or query and key) to one head width; the dot products and outputs are unchanged.
+        DeepSeek sparse attention takes different widths as they are."""
         qk, v = query.shape[-1], value.shape[-1]
+        if getattr(self.core_attention, "requires_dsa_inputs", False):
+            return query, key, value
         if v < qk:
             value = F.pad(value, (0, qk - v))
         elif qk < v:
@@ -197,9 +205,13 @@ class MultiLatentAttention(Attention):
 
     def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None,
-                        packed_seq_params: Any) -> torch.Tensor:
+                        packed_seq_params: Any, **dsa_inputs: torch.Tensor) -> torch.Tensor:
         extra = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
-        return self._run_core_attention(query, key, value, attention_mask, attn_mask_type=attn_mask_type, **extra)
+        if dsa_inputs:  # DeepSeek sparse attention: its indexer also reads x and qr; None means the layer's type
+            extra.update(dsa_inputs)
+            attn_mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        return self._offloaded_core_attention(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                              **extra)
 
     def forward(
         self,
@@ -223,8 +235,12 @@ class MultiLatentAttention(Attention):
         _refuse_inputs(rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias,
                        key_value_states)
         inference_context = inference_context if inference_context is not None else inference_params
-        q_compressed, kv_compressed, k_pos = self.compress(hidden_states)
+        dsa = getattr(self.core_attention, "requires_dsa_inputs", False)
+        if dsa and inference_context is not None:
+            raise NotImplementedError("DeepSeek sparse attention (experimental_attention_variant='dsa') does not "
+                                      "support inference with a KV cache (inference_context)")
         if inference_context is not None:
+            q_compressed, kv_compressed, k_pos = self.compress(hidden_states)
             context = self._attend_with_cache(inference_context, hidden_states, q_compressed, kv_compressed, k_pos)
             return self.linear_proj(self._trim(context))
         angles, mscale = self._angles(hidden_states, packed_seq_params, None)
@@ -234,14 +250,20 @@ class MultiLatentAttention(Attention):
             return self._pad(*self._expand_and_rotate(q_c, kv_c, k_p, angles, mscale, packed_seq_params))
 
         checkpoint = CheckpointWithoutOutput() if self.recompute_up_proj and self.training else None
-        if checkpoint is not None:
-            query, key, value = checkpoint.checkpoint(expand, q_compressed, kv_compressed, k_pos)
-        else:
-            query, key, value = expand(q_compressed, kv_compressed, k_pos)
-        context = self._core_attention(query, key, value, attention_mask, attn_mask_type, packed_seq_params)
+        qkv_manager = off_interface(self.offload_qkv_linear, hidden_states, "qkv_linear")  # down and up projections
+        with qkv_manager as hidden_states:
+            q_compressed, kv_compressed, k_pos = self.compress(hidden_states)
+            if checkpoint is not None:
+                query, key, value = checkpoint.checkpoint(expand, q_compressed, kv_compressed, k_pos)
+            else:
+                query, key, value = expand(q_compressed, kv_compressed, k_pos)
+        query, key, value = qkv_manager.group_offload((query, key, value), forced_released_tensors=[])
+        dsa_inputs = {"x": hidden_states, "qr": q_compressed} if dsa else {}
+        context = self._core_attention(query, key, value, attention_mask, attn_mask_type, packed_seq_params,
+                                       **dsa_inputs)
         if checkpoint is not None:  # the up projections' outputs are rebuilt when the backward reaches them
             checkpoint.discard_output_and_register_recompute(context)
-        return self.linear_proj(self._trim(context))
+        return self._offloaded_projection(self._trim(context))
 
     def _attend_with_cache(self, inference_context: Any, hidden_states: torch.Tensor, q_compressed: torch.Tensor,
                            kv_compressed: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ scaled by ``1 / sqrt(2 * num_layers)``) and validates: each rule is one small fu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from megatron_core.config_rules import apply_rules as _apply_rules
 from megatron_core.megatron_only_fields import MegatronOnlyTransformerFields as _MegatronOnlyTransformerFields
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer import transformer_validation as _checks
+from megatron_core.transformer.activation_offload_validation import check_fine_grained_activation_offloading
 from megatron_core.transformer.enums import AttnBackend
 from megatron_core.transformer.linear_attention_validation import check_experimental_attention_variant
 from megatron_core.transformer.mla_validation import check_mla_config
@@ -148,14 +149,30 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     mamba_num_heads: int | None = None  # None: expand * hidden_size // mamba_head_dim
 
     # Gated delta net (linear attention) layers: ssm.gated_delta_net reads the sizes; checked in
-    # linear_attention_validation. "dsa" (DeepSeek sparse attention) is refused there.
-    experimental_attention_variant: str | None = None  # None or "gated_delta_net"
+    # linear_attention_validation. "dsa" is DeepSeek sparse attention (the dsa_* fields below).
+    experimental_attention_variant: str | None = None  # None, "gated_delta_net" or "dsa"
     linear_attention_freq: int | list[int] | None = None  # N: every N-th layer is softmax attention; or 0/1 per layer
     linear_conv_kernel_dim: int | None = 4
     linear_key_head_dim: int | None = 128
     linear_value_head_dim: int | None = 128
     linear_num_key_heads: int | None = 16
     linear_num_value_heads: int | None = 32
+
+    # DeepSeek sparse attention (experimental_attention_variant="dsa"): read by
+    # transformer.experimental_attention_variant; checked in dsa_validation
+    dsa_indexer_n_heads: int | None = None
+    dsa_indexer_head_dim: int | None = None
+    dsa_indexer_topk: int | None = None  # keys each query attends to
+    dsa_indexer_topk_freq: int = 1  # > 1: only every N-th layer computes top-k, the others reuse it
+    dsa_indexer_skip_topk_offset: int = 0
+    dsa_indexer_loss_coeff: float | None = None  # the indexer's KL loss weight (None or 0: no indexer loss)
+    dsa_indexer_use_sparse_loss: bool = False  # the KL loss over the selected keys only
+    dsa_kernel_backend: str = "none"  # only "none" (PyTorch); "tilelang" / "cudnn" are refused
+    dsa_indexer_rope_interleaved: bool = False
+    dsa_indexer_rotate_activation: bool = True  # Hadamard rotation of indexer q and k
+    dsa_indexer_scoring_relu: bool = True
+    dsa_indexer_k_norm_epsilon: float | None = None  # None: layernorm_epsilon
+    dsa_indexer_k_norm_fp32: bool = False
 
     # bf16=True: turn off cuBLAS's reduced-precision reduction in bf16 GEMMs (a process-wide torch setting)
     disable_bf16_reduced_precision_matmul: bool = False
@@ -166,6 +183,17 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
     recompute_num_layers: int | None = None
     distribute_saved_activations: bool | None = None
     recompute_modules: list[str] | None = None
+
+    # Fine-grained activation offloading (pipeline_parallel.fine_grained_activation_offload): the activations
+    # saved inside each module named in offload_modules move to host memory in the forward and come back before
+    # their backward; checked in activation_offload_validation
+    fine_grained_activation_offloading: bool = False
+    offload_modules: list[str] | None = field(default_factory=list)  # of activation_offload_validation.OFFLOAD_MODULES
+    min_offloaded_tensor_size: int = 1024 * 1024  # in elements: smaller saved tensors stay on the device
+    delay_offload_until_cuda_graph: bool = False  # MoE commits wait for a CUDA-graph replay (none here: no effect)
+    delta_offload_bytes_across_pp_ranks: int = 0  # pipeline rank r keeps r times this many bytes on the device
+    activation_offload_fraction: float = 1.0  # of each chunk's offloadable groups, the first fraction moves
+    fine_grained_offloading_max_inflight_offloads: int | None = None  # per group name; None: no cap
 
     # Mixture of experts (validated in moe_validation.check_moe_config)
     num_moe_experts: int | None = None
@@ -258,6 +286,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         _checks.check_cuda_graphs(self)
         check_moe_config(self)
         check_ep_overlap(self)
+        check_fine_grained_activation_offloading(self)
         _checks.check_pipeline_split(self)
         _checks.check_mtp(self)
         check_experimental_attention_variant(self)

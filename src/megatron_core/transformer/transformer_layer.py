@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from megatron_core._activation_offload.interface import (
+    FineGrainedActivationOffloadingInterface as off_interface,
+)
 from megatron_core._ground import get_pg_rank, get_pg_size, register_fsdp_unit
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer import fused_decode
@@ -99,6 +102,10 @@ class TransformerLayer(MegatronModule):
             self.mlp.set_layer_number(self.layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
         self.has_cross_attention = not isinstance(self.cross_attention, IdentityOp)
+        # Fine-grained activation offloading of the norms' inputs (a fused norm, IdentityOp here, has none).
+        offload = set(config.offload_modules or []) if config.fine_grained_activation_offloading else set()
+        self.offload_attn_norm = "attn_norm" in offload and not isinstance(self.input_layernorm, IdentityOp)
+        self.offload_mlp_norm = "mlp_norm" in offload and not isinstance(self.pre_mlp_layernorm, IdentityOp)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
@@ -156,7 +163,9 @@ class TransformerLayer(MegatronModule):
         """Run the layer on ``hidden_states`` ``[s, b, h]``; returns ``(hidden_states, context)``."""
         if inference_context is not None and fused_decode.fused_decode_applies(self, hidden_states):
             return fused_decode.fused_decode_forward(self, hidden_states, inference_context, rotary_pos_emb), context
-        input_layernorm_output, residual = self._norm_and_residual(self.input_layernorm, hidden_states)
+        attn_norm_manager = off_interface(self.offload_attn_norm, hidden_states, "attn_norm")
+        with attn_norm_manager as hidden_states:
+            input_layernorm_output, residual = self._norm_and_residual(self.input_layernorm, hidden_states)
         attention_output_with_bias = self.self_attention(
             input_layernorm_output,
             attention_mask=attention_mask,
@@ -168,11 +177,13 @@ class TransformerLayer(MegatronModule):
             packed_seq_params=packed_seq_params,
             sequence_len_offset=sequence_len_offset,
         )
+        released = [residual]  # the norm's input: offloaded with attn_norm, no longer needed after the add
         if self.config.apply_residual_connection_post_layernorm:
-            residual = input_layernorm_output
+            residual, released = input_layernorm_output, []
         hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
             attention_output_with_bias, residual, self.hidden_dropout
         )
+        hidden_states = attn_norm_manager.group_offload(hidden_states, forced_released_tensors=released)
 
         if self.has_cross_attention:
             residual = hidden_states
@@ -184,13 +195,17 @@ class TransformerLayer(MegatronModule):
                 cross_output_with_bias, residual, self.hidden_dropout
             )
 
-        pre_mlp_layernorm_output, residual = self._norm_and_residual(self.pre_mlp_layernorm, hidden_states)
+        mlp_norm_manager = off_interface(self.offload_mlp_norm, hidden_states, "mlp_norm")
+        with mlp_norm_manager as hidden_states:
+            pre_mlp_layernorm_output, residual = self._norm_and_residual(self.pre_mlp_layernorm, hidden_states)
         mlp_output_with_bias = self.mlp(pre_mlp_layernorm_output)
+        released = [residual]
         if self.config.apply_residual_connection_post_layernorm:
-            residual = pre_mlp_layernorm_output
+            residual, released = pre_mlp_layernorm_output, []
         hidden_states = self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
             mlp_output_with_bias, residual, self.hidden_dropout
         )
+        hidden_states = mlp_norm_manager.group_offload(hidden_states, forced_released_tensors=released)
         return hidden_states, context
 
 

@@ -86,10 +86,10 @@ def test_config_grid_map_keys_are_validated():
                         module_to_grid_map={"images": grid, "vision": grid})
 
 
-def test_colocated_grids_with_different_dp_are_rejected():
-    grid_map = {"images": HyperCommGrid([1, 1, 8, 1], DIMS), "language": HyperCommGrid([2, 1, 4, 1], DIMS)}
+def test_colocated_grids_whose_dp_sizes_do_not_divide_are_rejected():
+    grid_map = {"images": HyperCommGrid([2, 1, 3, 1], DIMS), "language": HyperCommGrid([3, 1, 2, 1], DIMS)}
     with warnings.catch_warnings(), pytest.raises(
-            ValueError, match=r"different data-parallel sizes \{'images': 8, 'language': 4\}"):
+            ValueError, match=r"'images' -> 'language': the DP sizes must divide one another, got src dp 3"):
         warnings.simplefilter("ignore")
         MimoModel(f.config(grid_map=grid_map))
 

@@ -3,6 +3,7 @@
 ``save(..., async_sharded_save=True)`` plans the save (small collectives) and stages every
 tensor into a private CPU copy on the caller's thread, then returns an :class:`AsyncRequest`
 whose ``async_fn`` only writes files, with no collectives, so it can run in a background thread
+(an :class:`AsyncCaller`: a :class:`TemporalAsyncCaller` per request, or one :class:`PersistentAsyncCaller`)
 while training goes on. Its ``finalize_fns`` (gathering write results, DCP ``.metadata``,
 ``metadata.json``, renaming the directory into place) run on the caller's thread from
 :meth:`AsyncCallsQueue.maybe_finalize_async_calls`, which every rank must call at the same
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,74 +63,176 @@ class AsyncRequest:
         return replace(self, is_frozen=True)
 
 
-class _Call:
-    """One scheduled request: its background work and the outcome."""
+class AsyncCaller(ABC):
+    """Runs the background part of :class:`AsyncRequest`s and tells, across ranks, when one is done.
 
-    def __init__(self, idx: int, request: AsyncRequest) -> None:
-        self.idx = idx
-        self.request = request
-        self.error: BaseException | None = None
-        self.done = threading.Event()
+    A write that raises is logged and kept (see :attr:`error`) instead of propagating.
+    """
 
-    def run(self) -> None:
-        try:
-            if self.request.async_fn is not None:
-                self.request.async_fn(*self.request.async_fn_args, **self.request.async_fn_kwargs)
-        except BaseException as e:  # noqa: BLE001 - reported to every rank at finalize time
-            logger.exception("asynchronous checkpoint write %d failed", self.idx)
-            self.error = e
-        finally:
-            self.done.set()
+    @property
+    @abstractmethod
+    def error(self) -> BaseException | None:
+        """This rank's failure of the current call, if it failed."""
+
+    @abstractmethod
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Start ``async_req.async_fn`` (and ``preload_fn`` first, on this thread) in the background."""
+
+    @abstractmethod
+    def _current_call_alive(self, blocking: bool) -> bool:
+        """Whether the current call still runs on this rank (after waiting for it when ``blocking``)."""
+
+    @abstractmethod
+    def _retire_current_call(self) -> None:
+        """Forget the current (finished) call; the next scheduled one becomes current."""
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """True once the current call has finished on every rank (on this rank only with ``no_dist``).
+
+        Collective unless ``no_dist``; with ``blocking`` it waits. :attr:`error` then holds this rank's
+        failure of that call, if any.
+        """
+        alive = self._current_call_alive(blocking)
+        return not alive if no_dist else self.sync_all_async_calls(int(alive))
+
+    def sync_all_async_calls(self, is_alive: int) -> bool:
+        """True when no rank reports its current call alive (collective)."""
+        return not collectives.any_rank_true(bool(is_alive))
+
+    @abstractmethod
+    def close(self, abort: bool = False) -> None:
+        """Wait for (``abort``: stop waiting for) the scheduled calls and release the worker."""
+
+
+def _run(call_idx: int, request: AsyncRequest, errors: dict[int, BaseException]) -> None:
+    try:
+        if request.async_fn is not None:
+            request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+    except BaseException as e:  # noqa: BLE001 - reported to every rank at finalize time
+        logger.exception("asynchronous checkpoint write %d failed", call_idx)
+        errors[call_idx] = e
+
+
+class TemporalAsyncCaller(AsyncCaller):
+    """A new background thread for one request (Megatron-Core forks a process instead)."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.call_idx = 0
+        self._errors: dict[int, BaseException] = {}
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Run ``preload_fn`` here, then ``async_fn`` in a fresh thread."""
+        if async_req.preload_fn is not None:
+            async_req.preload_fn()
+        self.call_idx = async_req.call_idx
+        self.thread = threading.Thread(target=_run, args=(async_req.call_idx, async_req, self._errors),
+                                       name=f"mcore-ckpt-write-{async_req.call_idx}", daemon=True)
+        self.thread.start()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure of this caller's call, if it failed."""
+        return self._errors.get(self.call_idx)
+
+    def _current_call_alive(self, blocking: bool) -> bool:
+        if blocking and self.thread is not None:
+            self.thread.join()
+        return self.thread is not None and self.thread.is_alive()
+
+    def _retire_current_call(self) -> None:
+        self.close()
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for the thread unless ``abort`` (a thread cannot be killed: it is left to finish alone)."""
+        if self.thread is not None and not abort:
+            self.thread.join()
+        self.thread = None
+
+
+class PersistentAsyncCaller(AsyncCaller):
+    """One background thread that runs every scheduled request in order (Megatron-Core: one worker process)."""
+
+    def __init__(self) -> None:
+        self._work: queue.Queue[tuple[int, AsyncRequest, threading.Event] | None] = queue.Queue()
+        self._pending: list[tuple[int, threading.Event]] = []
+        self._errors: dict[int, BaseException] = {}
+        self._worker: threading.Thread | None = None
+
+    def _serve(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            call_idx, request, done = item
+            _run(call_idx, request, self._errors)
+            done.set()
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Run ``preload_fn`` here, then queue ``async_fn`` for the worker thread (started on first use)."""
+        if async_req.preload_fn is not None:
+            async_req.preload_fn()
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._serve, name="mcore-ckpt-writer", daemon=True)
+            self._worker.start()
+        done = threading.Event()
+        self._pending.append((async_req.call_idx, done))
+        self._work.put((async_req.call_idx, async_req, done))
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure of the current (oldest unretired) call, if it failed."""
+        return self._errors.get(self._pending[0][0]) if self._pending else None
+
+    def _current_call_alive(self, blocking: bool) -> bool:
+        if not self._pending:
+            return False
+        if blocking:
+            self._pending[0][1].wait()
+        return not self._pending[0][1].is_set()
+
+    def _retire_current_call(self) -> None:
+        if self._pending:
+            self._errors.pop(self._pending.pop(0)[0], None)
+
+    def close(self, abort: bool = False) -> None:
+        """Stop the worker after the queued calls (``abort``: without waiting for them)."""
+        if self._worker is not None:
+            self._work.put(None)
+            if not abort:
+                self._worker.join()
+            self._worker = None
+        self._pending = []
 
 
 class AsyncCallsQueue:
     """Runs scheduled :class:`AsyncRequest` writes in the background and finalizes them in order.
 
-    ``persistent=True`` keeps one worker thread for all requests; otherwise each request gets a
-    thread of its own. Either way requests are written one after another.
+    ``persistent=True`` keeps one :class:`PersistentAsyncCaller` (one worker thread, requests in order)
+    for all requests; otherwise each request gets a :class:`TemporalAsyncCaller` (a thread of its own).
     """
 
     def __init__(self, persistent: bool = False) -> None:
         self.persistent = persistent
-        self._calls: list[_Call] = []
-        self._next_idx = 0
-        self._work: queue.Queue[_Call | None] | None = None
-        self._worker: threading.Thread | None = None
-        self._last_thread: threading.Thread | None = None
+        self.async_calls: list[tuple[int, AsyncCaller, AsyncRequest]] = []
+        self.call_idx = -1
+        self._persistent_caller: PersistentAsyncCaller | None = None
+
+    def _get_async_caller(self) -> AsyncCaller:
+        if not self.persistent:
+            return TemporalAsyncCaller()
+        if self._persistent_caller is None:
+            self._persistent_caller = PersistentAsyncCaller()
+        return self._persistent_caller
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
         """Start the background part of ``async_request``; returns its call index."""
-        if async_request.preload_fn is not None:
-            async_request.preload_fn()
-        call = _Call(self._next_idx, async_request.freeze())
-        self._next_idx += 1
-        self._calls.append(call)
-        if self.persistent:
-            if self._worker is None:
-                self._work = queue.Queue()
-                self._worker = threading.Thread(target=self._serve, name="mcore-ckpt-writer", daemon=True)
-                self._worker.start()
-            self._work.put(call)
-        else:
-            previous = self._last_thread
-
-            def run_after_previous() -> None:
-                if previous is not None:
-                    previous.join()
-                call.run()
-
-            self._last_thread = threading.Thread(target=run_after_previous, name=f"mcore-ckpt-write-{call.idx}",
-                                                 daemon=True)
-            self._last_thread.start()
-        return call.idx
-
-    def _serve(self) -> None:
-        assert self._work is not None
-        while True:
-            call = self._work.get()
-            if call is None:
-                return
-            call.run()
+        self.call_idx += 1
+        request = replace(async_request.freeze(), call_idx=self.call_idx)
+        caller = self._get_async_caller()
+        caller.schedule_async_call(request)
+        self.async_calls.append((self.call_idx, caller, request))
+        return self.call_idx
 
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
         """Finalize the oldest calls that every rank has finished; returns their indices.
@@ -139,34 +243,30 @@ class AsyncCallsQueue:
         checkpoint never becomes visible.
         """
         finished = []
-        while self._calls:
-            call = self._calls[0]
-            if blocking:
-                call.done.wait()
-            local_done = call.done.is_set()
-            all_done = local_done if no_dist else not collectives.any_rank_true(not local_done)
-            if not all_done:
+        while self.async_calls:
+            call_idx, caller, request = self.async_calls[0]
+            if not caller.is_current_async_call_done(blocking, no_dist):
                 break
-            failed = call.error is not None
-            if not no_dist:
-                failed = collectives.any_rank_true(failed)
-            self._calls.pop(0)
+            error = caller.error
+            failed = error is not None if no_dist else collectives.any_rank_true(error is not None)
+            self.async_calls.pop(0)
+            caller._retire_current_call()
             if failed:
-                reason = f"{type(call.error).__name__}: {call.error}" if call.error else "it failed on another rank"
-                raise CheckpointingException(f"asynchronous checkpoint save {call.idx} failed: {reason}")
-            for fn in call.request.finalize_fns:
+                reason = f"{type(error).__name__}: {error}" if error else "it failed on another rank"
+                raise CheckpointingException(f"asynchronous checkpoint save {call_idx} failed: {reason}")
+            for fn in request.finalize_fns:
                 fn()
-            finished.append(call.idx)
+            finished.append(call_idx)
         return finished
 
     def get_num_unfinalized_calls(self) -> int:
         """How many scheduled calls are not finalized yet."""
-        return len(self._calls)
+        return len(self.async_calls)
 
-    def close(self) -> None:
-        """Finalize everything still scheduled (collective) and stop the worker thread."""
-        self.maybe_finalize_async_calls(blocking=True)
-        if self._worker is not None and self._work is not None:
-            self._work.put(None)
-            self._worker.join()
-            self._worker = None
+    def close(self, abort: bool = False) -> None:
+        """Finalize everything still scheduled (collective; skipped with ``abort``) and stop the worker."""
+        if not abort:
+            self.maybe_finalize_async_calls(blocking=True)
+        if self._persistent_caller is not None:
+            self._persistent_caller.close(abort=abort)
+            self._persistent_caller = None

@@ -47,7 +47,7 @@ def stage_tensor(t: torch.Tensor, clone: bool) -> torch.Tensor:
     return t.clone() if clone else t
 
 
-class McoreSavePlanner(DefaultSavePlanner):
+class ShardsSavePlanner(DefaultSavePlanner):
     """DCP save planner whose local plan comes from Megatron shards instead of a flat state dict.
 
     Duplicate items (replicas, in fully parallel mode) are deduplicated by DCP's planner, which
@@ -100,7 +100,7 @@ class McoreSavePlanner(DefaultSavePlanner):
         return sum(v.numel() * v.element_size() for v in self._data.values() if isinstance(v, torch.Tensor))
 
 
-class McoreLoadPlanner(LoadPlanner):
+class ShardsLoadPlanner(LoadPlanner):
     """DCP load planner that reads into fresh buffers, one per requested shard.
 
     Nothing the caller owns is written: on success :meth:`results` returns the loaded values,

@@ -1,8 +1,11 @@
-"""Megatron-Core's ``dist_checkpointing.strategies.torch`` path: the ``torch_dist`` strategies and
-``get_async_strategy``.
+"""Megatron-Core's ``dist_checkpointing.strategies.torch`` path: the ``torch_dist`` strategies,
+``get_async_strategy`` and the DCP translation helpers.
 
-The strategies themselves live in :mod:`.torch_dist`. ``get_async_strategy("mcore")`` returns the
-asynchronous-save building blocks this library provides; ``"nvrx"`` needs NVIDIA Resiliency Extension.
+The strategies themselves live in :mod:`.torch_dist`; the translation of sharded state dicts for
+``torch.distributed.checkpoint`` and its planners in :mod:`.mcore_dcp`; the classes older megatron-core
+releases pickled into ``.metadata`` (``MCoreMetadata``, ``MCoreSavePlan``) in :mod:`..safe_load`.
+``get_async_strategy("mcore")`` returns the asynchronous-save building blocks this library provides;
+``"nvrx"`` needs NVIDIA Resiliency Extension (:data:`HAVE_NVRX`).
 """
 
 from __future__ import annotations
@@ -10,10 +13,25 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from megatron_core.dist_checkpointing.safe_load import MCoreMetadata, MCoreSavePlan
+from megatron_core.dist_checkpointing.strategies.mcore_dcp import (
+    MCoreLoadPlanner,
+    MCoreSavePlanner,
+    flatten_state_dict,
+    mcore_to_pyt_state_dict,
+    sharded_tensor_to_torch_sharded_tensor,
+)
+from megatron_core.dist_checkpointing.strategies.nvrx import has_nvrx_async_support
 from megatron_core.dist_checkpointing.strategies.torch_dist import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
+
+HAVE_NVRX = has_nvrx_async_support()
+"""Whether NVIDIA Resiliency Extension's async checkpointing (``async_strategy="nvrx"``) is usable."""
+
+MSC_PREFIX = "msc://"
+"""URL prefix of Multi-Storage Client paths (see :mod:`megatron_core.msc_utils`)."""
 
 
 def _mcore_async_modules() -> dict[str, Any]:
@@ -76,4 +94,6 @@ def get_async_strategy(async_strategy: str = "nvrx", module: str | None = None) 
     return async_strategy, modules[module]
 
 
-__all__ = ["TorchDistLoadShardedStrategy", "TorchDistSaveShardedStrategy", "get_async_strategy"]
+__all__ = ["HAVE_NVRX", "MCoreLoadPlanner", "MCoreMetadata", "MCoreSavePlan", "MCoreSavePlanner", "MSC_PREFIX",
+           "TorchDistLoadShardedStrategy", "TorchDistSaveShardedStrategy", "flatten_state_dict", "get_async_strategy",
+           "mcore_to_pyt_state_dict", "sharded_tensor_to_torch_sharded_tensor"]

@@ -36,7 +36,7 @@ from megatron_core.dist_checkpointing.mapping import (
 from megatron_core.dist_checkpointing.safe_load import read_dcp_metadata
 from megatron_core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron_core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
-from megatron_core.dist_checkpointing.strategies.dcp_planners import McoreLoadPlanner, McoreSavePlanner
+from megatron_core.dist_checkpointing.strategies.dcp_planners import ShardsLoadPlanner, ShardsSavePlanner
 
 BACKEND = "torch_dist"
 VERSION = 1
@@ -79,7 +79,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         shards = _sharded_leaves(sharded_state_dict)
         if self.keep_only_main_replica:
             shards = [sh for sh in shards if is_main_replica(sh.replica_id)]
-        planner = McoreSavePlanner(shards, clone=clone)
+        planner = ShardsSavePlanner(shards, clone=clone)
         self.last_planned_bytes = planner.planned_bytes()
         writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=True, overwrite=True)
         writer.fs = HashingFileSystem()  # every file is hashed while it is written (the SHA-256 manifest)
@@ -157,7 +157,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         """Read every shard of ``sharded_state_dict``; local to this rank (no collectives)."""
         metadata = self.metadata(checkpoint_dir)
-        planner = McoreLoadPlanner(_sharded_leaves(sharded_state_dict), metadata)
+        planner = ShardsLoadPlanner(_sharded_leaves(sharded_state_dict), metadata)
         reader = FileSystemReader(checkpoint_dir)
         reader.set_up_storage_reader(metadata, False, rank=collectives.get_rank(), use_collectives=False)
         per_file: dict[str, list] = defaultdict(list)

@@ -6,7 +6,14 @@ per layer between a gated delta net (:class:`~megatron_core.ssm.gated_delta_net.
 and causal softmax attention (0); ``moe_layer_freq`` independently decides between MoE and dense MLPs. Megatron-Core
 builds these specs from Transformer Engine only; here ``transformer_impl="local"`` takes the local layers
 (separate norms stored under TE's fused checkpoint names), ``"transformer_engine"`` asks for the TE provider.
-DeepSeek sparse attention (``"dsa"``) is not provided.
+
+With ``"dsa"`` (DeepSeek-V3.2) every layer is MLA self-attention whose core attention is
+:class:`~megatron_core.transformer.experimental_attention_variant.dsa.DSAttention`. Megatron-Core builds it on
+``AbsorbedMLASelfAttention`` (the key up projection folded into the query); here it is
+:class:`~megatron_core.transformer.multi_latent_attention.MLASelfAttention`, the same function with the same
+parameters and checkpoint keys. The input norm and the q/kv latent norms are separate modules (the indexer reads
+the normed query latent), the down projections column-parallel as in the local MLA spec, and the indexer's
+projections :class:`~megatron_core.tensor_parallel.duplicated_linear.DuplicatedLinear` (whole on every TP rank).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 from megatron_core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron_core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron_core.tensor_parallel.duplicated_linear import DuplicatedLinear
 from megatron_core.transformer.backend_specs import (
     dense_mlp_spec,
     norm_keys_map,
@@ -23,6 +31,16 @@ from megatron_core.transformer.backend_specs import (
 )
 from megatron_core.transformer.backends import BackendSpecProvider, LocalSpecProvider, te_spec_provider
 from megatron_core.transformer.enums import AttnMaskType, LayerType
+from megatron_core.transformer.experimental_attention_variant.dsa import (
+    DSAIndexer,
+    DSAIndexerSubmodules,
+    DSAttention,
+    DSAttentionSubmodules,
+    is_dsa_skip_topk_layer,
+    source_dsa_compute_layer,
+)
+from megatron_core.transformer.identity_op import IdentityOp
+from megatron_core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_block import TransformerBlockSubmodules
@@ -41,10 +59,9 @@ __all__ = [
 ]
 
 _LINEAR_ATTENTION_VARIANTS = ("gated_delta_net",)
-_DSA_REFUSED = ("experimental_attention_variant ('dsa') is not supported: this library does not provide DeepSeek "
-                "sparse attention")
-# Checkpoint names of each separate norm where Transformer Engine fuses it into the next linear layer.
-_NORM_KEYS = {"gdn": {"input_layernorm.": "self_attention.in_proj.layer_norm_"},
+# Checkpoint names of each separate norm where Transformer Engine fuses it into the next linear layer (DSA keeps its
+# input norm separate, as Megatron-Core does).
+_NORM_KEYS = {"gdn": {"input_layernorm.": "self_attention.in_proj.layer_norm_"}, "dsa": {},
               "attention": {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"},
               "dense": {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}, "moe": {}}
 
@@ -71,8 +88,46 @@ def get_gated_delta_net_module_spec(config: TransformerConfig, backend: BackendS
 
 def get_dsa_module_spec_for_backend(config: TransformerConfig, backend: BackendSpecProvider | None = None
                                     ) -> ModuleSpec:
-    """DeepSeek sparse attention: not provided (``ValueError``)."""
-    raise ValueError(_DSA_REFUSED)
+    """DeepSeek sparse attention: causal MLA self-attention whose core attention is ``DSAttention`` with a
+    ``DSAIndexer`` (see the module docstring); ``metainfo["fuse_input_layernorm"]`` is False."""
+    if not config.multi_latent_attention:
+        raise ValueError("experimental_attention_variant='dsa' needs multi_latent_attention=True (an "
+                         "MLATransformerConfig): DSA is the core attention of multi-latent attention")
+    if config.qk_l2_norm:
+        raise ValueError("qk_l2_norm=True is not supported with experimental_attention_variant='dsa' (MLA)")
+    backend = backend or _get_backend_spec_provider(config)
+    indexer = ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
+        linear_wq_b=DuplicatedLinear, linear_wk=DuplicatedLinear,
+        k_norm=backend.layer_norm(rms_norm=False, for_qk=True), linear_weights_proj=DuplicatedLinear))
+    core_attention = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer))
+    qk_norm = backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=True) if config.qk_layernorm \
+        else IdentityOp
+    column = backend.column_parallel_linear()
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=column, linear_q_down_proj=column, linear_q_up_proj=column, linear_kv_down_proj=column,
+            linear_kv_up_proj=column, core_attention=core_attention, linear_proj=backend.row_parallel_linear(),
+            q_layernorm=qk_norm, kv_layernorm=qk_norm),
+        metainfo={"fuse_input_layernorm": False},
+    )
+
+
+def _check_dsa_topk_sharing_split(config: TransformerConfig, local_ids: list[int]) -> None:
+    """Each DSA layer that reuses another's top-k finds its source layer earlier in the same pipeline chunk."""
+    if config.experimental_attention_variant != "dsa" or config.dsa_indexer_topk_freq <= 1:
+        return
+    position = {layer_id: i for i, layer_id in enumerate(local_ids)}
+    freq, offset = config.dsa_indexer_topk_freq, config.dsa_indexer_skip_topk_offset
+    for i, layer_id in enumerate(local_ids):
+        if not is_dsa_skip_topk_layer(layer_id + 1, offset, freq):
+            continue
+        source = source_dsa_compute_layer(layer_id + 1, offset, freq)
+        if position.get(source - 1, len(local_ids)) > i:
+            raise ValueError(f"DSA layer {layer_id + 1} reuses the top-k of layer {source}, which is not earlier in "
+                             f"its pipeline chunk (dsa_indexer_topk_freq={freq}, dsa_indexer_skip_topk_offset="
+                             f"{offset}): split the pipeline so that each chunk starts on a computing layer")
 
 
 def get_experimental_attention_variant_module_spec(config: TransformerConfig,
@@ -83,7 +138,7 @@ def get_experimental_attention_variant_module_spec(config: TransformerConfig,
         return get_gated_delta_net_module_spec(config, backend)
     if variant == "dsa":
         return get_dsa_module_spec_for_backend(config, backend)
-    raise ValueError(f"experimental_attention_variant ({variant!r}) must be 'gated_delta_net'")
+    raise ValueError(f"experimental_attention_variant ({variant!r}) must be 'gated_delta_net' or 'dsa'")
 
 
 def is_linear_attention_variant(experimental_attention_variant: str | None) -> bool:
@@ -147,10 +202,13 @@ def get_transformer_layer_with_experimental_attention_variant_spec(
            if 1 in mlp_pattern else None)
     dense = dense_mlp_spec(backend) if 0 in mlp_pattern else None
     specs = []
+    variant_keys = "dsa" if config.experimental_attention_variant == "dsa" else "gdn"
     for attention_flag, moe_flag in zip(attention_pattern, mlp_pattern):
-        keys = {**_NORM_KEYS["gdn" if attention_flag else "attention"], **_NORM_KEYS["moe" if moe_flag else "dense"]}
+        keys = {**_NORM_KEYS[variant_keys if attention_flag else "attention"],
+                **_NORM_KEYS["moe" if moe_flag else "dense"]}
+        unfused_input_norm = attention_flag and experimental.metainfo.get("fuse_input_layernorm") is False
         specs.append(ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-            input_layernorm=pre_norm(backend),
+            input_layernorm=backend.layer_norm() if unfused_input_norm else pre_norm(backend),
             self_attention=experimental if attention_flag else softmax,
             self_attn_bda=get_bias_dropout_add,
             # Routed experts have no fused norm: an MoE layer keeps its own pre-MLP norm and its name.
@@ -175,5 +233,6 @@ def get_transformer_block_with_experimental_attention_variant_spec(
     else:
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
         local_ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+    _check_dsa_topk_sharing_split(config, list(local_ids))
     return TransformerBlockSubmodules(layer_specs=[layer_specs[i] for i in local_ids],
                                       layer_norm=backend.layer_norm(rms_norm=config.normalization == "RMSNorm"))

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from megatron_core._ground import get_pg_size
+from megatron_core._activation_offload.interface import start_model_chunk
+from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.config_rules import check_model_sizes as _check_model_sizes
 from megatron_core.config_rules import check_sequence_fits as _check_sequence_fits
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
@@ -83,6 +84,7 @@ class GPTModel(LanguageModule):
         self.vp_stage = vp_stage
         self.model_type = ModelType.encoder_or_decoder
         self.logit_dtype = logit_dtype
+        self.disable_param_offloading = True  # offloading: parameters are marked to stay on the device at first
 
         self.mtp_block_spec = mtp_block_spec
         self.mtp_process = mtp_block_spec is not None and mtp_on_this_rank(
@@ -150,6 +152,11 @@ class GPTModel(LanguageModule):
         if pre_process or post_process or self.mtp_process:
             self.setup_embeddings_and_output_layer()
 
+    def preprocess_for_fine_grained_offloading(self) -> None:
+        """Start this chunk's micro-batch in the activation offload manager; the first time, mark every parameter
+        to stay on the device."""
+        start_model_chunk(self, self.config, get_pg_rank(getattr(self.pg_collection, "pp", None)), self.vp_stage)
+
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor]) -> None:
         """Feed the previous pipeline stage's output into the decoder."""
         if isinstance(input_tensor, (list, tuple)):
@@ -195,6 +202,8 @@ class GPTModel(LanguageModule):
     ) -> torch.Tensor:
         """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
         inference_context = inference_context if inference_context is not None else inference_params
+        if self.config.fine_grained_activation_offloading and torch.is_grad_enabled():
+            self.preprocess_for_fine_grained_offloading()
         if input_ids is not None and packed_seq_params is None and inference_context is None:
             _check_sequence_fits(input_ids.shape[-1], self.max_sequence_length)
         if packed_seq_params is not None and input_ids is not None:

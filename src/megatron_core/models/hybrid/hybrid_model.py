@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron_core._activation_offload.interface import start_model_chunk
+from megatron_core._ground import get_pg_rank
 from megatron_core._ground.hybrid_pattern import (
     get_hybrid_total_layer_count,
     parse_hybrid_pattern,
@@ -145,6 +147,11 @@ class HybridModel(LanguageModule):
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
 
+    def preprocess_for_fine_grained_offloading(self) -> None:
+        """Start this chunk's micro-batch in the activation offload manager; the first time, mark every parameter
+        to stay on the device."""
+        start_model_chunk(self, self.config, get_pg_rank(getattr(self.pg_collection, "pp", None)), self.vp_stage)
+
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
                 attention_mask: torch.Tensor | None, decoder_input: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, inference_context: Any = None,
@@ -153,6 +160,8 @@ class HybridModel(LanguageModule):
                 padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Loss ``[b, s]`` with ``labels``; logits ``[b, s, V/TP]`` without; hidden ``[s, b, h]`` on a non-last stage."""
         inference_context = inference_context if inference_context is not None else inference_params
+        if self.config.fine_grained_activation_offloading and torch.is_grad_enabled():
+            self.preprocess_for_fine_grained_offloading()
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None

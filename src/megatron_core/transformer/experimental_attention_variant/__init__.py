@@ -1,6 +1,6 @@
-"""Megatron-Core's experimental attention variants: only the DeepSeek-sparse-attention loss scaler is provided.
+"""Megatron-Core's experimental attention variants: DeepSeek sparse attention (:mod:`.dsa`).
 
-The DSA attention itself (its indexer and top-k sparse attention) is not implemented here (docs/compat.md);
-:class:`~megatron_core.transformer.experimental_attention_variant.dsa.DSAIndexerLossAutoScaler` is, so that
-the schedules can set the indexer loss's backward scale as Megatron-Core's do.
+DSA is MLA whose core attention attends only to the keys a small indexer picks per query (DeepSeek-V3.2);
+``experimental_attention_variant="dsa"`` builds it through
+:func:`~megatron_core.models.gpt.experimental_attention_variant_module_specs.get_dsa_module_spec_for_backend`.
 """

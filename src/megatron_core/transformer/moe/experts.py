@@ -19,6 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core._activation_offload.interface import (
+    FineGrainedActivationOffloadingInterface as off_interface,
+)
 from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.activations import gated_linear_unit
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
@@ -141,6 +144,10 @@ class TEGroupedMLP(MegatronModule):
         )
         self.activation_func = submodules.activation_func or config.activation_func
         self.recompute_activation = recompute_module_enabled(config, "moe_act")  # rebuilt in the backward
+        # Fine-grained activation offloading of fc1's input and of the activation's input.
+        offload = set(config.offload_modules or []) if config.fine_grained_activation_offloading else set()
+        self.offload_expert_fc1 = "expert_fc1" in offload
+        self.offload_moe_act = "moe_act" in offload
         self.linear_fc2 = build_module(
             submodules.linear_fc2, num_local_experts, ffn, token_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, skip_bias_add=True,
@@ -198,11 +205,19 @@ class TEGroupedMLP(MegatronModule):
         if self.config.moe_apply_probs_on_input:
             x = (probs * x).to(x.dtype)
             probs = torch.ones_like(probs)
-        intermediate, _ = self.linear_fc1(x, counts)
+        delay = self.config.delay_offload_until_cuda_graph
+        fc1_manager = off_interface(self.offload_expert_fc1, x, "expert_fc1")
+        with fc1_manager as x:
+            intermediate, _ = self.linear_fc1(x, counts)
+        intermediate = fc1_manager.group_offload(intermediate, forced_released_tensors=[x], delay_offload=delay)
         recompute = ActivationRecompute(self.recompute_activation and self.training)
-        intermediate = recompute.run(self._weighted_activation, intermediate, probs)
-        output, bias = self.linear_fc2(intermediate, counts)
+        act_manager = off_interface(self.offload_moe_act, intermediate, "moe_act")
+        with act_manager as intermediate:
+            activated = recompute.run(self._weighted_activation, intermediate, probs)
+        output, bias = self.linear_fc2(activated, counts)
         recompute.discard(output)
+        # Committed after fc2: the activation's input is reloaded before its recompute needs it.
+        output = act_manager.group_offload(output, forced_released_tensors=[intermediate], delay_offload=delay)
         if bias is not None:
             count_tensor = group_counts_tensor(counts, output.device)
             per_row = bias.repeat_interleave(count_tensor, dim=0, output_size=output.shape[0])

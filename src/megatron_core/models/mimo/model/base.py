@@ -8,6 +8,7 @@ the language model's own token embeddings; the combined ``[s, b, h]`` sequence i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from megatron_core._ground import unwrap_model, wrapper_depth
 from megatron_core.device import get_current_device
 from megatron_core.distributed import DistributedDataParallel
+from megatron_core.models.mimo.comm.colocated_communicator import ColocatedBridgeCommunicator
 from megatron_core.models.mimo.config.base_configs import MimoModelConfig
 from megatron_core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY, ModuleLayout, RankRole
 from megatron_core.models.mimo.partition.utils import PartitionAdapter, PartitionConfig
@@ -25,9 +27,7 @@ from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import build_module
 from megatron_core.transformer.utils import sharded_state_dict_default
 
-
-def _grid_dim(grid: Any, dim: str) -> int | None:
-    return grid.shape[grid.dim_names.index(dim)] if dim in grid.dim_names else None
+logger = logging.getLogger(__name__)
 
 
 class MimoModel(MegatronModule):
@@ -38,6 +38,12 @@ class MimoModel(MegatronModule):
     projected embeddings by modality name, language ranks read them (``set_input_tensor`` with a dict)
     and run the language model. ``cp_group`` / ``tp_group`` override the groups used for context and
     sequence parallel sharding of the combined embeddings.
+
+    Colocated grids (``tp`` and ``dp`` axes) may differ in TP and DP: each modality's embeddings pass a
+    ``ColocatedBridgeCommunicator`` (``colocated_comms[(modality, "language")]``) to the language model's DP
+    layout. The caller slices the data to match (see that module): with more encoder than language replicas
+    each rank gets its language replica's batch and its encoder slot's modality inputs; with fewer, its
+    encoder replica's batch and its language slot's ``input_ids`` / labels / loss mask.
     """
 
     def __init__(self, mimo_config: MimoModelConfig, cp_group: Any = None, tp_group: Any = None) -> None:
@@ -49,7 +55,7 @@ class MimoModel(MegatronModule):
         self.role = RankRole.build(list(mimo_config.modality_submodules_spec), mimo_config.module_to_grid_map)
         self.colocated_comms: dict = {}
         if self.role.mode is ModuleLayout.COLOCATED and mimo_config.module_to_grid_map:
-            self._check_colocated_grids(mimo_config.module_to_grid_map)
+            self._build_colocated_communicators()
         self.special_token_ids = dict(mimo_config.special_token_ids or {})
         self.partition_adapter: PartitionAdapter | None = None
         if self.role.has_language_module and (language_config.context_parallel_size > 1
@@ -62,14 +68,21 @@ class MimoModel(MegatronModule):
         self._initialize_submodules()
         self._initialize_language_model()
 
-    @staticmethod
-    def _check_colocated_grids(grid_map: dict[str, Any]) -> None:
-        """Colocated grids must agree on data parallelism (re-sharding between DP layouts is not supported)."""
-        dps = {name: _grid_dim(grid, "dp") for name, grid in grid_map.items()}
-        if None not in dps.values() and len(set(dps.values())) > 1:
-            raise ValueError(f"MimoModel: colocated module grids with different data-parallel sizes {dps} need a "
-                             f"DP bridge between encoder and language model, which is not supported; use the "
-                             f"same dp size for every module")
+    def _build_colocated_communicators(self) -> None:
+        """One ``ColocatedBridgeCommunicator`` per modality, from its grid to the language model's.
+
+        Grids without ``tp`` and ``dp`` axes get none (their DP sizes are unknown). Layouts the bridge
+        cannot serve raise ``ValueError`` naming the grids and their sizes (see the communicator).
+        """
+        grid_map = self.mimo_config.module_to_grid_map
+        if any("tp" not in g.dim_names or "dp" not in g.dim_names for g in grid_map.values()):
+            logger.info("MimoModel: no colocated bridges, not every grid of module_to_grid_map has tp and dp axes")
+            return
+        language_grid = grid_map[MIMO_LANGUAGE_MODULE_KEY]
+        for name in self.mimo_config.modality_submodules_spec:
+            self.colocated_comms[(name, MIMO_LANGUAGE_MODULE_KEY)] = ColocatedBridgeCommunicator(
+                grid_map[name], language_grid, src_module_name=name, dest_module_name=MIMO_LANGUAGE_MODULE_KEY,
+                dim_mapping={"b": 0, "h": 1})
 
     def _initialize_submodules(self) -> None:
         for name, spec in self.mimo_config.modality_submodules_spec.items():
@@ -233,7 +246,9 @@ class MimoModel(MegatronModule):
             module.zero_grad_buffer()
 
     def destroy(self) -> None:
-        """Release process groups owned by this model (none in this implementation)."""
+        """Destroy the process groups of the colocated bridges."""
+        for comm in self.colocated_comms.values():
+            comm.destroy()
         self.colocated_comms.clear()
 
     # --- forward ---------------------------------------------------------------------------------------------
@@ -294,7 +309,8 @@ class MimoModel(MegatronModule):
             if modality_inputs and modality_inputs.get(name) is not None:
                 emb = submodule(encoder_inputs=modality_inputs[name])
                 if emb is not None:
-                    modality_embeddings[name] = emb
+                    comm = self.colocated_comms.get((name, MIMO_LANGUAGE_MODULE_KEY))
+                    modality_embeddings[name] = emb if comm is None else comm.communicate(emb)
         combined = self._combined_embeddings(modality_embeddings, input_ids, position_ids)
         combined, labels, loss_mask, packed_seq_params = self._shard_language_inputs(
             combined, labels, loss_mask, packed_seq_params)

@@ -1,0 +1,1 @@
+"""Communication between MIMO modules: the colocated DP bridge (``colocated_communicator``)."""
