@@ -48,8 +48,9 @@ __all__ = ["ACCUMULATE_WGRAD_IN_GEMM", "EmulatedFp8ParamGroupedGemm", "ScaledGro
            "fp8_param_grouped_gemm"]
 
 # On a GPU, add the experts' weight gradient into main_grad inside the GEMM (Triton) instead of torch's grouped GEMM
-# and a separate addition. Off until a GPU has timed it (benchmarks/moe_fwd_bwd.py --fp8-wgrad-in-gemm).
-ACCUMULATE_WGRAD_IN_GEMM = False
+# and a separate addition: the Mixtral-shaped fp8_param fwd+bwd 1.050x faster on an H200 (benchmarks/RESULTS.md,
+# 2026-12-05; benchmarks/moe_fwd_bwd.py --fp8-wgrad-in-gemm). False restores the separate addition.
+ACCUMULATE_WGRAD_IN_GEMM = True
 
 
 @torch.library.custom_op("megatron_core::fp8_grouped_add_to_main_grad_", mutates_args=("main_grad",))
