@@ -18,9 +18,11 @@ PATTERN = "M*-E"
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.0)
 
 
-def _model(spec) -> HybridModel:
+def _model(spec, pattern: str = PATTERN) -> HybridModel:
     torch.manual_seed(3)
-    return HybridModel(config(PATTERN, **MOE), spec, VOCAB, 32, hybrid_layer_pattern=PATTERN)
+    main, *mtp = pattern.split("/")
+    return HybridModel(config(main, **MOE, mtp_num_layers=len(mtp) or None), spec, VOCAB, 32,
+                       hybrid_layer_pattern=pattern)
 
 
 def _logits(model: HybridModel) -> torch.Tensor:
@@ -34,9 +36,11 @@ def _checkpoint_keys(model: HybridModel) -> set[str]:
     return {value.key for value in model.sharded_state_dict().values() if hasattr(value, "key")}
 
 
-def test_modelopt_spec_builds_the_standard_model_with_its_checkpoint_keys():
-    reference = _model(hybrid_stack_spec)
-    modelopt = _model(model_specs.get_hybrid_stack_modelopt_spec(local_core_attention=True, remap_te_layernorm=True))
+@pytest.mark.parametrize("pattern", [PATTERN, PATTERN + "/*M"])  # without and with a multi-token prediction depth
+def test_modelopt_spec_builds_the_standard_model_with_its_checkpoint_keys(pattern: str):
+    reference = _model(hybrid_stack_spec, pattern)
+    modelopt = _model(model_specs.get_hybrid_stack_modelopt_spec(local_core_attention=True, remap_te_layernorm=True),
+                      pattern)
     assert modelopt.state_dict().keys() == reference.state_dict().keys()
     assert _checkpoint_keys(modelopt) == _checkpoint_keys(reference)
     modelopt.load_state_dict(reference.state_dict())

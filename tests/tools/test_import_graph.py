@@ -126,8 +126,9 @@ def test_megatron_paths_whose_code_moved_down_still_name_the_same_objects():
     import importlib
 
     pairs = {
-        "megatron_core.models.hybrid.hybrid_block": ("megatron_core.ssm.hybrid_stack", "HybridStack"),
-        "megatron_core.ssm.mamba_block": ("megatron_core.ssm.hybrid_stack", "MambaStack"),
+        "megatron_core.models.hybrid.hybrid_block": ("megatron_core.transformer.hybrid_stack", "HybridStack"),
+        "megatron_core.ssm.mamba_block": ("megatron_core.transformer.hybrid_stack", "MambaStack"),
+        "megatron_core.ssm.hybrid_stack": ("megatron_core.transformer.hybrid_stack", "HybridStack"),
         "megatron_core.models.hybrid.hybrid_layer_allocation": ("megatron_core._ground.hybrid_pattern", "Symbols"),
         "megatron_core.ssm.mamba_hybrid_layer_allocation": ("megatron_core._ground.hybrid_pattern",
                                                             "parse_hybrid_pattern"),

@@ -33,6 +33,8 @@ class MTPLossLoggingHelper:
         for name in ("loss_values", "correct_values", "total_values"):
             if name not in tracker or tracker[name].shape != (num_layers,):  # first use, or another depth count
                 tracker[name] = torch.zeros(num_layers, device=loss.device)
+            elif tracker[name].device != loss.device:  # a model moved to another device keeps its sums
+                tracker[name] = tracker[name].to(loss.device)
         tracker["loss_values"][layer_number] += loss.detach().float()
         tracker["correct_values"][layer_number] += correct.detach().float()
         tracker["total_values"][layer_number] += total.detach().float()

@@ -3,7 +3,12 @@
 After the decoder, depth ``k`` (1..``mtp_num_layers``) predicts token ``i + k + 1`` at position ``i``: it normalises
 the previous depth's hidden state (``hnorm``) and the embedding of token ``i + k`` (``enorm``; the ids rolled left
 ``k`` times), concatenates them ``[embedding; hidden]``, projects ``2h -> h`` (``eh_proj``), runs one transformer
-layer and a final norm. Every depth shares the model's embedding and output layer. The GPT model concatenates the
+layer and a final norm. Every depth shares the model's embedding and output layer.
+
+A hybrid (Mamba) model's depth runs a :class:`~megatron_core.transformer.hybrid_stack.HybridStack` over the MTP part
+of its layer pattern instead (``mtp_layer_pattern`` with ``hybrid_submodules``; ``"M*M/*M/*M"`` has two depths of
+``"*M"``): the stack has no final norm (the depth's ``final_layernorm`` is it) and numbers its layers from 1, and
+its checkpoint keys stay ``mtp_model_layer.`` where a GPT depth's become Megatron's ``transformer_layer.``. The GPT model concatenates the
 depths' hidden states after the decoder's along the sequence axis; :func:`process_mtp_loss` splits them again,
 computes each depth's cross entropy against the labels rolled once more per depth (masked, averaged over the valid
 positions), and attaches ``mtp_loss_scaling_factor / mtp_num_layers`` times it to the main hidden states through
@@ -20,6 +25,7 @@ loss in :mod:`.mtp_loss` and the logged metrics in :mod:`.mtp_metrics`.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +34,7 @@ import torch
 
 from megatron_core import tensor_parallel
 from megatron_core._ground import get_pg_rank
+from megatron_core._ground.hybrid_pattern import validate_segment_layers
 from megatron_core._misc_utils import make_viewless_tensor
 from megatron_core.dist_checkpointing.sharded_module import make_tp_sharded_tensor_for_checkpoint
 from megatron_core.dist_checkpointing.utils import apply_prefix_mapping, replace_prefix_for_sharding
@@ -37,6 +44,7 @@ from megatron_core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron_core.transformer.backends import LocalSpecProvider, te_spec_provider
+from megatron_core.transformer.hybrid_stack import HybridStack, HybridStackSubmodules
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.mtp_loss import MTPLossAutoScaler, process_mtp_loss
 from megatron_core.transformer.mtp_metrics import MTPLossLoggingHelper
@@ -104,7 +112,7 @@ class MultiTokenPredictionLayerSubmodules:
     mtp_model_layer: ModuleSpec | type | None = None
 
 
-def get_mtp_layer_spec_for_backend(mtp_model_layer_spec: ModuleSpec, backend: Any) -> ModuleSpec:
+def get_mtp_layer_spec_for_backend(mtp_model_layer_spec: ModuleSpec | None, backend: Any) -> ModuleSpec:
     """An MTP layer spec with ``backend``'s norm and column-parallel linear around ``mtp_model_layer_spec``."""
     norm = backend.layer_norm()
     return ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
@@ -118,22 +126,42 @@ def get_mtp_layer_spec(mtp_model_layer_spec: ModuleSpec, use_transformer_engine:
     return get_mtp_layer_spec_for_backend(mtp_model_layer_spec, backend)
 
 
+def _hybrid_submodules_arg(hybrid_submodules: HybridStackSubmodules | None,
+                           mamba_submodules: HybridStackSubmodules | None) -> HybridStackSubmodules | None:
+    """``hybrid_submodules``, or the deprecated ``mamba_submodules`` (Megatron-Core's earlier name) in its place."""
+    if mamba_submodules is None:
+        return hybrid_submodules
+    if hybrid_submodules is not None:
+        raise ValueError("hybrid_submodules and mamba_submodules cannot both be set; mamba_submodules is the "
+                         "deprecated name of hybrid_submodules")
+    warnings.warn("mamba_submodules is deprecated; use hybrid_submodules", DeprecationWarning, stacklevel=3)
+    return mamba_submodules
+
+
 class MultiTokenPredictionLayer(MegatronModule):
-    """One MTP depth: ``final_norm(layer(eh_proj([enorm(embed(ids rolled)); hnorm(h)])))`` (module docstring)."""
+    """One MTP depth: ``final_norm(layer(eh_proj([enorm(embed(ids rolled)); hnorm(h)])))`` (module docstring).
+
+    ``layer`` is ``submodules.mtp_model_layer`` (a transformer layer), or with ``mtp_layer_pattern`` and
+    ``hybrid_submodules`` a hybrid stack of that pattern's layers.
+    """
 
     def __init__(self, config: TransformerConfig, submodules: MultiTokenPredictionLayerSubmodules,
                  layer_number: int = 1, vp_stage: int | None = None, pg_collection: Any = None,
-                 mtp_layer_pattern: str | None = None, name: str | None = None, **unused: Any) -> None:
+                 mtp_layer_pattern: str | None = None, hybrid_submodules: HybridStackSubmodules | None = None,
+                 mamba_submodules: HybridStackSubmodules | None = None, name: str | None = None,
+                 **unused: Any) -> None:
         super().__init__(config)
-        if mtp_layer_pattern is not None:
-            raise ValueError("mtp_layer_pattern (hybrid Mamba MTP layers) is not supported by this library")
+        hybrid_submodules = _hybrid_submodules_arg(hybrid_submodules, mamba_submodules)
+        if mtp_layer_pattern is not None and hybrid_submodules is None:
+            raise ValueError(f"mtp_layer_pattern ({mtp_layer_pattern!r}) needs hybrid_submodules (the hybrid stack's "
+                             "layer specs, HybridStackSubmodules) to build the depth's layers from")
         pg_collection = resolve_pg_collection(pg_collection)
         self.submodules = submodules
         self.sequence_parallel = config.sequence_parallel
         self.layer_number = layer_number + get_mtp_layer_offset(config, vp_stage)
         self.vp_stage = vp_stage
         self.cp_group, self.tp_group = pg_collection.cp, pg_collection.tp
-        self.mtp_layer_pattern = None
+        self.mtp_layer_pattern = mtp_layer_pattern
         norm_kwargs = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
         self.enorm = build_module(submodules.enorm, **norm_kwargs)
         self.hnorm = build_module(submodules.hnorm, **norm_kwargs)
@@ -141,8 +169,16 @@ class MultiTokenPredictionLayer(MegatronModule):
             submodules.eh_proj, 2 * config.hidden_size, config.hidden_size, config=config,
             init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
             tp_comm_buffer_name="mtp_eh_proj", tp_group=self.tp_group)
-        self.mtp_model_layer = build_module(submodules.mtp_model_layer, config=config, layer_number=self.layer_number,
-                                            vp_stage=vp_stage, is_mtp_layer=True, pg_collection=pg_collection)
+        if mtp_layer_pattern is not None:
+            # The depth's own final_layernorm ends it, so the stack has none; its layers are numbered from 1.
+            self.mtp_model_layer = HybridStack(
+                config, hybrid_submodules, pre_process=True, layer_type_list=validate_segment_layers(mtp_layer_pattern),
+                pp_layer_offset=0, post_layer_norm=False, post_process=True, pg_collection=pg_collection,
+                is_mtp_layer=True, name=None if name is None else f"{name}.mtp_model_layer")
+        else:
+            self.mtp_model_layer = build_module(submodules.mtp_model_layer, config=config,
+                                                layer_number=self.layer_number, vp_stage=vp_stage, is_mtp_layer=True,
+                                                pg_collection=pg_collection)
         self.final_layernorm = build_module(submodules.layer_norm, **norm_kwargs)
 
     def _inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, padding_mask: torch.Tensor | None,
@@ -169,7 +205,12 @@ class MultiTokenPredictionLayer(MegatronModule):
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.sequence_parallel else nullcontext()
         with rng:
             hidden_states = self._project(hidden_states, decoder_input)
-            hidden_states, _ = self.mtp_model_layer(hidden_states=hidden_states, **layer_kwargs)
+            if self.mtp_layer_pattern is not None:  # a hybrid stack: no separate cos/sin, returns the states alone
+                layer_kwargs.pop("rotary_pos_cos", None)
+                layer_kwargs.pop("rotary_pos_sin", None)
+                hidden_states = self.mtp_model_layer(hidden_states=hidden_states, **layer_kwargs)
+            else:
+                hidden_states, _ = self.mtp_model_layer(hidden_states=hidden_states, **layer_kwargs)
         hidden_states = self.final_layernorm(hidden_states)
         return make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
 
@@ -215,9 +256,11 @@ class MultiTokenPredictionLayer(MegatronModule):
         return self._project_and_layer(hidden_states, decoder_input, **layer_kwargs)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
-        """The generic sharded state with the transformer layer saved as ``transformer_layer.`` (Megatron's key)."""
+        """The generic sharded state; a GPT depth's transformer layer is saved as ``transformer_layer.`` (Megatron's
+        key), a hybrid depth's stack keeps ``mtp_model_layer.``."""
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        apply_prefix_mapping(sharded, {f"{prefix}mtp_model_layer.": f"{prefix}transformer_layer."})
+        if self.mtp_layer_pattern is None:
+            apply_prefix_mapping(sharded, {f"{prefix}mtp_model_layer.": f"{prefix}transformer_layer."})
         return sharded
 
 
@@ -239,27 +282,47 @@ def _block_submodules(spec: Any) -> MultiTokenPredictionBlockSubmodules:
 
 
 class MultiTokenPredictionBlock(MegatronModule):
-    """The ``mtp_num_layers`` MTP depths, run one after the other (one shared layer with ``mtp_use_repeated_layer``)."""
+    """The ``mtp_num_layers`` MTP depths, run one after the other (one shared layer with ``mtp_use_repeated_layer``).
+
+    A GPT model builds one layer per spec of ``spec``. A hybrid model passes ``mtp_layer_pattern`` (one depth's
+    layer symbols), ``mtp_num_depths`` and ``hybrid_submodules``: each depth is then a layer of ``spec``'s (last)
+    layer spec running a hybrid stack of that pattern, and ``mtp_num_depths`` must equal ``mtp_num_layers``.
+    """
 
     def __init__(self, config: TransformerConfig, spec: Any, vp_stage: int | None = None, pg_collection: Any = None,
-                 name: str | None = None, **unused: Any) -> None:
+                 mtp_layer_pattern: str | None = None, mtp_num_depths: int = 0,
+                 hybrid_submodules: HybridStackSubmodules | None = None,
+                 mamba_submodules: HybridStackSubmodules | None = None, name: str | None = None,
+                 **unused: Any) -> None:
         super().__init__(config)
         if not config.mtp_num_layers:
             raise ValueError("MultiTokenPredictionBlock needs mtp_num_layers >= 1")
+        hybrid_submodules = _hybrid_submodules_arg(hybrid_submodules, mamba_submodules)
         self.submodules = _block_submodules(spec)
         if not self.submodules.layer_specs:
             raise ValueError("MultiTokenPredictionBlock needs at least one layer spec")
         self.mtp_loss_scaling_factor = config.mtp_loss_scaling_factor
         self.mtp_use_repeated_layer = config.mtp_use_repeated_layer
+        self.mtp_layer_pattern, self.mtp_num_depths = mtp_layer_pattern, mtp_num_depths
+        self.hybrid_submodules = hybrid_submodules
         self.vp_stage = vp_stage
         pg_collection = resolve_pg_collection(pg_collection)
         self.cp_group = pg_collection.cp
         specs = self.submodules.layer_specs
+        hybrid: dict[str, Any] = {}
+        if mtp_layer_pattern is not None and hybrid_submodules is not None:
+            depths = mtp_num_depths or config.mtp_num_layers
+            if depths != config.mtp_num_layers:
+                raise ValueError(f"the hybrid MTP pattern has {depths} depths (mtp_num_depths) but "
+                                 f"config.mtp_num_layers is {config.mtp_num_layers}; they must match (Megatron-LM "
+                                 "sets mtp_num_layers from the hybrid_layer_pattern's '/' parts)")
+            specs = [specs[min(i, len(specs) - 1)] for i in range(depths)]
+            hybrid = dict(mtp_layer_pattern=mtp_layer_pattern, hybrid_submodules=hybrid_submodules)
         if self.mtp_use_repeated_layer:
             specs = specs[:1]
         self.layers = torch.nn.ModuleList([
             build_module(layer_spec, config=config, layer_number=i + 1, vp_stage=vp_stage,
-                         pg_collection=pg_collection)
+                         pg_collection=pg_collection, **hybrid)
             for i, layer_spec in enumerate(specs)
         ])
         if config.mtp_detach_heads:

@@ -2,6 +2,6 @@
 a layer pattern such as ``"M*M-"``. :class:`HybridModel` is the model, :class:`HybridStack` its decoder."""
 
 from megatron_core.models.hybrid.hybrid_model import HybridModel
-from megatron_core.ssm.hybrid_stack import HybridStack, HybridStackSubmodules
+from megatron_core.transformer.hybrid_stack import HybridStack, HybridStackSubmodules
 
 __all__ = ["HybridModel", "HybridStack", "HybridStackSubmodules"]

@@ -4,6 +4,10 @@ Megatron-Core's specs use Transformer Engine (fused norm + linear); here they ar
 ``LocalSpecProvider``, as ``get_gpt_layer_local_spec`` is: each fused ``TELayerNormColumnParallelLinear``
 becomes a separate norm plus a ``ColumnParallelLinear``, and ``sharded_state_dict_keys_map`` stores the
 norm under TE's fused checkpoint name. ``mamba_stack_spec`` and ``hybrid_stack_spec`` are the same spec.
+
+Its ``mtp_block_spec`` holds the multi-token prediction depths' own parts (the embedding and hidden norms, the
+``2h -> h`` projection and the final norm); ``mtp_model_layer`` is None because each depth builds its layers from the
+MTP part of the hybrid layer pattern with these same layer specs.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 from megatron_core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron_core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-from megatron_core.ssm.hybrid_stack import HybridStack, HybridStackSubmodules
 from megatron_core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron_core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
 from megatron_core.ssm.mlp_layer import MLPLayer
@@ -25,6 +28,12 @@ from megatron_core.transformer.backend_specs import (
 )
 from megatron_core.transformer.backends import BackendSpecProvider, LocalSpecProvider
 from megatron_core.transformer.enums import AttnMaskType
+from megatron_core.transformer.hybrid_stack import HybridStack, HybridStackSubmodules
+from megatron_core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_spec_for_backend,
+)
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
@@ -36,9 +45,15 @@ _MAMBA_NORM_KEY = {"norm.": "mixer.in_proj.layer_norm_"}
 _GDN_NORM_KEY = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
 
 
+def _hybrid_mtp_block_spec(backend: BackendSpecProvider) -> ModuleSpec:
+    """The MTP block of a hybrid model: one layer spec with ``backend``'s norms and projection and no model layer."""
+    return ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(
+        layer_specs=[get_mtp_layer_spec_for_backend(None, backend)]))
+
+
 def _hybrid_stack_spec(backend: BackendSpecProvider, moe_spec: ModuleSpec) -> ModuleSpec:
     """A ``HybridStack`` whose Mamba, gated delta net, attention, MLP and MoE (``moe_spec``) layers take
-    ``backend``'s parts."""
+    ``backend``'s parts, with the MTP block spec of the same backend."""
     return ModuleSpec(
         module=HybridStack,
         submodules=HybridStackSubmodules(
@@ -67,6 +82,7 @@ def _hybrid_stack_spec(backend: BackendSpecProvider, moe_spec: ModuleSpec) -> Mo
             # Routed experts have no fused norm: the MoE layer keeps its own pre-MLP norm and its name.
             moe_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
                 pre_mlp_layernorm=backend.layer_norm(), mlp=moe_spec, mlp_bda=get_bias_dropout_add)),
+            mtp_block_spec=_hybrid_mtp_block_spec(backend),
         ),
     )
 

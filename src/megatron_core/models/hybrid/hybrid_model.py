@@ -5,7 +5,13 @@ segment of ``hybrid_layer_pattern``) -> ``output_layer``. ``forward`` takes ``[b
 per-token loss ``[b, s]`` with ``labels``, else logits ``[b, s, V/TP]``; a non-last stage returns hidden
 states ``[s, b, h]``. Under the dynamic inference context (``inference_context``) the attention layers use the
 paged KV cache and the Mamba layers their per-request state slots, and only the rows the step samples from get
-logits; MTP patterns (``/``) are refused.
+logits.
+
+Multi-token prediction comes from the pattern: ``"M*M-/*M/*M"`` is the decoder ``"M*M-"`` and two MTP depths of
+``"*M"`` (``config.mtp_num_layers`` must be 2). The last stage builds ``mtp``
+(:class:`~megatron_core.transformer.multi_token_prediction.MultiTokenPredictionBlock` from the stack spec's
+``mtp_block_spec`` and its layer specs) and a copy of the embedding, and training attaches the MTP losses to the
+main loss through ``process_mtp_loss``, as GPTModel does. Inference skips the MTP depths.
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ from megatron_core._ground.hybrid_pattern import (
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.language_module.language_module import LanguageModule
 from megatron_core.transformer.enums import ModelType
+from megatron_core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    mtp_on_this_rank,
+    process_mtp_loss,
+)
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 
@@ -51,6 +62,18 @@ def _resolve_pattern(config: TransformerConfig, pattern: str | None, attention_r
     if pattern is None:
         pattern = "M" * config.num_layers
     return pattern
+
+
+def _check_mtp_depths(config: TransformerConfig, pattern: str, mtp_num_depths: int) -> None:
+    """The pattern's MTP depths (``/`` parts) and ``config.mtp_num_layers`` must agree (Megatron-LM's arguments
+    derive the latter from the former)."""
+    if mtp_num_depths and config.mtp_num_layers != mtp_num_depths:
+        raise ValueError(f"hybrid_layer_pattern {pattern!r} has {mtp_num_depths} MTP depths but config.mtp_num_layers "
+                         f"is {config.mtp_num_layers}; set mtp_num_layers={mtp_num_depths}")
+    if config.mtp_num_layers and not mtp_num_depths:
+        raise ValueError(f"config.mtp_num_layers is {config.mtp_num_layers} but hybrid_layer_pattern {pattern!r} has "
+                         "no MTP depths; a hybrid model's MTP layers come from the pattern: append one '/<pattern>' "
+                         "per depth (e.g. 'M*M*/MM/MM')")
 
 
 class HybridModel(LanguageModule):
@@ -96,9 +119,7 @@ class HybridModel(LanguageModule):
         pattern = _resolve_pattern(config, hybrid_layer_pattern, hybrid_attention_ratio, hybrid_mlp_ratio,
                                    hybrid_override_pattern)
         parsed = parse_hybrid_pattern(pattern)
-        if parsed.mtp_num_depths:
-            raise ValueError(f"hybrid_layer_pattern {pattern!r} has multi-token-prediction depths ('/'), which "
-                             "HybridModel does not support in this library")
+        _check_mtp_depths(config, pattern, parsed.mtp_num_depths)
         total = get_hybrid_total_layer_count(pattern)
         if total != config.num_layers:
             raise ValueError(f"hybrid_layer_pattern {pattern!r} has {total} layers but config.num_layers is "
@@ -110,14 +131,20 @@ class HybridModel(LanguageModule):
         self.fp16_lm_cross_entropy, self.parallel_output = fp16_lm_cross_entropy, parallel_output
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type, self.vp_stage = position_embedding_type, vp_stage
-        self.mtp_pattern, self.mtp_num_depths, self.mtp_process = None, 0, False
+        self.mtp_pattern, self.mtp_num_depths = parsed.mtp_pattern, parsed.mtp_num_depths
+        self.mtp_process = bool(self.mtp_num_depths) and mtp_on_this_rank(
+            layout=config.pipeline_model_parallel_layout, mtp_num_layers=config.mtp_num_layers, ignore_virtual=False,
+            vp_stage=vp_stage)
+        if self.mtp_process and not post_process:
+            raise ValueError("the MTP depths of a hybrid model run on the stage that computes the loss "
+                             "(post_process=True); this stage holds them but has post_process=False")
         self.model_type = ModelType.encoder_or_decoder
         layer_type_list, layer_offset = select_pipeline_segment(
             parsed.main_pattern or "", getattr(self.pg_collection, "pp", None), vp_stage,
             first_stage_layers=config.num_layers_in_first_pipeline_stage,
             last_stage_layers=config.num_layers_in_last_pipeline_stage,
         )
-        if pre_process:
+        if pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(
                 config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                 position_embedding_type=position_embedding_type,
@@ -132,10 +159,20 @@ class HybridModel(LanguageModule):
             pp_layer_offset=layer_offset, post_process=post_process, dtype=config.params_dtype,
             pg_collection=self.pg_collection, name="decoder",
         )
+        if self.mtp_process:
+            mtp_block_spec = getattr(hybrid_stack_spec.submodules, "mtp_block_spec", None)
+            if mtp_block_spec is None:
+                raise ValueError(f"hybrid_layer_pattern {pattern!r} has MTP depths but hybrid_stack_spec.submodules."
+                                 "mtp_block_spec is None; use a stack spec with an MTP block spec (hybrid_stack_spec)")
+            self.mtp = MultiTokenPredictionBlock(
+                config=config, spec=mtp_block_spec, vp_stage=vp_stage, pg_collection=self.pg_collection,
+                mtp_layer_pattern=self.mtp_pattern, mtp_num_depths=self.mtp_num_depths,
+                hybrid_submodules=hybrid_stack_spec.submodules, name="mtp")
         if post_process:
+            # Tied: the stage's embedding weight (the first stage's, or the MTP stage's copy of it) is used.
             self.output_layer = self.build_output_layer(
                 vocab_size, parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights)
+                skip_weight_param_allocation=(pre_process or self.mtp_process) and share_embeddings_and_output_weights)
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -174,11 +211,22 @@ class HybridModel(LanguageModule):
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                                      inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
                                      packed_seq_params=packed_seq_params, padding_mask=padding_mask)
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if self.mtp_process and inference_context is None:  # MTP depths after the decoder's (concatenated)
+            hidden_states = self.mtp(
+                input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+                attention_mask=attention_mask, padding_mask=padding_mask, rotary_pos_emb=rotary_pos_emb,
+                packed_seq_params=packed_seq_params, embedding=self.embedding)
+            hidden_states = process_mtp_loss(
+                hidden_states=hidden_states, labels=labels, loss_mask=loss_mask, output_layer=self.output_layer,
+                output_weight=output_weight, runtime_gather_output=runtime_gather_output, is_training=self.training,
+                compute_language_model_loss=self.compute_language_model_loss, config=self.config,
+                cp_group=self.pg_collection.cp, tp_group=self.tp_group, packed_seq_params=packed_seq_params,
+                scale_logits_fn=self._scale_logits if self.config.use_mup else None, input_ids=input_ids)
         if not self.post_process:
             return hidden_states
         if inference_context is not None:  # only the positions whose logits generation needs
             hidden_states = inference_context.select_logit_hidden_states(hidden_states)
-        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         logits = self._scale_logits(logits)
         if labels is None:

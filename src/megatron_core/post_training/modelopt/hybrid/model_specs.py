@@ -18,7 +18,6 @@ from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron_core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron_core.post_training.modelopt.layers import Norm
 from megatron_core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-from megatron_core.ssm.hybrid_stack import HybridStack, HybridStackSubmodules
 from megatron_core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron_core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
 from megatron_core.ssm.mlp_layer import MLPLayer
@@ -26,7 +25,14 @@ from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron_core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron_core.transformer.dot_product_attention import DotProductAttention
 from megatron_core.transformer.enums import AttnMaskType
+from megatron_core.transformer.hybrid_stack import HybridStack, HybridStackSubmodules
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
+from megatron_core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+)
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
@@ -83,9 +89,14 @@ def _local_spec(local_core_attention: bool, remap_te_layernorm: bool) -> ModuleS
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                             linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map=keys(_TRANSFORMER_TE_KEYS)))
+    # The MTP depths' own parts; each depth builds its layers from the pattern with the layer specs above.
+    mtp_layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=Norm, hnorm=Norm, eh_proj=ColumnParallelLinear, mtp_model_layer=None, layer_norm=Norm))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         mamba_layer=mamba_layer, gdn_layer=gdn_layer, attention_layer=attention_layer, mlp_layer=mlp_layer,
-        moe_layer=_sequential_moe_layer()))
+        moe_layer=_sequential_moe_layer(), mtp_block_spec=ModuleSpec(
+            module=MultiTokenPredictionBlock,
+            submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]))))
 
 
 def get_hybrid_stack_modelopt_spec(local_core_attention: bool = False, remap_te_layernorm: bool = False,
