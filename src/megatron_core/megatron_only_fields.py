@@ -91,7 +91,6 @@ class MegatronOnlyTransformerFields:
     mtp_hybrid_override_pattern: str | None = _ignored(None, "hybrid (Mamba) multi-token-prediction layers")
 
     # Kernels, fusions and precision
-    use_fused_weighted_squared_relu: bool = _refused(False, "the weighted squared-ReLU kernel")
     use_transformer_engine_op_fuser: bool = _refused(False, "Transformer Engine's op fuser")
     use_te_activation_func: bool = _refused(False, "Transformer Engine's activation modules")
     fused_residual_rmsnorm: bool = _ignored(False, "a kernel choice: the residual add already runs inside the "

@@ -4,14 +4,16 @@ inside the experts."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from megatron_core.activations import squared_relu
 from megatron_core.jit import jit_fuser
 
-__all__ = ["WeightedSquaredReLUFunction", "weighted_squared_relu", "weighted_squared_relu_back",
-           "weighted_squared_relu_impl"]
+__all__ = ["WeightedSquaredReLUFunction", "uses_fused_weighted_squared_relu", "weighted_squared_relu",
+           "weighted_squared_relu_back", "weighted_squared_relu_impl"]
 
 
 @jit_fuser
@@ -57,3 +59,10 @@ def weighted_squared_relu_impl(input: torch.Tensor, weights: torch.Tensor) -> to
                          f"({tokens} tokens in input {tuple(shape)})")
     out = WeightedSquaredReLUFunction.apply(input.reshape(-1, shape[-1]), weights.reshape(tokens, 1))
     return out if len(shape) == 2 else out.view(shape)
+
+
+def uses_fused_weighted_squared_relu(config: Any, activation_func: Any) -> bool:
+    """Whether an expert weights its squared-ReLU activation by the routing probabilities through
+    :func:`weighted_squared_relu_impl` (``config.use_fused_weighted_squared_relu``, an ungated squared ReLU)."""
+    return (bool(getattr(config, "use_fused_weighted_squared_relu", False)) and activation_func is squared_relu
+            and not getattr(config, "gated_linear_unit", False))

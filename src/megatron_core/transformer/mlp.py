@@ -32,6 +32,10 @@ from megatron_core.activations import gated_linear_unit
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.fusions.fused_bias_swiglu import bias_swiglu_impl
+from megatron_core.fusions.fused_weighted_squared_relu import (
+    uses_fused_weighted_squared_relu,
+    weighted_squared_relu_impl,
+)
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.selective_recompute import ActivationRecompute, recompute_module_enabled
@@ -121,6 +125,9 @@ class MLP(MegatronModule):
 
     def _activate_scaled(self, intermediate: torch.Tensor, bias: torch.Tensor | None,
                          per_token_scale: torch.Tensor | None) -> torch.Tensor:
+        if per_token_scale is not None and uses_fused_weighted_squared_relu(self.config, self.activation_func):
+            x = intermediate if bias is None else intermediate + bias
+            return weighted_squared_relu_impl(x, per_token_scale)  # saves only its inputs
         activated = self._activate(intermediate, bias)
         if per_token_scale is None:
             return activated

@@ -176,6 +176,9 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
 
     # bf16=True: turn off cuBLAS's reduced-precision reduction in bf16 GEMMs (a process-wide torch setting)
     disable_bf16_reduced_precision_matmul: bool = False
+    # MoE experts with an ungated squared ReLU: weight it by the routing probabilities in one function that saves
+    # only its inputs (fusions.fused_weighted_squared_relu)
+    use_fused_weighted_squared_relu: bool = False
 
     # Activation recompute
     recompute_granularity: str | None = None

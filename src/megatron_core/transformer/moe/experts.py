@@ -29,6 +29,10 @@ from megatron_core.dist_checkpointing.mapping import ShardedTensor
 from megatron_core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron_core.distributed.fp8_params import dequantize_fp8_tensor, is_fp8_param
 from megatron_core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron_core.fusions.fused_weighted_squared_relu import (
+    uses_fused_weighted_squared_relu,
+    weighted_squared_relu_impl,
+)
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.grouped_linear import (
@@ -168,6 +172,8 @@ class TEGroupedMLP(MegatronModule):
                 and self.config.activation_func_clamp_value is None)
 
     def _weighted_activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        if uses_fused_weighted_squared_relu(self.config, self.activation_func):
+            return weighted_squared_relu_impl(intermediate, probs)  # saves only its inputs
         if self._fused_weighted_swiglu(intermediate):
             # One fused kernel each way on a GPU (jit_fuser): no fp32 copy of the [rows, ffn] activation.
             return weighted_bias_swiglu_impl(intermediate, None, probs)
