@@ -27,6 +27,16 @@ hnorm(hidden)]``, the embedding half first, in DeepSeek's inference code as in M
 -> ``final_layernorm``, and the decoder-layer tensors (a MoE layer) -> ``mtp_model_layer.*`` with a MoE decoder
 layer's rules. ``embed_tokens`` and ``shared_head.head`` repeat the model's embedding and output layer
 (:class:`~megatron_core.models.hf.rules.SharedCopy`).
+
+DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, :func:`deepseek_v32_config_kwargs`) is this model with DeepSeek sparse
+attention as every layer's core attention (``experimental_attention_variant="dsa"``): ``index_n_heads`` /
+``index_head_dim`` / ``index_topk`` are the ``dsa_indexer_*`` sizes and the indexer's ``wq_b`` / ``wk`` / ``k_norm``
+(a LayerNorm with bias, epsilon 1e-6 in Hugging Face) / ``weights_proj`` its ``linear_*`` projections, whole on
+every TP rank. Hugging Face skips the indexer's Hadamard rotation (it leaves the scores unchanged up to rounding),
+so the import does too (``dsa_indexer_rotate_activation=False``). Its ``mlp_layer_types`` places the MoE layers.
+
+Hugging Face's q/kv latent RMSNorms always use epsilon 1e-6 whatever ``rms_norm_eps`` says, while MLA gives every
+norm ``layernorm_epsilon``: any other ``rms_norm_eps`` is refused.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import torch.nn.functional as F
 from megatron_core.models.hf.rules import Copy, GateUp, SharedCopy, WeightRule
 from megatron_core.models.hf.safetensors_io import HFConversionError
 
-__all__ = ["deepseek_config_kwargs", "deepseek_mtp_rules", "deepseek_rules_for_layer"]
+__all__ = ["deepseek_config_kwargs", "deepseek_mtp_rules", "deepseek_rules_for_layer", "deepseek_v32_config_kwargs"]
 
 
 def _get(cfg: dict, name: str, default: Any = None) -> Any:
@@ -90,11 +100,24 @@ def _rope_fields(path: str, cfg: dict) -> dict[str, Any]:
                 beta_slow=float(_get(params, "beta_slow", 1.0)), mscale=mscale, mscale_all_dim=mscale_all_dim)
 
 
-def _moe_fields(path: str, cfg: dict, layers: int) -> dict[str, Any]:
-    """MoE fields (none when every layer is dense): router, groups, scaling, shared experts, layer pattern."""
+def _moe_pattern(path: str, cfg: dict, layers: int) -> list[int]:
+    """1 (MoE) or 0 (dense MLP) per layer: ``mlp_layer_types`` (``"sparse"`` / ``"dense"``, DeepSeek-V3.2's
+    config) where given, else the first ``first_k_dense_replace`` layers dense."""
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is not None:
+        _reject(path, cfg, "mlp_layer_types", not isinstance(kinds, list) or len(kinds) != layers
+                or any(kind not in ("dense", "sparse") for kind in kinds),
+                f"must list 'dense' or 'sparse' for each of the {layers} layers")
+        return [1 if kind == "sparse" else 0 for kind in kinds]
     dense = int(_get(cfg, "first_k_dense_replace", 0))
     _reject(path, cfg, "first_k_dense_replace", not 0 <= dense <= layers, f"must be in [0, {layers}]")
-    if dense == layers:
+    return [0] * dense + [1] * (layers - dense)
+
+
+def _moe_fields(path: str, cfg: dict, layers: int) -> dict[str, Any]:
+    """MoE fields (none when every layer is dense): router, groups, scaling, shared experts, layer pattern."""
+    pattern = _moe_pattern(path, cfg, layers)
+    if not any(pattern):
         return {}
     experts = int(_get(cfg, "n_routed_experts", _get(cfg, "num_local_experts", 0)))
     topk = int(cfg["num_experts_per_tok"])
@@ -113,7 +136,7 @@ def _moe_fields(path: str, cfg: dict, layers: int) -> dict[str, Any]:
                 f"/ topk_group ({topk} / {group_topk}); they must agree")
     fields: dict[str, Any] = dict(
         num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
-        moe_layer_freq=[0] * dense + [1] * (layers - dense) if dense else 1, moe_router_score_function="sigmoid",
+        moe_layer_freq=1 if all(pattern) else pattern, moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
         moe_router_topk_scaling_factor=float(_get(cfg, "routed_scaling_factor", 1.0)),
     )
@@ -136,6 +159,8 @@ def deepseek_config_kwargs(path: str, cfg: dict) -> tuple[dict[str, Any], dict[s
     _reject(path, cfg, "rope_interleave", cfg.get("rope_interleave", True) is False,
             "MLA rotates DeepSeek's interleaved RoPE pairs (rope_interleave=True)")
     _reject(path, cfg, "pretraining_tp", int(_get(cfg, "pretraining_tp", 1)) != 1, "only 1")
+    _reject(path, cfg, "rms_norm_eps", float(_get(cfg, "rms_norm_eps", 1e-6)) != 1e-6,
+            "Hugging Face's q/kv latent norms always use 1e-6, MLA's use the one layernorm_epsilon of every norm")
     q_lora = cfg.get("q_lora_rank")
     config: dict[str, Any] = dict(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=int(cfg["intermediate_size"]),
@@ -150,6 +175,38 @@ def deepseek_config_kwargs(path: str, cfg: dict) -> tuple[dict[str, Any], dict[s
                  share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
                  max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)))
     return config, model
+
+
+_DSA_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}  # DeepseekV32Config's
+
+
+def deepseek_v32_config_kwargs(path: str, cfg: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(MLATransformerConfig fields, GPTModel arguments)`` of a ``DeepseekV32ForCausalLM`` config: DeepSeek-V3's,
+    with DeepSeek sparse attention (``experimental_attention_variant="dsa"``) as every layer's core attention."""
+    layers, rope = int(cfg["num_hidden_layers"]), int(cfg["qk_rope_head_dim"])
+    _reject(path, cfg, "q_lora_rank", cfg.get("q_lora_rank") is None,
+            "DeepSeek-V3.2's attention and its indexer read the query latent, so it needs a q_lora_rank")
+    kinds = cfg.get("layer_types")
+    _reject(path, cfg, "layer_types", kinds is not None and (not isinstance(kinds, list) or len(kinds) != layers
+            or any(kind != "indexed_attention" for kind in kinds)),
+            f"each of the {layers} layers must be 'indexed_attention' (DeepSeek sparse attention)")
+    heads, dim, topk = (int(_get(cfg, name, default)) for name, default in _DSA_DEFAULTS.items())
+    _reject(path, cfg, "index_n_heads", heads < 1, "must be >= 1")
+    _reject(path, cfg, "index_head_dim", dim < rope,
+            f"the indexer rotates its first qk_rope_head_dim ({rope}) channels, so it needs at least as many")
+    _reject(path, cfg, "index_topk", topk < 1, "must be >= 1")
+    config, model = deepseek_config_kwargs(path, cfg)
+    config.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=heads, dsa_indexer_head_dim=dim,
+                  dsa_indexer_topk=topk, dsa_indexer_k_norm_epsilon=1e-6, dsa_indexer_rotate_activation=False)
+    return config, model
+
+
+def _indexer_rules() -> list[WeightRule]:
+    """DeepSeek-V3.2's indexer (``self_attn.indexer.*``), whole on every TP rank as DSAIndexer duplicates it."""
+    a, m = "model.layers.{i}.self_attn.indexer.", "decoder.layers.{i}.self_attention.core_attention.indexer."
+    return [Copy(m + "linear_wq_b.weight", hf=a + "wq_b.weight"), Copy(m + "linear_wk.weight", hf=a + "wk.weight"),
+            Copy(m + "k_norm.weight", hf=a + "k_norm.weight"), Copy(m + "k_norm.bias", hf=a + "k_norm.bias"),
+            Copy(m + "linear_weights_proj.weight", hf=a + "weights_proj.weight")]
 
 
 def _attention_rules(q_lora: bool) -> list[WeightRule]:
@@ -180,6 +237,8 @@ def deepseek_rules_for_layer(config: dict[str, Any]
                              ) -> tuple[list[WeightRule], list[WeightRule], Callable[[int], list[WeightRule]]]:
     """``(dense-layer rules, MoE-layer rules, layer -> its rules)`` for DeepSeek-V3's tensor names."""
     attention = _attention_rules(config["q_lora_rank"] is not None)
+    if config.get("experimental_attention_variant") == "dsa":
+        attention += _indexer_rules()
     m, hf = "decoder.layers.{i}.mlp.", "model.layers.{i}.mlp."
     dense = attention + _mlp_rules(m, hf)
     moe = attention + [Copy(m + "router.weight", hf=hf + "gate.weight"),

@@ -11,8 +11,9 @@ gated shared expert: :mod:`.qwen3_next`), and
 ``GptOssForCausalLM`` (attention sinks, YaRN, alternating sliding windows, biased router and stacked
 experts with a clamped, offset GLU: :mod:`.gpt_oss`), and ``DeepseekV3ForCausalLM`` (multi-latent attention,
 first dense layers, sigmoid-routed MoE with expert bias, group-limited routing, shared experts and the
-multi-token-prediction layers: :mod:`.deepseek`); the hybrid Mamba models ``NemotronHForCausalLM`` and
-``Mamba2ForCausalLM`` convert to :class:`~megatron_core.models.hybrid.HybridModel` (:mod:`.hybrid`). Architectures
+multi-token-prediction layers: :mod:`.deepseek`) with ``DeepseekV32ForCausalLM`` (the same model with DeepSeek
+sparse attention: its lightning indexer picks ``index_topk`` keys per query); the hybrid Mamba models
+``NemotronHForCausalLM`` and ``Mamba2ForCausalLM`` convert to :class:`~megatron_core.models.hybrid.HybridModel` (:mod:`.hybrid`). Architectures
 that the model code cannot express yet are listed in :data:`NOT_SUPPORTED` with the reason.
 Every config field that changes the computation and is not supported raises
 :class:`HFConversionError` naming ``config.json``, the field and its value.
@@ -31,6 +32,7 @@ from megatron_core.models.hf.deepseek import (
     deepseek_config_kwargs,
     deepseek_mtp_rules,
     deepseek_rules_for_layer,
+    deepseek_v32_config_kwargs,
 )
 from megatron_core.models.hf.gpt_oss import gpt_oss_config_kwargs, gpt_oss_rules
 from megatron_core.models.hf.hybrid import mamba2_family_parts, nemotron_h_family_parts
@@ -249,7 +251,8 @@ def _gpt2(path: str, cfg: dict) -> Family:
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
              "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
-             "GptOssForCausalLM", "DeepseekV3ForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM")
+             "GptOssForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "NemotronHForCausalLM",
+             "Mamba2ForCausalLM")
 
 
 def _qwen3_next(path: str, cfg: dict) -> Family:
@@ -294,8 +297,10 @@ def _hybrid(path: str, cfg: dict, arch: str, hf_prefix: str | None) -> Family:
                   hybrid_pattern=pattern, mixer_params=parts["mixer_params"])
 
 
-def _deepseek_v3(path: str, cfg: dict) -> Family:
-    config_kwargs, model_kwargs = deepseek_config_kwargs(path, cfg)
+def _deepseek(path: str, cfg: dict, arch: str) -> Family:
+    """DeepSeek-V3, or V3.2 (``DeepseekV32ForCausalLM``: the same model with DeepSeek sparse attention)."""
+    v32 = arch == "DeepseekV32ForCausalLM"
+    config_kwargs, model_kwargs = (deepseek_v32_config_kwargs if v32 else deepseek_config_kwargs)(path, cfg)
     dense, moe, rules_for = deepseek_rules_for_layer(config_kwargs)
     union = list({r.mcore: r for r in dense + moe}.values())
     tied = model_kwargs["share_embeddings_and_output_weights"]
@@ -313,10 +318,13 @@ def _deepseek_v3(path: str, cfg: dict) -> Family:
     # DeepSeek's MTP layer (index >= first_k_dense_replace) is a MoE layer: an all-dense model converts without
     # MTP (MTP tensors in its files are then refused as having no place)
     mtp = mtp if moe else 0
+    freq = config_kwargs.get("moe_layer_freq")
+    _reject(path, cfg, "mlp_layer_types", bool(mtp) and isinstance(freq, list) and not freq[-1],
+            "the multi-token-prediction layers are MoE layers built like the last layer, which is dense here")
     if mtp:
         config_kwargs["mtp_num_layers"] = mtp
         mtp_rules, mtp_shared = deepseek_mtp_rules(moe, tied)
-    return Family("DeepseekV3ForCausalLM", config_kwargs, model_kwargs, union, global_rules, int(cfg["vocab_size"]),
+    return Family(arch, config_kwargs, model_kwargs, union, global_rules, int(cfg["vocab_size"]),
                   layers, _dtype(cfg), ignored_suffixes=("rotary_emb.inv_freq",), rules_for_layer=rules_for,
                   buffers=("router.expert_bias",), mtp_num_layers=mtp, mtp_rules=mtp_rules, mtp_shared=mtp_shared)
 
@@ -431,8 +439,8 @@ def family_from_config(cfg: dict, path: str = "config.json", hf_prefix: str | No
             return _llama_like(path, cfg, arch, qkv_bias=False, qk_norm=False, moe="mixtral")
         if arch == "GptOssForCausalLM":
             return _gpt_oss(path, cfg)
-        if arch == "DeepseekV3ForCausalLM":
-            return _deepseek_v3(path, cfg)
+        if arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"):
+            return _deepseek(path, cfg, arch)
         if arch in ("NemotronHForCausalLM", "Mamba2ForCausalLM"):
             return _hybrid(path, cfg, arch, hf_prefix)
         if arch == "Qwen2MoeForCausalLM":

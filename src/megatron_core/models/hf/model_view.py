@@ -177,6 +177,11 @@ def _mla_shape(name: str, c: dict[str, Any]) -> tuple[int, ...]:
         "linear_proj.weight": (hidden, heads * v),
         "linear_proj.bias": (hidden,),
     }
+    if c.get("experimental_attention_variant") == "dsa":  # DeepSeek sparse attention's indexer
+        n, d, indexer = c["dsa_indexer_n_heads"], c["dsa_indexer_head_dim"], "core_attention.indexer."
+        shapes.update({indexer + "linear_wq_b.weight": (n * d, c["q_lora_rank"]),
+                       indexer + "linear_wk.weight": (d, hidden), indexer + "k_norm.weight": (d,),
+                       indexer + "k_norm.bias": (d,), indexer + "linear_weights_proj.weight": (n, hidden)})
     suffix = name.split(".self_attention.", 1)[1]
     if suffix not in shapes:
         raise HFConversionError(f"{name}: no shape known for this multi-latent attention parameter")
