@@ -25,6 +25,7 @@ from torch import nn
 from megatron_core._ground import get_pg_rank
 from megatron_core.device import get_current_device
 from megatron_core.dist_checkpointing.sharded_module import (
+    ensure_metadata_has_dp_cp_group,
     make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
 )
@@ -79,7 +80,8 @@ class ExtendedRMSNorm(nn.Module):
         """The weight, TP-sharded along dim 0."""
         state = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets,
-                                                   tp_group=self.tp_group)
+                                                   tp_group=self.tp_group,
+                                                   dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"])
 
 
 @dataclass
@@ -335,13 +337,16 @@ class MambaMixer(MegatronModule):
         own: dict[str, Any] = {}
         self._save_to_state_dict(own, "", keep_vars=True)
         axis_map = {name: 0 for name in ("A_log", "dt_bias", "D", "conv1d_weight", "conv1d_bias")}
-        sharded = make_sharded_tensors_for_checkpoint(own, prefix, axis_map, sharded_offsets, tp_group=self.tp_group)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        sharded = make_sharded_tensors_for_checkpoint(own, prefix, axis_map, sharded_offsets, tp_group=self.tp_group,
+                                                      dp_cp_group=metadata["dp_cp_group"])
         for name, module in self.named_children():
             child_prefix = f"{prefix}{name}."
             if hasattr(module, "sharded_state_dict"):
                 sharded.update(module.sharded_state_dict(child_prefix, sharded_offsets, metadata))
             else:
-                sharded.update(sharded_state_dict_default(module, child_prefix, sharded_offsets, metadata))
+                sharded.update(sharded_state_dict_default(module, child_prefix, sharded_offsets, metadata,
+                                                          tp_group=self.tp_group))
         for param_name, key in (("conv1d_weight", "conv1d.weight"), ("conv1d_bias", "conv1d.bias")):
             sharded[f"{prefix}{param_name}"].key = f"{prefix}{key}"
         weight_key = f"{prefix}in_proj.weight"

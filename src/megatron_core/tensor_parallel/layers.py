@@ -241,7 +241,8 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Weight and bias as sharded tensors (``ShardedTensor``) split along dim 0 over TP."""
-        return make_tp_sharded_state_dict(self, prefix, {"weight": 0, "bias": 0}, sharded_offsets)
+        return make_tp_sharded_state_dict(self, prefix, {"weight": 0, "bias": 0}, sharded_offsets,
+                                          metadata=metadata)
 
     def set_extra_state(self, state) -> None:
         """Extra state is ignored (kept for Transformer Engine checkpoint compatibility)."""
@@ -340,7 +341,7 @@ class RowParallelLinear(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Weight as a ``ShardedTensor`` split along dim 1 over TP; the bias is replicated."""
-        return make_tp_sharded_state_dict(self, prefix, {"weight": 1}, sharded_offsets)
+        return make_tp_sharded_state_dict(self, prefix, {"weight": 1}, sharded_offsets, metadata=metadata)
 
     def set_extra_state(self, state) -> None:
         """Extra state is ignored (kept for Transformer Engine checkpoint compatibility)."""
@@ -410,4 +411,5 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The weight as a ``ShardedTensor`` split along the vocabulary dim over TP."""
-        return make_tp_sharded_state_dict(self, prefix, {"weight": 0}, sharded_offsets, allow_shape_mismatch=("weight",))
+        return make_tp_sharded_state_dict(self, prefix, {"weight": 0}, sharded_offsets, allow_shape_mismatch=("weight",),
+                                          metadata=metadata)

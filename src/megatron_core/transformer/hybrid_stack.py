@@ -154,7 +154,8 @@ class HybridStack(MegatronModule):
             if hasattr(module, "sharded_state_dict"):
                 sharded.update(module.sharded_state_dict(child_prefix, sharded_offsets, metadata))
             else:
-                sharded.update(sharded_state_dict_default(module, child_prefix, sharded_offsets, metadata))
+                sharded.update(sharded_state_dict_default(module, child_prefix, sharded_offsets, metadata,
+                                                          tp_group=self.tp_group))
         return sharded
 
 

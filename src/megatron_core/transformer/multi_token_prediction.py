@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from megatron_core import tensor_parallel
-from megatron_core._ground import get_pg_rank
 from megatron_core._ground.hybrid_pattern import validate_segment_layers
 from megatron_core._misc_utils import make_viewless_tensor
 from megatron_core.dist_checkpointing.sharded_module import make_tp_sharded_tensor_for_checkpoint
@@ -83,8 +82,10 @@ def _retie(sharded_state_dict: dict, weight: torch.Tensor, key: str, tp_group: A
     if key not in sharded_state_dict:
         raise KeyError(f"{key} is not in the sharded state dict")
     # Replica 1 on the pipeline axis: the copy on the MTP stage, saved by the stage that owns the original.
-    sharded_state_dict[key] = make_tp_sharded_tensor_for_checkpoint(
-        weight, key, replica_id=(1, 0, get_pg_rank(dp_cp_group)), tp_group=tp_group, allow_shape_mismatch=True)
+    sharded = make_tp_sharded_tensor_for_checkpoint(weight, key, tp_group=tp_group, dp_cp_group=dp_cp_group,
+                                                    allow_shape_mismatch=True)
+    sharded.replica_id = (1, *sharded.replica_id[1:])
+    sharded_state_dict[key] = sharded
 
 
 def tie_word_embeddings_state_dict(sharded_state_dict: dict, word_emb_weight: torch.Tensor, word_emb_weight_key: str,

@@ -136,7 +136,8 @@ class TransformerBlock(MegatronModule):
             if name != "layers":
                 out.update(child.sharded_state_dict(prefix=f"{prefix}{name}.", sharded_offsets=sharded_offsets,
                                                     metadata=metadata) if hasattr(child, "sharded_state_dict")
-                           else sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
+                           else sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                           tp_group=self.tp_group))
         return out
 
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:

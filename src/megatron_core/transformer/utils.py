@@ -12,6 +12,7 @@ import torch
 from megatron_core import device as _device
 from megatron_core._ground.attention_masks import get_default_causal_mask, get_sliding_window_causal_mask
 from megatron_core.dist_checkpointing.sharded_module import (
+    ensure_metadata_has_dp_cp_group,
     make_sharded_object_for_checkpoint,
     make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
@@ -120,7 +121,7 @@ def erf_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * 0.5 * (torch.erf(x / 1.41421).to(dtype=x.dtype) + torch.ones_like(x).to(dtype=x.dtype))
 
 
-__all__ = ["attention_mask_func", "cat_with_oom_fallback", "erf_gelu", "gelu_impl", "get_default_causal_mask", "get_linear_layer",
-           "get_sliding_window_causal_mask", "is_layer_window_attention", "make_sharded_object_for_checkpoint",
-           "make_sharded_tensors_for_checkpoint", "openai_gelu", "set_model_to_sequence_parallel",
-           "sharded_state_dict_default"]
+__all__ = ["attention_mask_func", "cat_with_oom_fallback", "ensure_metadata_has_dp_cp_group", "erf_gelu", "gelu_impl",
+           "get_default_causal_mask", "get_linear_layer", "get_sliding_window_causal_mask", "is_layer_window_attention",
+           "make_sharded_object_for_checkpoint", "make_sharded_tensors_for_checkpoint", "openai_gelu",
+           "set_model_to_sequence_parallel", "sharded_state_dict_default"]

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_core import dist_checkpointing, parallel_state
-from megatron_core.dist_checkpointing.mapping import ShardedTensor
+from megatron_core import dist_checkpointing
 from megatron_core.models.mimo import get_mimo_optimizer
 from megatron_core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -164,26 +163,7 @@ def test_stub_optimizer_and_missing_grid_map():
         get_mimo_optimizer(model, _config())
 
 
-def _model_sharded_state(hetero: h.Hetero) -> dict:
-    """The model's sharded state, its encoder tensors' DP replica index taken from the encoder's DP group.
-
-    The model-side helpers read TP and DP ranks from ``parallel_state`` (set up here like the language
-    model's grid), not from the ``dp_cp_group`` metadata that ``MimoModel`` passes; the optimizer's sharded
-    states copy these replica ids.
-    """
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=LAYOUT[2])
-    try:
-        sharded = hetero.model.sharded_state_dict()
-    finally:
-        parallel_state.destroy_model_parallel()
-    for key, value in sharded.items():
-        if isinstance(value, ShardedTensor) and not h.is_language(key):
-            value.replica_id = (*value.replica_id[:-1], dist.get_rank(hetero.dp_group(key)))
-    return sharded
-
-
 def _sharded_resumes(directory: str) -> int:
-
     state, _, ref_weights = _reference(STEPS)
     first = h.build(*LAYOUT, state)
     second = h.build(*LAYOUT, state)
@@ -191,13 +171,13 @@ def _sharded_resumes(directory: str) -> int:
         opt = get_mimo_optimizer(first.model, _config())
         for _ in range(STEPS - 1):
             _train_step(first, opt)
-        sharded = opt.sharded_state_dict(_model_sharded_state(first))
+        sharded = opt.sharded_state_dict(first.model.sharded_state_dict())
         dist_checkpointing.save({"optimizer": sharded}, directory)
         with torch.no_grad():
             for (_, a), (_, b) in zip(first.model.named_parameters(), second.model.named_parameters()):
                 b.copy_(a)
         resumed = get_mimo_optimizer(second.model, _config())
-        template = resumed.sharded_state_dict(_model_sharded_state(second), is_loading=True,
+        template = resumed.sharded_state_dict(second.model.sharded_state_dict(), is_loading=True,
                                               state_names=["exp_avg", "exp_avg_sq"])
         resumed.load_state_dict(dist_checkpointing.load({"optimizer": template}, directory)["optimizer"])
         _train_step(first, opt)

@@ -38,7 +38,10 @@ from typing import Any
 import torch
 
 from megatron_core.device import get_current_device
-from megatron_core.dist_checkpointing.sharded_module import make_sharded_tensors_for_checkpoint
+from megatron_core.dist_checkpointing.sharded_module import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
 from megatron_core.inference.contexts import dynamic_context, static_context
 from megatron_core.inference.contexts.rotary import rotate_at_positions
 from megatron_core.post_training.modelopt._backend import modelopt_modules
@@ -122,8 +125,9 @@ class QuantDotProductAttention(_mo.nn.QuantModule):
         buffers = self._quantizer_buffers()
         for name in buffers:
             sharded.pop(f"{prefix}{name}", None)
-        sharded.update(make_sharded_tensors_for_checkpoint(buffers, prefix, {}, sharded_offsets,
-                                                           tp_group=self._kv_tp_group))
+        sharded.update(make_sharded_tensors_for_checkpoint(
+            buffers, prefix, {}, sharded_offsets, tp_group=self._kv_tp_group,
+            dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]))
         return sharded
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:

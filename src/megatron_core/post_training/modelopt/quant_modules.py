@@ -43,7 +43,10 @@ import torch
 
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
-from megatron_core.dist_checkpointing.sharded_module import make_sharded_tensors_for_checkpoint
+from megatron_core.dist_checkpointing.sharded_module import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
 from megatron_core.post_training.modelopt._backend import modelopt_modules
 from megatron_core.post_training.modelopt.awq_tp import sync_awq_statistics
 from megatron_core.post_training.modelopt.layers import Linear
@@ -208,8 +211,9 @@ class _QuantParallelLinear(_mo.custom._ParallelLinear):
             sharded.pop(f"{prefix}{name}", None)
         tensors = {name: tensor for name, (tensor, _) in quantizer_state.items()}
         axes = {name: axis for name, (_, axis) in quantizer_state.items() if axis is not None}
-        sharded.update(make_sharded_tensors_for_checkpoint(tensors, prefix, axes, sharded_offsets,
-                                                           tp_group=self.tp_group))
+        sharded.update(make_sharded_tensors_for_checkpoint(
+            tensors, prefix, axes, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]))
         return sharded
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:

@@ -27,6 +27,7 @@ from torch.func import functional_call
 from megatron_core._ground import get_pg_rank
 from megatron_core.device import get_current_device
 from megatron_core.dist_checkpointing.sharded_module import (
+    ensure_metadata_has_dp_cp_group,
     make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
 )
@@ -308,18 +309,21 @@ class GatedDeltaNet(MegatronModule):
         ``.query/.key/.value``, each TP-sharded on its own (TP-size independent)."""
         own: dict[str, Any] = {}
         self._save_to_state_dict(own, "", keep_vars=True)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        groups = {"tp_group": self.tp_group, "dp_cp_group": metadata["dp_cp_group"]}
         sharded = make_sharded_tensors_for_checkpoint(own, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets,
-                                                      tp_group=self.tp_group)
+                                                      **groups)
         for child_name, module in self.named_children():
             child_prefix = f"{prefix}{child_name}."
             if module is self.conv1d:
                 sharded.update(make_sharded_tensors_for_checkpoint(
                     module.state_dict(prefix="", keep_vars=True), child_prefix, {"weight": 0, "bias": 0},
-                    sharded_offsets, tp_group=self.tp_group))
+                    sharded_offsets, **groups))
             elif hasattr(module, "sharded_state_dict"):
                 sharded.update(module.sharded_state_dict(child_prefix, sharded_offsets, metadata))
             else:
-                sharded.update(sharded_state_dict_default(module, child_prefix, sharded_offsets, metadata))
+                sharded.update(sharded_state_dict_default(module, child_prefix, sharded_offsets, metadata,
+                                                          tp_group=self.tp_group))
         weight_key = f"{prefix}in_proj.weight"
         sharded[weight_key] = _split_tensor_factory(sharded[weight_key], list(self.in_proj_split_sections),
                                                     self.in_proj_split_names, 0)

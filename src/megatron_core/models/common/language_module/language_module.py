@@ -27,6 +27,7 @@ from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.multi_token_prediction import tie_word_embeddings_state_dict
 from megatron_core.transformer.rotary_pos_embedding import RotaryEmbedding
 from megatron_core.transformer.transformer_config import TransformerConfig
+from megatron_core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 __all__ = ["LanguageModule", "check_position_embedding_type", "output_layer_init_method"]
 
@@ -90,13 +91,14 @@ class LanguageModule(MegatronModule):
 
         A tied output layer on a stage without the embedding is stored as a replica of the embedding.
         """
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         sharded.pop(f"{prefix}output_layer._extra_state", None)
         word_emb_key = f"{prefix}embedding.word_embeddings.weight"
         if getattr(self, "mtp_process", False) and not self.pre_process:
             # The MTP stage's copy of the first stage's embedding: saved by the first stage only.
             tie_word_embeddings_state_dict(sharded, self.embedding.word_embeddings.weight, word_emb_key,
-                                           tp_group=self.tp_group, dp_cp_group=self.pg_collection.dp_cp)
+                                           tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
         self.tie_embeddings_and_output_weights_state_dict(sharded, f"{prefix}output_layer.weight", word_emb_key)
         return sharded
 

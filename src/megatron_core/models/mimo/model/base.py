@@ -99,7 +99,12 @@ class MimoModel(MegatronModule):
     # --- checkpointing ---------------------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
-        """Sharded state of every modality submodule and the language model (wrappers add ``module.``)."""
+        """Sharded state of every modality submodule and the language model (wrappers add ``module.``).
+
+        Each module is described on its own groups: the language model's ``pg_collection.dp_cp`` goes into its
+        ``metadata["dp_cp_group"]`` (each ``ModalitySubmodules`` puts its own), so replica ids and TP offsets
+        follow each module's grid, not ``parallel_state``; heterogeneous grids save one main replica per shard.
+        """
         out: dict = {}
         for name, module in self.named_children():
             children = module.items() if name == "modality_submodules" else [(None, module)]

@@ -57,7 +57,11 @@ class ModalitySubmodules(ABC, nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
-        """Sharded state of every encoder, decoder and projection, under ``<prefix><container>.<name>.``."""
+        """Sharded state of every encoder, decoder and projection, under ``<prefix><container>.<name>.``.
+
+        With a ``pg_collection``, its ``dp_cp`` group counts the DP replicas (``metadata["dp_cp_group"]``) and
+        its ``tp`` group is the TP group of children that have none of their own.
+        """
         dp_cp = getattr(self.pg_collection, "dp_cp", None)
         if dp_cp is not None:
             metadata = {**(metadata or {}), "dp_cp_group": dp_cp}
@@ -68,7 +72,8 @@ class ModalitySubmodules(ABC, nn.Module):
                 if hasattr(module, "sharded_state_dict"):
                     out.update(module.sharded_state_dict(sub_prefix, sharded_offsets, metadata))
                 else:
-                    out.update(sharded_state_dict_default(module, sub_prefix, sharded_offsets, metadata))
+                    out.update(sharded_state_dict_default(module, sub_prefix, sharded_offsets, metadata,
+                                                          tp_group=getattr(self.pg_collection, "tp", None)))
         return out
 
     @classmethod
