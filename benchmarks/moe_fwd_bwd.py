@@ -23,6 +23,11 @@ parameters (``fp8_param``), which the optimizer step quantizes once per step. It
 distributed optimizer's step; with ``fp8_param`` that step includes the quantization of the main weights into the
 FP8 parameters), and a ``RESULT`` line with both ratios: ``fwd+bwd`` alone and ``fwd+bwd`` + optimizer step.
 
+``--fp8-no-wgrad`` sets ``fp8_wgrad=False`` (weight gradients in bf16 from the unquantized operands) for the FP8
+variants whose GEMMs honour it: the delayed recipe, the FP8 parameters of ``--fp8-param``, and the grouped GEMMs timed
+alone; torchao's recipes refuse it, so their variants keep ``fp8_wgrad=True``. With the flag every FP8 label says
+which one it ran.
+
 ``--compile`` compiles each layer's norms and attention and the loss (the MoE block has data-dependent
 shapes and runs eagerly with one grouped GEMM per projection). The last lines are ``RESULT`` lines.
 """
@@ -93,6 +98,10 @@ def parse_args() -> argparse.Namespace:
                    help="with --fp8-param: time the fp8_param step once more with the experts' weight gradient added "
                         "into main_grad by the Triton grouped GEMM (fp8_param_grouped.ACCUMULATE_WGRAD_IN_GEMM, the "
                         "default; the fp8_param run without this flag uses the separate addition)")
+    p.add_argument("--fp8-no-wgrad", action="store_true",
+                   help="with --fp8: fp8_wgrad=False (bf16 weight gradients) for the FP8 variants that honour it (the "
+                        "delayed recipe, --fp8-param's FP8 parameters, the grouped GEMMs timed alone); torchao's "
+                        "tensorwise/rowwise GEMMs refuse it and keep fp8_wgrad=True; the labels say which ran")
     p.add_argument("--skip-ours", action="store_true", help="do not time our bf16 model")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
     p.add_argument("--grouped-gemm-backend", choices=["torch", "cutlass"], default=None,
@@ -103,6 +112,10 @@ def parse_args() -> argparse.Namespace:
         p.error("--fp8-param needs --fp8 tensorwise:FORMAT (fp8_param's recipe)")
     if args.fp8_wgrad_in_gemm and not args.fp8_param:
         p.error("--fp8-wgrad-in-gemm needs --fp8-param")
+    if args.fp8_no_wgrad and (args.fp8 is None or not (args.fp8.startswith("delayed:") or args.fp8_param)):
+        p.error("--fp8-no-wgrad needs --fp8 delayed:FORMAT or --fp8-param (torchao's recipes refuse fp8_wgrad=False)")
+    if args.fp8_no_wgrad and args.fp8_wgrad_in_gemm:
+        p.error("--fp8-wgrad-in-gemm times the FP8 weight-gradient kernel, which --fp8-no-wgrad replaces by bf16")
     if args.tiny:
         args.layers, args.hidden, args.heads, args.query_groups, args.ffn = 2, 64, 4, 2, 128
         args.vocab, args.seq, args.mbs, args.steps, args.warmup = 256, 32, 2, 2, 1
@@ -123,10 +136,23 @@ def flops_per_token(args: argparse.Namespace) -> float:
     return 6 * active_parameters(args) + 12 * args.layers * args.hidden * args.seq
 
 
+def fp8_wgrad(args: argparse.Namespace, recipe: str, fp8_param: bool) -> bool:
+    """The ``fp8_wgrad`` of an FP8 variant: False with ``--fp8-no-wgrad`` where its GEMMs honour it (the delayed
+    recipe or FP8 parameters; torchao's recipes refuse it)."""
+    return not (args.fp8_no_wgrad and (recipe == "delayed" or fp8_param))
+
+
+def wgrad_label(args: argparse.Namespace, wgrad: bool) -> str:
+    """The label suffix of an FP8 variant that ran with ``fp8_wgrad=wgrad`` (empty without ``--fp8-no-wgrad``)."""
+    if not args.fp8_no_wgrad:
+        return ""
+    return " fp8_wgrad=False" if not wgrad else " fp8_wgrad=True (torchao)"
+
+
 def build_ours(args: argparse.Namespace, dtype: torch.dtype, fp8: tuple[str, str] | None = None,
                fp8_param: bool = False) -> torch.nn.Module:
     """Our MoE GPTModel; with ``fp8 = (recipe, format)`` its layer GEMMs (experts included) run in FP8, with
-    ``fp8_param`` their weights stored as FP8 parameters."""
+    ``fp8_param`` their weights stored as FP8 parameters, with ``fp8_wgrad`` as :func:`fp8_wgrad` says."""
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, normalization="RMSNorm",
@@ -134,7 +160,8 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype, fp8: tuple[str, str
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
         num_moe_experts=args.experts, moe_router_topk=args.topk, moe_grouped_gemm=not args.sequential,
         moe_aux_loss_coeff=args.aux_loss, moe_token_dispatcher_type="alltoall", apply_rope_fusion=not args.no_rope_fusion,
-        **({} if fp8 is None else dict(fp8=fp8[1], fp8_recipe=fp8[0], fp8_param=fp8_param)),
+        **({} if fp8 is None else dict(fp8=fp8[1], fp8_recipe=fp8[0], fp8_param=fp8_param,
+                                       fp8_wgrad=fp8_wgrad(args, fp8[0], fp8_param))),
         **({} if args.capacity_factor is None else dict(moe_expert_capacity_factor=args.capacity_factor,
                                                          moe_pad_expert_input_to_capacity=True)),
     )
@@ -183,7 +210,7 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype, counts: list[
                      ) -> tuple[float, float, float | None]:
     """Seconds of the experts' six GEMMs (fc1 and fc2: forward, data and weight gradients) on the grouped kernel,
     of the same six GEMMs dense, with the same total FLOPs, and (``--fp8`` on a GPU, else None) of the grouped
-    GEMMs in FP8 with their casts.
+    GEMMs in FP8 with their casts (the weight gradients in bf16 with ``--fp8-no-wgrad``).
 
     Every operand is contiguous, as in the model: fc2 reads the SwiGLU's output and fc1's backward the SwiGLU's
     gradient, both fresh tensors. (Until session 21 fc2 read a column slice of fc1's output, which the grouped
@@ -223,8 +250,9 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype, counts: list[
         run(lambda: F.linear(dense_x, d1), lambda: F.linear(dense_a, d2), [dense_x, dense_a, d1, d2])
 
     def grouped_fp8() -> None:
-        run(lambda: fp8_grouped_gemm(x, w1, ends=layout.ends), lambda: fp8_grouped_gemm(a, w2, ends=layout.ends),
-            [x, a, w1, w2])
+        wgrad = not args.fp8_no_wgrad
+        run(lambda: fp8_grouped_gemm(x, w1, ends=layout.ends, fp8_wgrad=wgrad),
+            lambda: fp8_grouped_gemm(a, w2, ends=layout.ends, fp8_wgrad=wgrad), [x, a, w1, w2])
 
     fp8_s = time_steps(grouped_fp8, args) if args.fp8 and dev.type == "cuda" else None
     return time_steps(grouped, args), time_steps(dense, args), fp8_s
@@ -239,7 +267,7 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     ours = build_ours(args, dtype, fp8)
     mode = " (compiled layers)" if args.compile_moe else " (compiled attn)" if args.compile else " eager"
     label = "megatron_core " + ("SequentialMLP" if args.sequential else "grouped GEMM") + mode
-    label += "" if fp8 is None else f" fp8 {fp8[0]}:{fp8[1]}"
+    label += "" if fp8 is None else f" fp8 {fp8[0]}:{fp8[1]}" + wgrad_label(args, fp8_wgrad(args, fp8[0], False))
     mfu = time_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
                          flops_per_token(args), width=36)
     if args.profile:
@@ -286,7 +314,7 @@ def measure_fp8_param(args: argparse.Namespace, dtype: torch.dtype, ids: torch.T
         if mdevice.get_current_device().type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         label = (f"fp8 {args.fp8} DDP+distopt" + (" fp8_param" if fp8_param else " (hp weights)")
-                 + (" wgrad in GEMM" if wgrad_in_gemm else ""))
+                 + (" wgrad in GEMM" if wgrad_in_gemm else "") + wgrad_label(args, fp8_wgrad(args, fp8[0], fp8_param)))
         fb = time_steps(fwd_bwd, args)
         report_flops(label + " fwd+bwd", fb, args, flops_per_token(args), width=48)
         if args.profile:
@@ -337,7 +365,8 @@ def main() -> None:
     fp8_mfu = None
     if args.fp8:
         fp8_mfu = measure_ours(args, dtype, ids, position_ids, labels, fp8=tuple(args.fp8.split(":")))
-        print(f"RESULT fp8 {args.fp8} fwd+bwd: {fp8_mfu / ours_mfu:.3f}x our bf16 step", flush=True)
+        label = args.fp8 + wgrad_label(args, fp8_wgrad(args, args.fp8.split(":")[0], False))
+        print(f"RESULT fp8 {label} fwd+bwd: {fp8_mfu / ours_mfu:.3f}x our bf16 step", flush=True)
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -351,7 +380,8 @@ def main() -> None:
               f"{grouped_s * 1e3:.2f} ms vs one dense GEMM of equal FLOPs {dense_s * 1e3:.2f} ms "
               f"({grouped_s / dense_s:.2f}x); rows per expert {counts}")
         if fp8_s is not None:
-            print(f"  the same grouped GEMMs in FP8 (casts included): {fp8_s * 1e3:.2f} ms "
+            print(f"  the same grouped GEMMs in FP8{wgrad_label(args, not args.fp8_no_wgrad)} (casts included): "
+                  f"{fp8_s * 1e3:.2f} ms "
                   f"({grouped_s / fp8_s:.2f}x bf16's speed)")
 
     if not args.no_hf:

@@ -74,10 +74,11 @@ def test_triton_scan_matches_reference(dtype: torch.dtype, tol: float, shape: tu
     {"cb_scratch": 1},                                    # C B^T once per group, read by its heads
     {"bwd_fused": 1},                                     # one backward program per (chunk, group)
     {"bwd_fused": 1, "fused_p": 32, "chunk": 32},
-    {"states_lowp": 1},                                   # per-chunk states kept in bf16
-    {"states_lowp": 1, "bwd_fused": 1},
-], ids=["chunk128", "chunk32-k32", "p32", "cb-scratch", "bwd-fused", "bwd-fused-p32", "bf16-states",
-        "bf16-states-fused"])
+    {"states_lowp": 0},                                   # per-chunk states kept in fp32
+    {"states_lowp": 0, "bwd_fused": 1},
+    {"state_p": 32},                                      # two head_dim blocks per walk program
+], ids=["chunk128", "chunk32-k32", "p32", "cb-scratch", "bwd-fused", "bwd-fused-p32", "fp32-states",
+        "fp32-states-fused", "state-p32"])
 def test_triton_scan_block_variants_match_reference(dtype: torch.dtype, tol: float, blocks: dict,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Other ``SCAN_BLOCKS`` (what ``--scan-variants`` times) give the same function, outputs and gradients."""

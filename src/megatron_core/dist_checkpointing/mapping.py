@@ -18,6 +18,7 @@ tensor (e.g. the stacked layer axis added by ``TransformerBlock``): locally they
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -28,6 +29,8 @@ import torch
 
 from megatron_core.dist_checkpointing.core import CheckpointingException
 from megatron_core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+logger = logging.getLogger(__name__)
 
 ReplicaId = Union[int, tuple[int, ...]]
 StateDict = dict[str, Any]
@@ -338,9 +341,9 @@ def apply_factory_merges(x1: Any, x2: Any, key: tuple[str | int, ...] = ()) -> A
             x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
     elif isinstance(x1, list) and isinstance(x2, list):
         if len(x1) != len(x2):
-            raise CheckpointingException(
-                f"list at {'.'.join(map(str, key))}: {len(x1)} loaded values for {len(x2)} factories"
-            )
+            message = f"list at {'.'.join(map(str, key))}: {len(x1)} loaded values for {len(x2)} factories"
+            logger.error("%s\nloaded: %s\nfactories: %s", message, x1, x2)
+            raise CheckpointingException(message)
         for i, v2 in enumerate(x2):
             x1[i] = apply_factory_merges(x1[i], v2, key + (i,))
     elif isinstance(x1, list) and isinstance(x2, dict):

@@ -10,6 +10,7 @@ and takes its slice back with :func:`full_to_dp_flat_shard` after loading.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from copy import deepcopy
 from dataclasses import replace
@@ -26,6 +27,8 @@ from megatron_core.dist_checkpointing.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
 )
+
+logger = logging.getLogger(__name__)
 
 KEEP_VARS_HINT = (
     " The model state dict must hold the model's torch.nn.Parameter objects themselves (call `.state_dict()` with"
@@ -49,8 +52,14 @@ def get_param_id_to_sharded_param_map(model_sharded_state_dict: ShardedStateDict
     index_of = get_optim_param_to_id_map(optim_params_iter)
     out: dict[int, Any] = {}
     for sh in nested_values(model_sharded_state_dict):
-        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and id(sh.data) in index_of:
+        if not isinstance(sh, (ShardedTensor, ShardedTensorFactory)):
+            continue
+        if id(sh.data) in index_of:
             out[index_of[id(sh.data)]] = sh
+        else:
+            logger.debug("%s is not tracked by the optimizer", sh.key)
+    if not out and collectives.get_rank() == 0:
+        logger.warning("no model tensor matches an optimizer parameter." + KEEP_VARS_HINT)
     return out
 
 

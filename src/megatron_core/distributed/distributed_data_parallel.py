@@ -10,6 +10,7 @@ expert DP group. Gradients are pre-divided by the DP x CP size unless ``average_
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state
-from megatron_core._ground import get_pg_size, register_wrapper
+from megatron_core._ground import get_pg_rank, get_pg_size, register_wrapper
 from megatron_core.device import get_current_device
 from megatron_core.distributed import collectives
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
@@ -39,6 +40,8 @@ from megatron_core.distributed.static_main_grads import (
 )
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.wgrad_accumulation import BACKWARD_ADDS_TO_MAIN_GRAD
+
+logger = logging.getLogger(__name__)
 
 
 def _ddp_groups(pg_collection: Any) -> tuple[Any, Any]:
@@ -111,6 +114,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.intra_dp_cp_group, self.intra_expt_dp_group, self.inter_dist_opt_group = _optimizer_instance_groups(
             pg_collection, ddp_config.num_distributed_optimizer_instances, self.dp_cp_group, self.expt_dp_group)
         dp_cp_size = get_pg_size(self.dp_cp_group)
+        if get_pg_rank(self.dp_cp_group) == 0:
+            logger.info("Setting up DistributedDataParallel with config %s", ddp_config)
         expt_dp_size = get_pg_size(self.expt_dp_group)
 
         self.bucket_size = ddp_config.bucket_size

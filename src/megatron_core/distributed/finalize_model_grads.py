@@ -6,8 +6,9 @@ all-reduce the gradients of sequence-parallel params (layernorms, row-parallel b
 all-reduce tied word-embedding gradients over the embedding group (first and last PP stage) and
 position-embedding gradients over the position-embedding group; update the MoE routers' expert
 biases (aux-loss-free balancing) from the step's token counts summed over TP x DP x CP; update the
-quantile-balancing routers' ``qb_beta`` from the step's quantiles averaged over DP x CP; optionally
-divide every gradient by the number of tokens of the global batch.
+quantile-balancing routers' ``qb_beta`` from the step's quantiles averaged over DP x CP; restart the
+routers' per-step accumulators (:func:`reset_model_temporary_tensors`); optionally divide every gradient
+by the number of tokens of the global batch.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _routers(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
 
 
 def _update_router_expert_bias(model: list[torch.nn.Module]) -> None:
-    """Ask each MoE router to move its ``expert_bias`` toward balance and restart its step counters.
+    """Ask each MoE router to move its ``expert_bias`` toward balance.
 
     The router owns the rule (``TopKRouter.update_expert_bias``); this layer, below ``transformer``,
     only calls the hook.
@@ -103,8 +104,6 @@ def _update_router_expert_bias(model: list[torch.nn.Module]) -> None:
     for module in _routers(model):
         if hasattr(module, "update_expert_bias"):
             module.update_expert_bias()
-        if hasattr(module, "reset_global_aux_loss_tracker"):
-            module.reset_global_aux_loss_tracker()
 
 
 def _update_router_qb_beta(model: list[torch.nn.Module], dp_cp_group: Any) -> None:
@@ -113,7 +112,7 @@ def _update_router_qb_beta(model: list[torch.nn.Module], dp_cp_group: Any) -> No
     A router in training mode averages its micro-batches' quantiles (``qb_beta_accum / qb_beta_count``),
     then averages that over ``dp_cp_group`` (one collective for all routers); the new bias is
     ``ema * qb_beta + (1 - ema) * average`` (``moe_router_quantile_balancing_ema``) minus its mean over
-    the experts. Every quantile-balancing router's accumulators are zeroed.
+    the experts. The accumulators are zeroed afterwards by :func:`reset_model_temporary_tensors`.
     """
     routers = [m for m in _routers(model) if getattr(m, "qb_beta_accum", None) is not None]
     training = [m for m in routers if m.training]
@@ -127,9 +126,36 @@ def _update_router_qb_beta(model: list[torch.nn.Module], dp_cp_group: Any) -> No
                 ema = module.config.moe_router_quantile_balancing_ema
                 blended = ema * module.qb_beta + (1.0 - ema) * average
                 module.qb_beta.copy_(blended - blended.mean())
-        for module in routers:
-            module.qb_beta_accum.zero_()
-            module.qb_beta_count.zero_()
+
+
+def _setting(config: Any, module: torch.nn.Module, name: str, default: Any) -> Any:
+    """``config.<name>``; without a model config, the module's own config's."""
+    return getattr(config if config is not None else getattr(module, "config", None), name, default)
+
+
+def reset_model_temporary_tensors(config: Any, model: list[torch.nn.Module]) -> None:
+    """Restart what the MoE routers accumulate over one step (Megatron-Core's function of this name).
+
+    For every module of every chunk: the token counts behind the expert bias (``local_tokens_per_expert``,
+    with ``moe_router_enable_expert_bias``), the global-batch counts of ``global_aux_loss`` (with that
+    load-balancing type) and the quantile accumulators (``qb_beta_accum`` / ``qb_beta_count``). Called by
+    :func:`finalize_model_grads` once the step's updates are made, and by code that discards a step.
+    ``config`` is the model's ``TransformerConfig``; ``None`` reads each module's own.
+    """
+    with torch.no_grad():
+        for chunk in model:
+            for module in submodules_with_attribute(unwrap_model(chunk), "expert_bias", "qb_beta_accum",
+                                                    "reset_global_aux_loss_tracker"):
+                counts = getattr(module, "local_tokens_per_expert", None)
+                if (_setting(config, module, "moe_router_enable_expert_bias", False) and hasattr(module, "expert_bias")
+                        and counts is not None):
+                    counts.zero_()
+                balancing = _setting(config, module, "moe_router_load_balancing_type", "")
+                if "global_aux_loss" in balancing and hasattr(module, "reset_global_aux_loss_tracker"):
+                    module.reset_global_aux_loss_tracker()
+                if getattr(module, "qb_beta_accum", None) is not None:
+                    module.qb_beta_accum.zero_()
+                    module.qb_beta_count.zero_()
 
 
 def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
@@ -158,6 +184,7 @@ def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor 
 
     _update_router_expert_bias(model)
     _update_router_qb_beta(model, groups["dp_cp"])
+    reset_model_temporary_tensors(config, model)
 
     if num_tokens is not None:
         pp_group = groups["pp"]

@@ -16,6 +16,7 @@ own are still pending before it reads or reduces them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
@@ -35,6 +36,8 @@ from megatron_core.distributed.param_layout import (
     compute_per_buffer_param_layout,
 )
 from megatron_core.tensor_parallel.wgrad_accumulation import expect_first_write, zero_pending_first_writes
+
+logger = logging.getLogger(__name__)
 
 
 class BufferType(Enum):
@@ -379,6 +382,17 @@ class _ParamAndGradBuffer:
             self.buckets.append(bucket)
             for param in plist:
                 self.param_to_bucket[param] = bucket
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(self._bucket_summary())
+
+    def _bucket_summary(self) -> str:
+        """The buckets and the parameters in each, for the debug log."""
+        lines = [f"{len(self.buckets)} bucket(s) of {self.param_dtype} params / {self.grad_dtype} grads:"]
+        for i, bucket in enumerate(self.buckets):
+            lines.append(f"bucket {i}: {self.per_bucket_numel_unpadded[i]} elements, {bucket.grad_data.numel()} "
+                         "padded")
+            lines += [f"\t{self.param_to_name.get(p, '?')}" for p in bucket.params_list]
+        return "\n".join(lines)
 
     def _complement_of(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
         """Views of ``grad_data`` outside ``params``' ranges (other params, alignment gaps, bucket padding).

@@ -14,7 +14,9 @@ writes them once per step), and the GEMM here takes them as they are:
   autograd gradient is a placeholder that DDP's hook ignores, as for the dense FP8 parameters
   (:mod:`megatron_core.fp8.fp8_param_linear`). With :data:`ACCUMULATE_WGRAD_IN_GEMM` the GEMM itself adds it into
   ``main_grad`` (:mod:`megatron_core.fp8.grouped_wgrad_accumulate`, a Triton kernel) instead of writing a bf16
-  ``dW`` for a separate addition.
+  ``dW`` for a separate addition. With ``fp8_wgrad=False`` the weight gradient comes from the unquantized ``dy`` and
+  ``x`` instead (bf16 grouped GEMM on Hopper, :func:`megatron_core.fp8.scaled_grouped_mm.hp_wgrad_gemm`; fp32 when
+  emulated) and is added to ``main_grad`` the same way.
 
 So FP8-parameter training computes what FP8 experts with a high-precision weight cast in the forward compute. On a
 Hopper GPU with bf16 inputs the GEMMs are ``torch._scaled_grouped_mm`` (the casts and GEMMs of
@@ -30,7 +32,12 @@ from typing import Any
 import torch
 
 from megatron_core.fp8.fp8_param_linear import _placeholder, _placeholder_kind
-from megatron_core.fp8.grouped_gemm import device_ends, host_counts, quantize_dequantize_e4m3
+from megatron_core.fp8.grouped_gemm import (
+    device_ends,
+    emulated_grouped_wgrad,
+    host_counts,
+    quantize_dequantize_e4m3,
+)
 from megatron_core.fp8.grouped_wgrad_accumulate import (
     grouped_wgrad_accumulate_,
     grouped_wgrad_accumulate_supported,
@@ -38,6 +45,7 @@ from megatron_core.fp8.grouped_wgrad_accumulate import (
 from megatron_core.fp8.scaled_grouped_mm import (
     dgrad_gemm,
     forward_gemm,
+    hp_wgrad_gemm,
     scaled_grouped_mm_supported,
     wgrad_gemm,
     wgrad_operands,
@@ -94,16 +102,16 @@ class EmulatedFp8ParamGroupedGemm(torch.autograd.Function):
     """``cat_e(x_e @ W_e.T)`` for the FP8 expert parameter ``weight`` (codes ``[E, out, in]``, quantization multipliers
     ``w_scale [E * out]``), emulated in fp32 with the arithmetic of
     :class:`~megatron_core.fp8.grouped_gemm.EmulatedFp8GroupedGemm`; the weight gradient goes to ``main_grad`` in
-    ``hp_dtype``."""
+    ``hp_dtype`` (from the unquantized ``dy`` and ``x`` with ``fp8_wgrad=False``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int], w_scale: torch.Tensor,
                 hp_dtype: torch.dtype, main_grad: torch.Tensor | None = None,
-                placeholder: str | None = None) -> torch.Tensor:
+                placeholder: str | None = None, fp8_wgrad: bool = True) -> torch.Tensor:
         """The product with the stored codes; ``x`` rounded through e4m3 per row."""
         w_inverse = w_scale.detach().reciprocal().view(*weight.shape[:-1], 1)
         _save_main_grad(ctx, weight, main_grad, placeholder)
-        ctx.counts, ctx.hp_dtype = counts, hp_dtype
+        ctx.counts, ctx.hp_dtype, ctx.fp8_wgrad = counts, hp_dtype, fp8_wgrad
         ctx.save_for_backward(x, weight, w_inverse)
         w_q = weight.float() * w_inverse
         x_q = quantize_dequantize_e4m3(x, -1)
@@ -121,33 +129,33 @@ class EmulatedFp8ParamGroupedGemm(torch.autograd.Function):
             grad_x = torch.cat([quantize_dequantize_e4m3(dy * w_inverse[e, :, 0], -1) @ w_codes[e]
                                 for e, dy in enumerate(torch.split(grad.float(), counts, dim=0))], dim=0).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            per_expert = []
-            for dy_e, x_e in zip(torch.split(grad, counts, dim=0), torch.split(x, counts, dim=0)):
-                if dy_e.shape[0] == 0:
-                    per_expert.append(x.new_zeros(weight.shape[1:], dtype=torch.float32))
-                    continue
-                per_expert.append(quantize_dequantize_e4m3(dy_e, 0).t() @ quantize_dequantize_e4m3(x_e, 0))
-            grad_w = _accumulate(weight, ctx.main_grad, torch.stack(per_expert).to(ctx.hp_dtype), ctx.placeholder)
-        return grad_x, grad_w, None, None, None, None, None
+            grad_w = emulated_grouped_wgrad(grad, x, counts, ctx.fp8_wgrad).to(ctx.hp_dtype)
+            grad_w = _accumulate(weight, ctx.main_grad, grad_w, ctx.placeholder)
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 class ScaledGroupedMmFp8Param(torch.autograd.Function):
     """:class:`~megatron_core.fp8.scaled_grouped_mm.ScaledGroupedMm` with the weight given as e4m3 codes
     ``[E, out, in]`` and quantization multipliers ``w_scale [E * out]`` (no cast of the weight); the weight gradient
-    (bf16, as the kernel writes it) is added to ``main_grad``. Callers check ``scaled_grouped_mm_supported`` first."""
+    (bf16, as the kernel writes it) is added to ``main_grad``. ``fp8_wgrad=False``: the weight gradient from the
+    unquantized ``dy`` and ``x`` (torch's bf16 grouped GEMM, then the same addition). Callers check
+    ``scaled_grouped_mm_supported`` first."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, w_scale: torch.Tensor,
-                main_grad: torch.Tensor | None = None, placeholder: str | None = None) -> torch.Tensor:
+                main_grad: torch.Tensor | None = None, placeholder: str | None = None,
+                fp8_wgrad: bool = True) -> torch.Tensor:
         """The forward GEMM with the stored codes and their dequantizing scales."""
         w_dequant = w_scale.detach().reciprocal().view(weight.shape[:-1])
         _save_main_grad(ctx, weight, main_grad, placeholder)
+        ctx.fp8_wgrad = fp8_wgrad
         ctx.save_for_backward(x, weight, w_dequant, ends)
         return forward_gemm(x, weight.detach(), w_dequant, ends)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        """``dx`` from the stored codes, ``dW`` into ``main_grad``; both GEMMs in FP8."""
+        """``dx`` from the stored codes, ``dW`` into ``main_grad``; both GEMMs in FP8 (``dW`` in bf16 without
+        ``fp8_wgrad``)."""
         x, weight, w_dequant, ends = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = None
@@ -155,22 +163,26 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
             grad_x = dgrad_gemm(grad, weight.detach(), w_dequant, ends, x.dtype)
         if ctx.needs_input_grad[1]:
             main_grad = ctx.main_grad
-            if (ACCUMULATE_WGRAD_IN_GEMM and grouped_wgrad_accumulate_supported(main_grad, grad)
+            if not ctx.fp8_wgrad:
+                grad_w = _accumulate(weight, main_grad, hp_wgrad_gemm(grad, x, ends), ctx.placeholder)
+            elif (ACCUMULATE_WGRAD_IN_GEMM and grouped_wgrad_accumulate_supported(main_grad, grad)
                     and main_grad.shape == weight.shape):
                 grouped_wgrad_accumulate_(main_grad, *wgrad_operands(grad, x, ends), ends)
                 grad_w = _weight_grad_after_main_grad(weight, ctx.placeholder)
             else:
                 grad_w = _accumulate(weight, main_grad, wgrad_gemm(grad, x, ends), ctx.placeholder)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def fp8_param_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
-                           ends: torch.Tensor | None = None, emulate: bool = False) -> torch.Tensor:
+                           ends: torch.Tensor | None = None, emulate: bool = False,
+                           fp8_wgrad: bool = True) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` for an FP8 expert parameter ``weight`` (row-wise scales), differentiable, its
     gradient added to ``weight.main_grad``.
 
     Groups as in :func:`~megatron_core.fp8.grouped_gemm.fp8_grouped_gemm`: host ``counts`` or device int32 ``ends``;
     on a Hopper GPU with bf16 ``x`` (unless ``emulate``) every group starts at a multiple of 16 rows.
+    ``fp8_wgrad=False``: the weight gradient in high precision from the unquantized ``dy`` and ``x``.
     """
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"fp8_param_grouped_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be "
@@ -181,6 +193,8 @@ def fp8_param_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[i
     main_grad, placeholder = getattr(weight, "main_grad", None), _placeholder_kind(weight)
     if emulate or not scaled_grouped_mm_supported(x):
         return EmulatedFp8ParamGroupedGemm.apply(x, weight, host_counts("fp8_param_grouped_gemm", x, counts, ends),
-                                                 weight.fp8_scale, weight.fp8_hp_dtype, main_grad, placeholder)
+                                                 weight.fp8_scale, weight.fp8_hp_dtype, main_grad, placeholder,
+                                                 fp8_wgrad)
     ends = device_ends("fp8_param_grouped_gemm", x, weight, counts, ends)
-    return ScaledGroupedMmFp8Param.apply(x.contiguous(), weight, ends, weight.fp8_scale, main_grad, placeholder)
+    return ScaledGroupedMmFp8Param.apply(x.contiguous(), weight, ends, weight.fp8_scale, main_grad, placeholder,
+                                         fp8_wgrad)

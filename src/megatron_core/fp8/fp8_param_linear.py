@@ -9,7 +9,11 @@ gradient with ``fp8='hybrid'``), max-reduced over ``layer.fp8_param_amax_group``
 ``dW = dy.T @ x``; ``dW`` is accumulated into ``weight.main_grad`` (the DDP gradient buffer, in the
 parameter's high-precision or fp32 dtype) and the weight's autograd gradient is a placeholder that DDP's
 hook ignores (``grad_added_to_main_grad``, and the parameter's static ``backward_adds_to_main_grad``
-mark), as Megatron-Core's fused weight-gradient accumulation.
+mark), as Megatron-Core's fused weight-gradient accumulation. With ``fp8_wgrad=False`` (``config.fp8_wgrad``, the
+layer's ``float8_wgrad``) the forward keeps the unquantized input and the weight gradient is the high-precision GEMM
+``dy.T @ x`` of the bf16 layers' gradient-accumulation fusion
+(:func:`megatron_core.tensor_parallel.wgrad_accumulation.accumulate_weight_gradient`: bf16 operands, added into an
+fp32 ``main_grad`` by cuBLAS where the build allows; fp32 when emulated); the other two GEMMs stay FP8.
 
 ``torch.compile`` traces the op without a graph break (``fullgraph=True``): the parameter attributes it needs
 (scale, ``main_grad``, the kind of placeholder gradient) are read before the autograd function and passed in, the
@@ -53,7 +57,10 @@ from megatron_core.fp8.swiglu_grad_cast import (
     swiglu_grad_cast_serves,
     swiglu_grad_cast_transpose,
 )
-from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
+from megatron_core.tensor_parallel.wgrad_accumulation import (
+    accumulate_weight_gradient,
+    finish_fused_weight_gradient,
+)
 
 __all__ = ["SWIGLU", "Float8ParamMatmul", "allocate_weight_transpose", "fp8_param_matmul"]
 
@@ -111,14 +118,15 @@ class Float8ParamMatmul(torch.autograd.Function):
     ``None``, or :data:`SWIGLU` for ``swiglu(x @ weight.T)`` (the GEMM's output kept for the backward); then the
     function returns ``(output, amax)``, the output's amax (0-d fp32, not differentiable) made in the same pass
     (:mod:`megatron_core.fp8.swiglu_amax`) for the next FP8 GEMM's ``x_amax``. ``x_amax``: ``x``'s amax when the
-    caller has it (the input's scale then needs no pass over ``x``).
+    caller has it (the input's scale then needs no pass over ``x``). ``fp8_wgrad``: False computes the weight
+    gradient from the unquantized ``x`` and output gradient (a Python constant, fixed when a graph is traced).
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype, amax_group: Any,
                 emulate: bool, w_scale: torch.Tensor | None = None, main_grad: torch.Tensor | None = None,
                 placeholder: str | None = None, weight_t: torch.Tensor | None = None,
-                activation: str | None = None, x_amax: torch.Tensor | None = None) -> Any:
+                activation: str | None = None, x_amax: torch.Tensor | None = None, fp8_wgrad: bool = True) -> Any:
         """The float8 product with the stored weight bytes and scale; the input cast with its current scale."""
         if activation not in (None, SWIGLU):
             raise ValueError(f"Float8ParamMatmul: activation {activation!r} is not None or {SWIGLU!r}")
@@ -130,11 +138,13 @@ class Float8ParamMatmul(torch.autograd.Function):
         x_scale = (_current_scale(x2, FP8_PARAM_DTYPE, amax_group) if x_amax is None
                    else _scale_of_amax(x_amax, FP8_PARAM_DTYPE, amax_group))
         x_scale_inv = x_scale.reciprocal()  # the weight gradient's factor, made where the forward GEMM's is
-        ctx.x_transposed = _fused_cast(x2, emulate)
+        ctx.fp8_wgrad = fp8_wgrad
+        ctx.x_transposed = fp8_wgrad and _fused_cast(x2, emulate)
         if ctx.x_transposed:  # the weight gradient's transposed input is written with the forward's codes
             x_q, x_saved = cast_transpose(x2, x_scale, FP8_PARAM_DTYPE)
         else:
-            x_q = x_saved = quantize(x2, x_scale, FP8_PARAM_DTYPE)
+            x_q = quantize(x2, x_scale, FP8_PARAM_DTYPE)
+            x_saved = x_q if fp8_wgrad else x2  # the high-precision weight gradient's input: x as it came
         w_scale = w_scale.detach().clone()
         out = fp8_mm_nt(x_q, x_scale, weight, w_scale, x.dtype, emulate, fast_accum=True)  # as TE's and torchao's
         # main_grad is not a saved tensor: it shares the version counter of DDP's whole buffer, which other
@@ -155,7 +165,7 @@ class Float8ParamMatmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor, *_: Any):
         """Data gradient, and the weight gradient accumulated into ``main_grad`` (placeholder autograd gradient)."""
         x_saved, x_scale_inv, weight, w_scale, weight_t, pre_activation = ctx.saved_tensors
-        dy_q, dy_t, g_scale = _quantized_output_grad(ctx, grad.reshape(-1, grad.shape[-1]), pre_activation)
+        dy_q, dy_t, g_scale, dy = _quantized_output_grad(ctx, grad.reshape(-1, grad.shape[-1]), pre_activation)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             w_t = _weight_transpose(weight, ctx.emulate) if weight_t is None else weight_t
@@ -166,35 +176,57 @@ class Float8ParamMatmul(torch.autograd.Function):
             if main_grad is None:
                 raise RuntimeError("an FP8 parameter (fp8_param=True) accumulates its gradient into main_grad: wrap "
                                    "the model in DistributedDataParallel with use_distributed_optimizer=True")
-            dy_t = _transposed(dy_q) if dy_t is None else dy_t
-            x_t = x_saved if ctx.x_transposed else _transposed(x_saved)
-            g_scale_inv = g_scale.reciprocal()  # as the data gradient's GEMM takes it: one computation
-            if torch.compiler.is_compiling():
-                torch.ops.megatron_core.fp8_param_wgrad_(main_grad, dy_t, g_scale_inv, x_t, x_scale_inv, ctx.emulate)
-                grad_w = _placeholder(weight, ctx.placeholder)
+            if ctx.fp8_wgrad:
+                _fp8_wgrad_into(ctx, main_grad, dy_q, dy_t, g_scale, x_saved, x_scale_inv)
             else:
-                fp8_wgrad_into(main_grad, dy_t, g_scale_inv, x_t, x_scale_inv, ctx.emulate)
-                grad_w = finish_fused_weight_gradient(weight)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+                _high_precision_wgrad_into(main_grad, dy, x_saved, ctx.emulate)
+            grad_w = (_placeholder(weight, ctx.placeholder) if torch.compiler.is_compiling()
+                      else finish_fused_weight_gradient(weight))
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None
+
+
+def _fp8_wgrad_into(ctx: Any, main_grad: torch.Tensor, dy_q: torch.Tensor, dy_t: torch.Tensor | None,
+                    g_scale: torch.Tensor, x_saved: torch.Tensor, x_scale_inv: torch.Tensor) -> None:
+    """``main_grad += dy.T @ x`` from the float8 codes of the output gradient and the input (transposed here unless
+    a cast kernel already wrote them transposed): the custom op inside a compiled graph, else its function."""
+    dy_t = _transposed(dy_q) if dy_t is None else dy_t
+    x_t = x_saved if ctx.x_transposed else _transposed(x_saved)
+    g_scale_inv = g_scale.reciprocal()  # as the data gradient's GEMM takes it: one computation
+    if torch.compiler.is_compiling():
+        torch.ops.megatron_core.fp8_param_wgrad_(main_grad, dy_t, g_scale_inv, x_t, x_scale_inv, ctx.emulate)
+    else:
+        fp8_wgrad_into(main_grad, dy_t, g_scale_inv, x_t, x_scale_inv, ctx.emulate)
+
+
+def _high_precision_wgrad_into(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, emulate: bool) -> None:
+    """``main_grad += dy.T @ x`` from the unquantized output gradient and input (``fp8_wgrad=False``): the bf16
+    layers' fused weight-gradient GEMM (its custom op inside a compiled graph), in fp32 when emulated."""
+    dy, x = (dy.float(), x.float()) if emulate else (dy.to(x.dtype), x)
+    if torch.compiler.is_compiling():
+        torch.ops.megatron_core.accumulate_weight_gradient(main_grad, dy, x)
+    else:
+        accumulate_weight_gradient(main_grad, dy, x)
 
 
 def _quantized_output_grad(ctx: Any, grad: torch.Tensor, pre_activation: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """The GEMM output's gradient ``dy`` as float8 codes, their transposed copy where one kernel wrote both (else
-    ``None``), and their scale: ``dy`` is ``grad``, or SwiGLU's gradient at ``pre_activation`` times ``grad``."""
-    transposed = ctx.needs_input_grad[1]
+    ``None``), their scale, and ``dy`` unquantized (``None`` where the fused SwiGLU kernels never made it, which
+    they do only for an FP8 weight gradient): ``dy`` is ``grad``, or SwiGLU's gradient at ``pre_activation`` times
+    ``grad``."""
+    transposed = ctx.needs_input_grad[1] and ctx.fp8_wgrad
     if pre_activation is not None:
         grad = grad.contiguous()
-        if _fused_cast(grad, ctx.emulate) and swiglu_grad_cast_serves(grad, pre_activation):
+        if ctx.fp8_wgrad and _fused_cast(grad, ctx.emulate) and swiglu_grad_cast_serves(grad, pre_activation):
             g_scale = _scale_of_amax(swiglu_grad_amax(grad, pre_activation), ctx.grad_dtype, ctx.amax_group)
             dy_q, dy_t = swiglu_grad_cast_transpose(grad, pre_activation, g_scale, ctx.grad_dtype)
-            return dy_q, dy_t if transposed else None, g_scale
+            return dy_q, dy_t if transposed else None, g_scale, None
         grad = swiglu_grad(grad, pre_activation)
     g_scale = _current_scale(grad, ctx.grad_dtype, ctx.amax_group)
     if _fused_cast(grad, ctx.emulate) and transposed:
         dy_q, dy_t = cast_transpose(grad, g_scale, ctx.grad_dtype)
-        return dy_q, dy_t, g_scale
-    return quantize(grad, g_scale, ctx.grad_dtype), None, g_scale
+        return dy_q, dy_t, g_scale, grad
+    return quantize(grad, g_scale, ctx.grad_dtype), None, g_scale, grad
 
 
 def _weight_transpose(weight: torch.Tensor, emulate: bool) -> torch.Tensor:
@@ -238,12 +270,13 @@ def fp8_param_matmul(x: torch.Tensor, weight: torch.Tensor, layer: torch.nn.Modu
                      x_amax: torch.Tensor | None = None) -> Any:
     """``x @ weight.T`` for the FP8 parameter ``weight`` of ``layer`` (its ``fp8_param_grad_dtype`` and
     ``fp8_param_amax_group``; emulated off CUDA or with ``layer.float8_emulate``), through ``activation`` if given
-    (then ``(output, amax)``), with ``x``'s amax if the caller has it (see :class:`Float8ParamMatmul`). Traceable
-    by ``torch.compile``."""
+    (then ``(output, amax)``), with ``x``'s amax if the caller has it, and the weight gradient in high precision when
+    ``layer.float8_wgrad`` is False (see :class:`Float8ParamMatmul`). Traceable by ``torch.compile``."""
     emulate = bool(getattr(layer, "float8_emulate", False)) or x.device.type != "cuda"
     group = layer.fp8_param_amax_group
     if get_pg_size(group) <= 1:
         group = None
     return Float8ParamMatmul.apply(x, weight, layer.fp8_param_grad_dtype, group, emulate, weight.fp8_scale,
                                    getattr(weight, "main_grad", None), _placeholder_kind(weight),
-                                   _cached_weight_transpose(weight, layer, emulate), activation, x_amax)
+                                   _cached_weight_transpose(weight, layer, emulate), activation, x_amax,
+                                   bool(getattr(layer, "float8_wgrad", True)))

@@ -14,6 +14,11 @@ dgrad      ``dy_e @ W_e``          row of ``dy * s_e`` (``s_e``: the forward's w
 wgrad      ``dy_e.T @ x_e``        column of ``dy_e`` and of ``x_e``, within each expert's rows
 =========  ======================  ==========================================================
 
+With ``fp8_wgrad=False`` (Megatron-Core's ``TransformerConfig.fp8_wgrad``, which Transformer Engine's recipe turns
+into a high-precision weight-gradient GEMM) the wgrad row is not quantized: ``dW_e = dy_e.T @ x_e`` from the
+unquantized ``dy`` and ``x`` (the forward keeps ``x`` as it came), in bf16 on Hopper and in fp32 when emulated;
+the forward and data-gradient GEMMs stay FP8.
+
 Scales are powers of two (``2**floor(log2(448 / amax))``), so quantization only rounds the mantissa.
 On a Hopper GPU with bf16 inputs the work is done by :class:`megatron_core.fp8.scaled_grouped_mm.ScaledGroupedMm`
 (``torch._scaled_grouped_mm`` with casts written as plain PyTorch ops, so ``torch.compile`` keeps the experts in
@@ -56,17 +61,34 @@ def _groups(tensor: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, ...]
     return torch.split(tensor, counts, dim=0)
 
 
+def emulated_grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, counts: list[int], fp8_wgrad: bool) -> torch.Tensor:
+    """``dW_e = dy_e.T @ x_e`` for every expert, ``[E, out, in]`` in fp32 (zeros for an expert without rows): from
+    ``dy`` and ``x`` rounded through e4m3 with one scale per column within the expert's rows, or, without
+    ``fp8_wgrad``, from the operands as they are."""
+    per_expert = []
+    for dy_e, x_e in zip(_groups(grad, counts), _groups(x, counts)):
+        if dy_e.shape[0] == 0:
+            per_expert.append(x.new_zeros(grad.shape[1], x.shape[1], dtype=torch.float32))
+        elif fp8_wgrad:
+            per_expert.append(quantize_dequantize_e4m3(dy_e, 0).t() @ quantize_dequantize_e4m3(x_e, 0))
+        else:
+            per_expert.append(dy_e.float().t() @ x_e.float())
+    return torch.stack(per_expert)
+
+
 class EmulatedFp8GroupedGemm(torch.autograd.Function):
     """``cat_e(x_e @ W_e.T)`` with FP8 (e4m3, row-wise scales) emulated in fp32; see the module docstring.
 
     ``counts[e]`` rows of ``x`` belong to expert ``e``; rows past ``sum(counts)`` are not allowed.
-    The output and both gradients have the dtypes of ``x`` and ``weight``.
+    The output and both gradients have the dtypes of ``x`` and ``weight``. ``fp8_wgrad=False``: the weight
+    gradient from the unquantized ``dy`` and ``x``.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int],
+                fp8_wgrad: bool = True) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.counts = counts
+        ctx.counts, ctx.fp8_wgrad = counts, fp8_wgrad
         x_q, w_q = quantize_dequantize_e4m3(x, -1), quantize_dequantize_e4m3(weight, -1)
         out = [xe @ w_q[e].t() for e, xe in enumerate(_groups(x_q, counts))]
         return torch.cat(out, dim=0).to(x.dtype)
@@ -82,14 +104,8 @@ class EmulatedFp8GroupedGemm(torch.autograd.Function):
             grad_x = torch.cat([quantize_dequantize_e4m3(dy * w_inverse[e, :, 0], -1) @ w_codes[e]
                                 for e, dy in enumerate(_groups(grad.float(), counts))], dim=0).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            per_expert = []
-            for dy_e, x_e in zip(_groups(grad, counts), _groups(x, counts)):
-                if dy_e.shape[0] == 0:
-                    per_expert.append(weight.new_zeros(weight.shape[1:], dtype=torch.float32))
-                    continue
-                per_expert.append(quantize_dequantize_e4m3(dy_e, 0).t() @ quantize_dequantize_e4m3(x_e, 0))
-            grad_w = torch.stack(per_expert).to(weight.dtype)
-        return grad_x, grad_w, None
+            grad_w = emulated_grouped_wgrad(grad, x, counts, ctx.fp8_wgrad).to(weight.dtype)
+        return grad_x, grad_w, None, None
 
 
 def group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -127,17 +143,20 @@ def device_ends(caller: str, x: torch.Tensor, weight: torch.Tensor, counts: list
 
 
 def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
-                     ends: torch.Tensor | None = None, emulate: bool = False) -> torch.Tensor:
+                     ends: torch.Tensor | None = None, emulate: bool = False, fp8_wgrad: bool = True) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` with FP8 operands (e4m3, row-wise scales), differentiable.
 
     ``x [N, in]`` rows grouped by expert, ``weight [E, out, in]``. The groups are given as host
     ``counts`` or as device int32 ``ends`` offsets. On a Hopper GPU with bf16 ``x``, unless ``emulate``, every
     group must start at a multiple of 16 rows and ``in``/``out`` be multiples of 16; elsewhere (or with
     ``emulate``) the arithmetic is emulated in fp32 (device ``ends`` are then read back to the host).
+    ``fp8_wgrad=False``: the weight gradient in high precision from the unquantized ``dy`` and ``x`` (a Python
+    constant, fixed when a compiled graph is traced).
     """
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"fp8_grouped_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [N, in] and "
                          "[E, out, in]")
     if emulate or not scaled_grouped_mm_supported(x):
-        return EmulatedFp8GroupedGemm.apply(x, weight, host_counts("fp8_grouped_gemm", x, counts, ends))
-    return ScaledGroupedMm.apply(x.contiguous(), weight, device_ends("fp8_grouped_gemm", x, weight, counts, ends))
+        return EmulatedFp8GroupedGemm.apply(x, weight, host_counts("fp8_grouped_gemm", x, counts, ends), fp8_wgrad)
+    return ScaledGroupedMm.apply(x.contiguous(), weight, device_ends("fp8_grouped_gemm", x, weight, counts, ends),
+                                 fp8_wgrad)

@@ -5,7 +5,8 @@ parameters, state-dict keys (``weight0 ..``) and expert-parallel layout; only th
 :func:`megatron_core.fp8.grouped_gemm.fp8_grouped_gemm` (e4m3, row-wise scales, whatever ``fp8_recipe``
 the dense layers use: it is the one FP8 grouped recipe the Hopper kernel has). On a GPU each expert's
 rows must start at a multiple of 16: the aligned layout of the experts provides that, and host-known
-counts are padded here. On a CPU, or with ``float8_emulate``, the GEMM is emulated in fp32.
+counts are padded here. On a CPU, or with ``float8_emulate``, the GEMM is emulated in fp32. ``float8_wgrad``
+(set from ``config.fp8_wgrad`` by the conversion) False computes the weight gradient in high precision.
 
 With ``fp8_param`` (:func:`megatron_core.fp8.convert_to_float8`) the weight is an FP8 parameter with row-wise scales
 (:mod:`megatron_core.distributed.fp8_params`) and the GEMM is
@@ -40,17 +41,18 @@ from megatron_core.transformer.moe.token_permutation import AlignedRows
 def _fp8_gemm(layer: torch.nn.Module, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows) -> torch.Tensor:
     emulate = layer.float8_emulate or x.device.type != "cuda"
     gemm = fp8_param_grouped_gemm if is_fp8_param(layer.weight) else fp8_grouped_gemm
+    fp8_wgrad = bool(layer.float8_wgrad)
     if isinstance(tokens_per_expert, AlignedRows):
         if not emulate:
-            return gemm(x, layer.weight, ends=tokens_per_expert.ends)
+            return gemm(x, layer.weight, ends=tokens_per_expert.ends, fp8_wgrad=fp8_wgrad)
         tokens_per_expert = tokens_per_expert.counts.tolist()
     counts = list(tokens_per_expert)
     if emulate:
-        return gemm(x, layer.weight, counts=counts, emulate=True)
+        return gemm(x, layer.weight, counts=counts, emulate=True, fp8_wgrad=fp8_wgrad)
     if all(c % ROW_ALIGN == 0 for c in counts):
-        return gemm(x, layer.weight, counts=counts)
+        return gemm(x, layer.weight, counts=counts, fp8_wgrad=fp8_wgrad)
     padded_x, padded, index = pad_expert_rows(x, counts)
-    return unpad_expert_rows(gemm(padded_x, layer.weight, counts=padded), index)
+    return unpad_expert_rows(gemm(padded_x, layer.weight, counts=padded, fp8_wgrad=fp8_wgrad), index)
 
 
 class _Fp8ParamGroupedMixin:
@@ -87,6 +89,7 @@ class Float8ColumnParallelGroupedLinear(_Fp8ParamGroupedMixin, ColumnParallelGro
     """``ColumnParallelGroupedLinear`` (experts' fc1) whose grouped GEMM runs in FP8."""
 
     float8_emulate: bool = False
+    float8_wgrad: bool = True  # config.fp8_wgrad: False computes the weight gradient in high precision
 
     def gemm(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows) -> torch.Tensor:
         """``cat_e(x_e @ weight[e].T)`` in FP8."""
@@ -97,6 +100,7 @@ class Float8RowParallelGroupedLinear(_Fp8ParamGroupedMixin, RowParallelGroupedLi
     """``RowParallelGroupedLinear`` (experts' fc2) whose grouped GEMM runs in FP8."""
 
     float8_emulate: bool = False
+    float8_wgrad: bool = True  # config.fp8_wgrad: False computes the weight gradient in high precision
 
     def gemm(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows) -> torch.Tensor:
         """``cat_e(x_e @ weight[e].T)`` in FP8."""

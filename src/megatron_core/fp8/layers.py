@@ -60,6 +60,7 @@ class _Float8GemmMixin:
     float8_config: Any = None
     float8_mm_config: Any = None
     float8_emulate: bool = False
+    float8_wgrad: bool = True  # config.fp8_wgrad for an FP8 parameter's GEMM (the delayed recipe carries its own)
     # Transformer Engine's flag: True before a step's first micro-batch (``set_is_first_microbatch``), when an FP8
     # parameter's cached transpose is refreshed; None while no schedule says where steps begin (no cache used).
     is_first_microbatch: bool | None = None
@@ -241,6 +242,10 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
     (:mod:`megatron_core.fp8.fp8_param_grouped`). A later ``.to()`` /
     ``Float16Module`` moves the FP8 bytes without casting them. Wrap the model in DDP with
     ``use_distributed_optimizer`` and ``fp8_param_gather``; the state dict holds the dequantized weights.
+
+    ``config.fp8_wgrad=False`` (Transformer Engine's high-precision weight gradient) is honoured by the delayed
+    recipe, the FP8-parameter GEMMs and the experts' grouped GEMMs: their weight gradients come from the unquantized
+    input and output gradient; torchao's recipes refuse it.
     """
     from megatron_core.transformer.transformer_layer import TransformerLayer
 
@@ -270,6 +275,7 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
                                  f"need both dimensions to be multiples of {FP8_DIM_MULTIPLE}")
             targets.append((full_name, sub, new_cls))
     fp8_param = bool(getattr(config, "fp8_param", False))
+    fp8_wgrad = bool(getattr(config, "fp8_wgrad", True))
     delayed = config.fp8_recipe == "delayed"
     if delayed:
         recipe = DelayedScalingRecipe.from_config(config)
@@ -279,6 +285,7 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
     for _, sub, new_cls in targets:
         sub.__class__ = new_cls
         sub.float8_emulate = emulate
+        sub.float8_wgrad = fp8_wgrad
         if new_cls in GROUPED_FP8_CLASSES.values():
             if fp8_param:  # the experts' weights as FP8 parameters with the grouped GEMM's row-wise scales
                 sub.weight = make_fp8_param(sub.weight, scaling="rowwise")

@@ -12,6 +12,9 @@ reuses the forward's weight codes (kept for the backward, transposed once) with 
 expert's rows. Groups start
 at multiples of :data:`ROW_ALIGN` rows (the experts' aligned layout), so the per-expert column maxima are taken
 over blocks of 16 rows and then over each expert's blocks, without a host-known row count.
+
+With ``fp8_wgrad=False`` the weight gradient is torch's bf16 grouped GEMM ``torch._grouped_mm(dy.T, x, offs=ends)``
+on the unquantized operands (:func:`hp_wgrad_gemm`; the groups split the contraction dimension, the tokens).
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from megatron_core.fp8.cast_kernels import (
     transpose_codes,
 )
 
-__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "power_of_two_scale", "scaled_grouped_mm_supported"]
+__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
 AMAX_EPS = 1e-12
 ROW_ALIGN = 16
 _KERNEL = getattr(torch, "_scaled_grouped_mm", None)
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
 def scaled_grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -132,30 +136,43 @@ def wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch
     return _KERNEL(dyt_codes, xt_codes.t(), dyt_scale, xt_scale, offs=ends, out_dtype=x.dtype, use_fast_accum=True)
 
 
+def hp_wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``dW_e = dy_e.T @ x_e`` (``[E, out, in]``, bf16) from the unquantized contiguous ``dy [M, out]`` and
+    ``x [M, in]`` (``fp8_wgrad=False``): one bf16 grouped GEMM whose groups split the tokens (``dy.T`` enters
+    column-major, as PyTorch's own backward of ``torch._grouped_mm`` passes it); an expert without tokens gets
+    zeros."""
+    if x.shape[0] == 0:  # no tokens for any expert: an empty contraction, nothing to multiply
+        return x.new_zeros(ends.numel(), grad.shape[1], x.shape[1])
+    return _GROUPED_MM(grad.t(), x, offs=ends)
+
+
 class ScaledGroupedMm(torch.autograd.Function):
-    """``cat_e(x_e @ weight[e].T)`` with e4m3 operands on Hopper; forward, data and weight gradient in FP8.
+    """``cat_e(x_e @ weight[e].T)`` with e4m3 operands on Hopper; forward, data and weight gradient in FP8 (the
+    weight gradient in bf16 from the unquantized operands with ``fp8_wgrad=False``, see :func:`hp_wgrad_gemm`).
 
     ``x [M, in]`` (bf16, ``M`` a multiple of 16), ``weight [E, out, in]``, ``ends [E]`` int32 group end offsets
     (each a multiple of 16, the last ``M``). Callers check :func:`scaled_grouped_mm_supported` first.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
+                fp8_wgrad: bool = True) -> torch.Tensor:
         """The forward GEMM: rows of ``x`` and each expert's output features scaled separately."""
         w_codes, w_scale = quantize_weight_rowwise(weight)
         ctx.save_for_backward(x, w_codes, w_scale, ends)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.fp8_wgrad = weight.dtype, fp8_wgrad
         return forward_gemm(x, w_codes, w_scale, ends)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         """``dx = dy_e @ W_e`` (the forward's weight codes, their scales folded into ``dy``) and
-        ``dW_e = dy_e.T @ x_e``, both in FP8."""
+        ``dW_e = dy_e.T @ x_e``, both in FP8 unless ``fp8_wgrad=False``."""
         x, w_codes, w_scale, ends = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = dgrad_gemm(grad, w_codes, w_scale, ends, x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = wgrad_gemm(grad, x, ends).to(ctx.weight_dtype)
-        return grad_x, grad_w, None
+            wgrad = wgrad_gemm if ctx.fp8_wgrad else hp_wgrad_gemm
+            grad_w = wgrad(grad, x, ends).to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None

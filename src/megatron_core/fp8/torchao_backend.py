@@ -9,7 +9,8 @@ scaling state to checkpoint: ``fp8_amax_history_len`` and ``fp8_margin`` must ke
 :func:`check_fp8_config` also accepts ``'delayed'``, which this library implements itself
 (:mod:`megatron_core.fp8.delayed_scaling`); ``'blockwise'``, ``'mxfp8'`` and ``'custom'`` raise (they
 need Transformer Engine). ``fp8_param`` (FP8 weights, :mod:`megatron_core.distributed.fp8_params`) is accepted with
-``'tensorwise'`` only.
+``'tensorwise'`` only. ``fp8_wgrad=False`` is refused for torchao's recipes (their dense GEMMs) but accepted with
+``'delayed'`` and with ``fp8_param``, whose GEMMs are this library's.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def check_fp8_config(config: Any) -> None:
     if config.fp8_amax_history_len != 1 or config.fp8_margin != 0:
         raise ValueError(f"fp8_amax_history_len ({config.fp8_amax_history_len}) and fp8_margin ({config.fp8_margin}) "
                          "belong to delayed scaling; torchao's dynamic recipes need 1 and 0")
-    if not getattr(config, "fp8_wgrad", True):
-        raise ValueError("fp8_wgrad=False is not supported by the torchao backend")
+    if not getattr(config, "fp8_wgrad", True) and not getattr(config, "fp8_param", False):
+        raise ValueError(f"fp8_wgrad=False is not supported by the torchao backend (fp8_recipe="
+                         f"{config.fp8_recipe!r} with fp8_param=False); use fp8_recipe='delayed' or fp8_param=True")
 
 
 def float8_linear_config(config: Any, emulate: bool = False) -> Any:

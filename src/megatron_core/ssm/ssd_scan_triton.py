@@ -41,11 +41,13 @@ _MAX_DIM = 256  # head_dim and state_dim up to this
 # recompute it per head. ``bwd_fused``: 1 for one backward program per (chunk, group) over the whole state_dim
 # (``fused_*``) instead of the ``dx`` and ``dbc`` kernels. ``states_lowp``: 1 to keep the per-chunk states and
 # state gradients in the inputs' dtype (bf16/fp16: half the bytes of fp32, the chunk kernels' largest read; their
-# products round them to that dtype anyway, only dA's <state gradient, state> term sees the rounding); 0 for fp32
-# (the default until a GPU has timed both).
+# products round them to that dtype anyway, only dA's <state gradient, state> term sees the rounding); 0 for fp32.
+# Training only: inference prefill (an initial or final state) keeps fp32 states. ``states_lowp`` 1 and ``state_p``
+# 64: the five training kernels 1,324 -> 1,089 us and the walks 140 / 145 -> 125 / 126 us at Nemotron-H shapes (H200,
+# benchmarks/RESULTS.md, 2026-12-05 session 41).
 SCAN_BLOCKS: dict[str, int] = {
-    "chunk": KERNEL_CHUNK, "cb_scratch": 0, "bwd_fused": 0, "states_lowp": 0,
-    "state_p": 32, "state_n": 64, "state_warps": 4, "state_stages": 2,  # the two walks over the chunks
+    "chunk": KERNEL_CHUNK, "cb_scratch": 0, "bwd_fused": 0, "states_lowp": 1,
+    "state_p": 64, "state_n": 64, "state_warps": 4, "state_stages": 2,  # the two walks over the chunks
     "fwd_p": 64, "fwd_k": 64, "fwd_warps": 4, "fwd_stages": 1,  # chunk-parallel forward
     "dx_p": 64, "dx_k": 64, "dx_warps": 4, "dx_stages": 2,  # chunk-parallel dx / ddt / dA / dD
     "dbc_p": 64, "dbc_n": 128, "dbc_warps": 8, "dbc_stages": 2,  # chunk-parallel dB / dC per group
@@ -75,9 +77,10 @@ def _block(name: str, dim: int) -> int:
     return min(SCAN_BLOCKS[name], max(16, next_power_of_two(dim)))
 
 
-def _states_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the kept per-chunk states and state gradients (``SCAN_BLOCKS["states_lowp"]``)."""
-    return dtype if SCAN_BLOCKS["states_lowp"] else torch.float32
+def _states_dtype(dtype: torch.dtype, training: bool = True) -> torch.dtype:
+    """The dtype of the kept per-chunk states and state gradients (``SCAN_BLOCKS["states_lowp"]``; fp32 for
+    inference prefill)."""
+    return dtype if SCAN_BLOCKS["states_lowp"] and training else torch.float32
 
 
 def _stages(name: str, dtype: torch.dtype) -> int:
@@ -105,7 +108,7 @@ def _launch_forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
     groups, state_dim = B.shape[2], B.shape[3]
     chunks = -(-length // chunk)
     y = torch.empty(batch, length, heads, head_dim, device=x.device, dtype=x.dtype)
-    states = torch.empty(batch, chunks, heads, head_dim, state_dim, device=x.device, dtype=_states_dtype(x.dtype))
+    states = torch.empty(batch, chunks, heads, head_dim, state_dim, device=x.device, dtype=_states_dtype(x.dtype, training=initial_state is None and final is None))
     prec = _precision(x.dtype)
     state_kernel, chunk_kernel, cb_kernel = (torch.library.wrap_triton(k) for k in forward_kernels())
     # C B^T per (chunk, group) where cb_scratch; else an empty tensor, and ``states`` stands in for the unused pointer.

@@ -38,8 +38,12 @@ import torch.nn.functional as F
 from megatron_core._activation_offload.interface import (
     FineGrainedActivationOffloadingInterface as off_interface,
 )
-from megatron_core._ground import divide, get_pg_size
+from megatron_core._ground import divide, get_pg_rank, get_pg_size
 from megatron_core._misc_utils import accepts_parameter
+from megatron_core.fusions.fused_mla_yarn_rope_apply import (
+    fused_apply_mla_rope_for_kv,
+    fused_apply_mla_rope_for_q,
+)
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -63,6 +67,7 @@ from megatron_core.transformer.mla_rope import (
     rotary_angles,
     rotate_mla,
 )
+from megatron_core.transformer.rope_utils import rotary_cos_sin
 from megatron_core.transformer.selective_recompute import recompute_module_enabled
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import MLATransformerConfig
@@ -156,14 +161,41 @@ class MultiLatentAttention(Attention):
                            angles: torch.Tensor, mscale: float, packed_seq_params: Any
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query ``[s, b, n, d + r]``, key ``[s, b, n, d + r]`` and value ``[s, b, n, v_head_dim]``, rotated."""
-        q_nope, q_pos, k_nope, value = self.up_project(q_compressed, kv_compressed)
         cu_q, cu_kv = _cu_seqlens(packed_seq_params)
+        if self.config.apply_rope_fusion and self.config.rope_type == "yarn" and (cu_q is None or k_pos.shape[1] == 1):
+            return self._expand_and_rotate_fused(q_compressed, kv_compressed, k_pos, angles, mscale, cu_q, cu_kv)
+        q_nope, q_pos, k_nope, value = self.up_project(q_compressed, kv_compressed)
         cp_group = self.pg_collection.cp
         q_pos = rotate_mla(q_pos, angles, mscale, self.config, cu_q, cp_group)
         k_pos = rotate_mla(k_pos.unsqueeze(-2), angles, mscale, self.config, cu_kv, cp_group)
         query = torch.cat((q_nope, q_pos), dim=-1)
         key = torch.cat((k_nope, k_pos.expand(*k_nope.shape[:-1], k_pos.shape[-1])), dim=-1)
         return query, key, value.contiguous()
+
+    def _project_heads(self, q_compressed: torch.Tensor, kv_compressed: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q [.., n, d + r], kv [.., n, d + v_head_dim])``: the up projections per head, not split."""
+        q_nope, q_pos, k_nope, value = self.up_project(q_compressed, kv_compressed)
+        return torch.cat((q_nope, q_pos), dim=-1), torch.cat((k_nope, value), dim=-1)
+
+    def _expand_and_rotate_fused(self, q_compressed: torch.Tensor, kv_compressed: torch.Tensor, k_pos: torch.Tensor,
+                                 angles: torch.Tensor, mscale: float, cu_q: torch.Tensor | None,
+                                 cu_kv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_expand_and_rotate` through the fused MLA RoPE (``apply_rope_fusion`` with YaRN, as Megatron-Core):
+        the query rotated in place, key and value split from ``kv`` in one pass."""
+        config, cp_group = self.config, self.pg_collection.cp
+        q, kv = self._project_heads(q_compressed, kv_compressed)
+        cos, sin = rotary_cos_sin(angles, angles.shape[0], q.dtype, mscale)
+        k_pos = k_pos.unsqueeze(-2)
+        if cu_q is not None:  # packed rows [t, 1, ...] are [t, ...] to the fused functions
+            q, kv, k_pos = q.squeeze(1), kv.squeeze(1), k_pos.squeeze(1)
+        cp = dict(cp_rank=get_pg_rank(cp_group), cp_size=get_pg_size(cp_group))
+        query = fused_apply_mla_rope_for_q(q, cos, sin, config.qk_head_dim, config.qk_pos_emb_head_dim, cu_q, **cp)
+        key, value = fused_apply_mla_rope_for_kv(kv, k_pos, cos, sin, config.qk_pos_emb_head_dim, config.qk_head_dim,
+                                                 config.v_head_dim, cu_kv, **cp)
+        if cu_q is not None:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        return query, key, value
 
     def _pad(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -403,15 +435,21 @@ class MLASelfAttention(MultiLatentAttention):
     def up_project(self, q_compressed: torch.Tensor, kv_compressed: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q_nope [.., n, d], q_pos [.., n, r], k_nope [.., n, d], value [.., n, v_head_dim])`` of this rank."""
-        config, heads = self.config, self.num_attention_heads_per_partition
-        q_proj = self.linear_q_proj if config.q_lora_rank is None else self.linear_q_up_proj
-        q, _ = q_proj(q_compressed)
-        q = q.view(*q.shape[:-1], heads, self.q_head_dim)
-        kv, _ = self.linear_kv_up_proj(kv_compressed)
-        kv = kv.view(*kv.shape[:-1], heads, config.qk_head_dim + config.v_head_dim)
+        config = self.config
+        q, kv = self._project_heads(q_compressed, kv_compressed)
         q_nope, q_pos = torch.split(q, [config.qk_head_dim, config.qk_pos_emb_head_dim], dim=-1)
         k_nope, value = torch.split(kv, [config.qk_head_dim, config.v_head_dim], dim=-1)
         return q_nope, q_pos, k_nope, value
+
+    def _project_heads(self, q_compressed: torch.Tensor, kv_compressed: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q [.., n, d + r], kv [.., n, d + v_head_dim])`` of this rank: the up projections' outputs per head."""
+        config, heads = self.config, self.num_attention_heads_per_partition
+        q_proj = self.linear_q_proj if config.q_lora_rank is None else self.linear_q_up_proj
+        q, _ = q_proj(q_compressed)
+        kv, _ = self.linear_kv_up_proj(kv_compressed)
+        return (q.view(*q.shape[:-1], heads, self.q_head_dim),
+                kv.view(*kv.shape[:-1], heads, config.qk_head_dim + config.v_head_dim))
 
 
 def _check_norm_specs(config: MLATransformerConfig, submodules: MLASelfAttentionSubmodules) -> None:

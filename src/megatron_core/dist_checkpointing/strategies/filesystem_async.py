@@ -11,8 +11,10 @@ data (``thread_count`` files per rank), so the files are ordinary DCP files.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import queue
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -24,6 +26,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_core.dist_checkpointing import collectives
+
+logger = logging.getLogger(__name__)
 
 _results_queue: queue.Queue | None = None
 
@@ -130,9 +134,12 @@ class FileSystemWriterAsync(FileSystemWriter):
         for _, _, (bytes_data, tensor_data) in write_buckets:  # preloaded CPU copies, if any
             for item, data in bytes_data + tensor_data:
                 self._staged[item.index] = data
+        start = time.monotonic()
         try:
             results: Any = FileSystemWriter.write_data(self, self._plan, _StagedPlanner(self._staged)).wait()
+            logger.debug("rank %d: checkpoint files written in %.3f s", rank, time.monotonic() - start)
         except Exception as e:  # noqa: BLE001 - handed to retrieve_write_results
+            logger.error("rank %d: writing checkpoint files to %s failed: %s", rank, self.checkpoint_dir, e)
             results = e
         results_queue.put((id(self), results))
 

@@ -11,6 +11,7 @@ releases pickled into ``.metadata`` (``MCoreMetadata``, ``MCoreSavePlan``) in :m
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 from megatron_core.dist_checkpointing.safe_load import MCoreMetadata, MCoreSavePlan
@@ -27,6 +28,8 @@ from megatron_core.dist_checkpointing.strategies.torch_dist import (
     TorchDistSaveShardedStrategy,
 )
 
+logger = logging.getLogger(__name__)
+
 HAVE_NVRX = has_nvrx_async_support()
 """Whether NVIDIA Resiliency Extension's async checkpointing (``async_strategy="nvrx"``) is usable."""
 
@@ -35,7 +38,7 @@ MSC_PREFIX = "msc://"
 
 
 def _mcore_async_modules() -> dict[str, Any]:
-    from megatron_core.dist_checkpointing.strategies import filesystem_async
+    from megatron_core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
     from megatron_core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
     from megatron_core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
         CachedMetadataFileSystemReader,
@@ -47,6 +50,8 @@ def _mcore_async_modules() -> dict[str, Any]:
         "FileSystemWriterAsync": filesystem_async.FileSystemWriterAsync,
         "_results_queue": filesystem_async._results_queue,
         "get_write_results_queue": filesystem_async.get_write_results_queue,
+        "save_state_dict_async_finalize": state_dict_saver.save_state_dict_async_finalize,
+        "save_state_dict_async_plan": state_dict_saver.save_state_dict_async_plan,
     }
 
 
@@ -87,6 +92,7 @@ def get_async_strategy(async_strategy: str = "nvrx", module: str | None = None) 
     else:
         raise UnsupportedAsyncStrategyError(
             f"async_strategy {async_strategy} is not supported. Available strategies: nvrx, mcore.")
+    logger.debug("async checkpointing modules of %r: %s", async_strategy, sorted(modules))
     if module is None:
         return async_strategy, modules
     if module not in modules:

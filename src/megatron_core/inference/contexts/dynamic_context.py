@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_core._ground.decorators import deprecate_args
 from megatron_core.inference.config import InferenceConfig
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs, graph_batch_sizes
@@ -86,7 +87,20 @@ __all__ = [
     "StepEntry",
     "DynamicInferenceContext",
     "get_mem_size_str",
+    "DEPRECATED_ARGS",
 ]
+
+DEPRECATED_ARGS = [
+    "params_dtype", "num_layers", "kv_channels", "num_attention_heads", "max_sequence_length", "buffer_size_gb",
+    "paused_buffer_size_gb", "max_requests", "max_tokens", "block_size_tokens", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "pg_collection", "cache_mla_latent", "kv_lora_rank", "qk_pos_emb_head_dim",
+    "num_cuda_graphs", "materialize_only_last_token_logits", "mamba_inference_state_config",
+    "use_cuda_graphs_for_non_decode_steps", "use_flashinfer_fused_rope", "unified_memory_level",
+    "cuda_graph_max_tokens", "cuda_graph_mixed_prefill_count", "metrics_writer", "request_metadata_types",
+    "persist_cuda_graphs", "offload_kv_cache",
+]
+"""Former ``DynamicInferenceContext`` keyword arguments (now read from the model config or ``InferenceConfig``);
+passing one raises ``TypeError``."""
 
 _MEM_UNITS = (("TB", 1024**4), ("GB", 1024**3), ("MB", 1024**2), ("KB", 1024), ("bytes", 1))
 
@@ -110,6 +124,8 @@ def get_mem_size_str(n_bytes: int) -> str:
 class DynamicInferenceContext(StepLayout, BaseInferenceContext):
     """Paged KV cache and the layout of one continuous-batching step."""
 
+    @deprecate_args(*DEPRECATED_ARGS,
+                    message="Argument `{name}` has been deprecated. Only pass `model_config` and `inference_config`")
     def __init__(self, model_config: Any, inference_config: InferenceConfig) -> None:
         super().__init__(inference_config.materialize_only_last_token_logits)
         self.inference_config = inference_config

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import threading
 import time
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground.decorators import deprecate_args
 from megatron_core.inference.config import AsyncScheduleMode
 from megatron_core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_core.inference.engines.abstract_engine import AbstractEngine
@@ -63,12 +63,30 @@ from megatron_core.inference.text_generation_controllers.speculative_step import
 from megatron_core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
+from megatron_core.inference.utils import Counter, InferenceMode
 
-__all__ = ["DynamicInferenceEngine", "EngineFailedError", "EngineState", "EngineSuspendedError", "RequestRejectedError"]
+__all__ = ["DEPRECATED_ARGS", "DynamicInferenceEngine", "EngineFailedError", "EngineState", "EngineSuspendedError",
+           "RequestRejectedError", "format_mem_bytes"]
 
 logger = logging.getLogger(__name__)
 
 TokenListener = Callable[[DynamicInferenceRequest, "int | None"], None]
+
+DEPRECATED_ARGS = ["enable_cuda_graph", "random_seed", "track_paused_request_events", "enable_chunked_prefill",
+                   "inference_logging_step_interval", "pg_collection"]
+"""Former ``DynamicInferenceEngine`` keyword arguments (now ``InferenceConfig`` fields); passing one raises
+``TypeError``."""
+
+
+def format_mem_bytes(mem_bytes: float) -> str:
+    """A byte count with one decimal in the largest unit it reaches: ``"1.5 gb"``, ``"-2.0 kb"``, ``"12 bytes"``
+    (tb, gb, mb, kb: powers of 1024)."""
+    if mem_bytes < 0:
+        return "-" + format_mem_bytes(-mem_bytes)
+    for power, suffix in ((4, "tb"), (3, "gb"), (2, "mb"), (1, "kb"), (0, "bytes")):
+        if mem_bytes >= 1024**power:
+            return f"{mem_bytes / 1024**power:.1f} {suffix}"
+    return f"{int(mem_bytes)} bytes"
 
 
 class EngineState(Enum):
@@ -97,6 +115,8 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
     ``overlap_decode_steps`` holds the choice and can be switched between steps.
     """
 
+    @deprecate_args(*DEPRECATED_ARGS, message="Argument `{name}` has been deprecated. Only pass `controller` and "
+                    "`context`")
     def __init__(self, controller: TextGenerationController, context: DynamicInferenceContext) -> None:
         self.controller = controller
         self.context = context
@@ -106,7 +126,7 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
         self.num_speculative_tokens = context.num_speculative_tokens
         if self.num_speculative_tokens:
             _check_speculative_model(controller, self.num_speculative_tokens)
-        self.request_counter = itertools.count()
+        self.request_counter = Counter()
         self.state = EngineState.RUNNING
         self._inbox_lock = threading.Lock()
         self._inbox: list[DynamicInferenceRequest] = []
@@ -116,6 +136,7 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
         self._loop: asyncio.AbstractEventLoop | None = None
         self._init_fault_isolation()
         self.reset()
+        InferenceMode.set_active()
 
     def reset(self) -> None:
         """Forget every request and free the cache."""

@@ -14,7 +14,6 @@ most ``max_batch_size`` requests run through the controller's static-batch loop 
 from __future__ import annotations
 
 import collections
-import itertools
 from typing import Any
 
 from megatron_core.inference.config import InferenceConfig, MambaInferenceStateConfig
@@ -33,6 +32,7 @@ from megatron_core.inference.text_generation_controllers.text_generation_control
 from megatron_core.inference.text_generation_controllers.vlm_text_generation_controller import (
     VLMTextGenerationController,
 )
+from megatron_core.inference.utils import Counter, InferenceMode
 
 __all__ = ["StaticInferenceEngine"]
 
@@ -57,7 +57,8 @@ class StaticInferenceEngine(AbstractEngine):
         self.max_batch_size = max_batch_size
         self.random_seed = random_seed or 1234
         self.controller.reset_sampling_seed(self.random_seed)
-        self._ids = itertools.count()
+        self._ids = Counter()
+        InferenceMode.set_active()
         # Encoder-decoder and VLM models run only in the static-batch loop (as in Megatron-Core).
         self.legacy = legacy or isinstance(
             text_generation_controller, (EncoderDecoderTextGenerationController, VLMTextGenerationController))

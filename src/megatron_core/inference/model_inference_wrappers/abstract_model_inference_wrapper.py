@@ -17,11 +17,17 @@ from typing import Any
 import torch
 
 from megatron_core._ground import unwrap_model
+from megatron_core._ground.decorators import deprecate_args
 from megatron_core.inference import communication_utils as comm
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.model_inference_wrappers.cuda_graphs import DecodeGraphRunner
 
 __all__ = ["AbstractModelInferenceWrapper"]
+
+
+DEPRECATED_ARGS = ["inference_wrapper_config", "pg_collection"]
+"""Former wrapper keyword arguments (the settings now come from the model config and the inference context);
+passing one raises ``TypeError``."""
 
 
 class AbstractModelInferenceWrapper(abc.ABC):
@@ -34,6 +40,7 @@ class AbstractModelInferenceWrapper(abc.ABC):
 
     decode_compile_options: dict[str, Any] = {}
 
+    @deprecate_args(*DEPRECATED_ARGS)
     def __init__(self, model: torch.nn.Module, inference_context: BaseInferenceContext | None = None) -> None:
         self.model = model
         self.inner_model = unwrap_model(model)

@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from megatron_core import config as megatron_core_config
 from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core.fusions.fused_pad_routing_map import fused_pad_routing_map
 from megatron_core.tensor_parallel.mappings import (
     all_to_all,
     gather_from_sequence_parallel_region,
@@ -252,7 +254,9 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         if self.config.moe_router_padding_for_quantization:
             # Zero-probability routes fill each expert to the FP8 row alignment (Megatron-Core pads here too).
-            routing_map = self.routing_map = pad_routing_map(routing_map, get_align_size_for_quantization(self.config))
+            fused = self.config.moe_permute_fusion and megatron_core_config.ENABLE_EXPERIMENTAL  # as Megatron-Core
+            pad = fused_pad_routing_map if fused else pad_routing_map
+            routing_map = self.routing_map = pad(routing_map, get_align_size_for_quantization(self.config)).bool()
         self.tokens_per_expert = self.preprocess(routing_map)
         self.hidden_shape_before_permute = hidden_states.shape
         self.token_rows = None

@@ -6,15 +6,24 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground.decorators import deprecate_args
+from megatron_core.inference.contexts.base_context import BaseInferenceContext
 from megatron_core.inference.model_inference_wrappers.abstract_model_inference_wrapper import (
     AbstractModelInferenceWrapper,
 )
 
 __all__ = ["GPTInferenceWrapper"]
 
+DEPRECATED_ARGS = ["inference_wrapper_config", "pg_collection"]
+"""Former keyword arguments of ``GPTInferenceWrapper``; passing one raises ``TypeError``."""
+
 
 class GPTInferenceWrapper(AbstractModelInferenceWrapper):
     """Runs a ``GPTModel`` under an inference context."""
+
+    @deprecate_args(*DEPRECATED_ARGS)
+    def __init__(self, model: torch.nn.Module, inference_context: BaseInferenceContext | None = None) -> None:
+        super().__init__(model, inference_context)
 
     def prep_inference_input(self, prompts_tokens: torch.Tensor) -> dict[str, Any]:
         """Tokens ``[b, s]`` and positions ``0..s-1``; the causal mask is implied (``None``)."""
