@@ -78,15 +78,18 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator, model):
-    """Megatron's forward_step_func: one micro-batch through ``model``; the loss is built on the last stage."""
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """Megatron's forward_step_func: one micro-batch through ``model``; the loss is built on the last stage.
+
+    ``return_schedule_plan`` (the combined 1F1B schedule of ``overlap_moe_expert_parallel_comm``): return the
+    micro-batch's schedule plan (``model.build_schedule_plan``) instead of running the model."""
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is not None and parallel_state.get_context_parallel_world_size() > 1:
         batch = get_batch_on_this_cp_rank(batch)  # this rank's load-balanced chunks of each sequence
     tokens = batch["tokens"] if batch is not None else None
     position_ids = batch["position_ids"] if batch is not None else None
     labels = batch["labels"] if batch is not None else None
-    output = model(tokens, position_ids, None, labels=labels)
+    output = (model.build_schedule_plan if return_schedule_plan else model)(tokens, position_ids, None, labels=labels)
     loss_mask = batch["loss_mask"] if batch is not None else None
     return output, partial(loss_func, loss_mask)
 

@@ -31,7 +31,8 @@ def _ignored(default: Any, why: str) -> Any:
 _GTP = "gradient tensor parallelism (weight shards)"
 _TP_OVERLAP = "Transformer Engine's userbuffer overlap of TP communication"
 _CPU_OFFLOAD = "only used with cpu_offloading"
-_EP_OVERLAP = "the combined 1F1B schedule that overlaps the MoE all-to-all with compute"
+_EP_OVERLAP_WGRAD = ("weight-gradient GEMMs deferred out of the backward (Transformer Engine's split wgrad) in the "
+                     "MoE all-to-all overlap")
 _CUDA_GRAPH = ("a setting of Megatron-Core's CUDA graph manager (cuda_graph_impl='local' records whole layers through "
                "Inductor here: transformer.layer_cuda_graphs)")
 _INFERENCE_KERNELS = "an inference kernel choice of Megatron-Core's optimized layers"
@@ -50,11 +51,11 @@ class MegatronOnlyParallelFields:
     hybrid_context_parallel: bool = _refused(False, "hybrid context parallelism in the schedules and attention "
                                                     "(per-micro-batch CP groups); its data side is "
                                                     "datasets.data_schedule.HybridCPDataLoaderWrapper")
-    # Unmarked: accepted with Megatron-Core's checks (moe_validation.check_ep_overlap) and a warning; no overlap.
+    # Unmarked: the combined 1F1B schedule (pipeline_parallel.combined_1f1b), checked by moe_validation.check_ep_overlap.
     overlap_moe_expert_parallel_comm: bool = False
-    delay_wgrad_compute: bool = _refused(False, _EP_OVERLAP)
-    overlap_dispatch_backward_with_experts_wgrad: bool = _refused(False, _EP_OVERLAP)
-    ep_overlap_early_attn_memory_release: bool = _refused(False, _EP_OVERLAP)
+    delay_wgrad_compute: bool = _refused(False, _EP_OVERLAP_WGRAD)
+    overlap_dispatch_backward_with_experts_wgrad: bool = _refused(False, _EP_OVERLAP_WGRAD)
+    ep_overlap_early_attn_memory_release: bool = False
     mtp_standalone: bool = _refused(False, "standalone multi-token-prediction pipeline stages")
     tp_comm_bulk_wgrad: bool = _ignored(True, _TP_OVERLAP)
     tp_comm_bulk_dgrad: bool = _ignored(True, _TP_OVERLAP)

@@ -1,6 +1,9 @@
-"""overlap_moe_expert_parallel_comm: accepted with Megatron-Core's checks and a warning (no overlap here)."""
+"""overlap_moe_expert_parallel_comm and its companions: Megatron-Core's config rules (the schedule is tested in
+tests/pipeline_parallel/test_combined_1f1b*.py)."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -13,10 +16,26 @@ BASE = dict(num_layers=1, hidden_size=128, num_attention_heads=4, num_moe_expert
 
 
 @pytest.mark.parametrize("mtp", [None, 0, 1])
-def test_accepted_with_a_warning(mtp):
-    with pytest.warns(UserWarning, match="no effect in this library"):
+def test_accepted_without_a_warning(mtp):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         config = TransformerConfig(**BASE, mtp_num_layers=mtp)
     assert config.overlap_moe_expert_parallel_comm is True and config.mtp_num_layers == mtp
+
+
+def test_early_attn_memory_release_needs_the_overlap():
+    config = TransformerConfig(**BASE, ep_overlap_early_attn_memory_release=True)
+    assert config.ep_overlap_early_attn_memory_release is True
+    with pytest.raises(EPOverlapConfigError, match="ep_overlap_early_attn_memory_release=True needs "
+                                                   "overlap_moe_expert_parallel_comm=True"):
+        TransformerConfig(**{**BASE, "overlap_moe_expert_parallel_comm": False},
+                          ep_overlap_early_attn_memory_release=True)
+
+
+@pytest.mark.parametrize("field", ["delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"])
+def test_deferred_weight_gradients_stay_refused(field):
+    with pytest.raises(ValueError, match=field):
+        TransformerConfig(**BASE, **{field: True})
 
 
 @pytest.mark.parametrize("change, match", [

@@ -18,18 +18,24 @@ backward exchange likewise around the backward. The transfers then run while the
 the step computes, and no exchange waits for the device (with ``batch_p2p_comm=False``, as
 Megatron's training sets it, not even ``batch_p2p_sync``). An output is freed once its send is
 done.
+
+With ``config.overlap_moe_expert_parallel_comm`` (training) every step goes through the combined 1F1B
+schedule (``combined_1f1b``): a step's forward and backward run interleaved node by node, and each rank
+runs one more warm-up forward.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from megatron_core._activation_offload.interface import (
     FineGrainedActivationOffloadingInterface as off_interface,
 )
 from megatron_core._wrapped_model import get_model_config
+from megatron_core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_interleaved_pipelining
 from megatron_core.pipeline_parallel.microbatch_step import (
     GradSyncSwitch,
     add_token_count,
@@ -174,9 +180,10 @@ def forward_backward_pipelining_with_interleaving(
     forward_data_store: list = []
     total_num_tokens = new_token_counter()
 
-    def forward_helper(k: int) -> Any:
-        chunk = chunk_of(k, forward=True)
-        microbatch = table[k][0]
+    pending_inputs: list[list] = [[] for _ in range(num_chunks)]
+
+    def forward_preprocess(k: int, chunk: int, microbatch: int) -> Any:
+        """Sync the parameters of a chunk about to start and take this step's input."""
         if param_sync_funcs is not None:
             sync_k = k + pp_rank
             if sync_k < total and table[sync_k][0] == 0:
@@ -184,32 +191,67 @@ def forward_backward_pipelining_with_interleaving(
                 if 1 < sync_chunk < num_chunks:
                     param_sync_funcs[sync_chunk](model[sync_chunk].parameters())
         input_tensor = None if is_first(chunk) else inputs[chunk].pop(0)
+        pending_inputs[chunk].append(input_tensor)
+        return input_tensor
+
+    def forward_postprocess(chunk: int, output_tensor: Any, num_tokens: Any) -> None:
+        """Count the tokens and keep ``(input, output)`` for the backward."""
+        add_token_count(total_num_tokens, num_tokens)
+        input_tensor = pending_inputs[chunk].pop(0)
+        if not forward_only:
+            saved[chunk].append((input_tensor, output_tensor))
+
+    def forward_helper(k: int) -> Any:
+        chunk = chunk_of(k, forward=True)
+        microbatch = table[k][0]
+        input_tensor = forward_preprocess(k, chunk, microbatch)
         output_tensor, num_tokens = forward_step(
             forward_step_func, data_iterator[chunk], model[chunk], num_microbatches, input_tensor,
             forward_data_store, config, collect_non_loss_data, None,
             check_first_val_step(first_val_step, forward_only, microbatch == 0),
             current_microbatch=microbatch, is_last_stage=is_last(chunk), cp_size=cp_size,
         )
-        add_token_count(total_num_tokens, num_tokens)
-        if not forward_only:
-            saved[chunk].append((input_tensor, output_tensor))
+        forward_postprocess(chunk, output_tensor, num_tokens)
         return output_tensor
 
-    def backward_helper(k: int) -> Any:
-        chunk = chunk_of(k, forward=False)
+    def backward_preprocess(k: int, chunk: int) -> tuple[Any, Any, Any]:
+        """Open gradient reduction for a chunk's last micro-batch; ``(input, output, output gradient)``."""
         if grad_sync_funcs is None and is_last_microbatch(k):
             sync.enable()
             synchronized.add(chunk)
         input_tensor, output_tensor = saved[chunk].pop(0)
         output_tensor_grad = None if is_last(chunk) else output_grads[chunk].pop(0)
-        input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, None, config)
+        return input_tensor, output_tensor, output_tensor_grad
+
+    def backward_postprocess(k: int) -> None:
+        """Launch a custom gradient sync when a chunk is done, then hold reduction back again."""
         if grad_sync_funcs is not None and is_last_microbatch(k - pp_rank):
             sync_chunk = chunk_of(k - pp_rank, forward=False)
             sync.enable()
             grad_sync_funcs[sync_chunk](model[sync_chunk].parameters())
             synchronized.add(sync_chunk)
         sync.disable()
+
+    def backward_helper(k: int) -> Any:
+        chunk = chunk_of(k, forward=False)
+        input_tensor_grad = backward_step(*backward_preprocess(k, chunk), None, config)
+        backward_postprocess(k)
         return None if is_first(chunk) else input_tensor_grad
+
+    combined = bool(getattr(config, "overlap_moe_expert_parallel_comm", False)) and not forward_only
+
+    def combined_step(f_k: int | None, b_k: int | None) -> tuple[Any, Any]:
+        """Forward step ``f_k`` and backward step ``b_k`` through the combined 1F1B schedule."""
+        output_tensor, input_tensor_grad = combined_1f1b_schedule_for_interleaved_pipelining(
+            config, forward_step_func, data_iterator, model, num_microbatches, forward_data_store,
+            forward_preprocess, forward_postprocess, backward_preprocess, backward_postprocess,
+            lambda k, forward: table[k % total][0], chunk_of,
+            partial(check_first_val_step, first_val_step, forward_only), lambda k: table[k][0] == 0,
+            collect_non_loss_data, f_virtual_microbatch_id=f_k, b_virtual_microbatch_id=b_k,
+            is_last_stage=is_last, cp_size=cp_size)
+        if b_k is not None and is_first(chunk_of(b_k, forward=False)):
+            input_tensor_grad = None
+        return output_tensor, input_tensor_grad
 
     def sendable(output_tensor: Any, chunk: int) -> Any:
         return None if is_last(chunk) else output_tensor
@@ -246,7 +288,9 @@ def forward_backward_pipelining_with_interleaving(
     if forward_only or all_warmup:
         num_warmup = total
     else:
-        num_warmup = min((pp_size - pp_rank - 1) * 2 + (num_chunks - 1) * group, total)
+        # The combined 1F1B schedule runs one more warm-up forward, so that no step pairs a forward with the
+        # backward of the same micro-batch.
+        num_warmup = min((pp_size - pp_rank - 1) * 2 + (num_chunks - 1) * group + int(combined), total)
     num_remaining = total - num_warmup
 
     sync.disable()
@@ -258,7 +302,8 @@ def forward_backward_pipelining_with_interleaving(
 
     for k in range(num_warmup):
         complete("forward")
-        output_tensor = sendable(forward_helper(k), chunk_of(k, forward=True))
+        output_tensor = combined_step(k, None)[0] if combined else forward_helper(k)
+        output_tensor = sendable(output_tensor, chunk_of(k, forward=True))
         recv_prev, next_chunk = receives(k, forward=True)
         if overlap:
             post_forward(output_tensor, recv_prev, next_chunk)
@@ -281,12 +326,18 @@ def forward_backward_pipelining_with_interleaving(
     for step in range(num_remaining):
         forward_k = step + num_warmup
         complete("forward")
-        output_tensor = sendable(forward_helper(forward_k), chunk_of(forward_k, forward=True))
+        if combined:
+            complete("backward")
+            output_tensor, input_tensor_grad = combined_step(forward_k, step)
+        else:
+            output_tensor = forward_helper(forward_k)
+        output_tensor = sendable(output_tensor, chunk_of(forward_k, forward=True))
         recv_prev, next_forward_chunk = receives(forward_k, forward=True)
         if overlap:
             post_forward(output_tensor, recv_prev, next_forward_chunk)
-        complete("backward")
-        input_tensor_grad = backward_helper(step)
+        if not combined:
+            complete("backward")
+            input_tensor_grad = backward_helper(step)
         recv_next, next_backward_chunk = receives(step, forward=False)
         if overlap:
             post_backward(input_tensor_grad, recv_next, next_backward_chunk)
@@ -306,7 +357,7 @@ def forward_backward_pipelining_with_interleaving(
             output_grads[num_chunks - 1].append(comm.recv_backward(tensor_shape, is_last_stage=False))
         for k in range(num_remaining, total):
             complete("backward")
-            input_tensor_grad = backward_helper(k)
+            input_tensor_grad = combined_step(None, k)[1] if combined else backward_helper(k)
             recv_next, next_chunk = receives(k, forward=False)
             if overlap:
                 post_backward(input_tensor_grad, recv_next, next_chunk)

@@ -120,6 +120,10 @@ class GradSyncSwitch:
             self._context.__exit__(None, None, None)
             self._context = None
 
+    def context(self) -> Any:
+        """A fresh ``no_sync`` context (the ``no_sync_func`` itself, or a null context without one)."""
+        return self._no_sync_func()
+
     @property
     def disabled(self) -> bool:
         """True while inside the no-sync context."""

@@ -16,6 +16,7 @@ the other stages, and (unless ``forward_only``) leaves the accumulated gradients
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from megatron_core import parallel_state
@@ -24,6 +25,7 @@ from megatron_core._activation_offload.interface import (
 )
 from megatron_core._ground import get_pg_size
 from megatron_core._wrapped_model import get_attr_wrapped_model, get_model_config
+from megatron_core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
 from megatron_core.pipeline_parallel.interleaved_schedule import (
     forward_backward_pipelining_with_interleaving,
     get_schedule_table,
@@ -134,7 +136,9 @@ def forward_backward_no_pipelining(
 ) -> list:
     """Run ``num_microbatches`` forward (and backward) passes on the whole model, accumulating gradients.
 
-    Gradient reduction is held back (``config.no_sync_func``) for all but the last microbatch.
+    Gradient reduction is held back (``config.no_sync_func``) for all but the last microbatch. With
+    ``config.overlap_moe_expert_parallel_comm`` (training) the combined 1F1B schedule runs instead
+    (``combined_1f1b``): the forward step is then called with ``return_schedule_plan=True``.
     ``seq_length``, ``micro_batch_size`` and ``adjust_tensor_shapes_fn`` are unused (nothing is sent).
     """
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
@@ -156,11 +160,17 @@ def forward_backward_no_pipelining(
         if not forward_only:
             backward_step(None, output_tensor, None, None, config)
 
-    sync.disable()
-    for microbatch in range(num_microbatches - 1):
-        run(microbatch)
-    sync.enable()
-    run(num_microbatches - 1)
+    if getattr(config, "overlap_moe_expert_parallel_comm", False) and not forward_only:
+        combined_1f1b_schedule_for_no_pipelining(
+            forward_step_func, data_iterator, model, num_microbatches, None, None, forward_data_store, config,
+            collect_non_loss_data, first_val_step, forward_only, sync.context, total_num_tokens,
+            partial(check_first_val_step, first_val_step, forward_only), cp_size=cp_size)
+    else:
+        sync.disable()
+        for microbatch in range(num_microbatches - 1):
+            run(microbatch)
+        sync.enable()
+        run(num_microbatches - 1)
 
     if not forward_only:
         finalize_model_grads_if_set(config, [model], total_num_tokens, pg_collection, force_all_reduce)

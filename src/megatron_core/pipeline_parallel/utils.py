@@ -3,7 +3,9 @@
 Unlike ``parallel_state.is_pipeline_first_stage``, these take the pipeline process group (and the
 virtual stage and virtual size) as arguments. A ``None`` group, or no initialised
 ``torch.distributed``, means a single stage. ``set_ideal_affinity_for_current_gpu`` (CPU pinning
-next to the GPU) lives in :mod:`megatron_core.pipeline_parallel.cpu_affinity` and is re-exported here.
+next to the GPU) lives in :mod:`megatron_core.pipeline_parallel.cpu_affinity` and is re-exported here, and the
+combined 1F1B schedule's nodes and streams (``ScheduleNode``, ``AbstractSchedulePlan``, ``set_streams``, ...) in
+:mod:`megatron_core.pipeline_parallel.schedule_node`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,22 @@ from __future__ import annotations
 import torch
 
 from megatron_core.pipeline_parallel.cpu_affinity import set_ideal_affinity_for_current_gpu
+from megatron_core.pipeline_parallel.schedule_node import (
+    AbstractSchedulePlan,
+    NoopScheduleNode,
+    ScheduleNode,
+    get_comm_stream,
+    get_comp_stream,
+    make_viewless,
+    set_streams,
+)
 
 __all__ = [
+    "AbstractSchedulePlan",
+    "NoopScheduleNode",
+    "ScheduleNode",
+    "get_comm_stream",
+    "get_comp_stream",
     "get_pp_first_rank",
     "get_pp_last_rank",
     "get_pp_next_rank",
@@ -21,7 +37,9 @@ __all__ = [
     "is_pp_last_stage",
     "is_vp_first_stage",
     "is_vp_last_stage",
+    "make_viewless",
     "set_ideal_affinity_for_current_gpu",
+    "set_streams",
 ]
 
 

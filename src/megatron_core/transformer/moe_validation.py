@@ -245,12 +245,10 @@ class EPOverlapConfigError(ValueError, AssertionError):
 
 
 def check_ep_overlap(cfg: Any) -> None:
-    """Megatron-Core's rules for ``overlap_moe_expert_parallel_comm``; the flag is then accepted with a warning.
-
-    This library has no combined 1F1B schedule that runs one micro-batch's expert-parallel all-to-all while
-    another computes: the dispatch and combine all-to-alls run in line with the layer, so results are the
-    same and nothing is overlapped (docs/compat.md).
-    """
+    """Megatron-Core's rules for ``overlap_moe_expert_parallel_comm`` (the combined 1F1B schedule of
+    ``pipeline_parallel.combined_1f1b``) and for ``ep_overlap_early_attn_memory_release``, which needs it."""
+    if cfg.ep_overlap_early_attn_memory_release and not cfg.overlap_moe_expert_parallel_comm:
+        raise EPOverlapConfigError("ep_overlap_early_attn_memory_release=True needs overlap_moe_expert_parallel_comm=True")
     if not cfg.overlap_moe_expert_parallel_comm:
         return
     rules = [
@@ -269,5 +267,3 @@ def check_ep_overlap(cfg: Any) -> None:
     for ok, rule in rules:
         if not ok:
             raise EPOverlapConfigError(f"overlap_moe_expert_parallel_comm=True: {rule}")
-    warnings.warn("overlap_moe_expert_parallel_comm=True is accepted but has no effect in this library: the MoE "
-                  "all-to-all runs without overlap (same results; docs/compat.md)", UserWarning, stacklevel=3)

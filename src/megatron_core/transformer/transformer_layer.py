@@ -163,6 +163,29 @@ class TransformerLayer(MegatronModule):
         """Run the layer on ``hidden_states`` ``[s, b, h]``; returns ``(hidden_states, context)``."""
         if inference_context is not None and fused_decode.fused_decode_applies(self, hidden_states):
             return fused_decode.fused_decode_forward(self, hidden_states, inference_context, rotary_pos_emb), context
+        hidden_states, context = self._forward_attention(
+            hidden_states, attention_mask=attention_mask, context=context, context_mask=context_mask,
+            rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+            attention_bias=attention_bias, inference_context=inference_context, packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        return self._forward_mlp(hidden_states), context
+
+    def _forward_attention(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention half: norm, self-attention, bias-dropout-add (and cross-attention); ``(hidden, context)``."""
         attn_norm_manager = off_interface(self.offload_attn_norm, hidden_states, "attn_norm")
         with attn_norm_manager as hidden_states:
             input_layernorm_output, residual = self._norm_and_residual(self.input_layernorm, hidden_states)
@@ -194,19 +217,30 @@ class TransformerLayer(MegatronModule):
             hidden_states = self.cross_attn_bda(self.training, self.config.bias_dropout_fusion)(
                 cross_output_with_bias, residual, self.hidden_dropout
             )
+        return hidden_states, context
 
+    def _forward_mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The MLP half: norm, MLP (or MoE), bias-dropout-add."""
+        pre_mlp_layernorm_output, residual, mlp_norm_manager = self._forward_pre_mlp_layernorm(hidden_states)
+        return self._forward_post_mlp(self.mlp(pre_mlp_layernorm_output), residual, mlp_norm_manager)
+
+    def _forward_pre_mlp_layernorm(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``(norm output, residual of the MLP's bias-dropout-add, the mlp_norm offload manager)``."""
         mlp_norm_manager = off_interface(self.offload_mlp_norm, hidden_states, "mlp_norm")
         with mlp_norm_manager as hidden_states:
             pre_mlp_layernorm_output, residual = self._norm_and_residual(self.pre_mlp_layernorm, hidden_states)
-        mlp_output_with_bias = self.mlp(pre_mlp_layernorm_output)
-        released = [residual]
         if self.config.apply_residual_connection_post_layernorm:
-            residual, released = pre_mlp_layernorm_output, []
+            residual = pre_mlp_layernorm_output
+        return pre_mlp_layernorm_output, residual, mlp_norm_manager
+
+    def _forward_post_mlp(self, mlp_output_with_bias: Any, residual: torch.Tensor,
+                          mlp_norm_manager: Any) -> torch.Tensor:
+        """The MLP's bias-dropout-add onto ``residual``, then the end of the mlp_norm offload group."""
+        released = [] if self.config.apply_residual_connection_post_layernorm else [residual]
         hidden_states = self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
             mlp_output_with_bias, residual, self.hidden_dropout
         )
-        hidden_states = mlp_norm_manager.group_offload(hidden_states, forced_released_tensors=released)
-        return hidden_states, context
+        return mlp_norm_manager.group_offload(hidden_states, forced_released_tensors=released)
 
 
 def _builds_moe_layer(spec: Any) -> bool:

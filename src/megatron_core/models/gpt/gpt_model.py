@@ -204,6 +204,36 @@ class GPTModel(LanguageModule):
         inference_context = inference_context if inference_context is not None else inference_params
         if self.config.fine_grained_activation_offloading and torch.is_grad_enabled():
             self.preprocess_for_fine_grained_offloading()
+        decoder_input, rotary_pos_emb, _, _, _, padding_mask = self._preprocess(
+            input_ids, position_ids, decoder_input, inference_context, packed_seq_params, padding_mask)
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
+            **(extra_block_kwargs or {}),
+        )
+        return self._postprocess(
+            hidden_states, input_ids, position_ids, labels, rotary_pos_emb, None, None, mtp_in_postprocess=True,
+            loss_mask=loss_mask, attention_mask=attention_mask, padding_mask=padding_mask,
+            packed_seq_params=packed_seq_params, runtime_gather_output=runtime_gather_output,
+            inference_context=inference_context)
+
+    def _preprocess(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        decoder_input: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> tuple:
+        """The embedding (first stage) and the rotary angles before the decoder.
+
+        Returns ``(decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset,
+        padding_mask)`` as Megatron-Core does (the cos/sin and offset slots are None here).
+        """
         if input_ids is not None and packed_seq_params is None and inference_context is None:
             _check_sequence_fits(input_ids.shape[-1], self.max_sequence_length)
         if packed_seq_params is not None and input_ids is not None:
@@ -226,15 +256,33 @@ class GPTModel(LanguageModule):
                 rotary_pos_emb = rotary_pos_emb.to(hidden.device)
         elif self.position_embedding_type == "mrope":
             rotary_pos_emb = self._mrope_angles(position_ids, decoder_input, packed_seq_params, inference_context)
-        hidden_states = self.decoder(
-            hidden_states=decoder_input,
-            attention_mask=attention_mask,
-            inference_context=inference_context,
-            rotary_pos_emb=rotary_pos_emb,
-            packed_seq_params=packed_seq_params,
-            **(extra_block_kwargs or {}),
-        )
-        if self.mtp_process and inference_context is None:  # MTP depths after the decoder's (concatenated)
+        return decoder_input, rotary_pos_emb, None, None, None, padding_mask
+
+    def _postprocess(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        rotary_pos_emb: torch.Tensor | None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        mtp_in_postprocess: bool | None = None,
+        loss_mask: torch.Tensor | None = None,
+        decoder_input: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        inference_params: Any = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: Any = None,
+        runtime_gather_output: bool | None = None,
+        extra_block_kwargs: dict | None = None,
+        inference_context: Any = None,
+    ) -> torch.Tensor:
+        """After the decoder: the MTP depths (``mtp_in_postprocess``), then on the last stage the output layer and
+        the loss ``[b, s]`` with ``labels`` (logits ``[b, s, V/TP]`` without); other stages return ``hidden_states``."""
+        inference_context = inference_context if inference_context is not None else inference_params
+        if mtp_in_postprocess and self.mtp_process and inference_context is None:  # MTP depths after the decoder's
             hidden_states = self.mtp(
                 input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
                 attention_mask=attention_mask, padding_mask=padding_mask, rotary_pos_emb=rotary_pos_emb,
@@ -261,6 +309,48 @@ class GPTModel(LanguageModule):
             logits = logits.transpose(0, 1).contiguous()
             return logits if self.logit_dtype is None else logits.to(self.logit_dtype)
         return self.compute_language_model_loss(labels, logits)
+
+    def build_schedule_plan(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        decoder_input: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        extra_block_kwargs: dict | None = None,
+        runtime_gather_output: bool | None = None,
+        inference_params: Any = None,
+        loss_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        *,
+        output_processor: Any = None,
+        output_processor_context: Any = None,
+    ) -> Any:
+        """The combined 1F1B schedule's plan for one micro-batch: the same arguments as :meth:`forward`, but
+        nothing runs yet; returns a
+        :class:`~megatron_core.models.common.model_chunk_schedule_plan.TransformerModelChunkSchedulePlan`.
+
+        Not supported in the plan (``ValueError``): inference, MTP layers, ``extra_block_kwargs`` and
+        ``output_processor``.
+        """
+        unsupported = {"inference_context": inference_context if inference_context is not None else inference_params,
+                       "extra_block_kwargs": extra_block_kwargs or None, "output_processor": output_processor}
+        given = [name for name, value in unsupported.items() if value is not None]
+        if given:
+            raise ValueError(f"build_schedule_plan (overlap_moe_expert_parallel_comm) does not support {given}")
+        if self.mtp_process:
+            raise ValueError("build_schedule_plan (overlap_moe_expert_parallel_comm) does not schedule multi-token "
+                             "prediction layers in this library; set mtp_num_layers=None or the flag off")
+        if self.config.fine_grained_activation_offloading:
+            self.preprocess_for_fine_grained_offloading()
+        # Imported here: models.common's plan builds on this package's layers.
+        from megatron_core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
+
+        return TransformerModelChunkSchedulePlan(
+            self, input_ids, position_ids, attention_mask, decoder_input, labels, packed_seq_params, None,
+            runtime_gather_output, loss_mask, padding_mask)
 
 
 def _multimodal_rotary_embedding(config: TransformerConfig, rotary_percent: float,
