@@ -61,7 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("parallel primitives", ("tensor_parallel", "fusions", "rerun_state_machine", "_rerun_parts",
                              "_rerun_checkpoint", "_rerun_reporting"),
      "tensor-parallel layers and mappings, RNG tracker, fused kernels, the rerun state machine"),
-    ("blocks", ("transformer", "pipeline_parallel", "distributed", "extensions", "fp8_utils"),
+    ("blocks", ("transformer", "pipeline_parallel", "distributed", "extensions", "fp8_utils", "full_cuda_graph"),
      "transformer layers and blocks, pipeline schedules, DDP/FSDP wrappers and gradient finalisation (with the "
      "FP8 parameters they store, re-exported at Megatron-Core's ``fp8_utils``), Transformer Engine modules"),
     ("layers", ("ssm",), "the Mamba mixer and layers, built on transformer"),

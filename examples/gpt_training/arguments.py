@@ -94,9 +94,13 @@ def _model(parser: argparse.ArgumentParser) -> None:
                         "(fast for large models)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer and the loss (GPU speed-up; first steps compile)")
-    g.add_argument("--cuda-graph-impl", choices=("none", "local"), default="none",
+    g.add_argument("--cuda-graph-impl", choices=("none", "local", "full_iteration"), default="none",
                    help="local: record each transformer layer's forward and backward as CUDA graphs (through "
-                        "torch.compile; on a GPU, in training) and replay them")
+                        "torch.compile; on a GPU, in training) and replay them; full_iteration: capture the whole "
+                        "forward-backward of a step (and of an evaluation batch) as one CUDA graph after "
+                        "--cuda-graph-warmup-steps eager calls, then replay it (GPU only; megatron_core.full_cuda_graph)")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="eager calls before the full-iteration graph is captured, per stage (training, evaluation)")
 
 
 def parse_layer_freq(text: str) -> int | list[int]:
@@ -353,6 +357,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.overwrite_main_grad_on_first_wgrad = args.gradient_accumulation_fusion and args.cuda_graph_impl != "local"
     _require(args.manual_gc_interval >= 0, f"--manual-gc-interval ({args.manual_gc_interval}) must be >= 0")
     _validate_torch_fsdp2(args)
+    _validate_full_iteration(args)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
@@ -391,6 +396,19 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
              f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
              f"({args.lr_decay_iters}; it defaults to --train-iters)")
     return args
+
+
+def _validate_full_iteration(args: argparse.Namespace) -> None:
+    """--cuda-graph-impl full_iteration: the settings whose work in a step could not be replayed from one graph."""
+    if args.cuda_graph_impl != "full_iteration":
+        return
+    _require(args.cuda_graph_warmup_steps >= 0, f"--cuda-graph-warmup-steps ({args.cuda_graph_warmup_steps}) must be >= 0")
+    for flag, value, why in (
+            ("--step-time-breakdown", args.step_time_breakdown, "its timers read the clock inside the step"),
+            ("--use-torch-fsdp2", args.use_torch_fsdp2, "FSDP2's hooks manage parameters on the host"),
+            ("--overlap-param-gather", args.overlap_param_gather, "the all-gather's dispatch state lives on the host"),
+            ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size > 1, "untested with pipelining")):
+        _require(not value, f"{flag} cannot be combined with --cuda-graph-impl full_iteration: {why}")
 
 
 def _validate_counts(args: argparse.Namespace) -> None:

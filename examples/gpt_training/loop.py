@@ -21,6 +21,7 @@ from gpt_training.profiling import StepProfiler
 from gpt_training.step_results import HostCopy, QueuedStep, SettledStep, StepResults, window_summary
 from gpt_training.step_timers import StepTimers, breakdown, timed
 from megatron_core import device, parallel_state
+from megatron_core.full_cuda_graph import FullCudaGraphWrapper
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.progress import track
 from megatron_core.training_metrics import model_flops_utilization
@@ -170,6 +171,9 @@ class Trainer:
                                if len(chunks) == 1 and train_iter is not None else None)
         self.logger, self.checkpointer = logger, checkpointer
         self.forward_backward = get_forward_backward_func()
+        if args.cuda_graph_impl == "full_iteration":  # one CUDA graph per stage after the warm-up (eager on CPU)
+            self.forward_backward = FullCudaGraphWrapper(self.forward_backward, args.cuda_graph_warmup_steps,
+                                                         config.cuda_graph_use_single_mempool)
         self.stop_requested = False
         self.timers = StepTimers() if args.step_time_breakdown else None
         self.results = StepResults()  # steps whose loss, gradient norm and outcome are not read yet
@@ -189,10 +193,13 @@ class Trainer:
 
     def close(self) -> None:
         """Give SIGTERM back to the handler it had before this trainer (a process that goes on, e.g. a test, and
-        the children it forks later must not inherit a handler that only sets this trainer's flag)."""
+        the children it forks later must not inherit a handler that only sets this trainer's flag), and drop the
+        full-iteration CUDA graphs (process-wide: a later trainer captures its own)."""
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
+        if isinstance(self.forward_backward, FullCudaGraphWrapper):  # its graphs are process-wide: free them
+            self.forward_backward.reset_cuda_graph()
 
     def _iterators(self, iterator):
         if iterator is self.train_iter and self._train_batches is not None:

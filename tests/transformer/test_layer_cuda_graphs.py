@@ -47,7 +47,7 @@ def test_local_impl_is_accepted_and_enable_cuda_graph_maps_to_it():
 
 @pytest.mark.parametrize("kwargs, names", [
     (dict(cuda_graph_impl="transformer_engine"), ["cuda_graph_impl", "transformer_engine"]),
-    (dict(cuda_graph_impl="full_iteration"), ["cuda_graph_impl", "full_iteration"]),
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_modules=["attn"]), ["cuda_graph_modules", "full_iteration"]),
     (dict(cuda_graph_impl="graphs"), ["cuda_graph_impl", "graphs", "local"]),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["attn"]), ["cuda_graph_modules", "attn", "full"]),
     (dict(cuda_graph_impl="local", cuda_graph_scope="mlp"), ["cuda_graph_scope", "mlp"]),

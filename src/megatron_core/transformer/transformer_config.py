@@ -260,7 +260,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
 
     # CUDA graphs (transformer.layer_cuda_graphs; checked by transformer_validation.check_cuda_graphs)
     enable_cuda_graph: bool = False  # deprecated: True means cuda_graph_impl="local"
-    cuda_graph_impl: str = "none"  # "none" or "local" (whole layers recorded through Inductor)
+    cuda_graph_impl: str = "none"  # "none", "local" (whole layers through Inductor) or "full_iteration"
     cuda_graph_modules: Any = "full"  # "full" or empty (whole layers) with "local"
     cuda_graph_scope: Any = None  # deprecated name of cuda_graph_modules
     clone_scatter_output_in_embedding: bool = True

@@ -231,10 +231,11 @@ def check_recompute(cfg: Any) -> None:
 
 
 def check_cuda_graphs(cfg: Any) -> None:
-    """``cuda_graph_impl``: ``'none'`` or ``'local'`` (whole layers recorded through Inductor,
-    :mod:`.layer_cuda_graphs`); the deprecated ``enable_cuda_graph=True`` becomes ``'local'`` with a warning, as in
-    Megatron-Core. Transformer Engine's graphs, the full-iteration graph, partial-layer scopes, full recompute and
-    MoE layers (whose per-expert token counts change every step) are refused by name."""
+    """``cuda_graph_impl``: ``'none'``, ``'local'`` (whole layers recorded through Inductor,
+    :mod:`.layer_cuda_graphs`) or ``'full_iteration'`` (:mod:`megatron_core.full_cuda_graph`, see
+    :func:`_check_full_iteration`); the deprecated ``enable_cuda_graph=True`` becomes ``'local'`` with a warning, as
+    in Megatron-Core. Transformer Engine's graphs, partial-layer scopes, full recompute and MoE layers (whose
+    per-expert token counts change every step) are refused by name."""
     if cfg.enable_cuda_graph:
         if cfg.cuda_graph_impl != "none":
             raise ValueError(f"enable_cuda_graph=True (deprecated) cannot be combined with cuda_graph_impl="
@@ -244,10 +245,13 @@ def check_cuda_graphs(cfg: Any) -> None:
     impl = cfg.cuda_graph_impl
     if impl not in CUDA_GRAPH_IMPLS:
         raise ValueError(f"cuda_graph_impl ({impl!r}) must be one of {list(CUDA_GRAPH_IMPLS)}")
-    if impl in ("transformer_engine", "full_iteration"):
-        raise ValueError(f"cuda_graph_impl={impl!r} is not provided by this library (Transformer Engine's graphed "
-                         "callables / one graph of the whole iteration); use 'local' (each TransformerLayer recorded "
-                         "as CUDA graphs through torch.compile) or 'none'")
+    if impl == "transformer_engine":
+        raise ValueError("cuda_graph_impl='transformer_engine' is not provided by this library (Transformer Engine's "
+                         "graphed callables); use 'local' (each TransformerLayer recorded as CUDA graphs through "
+                         "torch.compile), 'full_iteration' or 'none'")
+    if impl == "full_iteration":
+        _check_full_iteration(cfg)
+        return
     if impl != "local":
         return
     name = "cuda_graph_scope" if cfg.cuda_graph_scope is not None else "cuda_graph_modules"  # the deprecated name wins
@@ -263,6 +267,35 @@ def check_cuda_graphs(cfg: Any) -> None:
     if cfg.num_moe_experts is not None:
         raise ValueError(f"cuda_graph_impl='local' with num_moe_experts={cfg.num_moe_experts} is not supported: the "
                          "tokens per expert change every step, so a recorded MoE layer cannot be replayed")
+
+
+def _check_full_iteration(cfg: Any) -> None:
+    """``cuda_graph_impl='full_iteration'``: as in Megatron-Core, ``cuda_graph_modules`` must be empty (``'full'``
+    normalises to empty). Also refused here, because the captured iteration could not run in a CUDA graph with this
+    library: the RNG tracker's forks (``sequence_parallel``, ``attention_dropout``) and activation recompute swap
+    generator states with ``set_rng_state``, which CUDA forbids during a capture; MoE layers size their token
+    dispatch on the host; ``calculate_per_token_loss`` reads the global token count on the host in
+    ``finalize_model_grads``."""
+    name = "cuda_graph_scope" if cfg.cuda_graph_scope is not None else "cuda_graph_modules"
+    scopes = getattr(cfg, name)
+    modules, deprecated, _ = normalize_cuda_graph_modules(scopes)
+    if modules or deprecated:
+        raise ValueError(f"{name} ({scopes!r}) must be empty when cuda_graph_impl='full_iteration'")
+    why = {
+        "sequence_parallel": "its RNG-tracker fork swaps generator states, which a CUDA graph capture forbids",
+        "attention_dropout": "the RNG-tracker fork around attention dropout swaps generator states, which a CUDA "
+                             "graph capture forbids",
+        "recompute_granularity": "recomputation saves and restores generator states, which a CUDA graph capture "
+                                 "forbids",
+        "num_moe_experts": "MoE token dispatch sizes its buffers on the host",
+        "calculate_per_token_loss": "finalize_model_grads reads the global token count on the host",
+    }
+    for field, value in (("sequence_parallel", cfg.sequence_parallel), ("attention_dropout", cfg.attention_dropout),
+                         ("recompute_granularity", cfg.recompute_granularity),
+                         ("num_moe_experts", cfg.num_moe_experts),
+                         ("calculate_per_token_loss", cfg.calculate_per_token_loss)):
+        if value:
+            raise ValueError(f"{field}={value!r} cannot be used with cuda_graph_impl='full_iteration': {why[field]}")
 
 
 def check_pipeline_split(cfg: Any) -> None:
