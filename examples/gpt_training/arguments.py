@@ -354,7 +354,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.gradient_accumulation_fusion = cuda_available() and not args.use_torch_fsdp2
     if args.overwrite_main_grad_on_first_wgrad is None:
         # a recorded layer cannot honour a per-step first write (DistributedDataParallel refuses the pair)
-        args.overwrite_main_grad_on_first_wgrad = args.gradient_accumulation_fusion and args.cuda_graph_impl != "local"
+        args.overwrite_main_grad_on_first_wgrad = (args.gradient_accumulation_fusion
+                                                   and args.cuda_graph_impl not in ("local", "full_iteration"))
     _require(args.manual_gc_interval >= 0, f"--manual-gc-interval ({args.manual_gc_interval}) must be >= 0")
     _validate_torch_fsdp2(args)
     _validate_full_iteration(args)

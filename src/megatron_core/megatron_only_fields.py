@@ -48,9 +48,9 @@ class MegatronOnlyParallelFields:
     expert_tensor_parallel_num_weight_shards: int | None = _refused(None, _GTP)
     expert_gtp_weight_remat_size: int = _refused(1, _GTP)
     # max_seqlen_per_dp_cp_rank is a ModelParallelConfig field: datasets.data_schedule schedules with it.
-    hybrid_context_parallel: bool = _refused(False, "hybrid context parallelism in the schedules and attention "
-                                                    "(per-micro-batch CP groups); its data side is "
-                                                    "datasets.data_schedule.HybridCPDataLoaderWrapper")
+    # Unmarked: hybrid context parallelism (pipeline_parallel.hybrid_cp_schedule), checked by ModelParallelConfig
+    # and transformer.hybrid_cp_validation; kept here for Megatron-Core's field order.
+    hybrid_context_parallel: bool = False
     # Unmarked: the combined 1F1B schedule (pipeline_parallel.combined_1f1b), checked by moe_validation.check_ep_overlap.
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = _refused(False, _EP_OVERLAP_WGRAD)

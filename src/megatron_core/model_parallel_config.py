@@ -137,6 +137,12 @@ class ModelParallelConfig(_MegatronOnlyParallelFields):
         seqlen = self.max_seqlen_per_dp_cp_rank
         if seqlen is not None and (not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1):
             raise ValueError(f"max_seqlen_per_dp_cp_rank ({seqlen!r}) must be None or an integer >= 1")
+        if self.hybrid_context_parallel and seqlen is None:
+            raise ValueError("hybrid_context_parallel=True needs max_seqlen_per_dp_cp_rank (None): the longest "
+                             "sub-sample one DP x CP rank holds, which sets each sub-sample's CP size")
+        if self.hybrid_context_parallel and self.pipeline_model_parallel_size > 1:
+            raise ValueError("hybrid_context_parallel=True is not supported with pipeline parallelism "
+                             f"(pipeline_model_parallel_size={self.pipeline_model_parallel_size}; must be 1)")
         if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
             raise ValueError(
                 f"Cannot use sequence parallelism without tensor parallelism: sequence_parallel=True needs "

@@ -64,7 +64,7 @@ def test_inference_mode_flag_and_the_engine_sets_it():
     futures = [engine.add_request(i, [1, 2, 3], SamplingParams(top_k=1, num_tokens_to_generate=2)) for i in ids]
     while not all(f.done() for f in futures):
         engine.step_modern()
-    assert ids == [0, 1] and [len(f.result().generated_tokens) for f in futures] == [2, 2]
+    assert ids == [0, 1] and [len(f.result(timeout=60).generated_tokens) for f in futures] == [2, 2]
     utils.InferenceMode.unset_active()
 
 
@@ -95,10 +95,10 @@ def test_await_process_call_returns_or_names_the_dead_process():
         asyncio.run(utils.await_process_call(event.wait, alive, timeout=0.05))
     finally:
         alive.terminate()
-        alive.join()
+        alive.join(timeout=30)
     dead = ctx.Process(target=time.sleep, args=(0,), name="quitter")
     dead.start()
-    dead.join()
+    dead.join(timeout=30)
     with pytest.raises(RuntimeError, match=r"Process quitter \(pid \d+\) has exited unexpectedly"):
         asyncio.run(utils.await_process_call(ctx.Event().wait, dead, timeout=0.05))
 

@@ -1,13 +1,20 @@
 """``DistributedDataParallelConfig``: how gradients are reduced and parameters gathered across data parallel ranks.
 
-Mirrors Megatron-Core's dataclass of the same name. Only the plain (non-FSDP) path is implemented:
-``use_megatron_fsdp=True`` and FP8/FP4 parameter gathers are rejected with a ``ValueError``.
+Mirrors Megatron-Core's dataclass of the same name. ``use_megatron_fsdp=True`` selects the
+Megatron-FSDP entry point (``distributed.fsdp.FullyShardedDataParallel``, built here on our DDP,
+distributed optimizer and FSDP2 wrappers); its options that have no counterpart there are refused by
+:func:`~megatron_core.distributed.megatron_fsdp_options.check_megatron_fsdp_options`. FP4 parameter
+gathers are rejected with a ``ValueError``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
+
+from megatron_core.distributed.megatron_fsdp_options import check_megatron_fsdp_options
 
 _SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -77,16 +84,66 @@ class DistributedDataParallelConfig:
     """MXFP8 buffer reuse (Transformer Engine only; rejected here)."""
 
     use_megatron_fsdp: bool = False
-    """Megatron-FSDP (not implemented here; rejected)."""
+    """Megatron-FSDP: wrap the model in ``distributed.fsdp.FullyShardedDataParallel`` (checked here, see the module
+    docstring); ``data_parallel_sharding_strategy`` picks what is sharded and ``use_distributed_optimizer`` is
+    then implied by it."""
 
     use_custom_fsdp: bool = False
     """Deprecated alias of ``use_megatron_fsdp``."""
 
     data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "no_shard"
-    """FSDP sharding strategy; only meaningful with ``use_megatron_fsdp``."""
+    """Megatron-FSDP sharding: ``no_shard`` (all-reduced gradients), ``optim`` (ZeRO-1), ``optim_grads`` (ZeRO-2),
+    ``optim_grads_params`` (ZeRO-3, FSDP2); only meaningful with ``use_megatron_fsdp``."""
 
     gradient_reduce_div_fusion: bool = True
     """FSDP option, accepted for compatibility."""
+
+    suggested_communication_unit_size: int | None = None
+    """Megatron-FSDP communication granularity (elements); accepted and ignored (FSDP2 gathers one unit at a time)."""
+
+    keep_fp8_transpose_cache: bool = False
+    """Megatron-FSDP FP8 transpose cache (Transformer Engine); ``True`` is refused."""
+
+    fsdp_double_buffer: bool = False
+    """Megatron-FSDP persistent double buffers for its collectives; ``True`` is refused."""
+
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    """Megatron-FSDP double-buffer fallback; accepted and ignored (no double buffers here)."""
+
+    fsdp_all_gather_in_start_param_sync: bool = True
+    """Megatron-FSDP: gather the first bucket in ``start_param_sync``; accepted and ignored."""
+
+    outer_dp_sharding_strategy: str = "no_shard"
+    """Megatron-FSDP HSDP sharding over the outer DP group (``num_distributed_optimizer_instances > 1``):
+    ``no_shard`` or ``optim`` (refused here)."""
+
+    disable_symmetric_registration: bool = False
+    """NCCL user-buffer registration mode; accepted and ignored (``nccl_ub`` is refused)."""
+
+    fsdp_manual_registration: bool = False
+    """Megatron-FSDP manual NCCL user-buffer registration; ``True`` is refused (needs ``nccl_ub``)."""
+
+    megatron_fsdp_main_params_dtype: torch.dtype | None = torch.float32
+    """Megatron-FSDP main-weight dtype; only ``torch.float32`` (the optimizer's fp32 main weights) is supported."""
+
+    megatron_fsdp_main_grads_dtype: torch.dtype | None = None
+    """Megatron-FSDP main-gradient dtype: ``None`` (the parameters' dtype, or ``grad_reduce_in_fp32``) or
+    ``torch.float32`` (reduce in fp32, like ``grad_reduce_in_fp32=True``)."""
+
+    megatron_fsdp_grad_comm_dtype: torch.dtype | None = None
+    """Megatron-FSDP gradient-communication dtype: ``None`` or ``megatron_fsdp_main_grads_dtype``."""
+
+    megatron_fsdp_use_decoupled_grad: bool = False
+    """Megatron-FSDP decoupled gradients for Transformer Engine's FusedAdam; ``True`` is refused."""
+
+    megatron_fsdp_cuda_graph_mode: bool = False
+    """Megatron-FSDP CUDA-graph-safe mode; ``True`` is refused."""
+
+    megatron_fsdp_enable_fine_grained_param_gather: bool = False
+    """Megatron-FSDP per-submodule parameter gathers (MXFP8 recompute); ``True`` is refused."""
+
+    megatron_fsdp_max_pool_double_buffer: bool = False
+    """Megatron-FSDP max-pool double buffer (implies ``fsdp_double_buffer``); ``True`` is refused."""
 
     nccl_ub: bool = False
     """NCCL user buffers (rejected: needs NCCL symmetric memory)."""
@@ -105,13 +162,17 @@ class DistributedDataParallelConfig:
         """Validate the combination of options; errors name the fields and values."""
         if self.use_custom_fsdp:
             self.use_megatron_fsdp = True
-        if self.use_megatron_fsdp:
-            raise ValueError("use_megatron_fsdp=True is not supported by megatron_core; use use_distributed_optimizer")
+        if self.megatron_fsdp_max_pool_double_buffer:
+            self.fsdp_double_buffer = True  # 0.19: the max-pool allocator is a kind of double buffer
         if self.data_parallel_sharding_strategy not in _SHARDING_STRATEGIES:
             raise ValueError(
                 f"data_parallel_sharding_strategy ({self.data_parallel_sharding_strategy!r}) must be one of "
                 f"{_SHARDING_STRATEGIES}"
             )
+        if self.use_megatron_fsdp:
+            check_megatron_fsdp_options(self)
+        # Megatron-FSDP decides from data_parallel_sharding_strategy what is sharded, not use_distributed_optimizer.
+        sharded = self.use_distributed_optimizer or self.use_megatron_fsdp
         if self.fp8_param_gather and not self.use_distributed_optimizer:
             raise ValueError("fp8_param_gather=True needs use_distributed_optimizer=True (the FP8 parameters' "
                              "bytes are all-gathered from the distributed optimizer's shards)")
@@ -132,8 +193,8 @@ class DistributedDataParallelConfig:
                 f"({self.param_name_patterns_for_fp32_local_accumulation}) cannot be combined with "
                 "grad_reduce_in_fp32=True"
             )
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("overlap_param_gather=True needs use_distributed_optimizer=True")
+        if self.overlap_param_gather and not sharded:
+            raise ValueError("overlap_param_gather=True needs use_distributed_optimizer=True (or use_megatron_fsdp)")
         if self.align_param_gather and not self.overlap_param_gather:
             raise ValueError("align_param_gather=True needs overlap_param_gather=True")
         if self.num_distributed_optimizer_instances < 1:
@@ -145,7 +206,7 @@ class DistributedDataParallelConfig:
                 f"reduce_scatter_with_fp32_accumulation=True is not supported with num_distributed_optimizer_instances "
                 f"({self.num_distributed_optimizer_instances}) > 1"
             )
-        if self.num_distributed_optimizer_instances > 1 and not self.use_distributed_optimizer:
+        if self.num_distributed_optimizer_instances > 1 and not sharded:
             raise ValueError(
                 f"num_distributed_optimizer_instances ({self.num_distributed_optimizer_instances}) > 1 needs "
                 "use_distributed_optimizer=True"

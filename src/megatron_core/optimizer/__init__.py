@@ -382,6 +382,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
         raise ValueError("OptimizerConfig.lr must be set to build an optimizer")
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
+    from megatron_core.distributed.fsdp.mcore_fsdp_adapter import megatron_fsdp_optimizer_chunks
+
+    # Megatron-FSDP chunks: the optimizer of the wrapper serving their sharding strategy.
+    model_chunks, config = megatron_fsdp_optimizer_chunks(model_chunks, config)
     if config.use_distributed_optimizer and _uses_torch_fsdp(model_chunks):
         raise ValueError("OptimizerConfig.use_distributed_optimizer=True cannot be combined with "
                          "TorchFullyShardedDataParallel model chunks (FSDP2 already shards the optimizer state)")

@@ -4,15 +4,41 @@
 ``max_seq_len_per_rank``) and packs the sub-samples into successive *groups*: within a group each
 DP x CP rank runs its samples back to back, and ranks sharing a sample form one CP group for it.
 Groups end where the ranks' estimated workloads (``length**2 / cp_size``) are balanced.
+
+:func:`hybrid_context_parallel_forward_backward` is the matching schedule (the one
+``forward_backward_no_pipelining`` runs under ``config.hybrid_context_parallel``): each rank runs its
+sub-samples one micro-batch at a time, telling the model each one's CP size (``local_cp_size``), with a
+barrier of the DP x CP group between groups. Only tensor-parallel rank 0 reads data; it broadcasts the
+counts and CP sizes to the other TP ranks.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from math import ceil, log2
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from megatron_core import device, parallel_state
+from megatron_core.pipeline_parallel import microbatch_step
+from megatron_core.pipeline_parallel.microbatch_step import add_token_count
+from megatron_core.rerun_state_machine import RerunDataIterator
+
+__all__ = ["BalancedCPScheduler", "hybrid_context_parallel_forward_backward"]
+
+# The module whose forward_step / backward_step run each sub-sample, looked up at call time: microbatch_step's
+# until pipeline_parallel.schedules is imported, then schedules' (it installs itself through
+# _set_step_functions; it imports this module, so this module cannot import it). As in Megatron-Core, patching
+# schedules.forward_step (its unit tests do) changes what this schedule runs.
+_step_functions: Any = microbatch_step
+
+
+def _set_step_functions(module: Any) -> None:
+    global _step_functions
+    _step_functions = module
 
 SampleSeqlen = tuple[int, int]  # (sample id, sequence length)
 
@@ -244,3 +270,108 @@ class _Placement:
         for later in self.size:
             if later > gid:
                 self.members[later] = [r + extra for r in self.members[later]]
+
+
+def hybrid_context_parallel_forward_backward(
+    forward_step_func: Callable,
+    data_iterator: Any,
+    model: Any,
+    num_microbatches: int,
+    input_tensor: Any,
+    output_tensor_grad: Any,
+    forward_data_store: list,
+    config: Any,
+    collect_non_loss_data: bool,
+    first_val_step: bool | None,
+    forward_only: bool,
+    no_sync_func: Callable[[], Any],
+    total_num_tokens: Any,
+    check_first_val_step: Callable[[bool | None, bool, bool], bool],
+    model_type: Any,
+) -> tuple[list, Any]:
+    """Run this rank's scheduled sub-samples, one forward (and backward) each; Megatron-Core's hybrid CP schedule.
+
+    ``data_iterator`` (read on tensor-parallel rank 0 only) yields ``(samples, sample_id_groups)`` once per
+    step, as ``HybridCPDataLoaderWrapper`` does: ``samples`` maps a sub-sample id to its dict and
+    ``sample_id_groups[g][r]`` lists the ids DP x CP rank ``r`` runs in group ``g``. A sub-sample's CP size
+    is the number of ranks listing it in that group; its dict is passed to ``forward_step_func`` (through a
+    one-item :class:`RerunDataIterator`) with ``local_cp_size`` (an int32 tensor) added, and the size is the
+    forward step's ``cp_group_size``. The other TP ranks get the counts and sizes by broadcast from TP rank 0
+    and a ``None`` iterator. Gradient reduction is held back (``no_sync_func``) until the last sub-sample;
+    the DP x CP group meets at a barrier after each group but the last, so no rank starts a group (and its
+    new CP groups) while a partner still runs the previous one. ``model_type`` is unused.
+
+    Returns ``(forward_data_store, total_num_tokens)``, ``total_num_tokens`` increased by every sub-sample's
+    token count (in place when it is a tensor).
+    """
+    hdp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    is_reader = parallel_state.get_tensor_model_parallel_rank() == 0
+    samples = sample_id_groups = counts = None
+    if is_reader:
+        samples, sample_id_groups = next(data_iterator)
+        counts = [len(group[hdp_rank]) for group in sample_id_groups]
+    counts = _broadcast_counts(counts)
+    if not counts or min(counts) < 1:
+        raise ValueError(f"hybrid_context_parallel_forward_backward: DP x CP rank {hdp_rank} got sub-sample "
+                         f"counts {counts} per group; every group must give it at least one sub-sample")
+
+    def next_sub_sample(group: int, index: int) -> tuple[Any, int]:
+        """The one-item iterator over this rank's ``index``-th sub-sample of ``group``, and its CP size."""
+        iterator, cp_size = None, 0
+        if is_reader:
+            sample_id = sample_id_groups[group][hdp_rank][index]
+            cp_size = sum(sample_id in ids for ids in sample_id_groups[group])
+            sample = {**samples[sample_id], "local_cp_size": torch.tensor(cp_size, dtype=torch.int32)}
+            iterator = RerunDataIterator(iter([sample]))
+        size = torch.tensor([cp_size], dtype=torch.int32, device=device.get_current_device())
+        _broadcast_from_tp_rank_0(size)
+        return iterator, cp_size if is_reader else int(size.item())
+
+    def run(group: int, index: int, microbatch: int) -> None:
+        nonlocal total_num_tokens
+        iterator, cp_size = next_sub_sample(group, index)
+        output_tensor, num_tokens = _step_functions.forward_step(
+            forward_step_func, iterator, model, num_microbatches, input_tensor, forward_data_store, config,
+            cp_group_size=cp_size, collect_non_loss_data=collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(first_val_step, forward_only, microbatch == 0),
+            current_microbatch=microbatch,
+        )
+        total_num_tokens = _add_tokens(total_num_tokens, num_tokens)
+        if not forward_only:
+            _step_functions.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+
+    steps = [(group, index) for group, count in enumerate(counts) for index in range(count)]
+    with no_sync_func():
+        for microbatch, (group, index) in enumerate(steps[:-1]):
+            run(group, index, microbatch)
+            if index == counts[group] - 1:  # a group other than the last one is done
+                torch.distributed.barrier(group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    run(*steps[-1], len(steps) - 1)  # outside no_sync: the gradients are reduced now
+    return forward_data_store, total_num_tokens
+
+
+def _broadcast_from_tp_rank_0(tensor: torch.Tensor) -> None:
+    torch.distributed.broadcast(tensor, parallel_state.get_tensor_model_parallel_src_rank(),
+                                group=parallel_state.get_tensor_model_parallel_group())
+
+
+def _broadcast_counts(counts: list[int] | None) -> list[int]:
+    """TP rank 0's per-group sub-sample counts on every TP rank (the length first, then the int32 counts)."""
+    dev = device.get_current_device()
+    length = torch.tensor([0 if counts is None else len(counts)], dtype=torch.int64, device=dev)
+    _broadcast_from_tp_rank_0(length)
+    n = len(counts) if counts is not None else int(length.item())
+    if n == 0:
+        return []
+    values = (torch.tensor(counts, dtype=torch.int32, device=dev) if counts is not None
+              else torch.empty(n, dtype=torch.int32, device=dev))
+    _broadcast_from_tp_rank_0(values)
+    return list(counts) if counts is not None else values.tolist()
+
+
+def _add_tokens(total: Any, num_tokens: Any) -> Any:
+    """``total + num_tokens``: in place without a host sync when ``total`` is a tensor, else a Python int."""
+    if isinstance(total, torch.Tensor):
+        add_token_count(total, torch.as_tensor(num_tokens))
+        return total
+    return total + int(num_tokens)

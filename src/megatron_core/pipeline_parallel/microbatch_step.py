@@ -144,11 +144,15 @@ def forward_step(
     current_microbatch: int | None = None,
     is_last_stage: bool = True,
     cp_size: int = 1,
+    cp_group_size: int | None = None,
 ) -> tuple[Any, torch.Tensor]:
     """Forward one microbatch through one chunk; on the last stage apply ``loss_func`` and scale the loss.
 
+    ``cp_group_size`` (Megatron-Core 0.19's name, as the hybrid CP schedule passes it) overrides ``cp_size``.
     Returns ``(output_tensor, num_tokens)``; ``output_tensor`` is a list when ``input_tensor`` is.
     """
+    if cp_group_size is not None:
+        cp_size = cp_group_size
     timers = getattr(config, "timers", None)
     if timers is not None:
         timers("forward-compute", log_level=2).start()
@@ -313,8 +317,18 @@ def _apply_loss_func(
     return loss, torch.tensor(0, dtype=torch.int), logs
 
 
-def backward_step(input_tensor: Any, output_tensor: Any, output_tensor_grad: Any, model_type: Any, config: Any) -> Any:
-    """Backpropagate one microbatch through one chunk; returns the gradient of its input (or list)."""
+def backward_step(input_tensor: Any, output_tensor: Any, output_tensor_grad: Any, *model_type_and_config: Any,
+                  config: Any = None) -> Any:
+    """Backpropagate one microbatch through one chunk; returns the gradient of its input (or list).
+
+    Called as Megatron-Core 0.19 does, ``(input_tensor, output_tensor, output_tensor_grad, config)``, or in the
+    older form with an (unused) ``model_type`` before ``config``.
+    """
+    if config is None:
+        if len(model_type_and_config) not in (1, 2):
+            raise TypeError("backward_step takes (input_tensor, output_tensor, output_tensor_grad, [model_type,] "
+                            f"config); got {3 + len(model_type_and_config)} positional arguments")
+        config = model_type_and_config[-1]
     timers = getattr(config, "timers", None)
     if timers is not None:
         timers("backward-compute", log_level=2).start()

@@ -15,6 +15,7 @@ the other stages, and (unless ``forward_only``) leaves the accumulated gradients
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -25,7 +26,9 @@ from megatron_core._activation_offload.interface import (
 )
 from megatron_core._ground import get_pg_size
 from megatron_core._wrapped_model import get_attr_wrapped_model, get_model_config
+from megatron_core.pipeline_parallel import hybrid_cp_schedule as _hybrid_cp_schedule
 from megatron_core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
+from megatron_core.pipeline_parallel.hybrid_cp_schedule import hybrid_context_parallel_forward_backward
 from megatron_core.pipeline_parallel.interleaved_schedule import (
     forward_backward_pipelining_with_interleaving,
     get_schedule_table,
@@ -138,7 +141,9 @@ def forward_backward_no_pipelining(
 
     Gradient reduction is held back (``config.no_sync_func``) for all but the last microbatch. With
     ``config.overlap_moe_expert_parallel_comm`` (training) the combined 1F1B schedule runs instead
-    (``combined_1f1b``): the forward step is then called with ``return_schedule_plan=True``.
+    (``combined_1f1b``): the forward step is then called with ``return_schedule_plan=True``. With
+    ``config.hybrid_context_parallel`` the hybrid CP schedule runs the scheduled sub-samples
+    (``hybrid_cp_schedule``; ``num_microbatches`` only scales the loss there).
     ``seq_length``, ``micro_batch_size`` and ``adjust_tensor_shapes_fn`` are unused (nothing is sent).
     """
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
@@ -165,6 +170,11 @@ def forward_backward_no_pipelining(
             forward_step_func, data_iterator, model, num_microbatches, None, None, forward_data_store, config,
             collect_non_loss_data, first_val_step, forward_only, sync.context, total_num_tokens,
             partial(check_first_val_step, first_val_step, forward_only), cp_size=cp_size)
+    elif getattr(config, "hybrid_context_parallel", False):
+        hybrid_context_parallel_forward_backward(
+            forward_step_func, data_iterator, model, num_microbatches, None, None, forward_data_store, config,
+            collect_non_loss_data, first_val_step, forward_only, sync.context, total_num_tokens,
+            check_first_val_step, None)
     else:
         sync.disable()
         for microbatch in range(num_microbatches - 1):
@@ -288,3 +298,7 @@ def forward_backward_pipelining_without_interleaving(
         off_interface.reset()
     _stop_timer(config)
     return forward_data_store
+
+
+# The hybrid CP schedule runs this module's forward_step / backward_step (patchable here, as in Megatron-Core).
+_hybrid_cp_schedule._set_step_functions(sys.modules[__name__])

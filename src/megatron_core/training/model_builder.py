@@ -34,6 +34,7 @@ from megatron_core._wrapped_model import get_model_config
 from megatron_core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    FullyShardedDataParallel,
     TorchFullyShardedDataParallel,
     TorchFullyShardedDataParallelConfig,
     finalize_model_grads,
@@ -92,7 +93,8 @@ def get_model(model_provider_func: Callable[..., torch.nn.Module],
     ``pg_collection`` (else ``parallel_state``). Each chunk is wrapped in ``Float16Module`` when its
     config has ``fp16`` or ``bf16``, then (``wrap_with_ddp``) in ``DistributedDataParallel`` with
     ``ddp_config`` (default ``DistributedDataParallelConfig()``), bucketing disabled on every chunk
-    but the first. ``data_parallel_random_init`` broadcasts data-parallel rank 0's weights after
+    but the first (Megatron-FSDP's ``FullyShardedDataParallel`` when ``ddp_config.use_megatron_fsdp``, as Megatron-LM's
+    ``--use-megatron-fsdp``). ``data_parallel_random_init`` broadcasts data-parallel rank 0's weights after
     wrapping. With ``use_torch_fsdp2`` (Megatron-LM's ``--use-torch-fsdp2``) each chunk is wrapped in
     :class:`~megatron_core.distributed.TorchFullyShardedDataParallel` instead, without ``Float16Module``
     (FSDP2 keeps fp32 shards and computes in bf16 through its mixed-precision policy); ``ddp_config`` is
@@ -115,6 +117,8 @@ def get_model(model_provider_func: Callable[..., torch.nn.Module],
     model = [chunk.to(target) for chunk in model]
 
     model_config = get_model_config(model[0])
+    if use_torch_fsdp2 and ddp_config is not None and ddp_config.use_megatron_fsdp:
+        raise ValueError("use_torch_fsdp2=True and ddp_config.use_megatron_fsdp=True exclude each other: pick one FSDP")
     if use_torch_fsdp2:
         if not wrap_with_ddp or data_parallel_random_init:
             raise ValueError("use_torch_fsdp2=True needs wrap_with_ddp=True and data_parallel_random_init=False "
@@ -127,7 +131,8 @@ def get_model(model_provider_func: Callable[..., torch.nn.Module],
 
     ddp_config = ddp_config if ddp_config is not None else DistributedDataParallelConfig()
     ddp_kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
-    model = [DistributedDataParallel(model_config, ddp_config, chunk, disable_bucketing=index > 0, **ddp_kwargs)
+    wrapper = FullyShardedDataParallel if ddp_config.use_megatron_fsdp else DistributedDataParallel
+    model = [wrapper(model_config, ddp_config, chunk, disable_bucketing=index > 0, **ddp_kwargs)
              for index, chunk in enumerate(model)]
     if data_parallel_random_init:
         for chunk in model:
@@ -156,7 +161,7 @@ def configure_model_hooks(config: Any, model: torch.nn.Module | list[torch.nn.Mo
 
     - ``grad_scale_func``: ``optimizer.scale_loss`` (``None`` without an optimizer);
     - ``finalize_model_grads_func``: :func:`~megatron_core.distributed.finalize_model_grads` unless set;
-    - ``no_sync_func``: each DDP chunk's ``no_sync`` (a list for several chunks) unless set, so
+    - ``no_sync_func``: each DDP (or Megatron-FSDP) chunk's ``no_sync`` (a list for several chunks) unless set, so
       gradients are reduced once, after the last microbatch;
     - ``grad_sync_func``: each chunk's ``start_grad_sync`` when its ``ddp_config.overlap_grad_reduce``
       and ``align_grad_reduce`` (the interleaved schedule then launches each chunk's reduction itself);
@@ -169,7 +174,7 @@ def configure_model_hooks(config: Any, model: torch.nn.Module | list[torch.nn.Mo
     config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
     if config.finalize_model_grads_func is None:
         config.finalize_model_grads_func = finalize_model_grads
-    ddp_chunks = [chunk for chunk in chunks if isinstance(chunk, DistributedDataParallel)]
+    ddp_chunks = [chunk for chunk in chunks if isinstance(chunk, (DistributedDataParallel, FullyShardedDataParallel))]
     if len(ddp_chunks) != len(chunks):
         return
     ddp_config = chunks[0].ddp_config

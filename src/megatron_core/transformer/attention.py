@@ -262,13 +262,15 @@ class SelfAttention(Attention):
         """Query and key rotated by their angles (RoPE positions restart at every packed document)."""
         q_emb, k_emb = _query_key_angles(rotary_pos_emb)
         cu_q, cu_kv = _cu_seqlens(packed_seq_params)
-        cp_group = self._rope_cp_group()
+        cp_group = self._rope_cp_group(packed_seq_params)
         return (apply_rotary_pos_emb(query, q_emb, config=self.config, cu_seqlens=cu_q, cp_group=cp_group),
                 apply_rotary_pos_emb(key, k_emb, config=self.config, cu_seqlens=cu_kv, cp_group=cp_group))
 
-    def _rope_cp_group(self) -> Any:
-        """The context-parallel group that says which chunks of each packed document this rank holds."""
-        return getattr(self.core_attention, "_cp_group", lambda: None)()
+    def _rope_cp_group(self, packed_seq_params: Any = None) -> Any:
+        """The context-parallel group that says which chunks of each packed document this rank holds (this call's
+        group under hybrid CP)."""
+        core_group = getattr(self.core_attention, "_cp_group", None)
+        return None if core_group is None else core_group(packed_seq_params)
 
     def _fused_rope_angles(
         self, rotary_pos_emb: Any, key_value_states: torch.Tensor | None, packed_seq_params: Any,
@@ -327,7 +329,8 @@ class SelfAttention(Attention):
             query, key, value = self._split_qkv(mixed_qkv)
             return (*self._rotate(query, key, angles, packed_seq_params), value)
         cos, sin = rotary_cos_sin(angles, mixed_qkv.shape[0], mixed_qkv.dtype,
-                                  cu_seqlens=_cu_seqlens(packed_seq_params)[0], cp_group=self._rope_cp_group())
+                                  cu_seqlens=_cu_seqlens(packed_seq_params)[0],
+                                  cp_group=self._rope_cp_group(packed_seq_params))
         return split_qkv_with_rope(mixed_qkv, cos, sin, self.num_query_groups_per_partition, self.heads_per_group,
                                    self.config.rotary_interleaved)
 

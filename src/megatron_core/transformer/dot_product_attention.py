@@ -10,7 +10,8 @@ Attention dropout runs under the tracker's model-parallel RNG fork (each TP rank
 heads' probabilities), except under sequence parallelism where the block already forked.
 Grouped-query attention is passed to SDPA as ``enable_gqa`` (no key/value copies).
 Sliding windows (``config.window_size``), packed sequences (``packed_seq_params``) and context
-parallelism (``cp_comm_type``; see ``context_parallel``) are handled here too.
+parallelism (``cp_comm_type``; see ``context_parallel``) are handled here too; under hybrid context
+parallelism ``packed_seq_params.cp_group`` / ``local_cp_size`` pick each call's CP group.
 Attention sinks (``config.softmax_type``, as Megatron-Core): 'off-by-one' adds ``exp(0)`` and 'learnable'
 adds ``exp(softmax_offset[h])`` to every softmax denominator; ``softmax_offset`` is a parameter of this
 rank's heads (split over TP like the heads, key ``...core_attention.softmax_offset``). They run on the
@@ -47,7 +48,7 @@ from megatron_core.transformer.causal_mask import is_causal_rows, is_plain_causa
 from megatron_core.transformer.context_parallel import CP_COMM_TYPES, context_parallel_attention
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.module import MegatronModule
-from megatron_core.transformer.packed_sequences import thd_layout
+from megatron_core.transformer.packed_sequences import packed_cp_group, thd_layout
 from megatron_core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["DotProductAttention", "is_plain_causal_mask"]
@@ -182,8 +183,9 @@ class DotProductAttention(MegatronModule):
             return bool(groups) and len(groups) == 2 and get_pg_size(groups[1]) > 1
         return True
 
-    def _cp_group(self) -> Any:
-        return self.cp_group
+    def _cp_group(self, packed_seq_params: Any = None) -> Any:
+        """This call's CP group: ``packed_seq_params``'s under hybrid CP (see ``packed_cp_group``), else the layer's."""
+        return packed_cp_group(packed_seq_params, self.cp_group)
 
     def _hierarchical_groups(self) -> list | None:
         return getattr(self.pg_collection, "hcp", None)
@@ -202,7 +204,7 @@ class DotProductAttention(MegatronModule):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         sq, b, np_, hn = query.shape
         dropout_p = self.dropout_p if self.training else 0.0
-        cp_group = self._cp_group()
+        cp_group = self._cp_group(packed_seq_params)
         cp_size = get_pg_size(cp_group)
         if packed_seq_params is not None or cp_size > 1:
             context = self._sharded_or_packed(
@@ -329,7 +331,7 @@ class DotProductAttention(MegatronModule):
             if self.record_max_logits:  # without CP, over the document's real tokens only
                 n_seen = local if cp_size > 1 else n_real
                 self._record_unpadded(*(x[offset:offset + n_seen] for x in (query, key)), causal,
-                                      self._cp_group(), cp_size)
+                                      self._cp_group(params), cp_size)
             if cp_size > 1:
                 outs.append(run(*(x[offset:offset + local] for x in (query, key, value))))
             else:

@@ -350,66 +350,12 @@ class MLASelfAttention(MultiLatentAttention):
     ) -> None:
         super().__init__(config, submodules, layer_number, attn_mask_type, "self", cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
-        _check_norm_specs(config, submodules)
-        heads = config.num_attention_heads
-        linear = dict(config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
-                      is_expert=False, tp_group=self.tp_group)
-        if config.q_lora_rank is None:
-            self.linear_q_proj = build_module(submodules.linear_q_proj, config.hidden_size, heads * self.q_head_dim,
-                                              gather_output=False, tp_comm_buffer_name="q_proj", **linear)
-        else:
-            self.linear_q_down_proj = build_module(submodules.linear_q_down_proj, config.hidden_size,
-                                                   config.q_lora_rank, gather_output=False,
-                                                   tp_comm_buffer_name="q_down_proj", **linear)
-            self.linear_q_up_proj = build_module(submodules.linear_q_up_proj, config.q_lora_rank,
-                                                 heads * self.q_head_dim, gather_output=False,
-                                                 tp_comm_buffer_name="q_up_proj", **linear)
-        self.linear_kv_down_proj = build_module(submodules.linear_kv_down_proj, config.hidden_size,
-                                                config.kv_lora_rank + config.qk_pos_emb_head_dim,
-                                                gather_output=False, tp_comm_buffer_name="kv_down_proj", **linear)
-        self.linear_kv_up_proj = build_module(submodules.linear_kv_up_proj, config.kv_lora_rank,
-                                              heads * (config.qk_head_dim + config.v_head_dim), gather_output=False,
-                                              tp_comm_buffer_name="kv_up_proj", **linear)
-        if config.q_lora_rank is not None:
-            self.q_layernorm = build_module(submodules.q_layernorm or IdentityOp, hidden_size=config.q_lora_rank,
-                                            config=config, eps=config.layernorm_epsilon)
-        self.kv_layernorm = build_module(submodules.kv_layernorm or IdentityOp, hidden_size=config.kv_lora_rank,
-                                         config=config, eps=config.layernorm_epsilon)
+        _build_latent_projections(self, config, submodules)
 
     def compress(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(q latent normed (or hidden_states), kv latent normed, key position channels)``.
-
-        Column-parallel down projections give this rank's slice of the latent: it is all-gathered, and under
-        sequence parallelism the latents go back to this rank's tokens (the key position channels stay whole,
-        the up projections gather the tokens again).
-        """
-        config, group = self.config, self.tp_group
-        sequence_parallel = config.sequence_parallel and get_pg_size(group) > 1
-        if config.q_lora_rank is not None:
-            q_compressed, _ = self.linear_q_down_proj(hidden_states)
-            if q_compressed.shape[-1] != config.q_lora_rank:
-                q_compressed = gather_from_tensor_model_parallel_region(q_compressed, group=group)
-                if sequence_parallel:
-                    q_compressed = scatter_to_sequence_parallel_region(q_compressed, group=group)
-            q_compressed = self.q_layernorm(q_compressed)
-        else:
-            q_compressed = hidden_states
-        kv_combined, _ = self.linear_kv_down_proj(hidden_states)
-        widths = [config.kv_lora_rank, config.qk_pos_emb_head_dim]
-        if kv_combined.shape[-1] != sum(widths):
-            kv_combined = gather_from_tensor_model_parallel_region(kv_combined, group=group)
-            kv_compressed, k_pos = torch.split(kv_combined, widths, dim=-1)
-            if sequence_parallel:
-                kv_compressed = scatter_to_sequence_parallel_region(kv_compressed, group=group)
-            # Every rank's heads use the shared key channels: their gradients are summed over TP.
-            k_pos = copy_to_tensor_model_parallel_region(k_pos, group=group)
-        else:
-            kv_compressed, k_pos = torch.split(kv_combined, widths, dim=-1)
-            if sequence_parallel:
-                k_pos = gather_from_sequence_parallel_region(k_pos, group=group)
-            elif get_pg_size(group) > 1:
-                k_pos = copy_to_tensor_model_parallel_region(k_pos, group=group)
-        return q_compressed, self.kv_layernorm(kv_compressed), k_pos
+        """``(q latent normed (or hidden_states), kv latent normed, key position channels)``
+        (:func:`_compress_inputs`)."""
+        return _compress_inputs(self, hidden_states)
 
     def clip_qk(self) -> None:
         """QK-clip (MuonClip): rescale the query/key up projections of the heads whose largest logit is too big.
@@ -455,7 +401,7 @@ class MLASelfAttention(MultiLatentAttention):
 def _check_norm_specs(config: MLATransformerConfig, submodules: MLASelfAttentionSubmodules) -> None:
     """The spec's q/kv latent norms are set exactly when ``qk_layernorm`` is (Megatron-Core's rule; the q norm is
     unused without ``q_lora_rank``); a fused q/kv down projection is refused."""
-    if submodules.linear_qkv_down_proj is not None:
+    if getattr(submodules, "linear_qkv_down_proj", None) is not None:
         raise ValueError("linear_qkv_down_proj (the fused q/kv down projection of Megatron-Core's "
                          "FusedMLASelfAttention) is not supported; leave it None")
     if config.qk_layernorm:
@@ -470,6 +416,73 @@ def _check_norm_specs(config: MLATransformerConfig, submodules: MLASelfAttention
         if not _is_identity(spec):
             raise ValueError(f"the MLA spec sets {name}={spec!r} but qk_layernorm is False; set qk_layernorm=True "
                              "or leave the norm unset / IdentityOp")
+
+
+def _build_latent_projections(module: Attention, config: MLATransformerConfig, submodules: Any) -> None:
+    """MLA's q / kv down and up projections and latent norms, built onto ``module`` under Megatron-Core's names
+    (shared with the absorbed variant, whose parameters and checkpoint keys are the same)."""
+    _check_norm_specs(config, submodules)
+    heads = config.num_attention_heads
+    linear = dict(config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
+                  is_expert=False, tp_group=module.tp_group)
+    if config.q_lora_rank is None:
+        module.linear_q_proj = build_module(submodules.linear_q_proj, config.hidden_size, heads * module.q_head_dim,
+                                            gather_output=False, tp_comm_buffer_name="q_proj", **linear)
+    else:
+        module.linear_q_down_proj = build_module(submodules.linear_q_down_proj, config.hidden_size,
+                                                 config.q_lora_rank, gather_output=False,
+                                                 tp_comm_buffer_name="q_down_proj", **linear)
+        module.linear_q_up_proj = build_module(submodules.linear_q_up_proj, config.q_lora_rank,
+                                               heads * module.q_head_dim, gather_output=False,
+                                               tp_comm_buffer_name="q_up_proj", **linear)
+    module.linear_kv_down_proj = build_module(submodules.linear_kv_down_proj, config.hidden_size,
+                                              config.kv_lora_rank + config.qk_pos_emb_head_dim,
+                                              gather_output=False, tp_comm_buffer_name="kv_down_proj", **linear)
+    module.linear_kv_up_proj = build_module(submodules.linear_kv_up_proj, config.kv_lora_rank,
+                                            heads * (config.qk_head_dim + config.v_head_dim), gather_output=False,
+                                            tp_comm_buffer_name="kv_up_proj", **linear)
+    if config.q_lora_rank is not None:
+        module.q_layernorm = build_module(submodules.q_layernorm or IdentityOp, hidden_size=config.q_lora_rank,
+                                          config=config, eps=config.layernorm_epsilon)
+    module.kv_layernorm = build_module(submodules.kv_layernorm or IdentityOp, hidden_size=config.kv_lora_rank,
+                                       config=config, eps=config.layernorm_epsilon)
+
+
+def _compress_inputs(module: Attention, hidden_states: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q latent normed (or hidden_states), kv latent normed, key position channels)`` of ``module``'s input.
+
+    Column-parallel down projections give this rank's slice of the latent: it is all-gathered, and under
+    sequence parallelism the latents go back to this rank's tokens (the key position channels stay whole,
+    the up projections gather the tokens again).
+    """
+    config, group = module.config, module.tp_group
+    sequence_parallel = config.sequence_parallel and get_pg_size(group) > 1
+    if config.q_lora_rank is not None:
+        q_compressed, _ = module.linear_q_down_proj(hidden_states)
+        if q_compressed.shape[-1] != config.q_lora_rank:
+            q_compressed = gather_from_tensor_model_parallel_region(q_compressed, group=group)
+            if sequence_parallel:
+                q_compressed = scatter_to_sequence_parallel_region(q_compressed, group=group)
+        q_compressed = module.q_layernorm(q_compressed)
+    else:
+        q_compressed = hidden_states
+    kv_combined, _ = module.linear_kv_down_proj(hidden_states)
+    widths = [config.kv_lora_rank, config.qk_pos_emb_head_dim]
+    if kv_combined.shape[-1] != sum(widths):
+        kv_combined = gather_from_tensor_model_parallel_region(kv_combined, group=group)
+        kv_compressed, k_pos = torch.split(kv_combined, widths, dim=-1)
+        if sequence_parallel:
+            kv_compressed = scatter_to_sequence_parallel_region(kv_compressed, group=group)
+        # Every rank's heads use the shared key channels: their gradients are summed over TP.
+        k_pos = copy_to_tensor_model_parallel_region(k_pos, group=group)
+    else:
+        kv_compressed, k_pos = torch.split(kv_combined, widths, dim=-1)
+        if sequence_parallel:
+            k_pos = gather_from_sequence_parallel_region(k_pos, group=group)
+        elif get_pg_size(group) > 1:
+            k_pos = copy_to_tensor_model_parallel_region(k_pos, group=group)
+    return q_compressed, module.kv_layernorm(kv_compressed), k_pos
 
 
 class FusedMLASelfAttention(MLASelfAttention):

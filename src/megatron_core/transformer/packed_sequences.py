@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ThdLayout", "thd_layout", "thd_layout_from_cu", "thd_partitioned_indices", "thd_positions",
-           "thd_positions_from_cu"]
+__all__ = ["ThdLayout", "packed_cp_group", "thd_layout", "thd_layout_from_cu", "thd_partitioned_indices",
+           "thd_positions", "thd_positions_from_cu"]
 
 _CACHE_ATTR = "_mcore_thd_cache"
 
@@ -76,6 +76,29 @@ def _build(params: Any, which: str, total_tokens: int) -> ThdLayout:
         if n > p:
             raise ValueError(f"document {i}: real length {n} ({real_name}) exceeds its padded length {p} ({pad_name})")
     return ThdLayout(tuple(padded[:-1]), lengths, extents, total_tokens)
+
+
+def packed_cp_group(params: Any, cp_group: Any) -> Any:
+    """The context-parallel group of one forward: ``params.cp_group`` when set (hybrid CP), ``None`` (no CP)
+    when ``params.local_cp_size`` is 1 without a group, else the layer's ``cp_group``.
+
+    Megatron-Core's rule (its Transformer Engine attention switches groups per call the same way). A
+    ``local_cp_size`` other than 1 without a group, or one that disagrees with the group's size, is a ``ValueError``.
+    """
+    if params is None:
+        return cp_group
+    group, size = getattr(params, "cp_group", None), getattr(params, "local_cp_size", None)
+    if group is None:
+        if size is None:
+            return cp_group
+        if int(size) != 1:
+            raise ValueError(f"PackedSeqParams.local_cp_size ({int(size)}) needs PackedSeqParams.cp_group (None); "
+                             "only local_cp_size=1 (context parallelism off) works without a group")
+        return None
+    if size is not None and int(size) != group.size():
+        raise ValueError(f"PackedSeqParams.local_cp_size ({int(size)}) must equal the size of "
+                         f"PackedSeqParams.cp_group ({group.size()})")
+    return group
 
 
 def thd_layout(params: Any, total_tokens: int, which: str = "q") -> ThdLayout:

@@ -22,6 +22,7 @@ import torch
 from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.transformer.packed_sequences import packed_cp_group
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb, get_pos_emb_on_this_cp_rank
 
 __all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
@@ -148,7 +149,7 @@ class RotaryEmbedding(torch.nn.Module):
         """The full sequence length the angles must cover (undoing the sequence-parallel and CP splits).
 
         With an inference context, every position up to its ``max_sequence_length`` (the context
-        picks each token's row).
+        picks each token's row). Under hybrid CP the split undone is this call's (``packed_seq_params``).
         """
         if inference_context is not None:
             return inference_context.max_sequence_length
@@ -159,4 +160,4 @@ class RotaryEmbedding(torch.nn.Module):
             # The TP group's size (the block's group, else parallel_state's), not the config field.
             tp_group = transformer.tp_group if hasattr(transformer, "tp_group") else resolve_process_group("tp")
             seq_len *= get_pg_size(tp_group)
-        return seq_len * self._cp()[0]
+        return seq_len * get_pg_size(packed_cp_group(packed_seq_params, self.cp_group))

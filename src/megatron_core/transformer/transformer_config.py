@@ -28,6 +28,7 @@ from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.transformer import transformer_validation as _checks
 from megatron_core.transformer.activation_offload_validation import check_fine_grained_activation_offloading
 from megatron_core.transformer.enums import AttnBackend
+from megatron_core.transformer.hybrid_cp_validation import check_hybrid_context_parallel
 from megatron_core.transformer.linear_attention_validation import check_experimental_attention_variant
 from megatron_core.transformer.mla_validation import check_mla_config
 from megatron_core.transformer.moe_validation import (
@@ -294,6 +295,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         _checks.check_mtp(self)
         check_experimental_attention_variant(self)
         check_rope_options(self)
+        check_hybrid_context_parallel(self)
         apply_mup_config(self)
         if self.bf16 and self.disable_bf16_reduced_precision_matmul:
             # Process-wide, as in Megatron-Core: cuBLAS bf16 GEMMs then accumulate without reduced-precision steps.

@@ -11,8 +11,8 @@ from megatron_core.models.gpt.experimental_attention_variant_module_specs import
 )
 from megatron_core.packed_seq_params import PackedSeqParams
 from megatron_core.transformer import TransformerConfig
+from megatron_core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
 from megatron_core.transformer.experimental_attention_variant.dsa import DSAttention
-from megatron_core.transformer.multi_latent_attention import MLASelfAttention
 from tests.transformer.experimental_attention_variant.dsa_common import BATCH, SEQ, dsa_config, dsa_layer
 
 DEFAULTS = dict(dsa_indexer_n_heads=None, dsa_indexer_head_dim=None, dsa_indexer_topk=None, dsa_indexer_topk_freq=1,
@@ -47,10 +47,10 @@ def test_bad_fields_raise_naming_them(overrides: dict, match: str):
         dsa_config(**overrides)
 
 
-def test_spec_is_mla_with_dsa_core_attention():
+def test_spec_is_absorbed_mla_with_dsa_core_attention():
     cfg = dsa_config()
     spec = get_experimental_attention_variant_module_spec(cfg)
-    assert spec.module is MLASelfAttention and spec.submodules.core_attention.module is DSAttention
+    assert spec.module is AbsorbedMLASelfAttention and spec.submodules.core_attention.module is DSAttention
     assert spec.metainfo == {"fuse_input_layernorm": False}
     plain = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, add_bias_linear=False,
                               experimental_attention_variant="dsa", dsa_indexer_n_heads=2, dsa_indexer_head_dim=8,

@@ -8,10 +8,10 @@ builds these specs from Transformer Engine only; here ``transformer_impl="local"
 (separate norms stored under TE's fused checkpoint names), ``"transformer_engine"`` asks for the TE provider.
 
 With ``"dsa"`` (DeepSeek-V3.2) every layer is MLA self-attention whose core attention is
-:class:`~megatron_core.transformer.experimental_attention_variant.dsa.DSAttention`. Megatron-Core builds it on
-``AbsorbedMLASelfAttention`` (the key up projection folded into the query); here it is
-:class:`~megatron_core.transformer.multi_latent_attention.MLASelfAttention`, the same function with the same
-parameters and checkpoint keys. The input norm and the q/kv latent norms are separate modules (the indexer reads
+:class:`~megatron_core.transformer.experimental_attention_variant.dsa.DSAttention`, built, as Megatron-Core does, on
+:class:`~megatron_core.transformer.experimental_attention_variant.absorbed_mla.AbsorbedMLASelfAttention` (the key
+up projection folded into the query, one shared latent key head; the same function, parameters and checkpoint keys
+as ``MLASelfAttention``). The input norm and the q/kv latent norms are separate modules (the indexer reads
 the normed query latent), the down projections column-parallel as in the local MLA spec, and the indexer's
 projections :class:`~megatron_core.tensor_parallel.duplicated_linear.DuplicatedLinear` (whole on every TP rank).
 """
@@ -31,6 +31,10 @@ from megatron_core.transformer.backend_specs import (
 )
 from megatron_core.transformer.backends import BackendSpecProvider, LocalSpecProvider, te_spec_provider
 from megatron_core.transformer.enums import AttnMaskType, LayerType
+from megatron_core.transformer.experimental_attention_variant.absorbed_mla import (
+    AbsorbedMLASelfAttention,
+    AbsorbedMLASelfAttentionSubmodules,
+)
 from megatron_core.transformer.experimental_attention_variant.dsa import (
     DSAIndexer,
     DSAIndexerSubmodules,
@@ -40,7 +44,6 @@ from megatron_core.transformer.experimental_attention_variant.dsa import (
     source_dsa_compute_layer,
 )
 from megatron_core.transformer.identity_op import IdentityOp
-from megatron_core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_block import TransformerBlockSubmodules
@@ -88,7 +91,7 @@ def get_gated_delta_net_module_spec(config: TransformerConfig, backend: BackendS
 
 def get_dsa_module_spec_for_backend(config: TransformerConfig, backend: BackendSpecProvider | None = None
                                     ) -> ModuleSpec:
-    """DeepSeek sparse attention: causal MLA self-attention whose core attention is ``DSAttention`` with a
+    """DeepSeek sparse attention: causal absorbed MLA self-attention whose core attention is ``DSAttention`` with a
     ``DSAIndexer`` (see the module docstring); ``metainfo["fuse_input_layernorm"]`` is False."""
     if not config.multi_latent_attention:
         raise ValueError("experimental_attention_variant='dsa' needs multi_latent_attention=True (an "
@@ -96,17 +99,23 @@ def get_dsa_module_spec_for_backend(config: TransformerConfig, backend: BackendS
     if config.qk_l2_norm:
         raise ValueError("qk_l2_norm=True is not supported with experimental_attention_variant='dsa' (MLA)")
     backend = backend or _get_backend_spec_provider(config)
+    qk_norm = backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=True) if config.qk_layernorm \
+        else IdentityOp
+    return _dsa_attention_spec(backend, qk_norm)
+
+
+def _dsa_attention_spec(backend: BackendSpecProvider, qk_norm: type) -> ModuleSpec:
+    """Causal ``AbsorbedMLASelfAttention`` over ``DSAttention`` from ``backend``'s parts, ``qk_norm`` the q/kv latent
+    norms (also the hybrid specs' ``dsa_layer`` attention)."""
     indexer = ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
         linear_wq_b=DuplicatedLinear, linear_wk=DuplicatedLinear,
         k_norm=backend.layer_norm(rms_norm=False, for_qk=True), linear_weights_proj=DuplicatedLinear))
     core_attention = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer))
-    qk_norm = backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=True) if config.qk_layernorm \
-        else IdentityOp
     column = backend.column_parallel_linear()
     return ModuleSpec(
-        module=MLASelfAttention,
+        module=AbsorbedMLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
-        submodules=MLASelfAttentionSubmodules(
+        submodules=AbsorbedMLASelfAttentionSubmodules(
             linear_q_proj=column, linear_q_down_proj=column, linear_q_up_proj=column, linear_kv_down_proj=column,
             linear_kv_up_proj=column, core_attention=core_attention, linear_proj=backend.row_parallel_linear(),
             q_layernorm=qk_norm, kv_layernorm=qk_norm),

@@ -31,6 +31,7 @@ from megatron_core.transformer.multi_token_prediction import (
     mtp_on_this_rank,
     process_mtp_loss,
 )
+from megatron_core.transformer.packed_sequences import packed_cp_group
 from megatron_core.transformer.rope_options import check_mrope_section
 from megatron_core.transformer.spec_utils import ModuleSpec
 from megatron_core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -237,7 +238,7 @@ class GPTModel(LanguageModule):
         if input_ids is not None and packed_seq_params is None and inference_context is None:
             _check_sequence_fits(input_ids.shape[-1], self.max_sequence_length)
         if packed_seq_params is not None and input_ids is not None:
-            _validate_packed(packed_seq_params, input_ids, self.pg_collection.cp)
+            _validate_packed(packed_seq_params, input_ids, packed_cp_group(packed_seq_params, self.pg_collection.cp))
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None

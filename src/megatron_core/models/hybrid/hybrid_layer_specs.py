@@ -5,6 +5,11 @@ Megatron-Core's specs use Transformer Engine (fused norm + linear); here they ar
 becomes a separate norm plus a ``ColumnParallelLinear``, and ``sharded_state_dict_keys_map`` stores the
 norm under TE's fused checkpoint name. ``mamba_stack_spec`` and ``hybrid_stack_spec`` are the same spec.
 
+The ``D`` (DeepSeek sparse attention) layers are ``AbsorbedMLASelfAttention`` over ``DSAttention`` and the ``+``
+(multi-latent attention) layers ``MLASelfAttention``, each after a separate input norm, as in Megatron-Core. Their
+q / kv latent norms are RMS/LayerNorm modules (Megatron-Core fills IdentityOp slots from the config), so these
+layers need ``qk_layernorm=True`` (a ``ValueError`` names it otherwise).
+
 Its ``mtp_block_spec`` holds the multi-token prediction depths' own parts (the embedding and hidden norms, the
 ``2h -> h`` projection and the final norm); ``mtp_model_layer`` is None because each depth builds its layers from the
 MTP part of the hybrid layer pattern with these same layer specs.
@@ -13,6 +18,7 @@ MTP part of the hybrid layer pattern with these same layer specs.
 from __future__ import annotations
 
 from megatron_core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron_core.models.gpt.experimental_attention_variant_module_specs import _dsa_attention_spec
 from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron_core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron_core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
@@ -29,6 +35,7 @@ from megatron_core.transformer.backend_specs import (
 from megatron_core.transformer.backends import BackendSpecProvider, LocalSpecProvider
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.hybrid_stack import HybridStack, HybridStackSubmodules
+from megatron_core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron_core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
     MultiTokenPredictionBlockSubmodules,
@@ -49,6 +56,23 @@ def _hybrid_mtp_block_spec(backend: BackendSpecProvider) -> ModuleSpec:
     """The MTP block of a hybrid model: one layer spec with ``backend``'s norms and projection and no model layer."""
     return ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(
         layer_specs=[get_mtp_layer_spec_for_backend(None, backend)]))
+
+
+def _latent_attention_layer(attention: ModuleSpec, backend: BackendSpecProvider) -> ModuleSpec:
+    """A hybrid ``D`` / ``+`` layer: a separate input norm, then ``attention`` and its bias-dropout-add."""
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=backend.layer_norm(), self_attention=attention, self_attn_bda=get_bias_dropout_add))
+
+
+def _mla_attention_spec(backend: BackendSpecProvider) -> ModuleSpec:
+    """Causal ``MLASelfAttention`` with latent norms on ``backend``'s parts (the ``+`` layers)."""
+    column, qk_norm = backend.column_parallel_linear(), backend.layer_norm(rms_norm=True, for_qk=True)
+    return ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=MLASelfAttentionSubmodules(
+                          linear_q_proj=column, linear_q_down_proj=column, linear_q_up_proj=column,
+                          linear_kv_down_proj=column, linear_kv_up_proj=column,
+                          core_attention=backend.core_attention(), linear_proj=backend.row_parallel_linear(),
+                          q_layernorm=qk_norm, kv_layernorm=qk_norm))
 
 
 def _hybrid_stack_spec(backend: BackendSpecProvider, moe_spec: ModuleSpec) -> ModuleSpec:
@@ -77,6 +101,9 @@ def _hybrid_stack_spec(backend: BackendSpecProvider, moe_spec: ModuleSpec) -> Mo
             )),
             attention_layer=ModuleSpec(module=TransformerLayer, submodules=pre_norm_layer_submodules(
                 backend, self_attention=self_attention_spec(backend, AttnMaskType.causal))),
+            dsa_layer=_latent_attention_layer(
+                _dsa_attention_spec(backend, backend.layer_norm(rms_norm=True, for_qk=True)), backend),
+            mla_layer=_latent_attention_layer(_mla_attention_spec(backend), backend),
             mlp_layer=ModuleSpec(module=MLPLayer, submodules=pre_norm_layer_submodules(
                 backend, mlp=dense_mlp_spec(backend))),
             # Routed experts have no fused norm: the MoE layer keeps its own pre-MLP norm and its name.
