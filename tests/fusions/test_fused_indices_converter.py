@@ -48,11 +48,11 @@ def _compare(device: str, shape: tuple, index_dtype: torch.dtype = torch.int32, 
     tokens, topk, experts = shape
     indices, probs = _slots(tokens, topk, experts, sum(shape), index_dtype)
     weight = torch.randn(experts, experts, generator=torch.Generator().manual_seed(3))
-    ref_probs = probs.to(dtype).float().requires_grad_(True)  # the values the kernel sees, in fp32
+    ref_probs = probs.to(dtype).float().clone().requires_grad_(True)  # the values the kernel sees, in fp32
     want_map, want = _reference(indices, ref_probs, experts)
     (want @ weight @ want.t()).sum().backward()
 
-    got_probs = probs.to(device, dtype).requires_grad_(True)
+    got_probs = probs.to(device, dtype).detach().clone().requires_grad_(True)
     got_map, got = fused_indices_to_multihot(indices.to(device), got_probs, experts)
     (got.float() @ weight.to(device) @ got.float().t()).sum().backward()
     assert got_map.dtype == torch.bool and got.dtype == dtype and got.shape == (tokens, experts)

@@ -209,7 +209,9 @@ class _ParamAndGradBucketGroup:
             handles.append(collectives.all_gather(bucket.param_data, local, self.data_parallel_group,
                                                   async_op=async_op))
         self.param_gather_handles = [h for h in handles if h is not None] if async_op else None
-        self.param_gather_dispatched = True
+        # Only the overlapped protocol has a gather in flight for the forward pre-hooks to wait on; a synchronous
+        # gather leaves nothing dispatched (a replayed full-iteration CUDA graph skips finish_grad_sync's reset).
+        self.param_gather_dispatched = self.ddp_config.overlap_param_gather
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """Wait for this group's all-gather (dispatching it if needed), then dispatch the next group's."""

@@ -38,7 +38,9 @@ from megatron_core.models.hf.families import family_from_config  # noqa: E402
 from megatron_core.models.hf.safetensors_io import HFConversionError  # noqa: E402
 
 VOCAB, SEQ, BATCH, TOPK, HIDDEN = 64, 16, 2, 4, 32
-TOL = dict(rtol=1e-5, atol=1e-5)
+# fp32; the sparse attention runs on absorbed MLA (the key up projection folded into the query), whose products
+# sum in another order than transformers' unabsorbed attention: about 1e-5 after three layers, on any thread count.
+TOL = dict(rtol=1e-5, atol=3e-5)
 ROPE = dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=8, mscale=1.0,
             mscale_all_dim=0.7, beta_fast=32.0, beta_slow=1.0)
 
