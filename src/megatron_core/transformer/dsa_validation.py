@@ -2,9 +2,10 @@
 
 Megatron-Core's rules (no linear bias, ``dsa_indexer_topk_freq >= 1``, ``dsa_indexer_skip_topk_offset >= 0``, no
 fused RoPE) plus the ones its code assumes without checking: the indexer sizes are set, and the Hadamard rotation
-needs a power-of-two indexer head. The fused kernels (``dsa_kernel_backend`` "tilelang" / "cudnn") and context
-parallelism (Megatron-Core's all-gather CP for DSA) are refused here. Each rule raises a ``ValueError`` naming
-fields, values and the rule.
+needs a power-of-two indexer head. The fused kernels (``dsa_kernel_backend`` "tilelang" / "cudnn") are refused
+here; context parallelism is DSA's all-gather form, so with ``context_parallel_size > 1`` a single
+``cp_comm_type`` must be ``"all_gather"`` (a per-layer list is checked by each DSA layer). Each rule raises a
+``ValueError`` naming fields, values and the rule.
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ def check_dsa_config(cfg: Any) -> None:
                          "absorbed MLA, which DSA sits in, has no linear biases)")
     if cfg.apply_rope_fusion:
         raise ValueError("apply_rope_fusion=True is not supported with experimental_attention_variant='dsa'")
-    if cfg.context_parallel_size > 1:
-        raise ValueError(f"context_parallel_size ({cfg.context_parallel_size}) must be 1 with "
-                         "experimental_attention_variant='dsa': DSA's all-gather context parallelism is not "
-                         "provided")
+    comm = getattr(cfg, "cp_comm_type", None)
+    if cfg.context_parallel_size > 1 and not isinstance(comm, (list, tuple)) and comm != "all_gather":
+        raise ValueError(f"cp_comm_type ({comm!r}) must be 'all_gather' with experimental_attention_variant='dsa' "
+                         f"and context_parallel_size ({cfg.context_parallel_size}) > 1: DSA's context parallelism "
+                         "gathers the keys over CP")
     _check_sizes(cfg)
     _check_topk_sharing(cfg)
     _check_loss(cfg)

@@ -67,6 +67,36 @@ def batch(seq: int = SEQ, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, to
     return ids, torch.arange(seq).expand(BATCH, seq), labels
 
 
+_COLUMN = ("linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
+           "linear_kv_up_proj.weight", "word_embeddings.weight", "output_layer.weight")
+
+
+def shard_tp(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """TP rank ``rank``'s piece of the single-process DSA GPT parameter ``name``."""
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat((gate.chunk(tp)[rank], up.chunk(tp)[rank]), dim=0)
+    if name.endswith(_COLUMN):
+        return full.chunk(tp, dim=0)[rank]
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return full.chunk(tp, dim=1)[rank]
+    return full
+
+
+def unshard_tp(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The whole parameter (or gradient) ``name`` from every TP rank's piece; replicated ones must agree."""
+    if name.endswith("linear_fc1.weight"):
+        gates, ups = zip(*(p.chunk(2, dim=0) for p in pieces))
+        return torch.cat((*gates, *ups), dim=0)
+    if name.endswith(_COLUMN):
+        return torch.cat(pieces, dim=0)
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return torch.cat(pieces, dim=1)
+    for piece in pieces[1:]:  # replicated (norms, the duplicated indexer): the same gradient on every rank
+        torch.testing.assert_close(piece, pieces[0], **TOL)
+    return pieces[0]
+
+
 def reset_dsa_globals() -> None:
     """Forget the loss scale and the logged losses other tests may have left."""
     DSAIndexerLossAutoScaler.main_loss_backward_scale = None

@@ -11,6 +11,7 @@ from megatron_core.models.gpt.experimental_attention_variant_module_specs import
 )
 from megatron_core.packed_seq_params import PackedSeqParams
 from megatron_core.transformer import TransformerConfig
+from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
 from megatron_core.transformer.experimental_attention_variant.dsa import DSAttention
 from tests.transformer.experimental_attention_variant.dsa_common import BATCH, SEQ, dsa_config, dsa_layer
@@ -40,7 +41,8 @@ def test_fields_have_megatron_defaults():
     (dict(dsa_indexer_skip_topk_offset=-1), r"dsa_indexer_skip_topk_offset \(-1\) must be a non-negative"),
     (dict(dsa_indexer_loss_coeff=-0.5), r"dsa_indexer_loss_coeff \(-0.5\) must be None or a number >= 0"),
     (dict(dsa_indexer_k_norm_epsilon=0.0), r"dsa_indexer_k_norm_epsilon \(0.0\) must be None or a positive"),
-    (dict(context_parallel_size=2), r"context_parallel_size \(2\) must be 1"),
+    (dict(context_parallel_size=2), r"cp_comm_type \(None\) must be 'all_gather'.*context_parallel_size \(2\)"),
+    (dict(context_parallel_size=2, cp_comm_type="p2p"), r"cp_comm_type \('p2p'\) must be 'all_gather'"),
 ])
 def test_bad_fields_raise_naming_them(overrides: dict, match: str):
     with pytest.raises(ValueError, match=match):
@@ -59,12 +61,17 @@ def test_spec_is_absorbed_mla_with_dsa_core_attention():
         get_dsa_module_spec_for_backend(plain)
 
 
-def test_inference_and_packed_sequences_are_refused():
+def test_inference_and_bad_packed_inputs_are_refused():
     layer = dsa_layer(dsa_config()).eval()
     x = torch.randn(SEQ, BATCH, 32)
     with pytest.raises(NotImplementedError, match="inference_context"):
         layer(x, None, inference_context=object())
     cu = torch.tensor([0, 5, SEQ], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=11, max_seqlen_kv=11)
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        layer(x[:, :1], None, packed_seq_params=packed)
+    with pytest.raises(ValueError, match="micro-batch size 1, got 2"):
+        layer.core_attention(torch.randn(SEQ, BATCH, 4, 20), torch.randn(SEQ, BATCH, 1, 20), None, None,
+                             x=x, qr=torch.randn(SEQ, BATCH, 16), up_v_weight=torch.randn(4, 6, 12),
+                             attn_mask_type=AttnMaskType.causal, packed_seq_params=packed)
+    short = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"must end at the packed token count \(16\)"):
+        layer(x[:, :1], None, packed_seq_params=short)

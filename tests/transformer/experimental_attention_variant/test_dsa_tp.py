@@ -19,34 +19,9 @@ from tests.transformer.experimental_attention_variant.dsa_common import (
     dsa_config,
     dsa_gpt,
     reset_dsa_globals,
+    shard_tp,
+    unshard_tp,
 )
-
-_COLUMN = ("linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
-           "linear_kv_up_proj.weight", "word_embeddings.weight", "output_layer.weight")
-
-
-def _shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    if name.endswith("linear_fc1.weight"):
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat((gate.chunk(tp)[rank], up.chunk(tp)[rank]), dim=0)
-    if name.endswith(_COLUMN):
-        return full.chunk(tp, dim=0)[rank]
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return full.chunk(tp, dim=1)[rank]
-    return full
-
-
-def _unshard(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
-    if name.endswith("linear_fc1.weight"):
-        gates, ups = zip(*(p.chunk(2, dim=0) for p in pieces))
-        return torch.cat((*gates, *ups), dim=0)
-    if name.endswith(_COLUMN):
-        return torch.cat(pieces, dim=0)
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return torch.cat(pieces, dim=1)
-    for piece in pieces[1:]:  # replicated (norms, the duplicated indexer): the same gradient on every rank
-        torch.testing.assert_close(piece, pieces[0], **TOL)
-    return pieces[0]
 
 
 def _run(model: torch.nn.Module) -> torch.Tensor:
@@ -70,7 +45,7 @@ def _check_tp(overrides: dict) -> str:
         rank, group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
         with torch.no_grad():
             for name, param in model.named_parameters():
-                param.copy_(_shard(name, state[name], 2, rank))
+                param.copy_(shard_tp(name, state[name], 2, rank))
         torch.testing.assert_close(_run(model), ref_loss, **TOL)
         for name, param in model.named_parameters():
             grad = param.grad.clone()
@@ -78,7 +53,7 @@ def _check_tp(overrides: dict) -> str:
                 dist.all_reduce(grad, group=group)
             pieces = [torch.empty_like(grad) for _ in range(2)]
             dist.all_gather(pieces, grad.contiguous(), group=group)
-            torch.testing.assert_close(_unshard(name, pieces), ref_grads[name], **TOL,
+            torch.testing.assert_close(unshard_tp(name, pieces), ref_grads[name], **TOL,
                                        msg=lambda m, n=name: f"{n}: {m}")
         return f"tp=2 {overrides}"
     finally:

@@ -21,7 +21,10 @@ unchanged; checkpoints with split ``linear_k_up_proj`` / ``linear_v_up_proj`` we
 Tensor parallelism splits the heads as in standard MLA. Every rank attends with the whole latent, so under
 sequence parallelism it is all-gathered after its norm (and its gradient reduce-scattered back); without
 sequence parallelism its gradient is summed over the TP ranks (Megatron-Core requires sequence parallelism with
-TP > 1). KV-cache inference, ``cache_mla_latents``, linear biases, QK-clip and the Transformer Engine delayed
+TP > 1). Under context parallelism every tensor here holds this rank's tokens (the load-balanced split, per
+document for packed sequences) rotated at their own positions; the core attention (DSA's all-gather form) gathers
+the keys over CP. Dynamic context parallelism (``packed_seq_params.local_cp_size``) is refused, as in
+Megatron-Core. KV-cache inference, ``cache_mla_latents``, linear biases, QK-clip and the Transformer Engine delayed
 weight-gradient hooks (``backward_dw``) are not provided; as in Megatron-Core, fine-grained activation offloading
 does not apply to this layer.
 """

@@ -2,8 +2,8 @@
 
 This module gathers Megatron-Core's public DSA names, which live in small modules here: the indexer
 (:mod:`.dsa_indexer`), the sparse core attention and the top-k sharing rule (:mod:`.dsa_attention`), the
-indexer's KL loss and its auto-scaler (:mod:`.dsa_indexer_loss`), the loss logging (:mod:`.dsa_loss_logging`)
-and the masks (:mod:`.dsa_masking`). The model spec is
+indexer's KL loss and its auto-scaler (:mod:`.dsa_indexer_loss`), the loss logging (:mod:`.dsa_loss_logging`),
+the masks (:mod:`.dsa_masking`) and the token layout under context parallelism and packing (:mod:`.dsa_layout`). The model spec is
 :func:`~megatron_core.models.gpt.experimental_attention_variant_module_specs.get_dsa_module_spec_for_backend`.
 """
 

@@ -15,6 +15,10 @@ Per query token the indexer scores every key token cheaply and keeps the ``dsa_i
 The projections are duplicated on every TP rank (``parallel_mode="duplicated"``) and, under sequence
 parallelism, ``x`` and ``qr`` are all-gathered first, so every rank scores the whole sequence; the parameters
 are marked ``average_gradients_across_tp_domain`` as in Megatron-Core.
+
+Under context parallelism the indexer rotates this rank's tokens at their own positions (the load-balanced split);
+with packed sequences (``qkv_format='thd'``) positions restart at every document, as in MLA. The caller
+(:class:`~.dsa_attention.DSAttention`) gathers the keys over CP.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 from megatron_core._ground import get_pg_size
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron_core.transformer.experimental_attention_variant import dsa_masking
+from megatron_core.transformer.experimental_attention_variant.dsa_layout import get_packed_qk_cu_seqlens
 from megatron_core.transformer.mla_rope import build_mla_rotary_embedding, rotary_angles, rotate_mla
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb
@@ -65,12 +71,12 @@ def fused_qk_topk_naive(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
                         use_relu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(index scores [b, sq, sk] + mask, top-k key indices [b, sq, min(index_topk, sk)])``.
 
-    ``mask`` is additive (``[sq, sk]`` or ``[b, sq, sk]``; None adds nothing); slots whose score is ``-inf`` hold
-    -1. The packed-sequence bounds (``varlen_*``, ``key_positions``) are not supported.
+    ``mask`` is additive (``[sq, sk]`` or ``[b, sq, sk]``; None adds nothing), or the row-wise key bounds
+    ``varlen_starts`` / ``varlen_ends`` (``[sq]``, over ``key_positions``, see :mod:`.dsa_masking`) describe it;
+    slots whose score is ``-inf`` hold -1.
     """
-    if varlen_starts is not None or varlen_ends is not None or key_positions is not None:
-        raise NotImplementedError("fused_qk_topk_naive: varlen_starts / varlen_ends / key_positions (packed "
-                                  "sequences) are not supported; pass an additive mask")
+    mask = dsa_masking.resolve_sparse_mask(mask, varlen_starts, varlen_ends, key_positions, sk=k.shape[0],
+                                           device=q.device)
     scores = _compute_index_scores(q, weights, k, use_relu=use_relu)
     if mask is not None:
         scores = scores + mask
@@ -123,33 +129,38 @@ class DSAIndexer(MegatronModule):
             param.average_gradients_across_tp_domain = True
             param.sequence_parallel = False
 
-    def _apply_rope(self, x: torch.Tensor, angles: torch.Tensor, mscale: float) -> torch.Tensor:
-        """RoPE on the first ``qk_pos_emb_head_dim`` channels of ``x`` ``[s, b, heads, index_head_dim]``."""
+    def _apply_rope(self, x: torch.Tensor, angles: torch.Tensor, mscale: float,
+                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """RoPE on the first ``qk_pos_emb_head_dim`` channels of ``x`` ``[s, b, heads, index_head_dim]`` (packed:
+        ``[t, 1, heads, index_head_dim]`` with the documents' ``cu_seqlens``)."""
         x_pe, x_nope = torch.split(x, [self.qk_pos_emb_head_dim, self.index_head_dim - self.qk_pos_emb_head_dim],
                                    dim=-1)
+        cp_group = self.pg_collection.cp if cu_seqlens is not None else None
         if self.config.dsa_indexer_rope_interleaved:
-            x_pe = rotate_mla(x_pe, angles, mscale, self.config)
+            x_pe = rotate_mla(x_pe, angles, mscale, self.config, cu_seqlens, cp_group)
         else:
-            x_pe = apply_rotary_pos_emb(x_pe, angles, config=self.config, mscale=mscale)
+            x_pe = apply_rotary_pos_emb(x_pe, angles, config=self.config, cu_seqlens=cu_seqlens, mscale=mscale,
+                                        cp_group=cp_group)
         return torch.cat((x_pe, x_nope), dim=-1)
 
     def forward_before_topk(self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params: Any = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(q [s, b, n_heads, head_dim], k [s, b, head_dim], weights [s, b, n_heads])`` over the whole sequence
-        (``x`` ``[s, b, hidden]`` and ``qr`` ``[s, b, q_lora_rank]`` are this rank's tokens)."""
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            raise NotImplementedError("DSAIndexer: packed sequences (qkv_format='thd') are not supported")
-        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self, x, self.config, None)
-        angles, mscale = rotary_angles(self.rotary_pos_emb, seq_len, False, x.device)
+        """``(q [s, b, n_heads, head_dim], k [s, b, head_dim], weights [s, b, n_heads])`` over this CP rank's whole
+        sequence (``x`` ``[s, b, hidden]`` and ``qr`` ``[s, b, q_lora_rank]`` are this rank's tokens)."""
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        cu_q, cu_kv = get_packed_qk_cu_seqlens(packed_seq_params) if packed else (None, None)
+        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self, x, self.config,
+                                                         packed_seq_params if packed else None)
+        angles, mscale = rotary_angles(self.rotary_pos_emb, seq_len, packed, x.device)
         if self.config.sequence_parallel and get_pg_size(self.tp_group) > 1:
             x = gather_from_sequence_parallel_region(x, group=self.tp_group)
             qr = gather_from_sequence_parallel_region(qr, group=self.tp_group)
         seqlen, bsz, _ = x.shape
         q, _ = self.linear_wq_b(qr)
-        q = self._apply_rope(q.reshape(seqlen, bsz, self.index_n_heads, self.index_head_dim), angles, mscale)
+        q = self._apply_rope(q.reshape(seqlen, bsz, self.index_n_heads, self.index_head_dim), angles, mscale, cu_q)
         k, _ = self.linear_wk(x)
         k = self.k_norm(k.float()).to(k.dtype) if self.config.dsa_indexer_k_norm_fp32 else self.k_norm(k)
-        k = self._apply_rope(k.reshape(seqlen, bsz, 1, self.index_head_dim), angles, mscale)
+        k = self._apply_rope(k.reshape(seqlen, bsz, 1, self.index_head_dim), angles, mscale, cu_kv)
         k = k.reshape(seqlen, bsz, self.index_head_dim)
         if self.config.dsa_indexer_rotate_activation:
             q, k = rotate_activation(q), rotate_activation(k)

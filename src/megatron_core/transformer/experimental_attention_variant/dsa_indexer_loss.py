@@ -21,6 +21,7 @@ import torch
 from megatron_core._ground import get_pg_size
 from megatron_core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron_core.transformer.experimental_attention_variant import dsa_masking
+from megatron_core.transformer.experimental_attention_variant.dsa_layout import ensure_sbhd
 
 __all__ = [
     "INDEXER_LOSS_EPS",
@@ -82,15 +83,18 @@ def compute_dsa_indexer_loss(
     """The indexer KL loss (a scalar) of ``index_scores`` ``[b, sq, sk]`` against the main attention.
 
     ``query`` ``[sq, b, np, hn]`` and ``key`` ``[sk, b, np, hn]`` are this rank's heads (no gradient flows into
-    them); ``mask`` is the additive ``[sq, sk]`` / ``[b, sq, sk]`` mask (None: causal); ``topk_indices``
-    ``[b, sq, topk]`` restrict both distributions with ``sparse_loss``. Gradients reach ``index_scores`` only.
-    The packed-sequence bounds (``varlen_starts`` / ``varlen_ends`` / ``key_positions``) are not supported.
+    them; packed ``[t, np, hn]`` is read as ``[t, 1, np, hn]``); ``mask`` is the additive ``[sq, sk]`` /
+    ``[b, sq, sk]`` mask (None: causal), or the row-wise key bounds ``varlen_starts`` / ``varlen_ends`` over
+    ``key_positions`` describe it (:mod:`.dsa_masking`); ``topk_indices`` ``[b, sq, topk]`` restrict both
+    distributions with ``sparse_loss``; ``query_valid_rows`` (``[sq]`` / ``[b, sq]`` bool) limits the rows averaged
+    over. Gradients reach ``index_scores`` only.
     """
-    if varlen_starts is not None or varlen_ends is not None or key_positions is not None:
-        raise NotImplementedError("compute_dsa_indexer_loss: varlen_starts / varlen_ends / key_positions (packed "
-                                  "sequences) are not supported; pass an additive mask")
+    query, _ = ensure_sbhd(query, "query")
+    key, _ = ensure_sbhd(key, "key")
     sq, b, heads, _ = query.shape
     sk = key.shape[0]
+    mask = dsa_masking.resolve_sparse_mask(mask, varlen_starts, varlen_ends, key_positions, sk=sk,
+                                           device=index_scores.device)
     rows = dsa_masking.normalize_query_valid_rows(query_valid_rows, b=b, sq=sq, device=index_scores.device)
     _, attn_mask, index_mask_add, base_valid = dsa_masking.prepare_additive_mask(
         mask, sq=sq, sk=sk, b=b, device=index_scores.device)

@@ -4,6 +4,10 @@ Masks are additive float32 tensors: 0 where a query may attend to a key, ``-inf`
 ``[sq, sk]`` (shared by the batch) or ``[b, sq, sk]``. A top-k selection ``[b, sq, topk]`` holds key indices, -1
 for an empty slot (a query with fewer visible keys than ``topk``). The masked softmaxes give exact zeros at
 masked entries, and a row with no valid entry gives all zeros instead of NaN.
+
+Packed sequences may instead be described by row-wise key bounds (Megatron-Core's "varlen" form): query row ``i``
+sees the keys whose position lies in ``[starts[i], ends[i])`` (``key_positions`` ``[sk]``, by default
+``0 .. sk-1``); :func:`resolve_sparse_mask` turns those into the additive mask the PyTorch path uses.
 """
 
 from __future__ import annotations
@@ -12,10 +16,14 @@ import torch
 
 __all__ = [
     "build_causal_mask_from_positions",
+    "build_valid_mask_from_starts_ends",
+    "extract_query_valid_rows_from_packed_seq_params",
+    "generate_varlen_mask_params_for_positions",
     "masked_log_softmax",
     "masked_softmax",
     "normalize_query_valid_rows",
     "prepare_additive_mask",
+    "resolve_sparse_mask",
     "scatter_topk_into_index_mask",
 ]
 
@@ -103,3 +111,54 @@ def normalize_query_valid_rows(query_valid_rows: torch.Tensor | None, *, b: int,
         return rows
     raise ValueError(f"query_valid_rows must be [sq], [1, sq] or [b, sq] with b={b}, sq={sq}, got "
                      f"{tuple(rows.shape)}")
+
+
+def generate_varlen_mask_params_for_positions(cu_seqlens: torch.Tensor, query_positions: torch.Tensor
+                                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal key bounds ``(starts, ends)`` (int64) of the packed tokens at ``query_positions``: from the start of
+    each one's document (``cu_seqlens``, cumulative lengths) up to and including itself."""
+    if query_positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError("generate_varlen_mask_params_for_positions needs integer query_positions")
+    cu = cu_seqlens.reshape(-1).to(device=query_positions.device, dtype=torch.int64)
+    if cu.numel() < 2:
+        raise ValueError(f"cu_seqlens needs at least 2 entries, got {cu.numel()}")
+    positions = query_positions.to(torch.int64)
+    docs = torch.searchsorted(cu[1:], positions, right=True)
+    return cu[docs.clamp_max(cu.numel() - 1)], positions + 1
+
+
+def build_valid_mask_from_starts_ends(starts: torch.Tensor, ends: torch.Tensor, key_positions: torch.Tensor
+                                      ) -> torch.Tensor:
+    """Bool ``[sq, sk]``: True where ``starts[i] <= key_positions[j] < ends[i]``."""
+    if starts.ndim != 1 or starts.shape != ends.shape or key_positions.ndim != 1:
+        raise ValueError(f"starts and ends must be equal 1-D tensors and key_positions 1-D, got "
+                         f"{tuple(starts.shape)}, {tuple(ends.shape)}, {tuple(key_positions.shape)}")
+    keys = key_positions.to(torch.int64).unsqueeze(0)
+    return (keys >= starts.to(torch.int64).unsqueeze(-1)) & (keys < ends.to(torch.int64).unsqueeze(-1))
+
+
+def resolve_sparse_mask(mask: torch.Tensor | None, varlen_starts: torch.Tensor | None,
+                        varlen_ends: torch.Tensor | None, key_positions: torch.Tensor | None, *, sk: int,
+                        device: torch.device) -> torch.Tensor | None:
+    """The additive mask of either description: ``mask`` itself, or the ``[sq, sk]`` mask of the row bounds
+    (``key_positions`` None: ``0 .. sk-1``). Both at once, or bounds without ``varlen_ends``, raise."""
+    if varlen_starts is None:
+        if varlen_ends is not None or key_positions is not None:
+            raise ValueError("varlen_ends / key_positions need varlen_starts")
+        return mask
+    if mask is not None:
+        raise ValueError("pass either an additive mask or varlen_starts / varlen_ends, not both")
+    if varlen_ends is None:
+        raise ValueError("varlen_starts needs varlen_ends")
+    keys = (torch.arange(sk, dtype=torch.int64, device=device) if key_positions is None
+            else key_positions.to(device=device))
+    valid = build_valid_mask_from_starts_ends(varlen_starts.to(device), varlen_ends.to(device), keys)
+    return torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
+
+
+def extract_query_valid_rows_from_packed_seq_params(packed_seq_params: object, *, b: int, sq: int,
+                                                    device: torch.device) -> torch.Tensor | None:
+    """``packed_seq_params.real_token_mask_q`` (this rank's real query rows, when the data pipeline sets it) as a
+    bool ``[b, sq]`` tensor, else None (every row counts in the indexer loss)."""
+    rows = getattr(packed_seq_params, "real_token_mask_q", None) if packed_seq_params is not None else None
+    return normalize_query_valid_rows(rows, b=b, sq=sq, device=device)
