@@ -31,8 +31,6 @@ def _ignored(default: Any, why: str) -> Any:
 _GTP = "gradient tensor parallelism (weight shards)"
 _TP_OVERLAP = "Transformer Engine's userbuffer overlap of TP communication"
 _CPU_OFFLOAD = "only used with cpu_offloading"
-_EP_OVERLAP_WGRAD = ("weight-gradient GEMMs deferred out of the backward (Transformer Engine's split wgrad) in the "
-                     "MoE all-to-all overlap")
 _CUDA_GRAPH = ("a setting of Megatron-Core's CUDA graph manager (cuda_graph_impl='local' records whole layers through "
                "Inductor here: transformer.layer_cuda_graphs)")
 _INFERENCE_KERNELS = "an inference kernel choice of Megatron-Core's optimized layers"
@@ -53,8 +51,9 @@ class MegatronOnlyParallelFields:
     hybrid_context_parallel: bool = False
     # Unmarked: the combined 1F1B schedule (pipeline_parallel.combined_1f1b), checked by moe_validation.check_ep_overlap.
     overlap_moe_expert_parallel_comm: bool = False
-    delay_wgrad_compute: bool = _refused(False, _EP_OVERLAP_WGRAD)
-    overlap_dispatch_backward_with_experts_wgrad: bool = _refused(False, _EP_OVERLAP_WGRAD)
+    # Unmarked: deferred weight gradients (tensor_parallel.delayed_wgrad), checked by moe_validation.check_ep_overlap.
+    delay_wgrad_compute: bool = False
+    overlap_dispatch_backward_with_experts_wgrad: bool = False
     ep_overlap_early_attn_memory_release: bool = False
     mtp_standalone: bool = _refused(False, "standalone multi-token-prediction pipeline stages")
     tp_comm_bulk_wgrad: bool = _ignored(True, _TP_OVERLAP)

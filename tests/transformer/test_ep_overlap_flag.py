@@ -32,10 +32,22 @@ def test_early_attn_memory_release_needs_the_overlap():
                           ep_overlap_early_attn_memory_release=True)
 
 
-@pytest.mark.parametrize("field", ["delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"])
-def test_deferred_weight_gradients_stay_refused(field):
-    with pytest.raises(ValueError, match=field):
-        TransformerConfig(**BASE, **{field: True})
+def test_deferred_weight_gradients_follow_megatron_rules():
+    assert TransformerConfig(**BASE, delay_wgrad_compute=True).delay_wgrad_compute is True
+    no_overlap = {**BASE, "overlap_moe_expert_parallel_comm": False}
+    assert TransformerConfig(**no_overlap, overlap_dispatch_backward_with_experts_wgrad=True) \
+        .overlap_dispatch_backward_with_experts_wgrad is True
+    cases = [
+        (dict(no_overlap, delay_wgrad_compute=True),
+         r"delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True"),
+        (dict(BASE, overlap_dispatch_backward_with_experts_wgrad=True),
+         r"overlap_dispatch_backward_with_experts_wgrad=True needs overlap_moe_expert_parallel_comm=False"),
+        (dict(no_overlap, overlap_dispatch_backward_with_experts_wgrad=True, delay_wgrad_compute=True),
+         r"delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(EPOverlapConfigError, match=match):
+            TransformerConfig(**kwargs)
 
 
 @pytest.mark.parametrize("change, match", [

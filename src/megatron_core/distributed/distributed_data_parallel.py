@@ -10,6 +10,7 @@ expert DP group. Gradients are pre-divided by the DP x CP size unless ``average_
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import weakref
@@ -183,12 +184,31 @@ class DistributedDataParallel(torch.nn.Module):
             mark_main_grads_static(self.param_to_name)
         self._grad_hook_handles = [
             param.register_post_accumulate_grad_hook(self._make_backward_post_hook(param))
-            for param in self.param_to_name
+            for param in self.param_to_name if not getattr(param, "skip_backward_post_hook", False)
         ]
+        self._register_delayed_wgrad_hooks()
         self.use_forward_hook = ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather
         self._forward_hook_handles: list = []
         if self.use_forward_hook:
             self.enable_forward_pre_hook()
+
+    def _register_delayed_wgrad_hooks(self) -> None:
+        """A weight whose gradient is deferred to its layer's ``backward_dw()`` (``delay_wgrad_compute``, marked
+        ``skip_backward_post_hook``) gets no gradient from autograd: its grad-ready hook runs from the layer's
+        ``backward_dw()`` instead, so its bucket is reduced only after the deferred GEMM."""
+        deferred = {param for param in self.param_to_name if getattr(param, "skip_backward_post_hook", False)}
+        for module in self.module.modules():
+            if not hasattr(module, "register_wgrad_accumulation_and_reduce_hooks"):
+                continue
+            for param in module.parameters(recurse=False):
+                if param in deferred:
+                    deferred.discard(param)
+                    hook = self._make_backward_post_hook(param)
+                    module.register_wgrad_accumulation_and_reduce_hooks(functools.partial(hook, param))
+        if deferred:
+            names = sorted(self.param_to_name[p] for p in deferred)
+            raise ValueError(f"parameters {names} are marked skip_backward_post_hook (delayed weight gradient) but "
+                             "no module owning them has register_wgrad_accumulation_and_reduce_hooks")
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
         # The hook lives in the parameter's autograd metadata, which Python's garbage collector cannot see: a

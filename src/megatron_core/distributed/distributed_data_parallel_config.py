@@ -149,7 +149,10 @@ class DistributedDataParallelConfig:
     """NCCL user buffers (rejected: needs NCCL symmetric memory)."""
 
     delay_wgrad_compute: bool = False
-    """Accepted for compatibility; has no effect here."""
+    """Accepted (Megatron-Core's switch for deferred weight gradients). Either value works: DDP finds the deferred
+    weights by their ``skip_backward_post_hook`` mark (set by the layers under the model config's
+    ``delay_wgrad_compute`` / ``overlap_dispatch_backward_with_experts_wgrad``) and fires their grad-ready hooks
+    from the layers' ``backward_dw()``."""
 
     overwrite_main_grad_on_first_wgrad: bool = False
     """Our extension (not in Megatron-Core): ``zero_grad_buffer()`` leaves unzeroed the ``main_grad`` of weights

@@ -50,6 +50,10 @@ __all__ = ["TorchFullyShardedDataParallel", "fsdp_mesh_group", "is_torch_fsdp_mo
 def _validate(config: Any, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
               pg_collection: Any) -> None:
     """Reject the layouts FSDP2 cannot serve, naming the setting."""
+    if any(getattr(p, "skip_backward_post_hook", False) for p in module.parameters()):
+        raise ValueError("delay_wgrad_compute / overlap_dispatch_backward_with_experts_wgrad (weight gradients "
+                         "deferred to backward_dw) cannot be combined with TorchFullyShardedDataParallel, whose "
+                         "reduce-scatter would run before them; use DistributedDataParallel")
     if ddp_config.use_distributed_optimizer:
         raise ValueError("use_distributed_optimizer=True cannot be combined with TorchFullyShardedDataParallel "
                          "(FSDP2 shards the optimizer state itself)")

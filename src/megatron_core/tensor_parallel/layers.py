@@ -24,6 +24,7 @@ from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.process_groups_config import check_parallel_size
+from megatron_core.tensor_parallel.delayed_wgrad import DelayedWgradMixin, LinearWithDelayedWgrad
 from megatron_core.tensor_parallel.embedding_function import embedding_with_grad_accumulation
 from megatron_core.tensor_parallel.frozen_linear import LinearWithFrozenWeight, linear_with_frozen_weight
 from megatron_core.tensor_parallel.groups import resolve_tp_group
@@ -121,12 +122,17 @@ def _linear_impl(input: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> 
     return linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
 
 
+def _defers_wgrad(layer: DelayedWgradMixin, weight: torch.Tensor) -> bool:
+    """Whether this call's weight gradient goes to ``layer``'s ``backward_dw()`` queue."""
+    return layer.delay_wgrad_compute and weight is layer.weight and weight.requires_grad and torch.is_grad_enabled()
+
+
 def _default_extra_state(state_dict: dict, prefix: str, *args) -> None:
     """Load-state-dict pre-hook: a missing ``_extra_state`` reads as None (Megatron drops the output layer's)."""
     state_dict.setdefault(f"{prefix}_extra_state")
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class ColumnParallelLinear(DelayedWgradMixin, torch.nn.Module):
     """``Y = X A^T + b`` with ``A`` split along its output dim: weight ``[output_size / TP, input_size]``.
 
     Input ``[s, b, input_size]`` (``[s / TP, b, input_size]`` with sequence parallelism); output
@@ -219,15 +225,22 @@ class ColumnParallelLinear(torch.nn.Module):
             input_parallel = input_
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = self._forward_impl(
-            input=input_parallel, weight=weight, bias=bias,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=False if self.explicit_expert_comm else self.allreduce_dgrad,
-            sequence_parallel=False if self.explicit_expert_comm else self.sequence_parallel,
-            grad_output_buffer=self.grad_output_buffer if self.config.defer_embedding_wgrad_compute else None,
-            wgrad_deferral_limit=self.config.wgrad_deferral_limit if self.config.defer_embedding_wgrad_compute else None,
-            tp_group=self.tp_group,
-        )
+        allreduce_dgrad = False if self.explicit_expert_comm else self.allreduce_dgrad
+        sequence_parallel = False if self.explicit_expert_comm else self.sequence_parallel
+        if _defers_wgrad(self, weight):
+            output_parallel = LinearWithDelayedWgrad.apply(
+                input_parallel, weight, bias, self.gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                self.tp_group, self)
+        else:
+            output_parallel = self._forward_impl(
+                input=input_parallel, weight=weight, bias=bias,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                grad_output_buffer=self.grad_output_buffer if self.config.defer_embedding_wgrad_compute else None,
+                wgrad_deferral_limit=(self.config.wgrad_deferral_limit if self.config.defer_embedding_wgrad_compute
+                                      else None),
+                tp_group=self.tp_group,
+            )
         gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather_output:
             if self.sequence_parallel:
@@ -238,6 +251,18 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.output_dtype is not None:
             output = output.to(self.output_dtype)
         return output, (self.bias if self.skip_bias_add else None)
+
+    def deferrable(self) -> bool:
+        """Whether ``delay_wgrad_compute`` can defer this layer's weight gradient: an own weight that the plain
+        op multiplies (a subclass with its own forward or op, e.g. FP8, computes it immediately)."""
+        cls = type(self)
+        return (self.weight is not None and cls.forward is ColumnParallelLinear.forward
+                and cls._forward_impl is ColumnParallelLinear._forward_impl)
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs queued by the backward when ``delay_wgrad_compute`` is on (else
+        nothing), accumulating into ``weight.main_grad`` (``gradient_accumulation_fusion``) or ``weight.grad``."""
+        super().backward_dw()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Weight and bias as sharded tensors (``ShardedTensor``) split along dim 0 over TP."""
@@ -257,7 +282,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 f"bias={self.bias is not None}, TP={get_pg_size(self.tp_group)}, gather_output={self.gather_output}")
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(DelayedWgradMixin, torch.nn.Module):
     """``Y = X A^T + b`` with ``A`` split along its input dim: weight ``[output_size, input_size / TP]``.
 
     Input ``[s, b, input_size / TP]`` (``input_is_parallel=True``) or the full input, which is
@@ -319,11 +344,15 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = self._forward_impl(
-            input=input_parallel, weight=self.weight, bias=None,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=False, sequence_parallel=False, tp_group=self.tp_group,
-        )
+        if _defers_wgrad(self, self.weight):
+            output_parallel = LinearWithDelayedWgrad.apply(
+                input_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group, self)
+        else:
+            output_parallel = self._forward_impl(
+                input=input_parallel, weight=self.weight, bias=None,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                allreduce_dgrad=False, sequence_parallel=False, tp_group=self.tp_group,
+            )
         return self._reduce_output(output_parallel)
 
     def _reduce_output(self, output_parallel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -338,6 +367,17 @@ class RowParallelLinear(torch.nn.Module):
             return output_, self.bias
         output = output_ + self.bias.to(output_.dtype) if self.bias is not None else output_
         return output, None
+
+    def deferrable(self) -> bool:
+        """Whether ``delay_wgrad_compute`` can defer this layer's weight gradient (not in a subclass with its own
+        forward or op)."""
+        cls = type(self)
+        return cls.forward is RowParallelLinear.forward and cls._forward_impl is RowParallelLinear._forward_impl
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs queued by the backward when ``delay_wgrad_compute`` is on (else
+        nothing), accumulating into ``weight.main_grad`` (``gradient_accumulation_fusion``) or ``weight.grad``."""
+        super().backward_dw()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Weight as a ``ShardedTensor`` split along dim 1 over TP; the bias is replicated."""

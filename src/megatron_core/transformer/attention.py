@@ -26,6 +26,7 @@ from megatron_core._activation_offload.interface import (
 )
 from megatron_core._ground import divide
 from megatron_core.process_groups_config import check_parallel_size, resolve_pg_collection
+from megatron_core.tensor_parallel.delayed_wgrad import run_delayed_wgrads
 from megatron_core.transformer.enums import AttnMaskType
 from megatron_core.transformer.fused_qkv_rope import fused_qkv_rope_supported, split_qkv_with_rope
 from megatron_core.transformer.identity_op import IdentityOp
@@ -72,6 +73,11 @@ class Attention(MegatronModule):
         self.offload_qkv_linear = "qkv_linear" in offload
         self.offload_core_attention = "core_attn" in offload
         self.offload_attn_proj = "attn_proj" in offload
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs this attention's linears deferred (``delay_wgrad_compute``; else
+        nothing)."""
+        run_delayed_wgrads(self)
 
     def _offloaded_core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                   attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:

@@ -36,6 +36,7 @@ from megatron_core.fusions.fused_weighted_squared_relu import (
     uses_fused_weighted_squared_relu,
     weighted_squared_relu_impl,
 )
+from megatron_core.tensor_parallel.delayed_wgrad import run_delayed_wgrads
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.selective_recompute import ActivationRecompute, recompute_module_enabled
@@ -109,6 +110,10 @@ class MLP(MegatronModule):
         self.checkpoint_mlp = not is_expert and recompute_module_enabled(config, "mlp")
         # "moe_act": an expert's activation output is rebuilt in the backward instead of kept.
         self.recompute_activation = is_expert and recompute_module_enabled(config, "moe_act")
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs ``linear_fc2`` then ``linear_fc1`` deferred (``delay_wgrad_compute``)."""
+        run_delayed_wgrads(self)
 
     def _activate(self, intermediate: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if (self.config.bias_activation_fusion and self.gated and self.activation_func is F.silu

@@ -244,11 +244,26 @@ class EPOverlapConfigError(ValueError, AssertionError):
     Megatron-Core)."""
 
 
+def _check_delayed_wgrad(cfg: Any) -> None:
+    """Megatron-Core's rules for the deferred weight gradients (``tensor_parallel.delayed_wgrad``)."""
+    if cfg.delay_wgrad_compute and not cfg.overlap_moe_expert_parallel_comm:
+        raise EPOverlapConfigError("delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True (the combined "
+                                   "1F1B schedule runs the deferred weight gradients)")
+    if cfg.overlap_dispatch_backward_with_experts_wgrad:
+        if cfg.overlap_moe_expert_parallel_comm:
+            raise EPOverlapConfigError("overlap_dispatch_backward_with_experts_wgrad=True needs "
+                                       "overlap_moe_expert_parallel_comm=False")
+        if cfg.delay_wgrad_compute:
+            raise EPOverlapConfigError("delay_wgrad_compute=True and overlap_dispatch_backward_with_experts_wgrad=True "
+                                       "are mutually exclusive: set only one")
+
+
 def check_ep_overlap(cfg: Any) -> None:
     """Megatron-Core's rules for ``overlap_moe_expert_parallel_comm`` (the combined 1F1B schedule of
     ``pipeline_parallel.combined_1f1b``) and for ``ep_overlap_early_attn_memory_release``, which needs it."""
     if cfg.ep_overlap_early_attn_memory_release and not cfg.overlap_moe_expert_parallel_comm:
         raise EPOverlapConfigError("ep_overlap_early_attn_memory_release=True needs overlap_moe_expert_parallel_comm=True")
+    _check_delayed_wgrad(cfg)
     if not cfg.overlap_moe_expert_parallel_comm:
         return
     rules = [

@@ -19,8 +19,10 @@ from megatron_core._activation_offload.interface import (
 )
 from megatron_core._ground import get_pg_rank, get_pg_size, register_fsdp_unit
 from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.tensor_parallel.delayed_wgrad import enable_delayed_wgrad
 from megatron_core.transformer import fused_decode
 from megatron_core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron_core.transformer.layer_backward_dw import LayerBackwardDW
 from megatron_core.transformer.layer_cuda_graphs import call_through_cuda_graph, wants_cuda_graph
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
@@ -106,6 +108,17 @@ class TransformerLayer(MegatronModule):
         offload = set(config.offload_modules or []) if config.fine_grained_activation_offloading else set()
         self.offload_attn_norm = "attn_norm" in offload and not isinstance(self.input_layernorm, IdentityOp)
         self.offload_mlp_norm = "mlp_norm" in offload and not isinstance(self.pre_mlp_layernorm, IdentityOp)
+        # delay_wgrad_compute: the attention's and the MLP's linears queue their weight gradients for the combined
+        # 1F1B schedule's backward_dw calls. Not in an MTP layer, which that schedule does not run node by node.
+        self.backward_dw_wrapper: Any = None
+        if config.delay_wgrad_compute and not is_mtp_layer:
+            enable_delayed_wgrad(self.self_attention)
+            enable_delayed_wgrad(self.mlp)
+
+    def init_backward_dw_wrapper(self) -> None:
+        """Set ``self.backward_dw_wrapper``: the ``backward_dw`` of the combined 1F1B schedule's attention slot
+        (see :class:`~megatron_core.transformer.layer_backward_dw.LayerBackwardDW`)."""
+        self.backward_dw_wrapper = LayerBackwardDW(self)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None

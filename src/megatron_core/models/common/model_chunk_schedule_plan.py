@@ -65,13 +65,15 @@ class TransformerLayerSchedulePlan:
         self.layer = layer
         self.layer_state = LayerState()
         self.chunk_state = chunk_state
-        forward_funcs, _ = build_layer_callables(layer)
+        forward_funcs, backward_dw = build_layer_callables(layer)
         is_moe, num_local_experts = get_layer_moe_metadata(layer)
         args = dict(extra_args or {}, config=layer.config, is_moe=is_moe, num_local_experts=num_local_experts,
-                    token_dispatcher=layer.mlp.token_dispatcher if is_moe else None)
+                    token_dispatcher=layer.mlp.token_dispatcher if is_moe else None,
+                    delay_wgrad_compute=layer.config.delay_wgrad_compute)
 
         def node(stream: Any, func: Callable, name: str) -> TransformerLayerNode:
-            return TransformerLayerNode(stream, event, self.layer_state, chunk_state, func, name=name, extra_args=args)
+            return TransformerLayerNode(stream, event, self.layer_state, chunk_state, func, name=name,
+                                        bwd_dw_callables=backward_dw.get(name), extra_args=args)
 
         attention, dispatch, mlp, combine, _ = forward_funcs
         self.pre_dispatch_computation: Any = node(comp_stream, attention, "pre_dispatch_computation")
@@ -95,7 +97,10 @@ class TransformerLayerSchedulePlan:
         """One layer's forward (``f_layer`` from ``f_input``) interleaved with another's backward (``b_layer`` from
         ``b_grad``); returns ``(forward output, gradient of the backward layer's input)``.
 
-        ``is_last_layer_in_bwd`` is kept for Megatron-Core's signature (it places deferred weight gradients there).
+        With ``delay_wgrad_compute`` the backward layer's expert (or dense MLP) weight gradients run between its
+        experts' backward and its dispatch backward, and its attention slot's right after that slot's backward,
+        except for the chunk's last backward layer (``is_last_layer_in_bwd``), whose attention weight gradients
+        the chunk's ``run`` defers past the pipeline send.
         """
         early_attn_release = b_layer is not None and b_layer.config.ep_overlap_early_attn_memory_release
         if b_layer is not None:
@@ -107,6 +112,7 @@ class TransformerLayerSchedulePlan:
         if f_layer is not None:
             f_input = f_layer.moe_dispatch.forward(f_input)
         if b_layer is not None:
+            b_layer.mlp.backward_dw()
             b_grad = b_layer.moe_dispatch.backward(b_grad)
             if early_attn_release:
                 b_grad = b_layer.pre_dispatch_computation.backward(b_grad)
@@ -115,6 +121,8 @@ class TransformerLayerSchedulePlan:
             f_input = f_layer.moe_combine.forward(f_input)
         if b_layer is not None and not early_attn_release:
             b_grad = b_layer.pre_dispatch_computation.backward(b_grad)
+        if b_layer is not None and not is_last_layer_in_bwd:
+            b_layer.pre_dispatch_computation.backward_dw()
         return f_input, b_grad
 
 
@@ -220,13 +228,16 @@ class TransformerModelChunkSchedulePlan(AbstractSchedulePlan):
 
         f_layers = f_schedule_plan.num_layers() if f_schedule_plan is not None else 0
         b_layers = b_schedule_plan.num_layers() if b_schedule_plan is not None else 0
+        last_b_layer = None
         for i in range(max(f_layers, b_layers)):
             f_layer = f_schedule_plan.get_layer(i) if i < f_layers else None
             b_layer = b_schedule_plan.pop_layer() if i < b_layers else None
             f_input, b_grad = TransformerLayerSchedulePlan.run(
                 f_layer, b_layer, f_input=f_input, b_grad=b_grad, is_last_layer_in_bwd=i == b_layers - 1)
-            if b_layer is not None:
+            if b_layer is not None and i < b_layers - 1:
                 b_layer.release_state()
+            elif b_layer is not None:
+                last_b_layer = b_layer
 
         if f_schedule_plan is not None and post_forward is not None:
             f_schedule_plan.wait_current_stream()
@@ -234,6 +245,10 @@ class TransformerModelChunkSchedulePlan(AbstractSchedulePlan):
         if b_schedule_plan is not None and post_backward is not None:
             b_schedule_plan.wait_current_stream()
             post_backward(b_grad, b_schedule_plan.vp_stage)
+        if last_b_layer is not None:
+            # The chunk's first layer's attention weight gradients, deferred past the send of its input gradient.
+            last_b_layer.pre_dispatch_computation.backward_dw()
+            last_b_layer.release_state()
         if f_schedule_plan is not None and f_schedule_plan.post_process is not None:
             f_input = f_schedule_plan.post_process.forward(f_input)
         if b_schedule_plan is not None:

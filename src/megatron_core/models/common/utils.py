@@ -10,6 +10,7 @@ layer's ``LayerState``; the slot that made them backpropagates their gradients w
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -119,12 +120,14 @@ class TransformerLayerNode(ScheduleNode):
         chunk_state: the model chunk's state (inputs, rotary angles, masks).
         submodule: ``(node, *inputs) -> outputs``, the slot's forward.
         name: the slot's name (it decides whether the inputs are released after the forward).
+        bwd_dw_callables: an object (or a list of them) whose ``backward_dw()`` runs this slot's deferred weight
+            gradients; :meth:`backward_dw` calls them when ``extra_args['delay_wgrad_compute']`` is set.
         extra_args: ``config``, ``is_moe``, ``num_local_experts``, ``token_dispatcher``, ``is_first_layer``,
-            ``is_last_layer``.
+            ``is_last_layer``, ``delay_wgrad_compute``.
     """
 
     def __init__(self, stream: Any, event: Any, layer_state: LayerState, chunk_state: Any, submodule: Callable,
-                 name: str = "default", extra_args: dict | None = None) -> None:
+                 name: str = "default", bwd_dw_callables: Any = None, extra_args: dict | None = None) -> None:
         extra_args = extra_args or {}
         config = extra_args.get("config")
         if config is None:
@@ -140,6 +143,10 @@ class TransformerLayerNode(ScheduleNode):
         self.before_detached: tuple = ()
         self.is_first_layer = extra_args.get("is_first_layer", False)
         self.is_last_layer = extra_args.get("is_last_layer", False)
+        self.delay_wgrad_compute = bool(extra_args.get("delay_wgrad_compute", False))
+        if bwd_dw_callables is None:
+            bwd_dw_callables = []
+        self.bwd_dw_callables = bwd_dw_callables if isinstance(bwd_dw_callables, list) else [bwd_dw_callables]
 
     def detach(self, tensor: torch.Tensor) -> torch.Tensor:
         """A detached leaf of ``tensor`` for a later slot; this slot's backward sends its gradient on."""
@@ -158,6 +165,18 @@ class TransformerLayerNode(ScheduleNode):
         grads = tuple(output_grad) + tuple(e.grad for e in self.detached)
         self.default_backward_func(tuple(outputs) + self.before_detached, grads)
         return grads
+
+    def backward_dw(self) -> None:
+        """Run the slot's deferred weight-gradient GEMMs on its stream (nothing without ``delay_wgrad_compute``);
+        once per micro-batch: the callables are dropped afterwards."""
+        if not self.delay_wgrad_compute or not self.bwd_dw_callables:
+            return
+        stream = self._resolve_stream()
+        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with context:
+            for callable_ in self.bwd_dw_callables:
+                callable_.backward_dw()
+        self.bwd_dw_callables = []
 
     def _release_state(self) -> None:
         super()._release_state()

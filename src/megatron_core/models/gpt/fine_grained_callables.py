@@ -41,9 +41,10 @@ def build_transformer_layer_callables(layer: TransformerLayer) -> tuple[list[Cal
     """``(forward_funcs, backward_dw)`` for ``layer``'s schedule nodes.
 
     ``forward_funcs`` holds one ``(node, *inputs) -> outputs`` per slot in the order ``pre_dispatch_computation,
-    moe_dispatch, mlp, moe_combine, mtp_post_process`` (None where a slot does not apply). ``backward_dw`` is
-    empty: the weight gradients are computed with the rest of each slot's backward (``delay_wgrad_compute`` is
-    not supported).
+    moe_dispatch, mlp, moe_combine, mtp_post_process`` (None where a slot does not apply). ``backward_dw`` maps a
+    slot to the object whose ``backward_dw()`` runs its deferred weight gradients (``delay_wgrad_compute``): the
+    attention slot to the layer's ``backward_dw_wrapper`` (attention and shared experts), the ``mlp`` slot to
+    ``layer.mlp`` (routed experts, or the dense MLP).
     """
     if not isinstance(layer, TransformerLayer):
         raise ValueError(f"build_transformer_layer_callables needs a TransformerLayer, got {type(layer).__name__}")
@@ -102,4 +103,5 @@ def build_transformer_layer_callables(layer: TransformerLayer) -> tuple[list[Cal
         forward_funcs = [attention_forward, dispatch_forward, experts_forward, combine_forward, None]
     else:
         forward_funcs = [attention_forward, None, dense_mlp_forward, None, None]
-    return forward_funcs, {}
+    layer.init_backward_dw_wrapper()
+    return forward_funcs, {"pre_dispatch_computation": layer.backward_dw_wrapper, "mlp": layer.mlp}

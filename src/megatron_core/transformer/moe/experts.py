@@ -33,6 +33,7 @@ from megatron_core.fusions.fused_weighted_squared_relu import (
     uses_fused_weighted_squared_relu,
     weighted_squared_relu_impl,
 )
+from megatron_core.tensor_parallel.delayed_wgrad import run_delayed_wgrads
 from megatron_core.transformer.mlp import MLP, MLPSubmodules
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.grouped_linear import (
@@ -105,6 +106,10 @@ class SequentialMLP(MegatronModule):
         probs = torch.split(permuted_probs, counts)
         outputs = [expert(x, p)[0] for expert, x, p in zip(self.local_experts, tokens, probs)]
         return torch.cat(outputs, dim=0), None
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs the local experts deferred, last expert first."""
+        run_delayed_wgrads(self)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Each local expert under its global index along a new axis of ``<prefix>experts.*``."""
@@ -229,6 +234,11 @@ class TEGroupedMLP(MegatronModule):
             per_row = bias.repeat_interleave(count_tensor, dim=0, output_size=output.shape[0])
             output = output + (per_row * probs).to(output.dtype)
         return (output if index is None else unpad_expert_rows(output, index)), None
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs ``linear_fc2`` then ``linear_fc1`` deferred (``delay_wgrad_compute`` or
+        ``overlap_dispatch_backward_with_experts_wgrad``; else nothing)."""
+        run_delayed_wgrads(self)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """The same sharded tensors as ``SequentialMLP``'s: one per local expert, under its global index."""

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from megatron_core._ground import get_pg_size
 from megatron_core.device import get_current_device
+from megatron_core.tensor_parallel.delayed_wgrad import DelayedWgradMixin, split_weight_gradient
 from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.moe.cutlass_grouped_gemm import (
     cutlass_grouped_gemm_requested,
@@ -213,7 +214,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[
     return torch.cat([F.linear(piece, weight[e]) for e, piece in enumerate(pieces)], dim=0)
 
 
-class _GroupedLinear(torch.nn.Module):
+class _GroupedLinear(DelayedWgradMixin, torch.nn.Module):
     """Shared parts of the column- and row-parallel grouped layers; ``tp_dim`` is the local sharded dim."""
 
     tp_dim = 0
@@ -256,7 +257,11 @@ class _GroupedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(output [N, out_local], bias [E, out_local] when skip_bias_add else None)``."""
-        output = self.gemm(x, tokens_per_expert)
+        if self.delay_wgrad_compute and self.weight.requires_grad and torch.is_grad_enabled():
+            output = split_weight_gradient(lambda x_, w_: grouped_gemm(x_, w_, tokens_per_expert), self, x,
+                                           self.weight)
+        else:
+            output = self.gemm(x, tokens_per_expert)
         if self.bias is None:
             return output, None
         if self.skip_bias_add:
@@ -267,6 +272,15 @@ class _GroupedLinear(torch.nn.Module):
     def gemm(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows) -> torch.Tensor:
         """``cat_e(x_e @ weight[e].T)``: :func:`grouped_gemm` (FP8 subclasses quantize it)."""
         return grouped_gemm(x, self.weight, tokens_per_expert)
+
+    def deferrable(self) -> bool:
+        """Whether ``delay_wgrad_compute`` can defer the experts' weight gradient (not with a subclass's own GEMM,
+        e.g. FP8)."""
+        return type(self).gemm is _GroupedLinear.gemm
+
+    def backward_dw(self) -> None:
+        """Run the experts' weight-gradient GEMMs queued by the backward when deferral is on (else nothing)."""
+        super().backward_dw()
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         for name in ("weight", "bias"):

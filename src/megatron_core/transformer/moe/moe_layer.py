@@ -19,7 +19,12 @@ import torch
 from megatron_core import tensor_parallel
 from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.process_groups_config import check_parallel_size
+from megatron_core.tensor_parallel.delayed_wgrad import enable_delayed_wgrad
 from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.moe.experts_wgrad_overlap import (
+    mark_experts_dgrad_done,
+    run_experts_wgrad_after_dispatch_backward,
+)
 from megatron_core.transformer.moe.latent_projection import LatentProjection
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_core.transformer.moe.router import TopKRouter
@@ -107,6 +112,8 @@ class MoELayer(BaseMoELayer):
                                                gate=config.moe_shared_expert_gate)
         if layer_number is not None:
             self.router.set_layer_number(layer_number)
+        if config.overlap_dispatch_backward_with_experts_wgrad:
+            enable_delayed_wgrad(self.experts)
 
     def route(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """``(probs, routing_map)`` ``[s * b, num_experts]``."""
@@ -119,7 +126,10 @@ class MoELayer(BaseMoELayer):
         return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
 
     def dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Send tokens to the ranks of their experts."""
+        """Send tokens to the ranks of their experts (with ``overlap_dispatch_backward_with_experts_wgrad``, the
+        experts' deferred weight gradients run once this all-to-all's backward has been issued)."""
+        if self.config.overlap_dispatch_backward_with_experts_wgrad:
+            hidden_states = run_experts_wgrad_after_dispatch_backward(self, hidden_states)
         return self.token_dispatcher.token_dispatch(hidden_states, probs)
 
     def shared_experts_compute(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -130,6 +140,8 @@ class MoELayer(BaseMoELayer):
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Run the local experts on the dispatched tokens; returns ``(output, None)`` ready for the combine."""
+        if self.config.overlap_dispatch_backward_with_experts_wgrad:
+            hidden_states = mark_experts_dgrad_done(self, hidden_states)
         dispatched, tokens_per_expert, permuted_probs = self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
         expert_output, _ = self.experts(dispatched, tokens_per_expert, permuted_probs)
         return self.token_dispatcher.combine_preprocess(expert_output), None
@@ -144,6 +156,14 @@ class MoELayer(BaseMoELayer):
         if self.config.moe_latent_size:
             output, _ = self.fc2_latent_proj(output)
         return output if shared_expert_output is None else output + shared_expert_output
+
+    def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False) -> None:
+        """Run deferred weight-gradient GEMMs: the routed experts' (``routed_experts``, the ``mlp`` slot of the
+        combined 1F1B schedule) and the shared experts' (``shared_experts``, the attention slot)."""
+        if routed_experts:
+            self.experts.backward_dw()
+        if shared_experts and self.shared_experts is not None:
+            self.shared_experts.backward_dw()
 
     def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         shared_expert_output = self.shared_experts_compute(hidden_states)
