@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state
+from megatron_core.transformer.loss_auto_scaler import LossAutoScaler
 from megatron_core.transformer.mtp_metrics import MTPLossLoggingHelper, mtp_acceptance_counts
 from megatron_core.transformer.mtp_roll import roll_tensor
 from megatron_core.transformer.transformer_config import TransformerConfig
@@ -22,28 +23,18 @@ from megatron_core.transformer.transformer_config import TransformerConfig
 __all__ = ["MTPLossAutoScaler", "process_mtp_loss"]
 
 
-class MTPLossAutoScaler(torch.autograd.Function):
-    """Identity on ``output`` whose backward also sends ``main_loss_backward_scale`` into ``mtp_loss``."""
+class MTPLossAutoScaler(LossAutoScaler):
+    """Identity on ``output`` whose backward also sends ``main_loss_backward_scale`` into ``mtp_loss``.
+
+    ``set_loss_scale`` stores ``torch.as_tensor(scale)`` (the schedules set ``loss_scale / num_microbatches``).
+    """
 
     main_loss_backward_scale: torch.Tensor = torch.tensor(1.0)
 
     @staticmethod
     def forward(ctx: Any, output: torch.Tensor, mtp_loss: torch.Tensor) -> torch.Tensor:
-        """Return ``output`` unchanged and keep ``mtp_loss`` for the backward."""
-        ctx.save_for_backward(mtp_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``grad_output`` for the output, the main loss's backward scale for every element of the MTP loss."""
-        (mtp_loss,) = ctx.saved_tensors
-        scale = MTPLossAutoScaler.main_loss_backward_scale
-        return grad_output, torch.ones_like(mtp_loss) * scale.to(mtp_loss.device)
-
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor) -> None:
-        """The scale the main loss is backpropagated with (the schedules set ``loss_scale / num_microbatches``)."""
-        MTPLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale)
+        """Return ``output`` unchanged and keep ``mtp_loss`` for the backward (Megatron-Core's argument name)."""
+        return LossAutoScaler.forward(ctx, output, mtp_loss)
 
 
 def process_mtp_loss(hidden_states: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None,

@@ -22,6 +22,7 @@ from megatron_core._ground import get_pg_size
 from megatron_core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron_core.transformer.experimental_attention_variant import dsa_masking
 from megatron_core.transformer.experimental_attention_variant.dsa_layout import ensure_sbhd
+from megatron_core.transformer.loss_auto_scaler import LossAutoScaler
 
 __all__ = [
     "INDEXER_LOSS_EPS",
@@ -119,28 +120,21 @@ def compute_dsa_indexer_loss(
                                     calculate_per_token_loss=calculate_per_token_loss)
 
 
-class DSAIndexerLossAutoScaler(torch.autograd.Function):
-    """Attach the indexer loss to ``output`` so that its backward runs with the main loss's scale."""
-
-    main_loss_backward_scale: torch.Tensor | None = None
+class DSAIndexerLossAutoScaler(LossAutoScaler):
+    """Attach the indexer loss to ``output`` so that its backward runs with the main loss's scale (default 1)."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, indexer_loss: torch.Tensor) -> torch.Tensor:
-        """Return ``output`` unchanged; keep ``indexer_loss`` for the backward."""
-        ctx.save_for_backward(indexer_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The activation's gradient, and ``main_loss_backward_scale`` (default 1) for the loss."""
-        (indexer_loss,) = ctx.saved_tensors
-        scale = DSAIndexerLossAutoScaler.main_loss_backward_scale
-        scale = torch.ones((), device=indexer_loss.device) if scale is None else scale.to(indexer_loss.device)
-        return grad_output, torch.ones_like(indexer_loss) * scale
+    def forward(ctx: Any, output: torch.Tensor, indexer_loss: torch.Tensor) -> torch.Tensor:
+        """Return ``output`` unchanged and keep ``indexer_loss`` for the backward (Megatron-Core's argument name)."""
+        return LossAutoScaler.forward(ctx, output, indexer_loss)
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor) -> None:
-        """Set the scale of the indexer loss's gradient (the schedules call this each micro-batch)."""
+        """Set the scale of the indexer loss's gradient (the schedules call this each micro-batch).
+
+        As in Megatron-Core: ``scale`` must be a tensor (else ``TypeError``); the first call stores it detached, later
+        calls copy into the stored tensor in place.
+        """
         if not isinstance(scale, torch.Tensor):
             raise TypeError("DSAIndexerLossAutoScaler.set_loss_scale requires a torch.Tensor")
         scale = scale.detach()

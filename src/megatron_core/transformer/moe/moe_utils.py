@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_core._ground import get_pg_size
 from megatron_core.process_groups_config import ProcessGroupCollection, resolve_process_group
+from megatron_core.transformer.loss_auto_scaler import LossAutoScaler
 from megatron_core.transformer.moe.routing_overrides import (
     RandomSTE,
     RandomSTEShared,
@@ -183,40 +184,27 @@ def get_tokens_per_expert_and_token_count(routing_map: torch.Tensor, reduce_grou
     return global_counts, local_num_tokens, local_num_tokens * get_pg_size(reduce_group)
 
 
-_AUX_LOSS_BACKWARD_SCALE: dict[str, torch.Tensor] = {}  # "scale": the tensor set by ``set_loss_scale``
-
-
-class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Attach an auxiliary loss to an activation; its gradient is ``main_loss_backward_scale``.
+class MoEAuxLossAutoScaler(LossAutoScaler):
+    """Attach an auxiliary loss to an activation; its gradient is ``main_loss_backward_scale`` (default 1).
 
     Under ``torch.compile`` the scale may be read when the forward runs (the backward's product can be
     computed in the forward graph), so set it before the forward; the library's schedules do.
     """
 
-    main_loss_backward_scale: torch.Tensor | None = None
-
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        """Return ``output`` unchanged and keep ``aux_loss`` for the backward."""
-        ctx.save_for_backward(aux_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pass ``grad_output`` through and give the aux loss the main loss's backward scale."""
-        (aux_loss,) = ctx.saved_tensors
-        # Read from a module-level dict, not the class attribute: torch.compile traces this backward inline
-        # and cannot trace a class attribute of an autograd.Function (it would break the layer's graph).
-        scale = _AUX_LOSS_BACKWARD_SCALE.get("scale")
-        if scale is None:  # ones_like, not a tensor built from a Python number (a host-to-device copy)
-            return grad_output, torch.ones_like(aux_loss)
-        return grad_output, torch.ones_like(aux_loss) * scale  # a 0-dim CPU scale multiplies as a scalar
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        """Return ``output`` unchanged and keep ``aux_loss`` for the backward (Megatron-Core's argument name)."""
+        return LossAutoScaler.forward(ctx, output, aux_loss)
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor) -> None:
-        """Set the backward scale of every aux loss (the main loss's scale / number of microbatches)."""
+        """Set the backward scale of every aux loss (the main loss's scale / number of microbatches).
+
+        Stored as a new 0-dim float32 tensor on ``scale``'s device, so a CPU scale multiplies as a scalar on any
+        device.
+        """
         scale = torch.as_tensor(scale, dtype=torch.float32).detach().reshape(()).clone()
-        MoEAuxLossAutoScaler.main_loss_backward_scale = _AUX_LOSS_BACKWARD_SCALE["scale"] = scale
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
 
 
 def group_limited_topk(scores: torch.Tensor, topk: int, num_tokens: int, num_experts: int, num_groups: int,
