@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_core import parallel_state as ps
-from megatron_core.datasets.data_schedule import HybridCPDataLoaderWrapper
+from megatron_core.datasets.data_schedule import HybridCPDataLoaderWrapper, check_aligned_placement
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.process_groups_config import ProcessGroupCollection
 from tests.dist_harness import run_on_ranks
@@ -105,3 +106,21 @@ def test_bad_input():
         ModelParallelConfig(max_seqlen_per_dp_cp_rank=0)
     with pytest.raises(ValueError, match="hybrid_context_parallel"):
         ModelParallelConfig(hybrid_context_parallel=True)
+
+
+@pytest.mark.parametrize("groups", [
+    [[[0], [0], [1], [2]]],                  # a 2-rank block at ranks 0-1, two 1-rank sub-samples
+    [[[5], [5], [5], [5]], [[6], [7], [8], [8]]],
+])
+def test_aligned_placements_pass(groups):
+    check_aligned_placement(groups)
+
+
+@pytest.mark.parametrize("groups,ranks", [
+    ([[[0], [1], [1], [2]]], "[1, 2]"),        # a 2-rank block starting at an odd rank
+    ([[[0], [0], [0], [1]]], "[0, 1, 2]"),     # three ranks: not a power of two
+    ([[[0], [1], [0], [2]]], "[0, 2]"),        # not contiguous
+])
+def test_an_unaligned_placement_is_refused_before_it_can_hang(groups, ranks):
+    with pytest.raises(ValueError, match=r"sub-sample \d+ of group 0 is placed on ranks " + re.escape(ranks)):
+        check_aligned_placement(groups)

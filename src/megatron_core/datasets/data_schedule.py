@@ -17,10 +17,30 @@ from megatron_core import device
 from megatron_core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 from megatron_core.process_groups_config import ProcessGroupCollection, resolve_process_group
 
-__all__ = ["BalancedCPScheduler", "HybridCPDataLoaderWrapper"]
+__all__ = ["BalancedCPScheduler", "HybridCPDataLoaderWrapper", "check_aligned_placement"]
 
 # Keys of a packed sample that describe the packing rather than hold per-token data.
 _PACKING_KEYS = ("cu_seqlens", "batch_idx", "max_seqlen")
+
+
+def check_aligned_placement(sample_id_groups: list[list[list[int]]]) -> None:
+    """Raise ``ValueError`` unless every sub-sample of every group runs on one aligned block of ranks.
+
+    A sub-sample placed on ``k`` ranks takes the CP group of size ``k`` that holds them, and the hybrid CP groups
+    of size ``k`` are the blocks ``[j k, (j + 1) k)`` of the DP x CP group: ranks outside one such block would
+    each pick a different group and wait on each other forever.
+    """
+    for g, group in enumerate(sample_id_groups):
+        ranks_of: dict[int, list[int]] = {}
+        for rank, sample_ids in enumerate(group):
+            for sample_id in sample_ids:
+                ranks_of.setdefault(int(sample_id), []).append(rank)
+        for sample_id, ranks in ranks_of.items():
+            size, first = len(ranks), ranks[0]
+            if size & (size - 1) or first % size or ranks != list(range(first, first + size)):
+                raise ValueError(f"hybrid context parallelism: sub-sample {sample_id} of group {g} is placed on ranks "
+                                 f"{ranks}, not one aligned block of {size} ranks (a power of two starting at a "
+                                 "multiple of it); its ranks would build different CP groups and hang")
 
 
 class HybridCPDataLoaderWrapper:
@@ -161,6 +181,7 @@ class HybridCPDataLoaderWrapper:
         seqlens, offsets = self.get_global_seqlens(local)
         global_id_seqlens, global_ids_this_rank = self.get_global_id_seqlens(len(lengths), offsets, seqlens)
         _, sample_id_groups = self.cp_balancing_scheduler.get_groups_and_subsamples(global_id_seqlens, self.config)
+        check_aligned_placement(sample_id_groups)
         samples = self.reroute_samples_to_hdp_ranks(self.unpack_batch(batch), global_ids_this_rank,
                                                     global_id_seqlens, sample_id_groups, offsets)
         return samples, sample_id_groups
