@@ -19,7 +19,10 @@ from typing import Any
 
 import torch
 
-from megatron_core.tensor_parallel.linear_function import LinearWithGradAccumulationAndAsyncCommunication
+from megatron_core.tensor_parallel.linear_function import (
+    LinearWithGradAccumulationAndAsyncCommunication,
+    _flatten_tokens,
+)
 from megatron_core.tensor_parallel.mappings import _gather_along_first_dim
 from megatron_core.tensor_parallel.wgrad_accumulation import accumulate_weight_gradient
 
@@ -107,8 +110,7 @@ def _linear_weight_gradient(weight: torch.Tensor, grad_output: torch.Tensor, inp
                             sequence_parallel: bool, tp_group: Any, fused: bool) -> None:
     """``dW = dY^T X`` for the parallel linear op, into ``main_grad`` (fusion) or ``.grad``."""
     total_input = _gather_along_first_dim(input, tp_group) if sequence_parallel else input
-    grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
-    input_2d = total_input.reshape(-1, total_input.size(-1))
+    grad_output_2d, input_2d = _flatten_tokens(grad_output), _flatten_tokens(total_input)
     if fused and hasattr(weight, "main_grad"):
         accumulate_weight_gradient(weight.main_grad, grad_output_2d, input_2d)
         if hasattr(weight, "grad_added_to_main_grad"):

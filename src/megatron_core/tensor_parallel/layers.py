@@ -259,11 +259,6 @@ class ColumnParallelLinear(DelayedWgradMixin, torch.nn.Module):
         return (self.weight is not None and cls.forward is ColumnParallelLinear.forward
                 and cls._forward_impl is ColumnParallelLinear._forward_impl)
 
-    def backward_dw(self) -> None:
-        """Run the weight-gradient GEMMs queued by the backward when ``delay_wgrad_compute`` is on (else
-        nothing), accumulating into ``weight.main_grad`` (``gradient_accumulation_fusion``) or ``weight.grad``."""
-        super().backward_dw()
-
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Weight and bias as sharded tensors (``ShardedTensor``) split along dim 0 over TP."""
         return make_tp_sharded_state_dict(self, prefix, {"weight": 0, "bias": 0}, sharded_offsets,
@@ -373,11 +368,6 @@ class RowParallelLinear(DelayedWgradMixin, torch.nn.Module):
         forward or op)."""
         cls = type(self)
         return cls.forward is RowParallelLinear.forward and cls._forward_impl is RowParallelLinear._forward_impl
-
-    def backward_dw(self) -> None:
-        """Run the weight-gradient GEMMs queued by the backward when ``delay_wgrad_compute`` is on (else
-        nothing), accumulating into ``weight.main_grad`` (``gradient_accumulation_fusion``) or ``weight.grad``."""
-        super().backward_dw()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Weight as a ``ShardedTensor`` split along dim 1 over TP; the bias is replicated."""
