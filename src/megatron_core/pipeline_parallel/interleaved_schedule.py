@@ -129,7 +129,7 @@ def forward_backward_pipelining_with_interleaving(
     config = get_model_config(model[0])
     comm = resolve_communicator(config, p2p_communicator, pg_collection)
     pp_size, pp_rank = comm.total_stages, comm.current_stage
-    embedding_module = clear_embedding_activation_buffer(config, list(model), comm.is_pp_last_stage())
+    embedding_module = clear_embedding_activation_buffer(config, list(model), comm.is_pp_last_stage)
     num_chunks = len(model)
     group = config.microbatch_group_size_per_vp_stage or pp_size
     _check_sizes(num_microbatches, pp_size, group)
@@ -372,7 +372,7 @@ def forward_backward_pipelining_with_interleaving(
                 if chunk not in synchronized:
                     grad_sync_funcs[chunk](model[chunk].parameters())
                     synchronized.add(chunk)
-        finish_embedding_wgrad_compute(config, embedding_module, comm.is_pp_last_stage(),
+        finish_embedding_wgrad_compute(config, embedding_module, comm.is_pp_last_stage,
                                        resolve_process_group("tp", pg_collection))
         finalize_model_grads_if_set(config, list(model), total_num_tokens, pg_collection, force_all_reduce)
     else:

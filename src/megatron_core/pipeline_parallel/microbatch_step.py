@@ -351,6 +351,54 @@ def backward_step(input_tensor: Any, output_tensor: Any, output_tensor_grad: Any
     return input_grads[0] if unwrap else input_grads
 
 
+def _single(value: Any) -> Any:
+    """The tensor of a one-element list (how stages pass a single tensor), or ``value`` itself."""
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise ValueError(f"a multi-module pipeline passes one tensor per module, got a list of {len(value)}")
+        return value[0]
+    return value
+
+
+def backward_step_multimodule(
+    input_tensor: dict[str, Any],
+    output_tensor: Any,
+    output_tensor_grad: dict[str, Any] | None,
+    config: Any,
+    language_model_module_name: str,
+) -> dict[str, torch.Tensor | None]:
+    """Backpropagate one microbatch of a multi-module pipeline stage; returns the input gradients by module.
+
+    Tensors travel as dicts keyed by module name (``MultiModulePipelineCommunicator``). On the language
+    model's last stage ``output_tensor`` is the loss, filed under ``language_model_module_name``; there
+    ``output_tensor_grad`` is empty and ``config.grad_scale_func`` (if any) scales the loss. Every output
+    that requires grad is backpropagated (an encoder that saw no inputs in this microbatch has none).
+    """
+    timers = getattr(config, "timers", None)
+    if timers is not None:
+        timers("backward-compute", log_level=2).start()
+    inputs = {name: _single(tensor) for name, tensor in (input_tensor or {}).items()}
+    for tensor in inputs.values():
+        if tensor is not None:
+            tensor.retain_grad()
+    outputs = dict(output_tensor) if isinstance(output_tensor, dict) else {language_model_module_name: output_tensor}
+    grads = {name: _single((output_tensor_grad or {}).get(name)) for name in outputs}
+    scale = getattr(config, "grad_scale_func", None)
+    for name in outputs:
+        out = _single(outputs[name])
+        if grads[name] is None and scale is not None and out is not None:
+            out = scale(out)
+        if out is None or not out.requires_grad:
+            continue
+        if getattr(config, "deallocate_pipeline_outputs", False):
+            custom_backward(out, grads[name])
+        else:
+            torch.autograd.backward(out, grad_tensors=grads[name])
+    if timers is not None:
+        timers("backward-compute").stop()
+    return {name: None if tensor is None else tensor.grad for name, tensor in inputs.items()}
+
+
 def new_token_counter() -> torch.Tensor:
     """A zero ``int`` scalar on the current device that sums ``num_tokens`` over microbatches."""
     return torch.zeros([], dtype=torch.int, device=device.get_current_device())

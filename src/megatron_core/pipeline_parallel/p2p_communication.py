@@ -72,28 +72,30 @@ class P2PCommunicator:
         self.prev_rank = ranks[(self.current_stage - 1) % self.total_stages]
 
     # --- stage predicates -------------------------------------------------------------------
+    @property
     def is_pp_first_stage(self) -> bool:
-        """True on the first pipeline stage."""
+        """True on the first pipeline stage (a property, as in Megatron-Core)."""
         return self.current_stage == 0
 
+    @property
     def is_pp_last_stage(self) -> bool:
-        """True on the last pipeline stage."""
+        """True on the last pipeline stage (a property, as in Megatron-Core)."""
         return self.current_stage == self.total_stages - 1
 
     # --- the public operations ----------------------------------------------------------------
     def recv_forward(self, tensor_shapes: Any, is_first_stage: bool | None = None) -> Any:
         """Receive the activation(s) from the previous stage; ``None`` on the first stage."""
-        first = self.is_pp_first_stage() if is_first_stage is None else is_first_stage
+        first = self.is_pp_first_stage if is_first_stage is None else is_first_stage
         return self._each(tensor_shapes, None, lambda shape, _: None if first else self._recv(shape, prev=True))
 
     def recv_backward(self, tensor_shapes: Any, is_last_stage: bool | None = None) -> Any:
         """Receive the output gradient(s) from the next stage; ``None`` on the last stage."""
-        last = self.is_pp_last_stage() if is_last_stage is None else is_last_stage
+        last = self.is_pp_last_stage if is_last_stage is None else is_last_stage
         return self._each(tensor_shapes, None, lambda shape, _: None if last else self._recv(shape, prev=False))
 
     def send_forward(self, output_tensors: Any, is_last_stage: bool | None = None) -> None:
         """Send the activation(s) to the next stage; nothing on the last stage."""
-        if self.is_pp_last_stage() if is_last_stage is None else is_last_stage:
+        if self.is_pp_last_stage if is_last_stage is None else is_last_stage:
             return
         for tensor in output_tensors if isinstance(output_tensors, list) else [output_tensors]:
             if tensor is not None:
@@ -101,7 +103,7 @@ class P2PCommunicator:
 
     def send_backward(self, input_tensor_grads: Any, is_first_stage: bool | None = None) -> None:
         """Send the input gradient(s) to the previous stage; nothing on the first stage."""
-        if self.is_pp_first_stage() if is_first_stage is None else is_first_stage:
+        if self.is_pp_first_stage if is_first_stage is None else is_first_stage:
             return
         for tensor in input_tensor_grads if isinstance(input_tensor_grads, list) else [input_tensor_grads]:
             if tensor is not None:
@@ -111,7 +113,7 @@ class P2PCommunicator:
         self, output_tensors: Any, tensor_shapes: Any, is_last_stage: bool | None = None
     ) -> Any:
         """Send activation(s) to the next stage and receive their gradient(s) from it."""
-        if self.is_pp_last_stage() if is_last_stage is None else is_last_stage:
+        if self.is_pp_last_stage if is_last_stage is None else is_last_stage:
             return self._each(tensor_shapes, None, lambda shape, _: None)
         return self._each(
             tensor_shapes,
@@ -123,7 +125,7 @@ class P2PCommunicator:
         self, input_tensor_grads: Any, tensor_shapes: Any, is_first_stage: bool | None = None
     ) -> Any:
         """Send input gradient(s) to the previous stage and receive the next activation(s) from it."""
-        if self.is_pp_first_stage() if is_first_stage is None else is_first_stage:
+        if self.is_pp_first_stage if is_first_stage is None else is_first_stage:
             return self._each(tensor_shapes, None, lambda shape, _: None)
         return self._each(
             tensor_shapes,

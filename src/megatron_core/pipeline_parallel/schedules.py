@@ -37,6 +37,7 @@ from megatron_core.pipeline_parallel.microbatch_step import (
     GradSyncSwitch,
     add_token_count,
     backward_step,
+    backward_step_multimodule,
     check_first_val_step,
     context_parallel_size,
     custom_backward,
@@ -48,6 +49,7 @@ from megatron_core.pipeline_parallel.microbatch_step import (
     new_token_counter,
     resolve_communicator,
 )
+from megatron_core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
 from megatron_core.pipeline_parallel.p2p_communication import Shape as Shape
 from megatron_core.pipeline_parallel.schedule_helpers import (
     clear_embedding_activation_buffer,
@@ -55,11 +57,12 @@ from megatron_core.pipeline_parallel.schedule_helpers import (
     get_pp_rank_microbatches,
     get_tensor_device,
 )
-from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.process_groups_config import MultiModuleProcessGroupCollection, resolve_process_group
 
 __all__ = [
     "Shape",
     "backward_step",
+    "backward_step_multimodule",
     "check_first_val_step",
     "clear_embedding_activation_buffer",
     "custom_backward",
@@ -207,27 +210,43 @@ def forward_backward_pipelining_without_interleaving(
     pg_collection: Any = None,
     force_all_reduce: bool = False,
 ) -> list:
-    """The 1F1B schedule: warm-up forwards, alternating forward/backward, then the remaining backwards."""
+    """The 1F1B schedule: warm-up forwards, alternating forward/backward, then the remaining backwards.
+
+    Multi-module pipelines (an encoder's ranks feeding a language model's, Megatron-Core 0.19): pass a
+    ``MultiModulePipelineCommunicator`` and a ``MultiModuleProcessGroupCollection``; stages then exchange
+    dicts of tensors keyed by module, shapes are negotiated (``config.variable_seq_lengths=True``), the
+    loss is scaled by the language model's CP size and ``backward_step_multimodule`` runs the backward.
+    """
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
     config = get_model_config(model)
     if getattr(config, "overlap_p2p_comm", False):
         raise ValueError("overlap_p2p_comm=True needs the interleaved schedule (virtual_pipeline_model_parallel_size)")
+    multimodule = _check_multimodule(config, p2p_communicator, pg_collection)
     _start_timer(config)
     comm = resolve_communicator(config, p2p_communicator, pg_collection)
-    is_first, is_last = comm.is_pp_first_stage(), comm.is_pp_last_stage()
+    is_first, is_last = comm.is_pp_first_stage, comm.is_pp_last_stage
     embedding_module = clear_embedding_activation_buffer(config, model, is_last)
-    cp_size = context_parallel_size(pg_collection)
+    if multimodule:
+        cp_size = pg_collection.get_language_model_cp_size() if pg_collection.has_language_model() else 1
+        tp_group = None
+        backward = partial(backward_step_multimodule,
+                           language_model_module_name=pg_collection.language_model_module_name)
+        recv_shapes: Any = None  # the communicator negotiates every shape
+    else:
+        cp_size = context_parallel_size(pg_collection)
+        tp_group = resolve_process_group("tp", pg_collection)
+        backward = backward_step
+        recv_shapes = get_tensor_shapes(
+            seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            config=config, tp_group=tp_group, cp_group=resolve_process_group("cp", pg_collection),
+        )
     sync = GradSyncSwitch(getattr(config, "no_sync_func", None))
     grad_sync_func = getattr(config, "grad_sync_func", None)
     sync.disable()
 
     num_warmup = min(comm.total_stages - comm.current_stage - 1, num_microbatches)
     num_remaining = num_microbatches - num_warmup
-    recv_shapes = get_tensor_shapes(
-        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
-        config=config, tp_group=resolve_process_group("tp", pg_collection), cp_group=resolve_process_group("cp", pg_collection),
-    )
-    send_shapes = list(recv_shapes)
+    send_shapes = list(recv_shapes) if recv_shapes is not None else None
     if adjust_tensor_shapes_fn is not None:
         recv_shapes, send_shapes = adjust_tensor_shapes_fn(recv_shapes, send_shapes)
 
@@ -245,7 +264,13 @@ def forward_backward_pipelining_without_interleaving(
         return output_tensor
 
     def release(output_tensor: Any) -> None:
-        if not is_last:
+        if is_last:
+            return
+        if isinstance(output_tensor, dict):
+            for tensor in output_tensor.values():
+                deallocate_output_tensor(tensor[0] if isinstance(tensor, list) else tensor,
+                                         config.deallocate_pipeline_outputs)
+        else:
             deallocate_output_tensor(output_tensor[0], config.deallocate_pipeline_outputs)
 
     for i in range(num_warmup):
@@ -271,7 +296,7 @@ def forward_backward_pipelining_without_interleaving(
         input_tensor, output_tensor = saved.pop(0)
         if num_warmup == 0 and last_iteration and (grad_sync_func is None or is_first):
             sync.enable()
-        input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, None, config)
+        input_tensor_grad = backward(input_tensor, output_tensor, output_tensor_grad, config=config)
         if last_iteration:
             input_tensor = None
             comm.send_backward(input_tensor_grad, is_first)
@@ -284,13 +309,13 @@ def forward_backward_pipelining_without_interleaving(
                 sync.enable()
             input_tensor, output_tensor = saved.pop(0)
             output_tensor_grad = comm.recv_backward(send_shapes, is_last)
-            input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, None, config)
+            input_tensor_grad = backward(input_tensor, output_tensor, output_tensor_grad, config=config)
             comm.send_backward(input_tensor_grad, is_first)
         if sync.disabled:
             sync.enable()
             if grad_sync_func is not None:
                 grad_sync_func(model.parameters())
-        finish_embedding_wgrad_compute(config, embedding_module, is_last, resolve_process_group("tp", pg_collection))
+        finish_embedding_wgrad_compute(config, embedding_module, is_last, tp_group)
         finalize_model_grads_if_set(config, [model], total_num_tokens, pg_collection, force_all_reduce)
     else:
         sync.enable()
@@ -298,6 +323,24 @@ def forward_backward_pipelining_without_interleaving(
         off_interface.reset()
     _stop_timer(config)
     return forward_data_store
+
+
+def _check_multimodule(config: Any, p2p_communicator: Any, pg_collection: Any) -> bool:
+    """Whether the 1F1B call is a multi-module pipeline; raises if its arguments do not fit one."""
+    multimodule = isinstance(pg_collection, MultiModuleProcessGroupCollection) or isinstance(
+        p2p_communicator, MultiModulePipelineCommunicator)
+    if not multimodule:
+        return False
+    if not isinstance(p2p_communicator, MultiModulePipelineCommunicator) or not isinstance(
+            pg_collection, MultiModuleProcessGroupCollection):
+        raise ValueError(
+            "a multi-module pipeline needs both p2p_communicator (a MultiModulePipelineCommunicator) and "
+            f"pg_collection (a MultiModuleProcessGroupCollection); got {type(p2p_communicator).__name__} and "
+            f"{type(pg_collection).__name__}")
+    if not getattr(config, "variable_seq_lengths", False):
+        raise ValueError("a multi-module pipeline needs config.variable_seq_lengths=True (the stages exchange "
+                         "tensors whose shapes differ by module); got variable_seq_lengths=False")
+    return True
 
 
 # The hybrid CP schedule runs this module's forward_step / backward_step (patchable here, as in Megatron-Core).
