@@ -5,6 +5,9 @@ MINOR = 1
 PATCH = 0
 PRE_RELEASE = ""
 
+VERSION = (MAJOR, MINOR, PATCH, PRE_RELEASE)
+"""``(major, minor, patch, pre_release)``, as Megatron-Core's ``package_info.VERSION``."""
+
 __version__ = f"{MAJOR}.{MINOR}.{PATCH}.{PRE_RELEASE}" if PRE_RELEASE else f"{MAJOR}.{MINOR}.{PATCH}"
 __package_name__ = "megatron-core-lite"
 """The distribution name on the package index (the import name is ``megatron_core``)."""

@@ -20,6 +20,7 @@ from megatron_core.optimizer.megatron_optimizer import (
     clip_by_group_norms,
     combine_grad_norms,
 )
+from megatron_core.optimizer.proxy_dict import ProxyDict
 
 
 class ChainedOptimizer(MegatronOptimizer):
@@ -37,12 +38,9 @@ class ChainedOptimizer(MegatronOptimizer):
         return [g for opt in self.chained_optimizers for g in opt.param_groups]
 
     @property
-    def state(self) -> dict[Any, Any]:
-        """Every sub-optimizer's state, merged."""
-        merged: dict[Any, Any] = {}
-        for opt in self.chained_optimizers:
-            merged.update(opt.state)
-        return merged
+    def state(self) -> ProxyDict:
+        """Every sub-optimizer's state, keyed ``(sub-optimizer index, param)``: a live view (0.19's ``ProxyDict``)."""
+        return ProxyDict([opt.state for opt in self.chained_optimizers])
 
     def get_parameters(self) -> list[torch.Tensor]:
         """Every sub-optimizer's parameters."""

@@ -48,6 +48,7 @@ from megatron_core.optimizer.megatron_optimizer import (
     param_group_identifier_keys as param_group_identifier_keys,
 )
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
+from megatron_core.optimizer.proxy_dict import ProxyDict as ProxyDict
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):

@@ -25,6 +25,7 @@ import torch
 from megatron_core import device
 from megatron_core._wrapped_model import get_attr_wrapped_model
 from megatron_core.pipeline_parallel.microbatch_step import add_token_count, forward_step_calc_loss
+from megatron_core.pipeline_parallel.p2p_communication import Shape as Shape
 from megatron_core.pipeline_parallel.schedule_node import (
     AbstractSchedulePlan,
     ScheduleNode,
@@ -33,6 +34,7 @@ from megatron_core.pipeline_parallel.schedule_node import (
 )
 
 __all__ = [
+    "Shape",
     "combined_1f1b_schedule_for_interleaved_pipelining",
     "combined_1f1b_schedule_for_no_pipelining",
     "combined_forward_backward_step",

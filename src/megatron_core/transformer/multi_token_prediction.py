@@ -37,6 +37,7 @@ from megatron_core._ground.hybrid_pattern import validate_segment_layers
 from megatron_core._misc_utils import make_viewless_tensor
 from megatron_core.dist_checkpointing.sharded_module import make_tp_sharded_tensor_for_checkpoint
 from megatron_core.dist_checkpointing.utils import apply_prefix_mapping, replace_prefix_for_sharding
+from megatron_core.enums import AttnMaskType
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
@@ -57,7 +58,23 @@ from megatron_core.transformer.mtp_roll import roll_tensor
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 
+SUPPORTED_ATTN_MASK = [AttnMaskType.padding, AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding_causal]
+"""The attention mask types an MTP depth's attention may use (Megatron-Core 0.19's list)."""
+
+
+def _check_mtp_attention_mask(layer_spec: Any) -> None:
+    """``ValueError`` if an MTP depth's self-attention spec asks for a mask type outside ``SUPPORTED_ATTN_MASK``."""
+    submodules = getattr(layer_spec, "submodules", None)
+    attention = getattr(submodules, "self_attention", None)
+    params = getattr(attention, "params", None) or {}
+    mask_type = params.get("attn_mask_type")
+    if mask_type is not None and mask_type not in SUPPORTED_ATTN_MASK:
+        raise ValueError(f"multi-token prediction does not support attn_mask_type={mask_type} in its layer's "
+                         f"self_attention spec; supported: {[m.name for m in SUPPORTED_ATTN_MASK]}")
+
+
 __all__ = [
+    "SUPPORTED_ATTN_MASK",
     "MTPLossAutoScaler",
     "MTPLossLoggingHelper",
     "MultiTokenPredictionBlock",
@@ -170,6 +187,8 @@ class MultiTokenPredictionLayer(MegatronModule):
             submodules.eh_proj, 2 * config.hidden_size, config.hidden_size, config=config,
             init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
             tp_comm_buffer_name="mtp_eh_proj", tp_group=self.tp_group)
+        _check_mtp_attention_mask(hybrid_submodules.attention_layer if mtp_layer_pattern is not None
+                                  else submodules.mtp_model_layer)
         if mtp_layer_pattern is not None:
             # The depth's own final_layernorm ends it, so the stack has none; its layers are numbered from 1.
             self.mtp_model_layer = HybridStack(
