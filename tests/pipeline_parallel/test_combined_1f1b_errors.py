@@ -54,16 +54,3 @@ def test_build_schedule_plan_refuses_what_the_plan_cannot_run(kwargs, match):
     ids, pos, labels = micro_batches(0, 1)[0]
     with pytest.raises(ValueError, match=match):
         build("mixtral").build_schedule_plan(ids, pos, None, labels=labels, **kwargs)
-
-
-def test_build_schedule_plan_refuses_mtp_layers():
-    from megatron_core.models.gpt import GPTModel
-    from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-
-    plain = build("mixtral", mtp_num_layers=1)
-    spec = get_gpt_decoder_block_spec(plain.config, False)
-    model = GPTModel(plain.config, spec, plain.vocab_size, plain.max_sequence_length, position_embedding_type="rope",
-                     mtp_block_spec=get_gpt_mtp_block_spec(plain.config, spec.layer_specs[-1], False))
-    ids, pos, labels = micro_batches(0, 1)[0]
-    with pytest.raises(ValueError, match="multi token prediction|multi-token"):
-        model.build_schedule_plan(ids, pos, None, labels=labels)

@@ -34,6 +34,7 @@ from megatron_core.pipeline_parallel.schedule_node import (
     get_comm_stream,
     get_comp_stream,
 )
+from megatron_core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 
 __all__ = ["ModelChunkState", "TransformerLayerSchedulePlan", "TransformerModelChunkSchedulePlan"]
 
@@ -57,7 +58,8 @@ def _stream_getters(model: torch.nn.Module) -> tuple[Any, Callable | None, Calla
 
 class TransformerLayerSchedulePlan:
     """The nodes of one transformer layer: ``pre_dispatch_computation``, ``moe_dispatch``, ``mlp``, ``moe_combine``
-    (the two MoE communication slots are no-ops in a dense layer)."""
+    (the two MoE communication slots are no-ops in a dense layer) and ``mtp_post_process`` (a no-op except in a
+    multi-token-prediction layer, whose inner transformer layer provides the other slots)."""
 
     def __init__(self, layer: Any, event: Any, chunk_state: ModelChunkState, comp_stream: Any, comm_stream: Any,
                  extra_args: dict | None = None) -> None:
@@ -67,27 +69,32 @@ class TransformerLayerSchedulePlan:
         self.chunk_state = chunk_state
         forward_funcs, backward_dw = build_layer_callables(layer)
         is_moe, num_local_experts = get_layer_moe_metadata(layer)
+        is_mtp = isinstance(layer, MultiTokenPredictionLayer)
+        mlp = layer.mtp_model_layer.mlp if is_mtp else layer.mlp
         args = dict(extra_args or {}, config=layer.config, is_moe=is_moe, num_local_experts=num_local_experts,
-                    token_dispatcher=layer.mlp.token_dispatcher if is_moe else None,
-                    delay_wgrad_compute=layer.config.delay_wgrad_compute)
+                    token_dispatcher=mlp.token_dispatcher if is_moe else None,
+                    delay_wgrad_compute=layer.config.delay_wgrad_compute, is_mtp=is_mtp)
 
         def node(stream: Any, func: Callable, name: str) -> TransformerLayerNode:
             return TransformerLayerNode(stream, event, self.layer_state, chunk_state, func, name=name,
                                         bwd_dw_callables=backward_dw.get(name), extra_args=args)
 
-        attention, dispatch, mlp, combine, _ = forward_funcs
+        attention, dispatch, mlp_func, combine, mtp_post_process = forward_funcs
         self.pre_dispatch_computation: Any = node(comp_stream, attention, "pre_dispatch_computation")
-        self.mlp: Any = node(comp_stream, mlp, "mlp")
+        self.mlp: Any = node(comp_stream, mlp_func, "mlp")
         if is_moe:
             self.moe_dispatch: Any = node(comm_stream, dispatch, "moe_dispatch")
             self.moe_combine: Any = node(comm_stream, combine, "moe_combine")
         else:
             self.moe_dispatch = NoopScheduleNode()
             self.moe_combine = NoopScheduleNode()
+        self.mtp_post_process: Any = (node(comp_stream, mtp_post_process, "mtp_post_process") if is_mtp
+                                      else NoopScheduleNode())
 
     def release_state(self) -> None:
         """Drop the nodes and the layer (after the layer's backward)."""
         self.pre_dispatch_computation = self.moe_dispatch = self.mlp = self.moe_combine = None
+        self.mtp_post_process = None
         self.layer_state = None
         self.layer = None
 
@@ -104,6 +111,7 @@ class TransformerLayerSchedulePlan:
         """
         early_attn_release = b_layer is not None and b_layer.config.ep_overlap_early_attn_memory_release
         if b_layer is not None:
+            b_grad = b_layer.mtp_post_process.backward(b_grad)
             b_grad = b_layer.moe_combine.backward(b_grad)
         if f_layer is not None:
             f_input = f_layer.pre_dispatch_computation.forward(f_input)
@@ -121,6 +129,8 @@ class TransformerLayerSchedulePlan:
             f_input = f_layer.moe_combine.forward(f_input)
         if b_layer is not None and not early_attn_release:
             b_grad = b_layer.pre_dispatch_computation.backward(b_grad)
+        if f_layer is not None:
+            f_input = f_layer.mtp_post_process.forward(f_input)
         if b_layer is not None and not is_last_layer_in_bwd:
             b_layer.pre_dispatch_computation.backward_dw()
         return f_input, b_grad
@@ -151,12 +161,16 @@ class TransformerModelChunkSchedulePlan(AbstractSchedulePlan):
         self.vp_stage = model.vp_stage
         self._event, comp_stream, comm_stream = _stream_getters(model)
         self.pre_process: Any = PreProcessNode(model, state, self._event, comp_stream)
-        layers = list(model.decoder.layers)
-        self._transformer_layers = [
-            TransformerLayerSchedulePlan(layer, self._event, state, comp_stream, comm_stream,
-                                         {"is_first_layer": i == 0, "is_last_layer": i == len(layers) - 1})
-            for i, layer in enumerate(layers)
-        ]
+        state.mtp_hidden_states = None
+        self._transformer_layers: list[TransformerLayerSchedulePlan] = []
+        mtp = getattr(model, "mtp", None) if getattr(model, "mtp_process", False) else None
+        for module in (model.decoder, mtp):  # the MTP depths after the decoder's layers, as in the forward
+            layers = list(module.layers) if module is not None else []
+            self._transformer_layers += [
+                TransformerLayerSchedulePlan(layer, self._event, state, comp_stream, comm_stream,
+                                             {"is_first_layer": i == 0, "is_last_layer": i == len(layers) - 1})
+                for i, layer in enumerate(layers)
+            ]
         self.post_process: Any = (PostProcessNode(model, state, self._event, comp_stream)
                                   if model.post_process else None)
 

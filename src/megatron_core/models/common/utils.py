@@ -96,9 +96,10 @@ class PostProcessNode(ScheduleNode):
         self.chunk_state = chunk_state
 
     def forward_impl(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Final norm (when this chunk holds it), then the model's ``_postprocess``."""
+        """Final norm (when this chunk holds it and no MTP layers, whose first node applies it before the
+        depths), then the model's ``_postprocess``."""
         final_layernorm = getattr(self.model.decoder, "final_layernorm", None)
-        if final_layernorm is not None:
+        if final_layernorm is not None and not getattr(self.model, "mtp_process", False):
             hidden_states = make_viewless(final_layernorm(hidden_states))
         state = self.chunk_state
         loss = self.model._postprocess(

@@ -333,17 +333,14 @@ class GPTModel(LanguageModule):
         nothing runs yet; returns a
         :class:`~megatron_core.models.common.model_chunk_schedule_plan.TransformerModelChunkSchedulePlan`.
 
-        Not supported in the plan (``ValueError``): inference, MTP layers, ``extra_block_kwargs`` and
-        ``output_processor``.
+        Multi-token-prediction depths on this chunk are scheduled as layers after the decoder's. Not supported in
+        the plan (``ValueError``): inference, ``extra_block_kwargs`` and ``output_processor``.
         """
         unsupported = {"inference_context": inference_context if inference_context is not None else inference_params,
                        "extra_block_kwargs": extra_block_kwargs or None, "output_processor": output_processor}
         given = [name for name, value in unsupported.items() if value is not None]
         if given:
             raise ValueError(f"build_schedule_plan (overlap_moe_expert_parallel_comm) does not support {given}")
-        if self.mtp_process:
-            raise ValueError("build_schedule_plan (overlap_moe_expert_parallel_comm) does not schedule multi-token "
-                             "prediction layers in this library; set mtp_num_layers=None or the flag off")
         if self.config.fine_grained_activation_offloading:
             self.preprocess_for_fine_grained_offloading()
         # Imported here: models.common's plan builds on this package's layers.
