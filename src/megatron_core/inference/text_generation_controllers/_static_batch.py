@@ -8,7 +8,10 @@ cuts each step's window and ``run_one_forward_step`` returns its logits; a
 :class:`StaticInferenceContext` (the KV cache) advances by the positions each forward produced.
 The legacy path of :class:`StaticInferenceEngine` and the encoder-decoder (T5) and vision-language
 controllers run this loop. As in Megatron-Core's static loop, ``generated_tokens`` stop before the
-termination token.
+termination token. Requests with an :class:`~megatron_core.inference.async_stream.AsyncStream` in
+``active_streams`` get a partial :class:`InferenceRequest` after each step that extended them (its tokens, text
+and log-probs are those the final result will have so far), and their stream is finished when they are done (with
+the exception, if the loop raises).
 """
 
 from __future__ import annotations
@@ -39,10 +42,8 @@ def _budgets(requests: list[InferenceRequest], lengths: list[int], max_sequence_
     return budgets
 
 
-def _check_requests(requests: list[InferenceRequest], active_streams: Any) -> list[list[int]]:
+def _check_requests(requests: list[InferenceRequest]) -> list[list[int]]:
     """The prompts' token lists; ValueError naming what the static loop cannot serve."""
-    if active_streams:
-        raise ValueError(f"static-batch generation does not stream (got streams for requests {list(active_streams)})")
     prompts = []
     for request in requests:
         params = request.sampling_params
@@ -65,10 +66,43 @@ def generate_all_output_tokens_static_batch(
     controller: Any, active_requests: OrderedDict[Any, InferenceRequest], active_streams: Any = None,
 ) -> OrderedDict[Any, InferenceRequest]:
     """Generate every request of the batch to completion with ``controller``; the requests, filled in."""
+    streams = dict(active_streams or {})
+    try:
+        return _generate(controller, active_requests, streams)
+    except Exception as error:
+        for stream in streams.values():
+            stream.finish(exception=error)
+        raise
+    finally:
+        for stream in streams.values():
+            stream.finish()
+
+
+def _publish(
+    controller: Any, request: InferenceRequest, stream: Any, new_tokens: list[int], termination: int | None,
+    log_probs: list[float] | None,
+) -> None:
+    """Put the partial result of ``request`` (its ``new_tokens`` so far) on its stream."""
+    params = request.sampling_params
+    text, segments = controller.detokenize_generations(
+        new_tokens, termination, params.detokenize_stop_sequence, params.return_segments)
+    stream.put(InferenceRequest(
+        request_id=request.request_id, prompt=request.prompt, sampling_params=params,
+        prompt_tokens=request.prompt_tokens, arrival_time=request.arrival_time,
+        status=Status.ACTIVE_AND_GENERATING_TOKENS, encoder_prompt=request.encoder_prompt, generated_text=text,
+        generated_segments=segments, generated_tokens=new_tokens, generated_log_probs=log_probs,
+        generated_length=len(new_tokens),
+    ))
+
+
+def _generate(
+    controller: Any, active_requests: OrderedDict[Any, InferenceRequest], streams: dict[Any, Any],
+) -> OrderedDict[Any, InferenceRequest]:
+    """The loop itself (``streams``: the active requests' streams by request id)."""
     requests = list(active_requests.values())
     if not requests:
         return active_requests
-    prompts = _check_requests(requests, active_streams)
+    prompts = _check_requests(requests)
     wrapper = controller.inference_wrapped_model
     context = wrapper.inference_context
     if not isinstance(context, StaticInferenceContext):
@@ -129,6 +163,16 @@ def generate_all_output_tokens_static_batch(
                 continue
             generated[i] += 1
             done[i] = generated[i] >= budgets[i]
+            stream = streams.get(requests[i].request_id)
+            if stream is not None:
+                length, count = lengths[i], generated[i]
+                step_log_probs = (log_probs[i, length - 1 : length - 1 + count].tolist()
+                                  if params[i].return_log_probs else None)
+                _publish(controller, requests[i], stream, tokens[i, length : length + count].tolist(),
+                         termination[i], step_log_probs)
+        for i, request in enumerate(requests):
+            if done[i] and request.request_id in streams:
+                streams[request.request_id].finish()
         if all(done) or end + 1 >= total:
             break
         if all(started):
