@@ -105,7 +105,9 @@ class MegatronOnlyTransformerFields:
     fp4_recipe: str | None = _ignored("nvfp4", "only used with fp4")
     fp4_param: bool = _refused(False, "FP4 training")
     fp4_quantizer_factory: str | None = _refused(None, "FP4 training")
-    quant_recipe: Any = _refused(None, "ModelOpt quantization recipes")
+    # Unmarked: per-module quantization recipes, checked by quantization.layer_precision.check_quant_recipe and
+    # applied by fp8.convert_to_float8.
+    quant_recipe: Any = None
     use_kitchen: bool = _refused(False, "NVIDIA Kitchen quantization")
     use_kitchen_attention: bool = _refused(False, "NVIDIA Kitchen quantization")
     kitchen_attention_backend: str = _ignored("sdpa", "only used with use_kitchen_attention")

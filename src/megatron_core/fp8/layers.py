@@ -10,7 +10,8 @@ communication is done by the usual mapping functions around it.
 :func:`convert_to_float8` switches the linear layers inside every ``TransformerLayer`` of a model
 (QKV, attention projection, MLP fc1/fc2, and the MoE experts' grouped fc1/fc2, see
 :mod:`megatron_core.fp8.grouped_layers`); embeddings, the router and the output layer stay in high
-precision, as do the first/last layers with ``first_last_layers_bf16``.
+precision, as do the first/last layers with ``first_last_layers_bf16`` (``fp8_utils.is_first_last_bf16_layer``) and
+the layers a ``quant_recipe`` keeps in high precision (:mod:`megatron_core.quantization.layer_precision`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from megatron_core.fp8.torchao_backend import (
     float8_matmul,
     linear_mm_config,
 )
+from megatron_core.fp8_utils import is_first_last_bf16_layer
+from megatron_core.quantization.layer_precision import fp8_override_for_module
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -192,13 +195,6 @@ class Float8RowParallelLinear(_Float8GemmMixin, RowParallelLinear):
 _FP8_CLASSES = {ColumnParallelLinear: Float8ColumnParallelLinear, RowParallelLinear: Float8RowParallelLinear}
 
 
-def _bf16_layer(config: Any, layer_number: int) -> bool:
-    if not getattr(config, "first_last_layers_bf16", False):
-        return False
-    return (layer_number <= config.num_layers_at_start_in_bf16
-            or layer_number > config.num_layers - config.num_layers_at_end_in_bf16)
-
-
 def _default_amax_group(layer: torch.nn.Module, tp_only: bool = False) -> Any:
     """Megatron-Core's amax reduction group if ``parallel_state`` is set up (TP x DP x CP, or TP x CP with
     ``tp_only_amax_red``), else the layer's TP group."""
@@ -262,13 +258,15 @@ def convert_to_float8(model: torch.nn.Module, config: Any = None, emulate: bool 
         check_fp8_device(config, param.device if param is not None else torch.device("cpu"))
     targets = []
     for layer_name, layer in model.named_modules():
-        if not isinstance(layer, TransformerLayer) or _bf16_layer(config, int(layer.layer_number)):
+        if not isinstance(layer, TransformerLayer) or is_first_last_bf16_layer(config, int(layer.layer_number) - 1):
             continue
         for name, sub in layer.named_modules():
             new_cls = _FP8_CLASSES.get(type(sub)) or GROUPED_FP8_CLASSES.get(type(sub))
             if new_cls is None:
                 continue
             full_name = f"{layer_name}.{name}" if layer_name else name
+            if fp8_override_for_module(config, full_name) is False:  # the quant_recipe keeps it in high precision
+                continue
             shape = tuple(sub.weight.shape[-2:])
             if any(d % FP8_DIM_MULTIPLE for d in shape):
                 raise ValueError(f"fp8: {full_name} has weight shape {shape} (per tensor-parallel rank); FP8 GEMMs "

@@ -25,6 +25,7 @@ from megatron_core.config_rules import TRANSFORMER_RULES as _TRANSFORMER_RULES
 from megatron_core.config_rules import apply_rules as _apply_rules
 from megatron_core.megatron_only_fields import MegatronOnlyTransformerFields as _MegatronOnlyTransformerFields
 from megatron_core.model_parallel_config import ModelParallelConfig
+from megatron_core.quantization.layer_precision import check_quant_recipe
 from megatron_core.transformer import transformer_validation as _checks
 from megatron_core.transformer.activation_offload_validation import check_fine_grained_activation_offloading
 from megatron_core.transformer.enums import AttnBackend
@@ -283,6 +284,7 @@ class TransformerConfig(ModelParallelConfig, _MegatronOnlyTransformerFields):
         _checks.check_normalization_and_activation(self)
         _check_config_class(self)
         _checks.check_fp8_and_transformer_impl(self)
+        check_quant_recipe(self)
         _checks.check_gpt_oss_options(self)
         _checks.check_qk_clip(self)
         _checks.check_attention_output_gate(self)

@@ -6,7 +6,8 @@ sequence parallelism (``tp``) or context parallelism (``2 * cp``, load-balanced 
 batch to attention, and :func:`split_to_context_parallel_ranks` /
 :func:`gather_from_context_parallel_ranks` share a batch of images out over the CP ranks and back
 (the gather's backward sums the gradient over the ranks and keeps this rank's part).
-The dynamic-resolution (RADIO) splitters of Megatron-Core are not provided.
+The dynamic-resolution helpers (``split_to_context_parallel_ranks_dynamic_res`` /
+``gather_from_context_parallel_ranks_dynamic_res``) live in :mod:`.dynamic_res_context_parallel`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from typing import Any
 import torch
 
 from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core.models.multimodal.dynamic_res_context_parallel import (
+    gather_from_context_parallel_ranks_dynamic_res,
+    split_to_context_parallel_ranks_dynamic_res,
+)
 from megatron_core.packed_seq_params import PackedSeqParams
 from megatron_core.process_groups_config import resolve_process_group
 from megatron_core.tensor_parallel.mappings import _gather_along_first_dim, _reduce_scatter_along_first_dim
@@ -23,9 +28,11 @@ from megatron_core.tensor_parallel.mappings import _gather_along_first_dim, _red
 __all__ = [
     "GatherFromContextParallelRanks",
     "gather_from_context_parallel_ranks",
+    "gather_from_context_parallel_ranks_dynamic_res",
     "get_packed_seq_params",
     "get_padding",
     "split_to_context_parallel_ranks",
+    "split_to_context_parallel_ranks_dynamic_res",
 ]
 
 
