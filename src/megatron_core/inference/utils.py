@@ -13,15 +13,15 @@ there, passing another model rebuilds the cache instead of reusing the first mod
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 
+from megatron_core._ground.inference_mode import InferenceMode
 from megatron_core._wrapped_model import get_model_config
 from megatron_core.device import get_current_device
 
@@ -35,41 +35,6 @@ try:
     FLASHINFER_JIT_CACHE_VERSION: str | None = version("flashinfer-jit-cache")
 except PackageNotFoundError:
     FLASHINFER_JIT_CACHE_VERSION = None
-
-
-class InferenceMode:
-    """Process-wide flag: True while an inference engine is using the model.
-
-    The engines set it when they are built. Code that must tell inference from training (or from scoring
-    log-probs) reads :meth:`is_active` rather than ``self.training`` or ``torch.is_grad_enabled()``.
-    """
-
-    _is_active: bool = False
-
-    @classmethod
-    def is_active(cls) -> bool:
-        """Whether an inference engine is using the model."""
-        return cls._is_active
-
-    @classmethod
-    def set_active(cls) -> None:
-        """Mark an engine as using the model (idempotent)."""
-        cls._is_active = True
-
-    @classmethod
-    def unset_active(cls) -> None:
-        """Mark no engine as using the model (idempotent)."""
-        cls._is_active = False
-
-    @classmethod
-    @contextlib.contextmanager
-    def active(cls) -> Iterator[None]:
-        """Set the flag for the duration of a ``with`` block (cleared afterwards, whatever it was before)."""
-        cls.set_active()
-        try:
-            yield
-        finally:
-            cls.unset_active()
 
 
 class Counter:

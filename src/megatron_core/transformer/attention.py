@@ -34,6 +34,16 @@ from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.rope_options import layer_skips_rope
 from megatron_core.transformer.rope_utils import apply_rotary_pos_emb, rotary_cos_sin
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.submodule_protocols import (  # noqa: F401 (the slots' protocols, re-exported)
+    CoreAttentionBuilder,
+    CoreAttentionInterface,
+    LinearInterface,
+    LinearLayerBuilder,
+    LinearProjBuilder,
+    LinearProjInterface,
+    LinearQkvBuilder,
+    LinearQkvInterface,
+)
 from megatron_core.transformer.torch_norm import L2Norm
 from megatron_core.transformer.transformer_config import TransformerConfig
 

@@ -5,6 +5,8 @@ Builds one layer per symbol of this pipeline segment's pattern (``M`` Mamba, ``*
 the final norm on the last stage. Checkpoint keys use each layer's global index
 (``decoder.layers.<global>.``), so checkpoints reshard across pipeline layouts. A hybrid multi-token
 prediction depth runs one too (``is_mtp_layer``, no final norm of its own, layers numbered from 1).
+Full activation recompute (``recompute_granularity="full"``, in training) runs the layers through
+:func:`megatron_core.recompute.checkpointed_forward`, as ``TransformerBlock`` does.
 
 It builds every layer from its spec and imports only transformer-level code, so it lives in
 ``transformer`` (where :mod:`.multi_token_prediction` can build it); Megatron-Core's paths
@@ -26,6 +28,7 @@ from megatron_core.dist_checkpointing.sharded_module import (
     sharded_state_dict_for_layers,
 )
 from megatron_core.process_groups_config import resolve_pg_collection
+from megatron_core.transformer.full_recompute import checkpointed_forward
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
@@ -72,9 +75,6 @@ class HybridStack(MegatronModule):
         if layer_type_list is None:
             raise ValueError("HybridStack needs layer_type_list (this pipeline segment's layer symbols, computed "
                              "from the hybrid layer pattern by HybridModel)")
-        if config.recompute_granularity == "full":
-            raise ValueError("recompute_granularity='full' is not supported by the hybrid (Mamba) stack in this "
-                             "library; use None")
         self.pg_collection = pg_collection = resolve_pg_collection(pg_collection)
         self.tp_group, self.pp_group = pg_collection.tp, getattr(pg_collection, "pp", None)
         self.pre_process, self.post_process, self.post_layer_norm = pre_process, post_process, post_layer_norm
@@ -126,6 +126,11 @@ class HybridStack(MegatronModule):
         inference_context = inference_context if inference_context is not None else inference_params
         if not self.pre_process:
             hidden_states = self.input_tensor
+        if self.config.recompute_granularity == "full" and self.training:
+            hidden_states = checkpointed_forward(
+                self, hidden_states, attention_mask, None, None, rotary_pos_emb, None, packed_seq_params,
+                use_inner_quantization_context=False, padding_mask=padding_mask)
+            return self._finish(hidden_states)
         for layer in self.layers:
             if isinstance(layer, TransformerLayer):
                 hidden_states, _ = layer(hidden_states=hidden_states, attention_mask=attention_mask,
@@ -136,6 +141,10 @@ class HybridStack(MegatronModule):
                                       inference_context=inference_context, packed_seq_params=packed_seq_params)
             if isinstance(hidden_states, tuple):
                 hidden_states = hidden_states[0]
+        return self._finish(hidden_states)
+
+    def _finish(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The final norm (last stage), as a viewless tensor for the pipeline's send."""
         if self.post_process and self.post_layer_norm:
             hidden_states = self.final_norm(hidden_states)
         return make_viewless_tensor(inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True)

@@ -41,6 +41,14 @@ from megatron_core.tensor_parallel.groups import resolve_tp_group
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.selective_recompute import ActivationRecompute, recompute_module_enabled
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.submodule_protocols import (  # noqa: F401 (the slots' protocols, re-exported)
+    LinearFc1Builder,
+    LinearFc1Interface,
+    LinearFc2Builder,
+    LinearFc2Interface,
+    TEActivationFunctionBuilder,
+    TEActivationFunctionInterface,
+)
 from megatron_core.transformer.transformer_config import TransformerConfig
 
 

@@ -4,8 +4,8 @@ The block builds only the layers of this pipeline rank / virtual stage (see
 ``pipeline_layout``), numbered globally, plus the final norm on the last stage. On a stage
 that does not hold the embedding, the input comes from ``set_input_tensor`` (the pipeline
 schedule's receive buffer). Full activation recompute (``uniform``: groups of
-``recompute_num_layers``; ``block``: the first ``recompute_num_layers`` layers) goes through
-``tensor_parallel.checkpoint``, which restores the RNG states so that dropout replays exactly.
+``recompute_num_layers``; ``block``: the first ``recompute_num_layers`` layers) is
+:func:`megatron_core.recompute.checkpointed_forward`, which restores the RNG states so that dropout replays exactly.
 Under sequence parallelism each rank holds different tokens, so the whole stack runs inside the
 tracker's model-parallel RNG fork (the attention does not fork again then).
 """
@@ -26,12 +26,13 @@ from megatron_core.dist_checkpointing.sharded_module import (
 )
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.causal_mask import drop_plain_causal_mask
+from megatron_core.transformer.full_recompute import checkpointed_forward
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
 from megatron_core.transformer.transformer_config import TransformerConfig
-from megatron_core.transformer.transformer_layer import TransformerLayer
+from megatron_core.transformer.transformer_layer import BaseTransformerLayer, TransformerLayer
 
 __all__ = ["TransformerBlock", "TransformerBlockSubmodules", "get_num_layers_to_build"]
 
@@ -52,7 +53,7 @@ def _get_block_submodules(
         submodules = spec
     elif isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
         submodules = spec.submodules
-    elif isinstance(spec, ModuleSpec) and issubclass(get_module(spec), TransformerLayer):
+    elif isinstance(spec, ModuleSpec) and issubclass(get_module(spec), BaseTransformerLayer):
         submodules = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=WrappedTorchNorm)
     else:
         raise TypeError(
@@ -152,34 +153,6 @@ class TransformerBlock(MegatronModule):
             hidden_states, _ = layer(hidden_states, **layer_kwargs)
         return hidden_states
 
-    def _checkpointed_forward(self, hidden_states: torch.Tensor, layer_kwargs: dict[str, Any]) -> torch.Tensor:
-        tensor_names = [k for k, v in layer_kwargs.items() if isinstance(v, torch.Tensor)]
-        others = {k: v for k, v in layer_kwargs.items() if k not in tensor_names}
-
-        def segment(start: int, end: int):
-            def run(hidden: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-                return self._run_layers(start, end, hidden, **dict(zip(tensor_names, tensors)), **others)
-
-            return run
-
-        def checkpointed(start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
-            tensors = [layer_kwargs[k] for k in tensor_names]
-            return tensor_parallel.checkpoint(
-                segment(start, end), bool(self.config.distribute_saved_activations), hidden, *tensors
-            )
-
-        n, chunk = len(self.layers), self.config.recompute_num_layers
-        if self.config.recompute_method == "uniform":
-            for start in range(0, n, chunk):
-                hidden_states = checkpointed(start, min(start + chunk, n), hidden_states)
-        else:
-            for index in range(n):
-                if index < chunk:
-                    hidden_states = checkpointed(index, index + 1, hidden_states)
-                else:
-                    hidden_states = self._run_layers(index, index + 1, hidden_states, **layer_kwargs)
-        return hidden_states
-
     def forward(
         self,
         hidden_states: torch.Tensor | None,
@@ -223,7 +196,11 @@ class TransformerBlock(MegatronModule):
         )
         with rng:
             if self.config.recompute_granularity == "full" and self.training:
-                hidden_states = self._checkpointed_forward(hidden_states, layer_kwargs)
+                hidden_states = checkpointed_forward(
+                    self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb, attention_bias,
+                    packed_seq_params, use_inner_quantization_context=False, rotary_pos_cos=rotary_pos_cos,
+                    rotary_pos_sin=rotary_pos_sin, sequence_len_offset=sequence_len_offset,
+                )
             else:
                 hidden_states = self._run_layers(0, len(self.layers), hidden_states, **layer_kwargs)
         if self.final_layernorm is not None:

@@ -5,10 +5,18 @@ Every slot is built from a spec; slots left at their defaults are identities, so
 forward serves layers without, say, a separate input norm (Transformer Engine fuses it into QKV).
 ``layer_number`` is **global** and 1-based: the constructor adds this pipeline chunk's offset.
 The forward has no data-dependent Python branches, so ``torch.compile`` can wrap a whole layer.
+
+``BaseTransformerLayer`` is Megatron-Core's marker base of transformer-like layers (a block fans a single layer
+spec out to all its layers when the spec's module derives from it). ``MoETransformerLayer`` is the layer of MoE
+slots: it computes what ``TransformerLayer`` computes and also exposes the MoE MLP as three steps (router,
+expert compute, postprocess), which Megatron-Core captures as partial CUDA graphs; this library's CUDA graphs
+refuse MoE layers (``transformer_validation.check_cuda_graphs``), so the steps always run eagerly.
+``MlpInterface`` / ``MlpBuilder`` are the MLP slot's typing protocols (:mod:`.submodule_protocols`).
 """
 
 from __future__ import annotations
 
+from abc import ABC
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +35,11 @@ from megatron_core.transformer.layer_cuda_graphs import call_through_cuda_graph,
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
+from megatron_core.transformer.submodule_protocols import MlpBuilder, MlpInterface
 from megatron_core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["TransformerLayer", "TransformerLayerSubmodules", "get_transformer_layer_offset"]
+__all__ = ["BaseTransformerLayer", "MlpBuilder", "MlpInterface", "MoETransformerLayer", "TransformerLayer",
+           "TransformerLayerSubmodules", "get_transformer_layer_offset"]
 
 
 @dataclass
@@ -48,8 +58,17 @@ class TransformerLayerSubmodules:
     sharded_state_dict_keys_map: dict[str, str] = field(default_factory=dict)
 
 
+class BaseTransformerLayer(ABC):  # noqa: B024 (a marker base without abstract methods, as in Megatron-Core)
+    """Marker base of transformer-like layers.
+
+    ``TransformerBlock`` treats a spec whose module derives from it as the spec of every layer of the block;
+    custom layer classes that want the same derive from it too. It has no methods (an ABC without abstract
+    methods, as in Megatron-Core).
+    """
+
+
 @register_fsdp_unit
-class TransformerLayer(MegatronModule):
+class TransformerLayer(MegatronModule, BaseTransformerLayer):
     """A transformer layer: norm, self-attention, bias-dropout-add, norm, MLP, bias-dropout-add."""
 
     def __init__(
@@ -254,6 +273,52 @@ class TransformerLayer(MegatronModule):
             mlp_output_with_bias, residual, self.hidden_dropout
         )
         return mlp_norm_manager.group_offload(hidden_states, forced_released_tensors=released)
+
+
+class MoETransformerLayer(TransformerLayer):
+    """A transformer layer whose MLP slot is an ``MoELayer``, with the MoE MLP split into three steps.
+
+    ``forward`` computes exactly what :class:`TransformerLayer` computes. The steps
+    :meth:`_forward_mlp_router` (pre-MLP norm, shared experts, routing, dispatch preprocessing),
+    :meth:`_forward_mlp_expert_compute` (dispatch, experts, combine) and :meth:`_forward_mlp_postprocess`
+    (unpermute, shared-expert sum, bias-dropout-add) chained give the same result as ``_forward_mlp``. Megatron-Core
+    records the first and last as CUDA graphs (``use_partial_cudagraphs``); here they run eagerly, so
+    ``use_partial_cudagraphs`` stays False and the token dispatcher's state needs no round trip (the
+    ``token_dispatcher_attr_outputs`` are always empty).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.is_moe_layer = True
+        self.use_partial_cudagraphs = False
+        self.moe_layer_recompute = False
+        self._mlp_norm_manager: Any = None
+
+    def _forward_mlp_router(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, ...]:
+        """The pre-MLP norm and the MoE layer's routing half.
+
+        Returns ``(residual, preprocessed tokens, probs, shared-expert output or None)``; ``padding_mask`` is
+        ``[b, s]``, True for padding tokens.
+        """
+        pre_mlp_layernorm_output, residual, self._mlp_norm_manager = self._forward_pre_mlp_layernorm(hidden_states)
+        tokens, probs, shared_expert_output = self.mlp.route_and_preprocess(pre_mlp_layernorm_output, padding_mask)
+        return residual, tokens, probs, shared_expert_output
+
+    def _forward_mlp_expert_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                                    token_dispatcher_attr_outputs: Any = ()) -> tuple[torch.Tensor, None]:
+        """Dispatch the preprocessed tokens, run the experts and combine: ``(combined output, None)``."""
+        dispatched, probs = self.mlp.dispatch(hidden_states, probs)
+        output, mlp_bias = self.mlp.routed_experts_compute(dispatched, probs)
+        return self.mlp.combine(output), mlp_bias
+
+    def _forward_mlp_postprocess(self, residual: torch.Tensor, output: torch.Tensor,
+                                 shared_expert_output: torch.Tensor | None,
+                                 mlp_bias: torch.Tensor | None) -> torch.Tensor:
+        """Unpermute, add the shared experts' output, then the MLP's bias-dropout-add onto ``residual``."""
+        output = self.mlp.postprocess(output, shared_expert_output)
+        manager, self._mlp_norm_manager = self._mlp_norm_manager, None
+        return self._forward_post_mlp((output, mlp_bias), residual, manager)
 
 
 def _builds_moe_layer(spec: Any) -> bool:

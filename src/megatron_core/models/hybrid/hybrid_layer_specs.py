@@ -13,13 +13,24 @@ layers need ``qk_layernorm=True`` (a ``ValueError`` names it otherwise).
 Its ``mtp_block_spec`` holds the multi-token prediction depths' own parts (the embedding and hidden norms, the
 ``2h -> h`` projection and the final norm); ``mtp_model_layer`` is None because each depth builds its layers from the
 MTP part of the hybrid layer pattern with these same layer specs.
+
+The ``E`` layers of ``hybrid_stack_spec`` are ``MoETransformerLayer``s (the same parameters and checkpoint keys as
+a ``TransformerLayer``). ``hybrid_inference_stack_spec`` (alias ``mamba_inference_stack_spec``) is the same stack on
+``InferenceSpecProvider``'s parts with the ``moe_inference`` block (``get_inference_optimized_moe_spec``: dense
+top-k routing and grouped experts under an inference engine) in plain ``TransformerLayer``s, as in Megatron-Core.
+Its checkpoint keys equal the training spec's except the routed experts', which are grouped (``linear_fc1.weight<i>``
+rather than ``local_experts.<i>.linear_fc1.weight``; the sharded checkpoint keys are the same for both).
 """
 
 from __future__ import annotations
 
 from megatron_core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron_core.models.backends import InferenceSpecProvider
 from megatron_core.models.gpt.experimental_attention_variant_module_specs import _dsa_attention_spec
-from megatron_core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron_core.models.gpt.moe_module_specs import (
+    get_inference_optimized_moe_spec,
+    get_moe_module_spec_for_backend,
+)
 from megatron_core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron_core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron_core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
@@ -42,9 +53,14 @@ from megatron_core.transformer.multi_token_prediction import (
     get_mtp_layer_spec_for_backend,
 )
 from megatron_core.transformer.spec_utils import ModuleSpec
-from megatron_core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron_core.transformer.transformer_layer import (
+    MoETransformerLayer,
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
 
-__all__ = ["hybrid_stack_spec", "mamba_stack_spec", "moe"]
+__all__ = ["hybrid_inference_stack_spec", "hybrid_stack_spec", "mamba_inference_stack_spec", "mamba_stack_spec", "moe",
+           "moe_inference"]
 
 # Checkpoint name of a Mamba layer's separate norm: Transformer Engine fuses it into the mixer's in_proj.
 _MAMBA_NORM_KEY = {"norm.": "mixer.in_proj.layer_norm_"}
@@ -75,9 +91,9 @@ def _mla_attention_spec(backend: BackendSpecProvider) -> ModuleSpec:
                           q_layernorm=qk_norm, kv_layernorm=qk_norm))
 
 
-def _hybrid_stack_spec(backend: BackendSpecProvider, moe_spec: ModuleSpec) -> ModuleSpec:
-    """A ``HybridStack`` whose Mamba, gated delta net, attention, MLP and MoE (``moe_spec``) layers take
-    ``backend``'s parts, with the MTP block spec of the same backend."""
+def _hybrid_stack_spec(backend: BackendSpecProvider, moe_spec: ModuleSpec, moe_layer: type) -> ModuleSpec:
+    """A ``HybridStack`` whose Mamba, gated delta net, attention, MLP and MoE (``moe_spec`` in a ``moe_layer``)
+    layers take ``backend``'s parts, with the MTP block spec of the same backend."""
     return ModuleSpec(
         module=HybridStack,
         submodules=HybridStackSubmodules(
@@ -107,7 +123,7 @@ def _hybrid_stack_spec(backend: BackendSpecProvider, moe_spec: ModuleSpec) -> Mo
             mlp_layer=ModuleSpec(module=MLPLayer, submodules=pre_norm_layer_submodules(
                 backend, mlp=dense_mlp_spec(backend))),
             # Routed experts have no fused norm: the MoE layer keeps its own pre-MLP norm and its name.
-            moe_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            moe_layer=ModuleSpec(module=moe_layer, submodules=TransformerLayerSubmodules(
                 pre_mlp_layernorm=backend.layer_norm(), mlp=moe_spec, mlp_bda=get_bias_dropout_add)),
             mtp_block_spec=_hybrid_mtp_block_spec(backend),
         ),
@@ -117,6 +133,12 @@ def _hybrid_stack_spec(backend: BackendSpecProvider, moe_spec: ModuleSpec) -> Mo
 # The MoE block of the ``E`` layers (8 local experts, no grouped GEMM; the config's MoE fields decide the rest).
 moe = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=8, moe_grouped_gemm=False)
 
-hybrid_stack_spec = _hybrid_stack_spec(LocalSpecProvider(), moe)
+# The MoE block of the inference spec's ``E`` layers.
+moe_inference = get_inference_optimized_moe_spec()
+
+hybrid_stack_spec = _hybrid_stack_spec(LocalSpecProvider(), moe, MoETransformerLayer)
+
+hybrid_inference_stack_spec = _hybrid_stack_spec(InferenceSpecProvider(), moe_inference, TransformerLayer)
 
 mamba_stack_spec = hybrid_stack_spec
+mamba_inference_stack_spec = hybrid_inference_stack_spec

@@ -8,6 +8,11 @@ tokens' routing probabilities ``[N]``, and return ``(output [N, h], None)`` wher
 ``linear_fc1.weight<i>``). Their sharded state dicts are identical: local expert ``i`` of EP rank
 ``r`` is global expert ``r * num_local_experts + i`` along an extra leading axis of
 ``<prefix>experts.linear_fc1.weight`` etc., so checkpoints reshard across EP, expert-TP and layouts.
+
+``InferenceGroupedMLP`` (the experts of the inference-optimized MoE spec) is a ``TEGroupedMLP`` with the same
+parameters and checkpoint keys that, under an inference engine, also takes every token with dense
+``[tokens, topk]`` routing and sums each token's experts itself (no dispatcher). The grouped linears' typing
+protocols are in :mod:`.submodule_protocols`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from megatron_core._activation_offload.interface import (
     FineGrainedActivationOffloadingInterface as off_interface,
 )
 from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core._ground.inference_mode import InferenceMode
 from megatron_core.activations import gated_linear_unit
 from megatron_core.dist_checkpointing.factories import apply_swiglu_sharded_factory
 from megatron_core.dist_checkpointing.mapping import ShardedTensor
@@ -46,12 +52,24 @@ from megatron_core.transformer.moe.grouped_linear import (
     use_grouped_mm,
 )
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron_core.transformer.moe.submodule_protocols import (
+    GroupedLinearFc1Builder,
+    GroupedLinearFc1Interface,
+    GroupedLinearFc2Builder,
+    GroupedLinearFc2Interface,
+)
 from megatron_core.transformer.moe.token_permutation import AlignedRows
 from megatron_core.transformer.selective_recompute import ActivationRecompute, recompute_module_enabled
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["GroupedMLP", "GroupedMLPSubmodules", "SequentialMLP", "TEGroupedMLP"]
+__all__ = ["GroupedLinearFc1Builder", "GroupedLinearFc1Interface", "GroupedLinearFc2Builder",
+           "GroupedLinearFc2Interface", "GroupedMLP", "GroupedMLPSubmodules", "InferenceGroupedMLP", "SequentialMLP",
+           "TEGroupedMLP"]
+
+# inference_grouped_gemm_backend values: Megatron-Core's Triton ("vllm") and torch kernels both compute the grouped
+# GEMMs, which this library does with torch's grouped_mm; FlashInfer's fused kernel is not provided.
+_INFERENCE_GEMM_BACKENDS = ("torch", "vllm")
 
 
 def _with_expert_dp(sharded: dict, expt_dp_rank: int) -> None:
@@ -273,3 +291,56 @@ class TEGroupedMLP(MegatronModule):
 
 class GroupedMLP(TEGroupedMLP):
     """Alias of :class:`TEGroupedMLP` for code written against Megatron-Core's legacy grouped-GEMM experts."""
+
+
+class InferenceGroupedMLP(TEGroupedMLP):
+    """``TEGroupedMLP`` with an inference forward that takes dense routing (Megatron-Core's ``InferenceGroupedMLP``).
+
+    Outside an inference engine (``InferenceMode.is_active()`` False: training, or scoring) ``forward`` is
+    :meth:`TEGroupedMLP.forward`. Under an engine, ``forward(hidden [tokens, h], None, probs [tokens, topk],
+    routing_map=indices [tokens, topk])`` returns ``(output [tokens, h], None)`` with each token's sum over its
+    experts on this rank of ``p * expert(x)``: the (token, expert) pairs are grouped by expert and run through the
+    parent's grouped GEMMs (torch ``grouped_mm`` on CUDA where it applies, one GEMM per expert on the CPU), so the
+    numbers are the parent's. Parameters and checkpoint keys are the parent's.
+    ``ValueError`` at build time for what is not provided: ``inference_grouped_gemm_backend="flashinfer"`` (or
+    any value but ``"torch"`` / ``"vllm"``) and ``fp8_recipe="mxfp8"`` with ``fp8``.
+    """
+
+    takes_dense_routing = True  # MoELayer hands it the dense routing of InferenceTopKRouter directly
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules: GroupedMLPSubmodules,
+                 pg_collection: Any = None, name: str | None = None) -> None:
+        backend = config.inference_grouped_gemm_backend
+        if backend not in _INFERENCE_GEMM_BACKENDS:
+            raise ValueError(f"InferenceGroupedMLP: inference_grouped_gemm_backend={backend!r} is not provided "
+                             f"(expected one of {_INFERENCE_GEMM_BACKENDS}; both run torch grouped GEMMs)")
+        if config.fp8 and config.fp8_recipe == "mxfp8":
+            raise ValueError("InferenceGroupedMLP: fp8_recipe='mxfp8' (Megatron-Core's MXFP8 inference path) is not "
+                             "provided; use another fp8_recipe or fp8=None")
+        super().__init__(num_local_experts, config, submodules, pg_collection, name)
+        self.inference_grouped_gemm_backend = backend
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor | list[int] | None,
+                permuted_probs: torch.Tensor, routing_map: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, None]:
+        """Inference with dense routing (``routing_map`` given): see the class docstring; otherwise the parent's."""
+        if routing_map is None or not InferenceMode.is_active():
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        return self._dense_forward(permuted_local_hidden_states, permuted_probs, routing_map), None
+
+    def _dense_forward(self, hidden_states: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor
+                       ) -> torch.Tensor:
+        num_tokens, topk = indices.shape
+        first = get_pg_rank(self.ep_group) * self.num_local_experts
+        local = indices.reshape(-1) - first
+        token = torch.arange(num_tokens, device=indices.device).repeat_interleave(topk)
+        keep = (local >= 0) & (local < self.num_local_experts)  # pairs whose expert lives on this EP rank
+        local, token, pair_probs = local[keep], token[keep], probs.reshape(-1)[keep]
+        order = torch.argsort(local, stable=True)
+        token = token[order]
+        counts = torch.bincount(local[order], minlength=self.num_local_experts)
+        if not hidden_states.is_cuda:
+            counts = counts.tolist()
+        rows, _ = super().forward(hidden_states.index_select(0, token), counts, pair_probs[order])
+        output = hidden_states.new_zeros(num_tokens, rows.shape[-1])
+        return output.index_add_(0, token, rows.to(output.dtype))

@@ -7,6 +7,11 @@ package resolver: ``pg_collection`` (roles ``ep``, ``expt_tp``, ``tp_ep``, ``exp
 ``tp_dp_cp``; an unset role means no parallelism) when given, else ``parallel_state``. Sizes come from
 the groups; ``num_moe_experts`` must be divisible by the EP group size, and
 ``expert_model_parallel_size`` / ``expert_tensor_parallel_size`` must not contradict the groups.
+
+With ``InferenceTopKRouter`` under an inference engine the router returns dense ``[tokens, topk]`` routing:
+experts that take it (``InferenceGroupedMLP``) run on the tokens directly when neither expert parallelism nor
+expert tensor parallelism splits them; otherwise the routing becomes the usual ``[tokens, num_experts]`` map and
+goes through the token dispatcher. The slots' typing protocols are in :mod:`.submodule_protocols`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,15 @@ from megatron_core.transformer.moe.experts_wgrad_overlap import (
 )
 from megatron_core.transformer.moe.latent_projection import LatentProjection
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
-from megatron_core.transformer.moe.router import TopKRouter
+from megatron_core.transformer.moe.router import TopKRouter, is_dense_routing, sparse_routing_from_dense
+from megatron_core.transformer.moe.submodule_protocols import (
+    ExpertsBuilder,
+    ExpertsInterface,
+    RouterBuilder,
+    RouterInterface,
+    SharedExpertsBuilder,
+    SharedExpertsInterface,
+)
 from megatron_core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
@@ -35,7 +48,8 @@ from megatron_core.transformer.moe.token_dispatcher import (
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["BaseMoELayer", "MoELayer", "MoESubmodules"]
+__all__ = ["BaseMoELayer", "ExpertsBuilder", "ExpertsInterface", "MoELayer", "MoESubmodules", "RouterBuilder",
+           "RouterInterface", "SharedExpertsBuilder", "SharedExpertsInterface"]
 
 _DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
 
@@ -165,22 +179,65 @@ class MoELayer(BaseMoELayer):
         if shared_experts and self.shared_experts is not None:
             self.shared_experts.backward_dw()
 
+    def route_and_preprocess(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The routing half of the forward on ``[s, b, h]``: ``(preprocessed tokens, probs, shared-expert output)``.
+
+        ``padding_mask`` is ``[b, s]`` (True for padding). Dense inference routing is turned into the routing map
+        the dispatcher takes. :class:`~megatron_core.transformer.transformer_layer.MoETransformerLayer`'s router
+        step runs this; :meth:`dispatch`, :meth:`routed_experts_compute`, :meth:`combine` and :meth:`postprocess`
+        complete the forward.
+        """
+        self._check_forward()
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        shared_expert_output = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        if is_dense_routing(routing_map):
+            probs, routing_map = sparse_routing_from_dense(probs, routing_map, self.config.num_moe_experts)
+        hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
+        return hidden_states, probs, shared_expert_output
+
+    def _dense_experts_apply(self) -> bool:
+        """Whether dense ``[tokens, topk]`` routing can go to the experts without the dispatcher."""
+        return (getattr(self.experts, "takes_dense_routing", False) and get_pg_size(self.ep_group) == 1
+                and get_pg_size(self.pg_collection.expt_tp) == 1)
+
+    def _dense_forward(self, hidden_states: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
+                       shared_expert_output: torch.Tensor | None) -> torch.Tensor:
+        """The experts on every token of ``hidden_states [s, b, h]`` with dense routing; ``[s, b, h]``."""
+        if self.config.moe_latent_size:
+            hidden_states, _ = self.fc1_latent_proj(hidden_states)
+        shape = hidden_states.shape
+        output, _ = self.experts(hidden_states.reshape(-1, shape[-1]), None, probs, indices)
+        output = output.reshape(*shape[:-1], output.shape[-1])
+        if self.config.moe_latent_size:
+            output, _ = self.fc2_latent_proj(output)
+        return output if shared_expert_output is None else output + shared_expert_output
+
     def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         shared_expert_output = self.shared_experts_compute(hidden_states)
         probs, routing_map = self.route(hidden_states, padding_mask)
+        if is_dense_routing(routing_map):
+            if self._dense_experts_apply():
+                return self._dense_forward(hidden_states, probs, routing_map, shared_expert_output), None
+            probs, routing_map = sparse_routing_from_dense(probs, routing_map, self.config.num_moe_experts)
         hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
         dispatched, probs = self.dispatch(hidden_states, probs)
         output, _ = self.routed_experts_compute(dispatched, probs)
         return self.postprocess(self.combine(output), shared_expert_output), None
 
-    def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
-                padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-        """``(output [s, b, h], None)``; ``padding_mask [b, s]`` is True for padding tokens."""
+    def _check_forward(self) -> None:
         if self.training and get_pg_size(self.attn_tp_group) > 1 and not self.config.sequence_parallel:
             raise ValueError(
                 f"MoE with tensor parallelism (TP={get_pg_size(self.attn_tp_group)}) needs sequence_parallel=True "
                 "during training, as in Megatron-Core"
             )
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
+                padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        """``(output [s, b, h], None)``; ``padding_mask [b, s]`` is True for padding tokens."""
+        self._check_forward()
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()
         if self.moe_layer_recompute and self.training:

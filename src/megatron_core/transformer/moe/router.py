@@ -13,6 +13,10 @@ are the top-k of the Sinkhorn-balanced logits, probs the sigmoid (top-1) or soft
 ``"quantile_balancing"`` (the top-k of ``logits - qb_beta``; each training micro-batch adds the quantile
 of :func:`.moe_utils.qb_dual_update` to ``qb_beta_accum``, and ``finalize_model_grads`` moves ``qb_beta``
 to its data-parallel average once per global batch).
+
+``InferenceTopKRouter`` (the router of the inference-optimized MoE spec) is a ``TopKRouter`` that, while an
+inference engine uses the model (``InferenceMode.is_active()``), skips the training-only steps and returns dense
+``(probs, indices)`` ``[tokens, topk]``; otherwise it is the plain ``TopKRouter``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core._ground.inference_mode import InferenceMode
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -44,7 +49,7 @@ from megatron_core.transformer.moe.moe_utils import (
 from megatron_core.transformer.moe.router_replay import RouterReplay
 from megatron_core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["Router", "TopKRouter"]
+__all__ = ["InferenceTopKRouter", "Router", "TopKRouter", "is_dense_routing", "sparse_routing_from_dense"]
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 # Buffers kept in fp32 whatever the model's dtype (Float16Module casts floating buffers).
@@ -366,3 +371,69 @@ class TopKRouter(Router):
         if self.config.moe_router_force_biased is not None:  # benchmark aid: random logits plus a shared bias
             logits = apply_biased_logits(logits, self.config.moe_router_force_biased, self.layer_number)
         return self.routing(logits, padding_mask)
+
+
+def is_dense_routing(routing_map: torch.Tensor) -> bool:
+    """Whether a router's second output is dense top-k indices ``[tokens, topk]`` (``InferenceTopKRouter`` in
+    inference) rather than a boolean routing map ``[tokens, num_experts]``."""
+    return routing_map.dtype != torch.bool
+
+
+def sparse_routing_from_dense(probs: torch.Tensor, indices: torch.Tensor, num_experts: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, routing_map)`` ``[tokens, num_experts]`` from dense ``probs`` / ``indices`` ``[tokens, topk]``."""
+    sparse_probs = probs.new_zeros(probs.shape[0], num_experts).scatter(1, indices, probs)
+    routing_map = torch.zeros(probs.shape[0], num_experts, dtype=torch.bool, device=probs.device)
+    return sparse_probs, routing_map.scatter(1, indices, True)
+
+
+_compiled_routing: list[Any] = []  # topk_routing_with_score_function compiled at the first CUDA call
+
+
+class InferenceTopKRouter(TopKRouter):
+    """A top-k router for inference: dense ``[tokens, topk]`` output, no training-only steps.
+
+    While ``InferenceMode.is_active()`` (an inference engine is using the model) ``forward`` returns
+    ``(probs, indices)`` ``[tokens, topk]`` computed with the plain top-k of the score function (with the
+    expert bias, and quantile balancing's fixed ``qb_beta`` when configured): no input jitter, z-loss, balance
+    losses, token dropping or expert-load counting; the padding mask is ignored. Otherwise (training, or
+    scoring outside an engine) it is :class:`TopKRouter`. On CUDA the routing runs through ``torch.compile``
+    (built at the first call, never at import); on the CPU it runs eagerly.
+    Configs it cannot serve raise ``ValueError``: ``moe_router_num_groups`` must be None and
+    ``moe_router_score_function`` ``"softmax"`` or ``"sigmoid"``.
+    """
+
+    def __init__(self, config: TransformerConfig, pg_collection: Any = None, is_mtp_layer: bool = False) -> None:
+        if config.moe_router_num_groups is not None:
+            raise ValueError(f"InferenceTopKRouter needs moe_router_num_groups=None, got "
+                             f"{config.moe_router_num_groups} (group-limited routing is not supported)")
+        if config.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"InferenceTopKRouter needs moe_router_score_function 'softmax' or 'sigmoid', got "
+                             f"{config.moe_router_score_function!r}")
+        super().__init__(config, pg_collection, is_mtp_layer)
+
+    def _topk_routing(self, logits: torch.Tensor, precomputed_indices: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        routing = topk_routing_with_score_function
+        if logits.is_cuda:
+            if not _compiled_routing:
+                _compiled_routing.append(torch.compile(topk_routing_with_score_function, dynamic=True))
+            routing = _compiled_routing[0]
+        cfg = self.config
+        return routing(logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+                       scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
+                       expert_bias=self.expert_bias, fused=cfg.moe_router_fusion, router_replay=self.router_replay,
+                       dense_output=True, precomputed_indices=precomputed_indices)
+
+    def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inference: ``(probs, indices)`` ``[tokens, topk]`` for ``input [s, b, h]`` (or ``[tokens, h]``);
+        otherwise :meth:`TopKRouter.forward`."""
+        if not InferenceMode.is_active():
+            return super().forward(input, padding_mask)
+        self._maintain_float32_expert_bias()
+        logits = self.gating(input).reshape(-1, self.num_experts)
+        precomputed = None
+        if self.qb_beta is not None:  # quantile balancing selects on logits - qb_beta (fixed at inference)
+            precomputed = (logits - self.qb_beta).topk(self.topk, dim=1).indices
+        return self._topk_routing(logits, precomputed)
