@@ -16,7 +16,7 @@ from megatron_core.models.gpt.gpt_layer_specs import (
 from megatron_core.tensor_parallel.duplicated_linear import DuplicatedLinear
 from megatron_core.transformer import TransformerConfig
 from megatron_core.transformer.moe import grouped_linear
-from megatron_core.transformer.moe.experts import TEGroupedMLP
+from megatron_core.transformer.moe.experts import InferenceGroupedMLP, TEGroupedMLP
 
 
 def test_get_backend_per_transformer_impl():
@@ -32,7 +32,7 @@ def test_inference_provider_slots():
     assert provider.fuse_layernorm_and_linear() is False and provider.column_parallel_layer_norm_linear() is None
     for grouped_gemm in (False, True):  # always grouped, as Megatron-Core's provider
         experts = provider.grouped_mlp_modules(grouped_gemm)
-        assert experts.module is TEGroupedMLP
+        assert experts.module is InferenceGroupedMLP and issubclass(InferenceGroupedMLP, TEGroupedMLP)
         assert experts.submodules.linear_fc1 is grouped_linear.ColumnParallelGroupedLinear
         assert experts.submodules.linear_fc2 is grouped_linear.RowParallelGroupedLinear
     assert provider.linear() is DuplicatedLinear

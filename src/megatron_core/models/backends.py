@@ -35,12 +35,16 @@ class InferenceSpecProvider(LocalSpecProvider):
         return DuplicatedLinear
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool) -> Any:
-        """Routed experts on grouped linears (one GEMM per projection), whatever ``moe_use_grouped_gemm`` says."""
-        from megatron_core.transformer.moe import grouped_linear
+        """Routed experts as ``InferenceGroupedMLP`` on grouped linears (one GEMM per projection), whatever
+        ``moe_use_grouped_gemm`` says, as Megatron-Core's provider: it trains as ``TEGroupedMLP`` (same keys) and
+        takes dense top-k routing under an inference engine."""
+        from megatron_core.transformer.moe import experts, grouped_linear
 
-        return experts_spec(
+        spec = experts_spec(
             True, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear),
             (grouped_linear.ColumnParallelGroupedLinear, grouped_linear.RowParallelGroupedLinear))
+        spec.module = experts.InferenceGroupedMLP
+        return spec
 
 
 def get_backend(transformer_impl: Literal["local", "transformer_engine", "inference_optimized"]

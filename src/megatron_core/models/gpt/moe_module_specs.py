@@ -12,7 +12,6 @@ from __future__ import annotations
 from megatron_core.models.backends import BackendSpecProvider, InferenceSpecProvider, LocalSpecProvider
 from megatron_core.transformer.backends import te_spec_provider
 from megatron_core.transformer.mlp import MLPSubmodules
-from megatron_core.transformer.moe.experts import InferenceGroupedMLP
 from megatron_core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron_core.transformer.moe.router import InferenceTopKRouter
 from megatron_core.transformer.moe.shared_experts import SharedExpertMLP
@@ -50,8 +49,7 @@ def get_inference_optimized_moe_spec() -> ModuleSpec:
     are those of ``get_moe_module_spec_for_backend(..., moe_grouped_gemm=True)``.
     """
     backend = InferenceSpecProvider()
-    grouped = backend.grouped_mlp_modules(True)
-    experts = ModuleSpec(module=InferenceGroupedMLP, params=dict(grouped.params), submodules=grouped.submodules)
+    experts = backend.grouped_mlp_modules(True)  # InferenceGroupedMLP
     shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
         linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear(),
         activation_func=backend.activation_func()))
