@@ -36,6 +36,7 @@ __all__ = [
     "MoEAuxLossAutoScaler",
     "RandomSTE",
     "RandomSTEShared",
+    "RouterGatingLinearFunction",
     "apply_biased_logits",
     "apply_random_logits",
     "get_align_size_for_quantization",
@@ -349,11 +350,45 @@ def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.
         return expert_bias + torch.sign(average - tokens_per_expert) * expert_bias_update_rate
 
 
+class RouterGatingLinearFunction(torch.autograd.Function):
+    """Router logits ``inp @ weight.T + bias`` in ``router_dtype`` that keeps ``inp`` and ``weight`` in their own
+    dtypes for the backward (Megatron-Core 0.19's function).
+
+    Upcasting before a plain ``linear`` would save the upcast copies: an fp32 router over a bf16 model would hold a
+    second, twice as large copy of every MoE layer's input until the backward. Here the casts are redone in the
+    backward; the gradients are computed in ``router_dtype`` and returned in the inputs' dtypes.
+    """
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                router_dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(inp, weight, bias)
+        ctx.router_dtype = router_dtype
+        bias = bias.to(router_dtype) if bias is not None else None
+        return torch.nn.functional.linear(inp.to(router_dtype), weight.to(router_dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        inp, weight, bias = ctx.saved_tensors
+        dtype = ctx.router_dtype
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1]).to(dtype)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_2d.matmul(weight.to(dtype)).to(inp.dtype).view(inp.shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_2d.t().matmul(inp.reshape(-1, inp.shape[-1]).to(dtype)).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.sum(dim=0).to(bias.dtype)
+        return grad_input, grad_weight, grad_bias, None
+
+
 def router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          router_dtype: torch.dtype) -> torch.Tensor:
-    """Router logits ``inp @ weight.T + bias`` computed in ``router_dtype``."""
-    bias = bias.to(router_dtype) if bias is not None else None
-    return torch.nn.functional.linear(inp.to(router_dtype), weight.to(router_dtype), bias)
+    """Router logits ``inp @ weight.T + bias`` computed in ``router_dtype`` (:class:`RouterGatingLinearFunction`
+    when that means a cast; a plain ``linear`` otherwise)."""
+    if inp.dtype == router_dtype and weight.dtype == router_dtype and (bias is None or bias.dtype == router_dtype):
+        return torch.nn.functional.linear(inp, weight, bias)
+    return RouterGatingLinearFunction.apply(inp, weight, bias, router_dtype)
 
 
 # --- Megatron-Core's deprecated aux-loss tracker functions (use get_moe_metrics_tracker()) ------------------
