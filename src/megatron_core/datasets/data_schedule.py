@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import device
-from megatron_core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+from megatron_core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler, misaligned_subsample
 from megatron_core.process_groups_config import ProcessGroupCollection, resolve_process_group
 
 __all__ = ["BalancedCPScheduler", "HybridCPDataLoaderWrapper", "check_aligned_placement"]
@@ -24,23 +24,15 @@ _PACKING_KEYS = ("cu_seqlens", "batch_idx", "max_seqlen")
 
 
 def check_aligned_placement(sample_id_groups: list[list[list[int]]]) -> None:
-    """Raise ``ValueError`` unless every sub-sample of every group runs on one aligned block of ranks.
-
-    A sub-sample placed on ``k`` ranks takes the CP group of size ``k`` that holds them, and the hybrid CP groups
-    of size ``k`` are the blocks ``[j k, (j + 1) k)`` of the DP x CP group: ranks outside one such block would
-    each pick a different group and wait on each other forever.
-    """
+    """Raise ``ValueError`` unless every sub-sample of every group runs on one aligned block of ranks
+    (:func:`~megatron_core.pipeline_parallel.hybrid_cp_schedule.misaligned_subsample` says which ones do)."""
     for g, group in enumerate(sample_id_groups):
-        ranks_of: dict[int, list[int]] = {}
-        for rank, sample_ids in enumerate(group):
-            for sample_id in sample_ids:
-                ranks_of.setdefault(int(sample_id), []).append(rank)
-        for sample_id, ranks in ranks_of.items():
-            size, first = len(ranks), ranks[0]
-            if size & (size - 1) or first % size or ranks != list(range(first, first + size)):
-                raise ValueError(f"hybrid context parallelism: sub-sample {sample_id} of group {g} is placed on ranks "
-                                 f"{ranks}, not one aligned block of {size} ranks (a power of two starting at a "
-                                 "multiple of it); its ranks would build different CP groups and hang")
+        bad = misaligned_subsample(group)
+        if bad is not None:
+            sample_id, ranks = bad
+            raise ValueError(f"hybrid context parallelism: sub-sample {sample_id} of group {g} is placed on ranks "
+                             f"{ranks}, not one aligned block of {len(ranks)} ranks (a power of two starting at a "
+                             "multiple of it); its ranks would build different CP groups and hang")
 
 
 class HybridCPDataLoaderWrapper:

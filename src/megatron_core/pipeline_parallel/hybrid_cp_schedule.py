@@ -27,7 +27,7 @@ from megatron_core.pipeline_parallel import microbatch_step
 from megatron_core.pipeline_parallel.microbatch_step import add_token_count
 from megatron_core.rerun_state_machine import RerunDataIterator
 
-__all__ = ["BalancedCPScheduler", "hybrid_context_parallel_forward_backward"]
+__all__ = ["BalancedCPScheduler", "hybrid_context_parallel_forward_backward", "misaligned_subsample"]
 
 # The module whose forward_step / backward_step run each sub-sample, looked up at call time: microbatch_step's
 # until pipeline_parallel.schedules is imported, then schedules' (it installs itself through
@@ -41,6 +41,25 @@ def _set_step_functions(module: Any) -> None:
     _step_functions = module
 
 SampleSeqlen = tuple[int, int]  # (sample id, sequence length)
+
+
+def misaligned_subsample(group: list[list[int]]) -> tuple[int, list[int]] | None:
+    """The first ``(sample id, ranks)`` of a group (sample ids per DP x CP rank) not placed on one aligned block.
+
+    A sub-sample placed on ``k`` ranks takes the CP group of size ``k`` that holds them, and the hybrid CP groups
+    of size ``k`` are the blocks ``[j k, (j + 1) k)``: a power of two ``k`` of consecutive ranks starting at a
+    multiple of ``k``. Ranks outside one such block would each pick a different group and wait on each other.
+    ``None`` when every sub-sample is aligned.
+    """
+    ranks_of: dict[int, list[int]] = {}
+    for rank, sample_ids in enumerate(group):
+        for sample_id in sample_ids:
+            ranks_of.setdefault(int(sample_id), []).append(rank)
+    for sample_id, ranks in ranks_of.items():
+        size, first = len(ranks), ranks[0]
+        if size & (size - 1) or first % size or ranks != list(range(first, first + size)):
+            return sample_id, ranks
+    return None
 
 
 class BalancedCPScheduler:
@@ -145,6 +164,8 @@ class BalancedCPScheduler:
             state.widen_smallest(self.get_total_workload)
         if sum(len(seqs) for seqs in state.seqlens) < before:
             raise RuntimeError("next_hdp_group: filling empty ranks dropped samples")
+        if misaligned_subsample(state.sample_ids) is not None:
+            state.realign()  # rare (Megatron-Core's placement would hang there); otherwise its placement as is
         return state.seqlens, leftovers, state.loads, state.sample_ids
 
     def _pick(self, buckets: list[deque], state: _Placement, start: int) -> int | None:
@@ -243,6 +264,28 @@ class _Placement:
                 self.sample_ids[r].pop()
                 self.loads[r] -= cost
             leftovers.append((sample_id, length))
+
+    def realign(self) -> None:
+        """Lay the rank sets out again, largest first on consecutive ranks, so that each set of size ``k`` starts
+        at a multiple of ``k`` (sizes are powers of two); every set keeps its samples and per-rank loads."""
+        first_rank = {gid: min(ranks) for gid, ranks in self.members.items()}
+        order = sorted(self.members, key=lambda gid: (-self.size[gid], first_rank[gid]))
+        seqlens: list[list[int]] = [[] for _ in range(self.total)]
+        sample_ids: list[list[int]] = [[] for _ in range(self.total)]
+        loads = [0.0] * self.total
+        owner: list[int | None] = [None] * self.total
+        start = 0
+        for gid in order:
+            old_ranks, size = self.members[gid], self.size[gid]
+            new_ranks = list(range(start, start + size))
+            for old, new in zip(old_ranks, new_ranks):
+                seqlens[new], sample_ids[new], loads[new] = self.seqlens[old], self.sample_ids[old], self.loads[old]
+                owner[new] = gid
+            self.members[gid] = new_ranks
+            start += size
+        if start != self.total:
+            raise RuntimeError(f"next_hdp_group: the rank sets cover {start} of {self.total} ranks")
+        self.seqlens, self.sample_ids, self.loads, self.owner = seqlens, sample_ids, loads, owner
 
     def widen_smallest(self, workload: Any) -> None:
         """Double the first smallest rank set (capped at all ranks) onto the next ranks, shifting later sets up."""
