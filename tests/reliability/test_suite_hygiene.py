@@ -109,8 +109,10 @@ def test_the_blocking_call_scan_finds_what_it_should(tmp_path: Path) -> None:
         "', '.join(parts)\n"
         "proc.stdout.readline()\n"                   # flagged
         "dist.barrier()\n"
+        "asyncio.wait_for(event.wait(), 5)\n"
+        "asyncio.wait_for(event.wait())\n"          # flagged: no timeout given
     )
-    assert [line.split(":")[1] for line in unbounded_blocking_calls(tmp_path)] == ["2", "4", "6", "9"]
+    assert [line.split(":")[1] for line in unbounded_blocking_calls(tmp_path)] == ["2", "4", "6", "9", "12"]
 
 
 def test_every_listed_slow_test_exists() -> None:
