@@ -107,7 +107,7 @@ class PrefixCachingEvictionPolicy(str, Enum):
 
 
 class PrefixCachingCoordinatorPolicy(str, Enum):
-    """How Megatron's data-parallel coordinator routes requests with prefix caching (no coordinator here: inert)."""
+    """How the data-parallel coordinator routes requests with prefix caching (see ``data_parallel_inference_coordinator.routing``)."""
 
     LONGEST_PREFIX = "longest_prefix"
     FIRST_PREFIX_BLOCK = "first_prefix_block"

@@ -90,20 +90,26 @@ def format_mem_bytes(mem_bytes: float) -> str:
 
 
 class EngineState(Enum):
-    """Lifecycle of the engine loop."""
+    """Lifecycle of the engine loop (the ``-ING`` states and SUSPENDED / RESUMED: coordinator mode only)."""
 
     RUNNING = 1
     PAUSED = 2
     STOPPING = 3
     STOPPED = 4
+    PAUSING = 5
+    UNPAUSING = 6
+    SUSPENDING = 7
+    SUSPENDED = 8
+    RESUMING = 9
+    RESUMED = 10
 
 
 class EngineSuspendedError(Exception):
     """A step was asked of a suspended engine (GPU state offloaded); the exception's argument is the step count.
 
-    Megatron-Core's engine raises it from a step taken while suspending or suspended. This engine has
-    no suspended state (only running, paused, stopping, stopped), so it never raises it; the class is
-    here for code that catches it.
+    Megatron-Core's engine raises it from a step taken while suspending or suspended. This engine offloads
+    nothing when suspended (a coordinator's SUSPEND only stops its steps), so it never raises it; the class
+    is here for code that catches it.
     """
 
 
@@ -453,6 +459,26 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
             await asyncio.to_thread(self.step_modern)
         self.state = EngineState.STOPPING
         self._notify()
+
+    async def start_listening_to_data_parallel_coordinator(
+        self, inference_coordinator_port: int | None = None, launch_inference_coordinator: bool = True, *,
+        hostname: str | None = None, coordinator_schedule_output_path: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> str | None:
+        """Serve requests from the data-parallel inference coordinator (a collective; see :mod:`.coordinator_link`)."""
+        from megatron_core.inference.engines.coordinator_link import (
+            start_listening_to_data_parallel_coordinator,
+        )
+
+        return await start_listening_to_data_parallel_coordinator(
+            self, inference_coordinator_port, launch_inference_coordinator, hostname=hostname,
+            coordinator_schedule_output_path=coordinator_schedule_output_path, loop=loop)
+
+    async def wait_until(self, state: EngineState) -> None:
+        """Wait until the engine reaches ``state`` (RUNNING, PAUSED, SUSPENDED, RESUMED or STOPPED)."""
+        from megatron_core.inference.engines.coordinator_link import wait_until
+
+        await wait_until(self, state)
 
     def pause(self) -> None:
         """Stop stepping (requests keep their state)."""
