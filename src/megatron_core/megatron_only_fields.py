@@ -138,7 +138,8 @@ class MegatronOnlyTransformerFields:
     inference_disable_triton_nvls_kernels: bool = _ignored(False, _INFERENCE_KERNELS)
     inference_grouped_gemm_backend: str = _ignored("vllm", _INFERENCE_KERNELS)
     inference_moe_disable_fused_quant_kernels: bool = _ignored(False, _INFERENCE_KERNELS)
-    inference_moe_token_dispatcher_type: str = _ignored("nvls", _INFERENCE_KERNELS)
+    # Unmarked: picks MoELayer's inference dispatcher ('nccl' or 'nvls', transformer.moe.token_dispatcher_inference).
+    inference_moe_token_dispatcher_type: str = "nvls"
 
     # Mixture of experts
     moe_token_dropping: bool = _refused(False, "moe_token_dropping (unsupported in Megatron-Core too; use "

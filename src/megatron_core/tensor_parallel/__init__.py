@@ -10,6 +10,11 @@ from megatron_core.tensor_parallel.cross_entropy import (
     vocab_parallel_cross_entropy,
 )
 from megatron_core.tensor_parallel.data import broadcast_data
+from megatron_core.tensor_parallel.inference_layers import (
+    InferenceColumnParallelLinear,
+    InferenceLayerNormColumnParallelLinear,
+    InferenceRowParallelLinear,
+)
 from megatron_core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -57,6 +62,10 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     # data.py
     "broadcast_data",
+    # inference_layers.py
+    "InferenceColumnParallelLinear",
+    "InferenceLayerNormColumnParallelLinear",
+    "InferenceRowParallelLinear",
     # layers.py
     "ColumnParallelLinear",
     "RowParallelLinear",

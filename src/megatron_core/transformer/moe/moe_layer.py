@@ -10,8 +10,11 @@ the groups; ``num_moe_experts`` must be divisible by the EP group size, and
 
 With ``InferenceTopKRouter`` under an inference engine the router returns dense ``[tokens, topk]`` routing:
 experts that take it (``InferenceGroupedMLP``) run on the tokens directly when neither expert parallelism nor
-expert tensor parallelism splits them; otherwise the routing becomes the usual ``[tokens, num_experts]`` map and
-goes through the token dispatcher. The slots' typing protocols are in :mod:`.submodule_protocols`.
+expert tensor parallelism splits them, and otherwise through the inference dispatcher that
+``inference_moe_token_dispatcher_type`` names (:mod:`.token_dispatcher_inference`: all-gather, local experts,
+reduce-scatter over ``tp_ep``); with experts that do not take it, the routing becomes the usual
+``[tokens, num_experts]`` map and goes through the token dispatcher. The slots' typing protocols are in
+:mod:`.submodule_protocols`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from megatron_core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
 )
+from megatron_core.transformer.moe.token_dispatcher_inference import inference_dispatcher_class
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 
@@ -119,6 +123,10 @@ class MoELayer(BaseMoELayer):
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pgs)
         self.experts = build_module(submodules.experts, self.num_local_experts, config, pg_collection=pgs)
         self.token_dispatcher.expert_row_alignment = getattr(self.experts, "input_row_alignment", None)
+        self._inference_token_dispatcher = None  # dense inference routing over tp_ep > 1 (see the module docstring)
+        if getattr(self.experts, "takes_dense_routing", False) and get_pg_size(self.token_dispatcher.tp_ep_group) > 1:
+            self._inference_token_dispatcher = inference_dispatcher_class(config)(
+                self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pgs)
         if self.use_shared_expert:
             if submodules.shared_experts is None:
                 raise ValueError("moe_shared_expert_intermediate_size is set but the spec has no shared_experts")
@@ -215,12 +223,29 @@ class MoELayer(BaseMoELayer):
             output, _ = self.fc2_latent_proj(output)
         return output if shared_expert_output is None else output + shared_expert_output
 
+    def _dispatched_dense_forward(self, hidden_states: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
+                                  shared_expert_output: torch.Tensor | None) -> torch.Tensor:
+        """Dense routing through the inference dispatcher: every ``tp_ep`` rank's tokens meet the local experts."""
+        dispatcher = self._inference_token_dispatcher
+        if self.config.moe_latent_size:
+            hidden_states, _ = self.fc1_latent_proj(hidden_states)
+        tokens, probs = dispatcher.dispatch_preprocess(hidden_states, indices, probs)
+        tokens, probs = dispatcher.token_dispatch(tokens, probs)
+        tokens, _, probs = dispatcher.dispatch_postprocess(tokens, probs)
+        output, _ = self.experts(tokens, None, probs, routing_map=dispatcher.routing_map)
+        output = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(output)))
+        if self.config.moe_latent_size:
+            output, _ = self.fc2_latent_proj(output)
+        return output if shared_expert_output is None else output + shared_expert_output
+
     def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         shared_expert_output = self.shared_experts_compute(hidden_states)
         probs, routing_map = self.route(hidden_states, padding_mask)
         if is_dense_routing(routing_map):
             if self._dense_experts_apply():
                 return self._dense_forward(hidden_states, probs, routing_map, shared_expert_output), None
+            if self._inference_token_dispatcher is not None:
+                return self._dispatched_dense_forward(hidden_states, probs, routing_map, shared_expert_output), None
             probs, routing_map = sparse_routing_from_dense(probs, routing_map, self.config.num_moe_experts)
         hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
         dispatched, probs = self.dispatch(hidden_states, probs)
