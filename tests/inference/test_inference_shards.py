@@ -1,4 +1,5 @@
-"""``inference.shards.build_inference_pg_collection``: an inference model's groups at another parallel layout.
+"""``inference.shards``: an inference model's groups at another parallel layout, and one set per shard of a
+multi-shard layout.
 
 On 4 gloo ranks the collection built for a layout must hold, role by role, the same ranks as ``parallel_state``
 initialised at that layout (``ProcessGroupCollection.use_mpu_process_groups``), and a window of ranks must get
@@ -11,7 +12,10 @@ import pytest
 import torch.distributed as dist
 
 from megatron_core import parallel_state
-from megatron_core.inference.shards import build_inference_pg_collection
+from megatron_core.inference.shards import (
+    build_inference_pg_collection,
+    build_inference_pg_collections_for_shards,
+)
 from megatron_core.process_groups_config import ProcessGroupCollection
 from tests.dist_harness import run_on_ranks
 
@@ -85,3 +89,30 @@ def test_sizes_that_do_not_divide_are_named():
     message = run_on_ranks(WORLD, _bad, 4, dict(tp_size=1, pp_size=1, cp_size=1, ep_size=3, expt_tp_size=1))[0]
     assert "expert layers' expt_tp 1 x ep 3 x pp 1 = 3" in message
 
+
+
+def _shards(spec: str) -> list[tuple]:
+    shards = build_inference_pg_collections_for_shards(WORLD, spec)
+    return [(s.spec.role, s.rank_offset, s.world_size, None if s.pg_collection is None else
+             {role: _ranks(getattr(s.pg_collection, role)) for role in ("tp", "pp", "dp", "ep", "expt_tp")})
+            for s in shards]
+
+
+def test_shards_take_consecutive_windows_and_each_rank_gets_its_own_groups():
+    """``tp=2,role=prefill+tp=1,dp=2,role=decode`` on 4 ranks: ranks 0-1 a TP=2 prefill shard, ranks 2-3 two
+    TP=1 data-parallel decode replicas; each rank's groups only for its own shard."""
+    per_rank = run_on_ranks(WORLD, _shards, "tp=2,role=prefill+tp=1,dp=2,role=decode")
+    for rank, shards in enumerate(per_rank):
+        (role0, offset0, size0, mine0), (role1, offset1, size1, mine1) = shards
+        assert (role0, offset0, size0, role1, offset1, size1) == ("prefill", 0, 2, "decode", 2, 2)
+        if rank < 2:
+            assert mine1 is None
+            assert mine0 == {"tp": [0, 1], "pp": [rank], "dp": [rank], "ep": [rank], "expt_tp": [0, 1]}
+        else:
+            assert mine0 is None
+            assert mine1 == {"tp": [rank], "pp": [rank], "dp": [2, 3], "ep": [rank], "expt_tp": [rank]}
+
+
+def test_shards_refuse_a_layout_that_does_not_use_every_rank():
+    with pytest.raises(ValueError, match=r"the shards use 2 \+ 1 = 3 ranks but world_size is 4"):
+        build_inference_pg_collections_for_shards(WORLD, "tp=2+tp=1")

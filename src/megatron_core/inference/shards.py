@@ -8,19 +8,26 @@ layers (tp, cp, dp, pp) and one for the experts (expert tp, ep, expert dp, pp), 
 :class:`~megatron_core.process_groups_config.ProcessGroupCollection` to pass to the model (``pg_collection``).
 Creating groups is collective: every rank of the job calls it, also ranks outside the window, which get
 non-member groups and should not use the result.
+
+:func:`build_inference_pg_collections_for_shards` does this for every shard of a multi-shard layout
+(:mod:`megatron_core.inference.shards_spec`): shard ``i`` takes the ranks after shard ``i - 1``'s, and each rank
+gets an :class:`InferenceShard` per shard whose ``pg_collection`` is set only for the shard it belongs to.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from megatron_core import parallel_state
 from megatron_core.hyper_comm_grid import HyperCommGrid
+from megatron_core.inference.shards_spec import InferenceShardSpec, normalize_shard_specs
 from megatron_core.process_groups_config import ProcessGroupCollection
 
-__all__ = ["build_inference_pg_collection"]
+__all__ = ["InferenceShard", "build_inference_pg_collection", "build_inference_pg_collections_for_shards"]
 
 # Groups spanning several dims of each grid: ProcessGroupCollection field -> dims.
 _DENSE_GROUPS = {"tp": ["tp"], "cp": ["cp"], "pp": ["pp"], "dp": ["dp"], "mp": ["tp", "pp"], "tp_cp": ["tp", "cp"],
@@ -94,3 +101,45 @@ def build_inference_pg_collection(
     groups["embd"] = _new_groups([parallel_state.default_embedding_ranks(p) for p in pipelines])
     groups["pos_embd"] = _new_groups([parallel_state.default_position_embedding_ranks(p) for p in pipelines])
     return ProcessGroupCollection(**groups)
+
+
+@dataclass
+class InferenceShard:
+    """One shard of a multi-shard inference layout as seen from this rank.
+
+    ``spec`` is its :class:`~megatron_core.inference.shards_spec.InferenceShardSpec`, ``rank_offset`` its first
+    global rank and ``world_size`` its rank count (``tp * pp * dp``). ``pg_collection`` holds the shard's groups
+    on the shard's own ranks and is ``None`` elsewhere: the shard whose ``pg_collection is not None`` is this
+    rank's.
+    """
+
+    spec: InferenceShardSpec
+    rank_offset: int
+    world_size: int
+    pg_collection: ProcessGroupCollection | None
+
+
+def build_inference_pg_collections_for_shards(
+    total_world_size: int,
+    shards: str | Sequence[InferenceShardSpec | Mapping],
+    use_tp_pp_dp_mapping: bool = False,
+) -> list[InferenceShard]:
+    """One :class:`InferenceShard` per shard of ``shards`` (a layout string, specs or dicts, see
+    :func:`~megatron_core.inference.shards_spec.normalize_shard_specs`), over consecutive rank windows.
+
+    Shard ``i`` owns global ranks ``[offset_i, offset_i + tp_i * pp_i * dp_i)`` with ``offset_0 = 0``; the shards
+    must use all ``total_world_size`` ranks (``ValueError`` otherwise). Group creation is collective: every rank
+    of the job calls this, and gets ``pg_collection`` only for its own shard.
+    """
+    specs = normalize_shard_specs(shards, total_world_size)
+    rank = dist.get_rank()
+    result = []
+    offset = 0
+    for spec in specs:
+        collection = build_inference_pg_collection(
+            spec.world_size, tp_size=spec.tp, pp_size=spec.pp, cp_size=spec.cp, ep_size=spec.ep,
+            expt_tp_size=spec.expt_tp, use_tp_pp_dp_mapping=use_tp_pp_dp_mapping, rank_offset=offset)
+        mine = offset <= rank < offset + spec.world_size
+        result.append(InferenceShard(spec, offset, spec.world_size, collection if mine else None))
+        offset += spec.world_size
+    return result
