@@ -24,6 +24,11 @@ import torch
 from megatron_core._ground import get_pg_size
 from megatron_core.extensions._te_loader import HAVE_TE, LazyTEModule, import_te
 from megatron_core.process_groups_config import resolve_tp_group
+from megatron_core.quantization.layer_precision import LayerRecipe as TEQuantizationRecipe
+from megatron_core.quantization.layer_precision import TEQuantizationParams as TEQuantizationParams
+from megatron_core.quantization.layer_precision import (
+    TransformerEngineConfigType as TransformerEngineConfigType,
+)
 
 
 def _rng_tracker() -> Callable[[], Any]:
@@ -263,6 +268,9 @@ def get_cpu_offload_context(enabled: bool, num_layers: int, model_layers: int, a
 
 __all__ = [
     "HAVE_TE",
+    "TEQuantizationParams",
+    "TEQuantizationRecipe",
+    "TransformerEngineConfigType",
     "TEColumnParallelGroupedLinear",
     "TEColumnParallelLinear",
     "TEDelayedScaling",

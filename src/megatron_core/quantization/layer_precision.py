@@ -24,6 +24,7 @@ one, and NVIDIA Kitchen entries (``kitchen_config_type``), whose library is not 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,19 +32,26 @@ from megatron_core.enums import Fp4Recipe, Fp8Recipe
 from megatron_core.quantization.quant_config import RecipeConfig, recipe_config_keys
 from megatron_core.quantization.utils import get_quant_config_or_none
 
-__all__ = ["LayerRecipe", "TE_CONFIG_TYPE_KEY", "check_quant_recipe", "fp8_override_for_module",
-           "parse_te_quantization_params"]
+__all__ = ["LayerRecipe", "TEQuantizationParams", "TE_CONFIG_TYPE_KEY", "TransformerEngineConfigType",
+           "check_quant_recipe", "fp8_override_for_module", "parse_te_quantization_params"]
 
 TE_CONFIG_TYPE_KEY = "transformer_engine_config_type"
-_TE_PARAMS_TYPE = "TEQuantizationParams"
+_TE_PARAMS_TYPE = "TEQuantizationParams"  # TransformerEngineConfigType.TEQuantizationParams.value
 _KITCHEN_CONFIG_TYPE_KEY = "kitchen_config_type"
 _RECIPE_KEYS = ("training_recipe", "evaluation_recipe")
 
 
+class TransformerEngineConfigType(enum.Enum):
+    """The kinds of recipe entry (the value of ``transformer_engine_config_type``), as Megatron-Core's enum."""
+
+    TEQuantizationParams = "TEQuantizationParams"
+
+
 @dataclass(frozen=True)
 class LayerRecipe:
-    """One ``training_recipe`` / ``evaluation_recipe`` of a ``TEQuantizationParams`` entry (Megatron-Core's
-    ``TEQuantizationRecipe`` fields and defaults)."""
+    """One ``training_recipe`` / ``evaluation_recipe`` of a ``TEQuantizationParams`` entry: Megatron-Core 0.19's
+    ``TEQuantizationRecipe`` (its fields and defaults; re-exported under that name by
+    ``extensions.transformer_engine``)."""
 
     fp8_quantization_recipe: Fp8Recipe | None = None
     fp4_quantization_recipe: Fp4Recipe | None = None
@@ -56,7 +64,34 @@ class LayerRecipe:
     fp4_param: bool = False
 
 
+    @classmethod
+    def parse_from_config(cls, quant_config: dict[str, Any]) -> LayerRecipe:
+        """The recipe of one ``training_recipe`` / ``evaluation_recipe`` mapping; ``ValueError`` naming the field
+        when it is malformed (unknown field, delayed scaling, FP8 with FP4, custom without a factory)."""
+        return _parse_layer_recipe(quant_config, "recipe")
+
+    @classmethod
+    def get_config_keys(cls) -> set[str]:
+        """The recipe's field names."""
+        return set(_LAYER_RECIPE_FIELDS)
+
+
 _LAYER_RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(LayerRecipe))
+
+
+@dataclass(frozen=True)
+class TEQuantizationParams:
+    """A ``TEQuantizationParams`` recipe entry: the layer's ``training_recipe`` and (None: the same)
+    ``evaluation_recipe`` (Megatron-Core 0.19's class; re-exported by ``extensions.transformer_engine``)."""
+
+    training_recipe: LayerRecipe
+    evaluation_recipe: LayerRecipe | None
+
+    @staticmethod
+    def parse_from_config(quant_config: Any) -> TEQuantizationParams:
+        """The entry a matched ``QuantizationConfig`` holds; ``ValueError`` naming the entry and field."""
+        training, evaluation = parse_te_quantization_params(quant_config.config, quant_config.config_key)
+        return TEQuantizationParams(training_recipe=training, evaluation_recipe=evaluation)
 
 
 def _parse_layer_recipe(settings: Any, where: str) -> LayerRecipe:
@@ -66,13 +101,13 @@ def _parse_layer_recipe(settings: Any, where: str) -> LayerRecipe:
     if unknown:
         raise ValueError(f"{where} has unknown fields {unknown}; known: {list(_LAYER_RECIPE_FIELDS)}")
     values = dict(settings)
-    for name, enum in (("fp8_quantization_recipe", Fp8Recipe), ("fp4_quantization_recipe", Fp4Recipe)):
+    for name, choices in (("fp8_quantization_recipe", Fp8Recipe), ("fp4_quantization_recipe", Fp4Recipe)):
         if values.get(name) is not None:
             try:
-                values[name] = enum(values[name])
+                values[name] = choices(values[name])
             except ValueError:
                 raise ValueError(f"{where}.{name}={values[name]!r} is not one of "
-                                 f"{[member.value for member in enum]}") from None
+                                 f"{[member.value for member in choices]}") from None
     recipe = LayerRecipe(**values)
     if recipe.fp8_quantization_recipe == Fp8Recipe.delayed:
         raise ValueError(f"{where}.fp8_quantization_recipe='delayed': delayed scaling cannot be set per module "
