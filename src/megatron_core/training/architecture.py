@@ -11,6 +11,7 @@ the checkpoint's value and the current one.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -73,6 +74,10 @@ def model_architecture(chunks: list[torch.nn.Module], group: Any = None) -> dict
     return arch
 
 
+def _without_local_experts(spec: dict[str, str]) -> dict[str, str]:
+    return {name: kind for name, kind in spec.items() if re.search(r"(^|\.)local_experts\.\d+", name) is None}
+
+
 def check_architecture(saved: dict[str, Any] | None, chunks: list[torch.nn.Module], checkpoint_dir: Any) -> None:
     """Raise ``CheckpointingException`` at the first field where the checkpoint and the model differ."""
     if not saved:
@@ -98,6 +103,8 @@ def check_architecture(saved: dict[str, Any] | None, chunks: list[torch.nn.Modul
     for chunk in chunks:
         for number, spec in _layer_specs(chunk).items():
             old = saved_specs.get(str(number))
+            if old is not None:  # how many routed experts a rank holds depends on expert parallelism
+                old, spec = _without_local_experts(old), _without_local_experts(spec)
             if old is None or old == spec:
                 continue
             for name in sorted(set(old) | set(spec)):

@@ -59,6 +59,7 @@ from megatron_core.training.rng import (
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 3.0
+CKPT_FORMATS = ("torch_dist", "fsdp_dtensor")
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
 
 
@@ -123,7 +124,7 @@ def _refuse_foreign_files(checkpoint_dir: os.PathLike) -> None:
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn.Module | list[torch.nn.Module],
                     optimizer: Any, opt_param_scheduler: Any, *, consumed_train_samples: int = 0,
                     extra_state: Any = None, async_queue: AsyncCallsQueue | None = None,
-                    overwrite: bool = False) -> None:
+                    overwrite: bool = False, ckpt_format: str = "torch_dist") -> None:
     """Save the training state into ``<save_dir>/iter_<iteration:07d>`` and move the tracker; collective.
 
     ``optimizer`` and ``opt_param_scheduler`` may be ``None``. ``extra_state`` is plain data
@@ -132,7 +133,19 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn
     Saving over a complete checkpoint of the same iteration raises unless ``overwrite``; an
     ``iter_*`` directory holding anything but files of our own (interrupted) saves always raises,
     naming them, and is left as it is.
+
+    ``ckpt_format="fsdp_dtensor"`` writes Megatron-LM's DCP format instead (:mod:`.fsdp_dtensor_format`;
+    FSDP2 or DDP models at TP = PP = 1, no ``async_queue``).
     """
+    if _check_format(ckpt_format) == "fsdp_dtensor":
+        if async_queue is not None:
+            raise ValueError("ckpt_format='fsdp_dtensor' saves synchronously; pass async_queue=None")
+        from megatron_core.training.fsdp_dtensor_format import save_fsdp_dtensor_checkpoint
+
+        save_fsdp_dtensor_checkpoint(save_dir, iteration, model, optimizer, opt_param_scheduler,
+                                     consumed_train_samples=consumed_train_samples, extra_state=extra_state,
+                                     overwrite=overwrite, architecture=model_architecture(unwrap_model_chunks(model)))
+        return
     chunks = unwrap_model_chunks(model)
     state: dict[str, Any] = _model_sharded_state_dict(chunks)
     if optimizer is not None:
@@ -197,11 +210,30 @@ def _raise_key_mismatch(checkpoint_dir: os.PathLike, missing: set[str], unexpect
                                  "strict=False to ignore (and log) them")
 
 
+def _check_format(ckpt_format: str) -> str:
+    if ckpt_format not in CKPT_FORMATS:
+        raise ValueError(f"ckpt_format ({ckpt_format!r}) must be one of {CKPT_FORMATS}")
+    return ckpt_format
+
+
+def _load_fsdp_dtensor(checkpoint_dir: os.PathLike, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                       iteration: int, strict: bool, load_optimizer: bool, load_rng: bool) -> dict[str, Any]:
+    from megatron_core.training.fsdp_dtensor_format import load_fsdp_dtensor_checkpoint
+
+    def check(common: dict[str, Any]) -> None:
+        check_architecture(common.get("architecture"), unwrap_model_chunks(model), checkpoint_dir)
+
+    return load_fsdp_dtensor_checkpoint(checkpoint_dir, model, optimizer, opt_param_scheduler, iteration=iteration,
+                                        strict=strict, load_optimizer=load_optimizer, load_rng=load_rng,
+                                        check_common=check)
+
+
 def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module | list[torch.nn.Module],
                     optimizer: Any, opt_param_scheduler: Any, *, iteration: int | None = None, strict: bool = True,
                     load_optimizer: bool = True, load_rng: bool = True, missing_ok: bool = False,
                     verify: bool = True, common_state_dict: dict[str, Any] | None = None,
-                    sharded_strategy: TorchDistLoadShardedStrategy | None = None) -> dict[str, Any] | None:
+                    sharded_strategy: TorchDistLoadShardedStrategy | None = None,
+                    ckpt_format: str = "torch_dist") -> dict[str, Any] | None:
     """Load a checkpoint saved by :func:`save_checkpoint` under any parallel layout; collective.
 
     Restores the model chunks, the optimizer and scheduler (unless ``None`` or not
@@ -220,7 +252,10 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
     One load reads each file once: a caller that has read the checkpoint's common state
     (``load_common_state_dict``) passes it as ``common_state_dict``, with ``iteration`` and the
     ``sharded_strategy`` it read through (the strategy keeps ``metadata.json`` and ``.metadata``).
+    ``ckpt_format="fsdp_dtensor"`` loads a checkpoint saved in that format (``verify`` and the common-state
+    arguments do not apply to it).
     """
+    _check_format(ckpt_format)
     if load_dir is None:
         if missing_ok:
             return None
@@ -241,9 +276,15 @@ def load_checkpoint(load_dir: str | os.PathLike | None, model: torch.nn.Module |
                 f"cannot load a checkpoint from {load_dir}: the directory {what}. Check the path; pass "
                 "missing_ok=True to start from scratch when no checkpoint is there")
     checkpoint_dir = get_checkpoint_name(load_dir, iteration)
+    if ckpt_format == "fsdp_dtensor":
+        return _load_fsdp_dtensor(checkpoint_dir, model, optimizer, opt_param_scheduler, iteration, strict,
+                                  load_optimizer, load_rng)
     strategy = sharded_strategy or TorchDistLoadShardedStrategy()  # passed to every read below
     if not check_is_distributed_checkpoint(checkpoint_dir, strategy.checkpoint_config):
-        raise CheckpointingException(f"{checkpoint_dir} is not a complete checkpoint (iteration {iteration})")
+        from megatron_core.training.fsdp_dtensor_format import is_fsdp_dtensor_checkpoint
+
+        hint = " (it was saved with ckpt_format='fsdp_dtensor')" if is_fsdp_dtensor_checkpoint(checkpoint_dir) else ""
+        raise CheckpointingException(f"{checkpoint_dir} is not a complete checkpoint (iteration {iteration}){hint}")
     if sharded_strategy is None:
         strategy.check_checkpoint_compatibility(checkpoint_dir)
     if verify:

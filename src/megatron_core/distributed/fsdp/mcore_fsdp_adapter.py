@@ -16,7 +16,8 @@ underneath; here each strategy is served by a wrapper the library already has, k
 ``get_megatron_optimizer`` builds the optimizer the strategy implies (:func:`megatron_fsdp_optimizer_chunks`),
 whatever ``OptimizerConfig.use_distributed_optimizer`` says (0.19's training loop forces it on). Checkpoints go
 through ``dist_checkpointing`` (``sharded_state_dict``) and move freely between strategies, DP sizes and the
-plain wrappers; 0.19's ``fsdp_dtensor`` format is not written. Options with no counterpart are refused by
+plain wrappers; 0.19's ``fsdp_dtensor`` format is written for ``optim_grads_params`` and ``no_shard`` by
+``training.save_checkpoint(..., ckpt_format="fsdp_dtensor")``. Options with no counterpart are refused by
 ``megatron_fsdp_options``.
 """
 
