@@ -362,6 +362,7 @@ class RouterGatingLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 router_dtype: torch.dtype) -> torch.Tensor:
+        """``inp @ weight.T + bias`` in ``router_dtype``; saves ``inp``, ``weight`` and ``bias`` as they are."""
         ctx.save_for_backward(inp, weight, bias)
         ctx.router_dtype = router_dtype
         bias = bias.to(router_dtype) if bias is not None else None
@@ -369,6 +370,7 @@ class RouterGatingLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        """Gradients of ``inp``, ``weight`` and ``bias`` computed in ``router_dtype``, returned in their dtypes."""
         inp, weight, bias = ctx.saved_tensors
         dtype = ctx.router_dtype
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1]).to(dtype)
