@@ -53,7 +53,7 @@ from megatron_core.inference.text_generation_server.response_parsers import (
     resolve_parsers,
 )
 
-__all__ = ["build_app", "create_uvicorn_server", "apply_chat_template"]
+__all__ = ["build_app", "create_uvicorn_server", "apply_chat_template", "chat_template_owner"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,22 +63,35 @@ CANCEL_MARGIN_S = 5.0  # after cancelling what is left, the time responses get b
 _PARAM_NAMES = {"num_tokens_to_generate": "max_tokens", "top_n_logprobs": "logprobs"}
 
 
+def chat_template_owner(tokenizer: Any) -> Any:
+    """The tokenizer, or the Hugging Face tokenizer it wraps, whose ``apply_chat_template`` renders chats (or ``None``).
+
+    A tokenizer whose ``chat_template`` attribute is ``None`` has no template to apply.
+    """
+    for candidate in (tokenizer, getattr(tokenizer, "tokenizer", None), getattr(tokenizer, "_tokenizer", None)):
+        if getattr(candidate, "apply_chat_template", None) is not None and (
+                not hasattr(candidate, "chat_template") or candidate.chat_template is not None):
+            return candidate
+    return None
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
-                        **template_kwargs: Any) -> str:
+                        add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
     """The prompt text for ``messages`` from the tokenizer's (or its wrapped Hugging Face tokenizer's) chat template.
 
     ``tools`` and ``template_kwargs`` (a request's ``chat_template_kwargs``) reach the template only when given.
     """
     extra = {**template_kwargs, **({"tools": tools} if tools is not None else {})}
-    for candidate in (tokenizer, getattr(tokenizer, "tokenizer", None), getattr(tokenizer, "_tokenizer", None)):
-        apply = getattr(candidate, "apply_chat_template", None)
-        if apply is not None:
-            try:
-                return apply(messages, tokenize=False, add_generation_prompt=True, **extra)
-            except Exception as error:  # noqa: BLE001 - no template configured, or the template refused the messages
-                raise APIError(400, f"the chat template cannot render these messages: {describe(error)}",
-                               "messages") from error
-    raise APIError(400, "chat completions need a tokenizer with a chat template (apply_chat_template)", "messages")
+    owner = chat_template_owner(tokenizer)
+    if owner is None:
+        raise APIError(400, "chat completions need a tokenizer with a chat template (apply_chat_template)",
+                       "messages")
+    try:
+        return owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **extra)
+    except Exception as error:  # noqa: BLE001 - the template refused the messages
+        raise APIError(400, f"the chat template cannot render these messages: {describe(error)}",
+                       "messages") from error
 
 
 def _logprobs_block(llm: Any, request: DynamicInferenceRequest) -> dict[str, Any] | None:

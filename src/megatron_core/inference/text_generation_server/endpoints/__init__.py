@@ -1,0 +1,1 @@
+"""Endpoints of the legacy text-generation server (Megatron-Core's ``text_generation_server.endpoints``)."""
