@@ -133,7 +133,9 @@ class MegatronOnlyTransformerFields:
     inference_sampling_seed: int = _ignored(42, _INFERENCE_KERNELS)
     symmetric_ar_type: str | None = _ignored(None, _INFERENCE_KERNELS)
     nccl_all_reduce_for_prefill: bool = _ignored(False, _INFERENCE_KERNELS)
-    use_inference_optimized_layers: bool = _refused(False, "Megatron-Core's inference-optimized layers")
+    # Unmarked: declared and unused in Megatron-Core 0.19 as here; the layers come from
+    # transformer_impl="inference_optimized" (get_gpt_decoder_layer_specs).
+    use_inference_optimized_layers: bool = False
     inference_fuse_tp_communication: bool = _ignored(False, _INFERENCE_KERNELS)
     inference_disable_triton_nvls_kernels: bool = _ignored(False, _INFERENCE_KERNELS)
     inference_grouped_gemm_backend: str = _ignored("vllm", _INFERENCE_KERNELS)

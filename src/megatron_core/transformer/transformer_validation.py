@@ -112,11 +112,14 @@ def check_normalization_and_activation(cfg: Any) -> None:
             )
 
 
+TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
+
+
 def check_fp8_and_transformer_impl(cfg: Any) -> None:
-    """FP8's rules, then ``transformer_impl`` (``'local'`` or ``'transformer_engine'``)."""
+    """FP8's rules, then ``transformer_impl`` (one of ``TRANSFORMER_IMPLS``)."""
     check_fp8(cfg)
-    if cfg.transformer_impl not in ("local", "transformer_engine"):
-        raise ValueError(f"transformer_impl ({cfg.transformer_impl!r}) must be 'local' or 'transformer_engine'")
+    if cfg.transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl ({cfg.transformer_impl!r}) must be one of {TRANSFORMER_IMPLS}")
 
 
 _FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom", "rowwise")

@@ -250,15 +250,22 @@ def get_gpt_decoder_layer_specs(config: TransformerConfig, use_transformer_engin
                                 **kwargs: Any) -> list[ModuleSpec]:
     """One spec per layer of the whole model: MoE where ``config.moe_layer_freq`` says so, dense elsewhere.
 
-    ``moe_layer_freq`` N means layers 0, N, 2N, ... are MoE; a list gives 1 (MoE) or 0 (dense) per layer.
+    ``moe_layer_freq`` N means layers 0, N, 2N, ... are MoE; a list gives 1 (MoE) or 0 (dense) per layer. With
+    ``use_transformer_engine`` the Transformer Engine layers, else with ``config.transformer_impl ==
+    "inference_optimized"`` :func:`get_gpt_layer_with_inference_spec`'s, else the local ones (Megatron-Core's choice).
     """
-    get_spec = get_gpt_layer_with_transformer_engine_spec if use_transformer_engine else get_gpt_layer_local_spec
+    if use_transformer_engine:
+        get_spec = get_gpt_layer_with_transformer_engine_spec
+    elif getattr(config, "transformer_impl", "local") == "inference_optimized":
+        get_spec = get_gpt_layer_with_inference_spec
+    else:
+        get_spec = get_gpt_layer_local_spec
     common = dict(qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
                   qk_l2_norm=bool(qk_l2_norm))
-    dense = get_spec(None, **common)
+    dense = get_spec(num_experts=None, **common)
     if config.num_moe_experts is None:
         return [dense] * config.num_layers
-    moe = get_spec(config.num_moe_experts, config.moe_grouped_gemm, **common)
+    moe = get_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, **common)
     freq = config.moe_layer_freq
     pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
     if len(pattern) != config.num_layers:
