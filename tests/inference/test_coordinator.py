@@ -12,7 +12,7 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 
 from megatron_core.inference._zmq import pack, unpack  # noqa: E402
-from megatron_core.inference.config import PrefixCachingCoordinatorPolicy  # noqa: E402
+from megatron_core.inference.config import KVCacheManagementMode, PrefixCachingCoordinatorPolicy  # noqa: E402
 from megatron_core.inference.data_parallel_inference_coordinator import (  # noqa: E402
     CONTROL_TRANSITIONS,
     HANDLERS,
@@ -30,6 +30,7 @@ from megatron_core.inference.headers import (  # noqa: E402
 )
 from megatron_core.inference.inference_client import InferenceClient  # noqa: E402
 from megatron_core.inference.inference_request import Status  # noqa: E402
+from megatron_core.inference.utils import InferenceMode  # noqa: E402
 from tests.inference.coordinator_fixture import GREEDY, PROMPTS, engine, reference, tiny_gpt  # noqa: E402
 
 WAIT_S = 60
@@ -82,6 +83,7 @@ def test_one_engine_matches_generate_and_control_signals():
     model = tiny_gpt()
     expected = reference(PROMPTS, model)
     served = engine(model)
+    served.context.kv_cache_management_mode = KVCacheManagementMode.OFFLOAD
 
     async def main():
         address = await served.start_listening_to_data_parallel_coordinator(0, True)
@@ -107,8 +109,10 @@ def test_one_engine_matches_generate_and_control_signals():
             assert not any(f.done() for f in paused)  # queued, no steps while paused
             client.suspend_engines()
             await asyncio.wait_for(served.wait_until(EngineState.SUSPENDED), WAIT_S)
+            assert served.context.kv_memory == {} and not InferenceMode.is_active()  # offloaded by suspend()
             client.resume_engines()
             await asyncio.wait_for(served.wait_until(EngineState.RESUMED), WAIT_S)
+            assert served.context.kv_memory and served.context.is_tensor_state_allocated and InferenceMode.is_active()
             client.unpause_engines()
             await asyncio.wait_for(served.wait_until(EngineState.RUNNING), WAIT_S)
             done += await asyncio.wait_for(asyncio.gather(*paused), WAIT_S)
@@ -272,6 +276,12 @@ def test_engine_joins_a_running_coordinator():
         with pytest.raises(ValueError, match="inference_coordinator_port"):
             await served.start_listening_to_data_parallel_coordinator(None, False)
         address = await served.start_listening_to_data_parallel_coordinator(port, False)
+        # The engine's registration and the client's requests travel on different sockets: wait until the
+        # coordinator has seen the engine (a request with no engine registered fails at once, by design).
+        deadline = time.monotonic() + WAIT_S
+        while not coordinator.identities_of_data_parallel_ranks:
+            assert time.monotonic() < deadline, "the engine never registered"
+            await asyncio.sleep(0.01)
         client = InferenceClient(address)
         client.start(connect_timeout_s=WAIT_S)
         try:

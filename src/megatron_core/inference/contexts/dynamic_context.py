@@ -30,6 +30,11 @@ taken in :meth:`add_request` and freed in :meth:`release_request`; :meth:`mamba_
 padded CUDA-graph decode step, a fixed-address slot index per graph batch size whose padding rows
 name a scratch slot). Only the attention layers get KV buffers.
 
+While the engine is suspended the KV buffers and Mamba states are deallocated, offloaded to the host or kept,
+per ``InferenceConfig.kv_cache_management_mode`` (:meth:`deallocate_inference_state_buffers` /
+:meth:`reinitialize_inference_state_buffers`, :mod:`.buffer_offload`); meanwhile a call that would touch them
+raises ``TensorStateDeallocatedError`` naming the call.
+
 With the model's ``moe_enable_routing_replay``, ``moe_routing_metadata`` (:mod:`.routing_metadata`) keeps
 the experts each fed token was routed to, per KV slot.
 
@@ -52,6 +57,7 @@ import torch.nn.functional as F
 from megatron_core._ground.decorators import deprecate_args
 from megatron_core.inference.config import InferenceConfig
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
+from megatron_core.inference.contexts.buffer_offload import InferenceStateBuffers
 from megatron_core.inference.contexts.decode_graph_inputs import DecodeGraphInputs, graph_batch_sizes
 from megatron_core.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megatron_core.inference.contexts.kv_cache_sizing import DEFAULT_MAX_REQUESTS as DEFAULT_MAX_REQUESTS
@@ -121,7 +127,7 @@ def get_mem_size_str(n_bytes: int) -> str:
     return f"{n_bytes:.3g} bytes"
 
 
-class DynamicInferenceContext(StepLayout, BaseInferenceContext):
+class DynamicInferenceContext(InferenceStateBuffers, StepLayout, BaseInferenceContext):
     """Paged KV cache and the layout of one continuous-batching step."""
 
     @deprecate_args(*DEPRECATED_ARGS,
@@ -160,6 +166,7 @@ class DynamicInferenceContext(StepLayout, BaseInferenceContext):
         self.pad_decode_steps_on_cpu = False  # lay out graph-style padded decode steps on CPU too (tests)
         self.device: torch.device | None = None
         self.kv_memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._init_state_buffers(inference_config.kv_cache_management_mode)
         self.request_blocks: dict[Any, list[int]] = {}
         self.block_tables_version = 0  # bumped whenever any request's block list changes
         self.request_kv_length: dict[Any, int] = {}
@@ -186,8 +193,26 @@ class DynamicInferenceContext(StepLayout, BaseInferenceContext):
         """Always ``False``."""
         return False
 
+    def add_request(self, request_id: Any, block_hashes: list[int] | None = None,
+                    matched_blocks: list[int] = ()) -> int:
+        """See :meth:`RequestBookkeeping.add_request`; refused while the tensor state is deallocated."""
+        self.check_tensor_state_allocated("add_request", request_id)
+        return super().add_request(request_id, block_hashes, matched_blocks)
+
+    def initialize_attention_state(self, entries: list[StepEntry], device_tokens: torch.Tensor | None = None,
+                                   device_token_rows: list[int] | None = None) -> None:
+        """See :meth:`StepLayout.initialize_attention_state`; refused while the tensor state is deallocated."""
+        self.check_tensor_state_allocated("initialize_attention_state")
+        super().initialize_attention_state(entries, device_tokens, device_token_rows)
+
+    def mamba_states_cache(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`MambaStepSlots.mamba_states_cache`; refused while the tensor state is deallocated."""
+        self.check_tensor_state_allocated("mamba_states_cache")
+        return super().mamba_states_cache(layer_number)
+
     def _layer_memory(self, layer: int, groups: int, head_dim: int, like: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_tensor_state_allocated("attention")
         memory = self.kv_memory.get(layer)
         if memory is None:
             shape = ((self.total_block_count + 1) * self.block_size_tokens, groups, head_dim)

@@ -9,6 +9,9 @@ padding rows of a CUDA-graph decode step read and write the scratch slot, which 
 A request gets a free slot when it enters the context (its states zeroed: a fresh sequence) and gives
 it back when it leaves (finished, cancelled or evicted), so requests join and leave between steps.
 
+While the engine is suspended (OFFLOAD or RECOMPUTE, :mod:`.buffer_offload`) the buffers are released
+(:meth:`MambaStateSlots.release_buffers`) and brought back by :meth:`MambaStateSlots.restore_buffers`.
+
 Unlike KV blocks, a slot holds the state after *all* of a request's tokens: it cannot be shared
 between requests with a common prefix, which is why the dynamic context refuses prefix caching for
 hybrid models.
@@ -24,6 +27,8 @@ import torch
 
 from megatron_core._ground.hybrid_pattern import Symbols
 from megatron_core.inference.config import InferenceConfig, MambaInferenceStateConfig
+from megatron_core.inference.contexts.buffer_offload import ReleasedBuffer, release_tensors, restore_tensors
+from megatron_core.inference.contexts.overflow_errors import TensorStateDeallocatedError
 
 __all__ = ["MambaStateSlots", "check_hybrid_inference_config", "count_attention_layers", "reserve_mamba_memory"]
 
@@ -85,6 +90,7 @@ class MambaStateSlots:
         self._free = list(range(max_requests - 1, -1, -1))  # popped from the end: slot 0 first
         self.scratch_slot = max_requests
         self._graph_slots: dict[int, torch.Tensor] = {}
+        self._released: tuple[dict[int, ReleasedBuffer], dict[int, ReleasedBuffer]] | None = None
 
     @property
     def chunk_size(self) -> int:
@@ -133,11 +139,32 @@ class MambaStateSlots:
         self.request_slot.clear()
         self._free = list(range(self.max_requests - 1, -1, -1))
 
+    def release_buffers(self, keep_data: bool) -> list[torch.device]:
+        """Drop every layer's state buffers (engine suspend), keeping host copies with ``keep_data`` (OFFLOAD) or
+        only their shapes (RECOMPUTE); returns the devices they were on. Slot ownership is unchanged."""
+        if self._released is not None:
+            raise RuntimeError("MambaStateSlots.release_buffers: the buffers are already released")
+        self._released = (release_tensors(self.conv_states, keep_data), release_tensors(self.ssm_states, keep_data))
+        return [buffer.device for released in self._released for buffer in released.values()]
+
+    def restore_buffers(self) -> list[torch.device]:
+        """Bring back what :meth:`release_buffers` dropped (host copies, or zeros); returns their devices."""
+        if self._released is None:
+            raise RuntimeError("MambaStateSlots.restore_buffers: no buffers were released")
+        conv, ssm = self._released
+        self._released = None
+        self.conv_states.update(restore_tensors(conv))
+        self.ssm_states.update(restore_tensors(ssm))
+        return [tensor.device for tensor in (*self.conv_states.values(), *self.ssm_states.values())]
+
     def states(self, layer_number: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(conv states [slots + 1, *conv shape], ssm states [slots + 1, *ssm shape])`` of one Mamba layer (the
         last row is the scratch slot)."""
         conv = self.conv_states.get(layer_number)
         if conv is None:
+            if self._released is not None:
+                raise TensorStateDeallocatedError(None, f"Mamba states of layer {layer_number}: the buffers are "
+                                                  "released (engine suspended); restore_buffers() first")
             if len(self.conv_states) >= self.num_mamba_layers:
                 raise ValueError(f"MambaStateSlots: layer {layer_number} asks for Mamba states, but "
                                  f"mamba_inference_state_config.layer_type_list has only {self.num_mamba_layers} "

@@ -13,9 +13,10 @@ iteration, then takes the same step. Only the leader replies to the coordinator.
 Control signals follow Megatron-Core's engine states: PAUSE -> PAUSING -> PAUSED, UNPAUSE ->
 UNPAUSING -> RUNNING, SUSPEND -> SUSPENDING -> SUSPENDED, RESUME -> RESUMING -> PAUSED (RESUMED
 marked), STOP -> STOPPING -> STOPPED; each ``-ING`` state ends at a barrier over all ranks. A
-paused engine keeps its requests and takes no steps; suspending offloads nothing (this engine has
-no GPU-offload path). On STOP the engine fails the requests it still holds, replies for them,
-sends DISCONNECT and closes its sockets.
+paused engine keeps its requests and takes no steps; SUSPEND and RESUME also call the engine's
+``suspend()`` / ``resume()`` (KV cache freed, offloaded or kept per ``kv_cache_management_mode``).
+On STOP the engine fails the requests it still holds, replies for them, sends DISCONNECT and
+closes its sockets.
 """
 
 from __future__ import annotations
@@ -242,8 +243,11 @@ class CoordinatorLink:
             return
         if header == Headers.SUSPEND:
             self.events[s.RESUMED] = False
+            engine.suspend()
         if engine.state == s.SUSPENDED:  # RESUME or STOP
             self.events[s.SUSPENDED] = False
+        if header == Headers.RESUME:
+            engine.resume()
         engine.state = new_state
 
     async def _barrier(self) -> None:

@@ -18,9 +18,11 @@ Requests finish on the termination token, a stop word, ``num_tokens_to_generate`
 ``max_sequence_length`` (booked in :mod:`.token_bookkeeping`); they can be cancelled (:meth:`cancel_request`), which frees their blocks
 at the next step boundary. Requests that can never fit are refused in ``add_request`` with a
 :class:`RequestRejectedError` (a ``ValueError`` naming the setting). Failures while serving are
-contained as :mod:`.fault_isolation` describes. When the model has ``moe_enable_routing_replay``, a completed request carries
-``routing_indices``: the experts of each of its tokens fed to the model (see
-:mod:`~megatron_core.inference.contexts.routing_metadata`).
+contained as :mod:`.fault_isolation` describes. When the model has ``moe_enable_routing_replay``, a completed
+request carries ``routing_indices``: the experts of each of its tokens fed to the model (see
+:mod:`~megatron_core.inference.contexts.routing_metadata`). Between rollouts, :meth:`~DynamicInferenceEngine.suspend`
+frees (or offloads, or keeps) the KV cache and :meth:`~DynamicInferenceEngine.resume` brings it back
+(:mod:`.suspend_resume`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from megatron_core.inference.engines.fault_isolation import (
     describe,
 )
 from megatron_core.inference.engines.step_scheduler import StepScheduler
+from megatron_core.inference.engines.suspend_resume import EngineSuspendedError, SuspendResume
 from megatron_core.inference.engines.token_bookkeeping import TokenBookkeeping
 from megatron_core.inference.inference_request import (
     ENDED_STATUSES,
@@ -90,7 +93,8 @@ def format_mem_bytes(mem_bytes: float) -> str:
 
 
 class EngineState(Enum):
-    """Lifecycle of the engine loop (the ``-ING`` states and SUSPENDED / RESUMED: coordinator mode only)."""
+    """Lifecycle of the engine loop (the ``-ING`` states and RESUMED: coordinator mode only; SUSPENDED also after
+    :meth:`DynamicInferenceEngine.suspend` without the coordinator, SUSPENDING while it runs)."""
 
     RUNNING = 1
     PAUSED = 2
@@ -104,16 +108,8 @@ class EngineState(Enum):
     RESUMED = 10
 
 
-class EngineSuspendedError(Exception):
-    """A step was asked of a suspended engine (GPU state offloaded); the exception's argument is the step count.
-
-    Megatron-Core's engine raises it from a step taken while suspending or suspended. This engine offloads
-    nothing when suspended (a coordinator's SUSPEND only stops its steps), so it never raises it; the class
-    is here for code that catches it.
-    """
-
-
-class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, FaultIsolation, AbstractEngine):
+class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, SuspendResume, FaultIsolation,
+                             AbstractEngine):
     """Schedules requests into steps over a :class:`DynamicInferenceContext`.
 
     With ``InferenceConfig.async_sched_mode=AsyncScheduleMode.ASYNC``, decode steps laid out for CUDA
@@ -134,6 +130,7 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
             _check_speculative_model(controller, self.num_speculative_tokens)
         self.request_counter = Counter()
         self.state = EngineState.RUNNING
+        self.use_coordinator = False  # the coordinator link sets it; it then drives the suspend / resume states
         self._inbox_lock = threading.Lock()
         self._inbox: list[DynamicInferenceRequest] = []
         self._cancels: set[Any] = set()
@@ -151,6 +148,7 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
         self.futures: dict[Any, concurrent.futures.Future] = {}
         self.listeners: dict[Any, list[TokenListener]] = {}
         self.waiting: deque[Any] = deque()
+        self.resume_request_ids: list[Any] = []  # set aside by suspend(), re-queued by resume()
         self.running: list[Any] = []
         self.paused_request_ids: list[Any] = []
         self._just_finished: list[DynamicInferenceRequest] = []
@@ -301,6 +299,8 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
                 continue
             if request_id in self.waiting:
                 self.waiting.remove(request_id)
+            if request_id in self.resume_request_ids:
+                self.resume_request_ids.remove(request_id)
             if request_id in self.running:
                 self.running.remove(request_id)
             self.context.release_request(request_id)
@@ -311,8 +311,13 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
 
     @torch.inference_mode()
     def step_modern(self) -> dict[str, Any]:
-        """Run one step; returns ``active_request_ids``, ``finished_request_records``, ``step_time``."""
+        """Run one step; returns ``active_request_ids``, ``finished_request_records``, ``step_time``.
+
+        Raises :class:`EngineSuspendedError` while the engine is suspended (see :meth:`suspend`).
+        """
         with self._step_lock:
+            if self.is_suspended:
+                raise EngineSuspendedError(self.context.step_count)
             start = time.perf_counter()
             self._drain_inbox()
             involved: list[Any] = []
@@ -437,7 +442,10 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
         try:
             while self.state != EngineState.STOPPING:
                 if self.has_unfinished_requests() and self.state == EngineState.RUNNING:
-                    await asyncio.to_thread(self.step_modern)
+                    try:
+                        await asyncio.to_thread(self.step_modern)
+                    except EngineSuspendedError:
+                        continue  # suspended between the state check and the step: wait for resume()
                 else:
                     self._wake.clear()
                     if self.has_unfinished_requests() and self.state == EngineState.RUNNING:
@@ -456,7 +464,11 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
                 pending = [r.request_id for r in self._inbox] + list(self.requests)
             for request_id in pending:
                 self.cancel_request(request_id)
-            await asyncio.to_thread(self.step_modern)
+            if self.is_suspended:  # no step: cancelling touches no tensor
+                with self._step_lock:
+                    self._drain_inbox()
+            else:
+                await asyncio.to_thread(self.step_modern)
         self.state = EngineState.STOPPING
         self._notify()
 
@@ -482,12 +494,18 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Fau
 
     def pause(self) -> None:
         """Stop stepping (requests keep their state)."""
+        self._refuse_while_suspended("pause")
         self.state = EngineState.PAUSED
 
     def unpause(self) -> None:
         """Resume stepping."""
+        self._refuse_while_suspended("unpause")
         self.state = EngineState.RUNNING
         self._notify()
+
+    def _refuse_while_suspended(self, call: str) -> None:
+        if self.is_suspended:
+            raise RuntimeError(f"{call}: the engine is suspended (its KV cache is released); call resume() first")
 
 
 def _check_speculative_model(controller: TextGenerationController, num_speculative_tokens: int) -> None:
