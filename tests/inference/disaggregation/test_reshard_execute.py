@@ -172,6 +172,9 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
+# The KV transfers are point-to-point on the world group (different counts per rank), then the Mamba layouts are
+# all-gathered on it: TORCH_DISTRIBUTED_DEBUG=DETAIL's per-group sequence numbers would call that a desync.
+@pytest.mark.distributed_debug_off
 @pytest.mark.parametrize("kind", ["gpt", "hybrid"])
 @pytest.mark.parametrize("spec", LAYOUTS, ids=["tp2_to_tp1", "tp1_to_tp2"])
 def test_resharded_cache_equals_the_decode_shards_own_prefill(spec, kind):
