@@ -55,7 +55,9 @@ class MegatronOnlyParallelFields:
     delay_wgrad_compute: bool = False
     overlap_dispatch_backward_with_experts_wgrad: bool = False
     ep_overlap_early_attn_memory_release: bool = False
-    mtp_standalone: bool = _refused(False, "standalone multi-token-prediction pipeline stages")
+    # Unmarked: set from pipeline_model_parallel_layout by transformer_validation.check_pipeline_split (MTP on a
+    # stage before the last); P2PCommunicator exchanges shapes when it is on.
+    mtp_standalone: bool = False
     tp_comm_bulk_wgrad: bool = _ignored(True, _TP_OVERLAP)
     tp_comm_bulk_dgrad: bool = _ignored(True, _TP_OVERLAP)
     tp_comm_overlap_ag: bool = _ignored(True, _TP_OVERLAP)

@@ -1,12 +1,13 @@
 """Multi-token prediction under pipeline parallelism against one process.
 
-The MTP layers live on the last pipeline stage, which then holds a copy of the first stage's word embedding
-(it embeds the shifted tokens). Each case builds the model's chunks on gloo ranks, loads the weights of a
+The MTP layers live on the last pipeline stage, or (``pipeline_model_parallel_layout``, ``mtp_standalone``) on a
+stage before it that sends the decoder's and the depths' hidden states on concatenated while the last stage only
+computes the losses; the MTP stage holds a copy of the first stage's word embedding (it embeds the shifted tokens). Each case builds the model's chunks on gloo ranks, loads the weights of a
 single-process MTP model (same seed), runs ``get_forward_backward_func()`` with ``finalize_model_grads`` and
 compares every micro-batch's loss and every gradient with ``forward_backward_no_pipelining`` on the whole
 model. Both copies of the embedding must carry the whole model's embedding gradient (decoder input, MTP
 inputs and, when tied, the output layer) and must start equal. A checkpoint saved at PP=2 loads into one
-process with identical weights.
+process with identical weights, also from a standalone layout (PP=3, tied).
 """
 
 from __future__ import annotations
@@ -36,18 +37,37 @@ from tests.models.gpt_test_utils import MAX_SEQ, VOCAB, llama_like
 from tests.pipeline_parallel.gpt_stages import EMBEDDING, MBS, SEQ, make_batches
 
 EMBEDDING_COPY = "embedding.word_embeddings.weight@mtp_stage"
+OUTPUT_COPY = "output_layer.weight@tied_last_stage"  # a standalone layout's loss-only last stage, tied weights
+COPIES = (EMBEDDING_COPY, OUTPUT_COPY)
 
 CASES = {
     "pp2_untied": dict(world=2, pp=2, depths=2, tied=False, microbatches=4),
     "pp2_tied": dict(world=2, pp=2, depths=1, tied=True, microbatches=4),
     "pp2_vpp2": dict(world=2, pp=2, vpp=2, depths=1, tied=False, microbatches=4),
     "pp2_dp2_ddp": dict(world=4, pp=2, depths=1, tied=False, microbatches=2, ddp=True),
+    # Standalone MTP stages: the last stage holds only the loss.
+    "pp3_standalone_untied": dict(world=3, pp=3, layout="Ett|ttmm|L", depths=2, tied=False, microbatches=4),
+    "pp3_standalone_tied": dict(world=3, pp=3, layout="Ett|ttm|L", depths=1, tied=True, microbatches=4),
+    "pp2_first_stage_mtp_tied": dict(world=2, pp=2, layout="Ettttm|L", depths=1, tied=True, microbatches=4),
+    # The MTP chunk alone on rank 1's last virtual stage; the final norm on rank 0's last virtual stage.
+    "pp3_vpp2_standalone": dict(world=3, pp=3, vpp=2, layout="Et|t|t|t|m|L", depths=1, tied=True, microbatches=6),
+    "pp3_dp2_standalone_ddp": dict(world=6, pp=3, layout="Ett|ttm|L", depths=1, tied=False, microbatches=2,
+                                   ddp=True),
 }
 
 
 def _config(case: dict, **sizes) -> TransformerConfig:
     spec = llama_like(num_layers=4, mtp_num_layers=case["depths"])
     return TransformerConfig(**spec["config"], **sizes)
+
+
+def _copy_key(chunk: GPTModel, pname: str) -> str | None:
+    """The key of a copy of the word embedding on a stage other than the first (None for other parameters)."""
+    if pname == EMBEDDING and not chunk.pre_process:
+        return EMBEDDING_COPY
+    if pname == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
+        return OUTPUT_COPY
+    return None
 
 
 def _provider(case: dict, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
@@ -99,6 +119,12 @@ def _global_name(name: str, offset: int) -> str:
     return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
+def _embedding_ranks() -> list[int] | None:
+    """The global ranks of this rank's embedding group (None when it is in none)."""
+    group = parallel_state.get_embedding_group(check_initialized=False)
+    return None if group is None else torch.distributed.get_process_group_ranks(group)
+
+
 def _run_case(name: str, reference: tuple) -> dict:
     case = CASES[name]
     state, _, _ = reference
@@ -109,21 +135,21 @@ def _run_case(name: str, reference: tuple) -> dict:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         config = _config(case, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                         pipeline_dtype=torch.float32, finalize_model_grads_func=finalize_model_grads)
+                         pipeline_model_parallel_layout=case.get("layout"), pipeline_dtype=torch.float32,
+                         finalize_model_grads_func=finalize_model_grads)
         chunks = get_model(partial(_provider, case), wrap_with_ddp=False, config=config)
         names, init_copies = {}, {}
         for v, chunk in enumerate(chunks):
             offset = get_transformer_layer_offset(config, vp_stage=v if vpp else None)
             for pname, param in chunk.named_parameters():
-                key = _global_name(pname, offset)
-                if pname == EMBEDDING and not chunk.pre_process:
-                    key = EMBEDDING_COPY
-                    init_copies["copy"] = param.detach().clone()
+                key = _copy_key(chunk, pname) or _global_name(pname, offset)
+                if key in COPIES:
+                    init_copies[key] = param.detach().clone()
                 elif pname == EMBEDDING:
                     init_copies["first"] = param.detach().clone()
                 names[param] = key
                 with torch.no_grad():
-                    param.copy_(state[EMBEDDING if key == EMBEDDING_COPY else key])
+                    param.copy_(state[EMBEDDING if key in COPIES else key])
         models = chunks
         if case.get("ddp"):
             models = [DistributedDataParallel(config, DistributedDataParallelConfig(), c) for c in chunks]
@@ -141,7 +167,8 @@ def _run_case(name: str, reference: tuple) -> dict:
             grad = param.main_grad if case.get("ddp") else param.grad
             grads[key] = None if grad is None else grad.detach().clone()
         return {"dp_rank": dp_rank, "is_last": parallel_state.is_pipeline_last_stage(),
-                "losses": [d["lm loss"] for d in losses], "grads": grads, "init_copies": init_copies}
+                "losses": [d["lm loss"] for d in losses], "grads": grads, "init_copies": init_copies,
+                "embedding_ranks": _embedding_ranks(), "standalone": config.mtp_standalone}
     finally:
         _reset_mtp_state()
         parallel_state.destroy_model_parallel()
@@ -161,41 +188,56 @@ def test_mtp_under_pipeline_parallelism_matches_one_process(name: str):
             torch.testing.assert_close(torch.stack(r["losses"]), torch.stack(mine), rtol=1e-5, atol=1e-5)
         else:
             assert r["losses"] == []
-        if "copy" in r["init_copies"] and "first" not in r["init_copies"]:
-            # The MTP stage's copy of the embedding started equal to the first stage's (synchronised at build).
-            firsts = [q["init_copies"]["first"] for q in per_rank if "first" in q["init_copies"]]
-            torch.testing.assert_close(r["init_copies"]["copy"], firsts[0], rtol=0, atol=0)
+        firsts = [q["init_copies"]["first"] for q in per_rank if "first" in q["init_copies"]]
+        for key in COPIES:
+            if key in r["init_copies"]:
+                # A later stage's copy of the embedding started equal to the first stage's (synchronised at build).
+                torch.testing.assert_close(r["init_copies"][key], firsts[0], rtol=0, atol=0)
         for key, grad in r["grads"].items():
-            want = ref_grads[EMBEDDING if key == EMBEDDING_COPY else key]
+            want = ref_grads[EMBEDDING if key in COPIES else key]
             # Under DP the replicas' gradients are averaged over their micro-batches: the reference ran all of them.
             assert grad is not None, key
             torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{name} {k}: {m}")
             seen.add(key)
-    assert EMBEDDING_COPY in seen and EMBEDDING in seen
-    assert seen | {EMBEDDING_COPY} == set(ref_grads) | {EMBEDDING_COPY}, set(ref_grads) ^ seen
+    assert EMBEDDING in seen and (EMBEDDING_COPY in seen or case.get("layout", "").startswith("Ettttm"))
+    if case["tied"] and case.get("layout"):
+        assert OUTPUT_COPY in seen
+    assert seen - set(COPIES) == set(ref_grads), set(ref_grads) ^ (seen - set(COPIES))
+    assert all(r["standalone"] == bool(case.get("layout")) for r in per_rank)
+    if case.get("layout"):
+        # The embedding groups hold exactly the stages with a copy: first, MTP, and the last one when tied.
+        stages = {"Ett|ttm|L": [0, 1], "Ett|ttmm|L": [0, 1], "Ettttm|L": [0], "Et|t|t|t|m|L": [0, 1]}[case["layout"]]
+        stages = stages + [case["pp"] - 1] * case["tied"]
+        dp = case["world"] // case["pp"]
+        for rank, r in enumerate(per_rank):
+            stage, dp_rank = divmod(rank, dp)
+            group = [p * dp + dp_rank for p in sorted(set(stages))]
+            assert r["embedding_ranks"] == (group if stage in stages else None), (rank, r["embedding_ranks"])
 
 
-def _save_at_pp2(directory: str, reference: tuple) -> bool:
-    case = CASES["pp2_untied"]
+def _save_pipelined(name: str, directory: str, reference: tuple) -> bool:
+    case = CASES[name]
     state, _, _ = reference
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=case["pp"])
     try:
-        config = _config(case, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+        config = _config(case, pipeline_model_parallel_size=case["pp"], pipeline_dtype=torch.float32,
+                         pipeline_model_parallel_layout=case.get("layout"))
         (chunk,) = get_model(partial(_provider, case), wrap_with_ddp=False, config=config)
         offset = get_transformer_layer_offset(config)
         with torch.no_grad():
             for pname, param in chunk.named_parameters():
-                param.copy_(state[_global_name(pname, offset)])
+                key = _copy_key(chunk, pname) or _global_name(pname, offset)
+                param.copy_(state[EMBEDDING if key in COPIES else key])
         dist_checkpointing.save(chunk.sharded_state_dict(), directory)
         return True
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _load_at_pp1(directory: str) -> dict:
+def _load_at_pp1(name: str, directory: str) -> dict:
     parallel_state.initialize_model_parallel()
     try:
-        case = CASES["pp2_untied"]
+        case = CASES[name]
         torch.manual_seed(5)
         model = _provider(case, config=_config(case))
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
@@ -204,19 +246,22 @@ def _load_at_pp1(directory: str) -> dict:
         parallel_state.destroy_model_parallel()
 
 
-def test_mtp_checkpoint_saved_at_pp2_loads_into_one_process(tmp_path):
-    reference = _reference("pp2_untied")
-    assert run_on_ranks(2, _save_at_pp2, str(tmp_path / "ckpt"), reference) == [True, True]
-    (loaded,) = run_on_ranks(1, _load_at_pp1, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("name", ["pp2_untied", "pp3_standalone_tied"])
+def test_mtp_checkpoint_saved_pipelined_loads_into_one_process(tmp_path, name: str):
+    """The embedding copies (MTP stage, tied last stage) are replicas: one process loads the first stage's."""
+    reference = _reference(name)
+    world = CASES[name]["pp"]
+    assert run_on_ranks(world, _save_pipelined, name, str(tmp_path / "ckpt"), reference) == [True] * world
+    (loaded,) = run_on_ranks(1, _load_at_pp1, name, str(tmp_path / "ckpt"))
     assert set(loaded) == set(reference[0])
     for key, value in reference[0].items():
         torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
 
 
-def test_mtp_on_a_middle_stage_is_refused():
+def test_mtp_before_the_last_stage_without_mtp_standalone_is_refused():
     case = CASES["pp2_untied"]
     config = _config(case)
-    with pytest.raises(ValueError, match="first or the last pipeline stage"):
+    with pytest.raises(ValueError, match="post_process=False.*mtp_standalone is False"):
         _provider(case, pre_process=False, post_process=False, config=config)
 
 

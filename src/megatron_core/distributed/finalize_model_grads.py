@@ -3,7 +3,8 @@
 Megatron-Core's function of the same name, called by the pipeline schedules through
 ``config.finalize_model_grads_func``. In order: finish the DP x CP reduction of every model chunk;
 all-reduce the gradients of sequence-parallel params (layernorms, row-parallel biases) over TP;
-all-reduce tied word-embedding gradients over the embedding group (first and last PP stage) and
+all-reduce tied word-embedding gradients over the embedding group (first and last PP stage, and any
+stage with MTP layers, which holds a copy of the embedding) and
 position-embedding gradients over the position-embedding group; update the MoE routers' expert
 biases (aux-loss-free balancing) from the step's token counts summed over TP x DP x CP; update the
 quantile-balancing routers' ``qb_beta`` from the step's quantiles averaged over DP x CP; restart the
@@ -53,9 +54,10 @@ def _in_group(group: Any) -> bool:
 
 
 def _tied_embedding_params(model: list[torch.nn.Module], pp_group: Any) -> list[torch.nn.Parameter]:
-    """Word-embedding weights shared between the first and the last pipeline stage, on this rank."""
+    """This rank's copies of the word embedding: the first stage's, the last stage's tied output weight and the copy
+    of a stage with MTP layers (the embedding group holds exactly the ranks that have one)."""
     pp_rank, pp_size = get_pg_rank(pp_group), get_pg_size(pp_group)
-    chunks = []
+    chunks = [chunk for chunk in model if getattr(unwrap_model(chunk), "mtp_process", False)]
     if pp_rank == 0:
         chunks.append(model[0])
     if pp_rank == pp_size - 1:

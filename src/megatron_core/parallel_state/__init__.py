@@ -90,6 +90,7 @@ from megatron_core.parallel_state.initialize import (
     get_hierarchical_context_parallel_groups as get_hierarchical_context_parallel_groups,
 )
 from megatron_core.parallel_state.initialize import initialize_model_parallel as initialize_model_parallel
+from megatron_core.parallel_state.initialize import set_embedding_ranks as set_embedding_ranks
 from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer as GlobalMemoryBuffer
 from megatron_core.parallel_state.model_groups import get_amax_reduction_group as get_amax_reduction_group
 from megatron_core.parallel_state.model_groups import (

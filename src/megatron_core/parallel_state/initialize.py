@@ -28,6 +28,9 @@ from megatron_core.parallel_state.registry import (
     model_parallel_is_initialized,
 )
 
+# The group timeout of the last initialize_model_parallel, for groups made again later (set_embedding_ranks).
+_TIMEOUT: dict[str, timedelta] = {}
+
 
 def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     """Ranks holding the word embeddings: the first and the last pipeline stage."""
@@ -37,6 +40,28 @@ def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
 def default_position_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     """Ranks holding the position embeddings: the first pipeline stage."""
     return [pp_ranks[0]]
+
+
+def set_embedding_ranks(get_embedding_ranks: Callable[[list[int]], list[int]]) -> bool:
+    """Make each pipeline group's embedding group ``get_embedding_ranks(pp_ranks)`` after initialisation.
+
+    The same rule as ``initialize_model_parallel(get_embedding_ranks=...)``, for callers that learn the ranks only
+    from the model config (standalone MTP stages hold a copy of the word embedding). Nothing happens, and nothing is
+    communicated, when every group already has those ranks; otherwise the groups are created anew (a collective
+    call: every rank must make it with the same rule) and this rank's old one is destroyed. Returns whether the
+    groups changed.
+    """
+    if "embd" not in _ALL_GROUP_RANKS:
+        raise RuntimeError("set_embedding_ranks needs initialize_model_parallel() first")
+    wanted = [list(get_embedding_ranks(list(ranks))) for ranks in _ALL_GROUP_RANKS["pp"]]
+    if wanted == _ALL_GROUP_RANKS["embd"]:
+        return False
+    old = _GROUPS.pop("embd", None)
+    _GROUP_RANKS.pop("embd", None)
+    _new_group("embd", wanted, _TIMEOUT.get("groups", timedelta(minutes=30)))
+    if old is not None and old is not dist.GroupMember.WORLD:
+        dist.destroy_process_group(old)
+    return True
 
 
 def _check_sizes(**sizes: int | None) -> None:
@@ -134,6 +159,7 @@ def initialize_model_parallel(
         )
 
     timeout = timedelta(minutes=distributed_timeout_minutes)
+    _TIMEOUT["groups"] = timeout
     gloo_needed = create_gloo_process_groups and dist.get_backend() != "gloo"
     # DP x CP first: NCCL SHARP may only use the first communicator created.
     for name, token in (("dp_cp", "dp-cp"), ("dp", "dp")):

@@ -171,14 +171,22 @@ def get_position_embedding_group(check_initialized: bool = True):
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
-    """True if this rank holds a copy of the word embeddings for this (virtual) stage."""
-    if dist.get_rank() not in _GROUP_RANKS.get("embd", []):
+    """True if this rank holds a copy of the word embeddings for this (virtual) stage.
+
+    With ``ignore_virtual=False`` the group's first rank counts on its first virtual stage only, its last rank on
+    its last virtual stage only, any other member (a standalone MTP stage) on every stage, as in Megatron-Core.
+    """
+    ranks = _GROUP_RANKS.get("embd", [])
+    rank = dist.get_rank()
+    if rank not in ranks:
         return False
     if ignore_virtual:
         return True
-    if is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage):
-        return True
-    return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if rank == ranks[0]:
+        return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if rank == ranks[-1]:
+        return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return True
 
 
 def is_rank_in_position_embedding_group() -> bool:

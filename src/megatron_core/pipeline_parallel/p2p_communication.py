@@ -55,8 +55,8 @@ def _is_shape_list(shapes: Any) -> bool:
 class P2PCommunicator:
     """Sends and receives pipeline tensors within ``pp_group``, shaped and typed from ``config``.
 
-    ``config`` supplies ``pipeline_dtype`` (default ``params_dtype``), ``variable_seq_lengths``
-    (exchange shapes before each transfer), ``batch_p2p_comm`` (one ``batch_isend_irecv`` call
+    ``config`` supplies ``pipeline_dtype`` (default ``params_dtype``), ``variable_seq_lengths`` and
+    ``mtp_standalone`` (either: exchange shapes before each transfer), ``batch_p2p_comm`` (one ``batch_isend_irecv`` call
     instead of separate ``isend``/``irecv``) and ``batch_p2p_sync``.
     """
 
@@ -190,13 +190,18 @@ class P2PCommunicator:
         recv_prev, recv_next, _ = self._communicate(recv_prev=prev, recv_next=not prev, tensor_shape=shape)
         return recv_prev if prev else recv_next
 
+    def _exchanges_shapes(self) -> bool:
+        """Whether each transfer is preceded by its shape: ``variable_seq_lengths``, or ``mtp_standalone`` (the MTP
+        stage sends the decoder's and the depths' hidden states concatenated, ``[(1 + D) s, b, h]``)."""
+        return bool(self.config.variable_seq_lengths or getattr(self.config, "mtp_standalone", False))
+
     def _check_send(self, tensor: torch.Tensor, shape: Shape | None, direction: str) -> None:
         if tensor.dtype != self._dtype():
             raise ValueError(
                 f"pipeline stage {self.current_stage} sends a {direction} tensor of dtype {tensor.dtype}, "
                 f"but config.pipeline_dtype is {self._dtype()}"
             )
-        if not self.config.variable_seq_lengths and shape is not None and tuple(tensor.shape) != tuple(shape):
+        if not self._exchanges_shapes() and shape is not None and tuple(tensor.shape) != tuple(shape):
             raise ValueError(
                 f"pipeline stage {self.current_stage} sends a {direction} tensor of shape {tuple(tensor.shape)}, "
                 f"but the pipeline expects {tuple(shape)} (from seq_length, micro_batch_size and hidden_size); "
@@ -218,7 +223,7 @@ class P2PCommunicator:
             self._check_send(tensor_send_next, tensor_shape, "forward")
         if tensor_send_prev is not None:
             self._check_send(tensor_send_prev, tensor_shape, "backward")
-        if self.config.variable_seq_lengths:
+        if self._exchanges_shapes():
             recv_prev_shape, recv_next_shape = self._communicate_shapes(
                 tensor_send_next, tensor_send_prev, recv_prev, recv_next
             )

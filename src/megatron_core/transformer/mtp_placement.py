@@ -3,7 +3,8 @@
 
 Without a ``pipeline_model_parallel_layout`` all ``mtp_num_layers`` depths live on the last pipeline stage (the
 last virtual stage under virtual pipeline parallelism). A layout places them with its ``"m"`` entries, chunk
-``vp_stage * pp + pp_rank``, and all of them must land on one chunk.
+``vp_stage * pp + pp_rank``, and all of them must land on one chunk. Every stage with MTP layers holds a copy of
+the word embedding, synchronised over the embedding group (:func:`get_mtp_embedding_ranks`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 from megatron_core import parallel_state
 from megatron_core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["get_mtp_layer_offset", "get_mtp_num_layers_to_build", "get_mtp_ranks", "mtp_on_this_rank"]
+__all__ = ["get_mtp_embedding_ranks", "get_mtp_layer_offset", "get_mtp_num_layers_to_build", "get_mtp_ranks",
+           "mtp_on_this_rank"]
 
 
 def _layout_counts(layout: Any) -> list[list[int]]:
@@ -50,6 +52,19 @@ def get_mtp_ranks(pp_ranks: list[int], config: TransformerConfig) -> list[int]:
     if layout is None:
         return [pp_ranks[-1]]
     return [pp_ranks[r] for r, counts in enumerate(_layout_counts(layout)) if any(counts)]
+
+
+def get_mtp_embedding_ranks(pp_ranks: list[int], config: TransformerConfig,
+                            share_embeddings_and_output_weights: bool) -> list[int]:
+    """The ranks of one pipeline group (``pp_ranks``) that hold a word-embedding copy: the first stage, every stage
+    with MTP layers and, with tied output weights, the last stage (sorted). This is the embedding group Megatron-LM's
+    ``pretrain_gpt.get_embedding_ranks`` builds; pass ``partial(get_mtp_embedding_ranks, config=...,
+    share_embeddings_and_output_weights=...)`` as ``initialize_model_parallel(get_embedding_ranks=...)``.
+    """
+    ranks = {pp_ranks[0], *get_mtp_ranks(pp_ranks, config)}
+    if share_embeddings_and_output_weights:
+        ranks.add(pp_ranks[-1])
+    return sorted(ranks)
 
 
 def get_mtp_layer_offset(config: TransformerConfig, vp_stage: int | None = None) -> int:

@@ -101,7 +101,9 @@ class PipelineParallelLayerLayout:
         """Check the placement against the model; return whether MTP sits on a stage before the last rank.
 
         The embedding opens and the loss closes the layout, once each; ``num_layers`` decoder and
-        ``mtp_num_layers`` MTP layers, every MTP layer after every decoder layer, all in one model chunk.
+        ``mtp_num_layers`` MTP layers, every MTP layer after every decoder layer, all in one model chunk, which
+        is the last virtual stage of its pipeline rank (Megatron-Core 0.19's rules). The result is
+        ``TransformerConfig.mtp_standalone``: the MTP chunk's rank is not the last one.
         """
         flat = self.flatten_layout
         if not flat or flat[0] != LayerType.embedding or flat.count(LayerType.embedding) != 1:
@@ -123,6 +125,12 @@ class PipelineParallelLayerLayout:
                 raise ValueError("pipeline_model_parallel_layout: decoder layers must come before MTP layers")
             if max(stage.count("m") for stage in self.stages) != mtps:
                 raise ValueError("pipeline_model_parallel_layout: all MTP layers must be in one stage")
+            for p, stages in enumerate(self.layout):
+                earlier = [v for v, stage in enumerate(stages[:-1]) if LayerType.mtp in stage]
+                if earlier:
+                    raise ValueError(f"pipeline_model_parallel_layout {self!r}: the MTP layers must be in the last "
+                                     f"virtual stage of their pipeline rank; rank {p} holds them in virtual stage "
+                                     f"{earlier[0]} of {len(stages)}")
         last_rank = self.pipeline_model_parallel_size - 1
         return any(LayerType.mtp in self.layout[p][-1] for p in range(last_rank))
 

@@ -1,7 +1,8 @@
 """A stack of transformer layers for one pipeline chunk (Megatron-Core's ``TransformerBlock``).
 
 The block builds only the layers of this pipeline rank / virtual stage (see
-``pipeline_layout``), numbered globally, plus the final norm on the last stage. On a stage
+``pipeline_layout``), numbered globally, plus the final norm on the last stage (with standalone MTP
+stages, on the stage of the last decoder layer); an empty chunk returns a copy of its input. On a stage
 that does not hold the embedding, the input comes from ``set_input_tensor`` (the pipeline
 schedule's receive buffer). Full activation recompute (``uniform``: groups of
 ``recompute_num_layers``; ``block``: the first ``recompute_num_layers`` layers) is
@@ -105,12 +106,19 @@ class TransformerBlock(MegatronModule):
             )
             for i, layer_spec in enumerate(self.submodules.layer_specs)
         )
-        if post_process and post_layer_norm and self.submodules.layer_norm is not None:
+        if post_layer_norm and self.submodules.layer_norm is not None and self._holds_final_norm(num_layers, offset):
             self.final_layernorm = build_module(
                 self.submodules.layer_norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
             )
         else:
             self.final_layernorm = None
+
+    def _holds_final_norm(self, num_layers: int, offset: int) -> bool:
+        """The final norm sits on the last stage; with standalone MTP stages (``config.mtp_standalone``) on the chunk
+        of the last decoder layer, ahead of the MTP layers (Megatron-Core 0.19's rule there)."""
+        if getattr(self.config, "mtp_standalone", False):
+            return num_layers > 0 and offset + num_layers == self.config.num_layers
+        return self.post_process
 
     @property
     def num_layers_per_pipeline_rank(self) -> int:
@@ -205,6 +213,9 @@ class TransformerBlock(MegatronModule):
                 hidden_states = self._run_layers(0, len(self.layers), hidden_states, **layer_kwargs)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
+        elif not self.pre_process and not self.layers:
+            # An empty chunk: its output must not be the received tensor itself (the schedules free outputs).
+            hidden_states = hidden_states.clone()
         return hidden_states
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron_core.activations import quick_gelu
 from megatron_core.fusions.fused_bias_geglu import quick_gelu as _fused_quick_gelu
 from megatron_core.transformer.cuda_graph_config import normalize_cuda_graph_modules
+from megatron_core.transformer.enums import LayerType
 from megatron_core.transformer.pipeline_layout import PipelineParallelLayerLayout, chunk_layer_counts
 from megatron_core.transformer.rope_utils import yarn_concentration_factor
 
@@ -324,8 +325,28 @@ def check_pipeline_split(cfg: Any) -> None:
         if cfg.virtual_pipeline_model_parallel_size is None and vpp > 1:
             cfg.virtual_pipeline_model_parallel_size = vpp
         cfg.pipeline_model_parallel_layout = layout
-        layout.validate_layer_layout(cfg.num_layers, cfg.mtp_num_layers)
+        standalone = layout.validate_layer_layout(cfg.num_layers, cfg.mtp_num_layers)
+        _check_mtp_standalone(cfg, layout, standalone)
+        cfg.mtp_standalone = standalone
+    elif cfg.mtp_standalone:
+        raise ValueError("mtp_standalone=True needs a pipeline_model_parallel_layout that puts the MTP layers on a "
+                         "stage before the last pipeline rank; pipeline_model_parallel_layout is None")
     chunk_layer_counts(cfg)
+
+
+def _check_mtp_standalone(cfg: Any, layout: PipelineParallelLayerLayout, standalone: bool) -> None:
+    """``mtp_standalone`` as given must agree with the layout; an MTP chunk that shares the first pipeline rank
+    with the embedding chunk (virtual stages) is refused."""
+    if cfg.mtp_standalone and not standalone:
+        raise ValueError(f"mtp_standalone=True contradicts pipeline_model_parallel_layout {layout!r}, which puts the "
+                         "MTP layers on the last pipeline rank (or has none); leave mtp_standalone unset: the layout "
+                         "sets it")
+    if standalone and layout.virtual_pipeline_model_parallel_size > 1 and LayerType.mtp in layout.layout[0][-1]:
+        raise ValueError(f"pipeline_model_parallel_layout {layout!r} puts the MTP layers on the first pipeline rank's "
+                         "last virtual stage (mtp_standalone with virtual_pipeline_model_parallel_size "
+                         f"{layout.virtual_pipeline_model_parallel_size}): that rank would hold the embedding and its "
+                         "MTP copy in two model chunks, which cannot be synchronised over the embedding group; put "
+                         "them on a middle pipeline rank")
 
 
 def check_mtp(cfg: Any) -> None:

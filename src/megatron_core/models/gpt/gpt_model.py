@@ -4,16 +4,19 @@
 ``output_layer`` (last stage, column-parallel over the vocabulary). ``forward`` takes ``[b, s]``
 ids and returns per-token loss ``[b, s]`` when ``labels`` are given, else logits ``[b, s, V/TP]``
 (the full vocabulary when ``parallel_output=False``); a stage without the output layer returns
-its hidden states ``[s, b, h]``. State-dict keys match Megatron-Core's GPTModel with the local spec.
+its hidden states ``[s, b, h]`` (a standalone MTP stage, ``config.mtp_standalone``: the decoder's and each MTP
+depth's concatenated, ``[(1 + D) s, b, h]``, which the last stage splits for the losses). State-dict keys match Megatron-Core's GPTModel with the local spec.
 ``position_embedding_type="mrope"`` (multimodal RoPE, ``config.mrope_section``) takes ``position_ids`` ``[3, b, s]``.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
+from megatron_core import parallel_state
 from megatron_core._activation_offload.interface import start_model_chunk
 from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.config_rules import check_model_sizes as _check_model_sizes
@@ -26,6 +29,7 @@ from megatron_core.models.common.language_module.language_module import (
     check_position_embedding_type,
 )
 from megatron_core.transformer.enums import ModelType
+from megatron_core.transformer.mtp_placement import get_mtp_embedding_ranks
 from megatron_core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
     mtp_on_this_rank,
@@ -68,6 +72,8 @@ class GPTModel(LanguageModule):
         vp_stage: int | None = None,
         logit_dtype: torch.dtype | None = None,
     ) -> None:
+        # Before the groups are read: a standalone MTP stage joins the embedding group.
+        _include_mtp_stages_in_embedding_group(config, share_embeddings_and_output_weights, pg_collection)
         super().__init__(config, pg_collection=pg_collection)
         check_position_embedding_type(position_embedding_type, _POSITION_EMBEDDING_TYPES)
         _check_model_sizes(vocab_size, max_sequence_length)
@@ -91,10 +97,10 @@ class GPTModel(LanguageModule):
         self.mtp_process = mtp_block_spec is not None and mtp_on_this_rank(
             layout=config.pipeline_model_parallel_layout, mtp_num_layers=config.mtp_num_layers,
             ignore_virtual=False, vp_stage=vp_stage)
-        if self.mtp_process and not pre_process and not post_process:
-            raise ValueError("the MTP layers must be on the first or the last pipeline stage (their embedding copy is "
-                             "synchronised over the embedding group, which holds those two stages); the "
-                             "pipeline_model_parallel_layout puts them on a middle stage")
+        if self.mtp_process and not post_process and not config.mtp_standalone:
+            raise ValueError("the MTP layers are on a stage before the last (post_process=False) but "
+                             "config.mtp_standalone is False: only a pipeline_model_parallel_layout that places them "
+                             "there sets it (and with it the shape exchange the concatenated hidden states need)")
         if pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(
                 config=config,
@@ -290,7 +296,9 @@ class GPTModel(LanguageModule):
                 packed_seq_params=packed_seq_params, embedding=self.embedding)
         if not self.post_process:
             return hidden_states
-        if self.config.mtp_num_layers and self.mtp_process and inference_context is None:
+        # On the last stage after a standalone MTP stage the received states are already concatenated.
+        mtp_states = self.mtp_process or self.config.mtp_standalone
+        if self.config.mtp_num_layers and mtp_states and inference_context is None:
             hidden_states = process_mtp_loss(
                 hidden_states=hidden_states, labels=labels, loss_mask=loss_mask, output_layer=self.output_layer,
                 output_weight=(self.shared_embedding_or_output_weight()
@@ -337,7 +345,8 @@ class GPTModel(LanguageModule):
         the plan (``ValueError``): inference, ``extra_block_kwargs`` and ``output_processor``.
         """
         unsupported = {"inference_context": inference_context if inference_context is not None else inference_params,
-                       "extra_block_kwargs": extra_block_kwargs or None, "output_processor": output_processor}
+                       "extra_block_kwargs": extra_block_kwargs or None, "output_processor": output_processor,
+                       "config.mtp_standalone": self.config.mtp_standalone or None}
         given = [name for name, value in unsupported.items() if value is not None]
         if given:
             raise ValueError(f"build_schedule_plan (overlap_moe_expert_parallel_comm) does not support {given}")
@@ -349,6 +358,26 @@ class GPTModel(LanguageModule):
         return TransformerModelChunkSchedulePlan(
             self, input_ids, position_ids, attention_mask, decoder_input, labels, packed_seq_params, None,
             runtime_gather_output, loss_mask, padding_mask)
+
+
+def _include_mtp_stages_in_embedding_group(config: TransformerConfig, share_embeddings_and_output_weights: bool,
+                                           pg_collection: Any) -> None:
+    """With standalone MTP stages, make ``parallel_state``'s embedding groups the stages that hold a word-embedding
+    copy (first, MTP, and last when tied; ``get_mtp_embedding_ranks``).
+
+    Collective the first time on every rank (each builds its first model chunk), a no-op once the groups are right
+    (or were given so to ``initialize_model_parallel``). A ``pg_collection`` that carries ``parallel_state``'s
+    embedding group (``get_model`` passes such a one) gets the new group; one with its own group is left alone.
+    """
+    if not config.mtp_standalone or not parallel_state.model_parallel_is_initialized():
+        return
+    current = parallel_state.get_embedding_group(check_initialized=False)
+    if pg_collection is not None and getattr(pg_collection, "embd", None) is not current:
+        return
+    rule = partial(get_mtp_embedding_ranks, config=config,
+                   share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+    if parallel_state.set_embedding_ranks(rule) and pg_collection is not None:
+        pg_collection.embd = parallel_state.get_embedding_group(check_initialized=False)
 
 
 def _multimodal_rotary_embedding(config: TransformerConfig, rotary_percent: float,

@@ -206,26 +206,27 @@ class LanguageModule(MegatronModule):
             if self.post_process and self.output_layer.weight is not None:
                 self.output_layer.weight.is_embedding_parameter = True
         # MTP layers on a stage other than the first: that stage holds a copy of the embedding.
-        mtp_needs_copy = bool(getattr(self.config, "mtp_num_layers", None)) and not (self.pre_process and mtp_process)
-        if not self.share_embeddings_and_output_weights and not mtp_needs_copy:
+        if not self.share_embeddings_and_output_weights and not getattr(self.config, "mtp_num_layers", None):
             return
-        if self.pre_process and (self.post_process or mtp_process):
+        if self.pre_process and self.post_process:
             if self.share_embeddings_and_output_weights:
                 self.shared_embedding_or_output_weight().zero_out_wgrad = True
             return
         if self.pre_process:
             self.shared_embedding_or_output_weight().shared_embedding = True
-        elif self.post_process or mtp_process:
+        elif (self.post_process and self.share_embeddings_and_output_weights) or mtp_process:
             weight = self.shared_embedding_or_output_weight()
             weight.data.fill_(0)
             weight.shared = True
             weight.shared_embedding = True
             if self.config.use_mup:
                 weight.is_embedding_parameter = True
+        else:  # a last stage with an untied output layer and no MTP layers holds no copy
+            return
         group = self.pg_collection.embd
         if get_pg_size(group) <= 1:
             return
-        if self._explicit_groups:
+        if self._explicit_groups or mtp_process:  # an MTP stage's copy is synchronised on whichever stage it is
             member = dist.get_rank() in dist.get_process_group_ranks(group)
         else:
             member = parallel_state.is_rank_in_embedding_group(
