@@ -54,9 +54,12 @@ class InferenceAllGatherDispatcherBase(MoEAllGatherTokenDispatcher):
     _valid_tokens_tensor: torch.Tensor | None = None
     _host_valid_tokens_estimate: int | None = None
 
-    def __init__(self, *args: Any, runs_metadata_sync: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: TransformerConfig,
+                 pg_collection: Any = None, runs_metadata_sync: bool = True) -> None:
+        super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
         self._runs_metadata_sync = runs_metadata_sync
+        self.topk = config.moe_router_topk
+        self._group_size = self.ep_size * self.tp_size
 
     @classmethod
     def _valid_tokens(cls) -> torch.Tensor | None:
@@ -102,13 +105,6 @@ class NCCLAllGatherDispatcher(InferenceAllGatherDispatcherBase):
 
     _use_allgather_v: bool = False
     _local_tokens_per_rank: list[int] | None = None
-
-    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: TransformerConfig,
-                 pg_collection: Any = None, runs_metadata_sync: bool = True) -> None:
-        super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection,
-                         runs_metadata_sync=runs_metadata_sync)
-        self.topk = config.moe_router_topk
-        self._group_size = self.ep_size * self.tp_size
 
     @classmethod
     def allocate_buffers(cls, device: torch.device | None = None) -> None:
@@ -174,13 +170,6 @@ class NVLSAllGatherVDispatcher(InferenceAllGatherDispatcherBase):
     ``NotImplementedError`` naming NVLS symmetric memory and ``inference_moe_token_dispatcher_type='nccl'``;
     with a single rank it passes tokens through.
     """
-
-    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: TransformerConfig,
-                 pg_collection: Any = None, runs_metadata_sync: bool = True) -> None:
-        super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection,
-                         runs_metadata_sync=runs_metadata_sync)
-        self.topk = config.moe_router_topk
-        self._group_size = self.ep_size * self.tp_size
 
     @classmethod
     def allocate_buffers(cls, per_rank_worst_case_token_count: int, topk: int, hidden_size: int,
