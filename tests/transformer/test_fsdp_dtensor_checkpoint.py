@@ -132,3 +132,25 @@ def test_gdn_split_matches_the_sharded_checkpoint_sections():
     for name in ("query", "z", "alpha"):
         assert torch.equal(split_opt["state"][f"in_proj.weight.{name}"]["exp_avg"],
                            2 * reference[f"in_proj.weight.{name}"])
+
+
+def test_global_names_rename_the_layer_and_the_expert_together():
+    """A sequential expert in a later pipeline stage gets its global layer and expert index (both renames); the
+    optimizer's parameter-group map uses the same names."""
+    from megatron_core.optimizer.param_groups import _global_param_names
+    from megatron_core.transformer.fsdp_dtensor_checkpoint import global_param_names
+
+    experts = torch.nn.Module()
+    experts.local_experts = torch.nn.ModuleList([torch.nn.Linear(2, 2, bias=False)])
+    experts.ep_group = None  # one EP rank: local index = global index
+    layer = torch.nn.Module()
+    layer.layer_number = 3  # the first layer of this stage is the model's third
+    layer.mlp = torch.nn.Module()
+    layer.mlp.experts = experts
+    chunk = torch.nn.Module()
+    chunk.decoder = torch.nn.Module()
+    chunk.decoder.layers = torch.nn.ModuleList([layer])
+    weight = experts.local_experts[0].weight
+    want = "decoder.layers.2.mlp.experts.local_experts.0.weight"
+    assert get_global_unique_param_name([chunk], weight) == want
+    assert global_param_names([chunk])[id(weight)] == want == _global_param_names([chunk])[id(weight)]

@@ -16,13 +16,11 @@ Expert params (``param.allreduce == False``) are kept in separate groups so they
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from megatron_core._ground import get_pg_rank
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.optimizer.param_keys import ParamKey
 from megatron_core.optimizer_param_scheduler import (
@@ -124,29 +122,11 @@ def get_param_groups_from_overrides(model_chunks: list[torch.nn.Module], config:
 
 
 def _global_param_names(model_chunks: list[torch.nn.Module]) -> dict[int, str]:
-    """``id(param) -> name`` unique over the whole model: each transformer layer under its global index
-    (``layer_number - 1``, not its index in this pipeline stage) and each routed expert under its global index."""
-    names: dict[int, str] = {}
-    for chunk in model_chunks:
-        renames: list[tuple[str, str]] = []
-        for module_name, module in chunk.named_modules():
-            layer = re.fullmatch(r"(.*\.)?layers\.(\d+)", module_name)
-            if layer and isinstance(getattr(module, "layer_number", None), int):
-                renames.append((module_name + ".", f"{layer.group(1) or ''}layers.{module.layer_number - 1}."))
-            experts = getattr(module, "local_experts", None)
-            if isinstance(experts, torch.nn.ModuleList) and hasattr(module, "ep_group"):
-                first = get_pg_rank(module.ep_group) * len(experts)
-                renames += [(f"{module_name}.local_experts.{i}.", f"{module_name}.local_experts.{first + i}.")
-                            for i in range(len(experts))]
-        renames.sort(key=lambda r: -len(r[0]))  # the longest (innermost) prefix first
-        for name, param in chunk.named_parameters():
-            new = name
-            for old_prefix, new_prefix in renames:
-                if name.startswith(old_prefix):
-                    new = new_prefix + name[len(old_prefix):]
-                    break
-            names.setdefault(id(param), new)
-    return names
+    """``id(param) -> name`` unique over the whole model (Megatron-Core's ``get_global_unique_param_name``: layers
+    and routed experts under their global indices)."""
+    from megatron_core.transformer.fsdp_dtensor_checkpoint import global_param_names
+
+    return global_param_names(model_chunks)
 
 
 def dump_param_group_map(model_chunks: list[torch.nn.Module], param_groups: list[dict[str, Any]], path: str) -> None:

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "expert_param_local_key", "flatten_state_dict", "get_ep_layer_offset", "get_expert_index_from_key",
-    "get_global_unique_param_name", "get_total_num_experts", "handle_experts_in_state_dict",
+    "get_global_unique_param_name", "get_total_num_experts", "global_param_names", "handle_experts_in_state_dict",
     "handle_fp8_extra_state_case", "handle_gdn_in_state_dict", "handle_swiglu_in_state_dict",
     "print_diff_in_state_dicts", "validate_loaded_state_dict",
 ]
@@ -366,6 +366,17 @@ def _layer_renames(chunk: torch.nn.Module) -> list[tuple[str, str]]:
             renames += [(f"{module_name}.local_experts.{i}.", f"{module_name}.local_experts.{first + i}.")
                         for i in range(len(experts))]
     return renames
+
+
+def global_param_names(model_chunks: list[torch.nn.Module]) -> dict[int, str]:
+    """``id(param) -> name`` for every parameter of ``model_chunks``, as :func:`get_global_unique_param_name`
+    names it (one pass over the chunks; the optimizer's parameter-group map uses it)."""
+    names: dict[int, str] = {}
+    for chunk in model_chunks:
+        renames = _layer_renames(chunk)
+        for name, p in chunk.named_parameters():
+            names.setdefault(id(p), _rename_all(name, renames))
+    return names
 
 
 def get_global_unique_param_name(model_chunks: list[torch.nn.Module], param: torch.Tensor) -> str:
