@@ -32,6 +32,7 @@ from megatron_core.datasets.helpers import build_sample_idx
 from megatron_core.datasets.index_cache import IndexCache, data_identity
 from megatron_core.datasets.indexed_dataset import IndexedDataset
 from megatron_core.datasets.megatron_dataset import MegatronDataset
+from megatron_core.datasets.object_storage_utils import ObjectStorageConfig, is_object_storage_path
 from megatron_core.datasets.utils import Split, log_single_rank
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     """Read ``sequence_length + 1`` tokens per sample so tokens and labels both have ``sequence_length``."""
 
     object_storage_cache_path: str | None = None
-    """Megatron's object-storage index cache; object storage is not supported (must stay None)."""
+    """Local directory caching the ``.idx`` of ``s3://`` / ``msc://`` prefixes (required for them)."""
 
     data_parallel_size: int = 1
     """Data-parallel size (bookkeeping for packed-sequence variants)."""
@@ -91,8 +92,6 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
         ]
         if missing:
             raise ValueError(f"GPTDatasetConfig: {', '.join(missing)} must be set to True or False")
-        if self.object_storage_cache_path is not None:
-            raise ValueError("object_storage_cache_path is not supported by megatron_core (no object storage)")
         vocab_size = self.tokenizer.vocab_size
         self.token_dtype_code = None if vocab_size is None else (4 if vocab_size > numpy.iinfo(numpy.uint16).max + 1 else 8)
 
@@ -124,6 +123,17 @@ class GPTDataset(MegatronDataset):
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
         """Open ``dataset_path`` (``.bin``/``.idx`` prefix)."""
+        if is_object_storage_path(dataset_path):
+            if config.object_storage_cache_path is None:
+                raise ValueError(
+                    f"GPTDatasetConfig.object_storage_cache_path (None) must be set to read {dataset_path!r}"
+                )
+            return IndexedDataset(
+                dataset_path,
+                multimodal=False,
+                mmap=config.mmap_bin_files,
+                object_storage_config=ObjectStorageConfig(path_to_idx_cache=config.object_storage_cache_path),
+            )
         counts = config.sequences_per_dataset[dataset_path] if config.sequences_per_dataset else None
         return IndexedDataset(
             dataset_path,
@@ -211,8 +221,8 @@ class GPTDataset(MegatronDataset):
     def _cache_directory(self) -> str | None:
         if self.config.path_to_cache:
             return self.config.path_to_cache
-        if self.config.mock:
-            return None
+        if self.config.mock or is_object_storage_path(self.dataset.path_prefix):
+            return None  # no local directory beside a remote prefix: build the indices in memory
         return os.path.join(self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices")
 
     def _data_identity(self) -> dict | None:

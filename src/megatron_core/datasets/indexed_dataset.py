@@ -11,6 +11,10 @@ Byte-for-byte the format of ``megatron.core.datasets.indexed_dataset`` (all litt
 Unlike Megatron, opening validates the header and the sizes and raises ``ValueError`` naming the
 file and the problem (bad magic, unknown version or dtype code, truncated index, ``.bin`` shorter
 than the index says) instead of failing later with an opaque error.
+
+A prefix may also be ``s3://...`` or ``msc://...`` with an ``ObjectStorageConfig``: the ``.idx`` is
+cached locally (``datasets.object_storage_utils``) and the ``.bin`` read by the ranged readers of
+``OBJECT_STORAGE_BIN_READERS`` (``datasets.object_storage_bin_readers``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,21 @@ from enum import Enum
 from typing import Any
 
 import numpy
+
+from megatron_core.datasets.object_storage_bin_readers import (  # the reader classes: Megatron's names here
+    OBJECT_STORAGE_BIN_READERS,
+    _MultiStorageClientBinReader,  # noqa: F401
+    _S3BinReader,  # noqa: F401
+)
+from megatron_core.datasets.object_storage_utils import (
+    ObjectStorageConfig,
+    S3Config,
+    cache_index_file,
+    dataset_exists,
+    get_index_cache_path,
+    get_object_storage_access,
+    is_object_storage_path,
+)
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _HEADER_SIZE = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
@@ -218,8 +237,10 @@ class IndexedDataset:
     """Read-only view of a ``<prefix>.bin``/``<prefix>.idx`` pair; item ``i`` is sequence ``i``.
 
     ``multimodal=True`` also reads the per-sequence modes and makes items ``(tokens, mode)``.
-    ``mmap=False`` reads with file calls instead of a memory map. Object storage arguments of
-    Megatron (``object_storage_config``, ``s3_config``) are accepted only as ``None``.
+    ``mmap=False`` reads with file calls instead of a memory map. For an ``s3://`` / ``msc://``
+    prefix pass ``object_storage_config`` (or Megatron's deprecated ``s3_config``) and
+    ``mmap=False``: the ``.idx`` is downloaded to ``path_to_idx_cache`` by global rank 0 and the
+    ``.bin`` streamed in ``bin_chunk_nbytes`` ranged requests.
     """
 
     def __init__(
@@ -227,34 +248,58 @@ class IndexedDataset:
         path_prefix: str,
         multimodal: bool = False,
         mmap: bool = True,
-        object_storage_config: Any = None,
-        s3_config: Any = None,
+        object_storage_config: ObjectStorageConfig | None = None,
+        s3_config: S3Config | None = None,
         fast_cache_load: bool = False,
         sequences_per_dataset: tuple[int, int] | None = None,
         dtype_code: int | None = None,
     ) -> None:
-        if object_storage_config is not None or s3_config is not None:
-            raise NotImplementedError("object storage (S3/MSC) datasets are not supported by megatron_core")
-        self.initialize(path_prefix, multimodal, mmap, fast_cache_load, sequences_per_dataset, dtype_code)
+        object_storage_config = object_storage_config or s3_config
+        remote = is_object_storage_path(path_prefix)
+        if remote and object_storage_config is None:
+            raise ValueError(
+                f"IndexedDataset {path_prefix!r} is on object storage: object_storage_config (path_to_idx_cache) "
+                "is required"
+            )
+        if not remote and object_storage_config is not None:
+            raise ValueError(
+                f"IndexedDataset {path_prefix!r}: object_storage_config is only for s3:// or msc:// prefixes"
+            )
+        if remote and mmap:
+            raise ValueError(f"IndexedDataset {path_prefix!r}: mmap (True) must be False for object storage")
+        if remote:
+            idx_path = get_idx_path(path_prefix)
+            cache_index_file(idx_path, get_index_cache_path(idx_path, object_storage_config))
+        self.initialize(
+            path_prefix, multimodal, mmap, object_storage_config, fast_cache_load, sequences_per_dataset, dtype_code
+        )
 
     def initialize(
         self,
         path_prefix: str,
         multimodal: bool,
         mmap: bool,
+        object_storage_config: ObjectStorageConfig | None = None,
         fast_cache_load: bool = False,
         sequences_per_dataset: tuple[int, int] | None = None,
         dtype_code: int | None = None,
     ) -> None:
-        """Open the files (called by ``__init__`` and after unpickling)."""
+        """Open the files (called by ``__init__`` and after unpickling; a remote ``.idx`` is already cached)."""
         idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
-        for path in (idx_path, bin_path):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"IndexedDataset {path_prefix!r}: missing file {path}")
+        if object_storage_config is not None:
+            idx_path = get_index_cache_path(idx_path, object_storage_config)
+            bin_reader: Any = OBJECT_STORAGE_BIN_READERS[get_object_storage_access(path_prefix)](
+                bin_path, object_storage_config
+            )
+        else:
+            for path in (idx_path, bin_path):
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(f"IndexedDataset {path_prefix!r}: missing file {path}")
+            bin_reader = None
         self.path_prefix = path_prefix
         self.multimodal = multimodal
         self.mmap = mmap
-        self.object_storage_config = None
+        self.object_storage_config = object_storage_config
         self.fast_cache_load = fast_cache_load
         self.sequences_per_dataset = sequences_per_dataset
         self.dtype_code = dtype_code
@@ -272,7 +317,7 @@ class IndexedDataset:
                 f"{idx_path}: holds {self.index.sequence_count} sequences and {self.index.document_count} "
                 f"document boundaries, but sequences_per_dataset says {tuple(sequences_per_dataset)}"
             )
-        bin_size = os.path.getsize(bin_path)
+        bin_size = os.path.getsize(bin_path) if bin_reader is None else bin_reader.nbytes
         if self.index.sequence_count:
             needed = int(self.index.sequence_pointers[-1]) + int(self.index.sequence_lengths[-1]) * (
                 self.index.dtype_size
@@ -282,13 +327,16 @@ class IndexedDataset:
                     f"{bin_path}: data file is shorter than its index says: {bin_size} bytes, but the "
                     f"last sequence ends at byte {needed}"
                 )
-        self.bin_reader = _MMapBinReader(bin_path) if mmap else _FileBinReader(bin_path)
+        if bin_reader is None:
+            bin_reader = _MMapBinReader(bin_path) if mmap else _FileBinReader(bin_path)
+        self.bin_reader = bin_reader
 
     def __getstate__(self) -> tuple:
         return (
             self.path_prefix,
             self.multimodal,
             self.mmap,
+            self.object_storage_config,
             self.fast_cache_load,
             self.sequences_per_dataset,
             self.dtype_code,
@@ -367,7 +415,9 @@ class IndexedDataset:
 
     @staticmethod
     def exists(path_prefix: str) -> bool:
-        """True when both ``<prefix>.idx`` and ``<prefix>.bin`` exist."""
+        """True when both ``<prefix>.idx`` and ``<prefix>.bin`` exist (locally or on object storage)."""
+        if is_object_storage_path(path_prefix):
+            return dataset_exists(path_prefix, get_idx_path(path_prefix), get_bin_path(path_prefix))
         return os.path.exists(get_idx_path(path_prefix)) and os.path.exists(get_bin_path(path_prefix))
 
 
