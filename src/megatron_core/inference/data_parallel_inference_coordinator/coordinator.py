@@ -291,40 +291,14 @@ class DataParallelInferenceCoordinator:
         self.context.term()
 
     @classmethod
-    def entrypoint(
-        cls,
-        pipe_connection: Connection | None,
-        ready_event: Any,
-        data_parallel_size: int,
-        tokenizer: Any,
-        max_requests: int,
-        inference_coordinator_port: int | None = None,
-        deterministic_mode: bool = False,
-        block_size_tokens: int | None = None,
-        enable_prefix_caching: bool = False,
-        prefix_caching_coordinator_policy: PrefixCachingCoordinatorPolicy = (
-            PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK
-        ),
-        prefix_caching_routing_alpha: float = 0.5,
-        schedule_output_path: str | None = None,
-        hostname: str | None = None,
-        *,
-        connect_timeout_s: float | None = None,
-        stop_event: Any = None,
-    ) -> None:
-        """Build a coordinator, set ``ready_event`` once its engines registered, serve until SHUTDOWN, close.
+    def entrypoint(cls, pipe_connection: Connection | None, ready_event: Any, *args: Any, **kwargs: Any) -> None:
+        """Build a coordinator (the constructor's arguments after ``pipe_connection``), set ``ready_event`` once its
+        engines registered, serve until SHUTDOWN, close.
 
         The target of the process (or thread) an engine launches; the address goes back through
         ``pipe_connection``.
         """
-        coordinator = cls(
-            pipe_connection, data_parallel_size, tokenizer, max_requests, inference_coordinator_port,
-            deterministic_mode=deterministic_mode, block_size_tokens=block_size_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            prefix_caching_coordinator_policy=prefix_caching_coordinator_policy,
-            prefix_caching_routing_alpha=prefix_caching_routing_alpha, schedule_output_path=schedule_output_path,
-            hostname=hostname, connect_timeout_s=connect_timeout_s, stop_event=stop_event,
-        )
+        coordinator = cls(pipe_connection, *args, **kwargs)
         ready_event.set()
         try:
             coordinator.start()

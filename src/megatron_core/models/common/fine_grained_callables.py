@@ -7,6 +7,7 @@ multi-token-prediction layers (``build_mtp_layer_callables``) are supported.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +39,6 @@ def get_layer_moe_metadata(layer: Any) -> tuple[bool, int | None]:
 
 def _fork_rng(layer: Any) -> Any:
     """The model-parallel RNG fork an MTP depth runs its projection in under sequence parallelism."""
-    import contextlib
-
     return tensor_parallel.get_cuda_rng_tracker().fork() if layer.sequence_parallel else contextlib.nullcontext()
 
 
