@@ -26,6 +26,7 @@ from megatron_core.optimizer.clip_grads import (
     count_zeros_fp32,
     get_grad_norm_fp32,
 )
+from megatron_core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 from megatron_core.optimizer.emerging_optimizers import (
     _EMERGING_OPTIMIZERS,
@@ -70,6 +71,7 @@ __all__ = [
     "DynamicGradScaler",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
+    "HybridDeviceOptimizer",
     "LayerWiseDistributedOptimizer",
     "MegatronGradScaler",
     "MegatronOptimizer",
