@@ -2,7 +2,9 @@
 
 Megatron-Core's function of the same name, called by the pipeline schedules through
 ``config.finalize_model_grads_func``. In order: finish the DP x CP reduction of every model chunk;
-all-reduce the gradients of sequence-parallel params (layernorms, row-parallel biases) over TP;
+all-reduce over TP the gradients of sequence-parallel params (layernorms, row-parallel biases) and, with
+``qk_layernorm``, of the per-head q/k layernorms, and average over TP those of params marked ``average_gradients_across_tp_domain`` (replicated modules whose
+copies must not drift: Hugging Face wrappers, the DSA indexer);
 all-reduce tied word-embedding gradients over the embedding group (first and last PP stage, and any
 stage with MTP layers, which holds a copy of the embedding) and
 position-embedding gradients over the position-embedding group; update the MoE routers' expert
@@ -90,6 +92,37 @@ def _allreduce_grads(params: list[torch.nn.Parameter], group: Any) -> None:
     collectives.all_reduce_coalesced(grads, group)
 
 
+def _average_grads(params: list[torch.nn.Parameter], group: Any) -> None:
+    grads = [g for g in (_main_grad(p) for p in params) if g is not None]
+    collectives.all_reduce_coalesced(grads, group)
+    for grad in grads:
+        grad.div_(get_pg_size(group))
+
+
+def _tp_replicated_params(model: list[torch.nn.Module], config: Any
+                          ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """The TP-replicated params whose gradients each TP rank holds only part of (summed over TP) and those marked
+    ``average_gradients_across_tp_domain`` (averaged over TP), as Megatron-Core picks them.
+
+    Summed: sequence-parallel params (with ``sequence_parallel``), and with ``qk_layernorm`` the q/k layernorms of
+    head-parallel attention (each rank normalises only its own heads). MLA's ``q_layernorm`` normalises the
+    latent, whose gradient is already complete on every rank without sequence parallelism, so it is left out.
+    """
+    sequence_parallel = getattr(config, "sequence_parallel", False)
+    per_head_qk_norm = getattr(config, "qk_layernorm", False) and not getattr(config, "multi_latent_attention", False)
+    summed, averaged = [], []
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            if getattr(param, "average_gradients_across_tp_domain", False):
+                averaged.append(param)
+            elif ((sequence_parallel and getattr(param, "sequence_parallel", False))
+                  or (per_head_qk_norm and ("q_layernorm" in name or "k_layernorm" in name))):
+                summed.append(param)
+    return summed, averaged
+
+
 def _routers(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """The MoE routers of every chunk (the modules with balancing state)."""
     return [module for chunk in model
@@ -174,10 +207,10 @@ def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor 
         if hasattr(chunk, "finish_grad_sync"):
             chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
 
-    if _in_group(groups["tp"]) and getattr(config, "sequence_parallel", False):
-        params = [p for chunk in model for p in chunk.parameters()
-                  if p.requires_grad and getattr(p, "sequence_parallel", False)]
-        _allreduce_grads(params, groups["tp"])
+    if _in_group(groups["tp"]):
+        summed, averaged = _tp_replicated_params(model, config)
+        _allreduce_grads(summed, groups["tp"])
+        _average_grads(averaged, groups["tp"])
 
     if _in_group(groups["embd"]):
         _allreduce_grads(_tied_embedding_params(model, groups["pp"]), groups["embd"])
