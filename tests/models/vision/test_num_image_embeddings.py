@@ -44,7 +44,6 @@ def test_counts_match_megatron_core():
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(vision_model_type="vit-h"), r"vision_model_type \('vit-h'\) must be one of"),
-    (dict(vision_model_type="hf://google/siglip"), r"'hf://google/siglip'.*not supported"),
     (dict(use_tile_tags=True, tokenizer_type="gpt2"), r"tokenizer_type in .* got 'gpt2'"),
     (dict(use_tile_tags=True), r"got None"),
     (dict(use_tile_tags=True, tokenizer_type="qwen2p0", max_num_tiles=128), r"max_num_tiles \(128\) must be at most"),

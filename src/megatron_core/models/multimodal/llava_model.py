@@ -1,6 +1,7 @@
 """The LLaVA vision-language model (Megatron-Core's ``megatron.core.models.multimodal.llava_model``).
 
-``vision_model`` (:class:`CLIPViTModel`: CLIP, SigLIP or InternViT) encodes the image tiles
+``vision_model`` (:class:`CLIPViTModel`: CLIP, SigLIP or InternViT; or, for ``vision_model_type="hf://..."``,
+a Hugging Face SigLIP tower built by ``models.huggingface.build_hf_model``) encodes the image tiles
 ``[tiles, 3, img_h, img_w]``; the class token(s) are dropped if asked, the tokens optionally
 pixel-shuffled, and ``vision_projection`` (:class:`MultimodalProjector`) maps them to the language
 width. In ``input_ids`` ``[b, t]`` every image is one ``image_token_index``; its embeddings
@@ -11,9 +12,10 @@ runs on the combined ``[L, b, h]`` sequence. ``forward`` returns ``(loss or logi
 Sequence parallelism pads the combined sequence to a multiple of TP and scatters it; context
 parallelism pads to a multiple of ``2 * CP`` (times TP with SP) and keeps this rank's load-balanced
 chunks (``"sbhd"``, or the packed ``"thd"`` layout of ``packed_seq_params``). Pipeline stages follow
-``add_encoder`` / ``add_decoder`` / ``pre_process`` / ``post_process`` as in Megatron-Core. RADIO and
-Hugging Face vision models, hybrid (Mamba) language models, sound inputs and dynamic-resolution or
-video (temporal) inputs are refused with a ``ValueError``.
+``add_encoder`` / ``add_decoder`` / ``pre_process`` / ``post_process`` as in Megatron-Core. RADIO vision
+models, hybrid (Mamba) language models, sound inputs and dynamic-resolution or video (temporal) inputs are
+refused with a ``ValueError``; Hugging Face vision models other than SigLIP with ``NotImplementedError``, as in
+Megatron-Core.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from megatron_core._ground import get_pg_size
 from megatron_core.models.gpt import GPTModel
+from megatron_core.models.multimodal._hf_vision import build_hf_vision_model, is_hf_vision_type
 from megatron_core.models.multimodal._pixel_shuffle import pixel_shuffle
 from megatron_core.models.multimodal._sequence_sharding import shard_combined_sequence
 from megatron_core.models.multimodal._token_splice import (
@@ -177,13 +180,21 @@ class LLaVAModel(MegatronModule):
         self._drop_vision_class_token = drop_vision_class_token
         has_class_token = vision_model_type != "siglip"
         class_token_len = 1 if has_class_token else 0
+        # Counted before the encoder is built: this also rejects Hugging Face towers that are not SigLIP.
+        self.img_seq_len = get_num_image_embeddings(
+            img_h, img_w, patch_dim, vision_model_type, drop_vision_class_token, class_token_len, pixel_shuffle,
+            tile_tags is not None, max_num_tiles, tokenizer_type,
+        )
         if add_encoder:
-            encoder_groups = _encoder_groups(self.pg_collection, vision_transformer_config)
-            self.vision_model = CLIPViTModel(
-                vision_transformer_config, vision_transformer_layer_spec, img_h=img_h, img_w=img_w,
-                class_token_len=class_token_len, patch_dim=patch_dim, model_subtype=vision_model_type,
-                add_class_token=has_class_token, pg_collection=encoder_groups, vp_stage=vp_stage,
-            )
+            if is_hf_vision_type(vision_model_type):  # replicated over TP; its own groups are irrelevant
+                self.vision_model = build_hf_vision_model(vision_transformer_config, img_h, img_w, patch_dim)
+            else:
+                self.vision_model = CLIPViTModel(
+                    vision_transformer_config, vision_transformer_layer_spec, img_h=img_h, img_w=img_w,
+                    class_token_len=class_token_len, patch_dim=patch_dim, model_subtype=vision_model_type,
+                    add_class_token=has_class_token,
+                    pg_collection=_encoder_groups(self.pg_collection, vision_transformer_config), vp_stage=vp_stage,
+                )
             self.vision_model.register_load_state_dict_post_hook(_ignore_extra_state_keys)
             projection_input = vision_transformer_config.hidden_size * (4 if pixel_shuffle else 1)
             self.vision_projection = MultimodalProjector(
@@ -196,10 +207,6 @@ class LLaVAModel(MegatronModule):
                     functools.partial(_ignore_missing_keys, names))
             self.vision_projection.register_load_state_dict_post_hook(_ignore_extra_state_keys)
 
-        self.img_seq_len = get_num_image_embeddings(
-            img_h, img_w, patch_dim, vision_model_type, drop_vision_class_token, class_token_len, pixel_shuffle,
-            tile_tags is not None, max_num_tiles, tokenizer_type,
-        )
         self.image_token_index = image_token_index
         self._pixel_shuffle = pixel_shuffle
         self._tile_tags = tile_tags
@@ -431,12 +438,15 @@ def _check_supported(language_config: TransformerConfig, vision_config: Transfor
     """Refuse, by name, the LLaVA variants this library does not build."""
     if vision_model_type is None:
         raise ValueError("vision_transformer_config.vision_model_type must be set (one of 'clip', 'siglip', "
-                         "'internvit', 'internvit300M'), as Megatron-LM's multimodal configs do")
-    if not vision_model_type.startswith(_CLIP_LIKE):
+                         "'internvit', 'internvit300M', 'hf://<SigLIP model>'), as Megatron-LM's multimodal "
+                         "configs do")
+    if not (vision_model_type.startswith(_CLIP_LIKE) or is_hf_vision_type(vision_model_type)):
         raise ValueError(f"vision_model_type ({vision_model_type!r}) is not supported: this library builds CLIP, "
-                         "SigLIP and InternViT encoders (RADIO and Hugging Face 'hf://' models are not available)")
-    if vision_model_type == "siglip" and drop_vision_class_token:
-        raise ValueError("vision_model_type 'siglip' has no class token: drop_vision_class_token must be False")
+                         "SigLIP and InternViT encoders and Hugging Face 'hf://' SigLIP towers (RADIO models are "
+                         "not available)")
+    if (vision_model_type == "siglip" or is_hf_vision_type(vision_model_type)) and drop_vision_class_token:
+        raise ValueError(f"vision_model_type {vision_model_type!r} has no class token: drop_vision_class_token "
+                         "must be False (SigLIP encoders, the only Hugging Face towers LLaVA takes, have none)")
     if vision_config.context_parallel_size != 1:
         raise ValueError(f"vision_transformer_config.context_parallel_size ({vision_config.context_parallel_size}) "
                          "must be 1: context parallelism splits only the language model's sequence")

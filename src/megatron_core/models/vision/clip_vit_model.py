@@ -12,7 +12,8 @@ spec decides the attention mask; the ViT specs use none). The output is ``[b, s,
 - ``"internvit"`` / ``"internvit300M"``: conv with bias and no extra norms (their special layers come
   from the layer spec).
 
-:func:`get_num_image_embeddings` gives the number of language-model tokens one image tile turns into.
+:func:`get_num_image_embeddings` gives the number of language-model tokens one image tile turns into,
+also for Hugging Face SigLIP towers (``"hf://..."`` types, which LLaVA builds with ``models.huggingface``).
 """
 
 from __future__ import annotations
@@ -147,9 +148,20 @@ def _keeps_class_token(vision_model_type: str, disable_vision_class_token: bool)
         "radio"
     ):
         return not disable_vision_class_token
+    if vision_model_type.startswith("hf://"):
+        # Classified by the model's config (transformers reads it); only SigLIP towers, which have no class token.
+        from megatron_core.models.huggingface.module import get_hf_model_type
+
+        family = get_hf_model_type(vision_model_type)
+        if "siglip" in family:
+            return False
+        raise NotImplementedError(
+            f"unsupported huggingface vision model: {vision_model_type} (a {family!r} model; Hugging Face vision "
+            "models must be SigLIP ones)"
+        )
     raise ValueError(
         f"vision_model_type ({vision_model_type!r}) must be one of ['clip', 'siglip', 'internvit', 'internvit300M', "
-        "'radio*', 'cradio-g'] (Hugging Face 'hf://' vision models are not supported by this library)"
+        "'radio*', 'cradio-g', 'hf://<SigLIP model>']"
     )
 
 
@@ -185,7 +197,9 @@ def get_num_image_embeddings(
 ) -> int:
     """Language-model tokens per image tile: patches (+ class tokens), /4 with pixel shuffle, + tile tags.
 
-    ``"cradio-g"`` always has 8 class tokens; SigLIP never keeps one.
+    ``"cradio-g"`` always has 8 class tokens; SigLIP never keeps one. A ``"hf://<name or directory>"`` type is
+    classified with ``models.huggingface.module.get_hf_model_type`` (which reads the model's config with
+    ``transformers``): a SigLIP model keeps no class token, any other family raises ``NotImplementedError``.
     """
     if vision_model_type == "cradio-g":
         class_token_len = 8
