@@ -57,3 +57,25 @@ def test_indexer_loss_gets_the_set_scale_in_backward():
     assert out.grad.tolist() == [1.0, 1.0, 1.0] and indexer_loss.grad.item() == 0.5
     with pytest.raises(TypeError):
         DSAIndexerLossAutoScaler.set_loss_scale(0.5)
+
+
+class _Stage(torch.nn.Module):
+    """A one-stage model: doubles its input."""
+
+    def set_input_tensor(self, tensors):
+        self.input_tensor = tensors
+
+    def forward(self, x):
+        return 2 * x
+
+
+@pytest.mark.parametrize("per_token, scale", [(False, 6.0), (True, 3.0)])
+def test_forward_step_sets_the_indexer_scale_like_forward_step_calc_loss(per_token, scale):
+    """``forward_step`` (what every schedule calls) scales the indexer loss as ``forward_step_calc_loss`` does: a DP
+    replica's gradients are averaged, so an unscaled indexer loss weighed ``num_microbatches`` times too much."""
+    def step(data_iterator, model):
+        return model(next(data_iterator)), lambda t: (t.sum(), torch.tensor(4), {"lm": t.detach().sum()})
+
+    schedules.forward_step(step, iter([torch.ones(2)]), _Stage(), 2, None, [],
+                           _config(calculate_per_token_loss=per_token), cp_size=4)
+    torch.testing.assert_close(DSAIndexerLossAutoScaler.main_loss_backward_scale, torch.tensor([scale]))

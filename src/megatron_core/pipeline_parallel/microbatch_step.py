@@ -172,6 +172,7 @@ def forward_step(
         _set_moe_aux_loss_scale(config, num_microbatches, cp_size)
     if getattr(config, "mtp_num_layers", None):
         _set_mtp_loss_scale(config, num_microbatches)
+    _set_attention_variant_loss_scale(config, num_microbatches, cp_size)
     with autocast:
         if checkpoint_activations_microbatch is None:
             output_tensor, loss_func = forward_step_func(data_iterator, model)
@@ -229,16 +230,12 @@ def forward_step_calc_loss(
             forward_data_store.append(logs)
     if getattr(config, "timers", None) is not None:
         config.timers("forward-compute").stop()
-    per_token = getattr(config, "calculate_per_token_loss", False)
     cp_size = cp_group_size if cp_group_size is not None else 1
     if getattr(config, "num_moe_experts", None) is not None:
         _set_moe_aux_loss_scale(config, num_microbatches, cp_size)
     if getattr(config, "mtp_num_layers", None):
         _set_mtp_loss_scale(config, num_microbatches)
-    variant_scale_func = _attention_variant_loss_scale_func(config)
-    if variant_scale_func is not None:
-        scale = _main_loss_backward_scale(config, "_no_own_scale_func")
-        variant_scale_func(scale if per_token else scale * cp_size / num_microbatches)
+    _set_attention_variant_loss_scale(config, num_microbatches, cp_size)
     return output_tensor, num_tokens
 
 
@@ -253,6 +250,16 @@ def _attention_variant_loss_scale_func(config: Any) -> Callable | None:
 
         return DSAIndexerLossAutoScaler.set_loss_scale
     return None
+
+
+def _set_attention_variant_loss_scale(config: Any, num_microbatches: int, cp_size: int) -> None:
+    """An attention variant's auxiliary loss (DSA's indexer loss) gets the main loss's backward scale times
+    ``cp / num_microbatches`` (per token: unscaled), as Megatron-Core's ``forward_step_calc_loss`` sets it."""
+    variant_scale_func = _attention_variant_loss_scale_func(config)
+    if variant_scale_func is not None:
+        scale = _main_loss_backward_scale(config, "_no_own_scale_func")
+        per_token = getattr(config, "calculate_per_token_loss", False)
+        variant_scale_func(scale if per_token else scale * cp_size / num_microbatches)
 
 
 def _main_loss_backward_scale(config: Any, own_scale_func: str) -> torch.Tensor:

@@ -13,8 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_core import parallel_state
+from megatron_core._ground import get_pg_size
 from megatron_core.transformer.loss_auto_scaler import LossAutoScaler
 from megatron_core.transformer.mtp_metrics import MTPLossLoggingHelper, mtp_acceptance_counts
 from megatron_core.transformer.mtp_roll import roll_tensor
@@ -82,8 +84,24 @@ def process_mtp_loss(hidden_states: torch.Tensor, labels: torch.Tensor | None, l
                 avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True)
                 if parallel_state.model_parallel_is_initialized() else None)
         if config.calculate_per_token_loss:
-            attached = scale * mtp_loss * (original_num_tokens / num_tokens.clamp(min=1))
+            whole, shifted = _tokens_over_cp(original_num_tokens, num_tokens, cp_group)
+            attached = scale * mtp_loss * (whole / shifted.clamp(min=1))
         else:
             attached = scale * mtp_loss / num_tokens.clamp(min=1)
         hidden_states = MTPLossAutoScaler.apply(hidden_states, attached)
     return hidden_states
+
+
+def _tokens_over_cp(original_num_tokens: torch.Tensor, num_tokens: torch.Tensor, cp_group: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The main loss's and a depth's valid-token counts over the whole sequence: summed over the CP group.
+
+    Megatron-Core rescales by this rank's own counts, so a rank whose chunk loses a different share of tokens to the
+    roll weighs its depth loss differently from one process (about 1e-3 in the gradients at CP=2); the ratio of the
+    sequence's counts is the one a single process uses (docs/compat.md).
+    """
+    if cp_group is None or get_pg_size(cp_group) <= 1:
+        return original_num_tokens, num_tokens
+    counts = torch.stack([original_num_tokens.detach(), num_tokens.detach()]).to(torch.float32)
+    dist.all_reduce(counts, group=cp_group)
+    return counts[0], counts[1]
