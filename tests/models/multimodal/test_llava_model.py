@@ -160,7 +160,7 @@ def test_bad_input_names_the_values(call, message):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(vision_model_type="radio"), r"vision_model_type \('radio'\) is not supported"),
+    (dict(vision_model_type="radio-h"), r"vision_model_type \('radio-h'\) is not supported"),
     (dict(vision_model_type=None), r"vision_transformer_config.vision_model_type must be set"),
     (dict(vision_model_type="siglip"), r"'siglip' has no class token: drop_vision_class_token must be False"),
     (dict(sound_model=torch.nn.Linear(1, 1)), r"\['sound_model'\] are not supported"),

@@ -1,7 +1,8 @@
 """The LLaVA vision-language model (Megatron-Core's ``megatron.core.models.multimodal.llava_model``).
 
-``vision_model`` (:class:`CLIPViTModel`: CLIP, SigLIP or InternViT; or, for ``vision_model_type="hf://..."``,
-a Hugging Face SigLIP tower built by ``models.huggingface.build_hf_model``) encodes the image tiles
+``vision_model`` (:class:`CLIPViTModel`: CLIP, SigLIP or InternViT; :class:`RADIOViTModel` for ``"radio"``,
+``"radio-g"`` and ``"cradio-g"``; or, for ``vision_model_type="hf://..."``, a Hugging Face SigLIP tower built by
+``models.huggingface.build_hf_model``) encodes the image tiles
 ``[tiles, 3, img_h, img_w]``; the class token(s) are dropped if asked, the tokens optionally
 pixel-shuffled, and ``vision_projection`` (:class:`MultimodalProjector`) maps them to the language
 width. In ``input_ids`` ``[b, t]`` every image is one ``image_token_index``; its embeddings
@@ -12,9 +13,8 @@ runs on the combined ``[L, b, h]`` sequence. ``forward`` returns ``(loss or logi
 Sequence parallelism pads the combined sequence to a multiple of TP and scatters it; context
 parallelism pads to a multiple of ``2 * CP`` (times TP with SP) and keeps this rank's load-balanced
 chunks (``"sbhd"``, or the packed ``"thd"`` layout of ``packed_seq_params``). Pipeline stages follow
-``add_encoder`` / ``add_decoder`` / ``pre_process`` / ``post_process`` as in Megatron-Core. RADIO vision
-models, hybrid (Mamba) language models, sound inputs and dynamic-resolution or video (temporal) inputs are
-refused with a ``ValueError``; Hugging Face vision models other than SigLIP with ``NotImplementedError``, as in
+``add_encoder`` / ``add_decoder`` / ``pre_process`` / ``post_process`` as in Megatron-Core. Hybrid (Mamba)
+language models, sound inputs and dynamic-resolution or video (temporal) inputs are refused with a ``ValueError``; Hugging Face vision models other than SigLIP with ``NotImplementedError``, as in
 Megatron-Core.
 """
 
@@ -40,11 +40,13 @@ from megatron_core.models.multimodal._token_splice import (
 )
 from megatron_core.models.vision.clip_vit_model import CLIPViTModel, get_num_image_embeddings
 from megatron_core.models.vision.multimodal_projector import MultimodalProjector
+from megatron_core.models.vision.radio import RADIOViTModel
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.tokenizers.vision.image_tokens import DEFAULT_IMAGE_TOKEN_INDEX, IMAGE_TOKEN
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.module import MegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec
+from megatron_core.transformer.torch_norm import WrappedTorchNorm
 from megatron_core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
@@ -64,6 +66,7 @@ SOUND_TOKEN = "<so_embedding>"
 
 _logger = logging.getLogger(__name__)
 _CLIP_LIKE = ("clip", "siglip", "internvit")
+_RADIO_TYPES = ("radio", "radio-g", "cradio-g")
 _HYBRID_LANGUAGE_MODELS = ("nemotron5-hybrid", "nemotron6-moe")
 
 
@@ -180,6 +183,9 @@ class LLaVAModel(MegatronModule):
         self._drop_vision_class_token = drop_vision_class_token
         has_class_token = vision_model_type != "siglip"
         class_token_len = 1 if has_class_token else 0
+        if vision_model_type in _RADIO_TYPES:
+            class_token_len = _radio_class_token_len(vision_transformer_config, use_vision_backbone_fp8_arch,
+                                                     drop_vision_class_token)
         # Counted before the encoder is built: this also rejects Hugging Face towers that are not SigLIP.
         self.img_seq_len = get_num_image_embeddings(
             img_h, img_w, patch_dim, vision_model_type, drop_vision_class_token, class_token_len, pixel_shuffle,
@@ -188,6 +194,13 @@ class LLaVAModel(MegatronModule):
         if add_encoder:
             if is_hf_vision_type(vision_model_type):  # replicated over TP; its own groups are irrelevant
                 self.vision_model = build_hf_vision_model(vision_transformer_config, img_h, img_w, patch_dim)
+            elif vision_model_type in _RADIO_TYPES:
+                self.vision_model = _build_radio(
+                    vision_transformer_config, vision_transformer_layer_spec, img_h, img_w, patch_dim,
+                    class_token_len, radio_force_eval_mode, radio_force_cpe_eval_mode, radio_interpolate_only_cpe,
+                    radio_cpe_aspect_ratio_select, radio_disable_cpe,
+                    _encoder_groups(self.pg_collection, vision_transformer_config), vp_stage,
+                )
             else:
                 self.vision_model = CLIPViTModel(
                     vision_transformer_config, vision_transformer_layer_spec, img_h=img_h, img_w=img_w,
@@ -438,12 +451,13 @@ def _check_supported(language_config: TransformerConfig, vision_config: Transfor
     """Refuse, by name, the LLaVA variants this library does not build."""
     if vision_model_type is None:
         raise ValueError("vision_transformer_config.vision_model_type must be set (one of 'clip', 'siglip', "
-                         "'internvit', 'internvit300M', 'hf://<SigLIP model>'), as Megatron-LM's multimodal "
-                         "configs do")
-    if not (vision_model_type.startswith(_CLIP_LIKE) or is_hf_vision_type(vision_model_type)):
+                         "'internvit', 'internvit300M', 'radio', 'radio-g', 'cradio-g', 'hf://<SigLIP model>'), as "
+                         "Megatron-LM's multimodal configs do")
+    if not (vision_model_type.startswith(_CLIP_LIKE) or vision_model_type in _RADIO_TYPES
+            or is_hf_vision_type(vision_model_type)):
         raise ValueError(f"vision_model_type ({vision_model_type!r}) is not supported: this library builds CLIP, "
-                         "SigLIP and InternViT encoders and Hugging Face 'hf://' SigLIP towers (RADIO models are "
-                         "not available)")
+                         "SigLIP and InternViT encoders, RADIO ('radio', 'radio-g', 'cradio-g') and Hugging Face "
+                         "'hf://' SigLIP towers")
     if (vision_model_type == "siglip" or is_hf_vision_type(vision_model_type)) and drop_vision_class_token:
         raise ValueError(f"vision_model_type {vision_model_type!r} has no class token: drop_vision_class_token "
                          "must be False (SigLIP encoders, the only Hugging Face towers LLaVA takes, have none)")
@@ -461,6 +475,41 @@ def _check_supported(language_config: TransformerConfig, vision_config: Transfor
     if named:
         raise ValueError(f"LLaVAModel: {named} are not supported by this library (sound, dynamic-resolution and "
                          "video inputs need encoders it does not provide)")
+
+
+def _radio_class_token_len(vision_config: TransformerConfig, use_vision_backbone_fp8_arch: bool,
+                           drop_vision_class_token: bool) -> int:
+    """RADIO's class-token count as Megatron-Core picks it: ``vision_config.class_token_len`` if set, else 8
+    (5 for ``"radio-g"``); 16 under FP8 (32 with MXFP8), which needs the token count padded."""
+    vision_model_type = vision_config.vision_model_type
+    default = 5 if vision_model_type == "radio-g" else 8
+    length = getattr(vision_config, "class_token_len", default)
+    if vision_config.fp8 or use_vision_backbone_fp8_arch:
+        length = 32 if vision_config.fp8_recipe == "mxfp8" else 16
+    # get_num_image_embeddings counts 8 class tokens for cradio-g whatever the encoder has.
+    if vision_model_type == "cradio-g" and length != 8 and not drop_vision_class_token:
+        raise ValueError(f"vision_model_type 'cradio-g' keeps its class tokens (drop_vision_class_token=False) "
+                         f"but has class_token_len={length}: the image token count assumes 8, so drop the "
+                         "class tokens or use 8")
+    return length
+
+
+def _build_radio(config: TransformerConfig, layer_spec: ModuleSpec, img_h: int, img_w: int, patch_dim: int,
+                 class_token_len: int, force_eval_mode: bool, force_cpe_eval_mode: bool, interpolate_only_cpe: bool,
+                 cpe_aspect_ratio_select: bool, disable_cpe: bool, pg_collection: Any,
+                 vp_stage: int | None) -> RADIOViTModel:
+    """The RADIO encoder with the per-type settings Megatron-Core uses: ``"radio"`` and ``"cradio-g"`` a
+    2048-pixel position grid; ``"radio-g"`` a 1792-pixel one, an embedder bias, a mask token and ``ln_post``."""
+    is_g = config.vision_model_type == "radio-g"
+    max_img = 1792 if is_g else 2048
+    return RADIOViTModel(
+        config, layer_spec, ln_post_impl=WrappedTorchNorm if is_g else None, img_h=img_h, img_w=img_w,
+        max_img_h=max_img, max_img_w=max_img, class_token_len=class_token_len, patch_dim=patch_dim,
+        add_class_token=True, embedder_bias=is_g, use_mask_token=is_g, force_eval_mode=force_eval_mode,
+        force_cpe_eval_mode=force_cpe_eval_mode, interpolate_only_cpe=interpolate_only_cpe,
+        cpe_aspect_ratio_select=cpe_aspect_ratio_select, has_cpe=not disable_cpe, pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
 
 
 def _encoder_groups(pg_collection: Any, vision_config: TransformerConfig) -> Any:
