@@ -51,6 +51,7 @@ from megatron_core.inference.engines.fault_isolation import (
     RequestRejectedError,
     describe,
 )
+from megatron_core.inference.engines.model_support import check_model_supported
 from megatron_core.inference.engines.step_scheduler import StepScheduler
 from megatron_core.inference.engines.suspend_resume import EngineSuspendedError, SuspendResume
 from megatron_core.inference.engines.token_bookkeeping import TokenBookkeeping
@@ -123,6 +124,8 @@ class DynamicInferenceEngine(StepScheduler, TokenBookkeeping, DecodeOverlap, Sus
         self.controller = controller
         self.context = context
         controller.inference_wrapped_model.inference_context = context
+        check_model_supported(controller.inference_wrapped_model.model, controller.inference_wrapped_model.config,
+                              context)
         controller.inference_wrapped_model.prep_model_for_inference()
         self.overlap_decode_steps = context.inference_config.async_sched_mode == AsyncScheduleMode.ASYNC
         self.num_speculative_tokens = context.num_speculative_tokens
