@@ -2,8 +2,11 @@
 
 A :class:`Feature` is a tiny model (GPT with the local spec, or the hybrid Mamba model) described by
 ``TransformerConfig`` fields and spec flags; :func:`model_provider` is its ``model_provider_func`` for
-``get_model`` (pipeline chunks included). A :class:`Layout` is one way of spreading 2 ranks (TP, TP+SP, CP,
-PP, DP with the distributed optimizer, EP) plus the loss normalisation it trains with.
+``get_model`` (pipeline chunks included). A :class:`Layout` is one way of spreading the ranks (TP, TP+SP, CP,
+PP, DP with the distributed optimizer, EP; ``LAYOUTS`` holds the 2-rank ones) plus the loss normalisation it trains
+with, and optionally the paths it takes (virtual pipeline, pipeline layout strings, overlapped DDP, fused weight
+gradients, the precision-aware optimizer) and its :class:`TrainOptions` (the optimizer settings and batch size that
+the one-process reference shares).
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ class Feature:
     model: dict[str, Any] = field(default_factory=dict)
 
     def make_config(self, **parallel: Any) -> TransformerConfig:
-        """The model's config with the layout's parallel fields (``parallel``) added."""
+        """The model's config with the layout's fields (``parallel``) added; they override the feature's."""
         cls = MLATransformerConfig if self.mla else TransformerConfig
-        return cls(**_COMMON, **self.config, **parallel)
+        return cls(**{**_COMMON, **self.config, **parallel})
 
 
 def _rope(**model: Any) -> dict[str, Any]:
@@ -92,14 +95,29 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
 )}
 
 
+def _staged(pattern: str, config: TransformerConfig) -> str:
+    """The hybrid ``pattern`` cut evenly into one ``|``-separated segment per virtual pipeline stage (the hybrid
+    model takes its virtual stages only from separators, as in Megatron-Core); unchanged without a virtual
+    pipeline."""
+    vp = config.virtual_pipeline_model_parallel_size
+    if vp is None:
+        return pattern
+    stages = vp * config.pipeline_model_parallel_size
+    if len(pattern) % stages:
+        raise ValueError(f"hybrid pattern {pattern!r} ({len(pattern)} layers) cannot be cut into {stages} stages")
+    size = len(pattern) // stages
+    return "|".join(pattern[i:i + size] for i in range(0, len(pattern), size))
+
+
 def model_provider(feature: Feature, pre_process: bool = True, post_process: bool = True,
                    vp_stage: int | None = None, config: TransformerConfig | None = None,
                    pg_collection: Any = None) -> GPTModel | HybridModel:
     """``feature``'s model (or this pipeline stage's chunk of it) for ``get_model``."""
     if feature.hybrid:
-        return HybridModel(config, hybrid_stack_spec, VOCAB, MAX_SEQ, hybrid_layer_pattern=feature.hybrid,
-                           pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                           pg_collection=pg_collection, **feature.model)
+        return HybridModel(config, hybrid_stack_spec, VOCAB, MAX_SEQ,
+                           hybrid_layer_pattern=_staged(feature.hybrid, config), pre_process=pre_process,
+                           post_process=post_process, vp_stage=vp_stage, pg_collection=pg_collection,
+                           **feature.model)
     if config.experimental_attention_variant is not None:
         block = get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage)
     else:
@@ -111,10 +129,35 @@ def model_provider(feature: Feature, pre_process: bool = True, post_process: boo
 
 
 @dataclass(frozen=True)
+class TrainOptions:
+    """What a run computes, shared by a layout and its one-process reference: the optimizer (``"adam"`` or
+    ``"sgd"``), its learning rate (``None``: the runner's), ``clip_grad``, ``weight_decay`` and which parameters
+    skip it (``wd_rule``: ``"standard"`` biases and 1-D parameters; ``"qk_layernorm"`` the same but the q/k
+    layernorms decay (``apply_wd_to_qk_layernorm``); ``"overrides"`` the standard rule plus ``config_overrides``
+    that exempt the embedding and output weights and double the dense ``linear_fc2`` weights' decay), the
+    micro-batches of a step over all data-parallel ranks, and a decoder depth replacing the feature's."""
+
+    optimizer: str = "adam"
+    lr: float | None = None
+    clip_grad: float = 0.5
+    weight_decay: float = 0.01
+    wd_rule: str = "standard"
+    global_microbatches: int = 4
+    num_layers: int | None = None
+
+
+@dataclass(frozen=True)
 class Layout:
-    """How 2 ranks split the model: TP (``sp``), CP, PP, EP; the rest is DP. ``per_token`` picks the loss
-    normalisation: Megatron's ``calculate_per_token_loss`` (sum over tokens / global token count) or the
-    default mean of per-microbatch token means."""
+    """How the ranks split the model: TP (``sp``), CP, PP (``vp`` virtual stages, or an explicit
+    ``pipeline_layout`` string, ``account_embedding`` / ``account_loss`` in the split), EP (``etp``: the experts'
+    TP size; ``None``: TP's); the rest is DP. ``per_token`` picks the loss normalisation: Megatron's
+    ``calculate_per_token_loss`` (sum over tokens / global token count) or the default mean of per-microbatch token
+    means. The path options (DDP's ``overlap_grad_reduce`` / ``overlap_param_gather`` with ``bucket_size``,
+    ``grad_accum_fusion``, ``defer_embedding_wgrad``, ``precision_aware`` optimizer, ``align_sync``: the schedules
+    launch each chunk's gradient reduction and parameter gather (Megatron-LM's ``align_grad_reduce`` /
+    ``align_param_gather``), ``optimizer_instances`` distributed-optimizer instances, and any other
+    ``TransformerConfig`` / ``DistributedDataParallelConfig`` fields as ``(name, value)`` pairs in
+    ``config_extra`` / ``ddp_extra``) change how, not what, is computed; ``train`` is what is computed."""
 
     name: str
     tp: int = 1
@@ -124,6 +167,22 @@ class Layout:
     sp: bool = False
     distributed_optimizer: bool = False
     per_token: bool = False
+    vp: int | None = None
+    pipeline_layout: str | None = None
+    account_embedding: bool = False
+    account_loss: bool = False
+    etp: int | None = None
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: int | None = None
+    grad_accum_fusion: bool = False
+    defer_embedding_wgrad: bool = False
+    precision_aware: bool = False
+    align_sync: bool = False
+    optimizer_instances: int = 1
+    config_extra: tuple[tuple[str, Any], ...] = ()
+    ddp_extra: tuple[tuple[str, Any], ...] = ()
+    train: TrainOptions = field(default_factory=TrainOptions)
 
     def dp(self, world: int) -> int:
         """The data-parallel size on ``world`` ranks."""
@@ -131,6 +190,13 @@ class Layout:
 
 
 ONE_PROCESS = {mode: Layout(f"one_process_{mode}", per_token=mode == "per_token") for mode in ("mean", "per_token")}
+
+
+def one_process(layout: Layout) -> Layout:
+    """The one-process run that ``layout`` must reproduce: its loss normalisation and :class:`TrainOptions`."""
+    mode = "per_token" if layout.per_token else "mean"
+    return Layout(f"one_process_{mode}", per_token=layout.per_token, train=layout.train)
+
 
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("tp2", tp=2, per_token=True),

@@ -44,6 +44,7 @@ from megatron_core.ssm.gated_delta_net.kernels import causal_conv1d, chunk_gated
 from megatron_core.ssm.mamba_mixer import _init_rng, _local_rows, _mark_tp
 from megatron_core.ssm.utils import _split_tensor_factory
 from megatron_core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron_core.tensor_parallel.wgrad_accumulation import gradient_into_main_grad
 from megatron_core.transformer.identity_op import IdentityOp
 from megatron_core.transformer.linear_attention_validation import check_linear_attention_sizes
 from megatron_core.transformer.module import MegatronModule
@@ -291,11 +292,13 @@ class GatedDeltaNet(MegatronModule):
 
         ``out_norm``'s parameters are replicated over TP while each rank holds only its heads, so they enter through
         ``copy_to_tensor_model_parallel_region``: their gradient is summed over TP in the backward (Megatron-Core
-        leaves it partial unless sequence parallelism's norm reduction happens to sum it).
+        leaves it partial unless sequence parallelism's norm reduction happens to sum it). The norm then sees the
+        copies, not its parameters, so a parameter whose gradient goes straight to ``main_grad``
+        (``gradient_accumulation_fusion``) is routed there here, before the copy, as the norm would have done.
         """
         flat = x.reshape(-1, x.shape[-1])
         if self.tp_size > 1:
-            params = {name: copy_to_tensor_model_parallel_region(param, group=self.tp_group)
+            params = {name: copy_to_tensor_model_parallel_region(gradient_into_main_grad(param), group=self.tp_group)
                       for name, param in self.out_norm.named_parameters()}
             normed = functional_call(self.out_norm, params, (flat,))
         else:

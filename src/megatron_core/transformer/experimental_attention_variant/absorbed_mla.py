@@ -151,6 +151,10 @@ class AbsorbedMLASelfAttention(Attention):
         self.linear_proj = build_output_projection(submodules.linear_proj, self.query_projection_size, config,
                                                    self.tp_group)
         _build_latent_projections(self, config, submodules)
+        # The absorbed attention multiplies by this weight directly, never through the layer's own GEMM, so its
+        # gradient arrives in ``.grad``; without the fused-GEMM mark of gradient_accumulation_fusion DDP's hook adds
+        # it to ``main_grad`` (with the mark the hook dropped it, as if the GEMM had already written it).
+        self.linear_kv_up_proj.weight.__dict__.pop("wgrad_fused_into_main_grad", None)
 
     # ---- the up-projection weights per head -----------------------------------------------------------------
     def _get_kv_up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
