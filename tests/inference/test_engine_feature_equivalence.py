@@ -7,13 +7,15 @@ latent MoE, quantile balancing, MTP with one layer per depth or one repeated lay
 ``DynamicInferenceEngine`` with continuous batching (2 requests in flight, 8 tokens per step with chunked prefill,
 one request finishing early), greedy, with log-probabilities. Every generated token must equal the plain loop's
 (the model's full forward re-run on the growing sequence, fp32, CPU, one process) and every log-probability match
-it to 1e-5: in one process, under TP=2, PP=2 and (MoE) EP=2 on gloo ranks holding the one-process weights, and
-with MTP speculative decoding (1 draft token per step, or 2 from the repeated layer) in one process and under TP=2.
+it to 1e-5: in one process, under TP=2 (dense features), TP=2 with sequence parallelism (every feature: MoE under
+TP needs it; the context pads each step to a multiple of the TP size), PP=2 and (MoE) EP=2 on gloo ranks holding
+the one-process weights, under TP=2 x PP=2 with sequence parallelism (a dense GPT, MoE with shared experts, the
+hybrid model), and with MTP speculative decoding (1 draft token per step, or 2 from the repeated layer) in one
+process and under TP=2.
 
 What the engine refuses raises ``ValueError`` naming it when the engine is built: attention sinks, gated delta net
-layers (GPT and hybrid), DeepSeek sparse attention, sequence parallelism, speculative decoding under PP. MoE under
-TP needs sequence parallelism (the config refuses it without), which the engine does not support: Megatron-Core
-0.19 pads each dynamic step to a multiple of the TP size; that case is an expected failure.
+layers (GPT and hybrid), DeepSeek sparse attention, speculative decoding under PP (and the refusals of a
+sequence-parallel step, ``tests/inference/test_engine_sequence_parallel.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ REFUSED = {"sinks": "attention sinks", "dsa": "DeepSeek sparse attention", "gdn"
 # layout -> (layout_runs arguments, features)
 LAYOUTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "tp2": (dict(tp=2), _DENSE),
+    "tp2_sp": (dict(tp=2, sp=True), SERVED),
     "pp2": (dict(pp=2), SERVED),
     "ep2": (dict(ep=2), _MOE),
 }
@@ -114,25 +117,21 @@ def test_refused_features_raise_value_error_when_the_engine_is_built(name: str) 
     assert kind == "ValueError" and REFUSED[name] in message, result["error"]
 
 
-def test_sequence_parallel_is_refused_when_the_engine_is_built() -> None:
-    weights = {"gpt": _references(("gpt",))["gpt"]["weights"]}
-    for runs in run_on_ranks(2, layout_runs, ["gpt"], tp=2, sp=True, weights=weights):
-        assert runs["gpt"][:2] == ("error", "ValueError")
-        assert "sequence_parallel=True with tensor_model_parallel_size (2) > 1" in runs["gpt"][2]
-
-
-@pytest.mark.xfail(strict=True, reason="MoE under TP needs sequence_parallel, which the dynamic engine refuses: "
-                                       "Megatron-Core 0.19 pads each dynamic step to a multiple of the TP size "
-                                       "(DynamicInferenceContext.round_up_tokens); our contexts do not")
-def test_moe_under_tensor_parallelism_equals_plain_loop() -> None:
-    references = _references(("moe_shared_bias",))
-    weights = {"moe_shared_bias": references["moe_shared_bias"]["weights"]}
-    for rank, runs in enumerate(run_on_ranks(2, layout_runs, ["moe_shared_bias"], tp=2, sp=True, weights=weights)):
-        assert not _differences("moe_shared_bias", references["moe_shared_bias"], runs["moe_shared_bias"],
-                                f"tp2_sp rank {rank}")
+@pytest.mark.distributed_debug_off  # PP sends between stages on groups that later run collectives
+def test_sequence_parallel_pipeline_engine_equals_one_process_plain_loop() -> None:
+    """TP=2 x PP=2 with sequence parallelism: each stage passes its slice of the padded step."""
+    names = ("gpt", "moe_shared_bias", "hybrid")
+    references = _references(names)
+    weights = {name: references[name]["weights"] for name in names}
+    per_rank = run_on_ranks(4, layout_runs, list(names), tp=2, pp=2, sp=True, weights=weights)
+    differences = [d for name in names for rank, runs in enumerate(per_rank)
+                   for d in _differences(name, references[name], runs[name], f"tp2_pp2_sp rank {rank}")]
+    assert not differences, "\n".join(differences)
 
 
 def test_matrix_covers_every_feature() -> None:
-    """Every feature is either served (and then under PP, and under TP or EP) or refused."""
+    """Every feature is either served (and then under PP, under TP with sequence parallelism, and under TP or EP)
+    or refused."""
     assert set(SERVED) | set(REFUSED) == set(FEATURES), set(FEATURES) ^ (set(SERVED) | set(REFUSED))
     assert set(LAYOUTS["pp2"][1]) == set(SERVED) == set(LAYOUTS["tp2"][1]) | set(LAYOUTS["ep2"][1])
+    assert set(LAYOUTS["tp2_sp"][1]) == set(SERVED)

@@ -156,12 +156,14 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
     of each prefill chunk (:func:`conv_prefill` behind its stored inputs, :func:`ssm_prefill` from its stored
     state, scanned in chunks of the context's ``mamba_chunk_size`` on the PyTorch path; on the Triton path two or
     more chunks go as one padded batch, :mod:`megatron_core.ssm.mamba_prefill_batch`, where padding stays within
-    its bound). The new states are written back into the slots.
+    its bound). The new states are written back into the slots. Rows after the last prefill chunk (a
+    sequence-parallel step's padding) belong to no request: they read and write no state and come out as zeros.
     """
     if getattr(getattr(mixer, "cp", None), "cp_size", 1) > 1:
         raise ValueError(f"MambaMixer inference with context parallelism (cp_size={mixer.cp.cp_size}) is not supported")
     conv_states, ssm_states = context.mamba_states_cache(mixer.layer_number)
     decode_slots, prefill = context.mamba_step_layout()
+    covered = sum(prefill[-1][:2]) if prefill else decode_slots.numel()  # rows past these: padding
     slots = getattr(context, "mamba_slots", None)
     chunk_size = slots.chunk_size if slots is not None else mixer.chunk_size
     rows = zxBCdt[:, 0]
@@ -199,4 +201,6 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
         conv_states[slot] = conv.to(conv_states.dtype)
         ssm_states[slot] = ssm.to(ssm_states.dtype)
         out[seg] = _gate_norm(mixer, y.reshape(count, d_inner), z[seg])
+    if covered < out.shape[0]:  # a sequence-parallel step's padding rows: no request's state, zeros out
+        out[covered:] = 0
     return out.unsqueeze(1)

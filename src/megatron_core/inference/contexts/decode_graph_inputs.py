@@ -18,10 +18,15 @@ import torch
 __all__ = ["DecodeGraphInputs", "graph_batch_sizes"]
 
 
-def graph_batch_sizes(max_requests: int, distribution: str = "exponential") -> list[int]:
+def graph_batch_sizes(max_requests: int, distribution: str = "exponential", multiple: int = 1) -> list[int]:
     """Padded decode batch sizes, ascending, ending at ``max_requests``: ``"exponential"`` 1, 2, 4, 8, ...;
     ``"linear"`` 1, 2, 4, then every multiple of 8 below 256 and every multiple of 16 from 256 on (the values of
-    ``InferenceConfig.cuda_graph_sizing_distribution``)."""
+    ``InferenceConfig.cuda_graph_sizing_distribution``). With ``multiple`` > 1 (the TP size of a sequence-parallel
+    model) each size is rounded up to a multiple of it, duplicates dropped, so the last may exceed ``max_requests``."""
+    if multiple < 1:
+        raise ValueError(f"graph_batch_sizes: multiple must be >= 1, got {multiple}")
+    if multiple > 1:
+        return sorted({-(-size // multiple) * multiple for size in graph_batch_sizes(max_requests, distribution)})
     if distribution == "exponential":
         below, size = [], 1
         while size < max_requests:

@@ -38,6 +38,9 @@ raises ``TensorStateDeallocatedError`` naming the call.
 With the model's ``moe_enable_routing_replay``, ``moe_routing_metadata`` (:mod:`.routing_metadata`) keeps
 the experts each fed token was routed to, per KV slot.
 
+A sequence-parallel model under tensor parallelism gets steps padded to a multiple of the TP size (see
+:mod:`.step_layout`; ``step_token_multiple``); the padding rows write the scratch block and attend to nothing.
+
 With ``num_speculative_tokens > 0`` a decoding request's entry also carries its MTP drafts (every fed token gets a
 logits row, ``StepEntry.draft_tokens``), the model leaves the logit rows' hidden states in
 ``mtp_decoder_hidden_states`` for drafting, and :meth:`rewind_request` drops rejected drafts from the cache
@@ -79,7 +82,7 @@ from megatron_core.inference.contexts.rope_cache_append import rope_cache_append
 from megatron_core.inference.contexts.rotary import rotate_at_positions
 from megatron_core.inference.contexts.routing_metadata import RoutingMetadata
 from megatron_core.inference.contexts.step_entry import StepEntry
-from megatron_core.inference.contexts.step_layout import StepLayout
+from megatron_core.inference.contexts.step_layout import StepLayout, step_token_multiple
 
 __all__ = [
     "ActiveRequestCountOverflowError",
@@ -159,7 +162,10 @@ class DynamicInferenceContext(InferenceStateBuffers, StepLayout, BaseInferenceCo
         # Speculative steps feed several tokens per decoding request: they run eagerly (no decode CUDA graphs).
         self.use_cuda_graphs = (inference_config.num_cuda_graphs is not None
                                 and inference_config.num_speculative_tokens == 0)
-        self.graph_sizes = (graph_batch_sizes(self.max_requests, inference_config.cuda_graph_sizing_distribution.value)
+        # Sequence parallelism splits each step's tokens evenly over the TP ranks: steps are padded to a multiple.
+        self.step_token_multiple = step_token_multiple(model_config)
+        self.graph_sizes = (graph_batch_sizes(self.max_requests, inference_config.cuda_graph_sizing_distribution.value,
+                                              self.step_token_multiple)
                             if self.use_cuda_graphs else [])
         self.graph_inputs: dict[int, DecodeGraphInputs] = {}
         self.graph_batch_size: int | None = None
@@ -296,4 +302,7 @@ class DynamicInferenceContext(InferenceStateBuffers, StepLayout, BaseInferenceCo
                 keep = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=kv_len - n)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
             out[q0 : q0 + n] = o[0].transpose(0, 1)
+        covered = sum(self._prefill_segments[-1][:2]) if self._prefill_segments else nd
+        if covered < total:  # a sequence-parallel step's padding rows
+            out[covered:] = 0
         return out.view(total, 1, np_ * hn)

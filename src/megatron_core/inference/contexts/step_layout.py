@@ -10,9 +10,18 @@ and the rows whose logits the step needs.
 
 A decode-only step that a CUDA graph runs is laid out into the static tensors of the smallest graph batch size
 that fits (:class:`~.decode_graph_inputs.DecodeGraphInputs`), its padding rows writing a scratch block.
+
+For a sequence-parallel model under tensor parallelism (Megatron-Core's ``round_up_tokens``) every step's token
+count is padded to a multiple of the TP size (:func:`step_token_multiple`; the graph batch sizes are multiples of
+it too), so that the embedding can split the sequence evenly over the TP ranks. The padding rows come after the
+prefill chunks: token 0 at position 0, writing the scratch block; no request's attention reads them, attention and
+the Mamba mixers give them zeros, and no logits row is taken from them. ``active_token_count`` and
+``padded_active_token_count`` are the step's real and padded token counts, ``padding_slice`` the padding rows.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -22,7 +31,14 @@ from megatron_core.inference.contexts.overflow_errors import BlockOverflowError,
 from megatron_core.inference.contexts.request_bookkeeping import RequestBookkeeping
 from megatron_core.inference.contexts.step_entry import StepEntry
 
-__all__ = ["StepLayout"]
+__all__ = ["StepLayout", "step_token_multiple"]
+
+
+def step_token_multiple(model_config: Any) -> int:
+    """What a dynamic step's token count is padded to a multiple of: the TP size of a model with
+    ``sequence_parallel`` (its embedding splits the step's tokens over the TP ranks), else 1."""
+    tp = int(getattr(model_config, "tensor_model_parallel_size", 1) or 1)
+    return tp if getattr(model_config, "sequence_parallel", False) and tp > 1 else 1
 
 
 class StepLayout(RequestBookkeeping, MambaStepSlots):
@@ -37,6 +53,7 @@ class StepLayout(RequestBookkeeping, MambaStepSlots):
     graph_inputs: dict[int, DecodeGraphInputs]
     graph_batch_size: int | None
     pad_decode_steps_on_cpu: bool
+    step_token_multiple: int
 
     def is_decode_only(self) -> bool:
         """Whether every request of the current step feeds exactly one token."""
@@ -106,13 +123,19 @@ class StepLayout(RequestBookkeeping, MambaStepSlots):
         if self.use_cuda_graphs and not prefill and padded and self._all_last_rows(logit_index, total):
             self._graph_layout(decode, ids, positions, slots, device, None, device_tokens, device_token_rows)
             return
+        pad = -total % self.step_token_multiple
+        if pad:  # sequence parallelism: rows that write the scratch block and feed no logits
+            ids.extend([0] * pad)
+            positions.extend([0] * pad)
+            slots.extend(self.scratch_block * bs + row % bs for row in range(pad))
+        self._set_token_counts(total, total + pad)
         self.input_ids = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
         if device_tokens is not None:
-            self.input_ids[0] = device_tokens[torch.tensor(device_token_rows, device=device_tokens.device)]
+            self.input_ids[0, :total] = device_tokens[torch.tensor(device_token_rows, device=device_tokens.device)]
         self.position_ids = torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.logit_index = torch.tensor(logit_index, dtype=torch.long, device=device)
-        self._all_rows = len(logit_index) == total
+        self._all_rows = len(logit_index) == total + pad
         if decode:
             lengths = [e.start + 1 for e in decode]
             width = max(self.blocks_for_tokens(n) for n in lengths)
@@ -171,11 +194,16 @@ class StepLayout(RequestBookkeeping, MambaStepSlots):
         if device_tokens is not None:
             inputs.take_tokens(device_tokens)
         self.graph_batch_size = self.num_decode = batch
+        self._set_token_counts(len(decode), batch)
         self.input_ids, self.position_ids, self.slot_mapping = inputs.input_ids, inputs.position_ids, inputs.slot_mapping
         self._decode_tables, self._decode_mask, self._decode_kv_len = inputs.tables, inputs.mask, inputs.kv_len
         self._prefill_segments = []
         self._all_rows = True
         self._lay_out_mamba_graph_step(batch, [e.request_id for e in decode], device)
+
+    def _set_token_counts(self, active: int, padded: int) -> None:
+        self.active_token_count, self.padded_active_token_count = active, padded
+        self.padding_slice = slice(active, padded)
 
     def current_input_and_position_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and positions of the step, ``[1, T]`` each."""

@@ -103,7 +103,10 @@ class AbstractModelInferenceWrapper(abc.ABC):
         b, s = tokens.shape
         dtype = self.config.pipeline_dtype or self.config.params_dtype
         if not comm.is_pipeline_first_stage(self.pp_group):
-            hidden = comm.recv_from_prev_pipeline_rank((s, b, self.config.hidden_size), dtype, self.device, self.pp_group)
+            # A sequence-parallel stage passes its slice of the step (padded to a multiple of the TP size).
+            tp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+            hidden = comm.recv_from_prev_pipeline_rank((s // tp, b, self.config.hidden_size), dtype, self.device,
+                                                       self.pp_group)
             self.inner_model.set_input_tensor(hidden)
         output = self._forward(inference_input)
         last = comm.is_pipeline_last_stage(self.pp_group)

@@ -24,6 +24,10 @@ from megatron_core.config_rules import check_sequence_fits as _check_sequence_fi
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron_core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+from megatron_core.models.common.language_module.inference_logits import (
+    inference_logit_hidden_states,
+    inference_output_layer,
+)
 from megatron_core.models.common.language_module.language_module import (
     LanguageModule,
     check_position_embedding_type,
@@ -307,12 +311,17 @@ class GPTModel(LanguageModule):
                 compute_language_model_loss=self.compute_language_model_loss, config=self.config,
                 cp_group=self.pg_collection.cp, tp_group=self.tp_group, packed_seq_params=packed_seq_params,
                 scale_logits_fn=self._scale_logits if self.config.use_mup else None, input_ids=input_ids)
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         if inference_context is not None:  # only the positions whose logits generation needs
-            hidden_states = inference_context.select_logit_hidden_states(hidden_states)
+            hidden_states = inference_logit_hidden_states(self.output_layer, hidden_states, inference_context,
+                                                          self.tp_group)
             if getattr(inference_context, "keep_mtp_hidden_states", False):  # speculative decoding drafts from them
                 inference_context.mtp_decoder_hidden_states = hidden_states
-        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+            logits, _ = inference_output_layer(self.output_layer, hidden_states, weight=output_weight,
+                                               runtime_gather_output=runtime_gather_output)
+        else:
+            logits, _ = self.output_layer(hidden_states, weight=output_weight,
+                                          runtime_gather_output=runtime_gather_output)
         logits = self._scale_logits(logits)
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()

@@ -30,6 +30,10 @@ from megatron_core._ground.hybrid_pattern import (
     select_pipeline_segment,
 )
 from megatron_core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron_core.models.common.language_module.inference_logits import (
+    inference_logit_hidden_states,
+    inference_output_layer,
+)
 from megatron_core.models.common.language_module.language_module import LanguageModule
 from megatron_core.transformer.enums import ModelType
 from megatron_core.transformer.multi_token_prediction import (
@@ -226,8 +230,13 @@ class HybridModel(LanguageModule):
         if not self.post_process:
             return hidden_states
         if inference_context is not None:  # only the positions whose logits generation needs
-            hidden_states = inference_context.select_logit_hidden_states(hidden_states)
-        logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+            hidden_states = inference_logit_hidden_states(self.output_layer, hidden_states, inference_context,
+                                                          self.tp_group)
+            logits, _ = inference_output_layer(self.output_layer, hidden_states, weight=output_weight,
+                                               runtime_gather_output=runtime_gather_output)
+        else:
+            logits, _ = self.output_layer(hidden_states, weight=output_weight,
+                                          runtime_gather_output=runtime_gather_output)
         logits = self._scale_logits(logits)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
