@@ -2,5 +2,5 @@
 
 The enums name the model families and weight data types an exporter understands, and
 :class:`~megatron_core.export.export_config.ExportConfig` holds the target parallel layout. The
-TensorRT-LLM exporter itself (``export.trtllm``) is not part of this library.
+TensorRT-LLM exporter is ``export.trtllm`` (its weight conversion needs torch only).
 """

@@ -1,0 +1,1 @@
+"""Building a TensorRT-LLM engine from converted weights (Megatron-Core's ``engine_builder``)."""

@@ -1,0 +1,1 @@
+"""Megatron weights -> TensorRT-LLM weights, on one device or on each model-parallel rank."""
