@@ -32,13 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import torch
 
 from tests.dist_harness import run_on_ranks
+from tests.training.parallel_step_compare import differences_from_one_process, mean_losses
 from tests.training.parallel_step_features import FEATURES, Layout, TrainOptions, one_process
 from tests.training.parallel_step_runner import assemble, train_features
-
-TOL = dict(rtol=1e-5, atol=1e-5)
 
 _SUBSET = ("gpt", "qk_layernorm", "tied", "mla", "moe_shared_bias", "mtp", "hybrid")
 _DENSE = ("gpt", "qk_layernorm", "tied", "mla", "mtp", "hybrid")
@@ -148,12 +146,6 @@ def _params() -> list[Any]:
 _REFERENCES: dict[tuple[Layout, str], dict[str, Any]] = {}
 
 
-def _mean_losses(per_rank: list[dict[str, Any]]) -> torch.Tensor:
-    """Each step's token-mean loss over the global batch, from the loss-holding ranks' ``[sum, count]``."""
-    sums = sum(torch.stack(r["losses"]) for r in per_rank if r["losses"] is not None)
-    return sums[:, 0] / sums[:, 1]
-
-
 def _references(layout: Layout, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """The one-process runs of ``names`` that ``layout`` must reproduce (cached; one rank-pool call)."""
     reference = one_process(layout)
@@ -163,29 +155,9 @@ def _references(layout: Layout, names: tuple[str, ...]) -> dict[str, dict[str, A
             initial, init_problems = assemble([result["initial"]])
             final, final_problems = assemble([result["final"]])
             assert not init_problems + final_problems, init_problems + final_problems
-            _REFERENCES[(reference, name)] = dict(initial=initial, final=final, losses=_mean_losses([result]),
+            _REFERENCES[(reference, name)] = dict(initial=initial, final=final, losses=mean_losses([result]),
                                                   grad_norms=result["grad_norms"])
     return {name: _REFERENCES[(reference, name)] for name in names}
-
-
-def _differences(name: str, reference: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[str]:
-    """Everything in which the parallel run of feature ``name`` differs from the one-process run."""
-    final, problems = assemble([r["final"] for r in per_rank])
-    out = [f"{name}: {p}" for p in problems]
-    if final.keys() != reference["final"].keys():
-        out.append(f"{name}: tensors differ: {sorted(final.keys() ^ reference['final'].keys())}")
-    for key in sorted(final.keys() & reference["final"].keys()):
-        try:
-            torch.testing.assert_close(final[key], reference["final"][key], **TOL)
-        except AssertionError as error:
-            out.append(f"{name}: {key} after the steps: {str(error).splitlines()[2:4]}")
-    losses = _mean_losses(per_rank)
-    if not torch.allclose(losses, reference["losses"], **TOL):
-        out.append(f"{name}: step losses {losses.tolist()} != one process {reference['losses'].tolist()}")
-    for rank, r in enumerate(per_rank):
-        if not torch.allclose(torch.tensor(r["grad_norms"]), torch.tensor(reference["grad_norms"]), **TOL):
-            out.append(f"{name}: rank {rank} grad norms {r['grad_norms']} != one process {reference['grad_norms']}")
-    return out
 
 
 @pytest.mark.distributed_debug_off  # PP and the MTP roll under CP send/recv on groups that later run collectives
@@ -199,7 +171,7 @@ def test_combined_training_matches_one_process(case: Case, names: tuple[str, ...
             assert min(references[name]["grad_norms"]) > clip, (name, references[name]["grad_norms"], clip)
     initial = {name: ref["initial"] for name, ref in references.items()}
     per_rank = run_on_ranks(case.world, train_features, list(names), case.layout, initial)
-    differences = [d for name in names for d in _differences(name, references[name], [r[name] for r in per_rank])]
+    differences = [d for name in names for d in differences_from_one_process(name, references[name], [r[name] for r in per_rank])]
     assert not differences, (f"{case.layout.name}: parallel training differs from one process:\n"
                              + "\n".join(differences))
 
