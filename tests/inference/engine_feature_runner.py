@@ -131,7 +131,7 @@ def engine_greedy(model: Any, num_speculative_tokens: int = 0) -> tuple[list[lis
     if (in_flight, chunked, waited) != (2, True, True):
         raise AssertionError(f"the run did not batch continuously: at most {in_flight} requests in a step (want 2), "
                              f"chunked prefill {chunked}, requests waiting while others ran {waited}")
-    requests = [f.result() for f in futures]
+    requests = [f.result(timeout=60) for f in futures]
     failed = [f"request {r.request_id} ended {r.status.name}: {r.error}" for r in requests
               if r.status.name != "COMPLETED"]
     if failed:

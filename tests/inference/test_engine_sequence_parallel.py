@@ -144,7 +144,7 @@ def _serve(model: Any, overlap: bool) -> dict[str, Any]:
     while not all(f.done() for f in futures):
         engine.step_modern()
         steps.add((context.active_token_count, context.padded_active_token_count, context.graph_batch_size))
-    requests = [f.result() for f in futures]
+    requests = [f.result(timeout=60) for f in futures]
     return dict(tokens=[list(r.generated_tokens) for r in requests], steps=sorted(steps, key=str),
                 log_probs=[list(r.generated_log_probs or []) for r in requests], graph_sizes=context.graph_sizes,
                 overlapped=engine.overlapped_step_count)
