@@ -302,7 +302,6 @@ class DynamicInferenceContext(InferenceStateBuffers, StepLayout, BaseInferenceCo
                 keep = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=kv_len - n)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
             out[q0 : q0 + n] = o[0].transpose(0, 1)
-        covered = sum(self._prefill_segments[-1][:2]) if self._prefill_segments else nd
-        if covered < total:  # a sequence-parallel step's padding rows
-            out[covered:] = 0
+        if self.sequence_padding_start < total:  # a sequence-parallel step's padding rows
+            out[self.sequence_padding_start:] = 0
         return out.view(total, 1, np_ * hn)

@@ -54,6 +54,7 @@ class StepLayout(RequestBookkeeping, MambaStepSlots):
     graph_batch_size: int | None
     pad_decode_steps_on_cpu: bool
     step_token_multiple: int
+    sequence_padding_start: int  # the first row of a sequence-parallel step's padding (the row count without it)
 
     def is_decode_only(self) -> bool:
         """Whether every request of the current step feeds exactly one token."""
@@ -129,6 +130,7 @@ class StepLayout(RequestBookkeeping, MambaStepSlots):
             positions.extend([0] * pad)
             slots.extend(self.scratch_block * bs + row % bs for row in range(pad))
         self._set_token_counts(total, total + pad)
+        self.sequence_padding_start = total
         self.input_ids = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
         if device_tokens is not None:
             self.input_ids[0, :total] = device_tokens[torch.tensor(device_token_rows, device=device_tokens.device)]
@@ -195,6 +197,7 @@ class StepLayout(RequestBookkeeping, MambaStepSlots):
             inputs.take_tokens(device_tokens)
         self.graph_batch_size = self.num_decode = batch
         self._set_token_counts(len(decode), batch)
+        self.sequence_padding_start = batch  # a graph's padding rows are its own (scratch block), not zeroed
         self.input_ids, self.position_ids, self.slot_mapping = inputs.input_ids, inputs.position_ids, inputs.slot_mapping
         self._decode_tables, self._decode_mask, self._decode_kv_len = inputs.tables, inputs.mask, inputs.kv_len
         self._prefill_segments = []

@@ -20,6 +20,7 @@ from megatron_core._ground import unwrap_model
 from megatron_core._ground.decorators import deprecate_args
 from megatron_core.inference import communication_utils as comm
 from megatron_core.inference.contexts.base_context import BaseInferenceContext
+from megatron_core.inference.contexts.step_layout import step_token_multiple
 from megatron_core.inference.model_inference_wrappers.cuda_graphs import DecodeGraphRunner
 
 __all__ = ["AbstractModelInferenceWrapper"]
@@ -104,9 +105,8 @@ class AbstractModelInferenceWrapper(abc.ABC):
         dtype = self.config.pipeline_dtype or self.config.params_dtype
         if not comm.is_pipeline_first_stage(self.pp_group):
             # A sequence-parallel stage passes its slice of the step (padded to a multiple of the TP size).
-            tp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-            hidden = comm.recv_from_prev_pipeline_rank((s // tp, b, self.config.hidden_size), dtype, self.device,
-                                                       self.pp_group)
+            hidden = comm.recv_from_prev_pipeline_rank((s // step_token_multiple(self.config), b,
+                                                        self.config.hidden_size), dtype, self.device, self.pp_group)
             self.inner_model.set_input_tensor(hidden)
         output = self._forward(inference_input)
         last = comm.is_pipeline_last_stage(self.pp_group)

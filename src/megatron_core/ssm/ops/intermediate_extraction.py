@@ -9,16 +9,27 @@ range and their gathered rows discarded). Plain PyTorch on any device; 0.19 laun
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["scatter_intermediate_conv", "scatter_intermediate_ssm"]
 
 
-def _live_slots(count: int, real_count_gpu: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``[count]`` bool: the slots below the runtime count."""
+def _write_live_slots(out: torch.Tensor, indices: str, count: int, real_count_gpu: torch.Tensor,
+                      rows: Callable[[], torch.Tensor]) -> None:
+    """``out[i] = rows()[i]`` for the slots ``i < real_count_gpu[0]`` of the first ``count`` (the rest keep their
+    contents); ``rows`` builds the ``count`` gathered rows, only when there are slots to write; ``indices`` names
+    the argument that gave ``count``."""
+    if count == 0:
+        return
+    if count > out.shape[0]:
+        raise ValueError(f"{indices} length {count} exceeds scratch capacity {out.shape[0]}")
     if real_count_gpu.numel() != 1:
         raise ValueError(f"real_count_gpu must hold one value, got shape {tuple(real_count_gpu.shape)}")
-    return torch.arange(count, device=device) < real_count_gpu.to(device).reshape(())
+    live = torch.arange(count, device=out.device) < real_count_gpu.to(out.device).reshape(())
+    mask = live.view(count, *([1] * (out.dim() - 1)))
+    out[:count] = torch.where(mask, rows().to(out.dtype), out[:count])
 
 
 def scatter_intermediate_ssm(states: torch.Tensor, chunk_indices: torch.Tensor, real_count_gpu: torch.Tensor,
@@ -33,15 +44,8 @@ def scatter_intermediate_ssm(states: torch.Tensor, chunk_indices: torch.Tensor, 
                          f"*{tuple(states.shape[1:])}) for states {tuple(states.shape)}")
     if chunk_indices.dtype != torch.int64:
         raise ValueError(f"scatter_intermediate_ssm: chunk_indices must be int64, got {chunk_indices.dtype}")
-    count = chunk_indices.numel()
-    if count == 0:
-        return
-    if count > out.shape[0]:
-        raise ValueError(f"chunk_indices length {count} exceeds scratch capacity {out.shape[0]}")
-    live = _live_slots(count, real_count_gpu, out.device)
-    rows = states[chunk_indices.to(states.device).clamp(0, states.shape[0] - 1)].to(out.dtype)
-    mask = live.view(count, *([1] * (out.dim() - 1)))
-    out[:count] = torch.where(mask, rows, out[:count])
+    _write_live_slots(out, "chunk_indices", chunk_indices.numel(), real_count_gpu,
+                      lambda: states[chunk_indices.to(states.device).clamp(0, states.shape[0] - 1)])
 
 
 def scatter_intermediate_conv(src: torch.Tensor, abs_positions: torch.Tensor, real_count_gpu: torch.Tensor,
@@ -59,13 +63,10 @@ def scatter_intermediate_conv(src: torch.Tensor, abs_positions: torch.Tensor, re
                          f"{d_conv})")
     if abs_positions.dtype != torch.int32:
         raise ValueError(f"scatter_intermediate_conv: abs_positions must be int32, got {abs_positions.dtype}")
-    count = abs_positions.numel()
-    if count == 0:
-        return
-    if count > out.shape[0]:
-        raise ValueError(f"abs_positions length {count} exceeds scratch capacity {out.shape[0]}")
-    live = _live_slots(count, real_count_gpu, out.device)
-    offsets = torch.arange(d_conv, device=src.device) - d_conv
-    positions = (abs_positions.to(src.device, torch.int64)[:, None] + offsets).clamp(0, src.shape[1] - 1)
-    windows = src[0][positions].transpose(1, 2).to(out.dtype)  # [count, conv_dim, d_conv]
-    out[:count] = torch.where(live[:, None, None], windows, out[:count])
+
+    def windows() -> torch.Tensor:  # [count, conv_dim, d_conv]
+        offsets = torch.arange(d_conv, device=src.device) - d_conv
+        positions = (abs_positions.to(src.device, torch.int64)[:, None] + offsets).clamp(0, src.shape[1] - 1)
+        return src[0][positions].transpose(1, 2)
+
+    _write_live_slots(out, "abs_positions", abs_positions.numel(), real_count_gpu, windows)
