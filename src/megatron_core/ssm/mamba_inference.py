@@ -163,6 +163,7 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
         raise ValueError(f"MambaMixer inference with context parallelism (cp_size={mixer.cp.cp_size}) is not supported")
     conv_states, ssm_states = context.mamba_states_cache(mixer.layer_number)
     decode_slots, prefill = context.mamba_step_layout()
+    covered = sum(prefill[-1][:2]) if prefill else decode_slots.numel()  # rows past these: padding
     slots = getattr(context, "mamba_slots", None)
     chunk_size = slots.chunk_size if slots is not None else mixer.chunk_size
     rows = zxBCdt[:, 0]
@@ -200,7 +201,6 @@ def mixer_inference(mixer: Any, zxBCdt: torch.Tensor, context: Any) -> torch.Ten
         conv_states[slot] = conv.to(conv_states.dtype)
         ssm_states[slot] = ssm.to(ssm_states.dtype)
         out[seg] = _gate_norm(mixer, y.reshape(count, d_inner), z[seg])
-    padding_start = context.sequence_padding_start
-    if padding_start < out.shape[0]:  # a sequence-parallel step's padding rows: no request's state, zeros out
-        out[padding_start:] = 0
+    if covered < out.shape[0]:  # a sequence-parallel step's padding rows: no request's state, zeros out
+        out[covered:] = 0
     return out.unsqueeze(1)

@@ -54,7 +54,8 @@ class StepLayout(RequestBookkeeping, MambaStepSlots):
     graph_batch_size: int | None
     pad_decode_steps_on_cpu: bool
     step_token_multiple: int
-    sequence_padding_start: int  # the first row of a sequence-parallel step's padding (the row count without it)
+    sequence_padding_start: int  # the first row of a sequence-parallel step's padding (the Mamba mixer derives it
+    # from mamba_step_layout() instead, the protocol its contexts implement)
 
     def is_decode_only(self) -> bool:
         """Whether every request of the current step feeds exactly one token."""
