@@ -12,7 +12,8 @@
   tests/pipeline_parallel/test_gpt_pipeline.py.)
 - The 1F1B schedule, p2p, DDP and ``finalize_model_grads`` on hand-built PP=2 x DP=2 groups (config
   sizes at their defaults) match the whole model in one process: every loss and gradient.
-- A config field that contradicts its group raises ``ValueError`` naming both.
+- A config field that contradicts its group raises ``ValueError`` naming both; a language model under a CP group
+  needs ``context_parallel_size`` set to the group's size (attention runs CP only where the config says so).
 """
 
 from __future__ import annotations
@@ -217,12 +218,20 @@ def _contradictions() -> list[str]:
         with pytest.raises(ValueError) as err:
             GPTModel(config, get_gpt_layer_local_spec(), 64, 16)
         messages.append(str(err.value))
+    parallel_state.destroy_model_parallel()
+    # CP=2: a language model's config must state it (its attention runs CP only where the config says so).
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    with pytest.raises(ValueError) as err:
+        GPTModel(TransformerConfig(**cfg), get_gpt_layer_local_spec(), 64, 16)
+    messages.append(str(err.value))
+    GPTModel(TransformerConfig(**cfg, context_parallel_size=2, attention_dropout=0.0), get_gpt_layer_local_spec(), 64, 16)
     return messages
 
 
 def test_config_size_that_contradicts_its_group_raises():
     for messages in run_on_ranks(WORLD, _contradictions):
-        explicit_tp, state_tp, state_pp = messages
+        explicit_tp, state_tp, state_pp, state_cp = messages
+        assert "context_parallel_size is 1" in state_cp and "context-parallel process group has 2 ranks" in state_cp
         for text in (explicit_tp, state_tp):
             assert "tensor_model_parallel_size is 4" in text and "tensor-parallel process group has 2 ranks" in text
         assert "pipeline_model_parallel_size is 4" in state_pp and "pipeline-parallel process group has 2 ranks" in state_pp

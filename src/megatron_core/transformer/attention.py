@@ -502,7 +502,9 @@ class CrossAttention(Attention):
         """
         if packed_seq_params is not None:
             raise ValueError("CrossAttention does not support packed sequences (packed_seq_params must be None)")
-        _check_context(hidden_states, key_value_states, attention_mask)
+        # Under sequence parallelism both inputs are this rank's sequence chunks; the linears gather them.
+        _check_context(hidden_states, key_value_states, attention_mask,
+                       self.world_size if self.config.sequence_parallel else 1)
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
         if rotary_pos_emb is not None and not layer_skips_rope(self.config, self.layer_number):
             q_emb, k_emb = _query_key_angles(rotary_pos_emb)
@@ -513,8 +515,10 @@ class CrossAttention(Attention):
         return self.linear_proj(context)
 
 
-def _check_context(hidden_states: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None) -> None:
-    """ValueError unless the context is ``[sk, b, h]`` like ``hidden_states`` and the mask fits ``[b, *, sq, sk]``."""
+def _check_context(hidden_states: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
+                   sequence_shards: int = 1) -> None:
+    """ValueError unless the context is ``[sk, b, h]`` like ``hidden_states`` and the mask fits ``[b, *, sq, sk]``
+    (``sequence_shards``: how many sequence-parallel chunks each input is one of; the mask spans whole sequences)."""
     if context is None:
         raise ValueError("CrossAttention needs key_value_states (the context to attend over), got None")
     if context.dim() != 3 or context.shape[1:] != hidden_states.shape[1:]:
@@ -524,7 +528,7 @@ def _check_context(hidden_states: torch.Tensor, context: torch.Tensor | None, ma
         )
     if mask is None:
         return
-    sq, b, sk = hidden_states.shape[0], hidden_states.shape[1], context.shape[0]
+    sq, b, sk = hidden_states.shape[0] * sequence_shards, hidden_states.shape[1], context.shape[0] * sequence_shards
     tail = tuple(mask.shape[-2:])
     if mask.dim() != 4 or mask.shape[0] not in (1, b) or tail[0] not in (1, sq) or tail[1] != sk:
         raise ValueError(

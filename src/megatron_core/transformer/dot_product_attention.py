@@ -33,7 +33,11 @@ import torch
 from megatron_core import tensor_parallel
 from megatron_core._ground import get_pg_rank, get_pg_size
 from megatron_core.device import get_current_device
-from megatron_core.process_groups_config import resolve_pg_collection, resolve_process_group
+from megatron_core.process_groups_config import (
+    check_parallel_size,
+    resolve_pg_collection,
+    resolve_process_group,
+)
 from megatron_core.tensor_parallel.weight_init import (
     _initialize_affine_weight_gpu,
     set_tensor_model_parallel_attributes,
@@ -125,7 +129,12 @@ class DotProductAttention(MegatronModule):
         self.window_size = _check_window(window, attn_mask_type)
         self.cp_comm_type = _resolve_comm_type(cp_comm_type, config, self.layer_number)
         self.pg_collection = resolve_pg_collection(pg_collection, required_pgs=["cp", "hcp"])
-        self.cp_group = self.pg_collection.cp
+        # As in Megatron-Core, the config turns context parallelism on: a model part built with the default groups
+        # of a CP world but a config without CP (a vision encoder beside a CP language model) sees whole sequences.
+        # Language models check that their config states the group's size (LanguageModule); a size other than 1
+        # must equal the group's.
+        check_parallel_size(config, "context_parallel_size", self.pg_collection.cp, "context-parallel")
+        self.cp_group = self.pg_collection.cp if config.context_parallel_size > 1 else None
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         if self.dropout_p > 0.0 and self._uses_ring():
             raise ValueError(

@@ -47,6 +47,20 @@ def output_layer_init_method(config: TransformerConfig, share_embeddings_and_out
     return config.init_method
 
 
+def _check_context_parallel_config(config: TransformerConfig, cp_group: Any) -> None:
+    """A language model splits its sequences over the context-parallel group, and its attention layers run context
+    parallelism only where ``config.context_parallel_size > 1`` (as in Megatron-Core, so that an encoder beside it,
+    with ``context_parallel_size=1``, sees whole sequences): the config must therefore state the group's size, else
+    ``ValueError`` (the positions would be split and the attention not)."""
+    ranks = get_pg_size(cp_group)
+    if ranks > 1 and config.context_parallel_size != ranks:
+        raise ValueError(
+            f"config.context_parallel_size is {config.context_parallel_size} but the context-parallel process group "
+            f"has {ranks} ranks: a language model splits its sequences over that group, and attention runs context "
+            f"parallelism only where context_parallel_size > 1; set context_parallel_size={ranks}"
+        )
+
+
 class LanguageModule(MegatronModule):
     """A model with a vocab-parallel cross-entropy loss and optionally tied embedding/output weights."""
 
@@ -56,6 +70,7 @@ class LanguageModule(MegatronModule):
         self._explicit_groups = pg_collection is not None
         self.pg_collection = resolve_pg_collection(pg_collection)
         self.tp_group = self.pg_collection.tp
+        _check_context_parallel_config(config, getattr(self.pg_collection, "cp", None))
         self.pre_process = True
         self.post_process = True
         self.share_embeddings_and_output_weights = False
