@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from gpt_training.arguments import build_parser, validate_args  # noqa: E402
 from gpt_training.checkpointing import Checkpointer  # noqa: E402
 from gpt_training.data import build_datasets, build_loader, build_tokenizer_from_args, cyclic  # noqa: E402
-from gpt_training.distributed_init import init_distributed  # noqa: E402
+from gpt_training.distributed_init import init_distributed, set_random_seed  # noqa: E402
 from gpt_training.hf_model import hf_model_chunks, hf_tokenizer, load_bridge  # noqa: E402
 from gpt_training.logger import TrainingLogger  # noqa: E402
 from gpt_training.loop import Trainer, exit_run  # noqa: E402
@@ -38,7 +38,7 @@ from megatron_core import parallel_state  # noqa: E402
 from megatron_core.command_line import run_command  # noqa: E402
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron_core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
-from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed, pad_vocab_size  # noqa: E402
+from megatron_core.tensor_parallel import pad_vocab_size  # noqa: E402
 from megatron_core.training.model_builder import configure_model_hooks  # noqa: E402
 from megatron_core.transformer import TransformerConfig  # noqa: E402
 from megatron_core.transformer.moe.router_trace import get_moe_router_tracer, init_moe_router_tracer  # noqa: E402
@@ -103,7 +103,7 @@ def setup(args: argparse.Namespace) -> TrainingSetup:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
-    model_parallel_cuda_manual_seed(args.seed)
+    set_random_seed(args.seed)  # the CPU generator too: on a GPU the CPU-initialised weights were unseeded
 
     bridge = load_bridge(args.hf_model) if args.hf_model else None
     tokenizer = hf_tokenizer(bridge, args, build_tokenizer_from_args) if bridge else build_tokenizer_from_args(args)

@@ -1,15 +1,19 @@
-"""Start torch.distributed for a training script: under torchrun (env://) or as a single process."""
+"""Start torch.distributed for a training script (under torchrun (env://) or as a single process) and seed its
+generators."""
 
 from __future__ import annotations
 
 import os
+import random
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_core import device
 from megatron_core.inference.cli.local_process_group import init_local_process_group
+from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
 
 
 def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
@@ -30,3 +34,17 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed every generator the run draws from, as Megatron-LM's training setup does: Python's, NumPy's, the CPU
+    generator (``--use-cpu-initialization``, the default, builds the weights with it, also on a GPU) and, through
+    :func:`model_parallel_cuda_manual_seed`, the device generator and the tensor/expert-parallel RNG streams.
+    Call after ``initialize_model_parallel`` and before building the model.
+
+    Unlike Megatron-LM, the seed is not offset by the pipeline rank: the CPU-initialised weights are the same for
+    every parallel layout (the example's resharding and layout tests rely on it)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
