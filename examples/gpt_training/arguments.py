@@ -326,10 +326,13 @@ def _validate_torch_fsdp2(args: argparse.Namespace) -> None:
              "--untie-embeddings-and-output-weights (a tied embedding cannot live in two FSDP units)")
     _require(not args.fp16, "--use-torch-fsdp2 does not support --fp16 (use --bf16)")
     _require(not args.overlap_param_gather, "--use-torch-fsdp2 gathers parameters itself; drop --overlap-param-gather")
+    _require(args.num_experts is None, f"--use-torch-fsdp2 is not supported with --num-experts ({args.num_experts}): "
+             "FSDP2 cannot shard expert parameters (use DDP, optionally with --use-distributed-optimizer)")
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Apply the preset, derive data-parallel size and gradient accumulation, and check the flags."""
+    gqa_flags = args.num_query_groups is not None or args.group_query_attention  # given here, not by a preset
     apply_hf_model_args(args)
     apply_preset(args, {action.dest: action.default for action in build_parser()._actions})
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -338,6 +341,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.normalization = args.normalization or "LayerNorm"
     args.rotary_base = args.rotary_base or 10000
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    _require(not (gqa_flags and args.multi_latent_attention),
+             f"--num-query-groups ({args.num_query_groups}) / --group-query-attention do not apply to "
+             "--multi-latent-attention (MLA projects keys and values from one latent of --kv-lora-rank)")
     if args.num_query_groups is not None:
         args.group_query_attention = True
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
@@ -391,6 +397,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(args.mtp_num_layers is None or args.mtp_num_layers >= 1,
              f"--mtp-num-layers ({args.mtp_num_layers}) must be >= 1")
     validate_upcycling_args(args)
+    _validate_moe(args)
     _validate_counts(args)
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     _require(args.lr_warmup_iters < args.lr_decay_iters,
@@ -408,8 +415,36 @@ def _validate_full_iteration(args: argparse.Namespace) -> None:
             ("--step-time-breakdown", args.step_time_breakdown, "its timers read the clock inside the step"),
             ("--use-torch-fsdp2", args.use_torch_fsdp2, "FSDP2's hooks manage parameters on the host"),
             ("--overlap-param-gather", args.overlap_param_gather, "the all-gather's dispatch state lives on the host"),
-            ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size > 1, "untested with pipelining")):
+            ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size > 1, "untested with pipelining"),
+            ("--num-experts", args.num_experts is not None, "MoE token dispatch sizes its buffers on the host"),
+            ("--sequence-parallel", args.sequence_parallel,
+             "its RNG-tracker fork swaps generator states, which a CUDA graph capture forbids")):
         _require(not value, f"{flag} cannot be combined with --cuda-graph-impl full_iteration: {why}")
+
+
+def _validate_moe(args: argparse.Namespace) -> None:
+    """MoE flag rules that the library would otherwise report by field name while building the model, or only at
+    the first training step (Megatron-LM's rules, given in its flags' names)."""
+    if args.num_experts is not None:
+        _require(args.cuda_graph_impl != "local", f"--cuda-graph-impl local cannot be combined with --num-experts "
+                 f"({args.num_experts}): the tokens per expert change every step, so a recorded MoE layer cannot be "
+                 "replayed")
+        tp = args.tensor_model_parallel_size
+        _require(tp == 1 or args.sequence_parallel,
+                 f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (MoE layers "
+                 "split the tokens over the tensor-parallel ranks)")
+        etp = args.expert_tensor_parallel_size or tp
+        _require(etp == 1 or args.disable_bias_linear,
+                 f"--num-experts with an expert tensor-parallel size of {etp} (--expert-tensor-parallel-size, "
+                 "default --tensor-model-parallel-size) needs --disable-bias-linear (expert biases need "
+                 "--expert-tensor-parallel-size 1)")
+    shared = args.moe_shared_expert_intermediate_size
+    _require(shared is None or args.num_experts is not None,
+             f"--moe-shared-expert-intermediate-size ({shared}) needs --num-experts (shared experts belong to MoE "
+             "layers)")
+    _require(shared is None or args.disable_bias_linear,
+             f"--moe-shared-expert-intermediate-size ({shared}) needs --disable-bias-linear (shared experts have no "
+             "biases, as in Megatron-Core)")
 
 
 def _validate_counts(args: argparse.Namespace) -> None:

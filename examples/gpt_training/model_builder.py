@@ -153,7 +153,10 @@ def model_provider(args: argparse.Namespace, vocab_size: int, models: list[torch
                             if config.mtp_num_layers else None),
         )
     if model.config.fp8:  # before DDP (FP8 parameters live in its buffers) and before compiling
-        convert_model_to_fp8(model, get_current_device())
+        try:
+            convert_model_to_fp8(model, get_current_device())
+        except ValueError as error:  # a layer shape FP8 GEMMs cannot take: say which flag asked for them
+            raise ValueError(f"--fp8-format {args.fp8} --fp8-recipe {args.fp8_recipe}: {error}") from error
     if args.compile:
         compile_layers_and_loss(model)
     return model

@@ -57,6 +57,10 @@ from megatron_core.tensor_parallel.mappings import (
 FP8_DIM_MULTIPLE = 16
 
 
+# The delayed-scaling state of a layer (``delayed_scaling.init_state``): fp32 whatever the layer's dtype.
+_DELAYED_STATE_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_limits")
+
+
 class _Float8GemmMixin:
     """The float8 GEMM and the ``_extra_state`` (delayed-scaling state, else None) of a converted layer."""
 
@@ -80,6 +84,8 @@ class _Float8GemmMixin:
         torchao (both ignore ``x_amax``)."""
         if is_fp8_param(weight):
             return fp8_param_matmul(x, weight, self, x_amax=x_amax)
+        if x.numel() == 0:  # an expert that got no tokens: no amax to take (nor record); the weight's gradient is 0
+            return torch.matmul(x, weight.t())
         if getattr(self, "float8_recipe", None) is not None:
             return delayed_float8_matmul(x, weight, self, emulate=self.float8_emulate)
         return float8_matmul(x, weight, self.float8_config, self.float8_mm_config)
@@ -97,8 +103,15 @@ class _Float8GemmMixin:
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """The parent's ``_apply`` (``.to()``, ``.cuda()``, ``.bfloat16()``, ``Float16Module``) except that an FP8
-        parameter keeps its bytes: it follows the device, and a cast sets its high-precision dtype."""
-        return apply_keeping_fp8_params(self, super()._apply, fn, recurse)
+        parameter keeps its bytes: it follows the device, and a cast sets its high-precision dtype. The delayed-scaling
+        state (amax history, scales, limits) stays fp32 (a bf16 copy could not hold its largest scale)."""
+        state = {name: self._buffers[name] for name in _DELAYED_STATE_BUFFERS if name in self._buffers}
+        result = apply_keeping_fp8_params(self, super()._apply, fn, recurse)
+        for name, before in state.items():
+            after = self._buffers[name]
+            if after is not None and after.dtype != before.dtype:
+                self._buffers[name] = before.to(device=after.device)
+        return result
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         """The parent's entries, an FP8 parameter's being its dequantized high-precision value."""

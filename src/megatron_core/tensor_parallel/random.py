@@ -325,6 +325,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.rng_states = get_all_rng_states()
         with torch.no_grad(), _checkpointing():
             outputs = run_function(*args)
+        outputs, ctx.passthrough = _detach_passthrough(outputs, args)
         if distribute_saved_activations:
             # Keep only this TP rank's 1-D piece of the first input; backward gathers it again.
             ctx.input_0_shape = args[0].data.shape
@@ -345,9 +346,39 @@ class CheckpointFunction(torch.autograd.Function):
             set_all_rng_states(ctx.rng_states)
             with torch.enable_grad():
                 outputs = ctx.run_function(*detached)
+        if ctx.passthrough:  # their gradients reach them through the caller's graph, not through this function
+            outputs = tuple(o for i, o in enumerate(_as_tuple(outputs)) if i not in ctx.passthrough)
+            grads = tuple(g for i, g in enumerate(grads) if i not in ctx.passthrough)
         _backward_through(outputs, grads)
         input_grads = tuple(item.grad if isinstance(item, torch.Tensor) else None for item in detached)
         return (None, None) + input_grads
+
+
+def _as_tuple(outputs) -> tuple:
+    return (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+
+
+def _handed_through(output, inputs: tuple) -> bool:
+    """Whether the function returned ``output``, a leaf tensor that requires grad and is not one of its inputs,
+    unchanged (a bias parameter returned for a later fused add). Run under ``no_grad``, the tensors the function
+    computes do not require grad, and views of its inputs are not leaves of their own (``_base`` is set)."""
+    return (isinstance(output, torch.Tensor) and output.requires_grad and output.grad_fn is None
+            and output._base is None and not any(output is item for item in inputs))
+
+
+def _detach_passthrough(outputs, inputs: tuple):
+    """The forward's outputs with handed-through leaves (:func:`_handed_through`) detached, and their positions.
+
+    Returned as it is from the autograd function, such a parameter would get the function as its ``grad_fn``: it
+    would stop being a leaf and the recomputation would backpropagate into itself without end."""
+    if not isinstance(outputs, (torch.Tensor, tuple, list)):
+        return outputs, frozenset()
+    positions = frozenset(i for i, o in enumerate(_as_tuple(outputs)) if _handed_through(o, inputs))
+    if not positions:
+        return outputs, positions
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach(), positions
+    return type(outputs)(o.detach() if i in positions else o for i, o in enumerate(outputs)), positions
 
 
 def checkpoint(function, distribute_saved_activations: bool, *args):
@@ -355,9 +386,23 @@ def checkpoint(function, distribute_saved_activations: bool, *args):
 
     The CPU, device and tracker RNG states of the forward are restored for the recomputation, so
     dropout masks match. With ``distribute_saved_activations`` the saved first argument is split
-    across the TP group (each rank keeps 1/TP of it).
+    across the TP group (each rank keeps 1/TP of it). A parameter the function returns unchanged (a
+    ``skip_bias_add`` bias) comes back as itself, its gradient flowing straight to it.
     """
-    return CheckpointFunction.apply(function, distribute_saved_activations, *args)
+    handed_through: dict[int, torch.Tensor] = {}
+
+    def run(*inner):
+        outputs = function(*inner)
+        if not torch.is_grad_enabled() and isinstance(outputs, (torch.Tensor, tuple, list)):  # the forward
+            handed_through.update((i, o) for i, o in enumerate(_as_tuple(outputs)) if _handed_through(o, inner))
+        return outputs
+
+    outputs = CheckpointFunction.apply(run, distribute_saved_activations, *args)
+    if not handed_through:
+        return outputs
+    if isinstance(outputs, torch.Tensor):
+        return handed_through[0]
+    return type(outputs)(handed_through.get(i, o) for i, o in enumerate(outputs))
 
 
 class CheckpointWithoutOutputFunction(torch.autograd.Function):

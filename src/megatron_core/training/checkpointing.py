@@ -121,6 +121,17 @@ def _refuse_foreign_files(checkpoint_dir: os.PathLike) -> None:
                 "Move them away or save into another directory")
 
 
+def _finish_param_gathers(model: torch.nn.Module | list[torch.nn.Module]) -> None:
+    """Bring the parameters up to date before saving them: with ``overlap_param_gather`` the distributed
+    optimizer's last update reaches the other data-parallel ranks' parts of each parameter only in the next
+    forward (its all-gather is dispatched or waited on there), so until then they hold the weights of before
+    the step. Megatron-LM's loop syncs them the same way (``disable_forward_pre_hook``) around a save."""
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        config = getattr(chunk, "ddp_config", None)
+        if config is not None and config.use_distributed_optimizer and config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn.Module | list[torch.nn.Module],
                     optimizer: Any, opt_param_scheduler: Any, *, consumed_train_samples: int = 0,
                     extra_state: Any = None, async_queue: AsyncCallsQueue | None = None,
@@ -146,6 +157,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn
                                      consumed_train_samples=consumed_train_samples, extra_state=extra_state,
                                      overwrite=overwrite, architecture=model_architecture(unwrap_model_chunks(model)))
         return
+    _finish_param_gathers(model)
     chunks = unwrap_model_chunks(model)
     state: dict[str, Any] = _model_sharded_state_dict(chunks)
     if optimizer is not None:
