@@ -18,6 +18,7 @@ and grad norm; the parent (``test_checkpoint_reshard_features``) compares them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -108,14 +109,21 @@ def load_resave_continue(names: list[str], layout: Layout, root: str, resave_roo
     """Layout B: per feature, load ``root``'s checkpoint into a model built from another seed, save it again
     under ``resave_root``, then take the step that followed the save in layout A."""
     _initialize(layout)
+    return resume_each(names, layout, root, resave_root, _build, _train_step)
+
+
+def resume_each(names: list[str], layout: Layout, root: str, resave_root: str, build: Callable[..., tuple],
+                train_step: Callable[..., dict]) -> dict[str, dict[str, Any]]:
+    """The body of :func:`load_resave_continue` with the model builder (``build(name, layout, seed)`` ->
+    ``(chunks, optimizer)``) and the step (``train_step(name, chunks, optimizer, iteration)`` -> results) given."""
     out = {}
     for name in names:
-        chunks, optimizer = _build(name, layout, LOAD_SEED)
+        chunks, optimizer = build(name, layout, LOAD_SEED)
         state = load_checkpoint(checkpoint_dir(root, name), chunks, optimizer, None)
         if state["iteration"] != SAVED_AT:
             raise AssertionError(f"{name}: loaded iteration {state['iteration']}, saved {SAVED_AT}")
         loaded, steps = local_pieces(chunks), _adam_steps(optimizer)
         save_checkpoint(checkpoint_dir(resave_root, name), SAVED_AT, chunks, optimizer, None)
-        out[name] = dict(_train_step(name, chunks, optimizer, SAVED_AT), final=local_pieces(chunks), loaded=loaded,
+        out[name] = dict(train_step(name, chunks, optimizer, SAVED_AT), final=local_pieces(chunks), loaded=loaded,
                          adam_steps=steps)
     return out

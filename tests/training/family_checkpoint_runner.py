@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state
-from megatron_core.training import load_checkpoint, save_checkpoint
+from megatron_core.training import save_checkpoint
 from megatron_core.training.model_builder import configure_model_hooks
-from tests.training.checkpoint_reshard_runner import LOAD_SEED, SAVED_AT, _adam_steps, checkpoint_dir
+from tests.training.checkpoint_reshard_runner import SAVED_AT, checkpoint_dir, resume_each
 from tests.training.family_step_features import FAMILIES
 from tests.training.family_step_runner import build, initialize, train_step
 from tests.training.parallel_step_features import Layout
@@ -57,16 +57,6 @@ def load_resave_continue(names: list[str], layout: Layout, root: str, resave_roo
     ``resave_root``, then take the step that followed the save in layout A."""
     initialize(layout)
     try:
-        out = {}
-        for name in names:
-            chunks, optimizer = _model_and_optimizer(name, layout, LOAD_SEED)
-            state = load_checkpoint(checkpoint_dir(root, name), chunks, optimizer, None)
-            if state["iteration"] != SAVED_AT:
-                raise AssertionError(f"{name}: loaded iteration {state['iteration']}, saved {SAVED_AT}")
-            loaded, steps = local_pieces(chunks), _adam_steps(optimizer)
-            save_checkpoint(checkpoint_dir(resave_root, name), SAVED_AT, chunks, optimizer, None)
-            out[name] = dict(_step(name, chunks, optimizer, SAVED_AT), final=local_pieces(chunks), loaded=loaded,
-                             adam_steps=steps)
-        return out
+        return resume_each(names, layout, root, resave_root, _model_and_optimizer, _step)
     finally:
         parallel_state.destroy_model_parallel()
