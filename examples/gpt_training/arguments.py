@@ -344,6 +344,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _require(not (gqa_flags and args.multi_latent_attention),
              f"--num-query-groups ({args.num_query_groups}) / --group-query-attention do not apply to "
              "--multi-latent-attention (MLA projects keys and values from one latent of --kv-lora-rank)")
+    _require(not (args.multi_latent_attention and args.rotary_percent != 1.0 and (args.rope_type or "yarn") == "yarn"),
+             f"--rotary-percent ({args.rotary_percent}) does not apply to --multi-latent-attention with --rope-type "
+             "yarn (the default): YaRN rotates all of --qk-pos-emb-head-dim; use --rope-type rope")
     if args.num_query_groups is not None:
         args.group_query_attention = True
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size

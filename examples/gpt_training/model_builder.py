@@ -83,7 +83,7 @@ def _mla_config(args: argparse.Namespace) -> dict:
                   qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
                   rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale,
                   mscale_all_dim=args.mscale_all_dim, rotary_base=args.rotary_base or 10000,
-                  original_max_position_embeddings=args.max_position_embeddings)
+                  rotary_percent=args.rotary_percent, original_max_position_embeddings=args.max_position_embeddings)
     if args.rope_type is not None:
         fields["rope_type"] = args.rope_type
     return fields

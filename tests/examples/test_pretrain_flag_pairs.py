@@ -54,6 +54,8 @@ def _args(*flags: str, world_size: int = 1):
     # GQA flags under MLA were silently ignored
     (["--multi-latent-attention", "--num-query-groups", "2"], 1, ["--num-query-groups (2)", "--multi-latent-attention"]),
     (["--multi-latent-attention", "--group-query-attention"], 1, ["--group-query-attention", "--multi-latent-attention"]),
+    # --rotary-percent under MLA's default YaRN rotary embedding was silently ignored
+    (["--multi-latent-attention", "--rotary-percent", "0.5"], 1, ["--rotary-percent (0.5)", "--rope-type"]),
 ])
 def test_pairs_the_library_cannot_build_are_refused_by_name(flags, world_size, named):
     with pytest.raises(ValueError) as caught:
@@ -72,6 +74,12 @@ def test_pairs_the_library_cannot_build_are_refused_by_name(flags, world_size, n
 ])
 def test_the_valid_forms_still_pass(flags, world_size):
     _args(*flags, world_size=world_size)
+
+
+def test_rotary_percent_reaches_mla_with_plain_rope():
+    # MLA builds its rotary embedding from the config (as Megatron-Core 0.19): the flag must reach the config.
+    args = _args("--multi-latent-attention", "--rope-type", "rope", "--rotary-percent", "0.5")
+    assert gpt_training("model_builder").transformer_config_from_args(args).rotary_percent == 0.5
 
 
 # ------------------------------------------------------------------------------------------- library fixes
