@@ -98,6 +98,10 @@ class ColocatedBridgeCommunicator:
             self._check_groups_stay_in_replicas()
             self.gather_pg, _ = dist.new_subgroups_by_enumeration(self.gather_group_ranks,
                                                                   backend=self.src_grid.backend)
+            if _is_process_group_member(self.gather_pg) and dist.get_backend(self.gather_pg) == "gloo":
+                # gloo's pairs connect asynchronously: a member that returns first and destroys the group at once
+                # (a short-lived bridge) closed the socket of a peer still connecting ("Connection closed by peer")
+                dist.barrier(group=self.gather_pg)
         logger.info("ColocatedBridgeCommunicator %s (TP %d x DP %d) -> %s (TP %d x DP %d): %s, scale %d",
                     src_module_name, self.src_tp_size, self.src_dp_size, dest_module_name, self.dest_tp_size,
                     self.dest_dp_size, self.direction.value, self.scale)
