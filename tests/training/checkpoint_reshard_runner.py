@@ -95,13 +95,19 @@ def _adam_steps(optimizer: Any) -> list[int]:
 def train_save_continue(names: list[str], layout: Layout, root: str) -> dict[str, dict[str, Any]]:
     """Layout A: per feature, ``SAVED_AT`` steps, a checkpoint under ``root``, then one more step."""
     _initialize(layout)
+    return save_each(names, layout, root, _build, _train_step)
+
+
+def save_each(names: list[str], layout: Layout, root: str, build: Callable[..., tuple],
+              train_step: Callable[..., dict]) -> dict[str, dict[str, Any]]:
+    """The body of :func:`train_save_continue` with the model builder and the step given (see :func:`resume_each`)."""
     out = {}
     for name in names:
-        chunks, optimizer = _build(name, layout, SEED)
+        chunks, optimizer = build(name, layout, SEED)
         for step in range(SAVED_AT):
-            _train_step(name, chunks, optimizer, step)
+            train_step(name, chunks, optimizer, step)
         save_checkpoint(checkpoint_dir(root, name), SAVED_AT, chunks, optimizer, None)
-        out[name] = dict(_train_step(name, chunks, optimizer, SAVED_AT), final=local_pieces(chunks))
+        out[name] = dict(train_step(name, chunks, optimizer, SAVED_AT), final=local_pieces(chunks))
     return out
 
 

@@ -15,13 +15,12 @@ from typing import Any
 import torch
 
 from megatron_core import parallel_state
-from megatron_core.training import save_checkpoint
 from megatron_core.training.model_builder import configure_model_hooks
-from tests.training.checkpoint_reshard_runner import SAVED_AT, checkpoint_dir, resume_each
+from tests.training.checkpoint_reshard_runner import resume_each, save_each
 from tests.training.family_step_features import FAMILIES
 from tests.training.family_step_runner import build, initialize, train_step
 from tests.training.parallel_step_features import Layout
-from tests.training.parallel_step_runner import SEED, _optimizer, local_pieces
+from tests.training.parallel_step_runner import _optimizer
 
 
 def _model_and_optimizer(name: str, layout: Layout, seed: int) -> tuple[list[torch.nn.Module], Any]:
@@ -40,14 +39,7 @@ def train_save_continue(names: list[str], layout: Layout, root: str) -> dict[str
     """Layout A: per family, ``SAVED_AT`` steps, a checkpoint under ``root``, then one more step."""
     initialize(layout)
     try:
-        out = {}
-        for name in names:
-            chunks, optimizer = _model_and_optimizer(name, layout, SEED)
-            for step in range(SAVED_AT):
-                _step(name, chunks, optimizer, step)
-            save_checkpoint(checkpoint_dir(root, name), SAVED_AT, chunks, optimizer, None)
-            out[name] = dict(_step(name, chunks, optimizer, SAVED_AT), final=local_pieces(chunks))
-        return out
+        return save_each(names, layout, root, _model_and_optimizer, _step)
     finally:
         parallel_state.destroy_model_parallel()
 
