@@ -85,7 +85,8 @@ def parse_args() -> argparse.Namespace:
                    help="torch.compile each whole layer, MoE block included (needs the sync-free EP=1 path)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode for --compile-moe / --compile, e.g. "
                    "max-autotune-no-cudagraphs (Inductor then autotunes Triton templates against aten's GEMMs)")
-    p.add_argument("--profile", action="store_true", help="print our step's 25 most expensive GPU kernels")
+    p.add_argument("--profile", action="store_true", help="print our step's 25 most expensive GPU kernels (and, "
+                   "with --fp8, those of the experts' FP8 grouped GEMMs timed alone)")
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
     p.add_argument("--fp8", default=None, metavar="RECIPE:FORMAT",
                    help="also time our model in FP8 (e.g. tensorwise:hybrid; the experts use row-wise e4m3 scales)")
@@ -255,6 +256,8 @@ def grouped_vs_dense(args: argparse.Namespace, dtype: torch.dtype, counts: list[
             lambda: fp8_grouped_gemm(a, w2, ends=layout.ends, fp8_wgrad=wgrad), [x, a, w1, w2])
 
     fp8_s = time_steps(grouped_fp8, args) if args.fp8 and dev.type == "cuda" else None
+    if fp8_s is not None and args.profile:
+        print_kernel_profile(grouped_fp8)
     return time_steps(grouped, args), time_steps(dense, args), fp8_s
 
 

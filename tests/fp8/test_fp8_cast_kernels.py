@@ -51,6 +51,8 @@ check(x, factors, torch.tensor([32, 32, 80, 96], dtype=torch.int32), rowwise, ck
 codes = torch.randint(0, 256, (3, 70, 150), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
 assert same(ck._transpose_bytes(codes.view(torch.uint8)).view(codes.dtype), codes.transpose(1, 2).contiguous())
 check(x[:48].contiguous(), factors[:1], torch.tensor([48], dtype=torch.int32), rowwise, ck._group_columnwise)
+ck.WHOLE_ROW_MAX = 64  # rows of 80 now take the two-pass kernel
+check(x, factors, torch.tensor([32, 32, 80, 96], dtype=torch.int32), rowwise, ck._group_columnwise)
 """
 
 
@@ -77,6 +79,16 @@ def test_gpu_casts_equal_pytorch_bit_for_bit():
                       (ck.group_columnwise_cast_transposed(x, ends, groups), sgm._group_columnwise_transposed(x, ends))):
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
         assert torch.equal(got[1], want[1])
+    # whole rows in one pass (short and long rows) and, past WHOLE_ROW_MAX, the two-pass kernel
+    for rows, cols in ((4100, 4096), (48, 14336), (32, 28672), (16, ck.WHOLE_ROW_MAX + 48)):
+        y = (torch.randn(rows, cols, device="cuda", generator=gen) * torch.logspace(-3, 3, rows, device="cuda")[:, None])
+        y = y.to(torch.bfloat16)
+        row_groups = torch.arange(rows, device="cuda") % 4
+        y_factors = torch.rand(4, cols, device="cuda", generator=gen) + 0.25
+        for got, want in ((ck.rowwise_cast(y), sgm._rowwise(y)),
+                          (ck.rowwise_cast(y, y_factors, row_groups), sgm._rowwise(y.float() * y_factors[row_groups]))):
+            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), (rows, cols)
+            assert torch.equal(got[1], want[1]), (rows, cols)
     codes = torch.randint(0, 256, (3, 700, 1500), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
     assert torch.equal(ck.transpose_codes(codes).view(torch.uint8), codes.view(torch.uint8).transpose(1, 2).contiguous())
 

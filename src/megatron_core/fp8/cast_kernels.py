@@ -13,7 +13,10 @@ For the experts' FP8 grouped GEMM (e4m3, power-of-two scales):
 Two casts dominate an FP8 MoE step besides the GEMMs, and Inductor writes neither well from plain PyTorch:
 - :func:`rowwise_cast`: one scale per row of ``t [M, K]`` (optionally after multiplying each row by a per-group
   row of factors, the weight scales folded into ``dy`` for the data gradient): codes ``[M, K]`` and the
-  dequantizing scales ``[M]``. One program holds a block of rows: a pass for the row maxima, a pass to cast.
+  dequantizing scales ``[M]``. Rows of up to :data:`WHOLE_ROW_MAX` elements are read once: a program holds whole
+  rows in registers, takes their maxima and casts them (a few rows per program for short rows, so that a tensor
+  of few rows still spreads over every SM). Longer rows take two passes over a block of rows, one for the
+  maxima, one to cast.
 - :func:`group_columnwise_cast_transposed`: one scale per column within each group of rows (the weight
   gradient's operands), written transposed (``[K, M]`` row-major, as the kernel's 2D x 2D form reads them):
   a kernel for the per-group column maxima, a tiled kernel that casts and transposes.
@@ -39,6 +42,8 @@ __all__ = ["cast_transpose", "cast_transpose_serves", "codes_and_transposed", "f
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 AMAX_EPS = 1e-12
 _ROW_BLOCK, _COL_BLOCK = 16, 256  # rowwise cast: rows per program, columns per step
+WHOLE_ROW_MAX = 32768  # rowwise cast: the longest row held in registers whole (one read); longer rows take two passes
+_WHOLE_ROW_ELEMENTS = 8192  # rowwise cast of whole rows: elements per program (short rows: several rows each)
 _TILE = 64  # the transposing cast's square tile
 _BYTE_TILE = 128  # the byte transpose's square tile
 _AMAX_ROWS, _AMAX_COLS = 64, 64  # group column maxima: rows per step, columns per program
@@ -125,6 +130,41 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
 
 
 @functools.cache
+def _whole_row_kernel() -> Any:
+    triton, tl = triton_modules()
+
+    @triton.jit
+    def rowwise_whole_kernel(t_ptr, factor_ptr, group_ptr, out_ptr, inv_ptr, rows, cols,
+                             HAS_FACTOR: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        c = tl.arange(0, BC)
+        r_ok = r < rows
+        ok = r_ok[:, None] & (c < cols)[None, :]
+        v = tl.load(t_ptr + r.to(tl.int64)[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        if HAS_FACTOR:
+            fbase = tl.load(group_ptr + r, mask=r_ok, other=0).to(tl.int64)[:, None] * cols
+            v = v * tl.load(factor_ptr + fbase + c[None, :], mask=ok, other=0.0)
+        amax = tl.max(tl.abs(v), axis=1)
+        # 2**floor(log2(448 / amax)), as in rowwise_kernel
+        ratio = tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.maximum(amax, 1e-12))
+        scale = ((ratio.to(tl.int32, bitcast=True) >> 23) << 23).to(tl.float32, bitcast=True)
+        tl.store(inv_ptr + r, 1.0 / scale, mask=r_ok)
+        q = tl.clamp(v * scale[:, None], -448.0, 448.0)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :], q.to(tl.float8e4nv), mask=ok)
+
+    return rowwise_whole_kernel
+
+
+def whole_row_blocks(cols: int) -> tuple[int, int, int]:
+    """``(rows per program, columns per program, warps)`` of the one-pass row-wise cast of rows of ``cols``
+    elements (at most :data:`WHOLE_ROW_MAX`): the row padded to a power of two, rows per program filling
+    :data:`_WHOLE_ROW_ELEMENTS`, warps keeping 32 or 64 fp32 values per thread."""
+    width = 1 << max(cols - 1, 0).bit_length()
+    per_program = max(width, _WHOLE_ROW_ELEMENTS)
+    return per_program // width, width, 16 if per_program > 16384 else 8
+
+
+@functools.cache
 def _dual_kernel() -> Any:
     triton, tl = triton_modules()
     configs = [triton.Config({"BR": r, "BC": c}, num_warps=w) for r, c, w in _DUAL_CONFIGS]
@@ -152,6 +192,12 @@ def _rowwise(t: torch.Tensor, factors: torch.Tensor, row_groups: torch.Tensor, h
     rows, cols = t.shape
     out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=t.device)
     inverse = torch.empty(rows, dtype=torch.float32, device=t.device)
+    if cols <= WHOLE_ROW_MAX:
+        block_rows, block_cols, warps = whole_row_blocks(cols)
+        kernel = torch.library.wrap_triton(_whole_row_kernel())
+        kernel[(-(-rows // block_rows),)](t, factors, row_groups, out, inverse, rows, cols, HAS_FACTOR=has_factors,
+                                          BR=block_rows, BC=block_cols, num_warps=warps)
+        return out, inverse
     kernel = torch.library.wrap_triton(_kernels()[0])
     kernel[(-(-rows // _ROW_BLOCK),)](t, factors, row_groups, out, inverse, rows, cols, HAS_FACTOR=has_factors,
                                       BR=_ROW_BLOCK, BC=_COL_BLOCK)
