@@ -47,9 +47,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("ground", ("_ground", "device", "enums", "package_info", "typed_torch", "jit", "msc_utils", "_nvtx",
                 "_nvml", "_version_utils", "_slurm_utils", "_wrapped_model", "config", "config_rules", "megatron_only_fields", "command_line",
-                "_activation_offload"),
+                "_activation_offload", "fp4_utils"),
      "primitives that import nothing of ours above them: divide, group size/rank helpers, init methods, "
-     "version and logging helpers, device selection, enums"),
+     "version and logging helpers, device selection, enums, Transformer Engine tensor-class checks (``fp4_utils``)"),
     ("process groups", ("parallel_state", "hyper_comm_grid", "process_groups_config", "_rank_utils"),
      "the global group registry and the explicit group collections"),
     ("configuration", ("model_parallel_config", "num_microbatches_calculator", "timers", "packed_seq_params",

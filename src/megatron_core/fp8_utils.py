@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from megatron_core._ground.te_tensors import TE_TENSOR_MODULE, grouped_quantized_recipe
+from megatron_core._ground.te_tensors import is_te_instance as _is_te_instance
+from megatron_core._ground.te_tensors import unwrap_grouped as _grouped
 from megatron_core.distributed.fp8_params import (
     copy_tensor_to_quantized_param,
     dequantize_fp8_tensor,
@@ -49,34 +52,10 @@ HAVE_TE: bool = importlib.util.find_spec("transformer_engine") is not None
 HAVE_TE_FP8_TENSOR_CLASS: bool = HAVE_TE
 """Whether Transformer Engine's FP8 tensor class exists (every Transformer Engine release has one)."""
 
-_TE_TENSOR = "transformer_engine.pytorch.tensor"
+_TE_TENSOR = TE_TENSOR_MODULE
 _TE_QUANTIZED = (_TE_TENSOR, "QuantizedTensor")
 _TE_MXFP8 = (f"{_TE_TENSOR}.mxfp8_tensor", "MXFP8Tensor")
 _TE_GROUPED = (f"{_TE_TENSOR}.grouped_tensor", "GroupedTensor")
-
-
-def _te_class(where: tuple[str, str]) -> type | None:
-    """Transformer Engine's class ``where`` (module, name) if its module is loaded, else None."""
-    module = sys.modules.get(where[0])
-    cls = getattr(module, where[1], None) if module is not None else None
-    return cls if isinstance(cls, type) else None
-
-
-def _is_te_instance(tensor: Any, where: tuple[str, str]) -> bool:
-    """Whether ``tensor`` (or the data of a parameter wrapping it) is an instance of Transformer Engine's ``where``."""
-    cls = _te_class(where)
-    if cls is None:
-        return False
-    return isinstance(tensor, cls) or (isinstance(tensor, torch.nn.Parameter) and isinstance(tensor.data, cls))
-
-
-def _grouped(tensor: Any) -> Any:
-    """The grouped tensor itself: a parameter's data unless the parameter is the grouped tensor (its storage lives
-    in Python attributes that ``.data`` would not share)."""
-    cls = _te_class(_TE_GROUPED)
-    if cls is not None and isinstance(tensor, cls):
-        return tensor
-    return tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
 
 
 def is_mxfp8tensor(tensor: torch.Tensor) -> bool:
@@ -101,12 +80,7 @@ def is_grouped_tensor_with_quantized_storage(tensor: torch.Tensor) -> bool:
 
 def is_grouped_mxfp8tensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a quantized Transformer Engine ``GroupedTensor`` whose quantizer's recipe is MXFP8."""
-    if not is_grouped_tensor_with_quantized_storage(tensor):
-        return False
-    quantizer = getattr(_grouped(tensor), "quantizer", None)
-    if quantizer is None or not hasattr(quantizer, "_get_compatible_recipe"):
-        return False
-    recipe = quantizer._get_compatible_recipe()
+    recipe = grouped_quantized_recipe(tensor)
     return recipe is not None and hasattr(recipe, "mxfp8") and bool(recipe.mxfp8())
 
 

@@ -8,6 +8,11 @@ the parameter buffer (the raw bytes, ``uint8``, of FP8 parameters: :mod:`megatro
 each bucket is padded so that it splits into equal per-rank shards
 (rank ``r`` owns elements ``[r * n, (r + 1) * n)`` of every bucket).
 
+A buffer holding Transformer Engine NVFP4 parameters (:mod:`megatron_core.fp4_utils`) has two index maps: the
+gradient buffer keeps ``param_index_map`` (full element counts) while the parameter buffer holds their packed
+row-wise bytes, two values per byte, placed by ``nvfp4_packed_param_index_map``
+(:func:`~megatron_core.distributed.param_layout.compute_nvfp4_packed_layout`).
+
 With ``overwrite_main_grad_on_first_wgrad`` the ``main_grad`` of a weight written only by the fused
 weight-gradient GEMM is not zeroed between steps: it is registered as awaiting its first write
 (:mod:`~megatron_core.tensor_parallel.wgrad_accumulation`), and a bucket group zeroes whichever of its
@@ -25,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core._ground import get_pg_rank, get_pg_size
+from megatron_core._misc_utils import log_on_each_pipeline_stage
 from megatron_core.device import get_current_device
 from megatron_core.distributed import collectives
 from megatron_core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
@@ -33,7 +39,15 @@ from megatron_core.distributed.param_layout import (
     BufferKey,
     FullParamLayout,
     PerBufferParamLayout,
+    compute_nvfp4_packed_layout,
     compute_per_buffer_param_layout,
+)
+from megatron_core.fp4_utils import (
+    get_nvfp4_rowwise_packed_shape,
+    is_grouped_nvfp4tensor,
+    is_nvfp4tensor,
+    modify_grouped_nvfp4_rowwise_storage,
+    modify_nvfp4_rowwise_storage,
 )
 from megatron_core.tensor_parallel.wgrad_accumulation import expect_first_write, zero_pending_first_writes
 
@@ -55,6 +69,11 @@ def _written_only_by_wgrad_gemm(param: torch.nn.Parameter) -> bool:
     gradient arrives as ``.grad``) makes the hook add it.
     """
     return bool(getattr(param, "wgrad_fused_into_main_grad", False)) and not getattr(param, "zero_out_wgrad", False)
+
+
+def _is_nvfp4_param(param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` is a Transformer Engine NVFP4 tensor, plain or grouped (its bytes packed two per byte)."""
+    return is_nvfp4tensor(param) or is_grouped_nvfp4tensor(param)
 
 
 def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[torch.Tensor]:
@@ -233,7 +252,8 @@ def group_params_for_buffers(params: list[torch.nn.Parameter], grad_reduce_in_fp
     A buffer holds the parameters of one (param dtype, grad dtype, expert-parallel, layer-wise) key; the
     grad dtype is fp32 with ``grad_reduce_in_fp32``, else the param dtype; expert parameters are those
     with ``allreduce == False``. FP8 parameters (``fp8_param``) have param dtype ``uint8`` (their bytes) and
-    their high-precision dtype as grad dtype. ``param_indices`` numbers each parameter among those of its key.
+    their high-precision dtype as grad dtype; so do Transformer Engine's NVFP4 parameters (their packed bytes,
+    their logical dtype). ``param_indices`` numbers each parameter among those of its key.
     """
     groups: dict[BufferKey, tuple[list[torch.nn.Parameter], list[int]]] = {}
     for param in params:
@@ -242,6 +262,8 @@ def group_params_for_buffers(params: list[torch.nn.Parameter], grad_reduce_in_fp
         param_dtype, grad_dtype = param.dtype, param.dtype
         if is_fp8_param(param):  # its bytes in a 1-byte buffer; its gradient in its high-precision dtype
             param_dtype, grad_dtype = FP8_PARAM_BUFFER_DTYPE, param.fp8_hp_dtype
+        elif _is_nvfp4_param(param):
+            param_dtype = torch.uint8
         key = BufferKey(param_dtype, torch.float if grad_reduce_in_fp32 else grad_dtype,
                         not getattr(param, "allreduce", True),
                         bool(getattr(param, "is_managed_by_layer_wise_optimizer", False)))
@@ -302,6 +324,10 @@ class _ParamAndGradBuffer:
     ``param_layout`` places the params (``DistributedOptimizer.compute_full_param_layout`` gives the padded
     layout the distributed optimizer needs); without it the unpadded default layout is used, which
     with the distributed optimizer must still split evenly across the data-parallel ranks.
+
+    With NVFP4 parameters (``has_nvfp4_params``) the parameter buffer is placed by
+    ``nvfp4_packed_param_index_map`` / ``nvfp4_packed_bucket_indices`` (``nvfp4_packed_numel`` elements) and
+    the gradient buffer by ``param_index_map``; without them the packed attributes are None.
     """
 
     def __init__(self, ddp_config: DistributedDataParallelConfig, param_dtype: torch.dtype,
@@ -340,22 +366,19 @@ class _ParamAndGradBuffer:
                 f"the buffer's {self.numel} elements do not split into {self.data_parallel_world_size} data-parallel "
                 "shards: pass the layout of DistributedOptimizer.compute_full_param_layout"
             )
+        self._set_nvfp4_packed_layout(param_layout)
 
         device = device if device is not None else get_current_device()
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.param_data = None
         if ddp_config.use_distributed_optimizer:
-            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+            param_numel = self.nvfp4_packed_numel if self.has_nvfp4_params else self.numel
+            self.param_data = torch.zeros(param_numel, dtype=param_dtype, device=device)
 
         for param in self.params:
             start, end, _ = self.param_index_map[param]
             if self.param_data is not None:
-                view = self.param_data[start:end]
-                if view.dtype != param.dtype:  # an FP8 parameter: its float8 view of the uint8 buffer
-                    view = view.view(param.dtype)
-                view = view.view(param.shape)
-                view.copy_(param.data)
-                param.data = view
+                self._map_param_data(param)
             param.main_grad = self.grad_data[start:end].view(param.shape)
         # overwrite_main_grad_on_first_wgrad: reset() zeroes only the rest of grad_data, these await their GEMM.
         self.first_write_params = [p for p in self.params if ddp_config.overwrite_main_grad_on_first_wgrad
@@ -369,9 +392,11 @@ class _ParamAndGradBuffer:
         for param in self.params[::-1]:
             bucket_params[self.param_index_map[param][2]].append(param)
         for bucket_id, ((start, end), plist) in enumerate(zip(self.bucket_indices, bucket_params)):
+            param_start, param_end = (self.nvfp4_packed_bucket_indices[bucket_id] if self.has_nvfp4_params
+                                      else (start, end))
             bucket = _ParamAndGradBucket(
                 plist,
-                None if self.param_data is None else self.param_data[start:end],
+                None if self.param_data is None else self.param_data[param_start:param_end],
                 self.grad_data[start:end],
                 start,
                 self.per_bucket_numel_unpadded[bucket_id],
@@ -384,8 +409,53 @@ class _ParamAndGradBuffer:
             self.buckets.append(bucket)
             for param in plist:
                 self.param_to_bucket[param] = bucket
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(self._bucket_summary())
+        if logger.isEnabledFor(logging.DEBUG):  # once per pipeline stage (TP and DP x CP rank 0)
+            tp, dp_cp = getattr(pg_collection, "tp", None), getattr(pg_collection, "dp_cp", None)
+            groups = {"tp_group": tp, "dp_cp_group": dp_cp} if tp is not None and dp_cp is not None else {}
+            log_on_each_pipeline_stage(logger, logging.DEBUG, self._bucket_summary(), **groups)
+
+    def _set_nvfp4_packed_layout(self, param_layout: PerBufferParamLayout) -> None:
+        """``has_nvfp4_params`` and, with NVFP4 parameters, the packed parameter-buffer layout (padded as the
+        gradient layout is with the distributed optimizer, for this buffer's data-parallel size)."""
+        nvfp4_params = [p for p in self.params if _is_nvfp4_param(p)]
+        self.has_nvfp4_params = bool(nvfp4_params)
+        self.nvfp4_packed_param_index_map: dict[torch.nn.Parameter, tuple[int, int, int]] | None = None
+        self.nvfp4_packed_bucket_indices: list[tuple[int, int]] | None = None
+        self.nvfp4_packed_numel: int | None = None
+        self.nvfp4_packed_numel_unpadded: int | None = None
+        if not nvfp4_params:
+            return
+        dp = self.data_parallel_world_size if self.ddp_config.use_distributed_optimizer else None
+        packed = compute_nvfp4_packed_layout(param_layout, self.params, nvfp4_params, dp,
+                                             self.ddp_config.pad_buckets_for_high_nccl_busbw)
+        self.nvfp4_packed_param_index_map = packed.param_index_map
+        self.nvfp4_packed_bucket_indices = packed.bucket_indices
+        self.nvfp4_packed_numel = packed.bucket_indices[-1][1]
+        self.nvfp4_packed_numel_unpadded = sum(packed.per_bucket_numel_unpadded)
+
+    def _map_param_data(self, param: torch.nn.Parameter) -> None:
+        """Move ``param``'s storage into its range of ``param_data``, keeping its values.
+
+        An NVFP4 parameter moves only its packed row-wise bytes (Transformer Engine's tensor keeps its scales);
+        an FP8 parameter becomes a float8 view of the ``uint8`` buffer; any other parameter a view of its range.
+        """
+        index_map = self.nvfp4_packed_param_index_map if self.has_nvfp4_params else self.param_index_map
+        start, end, _ = index_map[param]
+        modify_rowwise = (modify_nvfp4_rowwise_storage if is_nvfp4tensor(param)
+                          else modify_grouped_nvfp4_rowwise_storage if is_grouped_nvfp4tensor(param) else None)
+        if modify_rowwise is not None:
+            shape = get_nvfp4_rowwise_packed_shape(param.data.shape)
+            modify_rowwise(param, self.param_data[start:start + shape.numel()].view(shape))
+            return
+        view = self.param_data[start:end]
+        if view.dtype != param.dtype:
+            if not is_fp8_param(param):
+                raise ValueError(f"parameter {self.param_to_name.get(param, '?')} of dtype {param.dtype} cannot be "
+                                 f"stored in a {view.dtype} parameter buffer (only FP8 and NVFP4 parameters can)")
+            view = view.view(param.dtype)  # an FP8 parameter: its float8 view of the uint8 buffer
+        view = view.view(param.shape)
+        view.copy_(param.data)
+        param.data = view
 
     def _bucket_summary(self) -> str:
         """The buckets and the parameters in each, for the debug log."""

@@ -11,6 +11,7 @@ parameter start to 64 elements and pads each bucket end so that it splits evenly
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,11 +130,61 @@ def compute_per_buffer_param_layout(params: list[torch.nn.Parameter], bucket_siz
     return layout
 
 
+def compute_nvfp4_packed_layout(layout: PerBufferParamLayout, params: Sequence[torch.nn.Parameter],
+                                nvfp4_params: Collection[torch.nn.Parameter],
+                                pad_for_data_parallel_world_size: int | None = None,
+                                pad_for_high_nccl_busbw: bool = False) -> PerBufferParamLayout:
+    """The parameter-buffer layout of a buffer holding NVFP4 parameters, derived from its (gradient) ``layout``.
+
+    An NVFP4 parameter's bytes pack two values each, so in the parameter buffer it spans half its element
+    count while its gradient keeps the full count: the buffer keeps ``layout`` for gradients and this packed
+    layout for parameters. Every other parameter spans its full count in both. Parameters are placed in
+    ``layout``'s order (``params`` reversed) and keep their bucket; with ``pad_for_data_parallel_world_size``
+    (a distributed optimizer) each start is aligned to 64 elements and each bucket end padded by
+    :func:`pad_bucket_end`, as in :func:`compute_per_buffer_param_layout`. A bucket closes where the next
+    bucket's first parameter would start (after its alignment), so its unpadded extent counts that alignment,
+    as Megatron-Core's does. ``ValueError`` for an NVFP4 parameter of odd element count.
+    """
+    dp = pad_for_data_parallel_world_size
+    packed = PerBufferParamLayout(param_indices=list(layout.param_indices), num_optimizer_shards=dp)
+
+    def close_bucket(bucket_start: int, bucket_end: int) -> int:
+        packed.per_bucket_numel_unpadded.append(bucket_end - bucket_start)
+        padded = bucket_end if dp is None else pad_bucket_end(bucket_end, dp, pad_for_high_nccl_busbw)
+        packed.bucket_indices.append((bucket_start, padded))
+        return padded
+
+    nvfp4 = {id(p) for p in nvfp4_params}
+    bucket_start = index = 0
+    bucket_id = 0
+    for param in params[::-1]:
+        index = index if dp is None else pad_param_start(index)
+        param_bucket = layout.param_index_map[param][2]
+        if param_bucket != bucket_id:
+            bucket_start = index = close_bucket(bucket_start, index)
+            bucket_id = param_bucket
+        numel = param.data.nelement()
+        if id(param) in nvfp4:
+            if numel % 2:
+                raise ValueError(f"an NVFP4 parameter of shape {tuple(param.data.shape)} has an odd element count "
+                                 f"({numel}): NVFP4 packs two values per byte")
+            numel //= 2
+        packed.param_index_map[param] = (index, index + numel, param_bucket)
+        index += numel
+    if index > bucket_start:
+        close_bucket(bucket_start, index)
+    if len(packed.bucket_indices) != len(layout.bucket_indices):
+        raise ValueError(f"the packed NVFP4 layout has {len(packed.bucket_indices)} buckets, the gradient layout "
+                         f"{len(layout.bucket_indices)}: every bucket must hold at least one parameter")
+    return packed
+
+
 __all__ = [
     "BufferKey",
     "FullParamLayout",
     "PerBufferParamLayout",
     "bucket_end_divisor",
+    "compute_nvfp4_packed_layout",
     "compute_per_buffer_param_layout",
     "pad_bucket_end",
     "pad_param_start",

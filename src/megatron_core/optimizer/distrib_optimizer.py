@@ -123,6 +123,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False):
                 raise ValueError("DistributedOptimizer needs model chunks wrapped in DistributedDataParallel "
                                  "with use_distributed_optimizer=True")
+        if any(buffer.has_nvfp4_params for buffers in per_model_buffers.values() for buffer in buffers):
+            raise ValueError("DistributedOptimizer: the DDP buffers hold Transformer Engine NVFP4 parameters, whose "
+                             "main-weight shards this optimizer does not quantize (Megatron-Core uses Transformer "
+                             "Engine's quantize_master_weights); use high-precision or fp8_param parameters")
         self.model_chunks = model_chunks
         self.per_model_buffers = per_model_buffers
         self.data_parallel_group = data_parallel_group = collectives.local_if_none(data_parallel_group)
