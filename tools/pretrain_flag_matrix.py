@@ -8,7 +8,7 @@ it. Each run is classified:
 
 * ``ok``: every rank returned 0 and every logged training loss is finite (and the flags' declared effects showed);
 * ``refused``: the example's own error path (``run_command``, status 2, or argparse's usage error) with a message
-  naming at least one of the flags given;
+  naming at least one of the flags given, as typed (``--recompute-granularity``; not a library field name);
 * ``defect``: anything else -- another exception, a refusal that names none of the flags, a hang, a non-finite loss,
   a flag without the effect it must have (a loss that does not change, a metric not logged, a checkpoint that does
   not resume to the same losses).
@@ -18,6 +18,7 @@ Usage::
     .venv/bin/python tools/pretrain_flag_matrix.py                 # singles and pairs, 2 workers
     .venv/bin/python tools/pretrain_flag_matrix.py --only tp2,moe   # these singles and their pair
     .venv/bin/python tools/pretrain_flag_matrix.py --singles-only
+    .venv/bin/python tools/pretrain_flag_matrix.py --pairs-with fp8-param   # every single, the pairs with fp8-param
 
 Writes ``<out>/matrix.json`` and ``<out>/matrix.md`` (``--out``, default ``/tmp/pretrain_flag_matrix``).
 """
@@ -107,6 +108,8 @@ FLAGS: tuple[Flag, ...] = (
     _flag("fp8-delayed", "--fp8-format e4m3 --fp8-recipe delayed --fp8-amax-history-len 4", ("loss",)),
     _flag("precision-aware", "--use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype bf16 "
           "--exp-avg-sq-dtype bf16"),  # bf16 moments move Adam's first two updates below the loss's resolution
+    _flag("fp8-param", "--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather --use-distributed-optimizer",
+          ("loss",), dp=2),  # FP8 weights in one-byte buffers, all-gathered from the optimizer's shards
     # recompute, fusions, graphs
     _flag("recompute-full", "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"),
     _flag("recompute-sel", "--recompute-granularity selective --recompute-modules core_attn mlp"),
@@ -133,9 +136,6 @@ FLAGS: tuple[Flag, ...] = (
     _flag("manual-gc", "--manual-gc --manual-gc-interval 1"),
 )
 BY_NAME = {flag.name: flag for flag in FLAGS}
-# Library field names a refusal may use instead of the flag.
-ALIASES = {"--num-experts": ("num_moe_experts",), "--fp8-format": ("fp8 ",), "--use-torch-fsdp2": ("FSDP2", "fsdp"),
-           "--cuda-graph-impl": ("cuda_graph",), "--multi-latent-attention": ("MLA",)}
 
 
 # ----------------------------------------------------------------------------------------------- run layout
@@ -222,6 +222,7 @@ def _rank_main(rank: int, world: int, store_path: str, argv: list[str], director
 
         store = dist.FileStore(store_path, world) if world > 1 else dist.HashStore()
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90))
+        dist.barrier()  # every pair connected before a rank that refuses its flags can destroy the group
         import pretrain_gpt
 
         outcome["status"] = pretrain_gpt.main(argv)
@@ -317,14 +318,9 @@ def _worker_init() -> None:
 
 
 def _names(flags: tuple[Flag, ...]) -> list[str]:
-    names: list[str] = []
-    for flag in flags:
-        for option in _options(flag):
-            names += [option, option[2:].replace("-", "_"), *ALIASES.get(option, ())]
-    for word in BASE:
-        if word.startswith("--"):
-            names += [word, word[2:].replace("-", "_")]
-    return names
+    """The command-line options a refusal of these flags may name: theirs and the base's, as the user typed them
+    (a library field name such as ``recompute_granularity`` does not count)."""
+    return [option for flag in flags for option in _options(flag)] + [word for word in BASE if word.startswith("--")]
 
 
 def classify(cell: Cell, raw: dict, singles: dict[str, dict], baselines: dict[int, dict]) -> tuple[str, str]:
@@ -419,11 +415,15 @@ def _submit(pool, cells: list[Cell], limit_s: float) -> dict:
     return done
 
 
-def build_cells(flags: list[Flag], out: Path, pairs: bool) -> tuple[list[Cell], list[Cell], list[dict]]:
-    """Singles, pairs and the skipped pairs (too many ranks, or one option given two values)."""
+def build_cells(flags: list[Flag], out: Path, pairs: bool,
+                with_names: frozenset[str] = frozenset()) -> tuple[list[Cell], list[Cell], list[dict]]:
+    """Singles, pairs and the skipped pairs (too many ranks, or one option given two values); ``with_names``
+    (non-empty): only the pairs holding one of these flags."""
     singles = [Cell((f,), world_size((f,)), str(out / "runs" / f.name)) for f in flags]
     cells, skipped = [], []
     for a, b in itertools.combinations(flags, 2) if pairs else ():
+        if with_names and not {a.name, b.name} & with_names:
+            continue
         why = conflict((a, b))
         world = world_size((a, b))
         if why is None and world > MAX_RANKS:
@@ -458,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="/tmp/pretrain_flag_matrix")
     parser.add_argument("--only", default=None, help="comma-separated flag names (default: all)")
     parser.add_argument("--singles-only", action="store_true")
+    parser.add_argument("--pairs-with", default=None,
+                        help="comma-separated flag names: only the pairs holding one of them (all singles still run: "
+                             "they are the pairs' references)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--limit-s", type=float, default=60.0, help="wall-clock limit of one run (per phase)")
     opts = parser.parse_args(argv)
@@ -465,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    singles, pairs, skipped = build_cells(flags, out, not opts.singles_only)
+    with_names = frozenset(opts.pairs_with.split(",")) if opts.pairs_with else frozenset()
+    unknown = sorted(with_names - set(BY_NAME))
+    if unknown:
+        parser.error(f"--pairs-with: unknown flag names {unknown} (known: {', '.join(BY_NAME)})")
+    singles, pairs, skipped = build_cells(flags, out, not opts.singles_only, with_names)
     baselines_cells = [Cell((), world, str(out / "runs" / f"baseline-{world}")) for world in (1, 2, 4)]
     context = mp.get_context("spawn")
     with futures.ProcessPoolExecutor(opts.workers, mp_context=context, initializer=_worker_init) as pool:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import ast
 
+from gpt_training.cuda_graph_flags import validate_cuda_graph_args
 from gpt_training.fp8 import add_fp8_arguments, validate_fp8_args
 from gpt_training.hf_model import apply_hf_model_args
+from gpt_training.optimizer_flags import validate_optimizer_precision_args
 from gpt_training.presets import PRESETS, apply_preset
 from gpt_training.upcycling import validate_upcycling_args
 from megatron_core.device import cuda_available
@@ -367,7 +369,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                                                    and args.cuda_graph_impl not in ("local", "full_iteration"))
     _require(args.manual_gc_interval >= 0, f"--manual-gc-interval ({args.manual_gc_interval}) must be >= 0")
     _validate_torch_fsdp2(args)
-    _validate_full_iteration(args)
+    validate_cuda_graph_args(args, _require)
+    validate_optimizer_precision_args(args, _require)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
@@ -407,22 +410,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
              f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
              f"({args.lr_decay_iters}; it defaults to --train-iters)")
     return args
-
-
-def _validate_full_iteration(args: argparse.Namespace) -> None:
-    """--cuda-graph-impl full_iteration: the settings whose work in a step could not be replayed from one graph."""
-    if args.cuda_graph_impl != "full_iteration":
-        return
-    _require(args.cuda_graph_warmup_steps >= 0, f"--cuda-graph-warmup-steps ({args.cuda_graph_warmup_steps}) must be >= 0")
-    for flag, value, why in (
-            ("--step-time-breakdown", args.step_time_breakdown, "its timers read the clock inside the step"),
-            ("--use-torch-fsdp2", args.use_torch_fsdp2, "FSDP2's hooks manage parameters on the host"),
-            ("--overlap-param-gather", args.overlap_param_gather, "the all-gather's dispatch state lives on the host"),
-            ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size > 1, "untested with pipelining"),
-            ("--num-experts", args.num_experts is not None, "MoE token dispatch sizes its buffers on the host"),
-            ("--sequence-parallel", args.sequence_parallel,
-             "its RNG-tracker fork swaps generator states, which a CUDA graph capture forbids")):
-        _require(not value, f"{flag} cannot be combined with --cuda-graph-impl full_iteration: {why}")
 
 
 def _validate_moe(args: argparse.Namespace) -> None:

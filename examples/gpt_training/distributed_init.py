@@ -33,6 +33,11 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timeout)
+    if backend == "gloo":
+        # gloo connects the ranks pairwise inside init_process_group: a rank that refused its flags at once and
+        # destroyed the group could close a connection a slower peer was still opening (its traceback instead of
+        # the one-line refusal). NCCL connects lazily.
+        dist.barrier()
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron_core.distributed.fp8_params import FP8_PARAM_RECIPES
 from megatron_core.fp8 import convert_to_float8
 
 __all__ = ["add_fp8_arguments", "convert_model_to_fp8", "fp8_config_fields", "validate_fp8_args"]
@@ -42,8 +43,8 @@ def add_fp8_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_fp8_args(args: argparse.Namespace, require: Any) -> None:
-    """The flag rules FP8 adds; ``require(condition, message)`` raises the parser's error (the recipe and
-    ``fp8_param`` rules are the library's: ``check_fp8_config``, ``DistributedDataParallel``).
+    """The flag rules FP8 adds; ``require(condition, message)`` raises the parser's error (the library's own
+    ``fp8_param`` rules, ``check_fp8_config`` and ``DistributedDataParallelConfig``, checked here by flag name).
 
     Runs before the device defaults. torchao's FP8 GEMMs return their weight gradients, so without
     ``--fp8-param-gather`` the fused weight-gradient GEMM is off by default and refused when asked for. With FP8
@@ -54,6 +55,12 @@ def validate_fp8_args(args: argparse.Namespace, require: Any) -> None:
         require(not args.fp8_param_gather, "--fp8-param-gather needs --fp8-format")
         return
     if args.fp8_param_gather:
+        require(args.fp8_recipe in FP8_PARAM_RECIPES,
+                f"--fp8-param-gather needs --fp8-recipe {' or '.join(FP8_PARAM_RECIPES)} (got --fp8-recipe "
+                f"{args.fp8_recipe}): without Transformer Engine, FP8 weights take current per-tensor scaling only")
+        require(args.use_distributed_optimizer,
+                "--fp8-param-gather needs --use-distributed-optimizer (the FP8 weights keep no high-precision copy; "
+                "the distributed optimizer updates their fp32 main params and all-gathers the bytes)")
         return
     require(not args.gradient_accumulation_fusion,
             "--gradient-accumulation-fusion with --fp8-format needs --fp8-param-gather (torchao's FP8 GEMMs "

@@ -56,6 +56,30 @@ def _args(*flags: str, world_size: int = 1):
     (["--multi-latent-attention", "--group-query-attention"], 1, ["--group-query-attention", "--multi-latent-attention"]),
     # --rotary-percent under MLA's default YaRN rotary embedding was silently ignored
     (["--multi-latent-attention", "--rotary-percent", "0.5"], 1, ["--rotary-percent (0.5)", "--rope-type"]),
+    # recompute under CUDA graphs: refused by TransformerConfig naming recompute_granularity and cuda_graph_impl
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+      "--cuda-graph-impl", "full_iteration"], 1, ["--recompute-granularity full", "--cuda-graph-impl full_iteration"]),
+    (["--recompute-granularity", "selective", "--cuda-graph-impl", "full_iteration"], 1,
+     ["--recompute-granularity selective", "--cuda-graph-impl full_iteration"]),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+      "--cuda-graph-impl", "local"], 1, ["--recompute-granularity full", "--cuda-graph-impl local"]),
+    (["--attention-dropout", "0.1", "--cuda-graph-impl", "full_iteration"], 1,
+     ["--attention-dropout 0.1", "--cuda-graph-impl full_iteration"]),
+    # the precision-aware optimizer's rules: refused by OptimizerConfig naming its fields
+    (["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--optimizer", "sgd"], 2,
+     ["--use-precision-aware-optimizer", "--optimizer sgd"]),
+    (["--use-precision-aware-optimizer"], 1, ["--use-precision-aware-optimizer", "--use-distributed-optimizer"]),
+    (["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "fp16"], 1,
+     ["--exp-avg-dtype bf16, --exp-avg-sq-dtype fp16", "--use-precision-aware-optimizer"]),
+    (["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--main-params-dtype", "fp16"], 1,
+     ["--main-params-dtype (fp16)"]),
+    (["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"], 1,
+     ["--main-grads-dtype (bf16)", "--main-params-dtype (fp32)"]),
+    # FP8 parameters: refused by check_fp8_config / DistributedDataParallelConfig naming fp8_param(_gather)
+    (["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-param-gather", "--use-distributed-optimizer"], 1,
+     ["--fp8-param-gather", "--fp8-recipe tensorwise", "--fp8-recipe delayed"]),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"], 1,
+     ["--fp8-param-gather", "--use-distributed-optimizer"]),
 ])
 def test_pairs_the_library_cannot_build_are_refused_by_name(flags, world_size, named):
     with pytest.raises(ValueError) as caught:
@@ -71,6 +95,11 @@ def test_pairs_the_library_cannot_build_are_refused_by_name(flags, world_size, n
       "--expert-tensor-parallel-size", "1"], 2),
     (["--multi-latent-attention"], 1),
     (["--model-preset", "deepseek-tiny", "--seq-length", "32", "--max-position-embeddings", "32"], 1),
+    (["--recompute-granularity", "selective", "--cuda-graph-impl", "local"], 1),
+    (["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
+      "--main-params-dtype", "bf16", "--exp-avg-dtype", "fp16"], 1),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather", "--use-distributed-optimizer"],
+     2),
 ])
 def test_the_valid_forms_still_pass(flags, world_size):
     _args(*flags, world_size=world_size)
@@ -213,10 +242,13 @@ def test_overlap_param_gather_checkpoint_resumes_to_the_same_losses(tmp_path):
         assert resumed == pytest.approx(straight, rel=1e-6, abs=1e-6), (resumed, straight)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "fp8-param"])
 def test_an_fp8_expert_that_gets_no_tokens_runs(one_rank_group, recipe):
-    # Top-1 routing left an expert without tokens; its FP8 GEMM took the amax of an empty tensor and raised.
-    args = _args("--num-experts", "4", "--disable-bias-linear", "--fp8-format", "hybrid", "--fp8-recipe", recipe)
+    # Top-1 routing left an expert without tokens; its FP8 GEMM took the amax of an empty tensor and raised (the
+    # FP8-parameter GEMM of --fp8-param-gather too, found when the flag joined the matrix).
+    fp8 = (["--fp8-recipe", "tensorwise", "--fp8-param-gather", "--use-distributed-optimizer"]
+           if recipe == "fp8-param" else ["--fp8-recipe", recipe])
+    args = _args("--num-experts", "4", "--disable-bias-linear", "--fp8-format", "hybrid", *fp8)
     run = _pretrain_gpt().setup(args)
     try:
         fc1 = next(m for n, m in run.model[0].named_modules() if n.endswith("local_experts.0.linear_fc1"))
@@ -227,5 +259,9 @@ def test_an_fp8_expert_that_gets_no_tokens_runs(one_rank_group, recipe):
         assert x.grad is not None and x.grad.shape == (0, 64)
         if recipe == "delayed":  # no tokens, no amax recorded
             assert not fc1.fp8_amax_history.any()
+        if recipe == "fp8-param":  # nothing added to the gradient; SwiGLU inside the GEMM (a dense MLP's) as well
+            assert not fc1.weight.main_grad.any()
+            activated, amax = fc1.forward_swiglu(torch.zeros(0, 64, requires_grad=True))
+            assert activated.shape == (0, fc1.weight.shape[0] // 2) and float(amax) == 0.0
     finally:
         parallel_state.destroy_model_parallel()

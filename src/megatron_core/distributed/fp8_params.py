@@ -42,8 +42,8 @@ from megatron_core._ground.fp8_values import _rows, _rowwise, dequantize_fp8_ten
 from megatron_core.jit import is_jit_fuser_enabled, jit_fuser
 from megatron_core.tensor_parallel.wgrad_accumulation import mark_gradient_into_main_grad
 
-__all__ = ["FP8_PARAM_BUFFER_DTYPE", "fp8_max", "quantize", "reduce_amax", "FP8_PARAM_DTYPE", "FP8_PARAM_RECIPES",
-           "FP8_PARAM_SCALINGS", "check_fp8_params_for_ddp", "clear_high_precision_init_val",
+__all__ = ["FP8_PARAM_BUFFER_DTYPE", "amax_or_zero", "fp8_max", "quantize", "reduce_amax", "FP8_PARAM_DTYPE",
+           "FP8_PARAM_RECIPES", "FP8_PARAM_SCALINGS", "check_fp8_params_for_ddp", "clear_high_precision_init_val",
            "copy_tensor_to_quantized_param", "dequantize_fp8_tensor", "is_fp8_param", "main_param_shard",
            "make_fp8_param", "power_of_two_scale", "quantize_param_shard", "tensorwise_scale"]
 
@@ -70,6 +70,14 @@ def reduce_amax(amax: torch.Tensor, group: Any) -> torch.Tensor:
     if group is not None and get_pg_size(group) > 1:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
     return amax
+
+
+def amax_or_zero(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s largest magnitude as a 0-d fp32 tensor, 0 for an empty ``t`` (``Tensor.amax()`` refuses one: an MoE
+    expert that got no tokens has an empty input)."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    return t.detach().abs().amax().float()
 
 
 def tensorwise_scale(amax: torch.Tensor, dtype: torch.dtype = FP8_PARAM_DTYPE) -> torch.Tensor:

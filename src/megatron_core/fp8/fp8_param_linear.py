@@ -46,7 +46,7 @@ import torch
 from torch.distributed import _functional_collectives as funcol
 
 from megatron_core._ground import get_pg_size
-from megatron_core.distributed.fp8_params import FP8_PARAM_DTYPE, quantize, tensorwise_scale
+from megatron_core.distributed.fp8_params import FP8_PARAM_DTYPE, amax_or_zero, quantize, tensorwise_scale
 from megatron_core.fp8.cast_kernels import cast_transpose, cast_transpose_serves, transpose_codes
 from megatron_core.fp8.delayed_linear import _pad_rows
 from megatron_core.fp8.fp8_param_ops import fp8_mm_nt, fp8_wgrad_into
@@ -87,8 +87,9 @@ def _scale_of_amax(amax: torch.Tensor, dtype: torch.dtype, group: Any) -> torch.
 
 
 def _current_scale(t: torch.Tensor, dtype: torch.dtype, group: Any) -> torch.Tensor:
-    """The tensorwise scale of ``t`` for float8 ``dtype`` (see :func:`_scale_of_amax`)."""
-    return _scale_of_amax(t.detach().abs().amax().float(), dtype, group)
+    """The tensorwise scale of ``t`` for float8 ``dtype`` (see :func:`_scale_of_amax`); an empty ``t`` (an expert
+    that got no tokens) has amax 0 and still joins ``group``'s reduction, which the other ranks wait for."""
+    return _scale_of_amax(amax_or_zero(t), dtype, group)
 
 
 FUSED_CASTS = True  # the CUDA casts through cast_transpose (False: plain torch ops, the reference it is timed against)

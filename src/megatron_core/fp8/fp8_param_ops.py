@@ -33,7 +33,9 @@ ACCUMULATE_IN_GEMM = True  # the weight-gradient GEMM adds into main_grad (False
 def fp8_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor,
               out_dtype: torch.dtype, emulate: bool, fast_accum: bool = False) -> torch.Tensor:
     """``(a / a_scale) @ (b_t / b_scale).T`` in ``out_dtype`` for contiguous float8 ``a [m, k]`` and ``b_t [n, k]``
-    (``fast_accum``: see ``_fp8_mm``)."""
+    (``fast_accum``: see ``_fp8_mm``); no rows (an expert that got no tokens) give an empty product without a GEMM."""
+    if a.shape[0] == 0:
+        return a.new_empty((0, b_t.shape[0]), dtype=out_dtype)
     return _fp8_mm(a, a_scale, b_t.t(), b_scale, out_dtype, emulate, fast_accum)
 
 
@@ -43,7 +45,9 @@ def fp8_wgrad_into(main_grad: torch.Tensor, dy_t: torch.Tensor, dy_scale_inv: to
     ``x_t [in, t]`` (the output gradient and the input, transposed) and their dequantization factors (the scales'
     reciprocals, fp32, as ``torch._scaled_mm`` takes them: a traced caller computes them in the kernels that make
     the scales): one cuBLASLt GEMM that adds into ``main_grad`` where it serves (and ``ACCUMULATE_IN_GEMM``), else
-    ``torch._scaled_mm`` and an add."""
+    ``torch._scaled_mm`` and an add. No tokens (``t == 0``) add nothing."""
+    if dy_t.shape[1] == 0:
+        return
     if ACCUMULATE_IN_GEMM and not emulate and main_grad.is_cuda and cublaslt.scaled_mm_accumulate_(
             main_grad, dy_t, dy_scale_inv, x_t, x_scale_inv):
         return

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron_core.distributed.fp8_params import amax_or_zero
 from megatron_core.fp8.swiglu_grad_cast import swiglu
 from megatron_core.jit import have_triton, kernel_device, triton_modules
 
@@ -85,4 +86,4 @@ def swiglu_with_amax(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.compiler.is_compiling() and _fused_serves(y):
         return torch.ops.megatron_core.fp8_swiglu_amax(y)
     h = swiglu(y)
-    return h, h.detach().abs().amax().float()
+    return h, amax_or_zero(h)
