@@ -10,7 +10,7 @@ data gradient and weight gradient separately:
 - the row-wise cast of the GEMM's left operand (``megatron_core.fp8.cast_kernels.rowwise_cast``), one-pass and
   two-pass kernels (bytes moved: the bf16 read and the e4m3 write).
 
-    PYTHONPATH=src python3 benchmarks/fp8_grouped_breakdown.py --hidden 4096 --ffn 14336 --experts 8 --rows 8192
+    PYTHONPATH=src:benchmarks python3 benchmarks/fp8_grouped_breakdown.py --hidden 4096 --ffn 14336 --experts 8 --rows 8192
 """
 
 from __future__ import annotations
@@ -18,26 +18,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+from grouped_gemm_parts import time_ms  # the same CUDA-event timer
 
 from megatron_core.fp8 import cast_kernels
 from megatron_core.fp8.cast_kernels import rowwise_cast
 
 E4M3 = torch.float8_e4m3fn
-
-
-def timed(fn, iters: int = 20) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs after three warm-up runs."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def gemm_row(name: str, rows: int, k: int, n: int, experts: int) -> None:
@@ -59,19 +45,19 @@ def gemm_row(name: str, rows: int, k: int, n: int, experts: int) -> None:
         finally:
             cast_kernels.WHOLE_ROW_MAX = whole
     results = {
-        "bf16 grouped": timed(lambda: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)),
-        "fp8 grouped": timed(lambda: torch._scaled_grouped_mm(a_codes, w_codes.transpose(-2, -1), a_scale, w_scale,
+        "bf16 grouped": time_ms(lambda: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)),
+        "fp8 grouped": time_ms(lambda: torch._scaled_grouped_mm(a_codes, w_codes.transpose(-2, -1), a_scale, w_scale,
                                                                offs=offs, out_dtype=torch.bfloat16,
                                                                use_fast_accum=True)),
-        "fp8 per expert": timed(lambda: [torch._scaled_mm(a_codes[e * per:(e + 1) * per], w_codes[e].t(),
+        "fp8 per expert": time_ms(lambda: [torch._scaled_mm(a_codes[e * per:(e + 1) * per], w_codes[e].t(),
                                                           a_scale[e * per:(e + 1) * per, None], w_scale[e][None, :],
                                                           out_dtype=torch.bfloat16, use_fast_accum=True)
                                          for e in range(experts)]),
-        "fp8 dense": timed(lambda: torch._scaled_mm(a_codes, w_codes[0].t(), a_scale[:, None], w_scale[0][None, :],
+        "fp8 dense": time_ms(lambda: torch._scaled_mm(a_codes, w_codes[0].t(), a_scale[:, None], w_scale[0][None, :],
                                                     out_dtype=torch.bfloat16, use_fast_accum=True)),
-        "bf16 dense": timed(lambda: a @ w[0].t()),
-        "rowwise cast of a": timed(lambda: rowwise_cast(a)),
-        "two-pass cast of a": timed(two_pass_cast),
+        "bf16 dense": time_ms(lambda: a @ w[0].t()),
+        "rowwise cast of a": time_ms(lambda: rowwise_cast(a)),
+        "two-pass cast of a": time_ms(two_pass_cast),
     }
     cells = "  ".join(f"{key} {ms:6.3f} ms ({flops / ms / 1e9:5.0f} TF/s)" if "cast" not in key
                       else f"{key} {ms:6.3f} ms ({a.numel() * 3 / ms / 1e6:5.0f} GB/s)" for key, ms in results.items())

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd benchmark
     add_timing_argument,
     print_kernel_profile,
+    report_flops,
     time_contender,
     time_steps,
 )
@@ -104,6 +105,9 @@ def parse_args() -> argparse.Namespace:
                         "delayed recipe, --fp8-param's FP8 parameters, the grouped GEMMs timed alone); torchao's "
                         "tensorwise/rowwise GEMMs refuse it and keep fp8_wgrad=True; the labels say which ran")
     p.add_argument("--skip-ours", action="store_true", help="do not time our bf16 model")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="also time the FP8 model in steps of N micro-batches, its experts' FP8 weight operands made "
+                        "once per step (set_is_first_microbatch); the per-micro-batch mean is its result")
     p.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, fp32, 2 steps")
     p.add_argument("--grouped-gemm-backend", choices=["torch", "cutlass"], default=None,
                    help="the grouped experts' GEMM kernel (default: MEGATRON_CORE_MOE_GROUPED_GEMM, else torch); "
@@ -273,9 +277,29 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     label += "" if fp8 is None else f" fp8 {fp8[0]}:{fp8[1]}" + wgrad_label(args, fp8_wgrad(args, fp8[0], False))
     mfu = time_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
                          flops_per_token(args), width=36)
+    if fp8 is not None and args.microbatches > 1:
+        mfu = time_microbatches(args, ours, label, lambda: ours(ids, position_ids, None, labels=labels).mean())
     if args.profile:
         print_kernel_profile(lambda: ours(ids, position_ids, None, labels=labels).mean().backward())
     return mfu
+
+
+def time_microbatches(args: argparse.Namespace, model: torch.nn.Module, label: str,
+                      loss_fn: Callable[[], torch.Tensor]) -> float:
+    """``--microbatches N``: steps of ``N`` micro-batch fwd+bwd passes, the model told where each step begins
+    (``set_is_first_microbatch``, as the schedules do: the experts' FP8 weight operands are made in the first
+    micro-batch and reused by the others); prints the mean time per micro-batch (a whole step's median over ``N``)
+    and returns its MFU in percent."""
+    def step() -> None:
+        model.set_is_first_microbatch()
+        for _ in range(args.microbatches):
+            loss_fn().backward()
+            for p in model.parameters():
+                p.grad = None
+
+    seconds = time_steps(step, args) / args.microbatches
+    return report_flops(f"{label}, {args.microbatches} micro-batches per step", seconds, args, flops_per_token(args),
+                        width=36)
 
 
 def measure_fp8_param(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,
@@ -369,6 +393,8 @@ def main() -> None:
     if args.fp8:
         fp8_mfu = measure_ours(args, dtype, ids, position_ids, labels, fp8=tuple(args.fp8.split(":")))
         label = args.fp8 + wgrad_label(args, fp8_wgrad(args, args.fp8.split(":")[0], False))
+        if args.microbatches > 1:
+            label += f" (mean micro-batch of {args.microbatches}-micro-batch steps)"
         print(f"RESULT fp8 {label} fwd+bwd: {fp8_mfu / ours_mfu:.3f}x our bf16 step", flush=True)
         gc.collect()
         if dev.type == "cuda":

@@ -107,12 +107,13 @@ class EmulatedFp8ParamGroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int], w_scale: torch.Tensor,
                 hp_dtype: torch.dtype, main_grad: torch.Tensor | None = None,
-                placeholder: str | None = None, fp8_wgrad: bool = True) -> torch.Tensor:
+                placeholder: str | None = None, fp8_wgrad: bool = True,
+                w_codes_t: torch.Tensor | None = None) -> torch.Tensor:
         """The product with the stored codes; ``x`` rounded through e4m3 per row."""
         w_inverse = w_scale.detach().reciprocal().view(*weight.shape[:-1], 1)
         _save_main_grad(ctx, weight, main_grad, placeholder)
         ctx.counts, ctx.hp_dtype, ctx.fp8_wgrad = counts, hp_dtype, fp8_wgrad
-        ctx.save_for_backward(x, weight, w_inverse)
+        ctx.save_for_backward(x, weight, w_inverse, w_codes_t)
         w_q = weight.float() * w_inverse
         x_q = quantize_dequantize_e4m3(x, -1)
         out = [xe @ w_q[e].t() for e, xe in enumerate(torch.split(x_q, counts, dim=0))]
@@ -121,46 +122,47 @@ class EmulatedFp8ParamGroupedGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         """Data gradient from the stored codes; weight gradient added to ``main_grad`` (placeholder returned)."""
-        x, weight, w_inverse = ctx.saved_tensors
+        x, weight, w_inverse, w_codes_t = ctx.saved_tensors
         counts = ctx.counts
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            w_codes = weight.float()
+        if ctx.needs_input_grad[0]:  # the stored codes, or their transpose cached for the step
+            w_codes = weight.float() if w_codes_t is None else w_codes_t.transpose(-2, -1).float()
             grad_x = torch.cat([quantize_dequantize_e4m3(dy * w_inverse[e, :, 0], -1) @ w_codes[e]
                                 for e, dy in enumerate(torch.split(grad.float(), counts, dim=0))], dim=0).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = emulated_grouped_wgrad(grad, x, counts, ctx.fp8_wgrad).to(ctx.hp_dtype)
             grad_w = _accumulate(weight, ctx.main_grad, grad_w, ctx.placeholder)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 class ScaledGroupedMmFp8Param(torch.autograd.Function):
     """:class:`~megatron_core.fp8.scaled_grouped_mm.ScaledGroupedMm` with the weight given as e4m3 codes
     ``[E, out, in]`` and quantization multipliers ``w_scale [E * out]`` (no cast of the weight); the weight gradient
     (bf16, as the kernel writes it) is added to ``main_grad``. ``fp8_wgrad=False``: the weight gradient from the
-    unquantized ``dy`` and ``x`` (torch's bf16 grouped GEMM, then the same addition). Callers check
+    unquantized ``dy`` and ``x`` (torch's bf16 grouped GEMM, then the same addition). ``w_codes_t``: the codes
+    transposed, cached for the step's micro-batches (else transposed in the backward). Callers check
     ``scaled_grouped_mm_supported`` first."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, w_scale: torch.Tensor,
                 main_grad: torch.Tensor | None = None, placeholder: str | None = None,
-                fp8_wgrad: bool = True) -> torch.Tensor:
+                fp8_wgrad: bool = True, w_codes_t: torch.Tensor | None = None) -> torch.Tensor:
         """The forward GEMM with the stored codes and their dequantizing scales."""
         w_dequant = w_scale.detach().reciprocal().view(weight.shape[:-1])
         _save_main_grad(ctx, weight, main_grad, placeholder)
         ctx.fp8_wgrad = fp8_wgrad
-        ctx.save_for_backward(x, weight, w_dequant, ends)
+        ctx.save_for_backward(x, weight, w_dequant, ends, w_codes_t)
         return forward_gemm(x, weight.detach(), w_dequant, ends)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         """``dx`` from the stored codes, ``dW`` into ``main_grad``; both GEMMs in FP8 (``dW`` in bf16 without
         ``fp8_wgrad``)."""
-        x, weight, w_dequant, ends = ctx.saved_tensors
+        x, weight, w_dequant, ends, w_codes_t = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = dgrad_gemm(grad, weight.detach(), w_dequant, ends, x.dtype)
+            grad_x = dgrad_gemm(grad, weight.detach(), w_dequant, ends, x.dtype, w_codes_t)
         if ctx.needs_input_grad[1]:
             main_grad = ctx.main_grad
             if not ctx.fp8_wgrad:
@@ -171,18 +173,20 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
                 grad_w = _weight_grad_after_main_grad(weight, ctx.placeholder)
             else:
                 grad_w = _accumulate(weight, main_grad, wgrad_gemm(grad, x, ends), ctx.placeholder)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def fp8_param_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
                            ends: torch.Tensor | None = None, emulate: bool = False,
-                           fp8_wgrad: bool = True) -> torch.Tensor:
+                           fp8_wgrad: bool = True, weight_t: torch.Tensor | None = None) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` for an FP8 expert parameter ``weight`` (row-wise scales), differentiable, its
     gradient added to ``weight.main_grad``.
 
     Groups as in :func:`~megatron_core.fp8.grouped_gemm.fp8_grouped_gemm`: host ``counts`` or device int32 ``ends``;
     on a Hopper GPU with bf16 ``x`` (unless ``emulate``) every group starts at a multiple of 16 rows.
-    ``fp8_wgrad=False``: the weight gradient in high precision from the unquantized ``dy`` and ``x``.
+    ``fp8_wgrad=False``: the weight gradient in high precision from the unquantized ``dy`` and ``x``. ``weight_t``:
+    the stored codes transposed (``[E, in, out]``), cached for a step's micro-batches
+    (:mod:`megatron_core.fp8.grouped_weight_cache`); else the backward transposes them.
     """
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"fp8_param_grouped_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be "
@@ -194,7 +198,7 @@ def fp8_param_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[i
     if emulate or not scaled_grouped_mm_supported(x):
         return EmulatedFp8ParamGroupedGemm.apply(x, weight, host_counts("fp8_param_grouped_gemm", x, counts, ends),
                                                  weight.fp8_scale, weight.fp8_hp_dtype, main_grad, placeholder,
-                                                 fp8_wgrad)
+                                                 fp8_wgrad, weight_t)
     ends = device_ends("fp8_param_grouped_gemm", x, weight, counts, ends)
     return ScaledGroupedMmFp8Param.apply(x.contiguous(), weight, ends, weight.fp8_scale, main_grad, placeholder,
-                                         fp8_wgrad)
+                                         fp8_wgrad, weight_t)

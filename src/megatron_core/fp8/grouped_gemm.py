@@ -81,31 +81,36 @@ class EmulatedFp8GroupedGemm(torch.autograd.Function):
 
     ``counts[e]`` rows of ``x`` belong to expert ``e``; rows past ``sum(counts)`` are not allowed.
     The output and both gradients have the dtypes of ``x`` and ``weight``. ``fp8_wgrad=False``: the weight
-    gradient from the unquantized ``dy`` and ``x``.
+    gradient from the unquantized ``dy`` and ``x``. ``w_codes`` (e4m3 ``[E, out, in]``), ``w_scale`` (dequantizing,
+    ``[E, out]``) and ``w_codes_t`` (``[E, in, out]``): the weight's codes made beforehand (cached across a step's
+    micro-batches), which the forward and the data gradient then read instead of casting ``weight``.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int],
-                fp8_wgrad: bool = True) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.counts, ctx.fp8_wgrad = counts, fp8_wgrad
-        x_q, w_q = quantize_dequantize_e4m3(x, -1), quantize_dequantize_e4m3(weight, -1)
+                fp8_wgrad: bool = True, w_codes: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                w_codes_t: torch.Tensor | None = None) -> torch.Tensor:
+        cached = None if w_codes is None else (w_codes_t.transpose(-2, -1).float(), w_scale.float().unsqueeze(-1))
+        ctx.save_for_backward(x, weight, *(cached or ()))
+        ctx.counts, ctx.fp8_wgrad, ctx.cached = counts, fp8_wgrad, cached is not None
+        x_q = quantize_dequantize_e4m3(x, -1)
+        w_q = quantize_dequantize_e4m3(weight, -1) if w_codes is None else w_codes.float() * cached[1]
         out = [xe @ w_q[e].t() for e, xe in enumerate(_groups(x_q, counts))]
         return torch.cat(out, dim=0).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, *cached = ctx.saved_tensors
         counts = ctx.counts
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             # The forward's weight codes, their per-output-feature scales folded into dy before its cast.
-            w_codes, w_inverse = e4m3_codes(weight, -1)
+            w_codes, w_inverse = cached if ctx.cached else e4m3_codes(weight, -1)
             grad_x = torch.cat([quantize_dequantize_e4m3(dy * w_inverse[e, :, 0], -1) @ w_codes[e]
                                 for e, dy in enumerate(_groups(grad.float(), counts))], dim=0).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = emulated_grouped_wgrad(grad, x, counts, ctx.fp8_wgrad).to(weight.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -143,7 +148,8 @@ def device_ends(caller: str, x: torch.Tensor, weight: torch.Tensor, counts: list
 
 
 def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
-                     ends: torch.Tensor | None = None, emulate: bool = False, fp8_wgrad: bool = True) -> torch.Tensor:
+                     ends: torch.Tensor | None = None, emulate: bool = False, fp8_wgrad: bool = True,
+                     weight_codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` with FP8 operands (e4m3, row-wise scales), differentiable.
 
     ``x [N, in]`` rows grouped by expert, ``weight [E, out, in]``. The groups are given as host
@@ -151,12 +157,17 @@ def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | 
     group must start at a multiple of 16 rows and ``in``/``out`` be multiples of 16; elsewhere (or with
     ``emulate``) the arithmetic is emulated in fp32 (device ``ends`` are then read back to the host).
     ``fp8_wgrad=False``: the weight gradient in high precision from the unquantized ``dy`` and ``x`` (a Python
-    constant, fixed when a compiled graph is traced).
+    constant, fixed when a compiled graph is traced). ``weight_codes``: ``weight``'s e4m3 codes ``[E, out, in]``,
+    their dequantizing scales ``[E, out]`` and the codes transposed ``[E, in, out]``, made beforehand from ``weight``
+    (:mod:`megatron_core.fp8.grouped_weight_cache` keeps them for a step's micro-batches); the GEMMs read them
+    instead of casting ``weight``, whose gradient is computed as without them.
     """
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"fp8_grouped_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [N, in] and "
                          "[E, out, in]")
+    cached = weight_codes or (None, None, None)
     if emulate or not scaled_grouped_mm_supported(x):
-        return EmulatedFp8GroupedGemm.apply(x, weight, host_counts("fp8_grouped_gemm", x, counts, ends), fp8_wgrad)
+        return EmulatedFp8GroupedGemm.apply(x, weight, host_counts("fp8_grouped_gemm", x, counts, ends), fp8_wgrad,
+                                            *cached)
     return ScaledGroupedMm.apply(x.contiguous(), weight, device_ends("fp8_grouped_gemm", x, weight, counts, ends),
-                                 fp8_wgrad)
+                                 fp8_wgrad, *cached)

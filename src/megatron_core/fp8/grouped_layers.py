@@ -29,6 +29,10 @@ from megatron_core.distributed.fp8_params import (
 from megatron_core.fp8.fp8_param_grouped import fp8_param_grouped_gemm
 from megatron_core.fp8.fp8_param_module import apply_keeping_fp8_params
 from megatron_core.fp8.grouped_gemm import ROW_ALIGN, fp8_grouped_gemm
+from megatron_core.fp8.grouped_weight_cache import (
+    allocate_grouped_weight_caches,
+    cached_grouped_weight_operands,
+)
 from megatron_core.transformer.moe.grouped_linear import (
     ColumnParallelGroupedLinear,
     RowParallelGroupedLinear,
@@ -40,23 +44,36 @@ from megatron_core.transformer.moe.token_permutation import AlignedRows
 
 def _fp8_gemm(layer: torch.nn.Module, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows) -> torch.Tensor:
     emulate = layer.float8_emulate or x.device.type != "cuda"
-    gemm = fp8_param_grouped_gemm if is_fp8_param(layer.weight) else fp8_grouped_gemm
-    fp8_wgrad = bool(layer.float8_wgrad)
+    cached = cached_grouped_weight_operands(layer)
+    if is_fp8_param(layer.weight):
+        gemm, options = fp8_param_grouped_gemm, dict(weight_t=cached)
+    else:
+        gemm, options = fp8_grouped_gemm, dict(weight_codes=cached)
+    options["fp8_wgrad"] = bool(layer.float8_wgrad)
     if isinstance(tokens_per_expert, AlignedRows):
         if not emulate:
-            return gemm(x, layer.weight, ends=tokens_per_expert.ends, fp8_wgrad=fp8_wgrad)
+            return gemm(x, layer.weight, ends=tokens_per_expert.ends, **options)
         tokens_per_expert = tokens_per_expert.counts.tolist()
     counts = list(tokens_per_expert)
     if emulate:
-        return gemm(x, layer.weight, counts=counts, emulate=True, fp8_wgrad=fp8_wgrad)
+        return gemm(x, layer.weight, counts=counts, emulate=True, **options)
     if all(c % ROW_ALIGN == 0 for c in counts):
-        return gemm(x, layer.weight, counts=counts, fp8_wgrad=fp8_wgrad)
+        return gemm(x, layer.weight, counts=counts, **options)
     padded_x, padded, index = pad_expert_rows(x, counts)
-    return unpad_expert_rows(gemm(padded_x, layer.weight, counts=padded, fp8_wgrad=fp8_wgrad), index)
+    return unpad_expert_rows(gemm(padded_x, layer.weight, counts=padded, **options), index)
 
 
 class _Fp8ParamGroupedMixin:
-    """Module behaviour of a grouped layer whose weight may be an FP8 parameter (``fp8_param``)."""
+    """Module behaviour of a grouped layer whose weight may be an FP8 parameter (``fp8_param``), and its FP8 weight
+    operands cached across a step's micro-batches (:mod:`megatron_core.fp8.grouped_weight_cache`)."""
+
+    # Transformer Engine's flag: True before a step's first micro-batch (``set_is_first_microbatch``), when the cached
+    # FP8 weight operands are refreshed; None while no schedule says where steps begin (no cache used).
+    is_first_microbatch: bool | None = None
+
+    def allocate_weight_caches(self) -> None:
+        """Give the weight its FP8 operand cache (see :mod:`megatron_core.fp8.grouped_weight_cache`)."""
+        allocate_grouped_weight_caches(self)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """The parent's ``_apply``, an FP8 weight keeping its bytes (see ``apply_keeping_fp8_params``)."""
@@ -75,6 +92,7 @@ class _Fp8ParamGroupedMixin:
         weight = self._parameters.get("weight")
         if not is_fp8_param(weight):
             super()._load_from_state_dict(state_dict, prefix, *args)
+            self._refresh_caches_after_load()
             return
         staging = torch.nn.Parameter(dequantize_fp8_tensor(weight), requires_grad=False)
         self._parameters["weight"] = staging
@@ -83,6 +101,11 @@ class _Fp8ParamGroupedMixin:
         finally:
             self._parameters["weight"] = weight
         copy_tensor_to_quantized_param(weight, staging.detach())
+        self._refresh_caches_after_load()
+
+    def _refresh_caches_after_load(self) -> None:
+        if self.is_first_microbatch is False:
+            self.is_first_microbatch = True  # the cached operands hold the old weight: refresh them
 
 
 class Float8ColumnParallelGroupedLinear(_Fp8ParamGroupedMixin, ColumnParallelGroupedLinear):

@@ -31,7 +31,8 @@ from megatron_core.fp8.cast_kernels import (
     transpose_codes,
 )
 
-__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported"]
+__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported",
+           "transposed_weight_codes"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
@@ -98,20 +99,25 @@ def forward_gemm(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, 
                    use_fast_accum=True)
 
 
+def transposed_weight_codes(w_codes: torch.Tensor) -> torch.Tensor:
+    """The weight codes ``[E, out, in]`` as ``[E, in, out]`` contiguous: the data gradient's operand."""
+    if fp8_cast_kernels_available(w_codes):
+        return transpose_codes(w_codes)
+    return w_codes.transpose(-2, -1).contiguous()
+
+
 def dgrad_gemm(grad: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, ends: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    """``dx = cat_e(dy_e @ W_e)`` from the forward's weight codes (transposed once), their scales folded into ``dy``
-    before its row-wise cast."""
+               out_dtype: torch.dtype, w_codes_t: torch.Tensor | None = None) -> torch.Tensor:
+    """``dx = cat_e(dy_e @ W_e)`` from the forward's weight codes (transposed here unless ``w_codes_t``, their
+    transpose cached across micro-batches, is given), their scales folded into ``dy`` before its row-wise cast."""
     row_groups = _group_of_rows(ends, grad.shape[0], 1)
     if fp8_cast_kernels_available(grad):
         dy_codes, dy_scale = rowwise_cast(grad, w_scale, row_groups)
     else:
         dy_codes, dy_scale = _rowwise(grad.float() * w_scale[row_groups])
     unit = w_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
-    if fp8_cast_kernels_available(w_codes):
-        w_codes_t = transpose_codes(w_codes)
-    else:
-        w_codes_t = w_codes.transpose(-2, -1).contiguous()
+    if w_codes_t is None:
+        w_codes_t = transposed_weight_codes(w_codes)
     return _KERNEL(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, unit, offs=ends, out_dtype=out_dtype,
                    use_fast_accum=True)
 
@@ -151,15 +157,20 @@ class ScaledGroupedMm(torch.autograd.Function):
     weight gradient in bf16 from the unquantized operands with ``fp8_wgrad=False``, see :func:`hp_wgrad_gemm`).
 
     ``x [M, in]`` (bf16, ``M`` a multiple of 16), ``weight [E, out, in]``, ``ends [E]`` int32 group end offsets
-    (each a multiple of 16, the last ``M``). Callers check :func:`scaled_grouped_mm_supported` first.
+    (each a multiple of 16, the last ``M``). ``w_codes``, ``w_scale``, ``w_codes_t``: the weight's codes, their
+    dequantizing scales ``[E, out]`` and transposed codes ``[E, in, out]`` made beforehand (cached across a step's
+    micro-batches, :mod:`megatron_core.fp8.grouped_weight_cache`); without them the weight is cast here and its
+    codes transposed in the backward. Callers check :func:`scaled_grouped_mm_supported` first.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
-                fp8_wgrad: bool = True) -> torch.Tensor:
+                fp8_wgrad: bool = True, w_codes: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                w_codes_t: torch.Tensor | None = None) -> torch.Tensor:
         """The forward GEMM: rows of ``x`` and each expert's output features scaled separately."""
-        w_codes, w_scale = quantize_weight_rowwise(weight)
-        ctx.save_for_backward(x, w_codes, w_scale, ends)
+        if w_codes is None:
+            w_codes, w_scale = quantize_weight_rowwise(weight)
+        ctx.save_for_backward(x, w_codes, w_scale, ends, w_codes_t)
         ctx.weight_dtype, ctx.fp8_wgrad = weight.dtype, fp8_wgrad
         return forward_gemm(x, w_codes, w_scale, ends)
 
@@ -167,12 +178,12 @@ class ScaledGroupedMm(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor):
         """``dx = dy_e @ W_e`` (the forward's weight codes, their scales folded into ``dy``) and
         ``dW_e = dy_e.T @ x_e``, both in FP8 unless ``fp8_wgrad=False``."""
-        x, w_codes, w_scale, ends = ctx.saved_tensors
+        x, w_codes, w_scale, ends, w_codes_t = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = dgrad_gemm(grad, w_codes, w_scale, ends, x.dtype)
+            grad_x = dgrad_gemm(grad, w_codes, w_scale, ends, x.dtype, w_codes_t)
         if ctx.needs_input_grad[1]:
             wgrad = wgrad_gemm if ctx.fp8_wgrad else hp_wgrad_gemm
             grad_w = wgrad(grad, x, ends).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None, None, None
