@@ -156,11 +156,15 @@ def modify_underlying_storage(tensor: torch.Tensor, new_raw_data: torch.Tensor) 
 
 
 def _refresh_fp8_transpose(param: torch.Tensor) -> None:
-    """Rewrite an FP8 parameter's cached transposed codes (``fp8_transpose``) from its current bytes."""
+    """Rewrite an FP8 parameter's cached transposed codes (``fp8_transpose``) from its current bytes: ``[in, out]``
+    of a dense weight ``[out, in]``, ``[E, in, out]`` of the experts' grouped weight ``[E, out, in]``."""
     cache = getattr(param, "fp8_transpose", None)
-    if cache is not None and param.dim() == 2 and cache.shape == param.shape[::-1]:
+    if cache is None or param.dim() not in (2, 3):
+        return
+    transposed = param.detach().transpose(-2, -1)
+    if cache.shape == transposed.shape:
         with torch.no_grad():
-            cache.copy_(param.detach().t())
+            cache.copy_(transposed)
 
 
 def post_all_gather_processing(model_params: torch.Tensor | list[torch.Tensor]) -> None:

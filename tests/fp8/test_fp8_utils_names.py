@@ -181,6 +181,19 @@ def test_post_all_gather_processing_refreshes_the_transposed_codes():
     assert torch.equal(plain.detach(), plain_before)
 
 
+def test_post_all_gather_processing_refreshes_the_experts_grouped_transposed_codes():
+    from megatron_core.distributed.fp8_params import make_fp8_param
+    from megatron_core.fp8.grouped_weight_cache import allocate_grouped_weight_caches
+
+    gen = torch.Generator().manual_seed(3)
+    param = make_fp8_param(torch.nn.Parameter(torch.randn(2, 32, 48, generator=gen)), scaling="rowwise")
+    allocate_grouped_weight_caches(SimpleNamespace(weight=param))
+    assert param.fp8_transpose.shape == (2, 48, 32)
+    fp8_utils.post_all_gather_processing([param])
+    assert torch.equal(param.fp8_transpose.view(torch.uint8),
+                       param.detach().transpose(1, 2).contiguous().view(torch.uint8))
+
+
 def test_mxfp8_output_projection(monkeypatch):
     asked = SimpleNamespace(fp8_output_proj=True, fp8="e4m3", fp8_recipe=Fp8Recipe.mxfp8)
     assert fp8_utils.is_mxfp8_output_proj_active(asked) == fp8_utils.HAVE_TE
