@@ -6,7 +6,8 @@ against the same steps without the flag (every forward casts the experts' weight
 codes): every loss and ``main_grad`` equal bit for bit, with high-precision expert weights (cached: codes, scales and
 transposed codes) and with FP8 expert parameters (cached: transposed codes). The weights move between steps, so a
 cache not refreshed at a step's start would give other numbers. Then the cache is shown to be what the GEMMs read
-(bytes changed behind its back change the results) and a checkpoint load forces the next refresh.
+(bytes changed behind its back change the results), a checkpoint load forces the next refresh, and a layer compiled
+with ``fullgraph=True`` refreshes in its first forward and then reuses the cache, with the eager numbers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from megatron_core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron_core.fp8 import convert_to_float8
+from megatron_core.distributed.fp8_params import is_fp8_param, make_fp8_param
+from megatron_core.fp8 import convert_to_float8, fp8_grouped_gemm
+from megatron_core.fp8.fp8_param_grouped import fp8_param_grouped_gemm
+from megatron_core.fp8.grouped_weight_cache import (
+    allocate_grouped_weight_caches,
+    cached_grouped_weight_operands,
+)
 from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.dist_harness import run_on_ranks
 from tests.transformer.moe.moe_parallel_utils import batches, build
@@ -119,17 +126,57 @@ def test_the_gemms_read_the_cache_and_a_load_forces_a_refresh(runs, fp8_param):
     assert cached["refresh_after_load"]
 
 
+class _OneGroupedWeight(torch.nn.Module):
+    """A grouped FP8 GEMM layer reduced to its weight and the cache (emulated FP8, fixed groups)."""
+
+    is_first_microbatch = None
+    COUNTS = [16, 0, 32, 16]
+
+    def __init__(self, fp8_param: bool) -> None:
+        super().__init__()
+        weight = torch.nn.Parameter(torch.randn(4, 32, 16, generator=torch.Generator().manual_seed(0)) * 0.05)
+        self.weight = make_fp8_param(weight, scaling="rowwise") if fp8_param else weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cached = cached_grouped_weight_operands(self)
+        if is_fp8_param(self.weight):
+            return fp8_param_grouped_gemm(x, self.weight, counts=self.COUNTS, emulate=True, weight_t=cached)
+        return fp8_grouped_gemm(x, self.weight, counts=self.COUNTS, emulate=True, weight_codes=cached)
+
+
+@pytest.mark.parametrize("fp8_param", [False, True], ids=["hp_weights", "fp8_params"])
+def test_a_compiled_layer_refreshes_then_reuses_the_cache_as_eagerly(fp8_param):
+    torch._dynamo.reset()
+    layer = _OneGroupedWeight(fp8_param)
+    gen = torch.Generator().manual_seed(1)
+    x, grad = torch.randn(64, 16, generator=gen), torch.randn(64, 32, generator=gen)
+
+    def run(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+        xx = x.clone().requires_grad_()
+        layer.weight.grad = None
+        if fp8_param:
+            layer.weight.main_grad, layer.weight.grad_added_to_main_grad = torch.zeros(4, 32, 16), False
+        out = module(xx)
+        out.backward(grad)
+        weight_grad = layer.weight.main_grad if fp8_param else layer.weight.grad
+        return out.detach(), xx.grad, weight_grad.clone()
+
+    reference = run(layer)  # no flag: cast in the forward, transposed in the backward
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    allocate_grouped_weight_caches(layer)
+    layer.is_first_microbatch = True
+    first = run(compiled)
+    assert layer.is_first_microbatch is False
+    second = run(compiled)
+    for want, got_first, got_second in zip(reference, first, second):
+        assert want.abs().max() > 0 and torch.equal(got_first, want) and torch.equal(got_second, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gpu_cached_expert_operands_give_the_uncached_numbers(compiled):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs Hopper FP8 grouped GEMMs")
-    from megatron_core.fp8 import fp8_grouped_gemm
-    from megatron_core.fp8.grouped_weight_cache import (
-        allocate_grouped_weight_caches,
-        cached_grouped_weight_operands,
-    )
-
     class Layer(torch.nn.Module):
         is_first_microbatch = None
 
