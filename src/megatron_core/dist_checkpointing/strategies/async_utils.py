@@ -10,13 +10,19 @@ while training goes on. Its ``finalize_fns`` (gathering write results, DCP ``.me
 points: a call is finalized only once every rank has finished writing it.
 
 Megatron runs the writer in a separate process; a thread suffices here because file writes and
-``torch.save`` of large tensors release the GIL.
+``torch.save`` of large tensors release the GIL. As Megatron-Core's persistent writer process does, the
+persistent writer thread lowers its own priority first on Linux (:func:`_set_process_qos`, nice 10 by
+default: there the thread's alone; elsewhere it would be the whole process's, so it is left alone).
+Megatron-Core's writer also runs with the garbage collector off (:func:`_disable_gc`); ours does not, since
+the collector is shared with the training thread here and switching it off would switch it off for
+training too.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -25,6 +31,11 @@ from typing import Any
 
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.core import CheckpointingException
+from megatron_core.dist_checkpointing.strategies._writer_qos import (
+    _disable_gc,  # noqa: F401 - 0.19's path
+    _set_process_qos,
+    check_qos,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -151,15 +162,26 @@ class TemporalAsyncCaller(AsyncCaller):
 
 
 class PersistentAsyncCaller(AsyncCaller):
-    """One background thread that runs every scheduled request in order (Megatron-Core: one worker process)."""
+    """One background thread that runs every scheduled request in order (Megatron-Core: one worker process).
 
-    def __init__(self) -> None:
+    Args:
+        cpu_priority: nice value the worker thread takes when it starts (0-19; None keeps training's);
+            Megatron-Core's default, 10.
+        io_priority: ``ionice`` class the worker thread takes (0-3, 3 idle; None keeps it), as Megatron-Core.
+    """
+
+    def __init__(self, cpu_priority: int | None = 10, io_priority: int | None = None) -> None:
+        check_qos(cpu_priority, io_priority)
+        self.cpu_priority = cpu_priority
+        self.io_priority = io_priority
         self._work: queue.Queue[tuple[int, AsyncRequest, threading.Event] | None] = queue.Queue()
         self._pending: list[tuple[int, threading.Event]] = []
         self._errors: dict[int, BaseException] = {}
         self._worker: threading.Thread | None = None
 
     def _serve(self) -> None:
+        if sys.platform.startswith("linux"):  # elsewhere nice / ionice would act on the whole training process
+            _set_process_qos(cpu_priority=self.cpu_priority, io_priority=self.io_priority)
         while True:
             item = self._work.get()
             if item is None:
