@@ -17,19 +17,17 @@ import torch
 
 from megatron_core import parallel_state
 from megatron_core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
     finalize_model_grads,
 )
 from megatron_core.distributed.fp8_params import is_fp8_param, make_fp8_param
-from megatron_core.fp8 import convert_to_float8, fp8_grouped_gemm
+from megatron_core.fp8 import fp8_grouped_gemm
 from megatron_core.fp8.fp8_param_grouped import fp8_param_grouped_gemm
 from megatron_core.fp8.grouped_weight_cache import (
     allocate_grouped_weight_caches,
     cached_grouped_weight_operands,
 )
-from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.dist_harness import run_on_ranks
+from tests.fp8.fp8_param_layer import emulated_fp8_ddp
 from tests.transformer.moe.moe_parallel_utils import batches, build
 
 pytest.importorskip("torchao.float8")
@@ -52,10 +50,7 @@ def _train(fp8_param: bool, use_flag: bool) -> dict:
     try:
         torch.manual_seed(0)
         model = build("mixtral", fp8_param=fp8_param, **FP8)
-        convert_to_float8(model, emulate=True)
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            use_distributed_optimizer=True, fp8_param_gather=fp8_param), model)
-        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [ddp])
+        ddp, opt = emulated_fp8_ddp(model, fp8_param)
         data = batches(MICRO, seed=5)
         losses, grads = [], []
 

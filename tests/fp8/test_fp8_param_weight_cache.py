@@ -20,17 +20,14 @@ import torch
 
 from megatron_core import parallel_state
 from megatron_core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
     finalize_model_grads,
 )
 from megatron_core.distributed.fp8_params import is_fp8_param
 from megatron_core.fp8 import convert_to_float8
 from megatron_core.fp8.fp8_param_linear import allocate_weight_transpose
-from megatron_core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_core.pipeline_parallel import forward_backward_no_pipelining
 from tests.dist_harness import run_on_ranks
-from tests.fp8.fp8_param_layer import OneFP8WeightLayer
+from tests.fp8.fp8_param_layer import OneFP8WeightLayer, emulated_fp8_ddp
 from tests.models.gpt_test_utils import build, llama_like
 from tests.pipeline_parallel.gpt_stages import MBS, SEQ, gpt_forward_step, make_batches
 
@@ -43,10 +40,7 @@ def _train(use_schedule: bool) -> dict:
     try:
         torch.manual_seed(0)
         model = build(SPEC, fp8_param=True)
-        convert_to_float8(model, emulate=True)
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            use_distributed_optimizer=True, fp8_param_gather=True), model)
-        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [ddp])
+        ddp, opt = emulated_fp8_ddp(model, fp8_param=True)
         batches = make_batches(MICRO, seed=5)
         losses, grads = [], []
         for _ in range(STEPS):
