@@ -105,16 +105,17 @@ def test_set_process_qos_raises_this_threads_nice_only():
 
 @pytest.mark.skipif(shutil.which("ionice") is None, reason="needs util-linux ionice")
 def test_set_process_qos_sets_this_threads_io_class():
+    def io_class(tid: int) -> str:
+        return subprocess.run(["ionice", "-p", str(tid)], capture_output=True, text=True, check=True,
+                              timeout=30).stdout
+
     def probe() -> str:
         _set_process_qos(cpu_priority=None, io_priority=3)
-        tid = threading.get_native_id()
-        return subprocess.run(["ionice", "-p", str(tid)], capture_output=True, text=True, check=True).stdout
+        return io_class(threading.get_native_id())
 
-    main_before = subprocess.run(["ionice", "-p", str(threading.get_native_id())], capture_output=True, text=True,
-                                 check=True).stdout
+    main_before = io_class(threading.get_native_id())
     assert _in_thread(probe).strip() == "idle"
-    assert subprocess.run(["ionice", "-p", str(threading.get_native_id())], capture_output=True, text=True,
-                          check=True).stdout == main_before
+    assert io_class(threading.get_native_id()) == main_before
 
 
 def test_set_process_qos_never_lowers_nice(caplog):

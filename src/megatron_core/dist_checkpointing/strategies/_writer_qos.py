@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 NICE_RANGE = range(0, 20)
 IONICE_CLASSES = range(0, 4)  # 0 none, 1 realtime, 2 best-effort, 3 idle
+IONICE_TIMEOUT_S = 30  # an ionice that hangs is given up on (a warning), never waited for
 
 _gc_lock = threading.Lock()
 _gc_holders = 0
@@ -69,9 +70,10 @@ def _set_process_qos(cpu_priority: int | None, io_priority: int | None) -> None:
             logger.warning("thread %d: failed to set CPU priority: %s", tid, e)
     if io_priority is not None:
         try:
-            subprocess.run(["ionice", "-c", str(io_priority), "-p", str(tid)], check=True, capture_output=True)
+            subprocess.run(["ionice", "-c", str(io_priority), "-p", str(tid)], check=True, capture_output=True,
+                           timeout=IONICE_TIMEOUT_S)
             logger.debug("thread %d: I/O priority class set to %d", tid, io_priority)
-        except (subprocess.CalledProcessError, OSError) as e:  # OSError covers a missing ionice binary
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:  # OSError: no ionice
             logger.warning("thread %d: failed to set I/O priority: %s", tid, e)
 
 
