@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_core._ground.te_tensors import TE_TENSOR_MODULE, grouped_quantized_recipe
+from megatron_core._ground.te_tensors import TE_GROUPED, TE_TENSOR_MODULE, grouped_quantized_recipe
 from megatron_core._ground.te_tensors import is_te_instance as _is_te_instance
 from megatron_core._ground.te_tensors import unwrap_grouped as _grouped
 from megatron_core.distributed.fp8_params import (
@@ -55,7 +55,7 @@ HAVE_TE_FP8_TENSOR_CLASS: bool = HAVE_TE
 _TE_TENSOR = TE_TENSOR_MODULE
 _TE_QUANTIZED = (_TE_TENSOR, "QuantizedTensor")
 _TE_MXFP8 = (f"{_TE_TENSOR}.mxfp8_tensor", "MXFP8Tensor")
-_TE_GROUPED = (f"{_TE_TENSOR}.grouped_tensor", "GroupedTensor")
+_TE_GROUPED = TE_GROUPED
 
 
 def is_mxfp8tensor(tensor: torch.Tensor) -> bool:

@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["TE_TENSOR_MODULE", "grouped_quantized_recipe", "is_te_instance", "loaded_te_class", "unwrap_grouped"]
+__all__ = ["TE_GROUPED", "TE_TENSOR_MODULE", "grouped_quantized_recipe", "is_te_instance", "loaded_te_class", "unwrap_grouped"]
 
 TE_TENSOR_MODULE = "transformer_engine.pytorch.tensor"
 """The package of TE's tensor classes (``QuantizedTensor``, ``MXFP8Tensor``, ``NVFP4Tensor``, ...)."""
 
-_TE_GROUPED = (f"{TE_TENSOR_MODULE}.grouped_tensor", "GroupedTensor")
+TE_GROUPED = (f"{TE_TENSOR_MODULE}.grouped_tensor", "GroupedTensor")
+"""TE's ``GroupedTensor`` class, as (module, name)."""
 
 
 def loaded_te_class(where: tuple[str, str]) -> type | None:
@@ -40,7 +41,7 @@ def is_te_instance(tensor: Any, where: tuple[str, str]) -> bool:
 def unwrap_grouped(tensor: Any) -> Any:
     """The TE ``GroupedTensor`` itself: a parameter's data unless the parameter is the grouped tensor (its storage
     lives in Python attributes that ``.data`` would not share)."""
-    cls = loaded_te_class(_TE_GROUPED)
+    cls = loaded_te_class(TE_GROUPED)
     if cls is not None and isinstance(tensor, cls):
         return tensor
     return tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
@@ -49,7 +50,7 @@ def unwrap_grouped(tensor: Any) -> Any:
 def grouped_quantized_recipe(tensor: Any) -> Any:
     """The recipe of a TE ``GroupedTensor`` whose row-wise storage is quantized bytes (``uint8``), from its
     quantizer; None for any other tensor, or when the quantizer names no recipe."""
-    if not is_te_instance(tensor, _TE_GROUPED):
+    if not is_te_instance(tensor, TE_GROUPED):
         return None
     grouped = unwrap_grouped(tensor)
     rowwise = getattr(grouped, "rowwise_data", None)

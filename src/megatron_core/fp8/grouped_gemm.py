@@ -90,22 +90,24 @@ class EmulatedFp8GroupedGemm(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int],
                 fp8_wgrad: bool = True, w_codes: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
                 w_codes_t: torch.Tensor | None = None) -> torch.Tensor:
-        cached = None if w_codes is None else (w_codes_t.transpose(-2, -1).float(), w_scale.float().unsqueeze(-1))
-        ctx.save_for_backward(x, weight, *(cached or ()))
-        ctx.counts, ctx.fp8_wgrad, ctx.cached = counts, fp8_wgrad, cached is not None
+        ctx.save_for_backward(x, weight, w_codes_t, w_scale)
+        ctx.counts, ctx.fp8_wgrad = counts, fp8_wgrad
         x_q = quantize_dequantize_e4m3(x, -1)
-        w_q = quantize_dequantize_e4m3(weight, -1) if w_codes is None else w_codes.float() * cached[1]
+        w_q = quantize_dequantize_e4m3(weight, -1) if w_codes is None else w_codes.float() * w_scale.float()[..., None]
         out = [xe @ w_q[e].t() for e, xe in enumerate(_groups(x_q, counts))]
         return torch.cat(out, dim=0).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        x, weight, *cached = ctx.saved_tensors
+        x, weight, w_codes_t, w_scale = ctx.saved_tensors
         counts = ctx.counts
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             # The forward's weight codes, their per-output-feature scales folded into dy before its cast.
-            w_codes, w_inverse = cached if ctx.cached else e4m3_codes(weight, -1)
+            if w_codes_t is None:
+                w_codes, w_inverse = e4m3_codes(weight, -1)
+            else:
+                w_codes, w_inverse = w_codes_t.transpose(-2, -1).float(), w_scale.float()[..., None]
             grad_x = torch.cat([quantize_dequantize_e4m3(dy * w_inverse[e, :, 0], -1) @ w_codes[e]
                                 for e, dy in enumerate(_groups(grad.float(), counts))], dim=0).to(x.dtype)
         if ctx.needs_input_grad[1]:

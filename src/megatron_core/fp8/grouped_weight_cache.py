@@ -45,8 +45,8 @@ def allocate_grouped_weight_caches(layer: torch.nn.Module) -> None:
     """Give the grouped layer's weight ``[E, out, in]`` its cache (see the module docstring), unless one of the right
     shape on the weight's device exists."""
     weight = layer.weight
-    experts, out_features, in_features = weight.shape
-    transposed_shape = (experts, in_features, out_features)
+    experts, out_features, _ = weight.shape
+    transposed_shape = weight.transpose(-2, -1).shape
     if is_fp8_param(weight):
         if not _fits(getattr(weight, "fp8_transpose", None), transposed_shape, weight.device):
             weight.fp8_transpose = _static(torch.empty(transposed_shape, dtype=weight.dtype, device=weight.device))
@@ -82,7 +82,7 @@ def cached_grouped_weight_operands(layer: torch.nn.Module) -> WeightCodes | torc
     weight = layer.weight
     if is_fp8_param(weight):
         cache = getattr(weight, "fp8_transpose", None)
-        usable = cache is not None and cache.device == weight.device
+        usable = _fits(cache, weight.transpose(-2, -1).shape, weight.device)
     else:
         cache = getattr(layer, "fp8_weight_codes", None)
         usable = cache is not None and _fits(cache[0], weight.shape, weight.device)
