@@ -177,17 +177,20 @@ def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch
     return time_contender(name, model, loss_fn, args, flops_per_token(args, n_params_no_embedding))
 
 
-def print_kernel_profile(step: Callable[[], None], steps: int = 3, rows: int = 25) -> None:
-    """Profile ``steps`` steps and print the kernels (CPU ops off CUDA) with the most time."""
+def print_kernel_profile(step: Callable[[], None], steps: int = 3, rows: int = 25, shapes: bool = False) -> None:
+    """Profile ``steps`` steps and print the kernels (CPU ops off CUDA) with the most time; with ``shapes`` the ops
+    are listed per input shape (eager ops only: a compiled graph launches its kernels without them)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = mdevice.get_current_device().type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 record_shapes=shapes) as prof:
         for _ in range(steps):
             step()
         mdevice.synchronize()
     sort = "cuda_time_total" if cuda else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70))
+    print(prof.key_averages(group_by_input_shape=shapes).table(sort_by=sort, row_limit=rows,
+                                                               max_name_column_width=70))
 
 
 def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,

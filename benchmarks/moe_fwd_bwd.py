@@ -104,6 +104,9 @@ def parse_args() -> argparse.Namespace:
                    help="with --fp8: fp8_wgrad=False (bf16 weight gradients) for the FP8 variants that honour it (the "
                         "delayed recipe, --fp8-param's FP8 parameters, the grouped GEMMs timed alone); torchao's "
                         "tensorwise/rowwise GEMMs refuse it and keep fp8_wgrad=True; the labels say which ran")
+    p.add_argument("--profile-shapes", action="store_true",
+                   help="with --profile: list the eager ops per input shape (run without --compile-moe to see the "
+                        "experts' casts)")
     p.add_argument("--skip-ours", action="store_true", help="do not time our bf16 model")
     p.add_argument("--microbatches", type=int, default=1,
                    help="also time the FP8 model in steps of N micro-batches, its experts' FP8 weight operands made "
@@ -277,11 +280,26 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     label += "" if fp8 is None else f" fp8 {fp8[0]}:{fp8[1]}" + wgrad_label(args, fp8_wgrad(args, fp8[0], False))
     mfu = time_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
                          flops_per_token(args), width=36)
+    loss_fn = lambda: ours(ids, position_ids, None, labels=labels).mean()  # noqa: E731
     if fp8 is not None and args.microbatches > 1:
-        mfu = time_microbatches(args, ours, label, lambda: ours(ids, position_ids, None, labels=labels).mean())
-    if args.profile:
-        print_kernel_profile(lambda: ours(ids, position_ids, None, labels=labels).mean().backward())
+        mfu = time_microbatches(args, ours, label, loss_fn)
+        if args.profile:  # one step of N micro-batches (the cached weight operands at work), per micro-batch
+            print_kernel_profile(microbatch_step(args, ours, loss_fn), steps=1, rows=90, shapes=args.profile_shapes)
+    elif args.profile:
+        print_kernel_profile(lambda: loss_fn().backward(), steps=4, rows=90, shapes=args.profile_shapes)
     return mfu
+
+
+def microbatch_step(args: argparse.Namespace, model: torch.nn.Module,
+                    loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """One step of ``--microbatches`` fwd+bwd passes, the model told where the step begins."""
+    def step() -> None:
+        model.set_is_first_microbatch()
+        for _ in range(args.microbatches):
+            loss_fn().backward()
+            for p in model.parameters():
+                p.grad = None
+    return step
 
 
 def time_microbatches(args: argparse.Namespace, model: torch.nn.Module, label: str,
@@ -292,15 +310,7 @@ def time_microbatches(args: argparse.Namespace, model: torch.nn.Module, label: s
     and returns its MFU in percent."""
     # Compiled layers get a graph for each value of the flag: room for them besides the uncached ones timed before.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-
-    def step() -> None:
-        model.set_is_first_microbatch()
-        for _ in range(args.microbatches):
-            loss_fn().backward()
-            for p in model.parameters():
-                p.grad = None
-
-    seconds = time_steps(step, args) / args.microbatches
+    seconds = time_steps(microbatch_step(args, model, loss_fn), args) / args.microbatches
     return report_flops(f"{label}, {args.microbatches} micro-batches per step", seconds, args, flops_per_token(args),
                         width=36)
 

@@ -53,6 +53,8 @@ assert same(ck._transpose_bytes(codes.view(torch.uint8)).view(codes.dtype), code
 check(x[:48].contiguous(), factors[:1], torch.tensor([48], dtype=torch.int32), rowwise, ck._group_columnwise)
 ck.WHOLE_ROW_MAX = 64  # rows of 80 now take the two-pass kernel
 check(x, factors, torch.tensor([32, 32, 80, 96], dtype=torch.int32), rowwise, ck._group_columnwise)
+ck._AMAX_ROWS, ck._AMAX_SPLIT = 16, 3  # each group's column maxima from three row ranges, joined atomically
+check(x, factors, torch.tensor([32, 32, 80, 96], dtype=torch.int32), rowwise, ck._group_columnwise)
 """
 
 

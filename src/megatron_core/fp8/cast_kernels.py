@@ -37,16 +37,18 @@ from megatron_core.fp8.delayed_linear import MM_ALIGN
 from megatron_core.jit import have_triton, triton_modules, triton_op
 
 __all__ = ["cast_transpose", "cast_transpose_serves", "codes_and_transposed", "fp8_cast_kernels_available",
-           "group_columnwise_cast_transposed", "rowwise_cast", "transpose_codes"]
+           "group_columnwise_cast_transposed", "rowwise_cast", "rowwise_cast_into", "transpose_codes",
+           "transpose_codes_into"]
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 AMAX_EPS = 1e-12
-_ROW_BLOCK, _COL_BLOCK = 16, 256  # rowwise cast: rows per program, columns per step
+_ROW_BLOCK, _COL_BLOCK, _ROW_WARPS = 16, 256, 4  # two-pass rowwise cast: rows per program, columns per step, warps
 WHOLE_ROW_MAX = 32768  # rowwise cast: the longest row held in registers whole (one read); longer rows take two passes
 _WHOLE_ROW_ELEMENTS = 8192  # rowwise cast of whole rows: elements per program (short rows: several rows each)
-_TILE = 64  # the transposing cast's square tile
+_TILE, _TILE_WARPS = 64, 4  # the transposing cast's square tile, its warps
 _BYTE_TILE = 128  # the byte transpose's square tile
-_AMAX_ROWS, _AMAX_COLS = 64, 64  # group column maxima: rows per step, columns per program
+# Group column maxima: rows per step, columns per program, programs sharing one group's rows, warps.
+_AMAX_ROWS, _AMAX_COLS, _AMAX_SPLIT, _AMAX_WARPS = 64, 64, 1, 4
 _DUAL_CONFIGS = ((64, 128, 4), (128, 128, 8), (128, 64, 4), (64, 64, 4))  # cast_transpose: rows, columns, warps
 
 
@@ -130,6 +132,46 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
 
 
 @functools.cache
+def _group_amax_kernels() -> tuple[Any, Any]:
+    triton, tl = triton_modules()
+
+    @triton.jit
+    def group_amax_split_kernel(t_ptr, ends_ptr, bits_ptr, cols, BR: tl.constexpr, BC: tl.constexpr,
+                                SPLIT: tl.constexpr):
+        # program (column block, group, part): the part-th of SPLIT row ranges of the group (whole steps of BR
+        # rows); its column maxima joined by an atomic maximum of their bits (non-negative floats order as ints)
+        g = tl.program_id(1)
+        c = tl.program_id(0) * BC + tl.arange(0, BC)
+        c_ok = c < cols
+        start = tl.load(ends_ptr + tl.maximum(g - 1, 0))
+        start = tl.where(g == 0, 0, start)
+        end = tl.load(ends_ptr + g)
+        per = ((end - start + SPLIT - 1) // SPLIT + BR - 1) // BR * BR
+        lo = start + tl.program_id(2) * per
+        hi = tl.minimum(end, lo + per)
+        amax = tl.zeros([BC], dtype=tl.float32)
+        for r0 in range(lo, hi, BR):
+            r = r0 + tl.arange(0, BR)
+            ok = (r < hi)[:, None] & c_ok[None, :]
+            v = tl.load(t_ptr + r.to(tl.int64)[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+        tl.atomic_max(bits_ptr + g * cols + c, amax.to(tl.int32, bitcast=True), mask=c_ok)
+
+    @triton.jit
+    def amax_scale_kernel(bits_ptr, scale_ptr, inv_ptr, n, B: tl.constexpr):
+        i = tl.program_id(0) * B + tl.arange(0, B)
+        ok = i < n
+        amax = tl.load(bits_ptr + i, mask=ok, other=0).to(tl.float32, bitcast=True)
+        # 2**floor(log2(448 / amax)), as in rowwise_kernel
+        ratio = tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.maximum(amax, 1e-12))
+        scale = ((ratio.to(tl.int32, bitcast=True) >> 23) << 23).to(tl.float32, bitcast=True)
+        tl.store(scale_ptr + i, scale, mask=ok)
+        tl.store(inv_ptr + i, 1.0 / scale, mask=ok)
+
+    return group_amax_split_kernel, amax_scale_kernel
+
+
+@functools.cache
 def _whole_row_kernel() -> Any:
     triton, tl = triton_modules()
 
@@ -187,20 +229,26 @@ def _dual_kernel() -> Any:
     return cast_dual_kernel
 
 
-def _rowwise(t: torch.Tensor, factors: torch.Tensor, row_groups: torch.Tensor, has_factors: bool
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_rowwise(t: torch.Tensor, factors: torch.Tensor, row_groups: torch.Tensor, has_factors: bool,
+                    out: torch.Tensor, inverse: torch.Tensor) -> None:
     rows, cols = t.shape
-    out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=t.device)
-    inverse = torch.empty(rows, dtype=torch.float32, device=t.device)
     if cols <= WHOLE_ROW_MAX:
         block_rows, block_cols, warps = whole_row_blocks(cols)
         kernel = torch.library.wrap_triton(_whole_row_kernel())
         kernel[(-(-rows // block_rows),)](t, factors, row_groups, out, inverse, rows, cols, HAS_FACTOR=has_factors,
                                           BR=block_rows, BC=block_cols, num_warps=warps)
-        return out, inverse
+        return
     kernel = torch.library.wrap_triton(_kernels()[0])
     kernel[(-(-rows // _ROW_BLOCK),)](t, factors, row_groups, out, inverse, rows, cols, HAS_FACTOR=has_factors,
-                                      BR=_ROW_BLOCK, BC=_COL_BLOCK)
+                                      BR=_ROW_BLOCK, BC=_COL_BLOCK, num_warps=_ROW_WARPS)
+
+
+def _rowwise(t: torch.Tensor, factors: torch.Tensor, row_groups: torch.Tensor, has_factors: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = t.shape
+    out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=t.device)
+    inverse = torch.empty(rows, dtype=torch.float32, device=t.device)
+    _launch_rowwise(t, factors, row_groups, has_factors, out, inverse)
     return out, inverse
 
 
@@ -208,19 +256,30 @@ def _group_columnwise(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Ten
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = t.shape
     groups = ends.numel()
+    bits = torch.zeros(groups, cols, dtype=torch.int32, device=t.device)
     scale = torch.empty(groups, cols, dtype=torch.float32, device=t.device)
-    _, amax_kernel, cast_kernel, _ = (torch.library.wrap_triton(k) for k in _kernels())
-    amax_kernel[(-(-cols // _AMAX_COLS), groups)](t, ends, scale, cols, BR=_AMAX_ROWS, BC=_AMAX_COLS)
+    inverse = torch.empty(groups, cols, dtype=torch.float32, device=t.device)
+    amax_kernel, scale_kernel = (torch.library.wrap_triton(k) for k in _group_amax_kernels())
+    amax_kernel[(-(-cols // _AMAX_COLS), groups, _AMAX_SPLIT)](t, ends, bits, cols, BR=_AMAX_ROWS, BC=_AMAX_COLS,
+                                                               SPLIT=_AMAX_SPLIT, num_warps=_AMAX_WARPS)
+    scale_kernel[(-(-(groups * cols) // 1024),)](bits, scale, inverse, groups * cols, B=1024)
     out = torch.empty(cols, rows, dtype=torch.float8_e4m3fn, device=t.device)
-    cast_kernel[(-(-rows // _TILE), -(-cols // _TILE))](t, row_groups, scale, out, rows, cols, T=_TILE)
-    return out, scale.reciprocal().reshape(-1)
+    cast_kernel = torch.library.wrap_triton(_kernels()[2])
+    cast_kernel[(-(-rows // _TILE), -(-cols // _TILE))](t, row_groups, scale, out, rows, cols, T=_TILE,
+                                                        num_warps=_TILE_WARPS)
+    return out, inverse.reshape(-1)
+
+
+def _launch_transpose(t: torch.Tensor, out: torch.Tensor) -> None:
+    batch, rows, cols = t.shape
+    kernel = torch.library.wrap_triton(_kernels()[3])
+    kernel[(-(-rows // _BYTE_TILE), -(-cols // _BYTE_TILE), batch)](t, out, rows, cols, T=_BYTE_TILE)
 
 
 def _transpose_bytes(t: torch.Tensor) -> torch.Tensor:
     batch, rows, cols = t.shape
     out = torch.empty(batch, cols, rows, dtype=t.dtype, device=t.device)
-    kernel = torch.library.wrap_triton(_kernels()[3])
-    kernel[(-(-rows // _BYTE_TILE), -(-cols // _BYTE_TILE), batch)](t, out, rows, cols, T=_BYTE_TILE)
+    _launch_transpose(t, out)
     return out
 
 
@@ -282,6 +341,20 @@ def transpose_codes(codes: torch.Tensor) -> torch.Tensor:
     """The e4m3 ``codes [E, R, C]`` (contiguous) copied to ``[E, C, R]`` contiguous, by tiles (Inductor's
     transposing copy of one-byte elements is several times slower)."""
     return _TRANSPOSE_OP(codes.view(torch.uint8)).view(codes.dtype)
+
+
+def rowwise_cast_into(t: torch.Tensor, codes: torch.Tensor, inverse: torch.Tensor) -> None:
+    """:func:`rowwise_cast` of ``t [M, K]`` written into ``codes [M, K]`` (e4m3) and ``inverse [M]`` (fp32), all
+    contiguous on ``t``'s CUDA device: for eager callers that own the buffers (an opaque op under ``torch.compile``,
+    as the experts' weight cache refresh), so that no copy follows the cast."""
+    with torch.cuda.device(t.device):
+        _launch_rowwise(t, t, t.new_zeros(1, dtype=torch.int32), False, codes, inverse)
+
+
+def transpose_codes_into(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`transpose_codes` of ``codes [E, R, C]`` written into ``out [E, C, R]`` (both contiguous, on CUDA)."""
+    with torch.cuda.device(codes.device):
+        _launch_transpose(codes.view(torch.uint8), out.view(torch.uint8))
 
 
 def rowwise_cast(t: torch.Tensor, factors: torch.Tensor | None = None, row_groups: torch.Tensor | None = None

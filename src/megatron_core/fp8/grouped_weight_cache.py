@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from megatron_core.distributed.fp8_params import is_fp8_param
+from megatron_core.fp8.cast_kernels import fp8_cast_kernels_available, rowwise_cast_into, transpose_codes_into
 from megatron_core.fp8.scaled_grouped_mm import E4M3, quantize_weight_rowwise, transposed_weight_codes
 
 __all__ = ["allocate_grouped_weight_caches", "cached_grouped_weight_operands"]
@@ -60,15 +61,47 @@ def allocate_grouped_weight_caches(layer: torch.nn.Module) -> None:
         )
 
 
+@torch.library.custom_op("megatron_core::fp8_refresh_grouped_weight_codes_", mutates_args=("codes", "scales", "codes_t"))
+def _refresh_weight_codes(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                          codes_t: torch.Tensor) -> None:
+    """``weight [E, out, in]``'s row-wise e4m3 codes, dequantizing scales and transposed codes written into the
+    cache's buffers: on CUDA by the Triton kernels straight into them (opaque to ``torch.compile``, which would
+    otherwise copy each result into its buffer: three more passes over the codes), elsewhere by the formulas."""
+    if fp8_cast_kernels_available(weight):
+        rowwise_cast_into(weight.view(-1, weight.shape[-1]), codes.view(-1, weight.shape[-1]), scales.view(-1))
+        transpose_codes_into(codes, codes_t)
+        return
+    new_codes, new_scales = quantize_weight_rowwise(weight)
+    codes.copy_(new_codes)
+    scales.copy_(new_scales)
+    codes_t.copy_(transposed_weight_codes(new_codes))
+
+
+@_refresh_weight_codes.register_fake
+def _(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, codes_t: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("megatron_core::fp8_refresh_transposed_codes_", mutates_args=("codes_t",))
+def _refresh_transposed_codes(codes: torch.Tensor, codes_t: torch.Tensor) -> None:
+    """The e4m3 ``codes [E, out, in]`` transposed into ``codes_t [E, in, out]`` (the FP8 parameter's cache)."""
+    if fp8_cast_kernels_available(codes) and codes_t.is_contiguous():
+        transpose_codes_into(codes, codes_t)
+        return
+    codes_t.copy_(transposed_weight_codes(codes))
+
+
+@_refresh_transposed_codes.register_fake
+def _(codes: torch.Tensor, codes_t: torch.Tensor) -> None:
+    return None
+
+
 def _refresh(weight: torch.Tensor, cache: WeightCodes | torch.Tensor) -> None:
     with torch.no_grad():
         if is_fp8_param(weight):
-            cache.copy_(transposed_weight_codes(weight.detach()))
+            _refresh_transposed_codes(weight.detach(), cache)
             return
-        codes, scales = quantize_weight_rowwise(weight.detach().contiguous())
-        cache[0].copy_(codes)
-        cache[1].copy_(scales)
-        cache[2].copy_(transposed_weight_codes(codes))
+        _refresh_weight_codes(weight.detach().contiguous(), *cache)
 
 
 def cached_grouped_weight_operands(layer: torch.nn.Module) -> WeightCodes | torch.Tensor | None:
