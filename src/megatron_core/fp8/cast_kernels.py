@@ -19,7 +19,8 @@ Two casts dominate an FP8 MoE step besides the GEMMs, and Inductor writes neithe
   maxima, one to cast.
 - :func:`group_columnwise_cast_transposed`: one scale per column within each group of rows (the weight
   gradient's operands), written transposed (``[K, M]`` row-major, as the kernel's 2D x 2D form reads them):
-  a kernel for the per-group column maxima, a tiled kernel that casts and transposes.
+  a kernel for the per-group column maxima (each group's rows split over several programs whose maxima join by
+  an atomic maximum, so that few groups still fill the GPU), a tiled kernel that casts and transposes.
 - :func:`transpose_codes`: the forward's weight codes transposed for the data gradient, by byte tiles.
 The scale of a slice is ``2**floor(log2(448 / amax))``, taken from the exponent bits of a correctly rounded
 division, so codes and scales equal the PyTorch formula's (:mod:`megatron_core.fp8.scaled_grouped_mm`) bit
@@ -48,7 +49,7 @@ _WHOLE_ROW_ELEMENTS = 8192  # rowwise cast of whole rows: elements per program (
 _TILE, _TILE_WARPS = 64, 4  # the transposing cast's square tile, its warps
 _BYTE_TILE = 128  # the byte transpose's square tile
 # Group column maxima: rows per step, columns per program, programs sharing one group's rows, warps.
-_AMAX_ROWS, _AMAX_COLS, _AMAX_SPLIT, _AMAX_WARPS = 64, 64, 1, 4
+_AMAX_ROWS, _AMAX_COLS, _AMAX_SPLIT, _AMAX_WARPS = 64, 64, 8, 4
 _DUAL_CONFIGS = ((64, 128, 4), (128, 128, 8), (128, 64, 4), (64, 64, 4))  # cast_transpose: rows, columns, warps
 
 
@@ -58,7 +59,7 @@ def fp8_cast_kernels_available(t: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any, Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     triton, tl = triton_modules()
 
     @triton.jit
@@ -91,24 +92,6 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
             tl.store(out_ptr + base + c[None, :], q.to(tl.float8e4nv), mask=ok)
 
     @triton.jit
-    def group_amax_kernel(t_ptr, ends_ptr, scale_ptr, cols, BR: tl.constexpr, BC: tl.constexpr):
-        g = tl.program_id(1)
-        c = tl.program_id(0) * BC + tl.arange(0, BC)
-        c_ok = c < cols
-        start = tl.load(ends_ptr + tl.maximum(g - 1, 0))
-        start = tl.where(g == 0, 0, start)
-        end = tl.load(ends_ptr + g)
-        amax = tl.zeros([BC], dtype=tl.float32)
-        for r0 in range(start, end, BR):
-            r = r0 + tl.arange(0, BR)
-            ok = (r < end)[:, None] & c_ok[None, :]
-            v = tl.load(t_ptr + r.to(tl.int64)[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
-        ratio = tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.maximum(amax, 1e-12))
-        scale = ((ratio.to(tl.int32, bitcast=True) >> 23) << 23).to(tl.float32, bitcast=True)
-        tl.store(scale_ptr + g * cols + c, scale, mask=c_ok)
-
-    @triton.jit
     def cast_transposed_kernel(t_ptr, group_ptr, scale_ptr, out_ptr, rows, cols, T: tl.constexpr):
         r = tl.program_id(0) * T + tl.arange(0, T)
         c = tl.program_id(1) * T + tl.arange(0, T)
@@ -128,7 +111,7 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
         v = tl.load(src_ptr + base + r.to(tl.int64)[:, None] * cols + c[None, :], mask=ok, other=0)
         tl.store(dst_ptr + base + c.to(tl.int64)[:, None] * rows + r[None, :], tl.trans(v), mask=tl.trans(ok))
 
-    return rowwise_kernel, group_amax_kernel, cast_transposed_kernel, transpose_kernel
+    return rowwise_kernel, cast_transposed_kernel, transpose_kernel
 
 
 @functools.cache
@@ -264,7 +247,7 @@ def _group_columnwise(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Ten
                                                                SPLIT=_AMAX_SPLIT, num_warps=_AMAX_WARPS)
     scale_kernel[(-(-(groups * cols) // 1024),)](bits, scale, inverse, groups * cols, B=1024)
     out = torch.empty(cols, rows, dtype=torch.float8_e4m3fn, device=t.device)
-    cast_kernel = torch.library.wrap_triton(_kernels()[2])
+    cast_kernel = torch.library.wrap_triton(_kernels()[1])
     cast_kernel[(-(-rows // _TILE), -(-cols // _TILE))](t, row_groups, scale, out, rows, cols, T=_TILE,
                                                         num_warps=_TILE_WARPS)
     return out, inverse.reshape(-1)
@@ -272,7 +255,7 @@ def _group_columnwise(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Ten
 
 def _launch_transpose(t: torch.Tensor, out: torch.Tensor) -> None:
     batch, rows, cols = t.shape
-    kernel = torch.library.wrap_triton(_kernels()[3])
+    kernel = torch.library.wrap_triton(_kernels()[2])
     kernel[(-(-rows // _BYTE_TILE), -(-cols // _BYTE_TILE), batch)](t, out, rows, cols, T=_BYTE_TILE)
 
 
