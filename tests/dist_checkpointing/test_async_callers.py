@@ -18,6 +18,23 @@ from megatron_core.dist_checkpointing.strategies.async_utils import (
 from tests.dist_harness import run_on_ranks
 
 
+@pytest.fixture(autouse=True)
+def no_shared_persistent_writer():
+    """Each test starts and ends without the process-wide persistent writer (a class attribute)."""
+
+    def reset() -> None:
+        with AsyncCallsQueue._persistent_lock:
+            writer, AsyncCallsQueue._persistent_caller = AsyncCallsQueue._persistent_caller, None
+            AsyncCallsQueue._persistent_users.clear()
+        if writer is not None:
+            writer.close()
+
+    reset()
+    yield
+    assert AsyncCallsQueue._persistent_caller is None  # every queue here closes what it used
+    reset()
+
+
 def test_temporal_caller_runs_one_request_in_its_own_thread():
     gate, seen = threading.Event(), []
     request = AsyncRequest(lambda: (gate.wait(5), seen.append(threading.current_thread().name)), (), [],

@@ -9,6 +9,10 @@ while training goes on. Its ``finalize_fns`` (gathering write results, DCP ``.me
 :meth:`AsyncCallsQueue.maybe_finalize_async_calls`, which every rank must call at the same
 points: a call is finalized only once every rank has finished writing it.
 
+As in Megatron-Core 0.19, there is one persistent writer per process, shared by every
+``AsyncCallsQueue(persistent=True)``; :meth:`AsyncCallsQueue.warmup_persistent_caller` starts it, with
+its priorities, ahead of the first save.
+
 Megatron runs the writer in a separate process; a thread suffices here because file writes and
 ``torch.save`` of large tensors release the GIL. As Megatron-Core's persistent writer process does, the
 persistent writer thread lowers its own priority first on Linux (:func:`_set_process_qos`, nice 10 by
@@ -21,13 +25,15 @@ training too.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 import sys
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from megatron_core.dist_checkpointing import collectives
 from megatron_core.dist_checkpointing.core import CheckpointingException
@@ -38,6 +44,8 @@ from megatron_core.dist_checkpointing.strategies._writer_qos import (
 )
 
 logger = logging.getLogger(__name__)
+
+_READY_TIMEOUT_S = 60  # how long warmup waits for the writer to take its priorities (ionice may take a while)
 
 
 @dataclass(frozen=True)
@@ -161,8 +169,23 @@ class TemporalAsyncCaller(AsyncCaller):
         self.thread = None
 
 
+@dataclass(eq=False)
+class _QueuedCall:
+    """One request queued on a :class:`PersistentAsyncCaller`: set ``done`` once written, ``error`` if it failed."""
+
+    call_idx: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+_WorkQueue = queue.Queue[tuple[AsyncRequest, _QueuedCall] | None]  # None: stop
+
+
 class PersistentAsyncCaller(AsyncCaller):
     """One background thread that runs every scheduled request in order (Megatron-Core: one worker process).
+
+    The thread starts with the first request, or earlier with :meth:`start`
+    (:meth:`AsyncCallsQueue.warmup_persistent_caller`).
 
     Args:
         cpu_priority: nice value the worker thread takes when it starts (0-19; None keeps training's);
@@ -174,78 +197,178 @@ class PersistentAsyncCaller(AsyncCaller):
         check_qos(cpu_priority, io_priority)
         self.cpu_priority = cpu_priority
         self.io_priority = io_priority
-        self._work: queue.Queue[tuple[int, AsyncRequest, threading.Event] | None] = queue.Queue()
-        self._pending: list[tuple[int, threading.Event]] = []
-        self._errors: dict[int, BaseException] = {}
+        self._lock = threading.Lock()
+        self._work: _WorkQueue | None = None
+        self._ready = threading.Event()
         self._worker: threading.Thread | None = None
+        self._pending: list[_QueuedCall] = []
 
-    def _serve(self) -> None:
-        if sys.platform.startswith("linux"):  # elsewhere nice / ionice would act on the whole training process
-            _set_process_qos(cpu_priority=self.cpu_priority, io_priority=self.io_priority)
+    def _serve(self, work: _WorkQueue, ready: threading.Event) -> None:
+        try:
+            if sys.platform.startswith("linux"):  # elsewhere nice / ionice would act on the whole training process
+                _set_process_qos(cpu_priority=self.cpu_priority, io_priority=self.io_priority)
+        finally:
+            ready.set()
         while True:
-            item = self._work.get()
+            item = work.get()
             if item is None:
                 return
-            call_idx, request, done = item
-            _run(call_idx, request, self._errors)
-            done.set()
+            request, call = item
+            errors: dict[int, BaseException] = {}
+            _run(call.call_idx, request, errors)
+            call.error = errors.get(call.call_idx)
+            call.done.set()
+
+    def _ensure_worker(self) -> tuple[threading.Thread, _WorkQueue, threading.Event]:
+        """The worker thread, its work queue and its ready flag, starting one (with a queue of its own) if none runs."""
+        with self._lock:
+            if self._worker is None or self._work is None:
+                self._work, self._ready = queue.Queue(), threading.Event()
+                self._worker = threading.Thread(target=self._serve, args=(self._work, self._ready),
+                                                name="mcore-ckpt-writer", daemon=True)
+                self._worker.start()
+            return self._worker, self._work, self._ready
+
+    def start(self, wait: bool = False) -> threading.Thread:
+        """Start the worker thread now unless it runs; ``wait``: until it has taken its priorities. Returns it."""
+        worker, _, ready = self._ensure_worker()
+        if wait and not ready.wait(_READY_TIMEOUT_S):
+            logger.warning("persistent checkpoint writer took over %d s to set its priorities", _READY_TIMEOUT_S)
+        return worker
+
+    def _submit(self, async_req: AsyncRequest) -> _QueuedCall:
+        """Run ``preload_fn`` here and queue ``async_fn`` for the worker; the queued call to wait on."""
+        if async_req.preload_fn is not None:
+            async_req.preload_fn()
+        call = _QueuedCall(async_req.call_idx)
+        self._ensure_worker()[1].put((async_req, call))
+        return call
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         """Run ``preload_fn`` here, then queue ``async_fn`` for the worker thread (started on first use)."""
-        if async_req.preload_fn is not None:
-            async_req.preload_fn()
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._serve, name="mcore-ckpt-writer", daemon=True)
-            self._worker.start()
-        done = threading.Event()
-        self._pending.append((async_req.call_idx, done))
-        self._work.put((async_req.call_idx, async_req, done))
+        self._pending.append(self._submit(async_req))
 
     @property
     def error(self) -> BaseException | None:
         """The failure of the current (oldest unretired) call, if it failed."""
-        return self._errors.get(self._pending[0][0]) if self._pending else None
+        return self._pending[0].error if self._pending else None
 
     def _current_call_alive(self, blocking: bool) -> bool:
         if not self._pending:
             return False
         if blocking:
-            self._pending[0][1].wait()
-        return not self._pending[0][1].is_set()
+            self._pending[0].done.wait()
+        return not self._pending[0].done.is_set()
 
     def _retire_current_call(self) -> None:
         if self._pending:
-            self._errors.pop(self._pending.pop(0)[0], None)
+            self._pending.pop(0)
 
     def close(self, abort: bool = False) -> None:
         """Stop the worker after the queued calls (``abort``: without waiting for them)."""
-        if self._worker is not None:
-            self._work.put(None)
+        with self._lock:
+            worker, work = self._worker, self._work
+            self._worker = self._work = None
+        if worker is not None and work is not None:
+            work.put(None)
             if not abort:
-                self._worker.join()
-            self._worker = None
+                worker.join()
         self._pending = []
+
+
+class _PersistentCall(AsyncCaller):
+    """One queue's request run by the process-wide :class:`PersistentAsyncCaller`.
+
+    It tracks that request alone, so queues sharing the writer never see (or retire) each other's calls.
+    """
+
+    def __init__(self, writer: PersistentAsyncCaller) -> None:
+        self.writer = writer
+        self._call: _QueuedCall | None = None
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Run ``preload_fn`` here, then queue ``async_fn`` on the shared writer thread."""
+        self._call = self.writer._submit(async_req)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure of this request, if it failed."""
+        return self._call.error if self._call is not None else None
+
+    def _current_call_alive(self, blocking: bool) -> bool:
+        if self._call is None:
+            return False
+        if blocking:
+            self._call.done.wait()
+        return not self._call.done.is_set()
+
+    def _retire_current_call(self) -> None:
+        self._call = None
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for this request unless ``abort``; the shared writer keeps running."""
+        if self._call is not None and not abort:
+            self._call.done.wait()
+        self._call = None
 
 
 class AsyncCallsQueue:
     """Runs scheduled :class:`AsyncRequest` writes in the background and finalizes them in order.
 
-    ``persistent=True`` keeps one :class:`PersistentAsyncCaller` (one worker thread, requests in order)
-    for all requests; otherwise each request gets a :class:`TemporalAsyncCaller` (a thread of its own).
+    ``persistent=True`` runs every request on the process-wide :class:`PersistentAsyncCaller` (one worker
+    thread, requests in order) shared by all persistent queues, as in Megatron-Core; otherwise each
+    request gets a :class:`TemporalAsyncCaller` (a thread of its own).
     """
+
+    # The process-wide persistent writer (Megatron-Core 0.19), and the persistent queues that scheduled on it.
+    _persistent_caller: ClassVar[PersistentAsyncCaller | None] = None
+    _persistent_users: ClassVar[weakref.WeakSet[AsyncCallsQueue]] = weakref.WeakSet()
+    _persistent_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, persistent: bool = False) -> None:
         self.persistent = persistent
         self.async_calls: list[tuple[int, AsyncCaller, AsyncRequest]] = []
         self.call_idx = -1
-        self._persistent_caller: PersistentAsyncCaller | None = None
+
+    @classmethod
+    def warmup_persistent_caller(cls, rank: int, mp_mode: str = "spawn", cpu_priority: int = 10,
+                                 io_priority: int | None = None) -> None:
+        """Start the process-wide persistent writer now, with these priorities, so the first save pays nothing.
+
+        Args:
+            rank: this process's rank, for log messages only.
+            mp_mode: a ``multiprocessing`` start method, accepted for Megatron-Core compatibility and
+                validated; our writer is a thread, so it changes nothing else.
+            cpu_priority: nice value of the writer thread (0-19, None keeps training's).
+            io_priority: ``ionice`` class of the writer thread (0-3, None keeps it).
+
+        A writer that already exists is kept, with its priorities (as Megatron-Core does).
+        """
+        allowed = multiprocessing.get_all_start_methods()
+        if mp_mode not in allowed:
+            raise ValueError(f"mp_mode ({mp_mode!r}) must be a multiprocessing start method: one of {allowed}")
+        check_qos(cpu_priority, io_priority)
+        with AsyncCallsQueue._persistent_lock:
+            writer = AsyncCallsQueue._persistent_caller
+            if writer is None:
+                writer = AsyncCallsQueue._persistent_caller = PersistentAsyncCaller(cpu_priority, io_priority)
+                logger.debug("rank %s: starting the persistent checkpoint writer (cpu_priority=%r, io_priority=%r)",
+                             rank, cpu_priority, io_priority)
+            elif (writer.cpu_priority, writer.io_priority) != (cpu_priority, io_priority):
+                logger.debug("rank %s: the persistent checkpoint writer exists with cpu_priority=%r, io_priority=%r; "
+                             "kept (cpu_priority=%r, io_priority=%r ignored)", rank, writer.cpu_priority,
+                             writer.io_priority, cpu_priority, io_priority)
+        writer.start(wait=True)
+        logger.debug("rank %s: persistent checkpoint writer running", rank)
 
     def _get_async_caller(self) -> AsyncCaller:
         if not self.persistent:
             return TemporalAsyncCaller()
-        if self._persistent_caller is None:
-            self._persistent_caller = PersistentAsyncCaller()
-        return self._persistent_caller
+        with AsyncCallsQueue._persistent_lock:
+            if AsyncCallsQueue._persistent_caller is None:
+                AsyncCallsQueue._persistent_caller = PersistentAsyncCaller()
+            AsyncCallsQueue._persistent_users.add(self)
+            return _PersistentCall(AsyncCallsQueue._persistent_caller)
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
         """Start the background part of ``async_request``; returns its call index."""
@@ -286,9 +409,31 @@ class AsyncCallsQueue:
         return len(self.async_calls)
 
     def close(self, abort: bool = False) -> None:
-        """Finalize everything still scheduled (collective; skipped with ``abort``) and stop the worker."""
-        if not abort:
-            self.maybe_finalize_async_calls(blocking=True)
-        if self._persistent_caller is not None:
-            self._persistent_caller.close(abort=abort)
-            self._persistent_caller = None
+        """Finalize everything still scheduled (collective; skipped with ``abort``) and release the writer.
+
+        A persistent queue then closes the process-wide persistent writer (``abort``: without waiting for
+        its queued writes) and clears it, so a later persistent queue starts a fresh one, as in
+        Megatron-Core; unlike Megatron-Core, not while another persistent queue that scheduled on it
+        has not been closed (that one closes it). A non-persistent queue leaves it alone. The writer is
+        released also when finalizing raises.
+        """
+        try:
+            if not abort:
+                self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            if self.persistent:
+                self._release_persistent_caller(abort)
+
+    def _release_persistent_caller(self, abort: bool) -> None:
+        """Stop using the shared writer; close and clear it unless another persistent queue still uses it."""
+        with AsyncCallsQueue._persistent_lock:
+            AsyncCallsQueue._persistent_users.discard(self)
+            writer = AsyncCallsQueue._persistent_caller
+            if writer is None:
+                return
+            if len(AsyncCallsQueue._persistent_users):
+                logger.debug("persistent checkpoint writer kept open: %d other queue(s) still use it",
+                             len(AsyncCallsQueue._persistent_users))
+                return
+            AsyncCallsQueue._persistent_caller = None
+        writer.close(abort=abort)
