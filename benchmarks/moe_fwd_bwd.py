@@ -107,6 +107,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile-shapes", action="store_true",
                    help="with --profile: list the eager ops per input shape (run without --compile-moe to see the "
                         "experts' casts)")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="after timing, run one more FP8 step with torch.cuda.set_sync_debug_mode('warn') and list "
+                        "where the host waited for the GPU")
     p.add_argument("--skip-ours", action="store_true", help="do not time our bf16 model")
     p.add_argument("--microbatches", type=int, default=1,
                    help="also time the FP8 model in steps of N micro-batches, its experts' FP8 weight operands made "
@@ -281,6 +284,8 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     mfu = time_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
                          flops_per_token(args), width=36)
     loss_fn = lambda: ours(ids, position_ids, None, labels=labels).mean()  # noqa: E731
+    if fp8 is not None and args.sync_debug:
+        print_host_syncs(microbatch_step(args, ours, loss_fn))
     if fp8 is not None and args.microbatches > 1:
         mfu = time_microbatches(args, ours, label, loss_fn)
         if args.profile:  # one step of N micro-batches (the cached weight operands at work), per micro-batch
@@ -288,6 +293,28 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     elif args.profile:
         print_kernel_profile(lambda: loss_fn().backward(), steps=4, rows=90, shapes=args.profile_shapes)
     return mfu
+
+
+def print_host_syncs(step: Callable[[], None]) -> None:
+    """Run ``step`` (warmed up once first) with CUDA's sync debug mode on and print each place the host waited for
+    the GPU (a synchronizing call), with how often."""
+    import warnings
+    from collections import Counter
+
+    step()
+    mdevice.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    places = Counter(f"{w.filename}:{w.lineno}: {str(w.message)[:90]}" for w in caught
+                     if "synchroniz" in str(w.message))
+    print(f"host syncs in one step: {sum(places.values())}", flush=True)
+    for place, count in places.most_common(20):
+        print(f"  {count:4d}x {place}", flush=True)
 
 
 def microbatch_step(args: argparse.Namespace, model: torch.nn.Module,
