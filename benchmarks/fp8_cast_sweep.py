@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from grouped_gemm_parts import capture_graph  # the same graph capture as the other GPU-time benchmarks
 
 from megatron_core.fp8 import cast_kernels as ck
 
@@ -27,15 +28,7 @@ from megatron_core.fp8 import cast_kernels as ck
 def graph_ms(fn: Callable[[], object], calls: int = 10, reps: int = 10) -> float:
     """Median milliseconds of one ``fn`` call, ``calls`` of them replayed as one CUDA graph (GPU time: the eager
     launches of these short kernels would time the host)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph = capture_graph(fn, calls)
     graph.replay()
     torch.cuda.synchronize()
     times = []

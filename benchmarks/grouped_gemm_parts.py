@@ -28,6 +28,21 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 PEAK_FLOPS = 989e12
 
 
+def capture_graph(fn: Callable[[], object], calls: int = 1) -> torch.cuda.CUDAGraph:
+    """``calls`` calls of ``fn`` captured as one CUDA graph, after one warm-up call on a side stream (as capture
+    needs); replay it to time GPU work without the host's launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def time_ms(fn: Callable[[], object], iters: int = 30, warmup: int = 5) -> float:
     """Median milliseconds of ``fn`` (CUDA events around each call)."""
     for _ in range(warmup):

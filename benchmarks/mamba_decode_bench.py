@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from grouped_gemm_parts import capture_graph  # noqa: E402
 from inference_throughput import copy_bandwidth  # noqa: E402
 
 from megatron_core import device as mdevice  # noqa: E402
@@ -56,15 +57,7 @@ def _time(fn, iters: int, graphs: bool) -> float:
     """Median seconds of ``fn`` (replayed from a CUDA graph when ``graphs``)."""
     fn()
     if graphs:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        fn = graph.replay
+        fn = capture_graph(fn).replay
     mdevice.synchronize()
     times = []
     for _ in range(iters):
