@@ -167,6 +167,36 @@ def test_a_compiled_layer_refreshes_then_reuses_the_cache_as_eagerly(fp8_param):
         assert want.abs().max() > 0 and torch.equal(got_first, want) and torch.equal(got_second, want)
 
 
+@pytest.mark.parametrize("fp8_param", [False, True], ids=["hp_weights", "fp8_params"])
+def test_inductor_refreshes_the_cache_in_place_without_copies(fp8_param):
+    """Compiled by Inductor, the first micro-batch's refresh is the opaque op called on the cache's own buffers:
+    no temporary codes copied into them afterwards (on a GPU such copies of one-byte elements cost about as much
+    as the casts they follow)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    layer = _OneGroupedWeight(fp8_param)
+    allocate_grouped_weight_caches(layer)
+    layer.is_first_microbatch = True
+    buffers = _cache_of(layer)
+    pointers = [t.data_ptr() for t in buffers]
+    before = [t.clone() for t in buffers]
+
+    def refresh() -> torch.Tensor:
+        cached = cached_grouped_weight_operands(layer)  # a tuple, or an FP8 parameter's transposed codes alone
+        return torch.stack([t.float().sum() for t in ([cached] if torch.is_tensor(cached) else cached)])
+
+    sums, (code,) = run_and_get_code(torch.compile(refresh, fullgraph=True))
+    op = "fp8_refresh_transposed_codes_" if fp8_param else "fp8_refresh_grouped_weight_codes_"
+    assert f"torch.ops.megatron_core.{op}.default(" in code
+    assert ".copy_(" not in code and "aten.copy" not in code
+    assert layer.is_first_microbatch is False
+    assert [t.data_ptr() for t in buffers] == pointers
+    assert any(not torch.equal(b.view(torch.uint8) if b.element_size() == 1 else b,
+                               t.view(torch.uint8) if t.element_size() == 1 else t) for b, t in zip(before, buffers))
+    assert torch.equal(sums, torch.stack([t.float().sum() for t in buffers]))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gpu_cached_expert_operands_give_the_uncached_numbers(compiled):
