@@ -114,6 +114,7 @@ FLAGS: tuple[Flag, ...] = (
     _flag("recompute-full", "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"),
     _flag("recompute-sel", "--recompute-granularity selective --recompute-modules core_attn mlp"),
     _flag("ce-fusion", "--cross-entropy-loss-fusion"),
+    _flag("compile", "--compile"),  # each layer and the loss through torch.compile (Inductor on CPU: slow to start)
     _flag("graph-local", "--cuda-graph-impl local"),
     _flag("graph-full", "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 1"),
     # optimizer and schedule
