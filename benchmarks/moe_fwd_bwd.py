@@ -51,6 +51,7 @@ from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd be
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
 from megatron_core.fp8 import convert_to_float8, fp8_grouped_gemm
+from megatron_core.fp8.expert_gemm_mode import EXPERT_GEMM_MODES, set_fp8_expert_gemm
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron_core.transformer import TransformerConfig
@@ -107,6 +108,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile-shapes", action="store_true",
                    help="with --profile: list the eager ops per input shape (run without --compile-moe to see the "
                         "experts' casts)")
+    p.add_argument("--fp8-expert-gemm", choices=EXPERT_GEMM_MODES, default=None,
+                   help="the FP8 experts' forward and data-gradient GEMMs: one grouped GEMM (default) or one "
+                        "torch._scaled_mm per expert (megatron_core.fp8.expert_gemm_mode)")
     p.add_argument("--sync-debug", action="store_true",
                    help="after timing, run one more FP8 step with torch.cuda.set_sync_debug_mode('warn') and list "
                         "where the host waited for the GPU")
@@ -281,6 +285,9 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     mode = " (compiled layers)" if args.compile_moe else " (compiled attn)" if args.compile else " eager"
     label = "megatron_core " + ("SequentialMLP" if args.sequential else "grouped GEMM") + mode
     label += "" if fp8 is None else f" fp8 {fp8[0]}:{fp8[1]}" + wgrad_label(args, fp8_wgrad(args, fp8[0], False))
+    if fp8 is not None and args.fp8_expert_gemm:
+        set_fp8_expert_gemm(args.fp8_expert_gemm)
+        label += f" experts {args.fp8_expert_gemm}"
     mfu = time_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
                          flops_per_token(args), width=36)
     loss_fn = lambda: ours(ids, position_ids, None, labels=labels).mean()  # noqa: E731

@@ -30,6 +30,7 @@ from megatron_core.fp8.cast_kernels import (
     rowwise_cast,
     transpose_codes,
 )
+from megatron_core.fp8.expert_gemm_mode import fp8_expert_gemm, per_expert_mm
 
 __all__ = ["ROW_ALIGN", "ScaledGroupedMm", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported",
            "transposed_weight_codes"]
@@ -79,6 +80,15 @@ def _group_columnwise_transposed(t: torch.Tensor, ends: torch.Tensor) -> tuple[t
     return codes.view(rows, cols).t().contiguous(), scale.reciprocal().reshape(-1)
 
 
+def _expert_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, ends: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """``cat_e(a_e @ b[e])`` (``a [M, K]`` row-wise scaled, ``b [E, K, N]`` column-major per expert) as the mode says
+    (:mod:`megatron_core.fp8.expert_gemm_mode`): one grouped GEMM, or one GEMM per expert."""
+    if fp8_expert_gemm() == "per_expert":
+        return per_expert_mm(a, a_scale, b, b_scale, ends, out_dtype)
+    return _KERNEL(a, b, a_scale, b_scale, offs=ends, out_dtype=out_dtype, use_fast_accum=True)
+
+
 def quantize_weight_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert weight ``[E, out, in]`` as e4m3 codes with one power-of-two scale per output feature of each expert,
     and the dequantizing scales ``[E, out]`` (what an FP8 parameter with row-wise scales stores)."""
@@ -95,8 +105,7 @@ def forward_gemm(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, 
         x_codes, x_scale = rowwise_cast(x)
     else:
         x_codes, x_scale = _rowwise(x)
-    return _KERNEL(x_codes, w_codes.transpose(-2, -1), x_scale, w_scale, offs=ends, out_dtype=x.dtype,
-                   use_fast_accum=True)
+    return _expert_gemm(x_codes, w_codes.transpose(-2, -1), x_scale, w_scale, ends, x.dtype)
 
 
 def transposed_weight_codes(w_codes: torch.Tensor) -> torch.Tensor:
@@ -118,8 +127,7 @@ def dgrad_gemm(grad: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
     unit = w_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
     if w_codes_t is None:
         w_codes_t = transposed_weight_codes(w_codes)
-    return _KERNEL(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, unit, offs=ends, out_dtype=out_dtype,
-                   use_fast_accum=True)
+    return _expert_gemm(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, unit, ends, out_dtype)
 
 
 def wgrad_operands(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor

@@ -1,0 +1,72 @@
+"""How the FP8 experts' forward and data-gradient GEMMs run on Hopper: one grouped GEMM, or one GEMM per expert.
+
+``grouped`` (the default): ``torch._scaled_grouped_mm`` over all experts, the group offsets on the device (no host
+sync). ``per_expert``: one ``torch._scaled_mm`` per expert with rows, inside one opaque op
+(``megatron_core::fp8_per_expert_mm``) that reads the group ends back to the host (one sync per GEMM) and writes
+each expert's rows into one output; on an H100 at Mixtral 8x7B's expert shapes these GEMMs took 0-17% less time
+than the grouped kernel in isolation (``benchmarks/RESULTS.md``, session 46). Both take the same e4m3 codes and
+row-wise scales, so they compute the same products. The weight-gradient GEMM stays grouped in both modes (its
+per-expert operands are column slices of the transposed codes, not packed matrices).
+
+Chosen with ``set_fp8_expert_gemm("per_expert")`` or the environment variable ``MEGATRON_CORE_FP8_EXPERT_GEMM``
+(read on first use; an unknown value raises naming it). Not yet measured in a training step on a GPU: the
+default stays ``grouped``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "fp8_expert_gemm", "per_expert_mm", "set_fp8_expert_gemm"]
+
+EXPERT_GEMM_ENV = "MEGATRON_CORE_FP8_EXPERT_GEMM"
+EXPERT_GEMM_MODES = ("grouped", "per_expert")
+_mode: str | None = None
+
+
+def _checked(mode: str, source: str) -> str:
+    if mode not in EXPERT_GEMM_MODES:
+        raise ValueError(f"{source}={mode!r}: the FP8 experts' GEMM mode must be one of {EXPERT_GEMM_MODES}")
+    return mode
+
+
+def set_fp8_expert_gemm(mode: str) -> None:
+    """Run the FP8 experts' forward and data-gradient GEMMs as ``grouped`` or ``per_expert`` (module docstring)."""
+    global _mode
+    _mode = _checked(mode, "set_fp8_expert_gemm: mode")
+
+
+def fp8_expert_gemm() -> str:
+    """The current mode: set by :func:`set_fp8_expert_gemm`, else ``MEGATRON_CORE_FP8_EXPERT_GEMM``, else
+    ``grouped``."""
+    global _mode
+    if _mode is None:
+        _mode = _checked(os.environ.get(EXPERT_GEMM_ENV, "grouped"), EXPERT_GEMM_ENV)
+    return _mode
+
+
+@torch.library.custom_op("megatron_core::fp8_per_expert_mm", mutates_args=())
+def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``cat_e(a_e @ b[e])`` with one ``torch._scaled_mm`` per expert that has rows.
+
+    ``a [M, K]`` e4m3 row-major with dequantizing scales ``a_scale [M]`` (one per row); ``b [E, K, N]`` e4m3,
+    each ``b[e]`` column-major, with ``b_scale [E, N]`` (one per column of each expert); ``ends [E]`` the groups'
+    end rows (the last ``M``), read to the host here. Returns ``[M, N]`` in ``out_dtype``.
+    """
+    out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
+            torch._scaled_mm(a[start:end], b[expert], a_scale[start:end, None], b_scale[expert][None, :],
+                             out_dtype=out_dtype, use_fast_accum=True, out=out[start:end])
+        start = end
+    return out
+
+
+@per_expert_mm.register_fake
+def _(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, ends: torch.Tensor,
+      out_dtype: torch.dtype) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)

@@ -1,0 +1,106 @@
+"""The FP8 experts' GEMMs one per expert (``per_expert``) against the grouped kernel (``grouped``), on CPU.
+
+``per_expert`` runs real ``torch._scaled_mm`` calls (PyTorch has them on CPU, row-wise scales included); the grouped
+kernel is replaced by its fp32 statement (``tests/fp8/test_fp8_scaled_grouped_mm.py``), which also serves the weight
+gradient in both modes. The forward, the data gradient and the weight gradient of ``ScaledGroupedMm`` agree, with an
+expert without rows among the groups, eagerly and compiled; a bad mode is refused naming where it came from.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_core.fp8 import expert_gemm_mode
+from megatron_core.fp8 import scaled_grouped_mm as sgm
+from tests.fp8.test_fp8_scaled_grouped_mm import COUNTS, _operands, _reference_kernel
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    monkeypatch.setattr(sgm, "_KERNEL", _reference_kernel)
+    monkeypatch.setattr(expert_gemm_mode, "_mode", None)
+
+
+def _run(mode: str, compile_backend: str | None = None) -> tuple[torch.Tensor, ...]:
+    expert_gemm_mode.set_fp8_expert_gemm(mode)
+    x, w, dy = _operands(3)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return sgm.ScaledGroupedMm.apply(x, w, ends)
+
+    if compile_backend is not None:
+        torch._dynamo.reset()
+        gemm = torch.compile(gemm, backend=compile_backend, fullgraph=True)
+    out = gemm(x, w)
+    out.backward(dy)
+    return out.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager", "inductor"], ids=["eager", "aot_eager", "inductor"])
+def test_per_expert_gemms_equal_the_grouped_kernel(reference_kernel, compile_backend):
+    grouped = _run("grouped")
+    per_expert = _run("per_expert", compile_backend)
+    assert COUNTS.count(0) == 1  # an expert without rows: skipped, its rows none
+    for want, got in zip(grouped, per_expert):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_per_expert_gemm_runs_one_scaled_mm_per_expert_with_rows(reference_kernel, monkeypatch):
+    calls = []
+    real = torch._scaled_mm
+
+    def counting(a, b, *args, **kwargs):
+        calls.append(tuple(a.shape))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    expert_gemm_mode.set_fp8_expert_gemm("per_expert")
+    x, w, _ = _operands(3)
+    sgm.ScaledGroupedMm.apply(x, w, torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32))
+    assert calls == [(c, x.shape[1]) for c in COUNTS if c]
+
+
+def test_a_bad_mode_is_refused_naming_its_source(monkeypatch):
+    monkeypatch.setattr(expert_gemm_mode, "_mode", None)
+    with pytest.raises(ValueError, match=r"set_fp8_expert_gemm: mode='fast'.*'grouped', 'per_expert'"):
+        expert_gemm_mode.set_fp8_expert_gemm("fast")
+    monkeypatch.setenv(expert_gemm_mode.EXPERT_GEMM_ENV, "cutlass")
+    with pytest.raises(ValueError, match=r"MEGATRON_CORE_FP8_EXPERT_GEMM='cutlass'"):
+        expert_gemm_mode.fp8_expert_gemm()
+    monkeypatch.setenv(expert_gemm_mode.EXPERT_GEMM_ENV, "per_expert")
+    assert expert_gemm_mode.fp8_expert_gemm() == "per_expert"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gpu_per_expert_gemms_equal_the_grouped_kernel(monkeypatch, compiled):
+    """On Hopper with bf16 operands: forward, data and weight gradients of both modes agree (the same codes and
+    scales; the kernels' fp32 accumulations may order their sums differently)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x, w, dy = (t.cuda().to(torch.bfloat16) for t in _operands(3))
+    if not sgm.scaled_grouped_mm_supported(x):
+        pytest.skip("needs torch._scaled_grouped_mm (Hopper)")
+    monkeypatch.setattr(expert_gemm_mode, "_mode", None)
+    ends = torch.tensor(COUNTS, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    results = {}
+    for mode in ("grouped", "per_expert"):
+        expert_gemm_mode.set_fp8_expert_gemm(mode)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+        def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return sgm.ScaledGroupedMm.apply(a, b, ends)
+
+        if compiled:
+            torch._dynamo.reset()
+            gemm = torch.compile(gemm, fullgraph=True)
+        out = gemm(xx, ww)
+        out.backward(dy)
+        results[mode] = (out.float(), xx.grad.float(), ww.grad.float())
+    for want, got in zip(results["grouped"], results["per_expert"]):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
