@@ -64,6 +64,14 @@ def test_per_expert_gemm_runs_one_scaled_mm_per_expert_with_rows(reference_kerne
     assert calls == [(c, x.shape[1]) for c in COUNTS if c]
 
 
+def test_per_expert_gemm_refuses_a_cuda_graph_capture_by_name(reference_kernel, monkeypatch):
+    monkeypatch.setattr(expert_gemm_mode, "_capturing", lambda t: True)
+    expert_gemm_mode.set_fp8_expert_gemm("per_expert")
+    x, w, _ = _operands(3)
+    with pytest.raises(RuntimeError, match=r"CUDA graph capture.*set_fp8_expert_gemm\('grouped'\)"):
+        sgm.ScaledGroupedMm.apply(x, w, torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32))
+
+
 def test_a_bad_mode_is_refused_naming_its_source(monkeypatch):
     monkeypatch.setattr(expert_gemm_mode, "_mode", None)
     with pytest.raises(ValueError, match=r"set_fp8_expert_gemm: mode='fast'.*'grouped', 'per_expert'"):
