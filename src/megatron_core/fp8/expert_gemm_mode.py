@@ -9,7 +9,7 @@ row-wise scales, so they compute the same products. The weight-gradient GEMM sta
 per-expert operands are column slices of the transposed codes, not packed matrices).
 
 Chosen with ``set_fp8_expert_gemm("per_expert")`` or the environment variable ``MEGATRON_CORE_FP8_EXPERT_GEMM``
-(read on first use; an unknown value raises naming it). Not yet measured in a training step on a GPU: the
+(read at import; an unknown value raises, naming it, on first use). Not yet measured in a training step on a GPU: the
 default stays ``grouped``.
 """
 
@@ -23,7 +23,10 @@ __all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "fp8_expert_gemm", "per_exper
 
 EXPERT_GEMM_ENV = "MEGATRON_CORE_FP8_EXPERT_GEMM"
 EXPERT_GEMM_MODES = ("grouped", "per_expert")
-_mode: str | None = None
+# Read at import when valid (so compiled code finds it set and is not traced twice); an unknown value is left for
+# fp8_expert_gemm() to refuse on first use (importing never fails).
+_mode: str | None = os.environ.get(EXPERT_GEMM_ENV, "grouped")
+_mode = _mode if _mode in EXPERT_GEMM_MODES else None
 
 
 def _checked(mode: str, source: str) -> str:
