@@ -55,7 +55,6 @@ HAVE_TE_FP8_TENSOR_CLASS: bool = HAVE_TE
 _TE_TENSOR = TE_TENSOR_MODULE
 _TE_QUANTIZED = (_TE_TENSOR, "QuantizedTensor")
 _TE_MXFP8 = (f"{_TE_TENSOR}.mxfp8_tensor", "MXFP8Tensor")
-_TE_GROUPED = TE_GROUPED
 
 
 def is_mxfp8tensor(tensor: torch.Tensor) -> bool:
@@ -66,7 +65,7 @@ def is_mxfp8tensor(tensor: torch.Tensor) -> bool:
 def is_grouped_tensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is Transformer Engine's ``GroupedTensor`` (this library's grouped expert weights are plain
     3-D tensors: False)."""
-    return _is_te_instance(tensor, _TE_GROUPED)
+    return _is_te_instance(tensor, TE_GROUPED)
 
 
 def is_grouped_tensor_with_quantized_storage(tensor: torch.Tensor) -> bool:
