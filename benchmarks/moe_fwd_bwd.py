@@ -47,6 +47,7 @@ from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd be
     time_contender,
     time_steps,
 )
+from grouped_gemm_parts import capture_graph
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
@@ -115,6 +116,9 @@ def parse_args() -> argparse.Namespace:
                    help="after timing, run one more FP8 step with torch.cuda.set_sync_debug_mode('warn') and list "
                         "where the host waited for the GPU")
     p.add_argument("--skip-ours", action="store_true", help="do not time our bf16 model")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time our models' steps replayed as one CUDA graph each (bf16: one micro-batch; FP8 "
+                        "with --microbatches: the whole N-micro-batch step), which removes the host's launch time")
     p.add_argument("--microbatches", type=int, default=1,
                    help="also time the FP8 model in steps of N micro-batches, its experts' FP8 weight operands made "
                         "once per step (set_is_first_microbatch); the per-micro-batch mean is its result")
@@ -291,10 +295,14 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     mfu = time_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
                          flops_per_token(args), width=36)
     loss_fn = lambda: ours(ids, position_ids, None, labels=labels).mean()  # noqa: E731
+    if args.cuda_graph and fp8 is None:
+        time_graphed(args, label, microbatch_step(args, ours, loss_fn, microbatches=1), 1)
     if fp8 is not None and args.sync_debug:
         print_host_syncs(microbatch_step(args, ours, loss_fn))
     if fp8 is not None and args.microbatches > 1:
         mfu = time_microbatches(args, ours, label, loss_fn)
+        if args.cuda_graph:
+            time_graphed(args, label, microbatch_step(args, ours, loss_fn), args.microbatches)
         if args.profile:  # one step of N micro-batches (the cached weight operands at work), per micro-batch
             print_kernel_profile(microbatch_step(args, ours, loss_fn), steps=1, rows=90, shapes=args.profile_shapes)
     elif args.profile:
@@ -324,16 +332,43 @@ def print_host_syncs(step: Callable[[], None]) -> None:
         print(f"  {count:4d}x {place}", flush=True)
 
 
-def microbatch_step(args: argparse.Namespace, model: torch.nn.Module,
-                    loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    """One step of ``--microbatches`` fwd+bwd passes, the model told where the step begins."""
+def microbatch_step(args: argparse.Namespace, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
+                    microbatches: int | None = None) -> Callable[[], None]:
+    """One step of ``microbatches`` (default ``--microbatches``) fwd+bwd passes, the model told where the step
+    begins."""
+    count = args.microbatches if microbatches is None else microbatches
+
     def step() -> None:
         model.set_is_first_microbatch()
-        for _ in range(args.microbatches):
+        for _ in range(count):
             loss_fn().backward()
             for p in model.parameters():
                 p.grad = None
     return step
+
+
+def time_graphed(args: argparse.Namespace, label: str, step: Callable[[], None], microbatches: int) -> float:
+    """``--cuda-graph``: ``step`` (``microbatches`` fwd+bwd passes) captured once as a CUDA graph and timed by
+    replaying it; prints the time per micro-batch and returns its MFU in percent (NaN where capture fails, with
+    the reason: a host synchronisation inside the step cannot be captured)."""
+    if mdevice.get_current_device().type != "cuda":
+        return float("nan")
+    for _ in range(2):  # compile and warm the caches outside the capture
+        step()
+    mdevice.synchronize()
+    try:
+        graph = capture_graph(step)
+    except Exception as error:  # noqa: BLE001 - reported, the other timings stand
+        print(f"{label} CUDA graph: capture failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+        mdevice.synchronize()
+        return float("nan")
+    seconds = time_steps(graph.replay, args) / microbatches
+    mfu = report_flops(f"{label}, CUDA graph of {microbatches} micro-batch(es)", seconds, args,
+                       flops_per_token(args), width=36)
+    del graph
+    gc.collect()
+    torch.cuda.empty_cache()
+    return mfu
 
 
 def time_microbatches(args: argparse.Namespace, model: torch.nn.Module, label: str,
