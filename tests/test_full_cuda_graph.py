@@ -228,7 +228,14 @@ def test_full_iteration_is_accepted_with_an_empty_module_list():
     (dict(attention_dropout=0.1), ["attention_dropout=0.1", "full_iteration"]),
     (dict(tensor_model_parallel_size=2, sequence_parallel=True), ["sequence_parallel=True"]),
     (dict(recompute_granularity="selective"), ["recompute_granularity='selective'"]),
-    (dict(num_moe_experts=4), ["num_moe_experts=4"]),
+    (dict(num_moe_experts=4), ["num_moe_experts=4", "moe_grouped_gemm=False"]),
+    (dict(num_moe_experts=4, moe_grouped_gemm=True), ["num_moe_experts=4", "fp32 experts"]),
+    (dict(num_moe_experts=4, moe_grouped_gemm=True, bf16=True, expert_model_parallel_size=2),
+     ["expert_model_parallel_size=2", "expert_tensor_parallel_size=1"]),
+    (dict(num_moe_experts=4, moe_grouped_gemm=True, bf16=True, tensor_model_parallel_size=2),
+     ["expert_tensor_parallel_size=2"]),
+    (dict(num_moe_experts=4, moe_grouped_gemm=True, bf16=True, moe_expert_capacity_factor=1.0),
+     ["moe_expert_capacity_factor=1.0", "moe_pad_expert_input_to_capacity"]),
     (dict(calculate_per_token_loss=True), ["calculate_per_token_loss=True", "finalize_model_grads"]),
 ])
 def test_full_iteration_refusals_name_the_field(kwargs, names):
@@ -236,6 +243,41 @@ def test_full_iteration_refusals_name_the_field(kwargs, names):
         TransformerConfig(**{**SHAPE, **kwargs}, cuda_graph_impl="full_iteration")
     for name in names:
         assert name in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(bf16=True),
+    dict(fp16=True),
+    dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),  # fp32: every expert padded
+    dict(bf16=True, moe_token_dispatcher_type="alltoall"),
+], ids=["bf16", "fp16", "fp32-padded", "alltoall"])
+def test_full_iteration_accepts_moe_whose_counts_stay_on_the_device(kwargs):
+    config = TransformerConfig(**SHAPE, num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True,
+                               cuda_graph_impl="full_iteration", **kwargs)
+    assert config.cuda_graph_impl == "full_iteration"
+
+
+def test_a_host_read_of_the_expert_counts_inside_a_capture_says_where_and_what_a_captured_moe_needs(monkeypatch):
+    """On CPU (fp32, per-expert GEMMs) the experts read their counts on the host; with a capture pretended, the
+    forward stops there with the path and the rule named (on a GPU, CUDA would raise its bare capture error)."""
+    from megatron_core import device as mdevice
+    from megatron_core.models.gpt import GPTModel
+    from megatron_core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron_core.transformer.moe.host_counts import CAPTURABLE_MOE_RULE
+    from tests.models.gpt_test_utils import MAX_SEQ, VOCAB, batch, llama_like
+
+    spec = llama_like(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                      num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True)
+    model = GPTModel(TransformerConfig(**spec["config"]), get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=True),
+                     VOCAB, MAX_SEQ, **spec["model"])
+    ids, pos, labels = batch(0)
+    assert model(ids, pos, None, labels=labels).shape == labels.shape  # uncaptured: runs
+    monkeypatch.setattr(mdevice, "is_capturing", lambda tensor: True)
+    with pytest.raises(RuntimeError) as caught:
+        model(ids, pos, None, labels=labels)
+    message = str(caught.value)
+    assert "reads the tokens-per-expert counts on the host" in message and CAPTURABLE_MOE_RULE in message
+    assert "row split" in message or "fallback" in message, message
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -264,9 +306,11 @@ def _gpt_forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _gpu_train(graphed: bool, bf16: bool) -> dict:
+def _gpu_train(graphed: bool, bf16: bool, moe: str = "") -> dict:
     """``GPU_STEPS`` Adam steps of a small llama-like GPT under DDP, then ``EVAL_SEEDS`` validation calls; the
-    schedule wrapped in a ``FullCudaGraphWrapper`` (``GPU_WARMUP`` eager calls per stage) or called eagerly."""
+    schedule wrapped in a ``FullCudaGraphWrapper`` (``GPU_WARMUP`` eager calls per stage) or called eagerly. ``moe``
+    ``"bf16"`` / ``"fp8"``: every MLP an MoE of 4 grouped experts, top-2 (``"fp8"``: its GEMMs in FP8, torchao's
+    tensorwise recipe for the dense layers and this library's grouped FP8 GEMMs for the experts)."""
     from megatron_core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -279,7 +323,22 @@ def _gpu_train(graphed: bool, bf16: bool) -> dict:
     torch.manual_seed(0)
     dtype = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
     spec = llama_like(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128, **dtype)
-    model = build(spec, cuda_graph_impl="full_iteration" if graphed else "none").cuda()
+    impl = "full_iteration" if graphed else "none"
+    if moe:
+        from megatron_core.fp8 import convert_to_float8
+        from megatron_core.models.gpt import GPTModel
+        from megatron_core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from tests.models.gpt_test_utils import MAX_SEQ, VOCAB
+
+        fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise") if moe == "fp8" else {}
+        config = TransformerConfig(**spec["config"], num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True,
+                                   moe_token_dispatcher_type="alltoall", cuda_graph_impl=impl, **fp8)
+        model = GPTModel(config, get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=True), VOCAB, MAX_SEQ,
+                         **spec["model"]).cuda()
+        if fp8:
+            convert_to_float8(model)
+    else:
+        model = build(spec, cuda_graph_impl=impl).cuda()
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     model.config.no_sync_func = ddp.no_sync
     model.config.finalize_model_grads_func = finalize_model_grads
@@ -336,3 +395,25 @@ def test_full_iteration_graph_trains_exactly_as_the_eager_schedule(bf16):
     evals = graphed["eval"]
     assert torch.equal(evals[2], evals[0]) and torch.equal(evals[3], evals[1])  # captured / replayed vs eager
     assert not torch.equal(evals[3], evals[2]) and not torch.equal(evals[4], evals[3])  # new data reached the graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe", ["bf16", "fp8"])
+def test_full_iteration_graph_of_a_dropless_moe_trains_exactly_as_the_eager_schedule(moe):
+    """The same for an MoE GPT (4 grouped experts, top-2, dropless, bf16; and with FP8 GEMMs): its token counts
+    never leave the device, so the whole iteration is captured, and each replay routes its own batch (the routing
+    changes with the data and the weights), giving the eager schedule's losses and gradients bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if moe == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9 or newer")
+    from tests.cuda_process_group import in_fresh_process
+
+    graphed = in_fresh_process(_gpu_train, True, True, moe)
+    eager = in_fresh_process(_gpu_train, False, True, moe)
+    assert graphed["captured"] == {"training": True, "validation": True}, graphed["captured"]
+    assert graphed["python_calls"] == {"training": GPU_WARMUP + 1, "validation": GPU_WARMUP + 1}
+    assert torch.equal(graphed["losses"], eager["losses"]), (graphed["losses"], eager["losses"])
+    assert torch.equal(graphed["grads"], eager["grads"]), (graphed["grads"] - eager["grads"]).abs().max()
+    assert torch.equal(graphed["eval"], eager["eval"]), (graphed["eval"], eager["eval"])
+    assert not torch.equal(graphed["eval"][4], graphed["eval"][3])  # new data reached the graph

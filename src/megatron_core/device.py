@@ -47,6 +47,12 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def is_capturing(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s CUDA stream is being captured into a CUDA graph (never on other devices): while it is,
+    nothing may read device values on the host."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def manual_seed_device(seed: int) -> None:
     """Seed the accelerator's default generator, if there is one."""
     if cuda_available():

@@ -65,7 +65,7 @@ def test_per_expert_gemm_runs_one_scaled_mm_per_expert_with_rows(reference_kerne
 
 
 def test_per_expert_gemm_refuses_a_cuda_graph_capture_by_name(reference_kernel, monkeypatch):
-    monkeypatch.setattr(expert_gemm_mode, "_capturing", lambda t: True)
+    monkeypatch.setattr(expert_gemm_mode.device, "is_capturing", lambda t: True)
     expert_gemm_mode.set_fp8_expert_gemm("per_expert")
     x, w, _ = _operands(3)
     with pytest.raises(RuntimeError, match=r"CUDA graph capture.*set_fp8_expert_gemm\('grouped'\)"):

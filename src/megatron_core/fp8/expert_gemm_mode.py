@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from megatron_core import device
+
 __all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "fp8_expert_gemm", "per_expert_mm", "set_fp8_expert_gemm"]
 
 EXPERT_GEMM_ENV = "MEGATRON_CORE_FP8_EXPERT_GEMM"
@@ -50,10 +52,6 @@ def fp8_expert_gemm() -> str:
     return _mode
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    """Whether ``t``'s CUDA stream is being captured into a CUDA graph (never on other devices)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
 
 @torch.library.custom_op("megatron_core::fp8_per_expert_mm", mutates_args=())
 def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -64,7 +62,7 @@ def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     each ``b[e]`` column-major, with ``b_scale [E, N]`` (one per column of each expert); ``ends [E]`` the groups'
     end rows (the last ``M``), read to the host here. Returns ``[M, N]`` in ``out_dtype``.
     """
-    if _capturing(a):
+    if device.is_capturing(a):
         raise RuntimeError("fp8_per_expert_mm: the per_expert FP8 experts' GEMMs read the group ends to the host, "
                            "which a CUDA graph capture cannot do; use set_fp8_expert_gemm('grouped') with CUDA graphs")
     out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)

@@ -39,6 +39,7 @@ from megatron_core.transformer.moe.grouped_linear import (
     pad_expert_rows,
     unpad_expert_rows,
 )
+from megatron_core.transformer.moe.host_counts import counts_to_host
 from megatron_core.transformer.moe.token_permutation import AlignedRows
 
 
@@ -53,7 +54,7 @@ def _fp8_gemm(layer: torch.nn.Module, x: torch.Tensor, tokens_per_expert: list[i
     if isinstance(tokens_per_expert, AlignedRows):
         if not emulate:
             return gemm(x, layer.weight, ends=tokens_per_expert.ends, **options)
-        tokens_per_expert = tokens_per_expert.counts.tolist()
+        tokens_per_expert = counts_to_host(tokens_per_expert.counts, "the FP8 experts' emulated GEMM")
     counts = list(tokens_per_expert)
     if emulate:
         return gemm(x, layer.weight, counts=counts, emulate=True, **options)

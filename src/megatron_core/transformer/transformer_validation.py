@@ -277,9 +277,9 @@ def _check_full_iteration(cfg: Any) -> None:
     """``cuda_graph_impl='full_iteration'``: as in Megatron-Core, ``cuda_graph_modules`` must be empty (``'full'``
     normalises to empty). Also refused here, because the captured iteration could not run in a CUDA graph with this
     library: the RNG tracker's forks (``sequence_parallel``, ``attention_dropout``) and activation recompute swap
-    generator states with ``set_rng_state``, which CUDA forbids during a capture; MoE layers size their token
-    dispatch on the host; ``calculate_per_token_loss`` reads the global token count on the host in
-    ``finalize_model_grads``."""
+    generator states with ``set_rng_state``, which CUDA forbids during a capture; ``calculate_per_token_loss`` reads
+    the global token count on the host in ``finalize_model_grads``. MoE layers are captured where their counts stay
+    on the device (:func:`_check_full_iteration_moe`)."""
     name = "cuda_graph_scope" if cfg.cuda_graph_scope is not None else "cuda_graph_modules"
     scopes = getattr(cfg, name)
     modules, deprecated, _ = normalize_cuda_graph_modules(scopes)
@@ -291,15 +291,43 @@ def _check_full_iteration(cfg: Any) -> None:
                              "graph capture forbids",
         "recompute_granularity": "recomputation saves and restores generator states, which a CUDA graph capture "
                                  "forbids",
-        "num_moe_experts": "MoE token dispatch sizes its buffers on the host",
         "calculate_per_token_loss": "finalize_model_grads reads the global token count on the host",
     }
     for field, value in (("sequence_parallel", cfg.sequence_parallel), ("attention_dropout", cfg.attention_dropout),
                          ("recompute_granularity", cfg.recompute_granularity),
-                         ("num_moe_experts", cfg.num_moe_experts),
                          ("calculate_per_token_loss", cfg.calculate_per_token_loss)):
         if value:
             raise ValueError(f"{field}={value!r} cannot be used with cuda_graph_impl='full_iteration': {why[field]}")
+    if cfg.num_moe_experts:
+        _check_full_iteration_moe(cfg)
+
+
+def _check_full_iteration_moe(cfg: Any) -> None:
+    """MoE under ``cuda_graph_impl='full_iteration'``: only where no tokens-per-expert count is read on the host
+    (``transformer.moe.host_counts``). Each rank must hold every expert (the all-to-all's and all-gather's splits
+    are host-sized otherwise), the experts must be grouped (``SequentialMLP`` splits rows by host counts) and
+    either routing keeps top-k rows per token in bf16 / fp16 (the grouped kernel takes device offsets; fp32 runs
+    one GEMM per expert) or every expert is padded to its capacity (shapes follow from the token count)."""
+    expert_tp = cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size
+    padded = bool(cfg.moe_pad_expert_input_to_capacity)
+    rules = [
+        (cfg.expert_model_parallel_size * expert_tp != 1,
+         f"expert_model_parallel_size={cfg.expert_model_parallel_size} x expert_tensor_parallel_size={expert_tp} "
+         "must be 1 (with expert parallelism the token dispatch's collectives are sized on the host)"),
+        (not cfg.moe_grouped_gemm, "moe_grouped_gemm=False: SequentialMLP splits the rows by counts read on the "
+                                   "host; set moe_grouped_gemm=True"),
+        (not padded and cfg.moe_expert_capacity_factor is not None,
+         f"moe_expert_capacity_factor={cfg.moe_expert_capacity_factor} without moe_pad_expert_input_to_capacity "
+         "drops tokens, so the row count depends on the routing"),
+        (not padded and bool(cfg.moe_router_padding_for_quantization),
+         "moe_router_padding_for_quantization=True makes the row count depend on the routing"),
+        (not padded and not (cfg.bf16 or cfg.fp16),
+         "fp32 experts (bf16=False, fp16=False) run one GEMM per expert, sized by counts read on the host; use "
+         "bf16 / fp16 or moe_pad_expert_input_to_capacity=True"),
+    ]
+    for broken, why in rules:
+        if broken:
+            raise ValueError(f"num_moe_experts={cfg.num_moe_experts} with cuda_graph_impl='full_iteration': {why}")
 
 
 def check_pipeline_split(cfg: Any) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron_core import device
 from megatron_core.jit import jit_fuser
 from megatron_core.transformer.rope_utils import _rotate_half
 
@@ -30,7 +31,7 @@ def _cos_sin(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     """``cos`` and ``sin`` of an angle table, in ``dtype``, computed once per (table, dtype)."""
     entry = _TABLES.get(id(angles))
     fresh = entry is None or entry[0]() is not angles or entry[1] != dtype
-    if fresh and _capturing(angles):
+    if fresh and device.is_capturing(angles):
         # First seen while a CUDA graph is captured (its kernels only run at replay): compute in place,
         # cache nothing.
         return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
@@ -41,9 +42,6 @@ def _cos_sin(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
         _TABLES[id(angles)] = entry
     return entry[2], entry[3]
 
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 @jit_fuser

@@ -51,6 +51,7 @@ from megatron_core.transformer.moe.grouped_linear import (
     unpad_expert_rows,
     use_grouped_mm,
 )
+from megatron_core.transformer.moe.host_counts import counts_to_host
 from megatron_core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_core.transformer.moe.submodule_protocols import (
     GroupedLinearFc1Builder,
@@ -90,7 +91,9 @@ def _host_counts(tokens_per_expert: torch.Tensor | list[int], config: Transforme
     """
     if config.moe_pad_expert_input_to_capacity and num_rows % num_local_experts == 0:  # (validated: a capacity)
         return [num_rows // num_local_experts] * num_local_experts
-    return tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
+    if isinstance(tokens_per_expert, torch.Tensor):
+        return counts_to_host(tokens_per_expert, "the experts' row split (local_counts)")
+    return list(tokens_per_expert)
 
 
 class SequentialMLP(MegatronModule):

@@ -35,6 +35,7 @@ from megatron_core.transformer.moe.cutlass_grouped_gemm import (
     cutlass_grouped_gemm_requested,
     cutlass_grouped_linear,
 )
+from megatron_core.transformer.moe.host_counts import counts_to_host
 from megatron_core.transformer.moe.token_permutation import AlignedRows, aligned_group_starts
 
 __all__ = ["AlignedExpertRows", "ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "align_expert_rows",
@@ -203,7 +204,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[
     if isinstance(tokens_per_expert, AlignedRows):
         if _use_grouped_mm(x, weight):
             return _grouped_mm_kernel(x, weight, tokens_per_expert.ends)
-        tokens_per_expert = tokens_per_expert.counts.tolist()
+        tokens_per_expert = counts_to_host(tokens_per_expert.counts, "grouped_gemm's per-expert fallback")
     if _use_grouped_mm(x, weight):
         x, padded, index = pad_expert_rows(x, tokens_per_expert)
         if index is not None:

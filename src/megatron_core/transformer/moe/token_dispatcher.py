@@ -30,6 +30,7 @@ from megatron_core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron_core.transformer.moe.host_counts import refuse_host_counts_while_capturing
 from megatron_core.transformer.moe.moe_utils import (
     get_align_size_for_quantization,
     get_default_pg_collection,
@@ -160,6 +161,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
             permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
                 hidden_states, self.local_map, probs=local_probs, num_out_tokens=rows, drop_and_pad=True)
         else:
+            refuse_host_counts_while_capturing(tokens_per_expert, "MoEAllGatherTokenDispatcher (host-sized permute)")
             tokens_per_expert = tokens_per_expert.cpu()
             permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
                 hidden_states, self.local_map, probs=local_probs, num_out_tokens=int(tokens_per_expert.sum()))
@@ -231,6 +233,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             return local_counts
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         # One device-to-host copy of every count this step needs.
+        refuse_host_counts_while_capturing(local_counts, "MoEAlltoAllTokenDispatcher (host-sized all-to-all splits)")
         if get_pg_size(self.tp_ep_group) > 1:
             gathered = _gather(local_counts, self.tp_ep_group).cpu()
             global_counts = gathered.reshape(self.ep_size, self.tp_size, self.num_experts).transpose(0, 1)
