@@ -116,6 +116,7 @@ def parse_args() -> argparse.Namespace:
                    help="after timing, run one more FP8 step with torch.cuda.set_sync_debug_mode('warn') and list "
                         "where the host waited for the GPU")
     p.add_argument("--skip-ours", action="store_true", help="do not time our bf16 model")
+    p.add_argument("--no-gemms", action="store_true", help="skip the experts' grouped GEMMs timed alone")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time our models' steps replayed as one CUDA graph each (bf16: one micro-batch; FP8 "
                         "with --microbatches: the whole N-micro-batch step), which removes the host's launch time")
@@ -484,7 +485,7 @@ def main() -> None:
     if args.fp8_param:
         measure_fp8_param(args, dtype, ids, position_ids, labels)
 
-    for routing in ("even", "router"):
+    for routing in () if args.no_gemms else ("even", "router"):
         counts = expert_counts(args, routing)
         grouped_s, dense_s, fp8_s = grouped_vs_dense(args, dtype, counts)
         print(f"{'RESULT' if routing == 'router' else 'even routing:'} experts' grouped GEMMs "
