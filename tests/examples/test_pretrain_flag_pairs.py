@@ -48,7 +48,10 @@ def _args(*flags: str, world_size: int = 1):
      ["--use-torch-fsdp2", "--num-experts (4)"]),
     # graphs with MoE / SP: refused by TransformerConfig naming its fields
     (["--num-experts", "4", "--cuda-graph-impl", "local"], 1, ["--cuda-graph-impl local", "--num-experts (4)"]),
-    (["--num-experts", "4", "--cuda-graph-impl", "full_iteration"], 1, ["--num-experts", "full_iteration"]),
+    (["--num-experts", "4", "--cuda-graph-impl", "full_iteration"], 1,
+     ["--num-experts", "full_iteration", "--moe-grouped-gemm"]),
+    (["--num-experts", "4", "--moe-grouped-gemm", "--cuda-graph-impl", "full_iteration"], 1,
+     ["--num-experts", "full_iteration", "fp32"]),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--cuda-graph-impl", "full_iteration"], 2,
      ["--sequence-parallel", "full_iteration"]),
     # GQA flags under MLA were silently ignored
@@ -96,6 +99,7 @@ def test_pairs_the_library_cannot_build_are_refused_by_name(flags, world_size, n
     (["--multi-latent-attention"], 1),
     (["--model-preset", "deepseek-tiny", "--seq-length", "32", "--max-position-embeddings", "32"], 1),
     (["--recompute-granularity", "selective", "--cuda-graph-impl", "local"], 1),
+    (["--num-experts", "4", "--moe-grouped-gemm", "--bf16", "--cuda-graph-impl", "full_iteration"], 1),
     (["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
       "--main-params-dtype", "bf16", "--exp-avg-dtype", "fp16"], 1),
     (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather", "--use-distributed-optimizer"],
