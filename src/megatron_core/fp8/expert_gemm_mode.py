@@ -52,7 +52,6 @@ def fp8_expert_gemm() -> str:
     return _mode
 
 
-
 @torch.library.custom_op("megatron_core::fp8_per_expert_mm", mutates_args=())
 def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -43,7 +43,6 @@ def _cos_sin(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return entry[2], entry[3]
 
 
-
 @jit_fuser
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     rot_dim = cos.shape[-1]
