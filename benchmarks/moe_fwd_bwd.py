@@ -47,7 +47,6 @@ from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd be
     time_contender,
     time_steps,
 )
-from grouped_gemm_parts import capture_graph
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
@@ -118,8 +117,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-ours", action="store_true", help="do not time our bf16 model")
     p.add_argument("--no-gemms", action="store_true", help="skip the experts' grouped GEMMs timed alone")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="also time our models' steps replayed as one CUDA graph each (bf16: one micro-batch; FP8 "
-                        "with --microbatches: the whole N-micro-batch step), which removes the host's launch time")
+                   help="also time our bf16 and FP8 steps (--microbatches micro-batches each) as full-iteration CUDA "
+                        "graphs (the library's FullCudaGraphWrapper, fresh models), which removes the host's launch "
+                        "time")
     p.add_argument("--microbatches", type=int, default=1,
                    help="also time the FP8 model in steps of N micro-batches, its experts' FP8 weight operands made "
                         "once per step (set_is_first_microbatch); the per-micro-batch mean is its result")
@@ -170,7 +170,7 @@ def wgrad_label(args: argparse.Namespace, wgrad: bool) -> str:
 
 
 def build_ours(args: argparse.Namespace, dtype: torch.dtype, fp8: tuple[str, str] | None = None,
-               fp8_param: bool = False) -> torch.nn.Module:
+               fp8_param: bool = False, cuda_graph_impl: str = "none") -> torch.nn.Module:
     """Our MoE GPTModel; with ``fp8 = (recipe, format)`` its layer GEMMs (experts included) run in FP8, with
     ``fp8_param`` their weights stored as FP8 parameters, with ``fp8_wgrad`` as :func:`fp8_wgrad` says."""
     config = TransformerConfig(
@@ -180,6 +180,7 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype, fp8: tuple[str, str
         attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype, layernorm_epsilon=1e-5,
         num_moe_experts=args.experts, moe_router_topk=args.topk, moe_grouped_gemm=not args.sequential,
         moe_aux_loss_coeff=args.aux_loss, moe_token_dispatcher_type="alltoall", apply_rope_fusion=not args.no_rope_fusion,
+        cuda_graph_impl=cuda_graph_impl,
         **({} if fp8 is None else dict(fp8=fp8[1], fp8_recipe=fp8[0], fp8_param=fp8_param,
                                        fp8_wgrad=fp8_wgrad(args, fp8[0], fp8_param))),
         **({} if args.capacity_factor is None else dict(moe_expert_capacity_factor=args.capacity_factor,
@@ -296,14 +297,10 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     mfu = time_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
                          flops_per_token(args), width=36)
     loss_fn = lambda: ours(ids, position_ids, None, labels=labels).mean()  # noqa: E731
-    if args.cuda_graph and fp8 is None:
-        time_graphed(args, label, microbatch_step(args, ours, loss_fn, microbatches=1), 1)
     if fp8 is not None and args.sync_debug:
         print_host_syncs(microbatch_step(args, ours, loss_fn))
     if fp8 is not None and args.microbatches > 1:
         mfu = time_microbatches(args, ours, label, loss_fn)
-        if args.cuda_graph:
-            time_graphed(args, label, microbatch_step(args, ours, loss_fn), args.microbatches)
         if args.profile:  # one step of N micro-batches (the cached weight operands at work), per micro-batch
             print_kernel_profile(microbatch_step(args, ours, loss_fn), steps=1, rows=90, shapes=args.profile_shapes)
     elif args.profile:
@@ -333,42 +330,69 @@ def print_host_syncs(step: Callable[[], None]) -> None:
         print(f"  {count:4d}x {place}", flush=True)
 
 
-def microbatch_step(args: argparse.Namespace, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
-                    microbatches: int | None = None) -> Callable[[], None]:
-    """One step of ``microbatches`` (default ``--microbatches``) fwd+bwd passes, the model told where the step
-    begins."""
-    count = args.microbatches if microbatches is None else microbatches
-
+def microbatch_step(args: argparse.Namespace, model: torch.nn.Module,
+                    loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """One step of ``--microbatches`` fwd+bwd passes, the model told where the step begins."""
     def step() -> None:
         model.set_is_first_microbatch()
-        for _ in range(count):
+        for _ in range(args.microbatches):
             loss_fn().backward()
             for p in model.parameters():
                 p.grad = None
     return step
 
 
-def time_graphed(args: argparse.Namespace, label: str, step: Callable[[], None], microbatches: int) -> float:
-    """``--cuda-graph``: ``step`` (``microbatches`` fwd+bwd passes) captured once as a CUDA graph and timed by
-    replaying it; prints the time per micro-batch and returns its MFU in percent (NaN where capture fails, with
-    the reason: a host synchronisation inside the step cannot be captured)."""
-    if mdevice.get_current_device().type != "cuda":
-        return float("nan")
-    for _ in range(2):  # compile and warm the caches outside the capture
-        step()
-    mdevice.synchronize()
-    try:
-        graph = capture_graph(step)
-    except Exception as error:  # noqa: BLE001 - reported, the other timings stand
-        print(f"{label} CUDA graph: capture failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-        mdevice.synchronize()
-        return float("nan")
-    seconds = time_steps(graph.replay, args) / microbatches
-    mfu = report_flops(f"{label}, CUDA graph of {microbatches} micro-batch(es)", seconds, args,
-                       flops_per_token(args), width=36)
-    del graph
+def time_graphed(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,
+                 labels: torch.Tensor, fp8: tuple[str, str] | None, microbatches: int) -> float:
+    """``--cuda-graph``: a fresh model (``cuda_graph_impl="full_iteration"``) trained through the library's
+    ``FullCudaGraphWrapper`` around ``forward_backward_no_pipelining`` (``microbatches`` micro-batches a step, the
+    FP8 weight cache refreshed in the first), every step after the warm-up one replay of the captured iteration;
+    prints the time per micro-batch and returns its MFU in percent. A fresh model, because one that already ran
+    eagerly on the default stream keeps autograd nodes bound to it, which the capture (on the wrapper's stream)
+    cannot wait on."""
+    from fp8_param_step import init_distributed
+
+    from megatron_core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+    from megatron_core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    init_distributed()
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)  # the tracker, as initialize_model_parallel left it
+    torch._dynamo.reset()
+    # The wrapper keeps its graphs and static buffers per process (as Megatron-Core's): each model starts afresh.
+    FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
+    FullCudaGraphWrapper.curr_iteration = {"training": 0, "validation": 0}
+    FullCudaGraphWrapper.result = {"training": None, "validation": None}
+    StaticBufferLoader.static_buffers = {"training": [], "validation": []}
     gc.collect()
     torch.cuda.empty_cache()
+    label = "megatron_core" + ("" if fp8 is None else f" fp8 {fp8[0]}:{fp8[1]}")
+    try:
+        model = build_ours(args, dtype, fp8, cuda_graph_impl="full_iteration")
+    except ValueError as error:  # e.g. fp32 experts (--tiny): their counts are read on the host
+        print(f"{label} full-iteration CUDA graph refused: {error}", flush=True)
+        return float("nan")
+    schedule = FullCudaGraphWrapper(forward_backward_no_pipelining, cuda_graph_warmup_steps=2)
+
+    def forward_step(data_iterator, model):  # noqa: ANN001, ANN202 - the schedule's protocol
+        data = next(data_iterator)
+        output = model(data["tokens"], data["position_ids"], None, labels=data["labels"])
+        return output, lambda out: (out.float().mean(), {})
+
+    batch = {"tokens": ids, "position_ids": position_ids, "labels": labels}
+
+    def step() -> None:
+        schedule(forward_step_func=forward_step, data_iterator=iter([batch] * microbatches), model=model,
+                 num_microbatches=microbatches, seq_length=args.seq, micro_batch_size=args.mbs, forward_only=False)
+
+    if mdevice.get_current_device().type != "cuda":
+        label += " (no CUDA: the wrapper runs every call eagerly)"
+    try:
+        seconds = time_steps(step, args) / microbatches
+    except Exception as error:  # noqa: BLE001 - reported, the other timings stand
+        print(f"{label} full-iteration CUDA graph failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+        return float("nan")
+    mfu = report_flops(f"{label}, full-iteration CUDA graph, {microbatches} micro-batch(es) a step", seconds, args,
+                       flops_per_token(args), width=36)
     return mfu
 
 
@@ -469,12 +493,16 @@ def main() -> None:
           f"FLOPs/token {flops_per_token(args) / 1e9:.2f} G")
 
     ours_mfu = measure_ours(args, dtype, ids, position_ids, labels) if not args.skip_ours else float("nan")
+    if args.cuda_graph and not args.skip_ours:
+        time_graphed(args, dtype, ids, position_ids, labels, None, args.microbatches)
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     fp8_mfu = None
     if args.fp8:
         fp8_mfu = measure_ours(args, dtype, ids, position_ids, labels, fp8=tuple(args.fp8.split(":")))
+        if args.cuda_graph:
+            time_graphed(args, dtype, ids, position_ids, labels, tuple(args.fp8.split(":")), args.microbatches)
         label = args.fp8 + wgrad_label(args, fp8_wgrad(args, args.fp8.split(":")[0], False))
         if args.microbatches > 1:
             label += f" (mean micro-batch of {args.microbatches}-micro-batch steps)"
