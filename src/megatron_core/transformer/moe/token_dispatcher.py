@@ -331,4 +331,8 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         else:
             output = unpermute(permutated_local_input_tokens, self.reversed_local_input_permutation_mapping,
                                restore_shape=self.hidden_shape_before_permute)
+        # The step's router probabilities are not kept past the layer: held until the next forward they would keep
+        # the step's autograd graph alive (its nodes, bound to the stream they ran on, which a CUDA graph capture
+        # on another stream cannot wait on).
+        self.probs = None
         return output.view(self.hidden_shape)
