@@ -391,9 +391,8 @@ def time_graphed(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     except Exception as error:  # noqa: BLE001 - reported, the other timings stand
         print(f"{label} full-iteration CUDA graph failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
         return float("nan")
-    mfu = report_flops(f"{label}, full-iteration CUDA graph, {microbatches} micro-batch(es) a step", seconds, args,
-                       flops_per_token(args), width=36)
-    return mfu
+    return report_flops(f"{label}, full-iteration CUDA graph, {microbatches} micro-batch(es) a step", seconds, args,
+                        flops_per_token(args), width=36)
 
 
 def time_microbatches(args: argparse.Namespace, model: torch.nn.Module, label: str,

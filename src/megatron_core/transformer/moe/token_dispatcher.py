@@ -253,7 +253,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Flatten and permute tokens (and probs) by expert."""
         self.hidden_shape = hidden_states.shape
-        self.probs, self.routing_map = probs, routing_map
+        self.routing_map = routing_map  # (the probs are not kept: held, they would keep the step's autograd graph)
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         if self.config.moe_router_padding_for_quantization:
             # Zero-probability routes fill each expert to the FP8 row alignment (Megatron-Core pads here too).
@@ -331,8 +331,4 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         else:
             output = unpermute(permutated_local_input_tokens, self.reversed_local_input_permutation_mapping,
                                restore_shape=self.hidden_shape_before_permute)
-        # The step's router probabilities are not kept past the layer: held until the next forward they would keep
-        # the step's autograd graph alive (its nodes, bound to the stream they ran on, which a CUDA graph capture
-        # on another stream cannot wait on).
-        self.probs = None
         return output.view(self.hidden_shape)
