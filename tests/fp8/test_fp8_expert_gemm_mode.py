@@ -2,8 +2,8 @@
 
 ``per_expert`` runs real ``torch._scaled_mm`` calls (PyTorch has them on CPU, row-wise scales included); the grouped
 kernel is replaced by its fp32 statement (``tests/fp8/test_fp8_scaled_grouped_mm.py``), which also serves the weight
-gradient in both modes. The forward, the data gradient and the weight gradient of ``ScaledGroupedMm`` agree, with an
-expert without rows among the groups, eagerly and compiled; a bad mode is refused naming where it came from.
+gradient in ``grouped`` mode. The forward, the data gradient and the weight gradient of ``ScaledGroupedMm`` agree, with
+an expert without rows among the groups, eagerly and compiled; a bad mode is refused naming where it came from.
 """
 
 from __future__ import annotations
@@ -62,6 +62,31 @@ def test_per_expert_gemm_runs_one_scaled_mm_per_expert_with_rows(reference_kerne
     x, w, _ = _operands(3)
     sgm.ScaledGroupedMm.apply(x, w, torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32))
     assert calls == [(c, x.shape[1]) for c in COUNTS if c]
+
+
+def test_per_expert_backward_reads_the_transposed_codes_in_place(reference_kernel, monkeypatch):
+    """The backward: one data-gradient GEMM per expert with rows, then one weight-gradient GEMM per expert with rows
+    whose operands are column slices of the two transposed code matrices (no packed copies); an expert without
+    rows gets a zero weight gradient."""
+    calls = []
+    real = torch._scaled_mm
+
+    def recording(a, b, *args, **kwargs):
+        calls.append((tuple(a.shape), tuple(b.shape), a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()))
+        return real(a, b, *args, **kwargs)
+
+    expert_gemm_mode.set_fp8_expert_gemm("per_expert")
+    x, w, dy = _operands(3)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    out = sgm.ScaledGroupedMm.apply(x, w, torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32))
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    out.backward(dy)
+    with_rows = [c for c in COUNTS if c]
+    dgrad, wgrad = calls[:len(with_rows)], calls[len(with_rows):]
+    assert [(a, b) for a, b, _, _ in dgrad] == [((c, w.shape[1]), (w.shape[1], w.shape[2])) for c in with_rows]
+    assert [(a, b) for a, b, _, _ in wgrad] == [((w.shape[1], c), (c, w.shape[2])) for c in with_rows]
+    assert len({a for _, _, a, _ in wgrad}) == 1 and len({b for _, _, _, b in wgrad}) == 1  # one storage each
+    assert torch.all(w.grad[COUNTS.index(0)] == 0) and w.grad.abs().sum() > 0
 
 
 def test_per_expert_gemm_refuses_a_cuda_graph_capture_by_name(reference_kernel, monkeypatch):

@@ -1,12 +1,20 @@
-"""How the FP8 experts' forward and data-gradient GEMMs run on Hopper: one grouped GEMM, or one GEMM per expert.
+"""How the FP8 experts' GEMMs run on Hopper: one grouped GEMM each, or one GEMM per expert.
 
 ``grouped`` (the default): ``torch._scaled_grouped_mm`` over all experts, the group offsets on the device (no host
-sync). ``per_expert``: one ``torch._scaled_mm`` per expert with rows, inside one opaque op
-(``megatron_core::fp8_per_expert_mm``) that reads the group ends back to the host (one sync per GEMM) and writes
-each expert's rows into one output; on an H100 at Mixtral 8x7B's expert shapes these GEMMs took 0-17% less time
-than the grouped kernel in isolation (``benchmarks/RESULTS.md``, session 46). Both take the same e4m3 codes and
-row-wise scales, so they compute the same products. The weight-gradient GEMM stays grouped in both modes (its
-per-expert operands are column slices of the transposed codes, not packed matrices).
+sync). ``per_expert``: one ``torch._scaled_mm`` per expert with rows, inside opaque ops that read the group ends back
+to the host (one sync per GEMM) and write every expert's result into one output:
+
+- ``megatron_core::fp8_per_expert_mm`` for the forward and the data gradient (each expert's rows of ``a``);
+- ``megatron_core::fp8_per_expert_wgrad_mm`` for the weight gradient, whose contraction is each expert's rows: its
+  operands are column slices of the transposed codes (``[out, M]`` and ``[in, M]``, row-major), which cuBLASLt reads
+  in place (the leading dimension ``M`` and every slice start are multiples of 16), so nothing is packed. (An FP8
+  parameter whose weight gradient is accumulated into ``main_grad`` inside the GEMM, ``ACCUMULATE_WGRAD_IN_GEMM``,
+  keeps that grouped kernel.)
+
+On an H100 at Mixtral 8x7B's expert shapes the forward and data-gradient GEMMs took 0-17% less time than the grouped
+kernel in isolation (``benchmarks/RESULTS.md``, session 46); the grouped weight-gradient GEMM, whose groups split the
+contraction, ran at about 700 TFLOP/s in a training step (session 47). Both modes take the same e4m3 codes and
+row-wise scales, so they compute the same products.
 
 Chosen with ``set_fp8_expert_gemm("per_expert")`` or the environment variable ``MEGATRON_CORE_FP8_EXPERT_GEMM``
 (read at import; an unknown value raises, naming it, on first use). Not yet measured in a training step on a GPU: the
@@ -21,7 +29,8 @@ import torch
 
 from megatron_core import device
 
-__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "fp8_expert_gemm", "per_expert_mm", "set_fp8_expert_gemm"]
+__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "fp8_expert_gemm", "per_expert_mm", "per_expert_wgrad_mm",
+           "set_fp8_expert_gemm"]
 
 EXPERT_GEMM_ENV = "MEGATRON_CORE_FP8_EXPERT_GEMM"
 EXPERT_GEMM_MODES = ("grouped", "per_expert")
@@ -38,7 +47,7 @@ def _checked(mode: str, source: str) -> str:
 
 
 def set_fp8_expert_gemm(mode: str) -> None:
-    """Run the FP8 experts' forward and data-gradient GEMMs as ``grouped`` or ``per_expert`` (module docstring)."""
+    """Run the FP8 experts' GEMMs as ``grouped`` or ``per_expert`` (module docstring)."""
     global _mode
     _mode = _checked(mode, "set_fp8_expert_gemm: mode")
 
@@ -52,6 +61,12 @@ def fp8_expert_gemm() -> str:
     return _mode
 
 
+def _refuse_capture(op: str, tensor: torch.Tensor) -> None:
+    if device.is_capturing(tensor):
+        raise RuntimeError(f"{op}: the per_expert FP8 experts' GEMMs read the group ends to the host, which a CUDA "
+                           "graph capture cannot do; use set_fp8_expert_gemm('grouped') with CUDA graphs")
+
+
 @torch.library.custom_op("megatron_core::fp8_per_expert_mm", mutates_args=())
 def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -61,9 +76,7 @@ def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     each ``b[e]`` column-major, with ``b_scale [E, N]`` (one per column of each expert); ``ends [E]`` the groups'
     end rows (the last ``M``), read to the host here. Returns ``[M, N]`` in ``out_dtype``.
     """
-    if device.is_capturing(a):
-        raise RuntimeError("fp8_per_expert_mm: the per_expert FP8 experts' GEMMs read the group ends to the host, "
-                           "which a CUDA graph capture cannot do; use set_fp8_expert_gemm('grouped') with CUDA graphs")
+    _refuse_capture("fp8_per_expert_mm", a)
     out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
     start = 0
     for expert, end in enumerate(ends.tolist()):
@@ -78,3 +91,34 @@ def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
 def _(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, ends: torch.Tensor,
       out_dtype: torch.dtype) -> torch.Tensor:
     return a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
+
+
+@torch.library.custom_op("megatron_core::fp8_per_expert_wgrad_mm", mutates_args=())
+def per_expert_wgrad_mm(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor,
+                        ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``stack_e(a_e.T @ b_e)`` (the weight gradient ``dW_e = dy_e.T @ x_e``) with one ``torch._scaled_mm`` per expert.
+
+    ``a_t [P, M]`` and ``b_t [Q, M]``: e4m3 codes of ``a = dy`` and ``b = x`` transposed (row-major), each expert's
+    rows of ``a`` and ``b`` a range of their columns; ``a_scale [E * P]`` and ``b_scale [E * Q]``: the dequantizing
+    scales, one per column of ``a`` / ``b`` within each expert's rows (expert-major); ``ends [E]`` the experts' end
+    rows, read to the host here. Returns ``[E, P, Q]`` in ``out_dtype``; an expert without rows gets zeros.
+    """
+    _refuse_capture("fp8_per_expert_wgrad_mm", a_t)
+    experts = ends.numel()
+    out = a_t.new_empty(experts, a_t.shape[0], b_t.shape[0], dtype=out_dtype)
+    a_scale, b_scale = a_scale.view(experts, a_t.shape[0]), b_scale.view(experts, b_t.shape[0])
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
+            torch._scaled_mm(a_t[:, start:end], b_t[:, start:end].t(), a_scale[expert][:, None],
+                             b_scale[expert][None, :], out_dtype=out_dtype, use_fast_accum=True, out=out[expert])
+        else:
+            out[expert].zero_()
+        start = end
+    return out
+
+
+@per_expert_wgrad_mm.register_fake
+def _(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, ends: torch.Tensor,
+      out_dtype: torch.dtype) -> torch.Tensor:
+    return a_t.new_empty(ends.shape[0], a_t.shape[0], b_t.shape[0], dtype=out_dtype)

@@ -30,7 +30,7 @@ from megatron_core.fp8.cast_kernels import (
     rowwise_cast,
     transpose_codes,
 )
-from megatron_core.fp8.expert_gemm_mode import fp8_expert_gemm, per_expert_mm
+from megatron_core.fp8.expert_gemm_mode import fp8_expert_gemm, per_expert_mm, per_expert_wgrad_mm
 
 __all__ = ["ROW_ALIGN", "ScaledGroupedMm", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported",
            "transposed_weight_codes"]
@@ -145,8 +145,11 @@ def wgrad_operands(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor
 
 
 def wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """``dW_e = dy_e.T @ x_e`` (``[E, out, in]`` in ``x``'s dtype) from :func:`wgrad_operands`."""
+    """``dW_e = dy_e.T @ x_e`` (``[E, out, in]`` in ``x``'s dtype) from :func:`wgrad_operands`, as one grouped GEMM
+    or one GEMM per expert (:mod:`megatron_core.fp8.expert_gemm_mode`)."""
     dyt_codes, xt_codes, dyt_scale, xt_scale = wgrad_operands(grad, x, ends)
+    if fp8_expert_gemm() == "per_expert":
+        return per_expert_wgrad_mm(dyt_codes, dyt_scale, xt_codes, xt_scale, ends, x.dtype)
     return _KERNEL(dyt_codes, xt_codes.t(), dyt_scale, xt_scale, offs=ends, out_dtype=x.dtype, use_fast_accum=True)
 
 
