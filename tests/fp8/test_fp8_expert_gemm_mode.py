@@ -89,6 +89,34 @@ def test_per_expert_backward_reads_the_transposed_codes_in_place(reference_kerne
     assert torch.all(w.grad[COUNTS.index(0)] == 0) and w.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("fp8_param", [False, True], ids=["bf16-weight", "fp8-param"])
+def test_per_expert_gemms_read_the_group_ends_once_per_layer(reference_kernel, monkeypatch, fp8_param):
+    """One device-to-host read of the group ends per grouped layer and micro-batch: the forward makes the host copy
+    and the forward, data-gradient and weight-gradient GEMMs all take it (not the device ends)."""
+    from megatron_core.distributed.fp8_params import make_fp8_param
+    from megatron_core.fp8 import fp8_param_grouped as fpg
+
+    copies, seen = [], []
+    real_copy = expert_gemm_mode.group_ends_to_host
+    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host", lambda ends: copies.append(real_copy(ends)) or copies[-1])
+    for name in ("per_expert_mm", "per_expert_wgrad_mm"):
+        real_op = getattr(sgm, name)
+        monkeypatch.setattr(sgm, name, lambda *args, _op=real_op: seen.append(args[4]) or _op(*args))
+    expert_gemm_mode.set_fp8_expert_gemm("per_expert")
+    x, w, dy = _operands(3)
+    ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    x = x.requires_grad_()
+    if fp8_param:
+        w = make_fp8_param(torch.nn.Parameter(w), scaling="rowwise")
+        w.main_grad, w.grad_added_to_main_grad = torch.zeros(w.shape), False
+        out = fpg.ScaledGroupedMmFp8Param.apply(x, w, ends, w.fp8_scale, w.main_grad, "empty")
+    else:
+        out = sgm.ScaledGroupedMm.apply(x, w.requires_grad_(), ends)
+    out.backward(dy)
+    assert len(copies) == 1 and copies[0] is not ends and torch.equal(copies[0], ends)
+    assert len(seen) == 3 and all(arg is copies[0] for arg in seen)  # forward, data gradient, weight gradient
+
+
 def test_per_expert_gemm_refuses_a_cuda_graph_capture_by_name(reference_kernel, monkeypatch):
     monkeypatch.setattr(expert_gemm_mode.device, "is_capturing", lambda t: True)
     expert_gemm_mode.set_fp8_expert_gemm("per_expert")

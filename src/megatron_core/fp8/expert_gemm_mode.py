@@ -11,6 +11,9 @@ to the host (one sync per GEMM) and write every expert's result into one output:
   parameter whose weight gradient is accumulated into ``main_grad`` inside the GEMM, ``ACCUMULATE_WGRAD_IN_GEMM``,
   keeps that grouped kernel.)
 
+The ends are read once per grouped layer and micro-batch (:func:`per_expert_host_ends`, in the forward), and that host
+copy serves the layer's forward, data-gradient and weight-gradient GEMMs.
+
 On an H100 at Mixtral 8x7B's expert shapes the forward and data-gradient GEMMs took 0-17% less time than the grouped
 kernel in isolation (``benchmarks/RESULTS.md``, session 46); the grouped weight-gradient GEMM, whose groups split the
 contraction, ran at about 700 TFLOP/s in a training step (session 47). Both modes take the same e4m3 codes and
@@ -29,8 +32,8 @@ import torch
 
 from megatron_core import device
 
-__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "fp8_expert_gemm", "per_expert_mm", "per_expert_wgrad_mm",
-           "set_fp8_expert_gemm"]
+__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "fp8_expert_gemm", "group_ends_to_host", "per_expert_host_ends",
+           "per_expert_mm", "per_expert_wgrad_mm", "set_fp8_expert_gemm"]
 
 EXPERT_GEMM_ENV = "MEGATRON_CORE_FP8_EXPERT_GEMM"
 EXPERT_GEMM_MODES = ("grouped", "per_expert")
@@ -67,6 +70,25 @@ def _refuse_capture(op: str, tensor: torch.Tensor) -> None:
                            "graph capture cannot do; use set_fp8_expert_gemm('grouped') with CUDA graphs")
 
 
+@torch.library.custom_op("megatron_core::fp8_group_ends_to_host", mutates_args=())
+def group_ends_to_host(ends: torch.Tensor) -> torch.Tensor:
+    """A host (CPU) copy of the groups' end offsets ``ends`` (one device-to-host read; refused inside a CUDA graph
+    capture, naming the mode)."""
+    _refuse_capture("fp8_group_ends_to_host", ends)
+    return ends.to("cpu", copy=True)
+
+
+@group_ends_to_host.register_fake
+def _(ends: torch.Tensor) -> torch.Tensor:
+    return torch.empty(ends.shape, dtype=ends.dtype, device="cpu")
+
+
+def per_expert_host_ends(ends: torch.Tensor) -> torch.Tensor | None:
+    """In ``per_expert`` mode the host copy of ``ends`` that a grouped layer's per-expert GEMMs share (forward and
+    backward); ``None`` in ``grouped`` mode."""
+    return group_ends_to_host(ends) if fp8_expert_gemm() == "per_expert" else None
+
+
 @torch.library.custom_op("megatron_core::fp8_per_expert_mm", mutates_args=())
 def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -74,7 +96,7 @@ def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
 
     ``a [M, K]`` e4m3 row-major with dequantizing scales ``a_scale [M]`` (one per row); ``b [E, K, N]`` e4m3,
     each ``b[e]`` column-major, with ``b_scale [E, N]`` (one per column of each expert); ``ends [E]`` the groups'
-    end rows (the last ``M``), read to the host here. Returns ``[M, N]`` in ``out_dtype``.
+    end rows (the last ``M``), read to the host here unless already there. Returns ``[M, N]`` in ``out_dtype``.
     """
     _refuse_capture("fp8_per_expert_mm", a)
     out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
@@ -101,7 +123,7 @@ def per_expert_wgrad_mm(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Ten
     ``a_t [P, M]`` and ``b_t [Q, M]``: e4m3 codes of ``a = dy`` and ``b = x`` transposed (row-major), each expert's
     rows of ``a`` and ``b`` a range of their columns; ``a_scale [E * P]`` and ``b_scale [E * Q]``: the dequantizing
     scales, one per column of ``a`` / ``b`` within each expert's rows (expert-major); ``ends [E]`` the experts' end
-    rows, read to the host here. Returns ``[E, P, Q]`` in ``out_dtype``; an expert without rows gets zeros.
+    rows, read to the host here unless already there. Returns ``[E, P, Q]`` in ``out_dtype``; an expert without rows gets zeros.
     """
     _refuse_capture("fp8_per_expert_wgrad_mm", a_t)
     experts = ends.numel()

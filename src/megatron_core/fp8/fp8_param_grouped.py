@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends
 from megatron_core.fp8.fp8_param_linear import _placeholder, _placeholder_kind
 from megatron_core.fp8.grouped_gemm import (
     device_ends,
@@ -151,18 +152,19 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
         w_dequant = w_scale.detach().reciprocal().view(weight.shape[:-1])
         _save_main_grad(ctx, weight, main_grad, placeholder)
         ctx.fp8_wgrad = fp8_wgrad
-        ctx.save_for_backward(x, weight, w_dequant, ends, w_codes_t)
-        return forward_gemm(x, weight.detach(), w_dequant, ends)
+        host_ends = per_expert_host_ends(ends)  # per_expert mode: read once, for the forward and the backward
+        ctx.save_for_backward(x, weight, w_dequant, ends, w_codes_t, host_ends)
+        return forward_gemm(x, weight.detach(), w_dequant, ends, host_ends)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         """``dx`` from the stored codes, ``dW`` into ``main_grad``; both GEMMs in FP8 (``dW`` in bf16 without
         ``fp8_wgrad``)."""
-        x, weight, w_dequant, ends, w_codes_t = ctx.saved_tensors
+        x, weight, w_dequant, ends, w_codes_t, host_ends = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = dgrad_gemm(grad, weight.detach(), w_dequant, ends, x.dtype, w_codes_t)
+            grad_x = dgrad_gemm(grad, weight.detach(), w_dequant, ends, x.dtype, w_codes_t, host_ends)
         if ctx.needs_input_grad[1]:
             main_grad = ctx.main_grad
             if not ctx.fp8_wgrad:
@@ -172,7 +174,7 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
                 grouped_wgrad_accumulate_(main_grad, *wgrad_operands(grad, x, ends), ends)
                 grad_w = _weight_grad_after_main_grad(weight, ctx.placeholder)
             else:
-                grad_w = _accumulate(weight, main_grad, wgrad_gemm(grad, x, ends), ctx.placeholder)
+                grad_w = _accumulate(weight, main_grad, wgrad_gemm(grad, x, ends, host_ends), ctx.placeholder)
         return grad_x, grad_w, None, None, None, None, None, None
 
 

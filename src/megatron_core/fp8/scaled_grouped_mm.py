@@ -30,7 +30,12 @@ from megatron_core.fp8.cast_kernels import (
     rowwise_cast,
     transpose_codes,
 )
-from megatron_core.fp8.expert_gemm_mode import fp8_expert_gemm, per_expert_mm, per_expert_wgrad_mm
+from megatron_core.fp8.expert_gemm_mode import (
+    fp8_expert_gemm,
+    per_expert_host_ends,
+    per_expert_mm,
+    per_expert_wgrad_mm,
+)
 
 __all__ = ["ROW_ALIGN", "ScaledGroupedMm", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported",
            "transposed_weight_codes"]
@@ -81,11 +86,12 @@ def _group_columnwise_transposed(t: torch.Tensor, ends: torch.Tensor) -> tuple[t
 
 
 def _expert_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, ends: torch.Tensor,
-                 out_dtype: torch.dtype) -> torch.Tensor:
+                 out_dtype: torch.dtype, host_ends: torch.Tensor | None = None) -> torch.Tensor:
     """``cat_e(a_e @ b[e])`` (``a [M, K]`` row-wise scaled, ``b [E, K, N]`` column-major per expert) as the mode says
-    (:mod:`megatron_core.fp8.expert_gemm_mode`): one grouped GEMM, or one GEMM per expert."""
+    (:mod:`megatron_core.fp8.expert_gemm_mode`): one grouped GEMM, or one GEMM per expert (sized by ``host_ends``,
+    the host copy of ``ends``, where given)."""
     if fp8_expert_gemm() == "per_expert":
-        return per_expert_mm(a, a_scale, b, b_scale, ends, out_dtype)
+        return per_expert_mm(a, a_scale, b, b_scale, ends if host_ends is None else host_ends, out_dtype)
     return _KERNEL(a, b, a_scale, b_scale, offs=ends, out_dtype=out_dtype, use_fast_accum=True)
 
 
@@ -98,14 +104,15 @@ def quantize_weight_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return _rowwise(weight)
 
 
-def forward_gemm(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def forward_gemm(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, ends: torch.Tensor,
+                 host_ends: torch.Tensor | None = None) -> torch.Tensor:
     """``cat_e(x_e @ W_e.T)``: ``x`` cast with one scale per row, against the given weight codes ``[E, out, in]`` and
-    dequantizing scales ``[E, out]``."""
+    dequantizing scales ``[E, out]`` (``host_ends``: see :func:`_expert_gemm`)."""
     if fp8_cast_kernels_available(x):
         x_codes, x_scale = rowwise_cast(x)
     else:
         x_codes, x_scale = _rowwise(x)
-    return _expert_gemm(x_codes, w_codes.transpose(-2, -1), x_scale, w_scale, ends, x.dtype)
+    return _expert_gemm(x_codes, w_codes.transpose(-2, -1), x_scale, w_scale, ends, x.dtype, host_ends)
 
 
 def transposed_weight_codes(w_codes: torch.Tensor) -> torch.Tensor:
@@ -116,9 +123,11 @@ def transposed_weight_codes(w_codes: torch.Tensor) -> torch.Tensor:
 
 
 def dgrad_gemm(grad: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, ends: torch.Tensor,
-               out_dtype: torch.dtype, w_codes_t: torch.Tensor | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype, w_codes_t: torch.Tensor | None = None,
+               host_ends: torch.Tensor | None = None) -> torch.Tensor:
     """``dx = cat_e(dy_e @ W_e)`` from the forward's weight codes (transposed here unless ``w_codes_t``, their
-    transpose cached across micro-batches, is given), their scales folded into ``dy`` before its row-wise cast."""
+    transpose cached across micro-batches, is given), their scales folded into ``dy`` before its row-wise cast
+    (``host_ends``: see :func:`_expert_gemm`)."""
     row_groups = _group_of_rows(ends, grad.shape[0], 1)
     if fp8_cast_kernels_available(grad):
         dy_codes, dy_scale = rowwise_cast(grad, w_scale, row_groups)
@@ -127,7 +136,7 @@ def dgrad_gemm(grad: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
     unit = w_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
     if w_codes_t is None:
         w_codes_t = transposed_weight_codes(w_codes)
-    return _expert_gemm(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, unit, ends, out_dtype)
+    return _expert_gemm(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, unit, ends, out_dtype, host_ends)
 
 
 def wgrad_operands(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor
@@ -144,12 +153,14 @@ def wgrad_operands(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor
     return dyt_codes, xt_codes, dyt_scale, xt_scale
 
 
-def wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
+               host_ends: torch.Tensor | None = None) -> torch.Tensor:
     """``dW_e = dy_e.T @ x_e`` (``[E, out, in]`` in ``x``'s dtype) from :func:`wgrad_operands`, as one grouped GEMM
-    or one GEMM per expert (:mod:`megatron_core.fp8.expert_gemm_mode`)."""
+    or one GEMM per expert (:mod:`megatron_core.fp8.expert_gemm_mode`; ``host_ends``: see :func:`_expert_gemm`)."""
     dyt_codes, xt_codes, dyt_scale, xt_scale = wgrad_operands(grad, x, ends)
     if fp8_expert_gemm() == "per_expert":
-        return per_expert_wgrad_mm(dyt_codes, dyt_scale, xt_codes, xt_scale, ends, x.dtype)
+        return per_expert_wgrad_mm(dyt_codes, dyt_scale, xt_codes, xt_scale, ends if host_ends is None else host_ends,
+                                   x.dtype)
     return _KERNEL(dyt_codes, xt_codes.t(), dyt_scale, xt_scale, offs=ends, out_dtype=x.dtype, use_fast_accum=True)
 
 
@@ -181,20 +192,21 @@ class ScaledGroupedMm(torch.autograd.Function):
         """The forward GEMM: rows of ``x`` and each expert's output features scaled separately."""
         if w_codes is None:
             w_codes, w_scale = quantize_weight_rowwise(weight)
-        ctx.save_for_backward(x, w_codes, w_scale, ends, w_codes_t)
+        host_ends = per_expert_host_ends(ends)  # per_expert mode: read once, for the forward and the backward
+        ctx.save_for_backward(x, w_codes, w_scale, ends, w_codes_t, host_ends)
         ctx.weight_dtype, ctx.fp8_wgrad = weight.dtype, fp8_wgrad
-        return forward_gemm(x, w_codes, w_scale, ends)
+        return forward_gemm(x, w_codes, w_scale, ends, host_ends)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         """``dx = dy_e @ W_e`` (the forward's weight codes, their scales folded into ``dy``) and
         ``dW_e = dy_e.T @ x_e``, both in FP8 unless ``fp8_wgrad=False``."""
-        x, w_codes, w_scale, ends, w_codes_t = ctx.saved_tensors
+        x, w_codes, w_scale, ends, w_codes_t, host_ends = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = dgrad_gemm(grad, w_codes, w_scale, ends, x.dtype, w_codes_t)
+            grad_x = dgrad_gemm(grad, w_codes, w_scale, ends, x.dtype, w_codes_t, host_ends)
         if ctx.needs_input_grad[1]:
-            wgrad = wgrad_gemm if ctx.fp8_wgrad else hp_wgrad_gemm
-            grad_w = wgrad(grad, x, ends).to(ctx.weight_dtype)
+            grad_w = (wgrad_gemm(grad, x, ends, host_ends) if ctx.fp8_wgrad
+                      else hp_wgrad_gemm(grad, x, ends)).to(ctx.weight_dtype)
         return grad_x, grad_w, None, None, None, None, None
