@@ -1,8 +1,8 @@
 """How the FP8 experts' GEMMs run on Hopper: one grouped GEMM each, or one GEMM per expert.
 
 ``grouped`` (the default): ``torch._scaled_grouped_mm`` over all experts, the group offsets on the device (no host
-sync). ``per_expert``: one ``torch._scaled_mm`` per expert with rows, inside opaque ops that read the group ends back
-to the host (one sync per GEMM) and write every expert's result into one output:
+sync). ``per_expert``: one ``torch._scaled_mm`` per expert with rows, inside opaque ops that size each expert's GEMM
+from the group ends on the host and write every expert's result into one output:
 
 - ``megatron_core::fp8_per_expert_mm`` for the forward and the data gradient (each expert's rows of ``a``);
 - ``megatron_core::fp8_per_expert_wgrad_mm`` for the weight gradient, whose contraction is each expert's rows: its
@@ -123,7 +123,8 @@ def per_expert_wgrad_mm(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Ten
     ``a_t [P, M]`` and ``b_t [Q, M]``: e4m3 codes of ``a = dy`` and ``b = x`` transposed (row-major), each expert's
     rows of ``a`` and ``b`` a range of their columns; ``a_scale [E * P]`` and ``b_scale [E * Q]``: the dequantizing
     scales, one per column of ``a`` / ``b`` within each expert's rows (expert-major); ``ends [E]`` the experts' end
-    rows, read to the host here unless already there. Returns ``[E, P, Q]`` in ``out_dtype``; an expert without rows gets zeros.
+    rows, read to the host here unless already there. Returns ``[E, P, Q]`` in ``out_dtype``; an expert without
+    rows gets zeros.
     """
     _refuse_capture("fp8_per_expert_wgrad_mm", a_t)
     experts = ends.numel()
