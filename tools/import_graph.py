@@ -70,7 +70,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
      "model families, optimizers, data and tokenizers"),
     ("training", ("training", "training_metrics", "fault_injector", "safe_globals"),
      "the training loop's own state: run checkpoints, RNG state, architecture records, get_model"),
-    ("applications", ("inference", "resharding", "post_training"),
+    ("applications", ("inference", "inference_params", "resharding", "post_training"),
      "inference engines and servers, weight resharding, post-training quantization for deployment (it quantizes "
      "the engine's KV cache)"),
     ("facades", ("utils", PACKAGE),

@@ -1,8 +1,11 @@
 """List the public names Megatron-Core defines that ``megatron_core`` lacks, module by module.
 
 Every ``megatron/core/**.py`` file at tag ``core_v0.19.0`` of a local Megatron-LM clone is parsed
-(``git show``, no checkout); its top-level ``def``, ``class`` and assigned names that do not start
-with ``_`` are the module's public names. Each is then resolved for real in ``megatron_core``:
+(``git show``, no checkout); its public names are those that do not start with ``_`` among: its
+top-level ``def``, ``class`` and assigned names; the strings of its ``__all__``; and, in a package's
+``__init__.py`` or a module that only imports (an alias module such as ``inference_params``), the
+names it imports from Megatron's own modules (re-exports users import from there). Each is then
+resolved for real in ``megatron_core``:
 import the same module path, ``getattr`` the name. A module that does not exist here counts all
 of its names as missing. Nothing is exempt; ``--skip PATTERN`` only hides matching modules from
 the listing, and the summary always reports the whole count beside what the listing shows.
@@ -47,16 +50,49 @@ def _git(repo: str, *args: str) -> str:
     ).stdout
 
 
-def public_names(source: str) -> list[str]:
-    """Top-level ``def`` / ``class`` / assigned names of a module that do not start with ``_``."""
+def _all_entries(node: ast.AST) -> list[str]:
+    """The strings of an ``__all__ = [...]`` (or tuple) assignment; none for anything else."""
+    if not (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)):
+        return []
+    if not isinstance(node.value, (ast.List, ast.Tuple)):
+        return []
+    return [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+
+
+def _megatron_imports(body: list[ast.stmt]) -> list[str]:
+    """Names a module body imports from Megatron's own modules (relative, or absolute ``megatron.*``), also inside
+    top-level ``try`` / ``if`` blocks."""
     names: list[str] = []
-    for node in ast.parse(source).body:
+    for node in body:
+        if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("megatron")):
+            names.extend(a.asname or a.name for a in node.names if a.name != "*")
+        elif isinstance(node, ast.Try):
+            names.extend(_megatron_imports(node.body))
+        elif isinstance(node, ast.If):
+            names.extend(_megatron_imports(node.body))
+    return names
+
+
+def public_names(source: str, package_init: bool = False) -> list[str]:
+    """A module's public names (see the module docstring): top-level ``def`` / ``class`` / assigned names,
+    ``__all__``'s strings and, for a package ``__init__`` or a module that only imports, its imports from
+    Megatron's own modules; those starting with ``_`` left out."""
+    body = ast.parse(source).body
+    names: list[str] = []
+    defines = False
+    for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.append(node.name)
+            defines = True
         elif isinstance(node, ast.Assign):
             names.extend(t.id for t in node.targets if isinstance(t, ast.Name))
+            names.extend(_all_entries(node))
+            defines = defines or not _all_entries(node)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.append(node.target.id)
+            defines = True
+    if package_init or not defines:
+        names.extend(_megatron_imports(body))
     return sorted({n for n in names if not n.startswith("_")})
 
 
@@ -66,7 +102,7 @@ def scan(repo: str, tag: str = TAG) -> list[ModuleGap]:
     gaps: list[ModuleGap] = []
     for path in sorted(f for f in files if f.endswith(".py")):
         try:
-            names = public_names(_git(repo, "show", f"{tag}:{path}"))
+            names = public_names(_git(repo, "show", f"{tag}:{path}"), path.endswith("/__init__.py"))
         except SyntaxError:
             continue
         if not names:

@@ -10,7 +10,20 @@ import importlib
 from typing import Any
 
 from megatron_core import parallel_state, safe_globals
-from megatron_core.package_info import __version__
+from megatron_core.package_info import (
+    __contact_emails__,
+    __contact_names__,
+    __description__,
+    __download_url__,
+    __homepage__,
+    __keywords__,
+    __license__,
+    __package_name__,
+    __repository_url__,
+    __shortversion__,
+    __version__,
+)
+from megatron_core.safe_globals import register_safe_globals, safe_load_from_bytes
 
 # As Megatron-Core does at import: torch.load(weights_only=True) may rebuild what Megatron checkpoints hold.
 safe_globals.register_light_safe_globals()
@@ -39,6 +52,8 @@ _LAZY_NAMES = {
     "DistributedDataParallel": ("megatron_core.distributed", "DistributedDataParallel"),
     "ModelParallelConfig": ("megatron_core.model_parallel_config", "ModelParallelConfig"),
     "Timers": ("megatron_core.timers", "Timers"),
+    "InferenceParams": ("megatron_core.inference_params", "InferenceParams"),
+    "is_torch_min_version": ("megatron_core.utils", "is_torch_min_version"),
 }
 
 
@@ -51,4 +66,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'megatron_core' has no attribute '{name}'")
 
 
-__all__ = ["__version__", "mpu", "parallel_state", "safe_globals", *_SUBMODULES, *_LAZY_NAMES]
+__all__ = ["__contact_emails__", "__contact_names__", "__description__", "__download_url__", "__homepage__",
+           "__keywords__", "__license__", "__package_name__", "__repository_url__", "__shortversion__", "__version__",
+           "mpu", "parallel_state", "register_safe_globals", "safe_globals", "safe_load_from_bytes", *_SUBMODULES,
+           *_LAZY_NAMES]

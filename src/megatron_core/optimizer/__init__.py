@@ -47,6 +47,7 @@ from megatron_core.optimizer.optimizer import (
     FP32Optimizer,
     MegatronOptimizer,
     MixedPrecisionOptimizer,
+    param_group_identifier_keys,
 )
 from megatron_core.optimizer.optimizer_config import EMERGING_OPTIMIZER_NAMES as _EMERGING_OPTIMIZER_NAMES
 from megatron_core.optimizer.optimizer_config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig
@@ -59,8 +60,13 @@ from megatron_core.optimizer.param_groups import (
 )
 from megatron_core.optimizer.param_keys import ParamKey, ParamPredicate, ParamWithNamePredicate
 from megatron_core.optimizer.precision_aware_adam import PrecisionAwareAdam
-from megatron_core.optimizer_param_scheduler import ParamGroupOverride, combine_param_group_overrides
+from megatron_core.optimizer_param_scheduler import (
+    ParamGroupOverride,
+    combine_param_group_overrides,
+    param_group_override_to_tuple,
+)
 from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.transformer.fsdp_dtensor_checkpoint import get_global_unique_param_name
 
 __all__ = [
     "HAVE_EMERGING_OPTIMIZERS",
@@ -92,6 +98,10 @@ __all__ = [
     "get_param_groups",
     "get_standard_config_overrides",
     "is_managed_by_layer_wise_optimizer",
+    # re-exported as in Megatron-Core's optimizer package
+    "get_global_unique_param_name",
+    "param_group_identifier_keys",
+    "param_group_override_to_tuple",
 ]
 
 

@@ -43,9 +43,11 @@ from megatron_core.tensor_parallel.random import (
     CheckpointWithoutOutput,
     CudaRNGStatesTracker,
     checkpoint,
+    convert_cuda_rng_state,
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
+    is_graph_safe_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
 from megatron_core.tensor_parallel.utils import (
@@ -92,9 +94,11 @@ __all__ = [
     "CheckpointWithoutOutput",
     "CudaRNGStatesTracker",
     "checkpoint",
+    "convert_cuda_rng_state",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
+    "is_graph_safe_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
     # utils.py
     "VocabUtility",

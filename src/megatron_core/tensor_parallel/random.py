@@ -76,6 +76,13 @@ def convert_cuda_rng_state(state: torch.Tensor | torch.Generator,
     return generator
 
 
+def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker: object) -> bool:
+    """Whether ``cuda_rng_tracker`` keeps its states in the graph-safe form (``torch.Generator`` objects, its
+    ``use_cudagraphable_rng``), as Megatron-Core asks before saving or restoring them with
+    :func:`convert_cuda_rng_state`. (Megatron-Core also counts Transformer Engine's tracker, which is not used here.)"""
+    return bool(getattr(cuda_rng_tracker, "use_cudagraphable_rng", False))
+
+
 def _seeded_state(seed: int) -> torch.Tensor:
     """The state a default generator of the compute device would have after ``manual_seed(seed)``."""
     generator = torch.Generator(device=device.get_current_device())
@@ -88,7 +95,7 @@ class CudaRNGStatesTracker:
 
     Adding the same name or the same seed twice raises, as in Megatron-Core. With ``use_cudagraphable_rng``
     the states are handed out and taken as ``torch.Generator`` objects (Megatron-Core's graph-safe form; see
-    :func:`convert_cuda_rng_state`); this library captures no CUDA graphs, so forking works the same either way.
+    :func:`convert_cuda_rng_state`); forking works the same either way (:func:`is_graph_safe_cuda_rng_tracker`).
     """
 
     def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
