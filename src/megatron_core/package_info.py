@@ -15,7 +15,7 @@ __description__ = "Megatron-Core's building blocks, installable with pip and run
 __license__ = "Apache-2.0"
 __shortversion__ = f"{MAJOR}.{MINOR}.{PATCH}"
 """The version without its pre-release tag."""
-__contact_names__ = "megatron_core developers"
+__contact_names__ = "megatron-core-lite maintainers"
 __contact_emails__ = ""
 __homepage__ = ""
 __repository_url__ = ""
