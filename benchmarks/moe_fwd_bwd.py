@@ -359,11 +359,9 @@ def time_graphed(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     tensor_parallel.model_parallel_cuda_manual_seed(1234)  # the tracker, as initialize_model_parallel left it
     torch._dynamo.reset()
     # The wrapper keeps its graphs and static buffers per process (as Megatron-Core's): each model starts afresh.
-    FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
-    FullCudaGraphWrapper.curr_iteration = {"training": 0, "validation": 0}
-    FullCudaGraphWrapper.result = {"training": None, "validation": None}
+    schedule = FullCudaGraphWrapper(forward_backward_no_pipelining, cuda_graph_warmup_steps=2)
+    schedule.reset_cuda_graph()
     StaticBufferLoader.static_buffers = {"training": [], "validation": []}
-    gc.collect()
     torch.cuda.empty_cache()
     label = "megatron_core" + ("" if fp8 is None else f" fp8 {fp8[0]}:{fp8[1]}")
     try:
@@ -371,7 +369,6 @@ def time_graphed(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     except ValueError as error:  # e.g. fp32 experts (--tiny): their counts are read on the host
         print(f"{label} full-iteration CUDA graph refused: {error}", flush=True)
         return float("nan")
-    schedule = FullCudaGraphWrapper(forward_backward_no_pipelining, cuda_graph_warmup_steps=2)
 
     def forward_step(data_iterator, model):  # noqa: ANN001, ANN202 - the schedule's protocol
         data = next(data_iterator)
@@ -474,6 +471,11 @@ def measure_fp8_param(args: argparse.Namespace, dtype: torch.dtype, ids: torch.T
               f"{hp_fb / in_fb:.3f}x the FP8 step with high-precision weights", flush=True)
 
 
+def ratio(mfu: float, baseline_mfu: float) -> float:
+    """``mfu / baseline_mfu`` (how many times faster), NaN without a baseline."""
+    return mfu / baseline_mfu if baseline_mfu else float("nan")
+
+
 def main() -> None:
     args = parse_args()
     if args.grouped_gemm_backend is not None:
@@ -500,14 +502,14 @@ def main() -> None:
         torch.cuda.empty_cache()
     fp8_mfu = None
     if args.fp8:
-        fp8_mfu = measure_ours(args, dtype, ids, position_ids, labels, fp8=tuple(args.fp8.split(":")))
+        fp8 = tuple(args.fp8.split(":"))
+        fp8_mfu = measure_ours(args, dtype, ids, position_ids, labels, fp8=fp8)
         if args.cuda_graph:
-            graphed_mfu[f"fp8 {args.fp8}"] = time_graphed(args, dtype, ids, position_ids, labels,
-                                                          tuple(args.fp8.split(":")), args.microbatches)
-            graphed_ratio = graphed_mfu[f"fp8 {args.fp8}"] / ours_mfu if ours_mfu else float("nan")
-            print(f"RESULT full-iteration graph of fp8 {args.fp8}: {graphed_ratio:.3f}x our bf16 step (eager)",
+            mfu = graphed_mfu[f"fp8 {args.fp8}"] = time_graphed(args, dtype, ids, position_ids, labels, fp8,
+                                                                args.microbatches)
+            print(f"RESULT full-iteration graph of fp8 {args.fp8}: {ratio(mfu, ours_mfu):.3f}x our bf16 step (eager)",
                   flush=True)
-        label = args.fp8 + wgrad_label(args, fp8_wgrad(args, args.fp8.split(":")[0], False))
+        label = args.fp8 + wgrad_label(args, fp8_wgrad(args, fp8[0], False))
         if args.microbatches > 1:
             label += f" (mean micro-batch of {args.microbatches}-micro-batch steps)"
         print(f"RESULT fp8 {label} fwd+bwd: {fp8_mfu / ours_mfu:.3f}x our bf16 step", flush=True)
@@ -538,13 +540,13 @@ def main() -> None:
         hf_mfu = time_contender(hf_label, hf, lambda: hf(input_ids=ids, labels=labels).loss, args,
                                 flops_per_token(args), width=36)
         print(f"RESULT fwd+bwd MFU (active params): megatron_core {ours_mfu:.1f}% vs {hf_label} {hf_mfu:.1f}% "
-              f"({ours_mfu / hf_mfu if hf_mfu else float('nan'):.2f}x)")
+              f"({ratio(ours_mfu, hf_mfu):.2f}x)")
         if fp8_mfu is not None:
             print(f"RESULT fp8 {args.fp8} fwd+bwd (bf16-equivalent MFU {fp8_mfu:.1f}%) vs {hf_label} in bf16: "
-                  f"{fp8_mfu / hf_mfu if hf_mfu else float('nan'):.2f}x")
+                  f"{ratio(fp8_mfu, hf_mfu):.2f}x")
         for label, mfu in graphed_mfu.items():
             print(f"RESULT full-iteration graph of {label} (bf16-equivalent MFU {mfu:.1f}%) vs {hf_label} in bf16: "
-                  f"{mfu / hf_mfu if hf_mfu else float('nan'):.2f}x")
+                  f"{ratio(mfu, hf_mfu):.2f}x")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ from the group ends on the host and write every expert's result into one output:
   parameter whose weight gradient is accumulated into ``main_grad`` inside the GEMM, ``ACCUMULATE_WGRAD_IN_GEMM``,
   keeps that grouped kernel.)
 
-The ends are read once per grouped layer and micro-batch (:func:`per_expert_host_ends`, in the forward), and that host
-copy serves the layer's forward, data-gradient and weight-gradient GEMMs.
+The mode is read once per grouped layer and micro-batch, in the forward (:func:`per_expert_host_ends`): in
+``per_expert`` mode that reads the ends to the host, and the host copy, saved for the backward, makes the layer's
+forward, data-gradient and weight-gradient GEMMs per-expert ones.
 
 On an H100 at Mixtral 8x7B's expert shapes the forward and data-gradient GEMMs took 0-17% less time than the grouped
 kernel in isolation (``benchmarks/RESULTS.md``, session 46); the grouped weight-gradient GEMM, whose groups split the
@@ -27,6 +28,7 @@ default stays ``grouped``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -89,6 +91,14 @@ def per_expert_host_ends(ends: torch.Tensor) -> torch.Tensor | None:
     return group_ends_to_host(ends) if fp8_expert_gemm() == "per_expert" else None
 
 
+def _expert_rows(ends: torch.Tensor) -> Iterator[tuple[int, int, int]]:
+    """``(expert, start, end)`` of every expert's rows, from the groups' end offsets (read to the host unless there)."""
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        yield expert, start, end
+        start = end
+
+
 @torch.library.custom_op("megatron_core::fp8_per_expert_mm", mutates_args=())
 def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -100,12 +110,10 @@ def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     """
     _refuse_capture("fp8_per_expert_mm", a)
     out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
+    for expert, start, end in _expert_rows(ends):
         if end > start:
             torch._scaled_mm(a[start:end], b[expert], a_scale[start:end, None], b_scale[expert][None, :],
                              out_dtype=out_dtype, use_fast_accum=True, out=out[start:end])
-        start = end
     return out
 
 
@@ -130,14 +138,12 @@ def per_expert_wgrad_mm(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Ten
     experts = ends.numel()
     out = a_t.new_empty(experts, a_t.shape[0], b_t.shape[0], dtype=out_dtype)
     a_scale, b_scale = a_scale.view(experts, a_t.shape[0]), b_scale.view(experts, b_t.shape[0])
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
+    for expert, start, end in _expert_rows(ends):
         if end > start:
             torch._scaled_mm(a_t[:, start:end], b_t[:, start:end].t(), a_scale[expert][:, None],
                              b_scale[expert][None, :], out_dtype=out_dtype, use_fast_accum=True, out=out[expert])
         else:
             out[expert].zero_()
-        start = end
     return out
 
 

@@ -30,12 +30,7 @@ from megatron_core.fp8.cast_kernels import (
     rowwise_cast,
     transpose_codes,
 )
-from megatron_core.fp8.expert_gemm_mode import (
-    fp8_expert_gemm,
-    per_expert_host_ends,
-    per_expert_mm,
-    per_expert_wgrad_mm,
-)
+from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends, per_expert_mm, per_expert_wgrad_mm
 
 __all__ = ["ROW_ALIGN", "ScaledGroupedMm", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported",
            "transposed_weight_codes"]
@@ -87,11 +82,11 @@ def _group_columnwise_transposed(t: torch.Tensor, ends: torch.Tensor) -> tuple[t
 
 def _expert_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, ends: torch.Tensor,
                  out_dtype: torch.dtype, host_ends: torch.Tensor | None = None) -> torch.Tensor:
-    """``cat_e(a_e @ b[e])`` (``a [M, K]`` row-wise scaled, ``b [E, K, N]`` column-major per expert) as the mode says
-    (:mod:`megatron_core.fp8.expert_gemm_mode`): one grouped GEMM, or one GEMM per expert (sized by ``host_ends``,
-    the host copy of ``ends``, where given)."""
-    if fp8_expert_gemm() == "per_expert":
-        return per_expert_mm(a, a_scale, b, b_scale, ends if host_ends is None else host_ends, out_dtype)
+    """``cat_e(a_e @ b[e])`` (``a [M, K]`` row-wise scaled, ``b [E, K, N]`` column-major per expert): one GEMM per
+    expert sized by ``host_ends`` (the host copy of ``ends`` that ``per_expert`` mode makes once per layer,
+    :func:`~megatron_core.fp8.expert_gemm_mode.per_expert_host_ends`), else one grouped GEMM."""
+    if host_ends is not None:
+        return per_expert_mm(a, a_scale, b, b_scale, host_ends, out_dtype)
     return _KERNEL(a, b, a_scale, b_scale, offs=ends, out_dtype=out_dtype, use_fast_accum=True)
 
 
@@ -155,12 +150,11 @@ def wgrad_operands(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor
 
 def wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
                host_ends: torch.Tensor | None = None) -> torch.Tensor:
-    """``dW_e = dy_e.T @ x_e`` (``[E, out, in]`` in ``x``'s dtype) from :func:`wgrad_operands`, as one grouped GEMM
-    or one GEMM per expert (:mod:`megatron_core.fp8.expert_gemm_mode`; ``host_ends``: see :func:`_expert_gemm`)."""
+    """``dW_e = dy_e.T @ x_e`` (``[E, out, in]`` in ``x``'s dtype) from :func:`wgrad_operands`, as one GEMM per expert
+    where ``host_ends`` is given (see :func:`_expert_gemm`), else one grouped GEMM."""
     dyt_codes, xt_codes, dyt_scale, xt_scale = wgrad_operands(grad, x, ends)
-    if fp8_expert_gemm() == "per_expert":
-        return per_expert_wgrad_mm(dyt_codes, dyt_scale, xt_codes, xt_scale, ends if host_ends is None else host_ends,
-                                   x.dtype)
+    if host_ends is not None:
+        return per_expert_wgrad_mm(dyt_codes, dyt_scale, xt_codes, xt_scale, host_ends, x.dtype)
     return _KERNEL(dyt_codes, xt_codes.t(), dyt_scale, xt_scale, offs=ends, out_dtype=x.dtype, use_fast_accum=True)
 
 
