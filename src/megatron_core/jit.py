@@ -9,7 +9,8 @@ enclosing ``torch.compile`` traces, the plain function is inlined into that grap
 Triton, which the library's hand-written GPU kernels need, is an optional dependency loaded here only:
 :func:`triton_modules` imports it on first use, :func:`have_triton` says whether it can be, and
 :func:`triton_op` registers a kernel's ``torch.library.triton_op`` only where Triton is installed, and
-:func:`kernel_device` selects the device a kernel is launched on.
+:func:`kernel_device` selects the device a kernel is launched on, and :func:`shared_kernel_input` hands one
+tensor to several kernels of a compiled graph without a copy for each.
 """
 
 from __future__ import annotations
@@ -118,6 +119,25 @@ def kernel_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """The context that launches a Triton kernel on ``t``'s CUDA device (nothing to select for the CPU tensors of
     Triton's interpreter)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def shared_kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """``t``, written to memory once for all the Triton kernels of a compiled graph that read it.
+
+    Inductor hands each argument of a user-defined Triton kernel (the kernels of a ``triton_op``) over in a fixed
+    layout (its ``triton_kernel_default_layout_constraint``). An argument that is not in memory yet, the result of
+    element-wise ops Inductor fuses into one kernel, is then copied for each kernel argument it feeds: every copy
+    one more store of the producing kernel (four stores of an FP8 expert layer's activation, read by the row-wise
+    cast as two arguments and by the column-wise cast's two kernels). Called once where such a tensor is made, in
+    code ``torch.compile`` traces, this lays it out in memory once (``prims.inductor_force_stride_order``, which
+    Inductor lowers to nothing for a tensor that is in memory already) and every kernel reads that buffer. Eagerly,
+    and for a tensor autograd tracks (the prim has no derivative), it is ``t`` itself.
+    """
+    if not torch.compiler.is_compiling() or (t.requires_grad and torch.is_grad_enabled()):
+        return t
+    from torch._inductor import inductor_prims  # noqa: F401  (registers the prim; loaded wherever Dynamo traces)
+
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
 
 
 def next_power_of_two(n: int) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from megatron_core.fp8.delayed_linear import MM_ALIGN
-from megatron_core.jit import have_triton, kernel_device, triton_modules, triton_op
+from megatron_core.jit import have_triton, kernel_device, shared_kernel_input, triton_modules, triton_op
 
 __all__ = ["cast_transpose", "cast_transpose_serves", "codes_and_transposed", "fp8_cast_kernels_available",
            "group_columnwise_cast_transposed", "rowwise_cast", "rowwise_cast_into", "transpose_codes",
@@ -344,6 +344,7 @@ def rowwise_cast(t: torch.Tensor, factors: torch.Tensor | None = None, row_group
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t [M, K]`` (times ``factors[row_groups[m]]`` per row when given) as e4m3 codes with one power-of-two
     scale per row, and the dequantizing scales ``[M]``."""
+    t = shared_kernel_input(t)  # read as two kernel arguments (the factors' place holds t when there are none)
     if factors is None:
         return _ROWWISE_OP(t, t, t.new_zeros(1, dtype=torch.int32), False)
     return _ROWWISE_OP(t, factors.float().contiguous(), row_groups.to(torch.int32), True)
@@ -354,4 +355,4 @@ def group_columnwise_cast_transposed(t: torch.Tensor, ends: torch.Tensor, row_gr
     """``t [M, C]`` as e4m3 codes with one power-of-two scale per column within each group of rows (groups end
     at ``ends``; ``row_groups [M]`` names each row's), transposed to ``[C, M]`` row-major; and the dequantizing
     scales ``[groups * C]``, group-major."""
-    return _GROUP_COLUMNWISE_OP(t, ends.to(torch.int32), row_groups.to(torch.int32))
+    return _GROUP_COLUMNWISE_OP(shared_kernel_input(t), ends.to(torch.int32), row_groups.to(torch.int32))

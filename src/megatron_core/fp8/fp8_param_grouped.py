@@ -51,6 +51,7 @@ from megatron_core.fp8.scaled_grouped_mm import (
     wgrad_gemm,
     wgrad_operands,
 )
+from megatron_core.jit import shared_kernel_input
 from megatron_core.tensor_parallel.wgrad_accumulation import finish_fused_weight_gradient
 
 __all__ = ["ACCUMULATE_WGRAD_IN_GEMM", "EmulatedFp8ParamGroupedGemm", "ScaledGroupedMmFp8Param",
@@ -152,6 +153,7 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
         w_dequant = w_scale.detach().reciprocal().view(weight.shape[:-1])
         _save_main_grad(ctx, weight, main_grad, placeholder)
         ctx.fp8_wgrad = fp8_wgrad
+        x = shared_kernel_input(x)  # the row-wise cast now and the column-wise one for the weight gradient
         host_ends = per_expert_host_ends(ends)  # per_expert mode: read once, for the forward and the backward
         ctx.save_for_backward(x, weight, w_dequant, ends, w_codes_t, host_ends)
         return forward_gemm(x, weight.detach(), w_dequant, ends, host_ends)
@@ -161,7 +163,7 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
         """``dx`` from the stored codes, ``dW`` into ``main_grad``; both GEMMs in FP8 (``dW`` in bf16 without
         ``fp8_wgrad``)."""
         x, weight, w_dequant, ends, w_codes_t, host_ends = ctx.saved_tensors
-        grad = grad.contiguous()
+        grad = shared_kernel_input(grad.contiguous())  # the data gradient's cast and the weight gradient's
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = dgrad_gemm(grad, weight.detach(), w_dequant, ends, x.dtype, w_codes_t, host_ends)

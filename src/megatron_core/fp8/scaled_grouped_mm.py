@@ -31,6 +31,7 @@ from megatron_core.fp8.cast_kernels import (
     transpose_codes,
 )
 from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends, per_expert_mm, per_expert_wgrad_mm
+from megatron_core.jit import shared_kernel_input
 
 __all__ = ["ROW_ALIGN", "ScaledGroupedMm", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported",
            "transposed_weight_codes"]
@@ -186,6 +187,7 @@ class ScaledGroupedMm(torch.autograd.Function):
         """The forward GEMM: rows of ``x`` and each expert's output features scaled separately."""
         if w_codes is None:
             w_codes, w_scale = quantize_weight_rowwise(weight)
+        x = shared_kernel_input(x)  # the row-wise cast now and the column-wise one for the weight gradient
         host_ends = per_expert_host_ends(ends)  # per_expert mode: read once, for the forward and the backward
         ctx.save_for_backward(x, w_codes, w_scale, ends, w_codes_t, host_ends)
         ctx.weight_dtype, ctx.fp8_wgrad = weight.dtype, fp8_wgrad
@@ -196,7 +198,7 @@ class ScaledGroupedMm(torch.autograd.Function):
         """``dx = dy_e @ W_e`` (the forward's weight codes, their scales folded into ``dy``) and
         ``dW_e = dy_e.T @ x_e``, both in FP8 unless ``fp8_wgrad=False``."""
         x, w_codes, w_scale, ends, w_codes_t, host_ends = ctx.saved_tensors
-        grad = grad.contiguous()
+        grad = shared_kernel_input(grad.contiguous())  # the data gradient's cast and the weight gradient's
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = dgrad_gemm(grad, w_codes, w_scale, ends, x.dtype, w_codes_t, host_ends)
