@@ -24,7 +24,7 @@ def same(a, b):
 
 def check(x, factors, ends, rowwise, columnwise):
     rows = x.shape[0]
-    groups = sgm._group_of_rows(ends, rows, 1).to(torch.int32)
+    groups = sgm.group_of_rows(ends, rows, 1).to(torch.int32)
     assert all(same(a, b) for a, b in zip(rowwise(x, None, None), sgm._rowwise(x)))
     want = sgm._rowwise(x.float() * factors[groups.long()])
     assert all(same(a, b) for a, b in zip(rowwise(x, factors, groups), want))
@@ -74,7 +74,7 @@ def test_gpu_casts_equal_pytorch_bit_for_bit():
     x = (torch.randn(1040, 720, device="cuda", generator=gen) * torch.logspace(-4, 4, 720, device="cuda"))
     x = x.to(torch.bfloat16)
     ends = torch.tensor([256, 256, 800, 1040], device="cuda", dtype=torch.int32)
-    groups = sgm._group_of_rows(ends, x.shape[0], 1)
+    groups = sgm.group_of_rows(ends, x.shape[0], 1)
     factors = torch.rand(4, 720, device="cuda", generator=gen) + 0.25
     for got, want in ((ck.rowwise_cast(x), sgm._rowwise(x)),
                       (ck.rowwise_cast(x, factors, groups), sgm._rowwise(x.float() * factors[groups])),

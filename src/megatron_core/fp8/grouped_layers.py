@@ -29,6 +29,7 @@ from megatron_core.distributed.fp8_params import (
 from megatron_core.fp8.fp8_param_grouped import fp8_param_grouped_gemm
 from megatron_core.fp8.fp8_param_module import apply_keeping_fp8_params
 from megatron_core.fp8.grouped_gemm import ROW_ALIGN, fp8_grouped_gemm
+from megatron_core.fp8.grouped_swiglu import fp8_grouped_gemm_weighted_swiglu, fused_weighted_swiglu_serves
 from megatron_core.fp8.grouped_weight_cache import (
     allocate_grouped_weight_caches,
     cached_grouped_weight_operands,
@@ -118,6 +119,19 @@ class Float8ColumnParallelGroupedLinear(_Fp8ParamGroupedMixin, ColumnParallelGro
     def gemm(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows) -> torch.Tensor:
         """``cat_e(x_e @ weight[e].T)`` in FP8."""
         return _fp8_gemm(self, x, tokens_per_expert)
+
+    def weighted_swiglu_gemm(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows,
+                             probs: torch.Tensor) -> torch.Tensor | None:
+        """``weighted_swiglu(gemm(x), probs)`` as one function (:mod:`megatron_core.fp8.grouped_swiglu`) where it
+        serves: a high-precision weight on Hopper, rows laid out by the dispatcher (``AlignedRows``), no bias, no
+        deferred weight gradient, not emulated. None elsewhere: the caller runs :meth:`forward` and the activation."""
+        if (not isinstance(tokens_per_expert, AlignedRows) or self.bias is not None or self.float8_emulate
+                or is_fp8_param(self.weight) or self.delay_wgrad_compute
+                or not fused_weighted_swiglu_serves(x, self.weight)):
+            return None
+        return fp8_grouped_gemm_weighted_swiglu(x, self.weight, tokens_per_expert.ends, probs,
+                                                fp8_wgrad=bool(self.float8_wgrad),
+                                                weight_codes=cached_grouped_weight_operands(self))
 
 
 class Float8RowParallelGroupedLinear(_Fp8ParamGroupedMixin, RowParallelGroupedLinear):

@@ -33,7 +33,7 @@ from megatron_core.fp8.cast_kernels import (
 from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends, per_expert_mm, per_expert_wgrad_mm
 from megatron_core.jit import shared_kernel_input
 
-__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported",
+__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "dgrad_gemm_from_codes", "group_of_rows", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported",
            "transposed_weight_codes"]
 
 E4M3 = torch.float8_e4m3fn
@@ -60,7 +60,7 @@ def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _cast(t, scale), scale.reciprocal().squeeze(-1)
 
 
-def _group_of_rows(ends: torch.Tensor, rows: int, step: int) -> torch.Tensor:
+def group_of_rows(ends: torch.Tensor, rows: int, step: int = 1) -> torch.Tensor:
     """The group of rows ``0, step, 2 step, ..`` for groups ending at ``ends`` (the last ending at ``rows``)."""
     starts = torch.arange(0, rows, step, device=ends.device, dtype=ends.dtype)
     return torch.searchsorted(ends, starts, right=True).clamp(max=ends.numel() - 1)
@@ -72,7 +72,7 @@ def _group_columnwise_transposed(t: torch.Tensor, ends: torch.Tensor) -> tuple[t
     form takes them."""
     rows, cols = t.shape
     blocks = t.view(rows // ROW_ALIGN, ROW_ALIGN, cols).abs().amax(1).float()
-    group_of_block = _group_of_rows(ends, rows, ROW_ALIGN)
+    group_of_block = group_of_rows(ends, rows, ROW_ALIGN)
     groups = torch.arange(ends.numel(), device=t.device, dtype=group_of_block.dtype)
     in_group = (group_of_block[None, :] == groups[:, None])[:, :, None]
     amax = torch.where(in_group, blocks[None], 0.0).amax(1)  # [groups, C]; few groups: a masked max each
@@ -124,12 +124,20 @@ def dgrad_gemm(grad: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
     """``dx = cat_e(dy_e @ W_e)`` from the forward's weight codes (transposed here unless ``w_codes_t``, their
     transpose cached across micro-batches, is given), their scales folded into ``dy`` before its row-wise cast
     (``host_ends``: see :func:`_expert_gemm`)."""
-    row_groups = _group_of_rows(ends, grad.shape[0], 1)
+    row_groups = group_of_rows(ends, grad.shape[0], 1)
     if fp8_cast_kernels_available(grad):
         dy_codes, dy_scale = rowwise_cast(grad, w_scale, row_groups)
     else:
         dy_codes, dy_scale = _rowwise(grad.float() * w_scale[row_groups])
-    unit = w_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
+    return dgrad_gemm_from_codes(dy_codes, dy_scale, w_codes, ends, out_dtype, w_codes_t, host_ends)
+
+
+def dgrad_gemm_from_codes(dy_codes: torch.Tensor, dy_scale: torch.Tensor, w_codes: torch.Tensor, ends: torch.Tensor,
+                          out_dtype: torch.dtype, w_codes_t: torch.Tensor | None = None,
+                          host_ends: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`dgrad_gemm` from ``dy`` already cast: its e4m3 codes ``[M, out]`` (the weight scales folded in) and
+    their dequantizing scales ``[M]``."""
+    unit = dy_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
     if w_codes_t is None:
         w_codes_t = transposed_weight_codes(w_codes)
     return _expert_gemm(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, unit, ends, out_dtype, host_ends)
@@ -140,7 +148,7 @@ def wgrad_operands(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor
     """The weight gradient's operands: ``dy`` and ``x`` cast with one scale per column within each expert's rows,
     transposed: ``(dyt_codes [out, M], xt_codes [in, M], dyt_scale [E * out], xt_scale [E * in])``."""
     if fp8_cast_kernels_available(grad) and x.is_contiguous():
-        row_groups = _group_of_rows(ends, grad.shape[0], 1)
+        row_groups = group_of_rows(ends, grad.shape[0], 1)
         dyt_codes, dyt_scale = group_columnwise_cast_transposed(grad, ends, row_groups)
         xt_codes, xt_scale = group_columnwise_cast_transposed(x, ends, row_groups)
     else:
