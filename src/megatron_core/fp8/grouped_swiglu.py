@@ -24,10 +24,9 @@ from megatron_core.fp8.scaled_grouped_mm import (
     dgrad_gemm_from_codes,
     forward_gemm,
     group_of_rows,
-    hp_wgrad_gemm,
     quantize_weight_rowwise,
     scaled_grouped_mm_supported,
-    wgrad_gemm,
+    weight_grad,
 )
 from megatron_core.fp8.weighted_swiglu_grad_cast import (
     weighted_swiglu_grad_rowwise_cast,
@@ -81,8 +80,7 @@ class ScaledGroupedMmWeightedSwiGLU(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = dgrad_gemm_from_codes(dh_codes, dh_scale, w_codes, ends, x.dtype, w_codes_t, host_ends)
         if ctx.needs_input_grad[1]:
-            grad_w = (wgrad_gemm(grad_h, x, ends, host_ends) if ctx.fp8_wgrad
-                      else hp_wgrad_gemm(grad_h, x, ends)).to(ctx.weight_dtype)
+            grad_w = weight_grad(grad_h, x, ends, host_ends, ctx.fp8_wgrad, ctx.weight_dtype)
         return grad_x, grad_w, None, grad_probs, None, None, None, None
 
 

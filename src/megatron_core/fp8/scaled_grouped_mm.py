@@ -33,8 +33,8 @@ from megatron_core.fp8.cast_kernels import (
 from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends, per_expert_mm, per_expert_wgrad_mm
 from megatron_core.jit import shared_kernel_input
 
-__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "dgrad_gemm_from_codes", "group_of_rows", "hp_wgrad_gemm", "power_of_two_scale", "scaled_grouped_mm_supported",
-           "transposed_weight_codes"]
+__all__ = ["ROW_ALIGN", "ScaledGroupedMm", "dgrad_gemm_from_codes", "group_of_rows", "hp_wgrad_gemm",
+           "power_of_two_scale", "scaled_grouped_mm_supported", "transposed_weight_codes", "weight_grad"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
@@ -177,6 +177,12 @@ def hp_wgrad_gemm(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> to
     return _GROUPED_MM(grad.t(), x, offs=ends)
 
 
+def weight_grad(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, host_ends: torch.Tensor | None,
+                fp8_wgrad: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``dW_e = dy_e.T @ x_e`` in ``dtype``: :func:`wgrad_gemm` (FP8), or :func:`hp_wgrad_gemm` without ``fp8_wgrad``."""
+    return (wgrad_gemm(grad, x, ends, host_ends) if fp8_wgrad else hp_wgrad_gemm(grad, x, ends)).to(dtype)
+
+
 class ScaledGroupedMm(torch.autograd.Function):
     """``cat_e(x_e @ weight[e].T)`` with e4m3 operands on Hopper; forward, data and weight gradient in FP8 (the
     weight gradient in bf16 from the unquantized operands with ``fp8_wgrad=False``, see :func:`hp_wgrad_gemm`).
@@ -211,6 +217,5 @@ class ScaledGroupedMm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = dgrad_gemm(grad, w_codes, w_scale, ends, x.dtype, w_codes_t, host_ends)
         if ctx.needs_input_grad[1]:
-            grad_w = (wgrad_gemm(grad, x, ends, host_ends) if ctx.fp8_wgrad
-                      else hp_wgrad_gemm(grad, x, ends)).to(ctx.weight_dtype)
+            grad_w = weight_grad(grad, x, ends, host_ends, ctx.fp8_wgrad, ctx.weight_dtype)
         return grad_x, grad_w, None, None, None, None, None
