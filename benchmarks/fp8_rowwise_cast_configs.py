@@ -40,10 +40,10 @@ def time_shape(t: torch.Tensor, factors: torch.Tensor, groups: torch.Tensor, has
     f = factors if has_factors else t
     line = [f"[{t.shape[0]}x{t.shape[1]}]{' with factors' if has_factors else ''}:"]
     ms = time_ms(lambda: rowwise_cast(t, factors, groups) if has_factors else rowwise_cast(t))
-    line.append(f"library {ms:.3f} ms ({gigabytes / ms:.0f} GB/s)")
+    line.append(f"library {ms:.3f} ms ({gigabytes / ms * 1e3:.0f} GB/s)")
     for config in TWO_PASS:
         ms = time_ms(lambda c=config: two_pass(t, f, groups, has_factors, *c))
-        line.append(f"2-pass {config} {ms:.3f} ({gigabytes / ms:.0f})")
+        line.append(f"2-pass {config} {ms:.3f} ({gigabytes / ms * 1e3:.0f})")
     return "  ".join(line)
 
 
