@@ -14,7 +14,7 @@ import torch
 
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.identity_op import IdentityOp
-from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.module import GraphableMegatronModule
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.transformer_config import TransformerConfig
 
@@ -31,13 +31,13 @@ class MambaLayerSubmodules:
     sharded_state_dict_keys_map: dict[str, str] = field(default_factory=dict)
 
 
-class MambaLayer(MegatronModule):
+class MambaLayer(GraphableMegatronModule):
     """A pre-norm residual Mamba layer; ``forward`` maps ``[s, b, h]`` to ``[s, b, h]``."""
 
     def __init__(self, config: TransformerConfig, submodules: MambaLayerSubmodules, layer_number: int = 1,
                  pg_collection: Any = None, pp_layer_offset: int = 0, name: str | None = None) -> None:
         super().__init__(config)
-        pg_collection = resolve_pg_collection(pg_collection)
+        self.pg_collection = pg_collection = resolve_pg_collection(pg_collection)
         self.tp_group = pg_collection.tp
         self.submodules_config = submodules
         self.layer_number = layer_number

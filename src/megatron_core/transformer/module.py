@@ -4,7 +4,9 @@
 on the first pipeline stage, and returns fp32 outputs on the last stage, as Megatron-Core does.
 ``MegatronModule.sharded_state_dict`` describes a module generically (its own tensors from their
 tensor-parallel attributes, then each child); a module with its own checkpoint layout (``MLP``,
-``LanguageModule``, ``TransformerBlock``) overrides it.
+``LanguageModule``, ``TransformerBlock``) overrides it. ``GraphableMegatronModule`` is the base of the modules CUDA
+graphs can record (``TransformerLayer``, ``MambaLayer``, ``TransformerBlock``, ``HybridModel``), as in
+Megatron-Core 0.19.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import torch
 from megatron_core import parallel_state
 from megatron_core._ground import get_pg_rank, get_pg_size, register_wrapper
 from megatron_core._wrapped_model import submodules_with_attribute
+from megatron_core.device import get_current_device
 from megatron_core.model_parallel_config import ModelParallelConfig
-from megatron_core.process_groups_config import resolve_process_group
+from megatron_core.process_groups_config import resolve_pg_collection, resolve_process_group
+from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.transformer.utils import sharded_state_dict_default
 
-__all__ = ["Float16Module", "MegatronModule", "conversion_helper", "float16_to_fp32", "fp32_to_float16",
+__all__ = ["Float16Module", "GraphableMegatronModule", "MegatronModule", "conversion_helper", "float16_to_fp32", "fp32_to_float16",
            "param_is_not_shared"]
 
 
@@ -62,6 +66,57 @@ class MegatronModule(torch.nn.Module):
             allocate_caches = getattr(module, "allocate_weight_caches", None)
             if allocate_caches is not None:  # FP8 layers keep their weights' transposes for the step
                 allocate_caches()
+
+
+class GraphableMegatronModule(MegatronModule):
+    """A module that CUDA graphs can record and replay: Megatron-Core 0.19's base of ``TransformerLayer``,
+    ``MambaLayer``, ``TransformerBlock`` and ``HybridModel``.
+
+    With ``cuda_graph_impl='local'`` a ``TransformerLayer`` runs through its recorded graphs
+    (:mod:`megatron_core.transformer.layer_cuda_graphs`) where :meth:`_should_call_local_cudagraph` says so; the other
+    graphable modules run as any module. Transformer Engine's graphed callables (``'transformer_engine'``) are
+    refused by the config, so their capture and replay methods are not here.
+    """
+
+    def __init__(self, config: ModelParallelConfig, vp_stage: int | None = None) -> None:
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"{type(self).__name__} needs a TransformerConfig, got {type(config).__name__}")
+        super().__init__(config)
+        # Forward pre-hooks a graph replay does not run, called by hand before it (``setup_manual_hooks``).
+        self.cuda_graph_manual_hooks: list[tuple[Callable[..., Any], tuple[torch.nn.Module, ...]]] = []
+
+    def _should_call_local_cudagraph(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether this call runs through the module's recorded CUDA graphs (``TransformerLayer`` decides; False
+        here)."""
+        return False
+
+    def get_layer_static_inputs(self, seq_length: int, micro_batch_size: int) -> dict[str, torch.Tensor]:
+        """``{"hidden_states": ones}`` of the shape this module sees, ``[s, b, h]`` with ``s`` the sequence divided by
+        the context-parallel size (and by the tensor-parallel size with ``sequence_parallel``), both from the
+        module's process groups, in ``params_dtype`` on the current device, requiring grad (a graph capture's
+        static input). Override it for a module with other inputs."""
+        groups = getattr(self, "pg_collection", None) or resolve_pg_collection(None)
+        tokens = seq_length // get_pg_size(getattr(groups, "cp", None))
+        if self.config.sequence_parallel:
+            tokens //= get_pg_size(getattr(groups, "tp", None))
+        hidden = torch.ones(tokens, micro_batch_size, self.config.hidden_size, dtype=self.config.params_dtype,
+                            device=get_current_device(), requires_grad=True)
+        return {"hidden_states": hidden}
+
+    def setup_manual_hooks(self, make_hook_func: Callable[[], Callable[..., Any]]) -> None:
+        """Set ``cuda_graph_manual_hooks``: one hook from ``make_hook_func()`` for each module under the graphs
+        (:meth:`_get_submodules_under_cudagraphs`) that holds parameters of its own, whose forward pre-hooks a
+        replay would skip."""
+        owners: dict[int, torch.nn.Module] = {}
+        for submodule in self._get_submodules_under_cudagraphs():
+            for module in submodule.modules():
+                if next(module.parameters(recurse=False), None) is not None:
+                    owners[id(module)] = module
+        self.cuda_graph_manual_hooks = [(make_hook_func(), (module,)) for module in owners.values()]
+
+    def _get_submodules_under_cudagraphs(self) -> list[torch.nn.Module]:
+        """The submodules the graphs cover: the whole module."""
+        return [self]
 
 
 def conversion_helper(val: Any, conversion: Callable[[Any], Any]) -> Any:

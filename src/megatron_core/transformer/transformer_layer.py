@@ -32,7 +32,7 @@ from megatron_core.transformer import fused_decode
 from megatron_core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron_core.transformer.layer_backward_dw import LayerBackwardDW
 from megatron_core.transformer.layer_cuda_graphs import call_through_cuda_graph, wants_cuda_graph
-from megatron_core.transformer.module import MegatronModule
+from megatron_core.transformer.module import GraphableMegatronModule
 from megatron_core.transformer.pipeline_layout import get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_core.transformer.submodule_protocols import MlpBuilder, MlpInterface
@@ -68,7 +68,7 @@ class BaseTransformerLayer(ABC):  # noqa: B024 (a marker base without abstract m
 
 
 @register_fsdp_unit
-class TransformerLayer(MegatronModule, BaseTransformerLayer):
+class TransformerLayer(GraphableMegatronModule, BaseTransformerLayer):
     """A transformer layer: norm, self-attention, bias-dropout-add, norm, MLP, bias-dropout-add."""
 
     def __init__(
@@ -84,7 +84,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         pp_layer_offset: int | None = None,
         name: str | None = None,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, vp_stage)
         self.submodules_config = submodules
         # Every submodule gets the same groups: pg_collection, else parallel_state's.
         self.pg_collection = pg_collection = resolve_pg_collection(pg_collection)
@@ -170,10 +170,15 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
             return norm(hidden_states, return_residual=True)
         return norm(hidden_states), hidden_states
 
+    def _should_call_local_cudagraph(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether ``cuda_graph_impl="local"`` applies to this call
+        (:func:`~megatron_core.transformer.layer_cuda_graphs.wants_cuda_graph`)."""
+        return wants_cuda_graph(self.config, args[0] if args else kwargs.get("hidden_states"))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the layer: through its recorded CUDA graphs where ``cuda_graph_impl="local"`` applies
-        (:func:`~megatron_core.transformer.layer_cuda_graphs.wants_cuda_graph`), else as any module."""
-        if wants_cuda_graph(self.config, args[0] if args else kwargs.get("hidden_states")):
+        """Run the layer: through its recorded CUDA graphs where :meth:`_should_call_local_cudagraph` says so, else
+        as any module."""
+        if self._should_call_local_cudagraph(*args, **kwargs):
             return call_through_cuda_graph(self, args, kwargs)
         return super().__call__(*args, **kwargs)
 

@@ -36,6 +36,7 @@ from megatron_core.models.common.language_module.inference_logits import (
 )
 from megatron_core.models.common.language_module.language_module import LanguageModule
 from megatron_core.transformer.enums import ModelType
+from megatron_core.transformer.module import GraphableMegatronModule
 from megatron_core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
     mtp_on_this_rank,
@@ -80,7 +81,7 @@ def _check_mtp_depths(config: TransformerConfig, pattern: str, mtp_num_depths: i
                          "per depth (e.g. 'M*M*/MM/MM')")
 
 
-class HybridModel(LanguageModule):
+class HybridModel(LanguageModule, GraphableMegatronModule):
     """A hybrid Mamba / attention / MLP language model for one pipeline chunk.
 
     ``hybrid_stack_spec`` is usually :data:`~megatron_core.models.hybrid.hybrid_layer_specs.hybrid_stack_spec`. ``hybrid_layer_pattern``
