@@ -183,3 +183,71 @@ def test_gpu_fp8_moe_experts_take_the_one_function():
     assert len(fused) == len(plain) == 5
     for got, want in zip(fused, plain):
         assert _same(got, want)
+
+
+def _cpu_fp8_experts():
+    from megatron_core.fp8 import convert_to_float8
+    from tests.transformer.moe.moe_parallel_utils import build
+
+    pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    model = build("mixtral", moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="tensorwise")
+    convert_to_float8(model, emulate=True)
+    return model.decoder.layers[0].mlp.experts
+
+
+def _aligned_rows():
+    from megatron_core.transformer.moe.grouped_linear import align_expert_rows
+
+    gen = torch.Generator().manual_seed(2)
+    counts = torch.tensor([5, 0, 9, 2])
+    layout = align_expert_rows(counts, int(counts.sum()))
+    x = torch.zeros(layout.total_rows, 16).index_copy(0, layout.index, torch.randn(int(counts.sum()), 16,
+                                                                                   generator=gen))
+    probs = torch.zeros(layout.total_rows).index_copy(0, layout.index, torch.rand(int(counts.sum()), generator=gen))
+    return x, layout, probs
+
+
+def test_fc1_refuses_the_fused_activation_where_it_cannot_fuse():
+    experts = _cpu_fp8_experts()
+    x, layout, probs = _aligned_rows()
+    assert not experts.linear_fc1.fuses_weighted_swiglu(x, layout)  # emulated on CPU
+    with pytest.raises(ValueError, match="cannot fuse the weighted SwiGLU here"):
+        experts.linear_fc1(x, layout, weighted_swiglu_probs=probs[:, None])
+
+
+def test_experts_call_fc1_through_the_module_with_the_fused_activation(monkeypatch):
+    """The wiring, on CPU: where fc1 says it fuses, the experts call ``linear_fc1(x, counts,
+    weighted_swiglu_probs=p)`` through the module (its forward pre-hooks run) and feed fc2 with what it returns.
+    The Hopper function is stood in for by its statement (the emulated FP8 GEMM, then the weighted SwiGLU); the
+    function itself is checked against the two functions bit for bit on the GPU (above)."""
+    from megatron_core.fp8 import grouped_layers
+    from megatron_core.fp8.grouped_gemm import fp8_grouped_gemm
+    from megatron_core.fusions.fused_bias_swiglu import weighted_swiglu
+
+    experts = _cpu_fp8_experts()
+    x, layout, probs = _aligned_rows()
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+
+    def step() -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_(True), probs.clone().requires_grad_(True)]
+        experts.zero_grad(set_to_none=True)
+        out, _ = experts(leaves[0], layout, leaves[1])
+        out.backward(grad)
+        return [out.detach(), *(t.grad for t in leaves), *(p.grad for p in experts.parameters())]
+
+    # Both paths take the weighted SwiGLU on CPU (its fused kernels are for accelerators).
+    monkeypatch.setattr(type(experts), "_fused_weighted_swiglu", lambda self, t: True)
+    plain = step()
+    seen = []
+    experts.linear_fc1.register_forward_pre_hook(lambda module, args, kwargs: seen.append(sorted(kwargs)),
+                                                 with_kwargs=True)
+    monkeypatch.setattr(type(experts.linear_fc1), "fuses_weighted_swiglu", lambda self, t, counts: True)
+    monkeypatch.setattr(grouped_layers, "fp8_grouped_gemm_weighted_swiglu",
+                        lambda x, weight, ends, probs, fp8_wgrad, weight_codes: weighted_swiglu(
+                            fp8_grouped_gemm(x, weight, ends=ends, emulate=True, fp8_wgrad=fp8_wgrad), probs))
+    fused = step()
+    assert seen == [["weighted_swiglu_probs"]]
+    assert len(fused) == len(plain) == 5
+    for got, want in zip(fused, plain):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -120,18 +120,28 @@ class Float8ColumnParallelGroupedLinear(_Fp8ParamGroupedMixin, ColumnParallelGro
         """``cat_e(x_e @ weight[e].T)`` in FP8."""
         return _fp8_gemm(self, x, tokens_per_expert)
 
-    def weighted_swiglu_gemm(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows,
-                             probs: torch.Tensor) -> torch.Tensor | None:
-        """``weighted_swiglu(gemm(x), probs)`` as one function (:mod:`megatron_core.fp8.grouped_swiglu`) where it
-        serves: a high-precision weight on Hopper, rows laid out by the dispatcher (``AlignedRows``), no bias, no
-        deferred weight gradient, not emulated. None elsewhere: the caller runs :meth:`forward` and the activation."""
-        if (not isinstance(tokens_per_expert, AlignedRows) or self.bias is not None or self.float8_emulate
-                or is_fp8_param(self.weight) or self.delay_wgrad_compute
-                or not fused_weighted_swiglu_serves(x, self.weight)):
-            return None
-        return fp8_grouped_gemm_weighted_swiglu(x, self.weight, tokens_per_expert.ends, probs,
-                                                fp8_wgrad=bool(self.float8_wgrad),
-                                                weight_codes=cached_grouped_weight_operands(self))
+    def fuses_weighted_swiglu(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows) -> bool:
+        """Whether :meth:`forward` can apply the weighted SwiGLU to its output in one function with the GEMM
+        (:mod:`megatron_core.fp8.grouped_swiglu`): a high-precision weight on Hopper, rows laid out by the dispatcher
+        (``AlignedRows``), no bias, no deferred weight gradient, not emulated."""
+        return (isinstance(tokens_per_expert, AlignedRows) and self.bias is None and not self.float8_emulate
+                and not is_fp8_param(self.weight) and not self.delay_wgrad_compute
+                and fused_weighted_swiglu_serves(x, self.weight))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows,
+                weighted_swiglu_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The parent's ``(output, bias)``; with ``weighted_swiglu_probs [rows, 1]`` (where
+        :meth:`fuses_weighted_swiglu`) ``(weighted_swiglu(output, probs), None)`` from one function."""
+        if weighted_swiglu_probs is None:
+            return super().forward(x, tokens_per_expert)
+        if not self.fuses_weighted_swiglu(x, tokens_per_expert):
+            raise ValueError("weighted_swiglu_probs: this layer cannot fuse the weighted SwiGLU here (it needs a "
+                             "high-precision weight on Hopper, AlignedRows, no bias, no deferred weight gradient; "
+                             "fuses_weighted_swiglu says when)")
+        output = fp8_grouped_gemm_weighted_swiglu(x, self.weight, tokens_per_expert.ends, weighted_swiglu_probs,
+                                                  fp8_wgrad=bool(self.float8_wgrad),
+                                                  weight_codes=cached_grouped_weight_operands(self))
+        return output, None
 
 
 class Float8RowParallelGroupedLinear(_Fp8ParamGroupedMixin, RowParallelGroupedLinear):

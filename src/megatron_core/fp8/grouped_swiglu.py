@@ -9,8 +9,10 @@ activation are one function whose backward computes ``dh`` and that cast in one 
 weight gradient reads ``dh`` as before. Values, gradients and saved tensors (``x``, ``h``, ``p`` and the weight
 operands) are those of the two functions, bit for bit.
 
-:func:`fp8_grouped_gemm_weighted_swiglu` is what the experts call (``TEGroupedMLP``) where the pair qualifies (see
-:meth:`Float8ColumnParallelGroupedLinear.weighted_swiglu_gemm`); :data:`FUSED_WEIGHTED_SWIGLU` False turns it off.
+:func:`fp8_grouped_gemm_weighted_swiglu` runs where the experts (``TEGroupedMLP``) call
+``linear_fc1(x, counts, weighted_swiglu_probs=p)``, which they do where
+:meth:`Float8ColumnParallelGroupedLinear.fuses_weighted_swiglu` says the pair qualifies; :data:`FUSED_WEIGHTED_SWIGLU`
+False turns it off.
 """
 
 from __future__ import annotations

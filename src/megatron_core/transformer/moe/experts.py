@@ -237,9 +237,9 @@ class TEGroupedMLP(MegatronModule):
         if self.config.moe_apply_probs_on_input:
             x = (probs * x).to(x.dtype)
             probs = torch.ones_like(probs)
-        fused = self._fc1_with_weighted_activation(x, counts, probs)
-        if fused is not None:
-            output, bias = self.linear_fc2(fused, counts)
+        if self._fc1_fuses_weighted_activation(x, counts):
+            activated, _ = self.linear_fc1(x, counts, weighted_swiglu_probs=probs)
+            output, bias = self.linear_fc2(activated, counts)
             return self._with_fc2_bias(output, bias, counts, probs, index), None
         delay = self.config.delay_offload_until_cuda_graph
         fc1_manager = off_interface(self.offload_expert_fc1, x, "expert_fc1")
@@ -264,15 +264,14 @@ class TEGroupedMLP(MegatronModule):
             output = output + (per_row * probs).to(output.dtype)
         return output if index is None else unpad_expert_rows(output, index)
 
-    def _fc1_with_weighted_activation(self, x: torch.Tensor, counts: Any, probs: torch.Tensor) -> torch.Tensor | None:
-        """``p * swiglu(fc1(x))`` from fc1's own fused function (FP8 experts on Hopper:
-        ``Float8ColumnParallelGroupedLinear.weighted_swiglu_gemm``), or None where the plain path runs: another fc1,
-        another activation, the activation recomputed or fc1's input or the activation offloaded."""
-        fused_gemm = getattr(self.linear_fc1, "weighted_swiglu_gemm", None)
-        if (fused_gemm is None or self.recompute_activation or self.offload_expert_fc1 or self.offload_moe_act
-                or not self._fused_weighted_swiglu(x)):
-            return None
-        return fused_gemm(x, counts, probs)
+    def _fc1_fuses_weighted_activation(self, x: torch.Tensor, counts: Any) -> bool:
+        """Whether fc1 applies ``p * swiglu(.)`` to its output itself (``linear_fc1(x, counts,
+        weighted_swiglu_probs=p)``, FP8 experts on Hopper: ``Float8ColumnParallelGroupedLinear.fuses_weighted_swiglu``);
+        not for another fc1 or activation, nor with the activation recomputed or fc1's input or the activation
+        offloaded. Called through the module, so its hooks run."""
+        fuses = getattr(self.linear_fc1, "fuses_weighted_swiglu", None)
+        return (fuses is not None and not self.recompute_activation and not self.offload_expert_fc1
+                and not self.offload_moe_act and self._fused_weighted_swiglu(x) and fuses(x, counts))
 
     def backward_dw(self) -> None:
         """Run the weight-gradient GEMMs ``linear_fc2`` then ``linear_fc1`` deferred (``delay_wgrad_compute`` or
