@@ -34,7 +34,7 @@ from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends, per_expert_
 from megatron_core.jit import shared_kernel_input
 
 __all__ = ["ROW_ALIGN", "ScaledGroupedMm", "dgrad_gemm_from_codes", "group_of_rows", "hp_wgrad_gemm",
-           "power_of_two_scale", "scaled_grouped_mm_supported", "transposed_weight_codes", "weight_grad"]
+           "power_of_two_scale", "rowwise_cast_with_factors", "scaled_grouped_mm_supported", "transposed_weight_codes", "weight_grad"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
@@ -124,12 +124,17 @@ def dgrad_gemm(grad: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
     """``dx = cat_e(dy_e @ W_e)`` from the forward's weight codes (transposed here unless ``w_codes_t``, their
     transpose cached across micro-batches, is given), their scales folded into ``dy`` before its row-wise cast
     (``host_ends``: see :func:`_expert_gemm`)."""
-    row_groups = group_of_rows(ends, grad.shape[0], 1)
-    if fp8_cast_kernels_available(grad):
-        dy_codes, dy_scale = rowwise_cast(grad, w_scale, row_groups)
-    else:
-        dy_codes, dy_scale = _rowwise(grad.float() * w_scale[row_groups])
+    dy_codes, dy_scale = rowwise_cast_with_factors(grad, w_scale, group_of_rows(ends, grad.shape[0]))
     return dgrad_gemm_from_codes(dy_codes, dy_scale, w_codes, ends, out_dtype, w_codes_t, host_ends)
+
+
+def rowwise_cast_with_factors(t: torch.Tensor, factors: torch.Tensor, row_groups: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t * factors[row_groups]`` (``factors [groups, K]``, one row per group) as e4m3 codes with one power-of-two
+    scale per row, and the dequantizing scales ``[M]``: the Triton cast where it serves, else the formula."""
+    if fp8_cast_kernels_available(t):
+        return rowwise_cast(t, factors, row_groups)
+    return _rowwise(t.float() * factors[row_groups])
 
 
 def dgrad_gemm_from_codes(dy_codes: torch.Tensor, dy_scale: torch.Tensor, w_codes: torch.Tensor, ends: torch.Tensor,

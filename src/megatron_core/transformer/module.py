@@ -25,8 +25,8 @@ from megatron_core.process_groups_config import resolve_pg_collection, resolve_p
 from megatron_core.transformer.transformer_config import TransformerConfig
 from megatron_core.transformer.utils import sharded_state_dict_default
 
-__all__ = ["Float16Module", "GraphableMegatronModule", "MegatronModule", "conversion_helper", "float16_to_fp32", "fp32_to_float16",
-           "param_is_not_shared"]
+__all__ = ["Float16Module", "GraphableMegatronModule", "MegatronModule", "conversion_helper", "float16_to_fp32",
+           "fp32_to_float16", "param_is_not_shared"]
 
 
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:
@@ -79,6 +79,7 @@ class GraphableMegatronModule(MegatronModule):
     """
 
     def __init__(self, config: ModelParallelConfig, vp_stage: int | None = None) -> None:
+        """``vp_stage`` is taken as Megatron-Core's signature has it; nothing here depends on it."""
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"{type(self).__name__} needs a TransformerConfig, got {type(config).__name__}")
         super().__init__(config)

@@ -28,7 +28,7 @@ from megatron_core.dist_checkpointing.sharded_module import (
 from megatron_core.process_groups_config import resolve_pg_collection
 from megatron_core.transformer.causal_mask import drop_plain_causal_mask
 from megatron_core.transformer.full_recompute import checkpointed_forward
-from megatron_core.transformer.module import GraphableMegatronModule, MegatronModule
+from megatron_core.transformer.module import GraphableMegatronModule
 from megatron_core.transformer.pipeline_layout import get_num_layers_to_build, get_transformer_layer_offset
 from megatron_core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron_core.transformer.torch_norm import WrappedTorchNorm
@@ -71,7 +71,7 @@ def _get_block_submodules(
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=submodules.layer_norm)
 
 
-class TransformerBlock(GraphableMegatronModule, MegatronModule):
+class TransformerBlock(GraphableMegatronModule):
     """This pipeline chunk's transformer layers and, on the last stage, the final norm."""
 
     def __init__(
