@@ -21,6 +21,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -177,9 +178,11 @@ def run_contender(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch
     return time_contender(name, model, loss_fn, args, flops_per_token(args, n_params_no_embedding))
 
 
-def print_kernel_profile(step: Callable[[], None], steps: int = 3, rows: int = 25, shapes: bool = False) -> None:
+def print_kernel_profile(step: Callable[[], None], steps: int = 3, rows: int = 25, shapes: bool = False,
+                         trace: str | None = None) -> None:
     """Profile ``steps`` steps and print the kernels (CPU ops off CUDA) with the most time; with ``shapes`` the ops
-    are listed per input shape (eager ops only: a compiled graph launches its kernels without them)."""
+    are listed per input shape (eager ops only: a compiled graph launches its kernels without them); with ``trace``
+    the Chrome trace is written there and the GPU's idle gaps printed (``trace_kernels.py --gaps``)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = mdevice.get_current_device().type == "cuda"
@@ -191,6 +194,12 @@ def print_kernel_profile(step: Callable[[], None], steps: int = 3, rows: int = 2
     sort = "cuda_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages(group_by_input_shape=shapes).table(sort_by=sort, row_limit=rows,
                                                                max_name_column_width=70))
+    if trace is not None:
+        from trace_kernels import print_idle_gaps
+
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(trace)
+        print_idle_gaps(Path(trace), min_us=5.0, rows=25)
 
 
 def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor, position_ids: torch.Tensor,

@@ -105,6 +105,8 @@ def parse_args() -> argparse.Namespace:
                    help="with --fp8: fp8_wgrad=False (bf16 weight gradients) for the FP8 variants that honour it (the "
                         "delayed recipe, --fp8-param's FP8 parameters, the grouped GEMMs timed alone); torchao's "
                         "tensorwise/rowwise GEMMs refuse it and keep fp8_wgrad=True; the labels say which ran")
+    p.add_argument("--trace-dir", default=None,
+                   help="with --profile: write each profiled step's Chrome trace there and print the GPU's idle gaps")
     p.add_argument("--profile-shapes", action="store_true",
                    help="with --profile: list the eager ops per input shape (run without --compile-moe to see the "
                         "experts' casts)")
@@ -308,10 +310,17 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     if fp8 is not None and args.microbatches > 1:
         mfu = time_microbatches(args, ours, label, loss_fn)
         if args.profile:  # one step of N micro-batches (the cached weight operands at work), per micro-batch
-            print_kernel_profile(microbatch_step(args, ours, loss_fn), steps=1, rows=90, shapes=args.profile_shapes)
+            print_kernel_profile(microbatch_step(args, ours, loss_fn), steps=1, rows=90, shapes=args.profile_shapes,
+                                 trace=trace_path(args, "fp8" if fp8 else "bf16"))
     elif args.profile:
-        print_kernel_profile(lambda: loss_fn().backward(), steps=4, rows=90, shapes=args.profile_shapes)
+        print_kernel_profile(lambda: loss_fn().backward(), steps=4, rows=90, shapes=args.profile_shapes,
+                             trace=trace_path(args, "fp8" if fp8 else "bf16"))
     return mfu
+
+
+def trace_path(args: argparse.Namespace, name: str) -> str | None:
+    """Where ``--trace-dir`` puts the profiled step's Chrome trace (``None`` without it)."""
+    return None if args.trace_dir is None else f"{args.trace_dir}/moe_{name}.json"
 
 
 def print_host_syncs(step: Callable[[], None]) -> None:

@@ -6,6 +6,7 @@ the largest total, and each trace's sum. Kernels launched inside CUDA graphs are
 
     python3 benchmarks/trace_kernels.py DIR/full_step_bf16*.json DIR/full_step_fp8_param*.json --rows 60 --functors
     python3 benchmarks/trace_kernels.py DIR/full_step_fp8_param*.json --functors --launchers CUDAFunctor_add
+    python3 benchmarks/trace_kernels.py DIR/moe_fp8*.json --gaps 10    # where the GPU sat idle, and why
 """
 
 from __future__ import annotations
@@ -59,29 +60,70 @@ def short_name(name: str) -> str:
     return "".join(out)[:110]
 
 
+class _HostSide:
+    """The host's side of a trace: runtime calls by correlation id, CPU operators by thread."""
+
+    def __init__(self, events: list[dict]) -> None:
+        self.runtime = {e["args"]["correlation"]: e for e in events
+                        if e.get("cat") == "cuda_runtime" and e.get("ph") == "X" and "correlation" in e.get("args", {})}
+        self.operators: dict[tuple, list[dict]] = defaultdict(list)
+        for event in events:
+            if event.get("cat") in ("cpu_op", "user_annotation", "python_function") and event.get("ph") == "X":
+                self.operators[(event.get("pid"), event.get("tid"))].append(event)
+
+    def stack_at(self, thread: tuple, ts: float, depth: int) -> str:
+        """The innermost ``depth`` CPU operators (outermost first) running on ``thread`` at time ``ts``."""
+        around = sorted((op for op in self.operators[thread] if op["ts"] <= ts <= op["ts"] + op.get("dur", 0)),
+                        key=lambda op: op["ts"])
+        return " > ".join(op["name"][:60] for op in around[-depth:])
+
+    def launch_stack(self, kernel: dict, depth: int) -> str:
+        """The CPU operators around the runtime call that launched ``kernel``, and that call; ``?`` if unknown."""
+        launch = self.runtime.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            return "?"
+        return self.stack_at((launch.get("pid"), launch.get("tid")), launch["ts"], depth) + f" > {launch['name']}"
+
+
 def launchers(path: Path, pattern: str, functors: bool = False, depth: int = 4) -> dict[str, list[float]]:
     """Durations (us) of the kernels whose name (as :func:`kernel_times` gives it) contains ``pattern``, by the
     innermost ``depth`` CPU operators (outermost first) around the runtime call that launched each; a kernel
     replayed by a CUDA graph is under the graph launch."""
     events = _events(path)
-    runtime = {e["args"]["correlation"]: e for e in events
-               if e.get("cat") == "cuda_runtime" and e.get("ph") == "X" and "correlation" in e.get("args", {})}
-    operators: dict[tuple, list[dict]] = defaultdict(list)
-    for event in events:
-        if event.get("cat") in ("cpu_op", "user_annotation", "python_function") and event.get("ph") == "X":
-            operators[(event.get("pid"), event.get("tid"))].append(event)
+    host = _HostSide(events)
     times: dict[str, list[float]] = defaultdict(list)
     for event in events:
-        if not _is_kernel(event) or pattern not in kernel_name(event["name"], functors):
-            continue
-        launch = runtime.get(event.get("args", {}).get("correlation"))
-        stack = "?"
-        if launch is not None:
-            around = sorted((op for op in operators[(launch.get("pid"), launch.get("tid"))]
-                             if op["ts"] <= launch["ts"] <= op["ts"] + op.get("dur", 0)), key=lambda op: op["ts"])
-            stack = " > ".join(op["name"][:60] for op in around[-depth:]) + f" > {launch['name']}"
-        times[stack].append(float(event["dur"]))
+        if _is_kernel(event) and pattern in kernel_name(event["name"], functors):
+            times[host.launch_stack(event, depth)].append(float(event["dur"]))
     return times
+
+
+def _is_gpu_work(event: dict) -> bool:
+    return event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and event.get("ph") == "X"
+
+
+def idle_gaps(path: Path, min_us: float = 10.0, depth: int = 3) -> tuple[float, float, dict[str, list[float]]]:
+    """Where the GPU sat idle: ``(busy us, span us, gaps)`` of the trace at ``path``, ``gaps`` the idle intervals of at
+    least ``min_us`` (no kernel, copy or set running on any stream) by what the host was doing when the GPU went idle
+    and the CPU operators that launched the work ending the gap (``idle at: ... | resumed by: ...``)."""
+    events = _events(path)
+    work = sorted((e for e in events if _is_gpu_work(e)), key=lambda e: e["ts"])
+    host = _HostSide(events)
+    threads = sorted(host.operators, key=lambda thread: -len(host.operators[thread]))
+    busy, gaps = 0.0, defaultdict(list)
+    if not work:
+        return 0.0, 0.0, gaps
+    start, end = work[0]["ts"], work[0]["ts"] + work[0]["dur"]
+    for event in work[1:]:
+        if event["ts"] > end + min_us:
+            idle_at = host.stack_at(threads[0], end, depth) if threads else "?"
+            gaps[f"idle at: {idle_at} | resumed by: {host.launch_stack(event, depth)}"].append(event["ts"] - end)
+        if event["ts"] > end:
+            busy += end - start
+            start = event["ts"]
+        end = max(end, event["ts"] + event["dur"])
+    busy += end - start
+    return busy, end - work[0]["ts"], gaps
 
 
 def functor_of(name: str) -> str:
@@ -96,6 +138,16 @@ def functor_of(name: str) -> str:
     return ""
 
 
+def print_idle_gaps(path: Path, min_us: float, rows: int) -> None:
+    """Print :func:`idle_gaps` of one trace: busy and idle time, then the causes with the most idle time."""
+    busy, span, gaps = idle_gaps(path, min_us)
+    idle = sum(sum(v) for v in gaps.values())
+    print(f"{path.name}: GPU busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms; {sum(len(v) for v in gaps.values())} "
+          f"gaps of >= {min_us:g} us, {idle / 1e3:.2f} ms idle")
+    for cause, durations in sorted(gaps.items(), key=lambda item: -sum(item[1]))[:rows]:
+        print(f"  {len(durations)} gaps, {sum(durations) / 1e3:.2f} ms (max {max(durations):.0f} us): {cause}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=Path)
@@ -104,7 +156,13 @@ def main() -> None:
                         help="tell PyTorch's generic elementwise kernels apart by the functor they run")
     parser.add_argument("--launchers", default=None, metavar="PATTERN",
                         help="instead: the CPU operators that launched the kernels whose name contains PATTERN")
+    parser.add_argument("--gaps", type=float, default=None, metavar="US",
+                        help="instead: the GPU's idle gaps of at least US microseconds, by what the host was doing")
     args = parser.parse_args()
+    if args.gaps is not None:
+        for path in args.traces:
+            print_idle_gaps(path, args.gaps, args.rows)
+        return
     if args.launchers is not None:
         for path in args.traces:
             print(f"{path.name}: kernels matching {args.launchers!r} by launching CPU operators")

@@ -165,3 +165,104 @@ def test_gpu_per_expert_gemms_equal_the_grouped_kernel(monkeypatch, compiled):
     for want, got in zip(results["grouped"], results["per_expert"]):
         assert want.abs().max() > 0
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def _counting_host_reads(monkeypatch) -> list[torch.Tensor]:
+    copies = []
+    real_copy = expert_gemm_mode.group_ends_to_host
+    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host", lambda ends: copies.append(real_copy(ends)) or copies[-1])
+    return copies
+
+
+def test_a_known_host_copy_of_the_ends_is_not_read_again(reference_kernel, monkeypatch):
+    """Given the host ends (read once by the expert MLP for fc1 and fc2), the function reads none and its forward,
+    data-gradient and weight-gradient GEMMs take the copy it was given."""
+    copies, seen = _counting_host_reads(monkeypatch), []
+    for name in ("per_expert_mm", "per_expert_wgrad_mm"):
+        real_op = getattr(sgm, name)
+        monkeypatch.setattr(sgm, name, lambda *args, _op=real_op: seen.append(args[4]) or _op(*args))
+    expert_gemm_mode.set_fp8_expert_gemm("per_expert")
+    x, w, dy = _operands(3)
+    ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    host_ends = ends.clone()
+    out = sgm.ScaledGroupedMm.apply(x.requires_grad_(), w.requires_grad_(), ends, True, None, None, None, host_ends)
+    out.backward(dy)
+    assert copies == [] and len(seen) == 3 and all(arg is host_ends for arg in seen)
+
+
+def _fp8_experts_and_layout():
+    from tests.fp8.test_fp8_grouped_swiglu import _aligned_rows, _cpu_fp8_experts
+
+    experts = _cpu_fp8_experts()
+    x, layout, probs = _aligned_rows()
+    return experts, x, layout, probs
+
+
+def test_rows_for_gemms_reads_the_ends_once_in_per_expert_mode_only(monkeypatch):
+    monkeypatch.setattr(expert_gemm_mode, "_mode", None)
+    experts, _, layout, _ = _fp8_experts_and_layout()
+    fc1 = experts.linear_fc1
+    copies = _counting_host_reads(monkeypatch)
+    assert fc1.rows_for_gemms(layout) is layout  # emulated GEMMs read the counts themselves
+    fc1.float8_emulate = False
+    expert_gemm_mode.set_fp8_expert_gemm("grouped")
+    assert fc1.rows_for_gemms(layout) is layout and copies == []
+    expert_gemm_mode.set_fp8_expert_gemm("per_expert")
+    prepared = fc1.rows_for_gemms(layout)
+    assert len(copies) == 1 and prepared.host_ends is copies[0] and torch.equal(prepared.host_ends, layout.ends)
+    assert type(prepared) is type(layout) and prepared.index is layout.index and prepared.ends is layout.ends
+    assert fc1.rows_for_gemms(prepared) is prepared and len(copies) == 1  # read already: kept
+    assert fc1.rows_for_gemms([4, 0, 12]) == [4, 0, 12]  # host counts need no copy
+
+
+def test_the_expert_mlp_gives_fc1_and_fc2_one_host_copy(monkeypatch):
+    """``TEGroupedMLP`` asks fc1 once for the layout (``rows_for_gemms``) and hands the same one, carrying the one
+    host copy of the ends, to fc1 and fc2 (on CPU the GEMMs themselves run emulated)."""
+    monkeypatch.setattr(expert_gemm_mode, "_mode", None)
+    experts, x, layout, probs = _fp8_experts_and_layout()
+    want, _ = experts(x, layout, probs)
+    experts.linear_fc1.float8_emulate = False
+    copies, layouts = _counting_host_reads(monkeypatch), []
+    for layer in (experts.linear_fc1, experts.linear_fc2):
+        layer.register_forward_pre_hook(lambda module, args: layouts.append(args[1]))
+    expert_gemm_mode.set_fp8_expert_gemm("per_expert")
+    got, _ = experts(x, layout, probs)
+    assert len(copies) == 1 and len(layouts) == 2 and layouts[0] is layouts[1]
+    assert layouts[0].host_ends is copies[0] and torch.equal(copies[0], layout.ends)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fc1-swiglu-fused", "unfused"])
+def test_gpu_fp8_expert_mlp_reads_the_ends_once_per_expert(monkeypatch, fused):
+    """A Hopper FP8 ``TEGroupedMLP`` in ``per_expert`` mode reads the group ends to the host once per forward (fc1 and
+    fc2, forward and backward share the copy) and agrees with the grouped kernel."""
+    from tests.fp8.test_fp8_grouped_swiglu import _experts_step, _hopper
+
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    pytest.importorskip("torchao.float8")
+    from megatron_core.fp8 import convert_to_float8, grouped_swiglu
+    from tests.transformer.moe.moe_parallel_utils import build
+
+    monkeypatch.setattr(expert_gemm_mode, "_mode", None)
+    monkeypatch.setattr(grouped_swiglu, "FUSED_WEIGHTED_SWIGLU", fused)
+    torch.manual_seed(0)
+    model = build("mixtral", moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="tensorwise").cuda().bfloat16()
+    convert_to_float8(model)
+    experts = model.decoder.layers[0].mlp.experts
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tokens_per_expert = torch.tensor([16, 0, 40, 8], device="cuda")
+    rows = int(tokens_per_expert.sum())
+    x = torch.randn(rows, 16, device="cuda", generator=gen).to(torch.bfloat16)
+    probs = torch.rand(rows, device="cuda", generator=gen)
+    grad = torch.randn(rows, 16, device="cuda", generator=gen).to(torch.bfloat16)
+    expert_gemm_mode.set_fp8_expert_gemm("grouped")
+    grouped = _experts_step(experts, x, tokens_per_expert, probs, grad)
+    copies = _counting_host_reads(monkeypatch)
+    expert_gemm_mode.set_fp8_expert_gemm("per_expert")
+    per_expert = _experts_step(experts, x, tokens_per_expert, probs, grad)
+    assert len(copies) == 1
+    for got, want in zip(per_expert, grouped):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)

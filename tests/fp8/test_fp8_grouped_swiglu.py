@@ -244,7 +244,7 @@ def test_experts_call_fc1_through_the_module_with_the_fused_activation(monkeypat
                                                  with_kwargs=True)
     monkeypatch.setattr(type(experts.linear_fc1), "fuses_weighted_swiglu", lambda self, t, counts: True)
     monkeypatch.setattr(grouped_layers, "fp8_grouped_gemm_weighted_swiglu",
-                        lambda x, weight, ends, probs, fp8_wgrad, weight_codes: weighted_swiglu(
+                        lambda x, weight, ends, probs, fp8_wgrad, weight_codes, host_ends: weighted_swiglu(
                             fp8_grouped_gemm(x, weight, ends=ends, emulate=True, fp8_wgrad=fp8_wgrad), probs))
     fused = step()
     assert seen == [["weighted_swiglu_probs"]]

@@ -57,3 +57,11 @@ def test_launchers_name_the_cpu_operators_around_the_launch(tmp_path: Path) -> N
     trace = _trace(tmp_path / "t.json")
     stacks = trace_kernels.launchers(trace, "CUDAFunctor_add", functors=True)
     assert dict(stacks) == {"outer > aten::add_ > cudaLaunchKernel": [23.0]}
+
+
+def test_idle_gaps_name_what_the_host_did_and_what_resumed_the_gpu(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.json")
+    busy, span, gaps = trace_kernels.idle_gaps(trace, min_us=10)
+    assert (busy, span) == (28.0, 205.0)
+    assert dict(gaps) == {"idle at: outer | resumed by: aten::fill_ > cudaLaunchKernel": [177.0]}
+    assert dict(trace_kernels.idle_gaps(trace, min_us=200)[2]) == {}

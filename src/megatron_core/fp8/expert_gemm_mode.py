@@ -12,7 +12,8 @@ from the group ends on the host and write every expert's result into one output:
   keeps that grouped kernel.)
 
 The mode is read once per grouped layer and micro-batch, in the forward (:func:`per_expert_host_ends`): in
-``per_expert`` mode that reads the ends to the host, and the host copy, saved for the backward, makes the layer's
+``per_expert`` mode that reads the ends to the host (once per expert MLP: fc1 reads them for fc2 too, and the
+layout carries the copy, ``AlignedRows.host_ends``), and the host copy, saved for the backward, makes the layer's
 forward, data-gradient and weight-gradient GEMMs per-expert ones.
 
 On an H100 at Mixtral 8x7B's expert shapes the forward and data-gradient GEMMs took 0-17% less time than the grouped
@@ -85,10 +86,13 @@ def _(ends: torch.Tensor) -> torch.Tensor:
     return torch.empty(ends.shape, dtype=ends.dtype, device="cpu")
 
 
-def per_expert_host_ends(ends: torch.Tensor) -> torch.Tensor | None:
+def per_expert_host_ends(ends: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor | None:
     """In ``per_expert`` mode the host copy of ``ends`` that a grouped layer's per-expert GEMMs share (forward and
-    backward); ``None`` in ``grouped`` mode."""
-    return group_ends_to_host(ends) if fp8_expert_gemm() == "per_expert" else None
+    backward): ``known`` where the caller read it already (one read for an expert MLP's fc1 and fc2,
+    ``AlignedRows.host_ends``), else read here; ``None`` in ``grouped`` mode."""
+    if fp8_expert_gemm() != "per_expert":
+        return None
+    return group_ends_to_host(ends) if known is None else known
 
 
 def _expert_rows(ends: torch.Tensor) -> Iterator[tuple[int, int, int]]:

@@ -148,13 +148,14 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, w_scale: torch.Tensor,
                 main_grad: torch.Tensor | None = None, placeholder: str | None = None,
-                fp8_wgrad: bool = True, w_codes_t: torch.Tensor | None = None) -> torch.Tensor:
+                fp8_wgrad: bool = True, w_codes_t: torch.Tensor | None = None,
+                host_ends: torch.Tensor | None = None) -> torch.Tensor:
         """The forward GEMM with the stored codes and their dequantizing scales."""
         w_dequant = w_scale.detach().reciprocal().view(weight.shape[:-1])
         _save_main_grad(ctx, weight, main_grad, placeholder)
         ctx.fp8_wgrad = fp8_wgrad
         x = shared_kernel_input(x)  # the row-wise cast now and the column-wise one for the weight gradient
-        host_ends = per_expert_host_ends(ends)  # per_expert mode: read once, for the forward and the backward
+        host_ends = per_expert_host_ends(ends, host_ends)  # per_expert mode: for the forward and the backward
         ctx.save_for_backward(x, weight, w_dequant, ends, w_codes_t, host_ends)
         return forward_gemm(x, weight.detach(), w_dequant, ends, host_ends)
 
@@ -177,12 +178,13 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
                 grad_w = _weight_grad_after_main_grad(weight, ctx.placeholder)
             else:
                 grad_w = _accumulate(weight, main_grad, wgrad_gemm(grad, x, ends, host_ends), ctx.placeholder)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def fp8_param_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
                            ends: torch.Tensor | None = None, emulate: bool = False,
-                           fp8_wgrad: bool = True, weight_t: torch.Tensor | None = None) -> torch.Tensor:
+                           fp8_wgrad: bool = True, weight_t: torch.Tensor | None = None,
+                           host_ends: torch.Tensor | None = None) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` for an FP8 expert parameter ``weight`` (row-wise scales), differentiable, its
     gradient added to ``weight.main_grad``.
 
@@ -190,7 +192,8 @@ def fp8_param_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[i
     on a Hopper GPU with bf16 ``x`` (unless ``emulate``) every group starts at a multiple of 16 rows.
     ``fp8_wgrad=False``: the weight gradient in high precision from the unquantized ``dy`` and ``x``. ``weight_t``:
     the stored codes transposed (``[E, in, out]``), cached for a step's micro-batches
-    (:mod:`megatron_core.fp8.grouped_weight_cache`); else the backward transposes them.
+    (:mod:`megatron_core.fp8.grouped_weight_cache`); else the backward transposes them. ``host_ends``: the host copy
+    of ``ends`` where the caller read it already (``per_expert`` GEMM mode).
     """
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"fp8_param_grouped_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be "
@@ -205,4 +208,4 @@ def fp8_param_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[i
                                                  fp8_wgrad, weight_t)
     ends = device_ends("fp8_param_grouped_gemm", x, weight, counts, ends)
     return ScaledGroupedMmFp8Param.apply(x.contiguous(), weight, ends, weight.fp8_scale, main_grad, placeholder,
-                                         fp8_wgrad, weight_t)
+                                         fp8_wgrad, weight_t, host_ends)

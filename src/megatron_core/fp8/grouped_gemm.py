@@ -151,7 +151,8 @@ def device_ends(caller: str, x: torch.Tensor, weight: torch.Tensor, counts: list
 
 def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
                      ends: torch.Tensor | None = None, emulate: bool = False, fp8_wgrad: bool = True,
-                     weight_codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     weight_codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     host_ends: torch.Tensor | None = None) -> torch.Tensor:
     """``cat_e(x_e @ weight[e].T)`` with FP8 operands (e4m3, row-wise scales), differentiable.
 
     ``x [N, in]`` rows grouped by expert, ``weight [E, out, in]``. The groups are given as host
@@ -162,7 +163,8 @@ def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | 
     constant, fixed when a compiled graph is traced). ``weight_codes``: ``weight``'s e4m3 codes ``[E, out, in]``,
     their dequantizing scales ``[E, out]`` and the codes transposed ``[E, in, out]``, made beforehand from ``weight``
     (:mod:`megatron_core.fp8.grouped_weight_cache` keeps them for a step's micro-batches); the GEMMs read them
-    instead of casting ``weight``, whose gradient is computed as without them.
+    instead of casting ``weight``, whose gradient is computed as without them. ``host_ends``: the host copy of
+    ``ends`` where the caller read it already (the ``per_expert`` GEMM mode, :mod:`megatron_core.fp8.expert_gemm_mode`).
     """
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"fp8_grouped_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [N, in] and "
@@ -172,4 +174,4 @@ def fp8_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | 
         return EmulatedFp8GroupedGemm.apply(x, weight, host_counts("fp8_grouped_gemm", x, counts, ends), fp8_wgrad,
                                             *cached)
     return ScaledGroupedMm.apply(x.contiguous(), weight, device_ends("fp8_grouped_gemm", x, weight, counts, ends),
-                                 fp8_wgrad, *cached)
+                                 fp8_wgrad, *cached, host_ends)

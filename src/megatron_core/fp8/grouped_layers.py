@@ -26,6 +26,7 @@ from megatron_core.distributed.fp8_params import (
     dequantize_fp8_tensor,
     is_fp8_param,
 )
+from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends
 from megatron_core.fp8.fp8_param_grouped import fp8_param_grouped_gemm
 from megatron_core.fp8.fp8_param_module import apply_keeping_fp8_params
 from megatron_core.fp8.grouped_gemm import ROW_ALIGN, fp8_grouped_gemm
@@ -54,7 +55,7 @@ def _fp8_gemm(layer: torch.nn.Module, x: torch.Tensor, tokens_per_expert: list[i
     options["fp8_wgrad"] = bool(layer.float8_wgrad)
     if isinstance(tokens_per_expert, AlignedRows):
         if not emulate:
-            return gemm(x, layer.weight, ends=tokens_per_expert.ends, **options)
+            return gemm(x, layer.weight, ends=tokens_per_expert.ends, host_ends=tokens_per_expert.host_ends, **options)
         tokens_per_expert = counts_to_host(tokens_per_expert.counts, "the FP8 experts' emulated GEMM")
     counts = list(tokens_per_expert)
     if emulate:
@@ -76,6 +77,16 @@ class _Fp8ParamGroupedMixin:
     def allocate_weight_caches(self) -> None:
         """Give the weight its FP8 operand cache (see :mod:`megatron_core.fp8.grouped_weight_cache`)."""
         allocate_grouped_weight_caches(self)
+
+    def rows_for_gemms(self, tokens_per_expert: list[int] | AlignedRows) -> list[int] | AlignedRows:
+        """The group layout for this layer's GEMMs and the expert MLP's others: in the ``per_expert`` GEMM mode
+        (:mod:`megatron_core.fp8.expert_gemm_mode`) an ``AlignedRows`` carrying the host copy of its group ends, read
+        here once for fc1 and fc2, forward and backward; otherwise (emulated GEMMs included) ``tokens_per_expert``."""
+        if (not isinstance(tokens_per_expert, AlignedRows) or tokens_per_expert.host_ends is not None
+                or self.float8_emulate):
+            return tokens_per_expert
+        host_ends = per_expert_host_ends(tokens_per_expert.ends)
+        return tokens_per_expert if host_ends is None else tokens_per_expert.with_host_ends(host_ends)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """The parent's ``_apply``, an FP8 weight keeping its bytes (see ``apply_keeping_fp8_params``)."""
@@ -140,7 +151,8 @@ class Float8ColumnParallelGroupedLinear(_Fp8ParamGroupedMixin, ColumnParallelGro
                              "fuses_weighted_swiglu says when)")
         output = fp8_grouped_gemm_weighted_swiglu(x, self.weight, tokens_per_expert.ends, weighted_swiglu_probs,
                                                   fp8_wgrad=bool(self.float8_wgrad),
-                                                  weight_codes=cached_grouped_weight_operands(self))
+                                                  weight_codes=cached_grouped_weight_operands(self),
+                                                  host_ends=tokens_per_expert.host_ends)
         return output, None
 
 

@@ -59,12 +59,12 @@ class ScaledGroupedMmWeightedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, probs: torch.Tensor,
                 fp8_wgrad: bool = True, w_codes: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                w_codes_t: torch.Tensor | None = None) -> torch.Tensor:
+                w_codes_t: torch.Tensor | None = None, host_ends: torch.Tensor | None = None) -> torch.Tensor:
         """fc1's FP8 GEMM, then the weighted SwiGLU of its output."""
         if w_codes is None:
             w_codes, w_scale = quantize_weight_rowwise(weight)
         x = shared_kernel_input(x)  # the row-wise cast now and the column-wise one for the weight gradient
-        host_ends = per_expert_host_ends(ends)
+        host_ends = per_expert_host_ends(ends, host_ends)
         h = forward_gemm(x, w_codes, w_scale, ends, host_ends)
         ctx.save_for_backward(x, w_codes, w_scale, ends, w_codes_t, host_ends, h, probs)
         ctx.weight_dtype, ctx.fp8_wgrad = weight.dtype, fp8_wgrad
@@ -83,19 +83,21 @@ class ScaledGroupedMmWeightedSwiGLU(torch.autograd.Function):
             grad_x = dgrad_gemm_from_codes(dh_codes, dh_scale, w_codes, ends, x.dtype, w_codes_t, host_ends)
         if ctx.needs_input_grad[1]:
             grad_w = weight_grad(grad_h, x, ends, host_ends, ctx.fp8_wgrad, ctx.weight_dtype)
-        return grad_x, grad_w, None, grad_probs, None, None, None, None
+        return grad_x, grad_w, None, grad_probs, None, None, None, None, None
 
 
 def fp8_grouped_gemm_weighted_swiglu(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, probs: torch.Tensor,
                                      fp8_wgrad: bool = True,
-                                     weight_codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                                     ) -> torch.Tensor:
+                                     weight_codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                                     host_ends: torch.Tensor | None = None) -> torch.Tensor:
     """``weighted_swiglu(fp8_grouped_gemm(x, weight, ends=ends), probs)`` as one function (see the module), for
     ``x [rows, in]`` bf16 whose groups (device int32 ``ends``) start at multiples of 16 rows, ``weight [E, 2F, in]``
-    and ``probs [rows, 1]``; ``fp8_wgrad`` and ``weight_codes`` as :func:`~megatron_core.fp8.grouped_gemm.fp8_grouped_gemm`'s.
+    and ``probs [rows, 1]``; ``fp8_wgrad``, ``weight_codes`` and ``host_ends`` as
+    :func:`~megatron_core.fp8.grouped_gemm.fp8_grouped_gemm`'s.
     Callers check :func:`fused_weighted_swiglu_serves` first."""
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2] or probs.shape != (x.shape[0], 1):
         raise ValueError(f"fp8_grouped_gemm_weighted_swiglu: x {tuple(x.shape)}, weight {tuple(weight.shape)} and "
                          f"probs {tuple(probs.shape)} must be [N, in], [E, 2F, in] and [N, 1]")
     cached = weight_codes or (None, None, None)
-    return ScaledGroupedMmWeightedSwiGLU.apply(x.contiguous(), weight, ends, probs.contiguous(), fp8_wgrad, *cached)
+    return ScaledGroupedMmWeightedSwiGLU.apply(x.contiguous(), weight, ends, probs.contiguous(), fp8_wgrad, *cached,
+                                               host_ends)

@@ -196,18 +196,19 @@ class ScaledGroupedMm(torch.autograd.Function):
     (each a multiple of 16, the last ``M``). ``w_codes``, ``w_scale``, ``w_codes_t``: the weight's codes, their
     dequantizing scales ``[E, out]`` and transposed codes ``[E, in, out]`` made beforehand (cached across a step's
     micro-batches, :mod:`megatron_core.fp8.grouped_weight_cache`); without them the weight is cast here and its
-    codes transposed in the backward. Callers check :func:`scaled_grouped_mm_supported` first.
+    codes transposed in the backward. ``host_ends``: the host copy of ``ends`` where the caller read it already
+    (``per_expert`` mode). Callers check :func:`scaled_grouped_mm_supported` first.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
                 fp8_wgrad: bool = True, w_codes: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                w_codes_t: torch.Tensor | None = None) -> torch.Tensor:
+                w_codes_t: torch.Tensor | None = None, host_ends: torch.Tensor | None = None) -> torch.Tensor:
         """The forward GEMM: rows of ``x`` and each expert's output features scaled separately."""
         if w_codes is None:
             w_codes, w_scale = quantize_weight_rowwise(weight)
         x = shared_kernel_input(x)  # the row-wise cast now and the column-wise one for the weight gradient
-        host_ends = per_expert_host_ends(ends)  # per_expert mode: read once, for the forward and the backward
+        host_ends = per_expert_host_ends(ends, host_ends)  # per_expert mode: for the forward and the backward
         ctx.save_for_backward(x, w_codes, w_scale, ends, w_codes_t, host_ends)
         ctx.weight_dtype, ctx.fp8_wgrad = weight.dtype, fp8_wgrad
         return forward_gemm(x, w_codes, w_scale, ends, host_ends)
@@ -223,4 +224,4 @@ class ScaledGroupedMm(torch.autograd.Function):
             grad_x = dgrad_gemm(grad, w_codes, w_scale, ends, x.dtype, w_codes_t, host_ends)
         if ctx.needs_input_grad[1]:
             grad_w = weight_grad(grad, x, ends, host_ends, ctx.fp8_wgrad, ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None

@@ -233,6 +233,7 @@ class TEGroupedMLP(MegatronModule):
                 x, counts, index = pad_expert_rows(x, counts)
                 if index is not None:
                     permuted_probs = permuted_probs.new_zeros(x.shape[0]).index_copy(0, index, permuted_probs)
+        counts = self._rows_for_gemms(counts)
         probs = permuted_probs.unsqueeze(-1)
         if self.config.moe_apply_probs_on_input:
             x = (probs * x).to(x.dtype)
@@ -263,6 +264,12 @@ class TEGroupedMLP(MegatronModule):
             per_row = bias.repeat_interleave(count_tensor, dim=0, output_size=output.shape[0])
             output = output + (per_row * probs).to(output.dtype)
         return output if index is None else unpad_expert_rows(output, index)
+
+    def _rows_for_gemms(self, counts: Any) -> Any:
+        """``counts`` as fc1 prepares them for both GEMMs (``rows_for_gemms``: FP8 experts with per-expert GEMMs read
+        the group ends to the host once for fc1 and fc2), else as given."""
+        prepare = getattr(self.linear_fc1, "rows_for_gemms", None)
+        return counts if prepare is None else prepare(counts)
 
     def _fc1_fuses_weighted_activation(self, x: torch.Tensor, counts: Any) -> bool:
         """Whether fc1 applies ``p * swiglu(.)`` to its output itself (``linear_fc1(x, counts,

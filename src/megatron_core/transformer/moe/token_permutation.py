@@ -63,12 +63,19 @@ class AlignedRows:
 
     ``counts [E]``: each group's rows, padding included (the last group also holds the slack up to
     ``total_rows``); ``ends [E]`` (int32): the groups' end offsets, as the grouped-GEMM kernel takes them;
-    ``total_rows``: the static row count, ``N + E * (alignment - 1)`` rounded up to the alignment.
+    ``total_rows``: the static row count, ``N + E * (alignment - 1)`` rounded up to the alignment; ``host_ends``: a
+    host copy of ``ends`` where a consumer that needs one read it once for every GEMM of the layout
+    (:meth:`with_host_ends`; FP8 experts with per-expert GEMMs), else ``None``.
     """
 
     counts: torch.Tensor
     ends: torch.Tensor
     total_rows: int
+    host_ends: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
+
+    def with_host_ends(self, host_ends: torch.Tensor | None) -> AlignedRows:
+        """This layout carrying ``host_ends`` (the host copy of ``ends``) for the GEMMs that take it."""
+        return dataclasses.replace(self, host_ends=host_ends)
 
 
 def aligned_group_starts(counts: torch.Tensor, num_rows: int, alignment: int
