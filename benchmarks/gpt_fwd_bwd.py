@@ -197,6 +197,8 @@ def print_kernel_profile(step: Callable[[], None], steps: int = 3, rows: int = 2
     if trace is not None:
         from trace_kernels import print_idle_gaps
 
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+
         Path(trace).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(trace)
         print_idle_gaps(Path(trace), min_us=5.0, rows=25)

@@ -61,28 +61,39 @@ def short_name(name: str) -> str:
 
 
 class _HostSide:
-    """The host's side of a trace: runtime calls by correlation id, CPU operators by thread."""
+    """The host's side of a trace: runtime and driver calls (Triton launches through the driver) by correlation id,
+    CPU operators by thread."""
 
     def __init__(self, events: list[dict]) -> None:
         self.runtime = {e["args"]["correlation"]: e for e in events
-                        if e.get("cat") == "cuda_runtime" and e.get("ph") == "X" and "correlation" in e.get("args", {})}
+                        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"
+                        and "correlation" in e.get("args", {})}
         self.operators: dict[tuple, list[dict]] = defaultdict(list)
         for event in events:
             if event.get("cat") in ("cpu_op", "user_annotation", "python_function") and event.get("ph") == "X":
                 self.operators[(event.get("pid"), event.get("tid"))].append(event)
 
-    def stack_at(self, thread: tuple, ts: float, depth: int) -> str:
-        """The innermost ``depth`` CPU operators (outermost first) running on ``thread`` at time ``ts``."""
+    def stack_at(self, thread: tuple, ts: float, depth: int, outermost: bool = False) -> str:
+        """The innermost ``depth`` CPU operators (outermost first) running on ``thread`` at time ``ts``; with
+        ``outermost`` the outermost one first where it is not among them."""
         around = sorted((op for op in self.operators[thread] if op["ts"] <= ts <= op["ts"] + op.get("dur", 0)),
                         key=lambda op: op["ts"])
-        return " > ".join(op["name"][:60] for op in around[-depth:])
+        names = [op["name"][:60] for op in around[-depth:]]
+        if outermost and len(around) > depth:
+            names = [around[0]["name"][:40], "..."] + names
+        return " > ".join(names)
 
-    def launch_stack(self, kernel: dict, depth: int) -> str:
-        """The CPU operators around the runtime call that launched ``kernel``, and that call; ``?`` if unknown."""
-        launch = self.runtime.get(kernel.get("args", {}).get("correlation"))
+    def launch(self, kernel: dict) -> dict | None:
+        """The runtime or driver call that launched ``kernel``, if the trace has it."""
+        return self.runtime.get(kernel.get("args", {}).get("correlation"))
+
+    def launch_stack(self, kernel: dict, depth: int, outermost: bool = False) -> str:
+        """The CPU operators around the call that launched ``kernel``, and that call; ``?`` if unknown."""
+        launch = self.launch(kernel)
         if launch is None:
             return "?"
-        return self.stack_at((launch.get("pid"), launch.get("tid")), launch["ts"], depth) + f" > {launch['name']}"
+        thread = (launch.get("pid"), launch.get("tid"))
+        return self.stack_at(thread, launch["ts"], depth, outermost) + f" > {launch['name']}"
 
 
 def launchers(path: Path, pattern: str, functors: bool = False, depth: int = 4) -> dict[str, list[float]]:
@@ -116,8 +127,11 @@ def idle_gaps(path: Path, min_us: float = 10.0, depth: int = 3) -> tuple[float, 
     start, end = work[0]["ts"], work[0]["ts"] + work[0]["dur"]
     for event in work[1:]:
         if event["ts"] > end + min_us:
-            idle_at = host.stack_at(threads[0], end, depth) if threads else "?"
-            gaps[f"idle at: {idle_at} | resumed by: {host.launch_stack(event, depth)}"].append(event["ts"] - end)
+            launch = host.launch(event)
+            thread = (launch.get("pid"), launch.get("tid")) if launch else threads[0] if threads else None
+            idle_at = host.stack_at(thread, end, depth, outermost=True) if thread else "?"
+            resumed = host.launch_stack(event, depth)
+            gaps[f"idle at: {idle_at} | resumed by: {resumed}"].append(event["ts"] - end)
         if event["ts"] > end:
             busy += end - start
             start = event["ts"]
