@@ -64,7 +64,7 @@ class _Plan:
     ``out``; ``A``'s outer-vector scales are ``b_scale``, ``B``'s are ``a_scale``."""
 
     def __init__(self, device: int, rows: int, cols: int, k: int, lda: int, ldb: int, out_dtype: torch.dtype,
-                 workspace_bytes: int) -> None:
+                 workspace_bytes: int, scale_pointers: tuple[int, int]) -> None:
         lib = _library()
         self.lib, self.handle, self.workspace_bytes = lib, _handle(device), workspace_bytes
         self.desc = ctypes.c_void_p()
@@ -79,10 +79,24 @@ class _Plan:
         self.layout_b = self._layout(fp8, k, rows, lda)
         self.layout_c = self._layout(_CUDA_TYPES[out_dtype], cols, rows, cols)
         self.rows, self.k = rows, k
+        self._set_scales(*scale_pointers)  # cuBLASLt's heuristic checks the scale vectors' pointers too
+        self.algo, self.heuristic = None, []  # what the heuristic answered, for diagnosis
+        for alignment in (_ALIGN_BYTES, None):  # without stating the alignment if cuBLASLt offers nothing with it
+            self.algo = self._choose_algorithm(alignment)
+            if self.algo is not None:
+                break
+        self.last_status = None
+        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def _choose_algorithm(self, alignment: int | None) -> Any:
+        """cuBLASLt's first choice for the plan's shape (with the operands' alignment stated, unless ``None``), or
+        ``None``; ``(alignment, status, found, state)`` appended to ``self.heuristic``."""
+        lib = self.lib
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        settings = [(_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(workspace_bytes))]
-        settings += [(attr, ctypes.c_uint32(_ALIGN_BYTES)) for attr in _PREF_MIN_ALIGNMENT_BYTES]
+        settings = [(_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(self.workspace_bytes))]
+        if alignment is not None:
+            settings += [(attr, ctypes.c_uint32(alignment)) for attr in _PREF_MIN_ALIGNMENT_BYTES]
         for attr, value in settings:
             _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(value), ctypes.sizeof(value)),
                    "cublasLtMatmulPreferenceSetAttribute")
@@ -90,9 +104,16 @@ class _Plan:
         status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.layout_a, self.layout_b,
                                                     self.layout_c, self.layout_c, pref, 1, ctypes.byref(result),
                                                     ctypes.byref(found))
-        self.algo = ctypes.byref(result.algo) if status == 0 and found.value > 0 and result.state == 0 else None
+        self.heuristic.append((alignment, status, found.value, result.state))
+        if status != 0 or found.value == 0 or result.state != 0:
+            return None
         self._result = result  # keeps the algorithm's memory alive
-        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        return ctypes.byref(result.algo)
+
+    def _set_scales(self, a_scale_pointer: int, b_scale_pointer: int) -> None:
+        """cuBLASLt's ``A`` scales are ``b_scale``, its ``B`` scales ``a_scale``."""
+        self._set(_DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale_pointer))
+        self._set(_DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale_pointer))
 
     def _set(self, attr: int, value: Any) -> None:
         _check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
@@ -120,9 +141,8 @@ class _Plan:
         if k != self.k:  # the contraction: rows of cuBLASLt's A and B
             self._resize((self.layout_a, self.layout_b), _LAYOUT_ROWS, k)
             self.k = k
-        self._set(_DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale.data_ptr()))
-        self._set(_DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale.data_ptr()))
-        status = self.lib.cublasLtMatmul(
+        self._set_scales(a_scale.data_ptr(), b_scale.data_ptr())
+        status = self.last_status = self.lib.cublasLtMatmul(
             self.handle, self.desc, ctypes.byref(self._one), b_t.data_ptr(), self.layout_a, a.data_ptr(),
             self.layout_b, ctypes.byref(self._zero), out.data_ptr(), self.layout_c, out.data_ptr(), self.layout_c,
             self.algo, workspace, self.workspace_bytes if workspace else 0, stream)
@@ -167,7 +187,7 @@ def rowwise_scaled_mm_(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(device, key[1], cols, key[3], a.stride(0), b_t.stride(0), out.dtype,
-                                   _WORKSPACE_BYTES if workspace else 0)
+                                   _WORKSPACE_BYTES if workspace else 0, (a_scale.data_ptr(), b_scale.data_ptr()))
     if plan.algo is None:
         return False
     return plan.run(out, a, a_scale, b_t, b_scale, workspace, stream)
