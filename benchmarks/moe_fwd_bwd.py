@@ -50,7 +50,7 @@ from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd be
 
 from megatron_core import device as mdevice
 from megatron_core import tensor_parallel
-from megatron_core.fp8 import convert_to_float8, cublaslt_rowwise, fp8_grouped_gemm, grouped_swiglu
+from megatron_core.fp8 import convert_to_float8, fp8_grouped_gemm, grouped_swiglu
 from megatron_core.fp8.expert_gemm_mode import EXPERT_GEMM_MODES, set_fp8_expert_gemm
 from megatron_core.models.gpt import GPTModel
 from megatron_core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -113,8 +113,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fp8-expert-gemm", choices=EXPERT_GEMM_MODES, default=None,
                    help="the FP8 experts' forward and data-gradient GEMMs: one grouped GEMM (default) or one "
                         "torch._scaled_mm per expert (megatron_core.fp8.expert_gemm_mode)")
-    p.add_argument("--fp8-torch-scaled-mm", action="store_true",
-                   help="per-expert FP8 GEMMs through torch._scaled_mm instead of the library's cuBLASLt plans")
     p.add_argument("--fp8-unfused-swiglu", action="store_true",
                    help="FP8 experts: fc1 and the weighted SwiGLU as two autograd functions (grouped_swiglu."
                         "FUSED_WEIGHTED_SWIGLU = False), dh read again for fc1's data-gradient cast")
@@ -301,9 +299,6 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     if fp8 is not None and args.fp8_expert_gemm:
         set_fp8_expert_gemm(args.fp8_expert_gemm)
         label += f" experts {args.fp8_expert_gemm}"
-    if fp8 is not None and args.fp8_torch_scaled_mm:
-        cublaslt_rowwise.ENABLED = False
-        label += " torch._scaled_mm"
     if fp8 is not None and args.fp8_unfused_swiglu:
         grouped_swiglu.FUSED_WEIGHTED_SWIGLU = False
         label += " fc1 and SwiGLU unfused"

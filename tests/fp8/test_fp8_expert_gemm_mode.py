@@ -168,18 +168,9 @@ def test_gpu_per_expert_gemms_equal_the_grouped_kernel(monkeypatch, compiled):
 
 
 def _counting_host_reads(monkeypatch) -> list[torch.Tensor]:
-    """Record every host copy of the group ends made (by the functions or by fc1 for the expert MLP)."""
-    from megatron_core.fp8 import grouped_layers
-
     copies = []
     real_copy = expert_gemm_mode.group_ends_to_host
-
-    def counting(ends: torch.Tensor) -> torch.Tensor:
-        copies.append(real_copy(ends))
-        return copies[-1]
-
-    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host", counting)
-    monkeypatch.setattr(grouped_layers, "group_ends_to_host", counting)
+    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host", lambda ends: copies.append(real_copy(ends)) or copies[-1])
     return copies
 
 
@@ -275,28 +266,3 @@ def test_gpu_fp8_expert_mlp_reads_the_ends_once_per_expert(monkeypatch, fused):
     for got, want in zip(per_expert, grouped):
         assert want.abs().max() > 0
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
-
-
-def test_per_expert_fc1_mode_runs_fc1_per_expert_and_fc2_grouped(monkeypatch):
-    """``per_expert_fc1``: fc1 reads the ends once and its GEMMs take the copy; fc2 gets the same layout but its
-    GEMMs the grouped kernel (no host ends); a function called without a copy runs grouped (reads nothing)."""
-    from megatron_core.fp8 import grouped_layers
-
-    monkeypatch.setattr(expert_gemm_mode, "_mode", None)
-    experts, _, layout, _ = _fp8_experts_and_layout()
-    fc1, fc2 = experts.linear_fc1, experts.linear_fc2
-    fc1.float8_emulate = False
-    copies = _counting_host_reads(monkeypatch)
-    expert_gemm_mode.set_fp8_expert_gemm("per_expert_fc1")
-    assert expert_gemm_mode.per_expert_gemms("fc1") and not expert_gemm_mode.per_expert_gemms("fc2")
-    prepared = fc1.rows_for_gemms(layout)
-    assert len(copies) == 1 and prepared.host_ends is copies[0]
-    assert grouped_layers._host_ends(fc1, prepared) is copies[0]
-    assert grouped_layers._host_ends(fc2, prepared) is None
-    assert expert_gemm_mode.per_expert_host_ends(layout.ends) is None and len(copies) == 1
-    assert expert_gemm_mode.per_expert_host_ends(layout.ends, copies[0]) is copies[0]
-    expert_gemm_mode.set_fp8_expert_gemm("per_expert")
-    assert grouped_layers._host_ends(fc2, prepared) is copies[0]
-    expert_gemm_mode.set_fp8_expert_gemm("grouped")
-    assert expert_gemm_mode.per_expert_host_ends(layout.ends, copies[0]) is None
-    assert fc1.rows_for_gemms(layout) is layout and len(copies) == 1

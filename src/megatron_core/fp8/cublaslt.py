@@ -104,7 +104,6 @@ def _declare(lib: Any) -> None:
         "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int],
         "cublasLtMatmulDescSetAttribute": [vp, ctypes.c_int, vp, sz],
         "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), ctypes.c_int, u64, u64, i64],
-        "cublasLtMatrixLayoutSetAttribute": [vp, ctypes.c_int, vp, sz],
         "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
         "cublasLtMatmulPreferenceSetAttribute": [vp, ctypes.c_int, vp, sz],
         "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, ctypes.c_int,

@@ -2,9 +2,7 @@
 
 ``grouped`` (the default): ``torch._scaled_grouped_mm`` over all experts, the group offsets on the device (no host
 sync). ``per_expert``: one ``torch._scaled_mm`` per expert with rows, inside opaque ops that size each expert's GEMM
-from the group ends on the host and write every expert's result into one output. ``per_expert_fc1``: fc1's GEMMs
-per expert, fc2's grouped (fc2's smaller GEMMs gain least from the per-expert kernels, and each per-expert GEMM
-costs the host a launch: where the step waits for the host, fewer launches win). The per-expert ops:
+from the group ends on the host and write every expert's result into one output:
 
 - ``megatron_core::fp8_per_expert_mm`` for the forward and the data gradient (each expert's rows of ``a``);
 - ``megatron_core::fp8_per_expert_wgrad_mm`` for the weight gradient, whose contraction is each expert's rows: its
@@ -13,13 +11,10 @@ costs the host a launch: where the step waits for the host, fewer launches win).
   parameter whose weight gradient is accumulated into ``main_grad`` inside the GEMM, ``ACCUMULATE_WGRAD_IN_GEMM``,
   keeps that grouped kernel.)
 
-On Hopper each expert's GEMM goes to cuBLASLt through :mod:`megatron_core.fp8.cublaslt_rowwise` (plans kept per shape
-class: far less host time per GEMM than ``torch._scaled_mm``, which the same kernels serve otherwise).
-
-The mode is read once per grouped layer and micro-batch, in the forward: an expert MLP's fc1 reads the ends to the
-host once for fc1 and fc2 (the layout carries the copy, ``AlignedRows.host_ends``), and a layer given the copy
-(:func:`per_expert_gemms`, :func:`per_expert_host_ends`) saves it for the backward: its forward, data-gradient and
-weight-gradient GEMMs are then per-expert ones.
+The mode is read once per grouped layer and micro-batch, in the forward (:func:`per_expert_host_ends`): in
+``per_expert`` mode that reads the ends to the host (once per expert MLP: fc1 reads them for fc2 too, and the
+layout carries the copy, ``AlignedRows.host_ends``), and the host copy, saved for the backward, makes the layer's
+forward, data-gradient and weight-gradient GEMMs per-expert ones.
 
 On an H100 at Mixtral 8x7B's expert shapes the forward and data-gradient GEMMs took 0-17% less time than the grouped
 kernel in isolation (``benchmarks/RESULTS.md``, session 46); the grouped weight-gradient GEMM, whose groups split the
@@ -27,8 +22,8 @@ contraction, ran at about 700 TFLOP/s in a training step (session 47). Both mode
 row-wise scales, so they compute the same products.
 
 Chosen with ``set_fp8_expert_gemm("per_expert")`` or the environment variable ``MEGATRON_CORE_FP8_EXPERT_GEMM``
-(read at import; an unknown value raises, naming it, on first use). The per-expert modes read the group ends to the
-host once per expert MLP and micro-batch, which CUDA graphs cannot capture: the default stays ``grouped``.
+(read at import; an unknown value raises, naming it, on first use). Not yet measured in a training step on a GPU: the
+default stays ``grouped``.
 """
 
 from __future__ import annotations
@@ -38,14 +33,12 @@ import os
 import torch
 
 from megatron_core import device
-from megatron_core.fp8.cublaslt_rowwise import rowwise_scaled_mm_
-from megatron_core.fp8.cublaslt_rowwise import serves_device as rowwise_serves
 
-__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "fp8_expert_gemm", "group_ends_to_host", "per_expert_gemms",
-           "per_expert_host_ends", "per_expert_mm", "per_expert_wgrad_mm", "set_fp8_expert_gemm"]
+__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "fp8_expert_gemm", "group_ends_to_host", "per_expert_host_ends",
+           "per_expert_mm", "per_expert_wgrad_mm", "set_fp8_expert_gemm"]
 
 EXPERT_GEMM_ENV = "MEGATRON_CORE_FP8_EXPERT_GEMM"
-EXPERT_GEMM_MODES = ("grouped", "per_expert", "per_expert_fc1")
+EXPERT_GEMM_MODES = ("grouped", "per_expert")
 # Read at import when valid (so compiled code finds it set and is not traced twice); an unknown value is left for
 # fp8_expert_gemm() to refuse on first use (importing never fails).
 _mode: str | None = os.environ.get(EXPERT_GEMM_ENV, "grouped")
@@ -92,20 +85,13 @@ def _(ends: torch.Tensor) -> torch.Tensor:
     return torch.empty(ends.shape, dtype=ends.dtype, device="cpu")
 
 
-def per_expert_gemms(layer: str) -> bool:
-    """Whether the expert MLP's ``layer`` (``"fc1"`` or ``"fc2"``) runs its GEMMs per expert in the current mode."""
-    mode = fp8_expert_gemm()
-    return mode == "per_expert" or (mode == "per_expert_fc1" and layer == "fc1")
-
-
 def per_expert_host_ends(ends: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The host copy of ``ends`` that a grouped layer's per-expert GEMMs share (forward and backward), ``None`` for
-    the grouped kernel: ``known`` where the caller read it already (one read for an expert MLP's fc1 and fc2,
-    ``AlignedRows.host_ends``) unless the mode is ``grouped``; else read here in ``per_expert`` mode."""
-    mode = fp8_expert_gemm()
-    if mode == "grouped" or known is not None:
-        return None if mode == "grouped" else known
-    return group_ends_to_host(ends) if mode == "per_expert" else None
+    """In ``per_expert`` mode the host copy of ``ends`` that a grouped layer's per-expert GEMMs share (forward and
+    backward): ``known`` where the caller read it already (one read for an expert MLP's fc1 and fc2,
+    ``AlignedRows.host_ends``), else read here; ``None`` in ``grouped`` mode."""
+    if fp8_expert_gemm() != "per_expert":
+        return None
+    return group_ends_to_host(ends) if known is None else known
 
 
 def _group_sizes(ends: torch.Tensor) -> list[int]:
@@ -127,13 +113,11 @@ def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
     # Every expert's operands as views made in a few calls (the host's time per GEMM counts: session 51).
     sizes = _group_sizes(ends)
-    operands = zip(sizes, a.split(sizes), b.transpose(1, 2).unbind(0), a_scale[:, None].split(sizes),
-                   b_scale[:, None, :].unbind(0), out.split(sizes))
-    lt = rowwise_serves(a.device)
-    for rows, a_e, b_t_e, a_scale_e, b_scale_e, out_e in operands:
-        if rows and not (lt and rowwise_scaled_mm_(out_e, a_e, a_scale_e, b_t_e, b_scale_e)):
-            torch._scaled_mm(a_e, b_t_e.t(), a_scale_e, b_scale_e, out_dtype=out_dtype, use_fast_accum=True,
-                             out=out_e)
+    operands = zip(sizes, a.split(sizes), b.unbind(0), a_scale[:, None].split(sizes), b_scale[:, None, :].unbind(0),
+                   out.split(sizes))
+    for rows, a_e, b_e, a_scale_e, b_scale_e, out_e in operands:
+        if rows:
+            torch._scaled_mm(a_e, b_e, a_scale_e, b_scale_e, out_dtype=out_dtype, use_fast_accum=True, out=out_e)
     return out
 
 
@@ -158,15 +142,13 @@ def per_expert_wgrad_mm(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Ten
     experts = ends.numel()
     out = a_t.new_empty(experts, a_t.shape[0], b_t.shape[0], dtype=out_dtype)
     sizes = _group_sizes(ends)
-    operands = zip(sizes, a_t.split(sizes, dim=1), b_t.split(sizes, dim=1), a_scale.view(experts, -1, 1).unbind(0),
+    operands = zip(sizes, a_t.split(sizes, dim=1), b_t.t().split(sizes), a_scale.view(experts, -1, 1).unbind(0),
                    b_scale.view(experts, 1, -1).unbind(0), out.unbind(0))
-    lt = rowwise_serves(a_t.device)
-    for rows, a_e, b_t_e, a_scale_e, b_scale_e, out_e in operands:
-        if not rows:
+    for rows, a_e, b_e, a_scale_e, b_scale_e, out_e in operands:
+        if rows:
+            torch._scaled_mm(a_e, b_e, a_scale_e, b_scale_e, out_dtype=out_dtype, use_fast_accum=True, out=out_e)
+        else:
             out_e.zero_()
-        elif not (lt and rowwise_scaled_mm_(out_e, a_e, a_scale_e, b_t_e, b_scale_e)):
-            torch._scaled_mm(a_e, b_t_e.t(), a_scale_e, b_scale_e, out_dtype=out_dtype, use_fast_accum=True,
-                             out=out_e)
     return out
 
 

@@ -26,7 +26,7 @@ from megatron_core.distributed.fp8_params import (
     dequantize_fp8_tensor,
     is_fp8_param,
 )
-from megatron_core.fp8.expert_gemm_mode import group_ends_to_host, per_expert_gemms
+from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends
 from megatron_core.fp8.fp8_param_grouped import fp8_param_grouped_gemm
 from megatron_core.fp8.fp8_param_module import apply_keeping_fp8_params
 from megatron_core.fp8.grouped_gemm import ROW_ALIGN, fp8_grouped_gemm
@@ -45,12 +45,6 @@ from megatron_core.transformer.moe.host_counts import counts_to_host
 from megatron_core.transformer.moe.token_permutation import AlignedRows
 
 
-def _host_ends(layer: torch.nn.Module, rows: AlignedRows) -> torch.Tensor | None:
-    """The host copy of the group ends that ``layer``'s GEMMs take: the layout's where the mode runs this layer's
-    GEMMs per expert, else ``None`` (the grouped kernel)."""
-    return rows.host_ends if per_expert_gemms(layer.expert_gemm_role) else None
-
-
 def _fp8_gemm(layer: torch.nn.Module, x: torch.Tensor, tokens_per_expert: list[int] | AlignedRows) -> torch.Tensor:
     emulate = layer.float8_emulate or x.device.type != "cuda"
     cached = cached_grouped_weight_operands(layer)
@@ -61,8 +55,7 @@ def _fp8_gemm(layer: torch.nn.Module, x: torch.Tensor, tokens_per_expert: list[i
     options["fp8_wgrad"] = bool(layer.float8_wgrad)
     if isinstance(tokens_per_expert, AlignedRows):
         if not emulate:
-            return gemm(x, layer.weight, ends=tokens_per_expert.ends, host_ends=_host_ends(layer, tokens_per_expert),
-                        **options)
+            return gemm(x, layer.weight, ends=tokens_per_expert.ends, host_ends=tokens_per_expert.host_ends, **options)
         tokens_per_expert = counts_to_host(tokens_per_expert.counts, "the FP8 experts' emulated GEMM")
     counts = list(tokens_per_expert)
     if emulate:
@@ -86,14 +79,14 @@ class _Fp8ParamGroupedMixin:
         allocate_grouped_weight_caches(self)
 
     def rows_for_gemms(self, tokens_per_expert: list[int] | AlignedRows) -> list[int] | AlignedRows:
-        """The group layout for this layer's GEMMs and the expert MLP's others: where the mode runs this layer's
-        GEMMs per expert (:mod:`megatron_core.fp8.expert_gemm_mode`) an ``AlignedRows`` carrying the host copy of its
-        group ends, read here once for fc1 and fc2, forward and backward; otherwise (emulated GEMMs included)
-        ``tokens_per_expert``."""
+        """The group layout for this layer's GEMMs and the expert MLP's others: in the ``per_expert`` GEMM mode
+        (:mod:`megatron_core.fp8.expert_gemm_mode`) an ``AlignedRows`` carrying the host copy of its group ends, read
+        here once for fc1 and fc2, forward and backward; otherwise (emulated GEMMs included) ``tokens_per_expert``."""
         if (not isinstance(tokens_per_expert, AlignedRows) or tokens_per_expert.host_ends is not None
-                or self.float8_emulate or not per_expert_gemms(self.expert_gemm_role)):
+                or self.float8_emulate):
             return tokens_per_expert
-        return tokens_per_expert.with_host_ends(group_ends_to_host(tokens_per_expert.ends))
+        host_ends = per_expert_host_ends(tokens_per_expert.ends)
+        return tokens_per_expert if host_ends is None else tokens_per_expert.with_host_ends(host_ends)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """The parent's ``_apply``, an FP8 weight keeping its bytes (see ``apply_keeping_fp8_params``)."""
@@ -131,7 +124,6 @@ class _Fp8ParamGroupedMixin:
 class Float8ColumnParallelGroupedLinear(_Fp8ParamGroupedMixin, ColumnParallelGroupedLinear):
     """``ColumnParallelGroupedLinear`` (experts' fc1) whose grouped GEMM runs in FP8."""
 
-    expert_gemm_role = "fc1"  # which of the expert MLP's layers (expert_gemm_mode.per_expert_gemms)
     float8_emulate: bool = False
     float8_wgrad: bool = True  # config.fp8_wgrad: False computes the weight gradient in high precision
 
@@ -160,14 +152,13 @@ class Float8ColumnParallelGroupedLinear(_Fp8ParamGroupedMixin, ColumnParallelGro
         output = fp8_grouped_gemm_weighted_swiglu(x, self.weight, tokens_per_expert.ends, weighted_swiglu_probs,
                                                   fp8_wgrad=bool(self.float8_wgrad),
                                                   weight_codes=cached_grouped_weight_operands(self),
-                                                  host_ends=_host_ends(self, tokens_per_expert))
+                                                  host_ends=tokens_per_expert.host_ends)
         return output, None
 
 
 class Float8RowParallelGroupedLinear(_Fp8ParamGroupedMixin, RowParallelGroupedLinear):
     """``RowParallelGroupedLinear`` (experts' fc2) whose grouped GEMM runs in FP8."""
 
-    expert_gemm_role = "fc2"  # which of the expert MLP's layers (expert_gemm_mode.per_expert_gemms)
     float8_emulate: bool = False
     float8_wgrad: bool = True  # config.fp8_wgrad: False computes the weight gradient in high precision
 
