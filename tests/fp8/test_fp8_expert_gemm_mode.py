@@ -89,6 +89,23 @@ def test_per_expert_backward_reads_the_transposed_codes_in_place(reference_kerne
     assert torch.all(w.grad[COUNTS.index(0)] == 0) and w.grad.abs().sum() > 0
 
 
+def _counting_host_reads(monkeypatch) -> list[torch.Tensor]:
+    """Record every host copy of the group ends made."""
+    copies = []
+    real_copy = expert_gemm_mode.group_ends_to_host
+    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host", lambda ends: copies.append(real_copy(ends)) or copies[-1])
+    return copies
+
+
+def _ends_given_to_the_gemms(monkeypatch) -> list[torch.Tensor]:
+    """Record the group ends each per-expert GEMM op is given."""
+    seen = []
+    for name in ("per_expert_mm", "per_expert_wgrad_mm"):
+        real_op = getattr(sgm, name)
+        monkeypatch.setattr(sgm, name, lambda *args, _op=real_op: seen.append(args[4]) or _op(*args))
+    return seen
+
+
 @pytest.mark.parametrize("fp8_param", [False, True], ids=["bf16-weight", "fp8-param"])
 def test_per_expert_gemms_read_the_group_ends_once_per_layer(reference_kernel, monkeypatch, fp8_param):
     """One device-to-host read of the group ends per grouped layer and micro-batch: the forward makes the host copy
@@ -96,12 +113,7 @@ def test_per_expert_gemms_read_the_group_ends_once_per_layer(reference_kernel, m
     from megatron_core.distributed.fp8_params import make_fp8_param
     from megatron_core.fp8 import fp8_param_grouped as fpg
 
-    copies, seen = [], []
-    real_copy = expert_gemm_mode.group_ends_to_host
-    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host", lambda ends: copies.append(real_copy(ends)) or copies[-1])
-    for name in ("per_expert_mm", "per_expert_wgrad_mm"):
-        real_op = getattr(sgm, name)
-        monkeypatch.setattr(sgm, name, lambda *args, _op=real_op: seen.append(args[4]) or _op(*args))
+    copies, seen = _counting_host_reads(monkeypatch), _ends_given_to_the_gemms(monkeypatch)
     expert_gemm_mode.set_fp8_expert_gemm("per_expert")
     x, w, dy = _operands(3)
     ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -167,20 +179,10 @@ def test_gpu_per_expert_gemms_equal_the_grouped_kernel(monkeypatch, compiled):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
-def _counting_host_reads(monkeypatch) -> list[torch.Tensor]:
-    copies = []
-    real_copy = expert_gemm_mode.group_ends_to_host
-    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host", lambda ends: copies.append(real_copy(ends)) or copies[-1])
-    return copies
-
-
 def test_a_known_host_copy_of_the_ends_is_not_read_again(reference_kernel, monkeypatch):
     """Given the host ends (read once by the expert MLP for fc1 and fc2), the function reads none and its forward,
     data-gradient and weight-gradient GEMMs take the copy it was given."""
-    copies, seen = _counting_host_reads(monkeypatch), []
-    for name in ("per_expert_mm", "per_expert_wgrad_mm"):
-        real_op = getattr(sgm, name)
-        monkeypatch.setattr(sgm, name, lambda *args, _op=real_op: seen.append(args[4]) or _op(*args))
+    copies, seen = _counting_host_reads(monkeypatch), _ends_given_to_the_gemms(monkeypatch)
     expert_gemm_mode.set_fp8_expert_gemm("per_expert")
     x, w, dy = _operands(3)
     ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -237,26 +239,12 @@ def test_the_expert_mlp_gives_fc1_and_fc2_one_host_copy(monkeypatch):
 def test_gpu_fp8_expert_mlp_reads_the_ends_once_per_expert(monkeypatch, fused):
     """A Hopper FP8 ``TEGroupedMLP`` in ``per_expert`` mode reads the group ends to the host once per forward (fc1 and
     fc2, forward and backward share the copy) and agrees with the grouped kernel."""
-    from tests.fp8.test_fp8_grouped_swiglu import _experts_step, _hopper
+    from megatron_core.fp8 import grouped_swiglu
+    from tests.fp8.test_fp8_grouped_swiglu import _experts_step, gpu_fp8_experts_and_batch
 
-    if not _hopper():
-        pytest.skip("needs a Hopper GPU")
-    pytest.importorskip("torchao.float8")
-    from megatron_core.fp8 import convert_to_float8, grouped_swiglu
-    from tests.transformer.moe.moe_parallel_utils import build
-
+    experts, tokens_per_expert, x, probs, grad = gpu_fp8_experts_and_batch()
     monkeypatch.setattr(expert_gemm_mode, "_mode", None)
     monkeypatch.setattr(grouped_swiglu, "FUSED_WEIGHTED_SWIGLU", fused)
-    torch.manual_seed(0)
-    model = build("mixtral", moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="tensorwise").cuda().bfloat16()
-    convert_to_float8(model)
-    experts = model.decoder.layers[0].mlp.experts
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    tokens_per_expert = torch.tensor([16, 0, 40, 8], device="cuda")
-    rows = int(tokens_per_expert.sum())
-    x = torch.randn(rows, 16, device="cuda", generator=gen).to(torch.bfloat16)
-    probs = torch.rand(rows, device="cuda", generator=gen)
-    grad = torch.randn(rows, 16, device="cuda", generator=gen).to(torch.bfloat16)
     expert_gemm_mode.set_fp8_expert_gemm("grouped")
     grouped = _experts_step(experts, x, tokens_per_expert, probs, grad)
     copies = _counting_host_reads(monkeypatch)

@@ -146,24 +146,32 @@ def _experts_step(experts: torch.nn.Module, x: torch.Tensor, tokens_per_expert: 
     return [out.detach(), *(t.grad for t in leaves), *(p.grad for p in experts.parameters())]
 
 
-@pytest.mark.gpu
-def test_gpu_fp8_moe_experts_take_the_one_function():
+def gpu_fp8_experts_and_batch() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Hopper FP8 ``TEGroupedMLP`` (a small Mixtral's first layer, bf16) and ``(tokens_per_expert, x, probs, grad)``
+    for it (an expert without rows among them); skips where there is no Hopper GPU or torchao."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     pytest.importorskip("torchao.float8")
-    from megatron_core.fp8 import convert_to_float8, grouped_swiglu
+    from megatron_core.fp8 import convert_to_float8
     from tests.transformer.moe.moe_parallel_utils import build
 
     torch.manual_seed(0)
     model = build("mixtral", moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="tensorwise").cuda().bfloat16()
     convert_to_float8(model)
-    experts = model.decoder.layers[0].mlp.experts
     gen = torch.Generator(device="cuda").manual_seed(1)
     tokens_per_expert = torch.tensor([16, 0, 40, 8], device="cuda")
     rows = int(tokens_per_expert.sum())
     x = torch.randn(rows, 16, device="cuda", generator=gen).to(torch.bfloat16)
     probs = torch.rand(rows, device="cuda", generator=gen)
     grad = torch.randn(rows, 16, device="cuda", generator=gen).to(torch.bfloat16)
+    return model.decoder.layers[0].mlp.experts, tokens_per_expert, x, probs, grad
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_moe_experts_take_the_one_function():
+    from megatron_core.fp8 import grouped_swiglu
+
+    experts, tokens_per_expert, x, probs, grad = gpu_fp8_experts_and_batch()
     calls = []
     original = grouped_swiglu.ScaledGroupedMmWeightedSwiGLU.apply
 
