@@ -22,8 +22,10 @@ contraction, ran at about 700 TFLOP/s in a training step (session 47). Both mode
 row-wise scales, so they compute the same products.
 
 Chosen with ``set_fp8_expert_gemm("per_expert")`` or the environment variable ``MEGATRON_CORE_FP8_EXPERT_GEMM``
-(read at import; an unknown value raises, naming it, on first use). Not yet measured in a training step on a GPU: the
-default stays ``grouped``.
+(read at import; an unknown value raises, naming it, on first use). In a training step at Mixtral 8x7B's shapes on an
+H100 ``per_expert`` is the faster mode (``benchmarks/RESULTS.md``, sessions 50-51), but its host read of the group
+ends, once per MoE layer and micro-batch, cannot be captured by CUDA graphs and leaves the step partly waiting for
+the host: the default stays ``grouped``.
 """
 
 from __future__ import annotations
