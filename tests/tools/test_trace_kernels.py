@@ -65,3 +65,27 @@ def test_idle_gaps_name_what_the_host_did_and_what_resumed_the_gpu(tmp_path: Pat
     assert (busy, span) == (28.0, 205.0)
     assert dict(gaps) == {"idle at: outer | resumed by: aten::fill_ > cudaLaunchKernel": [177.0]}
     assert dict(trace_kernels.idle_gaps(trace, min_us=200)[2]) == {}
+
+
+def test_idle_gaps_know_driver_launches_and_name_the_outermost_operator(tmp_path: Path) -> None:
+    """A Triton kernel is launched through the driver (``cuLaunchKernelEx``); the host's stack when the GPU went idle
+    starts with its outermost operator where it is deeper than the depth shown."""
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "step", "pid": 1, "tid": 7, "ts": 0, "dur": 400},
+        {"ph": "X", "cat": "cpu_op", "name": "layer", "pid": 1, "tid": 7, "ts": 1, "dur": 390},
+        {"ph": "X", "cat": "cpu_op", "name": "mlp", "pid": 1, "tid": 7, "ts": 2, "dur": 380},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": 1, "tid": 7, "ts": 20, "dur": 100},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 7, "ts": 5, "dur": 2,
+         "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cpu_op", "name": "triton_poi_fused_0", "pid": 1, "tid": 7, "ts": 200, "dur": 20},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "pid": 1, "tid": 7, "ts": 205, "dur": 3,
+         "args": {"correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "k0", "pid": 0, "tid": 9, "ts": 10, "dur": 40.0, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_0", "pid": 0, "tid": 9, "ts": 210, "dur": 5.0,
+         "args": {"correlation": 2}},
+    ]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    _, _, gaps = trace_kernels.idle_gaps(trace, min_us=10, depth=2)
+    assert dict(gaps) == {"idle at: step > ... > mlp > aten::copy_ | resumed by: mlp > triton_poi_fused_0 > "
+                          "cuLaunchKernelEx": [160.0]}
