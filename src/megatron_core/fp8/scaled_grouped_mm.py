@@ -34,7 +34,8 @@ from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends, per_expert_
 from megatron_core.jit import shared_kernel_input
 
 __all__ = ["ROW_ALIGN", "ScaledGroupedMm", "dgrad_gemm_from_codes", "group_of_rows", "hp_wgrad_gemm",
-           "power_of_two_scale", "rowwise_cast_with_factors", "scaled_grouped_mm_supported", "transposed_weight_codes", "weight_grad"]
+           "power_of_two_scale", "rowwise_cast_with_factors", "scaled_grouped_mm_supported", "transposed_weight_codes",
+           "weight_grad"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
@@ -153,7 +154,7 @@ def wgrad_operands(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor
     """The weight gradient's operands: ``dy`` and ``x`` cast with one scale per column within each expert's rows,
     transposed: ``(dyt_codes [out, M], xt_codes [in, M], dyt_scale [E * out], xt_scale [E * in])``."""
     if fp8_cast_kernels_available(grad) and x.is_contiguous():
-        row_groups = group_of_rows(ends, grad.shape[0], 1)
+        row_groups = group_of_rows(ends, grad.shape[0])
         dyt_codes, dyt_scale = group_columnwise_cast_transposed(grad, ends, row_groups)
         xt_codes, xt_scale = group_columnwise_cast_transposed(x, ends, row_groups)
     else:
