@@ -45,6 +45,24 @@ def main() -> None:
     def op_path() -> None:
         per_expert_mm(a, a_scale, b.transpose(1, 2), b_scale, ends, torch.bfloat16)
 
+    def op_function() -> None:  # the op's Python function without the dispatcher
+        per_expert_mm._init_fn(a, a_scale, b.transpose(1, 2), b_scale, ends, torch.bfloat16)
+
+    def views_only() -> None:  # the op's host work but its GEMMs: output, sizes, views
+        new = a.new_empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+        sizes_e = [end - start for start, end in zip([0] + ends.tolist()[:-1], ends.tolist())]
+        list(zip(a.split(sizes_e), b.transpose(1, 2).unbind(0), a_scale[:, None].split(sizes_e),
+                 b_scale[:, None, :].unbind(0), new.split(sizes_e)))
+
+    def loop_new_output() -> None:  # the plain loop into a fresh output each time
+        new = a.new_empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+        for (a_e, b_t_e, s_a, s_b, _), out_e in zip(parts, new.split(sizes)):
+            torch._scaled_mm(a_e, b_t_e.t(), s_a, s_b, out_dtype=torch.bfloat16, use_fast_accum=True, out=out_e)
+
+    def loop_no_out() -> None:  # the plain loop, each GEMM allocating its result
+        for a_e, b_t_e, s_a, s_b, _ in parts:
+            torch._scaled_mm(a_e, b_t_e.t(), s_a, s_b, out_dtype=torch.bfloat16, use_fast_accum=True)
+
     def host_us(issue) -> float:  # noqa: ANN001 - a callable issuing 8 GEMMs
         samples = []
         for _ in range(args.repeats):
@@ -56,6 +74,10 @@ def main() -> None:
 
     print(f"torch._scaled_mm loop: {host_us(torch_path):.1f} us of host time per GEMM")
     print(f"fp8_per_expert_mm op: {host_us(op_path):.1f} us of host time per GEMM")
+    print(f"the op's function called directly: {host_us(op_function):.1f} us per GEMM")
+    print(f"the op's output and views, no GEMM: {host_us(views_only):.1f} us per GEMM")
+    print(f"torch._scaled_mm loop into a fresh output: {host_us(loop_new_output):.1f} us per GEMM")
+    print(f"torch._scaled_mm loop without out=: {host_us(loop_no_out):.1f} us per GEMM")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,14 @@ def parse_args() -> argparse.Namespace:
                    help="torch.compile each whole layer, MoE block included (needs the sync-free EP=1 path)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode for --compile-moe / --compile, e.g. "
                    "max-autotune-no-cudagraphs (Inductor then autotunes Triton templates against aten's GEMMs)")
+    p.add_argument("--compile-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a torch.compile option for --compile-moe / --compile (repeatable; not with --compile-mode): "
+                        "an Inductor setting such as cpp_wrapper=True, combo_kernels=True or triton.cudagraphs=True "
+                        "(the value a Python literal), or guard_filter_fn=NAME, a function of torch.compiler such as "
+                        "skip_guard_on_all_nn_modules_unsafe")
+    p.add_argument("--fp8-steps-only", action="store_true",
+                   help="with --fp8 and --microbatches N > 1: time the FP8 model in steps of N micro-batches only "
+                        "(not also one micro-batch a step)")
     p.add_argument("--profile", action="store_true", help="print our step's 25 most expensive GPU kernels (and, "
                    "with --fp8, those of the experts' FP8 grouped GEMMs timed alone)")
     p.add_argument("--hf-eager", action="store_true", help="run the Hugging Face baseline without torch.compile")
@@ -141,6 +149,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--fp8-no-wgrad needs --fp8 delayed:FORMAT or --fp8-param (torchao's recipes refuse fp8_wgrad=False)")
     if args.fp8_no_wgrad and args.fp8_wgrad_in_gemm:
         p.error("--fp8-wgrad-in-gemm times the FP8 weight-gradient kernel, which --fp8-no-wgrad replaces by bf16")
+    if args.compile_option and args.compile_mode:
+        p.error("--compile-option and --compile-mode exclude each other (torch.compile takes options or a mode)")
     if args.tiny:
         args.layers, args.hidden, args.heads, args.query_groups, args.ffn = 2, 64, 4, 2, 128
         args.vocab, args.seq, args.mbs, args.steps, args.warmup = 256, 32, 2, 2, 1
@@ -197,7 +207,7 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype, fp8: tuple[str, str
     if fp8 is not None:
         convert_to_float8(model, emulate=model.embedding.word_embeddings.weight.device.type != "cuda")
     if args.compile_moe or args.compile:
-        mode = {"mode": args.compile_mode} if args.compile_mode else {}
+        mode = compile_kwargs(args)
         for layer in model.decoder.layers:
             parts = [layer] if args.compile_moe else [layer.input_layernorm, layer.self_attention,
                                                       layer.pre_mlp_layernorm]
@@ -206,6 +216,22 @@ def build_ours(args: argparse.Namespace, dtype: torch.dtype, fp8: tuple[str, str
         model.decoder.final_layernorm.compile(**mode)
         model.compute_language_model_loss = torch.compile(model.compute_language_model_loss, **mode)
     return model
+
+
+def compile_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """``torch.compile``'s keyword arguments for our model: ``--compile-mode`` or ``--compile-option`` settings."""
+    import ast
+
+    if args.compile_mode:
+        return {"mode": args.compile_mode}
+    options: dict[str, object] = {}
+    for option in args.compile_option:
+        key, _, value = option.partition("=")
+        if key == "guard_filter_fn":
+            options[key] = getattr(torch.compiler, value)
+        else:
+            options[key] = ast.literal_eval(value)
+    return {"options": options} if options else {}
 
 
 def build_hf(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
@@ -302,8 +328,10 @@ def measure_ours(args: argparse.Namespace, dtype: torch.dtype, ids: torch.Tensor
     if fp8 is not None and args.fp8_unfused_swiglu:
         grouped_swiglu.FUSED_WEIGHTED_SWIGLU = False
         label += " fc1 and SwiGLU unfused"
-    mfu = time_contender(label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args,
-                         flops_per_token(args), width=36)
+    label += "".join(f" {option}" for option in args.compile_option)
+    steps_only = fp8 is not None and args.fp8_steps_only and args.microbatches > 1
+    mfu = float("nan") if steps_only else time_contender(
+        label, ours, lambda: ours(ids, position_ids, None, labels=labels).mean(), args, flops_per_token(args), width=36)
     loss_fn = lambda: ours(ids, position_ids, None, labels=labels).mean()  # noqa: E731
     if fp8 is not None and args.sync_debug:
         print_host_syncs(microbatch_step(args, ours, loss_fn))

@@ -30,6 +30,7 @@ the host: the default stays ``grouped``.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -74,7 +75,13 @@ def _refuse_capture(op: str, tensor: torch.Tensor) -> None:
                            "graph capture cannot do; use set_fp8_expert_gemm('grouped') with CUDA graphs")
 
 
-@torch.library.custom_op("megatron_core::fp8_group_ends_to_host", mutates_args=())
+# The ops below read device values on the host: Inductor's CUDA-graph partitions (``mode="reduce-overhead"``) leave
+# them out of every graph by this tag (where torch has it; without it a capture refuses them, ``_refuse_capture``).
+_HOST_READ_TAGS = ({"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe")
+                   and "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+
+
+@torch.library.custom_op("megatron_core::fp8_group_ends_to_host", mutates_args=(), **_HOST_READ_TAGS)
 def group_ends_to_host(ends: torch.Tensor) -> torch.Tensor:
     """A host (CPU) copy of the groups' end offsets ``ends`` (one device-to-host read; refused inside a CUDA graph
     capture, naming the mode)."""
@@ -102,7 +109,7 @@ def _group_sizes(ends: torch.Tensor) -> list[int]:
     return [end - start for start, end in zip([0] + ends[:-1], ends)]
 
 
-@torch.library.custom_op("megatron_core::fp8_per_expert_mm", mutates_args=())
+@torch.library.custom_op("megatron_core::fp8_per_expert_mm", mutates_args=(), **_HOST_READ_TAGS)
 def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``cat_e(a_e @ b[e])`` with one ``torch._scaled_mm`` per expert that has rows.
@@ -129,7 +136,7 @@ def _(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Te
     return a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
 
 
-@torch.library.custom_op("megatron_core::fp8_per_expert_wgrad_mm", mutates_args=())
+@torch.library.custom_op("megatron_core::fp8_per_expert_wgrad_mm", mutates_args=(), **_HOST_READ_TAGS)
 def per_expert_wgrad_mm(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor,
                         ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``stack_e(a_e.T @ b_e)`` (the weight gradient ``dW_e = dy_e.T @ x_e``) with one ``torch._scaled_mm`` per expert.
