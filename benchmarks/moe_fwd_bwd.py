@@ -48,8 +48,8 @@ from gpt_fwd_bwd import (  # the same step timer and report for every fwd+bwd be
     time_steps,
 )
 
-from megatron_core import compile_guards, tensor_parallel
 from megatron_core import device as mdevice
+from megatron_core import tensor_parallel
 from megatron_core.fp8 import convert_to_float8, fp8_grouped_gemm, grouped_swiglu
 from megatron_core.fp8.expert_gemm_mode import EXPERT_GEMM_MODES, set_fp8_expert_gemm
 from megatron_core.models.gpt import GPTModel
@@ -91,7 +91,7 @@ def parse_args() -> argparse.Namespace:
                    help="a torch.compile option for --compile-moe / --compile (repeatable; not with --compile-mode): "
                         "an Inductor setting such as cpp_wrapper=True, combo_kernels=True or triton.cudagraphs=True "
                         "(the value a Python literal), or guard_filter_fn=NAME, a function of torch.compiler such as "
-                        "skip_guard_on_all_nn_modules_unsafe, or one of megatron_core.compile_guards such as module_value_guard_filter")
+                        "skip_guard_on_all_nn_modules_unsafe")
     p.add_argument("--fp8-steps-only", action="store_true",
                    help="with --fp8 and --microbatches N > 1: time the FP8 model in steps of N micro-batches only "
                         "(not also one micro-batch a step)")
@@ -119,8 +119,9 @@ def parse_args() -> argparse.Namespace:
                    help="with --profile: list the eager ops per input shape (run without --compile-moe to see the "
                         "experts' casts)")
     p.add_argument("--fp8-expert-gemm", choices=EXPERT_GEMM_MODES, default=None,
-                   help="the FP8 experts' forward and data-gradient GEMMs: one grouped GEMM (default) or one "
-                        "torch._scaled_mm per expert (megatron_core.fp8.expert_gemm_mode)")
+                   help="the FP8 experts' GEMMs: one grouped GEMM each (grouped, the default), one "
+                        "torch._scaled_mm per expert (per_expert), or grouped in the forward and per expert in the "
+                        "backward (per_expert_backward; megatron_core.fp8.expert_gemm_mode)")
     p.add_argument("--fp8-unfused-swiglu", action="store_true",
                    help="FP8 experts: fc1 and the weighted SwiGLU as two autograd functions (grouped_swiglu."
                         "FUSED_WEIGHTED_SWIGLU = False), dh read again for fc1's data-gradient cast")
@@ -227,8 +228,8 @@ def compile_kwargs(args: argparse.Namespace) -> dict[str, object]:
     options: dict[str, object] = {}
     for option in args.compile_option:
         key, _, value = option.partition("=")
-        if key == "guard_filter_fn":  # torch.compiler's or the library's (megatron_core.compile_guards)
-            options[key] = getattr(torch.compiler, value, None) or getattr(compile_guards, value)
+        if key == "guard_filter_fn":
+            options[key] = getattr(torch.compiler, value)
         else:
             options[key] = ast.literal_eval(value)
     return {"options": options} if options else {}

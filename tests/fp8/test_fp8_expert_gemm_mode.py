@@ -1,4 +1,5 @@
-"""The FP8 experts' GEMMs one per expert (``per_expert``) against the grouped kernel (``grouped``), on CPU.
+"""The FP8 experts' GEMMs one per expert (``per_expert``; ``per_expert_backward`` in the backward only) against the
+grouped kernel (``grouped``), on CPU.
 
 ``per_expert`` runs real ``torch._scaled_mm`` calls (PyTorch has them on CPU, row-wise scales included); the grouped
 kernel is replaced by its fp32 statement (``tests/fp8/test_fp8_scaled_grouped_mm.py``), which also serves the weight
@@ -39,10 +40,11 @@ def _run(mode: str, compile_backend: str | None = None) -> tuple[torch.Tensor, .
     return out.detach(), x.grad, w.grad
 
 
+@pytest.mark.parametrize("mode", ["per_expert", "per_expert_backward"])
 @pytest.mark.parametrize("compile_backend", [None, "aot_eager", "inductor"], ids=["eager", "aot_eager", "inductor"])
-def test_per_expert_gemms_equal_the_grouped_kernel(reference_kernel, compile_backend):
+def test_per_expert_gemms_equal_the_grouped_kernel(reference_kernel, compile_backend, mode):
     grouped = _run("grouped")
-    per_expert = _run("per_expert", compile_backend)
+    per_expert = _run(mode, compile_backend)
     assert COUNTS.count(0) == 1  # an expert without rows: skipped, its rows none
     for want, got in zip(grouped, per_expert):
         assert want.abs().max() > 0
@@ -89,11 +91,50 @@ def test_per_expert_backward_reads_the_transposed_codes_in_place(reference_kerne
     assert torch.all(w.grad[COUNTS.index(0)] == 0) and w.grad.abs().sum() > 0
 
 
-def _counting_host_reads(monkeypatch) -> list[torch.Tensor]:
-    """Record every host copy of the group ends made."""
+def test_per_expert_backward_mode_groups_the_forward_and_splits_the_backward(reference_kernel, monkeypatch):
+    """``per_expert_backward``: the forward's GEMM is the grouped kernel (no ``torch._scaled_mm``), the group ends go
+    to the host through the copy that does not wait, and the backward runs one data-gradient and one weight-gradient
+    GEMM per expert with rows, on that copy."""
+    calls, grouped_calls, copies, waiting_reads = [], [], [], []
+    real_mm, real_kernel = torch._scaled_mm, sgm._KERNEL
+    real_async = expert_gemm_mode.group_ends_to_host_async
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, *args, **kw: calls.append(a.shape) or real_mm(a, b, *args, **kw))
+    monkeypatch.setattr(sgm, "_KERNEL", lambda *args, **kw: grouped_calls.append(1) or real_kernel(*args, **kw))
+    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host_async", lambda e: copies.append(real_async(e)) or copies[-1])
+    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host", lambda e: waiting_reads.append(e))
+    expert_gemm_mode.set_fp8_expert_gemm("per_expert_backward")
+    x, w, dy = _operands(3)
+    ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    out = sgm.ScaledGroupedMm.apply(x.requires_grad_(), w.requires_grad_(), ends)
+    assert calls == [] and grouped_calls == [1] and len(copies) == 1 and waiting_reads == []
+    assert copies[0] is not ends and torch.equal(copies[0], ends)
+    out.backward(dy)
+    assert len(calls) == 2 * sum(1 for c in COUNTS if c) and grouped_calls == [1]
+
+
+def test_a_host_copy_on_its_way_is_waited_for_once(monkeypatch):
+    """The first reader of a copy made by ``group_ends_to_host_async`` waits on the copy's event and forgets it;
+    later readers find it done."""
+    waits = []
+
+    class _Event:
+        def synchronize(self) -> None:
+            waits.append(1)
+
+    host = torch.tensor([4, 4, 12], dtype=torch.int32)
+    monkeypatch.setitem(expert_gemm_mode._PENDING_HOST_ENDS, host.data_ptr(), _Event())
+    assert expert_gemm_mode._group_sizes(host) == [4, 0, 8] and waits == [1]
+    assert host.data_ptr() not in expert_gemm_mode._PENDING_HOST_ENDS
+    assert expert_gemm_mode._group_sizes(host) == [4, 0, 8] and waits == [1]
+
+
+def _counting_host_reads(monkeypatch, mode: str = "per_expert") -> list[torch.Tensor]:
+    """Record every host copy of the group ends made (by the waiting read, or in ``per_expert_backward`` mode the
+    copy that does not wait)."""
     copies = []
-    real_copy = expert_gemm_mode.group_ends_to_host
-    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host", lambda ends: copies.append(real_copy(ends)) or copies[-1])
+    name = "group_ends_to_host" if mode == "per_expert" else "group_ends_to_host_async"
+    real_copy = getattr(expert_gemm_mode, name)
+    monkeypatch.setattr(expert_gemm_mode, name, lambda ends: copies.append(real_copy(ends)) or copies[-1])
     return copies
 
 
@@ -161,7 +202,7 @@ def test_gpu_per_expert_gemms_equal_the_grouped_kernel(monkeypatch, compiled):
     monkeypatch.setattr(expert_gemm_mode, "_mode", None)
     ends = torch.tensor(COUNTS, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
     results = {}
-    for mode in ("grouped", "per_expert"):
+    for mode in expert_gemm_mode.EXPERT_GEMM_MODES:
         expert_gemm_mode.set_fp8_expert_gemm(mode)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
 
@@ -174,9 +215,24 @@ def test_gpu_per_expert_gemms_equal_the_grouped_kernel(monkeypatch, compiled):
         out = gemm(xx, ww)
         out.backward(dy)
         results[mode] = (out.float(), xx.grad.float(), ww.grad.float())
-    for want, got in zip(results["grouped"], results["per_expert"]):
-        assert want.abs().max() > 0
-        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for mode in ("per_expert", "per_expert_backward"):
+        for want, got in zip(results["grouped"], results[mode]):
+            assert want.abs().max() > 0
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert results["per_expert_backward"][0].equal(results["grouped"][0])  # the same grouped forward GEMM
+
+
+@pytest.mark.gpu
+def test_gpu_ends_copied_without_waiting_arrive_pinned_with_their_event():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ends = torch.tensor(COUNTS, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    torch.cuda._sleep(10_000_000)  # the copy queued behind a long kernel
+    host = expert_gemm_mode.group_ends_to_host_async(ends)
+    assert host.device.type == "cpu" and host.is_pinned()
+    assert host.data_ptr() in expert_gemm_mode._PENDING_HOST_ENDS
+    sizes = expert_gemm_mode._group_sizes(host)
+    assert sizes == COUNTS and host.data_ptr() not in expert_gemm_mode._PENDING_HOST_ENDS
 
 
 def test_a_known_host_copy_of_the_ends_is_not_read_again(reference_kernel, monkeypatch):
@@ -235,8 +291,9 @@ def test_the_expert_mlp_gives_fc1_and_fc2_one_host_copy(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_expert", "per_expert_backward"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fc1-swiglu-fused", "unfused"])
-def test_gpu_fp8_expert_mlp_reads_the_ends_once_per_expert(monkeypatch, fused):
+def test_gpu_fp8_expert_mlp_reads_the_ends_once_per_expert(monkeypatch, fused, mode):
     """A Hopper FP8 ``TEGroupedMLP`` in ``per_expert`` mode reads the group ends to the host once per forward (fc1 and
     fc2, forward and backward share the copy) and agrees with the grouped kernel."""
     from megatron_core.fp8 import grouped_swiglu
@@ -247,8 +304,8 @@ def test_gpu_fp8_expert_mlp_reads_the_ends_once_per_expert(monkeypatch, fused):
     monkeypatch.setattr(grouped_swiglu, "FUSED_WEIGHTED_SWIGLU", fused)
     expert_gemm_mode.set_fp8_expert_gemm("grouped")
     grouped = _experts_step(experts, x, tokens_per_expert, probs, grad)
-    copies = _counting_host_reads(monkeypatch)
-    expert_gemm_mode.set_fp8_expert_gemm("per_expert")
+    copies = _counting_host_reads(monkeypatch, mode)
+    expert_gemm_mode.set_fp8_expert_gemm(mode)
     per_expert = _experts_step(experts, x, tokens_per_expert, probs, grad)
     assert len(copies) == 1
     for got, want in zip(per_expert, grouped):

@@ -1,4 +1,5 @@
-"""How the FP8 experts' GEMMs run on Hopper: one grouped GEMM each, or one GEMM per expert.
+"""How the FP8 experts' GEMMs run on Hopper: one grouped GEMM each, one GEMM per expert, or grouped forward GEMMs and
+per-expert backward ones.
 
 ``grouped`` (the default): ``torch._scaled_grouped_mm`` over all experts, the group offsets on the device (no host
 sync). ``per_expert``: one ``torch._scaled_mm`` per expert with rows, inside opaque ops that size each expert's GEMM
@@ -11,21 +12,27 @@ from the group ends on the host and write every expert's result into one output:
   parameter whose weight gradient is accumulated into ``main_grad`` inside the GEMM, ``ACCUMULATE_WGRAD_IN_GEMM``,
   keeps that grouped kernel.)
 
+``per_expert_backward``: the forward's GEMMs grouped, the backward's (data and weight gradients) per expert. The
+forward then reads nothing on the host: it copies the group ends into pinned host memory without waiting
+(``megatron_core::fp8_group_ends_to_host_async``, its CUDA event kept), and the backward's first per-expert GEMM waits
+for that copy, long done by then. A step's host can thus run ahead of the GPU through the forward, which in
+``per_expert`` mode waits for the GPU at every MoE layer.
+
 The mode is read once per grouped layer and micro-batch, in the forward (:func:`per_expert_host_ends`): in
 ``per_expert`` mode that reads the ends to the host (once per expert MLP: fc1 reads them for fc2 too, and the
 layout carries the copy, ``AlignedRows.host_ends``), and the host copy, saved for the backward, makes the layer's
-forward, data-gradient and weight-gradient GEMMs per-expert ones.
+forward, data-gradient and weight-gradient GEMMs per-expert ones; in ``per_expert_backward`` mode the copy is made
+the same way without waiting and :func:`forward_host_ends` keeps the forward's GEMMs grouped.
 
 On an H100 at Mixtral 8x7B's expert shapes the forward and data-gradient GEMMs took 0-17% less time than the grouped
 kernel in isolation (``benchmarks/RESULTS.md``, session 46); the grouped weight-gradient GEMM, whose groups split the
-contraction, ran at about 700 TFLOP/s in a training step (session 47). Both modes take the same e4m3 codes and
+contraction, ran at about 700 TFLOP/s in a training step (session 47). All modes take the same e4m3 codes and
 row-wise scales, so they compute the same products.
 
 Chosen with ``set_fp8_expert_gemm("per_expert")`` or the environment variable ``MEGATRON_CORE_FP8_EXPERT_GEMM``
-(read at import; an unknown value raises, naming it, on first use). In a training step at Mixtral 8x7B's shapes on an
-H100 ``per_expert`` is the faster mode (``benchmarks/RESULTS.md``, sessions 50-51), but its host read of the group
-ends, once per MoE layer and micro-batch, cannot be captured by CUDA graphs and leaves the step partly waiting for
-the host: the default stays ``grouped``.
+(read at import; an unknown value raises, naming it, on first use). The per-expert modes' host copies cannot be
+captured by CUDA graphs (a capture refuses them, naming the mode), so the default stays ``grouped``; which is
+fastest in a training step is measured in ``benchmarks/RESULTS.md`` (sessions 50-52).
 """
 
 from __future__ import annotations
@@ -37,11 +44,12 @@ import torch
 
 from megatron_core import device
 
-__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "fp8_expert_gemm", "group_ends_to_host", "per_expert_host_ends",
-           "per_expert_mm", "per_expert_wgrad_mm", "set_fp8_expert_gemm"]
+__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "forward_host_ends", "fp8_expert_gemm", "group_ends_to_host",
+           "group_ends_to_host_async", "per_expert_host_ends", "per_expert_mm", "per_expert_wgrad_mm",
+           "set_fp8_expert_gemm"]
 
 EXPERT_GEMM_ENV = "MEGATRON_CORE_FP8_EXPERT_GEMM"
-EXPERT_GEMM_MODES = ("grouped", "per_expert")
+EXPERT_GEMM_MODES = ("grouped", "per_expert", "per_expert_backward")
 # Read at import when valid (so compiled code finds it set and is not traced twice); an unknown value is left for
 # fp8_expert_gemm() to refuse on first use (importing never fails).
 _mode: str | None = os.environ.get(EXPERT_GEMM_ENV, "grouped")
@@ -71,8 +79,9 @@ def fp8_expert_gemm() -> str:
 
 def _refuse_capture(op: str, tensor: torch.Tensor) -> None:
     if device.is_capturing(tensor):
-        raise RuntimeError(f"{op}: the per_expert FP8 experts' GEMMs read the group ends to the host, which a CUDA "
-                           "graph capture cannot do; use set_fp8_expert_gemm('grouped') with CUDA graphs")
+        raise RuntimeError(f"{op}: the per_expert and per_expert_backward FP8 experts' GEMMs copy the group ends to "
+                           "the host, which a CUDA graph capture cannot do; use set_fp8_expert_gemm('grouped') with "
+                           "CUDA graphs")
 
 
 # The ops below read device values on the host: Inductor's CUDA-graph partitions (``mode="reduce-overhead"``) leave
@@ -94,17 +103,61 @@ def _(ends: torch.Tensor) -> torch.Tensor:
     return torch.empty(ends.shape, dtype=ends.dtype, device="cpu")
 
 
+# The host copies of group ends still on their way (``group_ends_to_host_async``): the event each one's copy
+# recorded, by the address of its pinned memory; waited on, and dropped, by the first reader (``_group_sizes``). An
+# address is taken by one live copy at a time, and a new copy replaces what an earlier one there left.
+_PENDING_HOST_ENDS: dict[int, torch.cuda.Event] = {}
+_PENDING_LIMIT = 4096  # copies never read (a forward without its backward) are forgotten past this many
+
+
+@torch.library.custom_op("megatron_core::fp8_group_ends_to_host_async", mutates_args=(), **_HOST_READ_TAGS)
+def group_ends_to_host_async(ends: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``ends`` that arrives later: a non-blocking copy into pinned memory, its event kept for the
+    first reader (:func:`_group_sizes` waits on it); a plain copy for host tensors. Refused inside a CUDA graph
+    capture, as :func:`group_ends_to_host`."""
+    if not ends.is_cuda:
+        return ends.to("cpu", copy=True)
+    _refuse_capture("fp8_group_ends_to_host_async", ends)
+    host = torch.empty(ends.shape, dtype=ends.dtype, device="cpu", pin_memory=True)
+    host.copy_(ends, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    if len(_PENDING_HOST_ENDS) >= _PENDING_LIMIT:
+        _PENDING_HOST_ENDS.pop(next(iter(_PENDING_HOST_ENDS)))
+    _PENDING_HOST_ENDS[host.data_ptr()] = event
+    return host
+
+
+@group_ends_to_host_async.register_fake
+def _(ends: torch.Tensor) -> torch.Tensor:
+    return torch.empty(ends.shape, dtype=ends.dtype, device="cpu")
+
+
 def per_expert_host_ends(ends: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor | None:
-    """In ``per_expert`` mode the host copy of ``ends`` that a grouped layer's per-expert GEMMs share (forward and
-    backward): ``known`` where the caller read it already (one read for an expert MLP's fc1 and fc2,
-    ``AlignedRows.host_ends``), else read here; ``None`` in ``grouped`` mode."""
-    if fp8_expert_gemm() != "per_expert":
+    """The host copy of ``ends`` that a grouped layer's per-expert GEMMs share: ``known`` where the caller made it
+    already (one read for an expert MLP's fc1 and fc2, ``AlignedRows.host_ends``), else made here: read at once in
+    ``per_expert`` mode (the forward's GEMMs need it), copied without waiting in ``per_expert_backward`` mode (only
+    the backward reads it); ``None`` in ``grouped`` mode."""
+    mode = fp8_expert_gemm()
+    if mode == "grouped":
         return None
-    return group_ends_to_host(ends) if known is None else known
+    if known is not None:
+        return known
+    return group_ends_to_host(ends) if mode == "per_expert" else group_ends_to_host_async(ends)
+
+
+def forward_host_ends(host_ends: torch.Tensor | None) -> torch.Tensor | None:
+    """What sizes the forward's GEMMs: ``host_ends`` in ``per_expert`` mode (one GEMM per expert), ``None`` (the
+    grouped kernel, nothing read on the host) in the other modes."""
+    return host_ends if fp8_expert_gemm() == "per_expert" else None
 
 
 def _group_sizes(ends: torch.Tensor) -> list[int]:
-    """Every expert's row count, from the groups' end offsets (read to the host unless there)."""
+    """Every expert's row count, from the groups' end offsets (read to the host unless there; a copy still on its
+    way, :func:`group_ends_to_host_async`, waited for first)."""
+    event = _PENDING_HOST_ENDS.pop(ends.data_ptr(), None) if ends.device.type == "cpu" else None
+    if event is not None:
+        event.synchronize()
     ends = ends.tolist()
     return [end - start for start, end in zip([0] + ends[:-1], ends)]
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends
+from megatron_core.fp8.expert_gemm_mode import forward_host_ends, per_expert_host_ends
 from megatron_core.fp8.fp8_param_linear import _placeholder, _placeholder_kind
 from megatron_core.fp8.grouped_gemm import (
     device_ends,
@@ -155,9 +155,9 @@ class ScaledGroupedMmFp8Param(torch.autograd.Function):
         _save_main_grad(ctx, weight, main_grad, placeholder)
         ctx.fp8_wgrad = fp8_wgrad
         x = shared_kernel_input(x)  # the row-wise cast now and the column-wise one for the weight gradient
-        host_ends = per_expert_host_ends(ends, host_ends)  # per_expert mode: for the forward and the backward
+        host_ends = per_expert_host_ends(ends, host_ends)  # for the backward, and in per_expert mode the forward
         ctx.save_for_backward(x, weight, w_dequant, ends, w_codes_t, host_ends)
-        return forward_gemm(x, weight.detach(), w_dequant, ends, host_ends)
+        return forward_gemm(x, weight.detach(), w_dequant, ends, forward_host_ends(host_ends))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):

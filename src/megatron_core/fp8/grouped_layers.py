@@ -79,9 +79,10 @@ class _Fp8ParamGroupedMixin:
         allocate_grouped_weight_caches(self)
 
     def rows_for_gemms(self, tokens_per_expert: list[int] | AlignedRows) -> list[int] | AlignedRows:
-        """The group layout for this layer's GEMMs and the expert MLP's others: in the ``per_expert`` GEMM mode
-        (:mod:`megatron_core.fp8.expert_gemm_mode`) an ``AlignedRows`` carrying the host copy of its group ends, read
-        here once for fc1 and fc2, forward and backward; otherwise (emulated GEMMs included) ``tokens_per_expert``."""
+        """The group layout for this layer's GEMMs and the expert MLP's others: in the ``per_expert`` and
+        ``per_expert_backward`` GEMM modes (:mod:`megatron_core.fp8.expert_gemm_mode`) an ``AlignedRows`` carrying the
+        host copy of its group ends, made here once for fc1 and fc2, forward and backward; otherwise (emulated GEMMs
+        included) ``tokens_per_expert``."""
         if (not isinstance(tokens_per_expert, AlignedRows) or tokens_per_expert.host_ends is not None
                 or self.float8_emulate):
             return tokens_per_expert

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends
+from megatron_core.fp8.expert_gemm_mode import forward_host_ends, per_expert_host_ends
 from megatron_core.fp8.scaled_grouped_mm import (
     dgrad_gemm_from_codes,
     forward_gemm,
@@ -64,8 +64,8 @@ class ScaledGroupedMmWeightedSwiGLU(torch.autograd.Function):
         if w_codes is None:
             w_codes, w_scale = quantize_weight_rowwise(weight)
         x = shared_kernel_input(x)  # the row-wise cast now and the column-wise one for the weight gradient
-        host_ends = per_expert_host_ends(ends, host_ends)
-        h = forward_gemm(x, w_codes, w_scale, ends, host_ends)
+        host_ends = per_expert_host_ends(ends, host_ends)  # for the backward, and in per_expert mode the forward
+        h = forward_gemm(x, w_codes, w_scale, ends, forward_host_ends(host_ends))
         ctx.save_for_backward(x, w_codes, w_scale, ends, w_codes_t, host_ends, h, probs)
         ctx.weight_dtype, ctx.fp8_wgrad = weight.dtype, fp8_wgrad
         return weighted_swiglu(h, probs)

@@ -30,7 +30,12 @@ from megatron_core.fp8.cast_kernels import (
     rowwise_cast,
     transpose_codes,
 )
-from megatron_core.fp8.expert_gemm_mode import per_expert_host_ends, per_expert_mm, per_expert_wgrad_mm
+from megatron_core.fp8.expert_gemm_mode import (
+    forward_host_ends,
+    per_expert_host_ends,
+    per_expert_mm,
+    per_expert_wgrad_mm,
+)
 from megatron_core.jit import shared_kernel_input
 
 __all__ = ["ROW_ALIGN", "ScaledGroupedMm", "dgrad_gemm_from_codes", "group_of_rows", "hp_wgrad_gemm",
@@ -209,10 +214,10 @@ class ScaledGroupedMm(torch.autograd.Function):
         if w_codes is None:
             w_codes, w_scale = quantize_weight_rowwise(weight)
         x = shared_kernel_input(x)  # the row-wise cast now and the column-wise one for the weight gradient
-        host_ends = per_expert_host_ends(ends, host_ends)  # per_expert mode: for the forward and the backward
+        host_ends = per_expert_host_ends(ends, host_ends)  # for the backward, and in per_expert mode the forward
         ctx.save_for_backward(x, w_codes, w_scale, ends, w_codes_t, host_ends)
         ctx.weight_dtype, ctx.fp8_wgrad = weight.dtype, fp8_wgrad
-        return forward_gemm(x, w_codes, w_scale, ends, host_ends)
+        return forward_gemm(x, w_codes, w_scale, ends, forward_host_ends(host_ends))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
