@@ -235,6 +235,21 @@ def test_gpu_ends_copied_without_waiting_arrive_pinned_with_their_event():
     assert sizes == COUNTS and host.data_ptr() not in expert_gemm_mode._PENDING_HOST_ENDS
 
 
+@pytest.mark.gpu
+def test_gpu_unread_copies_past_the_limit_are_waited_for_and_forgotten(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setattr(expert_gemm_mode, "_PENDING_LIMIT", 1)
+    monkeypatch.setattr(expert_gemm_mode, "_PENDING_HOST_ENDS", {})
+    ends = torch.tensor(COUNTS, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    torch.cuda._sleep(10_000_000)
+    first = expert_gemm_mode.group_ends_to_host_async(ends)
+    second = expert_gemm_mode.group_ends_to_host_async(ends)
+    assert list(expert_gemm_mode._PENDING_HOST_ENDS) == [second.data_ptr()]
+    assert first.tolist() == ends.tolist()  # waited for when forgotten
+    assert expert_gemm_mode._group_sizes(second) == COUNTS
+
+
 def test_a_known_host_copy_of_the_ends_is_not_read_again(reference_kernel, monkeypatch):
     """Given the host ends (read once by the expert MLP for fc1 and fc2), the function reads none and its forward,
     data-gradient and weight-gradient GEMMs take the copy it was given."""

@@ -107,7 +107,7 @@ def _(ends: torch.Tensor) -> torch.Tensor:
 # recorded, by the address of its pinned memory; waited on, and dropped, by the first reader (``_group_sizes``). An
 # address is taken by one live copy at a time, and a new copy replaces what an earlier one there left.
 _PENDING_HOST_ENDS: dict[int, torch.cuda.Event] = {}
-_PENDING_LIMIT = 4096  # copies never read (a forward without its backward) are forgotten past this many
+_PENDING_LIMIT = 4096  # past this many unread copies (forwards without a backward) the oldest is waited for, forgotten
 
 
 @torch.library.custom_op("megatron_core::fp8_group_ends_to_host_async", mutates_args=(), **_HOST_READ_TAGS)
@@ -122,8 +122,8 @@ def group_ends_to_host_async(ends: torch.Tensor) -> torch.Tensor:
     host.copy_(ends, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    if len(_PENDING_HOST_ENDS) >= _PENDING_LIMIT:
-        _PENDING_HOST_ENDS.pop(next(iter(_PENDING_HOST_ENDS)))
+    if len(_PENDING_HOST_ENDS) >= _PENDING_LIMIT:  # waited for first, so a late reader never finds it unfinished
+        _PENDING_HOST_ENDS.pop(next(iter(_PENDING_HOST_ENDS))).synchronize()
     _PENDING_HOST_ENDS[host.data_ptr()] = event
     return host
 
