@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from megatron_core.fp8.expert_gemm_mode import per_expert_mm
+from megatron_core.fp8.expert_gemm_mode import _expert_operands, per_expert_mm
 
 
 def main() -> None:
@@ -50,9 +50,7 @@ def main() -> None:
 
     def views_only() -> None:  # the op's host work but its GEMMs: output, sizes, views
         new = a.new_empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
-        sizes_e = [end - start for start, end in zip([0] + ends.tolist()[:-1], ends.tolist())]
-        list(zip(a.split(sizes_e), b.transpose(1, 2).unbind(0), a_scale[:, None].split(sizes_e),
-                 b_scale[:, None, :].unbind(0), new.split(sizes_e)))
+        list(_expert_operands(a, a_scale, b.transpose(1, 2), b_scale, ends, new))
 
     def loop_new_output() -> None:  # the plain loop into a fresh output each time
         new = a.new_empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)

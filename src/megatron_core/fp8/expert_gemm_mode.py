@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -173,14 +174,19 @@ def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     """
     _refuse_capture("fp8_per_expert_mm", a)
     out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
-    # Every expert's operands as views made in a few calls (the host's time per GEMM counts: session 51).
-    sizes = _group_sizes(ends)
-    operands = zip(sizes, a.split(sizes), b.unbind(0), a_scale[:, None].split(sizes), b_scale[:, None, :].unbind(0),
-                   out.split(sizes))
-    for rows, a_e, b_e, a_scale_e, b_scale_e, out_e in operands:
+    for rows, a_e, b_e, a_scale_e, b_scale_e, out_e in _expert_operands(a, a_scale, b, b_scale, ends, out):
         if rows:
             torch._scaled_mm(a_e, b_e, a_scale_e, b_scale_e, out_dtype=out_dtype, use_fast_accum=True, out=out_e)
     return out
+
+
+def _expert_operands(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                     ends: torch.Tensor, out: torch.Tensor) -> Iterator[tuple[int, ...]]:
+    """:func:`per_expert_mm`'s ``(rows, a_e, b_e, a_scale_e, b_scale_e, out_e)`` for every expert: views made in a
+    few calls (the host's time per GEMM counts: ``benchmarks/fp8_gemm_host_time.py``)."""
+    sizes = _group_sizes(ends)
+    return zip(sizes, a.split(sizes), b.unbind(0), a_scale[:, None].split(sizes), b_scale[:, None, :].unbind(0),
+               out.split(sizes))
 
 
 @per_expert_mm.register_fake
