@@ -9,7 +9,9 @@ times, with the host taken out (the calls captured in a CUDA graph and replayed)
   ``per_expert`` mode runs);
 - ``fp8 tensorwise``: one ``torch._scaled_mm`` per expert with one scale per operand;
 - ``fp8 grouped``: one ``torch._scaled_grouped_mm`` (row-wise scales) for all experts, where torch has it;
-- ``fp8 dense``: one tensorwise GEMM over all rows as if a single expert had them (the ceiling).
+- ``fp8 dense``: one tensorwise GEMM over all rows as if a single expert had them (the ceiling);
+- ``.. N st``: the per-expert loop spread over ``N`` CUDA streams, so that one expert's last wave of tiles overlaps
+  the next expert's first (each expert's GEMM alone leaves part of the GPU idle in its last wave).
 
 Prints milliseconds per layer and TFLOP/s for each. The library's per-expert step (``benchmarks/RESULTS.md``, issue
 44) spends most of its GPU time in these GEMMs, so this says which form of them is worth building on.
@@ -20,6 +22,7 @@ Prints milliseconds per layer and TFLOP/s for each. The library's per-expert ste
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 
 import torch
@@ -51,23 +54,19 @@ def _gemm_forms(sizes: list[int], k: int, n: int) -> dict[str, Callable[[], obje
     ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
     big_b = _codes(n, k)
 
-    def bf16() -> None:
-        for e, (a_e, out_e) in enumerate(zip(a16_parts, out_parts)):
-            torch.mm(a_e, b16[e].t(), out=out_e)
-
-    def rowwise() -> None:
-        for e, (a_e, s_e, out_e) in enumerate(zip(a_parts, row_parts, out_parts)):
-            torch._scaled_mm(a_e, b[e].t(), s_e, b_col[e][None], out_dtype=torch.bfloat16, use_fast_accum=True,
-                             out=out_e)
-
-    def tensorwise() -> None:
-        for e, (a_e, out_e) in enumerate(zip(a_parts, out_parts)):
-            torch._scaled_mm(a_e, b[e].t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=True, out=out_e)
+    bf16 = [functools.partial(torch.mm, a_e, b16[e].t(), out=out_e)
+            for e, (a_e, out_e) in enumerate(zip(a16_parts, out_parts))]
+    rowwise = [functools.partial(torch._scaled_mm, a_e, b[e].t(), s_e, b_col[e][None], out_dtype=torch.bfloat16,
+                                 use_fast_accum=True, out=out_e)
+               for e, (a_e, s_e, out_e) in enumerate(zip(a_parts, row_parts, out_parts))]
+    tensorwise = [functools.partial(torch._scaled_mm, a_e, b[e].t(), one, one, out_dtype=torch.bfloat16,
+                                    use_fast_accum=True, out=out_e)
+                  for e, (a_e, out_e) in enumerate(zip(a_parts, out_parts))]
 
     def dense() -> None:
         torch._scaled_mm(a, big_b.t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=True, out=out)
 
-    forms = {"bf16": bf16, "fp8 rowwise": rowwise, "fp8 tensorwise": tensorwise, "fp8 dense": dense}
+    forms = {**_loop_forms(bf16, rowwise, tensorwise), "fp8 dense": dense}
     if _GROUPED is not None:
         forms["fp8 grouped"] = lambda: _GROUPED(a, b.transpose(1, 2), a_row, b_col, offs=ends,
                                                 out_dtype=torch.bfloat16, use_fast_accum=True)
@@ -96,19 +95,42 @@ def _wgrad_forms(rows: list[int], p: int, q: int) -> dict[str, Callable[[], obje
     a_parts, b_parts, a16_parts, b16_parts = a_t.split(rows, 1), b_t.t().split(rows), a16.split(rows, 1), b16.t().split(rows)
     a_s, b_s, one = _scale(p, 1), _scale(1, q), torch.ones((), device="cuda")
 
-    def bf16() -> None:
-        for a_e, b_e, out_e in zip(a16_parts, b16_parts, out.unbind(0)):
-            torch.mm(a_e, b_e, out=out_e)
+    bf16 = [functools.partial(torch.mm, a_e, b_e, out=out_e)
+            for a_e, b_e, out_e in zip(a16_parts, b16_parts, out.unbind(0))]
+    rowwise = [functools.partial(torch._scaled_mm, a_e, b_e, a_s, b_s, out_dtype=torch.bfloat16, use_fast_accum=True,
+                                 out=out_e) for a_e, b_e, out_e in zip(a_parts, b_parts, out.unbind(0))]
+    tensorwise = [functools.partial(torch._scaled_mm, a_e, b_e, one, one, out_dtype=torch.bfloat16,
+                                    use_fast_accum=True, out=out_e)
+                  for a_e, b_e, out_e in zip(a_parts, b_parts, out.unbind(0))]
+    return _loop_forms(bf16, rowwise, tensorwise)
 
-    def rowwise() -> None:
-        for a_e, b_e, out_e in zip(a_parts, b_parts, out.unbind(0)):
-            torch._scaled_mm(a_e, b_e, a_s, b_s, out_dtype=torch.bfloat16, use_fast_accum=True, out=out_e)
 
-    def tensorwise() -> None:
-        for a_e, b_e, out_e in zip(a_parts, b_parts, out.unbind(0)):
-            torch._scaled_mm(a_e, b_e, one, one, out_dtype=torch.bfloat16, use_fast_accum=True, out=out_e)
+def _on_streams(calls: list[Callable[[], object]], streams: int) -> Callable[[], None]:
+    """Run ``calls`` in order, spread round-robin over the current stream and ``streams - 1`` side streams (each
+    forked from and joined back into the current one), so one GEMM's last wave overlaps the next one's first."""
+    side = [torch.cuda.Stream() for _ in range(streams - 1)]
 
-    return {"bf16": bf16, "fp8 rowwise": rowwise, "fp8 tensorwise": tensorwise}
+    def run() -> None:
+        current = torch.cuda.current_stream()
+        lanes = [current, *side]
+        for stream in side:
+            stream.wait_stream(current)
+        for i, call in enumerate(calls):
+            with torch.cuda.stream(lanes[i % streams]):
+                call()
+        for stream in side:
+            current.wait_stream(stream)
+
+    return run
+
+
+def _loop_forms(bf16: list, rowwise: list, tensorwise: list) -> dict[str, Callable[[], object]]:
+    """The per-expert loops, on one stream and spread over two and four."""
+    forms = {"bf16": _on_streams(bf16, 1), "fp8 rowwise": _on_streams(rowwise, 1)}
+    forms.update({f"fp8 rowwise {n} st": _on_streams(rowwise, n) for n in (2, 4)})
+    forms["fp8 tensorwise"] = _on_streams(tensorwise, 1)
+    forms["fp8 tensorwise 2 st"] = _on_streams(tensorwise, 2)
+    return forms
 
 
 def _kernel_names(fn: Callable[[], object]) -> str:
