@@ -8,7 +8,8 @@ times, with the host taken out (the calls captured in a CUDA graph and replayed)
 - ``fp8 rowwise``: one ``torch._scaled_mm`` per expert with one scale per row / column (what the library's
   ``per_expert`` mode runs);
 - ``fp8 tensorwise``: one ``torch._scaled_mm`` per expert with one scale per operand;
-- ``fp8 grouped``: one ``torch._scaled_grouped_mm`` (row-wise scales) for all experts, where torch has it;
+- ``fp8 grouped``: one ``torch._scaled_grouped_mm`` (row-wise scales) for all experts, where torch has it, and with
+  ``--autotune`` the same compiled by Inductor with ``max-autotune`` (``fp8 grouped tuned``);
 - ``fp8 dense``: one tensorwise GEMM over all rows as if a single expert had them (the ceiling);
 - ``.. N st``: the per-expert loop spread over ``N`` CUDA streams, so that one expert's last wave of tiles overlaps
   the next expert's first (each expert's GEMM alone leaves part of the GPU idle in its last wave).
@@ -41,7 +42,7 @@ def _scale(*shape: int) -> torch.Tensor:
     return torch.rand(*shape, device="cuda") + 0.5
 
 
-def _gemm_forms(sizes: list[int], k: int, n: int) -> dict[str, Callable[[], object]]:
+def _gemm_forms(sizes: list[int], k: int, n: int, autotune: bool = False) -> dict[str, Callable[[], object]]:
     """``out_e = a_e @ b_e`` for experts with ``sizes`` rows, ``a [M, k]`` row-major and ``b_e [k, n]``
     column-major, in every form this script times."""
     rows, experts = sum(sizes), len(sizes)
@@ -68,8 +69,19 @@ def _gemm_forms(sizes: list[int], k: int, n: int) -> dict[str, Callable[[], obje
 
     forms = {**_loop_forms(bf16, rowwise, tensorwise), "fp8 dense": dense}
     if _GROUPED is not None:
-        forms["fp8 grouped"] = lambda: _GROUPED(a, b.transpose(1, 2), a_row, b_col, offs=ends,
-                                                out_dtype=torch.bfloat16, use_fast_accum=True)
+        forms.update(_grouped_forms(lambda: _GROUPED(a, b.transpose(1, 2), a_row, b_col, offs=ends,
+                                                     out_dtype=torch.bfloat16, use_fast_accum=True), autotune))
+    return forms
+
+
+def _grouped_forms(call: Callable[[], object], autotune: bool) -> dict[str, Callable[[], object]]:
+    """PyTorch's grouped kernel as it is and, with ``--autotune``, compiled by Inductor with ``max-autotune`` (its
+    Triton grouped-GEMM template against the ATen kernel; the autotuner prints every candidate's time)."""
+    forms = {"fp8 grouped": call}
+    if autotune:
+        compiled = torch.compile(call, mode="max-autotune-no-cudagraphs", dynamic=False)
+        compiled()
+        forms["fp8 grouped tuned"] = compiled
     return forms
 
 
@@ -85,7 +97,7 @@ def _shapes(hidden: int, ffn: int, rows: list[int]) -> dict[str, tuple[list[int]
     }
 
 
-def _wgrad_forms(rows: list[int], p: int, q: int) -> dict[str, Callable[[], object]]:
+def _wgrad_forms(rows: list[int], p: int, q: int, autotune: bool = False) -> dict[str, Callable[[], object]]:
     """``dW_e [p, q] = dy_e.T @ x_e`` over each expert's ``rows_e`` tokens (operands stored transposed,
     row-major ``[p, M]`` / ``[q, M]``) in bf16, FP8 row-wise and FP8 tensorwise."""
     experts, total = len(rows), sum(rows)
@@ -102,7 +114,13 @@ def _wgrad_forms(rows: list[int], p: int, q: int) -> dict[str, Callable[[], obje
     tensorwise = [functools.partial(torch._scaled_mm, a_e, b_e, one, one, out_dtype=torch.bfloat16,
                                     use_fast_accum=True, out=out_e)
                   for a_e, b_e, out_e in zip(a_parts, b_parts, out.unbind(0))]
-    return _loop_forms(bf16, rowwise, tensorwise)
+    forms = _loop_forms(bf16, rowwise, tensorwise)
+    if _GROUPED is not None:
+        ends = torch.tensor(rows, device="cuda").cumsum(0).to(torch.int32)
+        a_group, b_group = _scale(experts * p), _scale(experts * q)
+        forms.update(_grouped_forms(lambda: _GROUPED(a_t, b_t.t(), a_group, b_group, offs=ends,
+                                                     out_dtype=torch.bfloat16, use_fast_accum=True), autotune))
+    return forms
 
 
 def _on_streams(calls: list[Callable[[], object]], streams: int) -> Callable[[], None]:
@@ -149,12 +167,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1104, 880, 1200, 960, 1008, 1056, 912, 1072])
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--kernel-names", action="store_true", help="print the kernels each form runs")
+    parser.add_argument("--autotune", action="store_true", help="also the grouped GEMM compiled with max-autotune")
+    parser.add_argument("--only", nargs="*", default=None, help="GEMMs to time (e.g. 'fc1 forward'); default all")
     args = parser.parse_args()
     torch.manual_seed(0)
     total = sum(args.rows)
-    cases = {name: _gemm_forms(*shape) for name, shape in _shapes(args.hidden, args.ffn, args.rows).items()}
-    cases["fc1 wgrad"] = _wgrad_forms(args.rows, 2 * args.ffn, args.hidden)
-    cases["fc2 wgrad"] = _wgrad_forms(args.rows, args.hidden, args.ffn)
+    builders = {name: functools.partial(_gemm_forms, *shape, args.autotune)
+                for name, shape in _shapes(args.hidden, args.ffn, args.rows).items()}
+    builders["fc1 wgrad"] = functools.partial(_wgrad_forms, args.rows, 2 * args.ffn, args.hidden, args.autotune)
+    builders["fc2 wgrad"] = functools.partial(_wgrad_forms, args.rows, args.hidden, args.ffn, args.autotune)
+    cases = {name: build() for name, build in builders.items() if args.only is None or name in args.only}
     layer: dict[str, float] = {}
     for name, forms in cases.items():
         flops = 2 * total * args.hidden * (2 * args.ffn if "fc1" in name else args.ffn)
@@ -166,7 +188,7 @@ def main() -> None:
             if args.kernel_names:
                 print(f"    kernels: {_kernel_names(fn)}")
     print("per layer (the forms timed for all six GEMMs):",
-          ", ".join(f"{form} {ms:.2f} ms" for form, ms in layer.items() if form in cases["fc1 wgrad"]))
+          ", ".join(f"{form} {ms:.2f} ms" for form, ms in layer.items() if all(form in f for f in cases.values())))
 
 
 if __name__ == "__main__":
