@@ -28,7 +28,12 @@ def check(x, factors, ends, rowwise, columnwise):
     assert all(same(a, b) for a, b in zip(rowwise(x, None, None), sgm._rowwise(x)))
     want = sgm._rowwise(x.float() * factors[groups.long()])
     assert all(same(a, b) for a, b in zip(rowwise(x, factors, groups), want))
-    assert all(same(a, b) for a, b in zip(columnwise(x, ends, groups), sgm._group_columnwise_transposed(x, ends)))
+    plain = (torch.arange(rows, dtype=torch.int32), groups)
+    want_t, want_scale = sgm._group_columnwise_transposed(x, ends)
+    assert all(same(a, b) for a, b in zip(columnwise(x, ends, *plain), (want_t, want_scale)))
+    source, column_groups, _ = sgm.aligned_contraction_layout(ends, rows, 32)  # groups padded with zero columns
+    got_t, got_scale = columnwise(x, ends, source.to(torch.int32), column_groups.to(torch.int32))
+    assert same(got_t, sgm._placed(want_t, source)) and same(got_scale, want_scale)
 
 {body}
 """
@@ -76,9 +81,13 @@ def test_gpu_casts_equal_pytorch_bit_for_bit():
     ends = torch.tensor([256, 256, 800, 1040], device="cuda", dtype=torch.int32)
     groups = sgm.group_of_rows(ends, x.shape[0], 1)
     factors = torch.rand(4, 720, device="cuda", generator=gen) + 0.25
+    layout = sgm.aligned_contraction_layout(ends, x.shape[0], sgm.WGRAD_K_ALIGN)
+    plain_t, plain_scale = sgm._group_columnwise_transposed(x, ends)
     for got, want in ((ck.rowwise_cast(x), sgm._rowwise(x)),
                       (ck.rowwise_cast(x, factors, groups), sgm._rowwise(x.float() * factors[groups])),
-                      (ck.group_columnwise_cast_transposed(x, ends, groups), sgm._group_columnwise_transposed(x, ends))):
+                      (ck.group_columnwise_cast_transposed(x, ends, groups), sgm._group_columnwise_transposed(x, ends)),
+                      (ck.group_columnwise_cast_transposed(x, ends, groups, layout[:2]),
+                       (sgm._placed(plain_t, layout[0]), plain_scale))):
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
         assert torch.equal(got[1], want[1])
     # whole rows in one pass (short and long rows) and, past WHOLE_ROW_MAX, the two-pass kernel

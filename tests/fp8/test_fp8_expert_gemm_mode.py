@@ -68,8 +68,8 @@ def test_per_expert_gemm_runs_one_scaled_mm_per_expert_with_rows(reference_kerne
 
 def test_per_expert_backward_reads_the_transposed_codes_in_place(reference_kernel, monkeypatch):
     """The backward: one data-gradient GEMM per expert with rows, then one weight-gradient GEMM per expert with rows
-    whose operands are column slices of the two transposed code matrices (no packed copies); an expert without
-    rows gets a zero weight gradient."""
+    whose operands are column slices of the two transposed code matrices (no packed copies), each expert's
+    contraction padded to a multiple of ``WGRAD_K_ALIGN``; an expert without rows gets a zero weight gradient."""
     calls = []
     real = torch._scaled_mm
 
@@ -86,7 +86,8 @@ def test_per_expert_backward_reads_the_transposed_codes_in_place(reference_kerne
     with_rows = [c for c in COUNTS if c]
     dgrad, wgrad = calls[:len(with_rows)], calls[len(with_rows):]
     assert [(a, b) for a, b, _, _ in dgrad] == [((c, w.shape[1]), (w.shape[1], w.shape[2])) for c in with_rows]
-    assert [(a, b) for a, b, _, _ in wgrad] == [((w.shape[1], c), (c, w.shape[2])) for c in with_rows]
+    padded = [-(-c // sgm.WGRAD_K_ALIGN) * sgm.WGRAD_K_ALIGN for c in with_rows]  # zero columns up to 128 tokens
+    assert [(a, b) for a, b, _, _ in wgrad] == [((w.shape[1], c), (c, w.shape[2])) for c in padded]
     assert len({a for _, _, a, _ in wgrad}) == 1 and len({b for _, _, _, b in wgrad}) == 1  # one storage each
     assert torch.all(w.grad[COUNTS.index(0)] == 0) and w.grad.abs().sum() > 0
 

@@ -100,6 +100,22 @@ def test_group_columnwise_scales_are_per_expert_powers_of_two():
         start += count
 
 
+def test_aligned_contraction_layout_pads_each_group_with_zero_columns():
+    """Groups of 48, 0, 80 and 16 rows padded to multiples of 32 columns: 64, 0, 96 and 32, each group's rows first,
+    then its zero columns (-1), then zero columns to the static length (144 rows + 4 x 31, rounded to 16)."""
+    ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    source, groups, length = sgm.aligned_contraction_layout(ends, sum(COUNTS), 32)
+    assert length == 272 and source.shape == groups.shape == (272,)
+    zeros = [-1] * 16
+    want = [*range(48), *zeros, *range(48, 128), *zeros, *range(128, 144), *zeros, *[-1] * 80]
+    assert source.tolist() == want
+    assert groups[:64].eq(0).all() and groups[64:160].eq(2).all() and groups[160:].eq(3).all()
+    x, _, _ = _operands(1)
+    codes_t, _ = sgm._group_columnwise_transposed(x, ends)
+    placed = sgm._placed(codes_t, source).view(torch.uint8)
+    assert torch.equal(placed[:, 64:144], codes_t.view(torch.uint8)[:, 48:128]) and not placed[:, 144:160].any()
+
+
 def test_emulated_path_reads_device_style_ends():
     x, w, _ = _operands(2)
     ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)

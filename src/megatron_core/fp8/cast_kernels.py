@@ -20,7 +20,8 @@ Two casts dominate an FP8 MoE step besides the GEMMs, and Inductor writes neithe
 - :func:`group_columnwise_cast_transposed`: one scale per column within each group of rows (the weight
   gradient's operands), written transposed (``[K, M]`` row-major, as the kernel's 2D x 2D form reads them):
   a kernel for the per-group column maxima (each group's rows split over several programs whose maxima join by
-  an atomic maximum, so that few groups still fill the GPU), a tiled kernel that casts and transposes.
+  an atomic maximum, so that few groups still fill the GPU), a tiled kernel that casts and transposes, placing
+  each row where a given layout says (zero columns between groups padded to a longer contraction).
 - :func:`transpose_codes`: the forward's weight codes transposed for the data gradient, by byte tiles.
 The scale of a slice is ``2**floor(log2(448 / amax))``, taken from the exponent bits of a correctly rounded
 division, so codes and scales equal the PyTorch formula's (:mod:`megatron_core.fp8.scaled_grouped_mm`) bit
@@ -92,15 +93,19 @@ def _kernels() -> tuple[Any, Any, Any]:
             tl.store(out_ptr + base + c[None, :], q.to(tl.float8e4nv), mask=ok)
 
     @triton.jit
-    def cast_transposed_kernel(t_ptr, group_ptr, scale_ptr, out_ptr, rows, cols, T: tl.constexpr):
+    def cast_transposed_kernel(t_ptr, source_ptr, group_ptr, scale_ptr, out_ptr, rows, cols, T: tl.constexpr):
+        # out[c, r] = cast(t[source[r], c] * scale[group[r], c]); a source of -1 gives a zero column of out
         r = tl.program_id(0) * T + tl.arange(0, T)
         c = tl.program_id(1) * T + tl.arange(0, T)
-        ok = (r < rows)[:, None] & (c < cols)[None, :]
-        v = tl.load(t_ptr + r.to(tl.int64)[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        g = tl.load(group_ptr + r, mask=r < rows, other=0)
-        s = tl.load(scale_ptr + g[:, None] * cols + c[None, :], mask=ok, other=1.0)
+        in_r = r < rows
+        src = tl.load(source_ptr + r, mask=in_r, other=-1)
+        inside = in_r[:, None] & (c < cols)[None, :]
+        ok = (src >= 0)[:, None] & inside
+        v = tl.load(t_ptr + src.to(tl.int64)[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(group_ptr + r, mask=in_r, other=0)
+        s = tl.load(scale_ptr + g[:, None] * cols + c[None, :], mask=inside, other=1.0)
         q = tl.clamp(v * s, -448.0, 448.0).to(tl.float8e4nv)
-        tl.store(out_ptr + c.to(tl.int64)[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(ok))
+        tl.store(out_ptr + c.to(tl.int64)[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(inside))
 
     @triton.jit
     def transpose_kernel(src_ptr, dst_ptr, rows, cols, T: tl.constexpr):
@@ -235,7 +240,7 @@ def _rowwise(t: torch.Tensor, factors: torch.Tensor, row_groups: torch.Tensor, h
     return out, inverse
 
 
-def _group_columnwise(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Tensor
+def _group_columnwise(t: torch.Tensor, ends: torch.Tensor, source_rows: torch.Tensor, column_groups: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = t.shape
     groups = ends.numel()
@@ -246,10 +251,11 @@ def _group_columnwise(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Ten
     amax_kernel[(-(-cols // _AMAX_COLS), groups, _AMAX_SPLIT)](t, ends, bits, cols, BR=_AMAX_ROWS, BC=_AMAX_COLS,
                                                                SPLIT=_AMAX_SPLIT, num_warps=_AMAX_WARPS)
     scale_kernel[(-(-(groups * cols) // 1024),)](bits, scale, inverse, groups * cols, B=1024)
-    out = torch.empty(cols, rows, dtype=torch.float8_e4m3fn, device=t.device)
+    out_rows = source_rows.numel()
+    out = torch.empty(cols, out_rows, dtype=torch.float8_e4m3fn, device=t.device)
     cast_kernel = torch.library.wrap_triton(_kernels()[1])
-    cast_kernel[(-(-rows // _TILE), -(-cols // _TILE))](t, row_groups, scale, out, rows, cols, T=_TILE,
-                                                        num_warps=_TILE_WARPS)
+    cast_kernel[(-(-out_rows // _TILE), -(-cols // _TILE))](t, source_rows, column_groups, scale, out, out_rows, cols,
+                                                            T=_TILE, num_warps=_TILE_WARPS)
     return out, inverse.reshape(-1)
 
 
@@ -350,9 +356,17 @@ def rowwise_cast(t: torch.Tensor, factors: torch.Tensor | None = None, row_group
     return _ROWWISE_OP(t, factors.float().contiguous(), row_groups.to(torch.int32), True)
 
 
-def group_columnwise_cast_transposed(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Tensor
+def group_columnwise_cast_transposed(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Tensor,
+                                     layout: tuple[torch.Tensor, torch.Tensor] | None = None
                                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t [M, C]`` as e4m3 codes with one power-of-two scale per column within each group of rows (groups end
     at ``ends``; ``row_groups [M]`` names each row's), transposed to ``[C, M]`` row-major; and the dequantizing
-    scales ``[groups * C]``, group-major."""
-    return _GROUP_COLUMNWISE_OP(shared_kernel_input(t), ends.to(torch.int32), row_groups.to(torch.int32))
+    scales ``[groups * C]``, group-major. ``layout``: ``(source_rows [L], column_groups [L])`` places the
+    transposed rows otherwise: column ``j`` of the result (``[C, L]``) is row ``source_rows[j]`` of ``t``, scaled as
+    group ``column_groups[j]``, or zeros where ``source_rows[j]`` is -1 (e.g. groups padded with zero columns,
+    :func:`megatron_core.fp8.scaled_grouped_mm.aligned_contraction_layout`)."""
+    if layout is None:
+        layout = (torch.arange(t.shape[0], device=t.device, dtype=torch.int32), row_groups)
+    source_rows, column_groups = layout
+    return _GROUP_COLUMNWISE_OP(shared_kernel_input(t), ends.to(torch.int32), source_rows.to(torch.int32),
+                                column_groups.to(torch.int32))

@@ -7,8 +7,10 @@ from the group ends on the host and write every expert's result into one output:
 
 - ``megatron_core::fp8_per_expert_mm`` for the forward and the data gradient (each expert's rows of ``a``);
 - ``megatron_core::fp8_per_expert_wgrad_mm`` for the weight gradient, whose contraction is each expert's rows: its
-  operands are column slices of the transposed codes (``[out, M]`` and ``[in, M]``, row-major), which cuBLASLt reads
-  in place (the leading dimension ``M`` and every slice start are multiples of 16), so nothing is packed. (An FP8
+  operands are column slices of the transposed codes (``[out, L]`` and ``[in, L]``, row-major), which cuBLASLt reads
+  in place (the leading dimension ``L`` and every slice start are multiples of 16), so nothing is packed; the cast
+  that writes them pads each expert's columns with zeros to a multiple of 128 tokens, which cuBLAS's row-wise-scaled
+  kernels run faster (``WGRAD_K_ALIGN``). (An FP8
   parameter whose weight gradient is accumulated into ``main_grad`` inside the GEMM, ``ACCUMULATE_WGRAD_IN_GEMM``,
   keeps that grouped kernel.)
 
@@ -197,21 +199,23 @@ def _(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Te
 
 @torch.library.custom_op("megatron_core::fp8_per_expert_wgrad_mm", mutates_args=(), **_HOST_READ_TAGS)
 def per_expert_wgrad_mm(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor,
-                        ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                        ends: torch.Tensor, out_dtype: torch.dtype, k_align: int = 1) -> torch.Tensor:
     """``stack_e(a_e.T @ b_e)`` (the weight gradient ``dW_e = dy_e.T @ x_e``) with one ``torch._scaled_mm`` per expert.
 
-    ``a_t [P, M]`` and ``b_t [Q, M]``: e4m3 codes of ``a = dy`` and ``b = x`` transposed (row-major), each expert's
-    rows of ``a`` and ``b`` a range of their columns; ``a_scale [E * P]`` and ``b_scale [E * Q]``: the dequantizing
-    scales, one per column of ``a`` / ``b`` within each expert's rows (expert-major); ``ends [E]`` the experts' end
-    rows, read to the host here unless already there. Returns ``[E, P, Q]`` in ``out_dtype``; an expert without
-    rows gets zeros.
+    ``a_t [P, L]`` and ``b_t [Q, L]``: e4m3 codes of ``a = dy`` and ``b = x`` transposed (row-major), each expert's
+    rows of ``a`` and ``b`` a range of their columns: the expert's row count (from ``ends [E]``, the experts' end
+    rows, read to the host here unless already there) rounded up to a multiple of ``k_align``, the columns past its
+    rows zeros (``megatron_core.fp8.scaled_grouped_mm.aligned_contraction_layout``); ``a_scale [E * P]`` and
+    ``b_scale [E * Q]``: the dequantizing scales, one per column of ``a`` / ``b`` within each expert's rows
+    (expert-major). Returns ``[E, P, Q]`` in ``out_dtype``; an expert without rows gets zeros.
     """
     _refuse_capture("fp8_per_expert_wgrad_mm", a_t)
     experts = ends.numel()
     out = a_t.new_empty(experts, a_t.shape[0], b_t.shape[0], dtype=out_dtype)
-    sizes = _group_sizes(ends)
-    operands = zip(sizes, a_t.split(sizes, dim=1), b_t.t().split(sizes), a_scale.view(experts, -1, 1).unbind(0),
-                   b_scale.view(experts, 1, -1).unbind(0), out.unbind(0))
+    sizes = [-(-rows // k_align) * k_align for rows in _group_sizes(ends)]
+    used = sum(sizes)
+    operands = zip(sizes, a_t[:, :used].split(sizes, dim=1), b_t[:, :used].t().split(sizes),
+                   a_scale.view(experts, -1, 1).unbind(0), b_scale.view(experts, 1, -1).unbind(0), out.unbind(0))
     for rows, a_e, b_e, a_scale_e, b_scale_e, out_e in operands:
         if rows:
             torch._scaled_mm(a_e, b_e, a_scale_e, b_scale_e, out_dtype=out_dtype, use_fast_accum=True, out=out_e)
@@ -222,5 +226,5 @@ def per_expert_wgrad_mm(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Ten
 
 @per_expert_wgrad_mm.register_fake
 def _(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, ends: torch.Tensor,
-      out_dtype: torch.dtype) -> torch.Tensor:
+      out_dtype: torch.dtype, k_align: int = 1) -> torch.Tensor:
     return a_t.new_empty(ends.shape[0], a_t.shape[0], b_t.shape[0], dtype=out_dtype)
