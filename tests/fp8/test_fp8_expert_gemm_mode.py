@@ -51,6 +51,36 @@ def test_per_expert_gemms_equal_the_grouped_kernel(reference_kernel, compile_bac
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_long_contraction_without_column_scales_runs_tensorwise_with_rows_scaled_after(reference_kernel,
+                                                                                           monkeypatch):
+    """fc1's data-gradient shape (the contraction, 128 outputs, at least twice the 64 inputs; the weight scales folded
+    into ``dy``): one tensorwise ``torch._scaled_mm`` per expert with rows (unit scales), the row scales multiplied
+    into the result afterwards; the data gradient equals the grouped kernel's."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(COUNTS), 64, generator=gen)
+    x[:48] *= 100.0
+    w = torch.randn(len(COUNTS), 128, 64, generator=gen) * 0.05
+    dy = torch.randn(sum(COUNTS), 128, generator=gen)
+    ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    grads, scales = {}, []
+    real = torch._scaled_mm
+
+    def recording(a, b, scale_a, scale_b, **kwargs):
+        if a.shape[1] == 128 and a.shape[0] in COUNTS:  # the data gradient (an expert's rows by the 128 outputs)
+            scales.append((scale_a.numel(), scale_b.numel()))
+        return real(a, b, scale_a, scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    for mode in ("grouped", "per_expert"):
+        expert_gemm_mode.set_fp8_expert_gemm(mode)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        sgm.ScaledGroupedMm.apply(xx, ww, ends).backward(dy)
+        grads[mode] = xx.grad
+    assert scales == [(1, 1)] * sum(1 for c in COUNTS if c)
+    assert grads["grouped"].abs().max() > 0
+    torch.testing.assert_close(grads["per_expert"], grads["grouped"], rtol=1e-6, atol=1e-6)
+
+
 def test_per_expert_gemm_runs_one_scaled_mm_per_expert_with_rows(reference_kernel, monkeypatch):
     calls = []
     real = torch._scaled_mm
@@ -191,13 +221,20 @@ def test_a_bad_mode_is_refused_naming_its_source(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("outputs", [32, 256], ids=["short_dgrad", "long_dgrad"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_gpu_per_expert_gemms_equal_the_grouped_kernel(monkeypatch, compiled):
+def test_gpu_per_expert_gemms_equal_the_grouped_kernel(monkeypatch, compiled, outputs):
     """On Hopper with bf16 operands: forward, data and weight gradients of both modes agree (the same codes and
-    scales; the kernels' fp32 accumulations may order their sums differently)."""
+    scales; the kernels' fp32 accumulations may order their sums differently); with 256 outputs the per-expert data
+    gradient takes the tensorwise kernels, its row scales applied after."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    x, w, dy = (t.cuda().to(torch.bfloat16) for t in _operands(3))
+    x, w, dy = _operands(3)
+    if outputs != w.shape[1]:
+        gen = torch.Generator().manual_seed(7)
+        w = torch.randn(w.shape[0], outputs, w.shape[2], generator=gen) * 0.05
+        dy = torch.randn(x.shape[0], outputs, generator=gen)
+    x, w, dy = (t.cuda().to(torch.bfloat16) for t in (x, w, dy))
     if not sgm.scaled_grouped_mm_supported(x):
         pytest.skip("needs torch._scaled_grouped_mm (Hopper)")
     monkeypatch.setattr(expert_gemm_mode, "_mode", None)

@@ -92,13 +92,16 @@ def _group_columnwise_transposed(t: torch.Tensor, ends: torch.Tensor) -> tuple[t
     return codes.view(rows, cols).t().contiguous(), scale.reciprocal().reshape(-1)
 
 
-def _expert_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, ends: torch.Tensor,
-                 out_dtype: torch.dtype, host_ends: torch.Tensor | None = None) -> torch.Tensor:
-    """``cat_e(a_e @ b[e])`` (``a [M, K]`` row-wise scaled, ``b [E, K, N]`` column-major per expert): one GEMM per
-    expert sized by ``host_ends`` (the host copy of ``ends`` that ``per_expert`` mode makes once per layer,
+def _expert_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor | None,
+                 ends: torch.Tensor, out_dtype: torch.dtype, host_ends: torch.Tensor | None = None) -> torch.Tensor:
+    """``cat_e(a_e @ b[e])`` (``a [M, K]`` row-wise scaled, ``b [E, K, N]`` column-major per expert, scaled per
+    column of each expert by ``b_scale [E, N]``, ``None``: ones): one GEMM per expert sized by ``host_ends`` (the
+    host copy of ``ends`` that ``per_expert`` mode makes once per layer,
     :func:`~megatron_core.fp8.expert_gemm_mode.per_expert_host_ends`), else one grouped GEMM."""
     if host_ends is not None:
         return per_expert_mm(a, a_scale, b, b_scale, host_ends, out_dtype)
+    if b_scale is None:
+        b_scale = a_scale.new_ones(b.shape[0], b.shape[2])
     return _KERNEL(a, b, a_scale, b_scale, offs=ends, out_dtype=out_dtype, use_fast_accum=True)
 
 
@@ -153,10 +156,9 @@ def dgrad_gemm_from_codes(dy_codes: torch.Tensor, dy_scale: torch.Tensor, w_code
                           host_ends: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dgrad_gemm` from ``dy`` already cast: its e4m3 codes ``[M, out]`` (the weight scales folded in) and
     their dequantizing scales ``[M]``."""
-    unit = dy_scale.new_ones(w_codes.shape[0], w_codes.shape[2])
     if w_codes_t is None:
         w_codes_t = transposed_weight_codes(w_codes)
-    return _expert_gemm(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, unit, ends, out_dtype, host_ends)
+    return _expert_gemm(dy_codes, w_codes_t.transpose(-2, -1), dy_scale, None, ends, out_dtype, host_ends)
 
 
 def aligned_contraction_layout(ends: torch.Tensor, rows: int, align: int
