@@ -51,22 +51,25 @@ def test_per_expert_gemms_equal_the_grouped_kernel(reference_kernel, compile_bac
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_a_long_contraction_without_column_scales_runs_tensorwise_with_rows_scaled_after(reference_kernel,
-                                                                                           monkeypatch):
-    """fc1's data-gradient shape (the contraction, 128 outputs, at least twice the 64 inputs; the weight scales folded
-    into ``dy``): one tensorwise ``torch._scaled_mm`` per expert with rows (unit scales), the row scales multiplied
-    into the result afterwards; the data gradient equals the grouped kernel's."""
+@pytest.mark.parametrize(("outputs", "inputs", "long"), [(128, 64, "dgrad"), (64, 128, "forward")])
+def test_a_long_contraction_runs_tensorwise_with_the_scales_applied_after(reference_kernel, monkeypatch, outputs,
+                                                                          inputs, long):
+    """Where a GEMM's contraction is at least twice its output's columns (fc1's data gradient: 128 outputs against 64
+    inputs; fc2's forward: 128 inputs against 64 outputs) each expert's GEMM is tensorwise with unit scales and the
+    row (and column) scales are applied to the product afterwards; forward and gradients equal the grouped
+    kernel's."""
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(sum(COUNTS), 64, generator=gen)
+    x = torch.randn(sum(COUNTS), inputs, generator=gen)
     x[:48] *= 100.0
-    w = torch.randn(len(COUNTS), 128, 64, generator=gen) * 0.05
-    dy = torch.randn(sum(COUNTS), 128, generator=gen)
+    w = torch.randn(len(COUNTS), outputs, inputs, generator=gen) * 0.05
+    dy = torch.randn(sum(COUNTS), outputs, generator=gen)
     ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    grads, scales = {}, []
+    results, scales = {}, []
     real = torch._scaled_mm
+    contraction = outputs if long == "dgrad" else inputs
 
     def recording(a, b, scale_a, scale_b, **kwargs):
-        if a.shape[1] == 128 and a.shape[0] in COUNTS:  # the data gradient (an expert's rows by the 128 outputs)
+        if a.shape[1] == contraction and a.shape[0] in COUNTS:  # an expert's rows by the long contraction
             scales.append((scale_a.numel(), scale_b.numel()))
         return real(a, b, scale_a, scale_b, **kwargs)
 
@@ -74,11 +77,13 @@ def test_a_long_contraction_without_column_scales_runs_tensorwise_with_rows_scal
     for mode in ("grouped", "per_expert"):
         expert_gemm_mode.set_fp8_expert_gemm(mode)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        sgm.ScaledGroupedMm.apply(xx, ww, ends).backward(dy)
-        grads[mode] = xx.grad
+        out = sgm.ScaledGroupedMm.apply(xx, ww, ends)
+        out.backward(dy)
+        results[mode] = (out.detach(), xx.grad, ww.grad)
     assert scales == [(1, 1)] * sum(1 for c in COUNTS if c)
-    assert grads["grouped"].abs().max() > 0
-    torch.testing.assert_close(grads["per_expert"], grads["grouped"], rtol=1e-6, atol=1e-6)
+    for want, got in zip(results["grouped"], results["per_expert"]):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_per_expert_gemm_runs_one_scaled_mm_per_expert_with_rows(reference_kernel, monkeypatch):

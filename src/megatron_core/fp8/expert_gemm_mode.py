@@ -166,53 +166,42 @@ def _group_sizes(ends: torch.Tensor) -> list[int]:
     return [end - start for start, end in zip([0] + ends[:-1], ends)]
 
 
-def _scales_rows_after(contraction: int, columns: int) -> bool:
-    """Whether a per-expert GEMM without column scales runs as cuBLAS's tensorwise kernels (unit scales) with its row
-    scales multiplied into the output afterwards, instead of the row-wise-scaled kernels: where the contraction is
-    at least twice the output's columns (fc1's data gradient), the extra pass over the output costs less than the
-    row-wise kernels lose there (0.38 ms per layer and micro-batch against 0.05 at Mixtral 8x7B's shapes on an H100,
-    ``benchmarks/fp8_expert_gemm_shapes.py``, benchmarks/RESULTS.md session 53). The scales are powers of two, so the
-    product is the same."""
-    return contraction >= 2 * columns
-
-
 @torch.library.custom_op("megatron_core::fp8_per_expert_mm", mutates_args=(), **_HOST_READ_TAGS)
-def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor | None,
+def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor | None,
                   ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``cat_e(a_e @ b[e])`` with one ``torch._scaled_mm`` per expert that has rows.
 
-    ``a [M, K]`` e4m3 row-major with dequantizing scales ``a_scale [M]`` (one per row, powers of two); ``b [E, K, N]``
-    e4m3, each ``b[e]`` column-major, with ``b_scale [E, N]`` (one per column of each expert) or ``None`` (all
-    ones); ``ends [E]`` the groups' end rows (the last ``M``), read to the host here unless already there. Returns
-    ``[M, N]`` in ``out_dtype``. Without column scales and with a long contraction the row scales are applied to
-    the output after tensorwise GEMMs (:func:`_scales_rows_after`).
+    ``a [M, K]`` e4m3 row-major with dequantizing scales ``a_scale [M]`` (one per row); ``b [E, K, N]`` e4m3, each
+    ``b[e]`` column-major, with ``b_scale [E, N]`` (one per column of each expert) or ``None`` (ones); ``ends [E]``
+    the groups' end rows (the last ``M``), read to the host here unless already there. Returns ``[M, N]`` in
+    ``out_dtype``. Without either scale (both ``None``) the GEMMs are cuBLAS's tensorwise kernels with unit scales
+    and the result is the unscaled product, whose scales the caller applies.
     """
     _refuse_capture("fp8_per_expert_mm", a)
     out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
-    rows_after = b_scale is None and _scales_rows_after(a.shape[1], b.shape[2])
-    one = a_scale.new_ones(())
+    unscaled = a_scale is None and b_scale is None
+    one = torch.ones((), device=a.device)
     for rows, a_e, b_e, a_scale_e, b_scale_e, out_e in _expert_operands(a, a_scale, b, b_scale, ends, out):
-        if rows and rows_after:
+        if rows and unscaled:
             torch._scaled_mm(a_e, b_e, one, one, out_dtype=out_dtype, use_fast_accum=True, out=out_e)
         elif rows:
             torch._scaled_mm(a_e, b_e, a_scale_e, b_scale_e, out_dtype=out_dtype, use_fast_accum=True, out=out_e)
-    if rows_after:
-        out.mul_(a_scale[:, None])
     return out
 
 
-def _expert_operands(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor | None,
+def _expert_operands(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor | None,
                      ends: torch.Tensor, out: torch.Tensor) -> Iterator[tuple[int, ...]]:
-    """:func:`per_expert_mm`'s ``(rows, a_e, b_e, a_scale_e, b_scale_e, out_e)`` for every expert: views made in a
-    few calls (the host's time per GEMM counts: ``benchmarks/fp8_gemm_host_time.py``)."""
+    """:func:`per_expert_mm`'s ``(rows, a_e, b_e, a_scale_e, b_scale_e, out_e)`` for every expert (a missing scale:
+    ones): views made in a few calls (the host's time per GEMM counts: ``benchmarks/fp8_gemm_host_time.py``)."""
     sizes = _group_sizes(ends)
-    b_scales = (itertools.repeat(a_scale.new_ones(1, b.shape[2])) if b_scale is None
+    a_scales = (itertools.repeat(None) if a_scale is None else a_scale[:, None].split(sizes))
+    b_scales = (itertools.repeat(out.new_ones(1, b.shape[2], dtype=torch.float32)) if b_scale is None
                 else b_scale[:, None, :].unbind(0))
-    return zip(sizes, a.split(sizes), b.unbind(0), a_scale[:, None].split(sizes), b_scales, out.split(sizes))
+    return zip(sizes, a.split(sizes), b.unbind(0), a_scales, b_scales, out.split(sizes))
 
 
 @per_expert_mm.register_fake
-def _(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor | None, ends: torch.Tensor,
+def _(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor | None, ends: torch.Tensor,
       out_dtype: torch.dtype) -> torch.Tensor:
     return a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
 

@@ -39,7 +39,7 @@ from megatron_core.fp8.expert_gemm_mode import (
 from megatron_core.jit import shared_kernel_input
 
 __all__ = ["ROW_ALIGN", "WGRAD_K_ALIGN", "ScaledGroupedMm", "aligned_contraction_layout", "dgrad_gemm_from_codes",
-           "group_of_rows", "hp_wgrad_gemm",
+           "group_of_rows", "hp_wgrad_gemm", "scales_after_gemm",
            "power_of_two_scale", "rowwise_cast_with_factors", "scaled_grouped_mm_supported", "transposed_weight_codes",
            "weight_grad"]
 
@@ -92,12 +92,28 @@ def _group_columnwise_transposed(t: torch.Tensor, ends: torch.Tensor) -> tuple[t
     return codes.view(rows, cols).t().contiguous(), scale.reciprocal().reshape(-1)
 
 
+def scales_after_gemm(contraction: int, columns: int) -> bool:
+    """Whether a per-expert GEMM runs as cuBLAS's tensorwise kernels (unit scales) with its row and column scales
+    multiplied into the product afterwards (by plain ops that ``torch.compile`` fuses into the product's consumer),
+    instead of cuBLAS's row-wise-scaled kernels: where the contraction is at least twice the output's columns (fc2's
+    forward, fc1's data gradient), which the row-wise kernels run 10-25% slower (Mixtral 8x7B's shapes on an H100,
+    ``benchmarks/fp8_expert_gemm_shapes.py``, benchmarks/RESULTS.md session 53), and the output is small beside the
+    GEMM's work. The scales are powers of two, so the product is the same."""
+    return contraction >= 2 * columns
+
+
 def _expert_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor | None,
                  ends: torch.Tensor, out_dtype: torch.dtype, host_ends: torch.Tensor | None = None) -> torch.Tensor:
     """``cat_e(a_e @ b[e])`` (``a [M, K]`` row-wise scaled, ``b [E, K, N]`` column-major per expert, scaled per
     column of each expert by ``b_scale [E, N]``, ``None``: ones): one GEMM per expert sized by ``host_ends`` (the
     host copy of ``ends`` that ``per_expert`` mode makes once per layer,
-    :func:`~megatron_core.fp8.expert_gemm_mode.per_expert_host_ends`), else one grouped GEMM."""
+    :func:`~megatron_core.fp8.expert_gemm_mode.per_expert_host_ends`; see :func:`scales_after_gemm`), else one
+    grouped GEMM."""
+    if host_ends is not None and scales_after_gemm(a.shape[1], b.shape[2]):
+        product = per_expert_mm(a, None, b, None, host_ends, out_dtype).float()
+        if b_scale is not None:
+            product = product * b_scale[group_of_rows(ends, a.shape[0])]
+        return (product * a_scale[:, None]).to(out_dtype)
     if host_ends is not None:
         return per_expert_mm(a, a_scale, b, b_scale, host_ends, out_dtype)
     if b_scale is None:
