@@ -86,6 +86,13 @@ def test_a_long_contraction_runs_tensorwise_with_the_scales_applied_after(refere
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_per_expert_gemm_refuses_column_scales_without_row_scales(reference_kernel):
+    a = torch.zeros(32, 64).to(torch.float8_e4m3fn)
+    b = torch.zeros(2, 32, 64).to(torch.float8_e4m3fn).transpose(1, 2)
+    with pytest.raises(ValueError, match="a_scale is None but b_scale is given"):
+        expert_gemm_mode.per_expert_mm(a, None, b, torch.ones(2, 32), torch.tensor([16, 32]), torch.float32)
+
+
 def test_per_expert_gemm_runs_one_scaled_mm_per_expert_with_rows(reference_kernel, monkeypatch):
     calls = []
     real = torch._scaled_mm

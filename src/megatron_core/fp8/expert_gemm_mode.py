@@ -29,7 +29,8 @@ the same way without waiting and :func:`forward_host_ends` keeps the forward's G
 On an H100 at Mixtral 8x7B's expert shapes the forward and data-gradient GEMMs took 0-17% less time than the grouped
 kernel in isolation (``benchmarks/RESULTS.md``, session 46); the grouped weight-gradient GEMM, whose groups split the
 contraction, ran at about 700 TFLOP/s in a training step (session 47). All modes take the same e4m3 codes and
-row-wise scales, so they compute the same products.
+row-wise scales, so they compute the same products (the per-expert GEMMs with a long contraction run tensorwise
+and their power-of-two scales are applied to the product after, which is exact: ``scaled_grouped_mm.scales_after_gemm``).
 
 Chosen with ``set_fp8_expert_gemm("per_expert")`` or the environment variable ``MEGATRON_CORE_FP8_EXPERT_GEMM``
 (read at import; an unknown value raises, naming it, on first use). The per-expert modes' host copies cannot be
@@ -178,9 +179,12 @@ def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor
     and the result is the unscaled product, whose scales the caller applies.
     """
     _refuse_capture("fp8_per_expert_mm", a)
+    if a_scale is None and b_scale is not None:
+        raise ValueError("fp8_per_expert_mm: a_scale is None but b_scale is given; the unscaled product (tensorwise "
+                         "kernels) takes neither scale")
     out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
-    unscaled = a_scale is None and b_scale is None
-    one = torch.ones((), device=a.device)
+    unscaled = a_scale is None
+    one = torch.ones((), device=a.device) if unscaled else None
     for rows, a_e, b_e, a_scale_e, b_scale_e, out_e in _expert_operands(a, a_scale, b, b_scale, ends, out):
         if rows and unscaled:
             torch._scaled_mm(a_e, b_e, one, one, out_dtype=out_dtype, use_fast_accum=True, out=out_e)
