@@ -16,23 +16,31 @@ _FILL = ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunc
          "(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)")
 
 
-def _trace(path: Path) -> Path:
-    """Two CPU operators (``outer`` around ``aten::add_``, then ``aten::fill_``), their runtime launches and kernels."""
-    events = [
-        {"ph": "X", "cat": "cpu_op", "name": "outer", "pid": 1, "tid": 7, "ts": 0, "dur": 100},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "pid": 1, "tid": 7, "ts": 10, "dur": 20},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 7, "ts": 12, "dur": 3,
-         "args": {"correlation": 1}},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::fill_", "pid": 1, "tid": 7, "ts": 200, "dur": 20},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 7, "ts": 205, "dur": 3,
-         "args": {"correlation": 2}},
-        {"ph": "X", "cat": "kernel", "name": _ADD, "pid": 0, "tid": 9, "ts": 50, "dur": 23.0,
-         "args": {"correlation": 1}},
-        {"ph": "X", "cat": "kernel", "name": _FILL, "pid": 0, "tid": 9, "ts": 250, "dur": 5.0,
-         "args": {"correlation": 2}},
-    ]
+def _event(cat: str, name: str, ts: float, dur: float, correlation: int | None = None) -> dict:
+    """One complete (``"X"``) event of a Chrome trace: kernels on the GPU's row, everything else on the host's."""
+    pid, tid = (0, 9) if cat == "kernel" else (1, 7)
+    event = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+    if correlation is not None:
+        event["args"] = {"correlation": correlation}
+    return event
+
+
+def _write(path: Path, events: list[dict]) -> Path:
     path.write_text(json.dumps({"traceEvents": events}))
     return path
+
+
+def _trace(path: Path) -> Path:
+    """Two CPU operators (``outer`` around ``aten::add_``, then ``aten::fill_``), their runtime launches and kernels."""
+    return _write(path, [
+        _event("cpu_op", "outer", 0, 100),
+        _event("cpu_op", "aten::add_", 10, 20),
+        _event("cuda_runtime", "cudaLaunchKernel", 12, 3, correlation=1),
+        _event("cpu_op", "aten::fill_", 200, 20),
+        _event("cuda_runtime", "cudaLaunchKernel", 205, 3, correlation=2),
+        _event("kernel", _ADD, 50, 23.0, correlation=1),
+        _event("kernel", _FILL, 250, 5.0, correlation=2),
+    ])
 
 
 def test_kernels_are_grouped_by_name_and_told_apart_by_functor(tmp_path: Path) -> None:
@@ -70,22 +78,17 @@ def test_idle_gaps_name_what_the_host_did_and_what_resumed_the_gpu(tmp_path: Pat
 def test_idle_gaps_know_driver_launches_and_name_the_outermost_operator(tmp_path: Path) -> None:
     """A Triton kernel is launched through the driver (``cuLaunchKernelEx``); the host's stack when the GPU went idle
     starts with its outermost operator where it is deeper than the depth shown."""
-    events = [
-        {"ph": "X", "cat": "cpu_op", "name": "step", "pid": 1, "tid": 7, "ts": 0, "dur": 400},
-        {"ph": "X", "cat": "cpu_op", "name": "layer", "pid": 1, "tid": 7, "ts": 1, "dur": 390},
-        {"ph": "X", "cat": "cpu_op", "name": "mlp", "pid": 1, "tid": 7, "ts": 2, "dur": 380},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": 1, "tid": 7, "ts": 20, "dur": 100},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 7, "ts": 5, "dur": 2,
-         "args": {"correlation": 1}},
-        {"ph": "X", "cat": "cpu_op", "name": "triton_poi_fused_0", "pid": 1, "tid": 7, "ts": 200, "dur": 20},
-        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "pid": 1, "tid": 7, "ts": 205, "dur": 3,
-         "args": {"correlation": 2}},
-        {"ph": "X", "cat": "kernel", "name": "k0", "pid": 0, "tid": 9, "ts": 10, "dur": 40.0, "args": {"correlation": 1}},
-        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_0", "pid": 0, "tid": 9, "ts": 210, "dur": 5.0,
-         "args": {"correlation": 2}},
-    ]
-    trace = tmp_path / "t.json"
-    trace.write_text(json.dumps({"traceEvents": events}))
+    trace = _write(tmp_path / "t.json", [
+        _event("cpu_op", "step", 0, 400),
+        _event("cpu_op", "layer", 1, 390),
+        _event("cpu_op", "mlp", 2, 380),
+        _event("cpu_op", "aten::copy_", 20, 100),
+        _event("cuda_runtime", "cudaLaunchKernel", 5, 2, correlation=1),
+        _event("cpu_op", "triton_poi_fused_0", 200, 20),
+        _event("cuda_driver", "cuLaunchKernelEx", 205, 3, correlation=2),
+        _event("kernel", "k0", 10, 40.0, correlation=1),
+        _event("kernel", "triton_poi_fused_0", 210, 5.0, correlation=2),
+    ])
     _, _, gaps = trace_kernels.idle_gaps(trace, min_us=10, depth=2)
     assert dict(gaps) == {"idle at: step > ... > mlp > aten::copy_ | resumed by: mlp > triton_poi_fused_0 > "
                           "cuLaunchKernelEx": [160.0]}

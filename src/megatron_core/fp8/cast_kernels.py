@@ -356,15 +356,15 @@ def rowwise_cast(t: torch.Tensor, factors: torch.Tensor | None = None, row_group
     return _ROWWISE_OP(t, factors.float().contiguous(), row_groups.to(torch.int32), True)
 
 
-def group_columnwise_cast_transposed(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Tensor,
+def group_columnwise_cast_transposed(t: torch.Tensor, ends: torch.Tensor, row_groups: torch.Tensor | None,
                                      layout: tuple[torch.Tensor, torch.Tensor] | None = None
                                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t [M, C]`` as e4m3 codes with one power-of-two scale per column within each group of rows (groups end
     at ``ends``; ``row_groups [M]`` names each row's), transposed to ``[C, M]`` row-major; and the dequantizing
     scales ``[groups * C]``, group-major. ``layout``: ``(source_rows [L], column_groups [L])`` places the
-    transposed rows otherwise: column ``j`` of the result (``[C, L]``) is row ``source_rows[j]`` of ``t``, scaled as
-    group ``column_groups[j]``, or zeros where ``source_rows[j]`` is -1 (e.g. groups padded with zero columns,
-    :func:`megatron_core.fp8.scaled_grouped_mm.aligned_contraction_layout`)."""
+    transposed rows otherwise (``row_groups`` is then not read): column ``j`` of the result (``[C, L]``) is row
+    ``source_rows[j]`` of ``t``, scaled as group ``column_groups[j]``, or zeros where ``source_rows[j]`` is -1 (e.g.
+    groups padded with zero columns, :func:`megatron_core.fp8.scaled_grouped_mm.aligned_contraction_layout`)."""
     if layout is None:
         layout = (torch.arange(t.shape[0], device=t.device, dtype=torch.int32), row_groups)
     source_rows, column_groups = layout

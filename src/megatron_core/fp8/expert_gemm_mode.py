@@ -183,24 +183,25 @@ def per_expert_mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor
         raise ValueError("fp8_per_expert_mm: a_scale is None but b_scale is given; the unscaled product (tensorwise "
                          "kernels) takes neither scale")
     out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
-    unscaled = a_scale is None
-    one = torch.ones((), device=a.device) if unscaled else None
     for rows, a_e, b_e, a_scale_e, b_scale_e, out_e in _expert_operands(a, a_scale, b, b_scale, ends, out):
-        if rows and unscaled:
-            torch._scaled_mm(a_e, b_e, one, one, out_dtype=out_dtype, use_fast_accum=True, out=out_e)
-        elif rows:
+        if rows:
             torch._scaled_mm(a_e, b_e, a_scale_e, b_scale_e, out_dtype=out_dtype, use_fast_accum=True, out=out_e)
     return out
 
 
 def _expert_operands(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor | None,
                      ends: torch.Tensor, out: torch.Tensor) -> Iterator[tuple[int, ...]]:
-    """:func:`per_expert_mm`'s ``(rows, a_e, b_e, a_scale_e, b_scale_e, out_e)`` for every expert (a missing scale:
-    ones): views made in a few calls (the host's time per GEMM counts: ``benchmarks/fp8_gemm_host_time.py``)."""
+    """:func:`per_expert_mm`'s ``(rows, a_e, b_e, a_scale_e, b_scale_e, out_e)`` for every expert: views made in a
+    few calls (the host's time per GEMM counts: ``benchmarks/fp8_gemm_host_time.py``). Without ``a_scale`` (the
+    unscaled product) both scales are one unit scalar, which makes the GEMMs tensorwise; without ``b_scale`` alone,
+    one row of ones."""
     sizes = _group_sizes(ends)
-    a_scales = (itertools.repeat(None) if a_scale is None else a_scale[:, None].split(sizes))
-    b_scales = (itertools.repeat(out.new_ones(1, b.shape[2], dtype=torch.float32)) if b_scale is None
-                else b_scale[:, None, :].unbind(0))
+    if a_scale is None:
+        a_scales = b_scales = itertools.repeat(torch.ones((), device=a.device))
+    else:
+        a_scales = a_scale[:, None].split(sizes)
+        b_scales = (itertools.repeat(a_scale.new_ones(1, b.shape[2])) if b_scale is None
+                    else b_scale[:, None, :].unbind(0))
     return zip(sizes, a.split(sizes), b.unbind(0), a_scales, b_scales, out.split(sizes))
 
 

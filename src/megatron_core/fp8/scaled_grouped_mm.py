@@ -193,7 +193,7 @@ def aligned_contraction_layout(ends: torch.Tensor, rows: int, align: int
     column = torch.arange(length, device=ends.device)
     group = torch.searchsorted(padded_ends, column, right=True).clamp(max=groups - 1)
     source = column - (padded_ends - padded)[group] + starts[group]
-    return torch.where(source < ends[group], source, -1), group, length
+    return torch.where(source < ends[group], source, -1).to(torch.int32), group.to(torch.int32), length
 
 
 def _placed(codes_t: torch.Tensor, source_rows: torch.Tensor) -> torch.Tensor:
@@ -208,14 +208,13 @@ def wgrad_operands(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, k_al
     transposed: ``(dyt_codes [out, L], xt_codes [in, L], dyt_scale [E * out], xt_scale [E * in])``, ``L = M`` or,
     with ``k_align`` > 1, each expert's columns padded with zeros to a multiple of it
     (:func:`aligned_contraction_layout`)."""
-    layout = None
-    if k_align > 1:
-        source_rows, column_groups, _ = aligned_contraction_layout(ends, grad.shape[0], k_align)
-        layout = (source_rows, column_groups)
+    rows = grad.shape[0]
+    layout = None if k_align == 1 else aligned_contraction_layout(ends, rows, k_align)[:2]
     if fp8_cast_kernels_available(grad) and x.is_contiguous():
-        row_groups = group_of_rows(ends, grad.shape[0])
-        dyt_codes, dyt_scale = group_columnwise_cast_transposed(grad, ends, row_groups, layout)
-        xt_codes, xt_scale = group_columnwise_cast_transposed(x, ends, row_groups, layout)
+        if layout is None:  # the rows in place, made once for both operands
+            layout = (torch.arange(rows, device=grad.device, dtype=torch.int32), group_of_rows(ends, rows))
+        dyt_codes, dyt_scale = group_columnwise_cast_transposed(grad, ends, None, layout)
+        xt_codes, xt_scale = group_columnwise_cast_transposed(x, ends, None, layout)
         return dyt_codes, xt_codes, dyt_scale, xt_scale
     dyt_codes, dyt_scale = _group_columnwise_transposed(grad, ends)
     xt_codes, xt_scale = _group_columnwise_transposed(x, ends)
