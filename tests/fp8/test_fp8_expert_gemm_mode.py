@@ -93,6 +93,13 @@ def test_per_expert_gemm_refuses_column_scales_without_row_scales(reference_kern
         expert_gemm_mode.per_expert_mm(a, None, b, torch.ones(2, 32), torch.tensor([16, 32]), torch.float32)
 
 
+def test_per_expert_wgrad_gemm_refuses_a_contraction_alignment_below_one(reference_kernel):
+    codes = torch.zeros(32, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_align must be a positive number of tokens, got 0"):
+        expert_gemm_mode.per_expert_wgrad_mm(codes, torch.ones(64), codes, torch.ones(64), torch.tensor([16, 32]),
+                                             torch.float32, 0)
+
+
 def test_per_expert_gemm_runs_one_scaled_mm_per_expert_with_rows(reference_kernel, monkeypatch):
     calls = []
     real = torch._scaled_mm

@@ -224,6 +224,8 @@ def per_expert_wgrad_mm(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Ten
     (expert-major). Returns ``[E, P, Q]`` in ``out_dtype``; an expert without rows gets zeros.
     """
     _refuse_capture("fp8_per_expert_wgrad_mm", a_t)
+    if k_align < 1:
+        raise ValueError(f"fp8_per_expert_wgrad_mm: k_align must be a positive number of tokens, got {k_align}")
     experts = ends.numel()
     out = a_t.new_empty(experts, a_t.shape[0], b_t.shape[0], dtype=out_dtype)
     sizes = [-(-rows // k_align) * k_align for rows in _group_sizes(ends)]
