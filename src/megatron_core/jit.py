@@ -115,6 +115,15 @@ def have_triton() -> bool:
     return triton_modules() is not None
 
 
+def direct_triton_launches() -> contextlib.AbstractContextManager:
+    """The context in which kernels wrapped by ``torch.library.wrap_triton`` launch straight away: for eager code that
+    is never traced (the body of an opaque custom op), where the wrapper's higher-order-op dispatch would otherwise
+    cost hundreds of microseconds of host time per launch (torch's ``set_wrap_triton_enabled``; nothing to switch
+    where torch lacks it)."""
+    switch = getattr(getattr(torch._library, "triton", None), "set_wrap_triton_enabled", None)
+    return contextlib.nullcontext() if switch is None else switch(False)
+
+
 def kernel_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """The context that launches a Triton kernel on ``t``'s CUDA device (nothing to select for the CPU tensors of
     Triton's interpreter)."""

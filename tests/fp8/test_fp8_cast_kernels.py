@@ -56,6 +56,12 @@ check(x, factors, torch.tensor([32, 32, 80, 96], dtype=torch.int32), rowwise, ck
 codes = torch.randint(0, 256, (3, 70, 150), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
 assert same(ck._transpose_bytes(codes.view(torch.uint8)).view(codes.dtype), codes.transpose(1, 2).contiguous())
 check(x[:48].contiguous(), factors[:1], torch.tensor([48], dtype=torch.int32), rowwise, ck._group_columnwise)
+codes_into, inverse_into = torch.empty(96, 80, dtype=torch.float8_e4m3fn), torch.empty(96)
+ck.rowwise_cast_into(x, codes_into, inverse_into)  # the eager forms the weight cache's refresh calls
+assert same(codes_into, sgm._rowwise(x)[0]) and same(inverse_into, sgm._rowwise(x)[1])
+transposed_into = torch.empty(3, 150, 70, dtype=torch.float8_e4m3fn)
+ck.transpose_codes_into(codes, transposed_into)
+assert same(transposed_into, codes.transpose(1, 2).contiguous())
 ck.WHOLE_ROW_MAX = 64  # rows of 80 now take the two-pass kernel
 check(x, factors, torch.tensor([32, 32, 80, 96], dtype=torch.int32), rowwise, ck._group_columnwise)
 ck._AMAX_ROWS, ck._AMAX_SPLIT = 16, 3  # each group's column maxima from three row ranges, joined atomically
@@ -66,6 +72,23 @@ check(x, factors, torch.tensor([32, 32, 80, 96], dtype=torch.int32), rowwise, ck
 @needs_triton
 def test_interpreted_casts_equal_the_pytorch_formulas():
     run_in_triton_interpreter(_CHECK.format(body=_REPRESENTABLE))
+
+
+def test_the_eager_forms_launch_without_the_wrappers_op_dispatch(monkeypatch):
+    """``rowwise_cast_into`` and ``transpose_codes_into`` (run eagerly inside the weight cache's opaque op) launch
+    their kernels with ``wrap_triton``'s higher-order-op dispatch off, which costs hundreds of microseconds of host
+    time per launch; the traced forms keep it."""
+    from torch._library import triton as library_triton
+
+    from megatron_core.fp8 import cast_kernels as ck
+
+    dispatching = []
+    monkeypatch.setattr(ck, "_launch_rowwise", lambda *args: dispatching.append(library_triton.is_wrap_triton_enabled()))
+    monkeypatch.setattr(ck, "_launch_transpose", lambda *args: dispatching.append(library_triton.is_wrap_triton_enabled()))
+    t = torch.zeros(4, 8)
+    ck.rowwise_cast_into(t, t, t[:, 0])
+    ck.transpose_codes_into(t[None], t[None])
+    assert dispatching == [False, False] and library_triton.is_wrap_triton_enabled()
 
 
 @pytest.mark.gpu

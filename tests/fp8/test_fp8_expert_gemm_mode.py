@@ -145,18 +145,17 @@ def test_per_expert_backward_mode_groups_the_forward_and_splits_the_backward(ref
     """``per_expert_backward``: the forward's GEMM is the grouped kernel (no ``torch._scaled_mm``), the group ends go
     to the host through the copy that does not wait, and the backward runs one data-gradient and one weight-gradient
     GEMM per expert with rows, on that copy."""
-    calls, grouped_calls, copies, waiting_reads = [], [], [], []
+    calls, grouped_calls, copies = [], [], []
     real_mm, real_kernel = torch._scaled_mm, sgm._KERNEL
     real_async = expert_gemm_mode.group_ends_to_host_async
     monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, *args, **kw: calls.append(a.shape) or real_mm(a, b, *args, **kw))
     monkeypatch.setattr(sgm, "_KERNEL", lambda *args, **kw: grouped_calls.append(1) or real_kernel(*args, **kw))
     monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host_async", lambda e: copies.append(real_async(e)) or copies[-1])
-    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host", lambda e: waiting_reads.append(e))
     expert_gemm_mode.set_fp8_expert_gemm("per_expert_backward")
     x, w, dy = _operands(3)
     ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     out = sgm.ScaledGroupedMm.apply(x.requires_grad_(), w.requires_grad_(), ends)
-    assert calls == [] and grouped_calls == [1] and len(copies) == 1 and waiting_reads == []
+    assert calls == [] and grouped_calls == [1] and len(copies) == 1
     assert copies[0] is not ends and torch.equal(copies[0], ends)
     out.backward(dy)
     assert len(calls) == 2 * sum(1 for c in COUNTS if c) and grouped_calls == [1]
@@ -178,13 +177,12 @@ def test_a_host_copy_on_its_way_is_waited_for_once(monkeypatch):
     assert expert_gemm_mode._group_sizes(host) == [4, 0, 8] and waits == [1]
 
 
-def _counting_host_reads(monkeypatch, mode: str = "per_expert") -> list[torch.Tensor]:
-    """Record every host copy of the group ends made (by the waiting read, or in ``per_expert_backward`` mode the
-    copy that does not wait)."""
+def _counting_host_reads(monkeypatch) -> list[torch.Tensor]:
+    """Record every host copy of the group ends made (``group_ends_to_host_async``, in both per-expert modes)."""
     copies = []
-    name = "group_ends_to_host" if mode == "per_expert" else "group_ends_to_host_async"
-    real_copy = getattr(expert_gemm_mode, name)
-    monkeypatch.setattr(expert_gemm_mode, name, lambda ends: copies.append(real_copy(ends)) or copies[-1])
+    real_copy = expert_gemm_mode.group_ends_to_host_async
+    monkeypatch.setattr(expert_gemm_mode, "group_ends_to_host_async",
+                        lambda ends: copies.append(real_copy(ends)) or copies[-1])
     return copies
 
 
@@ -376,7 +374,7 @@ def test_gpu_fp8_expert_mlp_reads_the_ends_once_per_expert(monkeypatch, fused, m
     monkeypatch.setattr(grouped_swiglu, "FUSED_WEIGHTED_SWIGLU", fused)
     expert_gemm_mode.set_fp8_expert_gemm("grouped")
     grouped = _experts_step(experts, x, tokens_per_expert, probs, grad)
-    copies = _counting_host_reads(monkeypatch, mode)
+    copies = _counting_host_reads(monkeypatch)
     expert_gemm_mode.set_fp8_expert_gemm(mode)
     per_expert = _experts_step(experts, x, tokens_per_expert, probs, grad)
     assert len(copies) == 1

@@ -36,7 +36,14 @@ from typing import Any
 import torch
 
 from megatron_core.fp8.delayed_linear import MM_ALIGN
-from megatron_core.jit import have_triton, kernel_device, shared_kernel_input, triton_modules, triton_op
+from megatron_core.jit import (
+    direct_triton_launches,
+    have_triton,
+    kernel_device,
+    shared_kernel_input,
+    triton_modules,
+    triton_op,
+)
 
 __all__ = ["cast_transpose", "cast_transpose_serves", "codes_and_transposed", "fp8_cast_kernels_available",
            "group_columnwise_cast_transposed", "rowwise_cast", "rowwise_cast_into", "transpose_codes",
@@ -335,14 +342,16 @@ def transpose_codes(codes: torch.Tensor) -> torch.Tensor:
 def rowwise_cast_into(t: torch.Tensor, codes: torch.Tensor, inverse: torch.Tensor) -> None:
     """:func:`rowwise_cast` of ``t [M, K]`` written into ``codes [M, K]`` (e4m3) and ``inverse [M]`` (fp32), all
     contiguous on ``t``'s CUDA device: for eager callers that own the buffers (an opaque op under ``torch.compile``,
-    as the experts' weight cache refresh), so that no copy follows the cast."""
-    with kernel_device(t):
+    as the experts' weight cache refresh), so that no copy follows the cast; launched directly
+    (:func:`~megatron_core.jit.direct_triton_launches`)."""
+    with kernel_device(t), direct_triton_launches():
         _launch_rowwise(t, t, t.new_zeros(1, dtype=torch.int32), False, codes, inverse)
 
 
 def transpose_codes_into(codes: torch.Tensor, out: torch.Tensor) -> None:
-    """:func:`transpose_codes` of ``codes [E, R, C]`` written into ``out [E, C, R]`` (both contiguous, on CUDA)."""
-    with kernel_device(codes):
+    """:func:`transpose_codes` of ``codes [E, R, C]`` written into ``out [E, C, R]`` (both contiguous, on CUDA), for
+    eager callers as :func:`rowwise_cast_into`."""
+    with kernel_device(codes), direct_triton_launches():
         _launch_transpose(codes.view(torch.uint8), out.view(torch.uint8))
 
 

@@ -14,17 +14,18 @@ from the group ends on the host and write every expert's result into one output:
   parameter whose weight gradient is accumulated into ``main_grad`` inside the GEMM, ``ACCUMULATE_WGRAD_IN_GEMM``,
   keeps that grouped kernel.)
 
-``per_expert_backward``: the forward's GEMMs grouped, the backward's (data and weight gradients) per expert. The
-forward then reads nothing on the host: it copies the group ends into pinned host memory without waiting
-(``megatron_core::fp8_group_ends_to_host_async``, its CUDA event kept), and the backward's first per-expert GEMM waits
-for that copy, long done by then. A step's host can thus run ahead of the GPU through the forward, which in
-``per_expert`` mode waits for the GPU at every MoE layer.
+``per_expert_backward``: the forward's GEMMs grouped, the backward's (data and weight gradients) per expert.
 
-The mode is read once per grouped layer and micro-batch, in the forward (:func:`per_expert_host_ends`): in
-``per_expert`` mode that reads the ends to the host (once per expert MLP: fc1 reads them for fc2 too, and the
-layout carries the copy, ``AlignedRows.host_ends``), and the host copy, saved for the backward, makes the layer's
-forward, data-gradient and weight-gradient GEMMs per-expert ones; in ``per_expert_backward`` mode the copy is made
-the same way without waiting and :func:`forward_host_ends` keeps the forward's GEMMs grouped.
+Both per-expert modes copy the group ends into pinned host memory without waiting
+(``megatron_core::fp8_group_ends_to_host_async``, its CUDA event kept), once per grouped layer and micro-batch, in the
+forward (:func:`per_expert_host_ends`; once per expert MLP: fc1 makes the copy for fc2 too, and the layout carries
+it, ``AlignedRows.host_ends``). The first per-expert GEMM waits for that copy: in ``per_expert`` mode the forward's
+first GEMM, by which time the host has queued the kernels before it (the input's cast), so the GPU runs them while
+the host wakes and the GPU does not drain at every MoE layer (as it did when the forward read the ends at once: 0.2-0.3
+ms of idle GPU per layer, benchmarks/RESULTS.md session 54); in ``per_expert_backward`` mode the backward's first GEMM,
+long after the copy, so a step's host runs ahead of the GPU through the forward. The host copy, saved for the
+backward, makes the layer's data-gradient and weight-gradient GEMMs per-expert ones in both modes, and the forward's
+in ``per_expert`` mode (:func:`forward_host_ends`).
 
 On an H100 at Mixtral 8x7B's expert shapes the forward and data-gradient GEMMs took 0-17% less time than the grouped
 kernel in isolation (``benchmarks/RESULTS.md``, session 46); the grouped weight-gradient GEMM, whose groups split the
@@ -49,9 +50,8 @@ import torch
 
 from megatron_core import device
 
-__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "forward_host_ends", "fp8_expert_gemm", "group_ends_to_host",
-           "group_ends_to_host_async", "per_expert_host_ends", "per_expert_mm", "per_expert_wgrad_mm",
-           "set_fp8_expert_gemm"]
+__all__ = ["EXPERT_GEMM_ENV", "EXPERT_GEMM_MODES", "forward_host_ends", "fp8_expert_gemm", "group_ends_to_host_async",
+           "per_expert_host_ends", "per_expert_mm", "per_expert_wgrad_mm", "set_fp8_expert_gemm"]
 
 EXPERT_GEMM_ENV = "MEGATRON_CORE_FP8_EXPERT_GEMM"
 EXPERT_GEMM_MODES = ("grouped", "per_expert", "per_expert_backward")
@@ -95,19 +95,6 @@ _HOST_READ_TAGS = ({"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag,
                    and "tags" in inspect.signature(torch.library.custom_op).parameters else {})
 
 
-@torch.library.custom_op("megatron_core::fp8_group_ends_to_host", mutates_args=(), **_HOST_READ_TAGS)
-def group_ends_to_host(ends: torch.Tensor) -> torch.Tensor:
-    """A host (CPU) copy of the groups' end offsets ``ends`` (one device-to-host read; refused inside a CUDA graph
-    capture, naming the mode)."""
-    _refuse_capture("fp8_group_ends_to_host", ends)
-    return ends.to("cpu", copy=True)
-
-
-@group_ends_to_host.register_fake
-def _(ends: torch.Tensor) -> torch.Tensor:
-    return torch.empty(ends.shape, dtype=ends.dtype, device="cpu")
-
-
 # The host copies of group ends still on their way (``group_ends_to_host_async``): the event each one's copy
 # recorded, by the address of its pinned memory; waited on, and dropped, by the first reader (``_group_sizes``). An
 # address is taken by one live copy at a time, and a new copy replaces what an earlier one there left.
@@ -119,7 +106,7 @@ _PENDING_LIMIT = 4096  # past this many unread copies (forwards without a backwa
 def group_ends_to_host_async(ends: torch.Tensor) -> torch.Tensor:
     """A host copy of ``ends`` that arrives later: a non-blocking copy into pinned memory, its event kept for the
     first reader (:func:`_group_sizes` waits on it); a plain copy for host tensors. Refused inside a CUDA graph
-    capture, as :func:`group_ends_to_host`."""
+    capture, naming the mode."""
     if not ends.is_cuda:
         return ends.to("cpu", copy=True)
     _refuse_capture("fp8_group_ends_to_host_async", ends)
@@ -140,15 +127,11 @@ def _(ends: torch.Tensor) -> torch.Tensor:
 
 def per_expert_host_ends(ends: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor | None:
     """The host copy of ``ends`` that a grouped layer's per-expert GEMMs share: ``known`` where the caller made it
-    already (one read for an expert MLP's fc1 and fc2, ``AlignedRows.host_ends``), else made here: read at once in
-    ``per_expert`` mode (the forward's GEMMs need it), copied without waiting in ``per_expert_backward`` mode (only
-    the backward reads it); ``None`` in ``grouped`` mode."""
-    mode = fp8_expert_gemm()
-    if mode == "grouped":
+    already (one copy for an expert MLP's fc1 and fc2, ``AlignedRows.host_ends``), else a copy made here without
+    waiting (:func:`group_ends_to_host_async`; the first GEMM that reads it waits); ``None`` in ``grouped`` mode."""
+    if fp8_expert_gemm() == "grouped":
         return None
-    if known is not None:
-        return known
-    return group_ends_to_host(ends) if mode == "per_expert" else group_ends_to_host_async(ends)
+    return group_ends_to_host_async(ends) if known is None else known
 
 
 def forward_host_ends(host_ends: torch.Tensor | None) -> torch.Tensor | None:
