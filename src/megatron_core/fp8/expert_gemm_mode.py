@@ -21,8 +21,8 @@ Both per-expert modes copy the group ends into pinned host memory without waitin
 forward (:func:`per_expert_host_ends`; once per expert MLP: fc1 makes the copy for fc2 too, and the layout carries
 it, ``AlignedRows.host_ends``). The first per-expert GEMM waits for that copy: in ``per_expert`` mode the forward's
 first GEMM, by which time the host has queued the kernels before it (the input's cast), so the GPU runs them while
-the host wakes and the GPU does not drain at every MoE layer (as it did when the forward read the ends at once: 0.2-0.3
-ms of idle GPU per layer, benchmarks/RESULTS.md session 54); in ``per_expert_backward`` mode the backward's first GEMM,
+the host wakes and the GPU does not drain at every MoE layer (as it did when the forward read the ends at once: about
+0.3 ms of idle GPU per layer and micro-batch, benchmarks/RESULTS.md session 54); in ``per_expert_backward`` mode the backward's first GEMM,
 long after the copy, so a step's host runs ahead of the GPU through the forward. The host copy, saved for the
 backward, makes the layer's data-gradient and weight-gradient GEMMs per-expert ones in both modes, and the forward's
 in ``per_expert`` mode (:func:`forward_host_ends`).
@@ -36,7 +36,7 @@ and their power-of-two scales are applied to the product after, which is exact: 
 Chosen with ``set_fp8_expert_gemm("per_expert")`` or the environment variable ``MEGATRON_CORE_FP8_EXPERT_GEMM``
 (read at import; an unknown value raises, naming it, on first use). The per-expert modes' host copies cannot be
 captured by CUDA graphs (a capture refuses them, naming the mode), so the default stays ``grouped``; which is
-fastest in a training step is measured in ``benchmarks/RESULTS.md`` (sessions 50-52).
+fastest in a training step is measured in ``benchmarks/RESULTS.md`` (sessions 50-54).
 """
 
 from __future__ import annotations
