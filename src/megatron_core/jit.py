@@ -120,8 +120,11 @@ def direct_triton_launches() -> contextlib.AbstractContextManager:
     is never traced (the body of an opaque custom op), where the wrapper's higher-order-op dispatch would otherwise
     cost hundreds of microseconds of host time per launch (torch's ``set_wrap_triton_enabled``; nothing to switch
     where torch lacks it)."""
-    switch = getattr(getattr(torch._library, "triton", None), "set_wrap_triton_enabled", None)
-    return contextlib.nullcontext() if switch is None else switch(False)
+    try:
+        from torch._library.triton import set_wrap_triton_enabled
+    except ImportError:
+        return contextlib.nullcontext()
+    return set_wrap_triton_enabled(False)
 
 
 def kernel_device(t: torch.Tensor) -> contextlib.AbstractContextManager:

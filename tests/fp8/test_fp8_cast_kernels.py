@@ -83,8 +83,12 @@ def test_the_eager_forms_launch_without_the_wrappers_op_dispatch(monkeypatch):
     from megatron_core.fp8 import cast_kernels as ck
 
     dispatching = []
-    monkeypatch.setattr(ck, "_launch_rowwise", lambda *args: dispatching.append(library_triton.is_wrap_triton_enabled()))
-    monkeypatch.setattr(ck, "_launch_transpose", lambda *args: dispatching.append(library_triton.is_wrap_triton_enabled()))
+
+    def record(*args: object) -> None:
+        dispatching.append(library_triton.is_wrap_triton_enabled())
+
+    monkeypatch.setattr(ck, "_launch_rowwise", record)
+    monkeypatch.setattr(ck, "_launch_transpose", record)
     t = torch.zeros(4, 8)
     ck.rowwise_cast_into(t, t, t[:, 0])
     ck.transpose_codes_into(t[None], t[None])

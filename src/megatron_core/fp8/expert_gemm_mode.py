@@ -17,21 +17,22 @@ from the group ends on the host and write every expert's result into one output:
 ``per_expert_backward``: the forward's GEMMs grouped, the backward's (data and weight gradients) per expert.
 
 Both per-expert modes copy the group ends into pinned host memory without waiting
-(``megatron_core::fp8_group_ends_to_host_async``, its CUDA event kept), once per grouped layer and micro-batch, in the
-forward (:func:`per_expert_host_ends`; once per expert MLP: fc1 makes the copy for fc2 too, and the layout carries
-it, ``AlignedRows.host_ends``). The first per-expert GEMM waits for that copy: in ``per_expert`` mode the forward's
-first GEMM, by which time the host has queued the kernels before it (the input's cast), so the GPU runs them while
-the host wakes and the GPU does not drain at every MoE layer (as it did when the forward read the ends at once: about
-0.3 ms of idle GPU per layer and micro-batch, benchmarks/RESULTS.md session 54); in ``per_expert_backward`` mode the backward's first GEMM,
-long after the copy, so a step's host runs ahead of the GPU through the forward. The host copy, saved for the
-backward, makes the layer's data-gradient and weight-gradient GEMMs per-expert ones in both modes, and the forward's
-in ``per_expert`` mode (:func:`forward_host_ends`).
+(``megatron_core::fp8_group_ends_to_host_async``, its CUDA event kept), once per grouped layer and micro-batch, in
+the forward (:func:`per_expert_host_ends`; once per expert MLP: fc1 makes the copy for fc2 too, and the layout
+carries it, ``AlignedRows.host_ends``). The first per-expert GEMM waits for that copy. In ``per_expert`` mode that is
+the forward's first GEMM, by which time the host has queued the kernels before it (the input's cast): the GPU runs
+them while the host wakes, instead of draining at every MoE layer (as it did when the forward read the ends at once:
+about 0.3 ms of idle GPU per layer and micro-batch, benchmarks/RESULTS.md session 54). In ``per_expert_backward``
+mode it is the backward's first GEMM, long after the copy, so a step's host runs ahead of the GPU through the
+forward. The host copy, saved for the backward, makes the layer's data-gradient and weight-gradient GEMMs per-expert
+ones in both modes, and the forward's in ``per_expert`` mode (:func:`forward_host_ends`).
 
 On an H100 at Mixtral 8x7B's expert shapes the forward and data-gradient GEMMs took 0-17% less time than the grouped
 kernel in isolation (``benchmarks/RESULTS.md``, session 46); the grouped weight-gradient GEMM, whose groups split the
 contraction, ran at about 700 TFLOP/s in a training step (session 47). All modes take the same e4m3 codes and
 row-wise scales, so they compute the same products (the per-expert GEMMs with a long contraction run tensorwise
-and their power-of-two scales are applied to the product after, which is exact: ``scaled_grouped_mm.scales_after_gemm``).
+and their power-of-two scales are applied to the product after, which is exact:
+``scaled_grouped_mm.scales_after_gemm``).
 
 Chosen with ``set_fp8_expert_gemm("per_expert")`` or the environment variable ``MEGATRON_CORE_FP8_EXPERT_GEMM``
 (read at import; an unknown value raises, naming it, on first use). The per-expert modes' host copies cannot be
