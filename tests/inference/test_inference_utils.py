@@ -167,6 +167,27 @@ def test_set_moe_metadata_sync_marks_only_the_first_layer():
     assert [layer._inference_token_dispatcher._runs_metadata_sync for layer in layers] == [True, False]
 
 
+def test_a_new_model_at_a_freed_models_address_is_set_up_again():
+    """The once-per-model checks hold the model weakly: a model built where a freed one lived (same ``id``) is still
+    a new model, its MoE layers cached and flagged afresh."""
+    layers = [m for m in _moe_model().modules() if type(m).__name__ == "MoELayer"]
+    for layer in layers:
+        layer._inference_token_dispatcher = type("Dispatcher", (), {})()
+    first = torch.nn.ModuleList(layers)
+    utils.set_moe_metadata_sync(first)
+    freed_id = id(first)
+    del first
+    for _ in range(100):  # CPython usually hands the freed address to the next object of the same size
+        second = torch.nn.ModuleList(layers)
+        if id(second) == freed_id:
+            break
+    for layer in layers:
+        layer._inference_token_dispatcher._runs_metadata_sync = None
+    utils.set_moe_metadata_sync(second)
+    assert [layer._inference_token_dispatcher._runs_metadata_sync for layer in layers] == [True, False]
+    assert utils.moe_layer_cache == layers
+
+
 def test_deprecated_constructor_arguments_raise():
     model = _model()
     context = _context(model)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import weakref
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -98,33 +99,39 @@ async def await_process_call(call: Callable[[float], Any], process: multiprocess
 
 
 moe_layer_cache: list[Any] | None = None
-_moe_cache_model_id: int | None = None
-_moe_metadata_sync_model_id: int | None = None
+# The models the cache and the metadata-sync flags were made for, held weakly: a model's ``id`` can be reused by a
+# later one once it is freed, which would then be taken for the earlier model.
+_moe_cache_model: weakref.ref | None = None
+_moe_metadata_sync_model: weakref.ref | None = None
+
+
+def _is_model(ref: weakref.ref | None, model: torch.nn.Module) -> bool:
+    return ref is not None and ref() is model
 
 
 def _init_moe_expert_cache(model: torch.nn.Module) -> None:
     """Fill ``moe_layer_cache`` with ``model``'s MoE layers (module order), once per model."""
     from megatron_core.transformer.moe.moe_layer import MoELayer
 
-    global moe_layer_cache, _moe_cache_model_id
-    if moe_layer_cache is not None and _moe_cache_model_id == id(model):
+    global moe_layer_cache, _moe_cache_model
+    if moe_layer_cache is not None and _is_model(_moe_cache_model, model):
         return
     moe_layer_cache = [m for m in model.modules() if isinstance(m, MoELayer)]
-    _moe_cache_model_id = id(model)
+    _moe_cache_model = weakref.ref(model)
 
 
 def set_moe_metadata_sync(model: torch.nn.Module) -> None:
     """Let only the first MoE layer's inference dispatcher (``_inference_token_dispatcher``) run the per-step
     metadata collective (``_runs_metadata_sync``); the others skip it. Once per model, after it is built."""
-    global _moe_metadata_sync_model_id
-    if _moe_metadata_sync_model_id == id(model):
+    global _moe_metadata_sync_model
+    if _is_model(_moe_metadata_sync_model, model):
         return
     _init_moe_expert_cache(model)
     for index, layer in enumerate(moe_layer_cache):
         dispatcher = getattr(layer, "_inference_token_dispatcher", None)
         if dispatcher is not None:
             dispatcher._runs_metadata_sync = index == 0
-    _moe_metadata_sync_model_id = id(model)
+    _moe_metadata_sync_model = weakref.ref(model)
 
 
 _DROPLESS_METADATA = ("input_splits", "output_splits", "output_splits_tp", "tokens_per_expert",
